@@ -1,0 +1,125 @@
+"""Tiny offline models and tokenizers for tests and examples.
+
+Everything here is built from a config in code: no download, no file on disk unless asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<eos>"]
+
+
+def tiny_words(n: int) -> list[str]:
+    """``n`` distinct lowercase pseudo-words used as a WordLevel vocabulary."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = [c for c in letters] + ["\n", "def", "return", "(", ")", ":", "=", "+", "user", "assistant"]
+    i = 0
+    while len(words) < n:
+        a, b = divmod(i, 26)
+        words.append(letters[a % 26] + letters[b] + str(a // 26))
+        i += 1
+    return words[:n]
+
+
+def tiny_tokenizer(vocab_size: int = 128, swap: tuple[int, int] | None = None, chat_template: str | None = None):
+    """A ``PreTrainedTokenizerFast`` with a WordLevel model of exactly ``vocab_size`` ids (specials first).
+
+    Args:
+        vocab_size: total number of ids including the 5 special tokens.
+        swap: two ids whose strings are exchanged (to build a mismatching tokenizer of equal size).
+        chat_template: a Jinja template; default a ChatML-like template.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    strings = SPECIAL_TOKENS + tiny_words(vocab_size - len(SPECIAL_TOKENS))
+    if swap is not None:
+        a, b = swap
+        strings[a], strings[b] = strings[b], strings[a]
+    vocab = {s: i for i, s in enumerate(strings)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = chat_template or TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 128, layers: int = 2, hidden: int = 32, **kw: Any):
+    """A tiny causal-LM config of a given architecture (llama, qwen2, gpt2, mistral, gemma)."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, pad_token_id=0, eos_token_id=4, bos_token_id=None)
+    if arch == "gpt2":
+        cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=2, n_positions=256, **common)
+    else:
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch)
+        if cls is None and arch == "gemma":
+            from transformers import GemmaConfig as cls  # noqa: N813
+        if cls is None:
+            raise ValueError(f"unknown tiny arch {arch!r}")
+        cfg = cls(
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            max_position_embeddings=256,
+            **common,
+        )
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, layers: int = 2, hidden: int = 32,
+               dtype: str = "float32", **kw: Any):
+    """A randomly initialised tiny causal LM (eval mode), deterministic for a given ``seed``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, vocab_size=vocab_size, layers=layers, hidden=hidden, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    # Sharper than default init so that argmax/top-k behave like a real model's (not near-uniform).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
+                   arch: str = "llama", seed: int = 0):
+    """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``.
+
+    ``target_vocab`` / ``draft_vocab`` set ``config.vocab_size`` (padding rows past ``len(tokenizer)``).
+
+    Returns:
+        ``(target_dir, draft_dir)`` as strings.
+    """
+    from pathlib import Path
+
+    root = Path(root)
+    tok = tiny_tokenizer(vocab_size)
+    dirs = []
+    for name, layers, v, s in (("target", 3, target_vocab, seed), ("draft", 1, draft_vocab, seed + 1)):
+        m = tiny_model(arch, vocab_size=v or vocab_size, seed=s, layers=layers)
+        d = root / name
+        m.save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs.append(str(d))
+    return dirs[0], dirs[1]
