@@ -135,6 +135,105 @@ def check(
         raise typer.Exit(1)
 
 
+# ----------------------------------------------------------------------------------------- convert
+
+
+def _quiet_transformers() -> None:
+    """No per-shard progress bars from transformers: the command prints its own summary."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+@app.command()
+def convert(
+    draft: DraftOpt,
+    verifier: Annotated[str, typer.Option("--verifier", "-t", help="Verifier (target) the speculator drafts for: "
+                                          "embedded name, local HF directory or cached hub id. Only its config "
+                                          "and tokenizer are read.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist or be empty).")],
+    num_speculative_tokens: Annotated[int, typer.Option(help="γ: draft tokens proposed per verifier pass "
+                                                        "(>= 1; default = specdraft.speculator."
+                                                        "DEFAULT_NUM_SPECULATIVE_TOKENS).")] = 5,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty output directory.")] = False,
+) -> None:
+    """Package a plain draft checkpoint as an independent speculator for a verifier: same weights, config.json
+    plus three speculators_* keys, the draft's tokenizer files. Prints the config diff and the vLLM command."""
+    from specdraft.models import ModelResolutionError
+    from specdraft.speculator import MISSING, SpeculatorError
+    from specdraft.speculator import convert as convert_speculator
+
+    _quiet_transformers()
+    try:
+        _resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
+        res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
+                                 overwrite=overwrite)
+    except (SpeculatorError, ModelResolutionError) as exc:
+        fail(str(exc))
+
+    table = Table(title=f"config.json: the speculator vs the draft's own save ({len(res.added)} keys)")
+    for col in ("key", "change", "value"):
+        table.add_column(col, overflow="fold")
+    for key, (before, after) in res.added.items():
+        change = "added" if before is MISSING else "removed" if after is MISSING else "changed"
+        table.add_row(key, change, json.dumps(after if after is not MISSING else before))
+    console.print(table)
+    if res.resaved:
+        console.print(f"[yellow]note:[/] transformers rewrote {sorted(res.resaved)} of the draft's config.json "
+                      "when re-saving it (the speculator keeps transformers' current form).")
+    verdict = res.compat_verdict or "not checked (compatibility check unavailable)"
+    console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
+    console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
+                  f"(load {res.timings['load_s']:.1f} s, write {res.timings['write_s']:.1f} s)")
+    console.print("Serve it with vLLM:")
+    console.print(res.vllm_command, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("inspect")
+def inspect_speculator(
+    speculator: Annotated[str, typer.Argument(help="Speculator directory (or any model reference).")],
+) -> None:
+    """Print a speculator checkpoint's metadata (verifier, γ, proposal methods, draft architecture) as a table."""
+    from specdraft.models import ModelResolutionError, resolve
+    from specdraft.speculator import SpeculatorError, load_speculator_config, vllm_serve_command
+
+    try:
+        path = Path(resolve(speculator))
+        cfg = load_speculator_config(path)
+        sc = cfg.speculators_config
+    except (SpeculatorError, ModelResolutionError) as exc:
+        fail(str(exc))
+    d = cfg.draft_config
+    table = Table(title=f"Speculator {path}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    rows = [
+        ("speculators_model_type", cfg.speculators_model_type),
+        ("speculators_version", cfg.speculators_version),
+        ("algorithm", sc.algorithm),
+        *[(f"proposal: {m.proposal_type}", (f"speculative_tokens (γ)={m.speculative_tokens}, verifier_accept_k="
+                                            f"{m.verifier_accept_k}, accept_tolerance={m.accept_tolerance}"))
+          for m in sc.proposal_methods],
+        ("default_proposal_method", sc.default_proposal_method),
+        ("verifier", str(sc.verifier.name_or_path)),
+        ("verifier architectures", ", ".join(sc.verifier.architectures)),
+        ("draft architectures", ", ".join(d.get("architectures") or [])),
+        ("draft model_type", str(d.get("model_type"))),
+        ("vocab_size", str(d.get("vocab_size"))),
+        ("tie_word_embeddings", str(d.get("tie_word_embeddings"))),
+        ("dtype", str(d.get("dtype", d.get("torch_dtype")))),
+    ]
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    rows.append(("weight files", ", ".join(f"{w.name} ({w.stat().st_size / 1e6:,.1f} MB)" for w in weights)
+                 or "none"))
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    console.print("Serve it with vLLM:")
+    console.print(vllm_serve_command(str(sc.verifier.name_or_path), path.absolute(), cfg.num_speculative_tokens),
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

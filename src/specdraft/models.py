@@ -189,6 +189,16 @@ def installed_state(model: EmbeddedModel) -> bool:
     return True
 
 
+def hash_parts(model: EmbeddedModel) -> str:
+    """sha256 (hex) of the concatenated packaged parts of ``model``, streamed without writing anything."""
+    digest = hashlib.sha256()
+    for p in part_paths(model):
+        with open(p, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def join_and_verify(
     model: EmbeddedModel, dest: Path, progress: Callable[[int, int], None] | None = None
 ) -> Path:

@@ -1,0 +1,966 @@
+"""Tokenizer compatibility between target and draft, padding rows, and vocabulary mapping.
+
+Speculative decoding compares the target distribution p and the draft distribution q id by id: the draft
+proposes id x with probability q(x), the target accepts it with probability min(1, p(x)/q(x)). If id x
+means one string to the target and another to the draft, acceptance is silently wrong (or zero). This
+module answers three questions:
+
+1. **Do the two tokenizers agree on every id?** :func:`check_compatible` compares the whole vocabulary
+   in both directions (id → string and string → id, never a sample), the special tokens, a probe text
+   (normaliser / pre-tokeniser) and a rendered chat conversation, and returns a :class:`CompatReport`
+   with one of three verdicts (:data:`VERDICTS`).
+2. **Do their logits have the same width?** ``config.vocab_size`` may exceed ``len(tokenizer)`` and may
+   differ between two models of one tokenizer (Qwen2.5: 151936 vs 152064). Rows past the real tokenizer
+   length are padding: :func:`align_logits` gives them zero probability and brings q to p's width.
+3. **A draft of another family?** :class:`VocabMapping` pairs string-identical tokens one to one (byte-level
+   ``Ġ`` and sentencepiece ``▁`` markers normalised to the bytes they stand for) so draft proposals can be
+   verified in target ids, and :func:`vocab_swap` re-indexes a draft's embedding and output rows into the
+   target's tokenizer for training.
+
+Only tokenizers and configs are read here, never weights (except by :func:`vocab_swap`, after its mapping
+has been checked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+Verdict = Literal["identical", "identical-up-to-padding", "mismatch"]
+#: The verdicts of :func:`check_compatible`, in order of agreement. One source for every list of them.
+VERDICTS: tuple[str, ...] = get_args(Verdict)
+
+#: Differences listed by name in a report (all of them are counted).
+MAX_DIFFERENCES = 10
+
+#: Default for ``min_coverage`` of :func:`build_vocab_mapping`: the share of the target's text vocabulary
+#: (added/special tokens left out) that must have a draft twin. Below 1 % the draft can propose almost
+#: nothing the target writes; the default only refuses pairs that share essentially nothing.
+MIN_COVERAGE = 0.01
+
+# Encoded with both tokenizers to compare normaliser and pre-tokeniser: code (indentation, operators,
+# digits), accented Latin in NFC and NFD form (an NFC normaliser changes the ids of the second), several
+# non-Latin scripts, emoji with skin tone / ZWJ / flag sequences, and runs of spaces, tabs, CRLF, NBSP.
+PROBE_TEXT = (
+    "def fib(n: int) -> int:\n"
+    '    """Return F(n)."""\n'
+    "\tif n < 2:\n"
+    "\t\treturn n  # base case\n"
+    "    return fib(n - 1) + fib(n - 2)\n\n\n"
+    "x = {'a': [1, 2.5e-3, 0x1F]}; y = x['a'][0] ** 12345678 != 3.14159\n"
+    "Ünïcödé: café naïve (NFD: cafe\u0301 nai\u0308ve)  Ελληνικά  русский  中文字符  日本語のテキスト  "
+    "한국어  العربية  हिन्दी  ไทย\n"
+    "emoji: 😀 👍🏽 👨\u200d👩\u200d👧 🇫🇷 ✅\n"
+    "whitespace:   three  two\t\ttabs\r\nCRLF \u00a0nbsp \u3000ideographic    \n\n\n    trailing   "
+)
+
+# Rendered with both chat templates. User and assistant alternate, so strict templates accept it.
+PROBE_CONVERSATION = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": "Write hello world in Python."},
+    {"role": "assistant", "content": "print('hello world')"},
+    {"role": "user", "content": "Now in C."},
+]
+
+SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+
+# llama.cpp's GGUF converter names ids the tokenizer lacks "[PAD<id>]"; transformers' GGUF loader keeps
+# them as vocabulary entries. They are padding rows, not tokens.
+_PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class CompatibilityError(ValueError):
+    """Target and draft tokenizers cannot be used together (ids disagree, or no usable overlap)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding rows
+# --------------------------------------------------------------------------------------------------
+
+
+def align_logits(logits, width: int, real_vocab: int | None = None):
+    """Bring draft (or target) logits to the target's vocabulary width, masking padding rows.
+
+    Two models of one tokenizer may pad their embedding matrices to different widths (Qwen2.5: 151936 vs
+    152064). Ids at or past ``real_vocab`` (= ``len(tokenizer)``) are padding: they get ``-inf`` so they
+    carry zero probability after softmax, and columns are dropped or ``-inf``-padded to ``width``.
+
+    Args:
+        logits: ``[..., V] float`` logits of one model.
+        width: the width wanted (the target's ``config.vocab_size`` / logits width).
+        real_vocab: ``len(tokenizer)``; ids ``>= real_vocab`` are masked. ``None`` masks nothing.
+
+    Returns:
+        ``[..., width]`` logits, same dtype; a view-free new tensor only when something changes.
+    """
+    import torch
+
+    v = logits.shape[-1]
+    if real_vocab is not None and real_vocab < v:
+        logits = logits.clone()
+        logits[..., real_vocab:] = float("-inf")
+    if v > width:
+        logits = logits[..., :width]
+    elif v < width:
+        pad = logits.new_full((*logits.shape[:-1], width - v), float("-inf"))
+        logits = torch.cat([logits, pad], dim=-1)
+    return logits
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a tokenizer once
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _View:
+    """Everything the comparison needs from one tokenizer, read once (``get_vocab`` and one
+    ``convert_ids_to_tokens`` over the whole id range: ~0.1 s for 150k ids)."""
+
+    tok: Any
+    name: str
+    tokens: list[str | None]  # id → token string over [0, max id]; None for holes
+    vocab: dict[str, int]  # string → id, as the tokenizer reports it
+    real: int  # ids below this are tokens; the rest are placeholders / holes (padding rows)
+    roles: dict[str, tuple[str | None, int | None]]  # bos/eos/pad/unk → (string, id)
+    special_ids: list[int]  # ids the tokenizer treats as special (skipped by decode(skip_special_tokens))
+    added_ids: set[int]  # ids of added tokens (matched before the model; not subject to byte markers)
+    config_vocab: int | None  # config.vocab_size = rows of the embedding / logits width
+
+    @property
+    def width(self) -> int:
+        """Logits width of the model: ``config.vocab_size``, or the tokenizer's id range without a config."""
+        return self.config_vocab if self.config_vocab is not None else len(self.tokens)
+
+
+def _config_vocab(config) -> int | None:
+    if config is None:
+        return None
+    if isinstance(config, int):
+        return config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    v = getattr(text, "vocab_size", None)
+    return int(v) if v is not None else None
+
+
+def _real_length(tokens: list[str | None]) -> int:
+    """Length of the vocabulary once trailing GGUF placeholders (``[PAD<id>]``) and holes are removed."""
+    n = len(tokens)
+    while n > 0:
+        t = tokens[n - 1]
+        m = _PLACEHOLDER.fullmatch(t) if t is not None else None
+        if t is not None and not (m and int(m.group(1)) == n - 1):
+            break
+        n -= 1
+    return n
+
+
+def _view(tok, name: str | None = None, config=None) -> _View:
+    vocab = dict(tok.get_vocab())
+    n = max(len(tok), max(vocab.values(), default=-1) + 1)
+    tokens = tok.convert_ids_to_tokens(list(range(n)))
+    tokens = [None if t is None else str(t) for t in tokens]
+    real = _real_length(tokens)
+    roles = {}
+    for role in SPECIAL_ROLES:
+        s = getattr(tok, f"{role}_token", None)
+        i = getattr(tok, f"{role}_token_id", None)
+        roles[role] = (None if s is None else str(s), None if i is None else int(i))
+    decoder = getattr(tok, "added_tokens_decoder", {}) or {}
+    special_ids = sorted(int(i) for i, t in decoder.items() if getattr(t, "special", False) and i < real)
+    added_ids = {int(i) for i in decoder if i < real}
+    return _View(tok=tok, name=name or getattr(tok, "name_or_path", "") or type(tok).__name__,
+                 tokens=tokens, vocab=vocab, real=real, roles=roles, special_ids=special_ids,
+                 added_ids=added_ids, config_vocab=_config_vocab(config))
+
+
+def _fingerprint(v: _View) -> str:
+    payload = {
+        "format": 1,
+        "tokens": v.tokens[: v.real],
+        "roles": {r: list(v.roles[r]) for r in SPECIAL_ROLES},
+        "special_ids": v.special_ids,
+    }
+    blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 (hex) of a tokenizer's full id → string vocabulary and its special tokens.
+
+    Hashed: the token string of every id below the real vocabulary length (GGUF ``[PAD<id>]`` placeholders
+    and trailing holes are padding rows, left out, so tokenizers identical up to padding share a
+    fingerprint), the bos/eos/pad/unk strings and ids, and the ids flagged special. Not hashed: the
+    normaliser, pre-tokeniser and chat template (they change how text becomes ids, not what an id means).
+
+    Args:
+        tokenizer: any transformers tokenizer.
+
+    Returns:
+        64 hex characters.
+    """
+    return _fingerprint(_view(tokenizer))
+
+
+def _load_side(ref, config, role: str) -> _View:
+    """A reference (embedded name, local dir, cached hub id) → tokenizer + config, never the weights; a
+    tokenizer object is used as given (``config``: a config object, an int width, or None)."""
+    if not isinstance(ref, (str, os.PathLike)):
+        return _view(ref, config=config)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdraft.models import ModelResolutionError, resolve
+
+    path = resolve(ref)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # any loader failure becomes one message naming the path
+        raise ModelResolutionError(
+            f"Could not load the {role} tokenizer from {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if config is None:
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except Exception as exc:
+            raise ModelResolutionError(
+                f"Could not read the {role} config in {path}: {type(exc).__name__}: {exc}"
+            ) from exc
+    return _view(tok, name=str(ref), config=config)
+
+
+def _encode(tok, text: str, add_special_tokens: bool) -> list[int] | str:
+    try:
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: a probe must not stop the check
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def _render(tok) -> str | None:
+    if not getattr(tok, "chat_template", None):
+        return None
+    try:
+        return tok.apply_chat_template(PROBE_CONVERSATION, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def _first_list_difference(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+# --------------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenDifference:
+    """One id whose string differs: ``None`` where the id is past that tokenizer's real vocabulary."""
+
+    id: int
+    target: str | None
+    draft: str | None
+
+
+@dataclass
+class CompatReport:
+    """Result of :func:`check_compatible`. Counts are complete; lists of examples are capped.
+
+    Verdicts (:data:`VERDICTS`):
+
+    * ``identical``: every id below the real vocabulary length means the same string to both (and every
+      string the same id), and both models' logits have the same width.
+    * ``identical-up-to-padding``: the same, but the widths differ (``config.vocab_size`` padded
+      differently); q must go through :func:`align_logits` to p's width.
+    * ``mismatch``: at least one id (or string) differs, or one tokenizer has tokens the other lacks.
+
+    Only the id ↔ string vocabulary decides the verdict, because that is what speculative decoding
+    compares. Differing bos/eos/pad/unk roles, special flags, probe encodings (normaliser /
+    pre-tokeniser) or chat templates leave every id meaning the same string, so sampling stays exact;
+    they can still lower acceptance (the draft sees text segmented or formatted unlike its training) or
+    change when the draft stops, so each one is listed in ``warnings``.
+    """
+
+    verdict: Verdict
+    target: str  # the reference or tokenizer name
+    draft: str
+    target_len: int  # len(tokenizer)
+    draft_len: int
+    target_real_vocab: int  # len(tokenizer) less GGUF placeholders / trailing holes
+    draft_real_vocab: int
+    target_config_vocab: int | None  # config.vocab_size, None without a config
+    draft_config_vocab: int | None
+    target_width: int  # logits width: config.vocab_size, else the tokenizer's id range
+    draft_width: int
+    real_vocab: int | None  # shared real vocabulary length when the vocabularies agree, else None
+    n_diff_ids: int  # ids in [0, max real) whose strings differ (or exist on one side only)
+    n_diff_strings: int  # strings whose ids differ (or exist on one side only)
+    differences: list[TokenDifference]  # first MAX_DIFFERENCES differing ids, ascending
+    string_differences: list[dict[str, Any]]  # first differing strings: {"string", "target", "draft"} ids
+    special_tokens: dict[str, dict[str, Any]]  # role → {"target": [str, id], "draft": [str, id], "equal"}
+    special_tokens_equal: bool  # roles and special flags agree
+    probe_equal: bool  # PROBE_TEXT encodes to the same ids (add_special_tokens=False)
+    probe_detail: dict[str, Any] | None  # first differing position and the ids around it
+    chat_template_equal: bool | None  # None when neither tokenizer has a chat template
+    target_fingerprint: str
+    draft_fingerprint: str
+    warnings: list[str] = field(default_factory=list)
+    mapping: dict[str, Any] | None = None  # on a mismatch: what a VocabMapping would cover
+    seconds: float = 0.0  # wall time of the check, loading included
+
+    @property
+    def compatible(self) -> bool:
+        """True unless the verdict is ``mismatch``."""
+        return self.verdict != "mismatch"
+
+    def detail(self) -> str:
+        """The counts behind the verdict, and the first differing ids with both strings."""
+        if self.verdict == "identical":
+            return f"{self.real_vocab} ids agree, logits width {self.target_width}"
+        if self.verdict == "identical-up-to-padding":
+            return (f"{self.real_vocab} ids agree; logits widths target {self.target_width}, draft "
+                    f"{self.draft_width} (rows past {self.real_vocab} are padding)")
+        first = "; ".join(f"id {d.id}: target {d.target!r} vs draft {d.draft!r}" for d in self.differences[:3])
+        return (f"{self.n_diff_ids} of {max(self.target_real_vocab, self.draft_real_vocab)} ids and "
+                f"{self.n_diff_strings} strings differ (first: {first})")
+
+    def summary(self) -> str:
+        """One line: the verdict and :meth:`detail`."""
+        return f"{self.verdict}: {self.detail()}"
+
+    def raise_for_mismatch(self) -> CompatReport:
+        """Raise :class:`CompatibilityError` on a ``mismatch`` (the message names the first differing ids
+        and both strings); return ``self`` otherwise."""
+        if self.verdict != "mismatch":
+            return self
+        hint = ""
+        if self.mapping and self.mapping.get("usable"):
+            hint = (f" A VocabMapping could translate between them (target coverage "
+                    f"{self.mapping['target_coverage']:.1%}, draft coverage {self.mapping['draft_coverage']:.1%}).")
+        raise CompatibilityError(
+            f"Target {self.target} and draft {self.draft} tokenizers disagree — {self.summary()}. "
+            "Speculative decoding compares p and q id by id, so they cannot be paired as is." + hint
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict of every field plus ``compatible`` and ``summary``."""
+        d = asdict(self)
+        d["compatible"] = self.compatible
+        d["summary"] = self.summary()
+        return d
+
+
+def check_compatible(target, draft, *, target_config=None, draft_config=None,
+                     max_differences: int = MAX_DIFFERENCES, with_mapping: bool = True) -> CompatReport:
+    """Compare the target's and the draft's tokenizers over the whole vocabulary (no weights loaded).
+
+    Compared: every id in both directions (id → string with ``convert_ids_to_tokens`` over the full range,
+    string → id with ``get_vocab``), bos/eos/pad/unk strings and ids, which ids are special,
+    :data:`PROBE_TEXT` encoded by both, :data:`PROBE_CONVERSATION` rendered by both chat templates, and
+    the logits widths (``config.vocab_size``). See :class:`CompatReport` for what decides the verdict.
+
+    Args:
+        target: the target's reference (embedded name, local HF directory, cached hub id — tokenizer and
+            config are read, never the weights) or a tokenizer object.
+        draft: the same for the draft.
+        target_config / draft_config: with tokenizer objects, the config (or ``config.vocab_size`` as an
+            int) giving the logits width; without one the width is the tokenizer's id range.
+        max_differences: differing ids (and strings) listed by name; all are counted.
+        with_mapping: on a mismatch, also measure what a :class:`VocabMapping` would cover.
+
+    Returns:
+        The report; a mismatch is reported, not raised (see :meth:`CompatReport.raise_for_mismatch` and
+        :func:`require_compatible`).
+
+    Raises:
+        ModelResolutionError: a reference cannot be resolved, or its tokenizer / config cannot be loaded
+            (the message names the path).
+    """
+    t0 = time.perf_counter()
+    t = _load_side(target, target_config, "target")
+    d = _load_side(draft, draft_config, "draft")
+
+    # id → string over the union of both real ranges: an id one side lacks differs.
+    n = max(t.real, d.real)
+    diff_ids = [i for i, (a, b) in enumerate(zip(t.tokens[: t.real], d.tokens[: d.real])) if a != b]
+    diff_ids += list(range(min(t.real, d.real), n))
+    # string → id: catches a string held by two ids on one side, which id → string alone cannot see.
+    tv = {s: i for s, i in t.vocab.items() if i < t.real}
+    dv = {s: i for s, i in d.vocab.items() if i < d.real}
+    diff_strings = [s for s in tv.keys() | dv.keys() if tv.get(s) != dv.get(s)]
+    first_strings = heapq.nsmallest(max_differences, diff_strings, key=lambda s: (min(tv.get(s, n), dv.get(s, n)), s))
+
+    def tok_at(v: _View, i: int) -> str | None:
+        return v.tokens[i] if i < v.real else None
+
+    differences = [TokenDifference(i, tok_at(t, i), tok_at(d, i)) for i in diff_ids[:max_differences]]
+    string_differences = [{"string": s, "target": tv.get(s), "draft": dv.get(s)}
+                          for s in first_strings]
+    vocab_equal = not diff_ids and not diff_strings
+
+    warnings: list[str] = []
+    special = {}
+    for role in SPECIAL_ROLES:
+        a, b = t.roles[role], d.roles[role]
+        special[role] = {"target": list(a), "draft": list(b), "equal": a == b}
+        if a != b:
+            warnings.append(f"{role} token differs: target {a[0]!r} (id {a[1]}), draft {b[0]!r} (id {b[1]})")
+    flags_equal = t.special_ids == d.special_ids
+    if not flags_equal and vocab_equal:
+        only_t = sorted(set(t.special_ids) - set(d.special_ids))[:5]
+        only_d = sorted(set(d.special_ids) - set(t.special_ids))[:5]
+        warnings.append(f"special flags differ: special only for the target {only_t}, only for the draft {only_d}")
+    special_equal = all(s["equal"] for s in special.values()) and flags_equal
+
+    probe_t, probe_d = _encode(t.tok, PROBE_TEXT, False), _encode(d.tok, PROBE_TEXT, False)
+    probe_equal = probe_t == probe_d
+    probe_detail = None
+    if not probe_equal:
+        if isinstance(probe_t, list) and isinstance(probe_d, list):
+            k = _first_list_difference(probe_t, probe_d)
+            probe_detail = {"position": k, "target_len": len(probe_t), "draft_len": len(probe_d),
+                            "target_ids": probe_t[max(0, k - 2): k + 4], "draft_ids": probe_d[max(0, k - 2): k + 4],
+                            "target_tokens": [tok_at(t, i) for i in probe_t[max(0, k - 2): k + 4]],
+                            "draft_tokens": [tok_at(d, i) for i in probe_d[max(0, k - 2): k + 4]]}
+        else:
+            probe_detail = {"target": probe_t if isinstance(probe_t, str) else "ok",
+                            "draft": probe_d if isinstance(probe_d, str) else "ok"}
+        if vocab_equal:
+            warnings.append(f"the probe text encodes differently (normaliser / pre-tokeniser differ) from "
+                            f"token {probe_detail.get('position', 0)}: the draft will see text segmented "
+                            "unlike its training")
+    elif vocab_equal and _encode(t.tok, PROBE_TEXT, True) != _encode(d.tok, PROBE_TEXT, True):
+        warnings.append("the tokenizers add different special tokens (bos/eos) when encoding")
+
+    render_t, render_d = _render(t.tok), _render(d.tok)
+    chat_equal = None if render_t is None and render_d is None else render_t == render_d
+    if chat_equal is False and vocab_equal:
+        which = ("only the target has a chat template" if render_d is None else
+                 "only the draft has a chat template" if render_t is None else
+                 "the chat templates render the probe conversation differently")
+        warnings.append(f"{which}: format the draft's training data with the target's template")
+
+    for v, role in ((t, "target"), (d, "draft")):
+        if v.config_vocab is not None and v.config_vocab < v.real:
+            warnings.append(f"{role} config.vocab_size {v.config_vocab} < its real vocabulary {v.real}: ids "
+                            f">= {v.config_vocab} can never be produced")
+
+    if not vocab_equal:
+        verdict: Verdict = "mismatch"
+    elif t.width == d.width:
+        verdict = "identical"
+    else:
+        verdict = "identical-up-to-padding"
+
+    mapping = None
+    if verdict == "mismatch" and with_mapping:
+        m = _build_mapping(t, d)
+        mapping = m.to_dict()
+        mapping["usable"] = m.usable_error(MIN_COVERAGE) is None
+
+    return CompatReport(
+        verdict=verdict, target=t.name, draft=d.name,
+        target_len=len(t.tok), draft_len=len(d.tok),
+        target_real_vocab=t.real, draft_real_vocab=d.real,
+        target_config_vocab=t.config_vocab, draft_config_vocab=d.config_vocab,
+        target_width=t.width, draft_width=d.width,
+        real_vocab=t.real if vocab_equal else None,
+        n_diff_ids=len(diff_ids), n_diff_strings=len(diff_strings),
+        differences=differences, string_differences=string_differences,
+        special_tokens=special, special_tokens_equal=special_equal,
+        probe_equal=probe_equal, probe_detail=probe_detail, chat_template_equal=chat_equal,
+        target_fingerprint=_fingerprint(t), draft_fingerprint=_fingerprint(d),
+        warnings=warnings, mapping=mapping, seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+def require_compatible(target, draft, **kwargs) -> CompatReport:
+    """:func:`check_compatible`, then raise :class:`CompatibilityError` on a ``mismatch``.
+
+    Raises:
+        CompatibilityError: the tokenizers disagree on at least one id (message: first ids, both strings).
+        ModelResolutionError: see :func:`check_compatible`.
+    """
+    return check_compatible(target, draft, **kwargs).raise_for_mismatch()
+
+
+def print_report(report: CompatReport, console) -> None:
+    """Print ``report`` on a rich ``console``: a side-by-side table, the differing ids, the warnings."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    def fmt(x) -> str:
+        return escape(repr(x) if isinstance(x, str) else str(x))
+
+    table = Table(title="Tokenizer compatibility")
+    table.add_column("")
+    table.add_column(f"target: {escape(report.target)}")
+    table.add_column(f"draft: {escape(report.draft)}")
+    table.add_row("len(tokenizer)", str(report.target_len), str(report.draft_len))
+    table.add_row("real vocabulary", str(report.target_real_vocab), str(report.draft_real_vocab))
+    table.add_row("config.vocab_size", str(report.target_config_vocab), str(report.draft_config_vocab))
+    table.add_row("logits width", str(report.target_width), str(report.draft_width))
+    table.add_row("fingerprint", report.target_fingerprint[:16], report.draft_fingerprint[:16])
+    for role, s in report.special_tokens.items():
+        style = "" if s["equal"] else "[yellow]"
+        table.add_row(f"{style}{role}", *(f"{style}{fmt(s[k][0])} ({s[k][1]})" for k in ("target", "draft")))
+    table.add_row("probe encoding", "same" if report.probe_equal else "[yellow]differs", "")
+    chat = {None: "none", True: "same", False: "[yellow]differs"}[report.chat_template_equal]
+    table.add_row("chat template", chat, "")
+    console.print(table)
+
+    if report.differences:
+        diff = Table(title=f"First differing ids ({report.n_diff_ids} ids and {report.n_diff_strings} strings "
+                           "differ in all)")
+        for col in ("id", "target", "draft"):
+            diff.add_column(col)
+        for x in report.differences:
+            diff.add_row(str(x.id), fmt(x.target), fmt(x.draft))
+        console.print(diff)
+    colour = {"identical": "green", "identical-up-to-padding": "green", "mismatch": "red"}[report.verdict]
+    console.print(f"[bold {colour}]{report.verdict}[/]: {escape(report.detail())}")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
+    if report.mapping:
+        m = report.mapping
+        console.print(
+            f"A vocabulary mapping would pair {m['n_mapped']} string-identical tokens: "
+            f"{m['target_coverage']:.1%} of the target vocabulary reachable, {m['draft_coverage']:.1%} of the "
+            f"draft vocabulary mapped" + ("" if m["usable"] else " [red](no usable overlap)[/]")
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocabulary mapping between two tokenizers
+# --------------------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte ↔ printable-character table used by every byte-level BPE (Radford et al. 2019)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_B2U = _bytes_to_unicode()
+_BYTE_ALPHABET = frozenset(_B2U.values())
+# str.translate to latin-1 code points, then .encode("latin-1"): one C call per token instead of a loop.
+_U2LATIN1 = str.maketrans({u: chr(b) for b, u in _B2U.items()})
+
+Scheme = Literal["byte-level", "metaspace", "plain"]
+
+
+def _space_scheme(v: _View) -> Scheme:
+    """How the tokenizer writes bytes and spaces into token strings: ``byte-level`` (GPT-2 table, space =
+    ``Ġ``), ``metaspace`` (sentencepiece, space = ``▁``, raw bytes as ``<0xNN>``) or ``plain``."""
+    state = ""
+    backend = getattr(v.tok, "backend_tokenizer", None)
+    for part in (getattr(backend, "decoder", None), getattr(backend, "pre_tokenizer", None)):
+        try:
+            state += part.__getstate__().decode("utf-8") if part is not None else ""
+        except Exception:  # noqa: BLE001, S112 - a component without a JSON state: the vocabulary decides
+            continue
+    if "ByteLevel" in state:
+        return "byte-level"
+    if "Metaspace" in state or "\u2581" in state:
+        return "metaspace"
+    # Slow tokenizers and custom pipelines: count the space markers in the vocabulary itself.
+    text = [s for i, s in enumerate(v.tokens[: v.real]) if s and i not in v.added_ids]
+    g = sum(s.startswith("Ġ") for s in text)
+    m = sum(s.startswith("\u2581") for s in text)
+    if m > g:
+        return "metaspace"
+    return "byte-level" if g > 0 else "plain"
+
+
+def _keys(v: _View, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
+    """Normalised key → id for ids below ``limit``, one id per key; returns ``(keys, duplicates)``.
+
+    Added tokens are keyed by their content (``("added", s)``) and text tokens by the bytes they stand for
+    (``("text", b)``), so a draft text token never pairs with a target control token of the same spelling.
+    When two ids of one tokenizer stand for the same bytes (sentencepiece ``<0x20>`` and ``▁``), the one
+    the tokenizer produces when encoding — the non-byte-fallback piece, then the lowest id — is kept.
+    """
+    keys: dict[tuple, int] = {}
+    fallback: set[int] = set()
+    dup = 0
+    for i, s in enumerate(v.tokens[:limit]):
+        if s is None:
+            continue
+        is_fallback = False
+        if i in v.added_ids:
+            key: tuple = ("added", s)
+        elif scheme == "byte-level" and _BYTE_ALPHABET.issuperset(s):
+            key = ("text", s.translate(_U2LATIN1).encode("latin-1"))
+        elif scheme == "metaspace" and (m := _BYTE_FALLBACK.fullmatch(s)):
+            key, is_fallback = ("text", bytes([int(m.group(1), 16)])), True
+        elif scheme == "metaspace":
+            key = ("text", s.replace("\u2581", " ").encode("utf-8"))
+        else:
+            key = ("text", s.encode("utf-8"))
+        j = keys.get(key)
+        if j is None:
+            keys[key] = i
+        else:
+            dup += 1
+            if j in fallback and not is_fallback:
+                keys[key] = i
+        if is_fallback:
+            fallback.add(i)
+    return keys, dup
+
+
+@dataclass
+class VocabMapping:
+    """One-to-one map between string-identical target and draft tokens (built by :func:`build_vocab_mapping`).
+
+    Two tokens are twins when they stand for the same bytes (byte-level ``Ġ`` / sentencepiece ``▁``
+    markers and ``<0xNN>`` pieces decoded) or, for added/special tokens, have the same content. Ids with no
+    twin map to ``-1`` — never to 0 or any other real id. Padding rows (past the real vocabulary) never map.
+
+    Attributes:
+        draft_to_target: ``[draft_width] int64``, target id of each draft id, ``-1`` when unmapped.
+        target_to_draft: ``[target_width] int64``, draft id of each target id, ``-1`` when unmapped.
+        target_real / draft_real: real vocabulary lengths (padding rows excluded).
+        n_mapped: number of twin pairs (added tokens included); ``n_text_mapped`` leaves added tokens out.
+        target_text / draft_text: number of text (non-added) tokens of each side.
+        target_scheme / draft_scheme: ``"byte-level" | "metaspace" | "plain"``.
+        target_duplicates / draft_duplicates: ids left unmapped because another id of the same tokenizer
+            stands for the same bytes.
+        probe_coverage: share of the target's encoding of :data:`PROBE_TEXT` (token occurrences) that
+            has a draft twin — a usage-weighted coverage.
+    """
+
+    draft_to_target: torch.Tensor
+    target_to_draft: torch.Tensor
+    target_real: int
+    draft_real: int
+    n_mapped: int
+    n_text_mapped: int
+    target_text: int
+    draft_text: int
+    target_scheme: str
+    draft_scheme: str
+    target_duplicates: int
+    draft_duplicates: int
+    probe_coverage: float | None
+    target_tokenizer: Any = field(default=None, repr=False, compare=False)
+    draft_tokenizer: Any = field(default=None, repr=False, compare=False)
+    _index_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def target_width(self) -> int:
+        """Logits width of the target (``len(target_to_draft)``)."""
+        return int(self.target_to_draft.shape[0])
+
+    @property
+    def draft_width(self) -> int:
+        """Logits width of the draft (``len(draft_to_target)``)."""
+        return int(self.draft_to_target.shape[0])
+
+    @property
+    def target_coverage(self) -> float:
+        """Share of the target's real vocabulary reachable from the draft (has a draft twin), probability."""
+        return self.n_mapped / self.target_real if self.target_real else 0.0
+
+    @property
+    def draft_coverage(self) -> float:
+        """Share of the draft's real vocabulary with a target twin, probability."""
+        return self.n_mapped / self.draft_real if self.draft_real else 0.0
+
+    def usable_error(self, min_coverage: float) -> str | None:
+        """Why the overlap is not usable (no text token shared, or text coverage below ``min_coverage``);
+        ``None`` when it is."""
+        text_cov = self.n_text_mapped / self.target_text if self.target_text else 0.0
+        if self.n_text_mapped == 0 or text_cov < min_coverage:
+            return (f"no usable overlap: {self.n_text_mapped} of the target's {self.target_text} text tokens "
+                    f"({text_cov:.2%}, minimum {min_coverage:.2%}) have a string-identical draft token "
+                    f"(target {self.target_scheme}, draft {self.draft_scheme}; {self.n_mapped - self.n_text_mapped} "
+                    "added tokens shared)")
+        return None
+
+    def _index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._index_cache:
+            src = (self.draft_to_target >= 0).nonzero().squeeze(-1)
+            self._index_cache[key] = (src.to(device), self.draft_to_target[src].to(device))
+        return self._index_cache[key]
+
+    def map_draft_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits in draft ids → logits over target ids.
+
+        After softmax this is q restricted to draft tokens that have a target twin and renormalised: a
+        draft token with no twin gets zero probability, a target token with no draft twin gets zero q.
+        Speculative sampling stays exact with this q (any proposal distribution is), only acceptance drops.
+
+        Args:
+            draft_logits: ``[..., V] float``, ``V`` the draft's logits width (at least the highest mapped
+                draft id + 1).
+
+        Returns:
+            ``[..., target_width]`` same dtype and device; ``-inf`` where no draft twin.
+
+        Raises:
+            ValueError: the last dimension is too narrow for the mapped draft ids.
+        """
+        src, dst = self._index(draft_logits.device)
+        if src.numel() and draft_logits.shape[-1] <= int(src[-1]):
+            raise ValueError(f"draft logits have width {draft_logits.shape[-1]}, but mapped draft ids go up to "
+                             f"{int(src[-1])} (draft width {self.draft_width})")
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.target_width), float("-inf"))
+        out[..., dst] = draft_logits[..., src]
+        return out
+
+    def _map(self, table: torch.Tensor, ids, strict: bool, src_tok, src_role: str):
+        import torch
+
+        as_tensor = isinstance(ids, torch.Tensor)
+        t = ids if as_tensor else torch.as_tensor(ids, dtype=torch.long)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= table.shape[0]):
+            raise ValueError(f"{src_role} ids must lie in [0, {table.shape[0]}); got {int(t.min())}..{int(t.max())}")
+        out = table.to(t.device)[t]
+        if strict and bool((out < 0).any()):
+            bad = int(t[out < 0].flatten()[0])
+            s = src_tok.convert_ids_to_tokens(bad) if src_tok is not None else None
+            raise CompatibilityError(f"{src_role} id {bad} ({s!r}) has no string-identical twin in the other "
+                                     f"tokenizer ({int((out < 0).sum())} unmapped ids in this input)")
+        return out if as_tensor else out.tolist()
+
+    def draft_ids_to_target(self, ids, strict: bool = True):
+        """Draft ids → target ids (a tensor of any shape, or a list / int; the same kind is returned).
+
+        Raises:
+            CompatibilityError: ``strict`` and some id has no twin (names it); otherwise unmapped → ``-1``.
+            ValueError: an id outside ``[0, draft_width)``.
+        """
+        return self._map(self.draft_to_target, ids, strict, self.draft_tokenizer, "draft")
+
+    def target_ids_to_draft(self, ids, strict: bool = True):
+        """Target ids → draft ids; see :meth:`draft_ids_to_target`."""
+        return self._map(self.target_to_draft, ids, strict, self.target_tokenizer, "target")
+
+    def reencode_for_draft(self, target_ids: Sequence[int]) -> list[int]:
+        """The context in draft ids: decode the target ids to text, encode the text with the draft's
+        tokenizer (no special tokens added). Every target id is handled, mapped or not; call it on whole
+        sequences, since a byte-level id may end inside a multi-byte character."""
+        text = self.target_tokenizer.decode(list(target_ids), skip_special_tokens=False,
+                                            clean_up_tokenization_spaces=False)
+        return list(self.draft_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe figures (no tensors)."""
+        return {
+            "n_mapped": self.n_mapped, "n_text_mapped": self.n_text_mapped,
+            "target_coverage": self.target_coverage, "draft_coverage": self.draft_coverage,
+            "probe_coverage": self.probe_coverage,
+            "target_real": self.target_real, "draft_real": self.draft_real,
+            "target_width": self.target_width, "draft_width": self.draft_width,
+            "target_scheme": self.target_scheme, "draft_scheme": self.draft_scheme,
+            "target_duplicates": self.target_duplicates, "draft_duplicates": self.draft_duplicates,
+        }
+
+
+def _build_mapping(t: _View, d: _View) -> VocabMapping:
+    import torch
+
+    ts, ds = _space_scheme(t), _space_scheme(d)
+    # Ids the model cannot produce (config narrower than the tokenizer) are left out like padding rows.
+    t_limit, d_limit = min(t.real, t.width), min(d.real, d.width)
+    tk, t_dup = _keys(t, ts, t_limit)
+    dk, d_dup = _keys(d, ds, d_limit)
+    pairs = [(dk[k], tk[k]) for k in dk.keys() & tk.keys()]
+    d2t = torch.full((d.width,), -1, dtype=torch.long)
+    t2d = torch.full((t.width,), -1, dtype=torch.long)
+    if pairs:
+        di = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        ti = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        d2t[di] = ti
+        t2d[ti] = di
+    n_text = sum(1 for p in pairs if p[1] not in t.added_ids)
+    probe = _encode(t.tok, PROBE_TEXT, False)
+    probe_cov = None
+    if isinstance(probe, list) and probe:
+        probe_cov = sum(1 for i in probe if i < t.width and t2d[i] >= 0) / len(probe)
+    return VocabMapping(
+        draft_to_target=d2t, target_to_draft=t2d, target_real=t.real, draft_real=d.real,
+        n_mapped=len(pairs), n_text_mapped=n_text,
+        target_text=t_limit - sum(1 for i in t.added_ids if i < t_limit),
+        draft_text=d_limit - sum(1 for i in d.added_ids if i < d_limit),
+        target_scheme=ts, draft_scheme=ds, target_duplicates=t_dup, draft_duplicates=d_dup,
+        probe_coverage=probe_cov, target_tokenizer=t.tok, draft_tokenizer=d.tok,
+    )
+
+
+def build_vocab_mapping(target, draft, *, target_config=None, draft_config=None,
+                        min_coverage: float = MIN_COVERAGE) -> VocabMapping:
+    """Pair string-identical target and draft tokens one to one (tokenizers and configs only, no weights).
+
+    Args:
+        target / draft: references (embedded name, local dir, cached hub id) or tokenizer objects.
+        target_config / draft_config: with tokenizer objects, a config or an int logits width (default:
+            the tokenizer's id range).
+        min_coverage: least share of the target's text tokens that must have a draft twin.
+
+    Returns:
+        The :class:`VocabMapping`.
+
+    Raises:
+        CompatibilityError: no usable overlap (see ``min_coverage``) — raised before any model is loaded.
+        ModelResolutionError: a tokenizer or config cannot be loaded (names the path).
+    """
+    t = _load_side(target, target_config, "target")
+    d = _load_side(draft, draft_config, "draft")
+    mapping = _build_mapping(t, d)
+    if (why := mapping.usable_error(min_coverage)) is not None:
+        raise CompatibilityError(f"Target {t.name} and draft {d.name}: {why}.")
+    return mapping
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocabulary swap for training
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VocabSwapReport:
+    """What :func:`vocab_swap` did. ``copied + initialised + padding_rows == width``."""
+
+    width: int  # rows of the new embedding / output matrices (= new config.vocab_size)
+    target_real: int  # the target tokenizer's real vocabulary
+    draft_real: int
+    copied: int  # target ids whose rows were copied from their draft twin
+    initialised: int  # target ids without a draft twin: rows set to the mean draft row
+    padding_rows: int  # rows past target_real (mean rows too; masked by align_logits at decode time)
+    tied: bool  # input and output embeddings share one matrix
+    target_coverage: float
+    draft_coverage: float
+    initialised_examples: list[str]  # first target strings that got a mean row
+    target_fingerprint: str  # the tokenizer the swapped model now speaks
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict of every field."""
+        return asdict(self)
+
+
+def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | None = None,
+               min_coverage: float = MIN_COVERAGE, dtype: str = "float32"):
+    """Re-index the draft's embedding and output rows into the target's tokenizer.
+
+    Row ``t`` of the new input embedding (and output head, when untied) is the draft's row for the draft
+    twin of target token ``t``; target tokens the draft lacks get the mean of the draft's real rows (and
+    the mean output bias) and are counted. Afterwards the model reads and writes target ids: feed it target
+    ids, train it on the target's outputs, and ship it with the target's tokenizer. Its config's
+    ``vocab_size`` and bos/eos/pad ids are the target's.
+
+    Args:
+        draft_model: a causal LM, or a reference loaded (in ``dtype``) only after the mapping has been
+            checked, so a pair with no usable overlap fails before any weights are read.
+        draft_tokenizer: the draft's tokenizer; ``None`` with a reference loads it from there.
+        target_tokenizer: the target's tokenizer or reference.
+        width: rows of the new matrices (pass the target's ``config.vocab_size`` to pad like the target);
+            default the target's real vocabulary length.
+        min_coverage: see :func:`build_vocab_mapping`.
+
+    Returns:
+        ``(model, report)``: the same model object modified in place (or the loaded one) and a
+        :class:`VocabSwapReport`.
+
+    Raises:
+        CompatibilityError: no usable overlap.
+        ValueError: ``width`` smaller than the target's real vocabulary.
+    """
+    import torch
+
+    is_ref = isinstance(draft_model, (str, os.PathLike))
+    if draft_tokenizer is None:
+        if not is_ref:
+            raise ValueError("draft_tokenizer is required when draft_model is a model object")
+        draft_tokenizer = draft_model
+    t = _load_side(target_tokenizer, None, "target")
+    d_config = None if is_ref else draft_model.get_input_embeddings().weight.shape[0]
+    d = _load_side(draft_tokenizer, d_config, "draft")
+    width = t.real if width is None else width
+    if width < t.real:
+        raise ValueError(f"width {width} is smaller than the target's real vocabulary {t.real}")
+    t.config_vocab = width
+    mapping = _build_mapping(t, d)
+    if (why := mapping.usable_error(min_coverage)) is not None:
+        raise CompatibilityError(f"Target {t.name} and draft {d.name}: {why}.")
+    if is_ref:
+        from specdraft.models import load_model
+
+        draft_model, _ = load_model(draft_model, dtype=dtype, device="cpu")
+
+    emb = draft_model.get_input_embeddings()
+    head = draft_model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.weight.data_ptr()
+    d_rows = min(d.real, emb.weight.shape[0])
+    old_emb = emb.weight.detach().clone()  # [Vd, H]
+    old_head = None if head is None or tied else head.weight.detach().clone()  # [Vd, H]
+    old_bias = None if head is None or getattr(head, "bias", None) is None else head.bias.detach().clone()
+
+    t2d = mapping.target_to_draft[:width]  # [width]
+    has_twin = t2d >= 0
+    src = t2d.clamp(min=0)
+
+    def remap(old: torch.Tensor) -> torch.Tensor:  # [Vd, H] → [width, H], or a bias [Vd] → [width]
+        mean = old[:d_rows].mean(dim=0)  # real draft rows only: padding rows are untrained noise
+        rows = old[src.to(old.device)]
+        keep = has_twin.to(old.device).view(-1, *([1] * (old.dim() - 1)))
+        return torch.where(keep, rows, mean)
+
+    # resize_token_embeddings builds modules of the right shape and keeps input/output tied when they were.
+    draft_model.resize_token_embeddings(width, mean_resizing=False)
+    with torch.no_grad():
+        draft_model.get_input_embeddings().weight.copy_(remap(old_emb))
+        new_head = draft_model.get_output_embeddings()
+        if old_head is not None:
+            new_head.weight.copy_(remap(old_head))
+        if old_bias is not None:
+            new_head.bias.copy_(remap(old_bias))
+
+    cfgs = [draft_model.config, getattr(draft_model, "generation_config", None)]
+    for role in ("bos", "eos", "pad"):
+        for cfg in cfgs:
+            if cfg is not None and hasattr(cfg, f"{role}_token_id"):
+                setattr(cfg, f"{role}_token_id", t.roles[role][1])
+
+    real_mask = torch.arange(width) < t.real
+    missing = (~has_twin & real_mask).nonzero().squeeze(-1)
+    report = VocabSwapReport(
+        width=width, target_real=t.real, draft_real=d.real,
+        copied=int((has_twin & real_mask).sum()), initialised=int(missing.numel()),
+        padding_rows=width - t.real, tied=tied,
+        target_coverage=mapping.target_coverage, draft_coverage=mapping.draft_coverage,
+        initialised_examples=[t.tokens[i] for i in missing[:MAX_DIFFERENCES].tolist()],
+        target_fingerprint=_fingerprint(t),
+    )
+    return draft_model, report
+
+
+__all__ = [
+    "MAX_DIFFERENCES", "MIN_COVERAGE", "PROBE_CONVERSATION", "PROBE_TEXT", "VERDICTS",
+    "CompatReport", "CompatibilityError", "TokenDifference", "Verdict", "VocabMapping", "VocabSwapReport",
+    "align_logits", "build_vocab_mapping", "check_compatible", "print_report", "require_compatible",
+    "tokenizer_fingerprint", "vocab_swap",
+]

@@ -1,0 +1,1177 @@
+"""Package a plain Hugging Face draft (q) as an *independent speculator* for a verifier (target, p).
+
+An independent speculator is the draft itself — same class, same weights — whose ``config.json`` carries
+exactly three more keys than the draft's own ``save_pretrained`` writes::
+
+    "speculators_model_type": "independent",
+    "speculators_version": "<specdraft version>",
+    "speculators_config": {
+        "algorithm": "independent",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": γ,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": "...", "architectures": ["..."]}
+    }
+
+Every other key is the draft's, untouched (``model_type``, ``architectures``, ``tie_word_embeddings``, …),
+so ``AutoModelForCausalLM.from_pretrained(dir)`` returns the plain draft with identical logits, the
+speculators library recognises the checkpoint, and vLLM serves it as a draft
+(``--speculative-config '{"method": "draft_model", ...}'``).
+
+The ``speculators_config`` schema mirrors the speculators library (vllm-project/speculators,
+``src/speculators/config.py``: ``SpeculatorsConfig``, ``VerifierConfig``; ``proposals/greedy.py``:
+``GreedyTokenProposalConfig``) with pydantic, without depending on that package.
+
+Heavy imports (torch, transformers) happen inside functions: reading a speculator config is JSON only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specdraft import __version__
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PretrainedConfig, PreTrainedModel
+
+# The three keys a speculator adds to the draft's config.json; nothing else changes.
+SPECULATOR_KEYS = ("speculators_model_type", "speculators_version", "speculators_config")
+
+VerifierMode = Literal["detached", "full", "train_only"]
+VERIFIER_MODES: tuple[str, ...] = get_args(VerifierMode)
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+# Files a tokenizer's save_pretrained may write; `convert` copies the ones the draft has, byte for byte.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates",
+)
+
+# One bound, shared by the proposal schema and the `convert` options.
+SpeculativeTokens = Annotated[
+    int,
+    Field(
+        ge=1,
+        description="γ: tokens the draft proposes per round; the verifier checks them in one forward pass. "
+        "Larger γ raises the possible accepted length and the cost of each round.",
+    ),
+]
+
+
+class SpeculatorError(ValueError):
+    """A speculator checkpoint, conversion input or verifier attachment is invalid."""
+
+
+class NotASpeculatorError(SpeculatorError):
+    """A config is a plain model config, without the ``speculators_*`` keys."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Schema mirror of the speculators library (only what an independent greedy speculator uses)
+# --------------------------------------------------------------------------------------------------
+
+
+class GreedyTokenProposalConfig(BaseModel):
+    """One chain of γ draft tokens, checked by the verifier (mirror of speculators' greedy proposal)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    proposal_type: Literal["greedy"] = Field(
+        default="greedy", description="Proposal method name; the registry key in the speculators library."
+    )
+    speculative_tokens: SpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+    verifier_accept_k: int = Field(
+        default=1,
+        ge=1,
+        description="A drafted token is accepted when it is within the verifier's top-k; 1 = must equal the "
+        "verifier's top token.",
+    )
+    accept_tolerance: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="With verifier_accept_k > 1: the largest log-likelihood gap (nats) to the verifier's top "
+        "token that is still accepted; 0.0 is equivalent to verifier_accept_k = 1.",
+    )
+
+
+class VerifierConfig(BaseModel):
+    """Which verifier (target, p) the speculator drafts for (mirror of speculators' ``VerifierConfig``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name_or_path: str | None = Field(
+        description="Hub id, local path or specdraft embedded name of the verifier, as the user gave it; used "
+        "to load the verifier for decoding."
+    )
+    architectures: list[str] = Field(
+        description="The verifier config.json's `architectures`; used to check that a later verifier is of the "
+        "same kind."
+    )
+
+
+class SpeculatorsConfig(BaseModel):
+    """The ``speculators_config`` block (mirror of speculators' ``SpeculatorsConfig``).
+
+    Raises:
+        pydantic.ValidationError: unknown keys, γ < 1, verifier_accept_k < 1, accept_tolerance < 0, an empty
+            proposal list, or a ``default_proposal_method`` that names no listed proposal type.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    algorithm: Literal["independent"] = Field(
+        description="Speculative decoding algorithm; an independent draft model is 'independent'."
+    )
+    proposal_methods: list[GreedyTokenProposalConfig] = Field(
+        min_length=1, description="Token proposal methods the speculator supports."
+    )
+    default_proposal_method: str = Field(
+        description="The proposal method used when none is asked for; one of proposal_methods' proposal_type."
+    )
+    verifier: VerifierConfig = Field(description="The verifier this speculator drafts for.")
+
+    @model_validator(mode="after")
+    def _default_is_listed(self) -> SpeculatorsConfig:
+        types = [m.proposal_type for m in self.proposal_methods]
+        if self.default_proposal_method not in types:
+            raise ValueError(
+                f"default_proposal_method {self.default_proposal_method!r} is not one of the proposal types "
+                f"{types}"
+            )
+        return self
+
+
+class SpeculatorFields(BaseModel):
+    """The three top-level keys a speculator adds to ``config.json``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    speculators_model_type: Literal["independent"] = Field(
+        description="Speculator kind; selects the config class (registry key)."
+    )
+    speculators_version: str = Field(description="Version of the tool that wrote the speculator (specdraft).")
+    speculators_config: SpeculatorsConfig = Field(description="Algorithm, proposal methods and verifier.")
+
+
+# --------------------------------------------------------------------------------------------------
+# IndependentSpeculatorConfig
+# --------------------------------------------------------------------------------------------------
+
+
+class IndependentSpeculatorConfig(BaseModel):
+    """The draft's own config plus the speculator metadata; ``to_dict()`` is the on-disk ``config.json``.
+
+    Build one with :meth:`from_pretrained` (a speculator or a plain causal-LM config, from a reference,
+    directory, ``PretrainedConfig`` or dict) or :meth:`for_draft`. The verifier may be missing until
+    save time.
+
+    Raises:
+        pydantic.ValidationError: at construction or assignment, on any invalid field (see the mirror
+            models above).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    speculators_model_type: ClassVar[str] = "independent"
+
+    draft_config: dict[str, Any] = Field(
+        description="The draft's config.json as its own save_pretrained writes it, without speculators_* keys."
+    )
+    speculators_version: str = Field(
+        default=__version__, description="specdraft version that wrote (or converted) the speculator."
+    )
+    proposal_methods: list[GreedyTokenProposalConfig] = Field(
+        default_factory=lambda: [GreedyTokenProposalConfig()], min_length=1,
+        description="Token proposal methods; the default is one greedy chain of γ tokens.",
+    )
+    default_proposal_method: str = Field(default="greedy", description="proposal_type used by default.")
+    verifier: VerifierConfig | None = Field(
+        default=None, description="The verifier (target, p) drafted for; required to save."
+    )
+
+    @field_validator("draft_config")
+    @classmethod
+    def _plain_draft_config(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "model_type" not in v:
+            raise ValueError("draft_config has no model_type: it is not a Hugging Face model config")
+        stray = [k for k in SPECULATOR_KEYS if k in v]
+        if stray:
+            raise ValueError(f"draft_config must not hold {stray}: they are fields of the speculator config")
+        return v
+
+    @model_validator(mode="after")
+    def _default_is_listed(self) -> IndependentSpeculatorConfig:
+        types = [m.proposal_type for m in self.proposal_methods]
+        if self.default_proposal_method not in types:
+            raise ValueError(f"default_proposal_method {self.default_proposal_method!r} is not one of {types}")
+        return self
+
+    # -------------------------------------------------------------------------------- construction
+
+    @classmethod
+    def for_draft(
+        cls,
+        draft_config: dict[str, Any] | PretrainedConfig,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+        verifier: Any = None,
+    ) -> IndependentSpeculatorConfig:
+        """Convert a plain causal-LM config: inject the speculator fields with one greedy proposal of γ tokens.
+
+        Args:
+            draft_config: the draft's config (dict as in config.json, or a ``PretrainedConfig``).
+            num_speculative_tokens: γ >= 1.
+            verifier: anything :func:`verifier_config` accepts, or ``None`` to name it later.
+
+        Raises:
+            SpeculatorError: the config is not a causal LM's (names its architecture), or γ < 1.
+        """
+        d = _config_dict(draft_config)
+        _check_causal_lm_config(d)
+        return cls(
+            draft_config=_strip_speculator_keys(d),
+            proposal_methods=[_greedy(num_speculative_tokens)],
+            verifier=None if verifier is None else verifier_config(verifier),
+        )
+
+    @classmethod
+    def from_speculator_dict(cls, d: dict[str, Any]) -> IndependentSpeculatorConfig:
+        """Read a speculator ``config.json`` dict; validates the three keys against the schema mirror.
+
+        Raises:
+            NotASpeculatorError: no ``speculators_model_type`` key.
+            SpeculatorError: another speculator type, or an invalid ``speculators_config`` (the pydantic
+                errors are in the message).
+        """
+        if "speculators_model_type" not in d:
+            raise _not_a_speculator(d)
+        try:
+            fields = SpeculatorFields.model_validate({k: d[k] for k in SPECULATOR_KEYS if k in d})
+        except ValidationError as exc:
+            raise SpeculatorError(f"invalid speculator config: {exc}") from exc
+        sc = fields.speculators_config
+        return cls(
+            draft_config=_strip_speculator_keys(d),
+            speculators_version=fields.speculators_version,
+            proposal_methods=sc.proposal_methods,
+            default_proposal_method=sc.default_proposal_method,
+            verifier=sc.verifier,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        config: str | os.PathLike | PretrainedConfig | dict[str, Any] | IndependentSpeculatorConfig,
+        *,
+        verifier: Any = None,
+        num_speculative_tokens: int | None = None,
+    ) -> IndependentSpeculatorConfig:
+        """Load a speculator config, or convert a plain causal-LM config into one.
+
+        Args:
+            config: a reference (embedded name, local directory, cached hub id — see
+                :func:`specdraft.models.resolve`), a ``PretrainedConfig``, a config.json dict, or a speculator
+                config.
+            verifier: names the verifier (see :func:`verifier_config`); replaces a recorded one.
+            num_speculative_tokens: γ; replaces the default proposal method's ``speculative_tokens``
+                (default: the recorded value, or 5 when converting).
+
+        Returns:
+            A new config; a saved speculator reads back equal to the config that wrote it.
+
+        Raises:
+            SpeculatorError: invalid speculator keys, a non-causal-LM config, γ < 1.
+            specdraft.models.ModelResolutionError: the reference cannot be resolved.
+        """
+        if isinstance(config, IndependentSpeculatorConfig):
+            d = None
+            cfg = config.model_copy(deep=True)
+        else:
+            d = _config_dict(config)
+            cfg = cls.from_speculator_dict(d) if "speculators_model_type" in d else None
+        if cfg is not None:
+            if num_speculative_tokens is not None:
+                cfg = cfg.with_num_speculative_tokens(num_speculative_tokens)
+            if verifier is not None:
+                cfg.verifier = verifier_config(verifier)
+            return cfg
+        return cls.for_draft(
+            d,
+            DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens,
+            verifier,
+        )
+
+    def with_num_speculative_tokens(self, num_speculative_tokens: int) -> IndependentSpeculatorConfig:
+        """A copy whose default proposal method proposes ``num_speculative_tokens`` (γ) tokens.
+
+        Raises:
+            SpeculatorError: γ < 1.
+        """
+        new = _greedy(num_speculative_tokens)
+        methods = [new if m.proposal_type == self.default_proposal_method else m for m in self.proposal_methods]
+        return self.model_copy(update={"proposal_methods": methods})
+
+    # -------------------------------------------------------------------------------- views
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """γ of the default proposal method."""
+        return next(
+            m.speculative_tokens for m in self.proposal_methods if m.proposal_type == self.default_proposal_method
+        )
+
+    @property
+    def speculators_config(self) -> SpeculatorsConfig:
+        """The ``speculators_config`` block, validated.
+
+        Raises:
+            SpeculatorError: no verifier is named yet (says how to name one).
+        """
+        if self.verifier is None:
+            raise SpeculatorError(
+                "This speculator names no verifier, and a speculator checkpoint must record which verifier it "
+                "drafts for. Name one with `speculator.attach_verifier('org/verifier-or-path')`, "
+                "`IndependentSpeculatorConfig.from_pretrained(..., verifier='org/verifier-or-path')`, or "
+                "`specdraft convert --verifier T`."
+            )
+        return SpeculatorsConfig(
+            algorithm="independent",
+            proposal_methods=self.proposal_methods,
+            default_proposal_method=self.default_proposal_method,
+            verifier=self.verifier,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The on-disk ``config.json``: the draft's keys plus the three ``speculators_*`` keys.
+
+        Raises:
+            SpeculatorError: no verifier named (see :attr:`speculators_config`).
+        """
+        out = copy.deepcopy(self.draft_config)
+        out["speculators_model_type"] = self.speculators_model_type
+        out["speculators_version"] = self.speculators_version
+        out["speculators_config"] = self.speculators_config.model_dump(mode="json")
+        return out
+
+    def to_json_string(self) -> str:
+        """``config.json`` text, formatted as transformers writes it (``indent=2``, sorted keys, newline)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write ``config.json`` (only) into ``save_directory``, atomically. Returns its path.
+
+        Raises:
+            SpeculatorError: no verifier named; nothing is written then.
+        """
+        from specdraft.io import atomic_write_text
+
+        text = self.to_json_string()  # raises before anything is written
+        path = Path(save_directory) / "config.json"
+        atomic_write_text(path, text)
+        return path
+
+
+# Registry keyed by speculators_model_type: the base loader dispatches on it.
+SPECULATOR_CONFIGS: dict[str, type[IndependentSpeculatorConfig]] = {
+    IndependentSpeculatorConfig.speculators_model_type: IndependentSpeculatorConfig,
+}
+
+
+def load_speculator_config(
+    config: str | os.PathLike | PretrainedConfig | dict[str, Any],
+) -> IndependentSpeculatorConfig:
+    """Load the config of a speculator checkpoint, choosing the class by ``speculators_model_type``.
+
+    Unlike :meth:`IndependentSpeculatorConfig.from_pretrained` this never converts.
+
+    Raises:
+        NotASpeculatorError: a plain model config ("not a speculator checkpoint — convert it with
+            `specdraft convert`").
+        SpeculatorError: an unknown ``speculators_model_type`` or an invalid ``speculators_config``.
+        specdraft.models.ModelResolutionError: the reference cannot be resolved.
+    """
+    if isinstance(config, IndependentSpeculatorConfig):
+        return config.model_copy(deep=True)
+    d = _config_dict(config)
+    kind = d.get("speculators_model_type")
+    if kind is None:
+        raise _not_a_speculator(d, config)
+    if kind not in SPECULATOR_CONFIGS:
+        raise SpeculatorError(
+            f"speculators_model_type {kind!r} is not supported by specdraft (known: {sorted(SPECULATOR_CONFIGS)})."
+        )
+    return SPECULATOR_CONFIGS[kind].from_speculator_dict(d)
+
+
+def config_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Top-level keys whose values differ: ``{key: (before or MISSING, after or MISSING)}``, sorted by key."""
+    keys = sorted(set(before) | set(after))
+    return {
+        k: (before.get(k, MISSING), after.get(k, MISSING))
+        for k in keys
+        if k not in before or k not in after or before[k] != after[k]
+    }
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING: Any = _Missing()
+
+
+# --------------------------------------------------------------------------------------------------
+# Verifier references
+# --------------------------------------------------------------------------------------------------
+
+
+def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierConfig:
+    """Describe a verifier: ``name_or_path`` and ``architectures``, without loading weights.
+
+    Args:
+        verifier: a reference (embedded name, local directory, cached hub id: only its config.json is read),
+            a ``PreTrainedModel``, a ``PretrainedConfig``, a ``{"name_or_path", "architectures"}`` dict or a
+            :class:`VerifierConfig`.
+        name_or_path: recorded instead of the one found (required for an in-memory model without one).
+
+    Raises:
+        SpeculatorError: the reference's config.json is unreadable, or no name / architecture can be found.
+        specdraft.models.ModelResolutionError: the reference cannot be resolved.
+    """
+    if isinstance(verifier, VerifierConfig):
+        return verifier if name_or_path is None else verifier.model_copy(update={"name_or_path": name_or_path})
+    if isinstance(verifier, dict) and set(verifier) <= {"name_or_path", "architectures"}:
+        vc = VerifierConfig.model_validate(verifier)
+        return vc if name_or_path is None else vc.model_copy(update={"name_or_path": name_or_path})
+    if isinstance(verifier, (str, os.PathLike)):
+        d = _read_config_json(verifier, role="verifier")
+        name = name_or_path or str(verifier)  # the reference the user typed, not the resolved cache path
+    else:
+        cfg = getattr(verifier, "config", verifier)  # a model → its config
+        d = _config_dict(cfg)
+        name = name_or_path or getattr(cfg, "name_or_path", None) or d.get("_name_or_path")
+        if not d.get("architectures") and hasattr(verifier, "config"):
+            d["architectures"] = [type(verifier).__name__]
+    if not name:
+        raise SpeculatorError(
+            "The verifier has no name_or_path to record (an in-memory model). Pass name_or_path='org/name' "
+            "(the hub id or directory it will be loaded from)."
+        )
+    return VerifierConfig(name_or_path=str(name), architectures=_architectures(d, role="verifier"))
+
+
+def vllm_serve_command(verifier: str, speculator_dir: str | os.PathLike, num_speculative_tokens: int) -> str:
+    """The shell command that serves ``verifier`` with the speculator at ``speculator_dir`` as its draft.
+
+    An embedded name (vLLM does not know them) becomes its specdraft cache directory.
+    """
+    import shlex
+
+    from specdraft.models import EMBEDDED, cache_dir
+
+    target = str(cache_dir(verifier)) if verifier in EMBEDDED else str(verifier)
+    spec = json.dumps(
+        {"method": "draft_model", "model": str(speculator_dir), "num_speculative_tokens": num_speculative_tokens}
+    )
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+# --------------------------------------------------------------------------------------------------
+# IndependentSpeculator
+# --------------------------------------------------------------------------------------------------
+
+
+class VerifierHead:
+    """The verifier's final norm and output head: what distillation needs of p, without its layers.
+
+    ``head(hidden_states)`` maps the verifier's last hidden states ``[B, S, H]`` (before the final norm) to
+    logits ``[B, S, V]`` in the head's dtype, applying ``final_logit_softcapping`` where the config sets it.
+    """
+
+    def __init__(self, norm, lm_head, softcap: float | None = None):
+        self.norm = norm
+        self.lm_head = lm_head
+        self.softcap = softcap
+
+    @classmethod
+    def from_model(cls, model: PreTrainedModel) -> VerifierHead:
+        """Take the final norm and output embeddings of a causal LM (the modules, not copies).
+
+        Raises:
+            SpeculatorError: no output head or no final norm found (names the class).
+        """
+        lm_head = model.get_output_embeddings()
+        base = getattr(model, model.base_model_prefix, None) or model.base_model
+        norm = next(
+            (getattr(base, n) for n in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
+             if getattr(base, n, None) is not None),
+            None,
+        )
+        if lm_head is None or norm is None:
+            raise SpeculatorError(
+                f"Cannot find the output head and final norm of {type(model).__name__}; attach it with "
+                "mode='full' instead."
+            )
+        return cls(norm, lm_head, getattr(model.config, "final_logit_softcapping", None))
+
+    def __call__(self, hidden_states):
+        import torch
+
+        logits = self.lm_head(self.norm(hidden_states))  # [B, S, V]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def parameters(self):
+        yield from self.norm.parameters()
+        yield from self.lm_head.parameters()
+
+    def to(self, *args, **kwargs) -> VerifierHead:
+        self.norm.to(*args, **kwargs)
+        self.lm_head.to(*args, **kwargs)
+        return self
+
+
+class IndependentSpeculator:
+    """A transformers causal LM (the draft, q) that knows which verifier (p) it drafts for and its γ.
+
+    Transparent: every attribute the wrapper does not define — ``forward``, ``generate``, ``config``,
+    ``state_dict`` / ``load_state_dict``, ``named_parameters``, ``device`` … — is the draft's, and calling
+    the wrapper calls the draft. ``state_dict()`` keys are the plain model's. The wrapper is not itself an
+    ``nn.Module``: hand ``speculator.draft`` to code that checks types (``Trainer``).
+
+    A held verifier (``attach_verifier(mode="full" | "train_only")``) is never part of the draft's
+    state_dict or saved files; ``.to()`` / ``.cuda()`` / ``.cpu()`` move it along with the draft.
+
+    Attributes:
+        draft: the wrapped ``PreTrainedModel``; its config holds no ``speculators_*`` keys.
+        speculator_config: :class:`IndependentSpeculatorConfig` (verifier record, γ).
+        verifier: the loaded verifier model in mode "full", else ``None``.
+        verifier_head: :class:`VerifierHead` in mode "train_only", else ``None``.
+        verifier_mode: the last attachment mode, or ``None``.
+        draft_source: the directory the draft was loaded from (tokenizer source for the compatibility check).
+        compat_verdict: verdict of the last tokenizer check ("identical", "identical-up-to-padding"), or
+            ``None`` when none ran.
+    """
+
+    _OWN = frozenset(
+        {"draft", "speculator_config", "verifier", "verifier_head", "verifier_mode", "draft_source", "tokenizer",
+         "compat_verdict"}
+    )
+
+    def __init__(
+        self,
+        draft: PreTrainedModel,
+        config: IndependentSpeculatorConfig | None = None,
+        *,
+        num_speculative_tokens: int | None = None,
+        draft_source: str | os.PathLike | None = None,
+        tokenizer: Any = None,
+    ):
+        """Wrap ``draft``.
+
+        Args:
+            draft: a transformers causal LM.
+            config: speculator metadata; default: read from ``draft.config`` (its ``speculators_*`` keys when
+                loaded from a speculator, else converted with γ = ``num_speculative_tokens`` or 5).
+            num_speculative_tokens: γ, replacing the config's.
+            draft_source: where the draft's tokenizer lives (for the compatibility check).
+            tokenizer: the draft's tokenizer (for the compatibility check).
+
+        Raises:
+            SpeculatorError: ``draft`` is not a causal LM (names its class), or γ < 1.
+        """
+        _check_causal_lm_model(draft)
+        if config is None:
+            config = IndependentSpeculatorConfig.from_pretrained(
+                draft.config, num_speculative_tokens=num_speculative_tokens
+            )
+        elif num_speculative_tokens is not None:
+            config = config.with_num_speculative_tokens(num_speculative_tokens)
+        # The metadata lives in speculator_config; the draft stays a plain model whose own save_pretrained
+        # writes a plain config.json (AutoConfig puts unknown keys of a speculator's config.json on it).
+        for k in SPECULATOR_KEYS:
+            draft.config.__dict__.pop(k, None)
+        own = self.__dict__
+        own["draft"] = draft
+        own["speculator_config"] = config
+        own["verifier"] = None
+        own["verifier_head"] = None
+        own["verifier_mode"] = None
+        own["draft_source"] = None if draft_source is None else str(draft_source)
+        own["tokenizer"] = tokenizer
+        own["compat_verdict"] = None
+
+    # ---------------------------------------------------------------------------- transparency
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails; guard "draft" so copy/pickle never recurse.
+        draft = self.__dict__.get("draft")
+        if draft is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(draft, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            if name == "speculator_config" and not isinstance(value, IndependentSpeculatorConfig):
+                raise TypeError("speculator_config must be an IndependentSpeculatorConfig")
+            self.__dict__[name] = value
+        else:
+            setattr(self.draft, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self.draft(*args, **kwargs)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(dir(self.draft)))
+
+    def __repr__(self) -> str:
+        v = self.speculator_config.verifier
+        return (
+            f"IndependentSpeculator(draft={type(self.draft).__name__}, γ={self.num_speculative_tokens}, "
+            f"verifier={v.name_or_path if v else None!r}, verifier_mode={self.verifier_mode!r})"
+        )
+
+    def _held(self) -> list:
+        return [m for m in (self.verifier, self.verifier_head) if m is not None]
+
+    def to(self, *args, **kwargs) -> IndependentSpeculator:
+        """``draft.to(...)`` and the same for a held verifier; returns the wrapper."""
+        self.draft.to(*args, **kwargs)
+        for m in self._held():
+            m.to(*args, **kwargs)
+        return self
+
+    def cuda(self, device=None) -> IndependentSpeculator:
+        import torch
+
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
+    def cpu(self) -> IndependentSpeculator:
+        return self.to("cpu")
+
+    def train(self, mode: bool = True) -> IndependentSpeculator:
+        """``draft.train(mode)``; returns the wrapper (a held verifier stays in eval mode)."""
+        self.draft.train(mode)
+        return self
+
+    def eval(self) -> IndependentSpeculator:
+        return self.train(False)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """γ."""
+        return self.speculator_config.num_speculative_tokens
+
+    # ---------------------------------------------------------------------------- verifier
+
+    def attach_verifier(
+        self,
+        model_or_reference: Any,
+        mode: VerifierMode = "detached",
+        *,
+        name_or_path: str | None = None,
+        tokenizer: Any = None,
+        check_tokenizer: bool = True,
+        dtype: Any = "auto",
+        device: str | None = None,
+    ) -> IndependentSpeculator:
+        """Record the verifier (target, p) in the config and, by ``mode``, hold it.
+
+        Args:
+            model_or_reference: a reference (embedded name, local dir, cached hub id), a ``PreTrainedModel``,
+                or (mode "detached" only) a ``PretrainedConfig`` / ``VerifierConfig``.
+            mode: "detached" records ``name_or_path`` and ``architectures`` only; "full" also holds the loaded
+                verifier (``self.verifier``) for decoding; "train_only" holds only its final norm and output
+                head (``self.verifier_head``), which distillation needs.
+            name_or_path: recorded instead of the reference / the model's ``name_or_path``.
+            tokenizer: the verifier's tokenizer (object or reference) for the compatibility check.
+            check_tokenizer: run ``specdraft.compat.check_compatible`` (when it exists) between the verifier's
+                and the draft's tokenizers.
+            dtype, device: for loading a referenced verifier (see :func:`specdraft.models.load_model`).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            SpeculatorError: unknown mode; unreadable reference; no name to record; tokenizer mismatch;
+                "full"/"train_only" given only a config.
+        """
+        if mode not in VERIFIER_MODES:
+            raise SpeculatorError(f"mode must be one of {list(VERIFIER_MODES)}, got {mode!r}")
+        record = verifier_config(model_or_reference, name_or_path)  # reads config.json only: cheap, fails early
+        is_ref = isinstance(model_or_reference, (str, os.PathLike))
+        is_model = hasattr(model_or_reference, "get_output_embeddings")
+        if mode != "detached" and not (is_ref or is_model):
+            raise SpeculatorError(f"mode={mode!r} needs the verifier's weights: pass a model or a reference.")
+
+        model = model_or_reference if is_model else None
+        if mode != "detached" and is_ref:
+            from specdraft.models import load_model
+
+            model, loaded_tok = load_model(model_or_reference, dtype=dtype, device=device)
+            tokenizer = tokenizer if tokenizer is not None else loaded_tok
+
+        verdict = None
+        if check_tokenizer:
+            if tokenizer is None and is_ref:
+                from specdraft.models import resolve
+
+                tokenizer = _tokenizer_dir(resolve(model_or_reference))
+            elif tokenizer is None and model is not None:
+                tokenizer = _tokenizer_dir(getattr(model, "name_or_path", None))
+            verdict = _check_tokenizers(tokenizer, self._draft_tokenizer_source(), record.name_or_path)
+
+        self.speculator_config.verifier = record
+        self.verifier = model if mode == "full" else None
+        self.verifier_head = VerifierHead.from_model(model) if mode == "train_only" else None
+        self.verifier_mode = mode
+        self.compat_verdict = verdict
+        return self
+
+    def _draft_tokenizer_source(self):
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return _tokenizer_dir(self.draft_source) or _tokenizer_dir(getattr(self.draft, "name_or_path", None))
+
+    # ---------------------------------------------------------------------------- save / load
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Write the speculator: the draft's own ``save_pretrained`` output, then ``config.json`` rewritten
+        with the three ``speculators_*`` keys added (same formatting, every other key unchanged).
+
+        Weight files are byte-identical to ``draft.save_pretrained``; no held verifier is written.
+
+        Args:
+            save_directory: target directory (created).
+            kwargs: passed to the draft's ``save_pretrained`` (e.g. ``max_shard_size``); ``push_to_hub`` is
+                refused (it would upload the plain config first).
+
+        Raises:
+            SpeculatorError: no verifier named (nothing is written), or ``push_to_hub=True``.
+        """
+        from specdraft.io import atomic_write_text
+
+        if kwargs.get("push_to_hub"):
+            raise SpeculatorError("push_to_hub is not supported: save locally, then upload the directory.")
+        self.speculator_config.speculators_config  # noqa: B018 - raises before any file is written
+        self.draft.save_pretrained(save_directory, **kwargs)
+        path = Path(save_directory) / "config.json"
+        # Re-read what transformers wrote (it may set architectures / dtype on save) so the speculator's
+        # config is exactly the plain one plus three keys.
+        self.speculator_config.draft_config = json.loads(path.read_text(encoding="utf-8"))
+        atomic_write_text(path, self.speculator_config.to_json_string())
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained: str | os.PathLike,
+        *,
+        verifier: Any = None,
+        verifier_mode: VerifierMode = "detached",
+        num_speculative_tokens: int | None = None,
+        dtype: Any = "auto",
+        device: str | None = None,
+        **model_kwargs,
+    ) -> IndependentSpeculator:
+        """Load a saved speculator, or convert a plain draft checkpoint.
+
+        Args:
+            pretrained: embedded name, local directory or cached hub id.
+            verifier: names (and with ``verifier_mode`` "full"/"train_only" loads) the verifier; default the
+                recorded one.
+            verifier_mode: see :meth:`attach_verifier`. "detached" with ``verifier=None`` keeps the record
+                as is and runs no check.
+            num_speculative_tokens: γ (default: recorded, or 5 when converting).
+            dtype: ``"auto"`` keeps the checkpoint's dtype (what makes a converted speculator's weights
+                byte-identical); or a torch dtype / name.
+            device: moves the draft (and a held verifier) there.
+            model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
+
+        Raises:
+            SpeculatorError: not a causal LM (names its architecture), invalid speculator keys, γ < 1, a
+                non-detached mode with no verifier recorded or given.
+            specdraft.models.ModelResolutionError: the reference cannot be resolved.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from specdraft.models import resolve
+
+        path = resolve(pretrained)
+        config = IndependentSpeculatorConfig.from_pretrained(
+            _read_config_json(path, role="draft"), num_speculative_tokens=num_speculative_tokens
+        )
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        draft = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).eval()
+        spec = cls(draft, config, draft_source=path)
+        if verifier is None and verifier_mode != "detached":
+            if config.verifier is None or not config.verifier.name_or_path:
+                raise SpeculatorError(
+                    f"verifier_mode={verifier_mode!r} needs a verifier: {pretrained} records none; pass verifier=."
+                )
+            verifier = config.verifier.name_or_path
+        if verifier is not None:
+            spec.attach_verifier(verifier, verifier_mode, device=device)
+        if device is not None:
+            spec.to(device)
+        return spec
+
+
+# --------------------------------------------------------------------------------------------------
+# convert: plain draft → speculator directory
+# --------------------------------------------------------------------------------------------------
+
+
+class ConvertOptions(BaseModel):
+    """Options of ``specdraft convert``; field names are the CLI flags with ``_`` for ``-``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str = Field(description="Draft checkpoint (q): embedded name, local HF directory or cached hub id.")
+    verifier: str = Field(description="Verifier (target, p) recorded in the config; only its config is read.")
+    out: Path = Field(description="Output directory; must not exist or be empty unless overwrite.")
+    num_speculative_tokens: SpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+    overwrite: bool = Field(default=False, description="Replace a non-empty output directory.")
+
+
+@dataclass
+class ConvertResult:
+    """What :func:`convert` wrote.
+
+    Attributes:
+        out: the speculator directory (absolute).
+        config: its config.json.
+        added: ``config_diff(plain, config)``: the keys added relative to the draft's own save (3 keys).
+        resaved: ``config_diff(source config.json, plain)``: keys transformers itself rewrote on re-saving
+            the draft (empty when the source was written by this transformers version).
+        tokenizer_files: names copied from the draft directory.
+        vllm_command: serves the verifier with this speculator as its draft.
+        compat_verdict: the tokenizer check's verdict, or ``None`` when the check does not exist yet.
+        seconds: wall time of the whole conversion, seconds.
+    """
+
+    out: Path
+    config: dict[str, Any]
+    added: dict[str, tuple[Any, Any]]
+    resaved: dict[str, tuple[Any, Any]]
+    tokenizer_files: list[str]
+    vllm_command: str
+    compat_verdict: str | None = None
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def convert(
+    draft: str | os.PathLike,
+    verifier: str | os.PathLike,
+    out: str | os.PathLike,
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+    overwrite: bool = False,
+) -> ConvertResult:
+    """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
+    (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte).
+
+    Order: validate options → refuse a non-empty ``out`` (unless ``overwrite``) → read the verifier's config
+    → load the draft (checkpoint dtype) → tokenizer check → write everything into a temporary directory
+    beside ``out`` → rename it into place (with ``overwrite``: the old directory is renamed aside first,
+    then removed). A killed or failed run leaves ``out`` as it was, plus at most a ``.tmp-*`` sibling that
+    nothing reads.
+
+    Raises:
+        SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``);
+            ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable verifier; a
+            draft that is not a causal LM (names its architecture); tokenizer mismatch.
+        specdraft.models.ModelResolutionError: a reference cannot be resolved (before anything is written).
+    """
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    try:
+        opts = ConvertOptions(
+            draft=str(draft), verifier=str(verifier), out=Path(out),
+            num_speculative_tokens=num_speculative_tokens, overwrite=overwrite,
+        )
+    except ValidationError as exc:
+        raise SpeculatorError(flag_errors(exc)) from exc
+    out_dir = opts.out.expanduser().absolute()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpeculatorError(f"--out {out_dir} is a file, not a directory.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not opts.overwrite:
+        raise SpeculatorError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it.")
+
+    from specdraft.models import resolve
+
+    verifier_config(opts.verifier)  # unreadable verifier → error before loading or writing anything
+    draft_dir = resolve(opts.draft)
+    source_cfg = _read_config_json(draft_dir, role="draft")
+    _check_causal_lm_config(source_cfg, what=f"draft {opts.draft}")
+    timings["resolve_s"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    spec = IndependentSpeculator.from_pretrained(draft_dir, num_speculative_tokens=opts.num_speculative_tokens)
+    timings["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    verdict = spec.attach_verifier(opts.verifier, "detached").compat_verdict
+    timings["check_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+    try:
+        _chmod_like_mkdir(tmp)
+        spec.save_pretrained(tmp)
+        copied = _copy_tokenizer_files(Path(draft_dir), tmp)
+        _fsync_tree(tmp)
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    timings["write_s"] = time.perf_counter() - t
+
+    config = spec.speculator_config.to_dict()
+    plain = spec.speculator_config.draft_config
+    return ConvertResult(
+        out=out_dir,
+        config=config,
+        added=config_diff(plain, config),
+        resaved=config_diff(_strip_speculator_keys(source_cfg), plain),
+        tokenizer_files=copied,
+        vllm_command=vllm_serve_command(opts.verifier, out_dir, spec.num_speculative_tokens),
+        compat_verdict=verdict,
+        seconds=time.perf_counter() - t0,
+        timings=timings,
+    )
+
+
+def flag_errors(exc: ValidationError) -> str:
+    """One line per pydantic error, naming the CLI flag (``num_speculative_tokens`` → ``--num-speculative-tokens``)."""
+    lines = []
+    for err in exc.errors():
+        loc = err["loc"][0] if err["loc"] else ""
+        lines.append(f"--{str(loc).replace('_', '-')}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _greedy(num_speculative_tokens: int) -> GreedyTokenProposalConfig:
+    try:
+        return GreedyTokenProposalConfig(speculative_tokens=num_speculative_tokens)
+    except ValidationError as exc:
+        raise SpeculatorError(
+            f"num_speculative_tokens (--num-speculative-tokens) must be an integer >= 1, got "
+            f"{num_speculative_tokens!r}"
+        ) from exc
+
+
+def _read_config_json(ref: str | os.PathLike, role: str) -> dict[str, Any]:
+    from specdraft.models import resolve
+
+    path = Path(resolve(ref)) / "config.json"
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpeculatorError(f"The {role} reference {str(ref)!r} is unreadable: {path}: {exc}") from exc
+    if not isinstance(d, dict):
+        raise SpeculatorError(f"The {role} reference {str(ref)!r} is unreadable: {path} is not a JSON object.")
+    return d
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A config as its config.json dict (deep copy)."""
+    if isinstance(config, IndependentSpeculatorConfig):
+        return config.to_dict()
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        return _read_config_json(config, role="config")
+    if hasattr(config, "to_json_string"):  # a PretrainedConfig: exactly what its save_pretrained writes
+        return json.loads(config.to_json_string(use_diff=True))
+    raise TypeError(f"expected a reference, directory, PretrainedConfig or dict, got {type(config).__name__}")
+
+
+def _strip_speculator_keys(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k not in SPECULATOR_KEYS}
+
+
+def _not_a_speculator(d: dict[str, Any], source: Any = None) -> NotASpeculatorError:
+    where = f"{source} " if isinstance(source, (str, os.PathLike)) else ""
+    return NotASpeculatorError(
+        f"{where}is not a speculator checkpoint (its config has no speculators_model_type; model_type="
+        f"{d.get('model_type')!r}, architectures={d.get('architectures')}) — convert it with "
+        "`specdraft convert --draft D --verifier T --out DIR`."
+    )
+
+
+def _causal_lm_classes() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(v if isinstance(v, (list, tuple)) else [v])
+    return names
+
+
+def _is_causal_name(name: str, known: set[str]) -> bool:
+    # Remote-code models are not in the mapping; their class names follow the same convention.
+    return name in known or name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _check_causal_lm_config(d: dict[str, Any], what: str = "draft") -> None:
+    known = _causal_lm_classes()
+    archs = d.get("architectures") or []
+    if archs:
+        if not any(_is_causal_name(a, known) for a in archs):
+            raise SpeculatorError(
+                f"The {what} is a {', '.join(archs)} (model_type {d.get('model_type')!r}), not a causal "
+                "language model: an independent speculator wraps a *ForCausalLM / *LMHeadModel checkpoint."
+            )
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if d.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise SpeculatorError(
+            f"The {what} config (model_type {d.get('model_type')!r}, no architectures) is not a causal "
+            "language model's."
+        )
+
+
+def _check_causal_lm_model(model: Any) -> None:
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise SpeculatorError(f"The draft must be a transformers PreTrainedModel, got {name}.")
+    if getattr(model.config, "is_encoder_decoder", False) or not _is_causal_name(name, _causal_lm_classes()):
+        raise SpeculatorError(
+            f"The draft is a {name} (model_type {model.config.model_type!r}), not a causal language model: an "
+            "independent speculator wraps a *ForCausalLM / *LMHeadModel."
+        )
+
+
+def _architectures(d: dict[str, Any], role: str) -> list[str]:
+    archs = d.get("architectures")
+    if archs:
+        return list(archs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(d.get("model_type"))
+    if isinstance(name, str):
+        return [name]
+    raise SpeculatorError(f"The {role} config names no architectures and model_type {d.get('model_type')!r} "
+                          "has no causal-LM class.")
+
+
+def _tokenizer_dir(path: str | os.PathLike | None) -> str | None:
+    """``path`` when it is a directory holding tokenizer files, else ``None``."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_dir() and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                                       "tokenizer.model")):
+        return str(p)
+    return None
+
+
+def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | None) -> str | None:
+    """Run ``specdraft.compat.check_compatible`` when it exists; raise on "mismatch". Returns the verdict."""
+    try:
+        from specdraft import compat
+    except ImportError:  # pragma: no cover - compat ships with specdraft
+        return None
+    check = getattr(compat, "check_compatible", None)
+    if check is None:  # the compatibility check is not there yet: nothing to run
+        return None
+    missing = [side for side, tok in (("verifier", verifier_tok), ("draft", draft_tok)) if tok is None]
+    if missing:
+        warnings.warn(
+            f"Tokenizer compatibility not checked: no tokenizer known for the {' and '.join(missing)}. Pass "
+            "tokenizer= (or check_tokenizer=False to skip on purpose).",
+            stacklevel=3,
+        )
+        return None
+    report = check(verifier_tok, draft_tok)
+    verdict = getattr(report, "verdict", None)
+    if verdict == "mismatch":
+        summary = getattr(report, "summary", None)
+        detail = summary() if callable(summary) else repr(report)[:600]
+        raise SpeculatorError(
+            f"The verifier {verifier_name!r} and the draft do not share a tokenizer — {detail}. A speculator's "
+            "token ids must mean the same strings to both models."
+        )
+    return verdict
+
+
+def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        s = src / name
+        if s.is_dir():
+            shutil.copytree(s, dst / name)
+        elif s.is_file():
+            shutil.copyfile(s, dst / name)  # follows hub-cache symlinks: copies the content
+        else:
+            continue
+        copied.append(name)
+    return copied
+
+
+def _fsync_tree(root: Path) -> None:
+    # The rename is atomic, but without fsync a power loss after it could expose empty files.
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _chmod_like_mkdir(path: Path) -> None:
+    # mkdtemp creates 0700; the published directory gets the mode a plain mkdir would (0777 less umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the complete ``tmp`` onto ``out``; a non-empty ``out`` is renamed aside first, then removed."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if not any(out.iterdir()):
+        os.replace(tmp, out)  # rename(2) replaces an empty directory atomically
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
+    os.replace(out, old)  # onto the fresh empty directory
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

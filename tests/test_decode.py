@@ -1,0 +1,257 @@
+"""Speculative decoding invariants on tiny models: greedy == target-only, batch == solo, sampled follows p."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdraft.config import SamplingConfig
+from specdraft.decode import (
+    DecodeError,
+    left_pad,
+    speculative_generate,
+    target_generate,
+    verify_greedy,
+    verify_sampled,
+)
+from specdraft.testing import tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
+
+
+def perturbed(model, scale: float, seed: int = 123):
+    """A draft that agrees with ``model`` often but not always (partial acceptance exercises the holes)."""
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return d
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen2", 128, seed=0, layers=3)
+    return target, perturbed(target, 0.04)
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+def test_greedy_equals_target_only_batched_and_solo(pair, gamma):
+    target, draft = pair
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=29, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma,
+                                        max_new_tokens=29, eos_token_id=[])
+    assert spec == base
+    for i, p in enumerate(PROMPTS):
+        solo, _ = speculative_generate(target, draft, *left_pad([p], 0), num_speculative_tokens=gamma,
+                                       max_new_tokens=29, eos_token_id=[])
+        assert solo[0] == base[i]
+    # Partial agreement: some rounds accept, some reject, rows differ within a round.
+    assert 0.0 < counts.acceptance_rate < 1.0
+    assert counts.emitted == 29 * len(PROMPTS)
+    assert sum(counts.accepted_hist) == counts.rounds
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_draft_equal_to_target_accepts_everything(arch):
+    target = tiny_model(arch, 96, seed=3, layers=2)
+    ids, mask = left_pad(PROMPTS[:3], 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=17, eos_token_id=[])
+    spec, counts = speculative_generate(target, target, ids, mask, num_speculative_tokens=4,
+                                        max_new_tokens=17, eos_token_id=[])
+    assert spec == base
+    # Rounds that ended on the length limit inside the block count only the positions up to the end.
+    assert counts.acceptance_rate == 1.0
+    assert counts.alpha_per_position == [1.0] * 4
+
+
+def test_unrelated_draft_is_still_lossless():
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    draft = tiny_model("llama", 128, seed=99, layers=1)
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=20, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=3,
+                                        max_new_tokens=20, eos_token_id=[])
+    assert spec == base
+    assert counts.acceptance_rate < 0.5
+
+
+def test_draft_with_padded_vocabulary_is_lossless():
+    # Same tokenizer (128 real ids); the draft's matrix has 160 rows. Padding rows must carry no mass.
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    draft = tiny_model("llama", 160, seed=0, layers=3)
+    with torch.no_grad():
+        for (n, pt), (_, pd) in zip(target.named_parameters(), draft.named_parameters()):
+            pd[: pt.shape[0]].copy_(pt) if pd.shape != pt.shape else pd.copy_(pt)
+        draft.lm_head.weight[128:] = 50.0  # would win every argmax if padding were not masked
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=12, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=3,
+                                        max_new_tokens=12, eos_token_id=[], real_vocab=128)
+    assert spec == base
+    assert counts.acceptance_rate == 1.0
+
+
+def test_eos_inside_drafted_block_ends_the_row():
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    ids, mask = left_pad([PROMPTS[0]], 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=20, eos_token_id=[])
+    eos = base[0][1]  # the 2nd token: position 2 of the first 5-token block
+    assert eos not in base[0][:1]
+    spec, counts = speculative_generate(target, target, ids, mask, num_speculative_tokens=5,
+                                        max_new_tokens=20, eos_token_id=eos)
+    assert spec[0] == base[0][:2]
+    assert counts.accepted == [1, 1, 0, 0, 0]  # the 3 drafts after the EOS are dropped, not counted
+    assert counts.proposed == [1, 1, 0, 0, 0]
+    assert counts.emitted == 2 and counts.bonus == 0
+
+
+def test_stop_sequence_and_batch_rows_end_independently():
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    draft = perturbed(target, 0.03)
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=25, eos_token_id=[])
+    stop = base[2][3:5]  # ends row 2 after its 5th token (and any other row that happens to contain it)
+    spec, _ = speculative_generate(target, draft, ids, mask, num_speculative_tokens=3, max_new_tokens=25,
+                                   eos_token_id=[], stop=[stop])
+    for row_base, row_spec in zip(base, spec):
+        end = next((i + 2 for i in range(len(row_base) - 1) if row_base[i:i + 2] == stop), len(row_base))
+        assert row_spec == row_base[:end]
+    assert len(spec[2]) <= 5
+
+
+@pytest.mark.parametrize("max_new,gamma", [(7, 3), (1, 4), (10, 2)])
+def test_max_new_tokens_met_exactly(pair, max_new, gamma):
+    target, draft = pair
+    ids, mask = left_pad(PROMPTS, 0)
+    spec, counts = speculative_generate(target, target, ids, mask, num_speculative_tokens=gamma,
+                                        max_new_tokens=max_new, eos_token_id=[])
+    assert [len(s) for s in spec] == [max_new] * len(PROMPTS)
+    assert counts.emitted == max_new * len(PROMPTS)
+
+
+# ------------------------------------------------------------------------------------- hand-built logits
+
+
+def _logits_for(tokens, vocab=8):
+    out = torch.full((1, len(tokens), vocab), -5.0)
+    for i, t in enumerate(tokens):
+        out[0, i, t] = 5.0
+    return out
+
+
+def test_verify_greedy_hand_built():
+    drafts = torch.tensor([[1, 2, 3]])
+    n, nxt = verify_greedy(drafts, _logits_for([1, 2, 3, 4]))  # always accept → bonus 4
+    assert (n.item(), nxt.item()) == (3, 4)
+    n, nxt = verify_greedy(drafts, _logits_for([5, 2, 3, 4]))  # reject at once → correction 5
+    assert (n.item(), nxt.item()) == (0, 5)
+    n, nxt = verify_greedy(drafts, _logits_for([1, 6, 3, 4]))  # accept then reject (later match ignored)
+    assert (n.item(), nxt.item()) == (1, 6)
+
+
+def test_verify_sampled_hand_built():
+    V = 4
+    drafts = torch.tensor([[1, 2]])
+    one_hot = torch.eye(V)
+    q = torch.stack([one_hot[1], one_hot[2]])[None]  # draft certain of its tokens
+    p_same = torch.stack([one_hot[1], one_hot[2], one_hot[3]])[None]
+    n, nxt = verify_sampled(drafts, q, p_same)
+    assert (n.item(), nxt.item()) == (2, 3)  # p = q: always accepted, bonus from p_{γ+1}
+    p_never = torch.stack([one_hot[0], one_hot[0], one_hot[3]])[None]
+    n, nxt = verify_sampled(drafts, q, p_never)
+    assert (n.item(), nxt.item()) == (0, 0)  # p(d) = 0: rejected, residual max(p − q, 0) is all on 0
+    p_mixed = torch.stack([one_hot[1], one_hot[3], one_hot[0]])[None]
+    n, nxt = verify_sampled(drafts, q, p_mixed)
+    assert (n.item(), nxt.item()) == (1, 3)
+
+
+def _exact_two_token_law(target, prompt, sampling):
+    """Exact joint law of the first two sampled tokens under the target, by enumeration."""
+    from specdraft.losses import filtered_probs
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        p1 = filtered_probs(target(ids).logits[0, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+        V = p1.shape[0]
+        ext = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
+        p2 = filtered_probs(target(ext).logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+    law = (p1[:, None].double() * p2.double()).numpy()  # [V, V]
+    return law / law.sum()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=6, top_p=0.9)],
+    ids=["plain", "temp-topk-topp"],
+)
+def test_sampled_output_follows_target_law(sampling):
+    """χ² goodness of fit of the first two speculative tokens against the target's exact law.
+
+    The draft is a different model (acceptance < 1), so accepted drafts, corrections from max(p − q, 0) and
+    bonus tokens all contribute. N independent rows are decoded in one batch with one seeded generator.
+    """
+    V, N = 12, 6000
+    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
+    draft = perturbed(target, 0.08, seed=5)
+    prompt = [5, 6, 7]
+    law = _exact_two_token_law(target, prompt, sampling)
+    ids = torch.tensor([prompt] * N)
+    g = torch.Generator().manual_seed(1234)
+    out, counts = speculative_generate(target, draft, ids, None, num_speculative_tokens=3, sampling=sampling,
+                                       max_new_tokens=2, eos_token_id=[], generator=g)
+    assert 0.05 < counts.acceptance_rate < 0.95
+    observed = np.zeros_like(law)
+    for row in out:
+        observed[row[0], row[1]] += 1
+    expected = law.flatten() * N
+    obs = observed.flatten()
+    assert obs[expected == 0].sum() == 0  # never a token outside the filtered support
+    big = expected >= 5  # merge sparse cells into one, the usual χ² validity rule
+    exp_cells = np.append(expected[big], expected[~big].sum())
+    obs_cells = np.append(obs[big], obs[~big].sum())
+    if exp_cells[-1] == 0:
+        exp_cells, obs_cells = exp_cells[:-1], obs_cells[:-1]
+    pvalue = stats.chisquare(obs_cells, exp_cells).pvalue
+    assert pvalue > 1e-3, f"speculative samples do not follow the target law (p={pvalue:.2e})"
+
+
+def test_sampled_target_only_follows_target_law():
+    V, N = 12, 4000
+    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
+    sampling = SamplingConfig(temperature=1.3)
+    law = _exact_two_token_law(target, [5, 6, 7], sampling)
+    out, _ = target_generate(target, torch.tensor([[5, 6, 7]] * N), None, sampling=sampling, max_new_tokens=2,
+                             eos_token_id=[], generator=torch.Generator().manual_seed(7))
+    first = np.bincount([r[0] for r in out], minlength=law.shape[0])
+    exp = law.sum(axis=1) * N
+    keep = exp >= 5
+    obs_c = np.append(first[keep], first[~keep].sum())
+    exp_c = np.append(exp[keep], exp[~keep].sum())
+    if exp_c[-1] == 0:
+        obs_c, exp_c = obs_c[:-1], exp_c[:-1]
+    assert stats.chisquare(obs_c, exp_c * obs_c.sum() / exp_c.sum()).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_input_is_refused_before_decoding(pair):
+    target, draft = pair
+    ids, mask = left_pad([[5, 6, 7]], 0)
+    with pytest.raises(DecodeError, match="num_speculative_tokens"):
+        speculative_generate(target, draft, ids, mask, num_speculative_tokens=0)
+    with pytest.raises(DecodeError, match="context window"):
+        speculative_generate(target, draft, ids, mask, max_new_tokens=10_000)
+    right_padded = torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]])
+    with pytest.raises(DecodeError, match="left-padded"):
+        speculative_generate(target, draft, *right_padded)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=-0.1)

