@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -18,19 +16,9 @@ from specdraft.decode import (
     verify_greedy,
     verify_sampled,
 )
-from specdraft.testing import tiny_model
+from specdraft.testing import perturbed, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
-
-
-def perturbed(model, scale: float, seed: int = 123):
-    """A draft that agrees with ``model`` often but not always (partial acceptance exercises the holes)."""
-    d = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return d
 
 
 @pytest.fixture(scope="module")

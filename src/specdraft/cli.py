@@ -234,6 +234,178 @@ def inspect_speculator(
                   markup=False, highlight=False, soft_wrap=True)
 
 
+# ------------------------------------------------------------------------------------------ eval
+
+
+def _sampling(temperature: float, top_k: int, top_p: float):
+    from pydantic import ValidationError
+
+    from specdraft.config import SamplingConfig
+
+    try:
+        return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        fail(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
+
+
+def _load_pair(target: str, draft: str, dtype: str):
+    """Resolve both references, refuse a tokenizer mismatch before loading weights, load both models."""
+    from specdraft.compat import check_compatible
+    from specdraft.models import load_model
+
+    tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
+    report = check_compatible(tpath, dpath)
+    if report.verdict == "mismatch":
+        from specdraft.compat import print_report
+
+        print_report(report, err_console)
+        fail("the target and draft tokenizers differ; see the report above (specdraft check).")
+    with console.status("loading models…"):
+        t, tok = load_model(tpath, dtype=dtype)
+        d, _ = load_model(dpath, dtype=dtype)
+    return t, d, tok
+
+
+SamplingTemp = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (temperature → top-k → top-p).")]
+SamplingTopK = Annotated[int, typer.Option(help="Top-k filter; 0 = off.")]
+SamplingTopP = Annotated[float, typer.Option(help="Top-p (nucleus) mass in (0, 1]; 1 = off.")]
+GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-g",
+                                       help="γ: draft tokens proposed per target pass (>= 1).")]
+
+
+@app.command("eval")
+def eval_cmd(
+    target: TargetOpt = DEFAULT_TARGET,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    prompts: Annotated[str, typer.Option(help="humaneval | mt-bench | conversations | a .jsonl | a saved dataset.")]
+        = "humaneval",
+    num_prompts: Annotated[int, typer.Option(min=1, help="How many prompts to decode.")] = 8,
+    prompt_offset: Annotated[int, typer.Option(min=0, help="Skip this many prompts first.")] = 100,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per prompt.")] = 128,
+    gamma: GammaOpt = 5,
+    temperature: SamplingTemp = 0.0,
+    top_k: SamplingTopK = 0,
+    top_p: SamplingTopP = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    compare_hf: Annotated[bool, typer.Option(help="Also time transformers' generate(assistant_model=draft).")]
+        = False,
+    dtype: DtypeOpt = "bfloat16",
+    out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
+) -> None:
+    """Decode prompts with the target alone and with speculative decoding (and optionally transformers'
+    assisted generation); report acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdraft.data import DataError, encode_prompts, load_examples
+    from specdraft.evaluate import run_eval, write_report
+    from specdraft.models import ModelResolutionError
+
+    if gamma < 1:
+        fail(f"--gamma must be >= 1 (got {gamma})")
+    sampling = _sampling(temperature, top_k, top_p)
+    try:
+        examples = load_examples(prompts, limit=num_prompts, offset=prompt_offset)
+        t, d, tok = _load_pair(target, draft, dtype)
+    except (DataError, ModelResolutionError) as exc:
+        fail(str(exc))
+    ids = encode_prompts(tok, examples)
+    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as pg:
+        task = pg.add_task("decode", total=len(ids))
+        res = run_eval(t, d, tok, ids, [e.id for e in examples], num_speculative_tokens=gamma, sampling=sampling,
+                       max_new_tokens=max_new_tokens, seed=seed, compare_hf=compare_hf,
+                       progress=lambda k, n: pg.update(task, completed=k),
+                       config={"target": target, "draft": draft, "prompts": prompts, "dtype": dtype,
+                               "command": " ".join(sys.argv)})
+    paths = write_report(res, out)
+    print_eval_summary(res.summary(), gamma)
+    for d_ in res.divergences:
+        kind = "numerics (near-tie)" if d_.is_numerics else "[red]BUG: beyond rounding tolerance[/]"
+        console.print(f"divergence {d_.contender} on {d_.prompt_id} at token {d_.position}: target {d_.target_token} "
+                      f"vs {d_.other_token}, top-2 margin {d_.margin:.3f} (tolerance {d_.tolerance}) — {kind}")
+    console.print(f"report: {paths['report']}  plots: {paths['alpha_plot']}, {paths['hist_plot']}")
+    if not res.summary()["lossless"]:
+        raise typer.Exit(2)
+
+
+def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding") -> None:
+    """A rich table of the eval summary (units in the row names)."""
+    table = Table(title=f"{title} (γ = {gamma})")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    fmt = lambda v, f="{:.3f}": "—" if v is None else f.format(v)  # noqa: E731
+    rows = [
+        ("prompts", str(s["prompts"])),
+        ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
+        ("mean accepted length (tokens / target pass)", fmt(s["mean_accepted_length"], "{:.2f}")),
+        ("predicted α, teacher-forced over prompts", fmt(s["predicted_alpha_prompt"])),
+        ("predicted α, teacher-forced over target responses", fmt(s["predicted_alpha_response"])),
+        ("target alone (tokens/s)", fmt(s["target_tokens_per_s"], "{:.2f}")),
+        ("speculative (tokens/s)", fmt(s["speculative_tokens_per_s"], "{:.2f}")),
+        ("speed-up vs target alone", fmt(s["speedup"], "{:.2f}x")),
+        ("transformers assisted generation (tokens/s)", fmt(s["hf_assisted_tokens_per_s"], "{:.2f}")),
+        ("speed-up vs assisted generation", fmt(s["speedup_vs_hf_assisted"], "{:.2f}x")),
+        ("assisted generation matches target", s["hf_assisted_matches_target"] or "—"),
+        ("cost ratio c (draft step / target pass)", fmt(s["cost_ratio_c"])),
+        ("analytic speed-up at measured α, c", fmt(s["analytic_speedup"], "{:.2f}x")),
+        ("measured / analytic", fmt(s["share_of_analytic"], "{:.0%}")),
+        ("recommended γ (analytic)", f"{s['recommended_gamma']} ({s['analytic_speedup_at_recommended_gamma']:.2f}x)"),
+        ("greedy divergences (beyond tolerance)", f"{s['divergences']} ({s['divergences_beyond_tolerance']})"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
+    target: TargetOpt = DEFAULT_TARGET,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    gamma: GammaOpt = 5,
+    temperature: SamplingTemp = 0.0,
+    top_k: SamplingTopK = 0,
+    top_p: SamplingTopP = 1.0,
+    seed: int = 0,
+    dtype: DtypeOpt = "bfloat16",
+) -> None:
+    """Stream one speculative answer and print its acceptance counts."""
+    import torch
+
+    from specdraft.data import Example, encode_prompts
+    from specdraft.decode import left_pad, speculative_generate
+    from specdraft.models import ModelResolutionError
+
+    if gamma < 1:
+        fail(f"--gamma must be >= 1 (got {gamma})")
+    sampling = _sampling(temperature, top_k, top_p)
+    try:
+        t, d, tok = _load_pair(target, draft, dtype)
+    except ModelResolutionError as exc:
+        fail(str(exc))
+    ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]
+    inp, mask = left_pad([ids], tok.pad_token_id or 0, t.device)
+    emitted: list[int] = []
+    printed = [0]
+
+    def stream(_row: int, new: list[int]) -> None:
+        emitted.extend(new)
+        text = tok.decode(emitted, skip_special_tokens=True)
+        console.out(text[printed[0]:], end="", highlight=False)
+        printed[0] = len(text)
+
+    _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
+                                     max_new_tokens=max_new_tokens, real_vocab=len(tok),
+                                     generator=torch.Generator().manual_seed(seed), on_tokens=stream)
+    console.print()
+    console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "
+                  f"({counts.emitted / max(counts.time_total, 1e-9):.2f} tokens/s); acceptance rate "
+                  f"{counts.acceptance_rate:.3f}, {counts.mean_accepted_length:.2f} tokens per target pass, "
+                  f"accepted-length histogram {counts.accepted_hist}[/]")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

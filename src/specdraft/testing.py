@@ -102,6 +102,21 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, layers
     return model.eval()
 
 
+def perturbed(model, scale: float, seed: int = 123):
+    """A copy of ``model`` with Gaussian noise of std ``scale`` on every parameter: a draft that agrees with
+    the model often but not always (partial acceptance)."""
+    import copy
+
+    import torch
+
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return d
+
+
 def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
                    arch: str = "llama", seed: int = 0):
     """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``.

@@ -1,0 +1,327 @@
+"""How much faster will it be? Predicted α, measured acceptance and tokens/s, the analytic bound, the best γ.
+
+``evaluate`` runs, prompt by prompt and interleaved (so that machine noise hits all contenders alike):
+the target alone, speculative decoding, and optionally transformers' assisted generation
+(``generate(assistant_model=draft)``). Greedy outputs must match the target alone token for token; every
+divergence is reported with the target's top-2 logit margin at that position, and a divergence whose margin
+exceeds the dtype's rounding tolerance is a failure, not numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
+from specdraft.compat import align_logits
+from specdraft.config import SamplingConfig
+from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.losses import filtered_probs, greedy_probs, sum_min
+
+# Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
+# rounding alone. bf16 keeps 8 significand bits: logits of magnitude ~20 are spaced 0.125 apart, and errors
+# accumulate over layers, so 0.5 is a conservative bound; fp32 differences are ~1e-5.
+ROUNDING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
+
+
+@torch.no_grad()
+def predicted_alpha(
+    target,
+    draft,
+    sequences: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]] | None = None,
+    sampling: SamplingConfig | None = None,
+    real_vocab: int | None = None,
+    batch_size: int = 4,
+    pad_id: int = 0,
+) -> dict[str, Any]:
+    """Teacher-forced α: mean over positions of Σ_x min(p(x), q(x)), no decoding.
+
+    Both models score each sequence once; at every position where ``masks`` is 1 (default: every position
+    but the last) α = Σ min(p, q) with p and q after the serving filter (greedy: one-hot argmax, so α is the
+    argmax agreement).
+
+    Args:
+        sequences: token id lists (a prompt, or a prompt plus a response).
+        masks: per sequence, 1 where the next-token distribution counts (same length as the sequence).
+        sampling: the serving filter; greedy by default.
+        real_vocab: ``len(tokenizer)``: ids past it are padding rows with zero probability.
+
+    Returns:
+        ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float}``
+        (counts first: ``alpha_sum`` and ``positions`` merge across calls).
+    """
+    sampling = sampling or SamplingConfig()
+    width = target.get_output_embeddings().weight.shape[0]
+    total, n, agree = 0.0, 0, 0
+    device = next(target.parameters()).device
+    for start in range(0, len(sequences), batch_size):
+        chunk = [list(s) for s in sequences[start:start + batch_size]]
+        ids, attn = left_pad(chunk, pad_id, device)
+        cm = torch.zeros_like(attn)
+        for i, s in enumerate(chunk):
+            m = list(masks[start + i]) if masks is not None else [1] * (len(s) - 1) + [0]
+            if len(m) != len(s):
+                raise ValueError(f"mask {start + i} has length {len(m)}, sequence has {len(s)}")
+            cm[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        p_logits = align_logits(target(input_ids=ids, attention_mask=attn, position_ids=pos).logits, width, real_vocab)
+        q_logits = align_logits(draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits, width, real_vocab)
+        sel = cm.bool()
+        p_l, q_l = p_logits[sel], q_logits[sel]  # [N, V]
+        if sampling.greedy:
+            p, q = greedy_probs(p_l), greedy_probs(q_l)
+        else:
+            p = filtered_probs(p_l, sampling.temperature, sampling.top_k, sampling.top_p)
+            q = filtered_probs(q_l, sampling.temperature, sampling.top_k, sampling.top_p)
+        total += float(sum_min(p, q).sum())
+        agree += int((p_l.argmax(-1) == q_l.argmax(-1)).sum())
+        n += int(sel.sum())
+    return {"alpha": total / n if n else 0.0, "positions": n, "alpha_sum": total,
+            "top1_agreement": agree / n if n else 0.0}
+
+
+@torch.no_grad()
+def top2_margin(target, context: Sequence[int]) -> float:
+    """Target's top-1 minus top-2 logit for the token after ``context`` (one plain forward pass)."""
+    device = next(target.parameters()).device
+    logits = target(torch.tensor([list(context)], device=device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+@dataclass
+class Divergence:
+    """A prompt whose speculative (or HF assisted) output differs from the target alone."""
+
+    prompt_id: str
+    contender: str
+    position: int
+    target_token: int
+    other_token: int
+    margin: float
+    tolerance: float
+
+    @property
+    def is_numerics(self) -> bool:
+        return self.margin <= self.tolerance
+
+
+@dataclass
+class EvalResult:
+    """Everything ``specdraft eval`` measured (counts first; ratios derived in :meth:`summary`)."""
+
+    config: dict[str, Any]
+    spec_counts: AcceptanceCounts
+    target_counts: AcceptanceCounts
+    target_tokens: int = 0
+    spec_tokens: int = 0
+    target_seconds: float = 0.0
+    spec_seconds: float = 0.0
+    hf_tokens: int = 0
+    hf_seconds: float = 0.0
+    hf_matches: int = 0
+    prompts: int = 0
+    predicted_prompt: dict[str, Any] = field(default_factory=dict)
+    predicted_response: dict[str, Any] = field(default_factory=dict)
+    divergences: list[Divergence] = field(default_factory=list)
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ."""
+        c = self.spec_counts
+        gamma = self.config["num_speculative_tokens"]
+        tps = lambda tok, s: tok / s if s else 0.0  # noqa: E731
+        t_tps, s_tps, h_tps = tps(self.target_tokens, self.target_seconds), tps(self.spec_tokens, self.spec_seconds), \
+            tps(self.hf_tokens, self.hf_seconds)
+        # c = one draft step / one target pass, the latter from the target-only run (Leviathan et al. §3.4).
+        draft_step = c.time_draft / c.draft_calls if c.draft_calls else 0.0
+        target_pass = self.target_counts.time_target / self.target_counts.target_calls \
+            if self.target_counts.target_calls else 0.0
+        cost_ratio = draft_step / target_pass if target_pass else 0.0
+        alpha = c.acceptance_rate
+        g_best, s_best = best_gamma(alpha, cost_ratio) if cost_ratio else (gamma, 0.0)
+        bugs = [d for d in self.divergences if not d.is_numerics and d.contender == "specdraft"]
+        return {
+            "prompts": self.prompts,
+            "acceptance_rate": alpha,
+            "mean_accepted_length": c.mean_accepted_length,
+            "alpha_per_position": c.alpha_per_position,
+            "predicted_alpha_prompt": self.predicted_prompt.get("alpha"),
+            "predicted_alpha_response": self.predicted_response.get("alpha"),
+            "target_tokens_per_s": t_tps,
+            "speculative_tokens_per_s": s_tps,
+            "speedup": s_tps / t_tps if t_tps else 0.0,
+            "hf_assisted_tokens_per_s": h_tps if self.hf_seconds else None,
+            "speedup_vs_hf_assisted": s_tps / h_tps if h_tps else None,
+            "hf_assisted_matches_target": f"{self.hf_matches}/{self.prompts}" if self.hf_seconds else None,
+            "cost_ratio_c": cost_ratio,
+            "draft_step_ms": draft_step * 1e3,
+            "target_pass_ms": target_pass * 1e3,
+            "analytic_tokens_per_pass": expected_tokens_per_pass(alpha, gamma),
+            "analytic_speedup": expected_speedup(alpha, gamma, cost_ratio),
+            "share_of_analytic": (s_tps / t_tps) / expected_speedup(alpha, gamma, cost_ratio)
+            if t_tps and cost_ratio else None,
+            "recommended_gamma": g_best,
+            "analytic_speedup_at_recommended_gamma": s_best,
+            "divergences": len([d for d in self.divergences if d.contender == "specdraft"]),
+            "divergences_beyond_tolerance": len(bugs),
+            "lossless": not bugs,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "summary": self.summary(),
+            "speculative_counts": self.spec_counts.to_dict(),
+            "target_counts": self.target_counts.to_dict(),
+            "predicted_alpha": {"prompt": self.predicted_prompt, "response": self.predicted_response},
+            "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in self.divergences],
+            "per_prompt": self.per_prompt,
+        }
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_eval(
+    target,
+    draft,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    prompt_names: Sequence[str] | None = None,
+    num_speculative_tokens: int = 5,
+    sampling: SamplingConfig | None = None,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    compare_hf: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    config: dict[str, Any] | None = None,
+) -> EvalResult:
+    """Decode each prompt with the target alone, with speculative decoding, and (optionally) with
+    transformers' assisted generation, interleaved, batch 1; compare outputs; gather counts and times.
+
+    Args:
+        target, draft: loaded causal LMs sharing ``tokenizer`` (checked by the caller).
+        prompt_ids: token ids per prompt (chat template already applied).
+        sampling: greedy by default; with sampling, outputs are not compared token by token (they are
+            random) — the χ² tests cover the law.
+
+    Returns:
+        :class:`EvalResult`.
+    """
+    sampling = sampling or SamplingConfig()
+    names = list(prompt_names or [str(i) for i in range(len(prompt_ids))])
+    real_vocab = len(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    tol = ROUNDING_TOLERANCE.get(dtype, 0.5)
+    gamma = num_speculative_tokens
+    res = EvalResult(
+        config=(config or {}) | {"num_speculative_tokens": gamma, "max_new_tokens": max_new_tokens,
+                                 "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype)},
+        spec_counts=AcceptanceCounts(gamma),
+        target_counts=AcceptanceCounts(1),
+    )
+    responses = []
+    for k, ids in enumerate(prompt_ids):
+        inp, mask = left_pad([ids], pad, device)
+        common = dict(sampling=sampling, max_new_tokens=max_new_tokens, real_vocab=real_vocab)
+        base, bc = target_generate(target, inp, mask, generator=torch.Generator().manual_seed(seed + k), **common)
+        spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
+                                        generator=torch.Generator().manual_seed(seed + k), **common)
+        res.target_counts = res.target_counts.merge(bc)
+        res.spec_counts = res.spec_counts.merge(sc)
+        res.target_tokens += len(base[0])
+        res.spec_tokens += len(spec[0])
+        res.target_seconds += bc.time_total
+        res.spec_seconds += sc.time_total
+        row = {"id": names[k], "prompt_tokens": len(ids), "target_tokens": len(base[0]),
+               "target_s": bc.time_total, "spec_s": sc.time_total, "acceptance_rate": sc.acceptance_rate,
+               "mean_accepted_length": sc.mean_accepted_length}
+        if sampling.greedy:
+            for contender, out in (("specdraft", spec[0]),):
+                pos = _first_difference(base[0], out)
+                row[f"{contender}_matches"] = pos is None
+                if pos is not None and pos < min(len(base[0]), len(out)):
+                    m = top2_margin(target, list(ids) + base[0][:pos])
+                    res.divergences.append(Divergence(names[k], contender, pos, base[0][pos], out[pos], m, tol))
+        if compare_hf:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                hf = target.generate(input_ids=inp, attention_mask=mask, assistant_model=draft,
+                                     max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
+                                     temperature=sampling.temperature or None, top_k=sampling.top_k or None,
+                                     top_p=sampling.top_p if sampling.top_p < 1 else None, pad_token_id=pad)
+            hf_s = time.perf_counter() - t0
+            hf_out = hf[0, inp.shape[1]:].tolist()
+            res.hf_tokens += len(hf_out)
+            res.hf_seconds += hf_s
+            if sampling.greedy:
+                pos = _first_difference(base[0], hf_out)
+                res.hf_matches += pos is None
+                row["hf_matches"] = pos is None
+                if pos is not None and pos < min(len(base[0]), len(hf_out)):
+                    m = top2_margin(target, list(ids) + base[0][:pos])
+                    res.divergences.append(Divergence(names[k], "hf_assisted", pos, base[0][pos], hf_out[pos], m, tol))
+            row["hf_s"] = hf_s
+        res.per_prompt.append(row)
+        responses.append(base[0])
+        res.prompts += 1
+        if progress:
+            progress(k + 1, len(prompt_ids))
+    # Predicted α from teacher-forced passes: over the prompts (available before any decoding), and over the
+    # target's own responses (the positions speculative decoding actually drafts).
+    res.predicted_prompt = predicted_alpha(target, draft, prompt_ids, sampling=sampling, real_vocab=real_vocab,
+                                           pad_id=pad)
+    seqs = [list(p) + r for p, r in zip(prompt_ids, responses) if r]
+    # Position j predicts token j+1: response tokens are predicted from positions P−1..P+R−2; the last
+    # position has no successor in the sequence.
+    masks = [[0] * (len(p) - 1) + [1] * len(r) + [0] for p, r in zip(prompt_ids, responses) if r]
+    if seqs:
+        res.predicted_response = predicted_alpha(target, draft, seqs, masks, sampling=sampling,
+                                                 real_vocab=real_vocab, pad_id=pad)
+    return res
+
+
+def write_report(res: EvalResult, out_dir: str | Path, title: str = "specdraft eval") -> dict[str, Path]:
+    """Write ``report.json`` and PNG plots (α per position, accepted-length histogram) atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specdraft.io import atomic_path, atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"report": out / "report.json", "alpha_plot": out / "alpha_per_position.png",
+             "hist_plot": out / "accepted_length_hist.png"}
+    atomic_write_text(paths["report"], json.dumps(res.to_dict(), indent=2, default=str))
+    c = res.spec_counts
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, c.gamma + 1), c.alpha_per_position, color="#4C72B0")
+    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05), title=f"{title}: α per position")
+    fig.tight_layout()
+    with atomic_path(paths["alpha_plot"]) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(c.gamma + 1), c.accepted_hist, color="#55A868")
+    ax.set(xlabel="drafts accepted per round", ylabel="rounds", title=f"{title}: accepted length")
+    fig.tight_layout()
+    with atomic_path(paths["hist_plot"]) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return paths
