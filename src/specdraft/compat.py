@@ -417,7 +417,7 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
     for role in SPECIAL_ROLES:
         a, b = t.roles[role], d.roles[role]
         special[role] = {"target": list(a), "draft": list(b), "equal": a == b}
-        if a != b:
+        if a != b and vocab_equal:  # on a mismatch the table shows them; the ids differ anyway
             warnings.append(f"{role} token differs: target {a[0]!r} (id {a[1]}), draft {b[0]!r} (id {b[1]})")
     flags_equal = t.special_ids == d.special_ids
     if not flags_equal and vocab_equal:
@@ -506,10 +506,16 @@ def print_report(report: CompatReport, console) -> None:
     def fmt(x) -> str:
         return escape(repr(x) if isinstance(x, str) else str(x))
 
+    def short(name: str) -> str:  # embedded models resolve to their cache entry: show the name
+        from specdraft.models import cache_root
+
+        p = os.path.abspath(name)
+        return os.path.basename(p) if p.startswith(str(cache_root().resolve() / "models") + os.sep) else name
+
     table = Table(title="Tokenizer compatibility")
     table.add_column("")
-    table.add_column(f"target: {escape(report.target)}")
-    table.add_column(f"draft: {escape(report.draft)}")
+    table.add_column(f"target: {escape(short(report.target))}")
+    table.add_column(f"draft: {escape(short(report.draft))}")
     table.add_row("len(tokenizer)", str(report.target_len), str(report.draft_len))
     table.add_row("real vocabulary", str(report.target_real_vocab), str(report.draft_real_vocab))
     table.add_row("config.vocab_size", str(report.target_config_vocab), str(report.draft_config_vocab))
@@ -524,8 +530,7 @@ def print_report(report: CompatReport, console) -> None:
     console.print(table)
 
     if report.differences:
-        diff = Table(title=f"First differing ids ({report.n_diff_ids} ids and {report.n_diff_strings} strings "
-                           "differ in all)")
+        diff = Table(title=f"First differing ids (of {report.n_diff_ids})")
         for col in ("id", "target", "draft"):
             diff.add_column(col)
         for x in report.differences:

@@ -1,0 +1,472 @@
+"""Tokenizer compatibility: verdicts, padding rows, vocabulary mapping, vocab swap, the ``check`` command.
+
+Tiny tokenizers are WordLevel models built in the test (a token is a whole word), so which ids must agree,
+differ or pair up is known by construction. Real-tokenizer tests (``real``) read only tokenizers and
+configs, except the CLI test of an identical tiny pair, which loads tiny models.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from specdraft.compat import (
+    VERDICTS,
+    CompatibilityError,
+    align_logits,
+    build_vocab_mapping,
+    check_compatible,
+    print_report,
+    require_compatible,
+    tokenizer_fingerprint,
+    vocab_swap,
+)
+from specdraft.models import ModelResolutionError
+from specdraft.testing import SPECIAL_TOKENS, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+
+
+def word_tokenizer(words, specials=tuple(SPECIAL_TOKENS), scheme="plain", eos="<eos>"):
+    """A WordLevel tokenizer over ``specials + words`` (ids in that order).
+
+    ``scheme``: ``"plain"`` (whitespace split), ``"byte-level"`` (GPT-2 byte pre-tokeniser and decoder,
+    so a word after a space is spelled ``Ġword``) or ``"metaspace"`` (sentencepiece ``▁word``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    strings = list(specials) + list(words)
+    assert len(set(strings)) == len(strings)
+    tok = Tokenizer(models.WordLevel(vocab={s: i for i, s in enumerate(strings)}, unk_token=specials[1]))
+    if scheme == "byte-level":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    elif scheme == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+    else:
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=specials[0], unk_token=specials[1],
+                                   eos_token=eos, additional_special_tokens=list(specials[2:4]))
+
+
+def ids(tok, strings):
+    return [tok.convert_tokens_to_ids(s) for s in strings]
+
+
+# ------------------------------------------------------------------------------------------ verdicts
+
+
+def test_identical_pair(tmp_path):
+    target, draft = save_tiny_pair(tmp_path, vocab_size=64)
+    r = check_compatible(target, draft)
+    assert r.verdict == "identical" and r.compatible
+    assert (r.n_diff_ids, r.n_diff_strings, r.differences) == (0, 0, [])
+    assert r.real_vocab == r.target_width == r.draft_width == 64
+    assert r.probe_equal and r.chat_template_equal and r.special_tokens_equal
+    assert r.warnings == [] and r.mapping is None
+    # The fingerprint survives save_pretrained / from_pretrained: a dump made with the saved tokenizer
+    # must match the one built in memory.
+    assert r.target_fingerprint == r.draft_fingerprint == tokenizer_fingerprint(tiny_tokenizer(64))
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["verdict"] == "identical" and d["compatible"] is True
+    assert require_compatible(target, draft).verdict == "identical"
+
+
+def test_one_tokenizer_padded_to_two_widths(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target, draft = save_tiny_pair(tmp_path, vocab_size=64, target_vocab=80, draft_vocab=72)
+    r = check_compatible(target, draft)
+    assert r.verdict == "identical-up-to-padding" and r.compatible
+    assert (r.real_vocab, r.target_config_vocab, r.draft_config_vocab) == (64, 80, 72)
+    assert (r.target_width, r.draft_width) == (80, 72)
+    assert r.target_fingerprint == r.draft_fingerprint
+
+    model = AutoModelForCausalLM.from_pretrained(draft).eval()
+    with torch.no_grad():
+        q_logits = model(torch.tensor([[5, 9, 13, 2]])).logits  # [1, 4, 72]
+    assert q_logits.shape[-1] == r.draft_width
+    for width in (r.target_width, 70):  # padded up to p's width, and extra rows dropped
+        q = torch.softmax(align_logits(q_logits, width, r.real_vocab), dim=-1)  # [1, 4, width]
+        assert q.shape[-1] == width
+        torch.testing.assert_close(q.sum(-1), torch.ones(1, 4))
+        assert q[..., r.real_vocab:].sum() == 0  # padding rows carry exactly zero probability
+        # On real ids q is the draft's own distribution renormalised over the real vocabulary.
+        torch.testing.assert_close(q[..., : r.real_vocab], torch.softmax(q_logits[..., : r.real_vocab], -1))
+
+
+def test_gguf_placeholders_are_padding():
+    words = tiny_words(59)
+    plain = word_tokenizer(words)
+    n = len(plain)
+    padded = word_tokenizer(words + [f"[PAD{i}]" for i in range(n, n + 6)])
+    r = check_compatible(plain, padded)
+    assert r.verdict == "identical-up-to-padding"
+    assert (r.real_vocab, r.target_width, r.draft_width, r.draft_len) == (n, n, n + 6, n + 6)
+    assert tokenizer_fingerprint(plain) == tokenizer_fingerprint(padded)
+    # A "[PAD…]" string whose number is not its own id is a real token: it makes the vocabularies differ.
+    odd = word_tokenizer(words + ["[PAD3]"])
+    r = check_compatible(plain, odd)
+    assert r.verdict == "mismatch"
+    assert [(x.id, x.target, x.draft) for x in r.differences] == [(n, None, "[PAD3]")]
+
+
+def test_equal_size_with_one_id_swapped_is_refused():
+    a, b = tiny_tokenizer(64), tiny_tokenizer(64, swap=(10, 20))
+    r = check_compatible(a, b)
+    assert r.verdict == "mismatch" and not r.compatible
+    assert r.target_len == r.draft_len == 64  # equal sizes do not make a pair compatible
+    assert (r.n_diff_ids, r.n_diff_strings) == (2, 2)
+    s10, s20 = a.convert_ids_to_tokens(10), a.convert_ids_to_tokens(20)
+    assert [(x.id, x.target, x.draft) for x in r.differences] == [(10, s10, s20), (20, s20, s10)]
+    assert r.target_fingerprint != r.draft_fingerprint
+    with pytest.raises(CompatibilityError, match="id 10") as exc:
+        r.raise_for_mismatch()
+    assert repr(s10) in str(exc.value) and repr(s20) in str(exc.value)
+    with pytest.raises(CompatibilityError):
+        require_compatible(a, b)
+
+
+def test_differing_special_token_role_warns_but_ids_agree():
+    a, b = tiny_tokenizer(64), tiny_tokenizer(64)
+    b.eos_token = "<|im_end|>"  # same vocabulary, another id plays eos
+    r = check_compatible(a, b)
+    assert r.verdict == "identical"  # every id still means the same string: sampling stays exact
+    assert not r.special_tokens_equal
+    assert r.special_tokens["eos"] == {"target": ["<eos>", 4], "draft": ["<|im_end|>", 3], "equal": False}
+    assert all(r.special_tokens[k]["equal"] for k in ("bos", "pad", "unk"))
+    assert len(r.warnings) == 1 and r.warnings[0].startswith("eos token differs")
+    assert r.target_fingerprint != r.draft_fingerprint
+
+
+def test_differing_special_token_string_is_a_mismatch():
+    words = tiny_words(59)
+    a = word_tokenizer(words)
+    b = word_tokenizer(words, specials=("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "</s>"), eos="</s>")
+    r = check_compatible(a, b)
+    assert r.verdict == "mismatch"
+    assert [(x.id, x.target, x.draft) for x in r.differences] == [(4, "<eos>", "</s>")]
+    assert r.special_tokens["eos"]["target"] == ["<eos>", 4] and r.special_tokens["eos"]["draft"] == ["</s>", 4]
+
+
+def test_chat_template_and_normaliser_differences_warn():
+    from tokenizers import normalizers
+
+    base = tiny_tokenizer(64)
+    other_template = tiny_tokenizer(64, chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    r = check_compatible(base, other_template)
+    assert r.verdict == "identical" and r.chat_template_equal is False and r.probe_equal
+    assert any("chat templates render" in w for w in r.warnings)
+
+    no_template = tiny_tokenizer(64)
+    no_template.chat_template = None
+    r = check_compatible(base, no_template)
+    assert r.chat_template_equal is False and any("only the target has a chat template" in w for w in r.warnings)
+
+    renamed = tiny_tokenizer(64)
+    # A normaliser that rewrites the probe's first word ("def"); both spellings are in the vocabulary.
+    renamed.backend_tokenizer.normalizer = normalizers.Replace("def", "return")
+    r = check_compatible(base, renamed)
+    assert r.verdict == "identical" and not r.probe_equal
+    assert r.probe_detail["position"] == 0
+    assert (r.probe_detail["target_tokens"][0], r.probe_detail["draft_tokens"][0]) == ("def", "return")
+    assert any("normaliser / pre-tokeniser" in w for w in r.warnings)
+
+
+def test_fingerprint_is_deterministic_and_sensitive():
+    fp = tokenizer_fingerprint(tiny_tokenizer(64))
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    assert fp == tokenizer_fingerprint(tiny_tokenizer(64))
+    assert fp != tokenizer_fingerprint(tiny_tokenizer(64, swap=(30, 31)))
+    assert fp != tokenizer_fingerprint(tiny_tokenizer(65))
+
+
+def test_unloadable_tokenizer_names_the_path(tmp_path):
+    from specdraft.testing import tiny_config
+
+    target, _ = save_tiny_pair(tmp_path / "pair", vocab_size=64)
+    broken = tmp_path / "config-only"
+    tiny_config().save_pretrained(broken)  # a checkpoint directory with no tokenizer files
+    with pytest.raises(ModelResolutionError, match="draft tokenizer") as exc:
+        check_compatible(target, str(broken))
+    assert str(broken) in str(exc.value)
+    with pytest.raises(ModelResolutionError, match="no-such-model"):
+        check_compatible(str(tmp_path / "no-such-model"), target)
+
+
+def test_print_report_names_the_first_differences():
+    from rich.console import Console
+
+    console = Console(record=True, width=160)
+    a, b = tiny_tokenizer(64), tiny_tokenizer(64, swap=(10, 20))
+    print_report(check_compatible(a, b), console)
+    text = console.export_text()
+    assert "mismatch: 2 of 64 ids and 2 strings differ" in text
+    assert repr(a.convert_ids_to_tokens(10)) in text and repr(a.convert_ids_to_tokens(20)) in text
+
+
+def test_verdicts_have_one_source():
+    assert VERDICTS == ("identical", "identical-up-to-padding", "mismatch")
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_check_exit_codes_and_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    runner = CliRunner()
+    target, draft = save_tiny_pair(tmp_path / "same", vocab_size=64, target_vocab=80)
+    out = tmp_path / "report.json"
+    res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--max-new-tokens", "2",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "identical-up-to-padding" in res.output
+    assert json.loads(out.read_text())["compat"]["verdict"] == "identical-up-to-padding"
+
+    target, draft = save_tiny_pair(tmp_path / "swapped", vocab_size=64)
+    swapped = tiny_tokenizer(64, swap=(10, 20))
+    swapped.save_pretrained(draft)
+    res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--json", str(out)])
+    assert res.exit_code == 1
+    assert "mismatch" in res.output and repr(swapped.convert_ids_to_tokens(10)) in res.output
+    saved = json.loads(out.read_text())
+    assert saved["compat"]["n_diff_ids"] == 2 and "continuations" not in saved  # models never loaded
+
+
+# ------------------------------------------------------------------------------------------ mapping
+
+# Target: byte-level BPE spelling (Ġ = space, Ċ = newline). Draft: sentencepiece spelling (▁ = space,
+# raw bytes as <0xNN>). Twins by meaning: Ġhello/▁hello, Ġworld/▁world, hello/hello, Ċ/<0x0A>, Ġ/▁.
+TARGET_WORDS = ["hello", "Ġhello", "Ġworld", "Ċ", "Ġ", "Ġfoo", "bar"]
+DRAFT_WORDS = ["▁hello", "hello", "▁world", "<0x0A>", "Ċ", "▁", "<0x20>", "▁baz"]
+
+
+@pytest.fixture
+def mixed_pair():
+    return word_tokenizer(TARGET_WORDS, scheme="byte-level"), word_tokenizer(DRAFT_WORDS, scheme="metaspace")
+
+
+def test_mapping_normalises_space_markers(mixed_pair):
+    target, draft = mixed_pair
+    m = build_vocab_mapping(target, draft, draft_config=len(draft) + 3)  # 3 padding rows on the draft
+    assert (m.target_scheme, m.draft_scheme) == ("byte-level", "metaspace")
+    twins = [("Ġhello", "▁hello"), ("Ġworld", "▁world"), ("hello", "hello"), ("Ċ", "<0x0A>"), ("Ġ", "▁")]
+    twins += [(s, s) for s in SPECIAL_TOKENS]
+    expected = {draft.convert_tokens_to_ids(d): target.convert_tokens_to_ids(t) for t, d in twins}
+    got = {i: int(t) for i, t in enumerate(m.draft_to_target) if t >= 0}
+    assert got == expected
+    # Literal "Ċ" in a sentencepiece vocabulary is the letter U+010A, not a newline: no twin. "<0x20>"
+    # stands for the same byte as "▁"; the piece the tokenizer emits ("▁") keeps the pairing.
+    assert m.draft_ids_to_target(ids(draft, ["Ċ", "<0x20>", "▁baz"]), strict=False) == [-1, -1, -1]
+    assert m.draft_duplicates == 1
+    assert m.draft_width == len(draft) + 3 and (m.draft_to_target[len(draft):] == -1).all()
+    assert m.n_mapped == len(expected)
+    assert m.target_coverage == len(expected) / len(target)
+    assert m.draft_coverage == len(expected) / len(draft)
+
+
+def test_mapping_round_trip_and_no_aliasing(mixed_pair):
+    target, draft = mixed_pair
+    m = build_vocab_mapping(target, draft)
+    mapped = (m.draft_to_target >= 0).nonzero().squeeze(-1)
+    assert torch.equal(m.target_ids_to_draft(m.draft_ids_to_target(mapped)), mapped)
+    baz = draft.convert_tokens_to_ids("▁baz")
+    with pytest.raises(CompatibilityError, match="▁baz"):
+        m.draft_ids_to_target([mapped[0].item(), baz])
+    unmapped = m.draft_ids_to_target(torch.tensor([[baz, mapped[0].item()]]), strict=False)
+    assert unmapped.tolist() == [[-1, int(m.draft_to_target[mapped[0]])]]  # never 0 or another real id
+    with pytest.raises(CompatibilityError, match="Ġfoo"):
+        m.target_ids_to_draft(target.convert_tokens_to_ids("Ġfoo"))
+    with pytest.raises(ValueError):
+        m.draft_ids_to_target([len(draft)])
+
+
+def test_map_draft_logits_gives_unmapped_tokens_zero_probability(mixed_pair):
+    target, draft = mixed_pair
+    m = build_vocab_mapping(target, draft, target_config=len(target) + 2)
+    torch.manual_seed(0)
+    q_logits = torch.randn(2, 3, len(draft))  # [B, S, Vd]
+    out = m.map_draft_logits(q_logits)  # [B, S, Vt]
+    assert out.shape == (2, 3, len(target) + 2) and out.dtype == q_logits.dtype
+    src = (m.draft_to_target >= 0).nonzero().squeeze(-1)
+    dst = m.draft_to_target[src]
+    torch.testing.assert_close(out[..., dst], q_logits[..., src])
+    no_twin = m.target_to_draft < 0
+    assert torch.isneginf(out[..., no_twin]).all()
+    q = torch.softmax(out, -1)
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, 3))
+    assert q[..., no_twin].sum() == 0
+    # q over target ids = the draft's q restricted to tokens with a twin, renormalised.
+    torch.testing.assert_close(q[..., dst], torch.softmax(q_logits[..., src], -1))
+    with pytest.raises(ValueError, match="width"):
+        m.map_draft_logits(q_logits[..., :2])
+
+
+def test_reencode_for_draft(mixed_pair):
+    target, draft = mixed_pair
+    m = build_vocab_mapping(target, draft)
+    t_ids = target("hello world hello", add_special_tokens=False)["input_ids"]
+    d_ids = m.reencode_for_draft(t_ids)
+    assert draft.convert_ids_to_tokens(d_ids) == ["▁hello", "▁world", "▁hello"]
+    assert draft.decode(d_ids) == target.decode(t_ids) == "hello world hello"
+
+
+def test_no_usable_overlap_fails_before_any_model_is_loaded(tmp_path, monkeypatch):
+    import specdraft.models
+
+    latin = word_tokenizer(tiny_words(40))
+    cyrillic = word_tokenizer([f"слово{i}" for i in range(40)])
+    with pytest.raises(CompatibilityError, match="no usable overlap"):
+        build_vocab_mapping(latin, cyrillic)  # the 5 shared special tokens do not make it usable
+    r = check_compatible(latin, cyrillic)
+    assert r.verdict == "mismatch" and r.mapping["usable"] is False and r.mapping["n_text_mapped"] == 0
+
+    draft_dir = tmp_path / "draft"
+    tiny_model(vocab_size=len(cyrillic)).save_pretrained(draft_dir)
+    cyrillic.save_pretrained(draft_dir)
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before the overlap was checked")
+
+    monkeypatch.setattr(specdraft.models, "load_model", no_weights)
+    with pytest.raises(CompatibilityError, match="no usable overlap"):
+        vocab_swap(str(draft_dir), None, latin)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_swap_reindexes_rows(tied):
+    draft_tok = tiny_tokenizer(64)
+    words = tiny_words(59)
+    # The target shares 40 of the draft's words in another order and adds 10 of its own.
+    target_words = words[::-1][:40] + [f"neu{i}" for i in range(10)]
+    target_tok = word_tokenizer(target_words, eos="<|im_end|>")
+    shared = set(words) & set(target_words)
+    draft = tiny_model(vocab_size=72, tie_word_embeddings=tied)  # 8 padding rows past the tokenizer
+    old = copy.deepcopy(draft)
+
+    model, rep = vocab_swap(draft, draft_tok, target_tok)
+    assert model is draft and rep.tied == tied
+    assert rep.width == model.config.vocab_size == len(target_tok) == 55
+    # "<eos>" is the draft's eos but a plain word to this target (whose eos is "<|im_end|>"): a control
+    # token never pairs with text of the same spelling, so it is initialised like the 10 new words.
+    assert rep.copied == len(shared) + len(SPECIAL_TOKENS) - 1 and rep.padding_rows == 0
+    assert rep.initialised == 11 and rep.initialised_examples == ["<eos>"] + [f"neu{i}" for i in range(9)]
+    assert rep.target_fingerprint == tokenizer_fingerprint(target_tok)
+    assert model.config.eos_token_id == target_tok.eos_token_id == 3
+    emb = model.get_input_embeddings().weight
+    assert emb.shape[0] == 55
+    mean = old.get_input_embeddings().weight[:64].mean(0)  # the real draft rows, padding left out
+    for i in ids(target_tok, [f"neu{i}" for i in range(10)]):
+        torch.testing.assert_close(emb[i], mean)
+    if tied:
+        assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+
+    # The swapped model in target ids computes what the draft computed in draft ids.
+    seq = [words[20], words[45], "<|im_start|>", words[58], words[30]]
+    assert set(seq) <= shared | {"<|im_start|>"}
+    d_seq, t_seq = ids(draft_tok, seq), ids(target_tok, seq)
+    with torch.no_grad():
+        before = old(torch.tensor([d_seq])).logits  # [1, 5, 72]
+        after = model(torch.tensor([t_seq])).logits  # [1, 5, 55]
+    pairs = [(draft_tok.convert_tokens_to_ids(s), target_tok.convert_tokens_to_ids(s))
+             for s in list(shared) + SPECIAL_TOKENS[:4]]
+    d_cols, t_cols = zip(*pairs)
+    torch.testing.assert_close(after[..., list(t_cols)], before[..., list(d_cols)], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ real tokenizers
+
+SMOL = "smollm2-135m-instruct"
+QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
+QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers():
+    from specdraft.models import load_tokenizer
+
+    return {name: load_tokenizer(name) for name in (SMOL, QWEN_DRAFT)}
+
+
+def _real_vocab_strings(tok):
+    """Strings of ids below the last added token + 1 (the GGUF conversion appends "[PAD<id>]" rows)."""
+    real = max(tok.added_tokens_decoder) + 1
+    return {s: i for s, i in tok.get_vocab().items() if i < real}, real
+
+
+@pytest.mark.real
+def test_real_smollm2_vs_qwen_mismatch(real_tokenizers):
+    smol, qwen = real_tokenizers[SMOL], real_tokenizers[QWEN_DRAFT]
+    r = check_compatible(SMOL, QWEN_DRAFT)
+    assert r.verdict == "mismatch"
+    assert r.differences[0].id == 0
+    assert (r.differences[0].target, r.differences[0].draft) == (smol.convert_ids_to_tokens(0),
+                                                                 qwen.convert_ids_to_tokens(0))
+    assert r.draft_real_vocab == _real_vocab_strings(qwen)[1] and r.target_real_vocab == len(smol)
+    # Every Qwen id past SmolLM2's vocabulary differs, whatever happens below it.
+    assert r.n_diff_ids >= r.draft_real_vocab - r.target_real_vocab
+    with pytest.raises(CompatibilityError, match="id 0"):
+        r.raise_for_mismatch()
+    assert r.mapping["usable"] and r.mapping["n_mapped"] > 0
+
+
+@pytest.mark.real
+def test_real_mapping_qwen_target_smollm2_draft(real_tokenizers):
+    smol, qwen = real_tokenizers[SMOL], real_tokenizers[QWEN_DRAFT]
+    m = build_vocab_mapping(QWEN_DRAFT, SMOL)
+    assert (m.target_scheme, m.draft_scheme) == ("byte-level", "byte-level")
+    # Both are byte-level BPEs over the same GPT-2 alphabet, so twins are exactly the shared spellings.
+    q_vocab, q_real = _real_vocab_strings(qwen)
+    s_vocab = smol.get_vocab()
+    shared = q_vocab.keys() & s_vocab.keys()
+    assert m.n_mapped == len(shared)
+    assert m.target_real == q_real and m.draft_real == len(smol)
+    assert m.target_coverage == pytest.approx(len(shared) / q_real)
+    assert m.draft_coverage == pytest.approx(len(shared) / len(smol))
+    print(f"\nSmolLM2 → Qwen mapping: {m.n_mapped} pairs, target coverage {m.target_coverage:.2%}, "
+          f"draft coverage {m.draft_coverage:.2%}, probe coverage {m.probe_coverage:.2%}")
+    assert m.target_width == 151936 == len(m.target_to_draft)
+
+    mapped = (m.draft_to_target >= 0).nonzero().squeeze(-1)
+    t_ids = m.draft_ids_to_target(mapped)
+    assert torch.equal(m.target_ids_to_draft(t_ids), mapped)  # draft → target → draft
+    assert qwen.convert_ids_to_tokens(t_ids.tolist()) == smol.convert_ids_to_tokens(mapped.tolist())
+    assert not (m.target_to_draft[q_real:] >= 0).any()  # padding rows never map
+
+    text = "def add(a, b):\n    return a + b  # 加法 ✅\n"
+    q_ids = qwen(text, add_special_tokens=False)["input_ids"]
+    assert smol.decode(m.reencode_for_draft(q_ids)) == text
+
+
+@pytest.mark.real
+def test_real_qwen_pair_identical():
+    from transformers import AutoConfig
+
+    from specdraft.models import resolve
+
+    r = check_compatible(QWEN_TARGET, QWEN_DRAFT)
+    assert r.verdict == "identical", r.summary()
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(resolve(QWEN_DRAFT))
+    assert r.real_vocab == max(tok.added_tokens_decoder) + 1  # GGUF "[PAD<id>]" rows are padding
+    assert r.target_width == r.draft_width == AutoConfig.from_pretrained(resolve(QWEN_DRAFT)).vocab_size
+    assert r.target_fingerprint == r.draft_fingerprint
+    assert r.probe_equal and r.chat_template_equal and r.warnings == []
+
+
+@pytest.mark.real
+def test_real_cli_check_mismatch_exits_1(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["check", "--target", SMOL, "--draft", QWEN_DRAFT, "--json", str(out)])
+    assert res.exit_code == 1
+    assert "mismatch" in res.output and "vocabulary mapping would pair" in res.output
+    assert json.loads(out.read_text())["compat"]["verdict"] == "mismatch"
