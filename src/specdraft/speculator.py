@@ -773,7 +773,7 @@ class IndependentSpeculator:
         Raises:
             SpeculatorError: no verifier named (nothing is written), or ``push_to_hub=True``.
         """
-        from specdraft.io import atomic_write_text
+        from specdraft.io import atomic_path
 
         if kwargs.get("push_to_hub"):
             raise SpeculatorError("push_to_hub is not supported: save locally, then upload the directory.")
@@ -783,7 +783,10 @@ class IndependentSpeculator:
         # Re-read what transformers wrote (it may set architectures / dtype on save) so the speculator's
         # config is exactly the plain one plus three keys.
         self.speculator_config.draft_config = json.loads(path.read_text(encoding="utf-8"))
-        atomic_write_text(path, self.speculator_config.to_json_string())
+        mode = path.stat().st_mode & 0o777
+        with atomic_path(path) as tmp:
+            tmp.write_text(self.speculator_config.to_json_string(), encoding="utf-8")
+            os.chmod(tmp, mode)  # mkstemp makes 0600; keep the mode transformers gave config.json
 
     @classmethod
     def from_pretrained(
@@ -1022,11 +1025,11 @@ def _strip_speculator_keys(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _not_a_speculator(d: dict[str, Any], source: Any = None) -> NotASpeculatorError:
-    where = f"{source} " if isinstance(source, (str, os.PathLike)) else ""
+    what = str(source) if isinstance(source, (str, os.PathLike)) else "This config"
     return NotASpeculatorError(
-        f"{where}is not a speculator checkpoint (its config has no speculators_model_type; model_type="
-        f"{d.get('model_type')!r}, architectures={d.get('architectures')}) — convert it with "
-        "`specdraft convert --draft D --verifier T --out DIR`."
+        f"{what} is not a speculator checkpoint — convert it with `specdraft convert --draft D --verifier T "
+        f"--out DIR`. (Its config has no speculators_model_type: a plain {d.get('model_type')!r} config, "
+        f"architectures {d.get('architectures')}.)"
     )
 
 
