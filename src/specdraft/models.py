@@ -485,6 +485,10 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    # Our CLI shows its own status; transformers' per-tensor "Loading weights" bars only add noise.
+    hf_logging.disable_progress_bar()
     path = resolve(ref, progress)
     torch_dtype = resolve_dtype(dtype)
     try:
