@@ -243,3 +243,37 @@ def test_bad_input_is_refused_before_decoding(pair):
         SamplingConfig(temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(temperature=-0.1)
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.9])
+def test_confidence_threshold_drafts_fewer_and_stays_lossless(pair, threshold):
+    target, draft = pair
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=25, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=6, max_new_tokens=25,
+                                        eos_token_id=[], draft_confidence_threshold=threshold)
+    assert spec == base
+    # Fewer proposals at the later positions than a fixed γ = 6 would make (rounds that stopped early).
+    assert counts.proposed[-1] < counts.proposed[0]
+    assert sum(counts.proposed) < 6 * counts.rounds
+
+
+def test_confidence_threshold_sampled_follows_target_law():
+    V, N = 12, 6000
+    sampling = SamplingConfig(temperature=1.0)
+    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
+    draft = perturbed(target, 0.08, seed=5)
+    law = _exact_two_token_law(target, [5, 6, 7], sampling)
+    out, counts = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N), None, num_speculative_tokens=3,
+                                       sampling=sampling, max_new_tokens=2, eos_token_id=[],
+                                       generator=torch.Generator().manual_seed(99), draft_confidence_threshold=0.5)
+    observed = np.zeros_like(law)
+    for row in out:
+        observed[row[0], row[1]] += 1
+    expected = law.flatten() * N
+    big = expected >= 5
+    obs_c = np.append(observed.flatten()[big], observed.flatten()[~big].sum())
+    exp_c = np.append(expected[big], expected[~big].sum())
+    if exp_c[-1] == 0:
+        obs_c, exp_c = obs_c[:-1], exp_c[:-1]
+    assert stats.chisquare(obs_c, exp_c).pvalue > 1e-3

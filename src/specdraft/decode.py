@@ -184,6 +184,7 @@ def speculative_generate(
     real_vocab: int | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    draft_confidence_threshold: float | None = None,
 ) -> tuple[list[list[int]], AcceptanceCounts]:
     """Generate with speculative decoding (``draft`` given) or target alone (``draft=None``, same code).
 
@@ -201,6 +202,10 @@ def speculative_generate(
         real_vocab: ``len(tokenizer)``; logits of ids at or past it are padding and get zero probability.
         generator: torch RNG (sampling only); seed it for reproducible output.
         on_tokens: called as ``on_tokens(row, new_tokens)`` after each round (streaming).
+        draft_confidence_threshold: if set, a round drafts fewer than γ tokens: drafting stops once the draft's
+            probability of its own latest token falls below this value in every row (γ is then the maximum).
+            Lossless: the number of proposals depends only on the draft, and each proposal is still
+            verified exactly (as transformers' ``assistant_confidence_threshold``; SpecDec++ motivates it).
 
     Returns:
         ``(tokens, counts)``: per row the new token ids (prompt excluded, EOS/stop included), and the
@@ -290,16 +295,22 @@ def speculative_generate(
                     d = torch.multinomial(q_i, 1, generator=generator).squeeze(1)
                     q_list.append(q_i)
                 d_tokens.append(d)
-                if i < gamma - 1:
-                    logits = drf.forward(d[:, None], ones_b, logits_to_keep=1)[:, -1]
-            drafts = torch.stack(d_tokens, dim=1)  # [b, γ]
+                if i == gamma - 1:
+                    break
+                if draft_confidence_threshold is not None:
+                    q_d = (logits.float().softmax(-1) if sampling.greedy else q_i).gather(1, d[:, None])
+                    if bool((q_d < draft_confidence_threshold).all()):  # one host sync per draft step
+                        break
+                logits = drf.forward(d[:, None], ones_b, logits_to_keep=1)[:, -1]
+            drafts = torch.stack(d_tokens, dim=1)  # [b, k], k ≤ γ drafted this round
             sync()
         else:
             drafts = cur.new_zeros(b, 0)
         t1 = time.perf_counter()
         counts.time_draft += t1 - t0
 
-        # ---- 2. one target pass over [cur, d_1..d_γ] -------------------------------------------------------
+        k_round = drafts.shape[1]
+        # ---- 2. one target pass over [cur, d_1..d_k] -------------------------------------------------------
         target_start = tgt.length
         t_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, γ+1]
         t_logits = tgt.forward(t_ids, torch.ones_like(t_ids))  # [b, γ+1, V]
@@ -344,7 +355,7 @@ def speculative_generate(
                 if ended and k <= n:  # the row ended inside the accepted block: drafts after it are dropped
                     counts.record_round(k, n_proposed=k, bonus=False)
                 else:
-                    counts.record_round(n, bonus=True)
+                    counts.record_round(n, n_proposed=k_round, bonus=True)
             else:
                 counts.rounds += 1
                 counts.emitted += 1
@@ -359,15 +370,15 @@ def speculative_generate(
         # Target holds [cur, d_1..d_γ]: keep cur and the n accepted drafts.
         tgt.keep(target_start, n_acc + 1)
         if drf is not None:
-            # Draft holds [catch-up?, cur, d_1..d_{γ-1}]: keep the catch-up slot where real, cur and
-            # min(n, γ−1) drafts; a row that accepted all γ still needs d_γ next round.
-            has_slot = drf.length - draft_start == gamma + 1
-            valid = torch.clamp(n_acc, max=gamma - 1) + 1
+            # Draft holds [catch-up?, cur, d_1..d_{k-1}]: keep the catch-up slot where real, cur and
+            # min(n, k−1) drafts; a row that accepted all k still needs d_k next round.
+            has_slot = drf.length - draft_start == k_round + 1
+            valid = torch.clamp(n_acc, max=k_round - 1) + 1
             if has_slot:
                 # The catch-up slot is a hole for rows that had nothing to catch up: keep its mask as is.
                 valid = valid + 1
             drf.keep(draft_start, valid)
-            catch_up = torch.where(n_acc == gamma, drafts[:, -1], torch.full_like(n_acc, -1))
+            catch_up = torch.where(n_acc == k_round, drafts[:, -1], torch.full_like(n_acc, -1))
         cur = nxt
 
         if len(keep_rows) < b:
