@@ -271,7 +271,11 @@ SamplingTemp = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (temp
 SamplingTopK = Annotated[int, typer.Option(help="Top-k filter; 0 = off.")]
 SamplingTopP = Annotated[float, typer.Option(help="Top-p (nucleus) mass in (0, 1]; 1 = off.")]
 GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-g",
-                                       help="γ: draft tokens proposed per target pass (>= 1).")]
+                                       help="γ: draft tokens proposed per target pass (>= 1); the maximum when "
+                                       "--draft-confidence-threshold is set.")]
+ConfOpt = Annotated[Optional[float], typer.Option(
+    min=0.0, max=1.0, help="Stop drafting a round early once the draft's probability of its own token falls "
+    "below this (lossless; γ becomes a maximum). Off when not given.")]
 
 
 @app.command("eval")
@@ -290,6 +294,7 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     compare_hf: Annotated[bool, typer.Option(help="Also time transformers' generate(assistant_model=draft).")]
         = False,
+    draft_confidence_threshold: ConfOpt = None,
     dtype: DtypeOpt = "bfloat16",
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
@@ -316,6 +321,7 @@ def eval_cmd(
         res = run_eval(t, d, tok, ids, [e.id for e in examples], num_speculative_tokens=gamma, sampling=sampling,
                        max_new_tokens=max_new_tokens, seed=seed, compare_hf=compare_hf,
                        progress=lambda k, n: pg.update(task, completed=k),
+                       draft_confidence_threshold=draft_confidence_threshold,
                        config={"target": target, "draft": draft, "prompts": prompts, "dtype": dtype,
                                "command": " ".join(sys.argv)})
     paths = write_report(res, out)
@@ -370,6 +376,7 @@ def generate(
     top_p: SamplingTopP = 1.0,
     seed: int = 0,
     dtype: DtypeOpt = "bfloat16",
+    draft_confidence_threshold: ConfOpt = None,
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
     import torch
@@ -398,7 +405,8 @@ def generate(
 
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
-                                     generator=torch.Generator().manual_seed(seed), on_tokens=stream)
+                                     generator=torch.Generator().manual_seed(seed), on_tokens=stream,
+                                     draft_confidence_threshold=draft_confidence_threshold)
     console.print()
     console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "
                   f"({counts.emitted / max(counts.time_total, 1e-9):.2f} tokens/s); acceptance rate "

@@ -207,6 +207,7 @@ def run_eval(
     compare_hf: bool = False,
     progress: Callable[[int, int], None] | None = None,
     config: dict[str, Any] | None = None,
+    draft_confidence_threshold: float | None = None,
 ) -> EvalResult:
     """Decode each prompt with the target alone, with speculative decoding, and (optionally) with
     transformers' assisted generation, interleaved, batch 1; compare outputs; gather counts and times.
@@ -230,7 +231,8 @@ def run_eval(
     gamma = num_speculative_tokens
     res = EvalResult(
         config=(config or {}) | {"num_speculative_tokens": gamma, "max_new_tokens": max_new_tokens,
-                                 "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype)},
+                                 "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype),
+                                 "draft_confidence_threshold": draft_confidence_threshold},
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )
@@ -240,7 +242,8 @@ def run_eval(
         common = dict(sampling=sampling, max_new_tokens=max_new_tokens, real_vocab=real_vocab)
         base, bc = target_generate(target, inp, mask, generator=torch.Generator().manual_seed(seed + k), **common)
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
-                                        generator=torch.Generator().manual_seed(seed + k), **common)
+                                        generator=torch.Generator().manual_seed(seed + k),
+                                        draft_confidence_threshold=draft_confidence_threshold, **common)
         res.target_counts = res.target_counts.merge(bc)
         res.spec_counts = res.spec_counts.merge(sc)
         res.target_tokens += len(base[0])

@@ -1,0 +1,413 @@
+"""Distil the draft toward the target's distribution (DistillSpec, Zhou et al. 2023), then export it.
+
+The trainable module is :class:`DistillModel`: the draft plus a frozen copy of the target's output head (kept
+as non-persistent buffers, so it never enters the draft's state_dict or checkpoints, and follows ``.to()``).
+Its ``forward`` returns a ``ModelOutput`` whose ``loss`` is passed to the constructor — transformers' Trainer
+reads ``outputs["loss"]`` by key — plus ``train_acc`` (top-1 agreement) and ``tvd`` as metrics.
+
+Teacher signal per position (from :mod:`specdraft.dump`):
+
+* ``hidden`` dump: teacher logits = ``lm_head(h)`` with h the target's post-norm final hidden state;
+* ``topk`` dump: a sparse teacher (see :func:`specdraft.dump.teacher_probs_from_topk` for the leftover rule).
+
+Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
+compared over the real shared vocabulary (:func:`specdraft.compat.align_logits`), padding rows carry zero
+teacher mass. Widths below the real vocabulary are refused at construction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from transformers.utils import ModelOutput
+
+from specdraft.compat import align_logits
+from specdraft.losses import LOSSES, filtered_probs, masked_mean, sum_min
+
+LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
+TrainWhat = Literal["all", "last_layers", "lora"]
+
+
+class DistillError(RuntimeError):
+    """Distillation cannot start or continue (bad input, non-finite loss)."""
+
+
+class DistillConfig(BaseModel):
+    """Distillation settings; field names equal the CLI flags (``top_p`` ↔ ``--top-p``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loss: LossName = Field("tvd", description="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
+                           "serving filter (1 − it is the deployed acceptance).")
+    temperature: float = Field(1.0, gt=0.0, description="Serving temperature (tvd_deploy and α).")
+    top_k: int = Field(0, ge=0, description="Serving top-k (tvd_deploy and α); 0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving top-p (tvd_deploy and α); 1 = off.")
+    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(1, ge=1, description="Sequences per device per micro-batch.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps with linear warm-up.")
+    scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule (transformers' get_scheduler names).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    seed: int = Field(0, description="Seed for data order and initialisation.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype of the draft.")
+    train: TrainWhat = Field("all", description="all parameters, the last N layers (+ final norm), or LoRA.")
+    train_last_layers: int = Field(2, ge=1, description="N for train=last_layers.")
+    lora_r: int = Field(16, ge=1, description="LoRA rank for train=lora (needs peft).")
+    held_out_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of sequences kept for evaluation.")
+    eval_steps: int = Field(0, ge=0, description="Evaluate held-out α every N steps; 0 = at the end only.")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
+    logging_steps: int = Field(1, ge=1, description="Log every N steps.")
+    num_speculative_tokens: int = Field(5, ge=1, description="γ recorded in the exported speculator config.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillConfig:
+        if self.loss not in LOSSES:  # one source of truth: the Literal and the LOSSES dict must agree
+            raise ValueError(f"loss {self.loss!r} has no implementation; known: {sorted(LOSSES)}")
+        return self
+
+
+@dataclass
+class DistillOutput(ModelOutput):
+    """Forward output: ``loss`` (0-dim), ``train_acc`` (top-1 agreement), ``tvd`` and ``alpha`` (deployed
+    Σmin(p̃, q̃) under the serving filter), each a token-weighted mean over the loss mask."""
+
+    loss: torch.Tensor | None = None
+    train_acc: torch.Tensor | None = None
+    tvd: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
+class DistillModel(nn.Module):
+    """The draft plus a frozen teacher head; forward computes the chosen loss over the loss mask.
+
+    Args:
+        draft: a transformers causal LM (trained).
+        head_weight: ``[V_t, H_t]`` the target's output-head weight (frozen; ``None`` for a topk teacher).
+        head_bias: ``[V_t]`` or None.
+        real_vocab: ``len(tokenizer)``; ids at or past it are padding (zero teacher mass, masked draft logits).
+        config: the :class:`DistillConfig` (loss and serving filter).
+
+    Raises:
+        DistillError: a width smaller than the real vocabulary (not padding of one tokenizer).
+    """
+
+    def __init__(self, draft, head_weight: torch.Tensor | None, head_bias: torch.Tensor | None, real_vocab: int,
+                 config: DistillConfig, teacher_width: int | None = None):
+        super().__init__()
+        self.draft = draft
+        self.config_ = config
+        d_width = draft.get_output_embeddings().weight.shape[0]
+        t_width = head_weight.shape[0] if head_weight is not None else (teacher_width or d_width)
+        for name, w in (("draft", d_width), ("teacher", t_width)):
+            if w < real_vocab:
+                raise DistillError(
+                    f"the {name}'s output width {w} is below the tokenizer's {real_vocab} ids: the vocabularies "
+                    "differ beyond padding of one tokenizer. Align them first (specdraft.compat.vocab_swap).")
+        self.real_vocab = real_vocab
+        self.width = t_width
+        # Non-persistent buffers: follow .to()/device placement, never saved in checkpoints or state_dict.
+        self.register_buffer("head_weight", head_weight.detach() if head_weight is not None else None,
+                             persistent=False)
+        self.register_buffer("head_bias", head_bias.detach() if head_bias is not None else None, persistent=False)
+
+    # Trainer looks these up on the model.
+    @property
+    def device(self) -> torch.device:
+        return next(self.draft.parameters()).device
+
+    def gradient_checkpointing_enable(self, **kw):  # pragma: no cover - passthrough
+        return self.draft.gradient_checkpointing_enable(**kw)
+
+    def teacher_probs(self, hidden=None, topk_logprobs=None, topk_ids=None, leftover_logmass=None):
+        """Teacher distribution p ``[B, S, V] float32`` (zero on padding rows) and, for a hidden teacher, its
+        logits (for tvd_deploy's filter)."""
+        if hidden is not None:
+            if self.head_weight is None:
+                raise DistillError("a hidden-state teacher needs the target's output head")
+            w = self.head_weight.float()
+            logits = hidden.to(w.device).float() @ w.T  # [B, S, V_t]
+            if self.head_bias is not None:
+                logits = logits + self.head_bias.float()
+            logits = align_logits(logits, self.width, self.real_vocab)
+            return logits.softmax(-1), logits
+        from specdraft.dump import teacher_probs_from_topk
+
+        p = teacher_probs_from_topk(topk_logprobs, topk_ids, leftover_logmass, self.width, self.real_vocab)
+        return p, None
+
+    def forward(self, input_ids, attention_mask=None, loss_mask=None, hidden=None, topk_logprobs=None,
+                topk_ids=None, leftover_logmass=None, **_: Any) -> DistillOutput:
+        """Args: ``input_ids [B, S]``, ``attention_mask [B, S]``, ``loss_mask [B, S]`` (position j trains the
+        prediction of token j+1), and the teacher: ``hidden [B, S, H]`` or ``topk_* [B, S, k]`` +
+        ``leftover_logmass [B, S]``. Without ``loss_mask`` the attention mask is used."""
+        cfg = self.config_
+        out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S, V]
+        with torch.no_grad():
+            p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
+        mask = loss_mask if loss_mask is not None else attention_mask
+        if mask is None:
+            mask = torch.ones_like(input_ids)
+        mask = mask.bool()
+        if attention_mask is not None:
+            mask = mask & attention_mask.bool()
+        if cfg.loss == "tvd_deploy" and t_logits is None:
+            # A sparse teacher has no logits: filter its probabilities through their logs.
+            t_logits = p.clamp(min=1e-30).log()
+        per_pos = LOSSES[cfg.loss](d_logits, p, teacher_logits=t_logits, temperature=cfg.temperature,
+                                   top_k=cfg.top_k, top_p=cfg.top_p)
+        loss = masked_mean(per_pos, mask)
+        with torch.no_grad():
+            q = d_logits.softmax(-1)
+            tvd_full = 0.5 * (p - q).abs().sum(-1)
+            acc = (d_logits.argmax(-1) == p.argmax(-1)).float()
+            if t_logits is not None:
+                pf = filtered_probs(t_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                qf = filtered_probs(d_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                alpha = sum_min(pf, qf)
+            else:
+                alpha = 1 - tvd_full
+        return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
+                             alpha=masked_mean(alpha, mask), tokens=mask.sum())
+
+
+def select_trainable(draft, config: DistillConfig):
+    """Freeze what ``config.train`` says stays fixed; returns the (possibly peft-wrapped) draft and the number
+    of trainable parameters."""
+    if config.train == "lora":
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:  # pragma: no cover - peft is optional
+            raise DistillError("train=lora needs peft: pip install peft") from exc
+        draft = get_peft_model(draft, LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+    elif config.train == "last_layers":
+        for p in draft.parameters():
+            p.requires_grad_(False)
+        layers = _decoder_layers(draft)
+        for layer in layers[-config.train_last_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+        norm = getattr(getattr(draft, "model", draft), "norm", None)
+        if norm is not None:
+            for p in norm.parameters():
+                p.requires_grad_(True)
+    return draft, sum(p.numel() for p in draft.parameters() if p.requires_grad)
+
+
+def _decoder_layers(model):
+    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return list(obj)
+        except AttributeError:
+            continue
+    raise DistillError(f"cannot find the decoder layers of {type(model).__name__} for train=last_layers")
+
+
+def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad a list of per-sequence dicts into a batch; adds ``attention_mask``. Padding has loss_mask 0,
+    so it never changes the token-weighted loss."""
+    S = max(r["input_ids"].shape[0] for r in rows)
+    out: dict[str, torch.Tensor] = {}
+    keys = [k for k in rows[0] if isinstance(rows[0][k], torch.Tensor)]
+    for k in keys:
+        t0 = rows[0][k]
+        shape = (len(rows), S, *t0.shape[1:])
+        buf = torch.zeros(shape, dtype=t0.dtype)
+        for i, r in enumerate(rows):
+            buf[i, : r[k].shape[0]] = r[k]
+        out[k] = buf
+    am = torch.zeros(len(rows), S, dtype=torch.long)
+    for i, r in enumerate(rows):
+        am[i, : r["input_ids"].shape[0]] = 1
+    out["attention_mask"] = am
+    return out
+
+
+def split_held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic split of ``range(n)`` into (train, held-out); at least one of each when n ≥ 2."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=g).tolist()
+    k = int(round(n * fraction))
+    if fraction > 0 and n >= 2:
+        k = min(max(k, 1), n - 1)
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def _make_trainer_class():
+    from transformers import Trainer
+
+    class DistillTrainer(Trainer):
+        """Trainer that logs train_acc/tvd/α beside the loss, stops on a non-finite loss, evaluates held-out
+        α, and checkpoints the draft alone with ``save_pretrained`` (tied weights handled; teacher head out)."""
+
+        _sums: dict[str, float]
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            loss = outputs["loss"]  # by key, as Trainer itself does
+            if not torch.isfinite(loss):
+                raise DistillError(
+                    f"non-finite loss ({loss.item()}) at step {self.state.global_step}; the run stops here. The "
+                    f"last good checkpoint is kept under {self.args.output_dir}; lower --lr or check the data, "
+                    "then rerun the same command to resume from it.")
+            sums = getattr(self, "_sums", None) or {"train_acc": 0.0, "tvd": 0.0, "alpha": 0.0, "n": 0.0}
+            tok = float(outputs["tokens"])
+            for k in ("train_acc", "tvd", "alpha"):
+                sums[k] += float(outputs[k]) * tok
+            sums["n"] += tok
+            self._sums = sums
+            return (loss, outputs) if return_outputs else loss
+
+        def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+            sums = getattr(self, "_sums", None)
+            if "loss" in logs and sums and sums["n"]:
+                for k in ("train_acc", "tvd", "alpha"):
+                    logs[k] = sums[k] / sums["n"]
+                self._sums = {}
+            super().log(logs, *args, **kwargs)
+
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+            ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+            if ds is None or len(ds) == 0:
+                return {}
+            model = self.model
+            was_training = model.training
+            model.eval()
+            totals = {"loss": 0.0, "train_acc": 0.0, "tvd": 0.0, "alpha": 0.0}
+            n = 0.0
+            loader = self.get_eval_dataloader(ds)
+            with torch.no_grad():
+                for batch in loader:
+                    batch = self._prepare_inputs(batch)
+                    out = model(**batch)
+                    tok = float(out["tokens"])
+                    for k in totals:
+                        totals[k] += float(out[k]) * tok
+                    n += tok
+            metrics = {f"{metric_key_prefix}_{k if k != 'train_acc' else 'acc'}": v / max(n, 1) for k, v in totals.items()}
+            metrics[f"{metric_key_prefix}_tokens"] = n
+            self.log(metrics)
+            if was_training:
+                model.train()
+            return metrics
+
+        def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+            output_dir = output_dir or self.args.output_dir
+            os.makedirs(output_dir, exist_ok=True)
+            draft = self.accelerator.unwrap_model(self.model).draft
+            draft.save_pretrained(output_dir, is_main_process=self.args.should_save)
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            draft = self.accelerator.unwrap_model(model or self.model).draft
+            loaded = type(draft).from_pretrained(resume_from_checkpoint, dtype=next(draft.parameters()).dtype)
+            draft.load_state_dict(loaded.state_dict(), strict=False)
+            del loaded
+
+    return DistillTrainer
+
+
+def last_checkpoint(checkpoint_dir: Path) -> str | None:
+    """The newest complete ``checkpoint-N`` directory (one with trainer_state.json), or None."""
+    if not checkpoint_dir.is_dir():
+        return None
+    done = [p for p in checkpoint_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    if not done:
+        return None
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1])))
+
+
+def train(
+    draft,
+    head_weight: torch.Tensor | None,
+    head_bias: torch.Tensor | None,
+    real_vocab: int,
+    train_dataset,
+    eval_dataset,
+    config: DistillConfig,
+    output_dir: str | Path,
+    resume: bool = True,
+    teacher_width: int | None = None,
+    report_to: str = "none",
+) -> dict[str, Any]:
+    """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
+
+    Checkpoints go to ``output_dir/checkpoints``; with ``resume`` the newest complete checkpoint is resumed.
+
+    Returns:
+        ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "seconds"}``.
+
+    Raises:
+        DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
+    """
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import set_seed
+
+    set_seed(config.seed)
+    draft, n_trainable = select_trainable(draft, config)
+    model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width)
+    ckpt_dir = Path(output_dir) / "checkpoints"
+    use_cpu = not torch.cuda.is_available()
+    args = TrainingArguments(
+        output_dir=str(ckpt_dir),
+        max_steps=config.max_steps,
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        learning_rate=config.lr,
+        weight_decay=config.weight_decay,
+        warmup_steps=int(math.ceil(config.warmup_ratio * config.max_steps)),
+        lr_scheduler_type=config.scheduler,
+        max_grad_norm=config.max_grad_norm,
+        logging_steps=config.logging_steps,
+        save_steps=config.save_steps,
+        save_total_limit=2,
+        eval_strategy="steps" if config.eval_steps and eval_dataset is not None else "no",
+        eval_steps=config.eval_steps or None,
+        seed=config.seed,
+        data_seed=config.seed,
+        remove_unused_columns=False,
+        report_to=report_to,
+        use_cpu=use_cpu,
+        bf16=config.dtype == "bfloat16" and not use_cpu,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+        save_only_model=False,
+    )
+    Trainer = _make_trainer_class()
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      data_collator=collate)
+    t0 = time.time()
+    eval_before = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
+    ckpt = last_checkpoint(ckpt_dir) if resume else None
+    trainer.train(resume_from_checkpoint=ckpt)
+    eval_after = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
+    history = [h for h in trainer.state.log_history]
+    if config.train == "lora":
+        draft = draft.merge_and_unload()
+    return {"trainable_parameters": n_trainable, "steps": trainer.state.global_step, "history": history,
+            "eval_before": eval_before, "eval_after": eval_after, "seconds": time.time() - t0,
+            "resumed_from": ckpt, "draft": draft}
+
+
+def write_training_json(path: Path, payload: dict[str, Any]) -> None:
+    """``training.json`` beside the exported speculator (atomic)."""
+    from specdraft.io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(payload, indent=2, default=str))

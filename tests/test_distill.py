@@ -1,0 +1,118 @@
+"""Distillation on tiny models: the Trainer-facing forward, masking, a short Trainer run, resume, failure modes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdraft.distill import DistillConfig, DistillError, DistillModel, collate, train
+from specdraft.testing import perturbed, tiny_model
+
+V = 96
+
+
+def teacher_rows(target, seqs):
+    rows = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor([s])
+            h = target(ids, output_hidden_states=True).hidden_states[-1][0]  # post-norm final hidden states
+            mask = torch.ones(len(s), dtype=torch.bool)
+            mask[-1] = False  # the last position has no next token in the sequence
+            rows.append({"input_ids": ids[0], "loss_mask": mask, "hidden": h.to(torch.bfloat16)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_model("llama", V, seed=0, layers=2)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, V, (int(n),), generator=g).tolist() for n in (12, 9, 15, 7, 11, 10)]
+    return target, teacher_rows(target, seqs)
+
+
+def test_hidden_teacher_reproduces_target_logits(setup):
+    target, rows = setup
+    m = DistillModel(tiny_model("llama", V, seed=1, layers=1), target.lm_head.weight, None, V, DistillConfig())
+    p, logits = m.teacher_probs(hidden=rows[0]["hidden"].float()[None])
+    with torch.no_grad():
+        ref = target(rows[0]["input_ids"][None]).logits.float()
+    torch.testing.assert_close(logits, ref, atol=0.05, rtol=0.02)  # bf16-stored hidden states
+    assert "head_weight" not in m.state_dict() and not any(k.startswith("head") for k in m.state_dict())
+
+
+@pytest.mark.parametrize("loss", ["soft_ce", "tvd", "tvd_deploy"])
+def test_forward_returns_loss_by_key_and_ignores_padding(setup, loss):
+    target, rows = setup
+    cfg = DistillConfig(loss=loss, top_k=5, top_p=0.9, temperature=0.8)
+    m = DistillModel(perturbed(target, 0.1), target.lm_head.weight, None, V, cfg)
+    one = collate(rows[:1])
+    out = m(**one)
+    assert "loss" in out and out["loss"].dim() == 0 and torch.isfinite(out["loss"])
+    # Same row batched with a longer one: its padding must not change its contribution.
+    two = collate(rows[:2])
+    out2 = m(**two)
+    single = [m(**collate([r])) for r in rows[:2]]
+    tokens = [float(o["tokens"]) for o in single]
+    weighted = sum(float(o["loss"]) * t for o, t in zip(single, tokens)) / sum(tokens)
+    assert float(out2["loss"]) == pytest.approx(weighted, rel=1e-4)
+    # Identical draft and teacher: TVD-type losses vanish.
+    same = DistillModel(target, target.lm_head.weight, None, V, cfg)
+    if loss != "soft_ce":
+        assert float(same(**one)["loss"]) < 0.02
+    assert 0.0 <= float(out["alpha"]) <= 1.0
+
+
+def test_padding_rows_and_bad_widths(setup):
+    target, rows = setup
+    wide = tiny_model("llama", V + 32, seed=1, layers=1)  # same tokenizer, padded matrix
+    m = DistillModel(wide, target.lm_head.weight, None, V, DistillConfig())
+    assert torch.isfinite(m(**collate(rows[:2]))["loss"])
+    narrow = tiny_model("llama", V - 10, seed=1, layers=1)
+    with pytest.raises(DistillError, match="beyond padding"):
+        DistillModel(narrow, target.lm_head.weight, None, V, DistillConfig())
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="loss"):
+        DistillConfig(loss="kl")
+    with pytest.raises(ValueError, match="top_p"):
+        DistillConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        DistillConfig(top_k=-1)
+
+
+def test_two_step_trainer_run_pins_first_loss_and_resumes(setup, tmp_path):
+    target, rows = setup
+    draft = perturbed(target, 0.15)
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=1, scheduler="constant",
+                        seed=0)
+    # The loss the Trainer logs at step 1 is the initial model's loss on the first batch of its sampler.
+    initial = DistillModel(perturbed(target, 0.15), target.lm_head.weight, None, V, cfg)
+    result = train(draft, target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path)
+    logged = [h["loss"] for h in result["history"] if "loss" in h]
+    assert result["steps"] == 2 and len(logged) == 2
+    assert all("train_acc" in h for h in result["history"] if "loss" in h)
+    batch_losses = []
+    # Any pair of the 4 training rows may form the first batch (seeded shuffle); the logged value must be one
+    # of the possible first-batch losses of the initial model.
+    with torch.no_grad():
+        for a, b in itertools.combinations(range(4), 2):
+            batch_losses.append(float(initial(**collate([rows[a], rows[b]]))["loss"]))
+    assert min(abs(logged[0] - x) for x in batch_losses) < 1e-4
+    before, after = result["eval_before"]["eval_loss"], result["eval_after"]["eval_loss"]
+    assert after != before
+    # Resume: a second call with more steps continues from checkpoint-2 instead of starting over.
+    cfg4 = cfg.model_copy(update={"max_steps": 4})
+    again = train(result["draft"], target.lm_head.weight, None, V, rows[:4], rows[4:], cfg4, tmp_path)
+    assert again["resumed_from"].endswith("checkpoint-2") and again["steps"] == 4
+
+
+def test_non_finite_loss_stops_with_clear_error(setup, tmp_path):
+    target, rows = setup
+    bad = [dict(r, hidden=torch.full_like(r["hidden"], float("nan"))) for r in rows[:2]]
+    with pytest.raises(DistillError, match="non-finite loss"):
+        train(perturbed(target, 0.1), target.lm_head.weight, None, V, bad, None,
+              DistillConfig(max_steps=2, batch_size=1), tmp_path)
