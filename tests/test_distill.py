@@ -116,3 +116,43 @@ def test_non_finite_loss_stops_with_clear_error(setup, tmp_path):
     with pytest.raises(DistillError, match="non-finite loss"):
         train(perturbed(target, 0.1), target.lm_head.weight, None, V, bad, None,
               DistillConfig(max_steps=2, batch_size=1), tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
+    """dump → distill → export: the export loads with AutoModelForCausalLM, its logits equal the trained model's,
+    config.json carries the speculators keys, and a dump of another tokenizer is refused before training."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.distill import run_distill
+    from specdraft.dump import DumpConfig, DumpError, run_dump
+    from specdraft.testing import save_tiny_pair, tiny_tokenizer
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d e"}]})
+                              for w in "fghijklm") + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format=fmt, top_k=8, dtype="float32"))
+    cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=3, batch_size=2, held_out_fraction=0.25,
+                        num_speculative_tokens=3)
+    res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
+    spec_dir = res["speculator"]
+    conf = json.loads((spec_dir / "config.json").read_text())
+    assert conf["speculators_model_type"] == "independent"
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
+    assert (spec_dir / "training.json").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(spec_dir).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, res["model"].eval()(ids).logits)
+    assert res["metrics"]["eval_after"]["eval_loss"] != res["metrics"]["eval_before"]["eval_loss"]
+    # A draft speaking another tokenizer is refused before any training.
+    other = tmp_path / "other"
+    tiny_model("llama", 96, seed=3, layers=1).save_pretrained(other)
+    tiny_tokenizer(96, swap=(10, 11)).save_pretrained(other)
+    with pytest.raises(DumpError, match="fingerprint"):
+        run_distill(tdir, str(other), tmp_path / "dump", tmp_path / "out2", cfg)

@@ -414,6 +414,181 @@ def generate(
                   f"accepted-length histogram {counts.accepted_hist}[/]")
 
 
+# -------------------------------------------------------------------------------------------- dump
+
+# The one source of these choices (specdraft.dump imports pydantic only, never torch, at import time).
+from specdraft.dump import DumpFormat, HiddenDtype
+
+
+@app.command()
+def dump(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory: new, empty, or an unfinished or "
+                                      "finished dump of the same plan (resumed / verified).")],
+    target: TargetOpt = DEFAULT_TARGET,
+    data: Annotated[str, typer.Option(help="humaneval | mt-bench | conversations | a .jsonl | a saved dataset.")]
+        = "conversations",
+    format: Annotated[DumpFormat, typer.Option("--format", help="hidden: final hidden states after the final "
+                                               "norm (exact); topk: top-k log-probs + leftover mass.")] = "hidden",
+    top_k: Annotated[int, typer.Option(help="Log-probs kept per position (--format topk).")] = 64,
+    hidden_dtype: Annotated[HiddenDtype, typer.Option(help="Storage dtype of hidden states.")] = "bfloat16",
+    max_length: Annotated[int, typer.Option(help="Tokens kept per sequence.")] = 2048,
+    truncate: Annotated[bool, typer.Option("--truncate/--refuse-long", help="Cut sequences longer than "
+                                           "--max-length and count them, or refuse them.")] = True,
+    answer_only: Annotated[bool, typer.Option("--answer-only", help="Train only predictions of assistant "
+                                              "(or generated) tokens.")] = False,
+    generate: Annotated[int | None, typer.Option(help="The target answers each prompt itself with up to N "
+                                                    "tokens (on-policy data).")] = None,
+    temperature: Annotated[float, typer.Option(help="Generation temperature; 0 = greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    num_examples: Annotated[int | None, typer.Option(help="Use at most this many examples.")] = None,
+    offset: Annotated[int, typer.Option(help="Skip this many examples first.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Sequences per target forward pass.")] = 8,
+    shard_size_mb: Annotated[float, typer.Option(help="Shard size bound, MB.")] = 256.0,
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Run the target once over every sequence and store its distribution (teacher dump) in shards plus a
+    manifest; a killed run resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
+    import time
+
+    from pydantic import ValidationError
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from specdraft.data import DataError
+    from specdraft.dump import DumpConfig, DumpError, run_dump
+    from specdraft.models import ModelResolutionError
+
+    try:
+        config = DumpConfig(format=format, top_k=top_k, hidden_dtype=hidden_dtype, max_length=max_length,
+                            truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
+                            seed=seed, num_examples=num_examples, offset=offset, batch_size=batch_size,
+                            shard_size_mb=shard_size_mb, dtype=dtype)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = f"--{str(err['loc'][0]).replace('_', '-')}: " if err["loc"] else ""
+        fail(f"{loc}{err['msg'].removeprefix('Value error, ')}")
+    _quiet_transformers()
+    t0 = time.time()
+    try:
+        _resolve_with_progress(target)
+        with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as pg:
+            task = pg.add_task("dump", total=None, tps="")
+            clock: dict[str, float] = {}
+
+            def progress(done: int, total: int, tokens: int) -> None:
+                start = clock.setdefault("start", time.time())  # the first call: the model is loaded
+                rate = tokens / max(time.time() - start, 1e-9)
+                pg.update(task, completed=done, total=total, tps=f"{rate:,.0f} tokens/s")
+
+            m = run_dump(target, data, out, config, progress=progress)
+    except (DumpError, DataError, ModelResolutionError) as exc:
+        fail(str(exc))
+    r = m["this_run"]
+    table = Table(title=f"Teacher dump ({m['format']}) → {out}", show_header=False)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("sequences", f"{m['sequences']:,}"),
+        ("tokens (trained)", f"{m['tokens']:,} ({m['trained_tokens']:,})"),
+        ("truncated / dropped sequences", f"{m['truncated']} / {m['dropped']}"),
+        ("shards written / skipped / redone",
+         f"{r['shards_written']} / {r['shards_skipped']} / {r['shards_redone']}"),
+        ("bytes (shards)", f"{m['bytes'] / 1e6:,.1f} MB"),
+        ("bytes per token", "—" if m["bytes_per_token"] is None else f"{m['bytes_per_token']:,.1f}"),
+        ("time (this run, loading included)", f"{time.time() - t0:.1f} s"),
+        ("teacher forward (tokens/s)", "—" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.1f}"),
+        ("final norm", f"{m['final_norm']} (lm_head(h) checked against the target's logits every batch)"),
+    ]
+    if r["generate_tokens_per_s"] is not None:
+        rows.append(("generation (new tokens/s)", f"{r['generated_tokens']:,} at {r['generate_tokens_per_s']:,.1f}"))
+    if m.get("head"):
+        rows.append(("output head file", f"{m['head']['bytes'] / 1e6:,.1f} MB"))
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------- distill
+
+
+def _choices(literal) -> str:
+    import typing
+
+    return " | ".join(typing.get_args(literal))
+
+
+def _pydantic_or_fail(cls, **kw):
+    """Build a pydantic config; a validation error names the CLI flag (field names equal flag names)."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**kw)
+    except ValidationError as exc:
+        msgs = [f"--{str(e['loc'][0]).replace('_', '-') if e['loc'] else '?'}: {e['msg']}" for e in exc.errors()]
+        fail("; ".join(msgs))
+
+
+@app.command()
+def distill(
+    target: TargetOpt = DEFAULT_TARGET,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    dump: Annotated[Path, typer.Option(help="Teacher dump directory written by `specdraft dump`.")] = Path("runs/dump"),
+    out: Annotated[Path, typer.Option(help="Output: checkpoints/, speculator/, training.json.")] = Path("runs/distill"),
+    loss: Annotated[str, typer.Option(help="soft_ce | tvd | tvd_deploy (tvd_deploy: TVD after the serving "
+                                            "filter, 1 − it is the deployed acceptance).")] = "tvd",
+    temperature: Annotated[float, typer.Option(help="Serving temperature for tvd_deploy and α.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Serving top-k for tvd_deploy and α; 0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option(help="Serving top-p for tvd_deploy and α; 1 = off.")] = 1.0,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-5,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 100,
+    batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
+    gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
+    warmup_ratio: Annotated[float, typer.Option(help="Share of steps warming up.")] = 0.0,
+    scheduler: Annotated[str, typer.Option(help="linear | cosine | constant | constant_with_warmup")] = "cosine",
+    seed: int = 0,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 (training dtype of the draft).")] = "float32",
+    train: Annotated[str, typer.Option(help="all | last_layers | lora")] = "all",
+    train_last_layers: Annotated[int, typer.Option(help="N for --train last_layers.")] = 2,
+    held_out_fraction: Annotated[float, typer.Option(help="Share of sequences held out for α.")] = 0.1,
+    eval_steps: Annotated[int, typer.Option(help="Held-out evaluation every N steps; 0 = end only.")] = 0,
+    save_steps: Annotated[int, typer.Option(help="Checkpoint every N steps (resume point).")] = 50,
+    num_speculative_tokens: Annotated[int, typer.Option(help="γ recorded in the exported speculator.")] = 5,
+    no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
+) -> None:
+    """Distil the draft against a teacher dump and export it as an independent speculator."""
+    from specdraft.distill import DistillConfig, DistillError, run_distill
+    from specdraft.dump import DumpError
+    from specdraft.models import ModelResolutionError
+
+    cfg = _pydantic_or_fail(
+        DistillConfig, loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
+        batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
+        scheduler=scheduler, seed=seed, dtype=dtype, train=train, train_last_layers=train_last_layers,
+        held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
+        num_speculative_tokens=num_speculative_tokens)
+    try:
+        res = run_distill(target, draft, dump, out, cfg, resume=not no_resume)
+    except (DistillError, DumpError, ModelResolutionError) as exc:
+        fail(str(exc))
+    m = res["metrics"]
+    table = Table(title="Distillation (held-out, token-weighted)")
+    for col in ("", "before", "after"):
+        table.add_column(col, justify="right")
+    for k in ("eval_loss", "eval_tvd", "eval_alpha", "eval_acc"):
+        b, a = m["eval_before"].get(k), m["eval_after"].get(k)
+        table.add_row(k, "—" if b is None else f"{b:.4f}", "—" if a is None else f"{a:.4f}")
+    console.print(table)
+    console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
+                  f"{m['seconds']:.0f} s. Speculator: {res['speculator']}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

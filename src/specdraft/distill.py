@@ -411,3 +411,101 @@ def write_training_json(path: Path, payload: dict[str, Any]) -> None:
     from specdraft.io import atomic_write_text
 
     atomic_write_text(path, json.dumps(payload, indent=2, default=str))
+
+
+def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_speculative_tokens: int,
+                      training: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
+    """Save a (trained) draft as an independent speculator: plain HF directory (safetensors, ``architectures``
+    = the draft's class), ``config.json`` plus the ``speculators_*`` keys naming the verifier and γ, the
+    tokenizer, and ``training.json``. Written into a temporary directory beside ``out`` and renamed into place.
+
+    Raises:
+        specdraft.speculator.SpeculatorError: the verifier reference cannot be read (nothing is written).
+    """
+    import shutil
+    import tempfile
+
+    from specdraft.speculator import IndependentSpeculator
+
+    out = Path(out)
+    spec = IndependentSpeculator(draft, num_speculative_tokens=num_speculative_tokens)
+    spec.attach_verifier(verifier_ref, mode="detached", check_tokenizer=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        spec.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if training is not None:
+            write_training_json(tmp / "training.json", training)
+        if out.exists():
+            if not overwrite:
+                raise DistillError(f"{out} exists; pass overwrite=True to replace it")
+            old = out.with_name(f".old-{out.name}-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str | Path,
+                config: DistillConfig | None = None, resume: bool = True, report_to: str = "none",
+                device: str | None = None) -> dict[str, Any]:
+    """Distil ``draft_ref`` against the teacher dump in ``dump_dir`` and export it as a speculator.
+
+    Everything that can be wrong is checked before training starts: the dump is finished and its shards
+    intact; the draft's tokenizer fingerprint equals the dump's; the widths align (padding only).
+
+    Writes ``out/checkpoints/`` (resumable), ``out/speculator/`` (the export, with ``training.json``) and
+    ``out/training.json``.
+
+    Returns:
+        ``{"speculator": path, "metrics": {...}, "training": training.json payload}``.
+
+    Raises:
+        DistillError / specdraft.dump.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
+            a non-finite loss.
+    """
+    from torch.utils.data import Subset
+
+    from specdraft.dump import TeacherDataset
+    from specdraft.models import load_model, load_tokenizer
+
+    config = config or DistillConfig()
+    out = Path(out)
+    draft_tok = load_tokenizer(draft_ref)
+    dataset = TeacherDataset(dump_dir, draft_tokenizer=draft_tok, verify=True)  # refuses a mismatch
+    manifest = dataset.manifest
+    if len(dataset) == 0:
+        raise DistillError(f"the dump in {dump_dir} holds no sequences")
+    real_vocab = int(manifest["target"]["real_vocab"])
+    head_w = head_b = None
+    if manifest["format"] == "hidden":
+        head = dataset.head()
+        head_w, head_b = head["lm_head.weight"], head.get("lm_head.bias")
+    teacher_width = int(manifest["target"]["vocab_width"])
+    draft, _ = load_model(draft_ref, dtype=config.dtype, device=device or "cpu")
+    train_idx, held_idx = split_held_out(len(dataset), config.held_out_fraction, config.seed)
+    train_ds = Subset(dataset, train_idx)
+    eval_ds = Subset(dataset, held_idx) if held_idx else None
+    result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
+                   teacher_width=teacher_width, report_to=report_to)
+    trained = result.pop("draft")
+    metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
+               "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
+               "seconds": result["seconds"], "resumed_from": result["resumed_from"],
+               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx)}
+    training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
+                "dump": {"dir": str(dump_dir), "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
+                         "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],
+                         "sequences": len(dataset)},
+                "metrics": metrics, "history": result["history"]}
+    spec_dir = export_speculator(trained, draft_tok, target_ref, out / "speculator",
+                                 config.num_speculative_tokens, training)
+    write_training_json(out / "training.json", training)
+    return {"speculator": spec_dir, "metrics": metrics, "training": training, "model": trained}
