@@ -589,6 +589,66 @@ def distill(
                   f"{m['seconds']:.0f} s. Speculator: {res['speculator']}")
 
 
+# -------------------------------------------------------------------------------------------- run
+
+
+@app.command("run")
+def run_cmd(
+    target: TargetOpt = DEFAULT_TARGET,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    train_data: Annotated[Optional[list[str]], typer.Option(
+        help="Training prompt source name[:offset[:limit]] (repeatable): humaneval, mt-bench, conversations, a "
+        ".jsonl or a saved dataset. Default: the preset's.")] = None,
+    eval_data: Annotated[Optional[list[str]], typer.Option(
+        help="Held-out evaluation prompt source name[:offset[:limit]] (repeatable). Default: the preset's.")] = None,
+    out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
+        = Path("runs/default"),
+    preset: Annotated[str, typer.Option(help="default (2-core CPU, ~15 min) | ci (minutes) | large (GPU, hours) "
+                                              "| tiny")] = "default",
+    refuse_overlap: Annotated[bool, typer.Option(help="Refuse when train and eval prompts overlap.")] = False,
+) -> None:
+    """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
+    from specdraft.pipeline import PRESETS, PipelineError, make_config, run_pipeline
+
+    if preset not in PRESETS:
+        fail(f"--preset: unknown {preset!r}; choose one of {', '.join(PRESETS)}")
+    from pydantic import ValidationError
+
+    try:
+        cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
+                          refuse_overlap=refuse_overlap, needs=PRESETS[preset]["needs"])
+    except ValidationError as exc:
+        fail(str(exc))
+    console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
+    for ref in (target, draft):
+        _resolve_with_progress(ref)
+    try:
+        report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False))
+    except PipelineError as exc:
+        fail(str(exc))
+    b, a = report["eval_before"], report["eval_after"]
+    table = Table(title=f"specdraft run — {target} ← {draft}")
+    for col in ("", "before distillation", "after distillation"):
+        table.add_column(col, justify="right")
+    f = lambda v, s="{:.3f}": "—" if v is None else s.format(v)  # noqa: E731
+    table.add_row("acceptance rate", f(b["acceptance_rate"]), f(a["acceptance_rate"]))
+    table.add_row("tokens per target pass", f(b["mean_accepted_length"], "{:.2f}"),
+                  f(a["mean_accepted_length"], "{:.2f}"))
+    table.add_row("target alone (tokens/s)", f(b["target_tokens_per_s"], "{:.2f}"), f(a["target_tokens_per_s"], "{:.2f}"))
+    table.add_row("speculative (tokens/s)", f(b["speculative_tokens_per_s"], "{:.2f}"),
+                  f(a["speculative_tokens_per_s"], "{:.2f}"))
+    table.add_row("speed-up", f(b["speedup"], "{:.2f}x"), f(a["speedup"], "{:.2f}x"))
+    table.add_row("HF assisted generation (tokens/s)", f(b.get("hf_assisted_tokens_per_s"), "{:.2f}"), "—")
+    table.add_row("analytic speed-up (measured α, c)", f(b["analytic_speedup"], "{:.2f}x"),
+                  f(a["analytic_speedup"], "{:.2f}x"))
+    table.add_row("recommended γ", str(b["recommended_gamma"]), str(a["recommended_gamma"]))
+    console.print(table)
+    for k, v in report["timings"].items():
+        console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
+    console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {report['export']['path']}\nserve it with:\n  "
+                  f"{report['export']['vllm_command']}", highlight=False)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -1,0 +1,87 @@
+"""The main job: every stage on tiny models, resume after an interrupted stage, and the real pair (ci preset)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdraft.data import Example
+from specdraft.pipeline import PipelineError, make_config, parse_source, prompt_overlap, run_pipeline
+from specdraft.testing import save_tiny_pair
+
+
+def _examples(words, prefix):
+    return [Example(f"{prefix}-{w}", [{"role": "user", "content": f"a b {w}"}]) for w in words]
+
+
+def test_parse_source_and_overlap():
+    assert parse_source("humaneval:100:4") == ("humaneval", 100, 4)
+    assert parse_source("mt-bench:3") == ("mt-bench", 3, None)
+    assert parse_source("conversations") == ("conversations", 0, None)
+    train, ev = _examples("cdef", "t"), _examples("efgh", "e")
+    assert prompt_overlap(train, ev) == ["e-e", "e-f"]
+
+
+def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir)
+    train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
+    out = tmp_path / "run"
+
+    import specdraft.distill as distill_mod
+
+    real = distill_mod.run_distill
+    calls = {"n": 0}
+
+    def flaky(*a, **k):  # the first distill attempt dies (as a killed run would)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(distill_mod, "run_distill", flaky)
+    with pytest.raises(PipelineError) as e:
+        run_pipeline(cfg, out, command="specdraft run --out X", eval_examples=ev, train_examples=train)
+    assert "stage 'distill' failed" in str(e.value) and "specdraft run --out X" in str(e.value)
+    for stage in ("check", "eval_before", "dump"):
+        assert (out / stage / "stage.json").is_file()
+    assert not (out / "distill" / "stage.json").exists()
+
+    logs = []
+    report = run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train)
+    assert any("[dump] done earlier" in m for m in logs) and any("[check] done earlier" in m for m in logs)
+    assert report["timings"]["dump"]["skipped"] and not report["timings"]["distill"]["skipped"]
+    assert report["eval_before"]["lossless"] and report["eval_after"]["lossless"]
+    assert report["eval_before"]["prompts"] == 3
+    spec = out / "export" / "speculator"
+    conf = json.loads((spec / "config.json").read_text())
+    assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
+    md = (out / "report.md").read_text()
+    assert "before distillation" in md and "vllm serve" in md
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["eval_after"]["acceptance_rate"] == report["eval_after"]["acceptance_rate"]
+    # A third run does nothing but the report.
+    logs.clear()
+    run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train)
+    assert sum("done earlier" in m for m in logs) == 6
+
+
+def test_overlap_refused_when_asked(tmp_path):
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir, refuse_overlap=True)
+    with pytest.raises(PipelineError, match="also occur"):
+        run_pipeline(cfg, tmp_path / "run", eval_examples=_examples("cd", "e"), train_examples=_examples("cx", "t"))
+
+
+@pytest.mark.real
+def test_real_pair_pipeline_ci_preset(tmp_path):
+    cfg = make_config("ci")
+    report = run_pipeline(cfg, tmp_path / "run")
+    assert report["check"]["verdict"] == "identical"
+    assert report["eval_before"]["lossless"] and report["eval_after"]["lossless"]
+    assert report["dump"]["sequences"] == 3
+    assert report["distill"]["steps"] == 2
+    assert report["eval_before"]["acceptance_rate"] > 0.3
+    assert (tmp_path / "run" / "export" / "speculator" / "model.safetensors").is_file()
