@@ -105,3 +105,27 @@ def test_masked_mean_ignores_padding_and_nan():
     assert out.item() == pytest.approx(2.0)
     out.backward()
     assert torch.isfinite(vals.grad).all()
+
+
+def test_sparse_tvd_deploy_equals_dense_path_and_its_gradient():
+    from specdraft import losses
+
+    g = torch.Generator().manual_seed(3)
+    t_logits = torch.randn(2, 5, 300, generator=g) * 2
+    d_logits = (t_logits + torch.randn(2, 5, 300, generator=g)).requires_grad_(True)
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9)
+    sparse = tvd_deploy(d_logits, None, teacher_logits=t_logits, **kw)
+    (g_sparse,) = torch.autograd.grad(sparse.sum(), d_logits)
+    q = filtered_probs(d_logits, **kw)
+    dense = 0.5 * (filtered_probs(t_logits, **kw) - q).abs().sum(-1)
+    (g_dense,) = torch.autograd.grad(dense.sum(), d_logits)
+    assert 0.05 < float(dense.mean()) < 0.95  # overlapping but different supports
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_sparse, g_dense, atol=1e-5, rtol=1e-5)
+    # A tie at the k-th value outside the top-k: the sparse path steps aside and the dense one answers.
+    tied = t_logits.clone()
+    kth = torch.topk(tied[0, 0], 20).values[-1]
+    tied[0, 0, torch.topk(tied[0, 0], 21).indices[-1]] = kth
+    assert losses._tvd_deploy_sparse(d_logits, tied, 1.0, 20, 1.0) is None
+    torch.testing.assert_close(tvd_deploy(d_logits, None, teacher_logits=tied, temperature=1.0, top_k=20),
+                               0.5 * (filtered_probs(tied, 1.0, 20) - filtered_probs(d_logits, 1.0, 20)).abs().sum(-1))

@@ -129,9 +129,51 @@ def tvd_deploy(draft_logits: torch.Tensor, p: torch.Tensor, *, teacher_logits: t
             already filtered).
         teacher_logits: ``[B, S, V]`` teacher logits, filtered here with the same settings.
     """
+    if teacher_logits is not None and 0 < top_k <= SPARSE_TOP_K_MAX and top_k < draft_logits.shape[-1]:
+        sparse = _tvd_deploy_sparse(draft_logits, teacher_logits, temperature, top_k, top_p)
+        if sparse is not None:
+            return sparse
     q = filtered_probs(draft_logits, temperature, top_k, top_p)
     p_f = filtered_probs(teacher_logits, temperature, top_k, top_p) if teacher_logits is not None else p
     return 0.5 * (p_f - q).abs().sum(dim=-1)
+
+
+# Above this k the k×k id comparison of the sparse path costs more than the dense path saves.
+SPARSE_TOP_K_MAX = 64
+
+
+def _topk_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The filtered distribution restricted to its top-k support: ``(probs [..., k] float32, ids [..., k])``.
+
+    Equals :func:`filtered_probs` on those ids (zero elsewhere) when no value outside the top-k ties the k-th
+    one; the caller checks that. Gradients flow through the k gathered logits only.
+    """
+    vals, ids = torch.topk(logits, top_k, dim=-1)  # descending
+    vals = vals.float() / temperature
+    if top_p < 1.0:
+        vals = vals.masked_fill(vals < _nucleus_threshold(vals, top_p), NEG_INF)
+    return vals.softmax(dim=-1), ids
+
+
+def _tvd_deploy_sparse(draft_logits, teacher_logits, temperature, top_k, top_p):
+    """tvd_deploy over the two top-k supports: 1 − Σ_{x ∈ S_p ∩ S_q} min(p̃(x), q̃(x)).
+
+    Both filtered distributions live on at most k ids each, so TVD needs only their intersection: no
+    vocabulary-sized float copies with gradients (the full path holds several [B, S, V] float32 tensors for
+    backward). Returns None when a value outside the top-k ties the k-th one (threshold semantics would keep
+    it), and the caller takes the dense path, so both paths always agree.
+    """
+    with torch.no_grad():
+        for x in (draft_logits, teacher_logits):
+            kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+            if bool(((x >= kth).sum(dim=-1) > top_k).any()):
+                return None
+    q, q_ids = _topk_filtered(draft_logits, temperature, top_k, top_p)
+    with torch.no_grad():
+        p, p_ids = _topk_filtered(teacher_logits, temperature, top_k, top_p)
+    same = p_ids[..., :, None] == q_ids[..., None, :]  # [..., k, k]
+    overlap = torch.where(same, torch.minimum(p[..., :, None], q[..., None, :]), torch.zeros((), device=q.device))
+    return 1.0 - overlap.sum(dim=(-1, -2))
 
 
 LossFn = Callable[..., torch.Tensor]
