@@ -195,3 +195,162 @@ def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> lis
         text = render_prompt(tokenizer, ex, chat)
         out.append(tokenizer(text, add_special_tokens=not (chat and getattr(tokenizer, "chat_template", None)))["input_ids"])
     return out
+
+
+# ------------------------------------------------------------------------------ training sequences
+
+
+@dataclass
+class TokenSequence:
+    """One token sequence to distil on, with its loss mask (position convention of the teacher dump).
+
+    Attributes:
+        id: the example id.
+        ids: ``[S]`` token ids.
+        loss_mask: ``[S]`` bools. ``loss_mask[j]`` is True when the prediction made **at** position j — the
+            distribution of token ``j + 1`` given ``ids[: j + 1]`` — is trained. The last position is never
+            trained (no token follows it).
+        truncated: the sequence was cut to ``max_length``.
+    """
+
+    id: str
+    ids: list[int]
+    loss_mask: list[bool]
+    truncated: bool = False
+
+
+def _shifted(token_mask: list[bool]) -> list[bool]:
+    """Token mask (token j is trained) → prediction mask (the prediction at j, of token j+1, is trained)."""
+    return list(token_mask[1:]) + [False] if token_mask else []
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, str]], example_id: str = "?") -> tuple[list[int], list[bool]]:
+    """Token ids of a whole conversation through the chat template, and which tokens the assistant wrote.
+
+    Assistant spans are found by rendering, not from generation markers (most stock templates have none):
+    for assistant turn i, ``render(messages[:i], add_generation_prompt=True)`` ends where the turn's
+    content begins and ``render(messages[:i + 1])`` ends where the turn ends. Whitespace the template
+    writes after the turn (Qwen: the ``\\n`` after ``<|im_end|>``) is left out — the model never generates
+    it — while the end-of-turn token is kept, so the draft learns to stop. A token is an assistant token
+    when its character span (fast tokenizer offsets) overlaps an assistant span.
+
+    Args:
+        tokenizer: a fast tokenizer with a chat template.
+        messages: ``[{"role", "content"}]``.
+        example_id: named in errors.
+
+    Returns:
+        ``(ids, assistant)``: ``[S]`` ids of the rendered conversation (no special tokens added twice) and
+        ``[S]`` bools, True on tokens of assistant turns.
+
+    Raises:
+        DataError: no chat template, or a template that is not prefix-stable (rendering the conversation up
+            to a turn is not a prefix of rendering all of it — e.g. templates that drop earlier reasoning).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{example_id}: the tokenizer has no chat template, so assistant turns cannot be located.")
+
+    def render(msgs: list[dict[str, str]], gen: bool) -> str:
+        if not msgs:
+            return ""
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        except Exception as exc:  # template errors become one message naming the example
+            raise DataError(f"{example_id}: the chat template failed on {len(msgs)} message(s): {exc}") from exc
+
+    full = render(messages, False)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, after = render(messages[:i], True), render(messages[: i + 1], False)
+        if not (after.startswith(before) and full.startswith(after)):
+            raise DataError(f"{example_id}: the chat template is not prefix-stable at assistant turn {i}: rendering "
+                            "the conversation up to that turn is not a prefix of rendering all of it, so the "
+                            "turn's tokens cannot be located.")
+        spans.append((len(before), len(after.rstrip())))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    assistant = [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]
+    return ids, assistant
+
+
+def _finish(example_id: str, ids: list[int], token_mask: list[bool], max_length: int, truncate: bool,
+            ) -> TokenSequence | None:
+    """Truncate (or refuse) and shift the token mask into a prediction mask; None when truncation emptied it."""
+    truncated = len(ids) > max_length
+    if truncated:
+        if not truncate:
+            raise DataError(f"{example_id}: {len(ids)} tokens exceed --max-length {max_length} (pass --truncate to "
+                            "cut long sequences, or raise --max-length).")
+        ids, token_mask = ids[:max_length], token_mask[:max_length]
+    loss_mask = _shifted(token_mask)
+    if not any(loss_mask):
+        if truncated:
+            return None
+        raise DataError(f"{example_id}: no position is trained (empty loss mask, {len(ids)} tokens, not truncated). "
+                        "With --answer-only every sequence needs an assistant turn: use data with assistant turns "
+                        "or references, or --generate N.")
+    return TokenSequence(example_id, ids, loss_mask, truncated)
+
+
+def build_sequences(tokenizer, examples: list[Example], answer_only: bool = False, max_length: int = 2048,
+                    truncate: bool = True) -> list[TokenSequence]:
+    """Conversations → token sequences with loss masks (see :class:`TokenSequence` for the convention).
+
+    An example whose last message is a user turn and that carries a ``reference`` (HumanEval's canonical
+    solution) is completed with the reference as the assistant's answer. With ``answer_only`` only
+    predictions of assistant tokens are trained (:func:`encode_conversation`); otherwise every prediction
+    of a next token is. Without a chat template the message contents are joined by newlines and
+    ``answer_only`` is refused.
+
+    Args:
+        tokenizer: the target's tokenizer.
+        examples: conversations or prompts.
+        answer_only: train on assistant tokens only.
+        max_length: tokens kept per sequence.
+        truncate: cut longer sequences (True) or refuse them (False).
+
+    Returns:
+        One sequence per example in order, less the ones whose mask truncation emptied (the caller counts
+        them as ``len(examples) - len(result)``).
+
+    Raises:
+        DataError: no examples; a sequence longer than ``max_length`` with ``truncate=False``; a sequence
+            whose mask is empty although it was not truncated; a template problem.
+    """
+    if not examples:
+        raise DataError("no examples to build sequences from (empty dataset).")
+    out = []
+    for ex in examples:
+        msgs = list(ex.messages)
+        if msgs and msgs[-1]["role"] != "assistant" and ex.reference:
+            msgs.append({"role": "assistant", "content": ex.reference})
+        if getattr(tokenizer, "chat_template", None):
+            ids, assistant = encode_conversation(tokenizer, msgs, ex.id)
+        elif answer_only:
+            raise DataError(f"{ex.id}: --answer-only needs a tokenizer with a chat template.")
+        else:
+            ids = list(tokenizer("\n".join(m["content"] for m in msgs))["input_ids"])
+            assistant = [True] * len(ids)
+        token_mask = assistant if answer_only else [True] * len(ids)
+        seq = _finish(ex.id, ids, token_mask, max_length, truncate)
+        if seq is not None:
+            out.append(seq)
+    return out
+
+
+def sequences_from_responses(example_ids: list[str], prompts: list[list[int]], responses: list[list[int]],
+                             answer_only: bool = False, max_length: int = 2048, truncate: bool = True,
+                             ) -> list[TokenSequence | None]:
+    """Prompt ids + the target's own response ids → sequences (``None`` where truncation emptied the mask).
+
+    The response ids are used as generated (never re-tokenised from text), so the sequence is exactly what
+    the target wrote. With ``answer_only`` only predictions of response tokens are trained.
+    """
+    out: list[TokenSequence | None] = []
+    for eid, p, r in zip(example_ids, prompts, responses, strict=True):
+        ids = list(p) + list(r)
+        token_mask = [False] * len(p) + [True] * len(r) if answer_only else [True] * len(ids)
+        out.append(_finish(eid, ids, token_mask, max_length, truncate))
+    return out

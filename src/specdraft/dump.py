@@ -1,0 +1,1074 @@
+"""Teacher dump: the target's distribution p at every position of many sequences, computed once and stored
+in shards, so that many drafts (q) can be distilled from it later, on other machines.
+
+Notation: p = target (teacher) distribution, q = draft (student) distribution.
+
+**Sequences** come from :func:`specdraft.data.build_sequences` (conversations through the chat template;
+prompts with a reference answer get it as the assistant turn) or, with ``generate``, from prompts the
+target answers itself (:func:`generate_responses`, greedy or sampled — the on-policy-style data
+DistillSpec found best) and :func:`specdraft.data.sequences_from_responses`.
+
+**Position convention.** Row position j holds the teacher signal of p(· | ids[0..j]), the distribution of
+token j + 1. ``loss_mask[j]`` is True when that prediction is trained: with ``answer_only``, when token
+j + 1 was written by the assistant (or is part of the target's generated response); otherwise for every
+j < S − 1. The last position is never trained. A draft run on ``input_ids`` gives q at the same positions;
+a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``losses.masked_mean``).
+
+**Formats** (:data:`DumpFormat`):
+
+* ``hidden`` (exact): ``hidden [S, H]`` = the input of the target's output head, i.e. after its final norm,
+  stored as ``hidden_dtype`` (bfloat16 by default). Teacher logits are exactly ``lm_head(h)``:
+  :func:`teacher_logits_from_hidden` with the head saved beside the shards (``head.safetensors``, see
+  :meth:`TeacherDataset.head`); exact to the bit when ``hidden_dtype`` equals the target's dtype, else
+  within that dtype's rounding. Every batch checks that ``lm_head(h)`` equals the target's own logits;
+  when the captured states are pre-norm, the model's final norm is applied (``final_norm: "applied"``),
+  and with no final norm to apply the dump is refused.
+* ``topk`` (compact): ``topk_logprobs [S, k]`` float16 and ``topk_ids [S, k]`` int32 (descending), plus
+  ``leftover_logmass [S]`` float32 = log Σ_{x ∉ top-k} p(x), computed as a log-sum-exp over the other
+  ids (never as log(1 − Σ top-k), which cancels). Padding rows (ids ≥ the real vocabulary) get zero
+  probability first. **Leftover rule** (:func:`teacher_probs_from_topk`): the leftover mass is spread
+  uniformly over the real-vocabulary ids outside the top-k, giving a full distribution p̂ that sums to 1.
+  Then for every loss: ``soft_ce`` = −Σ_topk p log q − leftover · mean_{x∉topk} log q; ``tvd`` and
+  α = Σ min(p̂, q) differ from their values under the true p by at most the leftover mass
+  (|TV(p̂, q) − TV(p, q)| ≤ TV(p, p̂) ≤ leftover), so ``leftover_logmass`` bounds the error per position.
+
+**On disk** (``DIR``)::
+
+    manifest.json                      written last, by rank 0 (status "complete")
+    rank-00000.json                    per-rank progress: shard records, counts (what a resumed run trusts)
+    head.safetensors                   hidden only: lm_head.weight [V, H] (+ bias), final_norm.weight
+    shard-r00000-00000.safetensors     rank 0, shard 0; each written atomically, at most ~shard_size_mb
+
+    shard tensors (N sequences, T tokens):  offsets [N+1] int64 (row i = offsets[i]:offsets[i+1]),
+        input_ids [T] int32, loss_mask [T] bool, and hidden [T, H] | topk_logprobs [T, k] float16,
+        topk_ids [T, k] int32, leftover_logmass [T] float32; metadata "specdraft": JSON {format, rank, ids}
+        (ids: the example id of each row). Shards are byte-reproducible: a resumed dump equals a fresh one.
+
+The manifest records the target (reference, revision, config), the tokenizer fingerprint
+(:func:`specdraft.compat.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
+output-head fingerprint (:func:`head_fingerprint`), sequence/token counts, sha256 per shard, the command
+and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
+or missing one is named and redone. :func:`verify_dump` checks a finished dump; :class:`TeacherDataset`
+reads it memory-mapped, one sequence at a time, and refuses a draft of another tokenizer.
+
+**Reading** (for distillation): ``ds = TeacherDataset(DIR, draft_tokenizer=tok)``; ``ds[i]`` is one sequence,
+``DataLoader(ds, collate_fn=pad_collate)`` batches them; ``ds.teacher_probs(item, ds.head())`` gives p
+``[S, V]`` for either format; ``head_fingerprint(model) == ds.manifest["head_fingerprint"]`` checks that a
+target loaded for training has the very head the dump was made with.
+
+**Several GPUs**: the same call under ``accelerate launch`` / ``torchrun`` (``WORLD_SIZE`` > 1) splits the
+work by rank (:func:`split_work`), each rank writes its own shards and ``rank-*.json``, and rank 0 merges
+them after a barrier (:func:`merge_manifests`).
+
+Memory: the teacher signal held at once is one batch plus one shard buffer (a shard is flushed once it
+reaches ``shard_size_mb``), never the dataset; the work list keeps only token ids (5 bytes per token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specdraft.io import atomic_path, atomic_write_text
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from specdraft.data import Example, TokenSequence
+
+DumpFormat = Literal["hidden", "topk"]
+HiddenDtype = Literal["bfloat16", "float16", "float32"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+HEAD_FILE = "head.safetensors"
+LOSS_MASK_CONVENTION = "loss_mask[j]: the prediction made at position j (of token j+1) is trained"
+# Bytes of float32 logits materialised at once when computing top-k (positions per chunk = this / V).
+_LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
+# Names of the final norm module on a base model, tried in order when captured states are pre-norm.
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")
+
+
+class DumpError(ValueError):
+    """A dump cannot be written, resumed or read (bad input, mismatched partner, corrupt shard)."""
+
+
+class DumpConfig(BaseModel):
+    """Settings of ``specdraft dump``; field names equal the CLI flags (``top_k`` ↔ ``--top-k``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: DumpFormat = Field("hidden", description="hidden: final hidden states (exact); topk: top-k log-probs.")
+    top_k: int = Field(64, ge=1, description="Log-probs kept per position (format topk).")
+    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (format hidden).")
+    max_length: int = Field(2048, ge=2, description="Tokens kept per sequence.")
+    truncate: bool = Field(True, description="Cut sequences longer than max_length (True) or refuse them.")
+    answer_only: bool = Field(False, description="Train only predictions of assistant / generated tokens.")
+    generate: int | None = Field(None, ge=1, description="Let the target answer each prompt with up to N tokens.")
+    temperature: float = Field(0.0, ge=0.0, description="Generation temperature; 0 = greedy.")
+    seed: int = Field(0, description="Sampling seed (per batch: seed + index of its first sequence).")
+    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
+    offset: int = Field(0, ge=0, description="Skip this many examples first.")
+    batch_size: int = Field(8, ge=1, description="Sequences per target forward pass (right-padded).")
+    shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
+    dtype: ModelDtype = Field("auto", description="Target weights dtype (auto: bfloat16 on CUDA, else float32).")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> DumpConfig:
+        if self.temperature > 0 and self.generate is None:
+            raise ValueError("--temperature only applies with --generate N (the target writes the responses)")
+        return self
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The settings that change the dumped values (a resumed run must match them)."""
+        return self.model_dump(exclude={"batch_size", "shard_size_mb"})
+
+
+# ------------------------------------------------------------------------------------ reading signals
+
+
+def teacher_logits_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                               real_vocab: int | None = None) -> torch.Tensor:
+    """Teacher logits from stored hidden states: ``lm_head(h)``, computed in the head's dtype like the target.
+
+    Args:
+        hidden: ``[..., H]`` stored hidden states (any float dtype; cast to ``weight.dtype``).
+        weight: ``[V, H]`` output-head weight (``TeacherDataset.head()["lm_head.weight"]``).
+        bias: ``[V]`` or None.
+        real_vocab: ids ``>= real_vocab`` are padding rows and get ``-inf`` (manifest ``real_vocab``).
+
+    Returns:
+        ``[..., V] float32`` logits; softmax gives p.
+    """
+    import torch.nn.functional as F
+
+    logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias).float()
+    if real_vocab is not None and real_vocab < logits.shape[-1]:
+        logits[..., real_vocab:] = float("-inf")
+    return logits
+
+
+def teacher_probs_from_topk(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, leftover_logmass: torch.Tensor,
+                            vocab_width: int, real_vocab: int | None = None) -> torch.Tensor:
+    """A full teacher distribution p̂ from the top-k signal: the leftover mass spread uniformly.
+
+    p̂(x) = p(x) on the k stored ids; every other real-vocabulary id gets ``exp(leftover) / (real_vocab − k)``;
+    padding rows (ids ≥ ``real_vocab``) get 0. The result is renormalised to sum to 1, which only absorbs
+    the float16 rounding of the stored log-probs (≈1e-3 relative). Why uniform: it is the completion that
+    assumes nothing about the tail, keeps the total mass 1, and moves TV(·, q) and α = Σ min(p̂, q) by at
+    most the leftover mass relative to the true p.
+
+    Args:
+        topk_logprobs: ``[..., k]`` float16/float32 log-probabilities, nats.
+        topk_ids: ``[..., k]`` int ids.
+        leftover_logmass: ``[...]`` log of the mass outside the top-k (``-inf`` when there is none).
+        vocab_width: V, the width of the distribution returned (the draft's logits width after alignment).
+        real_vocab: ids at or past it are padding (default ``vocab_width``).
+
+    Returns:
+        ``[..., V] float32`` probabilities summing to 1.
+    """
+    import torch
+
+    real = vocab_width if real_vocab is None else min(real_vocab, vocab_width)
+    k = topk_ids.shape[-1]
+    rest = max(real - k, 0)
+    fill = leftover_logmass.float().exp() / rest if rest else torch.zeros_like(leftover_logmass, dtype=torch.float32)
+    p = fill[..., None].expand(*fill.shape, vocab_width).clone()  # [..., V]
+    if real < vocab_width:
+        p[..., real:] = 0.0
+    p.scatter_(-1, topk_ids.long(), topk_logprobs.float().exp())
+    return p / p.sum(dim=-1, keepdim=True)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 1024 * 1024):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("specdraft", "torch", "transformers", "safetensors", "accelerate"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    import torch
+
+    out["torch"] = torch.__version__  # the build actually running (e.g. "+cu130"), not just the wheel's number
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def _find_final_norm(model):
+    base = model.base_model
+    for name in _FINAL_NORM_NAMES:
+        mod = getattr(base, name, None)
+        if mod is not None and getattr(mod, "weight", None) is not None:
+            return mod
+    return None
+
+
+def _head_tensors(model) -> dict[str, torch.Tensor]:
+    """What turns the base model's last hidden state into logits: lm_head weight (+ bias), final norm weight."""
+    head = model.get_output_embeddings()
+    out = {"lm_head.weight": head.weight}
+    if getattr(head, "bias", None) is not None:
+        out["lm_head.bias"] = head.bias
+    norm = _find_final_norm(model)
+    if norm is not None:
+        out["final_norm.weight"] = norm.weight
+    return {k: v.detach() for k, v in out.items()}
+
+
+def head_fingerprint(tensors_or_model) -> str:
+    """sha256 (hex) of the output head: ``lm_head.weight`` (+ ``lm_head.bias``) and ``final_norm.weight`` —
+    names, dtypes, shapes and raw bytes, in that order. Depends on the dtype the target was loaded in (the
+    manifest records it), so distillation can check that it uses the very head the dump was made with.
+
+    Args:
+        tensors_or_model: a causal LM, or the dict :meth:`TeacherDataset.head` returns.
+    """
+    import torch
+
+    tensors = tensors_or_model if isinstance(tensors_or_model, dict) else _head_tensors(tensors_or_model)
+    digest = hashlib.sha256()
+    for name in ("lm_head.weight", "lm_head.bias", "final_norm.weight"):
+        if name not in tensors:
+            continue
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)};".encode())
+        digest.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _real_vocab(tokenizer) -> int:
+    """Ids below this are tokens; the rest (GGUF ``[PAD<id>]`` placeholders, holes) are padding rows."""
+    try:
+        from specdraft.compat import _view  # the same rule as the fingerprint's (compat keeps it private)
+
+        return int(_view(tokenizer).real)
+    except (ImportError, AttributeError):  # pragma: no cover - compat reorganised: count every id
+        return len(tokenizer)
+
+
+def _target_revision(resolved: str) -> str | None:
+    """Embedded model: the GGUF sha256 its cache was built from; hub snapshot: the commit; else None."""
+    p = Path(resolved)
+    marker = p / "specdraft-cache.json"
+    if marker.is_file():
+        sha = json.loads(marker.read_text()).get("source_sha256")
+        return f"gguf-sha256:{sha}" if sha else None
+    if p.parent.name == "snapshots":
+        return p.name
+    return None
+
+
+def split_work(n: int, rank: int, world_size: int) -> range:
+    """The items of one rank: a contiguous block, so ranks in order cover 0..n−1 in order.
+
+    Returns:
+        ``range(n * rank // world_size, n * (rank + 1) // world_size)``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    return range(n * rank // world_size, n * (rank + 1) // world_size)
+
+
+_COUNTS = ("sequences", "tokens", "trained_tokens", "truncated", "dropped", "bytes")
+
+
+def merge_manifests(rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the per-rank states of one dump into its manifest (pure: no file is read).
+
+    Checks that there is one complete state per rank 0..W−1 and that all share the plan; lists the shards
+    rank by rank (so global order = example order), sums the counts, keeps the header of rank 0 (the
+    final-norm flag from any rank that ran a batch).
+
+    Raises:
+        DumpError: a rank missing, duplicated or unfinished, or ranks of different plans.
+    """
+    if not rank_states:
+        raise DumpError("no rank states to merge")
+    states = sorted(rank_states, key=lambda s: s["rank"])
+    world = states[0]["world_size"]
+    ranks = [s["rank"] for s in states]
+    if ranks != list(range(world)):
+        raise DumpError(f"expected one state per rank 0..{world - 1}, got ranks {ranks}")
+    for s in states:
+        if s["plan"] != states[0]["plan"] or s["world_size"] != world:
+            raise DumpError(f"rank {s['rank']} belongs to another dump plan than rank 0")
+        if s["status"] != "complete":
+            raise DumpError(f"rank {s['rank']} has not finished ({len(s['shards'])} shards so far)")
+    shards = [dict(sh, rank=s["rank"]) for s in states for sh in s["shards"]]
+    manifest = dict(states[0]["header"])
+    manifest.update(status="complete", plan=states[0]["plan"], world_size=world,
+                    **{c: sum(sh[c] for sh in shards) for c in _COUNTS})
+    # Sequences dropped while building them (before the split) are counted once, by rank 0.
+    manifest["dropped"] += sum(s.get("dropped_before_split", 0) for s in states)
+    manifest["bytes_per_token"] = manifest["bytes"] / manifest["tokens"] if manifest["tokens"] else None
+    for s in states:
+        if s["header"].get("final_norm"):
+            manifest["final_norm"] = s["header"]["final_norm"]
+            manifest["final_norm_applied"] = s["header"]["final_norm_applied"]
+            break
+    manifest["shards"] = shards
+    manifest["runs"] = [dict(r, rank=s["rank"]) for s in states for r in s.get("runs", [])]
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------- the teacher
+
+
+def _capture_module(model):
+    """The module whose output is captured: the base model, whose last hidden state feeds ``lm_head``."""
+    base = model.base_model
+    if base is model:
+        raise DumpError(f"{type(model).__name__} has no separate base model to capture hidden states from")
+    return base
+
+
+class _Teacher:
+    """The target plus a capture of its output head's input, checked against its own logits every batch."""
+
+    def __init__(self, model, real_vocab: int):
+        import inspect
+
+        import torch
+
+        self.model = model
+        head = model.get_output_embeddings()
+        self.weight, self.bias = head.weight, getattr(head, "bias", None)
+        self.width = int(self.weight.shape[0])
+        self.real_vocab = min(real_vocab, self.width)
+        self.capture = _capture_module(model)
+        self.norm = None  # the final norm, when specdraft has to apply it
+        self.final_norm = "model"  # "model": captured states are the head's input; "applied": norm applied here
+        self.checked = False  # set once a batch has confirmed lm_head(h) == logits
+        self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.device = next(model.parameters()).device
+        # Same op on the same input agrees to rounding; pre- vs post-norm differ by O(1) relative.
+        self.tol = 1e-3 if self.weight.dtype == torch.float32 else 2e-2
+
+    def _mismatch(self, h_last, ref) -> float:
+        import torch.nn.functional as F
+
+        mine = F.linear(h_last, self.weight, self.bias).float()
+        return float(((mine - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).detach())
+
+    def hidden(self, ids, attn):
+        """``ids, attn [B, S]`` → ``h [B, S, H]``, the input of the output head (model dtype)."""
+        import torch
+
+        box: dict[str, Any] = {}
+
+        def hook(_mod, _args, out):
+            box["h"] = out if isinstance(out, torch.Tensor) else out[0]
+
+        handle = self.capture.register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                kw = {"logits_to_keep": 1} if self.keep_arg else {}
+                out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, **kw)
+        finally:
+            handle.remove()
+        h = box["h"]
+        ref = out.logits[:, -1].float()
+        with torch.no_grad():
+            if self.norm is not None:
+                h = self.norm(h)
+            err = self._mismatch(h[:, -1], ref)
+            if err > self.tol and self.norm is None and self.final_norm == "model":
+                norm = _find_final_norm(self.model)
+                if norm is not None and self._mismatch(norm(h[:, -1:])[:, -1], ref) <= self.tol:
+                    self.norm, self.final_norm = norm, "applied"
+                    h, err = norm(h), 0.0
+                elif norm is None:
+                    raise DumpError(
+                        f"the captured hidden states are not the input of the output head (lm_head(h) differs "
+                        f"from the target's logits by {err:.3g} relative) and the model has no final norm to "
+                        "apply: a pre-norm capture cannot give exact teacher logits. Use --format topk.")
+            if err > self.tol:
+                raise DumpError(f"lm_head(h) differs from the target's own logits by {err:.3g} relative (tolerance "
+                                f"{self.tol}): this architecture transforms logits after its head (soft-capping or "
+                                "scaling?), which the dump does not support.")
+        self.checked = True
+        return h
+
+    def topk(self, h, k: int):
+        """``h [N, H]`` → ``(logprobs [N, k] float32, ids [N, k] int64, leftover [N] float32)``, padding masked."""
+        import torch
+        import torch.nn.functional as F
+
+        chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * self.width))
+        lps, ids, left = [], [], []
+        with torch.no_grad():
+            for s in range(0, h.shape[0], chunk):
+                logits = F.linear(h[s:s + chunk], self.weight, self.bias).float()  # [n, V]
+                if self.real_vocab < self.width:
+                    logits[:, self.real_vocab:] = float("-inf")
+                lse = logits.logsumexp(dim=-1, keepdim=True)  # [n, 1]
+                top = logits.topk(k, dim=-1)
+                lps.append(top.values - lse)
+                ids.append(top.indices)
+                rest = logits.scatter(-1, top.indices, float("-inf"))
+                left.append(rest.logsumexp(dim=-1) - lse[:, 0])
+        return torch.cat(lps), torch.cat(ids), torch.cat(left)
+
+
+def generate_responses(target, tokenizer, examples: list[Example], max_new_tokens: int, sampling=None,
+                       seed: int = 0, real_vocab: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """The target answers each example's prompt (chat template, generation prompt), in one left-padded batch.
+
+    Args:
+        target: causal LM (eval mode).
+        tokenizer: its tokenizer.
+        examples: prompts (messages up to the first assistant turn are used).
+        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
+        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
+        seed: seed of the sampling generator.
+        real_vocab: ids at or past it are padding rows and never generated.
+
+    Returns:
+        ``(prompts, responses)``: per example the prompt ids and the generated ids.
+    """
+    import torch
+
+    from specdraft.config import SamplingConfig
+    from specdraft.data import encode_prompts
+    from specdraft.decode import DecodeError, left_pad, target_generate
+
+    sampling = sampling or SamplingConfig()
+    prompts = encode_prompts(tokenizer, examples)
+    device = next(target.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids, mask = left_pad(prompts, pad, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    eos = getattr(target.generation_config, "eos_token_id", None) if hasattr(target, "generation_config") else None
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    try:
+        responses, _ = target_generate(target, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
+                                       eos_token_id=sorted(eos_ids) or None, real_vocab=real_vocab, generator=gen)
+    except DecodeError as exc:
+        raise DumpError(f"--generate: {exc}") from exc
+    return prompts, responses
+
+
+# ------------------------------------------------------------------------------------------ the writer
+
+
+@dataclass
+class _Row:
+    seq: TokenSequence
+    signal: dict[str, torch.Tensor]  # per-format tensors of this row, CPU, storage dtypes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.signal.values()) + 5 * len(self.seq.ids)
+
+
+def _shard_name(rank: int, index: int) -> str:
+    return f"shard-r{rank:05d}-{index:05d}.safetensors"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _write_shard(path: Path, rows: list[_Row], meta: dict[str, Any]) -> tuple[str, int]:
+    """Concatenate rows into one safetensors file, written atomically; returns (sha256, bytes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    lens = torch.tensor([0] + [len(r.seq.ids) for r in rows], dtype=torch.int64)
+    tensors = {
+        "offsets": lens.cumsum(0),
+        "input_ids": torch.tensor([i for r in rows for i in r.seq.ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for r in rows for m in r.seq.loss_mask], dtype=torch.bool),
+    }
+    for name in rows[0].signal:
+        tensors[name] = torch.cat([r.signal[name] for r in rows]).contiguous()
+    # One metadata key: safetensors writes several in hash order, and shards should be byte-reproducible.
+    meta = {"specdraft": json.dumps(dict(meta, ids=[r.seq.id for r in rows]), sort_keys=True)}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+        sha, size = _sha256_file(tmp)
+    return sha, size
+
+
+def _shard_problem(out: Path, rec: dict[str, Any]) -> str | None:
+    """Why a recorded shard cannot be trusted (missing, size, sha256), or None."""
+    if rec["file"] is None:  # a range whose rows truncation emptied: nothing was written
+        return None
+    path = out / rec["file"]
+    if not path.is_file():
+        return f"{rec['file']} is missing"
+    size = path.stat().st_size
+    if size != rec["bytes"]:
+        return f"{rec['file']} has {size} bytes, the record says {rec['bytes']}"
+    sha, _ = _sha256_file(path)
+    if sha != rec["sha256"]:
+        return f"{rec['file']} is corrupt: sha256 {sha[:16]}…, the record says {rec['sha256'][:16]}…"
+    return None
+
+
+def _own_file(name: str) -> bool:
+    return (name in (MANIFEST, HEAD_FILE) or name.startswith((".tmp-", "rank-", "shard-")))
+
+
+def _identity_problems(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"{k}: the directory holds {old.get(k)!r}, this run has {new.get(k)!r}"
+            for k in new if old.get(k) != new.get(k)]
+
+
+def load_manifest(dump_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read ``DIR/manifest.json`` of a finished dump.
+
+    Raises:
+        DumpError: no manifest (not a dump, or a run that has not finished: resume it with the same command).
+    """
+    path = Path(dump_dir) / MANIFEST
+    if not path.is_file():
+        partial = sorted(p.name for p in Path(dump_dir).glob("rank-*.json")) if Path(dump_dir).is_dir() else []
+        hint = (f" It holds {', '.join(partial)}: an unfinished run — rerun the same command to resume it."
+                if partial else "")
+        raise DumpError(f"{dump_dir} holds no {MANIFEST}: not a finished teacher dump.{hint}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("kind") != "specdraft-teacher-dump":
+        raise DumpError(f"{path} is not a specdraft teacher-dump manifest")
+    return manifest
+
+
+def verify_dump(dump_dir: str | os.PathLike) -> dict[str, Any]:
+    """Check every shard (and the head file) of a finished dump against the manifest's sizes and sha256.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        DumpError: naming every missing or corrupt file.
+    """
+    out = Path(dump_dir)
+    manifest = load_manifest(out)
+    records = list(manifest["shards"]) + ([manifest["head"]] if manifest.get("head") else [])
+    problems = [p for rec in records if (p := _shard_problem(out, rec))]
+    if problems:
+        raise DumpError(f"{out}: {len(problems)} of {len(records)} files cannot be trusted: " + "; ".join(problems)
+                        + ". Rerun the dump command to redo them.")
+    return manifest
+
+
+ProgressFn = Callable[[int, int, int], None]
+
+
+def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Example], out: str | os.PathLike,
+             config: DumpConfig | None = None, progress: ProgressFn | None = None,
+             command: str | None = None) -> dict[str, Any]:
+    """Run the target once over each sequence and write the teacher dump (resuming a killed run).
+
+    Args:
+        target_ref: embedded name, local HF directory or cached hub id (:func:`specdraft.models.resolve`).
+        data: a source for :func:`specdraft.data.load_examples` (``num_examples`` / ``offset`` apply), or a
+            list of :class:`specdraft.data.Example`.
+        out: output directory (created; may hold an unfinished or finished dump of the same plan).
+        config: settings (default :class:`DumpConfig`).
+        progress: called after each batch as ``progress(done_items, total_items, tokens_this_run)`` — this
+            rank's work items (sequences, or prompts with ``generate``) and tokens processed by this call.
+        command: recorded in the manifest (default: ``sys.argv``).
+
+    Returns:
+        The manifest (as in ``out/manifest.json``) plus ``"this_run"`` of this process: ``seconds`` (wall,
+        loading included), ``tokens`` and ``tokens_per_s`` of the teacher forward passes, ``generated_tokens``
+        and ``generate_tokens_per_s`` (with ``generate``), shards written / skipped / redone.
+
+    Raises:
+        DumpError: empty data, a directory holding another dump (nothing in it is touched), a model whose
+            head input cannot be captured, bad generation settings.
+        specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
+    """
+    from specdraft.compat import tokenizer_fingerprint
+    from specdraft.config import SamplingConfig
+    from specdraft.data import DataError, build_sequences, encode_prompts, load_examples
+    from specdraft.models import load_model, load_tokenizer, resolve
+
+    config = config or DumpConfig()
+    out = Path(out)
+    t_start = time.time()
+    rank, world, barrier, device = _distributed()
+
+    # ---- data ----------------------------------------------------------------------------------------------
+    if isinstance(data, list):
+        examples = data[config.offset:][: config.num_examples]
+        data_name = "<examples>"
+    else:
+        examples = load_examples(data, limit=config.num_examples, offset=config.offset)
+        data_name = str(data)
+    if not examples:
+        raise DumpError("the dataset is empty: nothing to dump.")
+    resolved = resolve(target_ref)
+    tokenizer = load_tokenizer(resolved)
+    tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
+    if config.format == "topk" and config.top_k >= real_vocab:
+        raise DumpError(f"--top-k {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
+                        "hidden to keep whole distributions.")
+    items: list[Any]
+    if config.generate is None:
+        items = [_compact(q) for q in
+                 build_sequences(tokenizer, examples, config.answer_only, config.max_length, config.truncate)]
+        dropped_before_split = len(examples) - len(items)
+        if not items:
+            raise DumpError(f"all {len(examples)} sequences lost every trained position to truncation at "
+                            f"--max-length {config.max_length}: nothing to dump.")
+    else:
+        if not config.truncate:
+            for ex, p in zip(examples, encode_prompts(tokenizer, examples), strict=True):
+                if len(p) + config.generate > config.max_length:
+                    raise DataError(f"{ex.id}: prompt ({len(p)} tokens) + --generate {config.generate} may exceed "
+                                    f"--max-length {config.max_length} (pass --truncate, or raise --max-length).")
+        items, dropped_before_split = examples, 0
+    mine = split_work(len(items), rank, world)
+    n_mine = len(mine)
+
+    # ---- identity: what a resumed run must match ----------------------------------------------------------
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(resolved)
+    target_facts = {"architectures": getattr(tcfg, "architectures", None), "model_type": tcfg.model_type,
+                    "hidden_size": getattr(tcfg, "hidden_size", None),
+                    "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
+    identity = {"tokenizer_fingerprint": tok_fp, "target_config": target_facts,
+                "settings": config.plan_settings(), "world_size": world,
+                "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples])}
+    plan = _sha256_json(identity)
+    _check_out_dir(out, identity)  # before loading weights: fails fast on another target's dump
+
+    # ---- the target -----------------------------------------------------------------------------------------
+    model, _ = load_model(resolved, dtype=config.dtype, device=str(device) if device is not None else None)
+    identity["head_fingerprint"] = head_fingerprint(model)  # dtype-dependent: also catches "auto" on new hardware
+    _check_out_dir(out, identity)
+    teacher = _Teacher(model, real_vocab)
+    header = {
+        "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
+        "target": {"ref": str(target_ref), "resolved": resolved, "revision": _target_revision(resolved),
+                   **target_facts, "dtype": str(teacher.weight.dtype).removeprefix("torch."),
+                   "vocab_width": teacher.width, "real_vocab": teacher.real_vocab},
+        "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
+        "format": config.format,
+        "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
+                  {"topk_logprobs": "float16", "topk_ids": "int32", "leftover_logmass": "float32"}),
+        "top_k": config.top_k if config.format == "topk" else None,
+        "final_norm_applied": None, "final_norm": None,  # known after the first batch (_Teacher.hidden)
+        "loss_mask_convention": LOSS_MASK_CONVENTION,
+        "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
+                          if config.format == "topk" else None),
+        "data": data_name, "config": config.model_dump(), "identity": identity,
+        "command": command if command is not None else " ".join(sys.argv), "versions": _versions(),
+    }
+    if rank == 0 and config.format == "hidden":
+        header["head"] = _write_head(out, model)
+
+    # ---- resume: trust only verified shards ---------------------------------------------------------------
+    state = _load_rank_state(out, rank, plan)
+    if state and state["header"].get("final_norm"):
+        header["final_norm"] = state["header"]["final_norm"]
+        header["final_norm_applied"] = state["header"]["final_norm_applied"]
+    records: list[dict[str, Any]] = list(state["shards"]) if state else []
+    bad = []
+    for rec in records:
+        if problem := _shard_problem(out, rec):
+            print(f"specdraft dump: {problem}; redoing it", file=sys.stderr)
+            bad.append(rec)
+    stale = [*out.glob(f".tmp-shard-r{rank:05d}-*"), *out.glob(f".tmp-rank-{rank:05d}*")]
+    if rank == 0:
+        stale += [*out.glob(f".tmp-{MANIFEST}-*"), *out.glob(f".tmp-{HEAD_FILE}-*")]
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)  # left by a killed writer; never read
+    next_item = max((r["end"] for r in records), default=0)
+    next_index = max((r["index"] + 1 for r in records), default=0)
+    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": header["command"], "tokens": 0,
+           "forward_seconds": 0.0, "generated_tokens": 0, "generate_seconds": 0.0, "shards_written": 0, "shards_skipped": len(records) - len(bad), "shards_redone": len(bad)}
+    runs = (state.get("runs", []) if state else []) + [run]
+    done = sum(r["end"] - r["start"] for r in records if r not in bad)
+
+    def save_state(status: str) -> None:
+        if teacher.checked:
+            header["final_norm"], header["final_norm_applied"] = teacher.final_norm, True
+        body = {"kind": "specdraft-teacher-dump-rank", "rank": rank, "world_size": world, "plan": plan,
+                "status": status, "identity": identity, "header": header, "items": n_mine,
+                "dropped_before_split": dropped_before_split if rank == 0 else 0,
+                "shards": sorted(records, key=lambda r: r["start"]), "runs": runs}
+        atomic_write_text(out / _rank_file(rank), json.dumps(body, indent=1))
+
+    def report() -> None:
+        if progress is not None:
+            progress(done, n_mine, run["tokens"])
+
+    sampling = SamplingConfig(temperature=config.temperature)
+    limit = config.shard_size_mb * 1e6
+
+    def dump_range(start: int, end: int, index: int, one_shard: bool) -> None:
+        """This rank's items [start, end) → shards numbered from ``index`` (exactly one when redoing)."""
+        nonlocal done
+        buf: list[_Row] = []
+        buf_start, dropped = start, 0
+        for s in range(start, end, config.batch_size):
+            stop = min(s + config.batch_size, end)
+            batch = [items[mine[i]] for i in range(s, stop)]
+            t0 = time.perf_counter()
+            if config.generate is None:
+                seqs = batch
+            else:
+                seqs, n_drop, n_new = _generated(model, tokenizer, batch, config, sampling, mine[s],
+                                                 teacher.real_vocab)
+                dropped += n_drop
+                run["generated_tokens"] += n_new
+                run["generate_seconds"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            buf.extend(_rows(teacher, seqs, config))
+            run["forward_seconds"] += time.perf_counter() - t1
+            done += len(batch)
+            run["tokens"] += sum(len(q.ids) for q in seqs)
+            if stop == end or (not one_shard and sum(r.nbytes for r in buf) >= limit):
+                records.append(_flush(out, rank, index, buf, buf_start, stop, dropped, config))
+                run["shards_written"] += bool(buf)
+                buf, buf_start, index, dropped = [], stop, index + 1, 0
+                save_state("running")
+            report()
+
+    t_work = time.time()
+    report()
+    for rec in bad:
+        records.remove(rec)
+        dump_range(rec["start"], rec["end"], rec["index"], one_shard=True)
+    if next_item < n_mine:
+        dump_range(next_item, n_mine, next_index, one_shard=False)
+    run["seconds"] = round(time.time() - t_work, 3)
+    save_state("complete")
+
+    barrier()
+    if rank == 0 and (run["shards_written"] or not (out / MANIFEST).is_file()):
+        states = [json.loads((out / _rank_file(r)).read_text()) for r in range(world)]
+        atomic_write_text(out / MANIFEST, json.dumps(merge_manifests(states), indent=1))
+    barrier()
+    manifest = load_manifest(out)
+    fwd, gen = run["forward_seconds"], run["generate_seconds"]
+    manifest["this_run"] = {
+        "seconds": time.time() - t_start, "work_seconds": run["seconds"], "tokens": run["tokens"],
+        "tokens_per_s": run["tokens"] / fwd if fwd else None,  # teacher forward passes only
+        "generated_tokens": run["generated_tokens"],
+        "generate_tokens_per_s": run["generated_tokens"] / gen if gen else None,
+        **{k: run[k] for k in ("shards_written", "shards_skipped", "shards_redone")}}
+    return manifest
+
+
+def _distributed() -> tuple[int, int, Callable[[], None], Any]:
+    """(rank, world size, barrier, device): accelerate's PartialState under ``accelerate launch`` / ``torchrun``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, (lambda: None), None
+    import torch
+    from accelerate import PartialState
+
+    # Without cpu=True accelerate leaves CPU-only launches undistributed: every process would be rank 0.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.num_processes != world:
+        raise DumpError(f"WORLD_SIZE is {world} but accelerate set up {state.num_processes} process(es); "
+                        "refusing to let several processes write as one rank.")
+    return state.process_index, state.num_processes, state.wait_for_everyone, state.device
+
+
+def _check_out_dir(out: Path, identity: dict[str, Any]) -> None:
+    """Refuse a directory holding anything but a dump of this very plan; touch nothing in it."""
+    if out.exists() and not out.is_dir():
+        raise DumpError(f"--out {out} is a file, not a directory.")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not _own_file(p.name))
+    if foreign:
+        raise DumpError(f"--out {out} holds files that are not part of a teacher dump ({', '.join(foreign[:5])}); "
+                        "choose an empty or new directory. Nothing was changed.")
+    for path in [out / MANIFEST, *sorted(out.glob("rank-*.json"))]:
+        if not path.is_file():
+            continue
+        problems = _identity_problems(json.loads(path.read_text()).get("identity", {}), identity)
+        if problems:
+            other_target = any(p.startswith(("target_config", "head_fingerprint", "tokenizer")) for p in problems)
+            what = "a dump of another target" if other_target else "a dump made with other settings or data"
+            raise DumpError(f"--out {out} holds {what} ({path.name}): " + "; ".join(problems)
+                            + ". Choose another --out; nothing was changed.")
+
+
+def _load_rank_state(out: Path, rank: int, plan: str) -> dict[str, Any] | None:
+    path = out / _rank_file(rank)
+    if path.is_file():
+        state = json.loads(path.read_text())
+        return state if state.get("plan") == plan else None
+    if (out / MANIFEST).is_file():  # rank file lost: its shard records are in the manifest
+        m = json.loads((out / MANIFEST).read_text())
+        if m.get("plan") == plan:
+            return {"shards": [r for r in m["shards"] if r["rank"] == rank], "header": m,
+                    "runs": [r for r in m.get("runs", []) if r.get("rank") == rank]}
+    return None
+
+
+def _write_head(out: Path, model) -> dict[str, Any]:
+    """Save the output head (and final norm weight) beside the shards so the dump needs no target to read."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.cpu().contiguous() for k, v in _head_tensors(model).items()}
+    path = out / HEAD_FILE
+    if path.is_file():
+        from safetensors.torch import load_file
+
+        if head_fingerprint(load_file(str(path))) != head_fingerprint(tensors):
+            raise DumpError(f"--out {out} holds the output head of another target ({HEAD_FILE}); choose another "
+                            "--out. Nothing was changed.")
+        sha, size = _sha256_file(path)
+        return {"file": HEAD_FILE, "sha256": sha, "bytes": size}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+        sha, size = _sha256_file(tmp)
+    return {"file": HEAD_FILE, "sha256": sha, "bytes": size}
+
+
+def _compact(seq: TokenSequence) -> TokenSequence:
+    """The same sequence with its ids as int32 and its mask as bytes: 5 bytes per token instead of ~40 for
+    Python lists, so the work list of a large dataset stays small."""
+    from array import array
+
+    from specdraft.data import TokenSequence
+
+    return TokenSequence(seq.id, array("i", seq.ids), array("b", seq.loss_mask), seq.truncated)  # type: ignore[arg-type]
+
+
+def _generated(model, tokenizer, batch: list[Example], config: DumpConfig, sampling, first: int, real_vocab: int,
+               ) -> tuple[list[TokenSequence], int, int]:
+    """The target answers the batch → (kept sequences, dropped by truncation, tokens generated)."""
+    from specdraft.data import sequences_from_responses
+
+    # The seed depends on the batch's first item, so a resumed run regenerates a redone shard the same way.
+    prompts, responses = generate_responses(model, tokenizer, batch, config.generate, sampling,
+                                            seed=config.seed + first, real_vocab=real_vocab)
+    seqs = sequences_from_responses([e.id for e in batch], prompts, responses, config.answer_only,
+                                    config.max_length, config.truncate)
+    kept = [s for s in seqs if s is not None]
+    return kept, len(seqs) - len(kept), sum(map(len, responses))
+
+
+def _rows(teacher: _Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[_Row]:
+    """One right-padded forward over ``seqs`` → per-row teacher signal in storage dtypes, on the CPU."""
+    import torch
+
+    if not seqs:
+        return []
+    S = max(len(q.ids) for q in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    attn = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        ids[i, : len(q.ids)] = torch.tensor(q.ids)
+        attn[i, : len(q.ids)] = 1
+    # Right padding: each real position attends only to the real tokens before it, at its own position id,
+    # so a row's values do not depend on what else is in the batch.
+    h = teacher.hidden(ids.to(teacher.device), attn.to(teacher.device))  # [B, S, H]
+    lens = [len(q.ids) for q in seqs]
+    if config.format == "hidden":
+        dt = getattr(torch, config.hidden_dtype)
+        return [_Row(q, {"hidden": h[i, :n].to(device="cpu", dtype=dt)}) for i, (q, n) in enumerate(zip(seqs, lens))]
+    flat = h[attn.to(h.device).bool()]  # [N, H], rows in order
+    lp, tid, left = teacher.topk(flat, config.top_k)
+    rows, a = [], 0
+    for q, n in zip(seqs, lens):
+        rows.append(_Row(q, {"topk_logprobs": lp[a:a + n].to("cpu", torch.float16),
+                             "topk_ids": tid[a:a + n].to("cpu", torch.int32),
+                             "leftover_logmass": left[a:a + n].to("cpu", torch.float32)}))
+        a += n
+    return rows
+
+
+def _flush(out: Path, rank: int, index: int, rows: list[_Row], start: int, end: int, dropped: int,
+           config: DumpConfig) -> dict[str, Any]:
+    """Write one shard and return its record. With no rows (truncation emptied them all) no file is written,
+    but the record keeps the range done and its drop count."""
+    name, sha, size = None, None, 0
+    if rows:
+        name = _shard_name(rank, index)
+        sha, size = _write_shard(out / name, rows, {"format": config.format, "rank": rank})
+    return {"file": name, "index": index, "start": start, "end": end, "sha256": sha, "bytes": size,
+            "sequences": len(rows), "tokens": sum(len(r.seq.ids) for r in rows),
+            "trained_tokens": sum(sum(r.seq.loss_mask) for r in rows),
+            "truncated": sum(r.seq.truncated for r in rows), "dropped": dropped}
+
+
+# ------------------------------------------------------------------------------------------ the reader
+
+
+class TeacherDataset:
+    """A map-style torch dataset over a finished dump, one sequence per item, memory-mapped shard by shard.
+
+    ``dataset[i]`` is a dict: ``id`` (str), ``input_ids [S] int64``, ``loss_mask [S] bool`` and either
+    ``hidden [S, H]`` (the stored dtype, bfloat16 by default) or ``topk_logprobs [S, k] float16``,
+    ``topk_ids [S, k] int32``, ``leftover_logmass [S] float32``. Only the requested rows are read
+    (``safe_open`` slices); nothing loads the whole dump. Works with ``torch.utils.data.DataLoader``
+    (``collate_fn=pad_collate``), also with worker processes (file handles are reopened per process).
+
+    Args:
+        dump_dir: the dump directory.
+        draft_tokenizer: the draft's tokenizer (object or model reference); a fingerprint other than the
+            manifest's is refused unless ``vocab_mapping`` is given.
+        vocab_mapping: a :class:`specdraft.compat.VocabMapping` from the target to the draft; kept as
+            ``self.vocab_mapping`` for the trainer (map draft logits to target ids with it).
+        verify: check every shard's sha256 now (:func:`verify_dump`); sizes are always checked.
+
+    Raises:
+        DumpError: no finished dump, a missing or truncated shard (named), a mismatched draft tokenizer
+            (both fingerprints printed).
+    """
+
+    def __init__(self, dump_dir: str | os.PathLike, draft_tokenizer=None, vocab_mapping=None, verify: bool = False):
+        self.dir = Path(dump_dir)
+        self.manifest = verify_dump(self.dir) if verify else load_manifest(self.dir)
+        self.shards = [s for s in self.manifest["shards"] if s["file"]]
+        for s in self.shards:
+            path = self.dir / s["file"]
+            if not path.is_file() or path.stat().st_size != s["bytes"]:
+                raise DumpError(f"{self.dir}: shard {s['file']} is "
+                                f"{'missing' if not path.is_file() else 'truncated or altered (size differs)'}; "
+                                "rerun the dump command to redo it.")
+        self.vocab_mapping = vocab_mapping
+        if draft_tokenizer is not None:
+            if isinstance(draft_tokenizer, (str, os.PathLike)):
+                from specdraft.models import load_tokenizer
+
+                draft_tokenizer = load_tokenizer(draft_tokenizer)
+            from specdraft.compat import tokenizer_fingerprint
+
+            fp = tokenizer_fingerprint(draft_tokenizer)
+            if fp != self.manifest["tokenizer_fingerprint"] and vocab_mapping is None:
+                raise DumpError(
+                    f"the draft's tokenizer differs from the target's this dump was made with: draft fingerprint {fp}, "
+                    f"dump fingerprint {self.manifest['tokenizer_fingerprint']} (target "
+                    f"{self.manifest['target']['ref']}). Ids would mean other strings to the draft; pass a "
+                    "vocab_mapping (specdraft.compat.build_vocab_mapping) to train across vocabularies.")
+        self._starts = [0]
+        for s in self.shards:
+            self._starts.append(self._starts[-1] + s["sequences"])
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, list[int]] = {}
+        self._ids: dict[int, list[str]] = {}
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _handles={})  # safe_open handles do not pickle: reopen in each worker
+
+    def _open(self, si: int):
+        if si not in self._handles:
+            from safetensors import safe_open
+
+            f = safe_open(str(self.dir / self.shards[si]["file"]), framework="pt")
+            self._handles[si] = f
+            self._offsets[si] = f.get_tensor("offsets").tolist()
+            self._ids[si] = json.loads(f.metadata()["specdraft"])["ids"]
+        return self._handles[si]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} outside [0, {len(self)})")
+        si = bisect.bisect_right(self._starts, i) - 1
+        j = i - self._starts[si]
+        f = self._open(si)
+        a, b = self._offsets[si][j], self._offsets[si][j + 1]
+        item: dict[str, Any] = {"id": self._ids[si][j],
+                                "input_ids": f.get_slice("input_ids")[a:b].long(),
+                                "loss_mask": f.get_slice("loss_mask")[a:b]}
+        for name in self.manifest["dtype"]:
+            item[name] = f.get_slice(name)[a:b]
+        return item
+
+    def head(self) -> dict[str, torch.Tensor]:
+        """The target's output head saved with a ``hidden`` dump: ``lm_head.weight [V, H]`` (+ ``lm_head.bias``)
+        and ``final_norm.weight``, checked against the manifest's head fingerprint.
+
+        Raises:
+            DumpError: a ``topk`` dump (no head needed), or a head file that does not match the fingerprint.
+        """
+        from safetensors.torch import load_file
+
+        if self.manifest["format"] != "hidden":
+            raise DumpError("only hidden dumps carry the output head (top-k dumps store probabilities).")
+        tensors = load_file(str(self.dir / HEAD_FILE))
+        if head_fingerprint(tensors) != self.manifest["head_fingerprint"]:
+            raise DumpError(f"{self.dir / HEAD_FILE} does not match the manifest's head fingerprint.")
+        return tensors
+
+    def teacher_probs(self, item: dict[str, Any], head: dict[str, torch.Tensor] | None = None,
+                      vocab_width: int | None = None) -> torch.Tensor:
+        """p for one item: ``[S, V] float32`` (softmax of ``lm_head(h)``, or the top-k completion).
+
+        Args:
+            item: ``self[i]``.
+            head: ``self.head()`` (loaded once by the caller; loaded here when None).
+            vocab_width: V of the result (default the target's logits width).
+        """
+        t = self.manifest["target"]
+        width = vocab_width or t["vocab_width"]
+        if self.manifest["format"] == "hidden":
+            head = head if head is not None else self.head()
+            logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"], head.get("lm_head.bias"),
+                                                t["real_vocab"])
+            from specdraft.compat import align_logits
+
+            return align_logits(logits, width).softmax(dim=-1)
+        return teacher_probs_from_topk(item["topk_logprobs"], item["topk_ids"], item["leftover_logmass"], width,
+                                       t["real_vocab"])
+
+
+def pad_collate(batch: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
+    """Right-pad dataset items into a batch: every tensor gets a leading ``[B]`` and is padded to ``S_max``
+    along its first dimension (``loss_mask`` with False, ``input_ids`` with ``pad_id``, signals with 0), plus
+    ``attention_mask [B, S] int64`` and ``ids`` (list of str)."""
+    import torch
+
+    S = max(len(x["input_ids"]) for x in batch)
+    out: dict[str, Any] = {"ids": [x["id"] for x in batch]}
+    for name in [k for k in batch[0] if k != "id"]:
+        first = batch[0][name]
+        fill = pad_id if name == "input_ids" else 0
+        t = torch.full((len(batch), S, *first.shape[1:]), fill, dtype=first.dtype)
+        for i, x in enumerate(batch):
+            t[i, : len(x[name])] = x[name]
+        out[name] = t
+    out["attention_mask"] = torch.zeros(len(batch), S, dtype=torch.long)
+    for i, x in enumerate(batch):
+        out["attention_mask"][i, : len(x["input_ids"])] = 1
+    return out

@@ -1,0 +1,564 @@
+"""Teacher dump: both formats against a plain forward pass, batch invariance, resume, corruption, refusals.
+
+Tiny models (3-layer target, vocabulary 64 padded to 72 logits rows) are saved once per module; the stored
+teacher is compared with ``model(ids).logits`` of the same ids run alone. Float32 hidden storage must give
+the target's logits to float32 rounding (the capture is exactly the head's input); the default bfloat16 and
+the float16 top-k log-probs are compared within their storage rounding. The ``real`` tests use the
+embedded Qwen tokenizer and the 1.5B target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pickle
+
+import pytest
+import torch
+
+from specdraft import dump as dump_mod
+from specdraft.compat import tokenizer_fingerprint
+from specdraft.data import DataError, Example, build_sequences, encode_prompts
+from specdraft.decode import left_pad, target_generate
+from specdraft.dump import (
+    DumpConfig,
+    DumpError,
+    TeacherDataset,
+    head_fingerprint,
+    load_manifest,
+    merge_manifests,
+    pad_collate,
+    run_dump,
+    split_work,
+    teacher_logits_from_hidden,
+    teacher_probs_from_topk,
+    verify_dump,
+)
+from specdraft.models import load_model
+from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+
+VOCAB, WIDTH = 64, 72  # tokenizer ids, logits rows of the target (8 padding rows)
+WORDS = [w for w in tiny_words(VOCAB - 5) if w.isalpha() and w not in ("user", "assistant")]
+
+
+def chat(i: int, n_user: int = 4, n_answer: int = 5) -> Example:
+    """A deterministic two-turn conversation of tiny-vocabulary words; lengths vary with ``i``."""
+    u = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n_user + i % 3))
+    a = " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(n_answer + i % 4))
+    return Example(f"ex{i}", [{"role": "user", "content": u}, {"role": "assistant", "content": a}])
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target, draft = save_tiny_pair(root, vocab_size=VOCAB, target_vocab=WIDTH)
+    model, tok = load_model(target, dtype="float32", device="cpu")
+    return {"target": target, "draft": draft, "model": model, "tok": tok}
+
+
+def fp32(**kw) -> DumpConfig:
+    """Tiny targets run in float32 wherever the tests run ("auto" would pick bfloat16 on CUDA)."""
+    return DumpConfig(dtype="float32", **kw)
+
+
+def plain_logits(model, ids) -> torch.Tensor:
+    """``[S, V]`` float32 logits of one sequence run alone, no padding."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([list(ids)])).logits[0].float()
+
+
+def rows_by_id(ds: TeacherDataset) -> dict[str, dict]:
+    return {ds[i]["id"]: ds[i] for i in range(len(ds))}
+
+
+def dir_digest(path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------ the capture
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_hidden_states_last_is_after_the_final_norm(arch):
+    """transformers' ``hidden_states[-1]`` is the head's input (after the final norm) for these archs, and
+    the dump's capture is that very tensor."""
+    model = tiny_model(arch, VOCAB, layers=2)
+    ids = torch.randint(5, VOCAB, (2, 9))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        h = out.hidden_states[-1]
+        torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
+        teacher = dump_mod._Teacher(model, VOCAB)
+        captured = teacher.hidden(ids, torch.ones_like(ids))
+    assert torch.equal(captured, h) and teacher.final_norm == "model" and teacher.checked
+    # The pre-norm residual stream is not the head's input: the check that guards the capture can tell.
+    assert teacher._mismatch(out.hidden_states[-2][:, -1], out.logits[:, -1]) > 10 * teacher.tol
+
+
+def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, monkeypatch):
+    model = pair["model"]
+    examples = [chat(i) for i in range(3)]
+    # Capture the last decoder layer (pre-norm residual stream) instead of the base model's output.
+    monkeypatch.setattr(dump_mod, "_capture_module", lambda m: m.model.layers[-1])
+    m = run_dump(pair["target"], examples, tmp_path / "applied", fp32(hidden_dtype="float32"))
+    assert m["final_norm"] == "applied" and m["final_norm_applied"] is True
+    ds = TeacherDataset(tmp_path / "applied")
+    head = ds.head()
+    for item in rows_by_id(ds).values():
+        logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"])
+        torch.testing.assert_close(logits[:, :VOCAB], plain_logits(model, item["input_ids"])[:, :VOCAB],
+                                   atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(dump_mod, "_find_final_norm", lambda m: None)
+    with pytest.raises(DumpError, match="pre-norm capture"):
+        run_dump(pair["target"], examples, tmp_path / "refused", fp32())
+    assert not (tmp_path / "refused" / "manifest.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ both formats
+
+
+def test_hidden_dump_is_the_target_head_input(pair, tmp_path):
+    model, tok = pair["model"], pair["tok"]
+    examples = [chat(i) for i in range(7)]
+    out = tmp_path / "d"
+    m = run_dump(pair["target"], examples, out, fp32(hidden_dtype="float32", batch_size=3, shard_size_mb=0.003),
+                 command="pytest")
+    # The manifest explains itself.
+    assert m["format"] == "hidden" and m["dtype"] == {"hidden": "float32"} and m["top_k"] is None
+    assert m["final_norm_applied"] is True and m["final_norm"] == "model"
+    assert m["tokenizer_fingerprint"] == tokenizer_fingerprint(tiny_tokenizer(VOCAB))
+    assert m["head_fingerprint"] == head_fingerprint(model)
+    assert (m["target"]["vocab_width"], m["target"]["real_vocab"], m["target"]["dtype"]) == (WIDTH, VOCAB, "float32")
+    assert m["command"] == "pytest" and m["versions"]["torch"] == torch.__version__
+    assert m["loss_mask_convention"].startswith("loss_mask[j]: the prediction made at position j")
+    seqs = build_sequences(tok, examples)
+    assert m["sequences"] == 7 and m["tokens"] == sum(len(s.ids) for s in seqs)
+    assert m["trained_tokens"] == sum(sum(s.loss_mask) for s in seqs) and m["dropped"] == m["truncated"] == 0
+    assert len(m["shards"]) > 1 and sum(s["sequences"] for s in m["shards"]) == 7
+    for s in m["shards"]:
+        assert hashlib.sha256((out / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+    assert m["bytes"] == sum((out / s["file"]).stat().st_size for s in m["shards"])
+    assert m["bytes_per_token"] == pytest.approx(m["bytes"] / m["tokens"])
+    # Memory bound: a shard is flushed after the first whole batch that brings it to shard_size_mb (3000 B).
+    row_bytes = [len(s.ids) * (32 * 4 + 5) for s in seqs]  # float32 hidden [S, 32] + int32 id + bool mask
+    first = 0
+    for s in m["shards"][:-1]:
+        shard_rows = row_bytes[first:first + s["sequences"]]
+        assert s["sequences"] % 3 == 0 and sum(shard_rows[:-3]) < 3000 <= sum(shard_rows)
+        first += s["sequences"]
+
+    ds = TeacherDataset(out, draft_tokenizer=tiny_tokenizer(VOCAB), verify=True)
+    head = ds.head()
+    assert head["lm_head.weight"].shape == (WIDTH, 32) and head_fingerprint(head) == m["head_fingerprint"]
+    assert [ds[i]["id"] for i in range(len(ds))] == [e.id for e in examples]  # example order, across shards
+    for i, seq in enumerate(seqs):
+        item = ds[i]
+        assert item["input_ids"].tolist() == seq.ids and item["loss_mask"].tolist() == seq.loss_mask
+        assert item["input_ids"].dtype == torch.int64 and item["hidden"].dtype == torch.float32
+        ref = plain_logits(model, seq.ids)  # [S, WIDTH]
+        # Teacher logits are lm_head(h): equal to the target's own logits to float32 rounding.
+        logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"], real_vocab=VOCAB)
+        torch.testing.assert_close(logits[:, :VOCAB], ref[:, :VOCAB], atol=1e-4, rtol=1e-4)
+        assert torch.isinf(logits[:, VOCAB:]).all()  # padding rows carry no probability
+        p = ds.teacher_probs(item, head)  # [S, WIDTH]
+        torch.testing.assert_close(p[:, :VOCAB], ref[:, :VOCAB].softmax(-1), atol=1e-5, rtol=1e-4)
+        assert (p[:, VOCAB:] == 0).all()
+
+
+def test_bfloat16_hidden_matches_within_bfloat16_rounding(pair, tmp_path):
+    model = pair["model"]
+    m = run_dump(pair["target"], [chat(i) for i in range(4)], tmp_path / "d", fp32(batch_size=2))
+    assert m["dtype"] == {"hidden": "bfloat16"}
+    ds = TeacherDataset(tmp_path / "d")
+    head = ds.head()
+    for item in rows_by_id(ds).values():
+        assert item["hidden"].dtype == torch.bfloat16
+        p = ds.teacher_probs(item, head)[:, :VOCAB]
+        ref = plain_logits(model, item["input_ids"])[:, :VOCAB].softmax(-1)
+        # bfloat16 keeps 8 bits of mantissa: the distribution moves by well under 2 % in total variation.
+        assert 0.5 * (p - ref).abs().sum(-1).max() < 0.02
+        assert torch.equal(p.argmax(-1), ref.argmax(-1))
+
+
+def test_topk_dump_matches_the_target_distribution(pair, tmp_path):
+    model = pair["model"]
+    k = 8
+    m = run_dump(pair["target"], [chat(i) for i in range(5)], tmp_path / "d",
+                 fp32(format="topk", top_k=k, batch_size=2))
+    assert m["top_k"] == k and m["dtype"] == {"topk_logprobs": "float16", "topk_ids": "int32",
+                                              "leftover_logmass": "float32"}
+    assert "head" not in m and not (tmp_path / "d" / "head.safetensors").exists()
+    ds = TeacherDataset(tmp_path / "d")
+    for item in rows_by_id(ds).values():
+        logp = plain_logits(model, item["input_ids"])[:, :VOCAB].double().log_softmax(-1)  # padding rows out
+        top = logp.topk(k, dim=-1)
+        assert item["topk_ids"].dtype == torch.int32 and item["topk_logprobs"].dtype == torch.float16
+        assert torch.equal(item["topk_ids"].long(), top.indices)  # never a padding row (ids ≥ 64)
+        torch.testing.assert_close(item["topk_logprobs"].double(), top.values, atol=2e-2, rtol=1e-3)
+        leftover = torch.log1p(-top.values.exp().sum(-1))
+        torch.testing.assert_close(item["leftover_logmass"].double(), leftover, atol=1e-4, rtol=1e-4)
+        # The completed distribution is within the leftover mass of the true one (uniform rule).
+        p_hat = ds.teacher_probs(item)
+        assert p_hat.shape[-1] == WIDTH and (p_hat[:, VOCAB:] == 0).all()
+        tv = 0.5 * (p_hat[:, :VOCAB].double() - logp.exp()).abs().sum(-1)
+        assert (tv <= leftover.exp() + 2e-3).all()
+
+
+def test_topk_leftover_rule_by_hand():
+    """p = (.5, .3, .1, .06, .04) over 5 real ids + 1 padding row; k = 2 keeps .5 and .3, leftover .2."""
+    lp = torch.tensor([[math.log(0.5), math.log(0.3)]])
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    left = torch.tensor([math.log(0.2)])
+    p_hat = teacher_probs_from_topk(lp, ids, left, vocab_width=6, real_vocab=5)
+    torch.testing.assert_close(p_hat, torch.tensor([[0.5, 0.3, 0.2 / 3, 0.2 / 3, 0.2 / 3, 0.0]]))
+    p = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04, 0.0]])
+    q = torch.tensor([[0.2, 0.2, 0.4, 0.1, 0.1, 0.0]])
+    # α = Σ min(p, q) and TV move by at most the leftover mass (0.2).
+    alpha, alpha_hat = torch.minimum(p, q).sum(), torch.minimum(p_hat, q).sum()
+    assert abs(alpha - alpha_hat) <= 0.2 and abs(alpha - alpha_hat) > 0  # a real, bounded difference
+    # No leftover (k covers the whole real vocabulary): nothing is spread, padding stays 0.
+    full = teacher_probs_from_topk(torch.log(torch.tensor([[0.7, 0.3]])), torch.tensor([[1, 0]]),
+                                   torch.tensor([float("-inf")]), vocab_width=3, real_vocab=2)
+    torch.testing.assert_close(full, torch.tensor([[0.3, 0.7, 0.0]]))
+
+
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_rows_do_not_depend_on_batch_composition_or_order(pair, tmp_path, fmt):
+    examples = [chat(i) for i in range(6)]
+    cfg = {"format": fmt, "top_k": 8, "hidden_dtype": "float32"}
+    run_dump(pair["target"], examples, tmp_path / "solo", fp32(batch_size=1, **cfg))
+    run_dump(pair["target"], examples[::-1], tmp_path / "batched", fp32(batch_size=4, **cfg))
+    solo, batched = rows_by_id(TeacherDataset(tmp_path / "solo")), rows_by_id(TeacherDataset(tmp_path / "batched"))
+    assert solo.keys() == batched.keys()
+    for eid, a in solo.items():
+        b = batched[eid]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        if fmt == "hidden":
+            torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(a["topk_ids"], b["topk_ids"])
+            torch.testing.assert_close(a["topk_logprobs"], b["topk_logprobs"], atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(a["leftover_logmass"], b["leftover_logmass"], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ sequences
+
+
+def test_loss_mask_convention_on_the_tiny_chat_template(pair):
+    tok = pair["tok"]
+    ex = Example("c", [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"},
+                       {"role": "user", "content": "e"}, {"role": "assistant", "content": "f"}])
+    full = build_sequences(tok, [ex])[0]
+    assert full.loss_mask == [True] * (len(full.ids) - 1) + [False]
+    ans = build_sequences(tok, [ex], answer_only=True)[0]
+    assert ans.ids == full.ids
+    predicted = [ans.ids[j + 1] for j, m in enumerate(ans.loss_mask) if m]  # tokens the trained predictions name
+    assert tok.convert_ids_to_tokens(predicted) == ["c", "d", "<|im_end|>", "f", "<|im_end|>"]
+
+
+@pytest.mark.real
+def test_answer_only_mask_under_the_real_qwen_template():
+    from transformers import AutoTokenizer
+
+    from specdraft.models import resolve
+
+    tok = AutoTokenizer.from_pretrained(resolve("qwen2.5-coder-0.5b-instruct"))
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Add two numbers."},
+            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+            {"role": "user", "content": "And three?"},
+            {"role": "assistant", "content": "def add3(a, b, c):\n    return a + b + c"}]
+    seq = build_sequences(tok, [Example("q", msgs)], answer_only=True)[0]
+    predicted = [seq.ids[j + 1] for j, m in enumerate(seq.loss_mask) if m]
+    # Exactly the two answers and their end-of-turn tokens: no role header, no "\n" after <|im_end|>.
+    assert tok.decode(predicted) == (msgs[2]["content"] + "<|im_end|>" + msgs[4]["content"] + "<|im_end|>")
+    assert seq.ids == tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+    # A prompt without an answer has nothing to train on: an error, not an empty row.
+    with pytest.raises(DataError, match="empty loss mask"):
+        build_sequences(tok, [Example("p", msgs[:2])], answer_only=True)
+
+
+def test_generated_responses_are_the_targets_own(pair, tmp_path):
+    model, tok = pair["model"], pair["tok"]
+    prompts = [Example(f"p{i}", chat(i).messages[:1]) for i in range(3)]
+    m = run_dump(pair["target"], prompts, tmp_path / "g", fp32(generate=6, answer_only=True, batch_size=2))
+    ds = TeacherDataset(tmp_path / "g")
+    prompt_tokens = 0
+    for i, ex in enumerate(prompts):
+        prompt = encode_prompts(tok, [ex])[0]
+        prompt_tokens += len(prompt)
+        ids, mask = left_pad([prompt], 0)
+        response = target_generate(model, ids, mask, max_new_tokens=6, real_vocab=VOCAB)[0][0]
+        item = ds[i]
+        assert item["input_ids"].tolist() == prompt + response  # greedy: what the target writes alone
+        S = len(prompt) + len(response)
+        assert item["loss_mask"].tolist() == [len(prompt) - 1 <= j < S - 1 for j in range(S)]
+    assert m["trained_tokens"] == m["tokens"] - prompt_tokens  # every response token, nothing else
+    # Sampled generation is reproducible from the seed.
+    cfg = fp32(generate=6, temperature=1.0, seed=3)
+    run_dump(pair["target"], prompts, tmp_path / "s1", cfg)
+    run_dump(pair["target"], prompts, tmp_path / "s2", cfg)
+    a, b = TeacherDataset(tmp_path / "s1"), TeacherDataset(tmp_path / "s2")
+    assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in range(3))
+
+
+# ------------------------------------------------------------------------------------------ resume, corruption
+
+
+def test_resume_after_a_kill_skips_verified_shards(pair, tmp_path):
+    examples = [chat(i) for i in range(9)]
+    cfg = fp32(format="topk", top_k=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
+    out = tmp_path / "d"
+    calls = []
+
+    def kill_after_three_batches(done, total, tokens):
+        calls.append(done)
+        if len(calls) == 4:  # the initial report, then three batches
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_dump(pair["target"], examples, out, cfg, progress=kill_after_three_batches)
+    with pytest.raises(DumpError, match="unfinished run"):
+        load_manifest(out)
+    state = json.loads((out / "rank-00000.json").read_text())
+    assert state["status"] == "running" and [s["end"] for s in state["shards"]] == [2, 4, 6]
+    before = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in state["shards"]}
+    (out / ".tmp-shard-r00000-00003.safetensors-killed").write_bytes(b"half a shard")  # a killed writer's file
+
+    m = run_dump(pair["target"], examples, out, cfg)
+    assert m["this_run"]["shards_skipped"] == 3 and m["this_run"]["shards_written"] == 2
+    assert {f: (out / f).stat().st_mtime_ns for f in before} == before  # completed shards were not rewritten
+    assert not list(out.glob(".tmp-*"))
+    assert len(m["runs"]) == 2 and m["sequences"] == 9
+    # The resumed dump equals an uninterrupted one, file for file.
+    fresh = run_dump(pair["target"], examples, tmp_path / "fresh", cfg)
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in fresh["shards"]]
+    # A finished dump rerun: everything verified, nothing written.
+    again = run_dump(pair["target"], examples, out, cfg)
+    assert (again["this_run"]["shards_written"], again["this_run"]["shards_skipped"]) == (0, 5)
+
+
+def test_corrupt_or_missing_shards_are_named_and_redone(pair, tmp_path):
+    examples = [chat(i) for i in range(6)]
+    cfg = fp32(batch_size=2, shard_size_mb=0.001)
+    out = tmp_path / "d"
+    m = run_dump(pair["target"], examples, out, cfg)
+    names = [s["file"] for s in m["shards"]]
+    assert len(names) == 3
+    data = bytearray((out / names[1]).read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte inside the tensor data: same size, other content
+    (out / names[1]).write_bytes(bytes(data))
+    with pytest.raises(DumpError, match=rf"{names[1]} is corrupt"):
+        verify_dump(out)
+    with pytest.raises(DumpError, match=names[1]):
+        TeacherDataset(out, verify=True)
+    (out / names[2]).unlink()
+    with pytest.raises(DumpError, match=rf"2 of 4 files.*{names[1]} is corrupt.*{names[2]} is missing"):
+        verify_dump(out)
+    with pytest.raises(DumpError, match=rf"shard {names[2]} is missing"):
+        TeacherDataset(out)
+    again = run_dump(pair["target"], examples, out, cfg)
+    assert again["this_run"]["shards_redone"] == 2 and again["this_run"]["shards_skipped"] == 1
+    verify_dump(out)
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in m["shards"]]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+def test_reader_refuses_a_draft_of_another_tokenizer(pair, tmp_path):
+    run_dump(pair["target"], [chat(0)], tmp_path / "d", fp32())
+    other = tiny_tokenizer(VOCAB, swap=(10, 11))  # same size, two ids exchanged
+    fp_dump, fp_other = tokenizer_fingerprint(tiny_tokenizer(VOCAB)), tokenizer_fingerprint(other)
+    with pytest.raises(DumpError) as err:
+        TeacherDataset(tmp_path / "d", draft_tokenizer=other)
+    assert fp_dump in str(err.value) and fp_other in str(err.value)
+    assert len(TeacherDataset(tmp_path / "d", draft_tokenizer=pair["draft"])) == 1  # a reference, same tokenizer
+    ds = TeacherDataset(tmp_path / "d", draft_tokenizer=other, vocab_mapping="mapping")
+    assert ds.vocab_mapping == "mapping" and len(ds) == 1
+
+
+def test_output_directory_of_another_dump_is_refused_untouched(pair, tmp_path):
+    out = tmp_path / "d"
+    run_dump(pair["target"], [chat(i) for i in range(3)], out, fp32())
+    before = dir_digest(out)
+    # The draft has the same tokenizer and architecture family but other weights and depth.
+    with pytest.raises(DumpError, match="another target.*target_config"):
+        run_dump(pair["draft"], [chat(i) for i in range(3)], out, fp32())
+    with pytest.raises(DumpError, match="other settings.*format"):
+        run_dump(pair["target"], [chat(i) for i in range(3)], out, fp32(format="topk", top_k=8))
+    with pytest.raises(DumpError, match="other settings or data.*data_fingerprint"):
+        run_dump(pair["target"], [chat(i) for i in range(4)], out, fp32())
+    assert dir_digest(out) == before
+    foreign = tmp_path / "f"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(DumpError, match="notes.txt"):
+        run_dump(pair["target"], [chat(0)], foreign, fp32())
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_same_target_with_other_weights_is_refused_by_the_head_fingerprint(pair, tmp_path):
+    out = tmp_path / "d"
+    run_dump(pair["target"], [chat(0)], out, fp32(format="topk", top_k=4))
+    before = dir_digest(out)
+    twin = tiny_model("llama", WIDTH, seed=5, layers=3)  # same config, other weights
+    twin.save_pretrained(tmp_path / "twin")
+    pair["tok"].save_pretrained(tmp_path / "twin")
+    with pytest.raises(DumpError, match="another target.*head_fingerprint"):
+        run_dump(tmp_path / "twin", [chat(0)], out, fp32(format="topk", top_k=4))
+    assert dir_digest(out) == before
+
+
+def test_bad_input(pair, tmp_path):
+    with pytest.raises(DumpError, match="empty"):
+        run_dump(pair["target"], [], tmp_path / "empty", fp32())
+    long_ex = [chat(0, n_user=40, n_answer=30), chat(1)]  # ex0's answer starts past token 40
+    n_long = len(build_sequences(pair["tok"], long_ex[:1])[0].ids)
+    with pytest.raises(DataError, match=rf"ex0: {n_long} tokens exceed --max-length 40"):
+        run_dump(pair["target"], long_ex, tmp_path / "refused", fp32(max_length=40, truncate=False))
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
+    m = run_dump(pair["target"], long_ex, tmp_path / "cut", fp32(max_length=40))
+    ds = TeacherDataset(tmp_path / "cut")
+    assert m["truncated"] == 1 and len(ds[0]["input_ids"]) == 40 and ds[0]["loss_mask"][-1].item() is False
+    # Answer-only: the long example's answer lies past the cut, so the row has nothing to train and is dropped.
+    m = run_dump(pair["target"], long_ex, tmp_path / "drop", fp32(max_length=40, answer_only=True))
+    assert (m["sequences"], m["dropped"]) == (1, 1) and TeacherDataset(tmp_path / "drop")[0]["id"] == "ex1"
+    with pytest.raises(DumpError, match="nothing to dump"):
+        run_dump(pair["target"], long_ex[:1], tmp_path / "none", fp32(max_length=40, answer_only=True))
+    with pytest.raises(DataError, match="p0: no position is trained"):
+        run_dump(pair["target"], [Example("p0", [{"role": "user", "content": "a b"}])], tmp_path / "noanswer",
+                 fp32(answer_only=True))
+    with pytest.raises(DumpError, match="--top-k 64 must be below the real vocabulary"):
+        run_dump(pair["target"], [chat(0)], tmp_path / "k", fp32(format="topk", top_k=64))
+    with pytest.raises(ValueError, match="--temperature only applies with --generate"):
+        DumpConfig(temperature=0.7)
+    with pytest.raises(ValueError, match="extra"):
+        DumpConfig(topk=3)
+
+
+# ------------------------------------------------------------------------------------------ ranks, reader
+
+
+def test_split_work_covers_every_item_once_in_order():
+    for n in range(11):
+        for world in range(1, 5):
+            parts = [split_work(n, r, world) for r in range(world)]
+            assert [i for p in parts for i in p] == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_merge_manifests_lists_every_rank_and_sums_counts():
+    def shard(rank, index, seqs, tokens):
+        return {"file": f"shard-r{rank:05d}-{index:05d}.safetensors", "index": index, "start": 0, "end": seqs,
+                "sha256": "x", "bytes": 10 * tokens, "sequences": seqs, "tokens": tokens, "trained_tokens": tokens // 2,
+                "truncated": 1, "dropped": 0}
+
+    header = {"kind": "specdraft-teacher-dump", "format": "topk", "final_norm": None, "final_norm_applied": None}
+    states = [{"rank": r, "world_size": 2, "plan": "P", "status": "complete", "dropped_before_split": 3 if r == 0 else 0,
+               "header": dict(header, final_norm="model", final_norm_applied=True) if r == 1 else header,
+               "shards": [shard(r, i, 2 + r, 10 * (i + 1)) for i in range(2)], "runs": [{"tokens": 5}]}
+              for r in range(2)]
+    m = merge_manifests(states[::-1])
+    assert [s["file"] for s in m["shards"]] == ["shard-r00000-00000.safetensors", "shard-r00000-00001.safetensors",
+                                                 "shard-r00001-00000.safetensors", "shard-r00001-00001.safetensors"]
+    assert [s["rank"] for s in m["shards"]] == [0, 0, 1, 1]
+    assert (m["sequences"], m["tokens"], m["trained_tokens"], m["truncated"], m["dropped"]) == (10, 60, 30, 4, 3)
+    assert m["bytes_per_token"] == 10 and m["final_norm"] == "model" and m["world_size"] == 2
+    assert [r["rank"] for r in m["runs"]] == [0, 1]
+    with pytest.raises(DumpError, match="got ranks"):
+        merge_manifests(states[:1])
+    with pytest.raises(DumpError, match="has not finished"):
+        merge_manifests([states[0], dict(states[1], status="running")])
+    with pytest.raises(DumpError, match="another dump plan"):
+        merge_manifests([states[0], dict(states[1], plan="Q")])
+
+
+def test_dataset_batches_and_survives_pickling(pair, tmp_path):
+    run_dump(pair["target"], [chat(i) for i in range(5)], tmp_path / "d", fp32(format="topk", top_k=4))
+    ds = TeacherDataset(tmp_path / "d")
+    first = ds[0]
+    clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker receives
+    assert torch.equal(clone[0]["topk_ids"], first["topk_ids"]) and torch.equal(ds[-1]["input_ids"], ds[4]["input_ids"])
+    with pytest.raises(IndexError):
+        ds[5]
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, collate_fn=pad_collate)
+    batch = next(iter(loader))
+    lens = [len(ds[i]["input_ids"]) for i in range(2)]
+    assert batch["input_ids"].shape == (2, max(lens)) and batch["topk_logprobs"].shape == (2, max(lens), 4)
+    assert batch["attention_mask"].sum(1).tolist() == lens and batch["ids"] == ["ex0", "ex1"]
+    assert not batch["loss_mask"][batch["attention_mask"] == 0].any()
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def test_dump_command(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": chat(i).messages}) for i in range(4)) + "\n")
+    out = tmp_path / "d"
+    res = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", str(data), "--out", str(out),
+                                   "--format", "topk", "--top-k", "4", "--answer-only", "--batch-size", "3"])
+    assert res.exit_code == 0, res.output
+    m = load_manifest(out)
+    assert m["sequences"] == 4 and m["top_k"] == 4 and m["config"]["answer_only"] is True
+    assert "bytes per token" in res.output and "tokens/s" in res.output
+    bad = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", str(data), "--out",
+                                   str(tmp_path / "x"), "--temperature", "0.5"])
+    assert bad.exit_code == 1 and "--temperature" in bad.output
+    other = CliRunner().invoke(app, ["dump", "--target", pair["draft"], "--data", str(data), "--out", str(out),
+                                     "--format", "topk", "--top-k", "4", "--answer-only"])
+    assert other.exit_code == 1 and "another target" in other.output
+
+
+# ------------------------------------------------------------------------------------------ real pair
+
+
+@pytest.mark.real
+def test_real_target_dump_matches_a_plain_forward_pass(tmp_path):
+    """HumanEval prompts plus canonical solutions through the 1.5B target in bfloat16, in one right-padded
+    batch: the stored teacher (both formats) gives the target's own distribution of a lone forward pass."""
+    from specdraft.data import load_examples
+    from specdraft.models import DEFAULT_TARGET, load_tokenizer
+
+    # The three shortest of the first 40 problems, so that prompt and solution fit in 160 tokens.
+    candidates = load_examples("humaneval", limit=40)
+    lengths = [len(s.ids) for s in build_sequences(load_tokenizer(DEFAULT_TARGET), candidates, max_length=10_000)]
+    examples = [candidates[i] for i in sorted(range(40), key=lengths.__getitem__)[:3]]
+    assert max(sorted(lengths)[:3]) <= 160
+    common = {"max_length": 160, "dtype": "bfloat16", "batch_size": 3, "answer_only": True}
+    m = run_dump(DEFAULT_TARGET, examples, tmp_path / "h", DumpConfig(**common))
+    mk = run_dump(DEFAULT_TARGET, examples, tmp_path / "k", DumpConfig(format="topk", top_k=16, **common))
+    assert m["sequences"] == 3 and m["final_norm_applied"] is True and m["target"]["dtype"] == "bfloat16"
+    assert m["target"]["revision"].startswith("gguf-sha256:")
+    real, width = m["target"]["real_vocab"], m["target"]["vocab_width"]
+    assert real < width  # Qwen pads its logits rows: the dump must give them no probability
+    hidden = TeacherDataset(tmp_path / "h", draft_tokenizer="qwen2.5-coder-0.5b-instruct", verify=True)
+    topk = TeacherDataset(tmp_path / "k", verify=True)
+    head = hidden.head()
+    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", device="cpu")
+    assert head_fingerprint(model) == m["head_fingerprint"] == mk["head_fingerprint"]
+    for i in range(3):
+        item, item_k = hidden[i], topk[i]
+        assert item["loss_mask"].any() and len(item["input_ids"]) <= 160
+        assert torch.equal(item["input_ids"], item_k["input_ids"])
+        p_ref = plain_logits(model, item["input_ids"])[:, :real].softmax(-1)  # [S, real]
+        p = hidden.teacher_probs(item, head)
+        assert (p[:, real:] == 0).all()
+        # The batch (right-padded) and the lone forward differ only by bfloat16 rounding through 28 layers
+        # (measured: mean TV 3e-4, max 0.02; the unpadded row is bit-identical).
+        tv = 0.5 * (p[:, :real] - p_ref).abs().sum(-1)
+        assert tv.mean() < 0.01 and tv.max() < 0.1, (tv.mean(), tv.max())
+        assert (p[:, :real].argmax(-1) == p_ref.argmax(-1)).float().mean() > 0.98
+        # Top-k: real ids only, the reference's most likely ids, and a leftover that closes the mass.
+        assert int(item_k["topk_ids"].max()) < real
+        # bfloat16 logits tie often and topk breaks ties unlike argmax: compare probabilities, not ids.
+        top1 = p_ref.gather(-1, item_k["topk_ids"][:, :1].long())[:, 0]
+        assert (p_ref.max(-1).values - top1).max() < 0.05
+        mass = item_k["topk_logprobs"].float().exp().sum(-1) + item_k["leftover_logmass"].exp()
+        torch.testing.assert_close(mass, torch.ones_like(mass), atol=1e-2, rtol=0)
