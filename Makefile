@@ -20,7 +20,7 @@ setup-dev: setup
 
 # The main job on the embedded default pair.
 run: setup
-	$(BIN)/specdraft check
+	$(BIN)/specdraft run
 
 # The whole test suite (CI calls exactly this).
 test: setup-dev

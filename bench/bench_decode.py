@@ -22,11 +22,11 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup  # noqa: E402
-from specdraft.config import SamplingConfig  # noqa: E402
-from specdraft.data import encode_prompts, load_examples  # noqa: E402
-from specdraft.decode import left_pad, speculative_generate, target_generate  # noqa: E402
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
+from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup
+from specdraft.config import SamplingConfig
+from specdraft.data import encode_prompts, load_examples
+from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
 
 def main() -> dict:
@@ -54,7 +54,7 @@ def main() -> dict:
     draft, _ = load_model(args.draft, dtype=args.dtype, device="cpu")
     examples = load_examples("humaneval", limit=args.num_prompts, offset=args.prompt_offset)
     prompts = encode_prompts(tok, examples)
-    common = dict(max_new_tokens=args.max_new_tokens, real_vocab=len(tok), sampling=sampling)
+    common = {"max_new_tokens": args.max_new_tokens, "real_vocab": len(tok), "sampling": sampling}
 
     # Warm-up (allocator, kernels) on a short prompt, not timed.
     w_ids, w_mask = left_pad([prompts[0][:32]], tok.pad_token_id)
@@ -74,7 +74,7 @@ def main() -> dict:
     for k, (ex, ids) in enumerate(zip(examples, prompts)):
         inp, mask = left_pad([ids], tok.pad_token_id)
         row = {"id": ex.id}
-        g = lambda: torch.Generator().manual_seed(1000 + k)  # noqa: E731
+        g = lambda k=k: torch.Generator().manual_seed(1000 + k)
         base, bc = target_generate(target, inp, mask, generator=g(), **common)
         target_counts = target_counts.merge(bc)
         outs = {"target": (base[0], bc.time_total)}

@@ -67,5 +67,6 @@ def test_chat_template_is_applied():
 def test_cli_help_is_instant_and_imports_no_torch():
     code = "import sys, specdraft.cli; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-    out = subprocess.run([sys.executable, "-m", "specdraft.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "specdraft.cli", "--help"], capture_output=True, text=True,
+                         check=False)
     assert out.returncode == 0 and "check" in out.stdout and "models" in out.stdout

@@ -115,7 +115,7 @@ def test_stop_sequence_and_batch_rows_end_independently():
 
 @pytest.mark.parametrize("max_new,gamma", [(7, 3), (1, 4), (10, 2)])
 def test_max_new_tokens_met_exactly(pair, max_new, gamma):
-    target, draft = pair
+    target, _draft = pair
     ids, mask = left_pad(PROMPTS, 0)
     spec, counts = speculative_generate(target, target, ids, mask, num_speculative_tokens=gamma,
                                         max_new_tokens=max_new, eos_token_id=[])
@@ -264,7 +264,7 @@ def test_confidence_threshold_sampled_follows_target_law():
     target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
     draft = perturbed(target, 0.08, seed=5)
     law = _exact_two_token_law(target, [5, 6, 7], sampling)
-    out, counts = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N), None, num_speculative_tokens=3,
+    out, _counts = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N), None, num_speculative_tokens=3,
                                        sampling=sampling, max_new_tokens=2, eos_token_id=[],
                                        generator=torch.Generator().manual_seed(99), draft_confidence_threshold=0.5)
     observed = np.zeros_like(law)

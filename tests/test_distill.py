@@ -36,7 +36,7 @@ def setup():
 def test_hidden_teacher_reproduces_target_logits(setup):
     target, rows = setup
     m = DistillModel(tiny_model("llama", V, seed=1, layers=1), target.lm_head.weight, None, V, DistillConfig())
-    p, logits = m.teacher_probs(hidden=rows[0]["hidden"].float()[None])
+    _p, logits = m.teacher_probs(hidden=rows[0]["hidden"].float()[None])
     with torch.no_grad():
         ref = target(rows[0]["input_ids"][None]).logits.float()
     torch.testing.assert_close(logits, ref, atol=0.05, rtol=0.02)  # bf16-stored hidden states

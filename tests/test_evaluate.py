@@ -58,7 +58,7 @@ def test_divergence_is_reported_with_margin(monkeypatch):
     target = tiny_model("llama", 64, seed=0, layers=2)
 
     def broken(t, d, inp, mask, **kw):  # stands in for a buggy decoder: flips the 3rd token
-        out, c = ev.target_generate(t, inp, mask, **{k: v for k, v in kw.items() if k != "num_speculative_tokens"})
+        out, _c = ev.target_generate(t, inp, mask, **{k: v for k, v in kw.items() if k != "num_speculative_tokens"})
         out[0][2] = (out[0][2] + 1) % 64
         return out, ev.AcceptanceCounts(kw["num_speculative_tokens"])
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.losses import LOSSES, filter_logits, filtered_probs, masked_mean, soft_ce, sum_min, tvd, tvd_deploy
+from specdraft.losses import (
+    LOSSES,
+    filter_logits,
+    filtered_probs,
+    masked_mean,
+    soft_ce,
+    sum_min,
+    tvd,
+    tvd_deploy,
+)
 
 
 def reference_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -62,7 +71,7 @@ def test_filter_edge_cases():
     assert (p > 0).tolist() == [[True, True, True, True, False]]
     # top_p small keeps only the argmax.
     assert (filtered_probs(logits, 1.0, 0, 1e-6) > 0).sum().item() == 1
-    for bad in (dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+    for bad in ({"temperature": 0.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             filter_logits(logits, **{"temperature": 1.0, **bad})
 
@@ -91,7 +100,7 @@ def test_tvd_and_soft_ce_references():
 def test_tvd_deploy_is_one_minus_filtered_overlap():
     g = torch.Generator().manual_seed(2)
     t_logits, d_logits = torch.randn(2, 3, 40, generator=g), torch.randn(2, 3, 40, generator=g)
-    kw = dict(temperature=0.8, top_k=7, top_p=0.9)
+    kw = {"temperature": 0.8, "top_k": 7, "top_p": 0.9}
     got = tvd_deploy(d_logits, None, teacher_logits=t_logits, **kw)
     overlap = sum_min(filtered_probs(t_logits, **kw), filtered_probs(d_logits, **kw))
     torch.testing.assert_close(got, 1 - overlap)
@@ -113,7 +122,7 @@ def test_sparse_tvd_deploy_equals_dense_path_and_its_gradient():
     g = torch.Generator().manual_seed(3)
     t_logits = torch.randn(2, 5, 300, generator=g) * 2
     d_logits = (t_logits + torch.randn(2, 5, 300, generator=g)).requires_grad_(True)
-    kw = dict(temperature=0.9, top_k=20, top_p=0.9)
+    kw = {"temperature": 0.9, "top_k": 20, "top_p": 0.9}
     sparse = tvd_deploy(d_logits, None, teacher_logits=t_logits, **kw)
     (g_sparse,) = torch.autograd.grad(sparse.sum(), d_logits)
     q = filtered_probs(d_logits, **kw)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -110,13 +110,12 @@ def check(
     prompt: Annotated[str, typer.Option(help="Prompt for the greedy continuation of each model.")] =
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens of greedy continuation per model.")] = 16,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Load target and draft, compare their tokenizers over the whole vocabulary, print both models' facts and
     a short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
     from specdraft.check import run_check
-
     from specdraft.models import ModelResolutionError
 
     try:
@@ -273,7 +272,7 @@ SamplingTopP = Annotated[float, typer.Option(help="Top-p (nucleus) mass in (0, 1
 GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-g",
                                        help="γ: draft tokens proposed per target pass (>= 1); the maximum when "
                                        "--draft-confidence-threshold is set.")]
-ConfOpt = Annotated[Optional[float], typer.Option(
+ConfOpt = Annotated[float | None, typer.Option(
     min=0.0, max=1.0, help="Stop drafting a round early once the draft's probability of its own token falls "
     "below this (lossless; γ becomes a maximum). Off when not given.")]
 
@@ -340,7 +339,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding")
     table = Table(title=f"{title} (γ = {gamma})")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    fmt = lambda v, f="{:.3f}": "—" if v is None else f.format(v)  # noqa: E731
+    fmt = lambda v, f="{:.3f}": "—" if v is None else f.format(v)
     rows = [
         ("prompts", str(s["prompts"])),
         ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
@@ -596,10 +595,10 @@ def distill(
 def run_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
-    train_data: Annotated[Optional[list[str]], typer.Option(
+    train_data: Annotated[list[str] | None, typer.Option(
         help="Training prompt source name[:offset[:limit]] (repeatable): humaneval, mt-bench, conversations, a "
         ".jsonl or a saved dataset. Default: the preset's.")] = None,
-    eval_data: Annotated[Optional[list[str]], typer.Option(
+    eval_data: Annotated[list[str] | None, typer.Option(
         help="Held-out evaluation prompt source name[:offset[:limit]] (repeatable). Default: the preset's.")] = None,
     out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
         = Path("runs/default"),
@@ -630,7 +629,7 @@ def run_cmd(
     table = Table(title=f"specdraft run — {target} ← {draft}")
     for col in ("", "before distillation", "after distillation"):
         table.add_column(col, justify="right")
-    f = lambda v, s="{:.3f}": "—" if v is None else s.format(v)  # noqa: E731
+    f = lambda v, s="{:.3f}": "—" if v is None else s.format(v)
     table.add_row("acceptance rate", f(b["acceptance_rate"]), f(a["acceptance_rate"]))
     table.add_row("tokens per target pass", f(b["mean_accepted_length"], "{:.2f}"),
                   f(a["mean_accepted_length"], "{:.2f}"))

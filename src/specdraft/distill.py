@@ -137,10 +137,10 @@ class DistillModel(nn.Module):
         if hidden is not None:
             if self.head_weight is None:
                 raise DistillError("a hidden-state teacher needs the target's output head")
-            w = self.head_weight.float()
-            logits = hidden.to(w.device).float() @ w.T  # [B, S, V_t]
-            if self.head_bias is not None:
-                logits = logits + self.head_bias.float()
+            from specdraft.dump import teacher_logits_from_hidden
+
+            # In the head's own dtype, as the target computed its logits (bf16 matmul is also ~2x cheaper on CPU).
+            logits = teacher_logits_from_hidden(hidden, self.head_weight, self.head_bias)  # [B, S, V_t] float32
             logits = align_logits(logits, self.width, self.real_vocab)
             return logits.softmax(-1), logits
         from specdraft.dump import teacher_probs_from_topk
@@ -171,15 +171,18 @@ class DistillModel(nn.Module):
                                    top_k=cfg.top_k, top_p=cfg.top_p)
         loss = masked_mean(per_pos, mask)
         with torch.no_grad():
-            q = d_logits.softmax(-1)
-            tvd_full = 0.5 * (p - q).abs().sum(-1)
+            # Metrics reuse the loss where it already is the metric (no second vocabulary-wide pass).
             acc = (d_logits.argmax(-1) == p.argmax(-1)).float()
-            if t_logits is not None:
+            tvd_full = per_pos.detach() if cfg.loss == "tvd" else 0.5 * (p - d_logits.softmax(-1)).abs().sum(-1)
+            serving_is_plain = cfg.temperature == 1.0 and cfg.top_k == 0 and cfg.top_p == 1.0
+            if cfg.loss == "tvd_deploy":
+                alpha = 1 - per_pos.detach()
+            elif serving_is_plain or t_logits is None:
+                alpha = 1 - tvd_full
+            else:
                 pf = filtered_probs(t_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 qf = filtered_probs(d_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 alpha = sum_min(pf, qf)
-            else:
-                alpha = 1 - tvd_full
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
                              alpha=masked_mean(alpha, mask), tokens=mask.sum())
 
@@ -244,7 +247,7 @@ def split_held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[
     """Deterministic split of ``range(n)`` into (train, held-out); at least one of each when n ≥ 2."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(n, generator=g).tolist()
-    k = int(round(n * fraction))
+    k = round(n * fraction)
     if fraction > 0 and n >= 2:
         k = min(max(k, 1), n - 1)
     return sorted(order[k:]), sorted(order[:k])
@@ -372,7 +375,7 @@ def train(
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         learning_rate=config.lr,
         weight_decay=config.weight_decay,
-        warmup_steps=int(math.ceil(config.warmup_ratio * config.max_steps)),
+        warmup_steps=math.ceil(config.warmup_ratio * config.max_steps),
         lr_scheduler_type=config.scheduler,
         max_grad_norm=config.max_grad_norm,
         logging_steps=config.logging_steps,

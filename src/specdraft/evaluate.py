@@ -137,7 +137,7 @@ class EvalResult:
         """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ."""
         c = self.spec_counts
         gamma = self.config["num_speculative_tokens"]
-        tps = lambda tok, s: tok / s if s else 0.0  # noqa: E731
+        tps = lambda tok, s: tok / s if s else 0.0
         t_tps, s_tps, h_tps = tps(self.target_tokens, self.target_seconds), tps(self.spec_tokens, self.spec_seconds), \
             tps(self.hf_tokens, self.hf_seconds)
         # c = one draft step / one target pass, the latter from the target-only run (Leviathan et al. §3.4).
@@ -239,7 +239,7 @@ def run_eval(
     responses = []
     for k, ids in enumerate(prompt_ids):
         inp, mask = left_pad([ids], pad, device)
-        common = dict(sampling=sampling, max_new_tokens=max_new_tokens, real_vocab=real_vocab)
+        common = {"sampling": sampling, "max_new_tokens": max_new_tokens, "real_vocab": real_vocab}
         base, bc = target_generate(target, inp, mask, generator=torch.Generator().manual_seed(seed + k), **common)
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
                                         generator=torch.Generator().manual_seed(seed + k),

@@ -146,7 +146,7 @@ def _module_dir(module: str) -> Path | None:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def part_paths(model: EmbeddedModel) -> list[Path]:
@@ -426,7 +426,7 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
             from huggingface_hub import snapshot_download
 
             return snapshot_download(ref_s, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any hub failure becomes one clear message
+        except Exception as exc:
             raise ModelResolutionError(
                 f"Hub id {ref_s!r} is not in the local Hugging Face cache and model hubs may be "
                 f"unreachable from here ({type(exc).__name__}). Download it where the hub is reachable "
@@ -462,7 +462,7 @@ def load_tokenizer(ref: str | os.PathLike) -> PreTrainedTokenizerBase:
     path = resolve(ref)
     try:
         return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ModelResolutionError(f"Could not load a tokenizer from {path}: {exc}") from exc
 
 
@@ -484,7 +484,6 @@ def load_model(
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     # Our CLI shows its own status; transformers' per-tensor "Loading weights" bars only add noise.

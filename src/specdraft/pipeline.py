@@ -82,40 +82,40 @@ class PipelineConfig(BaseModel):
 
 PRESETS: dict[str, dict[str, Any]] = {
     # 2-core CPU, models cached: about 10–15 minutes in all.
-    "default": dict(
-        eval=dict(prompts=["humaneval:100:4", "mt-bench:0:2"], max_new_tokens=64, num_speculative_tokens=5),
-        dump=dict(prompts=["humaneval:0:16", "conversations:0:16"], generate=48, max_length=512, batch_size=8),
-        distill=dict(loss="tvd", train="last_layers", train_last_layers=4, lr=1e-4, max_steps=30, batch_size=2,
-                     held_out_fraction=0.125, scheduler="cosine", warmup_ratio=0.1, save_steps=10,
-                     num_speculative_tokens=5),
-        needs="2 CPU cores, ~14 GB RAM, ~2 GB disk; 10–20 min with the models cached",
-    ),
+    "default": {
+        "eval": {"prompts": ["humaneval:100:4", "mt-bench:0:2"], "max_new_tokens": 64, "num_speculative_tokens": 5},
+        "dump": {"prompts": ["humaneval:0:16", "conversations:0:16"], "generate": 48, "max_length": 512, "batch_size": 8},
+        "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 4, "lr": 1e-4, "max_steps": 30, "batch_size": 2,
+                     "held_out_fraction": 0.125, "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 10,
+                     "num_speculative_tokens": 5},
+        "needs": "2 CPU cores, ~14 GB RAM, ~2 GB disk; 10–20 min with the models cached",
+    },
     # The smallest run that exercises every stage on real weights (CI).
-    "ci": dict(
-        eval=dict(prompts=["humaneval:100:1"], max_new_tokens=12, num_speculative_tokens=4, compare_hf=False),
-        dump=dict(prompts=["humaneval:0:3"], generate=12, max_length=256, batch_size=3),
-        distill=dict(loss="tvd", train="last_layers", train_last_layers=1, lr=1e-4, max_steps=2, batch_size=1,
-                     held_out_fraction=0.34, save_steps=1, num_speculative_tokens=4),
-        needs="2 CPU cores, ~14 GB RAM, a few minutes",
-    ),
+    "ci": {
+        "eval": {"prompts": ["humaneval:100:1"], "max_new_tokens": 12, "num_speculative_tokens": 4, "compare_hf": False},
+        "dump": {"prompts": ["humaneval:0:3"], "generate": 12, "max_length": 256, "batch_size": 3},
+        "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 1, "lr": 1e-4, "max_steps": 2, "batch_size": 1,
+                     "held_out_fraction": 0.34, "save_steps": 1, "num_speculative_tokens": 4},
+        "needs": "2 CPU cores, ~14 GB RAM, a few minutes",
+    },
     # Tiny random models (tests).
-    "tiny": dict(
-        eval=dict(prompts=[], max_new_tokens=8, num_speculative_tokens=3, compare_hf=False, dtype="float32"),
-        dump=dict(prompts=[], generate=6, max_length=64, batch_size=4, dtype="float32"),
-        distill=dict(loss="tvd", lr=1e-3, max_steps=3, batch_size=2, held_out_fraction=0.25, save_steps=1,
-                     num_speculative_tokens=3),
-        needs="seconds",
-    ),
+    "tiny": {
+        "eval": {"prompts": [], "max_new_tokens": 8, "num_speculative_tokens": 3, "compare_hf": False, "dtype": "float32"},
+        "dump": {"prompts": [], "generate": 6, "max_length": 64, "batch_size": 4, "dtype": "float32"},
+        "distill": {"loss": "tvd", "lr": 1e-3, "max_steps": 3, "batch_size": 2, "held_out_fraction": 0.25, "save_steps": 1,
+                     "num_speculative_tokens": 3},
+        "needs": "seconds",
+    },
     # A real distillation: one modern GPU (≥ 24 GB), a few hours.
-    "large": dict(
-        eval=dict(prompts=["humaneval:100:64", "mt-bench:0:80"], max_new_tokens=256, num_speculative_tokens=5),
-        dump=dict(prompts=["humaneval:0:100", "conversations:0:500"], generate=512, max_length=2048,
-                  batch_size=16),
-        distill=dict(loss="tvd", train="all", lr=2e-5, max_steps=3000, batch_size=8, gradient_accumulation_steps=4,
-                     held_out_fraction=0.05, scheduler="cosine", warmup_ratio=0.03, eval_steps=250, save_steps=250,
-                     dtype="bfloat16", num_speculative_tokens=5),
-        needs="1 CUDA GPU with ≥ 24 GB, ~3 hours, ~200 GB disk for the hidden-state dump",
-    ),
+    "large": {
+        "eval": {"prompts": ["humaneval:100:64", "mt-bench:0:80"], "max_new_tokens": 256, "num_speculative_tokens": 5},
+        "dump": {"prompts": ["humaneval:0:100", "conversations:0:500"], "generate": 512, "max_length": 2048,
+                  "batch_size": 16},
+        "distill": {"loss": "tvd", "train": "all", "lr": 2e-5, "max_steps": 3000, "batch_size": 8, "gradient_accumulation_steps": 4,
+                     "held_out_fraction": 0.05, "scheduler": "cosine", "warmup_ratio": 0.03, "eval_steps": 250, "save_steps": 250,
+                     "dtype": "bfloat16", "num_speculative_tokens": 5},
+        "needs": "1 CUDA GPU with ≥ 24 GB, ~3 hours, ~200 GB disk for the hidden-state dump",
+    },
 }
 
 
@@ -159,7 +159,7 @@ def load_sources(specs: list[str]):
 
 def prompt_overlap(train, evaluation) -> list[str]:
     """Ids of evaluation examples whose prompt messages also occur in the training examples."""
-    key = lambda e: json.dumps(e.prompt_messages, sort_keys=True)  # noqa: E731
+    key = lambda e: json.dumps(e.prompt_messages, sort_keys=True)
     train_keys = {key(e) for e in train}
     return [e.id for e in evaluation if key(e) in train_keys]
 
@@ -194,7 +194,7 @@ class Runner:
             result = fn(d)
         except KeyboardInterrupt:
             raise
-        except Exception as exc:  # noqa: BLE001 - every stage failure becomes one named, resumable error
+        except Exception as exc:
             raise PipelineError(f"stage '{name}' failed: {type(exc).__name__}: {exc}\n"
                                 f"Fix the cause, then resume with: {self.command}") from exc
         seconds = time.time() - t0
@@ -415,7 +415,7 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
 
 def render_markdown(r: dict[str, Any]) -> str:
     b, a, dist, exp = r["eval_before"], r["eval_after"], r["distill"], r["export"]
-    f = lambda v, s="{:.3f}": "—" if v is None else s.format(v)  # noqa: E731
+    f = lambda v, s="{:.3f}": "—" if v is None else s.format(v)
     rows = [
         ("acceptance rate (accepted / proposed)", f(b["acceptance_rate"]), f(a["acceptance_rate"])),
         ("mean accepted length (tokens / target pass)", f(b["mean_accepted_length"], "{:.2f}"),
@@ -436,22 +436,22 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# specdraft run — {r['config']['target']} ← {r['config']['draft']}",
         "",
-        f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
-        f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min.",
+        (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
+        f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min."),
         "",
-        f"Evaluation on {b['prompts']} held-out prompts ({', '.join(r['config']['eval']['prompts'])}), "
+        (f"Evaluation on {b['prompts']} held-out prompts ({', '.join(r['config']['eval']['prompts'])}), "
         f"γ = {r['config']['eval']['num_speculative_tokens']}, greedy, {r['config']['eval']['max_new_tokens']} "
-        "new tokens each.",
+        "new tokens each."),
         "",
         "| measure | before distillation | after distillation |",
         "| --- | ---: | ---: |",
         *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows],
         "",
-        f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
+        (f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
         f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters), loss "
         f"`{r['config']['distill']['loss']}`; held-out α (teacher-forced) "
         f"{f(dist['eval_before'].get('eval_alpha'))} → {f(dist['eval_after'].get('eval_alpha'))}, held-out loss "
-        f"{f(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {f(dist['eval_after'].get('eval_loss'), '{:.4f}')}.",
+        f"{f(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {f(dist['eval_after'].get('eval_loss'), '{:.4f}')}."),
         "",
         f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}). Serve it with:",
         "",

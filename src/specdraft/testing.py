@@ -61,13 +61,13 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, layers: int = 2, hid
     """A tiny causal-LM config of a given architecture (llama, qwen2, gpt2, mistral, gemma)."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab_size, pad_token_id=0, eos_token_id=4, bos_token_id=None)
+    common = {"vocab_size": vocab_size, "pad_token_id": 0, "eos_token_id": 4, "bos_token_id": None}
     if arch == "gpt2":
         cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=2, n_positions=256, **common)
     else:
         cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch)
         if cls is None and arch == "gemma":
-            from transformers import GemmaConfig as cls  # noqa: N813
+            from transformers import GemmaConfig as cls
         if cls is None:
             raise ValueError(f"unknown tiny arch {arch!r}")
         cfg = cls(
