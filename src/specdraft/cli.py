@@ -404,7 +404,7 @@ def generate(
 
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
-                                     generator=torch.Generator().manual_seed(seed), on_tokens=stream,
+                                     generator=torch.Generator(device=t.device).manual_seed(seed), on_tokens=stream,
                                      draft_confidence_threshold=draft_confidence_threshold)
     console.print()
     console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "

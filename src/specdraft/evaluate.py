@@ -240,9 +240,10 @@ def run_eval(
     for k, ids in enumerate(prompt_ids):
         inp, mask = left_pad([ids], pad, device)
         common = {"sampling": sampling, "max_new_tokens": max_new_tokens, "real_vocab": real_vocab}
-        base, bc = target_generate(target, inp, mask, generator=torch.Generator().manual_seed(seed + k), **common)
+        base, bc = target_generate(target, inp, mask, generator=torch.Generator(device=device).manual_seed(seed + k),
+                                   **common)
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
-                                        generator=torch.Generator().manual_seed(seed + k),
+                                        generator=torch.Generator(device=device).manual_seed(seed + k),
                                         draft_confidence_threshold=draft_confidence_threshold, **common)
         res.target_counts = res.target_counts.merge(bc)
         res.spec_counts = res.spec_counts.merge(sc)

@@ -113,7 +113,7 @@ def perturbed(model, scale: float, seed: int = 123):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+            p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
     return d
 
 
