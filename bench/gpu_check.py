@@ -22,12 +22,12 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import SamplingConfig  # noqa: E402
-from specdraft.decode import left_pad, speculative_generate, target_generate  # noqa: E402
-from specdraft.distill import DistillConfig, DistillModel, collate  # noqa: E402
-from specdraft.evaluate import run_eval, top2_margin  # noqa: E402
-from specdraft.losses import filtered_probs  # noqa: E402
-from specdraft.testing import perturbed, tiny_model, tiny_tokenizer  # noqa: E402
+from specdraft.config import SamplingConfig
+from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.distill import DistillConfig, DistillModel, collate
+from specdraft.evaluate import run_eval, top2_margin
+from specdraft.losses import filtered_probs
+from specdraft.testing import perturbed, tiny_model, tiny_tokenizer
 
 DEV = "cuda"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]

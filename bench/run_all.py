@@ -38,8 +38,8 @@ def _mark(ok: bool) -> str:
 
 def render() -> str:
     lines = ["# Benchmarks", "",
-             "Produced by `make bench` (= `python bench/run_all.py`); each section names the exact command. "
-             "Ratios are measured side by side in one run, contenders interleaved prompt by prompt.", ""]
+             ("Produced by `make bench` (= `python bench/run_all.py`); each section names the exact command. "
+             "Ratios are measured side by side in one run, contenders interleaved prompt by prompt."), ""]
     for mode, target in (("greedy", 1.25), ("sampled", 1.15)):
         r = _load(f"decode-{mode}.json")
         if not r:
@@ -63,13 +63,13 @@ def render() -> str:
             lines.append(f"| {labels.get(n, n)} | {tps:.2f} | {r['speedup_vs_target'][n]:.2f}x | "
                          f"{hf.get(n, float('nan')):.2f}x | {r['identical_to_target'][n]} |")
         lines += ["",
-                  f"α (acceptance rate) {r['acceptance_rate']:.3f} adaptive, {r['acceptance_rate_fixed_gamma5']:.3f} at "
+                  (f"α (acceptance rate) {r['acceptance_rate']:.3f} adaptive, {r['acceptance_rate_fixed_gamma5']:.3f} at "
                   f"γ = 5; mean accepted length {r['mean_accepted_length']:.2f} tokens per target pass; c = "
                   f"{r['cost_ratio_c']:.3f} (draft step / target pass). Analytic bound (Leviathan et al. 2023, Thm 3.8) "
                   f"at γ = 5: {r['analytic_speedup_fixed_gamma5']:.2f}x; measured fixed γ = 5 reaches "
                   f"{r['share_of_bound_fixed_gamma5']:.0%} of it. Best γ at this α, c: {r['best_gamma']} "
                   f"({r['analytic_speedup_best_gamma']:.2f}x); the adaptive run reaches "
-                  f"{r['share_of_best_bound']:.0%} of that.", ""]
+                  f"{r['share_of_best_bound']:.0%} of that."), ""]
         if hf:
             ok = hf["specdraft"] >= target
             lines.append(f"Target ≥ {target:.2f}x transformers assisted generation: {_mark(ok)} "
@@ -86,8 +86,8 @@ def render() -> str:
             continue
         gb = {k: v / 1e9 for k, v in r["peak_bytes"].items()}
         lines += [f"## Loss memory — {r['device']}", "",
-                  f"`{r['command']}` — {r['date']}, torch {r['torch']}. `tvd_deploy` forward + backward on logits "
-                  f"{r['shape']} at top_k = {r['top_k']}, top_p = {r['top_p']}; peak memory above the inputs.", "",
+                  (f"`{r['command']}` — {r['date']}, torch {r['torch']}. `tvd_deploy` forward + backward on logits "
+                  f"{r['shape']} at top_k = {r['top_k']}, top_p = {r['top_p']}; peak memory above the inputs."), "",
                   "| implementation | peak (GB) | loss |", "| --- | ---: | ---: |",
                   f"| specdraft (top-k supports) | {gb['specdraft']:.2f} | {r['loss']['specdraft']:.6f} |",
                   f"| full-vocabulary sort | {gb['full_sort']:.2f} | {r['loss']['full_sort']:.6f} |", "",
@@ -96,24 +96,24 @@ def render() -> str:
     if r:
         t = r["tokens_per_s"]
         lines += ["## Teacher dump", "",
-                  f"`{r['command']}` — {r['date']}, {r['machine']}, {r['dtype']}, {r['sequences']} sequences, "
-                  f"{r['tokens']} tokens.", "",
+                  (f"`{r['command']}` — {r['date']}, {r['machine']}, {r['dtype']}, {r['sequences']} sequences, "
+                  f"{r['tokens']} tokens."), "",
                   "| run | tokens/s | overhead vs bare forward | bytes/token |", "| --- | ---: | ---: | ---: |",
                   f"| bare target forward | {t['bare_forward']:.1f} | — | — |",
-                  f"| `specdraft dump --format hidden` | {t['dump_hidden']:.1f} | {r['overhead']['hidden']:.1%} | "
-                  f"{r['bytes_per_token']['hidden']:.0f} |",
-                  f"| `specdraft dump --format topk` | {t['dump_topk']:.1f} | {r['overhead']['topk']:.1%} | "
-                  f"{r['bytes_per_token']['topk']:.0f} |", "",
-                  f"Target overhead ≤ 10%: hidden {_mark(r['overhead']['hidden'] <= 0.10)}, topk "
-                  f"{_mark(r['overhead']['topk'] <= 0.10)}.", ""]
+                  (f"| `specdraft dump --format hidden` | {t['dump_hidden']:.1f} | {r['overhead']['hidden']:.1%} | "
+                  f"{r['bytes_per_token']['hidden']:.0f} |"),
+                  (f"| `specdraft dump --format topk` | {t['dump_topk']:.1f} | {r['overhead']['topk']:.1%} | "
+                  f"{r['bytes_per_token']['topk']:.0f} |"), "",
+                  (f"Target overhead ≤ 10%: hidden {_mark(r['overhead']['hidden'] <= 0.10)}, topk "
+                  f"{_mark(r['overhead']['topk'] <= 0.10)}."), ""]
     for loss in ("tvd", "tvd_deploy", "soft_ce"):
         r = _load(f"distill-{loss}.json")
         if not r:
             continue
         t = r["tokens_per_s"]
         lines += [f"## Distillation step — {loss}", "",
-                  f"`{r['command']}` — {r['date']}, {r['machine']}, batch {r['batch']} × {r['seq']} tokens, "
-                  "draft in float32, AdamW, all parameters.", "",
+                  (f"`{r['command']}` — {r['date']}, {r['machine']}, batch {r['batch']} × {r['seq']} tokens, "
+                  "draft in float32, AdamW, all parameters."), "",
                   "| step | tokens/s |", "| --- | ---: |",
                   f"| plain causal-LM fine-tuning | {t['plain']:.1f} |",
                   f"| specdraft distillation ({loss}, hidden teacher) | {t['distill']:.1f} |", "",
