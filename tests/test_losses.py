@@ -138,3 +138,28 @@ def test_sparse_tvd_deploy_equals_dense_path_and_its_gradient():
     assert losses._tvd_deploy_sparse(d_logits, tied, 1.0, 20, 1.0) is None
     torch.testing.assert_close(tvd_deploy(d_logits, None, teacher_logits=tied, temperature=1.0, top_k=20),
                                0.5 * (filtered_probs(tied, 1.0, 20) - filtered_probs(d_logits, 1.0, 20)).abs().sum(-1))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    vocab=st.integers(2, 60),
+    temperature=st.floats(0.05, 3.0),
+    top_k=st.integers(0, 70),
+    top_p=st.floats(0.01, 1.0),
+    scale=st.sampled_from([0.1, 1.0, 10.0]),
+)
+def test_filter_properties(seed, vocab, temperature, top_k, top_p, scale):
+    """For any logits and settings: sums to 1, keeps the argmax, support ⊆ top-k, equals the reference."""
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    assert bool((probs.gather(-1, logits.argmax(-1, keepdim=True)) > 0).all())
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        assert bool(((probs > 0) <= (logits >= kth)).all())
+    torch.testing.assert_close(probs, reference_filter(logits, temperature, top_k, top_p).softmax(-1))

@@ -12,3 +12,43 @@ Heavy modules (torch, transformers) are imported lazily by the submodules that n
 """
 
 __version__ = "0.1.0"
+
+# Public API, imported lazily (PEP 562) so that `import specdraft` and the CLI's --help stay instant.
+_EXPORTS = {
+    "load_model": "specdraft.models",
+    "resolve": "specdraft.models",
+    "load_examples": "specdraft.data",
+    "encode_prompts": "specdraft.data",
+    "check_compatible": "specdraft.compat",
+    "CompatReport": "specdraft.compat",
+    "VocabMapping": "specdraft.compat",
+    "build_vocab_mapping": "specdraft.compat",
+    "speculative_generate": "specdraft.decode",
+    "target_generate": "specdraft.decode",
+    "left_pad": "specdraft.decode",
+    "AcceptanceCounts": "specdraft.acceptance",
+    "expected_speedup": "specdraft.acceptance",
+    "best_gamma": "specdraft.acceptance",
+    "run_eval": "specdraft.evaluate",
+    "predicted_alpha": "specdraft.evaluate",
+    "SamplingConfig": "specdraft.config",
+    "filter_logits": "specdraft.losses",
+    "LOSSES": "specdraft.losses",
+    "run_dump": "specdraft.dump",
+    "TeacherDataset": "specdraft.dump",
+    "DistillConfig": "specdraft.distill",
+    "run_distill": "specdraft.distill",
+    "IndependentSpeculator": "specdraft.speculator",
+    "IndependentSpeculatorConfig": "specdraft.speculator",
+    "load_speculator_config": "specdraft.speculator",
+    "run_pipeline": "specdraft.pipeline",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'specdraft' has no attribute {name!r}")
