@@ -15,9 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from scipy import stats
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
@@ -27,7 +25,7 @@ from specdraft.decode import left_pad, speculative_generate, target_generate
 from specdraft.distill import DistillConfig, DistillModel, collate
 from specdraft.evaluate import run_eval, top2_margin
 from specdraft.losses import filtered_probs
-from specdraft.testing import perturbed, tiny_model, tiny_tokenizer
+from specdraft.testing import chi2_goodness_of_fit, perturbed, tiny_model, tiny_tokenizer
 
 DEV = "cuda"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
@@ -71,17 +69,8 @@ def chi2_check() -> dict:
     out, counts = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N, device=DEV), None,
                                        num_speculative_tokens=3, sampling=sampling, max_new_tokens=2,
                                        eos_token_id=[], generator=g)
-    obs = np.zeros_like(law)
-    for r in out:
-        obs[r[0], r[1]] += 1
-    exp = law.flatten() * N
-    big = exp >= 5
-    o = np.append(obs.flatten()[big], obs.flatten()[~big].sum())
-    e = np.append(exp[big], exp[~big].sum())
-    if e[-1] == 0:
-        o, e = o[:-1], e[:-1]
-    return {"pvalue": float(stats.chisquare(o, e).pvalue), "acceptance_rate": counts.acceptance_rate,
-            "outside_support": float(obs.flatten()[exp == 0].sum())}
+    pvalue, outside = chi2_goodness_of_fit(out, law)
+    return {"pvalue": pvalue, "acceptance_rate": counts.acceptance_rate, "outside_support": outside}
 
 
 def eval_and_distill_check() -> dict:

@@ -140,8 +140,8 @@ def test_sparse_tvd_deploy_equals_dense_path_and_its_gradient():
                                0.5 * (filtered_probs(tied, 1.0, 20) - filtered_probs(d_logits, 1.0, 20)).abs().sum(-1))
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @settings(max_examples=60, deadline=None)

@@ -85,3 +85,23 @@ def test_real_pair_pipeline_ci_preset(tmp_path):
     assert report["distill"]["steps"] == 2
     assert report["eval_before"]["acceptance_rate"] > 0.3
     assert (tmp_path / "run" / "export" / "speculator" / "model.safetensors").is_file()
+
+
+def test_run_cli_on_tiny_pair(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    train, ev = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "cdefghij"))
+    ev.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "klm"))
+    args = ["run", "--target", tdir, "--draft", ddir, "--train-data", str(train), "--eval-data", f"{ev}",
+            "--preset", "tiny", "--out", str(tmp_path / "run")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "vllm serve" in r.output and (tmp_path / "run" / "report.md").is_file()
+    r2 = CliRunner().invoke(app, args)
+    assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 6
+    bad = CliRunner().invoke(app, [*args[:-2], "--out", str(tmp_path / "run2"), "--preset", "nope"])
+    assert bad.exit_code != 0 and "--preset" in bad.output

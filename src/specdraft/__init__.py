@@ -43,7 +43,7 @@ _EXPORTS = {
     "load_speculator_config": "specdraft.speculator",
     "run_pipeline": "specdraft.pipeline",
 }
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - keys of a str-keyed dict
 
 
 def __getattr__(name: str):

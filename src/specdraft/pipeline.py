@@ -129,7 +129,8 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
         base["eval"]["prompts"] = list(ep)
     if (tp := overrides.pop("train_prompts", None)) is not None:
         base["dump"]["prompts"] = list(tp)
-    return PipelineConfig(preset=preset, **base, **{k: v for k, v in overrides.items() if v is not None})
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return PipelineConfig(preset=preset, **base)
 
 
 def parse_source(spec: str) -> tuple[str, int, int | None]:

@@ -117,6 +117,34 @@ def perturbed(model, scale: float, seed: int = 123):
     return d
 
 
+def chi2_goodness_of_fit(samples, law) -> tuple[float, int]:
+    """χ² test of sampled token tuples against an exact law.
+
+    Args:
+        samples: sequences of token ids; the first ``law.ndim`` ids of each are the observed cell.
+        law: numpy array of probabilities (``[V]`` for one token, ``[V, V]`` for the first two), summing to 1.
+
+    Returns:
+        ``(p_value, outside_support)``: scipy's ``chisquare`` p-value after merging cells with expected count
+        < 5 into one (the usual validity rule), and how many samples fell in cells of probability 0.
+    """
+    import numpy as np
+    from scipy import stats
+
+    observed = np.zeros_like(law, dtype=np.float64)
+    for s in samples:
+        observed[tuple(s[: law.ndim])] += 1
+    n = observed.sum()
+    expected = (law / law.sum()).flatten() * n
+    obs = observed.flatten()
+    big = expected >= 5
+    exp_cells = np.append(expected[big], expected[~big].sum())
+    obs_cells = np.append(obs[big], obs[~big].sum())
+    if exp_cells[-1] == 0:
+        exp_cells, obs_cells = exp_cells[:-1], obs_cells[:-1]
+    return float(stats.chisquare(obs_cells, exp_cells).pvalue), int(obs[expected == 0].sum())
+
+
 def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
                    arch: str = "llama", seed: int = 0):
     """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``.
