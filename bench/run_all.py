@@ -121,6 +121,54 @@ def render() -> str:
     return "\n".join(lines)
 
 
+README = ROOT.parent / "README.md"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def render_readme_table() -> str:
+    """The compact headline table for the README (the full tables live in docs/benchmarks.md)."""
+    rows = ["| benchmark | result | target |", "| --- | --- | --- |"]
+    for mode, target in (("greedy", 1.25), ("sampled", 1.15)):
+        r = _load(f"decode-{mode}.json")
+        if not r:
+            continue
+        t, sv, hf = r["tokens_per_s"], r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}
+        rows.append(f"| decoding, {mode}, {r['args']['num_prompts']} HumanEval prompts × {r['args']['max_new_tokens']} "
+                    f"tokens | fixed γ = 5: {t['specdraft_fixed_gamma']:.2f} tok/s = {sv['specdraft_fixed_gamma']:.2f}x "
+                    f"target alone, {hf.get('specdraft_fixed_gamma', float('nan')):.2f}x HF assisted; outputs identical "
+                    f"{r['identical_to_target']['specdraft_fixed_gamma']} | ≥ {target:.2f}x HF assisted: "
+                    f"{_mark(hf.get('specdraft_fixed_gamma', 0) >= target)} |")
+        if mode == "greedy":
+            rows.append(f"| share of the analytic bound (α = {r['acceptance_rate_fixed_gamma5']:.3f}, c = "
+                        f"{r['cost_ratio_c']:.3f}, γ = 5) | {r['share_of_bound_fixed_gamma5']:.0%} | ≥ 90%: "
+                        f"{_mark(r['share_of_bound_fixed_gamma5'] >= 0.9)} |")
+    for name in ("loss-memory-cuda.json", "loss-memory-cpu.json"):
+        r = _load(name)
+        if r:
+            rows.append(f"| tvd_deploy memory, logits {r['shape']}, top_k {r['top_k']} ({r['device']}) | "
+                        f"{r['peak_bytes']['specdraft'] / 1e9:.2f} GB vs {r['peak_bytes']['full_sort'] / 1e9:.2f} GB "
+                        f"full sort = {r['ratio']:.2f}x | ≤ 0.5x: {_mark(r['ratio'] <= 0.5)} |")
+    r = _load("dump.json")
+    if r:
+        rows.append(f"| teacher dump overhead vs bare forward | hidden {r['overhead']['hidden']:.1%}, topk "
+                    f"{r['overhead']['topk']:.1%}; {r['bytes_per_token']['hidden']:.0f} / "
+                    f"{r['bytes_per_token']['topk']:.0f} bytes per token | ≤ 10%: "
+                    f"{_mark(max(r['overhead'].values()) <= 0.10)} |")
+    r = _load("distill-tvd.json")
+    if r:
+        rows.append(f"| distillation step overhead vs plain fine-tuning (tvd) | {r['overhead']:.1%} | ≤ 15%: "
+                    f"{_mark(r['overhead'] <= 0.15)} |")
+    return "\n".join(rows)
+
+
+def update_readme() -> None:
+    text = README.read_text()
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        README.write_text(f"{head}{START}\n{render_readme_table()}\n{END}{tail}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--render-only", action="store_true")
@@ -131,7 +179,8 @@ def main() -> None:
             subprocess.run([sys.executable, str(ROOT / run[0]), *run[1:]], check=True)
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(render())
-    print(f"wrote {DOC}")
+    update_readme()
+    print(f"wrote {DOC} and the README table")
 
 
 if __name__ == "__main__":
