@@ -156,3 +156,22 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     tiny_tokenizer(96, swap=(10, 11)).save_pretrained(other)
     with pytest.raises(DumpError, match="fingerprint"):
         run_distill(tdir, str(other), tmp_path / "dump", tmp_path / "out2", cfg)
+
+
+@pytest.mark.real
+def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
+    """The embedded pair: a small hidden dump of HumanEval prompts + canonical solutions, a few distillation
+    steps on the draft's last layers, and the held-out TVD goes down."""
+    from specdraft.distill import run_distill
+    from specdraft.dump import DumpConfig, run_dump
+    from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    run_dump(DEFAULT_TARGET, "humaneval", tmp_path / "dump",
+             DumpConfig(num_examples=8, max_length=192, answer_only=True, batch_size=4, dtype="bfloat16"))
+    cfg = DistillConfig(loss="tvd", train="last_layers", train_last_layers=2, lr=3e-5, max_steps=4, batch_size=2,
+                        held_out_fraction=0.25, scheduler="constant", save_steps=100)
+    res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, tmp_path / "dump", tmp_path / "out", cfg)
+    before, after = res["metrics"]["eval_before"], res["metrics"]["eval_after"]
+    assert res["metrics"]["held_out_sequences"] == 2 and res["metrics"]["steps"] == 4
+    assert after["eval_loss"] < before["eval_loss"], (before, after)
+    assert after["eval_alpha"] > before["eval_alpha"]
