@@ -85,7 +85,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {
         "eval": {"prompts": ["humaneval:100:4", "mt-bench:0:2"], "max_new_tokens": 64, "num_speculative_tokens": 5},
         "dump": {"prompts": ["humaneval:0:16", "conversations:0:16"], "generate": 48, "max_length": 512, "batch_size": 8},
-        "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 4, "lr": 1e-4, "max_steps": 30, "batch_size": 2,
+        "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 4, "lr": 3e-5, "max_steps": 30, "batch_size": 2,
                      "held_out_fraction": 0.125, "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 10,
                      "num_speculative_tokens": 5},
         "needs": "2 CPU cores, ~14 GB RAM, ~2 GB disk; 10–20 min with the models cached",
@@ -94,7 +94,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ci": {
         "eval": {"prompts": ["humaneval:100:1"], "max_new_tokens": 12, "num_speculative_tokens": 4, "compare_hf": False},
         "dump": {"prompts": ["humaneval:0:3"], "generate": 12, "max_length": 256, "batch_size": 3},
-        "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 1, "lr": 1e-4, "max_steps": 2, "batch_size": 1,
+        "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 1, "lr": 3e-5, "max_steps": 2, "batch_size": 1,
                      "held_out_fraction": 0.34, "save_steps": 1, "num_speculative_tokens": 4},
         "needs": "2 CPU cores, ~14 GB RAM, a few minutes",
     },
