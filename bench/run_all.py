@@ -51,33 +51,43 @@ def render() -> str:
                   f"{a['dtype']}, batch 1, {a['num_prompts']} HumanEval prompts (ids {a['prompt_offset']}–"
                   f"{a['prompt_offset'] + a['num_prompts'] - 1}, chat template) × {a['max_new_tokens']} new tokens"
                   + ("" if mode == "greedy" else f", temperature {a['temperature']}, top_p {a['top_p']}") + ".", "",
+                  ("" if mode == "greedy" else "Sampled outputs are random draws and are not expected to equal "
+                   "the target-alone draw; that they follow the target's law is what the χ² tests check."),
+                  "",
                   "| contender | tokens/s | vs target alone | vs HF assisted | output = target alone |",
                   "| --- | ---: | ---: | ---: | ---: |"]
         hf = r.get("speedup_vs_hf_assisted") or {}
+        new_format = "alpha" in r  # α = accepted / reached; older results stored accepted / proposed only
+        main = "specdraft" if new_format else "specdraft_fixed_gamma"
         labels = {"target": "target alone (specdraft loop, no draft)",
-                  "specdraft": f"specdraft, γ ≤ {a['gamma']}, draft confidence threshold "
-                               f"{a['draft_confidence_threshold']}",
-                  "specdraft_fixed_gamma": "specdraft, fixed γ = 5",
+                  main: f"specdraft, γ = {a['gamma'] if new_format else 5}",
+                  ("specdraft_adaptive" if new_format else "specdraft"):
+                      "specdraft, γ ≤ 10, draft confidence threshold 0.4",
                   "hf_assisted": "transformers `generate(assistant_model=…)`"}
         for n, tps in r["tokens_per_s"].items():
             lines.append(f"| {labels.get(n, n)} | {tps:.2f} | {r['speedup_vs_target'][n]:.2f}x | "
                          f"{hf.get(n, float('nan')):.2f}x | {r['identical_to_target'][n]} |")
-        lines += ["",
-                  (f"α (acceptance rate) {r['acceptance_rate']:.3f} adaptive, {r['acceptance_rate_fixed_gamma5']:.3f} at "
-                  f"γ = 5; mean accepted length {r['mean_accepted_length']:.2f} tokens per target pass; c = "
-                  f"{r['cost_ratio_c']:.3f} (draft step / target pass). Analytic bound (Leviathan et al. 2023, Thm 3.8) "
-                  f"at γ = 5: {r['analytic_speedup_fixed_gamma5']:.2f}x; measured fixed γ = 5 reaches "
-                  f"{r['share_of_bound_fixed_gamma5']:.0%} of it. Best γ at this α, c: {r['best_gamma']} "
-                  f"({r['analytic_speedup_best_gamma']:.2f}x); the adaptive run reaches "
-                  f"{r['share_of_best_bound']:.0%} of that."), ""]
+        lines.append("")
+        if new_format:
+            lines.append(
+                f"Acceptance rate (accepted / proposed) {r['acceptance_rate']:.3f}; α (accepted / reached, the "
+                f"per-token probability of the analytic model) {r['alpha']:.3f}; mean accepted length "
+                f"{r['mean_accepted_length']:.2f} tokens per target pass; c = {r['cost_ratio_c']:.3f} (draft step / "
+                f"target pass). Analytic speed-up (Leviathan et al. 2023, Thm 3.8) at γ = {a['gamma']}: "
+                f"{r['analytic_speedup']:.2f}x; measured {r['speedup_vs_target']['specdraft']:.2f}x = "
+                f"{r['share_of_bound']:.0%} of it. Best γ at this α, c: {r['best_gamma']} "
+                f"({r['analytic_speedup_best_gamma']:.2f}x).")
+        else:
+            lines.append(f"Acceptance rate (accepted / proposed) at γ = 5: {r['acceptance_rate_fixed_gamma5']:.3f}; "
+                         f"c = {r['cost_ratio_c']:.3f}. (This run predates the α = accepted / reached estimate, so no "
+                         "analytic bound is quoted for it.)")
+        lines.append("")
         if hf:
-            ok = hf["specdraft"] >= target
-            lines.append(f"Target ≥ {target:.2f}x transformers assisted generation: {_mark(ok)} "
-                         f"({hf['specdraft']:.2f}x).")
-        if mode == "greedy":
-            ok = r["share_of_bound_fixed_gamma5"] >= 0.9
-            lines.append(f"Target ≥ 90% of the analytic bound at the measured α and c (fixed γ = 5): {_mark(ok)} "
-                         f"({r['share_of_bound_fixed_gamma5']:.0%}).")
+            ok = hf[main] >= target
+            lines.append(f"Target ≥ {target:.2f}x transformers assisted generation: {_mark(ok)} ({hf[main]:.2f}x).")
+        if mode == "greedy" and new_format:
+            lines.append(f"Target ≥ 90% of the analytic bound at the measured α and c: "
+                         f"{_mark(r['share_of_bound'] >= 0.9)} ({r['share_of_bound']:.0%}).")
         lines.append("")
     r = _load("loss-memory-cpu.json") or _load("loss-memory-cuda.json")
     for name in ("loss-memory-cpu.json", "loss-memory-cuda.json"):
@@ -133,15 +143,17 @@ def render_readme_table() -> str:
         if not r:
             continue
         t, sv, hf = r["tokens_per_s"], r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}
+        main = "specdraft" if "alpha" in r else "specdraft_fixed_gamma"
         rows.append(f"| decoding, {mode}, {r['args']['num_prompts']} HumanEval prompts × {r['args']['max_new_tokens']} "
-                    f"tokens | fixed γ = 5: {t['specdraft_fixed_gamma']:.2f} tok/s = {sv['specdraft_fixed_gamma']:.2f}x "
-                    f"target alone, {hf.get('specdraft_fixed_gamma', float('nan')):.2f}x HF assisted; outputs identical "
-                    f"{r['identical_to_target']['specdraft_fixed_gamma']} | ≥ {target:.2f}x HF assisted: "
-                    f"{_mark(hf.get('specdraft_fixed_gamma', 0) >= target)} |")
-        if mode == "greedy":
-            rows.append(f"| share of the analytic bound (α = {r['acceptance_rate_fixed_gamma5']:.3f}, c = "
-                        f"{r['cost_ratio_c']:.3f}, γ = 5) | {r['share_of_bound_fixed_gamma5']:.0%} | ≥ 90%: "
-                        f"{_mark(r['share_of_bound_fixed_gamma5'] >= 0.9)} |")
+                    f"tokens | γ = 5: {t[main]:.2f} tok/s = {sv[main]:.2f}x target alone, "
+                    f"{hf.get(main, float('nan')):.2f}x HF assisted; "
+                    + (f"outputs identical to target alone {r['identical_to_target'][main]}" if mode == "greedy" else
+                       "sampled output follows the target's law (χ² tests, not token equality)")
+                    + f" | ≥ {target:.2f}x HF assisted: {_mark(hf.get(main, 0) >= target)} |")
+        if mode == "greedy" and "alpha" in r:
+            rows.append(f"| share of the analytic bound (α = {r['alpha']:.3f}, c = {r['cost_ratio_c']:.3f}, "
+                        f"γ = {r['args']['gamma']}) | {r['share_of_bound']:.0%} | ≥ 90%: "
+                        f"{_mark(r['share_of_bound'] >= 0.9)} |")
     for name in ("loss-memory-cuda.json", "loss-memory-cpu.json"):
         r = _load(name)
         if r:

@@ -56,3 +56,24 @@ def test_analytic_model_limits_and_best_gamma():
     assert g in (3, 4, 5)
     assert s == pytest.approx(1.64, abs=0.05)
     assert all(expected_speedup(0.88, g, 0.35) >= expected_speedup(0.88, k, 0.35) for k in range(1, 17))
+
+
+def test_alpha_is_accepted_over_reached():
+    c = AcceptanceCounts(4)
+    for n in (0, 2, 4):
+        c.record_round(n)
+    # reached = [3, 2, 2, 1] (a round stops at its first rejection); accepted = [2, 2, 1, 1]
+    assert c.alpha == pytest.approx(6 / 8)
+    assert c.alpha > c.acceptance_rate  # drafts after a rejection were never tested
+    # With geometric rounds of a true α, the estimate recovers it and the analytic tokens/pass matches.
+    import random
+
+    rng = random.Random(0)
+    g = AcceptanceCounts(5)
+    for _ in range(20000):
+        n = 0
+        while n < 5 and rng.random() < 0.8:
+            n += 1
+        g.record_round(n)
+    assert g.alpha == pytest.approx(0.8, abs=0.01)
+    assert g.mean_accepted_length == pytest.approx(expected_tokens_per_pass(0.8, 5), rel=0.02)

@@ -92,6 +92,18 @@ class AcceptanceCounts:
         return sum(self.accepted) / p if p else 0.0
 
     @property
+    def alpha(self) -> float:
+        """Estimated per-token acceptance probability α for the analytic model: accepted / reached drafts.
+
+        Each position verification reaches is one Bernoulli trial with success probability α (the i.i.d.
+        assumption of Leviathan et al. 2023, §3.3), so accepted / reached is its maximum-likelihood estimate.
+        Unlike :attr:`acceptance_rate` it does not count drafts after the first rejection, which were never
+        tested. 0 when nothing was reached.
+        """
+        r = sum(self.reached)
+        return sum(self.accepted) / r if r else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target verification pass (per row): accepted drafts + the bonus token."""
         return self.emitted / self.rounds if self.rounds else 0.0
@@ -111,6 +123,7 @@ class AcceptanceCounts:
         d = asdict(self)
         d["derived"] = {
             "acceptance_rate": self.acceptance_rate,
+            "alpha": self.alpha,
             "mean_accepted_length": self.mean_accepted_length,
             "alpha_per_position": self.alpha_per_position,
             "time_overhead": self.time_overhead,

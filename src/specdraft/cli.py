@@ -622,7 +622,7 @@ def run_cmd(
     for ref in (target, draft):
         _resolve_with_progress(ref)
     try:
-        report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False))
+        report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
     except PipelineError as exc:
         fail(str(exc))
     b, a = report["eval_before"], report["eval_after"]

@@ -145,12 +145,15 @@ class EvalResult:
         target_pass = self.target_counts.time_target / self.target_counts.target_calls \
             if self.target_counts.target_calls else 0.0
         cost_ratio = draft_step / target_pass if target_pass else 0.0
-        alpha = c.acceptance_rate
+        # The analytic model takes α = accepted / reached (the per-token acceptance probability), not
+        # accepted / proposed, which also counts the drafts after a rejection that were never tested.
+        alpha = c.alpha
         g_best, s_best = best_gamma(alpha, cost_ratio) if cost_ratio else (gamma, 0.0)
         bugs = [d for d in self.divergences if not d.is_numerics and d.contender == "specdraft"]
         return {
             "prompts": self.prompts,
-            "acceptance_rate": alpha,
+            "acceptance_rate": c.acceptance_rate,
+            "alpha": alpha,
             "mean_accepted_length": c.mean_accepted_length,
             "alpha_per_position": c.alpha_per_position,
             "predicted_alpha_prompt": self.predicted_prompt.get("alpha"),
