@@ -29,7 +29,9 @@ def pair():
 def test_greedy_equals_target_only_batched_and_solo(pair, gamma):
     target, draft = pair
     ids, mask = left_pad(PROMPTS, 0)
-    base, _ = target_generate(target, ids, mask, max_new_tokens=29, eos_token_id=[])
+    base, base_counts = target_generate(target, ids, mask, max_new_tokens=29, eos_token_id=[])
+    # The baseline records one round per emitted token, each accepting 0 drafts plus its bonus token.
+    assert base_counts.accepted_hist == [base_counts.rounds, 0] and base_counts.emitted == 29 * len(PROMPTS)
     spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma,
                                         max_new_tokens=29, eos_token_id=[])
     assert spec == base

@@ -168,7 +168,6 @@ def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
 class _Row:
     index: int
     tokens: list[int]
-    done: bool = False
 
 
 def speculative_generate(
@@ -312,8 +311,8 @@ def speculative_generate(
         k_round = drafts.shape[1]
         # ---- 2. one target pass over [cur, d_1..d_k] -------------------------------------------------------
         target_start = tgt.length
-        t_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, γ+1]
-        t_logits = tgt.forward(t_ids, torch.ones_like(t_ids))  # [b, γ+1, V]
+        t_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, k+1]
+        t_logits = tgt.forward(t_ids, torch.ones_like(t_ids))  # [b, k+1, V]
         sync()
         t2 = time.perf_counter()
         counts.time_target += t2 - t1
@@ -351,23 +350,17 @@ def speculative_generate(
                     ended = True
                     break
             k = len(kept)
-            if drf is not None:
-                if ended and k <= n:  # the row ended inside the accepted block: drafts after it are dropped
-                    counts.record_round(k, n_proposed=k, bonus=False)
-                else:
-                    counts.record_round(n, n_proposed=k_round, bonus=True)
-            else:
-                counts.rounds += 1
-                counts.emitted += 1
-                counts.bonus += 1
+            if ended and k <= n:  # the row ended inside the accepted block: drafts after it are dropped
+                counts.record_round(k, n_proposed=k, bonus=False)
+            else:  # the baseline drafts nothing: k_round = n = 0, one bonus token per round
+                counts.record_round(n, n_proposed=k_round, bonus=True)
             if on_tokens is not None:
                 on_tokens(row.index, kept)
-            row.done = ended
             if not ended:
                 keep_rows.append(j)
 
         # ---- 5. roll caches back to the accepted prefix -----------------------------------------------------
-        # Target holds [cur, d_1..d_γ]: keep cur and the n accepted drafts.
+        # Target holds [cur, d_1..d_k]: keep cur and the n accepted drafts.
         tgt.keep(target_start, n_acc + 1)
         if drf is not None:
             # Draft holds [catch-up?, cur, d_1..d_{k-1}]: keep the catch-up slot where real, cur and
