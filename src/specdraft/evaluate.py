@@ -197,6 +197,17 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _compare(target, prompt: Sequence[int], base: list[int], out: list[int], prompt_id: str, contender: str,
+             tol: float, divergences: list[Divergence]) -> bool:
+    """Greedy: does ``out`` equal the target alone (``base``)? A divergence is appended with the target's top-2
+    logit margin at the first differing position."""
+    pos = _first_difference(base, out)
+    if pos is not None and pos < min(len(base), len(out)):
+        margin = top2_margin(target, list(prompt) + base[:pos])
+        divergences.append(Divergence(prompt_id, contender, pos, base[pos], out[pos], margin, tol))
+    return pos is None
+
+
 def run_eval(
     target,
     draft,
@@ -258,12 +269,8 @@ def run_eval(
                "target_s": bc.time_total, "spec_s": sc.time_total, "acceptance_rate": sc.acceptance_rate,
                "mean_accepted_length": sc.mean_accepted_length}
         if sampling.greedy:
-            for contender, out in (("specdraft", spec[0]),):
-                pos = _first_difference(base[0], out)
-                row[f"{contender}_matches"] = pos is None
-                if pos is not None and pos < min(len(base[0]), len(out)):
-                    m = top2_margin(target, list(ids) + base[0][:pos])
-                    res.divergences.append(Divergence(names[k], contender, pos, base[0][pos], out[pos], m, tol))
+            row["specdraft_matches"] = _compare(target, ids, base[0], spec[0], names[k], "specdraft", tol,
+                                                res.divergences)
         if compare_hf:
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -276,12 +283,9 @@ def run_eval(
             res.hf_tokens += len(hf_out)
             res.hf_seconds += hf_s
             if sampling.greedy:
-                pos = _first_difference(base[0], hf_out)
-                res.hf_matches += pos is None
-                row["hf_matches"] = pos is None
-                if pos is not None and pos < min(len(base[0]), len(hf_out)):
-                    m = top2_margin(target, list(ids) + base[0][:pos])
-                    res.divergences.append(Divergence(names[k], "hf_assisted", pos, base[0][pos], hf_out[pos], m, tol))
+                row["hf_matches"] = _compare(target, ids, base[0], hf_out, names[k], "hf_assisted", tol,
+                                             res.divergences)
+                res.hf_matches += row["hf_matches"]
             row["hf_s"] = hf_s
         res.per_prompt.append(row)
         responses.append(base[0])
