@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.data import build_sequences, load_examples
-from specdraft.dump import DumpConfig, run_dump
+from specdraft.dump import DumpConfig, pad_collate, run_dump
 from specdraft.models import DEFAULT_TARGET, load_model
 
 
@@ -50,14 +50,8 @@ def main() -> dict:
         t0 = time.perf_counter()
         with torch.no_grad():
             for i in range(0, len(seqs), args.batch_size):
-                chunk = seqs[i:i + args.batch_size]
-                S = max(len(s.ids) for s in chunk)
-                ids = torch.zeros(len(chunk), S, dtype=torch.long)
-                am = torch.zeros(len(chunk), S, dtype=torch.long)
-                for j, s in enumerate(chunk):
-                    ids[j, : len(s.ids)] = torch.tensor(s.ids)
-                    am[j, : len(s.ids)] = 1
-                target(input_ids=ids, attention_mask=am)
+                batch = pad_collate([{"input_ids": torch.tensor(s.ids)} for s in seqs[i:i + args.batch_size]])
+                target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return time.perf_counter() - t0
 
     results: dict = {"bare": [], "hidden": [], "topk": []}

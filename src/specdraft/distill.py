@@ -224,22 +224,13 @@ def _decoder_layers(model):
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad a list of per-sequence dicts into a batch; adds ``attention_mask``. Padding has loss_mask 0,
-    so it never changes the token-weighted loss."""
-    S = max(r["input_ids"].shape[0] for r in rows)
-    out: dict[str, torch.Tensor] = {}
-    keys = [k for k in rows[0] if isinstance(rows[0][k], torch.Tensor)]
-    for k in keys:
-        t0 = rows[0][k]
-        shape = (len(rows), S, *t0.shape[1:])
-        buf = torch.zeros(shape, dtype=t0.dtype)
-        for i, r in enumerate(rows):
-            buf[i, : r[k].shape[0]] = r[k]
-        out[k] = buf
-    am = torch.zeros(len(rows), S, dtype=torch.long)
-    for i, r in enumerate(rows):
-        am[i, : r["input_ids"].shape[0]] = 1
-    out["attention_mask"] = am
+    """Right-pad per-sequence dicts into a batch with ``attention_mask`` (:func:`specdraft.dump.pad_collate`),
+    keeping tensors only, as the Trainer feeds them to ``forward``. Padding has loss_mask 0, so it never
+    changes the token-weighted loss."""
+    from specdraft.dump import pad_collate
+
+    out = pad_collate(rows)
+    out.pop("ids", None)
     return out
 
 

@@ -1056,11 +1056,11 @@ class TeacherDataset:
 def pad_collate(batch: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
     """Right-pad dataset items into a batch: every tensor gets a leading ``[B]`` and is padded to ``S_max``
     along its first dimension (``loss_mask`` with False, ``input_ids`` with ``pad_id``, signals with 0), plus
-    ``attention_mask [B, S] int64`` and ``ids`` (list of str)."""
+    ``attention_mask [B, S] int64`` and ``ids`` (list of str, when the items carry an ``id``)."""
     import torch
 
     S = max(len(x["input_ids"]) for x in batch)
-    out: dict[str, Any] = {"ids": [x["id"] for x in batch]}
+    out: dict[str, Any] = {"ids": [x["id"] for x in batch]} if "id" in batch[0] else {}
     for name in [k for k in batch[0] if k != "id"]:
         first = batch[0][name]
         fill = pad_id if name == "input_ids" else 0
