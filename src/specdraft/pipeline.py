@@ -19,6 +19,7 @@ Evaluation prompts never enter training: overlaps between the two prompt sets ar
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -206,14 +207,6 @@ class Runner:
         return result
 
 
-def _free_models(*models) -> None:
-    import gc
-
-    for m in models:
-        del m
-    gc.collect()
-
-
 def estimate_dump_bytes(cfg: PipelineConfig, n_prompts: int, avg_prompt_tokens: int, hidden_size: int) -> int:
     """Upper estimate of the dump size in bytes: tokens × (hidden bf16 or top-k) + ids and mask."""
     tokens = n_prompts * min(cfg.dump.max_length, avg_prompt_tokens + cfg.dump.generate)
@@ -293,7 +286,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                            max_new_tokens=cfg.eval.max_new_tokens, compare_hf=compare_hf,
                            config={"target": cfg.target, "draft": str(draft_ref)})
             write_report(res, d, title=d.name)
-            _free_models(target, draft)
+            del target, draft  # free both models before the next stage loads its own
+            gc.collect()
             return res.summary() | {"counts": res.spec_counts.to_dict()}
 
         return run
