@@ -253,3 +253,129 @@ def test_confidence_threshold_sampled_follows_target_law():
                                        generator=torch.Generator().manual_seed(99), draft_confidence_threshold=0.5)
     pvalue, outside = chi2_goodness_of_fit(out, law)
     assert outside == 0 and pvalue > 1e-3
+
+
+# ------------------------------------------------------------------------ drafts of another tokenizer
+
+
+def _renumbered_pair(vocab=64):
+    """Target on one tokenizer; draft = the same weights re-indexed into a renumbered copy of it."""
+    from specdraft.compat import build_vocab_mapping, vocab_swap
+    from specdraft.testing import tiny_tokenizer
+
+    t_tok, d_tok = tiny_tokenizer(vocab, newline=False), tiny_tokenizer(vocab, permute=3, newline=False)
+    target = tiny_model("llama", vocab, seed=0, layers=2)
+    draft, report = vocab_swap(perturbed(target, 0.0), t_tok, d_tok)
+    assert report.copied == vocab and report.initialised == 0
+    mapping = build_vocab_mapping(t_tok, d_tok, target_config=vocab, draft_config=vocab)
+    return target, draft.eval(), mapping, t_tok
+
+
+def test_renumbered_draft_through_a_mapping_accepts_everything():
+    # Decode → re-encode is the identity for this tokenizer, so a draft that is the target up to the id
+    # numbering must agree at every position: any slip in the mapping or the context hand-over would reject.
+    target, draft, mapping, tok = _renumbered_pair()
+    assert not torch.equal(mapping.target_to_draft[5:], torch.arange(5, 64))  # ids really differ
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("a b c d", "def f", "user x y z w v")]
+    ids, mask = left_pad(prompts, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=20, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=4, max_new_tokens=20,
+                                        eos_token_id=[], vocab_mapping=mapping)
+    assert spec == base
+    assert counts.acceptance_rate == 1.0
+    # Without the mapping, the renumbered draft is a different model on these ids and mostly rejected.
+    _, raw = speculative_generate(target, draft, ids, mask, num_speculative_tokens=4, max_new_tokens=20,
+                                  eos_token_id=[])
+    assert raw.acceptance_rate < 0.5
+
+
+def _bpe_pair():
+    """Target and draft on two byte-level BPE tokenizers that segment text differently; the draft is a noisy
+    copy of the target re-indexed into its own tokenizer (mean rows for the strings the target lacks)."""
+    from specdraft.compat import build_vocab_mapping, vocab_swap
+    from specdraft.testing import tiny_bpe_tokenizer
+
+    t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    target = tiny_model("llama", 300, seed=0, layers=3)
+    draft, _ = vocab_swap(perturbed(target, 0.03), t_tok, d_tok)
+    mapping = build_vocab_mapping(t_tok, d_tok, target_config=300, draft_config=360)
+    return target, draft.eval(), mapping, t_tok, d_tok
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma):
+    target, draft, mapping, t_tok, d_tok = _bpe_pair()
+    text = "for index in range(count):\n    print("
+    assert t_tok.tokenize(text) != d_tok.tokenize(text)  # the draft really reads other tokens
+    prompts = [t_tok(t, add_special_tokens=False)["input_ids"]
+               for t in ("def total(items):\n", "hello world", text, "x")]
+    ids, mask = left_pad(prompts, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=21, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma, max_new_tokens=21,
+                                        eos_token_id=[], vocab_mapping=mapping)
+    assert spec == base
+    assert counts.emitted == 21 * len(prompts)
+    assert counts.draft_calls == counts.target_calls * gamma  # per batched round: one re-read + γ−1 steps
+    for i, p in enumerate(prompts):
+        solo, _ = speculative_generate(target, draft, *left_pad([p], 0), num_speculative_tokens=gamma,
+                                       max_new_tokens=21, eos_token_id=[], vocab_mapping=mapping)
+        assert solo[0] == base[i]
+
+
+def test_mapped_draft_never_proposes_tokens_without_a_twin():
+    target, draft, mapping, t_tok, _ = _bpe_pair()
+    no_twin = (mapping.target_to_draft < 0).nonzero().squeeze(-1)
+    assert no_twin.numel() > 0
+    with torch.no_grad():  # make every target token without a draft twin the target's favourite
+        target.lm_head.weight[no_twin] = target.lm_head.weight[no_twin] * 20
+    ids, mask = left_pad([t_tok("hello world", add_special_tokens=False)["input_ids"]], 0)
+    spec, _ = speculative_generate(target, draft, ids, mask, num_speculative_tokens=3, max_new_tokens=12,
+                                   eos_token_id=[], vocab_mapping=mapping,
+                                   sampling=SamplingConfig(temperature=1.0),
+                                   generator=torch.Generator().manual_seed(0))
+    # The target emits such tokens (as corrections and bonus tokens); the output is still the target's.
+    assert any(t in set(no_twin.tolist()) for t in spec[0])
+    # Check the draft side directly: mapped q gives those ids zero probability.
+    from specdraft.decode import _Stream
+
+    s = _Stream(draft, 1, 300, 300, torch.device("cpu"), mapping)
+    d_ids = mapping.reencode_batch_for_draft([ids[0].tolist()])[0]
+    q = s.forward(torch.tensor([d_ids]), torch.ones(1, len(d_ids), dtype=torch.long)).softmax(-1)
+    assert q[..., no_twin].sum() == 0 and torch.allclose(q.sum(-1), torch.ones(1, len(d_ids)))
+
+
+@pytest.mark.parametrize("pair_kind", ["renumbered", "bpe"])
+def test_mapped_sampled_output_follows_target_law(pair_kind):
+    sampling = SamplingConfig(temperature=0.7, top_k=6, top_p=0.9)
+    if pair_kind == "renumbered":  # a noisy renumbered draft: partial acceptance, every verification path
+        from specdraft.compat import build_vocab_mapping, vocab_swap
+        from specdraft.testing import tiny_tokenizer
+
+        t_tok, d_tok = tiny_tokenizer(64, newline=False), tiny_tokenizer(64, permute=3, newline=False)
+        target = tiny_model("llama", 64, seed=0, layers=2, hidden=16)
+        draft, _ = vocab_swap(perturbed(target, 0.08, seed=5), t_tok, d_tok)
+        mapping = build_vocab_mapping(t_tok, d_tok, target_config=64, draft_config=64)
+        prompt, low, high = t_tok("a b c", add_special_tokens=False)["input_ids"], 0.05, 0.95
+    else:  # other segmentation: the draft mostly disagrees, corrections from max(p − q, 0) dominate
+        target, draft, mapping, t_tok, _ = _bpe_pair()
+        prompt, low, high = t_tok("def total(", add_special_tokens=False)["input_ids"], 0.0, 0.5
+    law = _exact_two_token_law(target, prompt, sampling)
+    N = 4000
+    out, counts = speculative_generate(target, draft.eval(), torch.tensor([prompt] * N), None,
+                                       num_speculative_tokens=3, sampling=sampling, max_new_tokens=2,
+                                       eos_token_id=[], generator=torch.Generator().manual_seed(11),
+                                       vocab_mapping=mapping)
+    assert low < counts.acceptance_rate < high
+    pvalue, outside = chi2_goodness_of_fit(out, law)
+    assert outside == 0
+    assert pvalue > 1e-3, f"mapped speculative samples do not follow the target law (p={pvalue:.2e})"
+
+
+def test_mapping_narrower_or_wider_than_the_target_is_refused():
+    target, draft, mapping, t_tok, _ = _bpe_pair()
+    from specdraft.compat import build_vocab_mapping
+
+    wide = build_vocab_mapping(t_tok, mapping.draft_tokenizer, target_config=320, draft_config=360)
+    ids, mask = left_pad([[5, 6, 7]], 0)
+    with pytest.raises(DecodeError, match="320"):
+        speculative_generate(target, draft, ids, mask, vocab_mapping=wide)

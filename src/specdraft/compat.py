@@ -772,6 +772,23 @@ class VocabMapping:
                                             clean_up_tokenization_spaces=False)
         return list(self.draft_tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def reencode_batch_for_draft(self, target_seqs: Sequence[Sequence[int]]) -> list[list[int]]:
+        """:meth:`reencode_for_draft` for many sequences in one batched decode and encode (the decode-time
+        hand-over of the context to the draft, :func:`specdraft.decode.speculative_generate`).
+
+        A trailing U+FFFD (a byte-level token ending inside a multi-byte character) is left out: the draft
+        sees the text up to the last complete character, and the character reaches it once completed.
+
+        Raises:
+            ValueError: the mapping was built without tokenizer objects.
+        """
+        if self.target_tokenizer is None or self.draft_tokenizer is None:
+            raise ValueError("this VocabMapping has no tokenizers attached; build it with build_vocab_mapping")
+        texts = self.target_tokenizer.batch_decode([list(s) for s in target_seqs], skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False)
+        texts = [t.rstrip("\ufffd") for t in texts]
+        return [list(x) for x in self.draft_tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe figures (no tensors)."""
         return {

@@ -19,6 +19,15 @@ Batches: rows are left-padded and may accept different numbers of tokens in one 
 common length; positions a row rejected become *holes*, masked out of attention (``attention_mask`` 0) and
 skipped by ``position_ids``, and the common tail of holes is cropped. Each row therefore sees exactly the
 keys and positions it would see decoded alone. Finished rows leave the batch (``batch_select_indices``).
+
+Drafts of another tokenizer (``vocab_mapping``): the draft reads the context as *text* — each round the
+target-side ids (prompt + output) are decoded and re-encoded with the draft's tokenizer, the draft's cache keeps
+the longest prefix it already holds and is fed the rest — and proposes over target ids: its logits are mapped
+through the one-to-one :class:`~specdraft.compat.VocabMapping`, so a draft token with no target twin has
+q = 0 and a target token with no draft twin is never proposed. Verification is unchanged (any q is exact),
+so the output stays the target's; only acceptance depends on the mapping's coverage. This is the token-level
+intersection of Timor et al. 2025 ("Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
+for Heterogeneous Vocabularies", Alg. 4), which transformers ships as ``UniversalSpeculativeDecodingGenerator``.
 """
 
 from __future__ import annotations
@@ -103,10 +112,11 @@ def verify_sampled(
 class _Stream:
     """A model plus its KV cache and the mask of real (1) vs padding/hole (0) cache positions."""
 
-    def __init__(self, model, batch: int, width: int, real_vocab: int, device):
+    def __init__(self, model, batch: int, width: int, real_vocab: int, device, mapping=None):
         from transformers import DynamicCache
 
         self.model = model
+        self.mapping = mapping  # VocabMapping: the model speaks another tokenizer; logits are mapped to target ids
         self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, L]
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
@@ -129,8 +139,9 @@ class _Stream:
         self.mask = attn
         self.n_real = self.n_real + chunk_mask.sum(dim=1)
         self.calls += 1
+        logits = out.logits if self.mapping is None else self.mapping.map_draft_logits(out.logits)
         # Padding rows (ids ≥ len(tokenizer)) get −inf, and widths are brought to the target's (compat issue).
-        return align_logits(out.logits, self.width, self.real_vocab)
+        return align_logits(logits, self.width, self.real_vocab)
 
     def keep(self, start: int, n_valid: torch.Tensor) -> None:
         """Of the positions appended from column ``start``, keep the first ``n_valid[b]`` per row; the rest
@@ -148,6 +159,19 @@ class _Stream:
             self.cache.crop(-drop)  # transformers ≥ 5: crop takes the negative number of tokens to remove
             self.mask = self.mask[:, : self.length - drop]
 
+    def truncate(self, n_keep: torch.Tensor) -> None:
+        """Keep only the first ``n_keep[b]`` real positions of each row (later ones become holes) and crop the
+        tail that is a hole in every row. Used when the draft's re-encoded context diverges from its cache."""
+        keep = (self.mask.cumsum(dim=1) <= n_keep[:, None]).long()
+        self.mask = self.mask * keep
+        self.n_real = torch.minimum(self.n_real, n_keep)
+        real_cols = self.mask.any(dim=0).nonzero()
+        new_len = int(real_cols.max()) + 1 if real_cols.numel() else 0
+        drop = self.length - new_len
+        if drop > 0:
+            self.cache.crop(-drop)
+            self.mask = self.mask[:, :new_len]
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows)
@@ -164,10 +188,20 @@ def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
     return any(len(s) and len(seq) >= len(s) and seq[-len(s):] == list(s) for s in stops)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 @dataclass
 class _Row:
     index: int
     tokens: list[int]
+    prompt: list[int] | None = None  # target ids without padding (mapped drafts only)
+    draft_ids: list[int] | None = None  # the draft's real cache contents, in draft ids (mapped drafts only)
 
 
 def speculative_generate(
@@ -184,13 +218,15 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     draft_confidence_threshold: float | None = None,
+    vocab_mapping=None,
 ) -> tuple[list[list[int]], AcceptanceCounts]:
     """Generate with speculative decoding (``draft`` given) or target alone (``draft=None``, same code).
 
     Args:
         target: transformers causal LM (the verifier), eval mode.
         draft: transformers causal LM sharing the target's tokenizer (ids mean the same strings; widths may
-            differ by padding rows), or ``None`` for the target-only baseline.
+            differ by padding rows) or, with ``vocab_mapping``, speaking another tokenizer; ``None`` for the
+            target-only baseline.
         input_ids: ``[B, P] int64`` prompts, **left**-padded.
         attention_mask: ``[B, P]`` 1 = token, 0 = padding; default all ones.
         num_speculative_tokens: γ ≥ 1, draft tokens per round.
@@ -205,13 +241,18 @@ def speculative_generate(
             probability of its own latest token falls below this value in every row (γ is then the maximum).
             Lossless: the number of proposals depends only on the draft, and each proposal is still
             verified exactly (as transformers' ``assistant_confidence_threshold``; SpecDec++ motivates it).
+        vocab_mapping: a :class:`~specdraft.compat.VocabMapping` (from
+            :func:`~specdraft.compat.build_vocab_mapping`, tokenizers attached) when the draft's tokenizer
+            differs: the draft re-reads the context as text each round and proposes only tokens with a
+            target twin (see the module docstring). Lossless as without it.
 
     Returns:
         ``(tokens, counts)``: per row the new token ids (prompt excluded, EOS/stop included), and the
         :class:`AcceptanceCounts` of this call.
 
     Raises:
-        DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window.
+        DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window, a
+            ``vocab_mapping`` whose target width differs from the target's output width.
     """
     sampling = sampling or SamplingConfig()
     gamma = num_speculative_tokens if draft is not None else 0
@@ -244,6 +285,15 @@ def speculative_generate(
 
     width = target.get_output_embeddings().weight.shape[0]
     real_vocab = min(real_vocab or width, width)
+    mapped = draft is not None and vocab_mapping is not None
+    if mapped:
+        if vocab_mapping.target_width > width:
+            raise DecodeError(f"vocab_mapping covers {vocab_mapping.target_width} target ids but the target's output "
+                              f"head has {width} rows; build the mapping with the target's config "
+                              "(build_vocab_mapping(target_dir, draft_dir)).")
+        t2d = vocab_mapping.target_to_draft.to(device)
+        dtok = vocab_mapping.draft_tokenizer
+        start_id = next((i for i in (dtok.bos_token_id, dtok.eos_token_id) if i is not None), 0)
     counts = AcceptanceCounts(max(gamma, 1) if draft is not None else 1)
     t_start = time.perf_counter()
     cuda = device.type == "cuda"
@@ -253,13 +303,14 @@ def speculative_generate(
             torch.cuda.synchronize()
 
     tgt = _Stream(target, B, width, real_vocab, device)
-    drf = _Stream(draft, B, width, real_vocab, device) if draft is not None else None
+    drf = (_Stream(draft, B, width, real_vocab, device, vocab_mapping if mapped else None)
+           if draft is not None else None)
 
     # Prefill everything but the last prompt token (cur); the first round feeds cur to both models.
     cur = input_ids[:, -1].clone()  # [B]
     t0 = time.perf_counter()
     if P > 1:
-        for s in (tgt, drf):
+        for s in (tgt, None if mapped else drf):  # a mapped draft reads the prompt in its first round
             if s is not None:
                 s.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
                 counts.prefill_calls += 1
@@ -267,6 +318,10 @@ def speculative_generate(
     counts.time_prefill += time.perf_counter() - t0
 
     rows = [_Row(i, []) for i in range(B)]
+    if mapped:
+        for i, r in enumerate(rows):
+            r.prompt = input_ids[i][attention_mask[i] == 1].tolist()
+            r.draft_ids = []
     active = list(range(B))  # indices into `rows` of rows still decoding, in batch order
     catch_up = torch.full((B,), -1, dtype=torch.long, device=device)  # d_γ the draft has not consumed
     ones = torch.ones(B, 1, dtype=torch.long, device=device)
@@ -276,13 +331,32 @@ def speculative_generate(
         ones_b = ones[:b]
         # ---- 1. draft γ tokens ---------------------------------------------------------------------------
         t0 = time.perf_counter()
-        if drf is not None:
+        if mapped:
+            # The draft re-reads the context as text; its cache keeps the prefix it already holds.
+            contexts = vocab_mapping.reencode_batch_for_draft([rows[ri].prompt + rows[ri].tokens for ri in active])
+            n_keep, feeds = [], []
+            for j, ri in enumerate(active):
+                new = contexts[j] or [start_id]
+                n = min(_common_prefix(rows[ri].draft_ids, new), len(new) - 1)  # feed ≥ 1 token for logits
+                n_keep.append(n)
+                feeds.append(new[n:])
+                rows[ri].draft_ids = new
+            drf.truncate(torch.tensor(n_keep, device=device))
+            w = max(len(f) for f in feeds)
+            ids = torch.zeros(b, w, dtype=torch.long)
+            cmask = torch.zeros(b, w, dtype=torch.long)
+            for j, f in enumerate(feeds):  # left-aligned holes: the last column is real in every row
+                ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
+                cmask[j, w - len(f):] = 1
+            ids, cmask = ids.to(device), cmask.to(device)
+        elif drf is not None:
             need_catch = catch_up >= 0
             if bool(need_catch.any()):
                 ids = torch.stack([catch_up.clamp(min=0), cur], dim=1)
                 cmask = torch.stack([need_catch.long(), torch.ones_like(cur)], dim=1)
             else:
                 ids, cmask = cur[:, None], ones_b
+        if drf is not None:
             draft_start = drf.length
             d_tokens, q_list = [], []
             logits = drf.forward(ids, cmask, logits_to_keep=1)[:, -1]
@@ -300,8 +374,12 @@ def speculative_generate(
                     q_d = (logits.float().softmax(-1) if sampling.greedy else q_i).gather(1, d[:, None])
                     if bool((q_d < draft_confidence_threshold).all()):  # one host sync per draft step
                         break
-                logits = drf.forward(d[:, None], ones_b, logits_to_keep=1)[:, -1]
+                feed = t2d[d] if mapped else d  # a mapped draft is fed its own id of the proposed token
+                logits = drf.forward(feed[:, None], ones_b, logits_to_keep=1)[:, -1]
             drafts = torch.stack(d_tokens, dim=1)  # [b, k], k ≤ γ drafted this round
+            if mapped and drafts.shape[1] > 1:
+                for j, fed in enumerate(t2d[drafts[:, :-1]].tolist()):
+                    rows[active[j]].draft_ids.extend(fed)
             sync()
         else:
             drafts = cur.new_zeros(b, 0)
@@ -362,7 +440,7 @@ def speculative_generate(
         # ---- 5. roll caches back to the accepted prefix -----------------------------------------------------
         # Target holds [cur, d_1..d_k]: keep cur and the n accepted drafts.
         tgt.keep(target_start, n_acc + 1)
-        if drf is not None:
+        if drf is not None and not mapped:  # a mapped draft trims its cache when it re-reads the context
             # Draft holds [catch-up?, cur, d_1..d_{k-1}]: keep the catch-up slot where real, cur and
             # min(n, k−1) drafts; a row that accepted all k still needs d_k next round.
             has_slot = drf.length - draft_start == k_round + 1
@@ -386,7 +464,7 @@ def speculative_generate(
             active = [active[j] for j in keep_rows]
     prefilled = 1 if P > 1 else 0
     counts.target_calls = tgt.calls - prefilled
-    counts.draft_calls = drf.calls - prefilled if drf is not None else 0
+    counts.draft_calls = drf.calls - (0 if mapped else prefilled) if drf is not None else 0
     counts.time_total = time.perf_counter() - t_start
     return [r.tokens for r in rows], counts
 

@@ -27,18 +27,28 @@ def tiny_words(n: int) -> list[str]:
     return words[:n]
 
 
-def tiny_tokenizer(vocab_size: int = 128, swap: tuple[int, int] | None = None, chat_template: str | None = None):
+def tiny_tokenizer(vocab_size: int = 128, swap: tuple[int, int] | None = None, chat_template: str | None = None,
+                   permute: int | None = None, newline: bool = True):
     """A ``PreTrainedTokenizerFast`` with a WordLevel model of exactly ``vocab_size`` ids (specials first).
 
     Args:
         vocab_size: total number of ids including the 5 special tokens.
         swap: two ids whose strings are exchanged (to build a mismatching tokenizer of equal size).
         chat_template: a Jinja template; default a ChatML-like template.
+        permute: seed of a random renumbering of the non-special tokens (same strings, other ids).
+        newline: keep the ``"\n"`` word; without it, decoding then encoding any id sequence gives it back.
     """
+    import random
+
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    strings = SPECIAL_TOKENS + tiny_words(vocab_size - len(SPECIAL_TOKENS))
+    words = tiny_words(vocab_size - len(SPECIAL_TOKENS) + (0 if newline else 1))
+    if not newline:
+        words.remove("\n")
+    if permute is not None:
+        random.Random(permute).shuffle(words)
+    strings = SPECIAL_TOKENS + words
     if swap is not None:
         a, b = swap
         strings[a], strings[b] = strings[b], strings[a]
@@ -166,3 +176,38 @@ def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None,
         tok.save_pretrained(d)
         dirs.append(str(d))
     return dirs[0], dirs[1]
+
+
+TINY_CORPUS_WORDS = ["def", "return", "hello", "world", "value", "items", "print", "lambda", "for", "in",
+                     "range", "total", "count", "index", "(", ")", ":", "=", "+", "\n", "    "]
+
+
+def tiny_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
+    """Deterministic code-like lines over :data:`TINY_CORPUS_WORDS` (training text for :func:`tiny_bpe_tokenizer`)."""
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(TINY_CORPUS_WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(4, 12)))
+            for _ in range(n_lines)]
+
+
+def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained here on :func:`tiny_corpus` (no download).
+
+    Two calls with different ``vocab_size`` (or ``seed``) give tokenizers that segment the same text
+    differently and number their tokens differently: a cross-tokenizer pair for vocabulary-mapping tests.
+    The 5 special tokens of :data:`SPECIAL_TOKENS` come first, then the 256 byte tokens, then merges.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tiny_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
