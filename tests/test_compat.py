@@ -470,3 +470,33 @@ def test_real_cli_check_mismatch_exits_1(tmp_path):
     assert res.exit_code == 1
     assert "mismatch" in res.output and "vocabulary mapping would pair" in res.output
     assert json.loads(out.read_text())["compat"]["verdict"] == "mismatch"
+
+
+def test_cli_vocab_swap_writes_a_draft_that_speaks_the_target_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+    from specdraft.testing import tiny_bpe_tokenizer
+
+    t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    tdir, ddir, out = tmp_path / "target", tmp_path / "draft", tmp_path / "swapped"
+    for vocab, tok, d, seed in ((304, t_tok, tdir, 0), (360, d_tok, ddir, 1)):  # target: 4 padding rows
+        tiny_model("llama", vocab, seed=seed).save_pretrained(d)
+        tok.save_pretrained(d)
+    args = ["vocab-swap", "--target", str(tdir), "--draft", str(ddir), "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "vocab_swap.json").read_text())
+    m = build_vocab_mapping(t_tok, d_tok)
+    assert report["width"] == 304 and report["padding_rows"] == 4
+    assert report["copied"] == m.n_mapped and report["initialised"] == 300 - m.n_mapped
+    swapped = AutoModelForCausalLM.from_pretrained(out)
+    draft = AutoModelForCausalLM.from_pretrained(ddir)
+    twin_t = (m.target_to_draft >= 0).nonzero().squeeze(-1)
+    torch.testing.assert_close(swapped.get_input_embeddings().weight[twin_t],
+                               draft.get_input_embeddings().weight[m.target_to_draft[twin_t]])
+    assert check_compatible(str(tdir), str(out)).verdict == "identical"  # same tokenizer, same width
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 1 and "--overwrite" in again.output
+    assert CliRunner().invoke(app, [*args, "--overwrite"]).exit_code == 0

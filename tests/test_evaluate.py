@@ -86,3 +86,38 @@ def test_eval_cli_on_tiny_pair(tmp_path):
     assert report["summary"]["prompts"] == 3 and report["summary"]["lossless"]
     bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--temperature", "1", "--top-p", "0"])
     assert bad.exit_code != 0 and "--top-p" in bad.output
+
+
+def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+    from specdraft.compat import vocab_swap
+    from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
+
+    t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    target = tiny_model("llama", 300, seed=0, layers=3)
+    draft, _ = vocab_swap(perturbed(target, 0.03), t_tok, d_tok)
+    tdir, ddir = tmp_path / "target", tmp_path / "draft"
+    for model, tok, d in ((target, t_tok, tdir), (draft, d_tok, ddir)):
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"def total({w}):"}) for w in ("items", "count")) + "\n")
+    args = ["eval", "--target", str(tdir), "--draft", str(ddir), "--prompts", str(prompts), "--num-prompts", "2",
+            "--prompt-offset", "0", "--max-new-tokens", "10", "--gamma", "3", "--dtype", "float32", "--out",
+            str(tmp_path / "out")]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 1 and "--map-vocab" in refused.output  # refused, with the way forward named
+    assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(app, [*args, "--map-vocab", "--compare-hf"])
+    assert r.exit_code == 0, r.output
+    assert "vocabulary mapping" in r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["summary"]["lossless"] and report["summary"]["divergences"] == 0
+    assert report["summary"]["hf_assisted_matches_target"] == "2/2"
+    assert report["config"]["vocab_mapping"]["target_width"] == 300
+    g = CliRunner().invoke(app, ["generate", "hello world", "--target", str(tdir), "--draft", str(ddir),
+                                 "--max-new-tokens", "6", "--dtype", "float32", "--map-vocab"])
+    assert g.exit_code == 0, g.output
+    assert "6 tokens" in g.output

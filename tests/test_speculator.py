@@ -430,8 +430,9 @@ def test_killed_convert_leaves_no_speculator(tmp_path, pair):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
+        import specdraft.io
         import specdraft.speculator as sp
-        sp._fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
+        specdraft.io.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
         sp.convert({draft_dir!r}, {target_dir!r}, {str(out)!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120, check=False,

@@ -23,6 +23,8 @@ _EXPORTS = {
     "CompatReport": "specdraft.compat",
     "VocabMapping": "specdraft.compat",
     "build_vocab_mapping": "specdraft.compat",
+    "vocab_swap": "specdraft.compat",
+    "save_vocab_swap": "specdraft.compat",
     "speculative_generate": "specdraft.decode",
     "target_generate": "specdraft.decode",
     "left_pad": "specdraft.decode",

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -134,6 +135,46 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command("vocab-swap")
+def vocab_swap_cmd(
+    draft: Annotated[str, typer.Option("--draft", "-d", help="Draft of another tokenizer: embedded name, local HF "
+                                       "directory or cached hub id.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the swapped draft (written atomically).")],
+    target: TargetOpt = DEFAULT_TARGET,
+    dtype: DtypeOpt = "float32",
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
+) -> None:
+    """Re-index a draft of another tokenizer into the target's: its embedding and output rows are copied to
+    the target ids of their string-identical twins, target tokens it lacks get the mean row. The result is a
+    plain HF checkpoint with the target's tokenizer; distil it next (specdraft run --draft OUT)."""
+    from specdraft.compat import CompatibilityError, save_vocab_swap
+    from specdraft.models import ModelResolutionError
+
+    try:
+        tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
+        with console.status("re-indexing the draft's rows…"):
+            report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite)
+    except (FileExistsError, CompatibilityError, ModelResolutionError, ValueError) as exc:
+        fail(str(exc))
+    table = Table(title=f"vocabulary swap: {draft} → {target}'s tokenizer")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for k, v in (
+        ("rows (new vocab_size)", f"{report.width:,}"),
+        ("copied from a draft twin", f"{report.copied:,}"),
+        ("initialised to the mean row", f"{report.initialised:,}"),
+        ("padding rows", f"{report.padding_rows:,}"),
+        ("target vocabulary reachable", f"{report.target_coverage:.1%}"),
+        ("draft vocabulary mapped", f"{report.draft_coverage:.1%}"),
+        ("tied embeddings", str(report.tied)),
+    ):
+        table.add_row(k, v)
+    console.print(table)
+    if report.initialised_examples:
+        console.print("first mean-initialised target tokens: " + escape(", ".join(map(repr, report.initialised_examples))))
+    console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}")
+
+
 # ----------------------------------------------------------------------------------------- convert
 
 
@@ -248,22 +289,35 @@ def _sampling(temperature: float, top_k: int, top_p: float):
         fail(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
 
 
-def _load_pair(target: str, draft: str, dtype: str):
-    """Resolve both references, refuse a tokenizer mismatch before loading weights, load both models."""
-    from specdraft.compat import check_compatible
+def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False):
+    """Resolve both references, check the tokenizers before loading weights, load both models.
+
+    Returns ``(target, draft, target_tokenizer, mapping)``; ``mapping`` is a VocabMapping when the tokenizers
+    differ and ``map_vocab`` allows decoding through one, else ``None``. A mismatch without ``map_vocab``, or
+    a pair with no usable overlap, fails here, before any weights are read."""
+    from specdraft.compat import CompatibilityError, build_vocab_mapping, check_compatible, print_report
     from specdraft.models import load_model
 
     tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
     report = check_compatible(tpath, dpath)
+    mapping = None
     if report.verdict == "mismatch":
-        from specdraft.compat import print_report
-
-        print_report(report, err_console)
-        fail("the target and draft tokenizers differ; see the report above (specdraft check).")
+        if not map_vocab:
+            print_report(report, err_console)
+            hint = (" Pass --map-vocab to decode through a vocabulary mapping of string-identical tokens (lossless; "
+                    "acceptance depends on its coverage)." if report.mapping and report.mapping["usable"] else "")
+            fail(f"the target and draft tokenizers differ; see the report above (specdraft check).{hint}")
+        try:
+            mapping = build_vocab_mapping(tpath, dpath)
+        except CompatibilityError as exc:
+            fail(str(exc))
+        console.print(f"[yellow]tokenizers differ:[/] decoding through a vocabulary mapping of {mapping.n_mapped:,} "
+                      f"string-identical tokens ({mapping.target_coverage:.1%} of the target vocabulary reachable, "
+                      f"{mapping.draft_coverage:.1%} of the draft's mapped); the draft re-reads the context as text.")
     with console.status("loading models…"):
         t, tok = load_model(tpath, dtype=dtype)
         d, _ = load_model(dpath, dtype=dtype)
-    return t, d, tok
+    return t, d, tok, mapping
 
 
 SamplingTemp = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (temperature → top-k → top-p).")]
@@ -272,6 +326,9 @@ SamplingTopP = Annotated[float, typer.Option(help="Top-p (nucleus) mass in (0, 1
 GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-g",
                                        help="γ: draft tokens proposed per target pass (>= 1); the maximum when "
                                        "--draft-confidence-threshold is set.")]
+MapVocabOpt = Annotated[bool, typer.Option(
+    "--map-vocab", help="Allow a draft with another tokenizer: proposals go through a one-to-one map of "
+    "string-identical tokens and the draft re-reads the context as text (lossless; see specdraft check).")]
 ConfOpt = Annotated[float | None, typer.Option(
     min=0.0, max=1.0, help="Stop drafting a round early once the draft's probability of its own token falls "
     "below this (lossless; γ becomes a maximum). Off when not given.")]
@@ -294,6 +351,7 @@ def eval_cmd(
     compare_hf: Annotated[bool, typer.Option(help="Also time transformers' generate(assistant_model=draft).")]
         = False,
     draft_confidence_threshold: ConfOpt = None,
+    map_vocab: MapVocabOpt = False,
     dtype: DtypeOpt = "bfloat16",
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
@@ -310,7 +368,7 @@ def eval_cmd(
     sampling = _sampling(temperature, top_k, top_p)
     try:
         examples = load_examples(prompts, limit=num_prompts, offset=prompt_offset)
-        t, d, tok = _load_pair(target, draft, dtype)
+        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab)
     except (DataError, ModelResolutionError) as exc:
         fail(str(exc))
     ids = encode_prompts(tok, examples)
@@ -320,7 +378,7 @@ def eval_cmd(
         res = run_eval(t, d, tok, ids, [e.id for e in examples], num_speculative_tokens=gamma, sampling=sampling,
                        max_new_tokens=max_new_tokens, seed=seed, compare_hf=compare_hf,
                        progress=lambda k, n: pg.update(task, completed=k),
-                       draft_confidence_threshold=draft_confidence_threshold,
+                       draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
                        config={"target": target, "draft": draft, "prompts": prompts, "dtype": dtype,
                                "command": " ".join(sys.argv)})
     paths = write_report(res, out)
@@ -376,6 +434,7 @@ def generate(
     seed: int = 0,
     dtype: DtypeOpt = "bfloat16",
     draft_confidence_threshold: ConfOpt = None,
+    map_vocab: MapVocabOpt = False,
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
     import torch
@@ -388,7 +447,7 @@ def generate(
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
     try:
-        t, d, tok = _load_pair(target, draft, dtype)
+        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab)
     except ModelResolutionError as exc:
         fail(str(exc))
     ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]
@@ -405,7 +464,7 @@ def generate(
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
                                      generator=torch.Generator(device=t.device).manual_seed(seed), on_tokens=stream,
-                                     draft_confidence_threshold=draft_confidence_threshold)
+                                     draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping)
     console.print()
     console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "
                   f"({counts.emitted / max(counts.time_total, 1e-9):.2f} tokens/s); acceptance rate "

@@ -980,9 +980,56 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
     return draft_model, report
 
 
+def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
+                    min_coverage: float = MIN_COVERAGE, overwrite: bool = False) -> VocabSwapReport:
+    """Write the draft re-indexed into the target's tokenizer (:func:`vocab_swap`) as a plain HF checkpoint.
+
+    ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's, so the pair is ``identical`` or
+    ``identical-up-to-padding`` for :func:`check_compatible`), the target's tokenizer files and
+    ``vocab_swap.json`` (the :class:`VocabSwapReport` plus both references). Distil it next
+    (``specdraft run --draft OUT``): rows initialised to the mean start untrained.
+
+    Args:
+        draft / target: references (embedded name, local directory, cached hub id).
+        out_dir: written atomically (temporary directory beside it, then a rename).
+        dtype: dtype the draft is loaded and saved in.
+        min_coverage: see :func:`build_vocab_mapping`.
+        overwrite: replace a non-empty ``out_dir``.
+
+    Returns:
+        The :class:`VocabSwapReport`.
+
+    Raises:
+        FileExistsError: ``out_dir`` is non-empty and ``overwrite`` is false (checked first).
+        CompatibilityError: no usable overlap (before the draft's weights are read).
+        ModelResolutionError: a reference cannot be resolved.
+    """
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdraft.io import atomic_directory
+    from specdraft.models import resolve
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    tpath, dpath = resolve(target), resolve(draft)
+    t_cfg = AutoConfig.from_pretrained(tpath)
+    width = getattr(t_cfg.get_text_config(), "vocab_size", None)
+    model, report = vocab_swap(dpath, None, tpath, width=width, min_coverage=min_coverage, dtype=dtype)
+    target_tok = AutoTokenizer.from_pretrained(tpath)
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+        target_tok.save_pretrained(tmp)
+        info = report.to_dict() | {"draft": str(draft), "target": str(target), "dtype": dtype}
+        (tmp / "vocab_swap.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+    return report
+
+
 __all__ = [
     "MAX_DIFFERENCES", "MIN_COVERAGE", "PROBE_CONVERSATION", "PROBE_TEXT", "VERDICTS",
     "CompatReport", "CompatibilityError", "TokenDifference", "Verdict", "VocabMapping", "VocabSwapReport",
     "align_logits", "build_vocab_mapping", "check_compatible", "print_report", "require_compatible",
-    "tokenizer_fingerprint", "vocab_swap",
+    "save_vocab_swap", "tokenizer_fingerprint", "vocab_swap",
 ]

@@ -222,15 +222,23 @@ def run_eval(
     progress: Callable[[int, int], None] | None = None,
     config: dict[str, Any] | None = None,
     draft_confidence_threshold: float | None = None,
+    vocab_mapping=None,
 ) -> EvalResult:
     """Decode each prompt with the target alone, with speculative decoding, and (optionally) with
     transformers' assisted generation, interleaved, batch 1; compare outputs; gather counts and times.
 
     Args:
-        target, draft: loaded causal LMs sharing ``tokenizer`` (checked by the caller).
-        prompt_ids: token ids per prompt (chat template already applied).
+        target, draft: loaded causal LMs sharing ``tokenizer`` (checked by the caller), or a draft of another
+            tokenizer with ``vocab_mapping``.
+        tokenizer: the target's tokenizer.
+        prompt_ids: target token ids per prompt (chat template already applied).
         sampling: greedy by default; with sampling, outputs are not compared token by token (they are
             random) — the χ² tests cover the law.
+        vocab_mapping: :class:`~specdraft.compat.VocabMapping` for a draft of another tokenizer (see
+            :func:`~specdraft.decode.speculative_generate`). Predicted α (teacher-forced) needs aligned
+            positions and is left out; transformers' assisted generation runs as its universal assisted
+            generation (``tokenizer`` + ``assistant_tokenizer``), greedy only, since its sampled variant prunes
+            the draft's output head in place.
 
     Returns:
         :class:`EvalResult`.
@@ -246,10 +254,19 @@ def run_eval(
     res = EvalResult(
         config=(config or {}) | {"num_speculative_tokens": gamma, "max_new_tokens": max_new_tokens,
                                  "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype),
-                                 "draft_confidence_threshold": draft_confidence_threshold},
+                                 "draft_confidence_threshold": draft_confidence_threshold,
+                                 "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None},
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )
+    run_hf, hf_tokenizers = compare_hf, {}
+    if compare_hf and vocab_mapping is not None:
+        if sampling.greedy:
+            hf_tokenizers = {"tokenizer": tokenizer, "assistant_tokenizer": vocab_mapping.draft_tokenizer}
+        else:
+            run_hf = False
+            res.config["hf_assisted_skipped"] = ("sampled universal assisted generation prunes the draft's output "
+                                                 "head in place; compared for greedy decoding only")
     responses = []
     for k, ids in enumerate(prompt_ids):
         inp, mask = left_pad([ids], pad, device)
@@ -258,7 +275,8 @@ def run_eval(
                                    **common)
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
                                         generator=torch.Generator(device=device).manual_seed(seed + k),
-                                        draft_confidence_threshold=draft_confidence_threshold, **common)
+                                        draft_confidence_threshold=draft_confidence_threshold,
+                                        vocab_mapping=vocab_mapping, **common)
         res.target_counts = res.target_counts.merge(bc)
         res.spec_counts = res.spec_counts.merge(sc)
         res.target_tokens += len(base[0])
@@ -271,13 +289,14 @@ def run_eval(
         if sampling.greedy:
             row["specdraft_matches"] = _compare(target, ids, base[0], spec[0], names[k], "specdraft", tol,
                                                 res.divergences)
-        if compare_hf:
+        if run_hf:
             t0 = time.perf_counter()
             with torch.no_grad():
                 hf = target.generate(input_ids=inp, attention_mask=mask, assistant_model=draft,
                                      max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
                                      temperature=sampling.temperature or None, top_k=sampling.top_k or None,
-                                     top_p=sampling.top_p if sampling.top_p < 1 else None, pad_token_id=pad)
+                                     top_p=sampling.top_p if sampling.top_p < 1 else None, pad_token_id=pad,
+                                     **hf_tokenizers)
             hf_s = time.perf_counter() - t0
             hf_out = hf[0, inp.shape[1]:].tolist()
             res.hf_tokens += len(hf_out)
@@ -294,6 +313,8 @@ def run_eval(
             progress(k + 1, len(prompt_ids))
     # Predicted α from teacher-forced passes: over the prompts (available before any decoding), and over the
     # target's own responses (the positions speculative decoding actually drafts).
+    if vocab_mapping is not None:  # teacher-forced α needs one position grid for both models
+        return res
     res.predicted_prompt = predicted_alpha(target, draft, prompt_ids, sampling=sampling, real_vocab=real_vocab,
                                            pad_id=pad)
     seqs = [list(p) + r for p, r in zip(prompt_ids, responses) if r]

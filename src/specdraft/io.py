@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,3 +42,56 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``: the rename is atomic, but without fsync a power loss
+    after it could expose empty files."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def chmod_like_mkdir(path: Path) -> None:
+    """Give ``path`` the mode a plain mkdir would (0777 less umask); mkdtemp creates 0700."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the complete ``tmp`` onto ``out``; a non-empty ``out`` is renamed aside first, then removed."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if not any(out.iterdir()):
+        os.replace(tmp, out)  # rename(2) replaces an empty directory atomically
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
+    os.replace(out, old)  # onto the fresh empty directory
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``out``; on success its files are fsynced and it is renamed
+    onto ``out`` (a non-empty ``out`` is replaced), on error it is removed. A killed writer leaves only a
+    ``.tmp-<name>-*`` directory that nothing reads; ``out`` is never half written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        chmod_like_mkdir(tmp)
+        yield tmp
+        fsync_tree(tmp)
+        swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

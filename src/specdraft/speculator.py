@@ -31,7 +31,6 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdraft import __version__
+from specdraft.io import atomic_directory
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
@@ -942,17 +942,9 @@ def convert(
     timings["check_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-    try:
-        _chmod_like_mkdir(tmp)
+    with atomic_directory(out_dir) as tmp:
         spec.save_pretrained(tmp)
         copied = _copy_tokenizer_files(Path(draft_dir), tmp)
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     timings["write_s"] = time.perf_counter() - t
 
     config = spec.speculator_config.to_dict()
@@ -1144,37 +1136,3 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             continue
         copied.append(name)
     return copied
-
-
-def _fsync_tree(root: Path) -> None:
-    # The rename is atomic, but without fsync a power loss after it could expose empty files.
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                os.fsync(fh.fileno())
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _chmod_like_mkdir(path: Path) -> None:
-    # mkdtemp creates 0700; the published directory gets the mode a plain mkdir would (0777 less umask).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` onto ``out``; a non-empty ``out`` is renamed aside first, then removed."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    if not any(out.iterdir()):
-        os.replace(tmp, out)  # rename(2) replaces an empty directory atomically
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
-    os.replace(out, old)  # onto the fresh empty directory
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
