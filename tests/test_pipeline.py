@@ -105,3 +105,27 @@ def test_run_cli_on_tiny_pair(tmp_path):
     assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 6
     bad = CliRunner().invoke(app, [*args[:-2], "--out", str(tmp_path / "run2"), "--preset", "nope"])
     assert bad.exit_code != 0 and "--preset" in bad.output
+
+
+def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
+    from specdraft.compat import check_compatible
+    from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+
+    tdir, ddir = tmp_path / "models" / "target", tmp_path / "models" / "draft"
+    for vocab, tok, d, seed, layers in ((300, tiny_bpe_tokenizer(300), tdir, 0, 3),
+                                        (360, tiny_bpe_tokenizer(360, seed=1), ddir, 1, 1)):
+        tiny_model("llama", vocab, seed=seed, layers=layers).save_pretrained(d)
+        tok.save_pretrained(d)
+    train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
+    cfg = make_config("tiny", target=str(tdir), draft=str(ddir))
+    with pytest.raises(PipelineError, match="--vocab-swap"):  # refused by default, with the way forward named
+        run_pipeline(cfg, tmp_path / "refused", eval_examples=ev, train_examples=train)
+    cfg = make_config("tiny", target=str(tdir), draft=str(ddir), vocab_swap=True)
+    report = run_pipeline(cfg, tmp_path / "run", eval_examples=ev, train_examples=train)
+    assert report["check"]["verdict"] == "mismatch"
+    assert report["eval_before"]["lossless"] and report["eval_after"]["lossless"]
+    swap = report["vocab_swap"]
+    assert swap["width"] == 300 and swap["copied"] + swap["initialised"] == 300
+    spec = tmp_path / "run" / "export" / "speculator"
+    assert check_compatible(str(tdir), str(spec)).verdict == "identical"  # it now speaks the target's tokenizer
+    assert "re-indexed into the target's tokenizer" in (tmp_path / "run" / "report.md").read_text()

@@ -664,6 +664,9 @@ def run_cmd(
     preset: Annotated[str, typer.Option(help="default (2-core CPU, ~15 min) | ci (minutes) | large (GPU, hours) "
                                               "| tiny")] = "default",
     refuse_overlap: Annotated[bool, typer.Option(help="Refuse when train and eval prompts overlap.")] = False,
+    vocab_swap: Annotated[bool, typer.Option(
+        "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
+        "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
 ) -> None:
     """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
     from specdraft.pipeline import PRESETS, PipelineError, make_config, run_pipeline
@@ -674,7 +677,7 @@ def run_cmd(
 
     try:
         cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                          refuse_overlap=refuse_overlap, needs=PRESETS[preset]["needs"])
+                          refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, needs=PRESETS[preset]["needs"])
     except ValidationError as exc:
         fail(str(exc))
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")

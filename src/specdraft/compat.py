@@ -547,6 +547,9 @@ def print_report(report: CompatReport, console) -> None:
             f"{m['target_coverage']:.1%} of the target vocabulary reachable, {m['draft_coverage']:.1%} of the "
             f"draft vocabulary mapped" + ("" if m["usable"] else " [red](no usable overlap)[/]")
         )
+        if m["usable"] and report.verdict == "mismatch":
+            console.print("Decode through it with [bold]specdraft eval/generate --map-vocab[/], or re-index the draft "
+                          "into the target's tokenizer with [bold]specdraft vocab-swap[/] and distil it.")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from specdraft.distill import DistillConfig
 from specdraft.io import atomic_write_text
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
-STAGES = ("check", "eval_before", "dump", "distill", "eval_after", "export", "report")
+STAGES = ("check", "eval_before", "vocab_swap", "dump", "distill", "eval_after", "export", "report")
 PresetName = Literal["default", "ci", "tiny", "large"]
 
 
@@ -78,6 +78,8 @@ class PipelineConfig(BaseModel):
     dump: DumpSettings
     distill: DistillConfig
     refuse_overlap: bool = Field(False, description="Refuse (instead of warn) when train and eval prompts overlap.")
+    vocab_swap: bool = Field(False, description="A draft of another tokenizer: evaluate it through a vocabulary "
+                             "mapping, then re-index it into the target's tokenizer (vocab_swap stage) and distil that.")
     needs: str = Field("", description="What the preset needs (hardware, time).")
 
 
@@ -230,7 +232,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     Raises:
         PipelineError: a stage failed (names it and the resume command), overlap refused, too little disk.
     """
-    from specdraft.compat import check_compatible
+    from specdraft.compat import build_vocab_mapping, check_compatible
     from specdraft.models import resolve
 
     out = Path(out)
@@ -265,14 +267,19 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     def do_check(d: Path) -> dict[str, Any]:
         rep = check_compatible(tpath, dpath)
         atomic_write_text(d / "report.json", json.dumps(rep.to_dict(), indent=2, default=str))
+        if rep.verdict == "mismatch" and not cfg.vocab_swap:
+            hint = (" The overlap is usable: pass --vocab-swap to evaluate it through a vocabulary mapping and "
+                    "distil it re-indexed into the target's tokenizer." if rep.mapping and rep.mapping["usable"] else "")
+            raise ValueError(f"tokenizers differ: {rep.summary()} (see {d / 'report.json'}; specdraft check).{hint}")
         if rep.verdict == "mismatch":
-            raise ValueError(f"tokenizers differ: {rep.summary()} (see {d / 'report.json'}; specdraft check)")
-        return {"verdict": rep.verdict, "real_vocab": rep.real_vocab}
+            build_vocab_mapping(tpath, dpath)  # no usable overlap → CompatibilityError, before any weights
+        return {"verdict": rep.verdict, "real_vocab": rep.real_vocab, "mapping": rep.mapping}
 
-    check = runner.stage("check", fingerprint, do_check)
+    check = runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, do_check)
+    mapped = check["verdict"] == "mismatch"
 
     # ---- 2./5. evaluation ---------------------------------------------------------------------------------
-    def evaluate_with(draft_ref: str, compare_hf: bool) -> Callable[[Path], dict[str, Any]]:
+    def evaluate_with(draft_ref: str, compare_hf: bool, map_vocab: bool = False) -> Callable[[Path], dict[str, Any]]:
         def run(d: Path) -> dict[str, Any]:
             from specdraft.data import encode_prompts
             from specdraft.evaluate import run_eval, write_report
@@ -281,9 +288,10 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
             target, tok = load_model(tpath, dtype=cfg.eval.dtype)
             draft, _ = load_model(draft_ref, dtype=cfg.eval.dtype)
             ids = encode_prompts(tok, evals)
+            mapping = build_vocab_mapping(tpath, draft_ref) if map_vocab else None
             res = run_eval(target, draft, tok, ids, [e.id for e in evals],
                            num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                           max_new_tokens=cfg.eval.max_new_tokens, compare_hf=compare_hf,
+                           max_new_tokens=cfg.eval.max_new_tokens, compare_hf=compare_hf, vocab_mapping=mapping,
                            config={"target": cfg.target, "draft": str(draft_ref)})
             write_report(res, d, title=d.name)
             del target, draft  # free both models before the next stage loads its own
@@ -293,10 +301,23 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         return run
 
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "prompts": [e.id for e in evals]}
-    before = runner.stage("eval_before", eval_inputs, evaluate_with(dpath, cfg.eval.compare_hf))
+    before = runner.stage("eval_before", eval_inputs, evaluate_with(dpath, cfg.eval.compare_hf, mapped))
     if not before["lossless"]:
         raise PipelineError(f"greedy speculative decoding diverged beyond rounding tolerance before distillation "
                             f"(see {out / 'eval_before' / 'report.json'}); this is a bug, please report it")
+
+    # ---- 2b. vocabulary swap (a draft of another tokenizer) -----------------------------------------------
+    swap = None
+    train_draft = dpath
+    if mapped:
+        def do_swap(d: Path) -> dict[str, Any]:
+            from specdraft.compat import save_vocab_swap
+
+            report = save_vocab_swap(dpath, tpath, d / "model", dtype=cfg.distill.dtype, overwrite=True)
+            return report.to_dict() | {"path": str(d / "model")}
+
+        swap = runner.stage("vocab_swap", fingerprint, do_swap)
+        train_draft = swap["path"]
 
     # ---- 3. dump ------------------------------------------------------------------------------------------
     dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in trains]}
@@ -315,12 +336,13 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     dump = runner.stage("dump", dump_inputs, do_dump)
 
     # ---- 4. distill ---------------------------------------------------------------------------------------
-    distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, "distill": cfg.distill.model_dump()}
+    distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, "distill": cfg.distill.model_dump(),
+                      "vocab_swap": mapped}
 
     def do_distill(d: Path) -> dict[str, Any]:
         from specdraft.distill import run_distill
 
-        res = run_distill(cfg.target, dpath, out / "dump", d, cfg.distill)
+        res = run_distill(cfg.target, train_draft, out / "dump", d, cfg.distill)
         return {"speculator": str(res["speculator"]), **res["metrics"]}
 
     distilled = runner.stage("distill", distill_inputs, do_distill)
@@ -350,7 +372,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
 
     # ---- 7. report ----------------------------------------------------------------------------------------
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
-              "dump": dump, "distill": distilled, "eval_after": after, "export": export,
+              "vocab_swap": swap, "dump": dump, "distill": distilled, "eval_after": after, "export": export,
               "overlap": overlap, "timings": runner.timings, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": _versions()}
     write_pipeline_report(report, out)
@@ -438,6 +460,11 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"γ = {r['config']['eval']['num_speculative_tokens']}, greedy, {r['config']['eval']['max_new_tokens']} "
         "new tokens each."),
         "",
+        *([] if not (sw := r.get("vocab_swap")) else [
+            (f"The draft speaks another tokenizer: *before* decodes it through a vocabulary mapping "
+             f"({sw['target_coverage']:.1%} of the target vocabulary reachable); it was then re-indexed into the "
+             f"target's tokenizer ({sw['copied']:,} rows copied from a twin, {sw['initialised']:,} set to the mean "
+             "row) and distilled, so *after* decodes without a mapping."), ""]),
         "| measure | before distillation | after distillation |",
         "| --- | ---: | ---: |",
         *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows],
