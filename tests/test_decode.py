@@ -315,7 +315,8 @@ def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma
                                         eos_token_id=[], vocab_mapping=mapping)
     assert spec == base
     assert counts.emitted == 21 * len(prompts)
-    assert counts.draft_calls == counts.target_calls * gamma  # per batched round: one re-read + γ−1 steps
+    # Per batched round one re-read + γ−1 steps; the first re-read is the draft's prompt prefill.
+    assert counts.draft_calls == counts.target_calls * gamma - 1 and counts.prefill_calls == 2
     for i, p in enumerate(prompts):
         solo, _ = speculative_generate(target, draft, *left_pad([p], 0), num_speculative_tokens=gamma,
                                        max_new_tokens=21, eos_token_id=[], vocab_mapping=mapping)
@@ -371,7 +372,7 @@ def test_mapped_sampled_output_follows_target_law(pair_kind):
     assert pvalue > 1e-3, f"mapped speculative samples do not follow the target law (p={pvalue:.2e})"
 
 
-def test_mapping_narrower_or_wider_than_the_target_is_refused():
+def test_mapping_wider_than_the_target_is_refused():
     target, draft, mapping, t_tok, _ = _bpe_pair()
     from specdraft.compat import build_vocab_mapping
 
@@ -379,3 +380,49 @@ def test_mapping_narrower_or_wider_than_the_target_is_refused():
     ids, mask = left_pad([[5, 6, 7]], 0)
     with pytest.raises(DecodeError, match="320"):
         speculative_generate(target, draft, ids, mask, vocab_mapping=wide)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "sampled"])
+def test_mapped_renumbered_draft_behaves_exactly_like_the_unmapped_draft(sampling):
+    # A noisy draft, once in the target's numbering (no mapping) and once renumbered (through the mapping):
+    # the same proposals, the same acceptance, the same output, round for round and draw for draw. Any slip in
+    # the draft's cache after a re-read (truncation, holes) would change its proposals and the counts.
+    from specdraft.compat import build_vocab_mapping, vocab_swap
+    from specdraft.testing import tiny_tokenizer
+
+    t_tok, d_tok = tiny_tokenizer(64, newline=False), tiny_tokenizer(64, permute=3, newline=False)
+    target = tiny_model("llama", 64, seed=0, layers=2)
+    noisy = perturbed(target, 0.05, seed=2)
+    renumbered, _ = vocab_swap(perturbed(noisy, 0.0), t_tok, d_tok)
+    mapping = build_vocab_mapping(t_tok, d_tok, target_config=64, draft_config=64)
+    prompts = [t_tok(t, add_special_tokens=False)["input_ids"] for t in ("a b c d", "def f", "user x y z w v q")]
+    ids, mask = left_pad(prompts, 0)
+    runs = []
+    for draft, m in ((noisy, None), (renumbered.eval(), mapping)):
+        out, c = speculative_generate(target, draft, ids, mask, num_speculative_tokens=3, max_new_tokens=24,
+                                      eos_token_id=[], sampling=sampling, vocab_mapping=m,
+                                      generator=torch.Generator().manual_seed(5))
+        runs.append((out, c.accepted, c.proposed, c.accepted_hist))
+    assert runs[0] == runs[1]
+    assert 0 < sum(runs[0][1]) < sum(runs[0][2])  # partial acceptance: rejections exercise the cache trim
+
+
+def test_mapped_draft_outgrowing_its_window_hands_over_to_the_target():
+    # The draft's tokenizer splits the text more finely than the target's, so its window (counted in its own
+    # tokens) fills first; decoding stays lossless and the target finishes alone.
+    from specdraft.compat import build_vocab_mapping
+    from specdraft.testing import tiny_bpe_tokenizer
+
+    t_tok, d_tok = tiny_bpe_tokenizer(360, seed=1), tiny_bpe_tokenizer(300)
+    target = tiny_model("llama", 360, seed=0, layers=2)
+    draft = tiny_model("gpt2", 300, seed=1, layers=1, n_positions=57)
+    mapping = build_vocab_mapping(t_tok, d_tok, target_config=360, draft_config=300)
+    prompt = t_tok("for index in range(count):\n    print(total)\n" * 3, add_special_tokens=False)["input_ids"]
+    assert len(mapping.reencode_batch_for_draft([prompt])[0]) > 57 > len(prompt) + 8 + 3
+    ids, mask = left_pad([prompt], 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=8, eos_token_id=[])
+    with pytest.warns(UserWarning, match="outgrew its window"):
+        spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=3, max_new_tokens=8,
+                                            eos_token_id=[], vocab_mapping=mapping)
+    assert spec == base
+    assert counts.draft_calls == 0 and sum(counts.proposed) == 0

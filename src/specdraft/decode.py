@@ -33,6 +33,7 @@ for Heterogeneous Vocabularies", Alg. 4), which transformers ships as ``Universa
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -251,8 +252,9 @@ def speculative_generate(
         :class:`AcceptanceCounts` of this call.
 
     Raises:
-        DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window, a
-            ``vocab_mapping`` whose target width differs from the target's output width.
+        DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window (a
+            mapped draft's window is checked each round in its own tokens; once outgrown, the target finishes
+            alone with a warning), a ``vocab_mapping`` wider than the target's output head.
     """
     sampling = sampling or SamplingConfig()
     gamma = num_speculative_tokens if draft is not None else 0
@@ -268,7 +270,8 @@ def speculative_generate(
     if bool((attention_mask[:, -1] == 0).any()):
         raise DecodeError("prompts must be left-padded (attention_mask[:, -1] is 0 for some row)")
     prompt_lens = attention_mask.sum(dim=1)
-    for name, m in (("target", target), ("draft", draft)):
+    # A mapped draft counts positions in its own tokens: its window is checked each round instead.
+    for name, m in (("target", target), ("draft", None if vocab_mapping is not None else draft)):
         limit = _context_limit(m) if m is not None else None
         need = int(prompt_lens.max()) + max_new_tokens + gamma + 1
         if limit is not None and need > limit:
@@ -294,6 +297,7 @@ def speculative_generate(
         t2d = vocab_mapping.target_to_draft.to(device)
         dtok = vocab_mapping.draft_tokenizer
         start_id = next((i for i in (dtok.bos_token_id, dtok.eos_token_id) if i is not None), 0)
+        draft_limit = _context_limit(draft)
     counts = AcceptanceCounts(max(gamma, 1) if draft is not None else 1)
     t_start = time.perf_counter()
     cuda = device.type == "cuda"
@@ -325,15 +329,23 @@ def speculative_generate(
     active = list(range(B))  # indices into `rows` of rows still decoding, in batch order
     catch_up = torch.full((B,), -1, dtype=torch.long, device=device)  # d_γ the draft has not consumed
     ones = torch.ones(B, 1, dtype=torch.long, device=device)
+    drafting = drf is not None  # false for the baseline, or once a mapped draft's context outgrows its window
+    draft_prefills = 1 if (P > 1 and drf is not None and not mapped) else 0
 
     while active:
         b = len(active)
         ones_b = ones[:b]
         # ---- 1. draft γ tokens ---------------------------------------------------------------------------
         t0 = time.perf_counter()
-        if mapped:
+        if mapped and drafting:
             # The draft re-reads the context as text; its cache keeps the prefix it already holds.
             contexts = vocab_mapping.reencode_batch_for_draft([rows[ri].prompt + rows[ri].tokens for ri in active])
+            if draft_limit is not None and max(len(c) for c in contexts) + gamma > draft_limit:
+                # Lossless either way: the target finishes alone (one token per pass) instead of failing.
+                warnings.warn(f"the draft's context ({max(len(c) for c in contexts)} draft tokens + γ) outgrew its "
+                              f"window ({draft_limit}); the target decodes the rest alone", stacklevel=2)
+                drafting = False
+        if mapped and drafting:
             n_keep, feeds = [], []
             for j, ri in enumerate(active):
                 new = contexts[j] or [start_id]
@@ -349,17 +361,24 @@ def speculative_generate(
                 ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
                 cmask[j, w - len(f):] = 1
             ids, cmask = ids.to(device), cmask.to(device)
-        elif drf is not None:
+        elif drafting:
             need_catch = catch_up >= 0
             if bool(need_catch.any()):
                 ids = torch.stack([catch_up.clamp(min=0), cur], dim=1)
                 cmask = torch.stack([need_catch.long(), torch.ones_like(cur)], dim=1)
             else:
                 ids, cmask = cur[:, None], ones_b
-        if drf is not None:
+        if drafting:
             draft_start = drf.length
             d_tokens, q_list = [], []
             logits = drf.forward(ids, cmask, logits_to_keep=1)[:, -1]
+            if mapped and draft_prefills == 0:  # the mapped draft's first read is its prompt prefill
+                sync()
+                dt = time.perf_counter() - t0
+                counts.time_prefill += dt
+                counts.prefill_calls += 1
+                draft_prefills = 1
+                t0 += dt
             for i in range(gamma):
                 if sampling.greedy:
                     d = logits.argmax(dim=-1)
@@ -397,13 +416,13 @@ def speculative_generate(
 
         # ---- 3. verify -------------------------------------------------------------------------------------
         if sampling.greedy:
-            if drf is not None:
+            if drafting:
                 n_acc, nxt = verify_greedy(drafts, t_logits)
             else:
                 n_acc, nxt = torch.zeros(b, dtype=torch.long, device=device), t_logits[:, -1].argmax(-1)
         else:
             p = filter_logits(t_logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
-            if drf is not None:
+            if drafting:
                 n_acc, nxt = verify_sampled(drafts, torch.stack(q_list, dim=1), p, generator)
             else:
                 n_acc = torch.zeros(b, dtype=torch.long, device=device)
@@ -440,7 +459,7 @@ def speculative_generate(
         # ---- 5. roll caches back to the accepted prefix -----------------------------------------------------
         # Target holds [cur, d_1..d_k]: keep cur and the n accepted drafts.
         tgt.keep(target_start, n_acc + 1)
-        if drf is not None and not mapped:  # a mapped draft trims its cache when it re-reads the context
+        if drafting and not mapped:  # a mapped draft trims its cache when it re-reads the context
             # Draft holds [catch-up?, cur, d_1..d_{k-1}]: keep the catch-up slot where real, cur and
             # min(n, k−1) drafts; a row that accepted all k still needs d_k next round.
             has_slot = drf.length - draft_start == k_round + 1
@@ -464,7 +483,7 @@ def speculative_generate(
             active = [active[j] for j in keep_rows]
     prefilled = 1 if P > 1 else 0
     counts.target_calls = tgt.calls - prefilled
-    counts.draft_calls = drf.calls - (0 if mapped else prefilled) if drf is not None else 0
+    counts.draft_calls = drf.calls - draft_prefills if drf is not None else 0
     counts.time_total = time.perf_counter() - t_start
     return [r.tokens for r in rows], counts
 

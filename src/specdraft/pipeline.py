@@ -316,7 +316,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
             report = save_vocab_swap(dpath, tpath, d / "model", dtype=cfg.distill.dtype, overwrite=True)
             return report.to_dict() | {"path": str(d / "model")}
 
-        swap = runner.stage("vocab_swap", fingerprint, do_swap)
+        swap = runner.stage("vocab_swap", fingerprint | {"dtype": cfg.distill.dtype}, do_swap)
         train_draft = swap["path"]
 
     # ---- 3. dump ------------------------------------------------------------------------------------------
