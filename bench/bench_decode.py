@@ -6,6 +6,10 @@ markdown table; ``bench/run_all.py`` puts it into docs/benchmarks.md.
 
     python bench/bench_decode.py --mode greedy --num-prompts 16 --max-new-tokens 128 [--adaptive]
     python bench/bench_decode.py --mode sampled --temperature 0.7 --top-p 0.95
+    python bench/bench_decode.py --draft smollm2-135m-instruct --map-vocab --gamma 3 --num-prompts 8
+
+With ``--map-vocab`` (a draft of another tokenizer) the result goes to ``decode-<mode>-<draft>.json`` and
+transformers runs its universal assisted generation (``tokenizer`` + ``assistant_tokenizer``, greedy only).
 """
 
 from __future__ import annotations
@@ -45,14 +49,25 @@ def main() -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
+    ap.add_argument("--map-vocab", action="store_true", help="the draft has another tokenizer: decode through a "
+                    "VocabMapping (specdraft.compat.build_vocab_mapping)")
+    ap.add_argument("--mapped-proposals", choices=["text", "tokens"], default=None,
+                    help="with --map-vocab: the draft proposes text (greedy default) or twin tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     sampling = SamplingConfig() if args.mode == "greedy" else SamplingConfig(temperature=args.temperature,
                                                                             top_p=args.top_p)
+    mapping = None
+    if args.map_vocab:
+        from specdraft.compat import build_vocab_mapping
+
+        mapping = build_vocab_mapping(args.target, args.draft)
+        args.no_hf = args.no_hf or not sampling.greedy  # sampled USD prunes the draft's head in place
     target, tok = load_model(args.target, dtype=args.dtype, device="cpu")
-    draft, _ = load_model(args.draft, dtype=args.dtype, device="cpu")
+    draft, dtok = load_model(args.draft, dtype=args.dtype, device="cpu")
+    hf_tokenizers = {"tokenizer": tok, "assistant_tokenizer": dtok} if mapping is not None else {}
     examples = load_examples("humaneval", limit=args.num_prompts, offset=args.prompt_offset)
     prompts = encode_prompts(tok, examples)
     common = {"max_new_tokens": args.max_new_tokens, "real_vocab": len(tok), "sampling": sampling}
@@ -60,7 +75,7 @@ def main() -> dict:
     # Warm-up (allocator, kernels) on a short prompt, not timed.
     w_ids, w_mask = left_pad([prompts[0][:32]], tok.pad_token_id)
     speculative_generate(target, draft, w_ids, w_mask, num_speculative_tokens=4, max_new_tokens=8,
-                         real_vocab=len(tok))
+                         real_vocab=len(tok), vocab_mapping=mapping)
 
     names = ["target", "specdraft", "specdraft_adaptive", "hf_assisted"]
     if args.no_hf:
@@ -82,12 +97,14 @@ def main() -> dict:
         target_counts = target_counts.merge(bc)
         outs = {"target": (base[0], bc.time_total)}
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=args.gamma,
-                                        generator=g(), **common)
+                                        generator=g(), vocab_mapping=mapping,
+                                        mapped_proposals=args.mapped_proposals, **common)
         spec_counts = spec_counts.merge(sc)
         outs["specdraft"] = (spec[0], sc.time_total)
         if "specdraft_adaptive" in names:
             ad, ac = speculative_generate(target, draft, inp, mask, num_speculative_tokens=10,
-                                          draft_confidence_threshold=0.4, generator=g(), **common)
+                                          draft_confidence_threshold=0.4, generator=g(), vocab_mapping=mapping,
+                                          **common)
             adaptive_counts = adaptive_counts.merge(ac)
             outs["specdraft_adaptive"] = (ad[0], ac.time_total)
         if "hf_assisted" in names:
@@ -97,7 +114,7 @@ def main() -> dict:
                                      max_new_tokens=args.max_new_tokens, do_sample=not sampling.greedy,
                                      temperature=sampling.temperature if not sampling.greedy else None,
                                      top_p=sampling.top_p if not sampling.greedy else None, top_k=None,
-                                     pad_token_id=tok.pad_token_id)
+                                     pad_token_id=tok.pad_token_id, **hf_tokenizers)
             outs["hf_assisted"] = (hf[0, inp.shape[1]:].tolist(), time.perf_counter() - t0)
         for n, (out, s) in outs.items():
             tokens[n] += len(out)
@@ -137,12 +154,14 @@ def main() -> dict:
         "share_of_bound": (tps["specdraft"] / tps["target"]) / bound,
         "best_gamma": g_best,
         "analytic_speedup_best_gamma": bound_best,
+        "vocab_mapping": mapping.to_dict() if mapping is not None else None,
         "counts": {"specdraft": spec_counts.to_dict(), "target": target_counts.to_dict(),
                    **({"specdraft_adaptive": adaptive_counts.to_dict()} if "specdraft_adaptive" in names else {})},
         "per_prompt": per_prompt,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-{args.mode}.json"
+    suffix = f"-{args.draft}" + (f"-{args.mapped_proposals}" if args.mapped_proposals else "") if mapping else ""
+    path = args.out / f"decode-{args.mode}{suffix}.json"
     path.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
     return result

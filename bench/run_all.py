@@ -21,6 +21,8 @@ RUNS = [
     ["bench_decode.py", "--mode", "greedy", "--num-prompts", "16", "--max-new-tokens", "128"],
     ["bench_decode.py", "--mode", "sampled", "--num-prompts", "8", "--max-new-tokens", "128", "--temperature", "0.7",
      "--top-p", "0.95"],
+    ["bench_decode.py", "--mode", "greedy", "--draft", "smollm2-135m-instruct", "--map-vocab", "--gamma", "3",
+     "--num-prompts", "8", "--max-new-tokens", "128"],
     ["bench_loss_memory.py", "--seq", "2048", "--top-k", "20", "--repeats", "2"],
     ["bench_dump.py", "--num-examples", "24"],
     ["bench_distill.py", "--loss", "tvd"],
@@ -89,7 +91,30 @@ def render() -> str:
             lines.append(f"Target ≥ 90% of the analytic bound at the measured α and c: "
                          f"{_mark(r['share_of_bound'] >= 0.9)} ({r['share_of_bound']:.0%}).")
         lines.append("")
-    r = _load("loss-memory-cpu.json") or _load("loss-memory-cuda.json")
+    r = _load("decode-greedy-smollm2-135m-instruct.json")
+    if r:
+        a, m = r["args"], r["vocab_mapping"]
+        labels = {"target": "target alone (specdraft loop, no draft)", "specdraft": f"specdraft, γ = {a['gamma']}",
+                  "hf_assisted": "transformers universal assisted generation (`tokenizer`, `assistant_tokenizer`)"}
+        hf = r.get("speedup_vs_hf_assisted") or {}
+        lines += ["## Decoding — greedy, a draft of another tokenizer", "",
+                  (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['versions']['torch']}, transformers "
+                   f"{r['versions']['transformers']}. Qwen2.5-Coder-1.5B-Instruct target ← SmolLM2-135M-Instruct "
+                   f"draft (another BPE of 49,152 tokens) through a vocabulary mapping of {m['n_mapped']:,} "
+                   f"string-identical tokens ({m['target_coverage']:.1%} of the target vocabulary reachable, "
+                   f"{m['draft_coverage']:.1%} of the draft's mapped); the draft re-reads the context as text each "
+                   f"round. {a['dtype']}, batch 1, {a['num_prompts']} HumanEval prompts (ids {a['prompt_offset']}–"
+                   f"{a['prompt_offset'] + a['num_prompts'] - 1}) × {a['max_new_tokens']} new tokens."), "",
+                  "| contender | tokens/s | vs target alone | vs HF assisted | output = target alone |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for n, tps in r["tokens_per_s"].items():
+            lines.append(f"| {labels.get(n, n)} | {tps:.2f} | {r['speedup_vs_target'][n]:.2f}x | "
+                         f"{hf.get(n, float('nan')):.2f}x | {r['identical_to_target'][n]} |")
+        lines += ["", (f"Acceptance rate {r['acceptance_rate']:.3f}; α (accepted / reached) {r['alpha']:.3f}; "
+                       f"{r['mean_accepted_length']:.2f} tokens per target pass; c = {r['cost_ratio_c']:.3f}. "
+                       f"Analytic speed-up at γ = {a['gamma']}: {r['analytic_speedup']:.2f}x, measured "
+                       f"{r['speedup_vs_target']['specdraft']:.2f}x = {r['share_of_bound']:.0%} of it; best γ "
+                       f"{r['best_gamma']} ({r['analytic_speedup_best_gamma']:.2f}x)."), ""]
     for name in ("loss-memory-cpu.json", "loss-memory-cuda.json"):
         r = _load(name)
         if not r:
@@ -154,6 +179,14 @@ def render_readme_table() -> str:
             rows.append(f"| share of the analytic bound (α = {r['alpha']:.3f}, c = {r['cost_ratio_c']:.3f}, "
                         f"γ = {r['args']['gamma']}) | {r['share_of_bound']:.0%} | ≥ 90%: "
                         f"{_mark(r['share_of_bound'] >= 0.9)} |")
+    r = _load("decode-greedy-smollm2-135m-instruct.json")
+    if r:
+        t, sv, hf = r["tokens_per_s"], r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}
+        rows.append(f"| decoding, greedy, a draft of another tokenizer (SmolLM2-135M ← mapping), "
+                    f"{r['args']['num_prompts']} prompts × {r['args']['max_new_tokens']} tokens | γ = {r['args']['gamma']}: "
+                    f"{t['specdraft']:.2f} tok/s = {sv['specdraft']:.2f}x target alone, "
+                    f"{hf.get('specdraft', float('nan')):.2f}x HF universal assisted; acceptance rate "
+                    f"{r['acceptance_rate']:.3f}; outputs identical {r['identical_to_target']['specdraft']} | lossless |")
     for name in ("loss-memory-cuda.json", "loss-memory-cpu.json"):
         r = _load(name)
         if r:

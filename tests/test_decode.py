@@ -302,8 +302,9 @@ def _bpe_pair():
     return target, draft.eval(), mapping, t_tok, d_tok
 
 
+@pytest.mark.parametrize("proposals", ["text", "tokens"])
 @pytest.mark.parametrize("gamma", [1, 3])
-def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma):
+def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma, proposals):
     target, draft, mapping, t_tok, d_tok = _bpe_pair()
     text = "for index in range(count):\n    print("
     assert t_tok.tokenize(text) != d_tok.tokenize(text)  # the draft really reads other tokens
@@ -312,15 +313,42 @@ def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma
     ids, mask = left_pad(prompts, 0)
     base, _ = target_generate(target, ids, mask, max_new_tokens=21, eos_token_id=[])
     spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma, max_new_tokens=21,
-                                        eos_token_id=[], vocab_mapping=mapping)
+                                        eos_token_id=[], vocab_mapping=mapping, mapped_proposals=proposals)
     assert spec == base
     assert counts.emitted == 21 * len(prompts)
     # Per batched round one re-read + γ−1 steps; the first re-read is the draft's prompt prefill.
     assert counts.draft_calls == counts.target_calls * gamma - 1 and counts.prefill_calls == 2
     for i, p in enumerate(prompts):
         solo, _ = speculative_generate(target, draft, *left_pad([p], 0), num_speculative_tokens=gamma,
-                                       max_new_tokens=21, eos_token_id=[], vocab_mapping=mapping)
+                                       max_new_tokens=21, eos_token_id=[], vocab_mapping=mapping,
+                                       mapped_proposals=proposals)
         assert solo[0] == base[i]
+
+
+def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
+    from specdraft.decode import _text_candidates
+
+    _, _, mapping, t_tok, d_tok = _bpe_pair()
+    context = d_tok("def", add_special_tokens=False)["input_ids"]
+    drafted = d_tok(" total(items", add_special_tokens=False)["input_ids"]
+    assert d_tok.convert_ids_to_tokens(drafted)[0] == "Ġtotal"
+    assert mapping.draft_to_target[drafted[0]] < 0  # no target twin: token mapping could never propose it
+    want = t_tok(" total(items", add_special_tokens=False)["input_ids"]
+    assert t_tok.convert_ids_to_tokens(want)[:3] == ["Ġ", "t", "otal"]
+    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], d_tok, t_tok, 4, torch.device("cpu"))
+    assert n.tolist() == [4, 3]
+    assert cands[0].tolist() == want[:4]
+    assert cands[1].tolist() == want[:3] + [0]  # right-padded; the padding is never verified
+
+
+def test_text_proposals_with_sampling_are_refused():
+    target, draft, mapping, _, _ = _bpe_pair()
+    ids, mask = left_pad([[5, 6, 7]], 0)
+    with pytest.raises(DecodeError, match="greedy decoding only"):
+        speculative_generate(target, draft, ids, mask, vocab_mapping=mapping, mapped_proposals="text",
+                             sampling=SamplingConfig(temperature=1.0))
+    with pytest.raises(DecodeError, match="'text' or 'tokens'"):
+        speculative_generate(target, draft, ids, mask, vocab_mapping=mapping, mapped_proposals="words")
 
 
 def test_mapped_draft_never_proposes_tokens_without_a_twin():

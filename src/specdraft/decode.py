@@ -28,6 +28,11 @@ q = 0 and a target token with no draft twin is never proposed. Verification is u
 so the output stays the target's; only acceptance depends on the mapping's coverage. This is the token-level
 intersection of Timor et al. 2025 ("Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
 for Heterogeneous Vocabularies", Alg. 4), which transformers ships as ``UniversalSpeculativeDecodingGenerator``.
+Greedy decoding may instead propose *text* (``mapped_proposals="text"``, the greedy default): the draft takes
+its own argmax over its whole vocabulary, the drafted text is encoded with the target's tokenizer, and the
+target verifies those tokens (up to γ) — Timor et al.'s string-level exact match (SLEM, Alg. 2), transformers'
+``AssistedCandidateGeneratorDifferentTokenizers``. Greedy verification accepts any candidate sequence exactly,
+so this is lossless; sampled decoding needs a q over target ids and always uses the token mapping.
 """
 
 from __future__ import annotations
@@ -52,12 +57,15 @@ class DecodeError(ValueError):
 # --------------------------------------------------------------------------------------- verification
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                  n_proposed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification.
 
     Args:
         draft_tokens: ``[B, γ] int64`` proposals d_1..d_γ.
         target_logits: ``[B, γ+1, V]`` target logits at ``[cur, d_1..d_γ]`` (row i scores d_{i+1}).
+        n_proposed: ``[B] int64``, proposals per row when rows proposed fewer than γ (the rest is padding,
+            never accepted); default all γ.
 
     Returns:
         ``(n_accepted [B] int64, next_token [B] int64)``: the length of the prefix equal to the target's
@@ -65,6 +73,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     """
     target_argmax = target_logits.argmax(dim=-1)  # [B, γ+1]
     match = (draft_tokens == target_argmax[:, :-1]).long()  # [B, γ]
+    if n_proposed is not None:
+        match = match * (torch.arange(match.shape[1], device=match.device)[None, :] < n_proposed[:, None])
     n = match.cumprod(dim=1).sum(dim=1)  # first rejection via cumulative product (as transformers does)
     return n, target_argmax.gather(1, n[:, None]).squeeze(1)
 
@@ -220,6 +230,7 @@ def speculative_generate(
     on_tokens: Callable[[int, list[int]], None] | None = None,
     draft_confidence_threshold: float | None = None,
     vocab_mapping=None,
+    mapped_proposals: str | None = None,
 ) -> tuple[list[list[int]], AcceptanceCounts]:
     """Generate with speculative decoding (``draft`` given) or target alone (``draft=None``, same code).
 
@@ -246,6 +257,9 @@ def speculative_generate(
             :func:`~specdraft.compat.build_vocab_mapping`, tokenizers attached) when the draft's tokenizer
             differs: the draft re-reads the context as text each round and proposes only tokens with a
             target twin (see the module docstring). Lossless as without it.
+        mapped_proposals: with ``vocab_mapping``, how the draft proposes: ``"tokens"`` (its tokens with a
+            target twin, q over target ids; the only choice when sampling) or ``"text"`` (greedy only: its own
+            argmax text, re-encoded with the target's tokenizer). Default: ``"text"`` greedy, ``"tokens"`` sampled.
 
     Returns:
         ``(tokens, counts)``: per row the new token ids (prompt excluded, EOS/stop included), and the
@@ -254,7 +268,8 @@ def speculative_generate(
     Raises:
         DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window (a
             mapped draft's window is checked each round in its own tokens; once outgrown, the target finishes
-            alone with a warning), a ``vocab_mapping`` wider than the target's output head.
+            alone with a warning), a ``vocab_mapping`` wider than the target's output head,
+            ``mapped_proposals="text"`` with sampling.
     """
     sampling = sampling or SamplingConfig()
     gamma = num_speculative_tokens if draft is not None else 0
@@ -289,13 +304,19 @@ def speculative_generate(
     width = target.get_output_embeddings().weight.shape[0]
     real_vocab = min(real_vocab or width, width)
     mapped = draft is not None and vocab_mapping is not None
+    if mapped_proposals not in (None, "text", "tokens"):
+        raise DecodeError(f"mapped_proposals must be 'text' or 'tokens', got {mapped_proposals!r}")
+    if mapped_proposals == "text" and not sampling.greedy:
+        raise DecodeError("mapped_proposals='text' is lossless for greedy decoding only; sampling needs q over "
+                          "target ids (mapped_proposals='tokens')")
+    text_mode = mapped and (mapped_proposals or ("text" if sampling.greedy else "tokens")) == "text"
     if mapped:
         if vocab_mapping.target_width > width:
             raise DecodeError(f"vocab_mapping covers {vocab_mapping.target_width} target ids but the target's output "
                               f"head has {width} rows; build the mapping with the target's config "
                               "(build_vocab_mapping(target_dir, draft_dir)).")
         t2d = vocab_mapping.target_to_draft.to(device)
-        dtok = vocab_mapping.draft_tokenizer
+        dtok, ttok = vocab_mapping.draft_tokenizer, vocab_mapping.target_tokenizer
         start_id = next((i for i in (dtok.bos_token_id, dtok.eos_token_id) if i is not None), 0)
         draft_limit = _context_limit(draft)
     counts = AcceptanceCounts(max(gamma, 1) if draft is not None else 1)
@@ -307,8 +328,13 @@ def speculative_generate(
             torch.cuda.synchronize()
 
     tgt = _Stream(target, B, width, real_vocab, device)
-    drf = (_Stream(draft, B, width, real_vocab, device, vocab_mapping if mapped else None)
-           if draft is not None else None)
+    if text_mode:  # the draft's own logits over its own vocabulary (padding rows masked)
+        d_width = draft.get_output_embeddings().weight.shape[0]
+        drf = _Stream(draft, B, d_width, min(vocab_mapping.draft_real, d_width), device)
+    elif draft is not None:
+        drf = _Stream(draft, B, width, real_vocab, device, vocab_mapping if mapped else None)
+    else:
+        drf = None
 
     # Prefill everything but the last prompt token (cur); the first round feeds cur to both models.
     cur = input_ids[:, -1].clone()  # [B]
@@ -393,15 +419,21 @@ def speculative_generate(
                     q_d = (logits.float().softmax(-1) if sampling.greedy else q_i).gather(1, d[:, None])
                     if bool((q_d < draft_confidence_threshold).all()):  # one host sync per draft step
                         break
-                feed = t2d[d] if mapped else d  # a mapped draft is fed its own id of the proposed token
+                # A token-mapped draft is fed its own id of the proposed token.
+                feed = t2d[d] if mapped and not text_mode else d
                 logits = drf.forward(feed[:, None], ones_b, logits_to_keep=1)[:, -1]
             drafts = torch.stack(d_tokens, dim=1)  # [b, k], k ≤ γ drafted this round
-            if mapped and drafts.shape[1] > 1:
-                for j, fed in enumerate(t2d[drafts[:, :-1]].tolist()):
+            k_rows = None  # per-row proposals when rows propose different numbers (text mode)
+            if text_mode:
+                drafts, k_rows = _text_candidates(drafts.tolist(), [rows[ri].draft_ids for ri in active], dtok, ttok,
+                                                  gamma, device)
+            if mapped and len(d_tokens) > 1:
+                own = torch.stack(d_tokens[:-1], dim=1)  # [b, k−1] fed to the draft this round
+                for j, fed in enumerate((own if text_mode else t2d[own]).tolist()):
                     rows[active[j]].draft_ids.extend(fed)
             sync()
         else:
-            drafts = cur.new_zeros(b, 0)
+            drafts, k_rows = cur.new_zeros(b, 0), None
         t1 = time.perf_counter()
         counts.time_draft += t1 - t0
 
@@ -409,7 +441,10 @@ def speculative_generate(
         # ---- 2. one target pass over [cur, d_1..d_k] -------------------------------------------------------
         target_start = tgt.length
         t_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, k+1]
-        t_logits = tgt.forward(t_ids, torch.ones_like(t_ids))  # [b, k+1, V]
+        t_mask = torch.ones_like(t_ids)
+        if k_rows is not None:  # right-padding of rows with fewer candidates is a hole
+            t_mask[:, 1:] = (torch.arange(k_round, device=device)[None, :] < k_rows[:, None]).long()
+        t_logits = tgt.forward(t_ids, t_mask)  # [b, k+1, V]
         sync()
         t2 = time.perf_counter()
         counts.time_target += t2 - t1
@@ -417,7 +452,7 @@ def speculative_generate(
         # ---- 3. verify -------------------------------------------------------------------------------------
         if sampling.greedy:
             if drafting:
-                n_acc, nxt = verify_greedy(drafts, t_logits)
+                n_acc, nxt = verify_greedy(drafts, t_logits, k_rows)
             else:
                 n_acc, nxt = torch.zeros(b, dtype=torch.long, device=device), t_logits[:, -1].argmax(-1)
         else:
@@ -430,6 +465,7 @@ def speculative_generate(
         # The one host sync verification needs: how many tokens each row emits.
         n_host = n_acc.tolist()
         drafts_host = drafts.tolist()
+        k_host = k_rows.tolist() if k_rows is not None else [k_round] * b
         nxt_host = nxt.tolist()
 
         # ---- 4. emit, stop, account ------------------------------------------------------------------------
@@ -450,7 +486,7 @@ def speculative_generate(
             if ended and k <= n:  # the row ended inside the accepted block: drafts after it are dropped
                 counts.record_round(k, n_proposed=k, bonus=False)
             else:  # the baseline drafts nothing: k_round = n = 0, one bonus token per round
-                counts.record_round(n, n_proposed=k_round, bonus=True)
+                counts.record_round(n, n_proposed=k_host[j], bonus=True)
             if on_tokens is not None:
                 on_tokens(row.index, kept)
             if not ended:
@@ -486,6 +522,32 @@ def speculative_generate(
     counts.draft_calls = drf.calls - draft_prefills if drf is not None else 0
     counts.time_total = time.perf_counter() - t_start
     return [r.tokens for r in rows], counts
+
+
+def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], dtok, ttok, gamma: int, device):
+    """Text mode: the draft's proposals (its own ids) → up to γ target-token candidates per row.
+
+    The drafted text is cut from a decode of the draft's last context tokens plus its proposals (so a
+    sentencepiece-style leading space survives), a trailing U+FFFD (an unfinished character) is left out,
+    and the rest is encoded with the target's tokenizer.
+
+    Returns:
+        ``(candidates [b, K] int64, n_candidates [b] int64)``, rows right-padded with 0 past their count.
+    """
+    tails = [c[-8:] for c in contexts]
+    texts = dtok.batch_decode(tails + [t + d for t, d in zip(tails, drafted)], skip_special_tokens=False,
+                              clean_up_tokenization_spaces=False)
+    b = len(drafted)
+    new_text = []
+    for j in range(b):
+        tail, full = texts[j], texts[b + j]
+        new_text.append((full[len(tail):] if full.startswith(tail) else dtok.decode(drafted[j])).rstrip("\ufffd"))
+    cands = [c[:gamma] for c in ttok(new_text, add_special_tokens=False)["input_ids"]]
+    k = max(len(c) for c in cands)
+    out = torch.zeros(b, k, dtype=torch.long)
+    for j, c in enumerate(cands):
+        out[j, : len(c)] = torch.tensor(c, dtype=torch.long)
+    return out.to(device), torch.tensor([len(c) for c in cands], dtype=torch.long, device=device)
 
 
 def target_generate(target, input_ids, attention_mask=None, **kwargs) -> tuple[list[list[int]], AcceptanceCounts]:
