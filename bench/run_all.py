@@ -110,6 +110,15 @@ def render() -> str:
         for n, tps in r["tokens_per_s"].items():
             lines.append(f"| {labels.get(n, n)} | {tps:.2f} | {r['speedup_vs_target'][n]:.2f}x | "
                          f"{hf.get(n, float('nan')):.2f}x | {r['identical_to_target'][n]} |")
+        rt = _load("decode-greedy-smollm2-135m-instruct-tokens.json")
+        if rt:
+            hft = rt.get("speedup_vs_hf_assisted") or {}
+            lines += ["", (f"Token mode (`--mapped-proposals tokens`: proposals restricted to tokens with a target "
+                           f"twin), a separate run of the same prompts (`{rt['command']}`, {rt['date']}): "
+                           f"{rt['tokens_per_s']['specdraft']:.2f} tok/s = {rt['speedup_vs_target']['specdraft']:.2f}x "
+                           f"target alone, {hft.get('specdraft', float('nan')):.2f}x HF; acceptance rate "
+                           f"{rt['acceptance_rate']:.3f}, α {rt['alpha']:.3f}, outputs identical "
+                           f"{rt['identical_to_target']['specdraft']}.")]
         lines += ["", (f"Acceptance rate {r['acceptance_rate']:.3f}; α (accepted / reached) {r['alpha']:.3f}; "
                        f"{r['mean_accepted_length']:.2f} tokens per target pass; c = {r['cost_ratio_c']:.3f}. "
                        f"Analytic speed-up at γ = {a['gamma']}: {r['analytic_speedup']:.2f}x, measured "

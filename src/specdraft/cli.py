@@ -289,6 +289,13 @@ def _sampling(temperature: float, top_k: int, top_p: float):
         fail(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
 
 
+def _check_proposals(mapped_proposals: str | None, sampling) -> None:
+    if mapped_proposals not in (None, "text", "tokens"):
+        fail(f"--mapped-proposals: 'text' or 'tokens', got {mapped_proposals!r}")
+    if mapped_proposals == "text" and not sampling.greedy:
+        fail("--mapped-proposals text is lossless for greedy decoding only; use tokens with --temperature > 0")
+
+
 def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False):
     """Resolve both references, check the tokenizers before loading weights, load both models.
 
@@ -329,6 +336,9 @@ GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-
 MapVocabOpt = Annotated[bool, typer.Option(
     "--map-vocab", help="Allow a draft with another tokenizer: proposals go through a one-to-one map of "
     "string-identical tokens and the draft re-reads the context as text (lossless; see specdraft check).")]
+ProposalsOpt = Annotated[str | None, typer.Option(
+    help="With --map-vocab: 'text' (the draft's own argmax text, re-encoded with the target's tokenizer; greedy "
+    "only) or 'tokens' (its tokens with a target twin). Default: text when greedy, tokens when sampling.")]
 ConfOpt = Annotated[float | None, typer.Option(
     min=0.0, max=1.0, help="Stop drafting a round early once the draft's probability of its own token falls "
     "below this (lossless; γ becomes a maximum). Off when not given.")]
@@ -352,6 +362,7 @@ def eval_cmd(
         = False,
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
+    mapped_proposals: ProposalsOpt = None,
     dtype: DtypeOpt = "bfloat16",
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
@@ -366,6 +377,7 @@ def eval_cmd(
     if gamma < 1:
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
+    _check_proposals(mapped_proposals, sampling)
     try:
         examples = load_examples(prompts, limit=num_prompts, offset=prompt_offset)
         t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab)
@@ -379,6 +391,7 @@ def eval_cmd(
                        max_new_tokens=max_new_tokens, seed=seed, compare_hf=compare_hf,
                        progress=lambda k, n: pg.update(task, completed=k),
                        draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
+                       mapped_proposals=mapped_proposals,
                        config={"target": target, "draft": draft, "prompts": prompts, "dtype": dtype,
                                "command": " ".join(sys.argv)})
     paths = write_report(res, out)
@@ -435,6 +448,7 @@ def generate(
     dtype: DtypeOpt = "bfloat16",
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
+    mapped_proposals: ProposalsOpt = None,
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
     import torch
@@ -446,6 +460,7 @@ def generate(
     if gamma < 1:
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
+    _check_proposals(mapped_proposals, sampling)
     try:
         t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab)
     except ModelResolutionError as exc:
@@ -464,7 +479,8 @@ def generate(
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
                                      generator=torch.Generator(device=t.device).manual_seed(seed), on_tokens=stream,
-                                     draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping)
+                                     draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
+                                     mapped_proposals=mapped_proposals)
     console.print()
     console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "
                   f"({counts.emitted / max(counts.time_total, 1e-9):.2f} tokens/s); acceptance rate "

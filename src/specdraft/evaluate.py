@@ -223,6 +223,7 @@ def run_eval(
     config: dict[str, Any] | None = None,
     draft_confidence_threshold: float | None = None,
     vocab_mapping=None,
+    mapped_proposals: str | None = None,
 ) -> EvalResult:
     """Decode each prompt with the target alone, with speculative decoding, and (optionally) with
     transformers' assisted generation, interleaved, batch 1; compare outputs; gather counts and times.
@@ -239,6 +240,8 @@ def run_eval(
             positions and is left out; transformers' assisted generation runs as its universal assisted
             generation (``tokenizer`` + ``assistant_tokenizer``), greedy only, since its sampled variant prunes
             the draft's output head in place.
+        mapped_proposals: ``"text"`` or ``"tokens"`` with ``vocab_mapping`` (see
+            :func:`~specdraft.decode.speculative_generate`); default text when greedy, tokens when sampling.
 
     Returns:
         :class:`EvalResult`.
@@ -255,7 +258,8 @@ def run_eval(
         config=(config or {}) | {"num_speculative_tokens": gamma, "max_new_tokens": max_new_tokens,
                                  "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype),
                                  "draft_confidence_threshold": draft_confidence_threshold,
-                                 "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None},
+                                 "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None,
+                                 "mapped_proposals": mapped_proposals},
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )
@@ -276,7 +280,7 @@ def run_eval(
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
                                         generator=torch.Generator(device=device).manual_seed(seed + k),
                                         draft_confidence_threshold=draft_confidence_threshold,
-                                        vocab_mapping=vocab_mapping, **common)
+                                        vocab_mapping=vocab_mapping, mapped_proposals=mapped_proposals, **common)
         res.target_counts = res.target_counts.merge(bc)
         res.spec_counts = res.spec_counts.merge(sc)
         res.target_tokens += len(base[0])
