@@ -40,8 +40,8 @@ def test_greedy_speculative_equals_target_on_real_pair(real_pair):
 
 def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     """A draft of another family (SmolLM2-135M, 49k-token BPE) for a Qwen target (0.5B to keep CI short):
-    greedy output equals the target's, token for token, and so does transformers' universal assisted
-    generation fed the same pair."""
+    greedy output equals the target's, token for token, with text proposals (the greedy default) and with
+    token proposals, and so does transformers' universal assisted generation fed the same pair."""
     from specdraft.compat import build_vocab_mapping
     from specdraft.data import encode_prompts, load_examples
     from specdraft.evaluate import run_eval
@@ -63,3 +63,10 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     assert s["acceptance_rate"] > 0.2
     assert s["predicted_alpha_prompt"] is None  # teacher-forced α needs one position grid: not computed
     assert res.config["vocab_mapping"]["n_mapped"] == mapping.n_mapped
+    # Token mode (proposals restricted to tokens with a Qwen twin): lossless too, and it accepts less than
+    # text mode on code, where Qwen's whitespace-run tokens have no SmolLM2 twin.
+    tok_res = run_eval(target, draft, tok, ids, [e.id for e in examples], num_speculative_tokens=3,
+                       max_new_tokens=24, vocab_mapping=mapping, mapped_proposals="tokens")
+    t = tok_res.summary()
+    assert t["divergences"] == 0 and tok_res.spec_tokens == 2 * 24
+    assert 0.0 < t["acceptance_rate"] < s["acceptance_rate"]
