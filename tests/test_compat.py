@@ -271,6 +271,23 @@ def test_mapping_normalises_space_markers(mixed_pair):
     assert m.draft_coverage == len(expected) / len(draft)
 
 
+def test_non_special_added_tokens_are_text(mixed_pair):
+    # Gemma's tokenizer carries "\n" as an added token not flagged special (besides the <0x0A> byte piece);
+    # it is the newline the tokenizer emits, so it is the twin of the byte-level "Ċ". A special added token of
+    # the same spelling as a text token stays a control token.
+    target, draft = mixed_pair
+    draft.add_tokens(["\n"])  # non-special
+    draft.add_tokens(["Ġworld"], special_tokens=True)
+    newline = draft.convert_tokens_to_ids("\n")
+    assert newline >= len(DRAFT_WORDS) + len(SPECIAL_TOKENS)
+    m = build_vocab_mapping(target, draft)
+    assert int(m.target_to_draft[target.convert_tokens_to_ids("Ċ")]) == newline
+    assert m.draft_ids_to_target(ids(draft, ["<0x0A>"]), strict=False) == [-1]  # the byte piece loses the tie
+    assert m.draft_ids_to_target(ids(draft, ["Ġworld"]), strict=False) == [-1]  # control ≠ text "Ġworld"
+    assert draft.convert_ids_to_tokens(m.reencode_for_draft(target("hello\nhello", add_special_tokens=False)
+                                                            ["input_ids"]))[1] == "\n"
+
+
 def test_mapping_round_trip_and_no_aliasing(mixed_pair):
     target, draft = mixed_pair
     m = build_vocab_mapping(target, draft)
@@ -500,3 +517,42 @@ def test_cli_vocab_swap_writes_a_draft_that_speaks_the_target_tokenizer(tmp_path
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 1 and "--overwrite" in again.output
     assert CliRunner().invoke(app, [*args, "--overwrite"]).exit_code == 0
+
+
+def test_reencode_gives_the_draft_its_own_bos_and_drops_the_targets():
+    from specdraft.testing import tiny_bpe_tokenizer
+
+    plain, with_bos = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(320, seed=1, bos=True)
+    text = "def total(items):"
+    assert with_bos(text)["input_ids"][0] == with_bos.bos_token_id == 5
+    # Draft adds a BOS by itself → the re-encoded context starts with it, once.
+    m = build_vocab_mapping(plain, with_bos)
+    d_ids = m.reencode_for_draft(plain(text)["input_ids"])
+    assert d_ids == with_bos(text)["input_ids"] and d_ids.count(5) == 1
+    # Target adds a BOS by itself, draft does not → the target's BOS does not reach the draft as text.
+    m = build_vocab_mapping(with_bos, plain)
+    assert m.reencode_batch_for_draft([with_bos(text)["input_ids"]]) == [plain(text, add_special_tokens=False)["input_ids"]]
+    # A target that adds nothing keeps a leading special token as text (chat markers are context).
+    chat = "<|im_start|>user\nhi"
+    assert plain.decode(build_vocab_mapping(plain, plain).reencode_for_draft(plain(chat)["input_ids"])) == chat
+
+
+@pytest.mark.real
+def test_real_gemma_sentencepiece_draft_for_qwen(real_tokenizers):
+    """A metaspace (sentencepiece) draft for a byte-level target: ▁ and Ġ normalised, byte pieces decoded,
+    the draft's BOS put back, and the text round trip exact."""
+    from specdraft.models import load_tokenizer
+
+    qwen, gemma = real_tokenizers[QWEN_DRAFT], load_tokenizer("gemma-3-270m")
+    assert check_compatible(QWEN_DRAFT, "gemma-3-270m").verdict == "mismatch"
+    m = build_vocab_mapping(QWEN_DRAFT, "gemma-3-270m")
+    assert (m.target_scheme, m.draft_scheme) == ("byte-level", "metaspace")
+    print(f"\nGemma-3 → Qwen mapping: {m.n_mapped} pairs, target coverage {m.target_coverage:.2%}, "
+          f"draft coverage {m.draft_coverage:.2%}, probe coverage {m.probe_coverage:.2%}")
+    for q, g in (("Ġreturn", "▁return"), ("ĠĠĠ", "▁▁▁"), ("def", "def"), ("Ċ", "\n")):
+        assert m.target_ids_to_draft(qwen.convert_tokens_to_ids(q)) == gemma.convert_tokens_to_ids(g), (q, g)
+    assert m.n_text_mapped > 50_000 and m.probe_coverage > 0.5
+    text = "def add(a, b):\n    return a + b  # 加法 ✅\n"
+    d_ids = m.reencode_for_draft(qwen(text, add_special_tokens=False)["input_ids"])
+    assert d_ids[0] == gemma.bos_token_id and d_ids.count(gemma.bos_token_id) == 1
+    assert gemma.decode(d_ids, skip_special_tokens=True) == text

@@ -126,7 +126,7 @@ def test_smollm_cache_build_reload_identical_logits(tmp_path, monkeypatch):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.DEFAULT_TARGET])
+@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.DEFAULT_TARGET, "gemma-3-270m"])
 def test_embedded_pair_hashes_and_cached_logits_equal_gguf(name, tmp_path):
     m = EMBEDDED[name]
     assert models.hash_parts(m) == m.sha256

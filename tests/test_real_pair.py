@@ -70,3 +70,23 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     t = tok_res.summary()
     assert t["divergences"] == 0 and tok_res.spec_tokens == 2 * 24
     assert 0.0 < t["acceptance_rate"] < s["acceptance_rate"]
+
+
+def test_gemma_draft_for_qwen_is_lossless():
+    """A sentencepiece draft (Gemma 3 270M, 262k tokens) for a byte-level Qwen target, both proposal modes."""
+    from specdraft.compat import build_vocab_mapping
+    from specdraft.data import encode_prompts, load_examples
+    from specdraft.decode import left_pad, speculative_generate, target_generate
+    from specdraft.models import load_model
+
+    mapping = build_vocab_mapping(DEFAULT_DRAFT, "gemma-3-270m")
+    target, tok = load_model(DEFAULT_DRAFT, dtype="float32", device="cpu")
+    draft, _ = load_model("gemma-3-270m", dtype="float32", device="cpu")
+    ids = encode_prompts(tok, load_examples("humaneval", limit=1, offset=110))
+    inp, mask = left_pad(ids, tok.pad_token_id)
+    base, _ = target_generate(target, inp, mask, max_new_tokens=20, real_vocab=len(tok))
+    for proposals in ("text", "tokens"):
+        out, counts = speculative_generate(target, draft, inp, mask, num_speculative_tokens=3, max_new_tokens=20,
+                                           real_vocab=len(tok), vocab_mapping=mapping, mapped_proposals=proposals)
+        assert out == base, proposals
+        assert counts.emitted == len(base[0]) and sum(counts.accepted) > 0, proposals

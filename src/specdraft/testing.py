@@ -191,23 +191,29 @@ def tiny_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
             for _ in range(n_lines)]
 
 
-def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0):
+def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = False):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained here on :func:`tiny_corpus` (no download).
 
     Two calls with different ``vocab_size`` (or ``seed``) give tokenizers that segment the same text
     differently and number their tokens differently: a cross-tokenizer pair for vocabulary-mapping tests.
-    The 5 special tokens of :data:`SPECIAL_TOKENS` come first, then the 256 byte tokens, then merges.
+    The 5 special tokens of :data:`SPECIAL_TOKENS` come first (then ``"<bos>"`` with ``bos``: it is put before
+    every encoded text, as Gemma's and Llama's tokenizers do), then the 256 byte tokens, then merges.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    specials = SPECIAL_TOKENS + (["<bos>"] if bos else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(tiny_corpus(seed=seed), trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", len(SPECIAL_TOKENS))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+                                   bos_token="<bos>" if bos else None,
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
