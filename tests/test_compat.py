@@ -556,3 +556,25 @@ def test_real_gemma_sentencepiece_draft_for_qwen(real_tokenizers):
     d_ids = m.reencode_for_draft(qwen(text, add_special_tokens=False)["input_ids"])
     assert d_ids[0] == gemma.bos_token_id and d_ids.count(gemma.bos_token_id) == 1
     assert gemma.decode(d_ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocab_swap_builds_missing_rows_from_draft_pieces(tied):
+    from specdraft.testing import tiny_bpe_tokenizer
+
+    draft_tok, target_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    draft = tiny_model("llama", 300, seed=4, tie_word_embeddings=tied)
+    old = copy.deepcopy(draft)
+    model, rep = vocab_swap(draft, draft_tok, target_tok)
+    merged = target_tok.convert_tokens_to_ids("Ġtotal")
+    assert draft_tok.convert_tokens_to_ids("Ġtotal") == draft_tok.unk_token_id  # the draft lacks it...
+    pieces = draft_tok(" total", add_special_tokens=False)["input_ids"]
+    assert draft_tok.convert_ids_to_tokens(pieces) == ["Ġ", "t", "otal"]  # ...but spells it in three pieces
+    for new, before in ((model.get_input_embeddings(), old.get_input_embeddings()),
+                        (model.get_output_embeddings(), old.get_output_embeddings())):
+        torch.testing.assert_close(new.weight[merged], before.weight[pieces].mean(0))
+    assert 0 < rep.from_pieces <= rep.initialised
+    assert rep.copied + rep.initialised + rep.padding_rows == rep.width == len(target_tok)
+    # Control tokens without a twin never take pieces: there are none here, all 5 specials are shared.
+    assert all(int(mapping_row) >= 0 for mapping_row in
+               build_vocab_mapping(target_tok, draft_tok).target_to_draft[:5])

@@ -162,7 +162,9 @@ def vocab_swap_cmd(
     for k, v in (
         ("rows (new vocab_size)", f"{report.width:,}"),
         ("copied from a draft twin", f"{report.copied:,}"),
-        ("initialised to the mean row", f"{report.initialised:,}"),
+        ("without a draft twin", f"{report.initialised:,}"),
+        ("… set to the mean of their draft pieces", f"{report.from_pieces:,}"),
+        ("… set to the mean row", f"{report.initialised - report.from_pieces:,}"),
         ("padding rows", f"{report.padding_rows:,}"),
         ("target vocabulary reachable", f"{report.target_coverage:.1%}"),
         ("draft vocabulary mapped", f"{report.draft_coverage:.1%}"),
@@ -171,7 +173,7 @@ def vocab_swap_cmd(
         table.add_row(k, v)
     console.print(table)
     if report.initialised_examples:
-        console.print("first mean-initialised target tokens: " + escape(", ".join(map(repr, report.initialised_examples))))
+        console.print("first target tokens without a twin: " + escape(", ".join(map(repr, report.initialised_examples))))
     console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}")
 
 

@@ -605,6 +605,22 @@ def _space_scheme(v: _View) -> Scheme:
     return "byte-level" if g > 0 else "plain"
 
 
+def _token_key(v: _View, scheme: Scheme, i: int, s: str) -> tuple[tuple, bool]:
+    """``(key, is_byte_fallback)`` of token ``i`` spelled ``s``: ``("added", s)`` for a control token, else
+    ``("text", bytes it stands for)``."""
+    if i in v.control_ids:
+        return ("added", s), False
+    if i in v.text_added_ids:  # literal content, no byte or space markers
+        return ("text", s.encode("utf-8")), False
+    if scheme == "byte-level" and _BYTE_ALPHABET.issuperset(s):
+        return ("text", s.translate(_U2LATIN1).encode("latin-1")), False
+    if scheme == "metaspace" and (m := _BYTE_FALLBACK.fullmatch(s)):
+        return ("text", bytes([int(m.group(1), 16)])), True
+    if scheme == "metaspace":
+        return ("text", s.replace("\u2581", " ").encode("utf-8")), False
+    return ("text", s.encode("utf-8")), False
+
+
 def _keys(v: _View, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
     """Normalised key → id for ids below ``limit``, one id per key; returns ``(keys, duplicates)``.
 
@@ -620,19 +636,7 @@ def _keys(v: _View, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
     for i, s in enumerate(v.tokens[:limit]):
         if s is None:
             continue
-        is_fallback = False
-        if i in v.control_ids:
-            key: tuple = ("added", s)
-        elif i in v.text_added_ids:  # literal content, no byte or space markers
-            key = ("text", s.encode("utf-8"))
-        elif scheme == "byte-level" and _BYTE_ALPHABET.issuperset(s):
-            key = ("text", s.translate(_U2LATIN1).encode("latin-1"))
-        elif scheme == "metaspace" and (m := _BYTE_FALLBACK.fullmatch(s)):
-            key, is_fallback = ("text", bytes([int(m.group(1), 16)])), True
-        elif scheme == "metaspace":
-            key = ("text", s.replace("\u2581", " ").encode("utf-8"))
-        else:
-            key = ("text", s.encode("utf-8"))
+        key, is_fallback = _token_key(v, scheme, i, s)
         j = keys.get(key)
         if j is None:
             keys[key] = i
@@ -897,12 +901,13 @@ class VocabSwapReport:
     target_real: int  # the target tokenizer's real vocabulary
     draft_real: int
     copied: int  # target ids whose rows were copied from their draft twin
-    initialised: int  # target ids without a draft twin: rows set to the mean draft row
+    initialised: int  # target ids without a draft twin (rows not copied)
+    from_pieces: int  # of those, rows set to the mean of the draft rows of the token's text re-encoded
     padding_rows: int  # rows past target_real (mean rows too; masked by align_logits at decode time)
     tied: bool  # input and output embeddings share one matrix
     target_coverage: float
     draft_coverage: float
-    initialised_examples: list[str]  # first target strings that got a mean row
+    initialised_examples: list[str]  # first target strings without a draft twin
     target_fingerprint: str  # the tokenizer the swapped model now speaks
 
     def to_dict(self) -> dict[str, Any]:
@@ -915,8 +920,10 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
     """Re-index the draft's embedding and output rows into the target's tokenizer.
 
     Row ``t`` of the new input embedding (and output head, when untied) is the draft's row for the draft
-    twin of target token ``t``; target tokens the draft lacks get the mean of the draft's real rows (and
-    the mean output bias) and are counted. Afterwards the model reads and writes target ids: feed it target
+    twin of target token ``t``. A target token the draft lacks gets the mean of the rows of the draft
+    tokens its text encodes to (``"):\n"`` → mean of ``")"``, ``":"``, ``"\n"``; as in Gee et al. 2022,
+    "Fast Vocabulary Transfer"); control tokens, text the draft encodes with its unknown token and partial
+    UTF-8 bytes get the mean of all the draft's real rows. Both kinds are counted. Afterwards the model reads and writes target ids: feed it target
     ids, train it on the target's outputs, and ship it with the target's tokenizer. Its config's
     ``vocab_size`` and bos/eos/pad ids are the target's.
 
@@ -970,12 +977,20 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
     t2d = mapping.target_to_draft[:width]  # [width]
     has_twin = t2d >= 0
     src = t2d.clamp(min=0)
+    real_mask = torch.arange(width) < t.real
+    missing = (~has_twin & real_mask).nonzero().squeeze(-1)
+    piece_ids, flat, offsets = _draft_pieces(t, d, missing.tolist(), d_rows)
 
     def remap(old: torch.Tensor) -> torch.Tensor:  # [Vd, H] → [width, H], or a bias [Vd] → [width]
         mean = old[:d_rows].mean(dim=0)  # real draft rows only: padding rows are untrained noise
         rows = old[src.to(old.device)]
         keep = has_twin.to(old.device).view(-1, *([1] * (old.dim() - 1)))
-        return torch.where(keep, rows, mean)
+        out = torch.where(keep, rows, mean)
+        if piece_ids:
+            table = old if old.dim() == 2 else old[:, None]
+            bag = torch.nn.functional.embedding_bag(flat.to(old.device), table, offsets.to(old.device), mode="mean")
+            out[torch.tensor(piece_ids, device=old.device)] = bag if old.dim() == 2 else bag[:, 0]
+        return out
 
     # resize_token_embeddings builds modules of the right shape and keeps input/output tied when they were.
     draft_model.resize_token_embeddings(width, mean_resizing=False)
@@ -993,17 +1008,47 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
             if cfg is not None and hasattr(cfg, f"{role}_token_id"):
                 setattr(cfg, f"{role}_token_id", t.roles[role][1])
 
-    real_mask = torch.arange(width) < t.real
-    missing = (~has_twin & real_mask).nonzero().squeeze(-1)
     report = VocabSwapReport(
         width=width, target_real=t.real, draft_real=d.real,
-        copied=int((has_twin & real_mask).sum()), initialised=int(missing.numel()),
+        copied=int((has_twin & real_mask).sum()), initialised=int(missing.numel()), from_pieces=len(piece_ids),
         padding_rows=width - t.real, tied=tied,
         target_coverage=mapping.target_coverage, draft_coverage=mapping.draft_coverage,
         initialised_examples=[t.tokens[i] for i in missing[:MAX_DIFFERENCES].tolist()],
         target_fingerprint=_fingerprint(t),
     )
     return draft_model, report
+
+
+def _draft_pieces(t: _View, d: _View, target_ids: list[int], d_rows: int):
+    """For target tokens without a twin: their text encoded with the draft's tokenizer.
+
+    Returns:
+        ``(ids, flat [N] int64, offsets [len(ids)] int64)``: the target ids that got usable pieces (no control
+        or unknown token, all below ``d_rows``), and the pieces in ``embedding_bag`` layout.
+    """
+    import torch
+
+    scheme = _space_scheme(t)
+    texts: dict[int, str] = {}
+    for i in target_ids:
+        key, _ = _token_key(t, scheme, i, t.tokens[i]) if t.tokens[i] is not None else (("added", ""), False)
+        if key[0] != "text":
+            continue
+        try:
+            texts[i] = key[1].decode("utf-8")
+        except UnicodeDecodeError:  # a byte-level token ending inside a multi-byte character
+            continue
+    if not texts:
+        return [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    encoded = d.tok(list(texts.values()), add_special_tokens=False)["input_ids"]
+    bad = d.control_ids | ({d.roles["unk"][1]} if d.roles["unk"][1] is not None else set())
+    ids, flat, offsets = [], [], []
+    for i, pieces in zip(texts, encoded):
+        if pieces and all(p < d_rows and p not in bad for p in pieces):
+            ids.append(i)
+            offsets.append(len(flat))
+            flat.extend(pieces)
+    return ids, torch.tensor(flat, dtype=torch.long), torch.tensor(offsets, dtype=torch.long)
 
 
 def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
@@ -1013,7 +1058,7 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's, so the pair is ``identical`` or
     ``identical-up-to-padding`` for :func:`check_compatible`), the target's tokenizer files and
     ``vocab_swap.json`` (the :class:`VocabSwapReport` plus both references). Distil it next
-    (``specdraft run --draft OUT``): rows initialised to the mean start untrained.
+    (``specdraft run --draft OUT``): rows built from pieces or the mean start untrained.
 
     Args:
         draft / target: references (embedded name, local directory, cached hub id).

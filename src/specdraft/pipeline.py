@@ -463,8 +463,9 @@ def render_markdown(r: dict[str, Any]) -> str:
         *([] if not (sw := r.get("vocab_swap")) else [
             (f"The draft speaks another tokenizer: *before* decodes it through a vocabulary mapping "
              f"({sw['target_coverage']:.1%} of the target vocabulary reachable); it was then re-indexed into the "
-             f"target's tokenizer ({sw['copied']:,} rows copied from a twin, {sw['initialised']:,} set to the mean "
-             "row) and distilled, so *after* decodes without a mapping."), ""]),
+             f"target's tokenizer ({sw['copied']:,} rows copied from a twin, {sw['from_pieces']:,} set to the mean "
+             f"of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} to the mean row) and distilled, so "
+             "*after* decodes without a mapping."), ""]),
         "| measure | before distillation | after distillation |",
         "| --- | ---: | ---: |",
         *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows],
