@@ -57,7 +57,7 @@ def test_forward_returns_loss_by_key_and_ignores_padding(setup, loss):
     single = [m(**collate([r])) for r in rows[:2]]
     tokens = [float(o["tokens"]) for o in single]
     weighted = sum(float(o["loss"].detach()) * t for o, t in zip(single, tokens)) / sum(tokens)
-    assert float(out2["loss"]) == pytest.approx(weighted, rel=1e-4)
+    assert float(out2["loss"].detach()) == pytest.approx(weighted, rel=1e-4)
     # Identical draft and teacher: TVD-type losses vanish.
     same = DistillModel(target, target.lm_head.weight, None, V, cfg)
     if loss != "soft_ce":
