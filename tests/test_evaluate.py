@@ -117,7 +117,7 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
     assert report["summary"]["lossless"] and report["summary"]["divergences"] == 0
     assert report["summary"]["hf_assisted_matches_target"] == "2/2"
     assert report["config"]["vocab_mapping"]["target_width"] == 300
-    assert report["config"]["mapped_proposals"] is None  # greedy default: text proposals
+    assert report["config"]["mapped_proposals"] == "text"  # the greedy default, recorded as run
     g = CliRunner().invoke(app, ["generate", "hello world", "--target", str(tdir), "--draft", str(ddir),
                                  "--max-new-tokens", "6", "--dtype", "float32", "--map-vocab",
                                  "--mapped-proposals", "tokens"])

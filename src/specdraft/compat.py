@@ -1003,7 +1003,7 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
             new_head.bias.copy_(remap(old_bias))
 
     cfgs = [draft_model.config, getattr(draft_model, "generation_config", None)]
-    for role in ("bos", "eos", "pad"):
+    for role in ("bos", "eos", "pad", "unk"):
         for cfg in cfgs:
             if cfg is not None and hasattr(cfg, f"{role}_token_id"):
                 setattr(cfg, f"{role}_token_id", t.roles[role][1])
@@ -1071,7 +1071,8 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
         The :class:`VocabSwapReport`.
 
     Raises:
-        FileExistsError: ``out_dir`` is non-empty and ``overwrite`` is false (checked first).
+        FileExistsError: ``out_dir`` is a file, or non-empty while ``overwrite`` is false (checked first).
+        ValueError: the tokenizers are already compatible (nothing to swap).
         CompatibilityError: no usable overlap (before the draft's weights are read).
         ModelResolutionError: a reference cannot be resolved.
     """
@@ -1083,9 +1084,15 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     from specdraft.models import resolve
 
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a directory; choose another --out")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     tpath, dpath = resolve(target), resolve(draft)
+    verdict = check_compatible(tpath, dpath).verdict
+    if verdict != "mismatch":
+        raise ValueError(f"the draft already speaks the target's tokenizer ({verdict}); nothing to swap: use "
+                         f"{draft} as the draft directly")
     t_cfg = AutoConfig.from_pretrained(tpath)
     width = getattr(t_cfg.get_text_config(), "vocab_size", None)
     model, report = vocab_swap(dpath, None, tpath, width=width, min_coverage=min_coverage, dtype=dtype)

@@ -83,7 +83,8 @@ def predicted_alpha(
         total += float(sum_min(p, q).sum())
         agree += int((p_l.argmax(-1) == q_l.argmax(-1)).sum())
         n += int(sel.sum())
-    return {"alpha": total / n if n else 0.0, "positions": n, "alpha_sum": total,
+    # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
+    return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
             "top1_agreement": agree / n if n else 0.0}
 
 
@@ -259,7 +260,8 @@ def run_eval(
                                  "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype),
                                  "draft_confidence_threshold": draft_confidence_threshold,
                                  "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None,
-                                 "mapped_proposals": mapped_proposals},
+                                 "mapped_proposals": (mapped_proposals or ("text" if sampling.greedy else "tokens"))
+                                 if vocab_mapping is not None else None},
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )
