@@ -129,3 +129,9 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     spec = tmp_path / "run" / "export" / "speculator"
     assert check_compatible(str(tdir), str(spec)).verdict == "identical"  # it now speaks the target's tokenizer
     assert "re-indexed into the target's tokenizer" in (tmp_path / "run" / "report.md").read_text()
+    from specdraft.pipeline import render_markdown
+
+    for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):
+        r = json.loads(json.dumps(report, default=str))
+        r["eval_before"]["speedup"], r["eval_after"]["speedup"] = before, after
+        assert ("decodes slower than the original (0.50x vs 1.50x" in render_markdown(r)) == warned

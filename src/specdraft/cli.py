@@ -732,6 +732,9 @@ def run_cmd(
                   f(a["analytic_speedup"], "{:.2f}x"))
     table.add_row("recommended γ", str(b["recommended_gamma"]), str(a["recommended_gamma"]))
     console.print(table)
+    if (a["speedup"] or 0) < (b["speedup"] or 0):
+        console.print(f"[yellow]note:[/] the distilled draft is slower than the original ({a['speedup']:.2f}x vs "
+                      f"{b['speedup']:.2f}x); keep the original, or distil longer (--preset large) before shipping it.")
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
     console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {report['export']['path']}\nserve it with:\n  "

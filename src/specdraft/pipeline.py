@@ -456,7 +456,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
         f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min."),
         "",
-        (f"Evaluation on {b['prompts']} held-out prompts ({', '.join(r['config']['eval']['prompts'])}), "
+        (f"Evaluation on {b['prompts']} held-out prompt(s) ({', '.join(r['config']['eval']['prompts'])}), "
         f"γ = {r['config']['eval']['num_speculative_tokens']}, greedy, {r['config']['eval']['max_new_tokens']} "
         "new tokens each."),
         "",
@@ -476,6 +476,10 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"{f(dist['eval_before'].get('eval_alpha'))} → {f(dist['eval_after'].get('eval_alpha'))}, held-out loss "
         f"{f(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {f(dist['eval_after'].get('eval_loss'), '{:.4f}')}."),
         "",
+        *([] if (a["speedup"] or 0) >= (b["speedup"] or 0) else [
+            (f"**Note:** the distilled draft decodes slower than the original ({a['speedup']:.2f}x vs "
+             f"{b['speedup']:.2f}x the target alone on these {b['prompts']} prompt(s)); keep the original draft, or "
+             "distil longer (more data, more steps, the `large` preset) before shipping this one."), ""]),
         f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}). Serve it with:",
         "",
         "```bash",
