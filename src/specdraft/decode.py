@@ -255,8 +255,8 @@ def speculative_generate(
             verified exactly (as transformers' ``assistant_confidence_threshold``; SpecDec++ motivates it).
         vocab_mapping: a :class:`~specdraft.compat.VocabMapping` (from
             :func:`~specdraft.compat.build_vocab_mapping`, tokenizers attached) when the draft's tokenizer
-            differs: the draft re-reads the context as text each round and proposes only tokens with a
-            target twin (see the module docstring). Lossless as without it.
+            differs: the draft re-reads the context as text each round and proposes as ``mapped_proposals``
+            says (see the module docstring). Lossless as without it.
         mapped_proposals: with ``vocab_mapping``, how the draft proposes: ``"tokens"`` (its tokens with a
             target twin, q over target ids; the only choice when sampling) or ``"text"`` (greedy only: its own
             argmax text, re-encoded with the target's tokenizer). Default: ``"text"`` greedy, ``"tokens"`` sampled.
