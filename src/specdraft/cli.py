@@ -293,13 +293,18 @@ def _sampling(temperature: float, top_k: int, top_p: float):
         fail(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
 
 
-def _check_proposals(mapped_proposals: str | None, sampling) -> None:
-    if mapped_proposals == "text" and not sampling.greedy:
-        fail("--mapped-proposals text is lossless for greedy decoding only; use tokens with --temperature > 0")
+def _check_proposals(mapped_proposals: str | None, sampling) -> str:
+    """The proposal mode a mapped draft will use (specdraft.decode.proposal_mode); a bad combination fails here."""
+    from specdraft.decode import DecodeError, proposal_mode
+
+    try:
+        return proposal_mode(mapped_proposals, sampling)
+    except DecodeError as exc:
+        fail(f"--mapped-proposals: {exc}")
 
 
 def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False, mapped_proposals: str | None = None,
-               greedy: bool = True):
+               mode: str = "text"):
     """Resolve both references, check the tokenizers before loading weights, load both models.
 
     Returns ``(target, draft, target_tokenizer, mapping)``; ``mapping`` is a VocabMapping when the tokenizers
@@ -324,7 +329,6 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False, map
             mapping = build_vocab_mapping(tpath, dpath)
         except CompatibilityError as exc:
             fail(str(exc))
-        mode = mapped_proposals or ("text" if greedy else "tokens")
         how = ("proposes text, encoded with the target's tokenizer" if mode == "text" else
                "proposes only tokens with a target twin")
         console.print(f"[yellow]tokenizers differ:[/] decoding through a vocabulary mapping of {mapping.n_mapped:,} "
@@ -387,10 +391,10 @@ def eval_cmd(
     if gamma < 1:
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
-    _check_proposals(mapped_proposals, sampling)
+    mode = _check_proposals(mapped_proposals, sampling)
     try:
         examples = load_examples(prompts, limit=num_prompts, offset=prompt_offset)
-        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling.greedy)
+        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     except (DataError, ModelResolutionError) as exc:
         fail(str(exc))
     ids = encode_prompts(tok, examples)
@@ -472,9 +476,9 @@ def generate(
     if gamma < 1:
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
-    _check_proposals(mapped_proposals, sampling)
+    mode = _check_proposals(mapped_proposals, sampling)
     try:
-        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling.greedy)
+        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     except ModelResolutionError as exc:
         fail(str(exc))
     ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]

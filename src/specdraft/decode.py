@@ -199,6 +199,21 @@ def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
     return any(len(s) and len(seq) >= len(s) and seq[-len(s):] == list(s) for s in stops)
 
 
+def proposal_mode(mapped_proposals: str | None, sampling: SamplingConfig) -> str:
+    """How a draft of another tokenizer proposes: ``mapped_proposals`` checked, or the default (``"text"`` for
+    greedy decoding, ``"tokens"`` when sampling). See the module docstring.
+
+    Raises:
+        DecodeError: an unknown mode, or ``"text"`` with sampling (not lossless: sampling needs q over target ids).
+    """
+    if mapped_proposals not in (None, "text", "tokens"):
+        raise DecodeError(f"mapped_proposals must be 'text' or 'tokens', got {mapped_proposals!r}")
+    if mapped_proposals == "text" and not sampling.greedy:
+        raise DecodeError("mapped_proposals='text' is lossless for greedy decoding only; sampling needs q over "
+                          "target ids (mapped_proposals='tokens')")
+    return mapped_proposals or ("text" if sampling.greedy else "tokens")
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -304,12 +319,7 @@ def speculative_generate(
     width = target.get_output_embeddings().weight.shape[0]
     real_vocab = min(real_vocab or width, width)
     mapped = draft is not None and vocab_mapping is not None
-    if mapped_proposals not in (None, "text", "tokens"):
-        raise DecodeError(f"mapped_proposals must be 'text' or 'tokens', got {mapped_proposals!r}")
-    if mapped_proposals == "text" and not sampling.greedy:
-        raise DecodeError("mapped_proposals='text' is lossless for greedy decoding only; sampling needs q over "
-                          "target ids (mapped_proposals='tokens')")
-    text_mode = mapped and (mapped_proposals or ("text" if sampling.greedy else "tokens")) == "text"
+    text_mode = proposal_mode(mapped_proposals, sampling) == "text" and mapped
     if mapped:
         if vocab_mapping.target_width > width:
             raise DecodeError(f"vocab_mapping covers {vocab_mapping.target_width} target ids but the target's output "

@@ -21,7 +21,7 @@ import torch
 from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
 from specdraft.compat import align_logits
 from specdraft.config import SamplingConfig
-from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
 from specdraft.losses import filtered_probs, greedy_probs, sum_min
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
@@ -260,7 +260,7 @@ def run_eval(
                                  "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype),
                                  "draft_confidence_threshold": draft_confidence_threshold,
                                  "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None,
-                                 "mapped_proposals": (mapped_proposals or ("text" if sampling.greedy else "tokens"))
+                                 "mapped_proposals": proposal_mode(mapped_proposals, sampling)
                                  if vocab_mapping is not None else None},
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),

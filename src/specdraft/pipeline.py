@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdraft.distill import DistillConfig
-from specdraft.io import atomic_write_text
+from specdraft.io import atomic_directory, atomic_write_text
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 STAGES = ("check", "eval_before", "vocab_swap", "dump", "distill", "eval_after", "export", "report")
@@ -357,12 +357,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         from specdraft.speculator import load_speculator_config, vllm_serve_command
 
         dest = d / "speculator"
-        tmp = d / ".tmp-speculator"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(spec_dir, tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(tmp, dest)
+        with atomic_directory(dest) as tmp:
+            shutil.copytree(spec_dir, tmp, dirs_exist_ok=True)
         conf = load_speculator_config(str(dest))
         return {"path": str(dest.resolve()), "vllm_command": vllm_serve_command(cfg.target, dest.resolve(),
                                                                                conf.num_speculative_tokens),
