@@ -50,7 +50,7 @@ def main() -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--map-vocab", action="store_true", help="the draft has another tokenizer: decode through a "
-                    "VocabMapping (specdraft.compat.build_vocab_mapping)")
+                    "VocabMapping (specdraft.vocab.build_vocab_mapping)")
     ap.add_argument("--mapped-proposals", choices=["text", "tokens"], default=None,
                     help="with --map-vocab: the draft proposes text (greedy default) or twin tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
@@ -61,7 +61,7 @@ def main() -> dict:
                                                                             top_p=args.top_p)
     mapping = None
     if args.map_vocab:
-        from specdraft.compat import build_vocab_mapping
+        from specdraft.vocab import build_vocab_mapping
 
         mapping = build_vocab_mapping(args.target, args.draft)
         args.no_hf = args.no_hf or not sampling.greedy  # sampled USD prunes the draft's head in place

@@ -24,7 +24,7 @@ from specdraft.config import SamplingConfig
 from specdraft.decode import left_pad, speculative_generate, target_generate
 from specdraft.distill import DistillConfig, DistillModel, collate
 from specdraft.evaluate import run_eval, top2_margin
-from specdraft.losses import filtered_probs
+from specdraft.sampling import filtered_probs
 from specdraft.testing import chi2_goodness_of_fit, perturbed, tiny_model, tiny_tokenizer
 
 DEV = "cuda"

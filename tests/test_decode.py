@@ -161,7 +161,7 @@ def test_verify_sampled_hand_built():
 
 def _exact_two_token_law(target, prompt, sampling):
     """Exact joint law of the first two sampled tokens under the target, by enumeration."""
-    from specdraft.losses import filtered_probs
+    from specdraft.sampling import filtered_probs
 
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -260,8 +260,8 @@ def test_confidence_threshold_sampled_follows_target_law():
 
 def _renumbered_pair(vocab=64):
     """Target on one tokenizer; draft = the same weights re-indexed into a renumbered copy of it."""
-    from specdraft.compat import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_tokenizer
+    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_tokenizer(vocab, newline=False), tiny_tokenizer(vocab, permute=3, newline=False)
     target = tiny_model("llama", vocab, seed=0, layers=2)
@@ -292,8 +292,8 @@ def test_renumbered_draft_through_a_mapping_accepts_everything():
 def _bpe_pair():
     """Target and draft on two byte-level BPE tokenizers that segment text differently; the draft is a noisy
     copy of the target re-indexed into its own tokenizer (mean rows for the strings the target lacks)."""
-    from specdraft.compat import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_bpe_tokenizer
+    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
     target = tiny_model("llama", 300, seed=0, layers=3)
@@ -377,8 +377,8 @@ def test_mapped_draft_never_proposes_tokens_without_a_twin():
 def test_mapped_sampled_output_follows_target_law(pair_kind):
     sampling = SamplingConfig(temperature=0.7, top_k=6, top_p=0.9)
     if pair_kind == "renumbered":  # a noisy renumbered draft: partial acceptance, every verification path
-        from specdraft.compat import build_vocab_mapping, vocab_swap
         from specdraft.testing import tiny_tokenizer
+        from specdraft.vocab import build_vocab_mapping, vocab_swap
 
         t_tok, d_tok = tiny_tokenizer(64, newline=False), tiny_tokenizer(64, permute=3, newline=False)
         target = tiny_model("llama", 64, seed=0, layers=2, hidden=16)
@@ -402,7 +402,7 @@ def test_mapped_sampled_output_follows_target_law(pair_kind):
 
 def test_mapping_wider_than_the_target_is_refused():
     target, draft, mapping, t_tok, _ = _bpe_pair()
-    from specdraft.compat import build_vocab_mapping
+    from specdraft.vocab import build_vocab_mapping
 
     wide = build_vocab_mapping(t_tok, mapping.draft_tokenizer, target_config=320, draft_config=360)
     ids, mask = left_pad([[5, 6, 7]], 0)
@@ -415,8 +415,8 @@ def test_mapped_renumbered_draft_behaves_exactly_like_the_unmapped_draft(samplin
     # A noisy draft, once in the target's numbering (no mapping) and once renumbered (through the mapping):
     # the same proposals, the same acceptance, the same output, round for round and draw for draw. Any slip in
     # the draft's cache after a re-read (truncation, holes) would change its proposals and the counts.
-    from specdraft.compat import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_tokenizer
+    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_tokenizer(64, newline=False), tiny_tokenizer(64, permute=3, newline=False)
     target = tiny_model("llama", 64, seed=0, layers=2)
@@ -438,8 +438,8 @@ def test_mapped_renumbered_draft_behaves_exactly_like_the_unmapped_draft(samplin
 def test_mapped_draft_outgrowing_its_window_hands_over_to_the_target():
     # The draft's tokenizer splits the text more finely than the target's, so its window (counted in its own
     # tokens) fills first; decoding stays lossless and the target finishes alone.
-    from specdraft.compat import build_vocab_mapping
     from specdraft.testing import tiny_bpe_tokenizer
+    from specdraft.vocab import build_vocab_mapping
 
     t_tok, d_tok = tiny_bpe_tokenizer(360, seed=1), tiny_bpe_tokenizer(300)
     target = tiny_model("llama", 360, seed=0, layers=2)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from specdraft import dump as dump_mod
-from specdraft.compat import tokenizer_fingerprint
 from specdraft.data import DataError, Example, build_sequences, encode_prompts
 from specdraft.decode import left_pad, target_generate
 from specdraft.dump import (
@@ -37,6 +36,7 @@ from specdraft.dump import (
 )
 from specdraft.models import load_model
 from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+from specdraft.vocab import tokenizer_fingerprint
 
 VOCAB, WIDTH = 64, 72  # tokenizer ids, logits rows of the target (8 padding rows)
 WORDS = [w for w in tiny_words(VOCAB - 5) if w.isalpha() and w not in ("user", "assistant")]

@@ -92,8 +92,8 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
     from typer.testing import CliRunner
 
     from specdraft.cli import app
-    from specdraft.compat import vocab_swap
     from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
+    from specdraft.vocab import vocab_swap
 
     t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
     target = tiny_model("llama", 300, seed=0, layers=3)

@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.losses import (
-    LOSSES,
-    filter_logits,
-    filtered_probs,
-    masked_mean,
-    soft_ce,
-    sum_min,
-    tvd,
-    tvd_deploy,
-)
+from specdraft.losses import LOSSES, masked_mean, soft_ce, sum_min, tvd, tvd_deploy
+from specdraft.sampling import filter_logits, filtered_probs
 
 
 def reference_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -108,7 +108,7 @@ def test_run_cli_on_tiny_pair(tmp_path):
 
 
 def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
-    from specdraft.compat import check_compatible
+    from specdraft.check import check_compatible
     from specdraft.testing import tiny_bpe_tokenizer, tiny_model
 
     tdir, ddir = tmp_path / "models" / "target", tmp_path / "models" / "draft"

@@ -42,10 +42,10 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     """A draft of another family (SmolLM2-135M, 49k-token BPE) for a Qwen target (0.5B to keep CI short):
     greedy output equals the target's, token for token, with text proposals (the greedy default) and with
     token proposals, and so does transformers' universal assisted generation fed the same pair."""
-    from specdraft.compat import build_vocab_mapping
     from specdraft.data import encode_prompts, load_examples
     from specdraft.evaluate import run_eval
     from specdraft.models import load_model
+    from specdraft.vocab import build_vocab_mapping
 
     smol, qwen = "smollm2-135m-instruct", DEFAULT_DRAFT
     mapping = build_vocab_mapping(qwen, smol)
@@ -74,10 +74,10 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
 
 def test_gemma_draft_for_qwen_is_lossless():
     """A sentencepiece draft (Gemma 3 270M, 262k tokens) for a byte-level Qwen target, both proposal modes."""
-    from specdraft.compat import build_vocab_mapping
     from specdraft.data import encode_prompts, load_examples
     from specdraft.decode import left_pad, speculative_generate, target_generate
     from specdraft.models import load_model
+    from specdraft.vocab import build_vocab_mapping
 
     mapping = build_vocab_mapping(DEFAULT_DRAFT, "gemma-3-270m")
     target, tok = load_model(DEFAULT_DRAFT, dtype="float32", device="cpu")

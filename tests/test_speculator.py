@@ -303,31 +303,16 @@ def test_attach_errors():
     assert spec.speculator_config.verifier is None  # nothing recorded by a failed attach
 
 
-def test_attach_runs_the_tokenizer_check(tmp_path, pair, monkeypatch):
-    from specdraft import compat
-
+def test_attach_runs_the_tokenizer_check(tmp_path, pair):
     target_dir, draft_dir = pair
     spec = IndependentSpeculator.from_pretrained(draft_dir)
-    if hasattr(compat, "check_compatible"):
-        assert spec.attach_verifier(target_dir).compat_verdict == "identical"
-        other = tmp_path / "other"
-        tiny_model("llama", seed=4).save_pretrained(other)
-        tiny_tokenizer(128, swap=(10, 20)).save_pretrained(other)
-        with pytest.raises(SpeculatorError, match="do not share a tokenizer"):
-            spec.attach_verifier(str(other))
-        assert spec.speculator_config.verifier.name_or_path == target_dir  # the failed attach changed nothing
-
-    class Report:
-        verdict = "mismatch"
-
-        def summary(self):
-            return "mismatch: 3 ids differ"
-
-    monkeypatch.setattr(compat, "check_compatible", lambda t, d: Report(), raising=False)
-    with pytest.raises(SpeculatorError, match="mismatch: 3 ids differ"):
-        spec.attach_verifier(target_dir)
-    monkeypatch.delattr(compat, "check_compatible")
-    assert spec.attach_verifier(target_dir).compat_verdict is None  # no check available: recorded anyway
+    assert spec.attach_verifier(target_dir).compat_verdict == "identical"
+    other = tmp_path / "other"
+    tiny_model("llama", seed=4).save_pretrained(other)
+    tiny_tokenizer(128, swap=(10, 20)).save_pretrained(other)
+    with pytest.raises(SpeculatorError, match="do not share a tokenizer"):
+        spec.attach_verifier(str(other))
+    assert spec.speculator_config.verifier.name_or_path == target_dir  # the failed attach changed nothing
 
 
 # ---------------------------------------------------------------------------- convert: bad input

@@ -1,8 +1,352 @@
-"""``specdraft check``: both models' facts, the tokenizer comparison, a greedy continuation from each."""
+"""``specdraft check``: can these two checkpoints work together?
+
+:func:`check_compatible` compares the target's and the draft's tokenizers over the whole vocabulary (no weights
+loaded) and returns a :class:`CompatReport` with one verdict of :data:`VERDICTS`; :func:`run_check` adds both
+models' facts and a greedy continuation from each. Speculative decoding compares p and q id by id: the draft
+proposes id x with probability q(x), the target accepts it with probability min(1, p(x)/q(x)) — if id x means
+one string to the target and another to the draft, acceptance is silently wrong (or zero). Widths that differ
+only by padding rows are handled by :func:`specdraft.sampling.align_logits`; a draft of another family goes
+through a :class:`specdraft.vocab.VocabMapping`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import heapq
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, get_args
+
+from specdraft.vocab import (
+    MIN_COVERAGE,
+    PROBE_TEXT,
+    SPECIAL_ROLES,
+    CompatibilityError,
+    TokenizerView,
+    encode_text,
+    load_tokenizer_view,
+    mapping_from_views,
+    view_fingerprint,
+    vocab_differences,
+)
+
+Verdict = Literal["identical", "identical-up-to-padding", "mismatch"]
+#: The verdicts of :func:`check_compatible`, in order of agreement. One source for every list of them.
+VERDICTS: tuple[str, ...] = get_args(Verdict)
+
+#: Differences listed by name in a report (all of them are counted).
+MAX_DIFFERENCES = 10
+
+# Rendered with both chat templates. User and assistant alternate, so strict templates accept it.
+PROBE_CONVERSATION = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": "Write hello world in Python."},
+    {"role": "assistant", "content": "print('hello world')"},
+    {"role": "user", "content": "Now in C."},
+]
+
+
+def _render(tok) -> str | None:
+    if not getattr(tok, "chat_template", None):
+        return None
+    try:
+        return tok.apply_chat_template(PROBE_CONVERSATION, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def _first_list_difference(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenDifference:
+    """One id whose string differs: ``None`` where the id is past that tokenizer's real vocabulary."""
+
+    id: int
+    target: str | None
+    draft: str | None
+
+
+@dataclass
+class CompatReport:
+    """Result of :func:`check_compatible`. Counts are complete; lists of examples are capped.
+
+    Verdicts (:data:`VERDICTS`):
+
+    * ``identical``: every id below the real vocabulary length means the same string to both (and every
+      string the same id), and both models' logits have the same width.
+    * ``identical-up-to-padding``: the same, but the widths differ (``config.vocab_size`` padded
+      differently); q must go through :func:`align_logits` to p's width.
+    * ``mismatch``: at least one id (or string) differs, or one tokenizer has tokens the other lacks.
+
+    Only the id ↔ string vocabulary decides the verdict, because that is what speculative decoding
+    compares. Differing bos/eos/pad/unk roles, special flags, probe encodings (normaliser /
+    pre-tokeniser) or chat templates leave every id meaning the same string, so sampling stays exact;
+    they can still lower acceptance (the draft sees text segmented or formatted unlike its training) or
+    change when the draft stops, so each one is listed in ``warnings``.
+    """
+
+    verdict: Verdict
+    target: str  # the reference or tokenizer name
+    draft: str
+    target_len: int  # len(tokenizer)
+    draft_len: int
+    target_real_vocab: int  # len(tokenizer) less GGUF placeholders / trailing holes
+    draft_real_vocab: int
+    target_config_vocab: int | None  # config.vocab_size, None without a config
+    draft_config_vocab: int | None
+    target_width: int  # logits width: config.vocab_size, else the tokenizer's id range
+    draft_width: int
+    real_vocab: int | None  # shared real vocabulary length when the vocabularies agree, else None
+    n_diff_ids: int  # ids in [0, max real) whose strings differ (or exist on one side only)
+    n_diff_strings: int  # strings whose ids differ (or exist on one side only)
+    differences: list[TokenDifference]  # first MAX_DIFFERENCES differing ids, ascending
+    string_differences: list[dict[str, Any]]  # first differing strings: {"string", "target", "draft"} ids
+    special_tokens: dict[str, dict[str, Any]]  # role → {"target": [str, id], "draft": [str, id], "equal"}
+    special_tokens_equal: bool  # roles and special flags agree
+    probe_equal: bool  # PROBE_TEXT encodes to the same ids (add_special_tokens=False)
+    probe_detail: dict[str, Any] | None  # first differing position and the ids around it
+    chat_template_equal: bool | None  # None when neither tokenizer has a chat template
+    target_fingerprint: str
+    draft_fingerprint: str
+    warnings: list[str] = field(default_factory=list)
+    mapping: dict[str, Any] | None = None  # on a mismatch: what a VocabMapping would cover
+    seconds: float = 0.0  # wall time of the check, loading included
+
+    @property
+    def compatible(self) -> bool:
+        """True unless the verdict is ``mismatch``."""
+        return self.verdict != "mismatch"
+
+    def detail(self) -> str:
+        """The counts behind the verdict, and the first differing ids with both strings."""
+        if self.verdict == "identical":
+            return f"{self.real_vocab} ids agree, logits width {self.target_width}"
+        if self.verdict == "identical-up-to-padding":
+            return (f"{self.real_vocab} ids agree; logits widths target {self.target_width}, draft "
+                    f"{self.draft_width} (rows past {self.real_vocab} are padding)")
+        first = "; ".join(f"id {d.id}: target {d.target!r} vs draft {d.draft!r}" for d in self.differences[:3])
+        return (f"{self.n_diff_ids} of {max(self.target_real_vocab, self.draft_real_vocab)} ids and "
+                f"{self.n_diff_strings} strings differ (first: {first})")
+
+    def summary(self) -> str:
+        """One line: the verdict and :meth:`detail`."""
+        return f"{self.verdict}: {self.detail()}"
+
+    def raise_for_mismatch(self) -> CompatReport:
+        """Raise :class:`CompatibilityError` on a ``mismatch`` (the message names the first differing ids
+        and both strings); return ``self`` otherwise."""
+        if self.verdict != "mismatch":
+            return self
+        hint = ""
+        if self.mapping and self.mapping.get("usable"):
+            hint = (f" A VocabMapping could translate between them (target coverage "
+                    f"{self.mapping['target_coverage']:.1%}, draft coverage {self.mapping['draft_coverage']:.1%}).")
+        raise CompatibilityError(
+            f"Target {self.target} and draft {self.draft} tokenizers disagree — {self.summary()}. "
+            "Speculative decoding compares p and q id by id, so they cannot be paired as is." + hint
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict of every field plus ``compatible`` and ``summary``."""
+        d = asdict(self)
+        d["compatible"] = self.compatible
+        d["summary"] = self.summary()
+        return d
+
+
+def check_compatible(target, draft, *, target_config=None, draft_config=None,
+                     max_differences: int = MAX_DIFFERENCES, with_mapping: bool = True) -> CompatReport:
+    """Compare the target's and the draft's tokenizers over the whole vocabulary (no weights loaded).
+
+    Compared: every id in both directions (id → string with ``convert_ids_to_tokens`` over the full range,
+    string → id with ``get_vocab``), bos/eos/pad/unk strings and ids, which ids are special,
+    :data:`PROBE_TEXT` encoded by both, :data:`PROBE_CONVERSATION` rendered by both chat templates, and
+    the logits widths (``config.vocab_size``). See :class:`CompatReport` for what decides the verdict.
+
+    Args:
+        target: the target's reference (embedded name, local HF directory, cached hub id — tokenizer and
+            config are read, never the weights) or a tokenizer object.
+        draft: the same for the draft.
+        target_config / draft_config: with tokenizer objects, the config (or ``config.vocab_size`` as an
+            int) giving the logits width; without one the width is the tokenizer's id range.
+        max_differences: differing ids (and strings) listed by name; all are counted.
+        with_mapping: on a mismatch, also measure what a :class:`VocabMapping` would cover.
+
+    Returns:
+        The report; a mismatch is reported, not raised (see :meth:`CompatReport.raise_for_mismatch` and
+        :func:`require_compatible`).
+
+    Raises:
+        ModelResolutionError: a reference cannot be resolved, or its tokenizer / config cannot be loaded
+            (the message names the path).
+    """
+    t0 = time.perf_counter()
+    t = load_tokenizer_view(target, target_config, "target")
+    d = load_tokenizer_view(draft, draft_config, "draft")
+
+    diff_ids, diff_strings = vocab_differences(t, d)
+    n = max(t.real, d.real)
+    tv = {s: i for s, i in t.vocab.items() if i < t.real}
+    dv = {s: i for s, i in d.vocab.items() if i < d.real}
+    first_strings = heapq.nsmallest(max_differences, diff_strings, key=lambda s: (min(tv.get(s, n), dv.get(s, n)), s))
+
+    def tok_at(v: TokenizerView, i: int) -> str | None:
+        return v.tokens[i] if i < v.real else None
+
+    differences = [TokenDifference(i, tok_at(t, i), tok_at(d, i)) for i in diff_ids[:max_differences]]
+    string_differences = [{"string": s, "target": tv.get(s), "draft": dv.get(s)}
+                          for s in first_strings]
+    vocab_equal = not diff_ids and not diff_strings
+
+    warnings: list[str] = []
+    special = {}
+    for role in SPECIAL_ROLES:
+        a, b = t.roles[role], d.roles[role]
+        special[role] = {"target": list(a), "draft": list(b), "equal": a == b}
+        if a != b and vocab_equal:  # on a mismatch the table shows them; the ids differ anyway
+            warnings.append(f"{role} token differs: target {a[0]!r} (id {a[1]}), draft {b[0]!r} (id {b[1]})")
+    flags_equal = t.special_ids == d.special_ids
+    if not flags_equal and vocab_equal:
+        only_t = sorted(set(t.special_ids) - set(d.special_ids))[:5]
+        only_d = sorted(set(d.special_ids) - set(t.special_ids))[:5]
+        warnings.append(f"special flags differ: special only for the target {only_t}, only for the draft {only_d}")
+    special_equal = all(s["equal"] for s in special.values()) and flags_equal
+
+    probe_t, probe_d = encode_text(t.tok, PROBE_TEXT, False), encode_text(d.tok, PROBE_TEXT, False)
+    probe_equal = probe_t == probe_d
+    probe_detail = None
+    if not probe_equal:
+        if isinstance(probe_t, list) and isinstance(probe_d, list):
+            k = _first_list_difference(probe_t, probe_d)
+            probe_detail = {"position": k, "target_len": len(probe_t), "draft_len": len(probe_d),
+                            "target_ids": probe_t[max(0, k - 2): k + 4], "draft_ids": probe_d[max(0, k - 2): k + 4],
+                            "target_tokens": [tok_at(t, i) for i in probe_t[max(0, k - 2): k + 4]],
+                            "draft_tokens": [tok_at(d, i) for i in probe_d[max(0, k - 2): k + 4]]}
+        else:
+            probe_detail = {"target": probe_t if isinstance(probe_t, str) else "ok",
+                            "draft": probe_d if isinstance(probe_d, str) else "ok"}
+        if vocab_equal:
+            warnings.append(f"the probe text encodes differently (normaliser / pre-tokeniser differ) from "
+                            f"token {probe_detail.get('position', 0)}: the draft will see text segmented "
+                            "unlike its training")
+    elif vocab_equal and encode_text(t.tok, PROBE_TEXT, True) != encode_text(d.tok, PROBE_TEXT, True):
+        warnings.append("the tokenizers add different special tokens (bos/eos) when encoding")
+
+    render_t, render_d = _render(t.tok), _render(d.tok)
+    chat_equal = None if render_t is None and render_d is None else render_t == render_d
+    if chat_equal is False and vocab_equal:
+        which = ("only the target has a chat template" if render_d is None else
+                 "only the draft has a chat template" if render_t is None else
+                 "the chat templates render the probe conversation differently")
+        warnings.append(f"{which}: format the draft's training data with the target's template")
+
+    for v, role in ((t, "target"), (d, "draft")):
+        if v.config_vocab is not None and v.config_vocab < v.real:
+            warnings.append(f"{role} config.vocab_size {v.config_vocab} < its real vocabulary {v.real}: ids "
+                            f">= {v.config_vocab} can never be produced")
+
+    if not vocab_equal:
+        verdict: Verdict = "mismatch"
+    elif t.width == d.width:
+        verdict = "identical"
+    else:
+        verdict = "identical-up-to-padding"
+
+    mapping = None
+    if verdict == "mismatch" and with_mapping:
+        m = mapping_from_views(t, d)
+        mapping = m.to_dict()
+        mapping["usable"] = m.usable_error(MIN_COVERAGE) is None
+
+    return CompatReport(
+        verdict=verdict, target=t.name, draft=d.name,
+        target_len=len(t.tok), draft_len=len(d.tok),
+        target_real_vocab=t.real, draft_real_vocab=d.real,
+        target_config_vocab=t.config_vocab, draft_config_vocab=d.config_vocab,
+        target_width=t.width, draft_width=d.width,
+        real_vocab=t.real if vocab_equal else None,
+        n_diff_ids=len(diff_ids), n_diff_strings=len(diff_strings),
+        differences=differences, string_differences=string_differences,
+        special_tokens=special, special_tokens_equal=special_equal,
+        probe_equal=probe_equal, probe_detail=probe_detail, chat_template_equal=chat_equal,
+        target_fingerprint=view_fingerprint(t), draft_fingerprint=view_fingerprint(d),
+        warnings=warnings, mapping=mapping, seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+def require_compatible(target, draft, **kwargs) -> CompatReport:
+    """:func:`check_compatible`, then raise :class:`CompatibilityError` on a ``mismatch``.
+
+    Raises:
+        CompatibilityError: the tokenizers disagree on at least one id (message: first ids, both strings).
+        ModelResolutionError: see :func:`check_compatible`.
+    """
+    return check_compatible(target, draft, **kwargs).raise_for_mismatch()
+
+
+def print_report(report: CompatReport, console) -> None:
+    """Print ``report`` on a rich ``console``: a side-by-side table, the differing ids, the warnings."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    def fmt(x) -> str:
+        return escape(repr(x) if isinstance(x, str) else str(x))
+
+    def short(name: str) -> str:  # embedded models resolve to their cache entry: show the name
+        from specdraft.models import cache_root
+
+        p = os.path.abspath(name)
+        return os.path.basename(p) if p.startswith(str(cache_root().resolve() / "models") + os.sep) else name
+
+    table = Table(title="Tokenizer compatibility")
+    table.add_column("")
+    table.add_column(f"target: {escape(short(report.target))}")
+    table.add_column(f"draft: {escape(short(report.draft))}")
+    table.add_row("len(tokenizer)", str(report.target_len), str(report.draft_len))
+    table.add_row("real vocabulary", str(report.target_real_vocab), str(report.draft_real_vocab))
+    table.add_row("config.vocab_size", str(report.target_config_vocab), str(report.draft_config_vocab))
+    table.add_row("logits width", str(report.target_width), str(report.draft_width))
+    table.add_row("fingerprint", report.target_fingerprint[:16], report.draft_fingerprint[:16])
+    for role, s in report.special_tokens.items():
+        style = "" if s["equal"] else "[yellow]"
+        table.add_row(f"{style}{role}", *(f"{style}{fmt(s[k][0])} ({s[k][1]})" for k in ("target", "draft")))
+    table.add_row("probe encoding", "same" if report.probe_equal else "[yellow]differs", "")
+    chat = {None: "none", True: "same", False: "[yellow]differs"}[report.chat_template_equal]
+    table.add_row("chat template", chat, "")
+    console.print(table)
+
+    if report.differences:
+        diff = Table(title=f"First differing ids (of {report.n_diff_ids})")
+        for col in ("id", "target", "draft"):
+            diff.add_column(col)
+        for x in report.differences:
+            diff.add_row(str(x.id), fmt(x.target), fmt(x.draft))
+        console.print(diff)
+    colour = {"identical": "green", "identical-up-to-padding": "green", "mismatch": "red"}[report.verdict]
+    console.print(f"[bold {colour}]{report.verdict}[/]: {escape(report.detail())}")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
+    if report.mapping:
+        m = report.mapping
+        console.print(
+            f"A vocabulary mapping would pair {m['n_mapped']} string-identical tokens: "
+            f"{m['target_coverage']:.1%} of the target vocabulary reachable, {m['draft_coverage']:.1%} of the "
+            f"draft vocabulary mapped" + ("" if m["usable"] else " [red](no usable overlap)[/]")
+        )
+        if m["usable"] and report.verdict == "mismatch":
+            console.print("Decode through it with [bold]specdraft eval/generate --map-vocab[/], or re-index the draft "
+                          "into the target's tokenizer with [bold]specdraft vocab-swap[/] and distil it.")
 
 
 def model_facts(model, tokenizer) -> dict[str, Any]:
@@ -49,7 +393,6 @@ def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: in
     """
     from rich.table import Table
 
-    from specdraft.compat import check_compatible, print_report
     from specdraft.models import load_model
 
     report: dict[str, Any] = {"target_ref": target_name or target_path, "draft_ref": draft_name or draft_path}

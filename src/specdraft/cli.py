@@ -149,8 +149,8 @@ def vocab_swap_cmd(
     the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows
     to 152k rows for Qwen); distil it next (specdraft run --draft OUT)."""
-    from specdraft.compat import CompatibilityError, save_vocab_swap
     from specdraft.models import ModelResolutionError
+    from specdraft.vocab import CompatibilityError, save_vocab_swap
 
     try:
         tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
@@ -225,7 +225,7 @@ def convert(
     if res.resaved:
         console.print(f"[yellow]note:[/] transformers rewrote {sorted(res.resaved)} of the draft's config.json "
                       "when re-saving it (the speculator keeps transformers' current form).")
-    verdict = res.compat_verdict or "not checked (compatibility check unavailable)"
+    verdict = res.compat_verdict or "not checked (no tokenizer known for one side)"
     console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
                   f"(load {res.timings['load_s']:.1f} s, write {res.timings['write_s']:.1f} s)")
@@ -310,8 +310,9 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False, map
     Returns ``(target, draft, target_tokenizer, mapping)``; ``mapping`` is a VocabMapping when the tokenizers
     differ and ``map_vocab`` allows decoding through one, else ``None``. A mismatch without ``map_vocab``, or
     a pair with no usable overlap, fails here, before any weights are read."""
-    from specdraft.compat import CompatibilityError, build_vocab_mapping, check_compatible, print_report
+    from specdraft.check import check_compatible, print_report
     from specdraft.models import load_model
+    from specdraft.vocab import CompatibilityError, build_vocab_mapping
 
     tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
     report = check_compatible(tpath, dpath)

@@ -23,7 +23,7 @@ keys and positions it would see decoded alone. Finished rows leave the batch (``
 Drafts of another tokenizer (``vocab_mapping``): the draft reads the context as *text* — each round the
 target-side ids (prompt + output) are decoded and re-encoded with the draft's tokenizer, the draft's cache keeps
 the longest prefix it already holds and is fed the rest — and proposes over target ids: its logits are mapped
-through the one-to-one :class:`~specdraft.compat.VocabMapping`, so a draft token with no target twin has
+through the one-to-one :class:`~specdraft.vocab.VocabMapping`, so a draft token with no target twin has
 q = 0 and a target token with no draft twin is never proposed. Verification is unchanged (any q is exact),
 so the output stays the target's; only acceptance depends on the mapping's coverage. This is the token-level
 intersection of Timor et al. 2025 ("Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
@@ -45,9 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.acceptance import AcceptanceCounts
-from specdraft.compat import align_logits
 from specdraft.config import SamplingConfig
-from specdraft.losses import filter_logits
+from specdraft.sampling import align_logits, filter_logits
 
 
 class DecodeError(ValueError):
@@ -151,7 +150,7 @@ class _Stream:
         self.n_real = self.n_real + chunk_mask.sum(dim=1)
         self.calls += 1
         logits = out.logits if self.mapping is None else self.mapping.map_draft_logits(out.logits)
-        # Padding rows (ids ≥ len(tokenizer)) get −inf, and widths are brought to the target's (compat issue).
+        # Padding rows (ids ≥ len(tokenizer)) get −inf, and widths are brought to the target's (see specdraft.sampling).
         return align_logits(logits, self.width, self.real_vocab)
 
     def keep(self, start: int, n_valid: torch.Tensor) -> None:
@@ -268,8 +267,8 @@ def speculative_generate(
             probability of its own latest token falls below this value in every row (γ is then the maximum).
             Lossless: the number of proposals depends only on the draft, and each proposal is still
             verified exactly (as transformers' ``assistant_confidence_threshold``; SpecDec++ motivates it).
-        vocab_mapping: a :class:`~specdraft.compat.VocabMapping` (from
-            :func:`~specdraft.compat.build_vocab_mapping`, tokenizers attached) when the draft's tokenizer
+        vocab_mapping: a :class:`~specdraft.vocab.VocabMapping` (from
+            :func:`~specdraft.vocab.build_vocab_mapping`, tokenizers attached) when the draft's tokenizer
             differs: the draft re-reads the context as text each round and proposes as ``mapped_proposals``
             says (see the module docstring). Lossless as without it.
         mapped_proposals: with ``vocab_mapping``, how the draft proposes: ``"tokens"`` (its tokens with a

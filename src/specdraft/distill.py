@@ -11,7 +11,7 @@ Teacher signal per position (from :mod:`specdraft.dump`):
 * ``topk`` dump: a sparse teacher (see :func:`specdraft.dump.teacher_probs_from_topk` for the leftover rule).
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
-compared over the real shared vocabulary (:func:`specdraft.compat.align_logits`), padding rows carry zero
+compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
 teacher mass. Widths below the real vocabulary are refused at construction.
 """
 
@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from transformers.utils import ModelOutput
 
-from specdraft.compat import align_logits
-from specdraft.losses import LOSSES, filtered_probs, masked_mean, sum_min
+from specdraft.losses import LOSSES, masked_mean, sum_min
+from specdraft.sampling import align_logits, filtered_probs
 
 LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
 TrainWhat = Literal["all", "last_layers", "lora"]
@@ -115,7 +115,7 @@ class DistillModel(nn.Module):
             if w < real_vocab:
                 raise DistillError(
                     f"the {name}'s output width {w} is below the tokenizer's {real_vocab} ids: the vocabularies "
-                    "differ beyond padding of one tokenizer. Align them first (specdraft.compat.vocab_swap).")
+                    "differ beyond padding of one tokenizer. Align them first (specdraft.vocab.vocab_swap).")
         self.real_vocab = real_vocab
         self.width = t_width
         # Non-persistent buffers: follow .to()/device placement, never saved in checkpoints or state_dict.

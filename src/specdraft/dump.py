@@ -45,7 +45,7 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
         (ids: the example id of each row). Shards are byte-reproducible: a resumed dump equals a fresh one.
 
 The manifest records the target (reference, revision, config), the tokenizer fingerprint
-(:func:`specdraft.compat.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
+(:func:`specdraft.vocab.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
 output-head fingerprint (:func:`head_fingerprint`), sequence/token counts, sha256 per shard, the command
 and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
 or missing one is named and redone. :func:`verify_dump` checks a finished dump; :class:`TeacherDataset`
@@ -269,12 +269,9 @@ def head_fingerprint(tensors_or_model) -> str:
 
 def _real_vocab(tokenizer) -> int:
     """Ids below this are tokens; the rest (GGUF ``[PAD<id>]`` placeholders, holes) are padding rows."""
-    try:
-        from specdraft.compat import _view  # the same rule as the fingerprint's (compat keeps it private)
+    from specdraft.vocab import tokenizer_view  # the same rule as the fingerprint's
 
-        return int(_view(tokenizer).real)
-    except (ImportError, AttributeError):  # pragma: no cover - compat reorganised: count every id
-        return len(tokenizer)
+    return int(tokenizer_view(tokenizer).real)
 
 
 def _target_revision(resolved: str) -> str | None:
@@ -613,10 +610,10 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
             head input cannot be captured, bad generation settings.
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
-    from specdraft.compat import tokenizer_fingerprint
     from specdraft.config import SamplingConfig
     from specdraft.data import DataError, build_sequences, encode_prompts, load_examples
     from specdraft.models import load_model, load_tokenizer, resolve
+    from specdraft.vocab import tokenizer_fingerprint
 
     config = config or DumpConfig()
     out = Path(out)
@@ -942,7 +939,7 @@ class TeacherDataset:
         dump_dir: the dump directory.
         draft_tokenizer: the draft's tokenizer (object or model reference); a fingerprint other than the
             manifest's is refused unless ``vocab_mapping`` is given.
-        vocab_mapping: a :class:`specdraft.compat.VocabMapping` from the target to the draft; kept as
+        vocab_mapping: a :class:`specdraft.vocab.VocabMapping` from the target to the draft; kept as
             ``self.vocab_mapping`` for the trainer (map draft logits to target ids with it).
         verify: check every shard's sha256 now (:func:`verify_dump`); sizes are always checked.
 
@@ -967,7 +964,7 @@ class TeacherDataset:
                 from specdraft.models import load_tokenizer
 
                 draft_tokenizer = load_tokenizer(draft_tokenizer)
-            from specdraft.compat import tokenizer_fingerprint
+            from specdraft.vocab import tokenizer_fingerprint
 
             fp = tokenizer_fingerprint(draft_tokenizer)
             if fp != self.manifest["tokenizer_fingerprint"] and vocab_mapping is None:
@@ -975,7 +972,7 @@ class TeacherDataset:
                     f"the draft's tokenizer differs from the target's this dump was made with: draft fingerprint {fp}, "
                     f"dump fingerprint {self.manifest['tokenizer_fingerprint']} (target "
                     f"{self.manifest['target']['ref']}). Ids would mean other strings to the draft; pass a "
-                    "vocab_mapping (specdraft.compat.build_vocab_mapping) to train across vocabularies.")
+                    "vocab_mapping (specdraft.vocab.build_vocab_mapping) to train across vocabularies.")
         self._starts = [0]
         for s in self.shards:
             self._starts.append(self._starts[-1] + s["sequences"])
@@ -1046,7 +1043,7 @@ class TeacherDataset:
             head = head if head is not None else self.head()
             logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"], head.get("lm_head.bias"),
                                                 t["real_vocab"])
-            from specdraft.compat import align_logits
+            from specdraft.sampling import align_logits
 
             return align_logits(logits, width).softmax(dim=-1)
         return teacher_probs_from_topk(item["topk_logprobs"], item["topk_ids"], item["leftover_logmass"], width,

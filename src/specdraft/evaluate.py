@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
-from specdraft.compat import align_logits
 from specdraft.config import SamplingConfig
 from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
-from specdraft.losses import filtered_probs, greedy_probs, sum_min
+from specdraft.losses import sum_min
+from specdraft.sampling import align_logits, filtered_probs, greedy_probs
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
 # rounding alone. bf16 keeps 8 significand bits: logits of magnitude ~20 are spaced 0.125 apart, and errors
@@ -236,7 +236,7 @@ def run_eval(
         prompt_ids: target token ids per prompt (chat template already applied).
         sampling: greedy by default; with sampling, outputs are not compared token by token (they are
             random) — the χ² tests cover the law.
-        vocab_mapping: :class:`~specdraft.compat.VocabMapping` for a draft of another tokenizer (see
+        vocab_mapping: :class:`~specdraft.vocab.VocabMapping` for a draft of another tokenizer (see
             :func:`~specdraft.decode.speculative_generate`). Predicted α (teacher-forced) needs aligned
             positions and is left out; transformers' assisted generation runs as its universal assisted
             generation (``tokenizer`` + ``assistant_tokenizer``), greedy only, since its sampled variant prunes

@@ -18,76 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-NEG_INF = float("-inf")
-
-
-def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Smallest logit kept by top-p, given logits sorted in descending order ``[..., K]`` → ``[..., 1]``.
-
-    Keeps the smallest prefix whose probability mass reaches ``top_p``: token j is kept when the mass of the
-    tokens before it is < ``top_p`` (so the argmax, with zero mass before it, is always kept). The mass is
-    renormalised over the K values given (after top-k, as serving stacks do).
-    """
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep = mass_before < top_p
-    keep[..., 0] = True
-    # The last kept index = number kept − 1 (keep is a prefix because probs are sorted descending).
-    last = keep.sum(dim=-1, keepdim=True) - 1
-    return sorted_logits.gather(-1, last)
-
-
-def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Apply temperature → top-k → renormalise → top-p; return float32 logits with ``-inf`` outside the kept set.
-
-    ``softmax`` of the result is the sampling distribution. Ties at the k-th value are all kept (threshold
-    semantics, as transformers' ``TopKLogitsWarper``), so more than k tokens survive on exact ties.
-
-    Memory: with ``top_k > 0`` only ``torch.topk`` values ``[..., k]`` are sorted and the nucleus is taken over
-    them — no full-vocabulary sort and no vocabulary-sized int64 index tensor; ``top_k = 0`` with
-    ``top_p < 1`` takes the full-sort path.
-
-    Args:
-        logits: ``[..., V]`` any float dtype (upcast to float32).
-        temperature: > 0 (greedy decoding does not call this function).
-        top_k: keep the k largest; 0 disables.
-        top_p: nucleus mass in (0, 1]; 1 disables.
-
-    Returns:
-        ``[..., V] float32`` filtered, temperature-scaled logits.
-
-    Raises:
-        ValueError: temperature <= 0, top_k < 0 or top_p outside (0, 1].
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for a filtered distribution (got {temperature}); "
-                         "temperature 0 means greedy decoding, which takes the argmax.")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    vocab = x.shape[-1]
-    if 0 < top_k < vocab:
-        top_vals = torch.topk(x, top_k, dim=-1).values  # [..., k], descending
-        threshold = top_vals[..., -1:]
-        if top_p < 1.0:
-            threshold = torch.maximum(threshold, _nucleus_threshold(top_vals, top_p))
-        return x.masked_fill(x < threshold, NEG_INF)
-    if top_p < 1.0:
-        sorted_x = torch.sort(x, dim=-1, descending=True).values
-        return x.masked_fill(x < _nucleus_threshold(sorted_x, top_p), NEG_INF)
-    return x
-
-
-def filtered_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """``softmax(filter_logits(...))``: the distribution a sampler draws from, ``[..., V] float32``, sums to 1."""
-    return filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-
+from specdraft.sampling import NEG_INF, _nucleus_threshold, filtered_probs
 
 # ----------------------------------------------------------------------------------------------- losses
 
@@ -194,8 +126,3 @@ def masked_mean(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sum_min(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """α at each position: Σ_x min(p(x), q(x)) = 1 − TV(p, q), ``[...] float32`` probability."""
     return torch.minimum(p.float(), q.float()).sum(dim=-1)
-
-
-def greedy_probs(logits: torch.Tensor) -> torch.Tensor:
-    """One-hot distribution at the argmax ``[..., V] float32`` (the 'distribution' of greedy decoding)."""
-    return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()

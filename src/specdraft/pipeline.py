@@ -3,7 +3,7 @@
 Stages, each a library call writing into ``OUT/<stage>/`` and finished by a ``stage.json`` holding the key of
 its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped):
 
-1. ``check``       tokenizer compatibility (:func:`specdraft.compat.check_compatible`)
+1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
 2. ``eval_before`` predicted α + target-only vs speculative decoding on held-out prompts (+ transformers'
                    assisted generation) (:func:`specdraft.evaluate.run_eval`)
 3. ``dump``        the target's teacher signal on the training prompts, responses written by the target
@@ -232,8 +232,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     Raises:
         PipelineError: a stage failed (names it and the resume command), overlap refused, too little disk.
     """
-    from specdraft.compat import build_vocab_mapping, check_compatible
+    from specdraft.check import check_compatible
     from specdraft.models import resolve
+    from specdraft.vocab import build_vocab_mapping
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +312,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     train_draft = dpath
     if mapped:
         def do_swap(d: Path) -> dict[str, Any]:
-            from specdraft.compat import save_vocab_swap
+            from specdraft.vocab import save_vocab_swap
 
             report = save_vocab_swap(dpath, tpath, d / "model", dtype=cfg.distill.dtype, overwrite=True)
             return report.to_dict() | {"path": str(d / "model")}

@@ -874,7 +874,7 @@ class ConvertResult:
             the draft (empty when the source was written by this transformers version).
         tokenizer_files: names copied from the draft directory.
         vllm_command: serves the verifier with this speculator as its draft.
-        compat_verdict: the tokenizer check's verdict, or ``None`` when the check does not exist yet.
+        compat_verdict: the tokenizer check's verdict, or ``None`` when a tokenizer was unknown (warned).
         seconds: wall time of the whole conversion, seconds.
     """
 
@@ -1096,14 +1096,10 @@ def _tokenizer_dir(path: str | os.PathLike | None) -> str | None:
 
 
 def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | None) -> str | None:
-    """Run ``specdraft.compat.check_compatible`` when it exists; raise on "mismatch". Returns the verdict."""
-    try:
-        from specdraft import compat
-    except ImportError:  # pragma: no cover - compat ships with specdraft
-        return None
-    check = getattr(compat, "check_compatible", None)
-    if check is None:  # the compatibility check is not there yet: nothing to run
-        return None
+    """Run :func:`specdraft.check.check_compatible`; raise on "mismatch". Returns the verdict (``None`` when a
+    tokenizer is unknown: warned)."""
+    from specdraft.check import check_compatible
+
     missing = [side for side, tok in (("verifier", verifier_tok), ("draft", draft_tok)) if tok is None]
     if missing:
         warnings.warn(
@@ -1112,11 +1108,10 @@ def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | No
             stacklevel=3,
         )
         return None
-    report = check(verifier_tok, draft_tok)
-    verdict = getattr(report, "verdict", None)
+    report = check_compatible(verifier_tok, draft_tok)
+    verdict = report.verdict
     if verdict == "mismatch":
-        summary = getattr(report, "summary", None)
-        detail = summary() if callable(summary) else repr(report)[:600]
+        detail = report.summary()
         raise SpeculatorError(
             f"The verifier {verifier_name!r} and the draft do not share a tokenizer — {detail}. A speculator's "
             "token ids must mean the same strings to both models."

@@ -13,19 +13,11 @@ import json
 import pytest
 import torch
 
-from specdraft.compat import (
-    VERDICTS,
-    CompatibilityError,
-    align_logits,
-    build_vocab_mapping,
-    check_compatible,
-    print_report,
-    require_compatible,
-    tokenizer_fingerprint,
-    vocab_swap,
-)
+from specdraft.check import VERDICTS, check_compatible, print_report, require_compatible
 from specdraft.models import ModelResolutionError
+from specdraft.sampling import align_logits
 from specdraft.testing import SPECIAL_TOKENS, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+from specdraft.vocab import CompatibilityError, build_vocab_mapping, tokenizer_fingerprint, vocab_swap
 
 
 def word_tokenizer(words, specials=tuple(SPECIAL_TOKENS), scheme="plain", eos="<eos>"):

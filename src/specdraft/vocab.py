@@ -1,21 +1,14 @@
-"""Tokenizer compatibility between target and draft, padding rows, and vocabulary mapping.
+"""What an id means to a tokenizer, and how to pair two tokenizers that disagree.
 
-Speculative decoding compares the target distribution p and the draft distribution q id by id: the draft
-proposes id x with probability q(x), the target accepts it with probability min(1, p(x)/q(x)). If id x
-means one string to the target and another to the draft, acceptance is silently wrong (or zero). This
-module answers three questions:
-
-1. **Do the two tokenizers agree on every id?** :func:`check_compatible` compares the whole vocabulary
-   in both directions (id → string and string → id, never a sample), the special tokens, a probe text
-   (normaliser / pre-tokeniser) and a rendered chat conversation, and returns a :class:`CompatReport`
-   with one of three verdicts (:data:`VERDICTS`).
-2. **Do their logits have the same width?** ``config.vocab_size`` may exceed ``len(tokenizer)`` and may
-   differ between two models of one tokenizer (Qwen2.5: 151936 vs 152064). Rows past the real tokenizer
-   length are padding: :func:`align_logits` gives them zero probability and brings q to p's width.
-3. **A draft of another family?** :class:`VocabMapping` pairs string-identical tokens one to one (byte-level
-   ``Ġ`` and sentencepiece ``▁`` markers normalised to the bytes they stand for) so draft proposals can be
-   verified in target ids, and :func:`vocab_swap` re-indexes a draft's embedding and output rows into the
-   target's tokenizer for training.
+* :class:`TokenizerView` reads one tokenizer once (every id → string, string → id, special roles, padding
+  rows past the real vocabulary); :func:`tokenizer_fingerprint` hashes it. :mod:`specdraft.check` compares two
+  views, :mod:`specdraft.dump` fingerprints the teacher's.
+* :class:`VocabMapping` pairs string-identical tokens one to one (byte-level ``Ġ`` and sentencepiece ``▁``
+  markers normalised to the bytes they stand for) so a draft of another family can propose in target ids
+  (Timor et al. 2025, "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for
+  Heterogeneous Vocabularies"; :func:`specdraft.decode.speculative_generate` ``vocab_mapping``).
+* :func:`vocab_swap` re-indexes a draft's embedding and output rows into the target's tokenizer for training
+  (fast vocabulary transfer, Gee et al. 2022).
 
 Only tokenizers and configs are read here, never weights (except by :func:`vocab_swap`, after its mapping
 has been checked).
@@ -24,24 +17,15 @@ has been checked).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import os
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-Verdict = Literal["identical", "identical-up-to-padding", "mismatch"]
-#: The verdicts of :func:`check_compatible`, in order of agreement. One source for every list of them.
-VERDICTS: tuple[str, ...] = get_args(Verdict)
-
-#: Differences listed by name in a report (all of them are counted).
-MAX_DIFFERENCES = 10
 
 #: Default for ``min_coverage`` of :func:`build_vocab_mapping`: the share of the target's text vocabulary
 #: (added/special tokens left out) that must have a draft twin. Below 1 % the draft can propose almost
@@ -64,15 +48,10 @@ PROBE_TEXT = (
     "whitespace:   three  two\t\ttabs\r\nCRLF \u00a0nbsp \u3000ideographic    \n\n\n    trailing   "
 )
 
-# Rendered with both chat templates. User and assistant alternate, so strict templates accept it.
-PROBE_CONVERSATION = [
-    {"role": "system", "content": "You are a careful assistant."},
-    {"role": "user", "content": "Write hello world in Python."},
-    {"role": "assistant", "content": "print('hello world')"},
-    {"role": "user", "content": "Now in C."},
-]
-
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+
+#: Target strings without a draft twin listed by name in a vocab-swap report.
+MAX_EXAMPLES = 10
 
 # llama.cpp's GGUF converter names ids the tokenizer lacks "[PAD<id>]"; transformers' GGUF loader keeps
 # them as vocabulary entries. They are padding rows, not tokens.
@@ -85,47 +64,13 @@ class CompatibilityError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------
-# Padding rows
-# --------------------------------------------------------------------------------------------------
-
-
-def align_logits(logits, width: int, real_vocab: int | None = None):
-    """Bring draft (or target) logits to the target's vocabulary width, masking padding rows.
-
-    Two models of one tokenizer may pad their embedding matrices to different widths (Qwen2.5: 151936 vs
-    152064). Ids at or past ``real_vocab`` (= ``len(tokenizer)``) are padding: they get ``-inf`` so they
-    carry zero probability after softmax, and columns are dropped or ``-inf``-padded to ``width``.
-
-    Args:
-        logits: ``[..., V] float`` logits of one model.
-        width: the width wanted (the target's ``config.vocab_size`` / logits width).
-        real_vocab: ``len(tokenizer)``; ids ``>= real_vocab`` are masked. ``None`` masks nothing.
-
-    Returns:
-        ``[..., width]`` logits, same dtype; a view-free new tensor only when something changes.
-    """
-    import torch
-
-    v = logits.shape[-1]
-    if real_vocab is not None and real_vocab < v:
-        logits = logits.clone()
-        logits[..., real_vocab:] = float("-inf")
-    if v > width:
-        logits = logits[..., :width]
-    elif v < width:
-        pad = logits.new_full((*logits.shape[:-1], width - v), float("-inf"))
-        logits = torch.cat([logits, pad], dim=-1)
-    return logits
-
-
-# --------------------------------------------------------------------------------------------------
 # Reading a tokenizer once
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class _View:
-    """Everything the comparison needs from one tokenizer, read once (``get_vocab`` and one
+class TokenizerView:
+    """Everything the comparison and the mapping need from one tokenizer, read once (``get_vocab`` and one
     ``convert_ids_to_tokens`` over the whole id range: ~0.1 s for 150k ids)."""
 
     tok: Any
@@ -167,7 +112,7 @@ def _real_length(tokens: list[str | None]) -> int:
     return n
 
 
-def _view(tok, name: str | None = None, config=None) -> _View:
+def tokenizer_view(tok, name: str | None = None, config=None) -> TokenizerView:
     vocab = dict(tok.get_vocab())
     n = max(len(tok), max(vocab.values(), default=-1) + 1)
     tokens = tok.convert_ids_to_tokens(list(range(n)))
@@ -184,12 +129,12 @@ def _view(tok, name: str | None = None, config=None) -> _View:
     # content, literally, like any other text token.
     control_ids = set(special_ids)
     text_added_ids = {int(i) for i in decoder if i < real} - control_ids
-    return _View(tok=tok, name=name or getattr(tok, "name_or_path", "") or type(tok).__name__,
+    return TokenizerView(tok=tok, name=name or getattr(tok, "name_or_path", "") or type(tok).__name__,
                  tokens=tokens, vocab=vocab, real=real, roles=roles, special_ids=special_ids,
                  control_ids=control_ids, text_added_ids=text_added_ids, config_vocab=_config_vocab(config))
 
 
-def _fingerprint(v: _View) -> str:
+def view_fingerprint(v: TokenizerView) -> str:
     payload = {
         "format": 1,
         "tokens": v.tokens[: v.real],
@@ -214,14 +159,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     Returns:
         64 hex characters.
     """
-    return _fingerprint(_view(tokenizer))
+    return view_fingerprint(tokenizer_view(tokenizer))
 
 
-def _load_side(ref, config, role: str) -> _View:
+def load_tokenizer_view(ref, config, role: str) -> TokenizerView:
     """A reference (embedded name, local dir, cached hub id) → tokenizer + config, never the weights; a
     tokenizer object is used as given (``config``: a config object, an int width, or None)."""
     if not isinstance(ref, (str, os.PathLike)):
-        return _view(ref, config=config)
+        return tokenizer_view(ref, config=config)
     from transformers import AutoConfig, AutoTokenizer
 
     from specdraft.models import ModelResolutionError, resolve
@@ -240,320 +185,30 @@ def _load_side(ref, config, role: str) -> _View:
             raise ModelResolutionError(
                 f"Could not read the {role} config in {path}: {type(exc).__name__}: {exc}"
             ) from exc
-    return _view(tok, name=str(ref), config=config)
+    return tokenizer_view(tok, name=str(ref), config=config)
 
 
-def _encode(tok, text: str, add_special_tokens: bool) -> list[int] | str:
+def encode_text(tok, text: str, add_special_tokens: bool) -> list[int] | str:
     try:
         return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
     except Exception as exc:  # noqa: BLE001 - reported, not raised: a probe must not stop the check
         return f"error: {type(exc).__name__}: {exc}"
 
 
-def _render(tok) -> str | None:
-    if not getattr(tok, "chat_template", None):
-        return None
-    try:
-        return tok.apply_chat_template(PROBE_CONVERSATION, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001
-        return f"error: {type(exc).__name__}: {exc}"
-
-
-def _first_list_difference(a: list, b: list) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-# --------------------------------------------------------------------------------------------------
-# The report
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TokenDifference:
-    """One id whose string differs: ``None`` where the id is past that tokenizer's real vocabulary."""
-
-    id: int
-    target: str | None
-    draft: str | None
-
-
-@dataclass
-class CompatReport:
-    """Result of :func:`check_compatible`. Counts are complete; lists of examples are capped.
-
-    Verdicts (:data:`VERDICTS`):
-
-    * ``identical``: every id below the real vocabulary length means the same string to both (and every
-      string the same id), and both models' logits have the same width.
-    * ``identical-up-to-padding``: the same, but the widths differ (``config.vocab_size`` padded
-      differently); q must go through :func:`align_logits` to p's width.
-    * ``mismatch``: at least one id (or string) differs, or one tokenizer has tokens the other lacks.
-
-    Only the id ↔ string vocabulary decides the verdict, because that is what speculative decoding
-    compares. Differing bos/eos/pad/unk roles, special flags, probe encodings (normaliser /
-    pre-tokeniser) or chat templates leave every id meaning the same string, so sampling stays exact;
-    they can still lower acceptance (the draft sees text segmented or formatted unlike its training) or
-    change when the draft stops, so each one is listed in ``warnings``.
-    """
-
-    verdict: Verdict
-    target: str  # the reference or tokenizer name
-    draft: str
-    target_len: int  # len(tokenizer)
-    draft_len: int
-    target_real_vocab: int  # len(tokenizer) less GGUF placeholders / trailing holes
-    draft_real_vocab: int
-    target_config_vocab: int | None  # config.vocab_size, None without a config
-    draft_config_vocab: int | None
-    target_width: int  # logits width: config.vocab_size, else the tokenizer's id range
-    draft_width: int
-    real_vocab: int | None  # shared real vocabulary length when the vocabularies agree, else None
-    n_diff_ids: int  # ids in [0, max real) whose strings differ (or exist on one side only)
-    n_diff_strings: int  # strings whose ids differ (or exist on one side only)
-    differences: list[TokenDifference]  # first MAX_DIFFERENCES differing ids, ascending
-    string_differences: list[dict[str, Any]]  # first differing strings: {"string", "target", "draft"} ids
-    special_tokens: dict[str, dict[str, Any]]  # role → {"target": [str, id], "draft": [str, id], "equal"}
-    special_tokens_equal: bool  # roles and special flags agree
-    probe_equal: bool  # PROBE_TEXT encodes to the same ids (add_special_tokens=False)
-    probe_detail: dict[str, Any] | None  # first differing position and the ids around it
-    chat_template_equal: bool | None  # None when neither tokenizer has a chat template
-    target_fingerprint: str
-    draft_fingerprint: str
-    warnings: list[str] = field(default_factory=list)
-    mapping: dict[str, Any] | None = None  # on a mismatch: what a VocabMapping would cover
-    seconds: float = 0.0  # wall time of the check, loading included
-
-    @property
-    def compatible(self) -> bool:
-        """True unless the verdict is ``mismatch``."""
-        return self.verdict != "mismatch"
-
-    def detail(self) -> str:
-        """The counts behind the verdict, and the first differing ids with both strings."""
-        if self.verdict == "identical":
-            return f"{self.real_vocab} ids agree, logits width {self.target_width}"
-        if self.verdict == "identical-up-to-padding":
-            return (f"{self.real_vocab} ids agree; logits widths target {self.target_width}, draft "
-                    f"{self.draft_width} (rows past {self.real_vocab} are padding)")
-        first = "; ".join(f"id {d.id}: target {d.target!r} vs draft {d.draft!r}" for d in self.differences[:3])
-        return (f"{self.n_diff_ids} of {max(self.target_real_vocab, self.draft_real_vocab)} ids and "
-                f"{self.n_diff_strings} strings differ (first: {first})")
-
-    def summary(self) -> str:
-        """One line: the verdict and :meth:`detail`."""
-        return f"{self.verdict}: {self.detail()}"
-
-    def raise_for_mismatch(self) -> CompatReport:
-        """Raise :class:`CompatibilityError` on a ``mismatch`` (the message names the first differing ids
-        and both strings); return ``self`` otherwise."""
-        if self.verdict != "mismatch":
-            return self
-        hint = ""
-        if self.mapping and self.mapping.get("usable"):
-            hint = (f" A VocabMapping could translate between them (target coverage "
-                    f"{self.mapping['target_coverage']:.1%}, draft coverage {self.mapping['draft_coverage']:.1%}).")
-        raise CompatibilityError(
-            f"Target {self.target} and draft {self.draft} tokenizers disagree — {self.summary()}. "
-            "Speculative decoding compares p and q id by id, so they cannot be paired as is." + hint
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict of every field plus ``compatible`` and ``summary``."""
-        d = asdict(self)
-        d["compatible"] = self.compatible
-        d["summary"] = self.summary()
-        return d
-
-
-def check_compatible(target, draft, *, target_config=None, draft_config=None,
-                     max_differences: int = MAX_DIFFERENCES, with_mapping: bool = True) -> CompatReport:
-    """Compare the target's and the draft's tokenizers over the whole vocabulary (no weights loaded).
-
-    Compared: every id in both directions (id → string with ``convert_ids_to_tokens`` over the full range,
-    string → id with ``get_vocab``), bos/eos/pad/unk strings and ids, which ids are special,
-    :data:`PROBE_TEXT` encoded by both, :data:`PROBE_CONVERSATION` rendered by both chat templates, and
-    the logits widths (``config.vocab_size``). See :class:`CompatReport` for what decides the verdict.
-
-    Args:
-        target: the target's reference (embedded name, local HF directory, cached hub id — tokenizer and
-            config are read, never the weights) or a tokenizer object.
-        draft: the same for the draft.
-        target_config / draft_config: with tokenizer objects, the config (or ``config.vocab_size`` as an
-            int) giving the logits width; without one the width is the tokenizer's id range.
-        max_differences: differing ids (and strings) listed by name; all are counted.
-        with_mapping: on a mismatch, also measure what a :class:`VocabMapping` would cover.
+def vocab_differences(t: TokenizerView, d: TokenizerView) -> tuple[list[int], list[str]]:
+    """Where two tokenizers disagree on what an id means, over their whole real vocabularies.
 
     Returns:
-        The report; a mismatch is reported, not raised (see :meth:`CompatReport.raise_for_mismatch` and
-        :func:`require_compatible`).
-
-    Raises:
-        ModelResolutionError: a reference cannot be resolved, or its tokenizer / config cannot be loaded
-            (the message names the path).
+        ``(ids, strings)``: ids in ``[0, max real)`` whose strings differ (or exist on one side only), ascending;
+        strings whose ids differ (or exist on one side only) — this catches a string held by two ids on one
+        side, which id → string alone cannot see. Both empty ⇔ the vocabularies are identical (up to padding).
     """
-    t0 = time.perf_counter()
-    t = _load_side(target, target_config, "target")
-    d = _load_side(draft, draft_config, "draft")
-
-    # id → string over the union of both real ranges: an id one side lacks differs.
     n = max(t.real, d.real)
     diff_ids = [i for i, (a, b) in enumerate(zip(t.tokens[: t.real], d.tokens[: d.real])) if a != b]
     diff_ids += list(range(min(t.real, d.real), n))
-    # string → id: catches a string held by two ids on one side, which id → string alone cannot see.
     tv = {s: i for s, i in t.vocab.items() if i < t.real}
     dv = {s: i for s, i in d.vocab.items() if i < d.real}
-    diff_strings = [s for s in tv.keys() | dv.keys() if tv.get(s) != dv.get(s)]
-    first_strings = heapq.nsmallest(max_differences, diff_strings, key=lambda s: (min(tv.get(s, n), dv.get(s, n)), s))
-
-    def tok_at(v: _View, i: int) -> str | None:
-        return v.tokens[i] if i < v.real else None
-
-    differences = [TokenDifference(i, tok_at(t, i), tok_at(d, i)) for i in diff_ids[:max_differences]]
-    string_differences = [{"string": s, "target": tv.get(s), "draft": dv.get(s)}
-                          for s in first_strings]
-    vocab_equal = not diff_ids and not diff_strings
-
-    warnings: list[str] = []
-    special = {}
-    for role in SPECIAL_ROLES:
-        a, b = t.roles[role], d.roles[role]
-        special[role] = {"target": list(a), "draft": list(b), "equal": a == b}
-        if a != b and vocab_equal:  # on a mismatch the table shows them; the ids differ anyway
-            warnings.append(f"{role} token differs: target {a[0]!r} (id {a[1]}), draft {b[0]!r} (id {b[1]})")
-    flags_equal = t.special_ids == d.special_ids
-    if not flags_equal and vocab_equal:
-        only_t = sorted(set(t.special_ids) - set(d.special_ids))[:5]
-        only_d = sorted(set(d.special_ids) - set(t.special_ids))[:5]
-        warnings.append(f"special flags differ: special only for the target {only_t}, only for the draft {only_d}")
-    special_equal = all(s["equal"] for s in special.values()) and flags_equal
-
-    probe_t, probe_d = _encode(t.tok, PROBE_TEXT, False), _encode(d.tok, PROBE_TEXT, False)
-    probe_equal = probe_t == probe_d
-    probe_detail = None
-    if not probe_equal:
-        if isinstance(probe_t, list) and isinstance(probe_d, list):
-            k = _first_list_difference(probe_t, probe_d)
-            probe_detail = {"position": k, "target_len": len(probe_t), "draft_len": len(probe_d),
-                            "target_ids": probe_t[max(0, k - 2): k + 4], "draft_ids": probe_d[max(0, k - 2): k + 4],
-                            "target_tokens": [tok_at(t, i) for i in probe_t[max(0, k - 2): k + 4]],
-                            "draft_tokens": [tok_at(d, i) for i in probe_d[max(0, k - 2): k + 4]]}
-        else:
-            probe_detail = {"target": probe_t if isinstance(probe_t, str) else "ok",
-                            "draft": probe_d if isinstance(probe_d, str) else "ok"}
-        if vocab_equal:
-            warnings.append(f"the probe text encodes differently (normaliser / pre-tokeniser differ) from "
-                            f"token {probe_detail.get('position', 0)}: the draft will see text segmented "
-                            "unlike its training")
-    elif vocab_equal and _encode(t.tok, PROBE_TEXT, True) != _encode(d.tok, PROBE_TEXT, True):
-        warnings.append("the tokenizers add different special tokens (bos/eos) when encoding")
-
-    render_t, render_d = _render(t.tok), _render(d.tok)
-    chat_equal = None if render_t is None and render_d is None else render_t == render_d
-    if chat_equal is False and vocab_equal:
-        which = ("only the target has a chat template" if render_d is None else
-                 "only the draft has a chat template" if render_t is None else
-                 "the chat templates render the probe conversation differently")
-        warnings.append(f"{which}: format the draft's training data with the target's template")
-
-    for v, role in ((t, "target"), (d, "draft")):
-        if v.config_vocab is not None and v.config_vocab < v.real:
-            warnings.append(f"{role} config.vocab_size {v.config_vocab} < its real vocabulary {v.real}: ids "
-                            f">= {v.config_vocab} can never be produced")
-
-    if not vocab_equal:
-        verdict: Verdict = "mismatch"
-    elif t.width == d.width:
-        verdict = "identical"
-    else:
-        verdict = "identical-up-to-padding"
-
-    mapping = None
-    if verdict == "mismatch" and with_mapping:
-        m = _build_mapping(t, d)
-        mapping = m.to_dict()
-        mapping["usable"] = m.usable_error(MIN_COVERAGE) is None
-
-    return CompatReport(
-        verdict=verdict, target=t.name, draft=d.name,
-        target_len=len(t.tok), draft_len=len(d.tok),
-        target_real_vocab=t.real, draft_real_vocab=d.real,
-        target_config_vocab=t.config_vocab, draft_config_vocab=d.config_vocab,
-        target_width=t.width, draft_width=d.width,
-        real_vocab=t.real if vocab_equal else None,
-        n_diff_ids=len(diff_ids), n_diff_strings=len(diff_strings),
-        differences=differences, string_differences=string_differences,
-        special_tokens=special, special_tokens_equal=special_equal,
-        probe_equal=probe_equal, probe_detail=probe_detail, chat_template_equal=chat_equal,
-        target_fingerprint=_fingerprint(t), draft_fingerprint=_fingerprint(d),
-        warnings=warnings, mapping=mapping, seconds=round(time.perf_counter() - t0, 3),
-    )
-
-
-def require_compatible(target, draft, **kwargs) -> CompatReport:
-    """:func:`check_compatible`, then raise :class:`CompatibilityError` on a ``mismatch``.
-
-    Raises:
-        CompatibilityError: the tokenizers disagree on at least one id (message: first ids, both strings).
-        ModelResolutionError: see :func:`check_compatible`.
-    """
-    return check_compatible(target, draft, **kwargs).raise_for_mismatch()
-
-
-def print_report(report: CompatReport, console) -> None:
-    """Print ``report`` on a rich ``console``: a side-by-side table, the differing ids, the warnings."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    def fmt(x) -> str:
-        return escape(repr(x) if isinstance(x, str) else str(x))
-
-    def short(name: str) -> str:  # embedded models resolve to their cache entry: show the name
-        from specdraft.models import cache_root
-
-        p = os.path.abspath(name)
-        return os.path.basename(p) if p.startswith(str(cache_root().resolve() / "models") + os.sep) else name
-
-    table = Table(title="Tokenizer compatibility")
-    table.add_column("")
-    table.add_column(f"target: {escape(short(report.target))}")
-    table.add_column(f"draft: {escape(short(report.draft))}")
-    table.add_row("len(tokenizer)", str(report.target_len), str(report.draft_len))
-    table.add_row("real vocabulary", str(report.target_real_vocab), str(report.draft_real_vocab))
-    table.add_row("config.vocab_size", str(report.target_config_vocab), str(report.draft_config_vocab))
-    table.add_row("logits width", str(report.target_width), str(report.draft_width))
-    table.add_row("fingerprint", report.target_fingerprint[:16], report.draft_fingerprint[:16])
-    for role, s in report.special_tokens.items():
-        style = "" if s["equal"] else "[yellow]"
-        table.add_row(f"{style}{role}", *(f"{style}{fmt(s[k][0])} ({s[k][1]})" for k in ("target", "draft")))
-    table.add_row("probe encoding", "same" if report.probe_equal else "[yellow]differs", "")
-    chat = {None: "none", True: "same", False: "[yellow]differs"}[report.chat_template_equal]
-    table.add_row("chat template", chat, "")
-    console.print(table)
-
-    if report.differences:
-        diff = Table(title=f"First differing ids (of {report.n_diff_ids})")
-        for col in ("id", "target", "draft"):
-            diff.add_column(col)
-        for x in report.differences:
-            diff.add_row(str(x.id), fmt(x.target), fmt(x.draft))
-        console.print(diff)
-    colour = {"identical": "green", "identical-up-to-padding": "green", "mismatch": "red"}[report.verdict]
-    console.print(f"[bold {colour}]{report.verdict}[/]: {escape(report.detail())}")
-    for w in report.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}")
-    if report.mapping:
-        m = report.mapping
-        console.print(
-            f"A vocabulary mapping would pair {m['n_mapped']} string-identical tokens: "
-            f"{m['target_coverage']:.1%} of the target vocabulary reachable, {m['draft_coverage']:.1%} of the "
-            f"draft vocabulary mapped" + ("" if m["usable"] else " [red](no usable overlap)[/]")
-        )
-        if m["usable"] and report.verdict == "mismatch":
-            console.print("Decode through it with [bold]specdraft eval/generate --map-vocab[/], or re-index the draft "
-                          "into the target's tokenizer with [bold]specdraft vocab-swap[/] and distil it.")
+    return diff_ids, [s for s in tv.keys() | dv.keys() if tv.get(s) != dv.get(s)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -582,7 +237,7 @@ _U2LATIN1 = str.maketrans({u: chr(b) for b, u in _B2U.items()})
 Scheme = Literal["byte-level", "metaspace", "plain"]
 
 
-def _space_scheme(v: _View) -> Scheme:
+def _space_scheme(v: TokenizerView) -> Scheme:
     """How the tokenizer writes bytes and spaces into token strings: ``byte-level`` (GPT-2 table, space =
     ``Ġ``), ``metaspace`` (sentencepiece, space = ``▁``, raw bytes as ``<0xNN>``) or ``plain``."""
     state = ""
@@ -605,7 +260,7 @@ def _space_scheme(v: _View) -> Scheme:
     return "byte-level" if g > 0 else "plain"
 
 
-def _token_key(v: _View, scheme: Scheme, i: int, s: str) -> tuple[tuple, bool]:
+def _token_key(v: TokenizerView, scheme: Scheme, i: int, s: str) -> tuple[tuple, bool]:
     """``(key, is_byte_fallback)`` of token ``i`` spelled ``s``: ``("added", s)`` for a control token, else
     ``("text", bytes it stands for)``."""
     if i in v.control_ids:
@@ -621,7 +276,7 @@ def _token_key(v: _View, scheme: Scheme, i: int, s: str) -> tuple[tuple, bool]:
     return ("text", s.encode("utf-8")), False
 
 
-def _keys(v: _View, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
+def _keys(v: TokenizerView, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
     """Normalised key → id for ids below ``limit``, one id per key; returns ``(keys, duplicates)``.
 
     Special (control) tokens are keyed by their content (``("added", s)``) and text tokens by the bytes they
@@ -832,7 +487,7 @@ class VocabMapping:
         }
 
 
-def _build_mapping(t: _View, d: _View) -> VocabMapping:
+def mapping_from_views(t: TokenizerView, d: TokenizerView) -> VocabMapping:
     import torch
 
     ts, ds = _space_scheme(t), _space_scheme(d)
@@ -849,7 +504,7 @@ def _build_mapping(t: _View, d: _View) -> VocabMapping:
         d2t[di] = ti
         t2d[ti] = di
     n_text = sum(1 for p in pairs if p[1] not in t.control_ids)
-    probe = _encode(t.tok, PROBE_TEXT, False)
+    probe = encode_text(t.tok, PROBE_TEXT, False)
     probe_cov = None
     if isinstance(probe, list) and probe:
         probe_cov = sum(1 for i in probe if i < t.width and t2d[i] >= 0) / len(probe)
@@ -880,9 +535,9 @@ def build_vocab_mapping(target, draft, *, target_config=None, draft_config=None,
         CompatibilityError: no usable overlap (see ``min_coverage``) — raised before any model is loaded.
         ModelResolutionError: a tokenizer or config cannot be loaded (names the path).
     """
-    t = _load_side(target, target_config, "target")
-    d = _load_side(draft, draft_config, "draft")
-    mapping = _build_mapping(t, d)
+    t = load_tokenizer_view(target, target_config, "target")
+    d = load_tokenizer_view(draft, draft_config, "draft")
+    mapping = mapping_from_views(t, d)
     if (why := mapping.usable_error(min_coverage)) is not None:
         raise CompatibilityError(f"Target {t.name} and draft {d.name}: {why}.")
     return mapping
@@ -951,14 +606,14 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
         if not is_ref:
             raise ValueError("draft_tokenizer is required when draft_model is a model object")
         draft_tokenizer = draft_model
-    t = _load_side(target_tokenizer, None, "target")
+    t = load_tokenizer_view(target_tokenizer, None, "target")
     d_config = None if is_ref else draft_model.get_input_embeddings().weight.shape[0]
-    d = _load_side(draft_tokenizer, d_config, "draft")
+    d = load_tokenizer_view(draft_tokenizer, d_config, "draft")
     width = t.real if width is None else width
     if width < t.real:
         raise ValueError(f"width {width} is smaller than the target's real vocabulary {t.real}")
     t.config_vocab = width
-    mapping = _build_mapping(t, d)
+    mapping = mapping_from_views(t, d)
     if (why := mapping.usable_error(min_coverage)) is not None:
         raise CompatibilityError(f"Target {t.name} and draft {d.name}: {why}.")
     if is_ref:
@@ -1013,13 +668,13 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
         copied=int((has_twin & real_mask).sum()), initialised=int(missing.numel()), from_pieces=len(piece_ids),
         padding_rows=width - t.real, tied=tied,
         target_coverage=mapping.target_coverage, draft_coverage=mapping.draft_coverage,
-        initialised_examples=[t.tokens[i] for i in missing[:MAX_DIFFERENCES].tolist()],
-        target_fingerprint=_fingerprint(t),
+        initialised_examples=[t.tokens[i] for i in missing[:MAX_EXAMPLES].tolist()],
+        target_fingerprint=view_fingerprint(t),
     )
     return draft_model, report
 
 
-def _draft_pieces(t: _View, d: _View, target_ids: list[int], d_rows: int):
+def _draft_pieces(t: TokenizerView, d: TokenizerView, target_ids: list[int], d_rows: int):
     """For target tokens without a twin: their text encoded with the draft's tokenizer.
 
     Returns:
@@ -1056,7 +711,7 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     """Write the draft re-indexed into the target's tokenizer (:func:`vocab_swap`) as a plain HF checkpoint.
 
     ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's, so the pair is ``identical`` or
-    ``identical-up-to-padding`` for :func:`check_compatible`), the target's tokenizer files and
+    ``identical-up-to-padding`` for :func:`specdraft.check.check_compatible`), the target's tokenizer files and
     ``vocab_swap.json`` (the :class:`VocabSwapReport` plus both references). Distil it next
     (``specdraft run --draft OUT``): rows built from pieces or the mean start untrained.
 
@@ -1089,9 +744,8 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     tpath, dpath = resolve(target), resolve(draft)
-    verdict = check_compatible(tpath, dpath).verdict
-    if verdict != "mismatch":
-        raise ValueError(f"the draft already speaks the target's tokenizer ({verdict}); nothing to swap: use "
+    if not any(vocab_differences(load_tokenizer_view(tpath, None, "target"), load_tokenizer_view(dpath, None, "draft"))):
+        raise ValueError("the draft already speaks the target's tokenizer (identical ids); nothing to swap: use "
                          f"{draft} as the draft directly")
     t_cfg = AutoConfig.from_pretrained(tpath)
     width = getattr(t_cfg.get_text_config(), "vocab_size", None)
@@ -1103,11 +757,3 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
         info = report.to_dict() | {"draft": str(draft), "target": str(target), "dtype": dtype}
         (tmp / "vocab_swap.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
     return report
-
-
-__all__ = [
-    "MAX_DIFFERENCES", "MIN_COVERAGE", "PROBE_CONVERSATION", "PROBE_TEXT", "VERDICTS",
-    "CompatReport", "CompatibilityError", "TokenDifference", "Verdict", "VocabMapping", "VocabSwapReport",
-    "align_logits", "build_vocab_mapping", "check_compatible", "print_report", "require_compatible",
-    "save_vocab_swap", "tokenizer_fingerprint", "vocab_swap",
-]
