@@ -22,7 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.distill import DistillConfig, DistillModel
+from specdraft.config import DistillConfig
+from specdraft.distill import DistillModel
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
 

@@ -24,8 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
+from specdraft.config import DumpConfig
 from specdraft.data import build_sequences, load_examples
-from specdraft.dump import DumpConfig, pad_collate, run_dump
+from specdraft.dump import pad_collate, run_dump
 from specdraft.models import DEFAULT_TARGET, load_model
 
 

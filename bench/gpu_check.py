@@ -20,9 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import SamplingConfig
+from specdraft.config import DistillConfig, EvalConfig, SamplingConfig
 from specdraft.decode import left_pad, speculative_generate, target_generate
-from specdraft.distill import DistillConfig, DistillModel, collate
+from specdraft.distill import DistillModel, collate
 from specdraft.evaluate import run_eval, top2_margin
 from specdraft.sampling import filtered_probs
 from specdraft.testing import chi2_goodness_of_fit, perturbed, tiny_model, tiny_tokenizer
@@ -77,11 +77,11 @@ def eval_and_distill_check() -> dict:
     tok = tiny_tokenizer(128)
     target = tiny_model("llama", 128, seed=0, layers=3).to(DEV)
     draft = perturbed(tiny_model("llama", 128, seed=0, layers=3), 0.03).to(DEV)
-    res = run_eval(target, draft, tok, [[5, 6, 7, 8], [9, 10, 11]], num_speculative_tokens=3, max_new_tokens=12,
-                   compare_hf=True, sampling=SamplingConfig())
+    res = run_eval(target, draft, tok, [[5, 6, 7, 8], [9, 10, 11]],
+                   config=EvalConfig(num_speculative_tokens=3, max_new_tokens=12, compare_hf=True))
     s = res.summary()
-    sampled = run_eval(target, draft, tok, [[5, 6, 7, 8]], num_speculative_tokens=3, max_new_tokens=12,
-                       sampling=SamplingConfig(temperature=0.8, top_p=0.9))
+    sampled = run_eval(target, draft, tok, [[5, 6, 7, 8]], config=EvalConfig(
+                       num_speculative_tokens=3, max_new_tokens=12, sampling=SamplingConfig(temperature=0.8, top_p=0.9)))
     m = DistillModel(perturbed(target, 0.1).cpu(), target.lm_head.weight.detach().cpu(), None, 128,
                      DistillConfig(loss="tvd_deploy", top_k=5)).to(DEV)
     ids = torch.tensor([5, 6, 7, 8, 9, 10])

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from specdraft.distill import DistillConfig, DistillError, DistillModel, collate, train
+from specdraft.config import DistillConfig
+from specdraft.distill import DistillError, DistillModel, collate, train
 from specdraft.testing import perturbed, tiny_model
 
 V = 96
@@ -126,8 +127,9 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
 
     from transformers import AutoModelForCausalLM
 
+    from specdraft.config import DumpConfig
     from specdraft.distill import run_distill
-    from specdraft.dump import DumpConfig, DumpError, run_dump
+    from specdraft.dump import DumpError, run_dump
     from specdraft.testing import save_tiny_pair, tiny_tokenizer
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
@@ -136,9 +138,8 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
                                                        {"role": "assistant", "content": f"c {w} d e"}]})
                               for w in "fghijklm") + "\n")
     run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format=fmt, top_k=8, dtype="float32"))
-    cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=3, batch_size=2, held_out_fraction=0.25,
-                        num_speculative_tokens=3)
-    res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
+    cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=3, batch_size=2, held_out_fraction=0.25)
+    res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg, num_speculative_tokens=3)
     spec_dir = res["speculator"]
     conf = json.loads((spec_dir / "config.json").read_text())
     assert conf["speculators_model_type"] == "independent"
@@ -162,8 +163,9 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
 def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
     """The embedded pair: a small hidden dump of HumanEval prompts + canonical solutions, a few distillation
     steps on the draft's last layers, and the held-out TVD goes down."""
+    from specdraft.config import DumpConfig
     from specdraft.distill import run_distill
-    from specdraft.dump import DumpConfig, run_dump
+    from specdraft.dump import run_dump
     from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     run_dump(DEFAULT_TARGET, "humaneval", tmp_path / "dump",

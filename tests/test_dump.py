@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from specdraft import dump as dump_mod
+from specdraft.config import DumpConfig
 from specdraft.data import DataError, Example, build_sequences, encode_prompts
 from specdraft.decode import left_pad, target_generate
 from specdraft.dump import (
-    DumpConfig,
     DumpError,
     TeacherDataset,
     head_fingerprint,

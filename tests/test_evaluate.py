@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specdraft.config import SamplingConfig
+from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.evaluate import predicted_alpha, run_eval, write_report
 from specdraft.testing import perturbed, save_tiny_pair, tiny_model, tiny_tokenizer
 
@@ -37,7 +37,7 @@ def test_run_eval_greedy_is_lossless_and_report_is_written(tmp_path):
     target = tiny_model("llama", 128, seed=0, layers=3)
     draft = perturbed(target, 0.03)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
-    res = run_eval(target, draft, tok, prompts, num_speculative_tokens=3, max_new_tokens=12, compare_hf=True)
+    res = run_eval(target, draft, tok, prompts, config=EvalConfig(num_speculative_tokens=3, max_new_tokens=12, compare_hf=True))
     s = res.summary()
     assert s["lossless"] and s["divergences"] == 0
     assert s["prompts"] == 3 and res.spec_tokens == res.target_tokens
@@ -63,7 +63,7 @@ def test_divergence_is_reported_with_margin(monkeypatch):
         return out, ev.AcceptanceCounts(kw["num_speculative_tokens"])
 
     monkeypatch.setattr(ev, "speculative_generate", broken)
-    res = run_eval(target, target, tok, [[5, 6, 7]], num_speculative_tokens=2, max_new_tokens=6)
+    res = run_eval(target, target, tok, [[5, 6, 7]], config=EvalConfig(num_speculative_tokens=2, max_new_tokens=6))
     assert len(res.divergences) == 1
     d = res.divergences[0]
     assert d.position == 2 and d.margin > d.tolerance  # a real margin: a bug, not numerics

@@ -155,3 +155,11 @@ def test_filter_properties(seed, vocab, temperature, top_k, top_p, scale):
         kth = torch.topk(logits, top_k).values[:, -1:]
         assert bool(((probs > 0) <= (logits >= kth)).all())
     torch.testing.assert_close(probs, reference_filter(logits, temperature, top_k, top_p).softmax(-1))
+
+
+def test_every_loss_name_has_one_implementation():
+    from typing import get_args
+
+    from specdraft.config import LossName
+
+    assert set(LOSSES) == set(get_args(LossName))  # the CLI's --loss choices and the table agree

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 
 from specdraft.data import Example
-from specdraft.pipeline import PipelineError, make_config, parse_source, prompt_overlap, run_pipeline
+from specdraft.pipeline import (
+    PipelineError,
+    estimate_dump_bytes,
+    make_config,
+    parse_source,
+    prompt_overlap,
+    run_pipeline,
+)
 from specdraft.testing import save_tiny_pair
 
 
@@ -129,9 +137,28 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     spec = tmp_path / "run" / "export" / "speculator"
     assert check_compatible(str(tdir), str(spec)).verdict == "identical"  # it now speaks the target's tokenizer
     assert "re-indexed into the target's tokenizer" in (tmp_path / "run" / "report.md").read_text()
-    from specdraft.pipeline import render_markdown
+    from specdraft.report import render_markdown
 
     for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):
         r = json.loads(json.dumps(report, default=str))
         r["eval_before"]["speedup"], r["eval_after"]["speedup"] = before, after
         assert ("decodes slower than the original (0.50x vs 1.50x" in render_markdown(r)) == warned
+
+
+def test_every_preset_validates_and_exports_the_evaluated_gamma():
+    from specdraft.config import PresetName
+    from specdraft.pipeline import PRESETS
+
+    assert set(PRESETS) == set(get_args(PresetName))  # the CLI's --preset choices come from the Literal
+    for name in PRESETS:
+        cfg = make_config(name)
+        assert cfg.preset == name and cfg.dump.answer_only
+        assert "num_speculative_tokens" not in cfg.distill.model_dump()  # training holds no serving γ
+
+
+def test_topk_dump_estimate_uses_the_dumps_own_top_k():
+    cfg = make_config("default")
+    topk = cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"format": "topk", "top_k": 64})})
+    # 64 log-probs (fp16) + 64 ids (int32) + leftover mass, + id and mask: not the serving top_k (0)
+    assert estimate_dump_bytes(topk, 10, 100, 1536) == 10 * (100 + 48) * (64 * 6 + 4 + 5)
+    assert estimate_dump_bytes(cfg, 10, 100, 1536) == 10 * (100 + 48) * (1536 * 2 + 5)

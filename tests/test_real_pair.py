@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdraft.config import EvalConfig
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 pytestmark = pytest.mark.real
@@ -25,7 +26,8 @@ def test_greedy_speculative_equals_target_on_real_pair(real_pair):
     target, draft, tok = real_pair
     examples = load_examples("humaneval", limit=2, offset=100) + load_examples("mt-bench", limit=1)
     ids = encode_prompts(tok, examples)
-    res = run_eval(target, draft, tok, ids, [e.id for e in examples], num_speculative_tokens=4, max_new_tokens=24)
+    res = run_eval(target, draft, tok, ids, [e.id for e in examples],
+                   EvalConfig(num_speculative_tokens=4, max_new_tokens=24))
     s = res.summary()
     # fp32: a multi-token pass may differ from a one-token pass only in the last bits; any divergence must be
     # a near-tie within the fp32 tolerance, and none is expected.
@@ -53,8 +55,8 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     draft, _ = load_model(smol, dtype="float32", device="cpu")
     examples = load_examples("humaneval", limit=2, offset=100)
     ids = encode_prompts(tok, examples)
-    res = run_eval(target, draft, tok, ids, [e.id for e in examples], num_speculative_tokens=3, max_new_tokens=24,
-                   compare_hf=True, vocab_mapping=mapping)
+    res = run_eval(target, draft, tok, ids, [e.id for e in examples],
+                   EvalConfig(num_speculative_tokens=3, max_new_tokens=24, compare_hf=True), vocab_mapping=mapping)
     s = res.summary()
     assert s["divergences"] == 0, [(d.prompt_id, d.contender, d.margin) for d in res.divergences]
     assert res.spec_tokens == res.target_tokens == 2 * 24
@@ -65,8 +67,9 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     assert res.config["vocab_mapping"]["n_mapped"] == mapping.n_mapped
     # Token mode (proposals restricted to tokens with a Qwen twin): lossless too, and it accepts less than
     # text mode on code, where Qwen's whitespace-run tokens have no SmolLM2 twin.
-    tok_res = run_eval(target, draft, tok, ids, [e.id for e in examples], num_speculative_tokens=3,
-                       max_new_tokens=24, vocab_mapping=mapping, mapped_proposals="tokens")
+    tok_res = run_eval(target, draft, tok, ids, [e.id for e in examples],
+                       EvalConfig(num_speculative_tokens=3, max_new_tokens=24, mapped_proposals="tokens"),
+                       vocab_mapping=mapping)
     t = tok_res.summary()
     assert t["divergences"] == 0 and tok_res.spec_tokens == 2 * 24
     assert 0.0 < t["acceptance_rate"] < s["acceptance_rate"]

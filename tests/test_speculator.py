@@ -20,10 +20,11 @@ from typer.testing import CliRunner
 
 from specdraft import __version__
 from specdraft.cli import app
+from specdraft.export import convert
 from specdraft.models import ModelResolutionError
 from specdraft.speculator import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS,
     MISSING,
+    NUM_SPECULATIVE_TOKENS,
     SPECULATOR_KEYS,
     IndependentSpeculator,
     IndependentSpeculatorConfig,
@@ -31,7 +32,6 @@ from specdraft.speculator import (
     SpeculatorError,
     SpeculatorsConfig,
     config_diff,
-    convert,
     load_speculator_config,
 )
 from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
@@ -149,9 +149,9 @@ def test_base_loader_refuses_plain_config_and_conversion_needs_a_verifier(tmp_pa
     assert not (tmp_path / "cfg-only" / "config.json").exists()
 
     cfg = IndependentSpeculatorConfig.from_pretrained(draft_dir, verifier=target_dir)
-    assert cfg.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+    assert cfg.num_speculative_tokens == NUM_SPECULATIVE_TOKENS
     assert cfg.to_dict()["speculators_config"] == expected_speculators_config(
-        DEFAULT_NUM_SPECULATIVE_TOKENS, target_dir, ["LlamaForCausalLM"])
+        NUM_SPECULATIVE_TOKENS, target_dir, ["LlamaForCausalLM"])
 
     spec = IndependentSpeculator(tiny_model("qwen2"))
     with pytest.raises(SpeculatorError, match="attach_verifier"):
@@ -377,7 +377,7 @@ def test_output_directory_refusal_overwrite_and_empty(tmp_path, pair):
     empty = tmp_path / "empty"
     empty.mkdir()
     convert(draft_dir, target_dir, empty)  # an existing empty directory is fine without --overwrite
-    assert load_speculator_config(empty).num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+    assert load_speculator_config(empty).num_speculative_tokens == NUM_SPECULATIVE_TOKENS
 
 
 def _umask() -> int:
@@ -387,7 +387,7 @@ def _umask() -> int:
 
 
 def test_failed_write_leaves_target_untouched(tmp_path, pair, monkeypatch):
-    import specdraft.speculator as sp
+    import specdraft.export as ex
 
     target_dir, draft_dir = pair
     out = tmp_path / "out"
@@ -395,7 +395,7 @@ def test_failed_write_leaves_target_untouched(tmp_path, pair, monkeypatch):
     def interrupted(src, dst):
         raise KeyboardInterrupt  # as if the user hit Ctrl-C after the weights were written
 
-    monkeypatch.setattr(sp, "_copy_tokenizer_files", interrupted)
+    monkeypatch.setattr(ex, "_copy_tokenizer_files", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(draft_dir, target_dir, out)
     assert not out.exists() and siblings(out) == ["pair"]
@@ -403,7 +403,7 @@ def test_failed_write_leaves_target_untouched(tmp_path, pair, monkeypatch):
     monkeypatch.undo()
     convert(draft_dir, target_dir, out, num_speculative_tokens=2)
     before = files(out)
-    monkeypatch.setattr(sp, "_copy_tokenizer_files", interrupted)
+    monkeypatch.setattr(ex, "_copy_tokenizer_files", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(draft_dir, target_dir, out, num_speculative_tokens=4, overwrite=True)
     assert files(out) == before and siblings(out) == ["pair"]
@@ -416,9 +416,9 @@ def test_killed_convert_leaves_no_speculator(tmp_path, pair):
     script = textwrap.dedent(f"""
         import os, signal
         import specdraft.io
-        import specdraft.speculator as sp
+        import specdraft.export as ex
         specdraft.io.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
-        sp.convert({draft_dir!r}, {target_dir!r}, {str(out)!r})
+        ex.convert({draft_dir!r}, {target_dir!r}, {str(out)!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120, check=False,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -440,7 +440,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     res = runner.invoke(app, ["convert", "--draft", draft_dir, "--verifier", target_dir, "--out", str(out)])
     assert res.exit_code == 0, res.output
     cmd = (f"vllm serve {target_dir} --speculative-config '{{\"method\": \"draft_model\", \"model\": "
-           f"\"{out}\", \"num_speculative_tokens\": {DEFAULT_NUM_SPECULATIVE_TOKENS}}}'")
+           f"\"{out}\", \"num_speculative_tokens\": {NUM_SPECULATIVE_TOKENS}}}'")
     assert cmd in res.output
     assert "(3 keys)" in res.output and all(k in res.output for k in SPECULATOR_KEYS)
     # The draft's tokenizer files travel byte for byte; the config diff is the three keys.
@@ -453,7 +453,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     res = runner.invoke(app, ["inspect", str(out)])
     assert res.exit_code == 0, res.output
     assert target_dir in res.output and "LlamaForCausalLM" in res.output
-    assert f"speculative_tokens (γ)={DEFAULT_NUM_SPECULATIVE_TOKENS}" in res.output and cmd in res.output
+    assert f"speculative_tokens (γ)={NUM_SPECULATIVE_TOKENS}" in res.output and cmd in res.output
 
     res = runner.invoke(app, ["inspect", draft_dir])
     assert res.exit_code == 1 and "specdraft convert" in res.output
@@ -473,7 +473,7 @@ def test_real_qwen_draft_converts_and_reloads_with_identical_logits(tmp_path):
     res = convert(DEFAULT_DRAFT, DEFAULT_TARGET, out)  # the verifier's config and tokenizer only
     assert sorted(res.added) == sorted(SPECULATOR_KEYS) and res.resaved == {}
     assert res.config["speculators_config"] == expected_speculators_config(
-        DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_TARGET, ["Qwen2ForCausalLM"])
+        NUM_SPECULATIVE_TOKENS, DEFAULT_TARGET, ["Qwen2ForCausalLM"])
     assert res.compat_verdict in (None, "identical", "identical-up-to-padding")
     src = Path(resolve(DEFAULT_DRAFT))
     # The cache entry was written by this transformers' save_pretrained too: same bytes.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from specdraft.vocab import (
@@ -163,6 +163,14 @@ class CompatReport:
         d["compatible"] = self.compatible
         d["summary"] = self.summary()
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompatReport:
+        """The report back from :meth:`to_dict` (derived keys ignored)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["differences"] = [TokenDifference(**x) for x in kw.get("differences", [])]
+        return cls(**kw)
 
 
 def check_compatible(target, draft, *, target_config=None, draft_config=None,
@@ -384,22 +392,29 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 
 
 def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: int = 16, dtype: str = "auto",
-              target_name: str | None = None, draft_name: str | None = None, console=None) -> dict[str, Any]:
+              target_name: str | None = None, draft_name: str | None = None) -> dict[str, Any]:
     """Compare tokenizers (before loading weights), then load both models and continue ``prompt`` greedily.
 
-    Returns:
-        ``{"target": facts, "draft": facts, "compat": CompatReport dict, "continuations": {...}}``.
-        On a tokenizer ``mismatch`` the models are not loaded (``facts`` hold only tokenizer figures).
-    """
-    from rich.table import Table
+    Args:
+        target_path / draft_path: model references (resolved directories, embedded names or cached hub ids).
+        prompt: user message, rendered with each model's chat template when it has one.
+        max_new_tokens: greedy tokens per model.
+        dtype: weights dtype (see :func:`specdraft.models.load_model`).
+        target_name / draft_name: the references as the user typed them (recorded in the report).
 
+    Returns:
+        ``{"target_ref", "draft_ref", "compat": CompatReport.to_dict(), "target": facts, "draft": facts,
+        "prompt", "continuations": {"target", "draft"}}``. On a tokenizer ``mismatch`` the models are not loaded:
+        only ``target_ref``, ``draft_ref`` and ``compat`` are present.
+
+    Raises:
+        ModelResolutionError: a reference cannot be resolved or loaded.
+    """
     from specdraft.models import load_model
 
     report: dict[str, Any] = {"target_ref": target_name or target_path, "draft_ref": draft_name or draft_path}
     compat = check_compatible(target_path, draft_path)
     report["compat"] = compat.to_dict()
-    if console is not None:
-        print_report(compat, console)
     if compat.verdict == "mismatch":
         return report
     facts, conts = {}, {}
@@ -411,16 +426,4 @@ def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: in
     report.update(facts)
     report["prompt"] = prompt
     report["continuations"] = conts
-    if console is not None:
-        table = Table(title="Models")
-        table.add_column("")
-        table.add_column(f"target: {report['target_ref']}")
-        table.add_column(f"draft: {report['draft_ref']}")
-        for k in facts["target"]:
-            fmt = (lambda v: f"{v / 1e6:,.1f} M") if k == "parameters" else str
-            table.add_row(k, fmt(facts["target"][k]), fmt(facts["draft"][k]))
-        console.print(table)
-        console.print(f"[bold]Prompt:[/] {prompt}")
-        for role in ("target", "draft"):
-            console.print(f"[bold]{role} ({max_new_tokens} greedy tokens):[/] {conts[role]!r}")
     return report

@@ -15,6 +15,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+# Choices come from the config's Literal types (one source; specdraft.config imports pydantic only, never torch).
+from specdraft.config import (
+    NUM_SPECULATIVE_TOKENS,
+    DumpFormat,
+    HiddenDtype,
+    LossName,
+    ModelDtype,
+    PresetName,
+    ProposalMode,
+    Scheduler,
+    TrainWhat,
+)
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 app = typer.Typer(
@@ -34,7 +46,7 @@ TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target (verifier
                                         "directory or cached hub id.")]
 DraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model: embedded name, local HF directory "
                                        "or cached hub id.")]
-DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16 | auto (float32 on CPU).")]
+DtypeOpt = Annotated[ModelDtype, typer.Option(help="Weights dtype (auto: float32 on CPU, bfloat16 on CUDA).")]
 
 
 def fail(msg: str, code: int = 1) -> None:
@@ -122,10 +134,12 @@ def check(
     try:
         tpath = _resolve_with_progress(target)
         dpath = _resolve_with_progress(draft)
-        report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
-                           target_name=target, draft_name=draft, console=console)
+        with console.status("comparing tokenizers, then loading both models…"):
+            report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
+                               target_name=target, draft_name=draft)
     except ModelResolutionError as exc:
         fail(str(exc))
+    _print_check(report, max_new_tokens)
     if json_out:
         from specdraft.io import atomic_write_text
 
@@ -133,6 +147,26 @@ def check(
         console.print(f"report written to {json_out}")
     if report.get("compat", {}).get("verdict") == "mismatch":
         raise typer.Exit(1)
+
+
+def _print_check(report: dict, max_new_tokens: int) -> None:
+    """The tokenizer report, then both models' facts and continuations (when they were loaded)."""
+    from specdraft.check import CompatReport, print_report
+
+    print_report(CompatReport.from_dict(report["compat"]), console)
+    if "continuations" not in report:
+        return
+    table = Table(title="Models")
+    table.add_column("")
+    table.add_column(f"target: {report['target_ref']}")
+    table.add_column(f"draft: {report['draft_ref']}")
+    for k in report["target"]:
+        fmt = (lambda v: f"{v / 1e6:,.1f} M") if k == "parameters" else str
+        table.add_row(k, fmt(report["target"][k]), fmt(report["draft"][k]))
+    console.print(table)
+    console.print(f"[bold]Prompt:[/] {escape(report['prompt'])}")
+    for role in ("target", "draft"):
+        console.print(f"[bold]{role} ({max_new_tokens} greedy tokens):[/] {escape(repr(report['continuations'][role]))}")
 
 
 @app.command("vocab-swap")
@@ -197,15 +231,14 @@ def convert(
                                           "and tokenizer are read.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist or be empty).")],
     num_speculative_tokens: Annotated[int, typer.Option(help="γ: draft tokens proposed per verifier pass "
-                                                        "(>= 1; default = specdraft.speculator."
-                                                        "DEFAULT_NUM_SPECULATIVE_TOKENS).")] = 5,
+                                                        "(>= 1).")] = NUM_SPECULATIVE_TOKENS,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty output directory.")] = False,
 ) -> None:
     """Package a plain draft checkpoint as an independent speculator for a verifier: same weights, config.json
     plus three speculators_* keys, the draft's tokenizer files. Prints the config diff and the vLLM command."""
+    from specdraft.export import convert as convert_speculator
     from specdraft.models import ModelResolutionError
     from specdraft.speculator import MISSING, SpeculatorError
-    from specdraft.speculator import convert as convert_speculator
 
     _quiet_transformers()
     try:
@@ -238,8 +271,9 @@ def inspect_speculator(
     speculator: Annotated[str, typer.Argument(help="Speculator directory (or any model reference).")],
 ) -> None:
     """Print a speculator checkpoint's metadata (verifier, γ, proposal methods, draft architecture) as a table."""
+    from specdraft.export import vllm_serve_command
     from specdraft.models import ModelResolutionError, resolve
-    from specdraft.speculator import SpeculatorError, load_speculator_config, vllm_serve_command
+    from specdraft.speculator import SpeculatorError, load_speculator_config
 
     try:
         path = Path(resolve(speculator))
@@ -351,7 +385,7 @@ GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-
 MapVocabOpt = Annotated[bool, typer.Option(
     "--map-vocab", help="Allow a draft with another tokenizer: the draft re-reads the context as text and proposes text "
     "(greedy) or tokens with a string-identical target twin (sampling); lossless, see specdraft check.")]
-ProposalsOpt = Annotated[Literal["text", "tokens"] | None, typer.Option(
+ProposalsOpt = Annotated[ProposalMode | None, typer.Option(
     help="With --map-vocab: 'text' (the draft's own argmax text, re-encoded with the target's tokenizer; greedy "
     "only) or 'tokens' (its tokens with a target twin). Default: text when greedy, tokens when sampling.")]
 ConfOpt = Annotated[float | None, typer.Option(
@@ -368,7 +402,7 @@ def eval_cmd(
     num_prompts: Annotated[int, typer.Option(min=1, help="How many prompts to decode.")] = 8,
     prompt_offset: Annotated[int, typer.Option(min=0, help="Skip this many prompts first.")] = 100,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per prompt.")] = 128,
-    gamma: GammaOpt = 5,
+    gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
@@ -385,14 +419,17 @@ def eval_cmd(
     assisted generation); report acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from specdraft.config import EvalConfig
     from specdraft.data import DataError, encode_prompts, load_examples
     from specdraft.evaluate import run_eval, write_report
     from specdraft.models import ModelResolutionError
 
-    if gamma < 1:
-        fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
     mode = _check_proposals(mapped_proposals, sampling)
+    config = _pydantic_or_fail(EvalConfig, num_speculative_tokens=gamma, max_new_tokens=max_new_tokens,
+                               sampling=sampling, seed=seed, compare_hf=compare_hf,
+                               draft_confidence_threshold=draft_confidence_threshold,
+                               mapped_proposals=mapped_proposals, dtype=dtype)
     try:
         examples = load_examples(prompts, limit=num_prompts, offset=prompt_offset)
         t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
@@ -402,13 +439,9 @@ def eval_cmd(
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as pg:
         task = pg.add_task("decode", total=len(ids))
-        res = run_eval(t, d, tok, ids, [e.id for e in examples], num_speculative_tokens=gamma, sampling=sampling,
-                       max_new_tokens=max_new_tokens, seed=seed, compare_hf=compare_hf,
+        res = run_eval(t, d, tok, ids, [e.id for e in examples], config, vocab_mapping=mapping,
                        progress=lambda k, n: pg.update(task, completed=k),
-                       draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
-                       mapped_proposals=mapped_proposals,
-                       config={"target": target, "draft": draft, "prompts": prompts, "dtype": dtype,
-                               "command": " ".join(sys.argv)})
+                       record={"target": target, "draft": draft, "prompts": prompts, "command": " ".join(sys.argv)})
     paths = write_report(res, out)
     print_eval_summary(res.summary(), gamma, greedy=sampling.greedy)
     for d_ in res.divergences:
@@ -457,7 +490,7 @@ def generate(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
-    gamma: GammaOpt = 5,
+    gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
@@ -507,10 +540,6 @@ def generate(
 
 # -------------------------------------------------------------------------------------------- dump
 
-# The one source of these choices (specdraft.dump imports pydantic only, never torch, at import time).
-from specdraft.dump import DumpFormat, HiddenDtype
-
-
 @app.command()
 def dump(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory: new, empty, or an unfinished or "
@@ -551,8 +580,9 @@ def dump(
         TimeRemainingColumn,
     )
 
+    from specdraft.config import DumpConfig
     from specdraft.data import DataError
-    from specdraft.dump import DumpConfig, DumpError, run_dump
+    from specdraft.dump import DumpError, run_dump
     from specdraft.models import ModelResolutionError
 
     try:
@@ -609,12 +639,6 @@ def dump(
 # ---------------------------------------------------------------------------------------- distill
 
 
-def _choices(literal) -> str:
-    import typing
-
-    return " | ".join(typing.get_args(literal))
-
-
 def _pydantic_or_fail(cls, **kw):
     """Build a pydantic config; a validation error names the CLI flag (field names equal flag names)."""
     from pydantic import ValidationError
@@ -632,8 +656,8 @@ def distill(
     draft: DraftOpt = DEFAULT_DRAFT,
     dump: Annotated[Path, typer.Option(help="Teacher dump directory written by `specdraft dump`.")] = Path("runs/dump"),
     out: Annotated[Path, typer.Option(help="Output: checkpoints/, speculator/, training.json.")] = Path("runs/distill"),
-    loss: Annotated[str, typer.Option(help="soft_ce | tvd | tvd_deploy (tvd_deploy: TVD after the serving "
-                                            "filter, 1 − it is the deployed acceptance).")] = "tvd",
+    loss: Annotated[LossName, typer.Option(help="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
+                                                "serving filter, 1 − it is the deployed acceptance.")] = "tvd",
     temperature: Annotated[float, typer.Option(help="Serving temperature for tvd_deploy and α.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Serving top-k for tvd_deploy and α; 0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="Serving top-p for tvd_deploy and α; 1 = off.")] = 1.0,
@@ -642,19 +666,22 @@ def distill(
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
     gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
     warmup_ratio: Annotated[float, typer.Option(help="Share of steps warming up.")] = 0.0,
-    scheduler: Annotated[str, typer.Option(help="linear | cosine | constant | constant_with_warmup")] = "cosine",
+    scheduler: Annotated[Scheduler, typer.Option(help="Learning-rate schedule.")] = "cosine",
     seed: int = 0,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 (training dtype of the draft).")] = "float32",
-    train: Annotated[str, typer.Option(help="all | last_layers | lora")] = "all",
+    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Training dtype of the draft.")] = "float32",
+    train: Annotated[TrainWhat, typer.Option(help="All parameters, the last N layers (+ final norm), or LoRA.")]
+        = "all",
     train_last_layers: Annotated[int, typer.Option(help="N for --train last_layers.")] = 2,
     held_out_fraction: Annotated[float, typer.Option(help="Share of sequences held out for α.")] = 0.1,
     eval_steps: Annotated[int, typer.Option(help="Held-out evaluation every N steps; 0 = end only.")] = 0,
     save_steps: Annotated[int, typer.Option(help="Checkpoint every N steps (resume point).")] = 50,
-    num_speculative_tokens: Annotated[int, typer.Option(help="γ recorded in the exported speculator.")] = 5,
+    num_speculative_tokens: Annotated[int, typer.Option(min=1, help="γ recorded in the exported speculator.")]
+        = NUM_SPECULATIVE_TOKENS,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
 ) -> None:
     """Distil the draft against a teacher dump and export it as an independent speculator."""
-    from specdraft.distill import DistillConfig, DistillError, run_distill
+    from specdraft.config import DistillConfig
+    from specdraft.distill import DistillError, run_distill
     from specdraft.dump import DumpError
     from specdraft.models import ModelResolutionError
 
@@ -662,10 +689,10 @@ def distill(
         DistillConfig, loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
         batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
         scheduler=scheduler, seed=seed, dtype=dtype, train=train, train_last_layers=train_last_layers,
-        held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
-        num_speculative_tokens=num_speculative_tokens)
+        held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps)
     try:
-        res = run_distill(target, draft, dump, out, cfg, resume=not no_resume)
+        res = run_distill(target, draft, dump, out, cfg, resume=not no_resume,
+                          num_speculative_tokens=num_speculative_tokens)
     except (DistillError, DumpError, ModelResolutionError) as exc:
         fail(str(exc))
     m = res["metrics"]
@@ -694,23 +721,22 @@ def run_cmd(
         help="Held-out evaluation prompt source name[:offset[:limit]] (repeatable). Default: the preset's.")] = None,
     out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
         = Path("runs/default"),
-    preset: Annotated[str, typer.Option(help="default (2-core CPU, ~15 min) | ci (minutes) | large (GPU, hours) "
-                                              "| tiny")] = "default",
+    preset: Annotated[PresetName, typer.Option(help="default (2-core CPU, ~15 min), ci (minutes), large (GPU, "
+                                                     "hours), tiny (random models, tests).")] = "default",
     refuse_overlap: Annotated[bool, typer.Option(help="Refuse when train and eval prompts overlap.")] = False,
     vocab_swap: Annotated[bool, typer.Option(
         "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
         "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
 ) -> None:
     """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
-    from specdraft.pipeline import PRESETS, PipelineError, make_config, run_pipeline
-
-    if preset not in PRESETS:
-        fail(f"--preset: unknown {preset!r}; choose one of {', '.join(PRESETS)}")
     from pydantic import ValidationError
+
+    from specdraft.pipeline import PipelineError, make_config, run_pipeline
+    from specdraft.report import slower_note, summary_rows
 
     try:
         cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                          refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, needs=PRESETS[preset]["needs"])
+                          refuse_overlap=refuse_overlap, vocab_swap=vocab_swap)
     except ValidationError as exc:
         fail(str(exc))
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
@@ -720,26 +746,14 @@ def run_cmd(
         report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
     except PipelineError as exc:
         fail(str(exc))
-    b, a = report["eval_before"], report["eval_after"]
     table = Table(title=f"specdraft run — {target} ← {draft}")
     for col in ("", "before distillation", "after distillation"):
         table.add_column(col, justify="right")
-    f = lambda v, s="{:.3f}": "—" if v is None else s.format(v)
-    table.add_row("acceptance rate", f(b["acceptance_rate"]), f(a["acceptance_rate"]))
-    table.add_row("tokens per target pass", f(b["mean_accepted_length"], "{:.2f}"),
-                  f(a["mean_accepted_length"], "{:.2f}"))
-    table.add_row("target alone (tokens/s)", f(b["target_tokens_per_s"], "{:.2f}"), f(a["target_tokens_per_s"], "{:.2f}"))
-    table.add_row("speculative (tokens/s)", f(b["speculative_tokens_per_s"], "{:.2f}"),
-                  f(a["speculative_tokens_per_s"], "{:.2f}"))
-    table.add_row("speed-up", f(b["speedup"], "{:.2f}x"), f(a["speedup"], "{:.2f}x"))
-    table.add_row("HF assisted generation (tokens/s)", f(b.get("hf_assisted_tokens_per_s"), "{:.2f}"), "—")
-    table.add_row("analytic speed-up (measured α, c)", f(b["analytic_speedup"], "{:.2f}x"),
-                  f(a["analytic_speedup"], "{:.2f}x"))
-    table.add_row("recommended γ", str(b["recommended_gamma"]), str(a["recommended_gamma"]))
+    for row in summary_rows(report):
+        table.add_row(*row)
     console.print(table)
-    if (a["speedup"] or 0) < (b["speedup"] or 0):
-        console.print(f"[yellow]note:[/] the distilled draft is slower than the original ({a['speedup']:.2f}x vs "
-                      f"{b['speedup']:.2f}x); keep the original, or distil longer (--preset large) before shipping it.")
+    if (note := slower_note(report)) is not None:
+        console.print(f"[yellow]note:[/] {escape(note)}")
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
     console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {report['export']['path']}\nserve it with:\n  "

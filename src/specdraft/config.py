@@ -1,11 +1,52 @@
-"""Pydantic configs for each stage: validated at construction, ``extra="forbid"``, errors name the field.
+"""One home for every stage's settings: pydantic models, validated at construction, ``extra="forbid"``.
 
-Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix.
+Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix. Every
+list of choices is a ``Literal`` here; the CLI derives its choices from these types (one source of truth).
+
+=================  ==============================================  ============================================
+config             stage                                           used by
+=================  ==============================================  ============================================
+SamplingConfig     how a token is chosen (greedy / filtered)       decode, evaluate, dump, distill (its filter)
+EvalConfig         target alone vs speculative decoding            :func:`specdraft.evaluate.run_eval`
+DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
+DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
+ExportConfig       the draft as an independent speculator          :func:`specdraft.export.convert`
+PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
+=================  ==============================================  ============================================
+
+No torch import here: reading a config (``--help``, validation) stays instant.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: γ by default: draft tokens per target pass, everywhere a γ is not given (one constant).
+NUM_SPECULATIVE_TOKENS = 5
+
+#: γ as a validated field: shared by the speculator schema, the export and the evaluation.
+SpeculativeTokens = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=64,
+        description="γ: tokens the draft proposes per round; the verifier checks them in one forward pass. "
+        "Larger γ raises the possible accepted length and the cost of each round.",
+    ),
+]
+
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+DumpFormat = Literal["hidden", "topk"]
+HiddenDtype = Literal["bfloat16", "float16", "float32"]
+LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
+TrainWhat = Literal["all", "last_layers", "lora"]
+Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+#: How a draft of another tokenizer proposes (see :mod:`specdraft.decode`).
+ProposalMode = Literal["text", "tokens"]
+PresetName = Literal["default", "ci", "tiny", "large"]
 
 
 class SamplingConfig(BaseModel):
@@ -22,12 +63,135 @@ class SamplingConfig(BaseModel):
         return self.temperature == 0.0
 
 
-class DecodeConfig(BaseModel):
-    """Speculative decoding settings."""
+class EvalConfig(BaseModel):
+    """Settings of ``specdraft eval`` (and of both evaluations of ``specdraft run``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    num_speculative_tokens: int = Field(5, ge=1, le=64, description="γ: draft tokens per target pass.")
+    num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     max_new_tokens: int = Field(128, ge=1, description="New tokens per prompt (met exactly unless EOS/stop).")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    seed: int = Field(0, description="Seed of the sampling generator.")
+    seed: int = Field(0, description="Sampling seed; prompt k uses seed + k for every contender.")
+    compare_hf: bool = Field(False, description="Also time transformers' generate(assistant_model=draft).")
+    draft_confidence_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="Stop drafting a round once the draft's probability of its own token "
+        "falls below this (lossless; γ becomes a maximum).")
+    mapped_proposals: ProposalMode | None = Field(
+        None, description="A draft of another tokenizer: 'text' (greedy only) or 'tokens'; default text when "
+        "greedy, tokens when sampling.")
+    dtype: ModelDtype = Field("bfloat16", description="Dtype both models are loaded in.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.mapped_proposals == "text" and not self.sampling.greedy:
+            raise ValueError("--mapped-proposals text is lossless for greedy decoding only; sampling needs q over "
+                             "target ids (--mapped-proposals tokens)")
+        return self
+
+
+class DumpConfig(BaseModel):
+    """Settings of ``specdraft dump``; field names equal the CLI flags (``top_k`` ↔ ``--top-k``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: DumpFormat = Field("hidden", description="hidden: final hidden states (exact); topk: top-k log-probs.")
+    top_k: int = Field(64, ge=1, description="Log-probs kept per position (format topk).")
+    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (format hidden).")
+    max_length: int = Field(2048, ge=2, description="Tokens kept per sequence.")
+    truncate: bool = Field(True, description="Cut sequences longer than max_length (True) or refuse them.")
+    answer_only: bool = Field(False, description="Train only predictions of assistant / generated tokens.")
+    generate: int | None = Field(None, ge=1, description="Let the target answer each prompt with up to N tokens.")
+    temperature: float = Field(0.0, ge=0.0, description="Generation temperature; 0 = greedy.")
+    seed: int = Field(0, description="Sampling seed (per batch: seed + index of its first sequence).")
+    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
+    offset: int = Field(0, ge=0, description="Skip this many examples first.")
+    batch_size: int = Field(8, ge=1, description="Sequences per target forward pass (right-padded).")
+    shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
+    dtype: ModelDtype = Field("auto", description="Target weights dtype (auto: bfloat16 on CUDA, else float32).")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> DumpConfig:
+        if self.temperature > 0 and self.generate is None:
+            raise ValueError("--temperature only applies with --generate N (the target writes the responses)")
+        return self
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The settings that change the dumped values (a resumed run must match them)."""
+        return self.model_dump(exclude={"batch_size", "shard_size_mb"})
+
+    def bytes_per_token(self, hidden_size: int) -> int:
+        """Upper bound of the bytes one dumped position takes: hidden states, or top-k log-probs (fp16) + ids
+        (int32) + leftover mass, plus token id and loss mask."""
+        if self.format == "hidden":
+            per = hidden_size * (4 if self.hidden_dtype == "float32" else 2)
+        else:
+            per = self.top_k * 6 + 4
+        return per + 5
+
+
+class DistillConfig(BaseModel):
+    """Distillation settings; field names equal the CLI flags (``top_p`` ↔ ``--top-p``).
+
+    The serving filter (``temperature``, ``top_k``, ``top_p``) is here because ``tvd_deploy`` and the held-out α
+    are computed after it; γ is not (training never uses it; the export takes it from :class:`ExportConfig`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    loss: LossName = Field("tvd", description="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
+                           "serving filter (1 − it is the deployed acceptance).")
+    temperature: float = Field(1.0, gt=0.0, description="Serving temperature (tvd_deploy and α).")
+    top_k: int = Field(0, ge=0, description="Serving top-k (tvd_deploy and α); 0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving top-p (tvd_deploy and α); 1 = off.")
+    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(1, ge=1, description="Sequences per device per micro-batch.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps with linear warm-up.")
+    scheduler: Scheduler = Field("cosine", description="Learning-rate schedule (transformers' get_scheduler names).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    seed: int = Field(0, description="Seed for data order and initialisation.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype of the draft.")
+    train: TrainWhat = Field("all", description="all parameters, the last N layers (+ final norm), or LoRA.")
+    train_last_layers: int = Field(2, ge=1, description="N for train=last_layers.")
+    lora_r: int = Field(16, ge=1, description="LoRA rank for train=lora (needs peft).")
+    held_out_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of sequences kept for evaluation.")
+    eval_steps: int = Field(0, ge=0, description="Evaluate held-out α every N steps; 0 = at the end only.")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
+    logging_steps: int = Field(1, ge=1, description="Log every N steps.")
+
+
+class ExportConfig(BaseModel):
+    """Options of ``specdraft convert`` / the pipeline's export; field names are the CLI flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str = Field(description="Draft checkpoint (q): embedded name, local HF directory or cached hub id.")
+    verifier: str = Field(description="Verifier (target, p) recorded in the config; only its config is read.")
+    out: Path = Field(description="Output directory; must not exist or be empty unless overwrite.")
+    num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
+    overwrite: bool = Field(default=False, description="Replace a non-empty output directory.")
+
+
+class PipelineConfig(BaseModel):
+    """Everything ``specdraft run`` does; a preset fills it, flags override single fields.
+
+    Prompt sources are ``name[:offset[:limit]]`` (:func:`specdraft.pipeline.parse_source`); evaluation prompts
+    never enter training. γ of the export is the evaluation's.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(description="Target (verifier): embedded name, local HF directory or cached hub id.")
+    draft: str = Field(description="Draft: embedded name, local HF directory or cached hub id.")
+    preset: PresetName = "default"
+    eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources.")
+    train_prompts: list[str] = Field(description="Training prompt sources (the target answers them).")
+    eval: EvalConfig
+    dump: DumpConfig
+    distill: DistillConfig
+    refuse_overlap: bool = Field(False, description="Refuse (instead of warn) when train and eval prompts overlap.")
+    vocab_swap: bool = Field(False, description="A draft of another tokenizer: evaluate it through a vocabulary "
+                             "mapping, then re-index it into the target's tokenizer (vocab_swap stage) and distil that.")
+    needs: str = Field("", description="What the preset needs (hardware, time).")

@@ -17,65 +17,25 @@ teacher mass. Widths below the real vocabulary are refused at construction.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from transformers.utils import ModelOutput
 
+from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
+from specdraft.export import export_speculator, write_training_json
 from specdraft.losses import LOSSES, masked_mean, sum_min
 from specdraft.sampling import align_logits, filtered_probs
-
-LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
-TrainWhat = Literal["all", "last_layers", "lora"]
 
 
 class DistillError(RuntimeError):
     """Distillation cannot start or continue (bad input, non-finite loss)."""
-
-
-class DistillConfig(BaseModel):
-    """Distillation settings; field names equal the CLI flags (``top_p`` ↔ ``--top-p``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    loss: LossName = Field("tvd", description="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
-                           "serving filter (1 − it is the deployed acceptance).")
-    temperature: float = Field(1.0, gt=0.0, description="Serving temperature (tvd_deploy and α).")
-    top_k: int = Field(0, ge=0, description="Serving top-k (tvd_deploy and α); 0 = off.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving top-p (tvd_deploy and α); 1 = off.")
-    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
-    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(1, ge=1, description="Sequences per device per micro-batch.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps with linear warm-up.")
-    scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        "cosine", description="Learning-rate schedule (transformers' get_scheduler names).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
-    seed: int = Field(0, description="Seed for data order and initialisation.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype of the draft.")
-    train: TrainWhat = Field("all", description="all parameters, the last N layers (+ final norm), or LoRA.")
-    train_last_layers: int = Field(2, ge=1, description="N for train=last_layers.")
-    lora_r: int = Field(16, ge=1, description="LoRA rank for train=lora (needs peft).")
-    held_out_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of sequences kept for evaluation.")
-    eval_steps: int = Field(0, ge=0, description="Evaluate held-out α every N steps; 0 = at the end only.")
-    save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
-    logging_steps: int = Field(1, ge=1, description="Log every N steps.")
-    num_speculative_tokens: int = Field(5, ge=1, description="γ recorded in the exported speculator config.")
-
-    @model_validator(mode="after")
-    def _check(self) -> DistillConfig:
-        if self.loss not in LOSSES:  # one source of truth: the Literal and the LOSSES dict must agree
-            raise ValueError(f"loss {self.loss!r} has no implementation; known: {sorted(LOSSES)}")
-        return self
 
 
 @dataclass
@@ -400,63 +360,17 @@ def train(
             "resumed_from": ckpt, "draft": draft}
 
 
-def write_training_json(path: Path, payload: dict[str, Any]) -> None:
-    """``training.json`` beside the exported speculator (atomic)."""
-    from specdraft.io import atomic_write_text
-
-    atomic_write_text(path, json.dumps(payload, indent=2, default=str))
-
-
-def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_speculative_tokens: int,
-                      training: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
-    """Save a (trained) draft as an independent speculator: plain HF directory (safetensors, ``architectures``
-    = the draft's class), ``config.json`` plus the ``speculators_*`` keys naming the verifier and γ, the
-    tokenizer, and ``training.json``. Written into a temporary directory beside ``out`` and renamed into place.
-
-    Raises:
-        specdraft.speculator.SpeculatorError: the verifier reference cannot be read (nothing is written).
-    """
-    import shutil
-    import tempfile
-
-    from specdraft.speculator import IndependentSpeculator
-
-    out = Path(out)
-    spec = IndependentSpeculator(draft, num_speculative_tokens=num_speculative_tokens)
-    spec.attach_verifier(verifier_ref, mode="detached", check_tokenizer=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
-        spec.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if training is not None:
-            write_training_json(tmp / "training.json", training)
-        if out.exists():
-            if not overwrite:
-                raise DistillError(f"{out} exists; pass overwrite=True to replace it")
-            old = out.with_name(f".old-{out.name}-{os.getpid()}")
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str | Path,
                 config: DistillConfig | None = None, resume: bool = True, report_to: str = "none",
-                device: str | None = None) -> dict[str, Any]:
+                device: str | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS) -> dict[str, Any]:
     """Distil ``draft_ref`` against the teacher dump in ``dump_dir`` and export it as a speculator.
 
     Everything that can be wrong is checked before training starts: the dump is finished and its shards
     intact; the draft's tokenizer fingerprint equals the dump's; the widths align (padding only).
 
     Writes ``out/checkpoints/`` (resumable), ``out/speculator/`` (the export, with ``training.json``) and
-    ``out/training.json``.
+    ``out/training.json``. ``num_speculative_tokens`` (γ) is recorded in the exported speculator
+    (:func:`specdraft.export.export_speculator`).
 
     Returns:
         ``{"speculator": path, "metrics": {...}, "training": training.json payload}``.
@@ -499,7 +413,6 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
                          "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],
                          "sequences": len(dataset)},
                 "metrics": metrics, "history": result["history"]}
-    spec_dir = export_speculator(trained, draft_tok, target_ref, out / "speculator",
-                                 config.num_speculative_tokens, training)
+    spec_dir = export_speculator(trained, draft_tok, target_ref, out / "speculator", num_speculative_tokens, training)
     write_training_json(out / "training.json", training)
     return {"speculator": spec_dir, "metrics": metrics, "training": training, "model": trained}

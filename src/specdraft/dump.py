@@ -70,26 +70,21 @@ import bisect
 import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from specdraft.io import atomic_path, atomic_write_text
+from specdraft.config import DumpConfig
+from specdraft.io import atomic_path, atomic_write_text, versions
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from specdraft.data import Example, TokenSequence
 
-DumpFormat = Literal["hidden", "topk"]
-HiddenDtype = Literal["bfloat16", "float16", "float32"]
-ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -103,37 +98,6 @@ _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")
 
 class DumpError(ValueError):
     """A dump cannot be written, resumed or read (bad input, mismatched partner, corrupt shard)."""
-
-
-class DumpConfig(BaseModel):
-    """Settings of ``specdraft dump``; field names equal the CLI flags (``top_k`` ↔ ``--top-k``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: DumpFormat = Field("hidden", description="hidden: final hidden states (exact); topk: top-k log-probs.")
-    top_k: int = Field(64, ge=1, description="Log-probs kept per position (format topk).")
-    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (format hidden).")
-    max_length: int = Field(2048, ge=2, description="Tokens kept per sequence.")
-    truncate: bool = Field(True, description="Cut sequences longer than max_length (True) or refuse them.")
-    answer_only: bool = Field(False, description="Train only predictions of assistant / generated tokens.")
-    generate: int | None = Field(None, ge=1, description="Let the target answer each prompt with up to N tokens.")
-    temperature: float = Field(0.0, ge=0.0, description="Generation temperature; 0 = greedy.")
-    seed: int = Field(0, description="Sampling seed (per batch: seed + index of its first sequence).")
-    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
-    offset: int = Field(0, ge=0, description="Skip this many examples first.")
-    batch_size: int = Field(8, ge=1, description="Sequences per target forward pass (right-padded).")
-    shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
-    dtype: ModelDtype = Field("auto", description="Target weights dtype (auto: bfloat16 on CUDA, else float32).")
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> DumpConfig:
-        if self.temperature > 0 and self.generate is None:
-            raise ValueError("--temperature only applies with --generate N (the target writes the responses)")
-        return self
-
-    def plan_settings(self) -> dict[str, Any]:
-        """The settings that change the dumped values (a resumed run must match them)."""
-        return self.model_dump(exclude={"batch_size", "shard_size_mb"})
 
 
 # ------------------------------------------------------------------------------------ reading signals
@@ -207,22 +171,6 @@ def _sha256_file(path: Path) -> tuple[str, int]:
 
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("specdraft", "torch", "transformers", "safetensors", "accelerate"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    import torch
-
-    out["torch"] = torch.__version__  # the build actually running (e.g. "+cu130"), not just the wheel's number
-    out["cuda"] = torch.version.cuda
-    return out
 
 
 def _find_final_norm(model):
@@ -686,7 +634,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
                           if config.format == "topk" else None),
         "data": data_name, "config": config.model_dump(), "identity": identity,
-        "command": command if command is not None else " ".join(sys.argv), "versions": _versions(),
+        "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
     if rank == 0 and config.format == "hidden":
         header["head"] = _write_head(out, model)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
-from specdraft.config import SamplingConfig
+from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
 from specdraft.losses import sum_min
 from specdraft.sampling import align_logits, filtered_probs, greedy_probs
@@ -215,16 +215,11 @@ def run_eval(
     tokenizer,
     prompt_ids: Sequence[Sequence[int]],
     prompt_names: Sequence[str] | None = None,
-    num_speculative_tokens: int = 5,
-    sampling: SamplingConfig | None = None,
-    max_new_tokens: int = 128,
-    seed: int = 0,
-    compare_hf: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    config: dict[str, Any] | None = None,
-    draft_confidence_threshold: float | None = None,
+    config: EvalConfig | None = None,
+    *,
     vocab_mapping=None,
-    mapped_proposals: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    record: dict[str, Any] | None = None,
 ) -> EvalResult:
     """Decode each prompt with the target alone, with speculative decoding, and (optionally) with
     transformers' assisted generation, interleaved, batch 1; compare outputs; gather counts and times.
@@ -234,34 +229,35 @@ def run_eval(
             tokenizer with ``vocab_mapping``.
         tokenizer: the target's tokenizer.
         prompt_ids: target token ids per prompt (chat template already applied).
-        sampling: greedy by default; with sampling, outputs are not compared token by token (they are
-            random) — the χ² tests cover the law.
+        prompt_names: one name per prompt (default its index), in the per-prompt table.
+        config: γ, max new tokens, sampling (greedy by default; sampled outputs are not compared token by token —
+            they are random; the χ² tests cover the law), seed, the HF comparison, the mapped-proposal mode.
         vocab_mapping: :class:`~specdraft.vocab.VocabMapping` for a draft of another tokenizer (see
             :func:`~specdraft.decode.speculative_generate`). Predicted α (teacher-forced) needs aligned
             positions and is left out; transformers' assisted generation runs as its universal assisted
             generation (``tokenizer`` + ``assistant_tokenizer``), greedy only, since its sampled variant prunes
             the draft's output head in place.
-        mapped_proposals: ``"text"`` or ``"tokens"`` with ``vocab_mapping`` (see
-            :func:`~specdraft.decode.speculative_generate`); default text when greedy, tokens when sampling.
+        progress: called as ``progress(done, total)`` after each prompt.
+        record: extra facts stored in the result's ``config`` (e.g. the model references).
 
     Returns:
         :class:`EvalResult`.
     """
-    sampling = sampling or SamplingConfig()
+    config = config or EvalConfig()
+    sampling, seed, max_new_tokens = config.sampling, config.seed, config.max_new_tokens
+    mapped_proposals, compare_hf = config.mapped_proposals, config.compare_hf
+    draft_confidence_threshold = config.draft_confidence_threshold
     names = list(prompt_names or [str(i) for i in range(len(prompt_ids))])
     real_vocab = len(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     tol = ROUNDING_TOLERANCE.get(dtype, 0.5)
-    gamma = num_speculative_tokens
+    gamma = config.num_speculative_tokens
     res = EvalResult(
-        config=(config or {}) | {"num_speculative_tokens": gamma, "max_new_tokens": max_new_tokens,
-                                 "sampling": sampling.model_dump(), "seed": seed, "dtype": str(dtype),
-                                 "draft_confidence_threshold": draft_confidence_threshold,
-                                 "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None,
-                                 "mapped_proposals": proposal_mode(mapped_proposals, sampling)
-                                 if vocab_mapping is not None else None},
+        config=(record or {}) | config.model_dump(exclude={"dtype"}) | {
+            "dtype": str(dtype), "vocab_mapping": vocab_mapping.to_dict() if vocab_mapping is not None else None,
+            "mapped_proposals": proposal_mode(mapped_proposals, sampling) if vocab_mapping is not None else None},
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )

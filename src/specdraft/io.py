@@ -95,3 +95,23 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def versions() -> dict[str, str]:
+    """What made an artifact: python, specdraft, torch (the running build, e.g. ``+cpu``), transformers,
+    safetensors, accelerate, CUDA, and the machine (architecture and CPU count)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("specdraft", "torch", "transformers", "safetensors", "accelerate"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    import torch
+
+    out["torch"] = torch.__version__  # the build actually running (e.g. "+cu130"), not just the wheel's number
+    out["cuda"] = torch.version.cuda
+    out["machine"] = f"{platform.machine()} ({os.cpu_count()} cpus)"
+    return out

@@ -414,6 +414,42 @@ def _verify_file(model: EmbeddedModel, path: Path, progress: Callable[[str, floa
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ModelRef:
+    """A model reference resolved once (:func:`resolve_ref`) and passed down instead of the string.
+
+    Attributes:
+        name: what the user typed (embedded name, local directory or hub id): shown in reports.
+        path: the local directory ``from_pretrained`` opens offline.
+    """
+
+    name: str
+    path: str
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def config(self):
+        """The checkpoint's ``transformers`` config (read from ``path``)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+
+def resolve_ref(ref: str | os.PathLike | ModelRef, progress: Callable[[str, float], None] | None = None) -> ModelRef:
+    """:func:`resolve` once, keeping the name as typed: ``ModelRef(name, path)``. A ``ModelRef`` is returned as is.
+
+    Raises:
+        ModelResolutionError: see :func:`resolve`.
+    """
+    if isinstance(ref, ModelRef):
+        return ref
+    return ModelRef(str(ref), resolve(ref, progress))
+
+
 def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | None = None) -> str:
     """Turn a reference into something ``from_pretrained`` can open offline.
 
@@ -424,6 +460,8 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
     Raises:
         ModelResolutionError: unknown name / path / uncached hub id, with the list of embedded names.
     """
+    if isinstance(ref, ModelRef):  # resolved once already
+        return ref.path
     ref_s = str(ref)
     if ref_s in EMBEDDED:
         return str(prepare(ref_s, progress))

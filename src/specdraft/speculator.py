@@ -30,17 +30,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdraft import __version__
-from specdraft.io import atomic_directory
+from specdraft.config import NUM_SPECULATIVE_TOKENS, SpeculativeTokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
@@ -50,36 +47,6 @@ SPECULATOR_KEYS = ("speculators_model_type", "speculators_version", "speculators
 
 VerifierMode = Literal["detached", "full", "train_only"]
 VERIFIER_MODES: tuple[str, ...] = get_args(VerifierMode)
-
-DEFAULT_NUM_SPECULATIVE_TOKENS = 5
-
-# Files a tokenizer's save_pretrained may write; `convert` copies the ones the draft has, byte for byte.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "additional_chat_templates",
-)
-
-# One bound, shared by the proposal schema and the `convert` options.
-SpeculativeTokens = Annotated[
-    int,
-    Field(
-        ge=1,
-        description="γ: tokens the draft proposes per round; the verifier checks them in one forward pass. "
-        "Larger γ raises the possible accepted length and the cost of each round.",
-    ),
-]
-
 
 class SpeculatorError(ValueError):
     """A speculator checkpoint, conversion input or verifier attachment is invalid."""
@@ -102,7 +69,7 @@ class GreedyTokenProposalConfig(BaseModel):
     proposal_type: Literal["greedy"] = Field(
         default="greedy", description="Proposal method name; the registry key in the speculators library."
     )
-    speculative_tokens: SpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+    speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     verifier_accept_k: int = Field(
         default=1,
         ge=1,
@@ -235,7 +202,7 @@ class IndependentSpeculatorConfig(BaseModel):
     def for_draft(
         cls,
         draft_config: dict[str, Any] | PretrainedConfig,
-        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+        num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
         verifier: Any = None,
     ) -> IndependentSpeculatorConfig:
         """Convert a plain causal-LM config: inject the speculator fields with one greedy proposal of γ tokens.
@@ -249,9 +216,9 @@ class IndependentSpeculatorConfig(BaseModel):
             SpeculatorError: the config is not a causal LM's (names its architecture), or γ < 1.
         """
         d = _config_dict(draft_config)
-        _check_causal_lm_config(d)
+        check_causal_lm_config(d)
         return cls(
-            draft_config=_strip_speculator_keys(d),
+            draft_config=strip_speculator_keys(d),
             proposal_methods=[_greedy(num_speculative_tokens)],
             verifier=None if verifier is None else verifier_config(verifier),
         )
@@ -273,7 +240,7 @@ class IndependentSpeculatorConfig(BaseModel):
             raise SpeculatorError(f"invalid speculator config: {exc}") from exc
         sc = fields.speculators_config
         return cls(
-            draft_config=_strip_speculator_keys(d),
+            draft_config=strip_speculator_keys(d),
             speculators_version=fields.speculators_version,
             proposal_methods=sc.proposal_methods,
             default_proposal_method=sc.default_proposal_method,
@@ -319,7 +286,7 @@ class IndependentSpeculatorConfig(BaseModel):
             return cfg
         return cls.for_draft(
             d,
-            DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens,
+            NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens,
             verifier,
         )
 
@@ -467,7 +434,7 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
         vc = VerifierConfig.model_validate(verifier)
         return vc if name_or_path is None else vc.model_copy(update={"name_or_path": name_or_path})
     if isinstance(verifier, (str, os.PathLike)):
-        d = _read_config_json(verifier, role="verifier")
+        d = read_config_json(verifier, role="verifier")
         name = name_or_path or str(verifier)  # the reference the user typed, not the resolved cache path
     else:
         cfg = getattr(verifier, "config", verifier)  # a model → its config
@@ -481,22 +448,6 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
             "(the hub id or directory it will be loaded from)."
         )
     return VerifierConfig(name_or_path=str(name), architectures=_architectures(d, role="verifier"))
-
-
-def vllm_serve_command(verifier: str, speculator_dir: str | os.PathLike, num_speculative_tokens: int) -> str:
-    """The shell command that serves ``verifier`` with the speculator at ``speculator_dir`` as its draft.
-
-    An embedded name (vLLM does not know them) becomes its specdraft cache directory.
-    """
-    import shlex
-
-    from specdraft.models import EMBEDDED, cache_dir
-
-    target = str(cache_dir(verifier)) if verifier in EMBEDDED else str(verifier)
-    spec = json.dumps(
-        {"method": "draft_model", "model": str(speculator_dir), "num_speculative_tokens": num_speculative_tokens}
-    )
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -826,7 +777,7 @@ class IndependentSpeculator:
 
         path = resolve(pretrained)
         config = IndependentSpeculatorConfig.from_pretrained(
-            _read_config_json(path, role="draft"), num_speculative_tokens=num_speculative_tokens
+            read_config_json(path, role="draft"), num_speculative_tokens=num_speculative_tokens
         )
         if isinstance(dtype, str) and dtype != "auto":
             dtype = getattr(torch, dtype)
@@ -846,132 +797,6 @@ class IndependentSpeculator:
 
 
 # --------------------------------------------------------------------------------------------------
-# convert: plain draft → speculator directory
-# --------------------------------------------------------------------------------------------------
-
-
-class ConvertOptions(BaseModel):
-    """Options of ``specdraft convert``; field names are the CLI flags with ``_`` for ``-``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    draft: str = Field(description="Draft checkpoint (q): embedded name, local HF directory or cached hub id.")
-    verifier: str = Field(description="Verifier (target, p) recorded in the config; only its config is read.")
-    out: Path = Field(description="Output directory; must not exist or be empty unless overwrite.")
-    num_speculative_tokens: SpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS
-    overwrite: bool = Field(default=False, description="Replace a non-empty output directory.")
-
-
-@dataclass
-class ConvertResult:
-    """What :func:`convert` wrote.
-
-    Attributes:
-        out: the speculator directory (absolute).
-        config: its config.json.
-        added: ``config_diff(plain, config)``: the keys added relative to the draft's own save (3 keys).
-        resaved: ``config_diff(source config.json, plain)``: keys transformers itself rewrote on re-saving
-            the draft (empty when the source was written by this transformers version).
-        tokenizer_files: names copied from the draft directory.
-        vllm_command: serves the verifier with this speculator as its draft.
-        compat_verdict: the tokenizer check's verdict, or ``None`` when a tokenizer was unknown (warned).
-        seconds: wall time of the whole conversion, seconds.
-    """
-
-    out: Path
-    config: dict[str, Any]
-    added: dict[str, tuple[Any, Any]]
-    resaved: dict[str, tuple[Any, Any]]
-    tokenizer_files: list[str]
-    vllm_command: str
-    compat_verdict: str | None = None
-    seconds: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def convert(
-    draft: str | os.PathLike,
-    verifier: str | os.PathLike,
-    out: str | os.PathLike,
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
-    overwrite: bool = False,
-) -> ConvertResult:
-    """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
-    (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte).
-
-    Order: validate options → refuse a non-empty ``out`` (unless ``overwrite``) → read the verifier's config
-    → load the draft (checkpoint dtype) → tokenizer check → write everything into a temporary directory
-    beside ``out`` → rename it into place (with ``overwrite``: the old directory is renamed aside first,
-    then removed). A killed or failed run leaves ``out`` as it was, plus at most a ``.tmp-*`` sibling that
-    nothing reads.
-
-    Raises:
-        SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``);
-            ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable verifier; a
-            draft that is not a causal LM (names its architecture); tokenizer mismatch.
-        specdraft.models.ModelResolutionError: a reference cannot be resolved (before anything is written).
-    """
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    try:
-        opts = ConvertOptions(
-            draft=str(draft), verifier=str(verifier), out=Path(out),
-            num_speculative_tokens=num_speculative_tokens, overwrite=overwrite,
-        )
-    except ValidationError as exc:
-        raise SpeculatorError(flag_errors(exc)) from exc
-    out_dir = opts.out.expanduser().absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SpeculatorError(f"--out {out_dir} is a file, not a directory.")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not opts.overwrite:
-        raise SpeculatorError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it.")
-
-    from specdraft.models import resolve
-
-    verifier_config(opts.verifier)  # unreadable verifier → error before loading or writing anything
-    draft_dir = resolve(opts.draft)
-    source_cfg = _read_config_json(draft_dir, role="draft")
-    _check_causal_lm_config(source_cfg, what=f"draft {opts.draft}")
-    timings["resolve_s"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    spec = IndependentSpeculator.from_pretrained(draft_dir, num_speculative_tokens=opts.num_speculative_tokens)
-    timings["load_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    verdict = spec.attach_verifier(opts.verifier, "detached").compat_verdict
-    timings["check_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    with atomic_directory(out_dir) as tmp:
-        spec.save_pretrained(tmp)
-        copied = _copy_tokenizer_files(Path(draft_dir), tmp)
-    timings["write_s"] = time.perf_counter() - t
-
-    config = spec.speculator_config.to_dict()
-    plain = spec.speculator_config.draft_config
-    return ConvertResult(
-        out=out_dir,
-        config=config,
-        added=config_diff(plain, config),
-        resaved=config_diff(_strip_speculator_keys(source_cfg), plain),
-        tokenizer_files=copied,
-        vllm_command=vllm_serve_command(opts.verifier, out_dir, spec.num_speculative_tokens),
-        compat_verdict=verdict,
-        seconds=time.perf_counter() - t0,
-        timings=timings,
-    )
-
-
-def flag_errors(exc: ValidationError) -> str:
-    """One line per pydantic error, naming the CLI flag (``num_speculative_tokens`` → ``--num-speculative-tokens``)."""
-    lines = []
-    for err in exc.errors():
-        loc = err["loc"][0] if err["loc"] else ""
-        lines.append(f"--{str(loc).replace('_', '-')}: {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------------
 
@@ -986,7 +811,7 @@ def _greedy(num_speculative_tokens: int) -> GreedyTokenProposalConfig:
         ) from exc
 
 
-def _read_config_json(ref: str | os.PathLike, role: str) -> dict[str, Any]:
+def read_config_json(ref: str | os.PathLike, role: str) -> dict[str, Any]:
     from specdraft.models import resolve
 
     path = Path(resolve(ref)) / "config.json"
@@ -1006,13 +831,13 @@ def _config_dict(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return copy.deepcopy(config)
     if isinstance(config, (str, os.PathLike)):
-        return _read_config_json(config, role="config")
+        return read_config_json(config, role="config")
     if hasattr(config, "to_json_string"):  # a PretrainedConfig: exactly what its save_pretrained writes
         return json.loads(config.to_json_string(use_diff=True))
     raise TypeError(f"expected a reference, directory, PretrainedConfig or dict, got {type(config).__name__}")
 
 
-def _strip_speculator_keys(d: dict[str, Any]) -> dict[str, Any]:
+def strip_speculator_keys(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in SPECULATOR_KEYS}
 
 
@@ -1039,7 +864,7 @@ def _is_causal_name(name: str, known: set[str]) -> bool:
     return name in known or name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def _check_causal_lm_config(d: dict[str, Any], what: str = "draft") -> None:
+def check_causal_lm_config(d: dict[str, Any], what: str = "draft") -> None:
     known = _causal_lm_classes()
     archs = d.get("architectures") or []
     if archs:
@@ -1117,17 +942,3 @@ def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | No
             "token ids must mean the same strings to both models."
         )
     return verdict
-
-
-def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        s = src / name
-        if s.is_dir():
-            shutil.copytree(s, dst / name)
-        elif s.is_file():
-            shutil.copyfile(s, dst / name)  # follows hub-cache symlinks: copies the content
-        else:
-            continue
-        copied.append(name)
-    return copied
