@@ -32,7 +32,19 @@ Greedy decoding may instead propose *text* (``mapped_proposals="text"``, the gre
 its own argmax over its whole vocabulary, the drafted text is encoded with the target's tokenizer, and the
 target verifies those tokens (up to γ) — Timor et al.'s string-level exact match (SLEM, Alg. 2), transformers'
 ``AssistedCandidateGeneratorDifferentTokenizers``. Greedy verification accepts any candidate sequence exactly,
-so this is lossless; sampled decoding needs a q over target ids and always uses the token mapping.
+so this is lossless; sampled decoding needs a q over target ids and always uses the token mapping. A mapped
+draft whose context re-encodes to nothing (its tokenizer cannot spell the prompt and adds no BOS) proposes nothing:
+the target decodes alone until the draft has context — never a stand-in id.
+
+The draft side is a *drafter* (:class:`Drafter`: ``propose`` then ``commit``), one for a draft that shares the
+target's tokenizer (:class:`SameTokenizerDrafter`) and one for a draft of another tokenizer
+(:class:`MappedDrafter`); the loop in :func:`speculative_generate` reads propose → verify → accept → roll back.
+A round never drafts more tokens than a row can still emit (``max_new_tokens`` − emitted − 1).
+
+Caches: every layer keeps every position (no sliding-window eviction), so rolling back is always possible; a
+sliding-window model still attends only within its window (transformers builds that mask from the config). Holes
+would widen a window measured in cache positions, so a batch of several rows with a sliding-window model is
+refused (decode its rows one at a time).
 """
 
 from __future__ import annotations
@@ -40,12 +52,12 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdraft.acceptance import AcceptanceCounts
-from specdraft.config import SamplingConfig
+from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
 from specdraft.sampling import align_logits, filter_logits
 
 
@@ -127,7 +139,10 @@ class _Stream:
 
         self.model = model
         self.mapping = mapping  # VocabMapping: the model speaks another tokenizer; logits are mapped to target ids
-        self.cache = DynamicCache(config=model.config)
+        # No config: every layer is a full DynamicLayer. With the config, sliding-window layers evict old positions
+        # and cannot crop back across the window (RuntimeError in DynamicCache.crop); the window itself is applied
+        # by the attention mask, which transformers builds from model.config.sliding_window.
+        self.cache = DynamicCache()
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, L]
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.width = width
@@ -194,6 +209,15 @@ def _context_limit(model) -> int | None:
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
+def _sliding_window(model) -> int | None:
+    """The model's attention window in tokens, or ``None`` (full attention; Qwen2 carries a window it does not
+    use unless ``use_sliding_window``)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
+
+
 def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
     return any(len(s) and len(seq) >= len(s) and seq[-len(s):] == list(s) for s in stops)
 
@@ -221,12 +245,252 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# ------------------------------------------------------------------------------------------- drafters
+
+
+@dataclass
+class Proposal:
+    """One round's proposals: ``tokens [b, k] int64`` in target ids; ``n_proposed [b] int64`` when rows proposed
+    fewer than k (right-padded, never accepted), else ``None``; ``q [b, k, V] float32`` the filtered distributions
+    the tokens were sampled from (sampling only)."""
+
+    tokens: torch.Tensor
+    n_proposed: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+
+
 @dataclass
 class _Row:
     index: int
-    tokens: list[int]
-    prompt: list[int] | None = None  # target ids without padding (mapped drafts only)
-    draft_ids: list[int] | None = None  # the draft's real cache contents, in draft ids (mapped drafts only)
+    prompt: list[int]  # target ids without padding
+    tokens: list[int] = field(default_factory=list)  # emitted so far
+
+
+class Drafter:
+    """The draft side of the loop: ``propose`` up to γ tokens for the active rows, then ``commit`` how many the
+    target accepted (the drafter rolls its cache back), ``select`` the rows that continue.
+
+    Subclasses set ``self.stream`` (a :class:`_Stream`) and implement :meth:`prefill`, :meth:`propose`,
+    :meth:`commit`. ``prefill_seconds`` is drafting time that was really prompt reading (a mapped draft reads its
+    prompt in its first round); the loop books it as prefill.
+    """
+
+    stream: _Stream
+
+    def __init__(self, sampling: SamplingConfig, generator: torch.Generator | None,
+                 confidence_threshold: float | None):
+        self.sampling, self.generator, self.threshold = sampling, generator, confidence_threshold
+        self.prefill_calls, self.prefill_seconds = 0, 0.0
+
+    @property
+    def calls(self) -> int:
+        return self.stream.calls
+
+    def _draft(self, logits: torch.Tensor, gamma: int, feed) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Up to γ autoregressive draft steps from ``logits [b, V]``; ``feed(d)`` is the id the model reads back.
+
+        Returns ``(tokens, q)``: one ``[b]`` tensor per step (fewer than γ when every row's probability of its
+        own token fell below the confidence threshold), and the sampling distributions (empty when greedy)."""
+        tokens, qs = [], []
+        ones = torch.ones(logits.shape[0], 1, dtype=torch.long, device=logits.device)
+        for i in range(gamma):
+            if self.sampling.greedy:
+                d = logits.argmax(dim=-1)
+            else:
+                s = self.sampling
+                q_i = filter_logits(logits, s.temperature, s.top_k, s.top_p).softmax(-1)
+                d = torch.multinomial(q_i, 1, generator=self.generator).squeeze(1)
+                qs.append(q_i)
+            tokens.append(d)
+            if i == gamma - 1:
+                break
+            if self.threshold is not None:
+                q_d = (logits.float().softmax(-1) if self.sampling.greedy else q_i).gather(1, d[:, None])
+                if bool((q_d < self.threshold).all()):  # one host sync per draft step
+                    break
+            logits = self.stream.forward(feed(d)[:, None], ones, logits_to_keep=1)[:, -1]
+        return tokens, qs
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def propose(self, cur: torch.Tensor, rows: list[_Row], gamma: int) -> Proposal | None:
+        raise NotImplementedError
+
+    def commit(self, n_accepted: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.stream.select(keep)
+
+
+class SameTokenizerDrafter(Drafter):
+    """A draft that shares the target's tokenizer (widths may differ by padding rows).
+
+    Its cache holds ``[catch-up?, cur, d_1..d_{k−1}]`` after a round; ``commit`` keeps the accepted prefix, and a
+    row that accepted all k drafts feeds d_k (the *catch-up* token it never read) next round."""
+
+    def __init__(self, model, batch: int, width: int, real_vocab: int, device, sampling, generator, threshold):
+        super().__init__(sampling, generator, threshold)
+        self.stream = _Stream(model, batch, width, real_vocab, device)
+        self.catch_up = torch.full((batch,), -1, dtype=torch.long, device=device)  # d_k not read yet, or −1
+
+    def prefill(self, input_ids, attention_mask) -> None:
+        if input_ids.shape[1] > 1:
+            self.stream.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
+            self.prefill_calls = 1
+
+    def propose(self, cur, rows, gamma) -> Proposal:
+        need = self.catch_up >= 0
+        if bool(need.any()):
+            ids = torch.stack([self.catch_up.clamp(min=0), cur], dim=1)
+            mask = torch.stack([need.long(), torch.ones_like(cur)], dim=1)
+        else:
+            ids, mask = cur[:, None], torch.ones_like(cur)[:, None]
+        self.start, self.fed = self.stream.length, ids.shape[1]
+        logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
+        tokens, qs = self._draft(logits, gamma, feed=lambda d: d)
+        self.drafts = torch.stack(tokens, dim=1)  # [b, k]
+        return Proposal(self.drafts, None, torch.stack(qs, dim=1) if qs else None)
+
+    def commit(self, n_accepted) -> None:
+        k = self.drafts.shape[1]
+        # Keep the catch-up slot (a hole where there was nothing to catch up), cur and min(n, k−1) drafts.
+        self.stream.keep(self.start, torch.clamp(n_accepted, max=k - 1) + self.fed)
+        self.catch_up = torch.where(n_accepted == k, self.drafts[:, -1], torch.full_like(n_accepted, -1))
+
+    def select(self, keep) -> None:
+        super().select(keep)
+        self.catch_up = self.catch_up[keep]
+
+
+class MappedDrafter(Drafter):
+    """A draft of another tokenizer, through a :class:`~specdraft.vocab.VocabMapping` (see the module docstring).
+
+    Each round it re-reads the context as text (its cache keeps the longest prefix it already holds) and proposes
+    target-id tokens (``mode="tokens"``, q over target ids) or text re-encoded with the target's tokenizer
+    (``mode="text"``, greedy only). Once its context outgrows its window it stops proposing (warned)."""
+
+    def __init__(self, model, mapping, mode: str, batch: int, width: int, real_vocab: int, device, sampling,
+                 generator, threshold):
+        super().__init__(sampling, generator, threshold)
+        if mapping.target_width > width:
+            raise DecodeError(f"vocab_mapping covers {mapping.target_width} target ids but the target's output "
+                              f"head has {width} rows; build the mapping with the target's config "
+                              "(build_vocab_mapping(target_dir, draft_dir)).")
+        self.mapping, self.text = mapping, mode == "text"
+        self.t2d = mapping.target_to_draft.to(device)
+        if self.text:  # the draft's own logits over its own vocabulary (padding rows masked)
+            d_width = model.get_output_embeddings().weight.shape[0]
+            self.stream = _Stream(model, batch, d_width, min(mapping.draft_real, d_width), device)
+        else:
+            self.stream = _Stream(model, batch, width, real_vocab, device, mapping)
+        self.limit, self.device = _context_limit(model), device
+        self.draft_ids: list[list[int]] = [[] for _ in range(batch)]  # each row's real cache, in draft ids
+        self.outgrown = False
+
+    def prefill(self, input_ids, attention_mask) -> None:
+        pass  # the draft reads its prompt (re-encoded) in its first round
+
+    def _feed(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Trim each row's cache to its common prefix with the new context, feed the rest; logits ``[b, V]``."""
+        n_keep, feeds = [], []
+        for j, new in enumerate(contexts):
+            n = min(_common_prefix(self.draft_ids[j], new), len(new) - 1)  # feed ≥ 1 token for logits
+            n_keep.append(n)
+            feeds.append(new[n:])
+            self.draft_ids[j] = list(new)
+        self.stream.truncate(torch.tensor(n_keep, device=self.device))
+        w = max(len(f) for f in feeds)
+        ids = torch.zeros(len(feeds), w, dtype=torch.long)
+        mask = torch.zeros(len(feeds), w, dtype=torch.long)
+        for j, f in enumerate(feeds):  # left-aligned holes: the last column is real in every row
+            ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
+            mask[j, w - len(f):] = 1
+        t0 = time.perf_counter()
+        logits = self.stream.forward(ids.to(self.device), mask.to(self.device), logits_to_keep=1)[:, -1]
+        if not self.prefill_calls:  # the first read is the draft's prompt prefill
+            self.prefill_calls, self.prefill_seconds = 1, time.perf_counter() - t0
+        return logits
+
+    def propose(self, cur, rows, gamma) -> Proposal | None:
+        if self.outgrown:
+            return None
+        contexts = self.mapping.reencode_batch_for_draft([r.prompt + r.tokens for r in rows])
+        if any(not c for c in contexts):  # nothing to read yet: the target decodes alone this round
+            return None
+        if self.limit is not None and max(len(c) for c in contexts) + gamma > self.limit:
+            # Lossless either way: the target finishes alone (one token per pass) instead of failing.
+            warnings.warn(f"the draft's context ({max(len(c) for c in contexts)} draft tokens + γ) outgrew its "
+                          f"window ({self.limit}); the target decodes the rest alone", stacklevel=3)
+            self.outgrown = True
+            return None
+        logits = self._feed(contexts)
+        tokens, qs = self._draft(logits, gamma, feed=(lambda d: d) if self.text else (lambda d: self.t2d[d]))
+        own = torch.stack(tokens, dim=1)  # [b, k] draft ids (text) or target ids (tokens)
+        for j, fed in enumerate((own[:, :-1] if self.text else self.t2d[own[:, :-1]]).tolist()):
+            self.draft_ids[j].extend(fed)  # the draft read d_1..d_{k−1} while drafting
+        if self.text:
+            cands, n = _text_candidates(own.tolist(), self.draft_ids, self.mapping.draft_tokenizer,
+                                        self.mapping.target_tokenizer, gamma, self.device)
+            return Proposal(cands, n)
+        return Proposal(own, None, torch.stack(qs, dim=1) if qs else None)
+
+    def commit(self, n_accepted) -> None:
+        pass  # the cache is trimmed when the draft re-reads the context next round
+
+    def select(self, keep) -> None:
+        super().select(keep)
+        self.draft_ids = [self.draft_ids[j] for j in keep.tolist()]
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_tokens: int, mapped: bool) -> None:
+    if draft is not None and gamma < 1:
+        raise DecodeError(f"num_speculative_tokens (γ) must be >= 1, got {gamma}")
+    if input_ids.dim() != 2:
+        raise DecodeError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise DecodeError("prompts must be left-padded (attention_mask[:, -1] is 0 for some row)")
+    longest = int(attention_mask.sum(dim=1).max())
+    # A mapped draft counts positions in its own tokens: its window is checked each round instead.
+    for name, m in (("target", target), ("draft", None if mapped else draft)):
+        limit = _context_limit(m) if m is not None else None
+        need = longest + max_new_tokens + gamma + 1
+        if limit is not None and need > limit:
+            raise DecodeError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need} "
+                              f"exceeds the {name}'s context window ({limit}); shorten the prompt or lower "
+                              "--max-new-tokens.")
+    for name, m in (("target", target), ("draft", draft)):
+        w = _sliding_window(m) if m is not None else None
+        if w is not None and input_ids.shape[0] > 1 and input_ids.shape[1] + max_new_tokens + gamma + 1 > w:
+            raise DecodeError(f"the {name} uses sliding-window attention (window {w}); rows of a batch can accept "
+                              "different numbers of tokens, which would shift that window: decode one prompt at a "
+                              "time (batch 1).")
+
+
+def _eos_ids(target, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        gc = getattr(target, "generation_config", None)
+        eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos_token_id is None:
+            eos_token_id = target.config.eos_token_id
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+
+
+def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, generator):
+    """``(n_accepted [b], next_token [b])`` for a round's proposals (none: the target's own next token)."""
+    b = t_logits.shape[0]
+    if sampling.greedy:
+        if prop is None:
+            return t_logits.new_zeros(b, dtype=torch.long), t_logits[:, -1].argmax(-1)
+        return verify_greedy(prop.tokens, t_logits, prop.n_proposed)
+    p = filter_logits(t_logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
+    if prop is None:
+        return t_logits.new_zeros(b, dtype=torch.long), torch.multinomial(p[:, -1], 1, generator=generator).squeeze(1)
+    return verify_sampled(prop.tokens, prop.q, p, generator)
 
 
 def speculative_generate(
@@ -234,7 +498,7 @@ def speculative_generate(
     draft,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    num_speculative_tokens: int = 5,
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     sampling: SamplingConfig | None = None,
     max_new_tokens: int = 128,
     stop: Sequence[Sequence[int]] = (),
@@ -250,285 +514,119 @@ def speculative_generate(
 
     Args:
         target: transformers causal LM (the verifier), eval mode.
-        draft: transformers causal LM sharing the target's tokenizer (ids mean the same strings; widths may
-            differ by padding rows) or, with ``vocab_mapping``, speaking another tokenizer; ``None`` for the
-            target-only baseline.
-        input_ids: ``[B, P] int64`` prompts, **left**-padded.
-        attention_mask: ``[B, P]`` 1 = token, 0 = padding; default all ones.
-        num_speculative_tokens: γ ≥ 1, draft tokens per round.
+        draft: causal LM sharing the target's tokenizer (widths may differ by padding rows) or, with
+            ``vocab_mapping``, speaking another tokenizer; ``None`` for the target-only baseline.
+        input_ids / attention_mask: ``[B, P] int64`` prompts, **left**-padded (mask 1 = token; default all ones).
+        num_speculative_tokens: γ ≥ 1, the most draft tokens per round.
         sampling: greedy at temperature 0 (default), else temperature/top-k/top-p sampling.
         max_new_tokens: tokens generated per row, met exactly unless EOS/stop comes first.
-        stop: token-id sequences that end a row (included in the output, like EOS).
-        eos_token_id: id(s) that end a row (default: the target's ``generation_config``/config EOS).
+        stop / eos_token_id: token-id sequences / id(s) that end a row, included in the output (EOS default:
+            the target's ``generation_config``, then config).
         real_vocab: ``len(tokenizer)``; logits of ids at or past it are padding and get zero probability.
         generator: torch RNG (sampling only); seed it for reproducible output.
         on_tokens: called as ``on_tokens(row, new_tokens)`` after each round (streaming).
-        draft_confidence_threshold: if set, a round drafts fewer than γ tokens: drafting stops once the draft's
-            probability of its own latest token falls below this value in every row (γ is then the maximum).
-            Lossless: the number of proposals depends only on the draft, and each proposal is still
-            verified exactly (as transformers' ``assistant_confidence_threshold``; SpecDec++ motivates it).
-        vocab_mapping: a :class:`~specdraft.vocab.VocabMapping` (from
-            :func:`~specdraft.vocab.build_vocab_mapping`, tokenizers attached) when the draft's tokenizer
-            differs: the draft re-reads the context as text each round and proposes as ``mapped_proposals``
-            says (see the module docstring). Lossless as without it.
-        mapped_proposals: with ``vocab_mapping``, how the draft proposes: ``"tokens"`` (its tokens with a
-            target twin, q over target ids; the only choice when sampling) or ``"text"`` (greedy only: its own
-            argmax text, re-encoded with the target's tokenizer). Default: ``"text"`` greedy, ``"tokens"`` sampled.
+        draft_confidence_threshold: a round stops drafting once the draft's probability of its own latest token
+            falls below this in every row (lossless: proposals depend only on the draft, and each is verified
+            exactly; as transformers' ``assistant_confidence_threshold``, motivated by SpecDec++).
+        vocab_mapping: a :class:`~specdraft.vocab.VocabMapping` (tokenizers attached) when the draft's tokenizer
+            differs; ``mapped_proposals`` ``"tokens"`` or ``"text"`` (greedy only) chooses how it proposes
+            (default text when greedy, tokens when sampling). See the module docstring.
 
     Returns:
         ``(tokens, counts)``: per row the new token ids (prompt excluded, EOS/stop included), and the
-        :class:`AcceptanceCounts` of this call.
+        :class:`~specdraft.acceptance.AcceptanceCounts` (per-position accepted/proposed, histogram, timings).
 
     Raises:
         DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window (a
             mapped draft's window is checked each round in its own tokens; once outgrown, the target finishes
-            alone with a warning), a ``vocab_mapping`` wider than the target's output head,
-            ``mapped_proposals="text"`` with sampling.
+            alone with a warning), a batch of several rows with a sliding-window model, a ``vocab_mapping``
+            wider than the target's output head, ``mapped_proposals="text"`` with sampling.
     """
     sampling = sampling or SamplingConfig()
     gamma = num_speculative_tokens if draft is not None else 0
-    if draft is not None and gamma < 1:
-        raise DecodeError(f"num_speculative_tokens (γ) must be >= 1, got {num_speculative_tokens}")
-    if input_ids.dim() != 2:
-        raise DecodeError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}")
-    device = input_ids.device
-    B, P = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    attention_mask = attention_mask.long()
-    if bool((attention_mask[:, -1] == 0).any()):
-        raise DecodeError("prompts must be left-padded (attention_mask[:, -1] is 0 for some row)")
-    prompt_lens = attention_mask.sum(dim=1)
-    # A mapped draft counts positions in its own tokens: its window is checked each round instead.
-    for name, m in (("target", target), ("draft", None if vocab_mapping is not None else draft)):
-        limit = _context_limit(m) if m is not None else None
-        need = int(prompt_lens.max()) + max_new_tokens + gamma + 1
-        if limit is not None and need > limit:
-            raise DecodeError(
-                f"prompt ({int(prompt_lens.max())} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need} "
-                f"exceeds the {name}'s context window ({limit}); shorten the prompt or lower --max-new-tokens."
-            )
-    if eos_token_id is None:
-        gc = getattr(target, "generation_config", None)
-        eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
-        if eos_token_id is None:
-            eos_token_id = target.config.eos_token_id
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-
+    device, (B, P) = input_ids.device, input_ids.shape
+    attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).long()
+    mapped = draft is not None and vocab_mapping is not None
+    _check_inputs(target, draft, input_ids, attention_mask, gamma, max_new_tokens, mapped)
+    eos = _eos_ids(target, eos_token_id)
     width = target.get_output_embeddings().weight.shape[0]
     real_vocab = min(real_vocab or width, width)
-    mapped = draft is not None and vocab_mapping is not None
-    text_mode = proposal_mode(mapped_proposals, sampling) == "text" and mapped
-    if mapped:
-        if vocab_mapping.target_width > width:
-            raise DecodeError(f"vocab_mapping covers {vocab_mapping.target_width} target ids but the target's output "
-                              f"head has {width} rows; build the mapping with the target's config "
-                              "(build_vocab_mapping(target_dir, draft_dir)).")
-        t2d = vocab_mapping.target_to_draft.to(device)
-        dtok, ttok = vocab_mapping.draft_tokenizer, vocab_mapping.target_tokenizer
-        start_id = next((i for i in (dtok.bos_token_id, dtok.eos_token_id) if i is not None), 0)
-        draft_limit = _context_limit(draft)
-    counts = AcceptanceCounts(max(gamma, 1) if draft is not None else 1)
+    args = (B, width, real_vocab, device, sampling, generator, draft_confidence_threshold)
+    drafter = (None if draft is None else SameTokenizerDrafter(draft, *args) if not mapped else
+               MappedDrafter(draft, vocab_mapping, proposal_mode(mapped_proposals, sampling), *args))
+    counts = AcceptanceCounts(max(gamma, 1))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t_start = time.perf_counter()
-    cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     tgt = _Stream(target, B, width, real_vocab, device)
-    if text_mode:  # the draft's own logits over its own vocabulary (padding rows masked)
-        d_width = draft.get_output_embeddings().weight.shape[0]
-        drf = _Stream(draft, B, d_width, min(vocab_mapping.draft_real, d_width), device)
-    elif draft is not None:
-        drf = _Stream(draft, B, width, real_vocab, device, vocab_mapping if mapped else None)
-    else:
-        drf = None
-
-    # Prefill everything but the last prompt token (cur); the first round feeds cur to both models.
-    cur = input_ids[:, -1].clone()  # [B]
-    t0 = time.perf_counter()
-    if P > 1:
-        for s in (tgt, None if mapped else drf):  # a mapped draft reads the prompt in its first round
-            if s is not None:
-                s.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
-                counts.prefill_calls += 1
+    if P > 1:  # prefill all but the last prompt token (cur); the first round feeds cur to both models
+        tgt.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
+    if drafter is not None:
+        drafter.prefill(input_ids, attention_mask)
     sync()
-    counts.time_prefill += time.perf_counter() - t0
-
-    rows = [_Row(i, []) for i in range(B)]
-    if mapped:
-        for i, r in enumerate(rows):
-            r.prompt = input_ids[i][attention_mask[i] == 1].tolist()
-            r.draft_ids = []
+    counts.time_prefill = time.perf_counter() - t_start
+    cur = input_ids[:, -1].clone()  # [b]: the last token, read by both models next round
+    rows = [_Row(i, input_ids[i][attention_mask[i] == 1].tolist()) for i in range(B)]
     active = list(range(B))  # indices into `rows` of rows still decoding, in batch order
-    catch_up = torch.full((B,), -1, dtype=torch.long, device=device)  # d_γ the draft has not consumed
-    ones = torch.ones(B, 1, dtype=torch.long, device=device)
-    drafting = drf is not None  # false for the baseline, or once a mapped draft's context outgrows its window
-    draft_prefills = 1 if (P > 1 and drf is not None and not mapped) else 0
 
     while active:
-        b = len(active)
-        ones_b = ones[:b]
-        # ---- 1. draft γ tokens ---------------------------------------------------------------------------
+        # ---- 1. propose: at most what a row can still emit beyond the target's own token ------------------
         t0 = time.perf_counter()
-        if mapped and drafting:
-            # The draft re-reads the context as text; its cache keeps the prefix it already holds.
-            contexts = vocab_mapping.reencode_batch_for_draft([rows[ri].prompt + rows[ri].tokens for ri in active])
-            if draft_limit is not None and max(len(c) for c in contexts) + gamma > draft_limit:
-                # Lossless either way: the target finishes alone (one token per pass) instead of failing.
-                warnings.warn(f"the draft's context ({max(len(c) for c in contexts)} draft tokens + γ) outgrew its "
-                              f"window ({draft_limit}); the target decodes the rest alone", stacklevel=2)
-                drafting = False
-        if mapped and drafting:
-            n_keep, feeds = [], []
-            for j, ri in enumerate(active):
-                new = contexts[j] or [start_id]
-                n = min(_common_prefix(rows[ri].draft_ids, new), len(new) - 1)  # feed ≥ 1 token for logits
-                n_keep.append(n)
-                feeds.append(new[n:])
-                rows[ri].draft_ids = new
-            drf.truncate(torch.tensor(n_keep, device=device))
-            w = max(len(f) for f in feeds)
-            ids = torch.zeros(b, w, dtype=torch.long)
-            cmask = torch.zeros(b, w, dtype=torch.long)
-            for j, f in enumerate(feeds):  # left-aligned holes: the last column is real in every row
-                ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
-                cmask[j, w - len(f):] = 1
-            ids, cmask = ids.to(device), cmask.to(device)
-        elif drafting:
-            need_catch = catch_up >= 0
-            if bool(need_catch.any()):
-                ids = torch.stack([catch_up.clamp(min=0), cur], dim=1)
-                cmask = torch.stack([need_catch.long(), torch.ones_like(cur)], dim=1)
-            else:
-                ids, cmask = cur[:, None], ones_b
-        if drafting:
-            draft_start = drf.length
-            d_tokens, q_list = [], []
-            logits = drf.forward(ids, cmask, logits_to_keep=1)[:, -1]
-            if mapped and draft_prefills == 0:  # the mapped draft's first read is its prompt prefill
-                sync()
-                dt = time.perf_counter() - t0
-                counts.time_prefill += dt
-                counts.prefill_calls += 1
-                draft_prefills = 1
-                t0 += dt
-            for i in range(gamma):
-                if sampling.greedy:
-                    d = logits.argmax(dim=-1)
-                else:
-                    q_i = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
-                    d = torch.multinomial(q_i, 1, generator=generator).squeeze(1)
-                    q_list.append(q_i)
-                d_tokens.append(d)
-                if i == gamma - 1:
-                    break
-                if draft_confidence_threshold is not None:
-                    q_d = (logits.float().softmax(-1) if sampling.greedy else q_i).gather(1, d[:, None])
-                    if bool((q_d < draft_confidence_threshold).all()):  # one host sync per draft step
-                        break
-                # A token-mapped draft is fed its own id of the proposed token.
-                feed = t2d[d] if mapped and not text_mode else d
-                logits = drf.forward(feed[:, None], ones_b, logits_to_keep=1)[:, -1]
-            drafts = torch.stack(d_tokens, dim=1)  # [b, k], k ≤ γ drafted this round
-            k_rows = None  # per-row proposals when rows propose different numbers (text mode)
-            if text_mode:
-                drafts, k_rows = _text_candidates(drafts.tolist(), [rows[ri].draft_ids for ri in active], dtok, ttok,
-                                                  gamma, device)
-            if mapped and len(d_tokens) > 1:
-                own = torch.stack(d_tokens[:-1], dim=1)  # [b, k−1] fed to the draft this round
-                for j, fed in enumerate((own if text_mode else t2d[own]).tolist()):
-                    rows[active[j]].draft_ids.extend(fed)
-            sync()
-        else:
-            drafts, k_rows = cur.new_zeros(b, 0), None
+        k_max = min(gamma, max(max_new_tokens - len(rows[i].tokens) - 1 for i in active))
+        prop = drafter.propose(cur, [rows[i] for i in active], k_max) if drafter and k_max > 0 else None
+        sync()
         t1 = time.perf_counter()
-        counts.time_draft += t1 - t0
-
-        k_round = drafts.shape[1]
-        # ---- 2. one target pass over [cur, d_1..d_k] -------------------------------------------------------
-        target_start = tgt.length
+        moved = drafter.prefill_seconds if drafter else 0.0  # a mapped draft's first read is its prefill
+        counts.time_draft += t1 - t0 - moved
+        counts.time_prefill += moved
+        if drafter:
+            drafter.prefill_seconds = 0.0
+        # ---- 2. verify: one target pass over [cur, d_1..d_k] ----------------------------------------------
+        drafts = prop.tokens if prop is not None else cur.new_zeros(len(active), 0)
         t_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, k+1]
         t_mask = torch.ones_like(t_ids)
-        if k_rows is not None:  # right-padding of rows with fewer candidates is a hole
-            t_mask[:, 1:] = (torch.arange(k_round, device=device)[None, :] < k_rows[:, None]).long()
+        if prop is not None and prop.n_proposed is not None:  # right-padding of shorter rows is a hole
+            t_mask[:, 1:] = (torch.arange(drafts.shape[1], device=device) < prop.n_proposed[:, None]).long()
+        start = tgt.length
         t_logits = tgt.forward(t_ids, t_mask)  # [b, k+1, V]
+        n_acc, nxt = _verify(prop, t_logits, sampling, generator)
         sync()
-        t2 = time.perf_counter()
-        counts.time_target += t2 - t1
-
-        # ---- 3. verify -------------------------------------------------------------------------------------
-        if sampling.greedy:
-            if drafting:
-                n_acc, nxt = verify_greedy(drafts, t_logits, k_rows)
-            else:
-                n_acc, nxt = torch.zeros(b, dtype=torch.long, device=device), t_logits[:, -1].argmax(-1)
-        else:
-            p = filter_logits(t_logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
-            if drafting:
-                n_acc, nxt = verify_sampled(drafts, torch.stack(q_list, dim=1), p, generator)
-            else:
-                n_acc = torch.zeros(b, dtype=torch.long, device=device)
-                nxt = torch.multinomial(p[:, -1], 1, generator=generator).squeeze(1)
-        # The one host sync verification needs: how many tokens each row emits.
-        n_host = n_acc.tolist()
-        drafts_host = drafts.tolist()
-        k_host = k_rows.tolist() if k_rows is not None else [k_round] * b
-        nxt_host = nxt.tolist()
-
-        # ---- 4. emit, stop, account ------------------------------------------------------------------------
-        keep_rows = []
-        for j, ri in enumerate(active):
-            row = rows[ri]
-            n = n_host[j]
-            emitted = drafts_host[j][:n] + [nxt_host[j]]
-            kept = []
-            ended = False
-            for tok in emitted:
+        counts.time_target += time.perf_counter() - t1
+        # ---- 3. accept: emit the accepted drafts + one target token per row, stop, account ----------------
+        n_prop = (prop.n_proposed.tolist() if prop is not None and prop.n_proposed is not None
+                  else [drafts.shape[1]] * len(active))
+        keep = []
+        for j, (n, d, nx) in enumerate(zip(n_acc.tolist(), drafts.tolist(), nxt.tolist())):
+            row, kept, ended = rows[active[j]], [], False
+            for tok in d[:n] + [nx]:
                 kept.append(tok)
                 row.tokens.append(tok)
-                if tok in eos or _ends_with_any(row.tokens, stop) or len(row.tokens) >= max_new_tokens:
-                    ended = True
+                ended = tok in eos or _ends_with_any(row.tokens, stop) or len(row.tokens) >= max_new_tokens
+                if ended:
                     break
-            k = len(kept)
-            if ended and k <= n:  # the row ended inside the accepted block: drafts after it are dropped
-                counts.record_round(k, n_proposed=k, bonus=False)
-            else:  # the baseline drafts nothing: k_round = n = 0, one bonus token per round
-                counts.record_round(n, n_proposed=k_host[j], bonus=True)
+            if ended and len(kept) <= n:  # ended inside the accepted block: later drafts are dropped
+                counts.record_round(len(kept), n_proposed=len(kept), bonus=False)
+            else:  # the baseline drafts nothing: n = 0, one bonus token per round
+                counts.record_round(n, n_proposed=n_prop[j], bonus=True)
+            if not ended:
+                keep.append(j)
             if on_tokens is not None:
                 on_tokens(row.index, kept)
-            if not ended:
-                keep_rows.append(j)
-
-        # ---- 5. roll caches back to the accepted prefix -----------------------------------------------------
-        # Target holds [cur, d_1..d_k]: keep cur and the n accepted drafts.
-        tgt.keep(target_start, n_acc + 1)
-        if drafting and not mapped:  # a mapped draft trims its cache when it re-reads the context
-            # Draft holds [catch-up?, cur, d_1..d_{k-1}]: keep the catch-up slot where real, cur and
-            # min(n, k−1) drafts; a row that accepted all k still needs d_k next round.
-            has_slot = drf.length - draft_start == k_round + 1
-            valid = torch.clamp(n_acc, max=k_round - 1) + 1
-            if has_slot:
-                # The catch-up slot is a hole for rows that had nothing to catch up: keep its mask as is.
-                valid = valid + 1
-            drf.keep(draft_start, valid)
-            catch_up = torch.where(n_acc == k_round, drafts[:, -1], torch.full_like(n_acc, -1))
+        # ---- 4. roll back: both caches keep only the accepted prefix ---------------------------------------
+        tgt.keep(start, n_acc + 1)  # cur and the n accepted drafts
+        if prop is not None:
+            drafter.commit(n_acc)
         cur = nxt
-
-        if len(keep_rows) < b:
-            if not keep_rows:
-                break
-            sel = torch.tensor(keep_rows, device=device)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            sel = torch.tensor(keep, dtype=torch.long, device=device)
             tgt.select(sel)
-            if drf is not None:
-                drf.select(sel)
-                catch_up = catch_up[sel]
-            cur = cur[sel]
-            active = [active[j] for j in keep_rows]
-    prefilled = 1 if P > 1 else 0
-    counts.target_calls = tgt.calls - prefilled
-    counts.draft_calls = drf.calls - draft_prefills if drf is not None else 0
+            if drafter is not None:
+                drafter.select(sel)
+            cur, active = cur[sel], [active[j] for j in keep]
+    counts.target_calls = tgt.calls - (1 if P > 1 else 0)
+    counts.prefill_calls = (1 if P > 1 else 0) + (drafter.prefill_calls if drafter else 0)
+    counts.draft_calls = drafter.calls - drafter.prefill_calls if drafter else 0
     counts.time_total = time.perf_counter() - t_start
     return [r.tokens for r in rows], counts
 
