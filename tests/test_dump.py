@@ -510,10 +510,10 @@ def test_dump_command(pair, tmp_path):
     assert "bytes per token" in res.output and "tokens/s" in res.output
     bad = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", str(data), "--out",
                                    str(tmp_path / "x"), "--temperature", "0.5"])
-    assert bad.exit_code == 1 and "--temperature" in bad.output
+    assert bad.exit_code == 2 and "--temperature" in bad.output
     other = CliRunner().invoke(app, ["dump", "--target", pair["draft"], "--data", str(data), "--out", str(out),
                                      "--format", "topk", "--top-k", "4", "--answer-only"])
-    assert other.exit_code == 1 and "another target" in other.output
+    assert other.exit_code == 2 and "another target" in other.output
 
 
 # ------------------------------------------------------------------------------------------ real pair

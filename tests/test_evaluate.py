@@ -125,4 +125,4 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
     assert "6 tokens" in g.output
     bad = CliRunner().invoke(app, ["generate", "hi", "--target", str(tdir), "--draft", str(ddir), "--map-vocab",
                                    "--mapped-proposals", "text", "--temperature", "0.7"])
-    assert bad.exit_code == 1 and "greedy decoding only" in " ".join(bad.output.split())
+    assert bad.exit_code == 2 and "greedy decoding only" in " ".join(bad.output.split())

@@ -342,7 +342,7 @@ def test_zero_speculative_tokens_names_the_flag(tmp_path, pair):
         IndependentSpeculator(tiny_model("qwen2"), num_speculative_tokens=0)
     res = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out),
                                    "--num-speculative-tokens", "0"])
-    assert res.exit_code == 1 and "--num-speculative-tokens" in res.output
+    assert res.exit_code == 2 and "--num-speculative-tokens" in res.output
     assert not out.exists()
 
 
@@ -456,10 +456,10 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     assert f"speculative_tokens (γ)={NUM_SPECULATIVE_TOKENS}" in res.output and cmd in res.output
 
     res = runner.invoke(app, ["inspect", draft_dir])
-    assert res.exit_code == 1 and "specdraft convert" in res.output
+    assert res.exit_code == 2 and "specdraft convert" in res.output
 
     res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
-    assert res.exit_code == 1 and "--overwrite" in res.output
+    assert res.exit_code == 2 and "--overwrite" in res.output
 
 
 # ----------------------------------------------------------------------------------- real weights
