@@ -312,6 +312,10 @@ def convert(
     if res.resaved:
         console.print(f"[yellow]note:[/] transformers rewrote {sorted(res.resaved)} of the draft's config.json "
                       "when re-saving it (the speculator keeps transformers' current form).")
+    for key, (before, after) in res.corrected.items():
+        console.print(f"[yellow]warning:[/] the draft's config.json says {key}: {json.dumps(before)} but its tensors "
+                      f"disagree (lm_head.weight differs from the input embeddings); written as {json.dumps(after)}, "
+                      "so config.json differs from the draft's in this key.", highlight=False)
     verdict = res.compat_verdict or "not checked (no tokenizer known for one side)"
     console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "

@@ -269,8 +269,11 @@ def _make_trainer_class():
             draft.save_pretrained(output_dir, is_main_process=self.args.should_save)
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            from specdraft.models import load_causal_lm
+
             draft = self.accelerator.unwrap_model(model or self.model).draft
-            loaded = type(draft).from_pretrained(resume_from_checkpoint, dtype=next(draft.parameters()).dtype)
+            # A checkpoint missing a weight must stop the resume, not restart that weight at random.
+            loaded, _ = load_causal_lm(resume_from_checkpoint, dtype=next(draft.parameters()).dtype, cls=type(draft))
             draft.load_state_dict(loaded.state_dict(), strict=False)
             del loaded
 
