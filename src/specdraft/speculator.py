@@ -459,13 +459,14 @@ class VerifierHead:
     """The verifier's final norm and output head: what distillation needs of p, without its layers.
 
     ``head(hidden_states)`` maps the verifier's last hidden states ``[B, S, H]`` (before the final norm) to
-    logits ``[B, S, V]`` in the head's dtype, applying ``final_logit_softcapping`` where the config sets it.
+    logits ``[B, S, V]`` in the head's dtype, then applies the architecture's final-logit transforms
+    (soft-capping, scaling: :func:`specdraft.sampling.final_logit_ops`), as the verifier does.
     """
 
-    def __init__(self, norm, lm_head, softcap: float | None = None):
+    def __init__(self, norm, lm_head, logit_ops=()):
         self.norm = norm
         self.lm_head = lm_head
-        self.softcap = softcap
+        self.logit_ops = list(logit_ops)
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> VerifierHead:
@@ -486,15 +487,14 @@ class VerifierHead:
                 f"Cannot find the output head and final norm of {type(model).__name__}; attach it with "
                 "mode='full' instead."
             )
-        return cls(norm, lm_head, getattr(model.config, "final_logit_softcapping", None))
+        from specdraft.sampling import final_logit_ops
+
+        return cls(norm, lm_head, final_logit_ops(model.config))
 
     def __call__(self, hidden_states):
-        import torch
+        from specdraft.sampling import apply_final_logit_ops
 
-        logits = self.lm_head(self.norm(hidden_states))  # [B, S, V]
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return apply_final_logit_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)  # [B, S, V]
 
     def parameters(self):
         yield from self.norm.parameters()
