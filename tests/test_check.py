@@ -507,15 +507,15 @@ def test_cli_vocab_swap_writes_a_draft_that_speaks_the_target_tokenizer(tmp_path
                                draft.get_input_embeddings().weight[m.target_to_draft[twin_t]])
     assert check_compatible(str(tdir), str(out)).verdict == "identical"  # same tokenizer, same width
     again = CliRunner().invoke(app, args)
-    assert again.exit_code == 1 and "--overwrite" in again.output
+    assert again.exit_code == 2 and "--overwrite" in again.output
     assert CliRunner().invoke(app, [*args, "--overwrite"]).exit_code == 0
     a_file = tmp_path / "file"
     a_file.write_text("")
     r = CliRunner().invoke(app, [*args[:-2], "--out", str(a_file), "--overwrite"])
-    assert r.exit_code == 1 and "is a file" in " ".join(r.output.split()) and a_file.read_text() == ""
+    assert r.exit_code == 2 and "is a file" in " ".join(r.output.split()) and a_file.read_text() == ""
     same = CliRunner().invoke(app, ["vocab-swap", "--target", str(tdir), "--draft", str(out), "--out",
                                     str(tmp_path / "again")])
-    assert same.exit_code == 1 and "nothing to swap" in " ".join(same.output.split())
+    assert same.exit_code == 2 and "nothing to swap" in " ".join(same.output.split())
     assert not (tmp_path / "again").exists()
 
 

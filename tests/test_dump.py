@@ -92,8 +92,9 @@ def test_hidden_states_last_is_after_the_final_norm(arch):
         teacher = dump_mod._Teacher(model, VOCAB)
         captured = teacher.hidden(ids, torch.ones_like(ids))
     assert torch.equal(captured, h) and teacher.final_norm == "model" and teacher.checked
+    assert teacher.ops == [] and teacher._difference(h, out.logits) is None  # bit for bit, every position
     # The pre-norm residual stream is not the head's input: the check that guards the capture can tell.
-    assert teacher._mismatch(out.hidden_states[-2][:, -1], out.logits[:, -1]) > 10 * teacher.tol
+    assert teacher._difference(out.hidden_states[-2], out.logits) > 1e-2
 
 
 def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, monkeypatch):
@@ -113,6 +114,90 @@ def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, mo
     with pytest.raises(DumpError, match="pre-norm capture"):
         run_dump(pair["target"], examples, tmp_path / "refused", fp32())
     assert not (tmp_path / "refused" / "manifest.json").exists()
+
+
+# ------------------------------------------------------------------------ final-logit transforms (soft-capping)
+
+
+def _save_softcapped(arch: str, root, softcap: float) -> str:
+    """A tiny soft-capping target (Gemma 2 / Gemma 3 text) with the tiny tokenizer, saved under ``root``."""
+    d = root / f"{arch}-{softcap}"
+    tiny_model(arch, VOCAB, layers=2, final_logit_softcapping=softcap).save_pretrained(d)
+    tiny_tokenizer(VOCAB).save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
+    """Gemma soft-caps lm_head(h): the manifest records the transform and every reader (the dataset, distillation)
+    applies it, so the teacher is the target's real output distribution."""
+    from specdraft.config import DistillConfig
+    from specdraft.distill import DistillModel
+
+    target = _save_softcapped(arch, tmp_path, softcap=2.0)  # a low cap: logits of ±7 are squeezed into ±2
+    model, _ = load_model(target, dtype="float32", device="cpu")
+    examples = [chat(i) for i in range(3)]
+    m = run_dump(target, examples, tmp_path / "d", fp32(format=fmt, top_k=8, hidden_dtype="float32"))
+    assert m["logit_transform"] == [{"op": "softcap", "key": "final_logit_softcapping", "value": 2.0}]
+    assert m["format_version"] == 2
+    ds = TeacherDataset(tmp_path / "d")
+    for item in rows_by_id(ds).values():
+        ref = plain_logits(model, item["input_ids"])  # [S, V]
+        assert ref.abs().max() < 2.0
+        if fmt == "topk":
+            top = ref.log_softmax(-1).topk(8)
+            torch.testing.assert_close(item["topk_logprobs"].float(), top.values, atol=2e-3, rtol=1e-3)
+            continue
+        head = ds.head()
+        logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"], logit_ops=ds.logit_ops)
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        assert (teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"]) - ref).abs().max() > 1.0
+        torch.testing.assert_close(ds.teacher_probs(item, head), ref.softmax(-1), atol=1e-6, rtol=1e-5)
+        distill = DistillModel(model, head["lm_head.weight"], None, VOCAB, DistillConfig(), logit_ops=ds.logit_ops)
+        p, _ = distill.teacher_probs(hidden=item["hidden"][None])
+        torch.testing.assert_close(p[0], ref.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+def test_an_unrecorded_transform_is_refused_even_when_it_nearly_matches(tmp_path, monkeypatch):
+    """A soft cap of 200 moves these logits by < 0.1 %: a tolerance check would pass it. Hidden from the known
+    transforms, the dump must refuse the model (naming the key), not store a near match."""
+    import specdraft.sampling
+
+    target = _save_softcapped("gemma2", tmp_path, softcap=200.0)
+    model, _ = load_model(target, dtype="float32", device="cpu")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        plain = model.get_output_embeddings()(out.hidden_states[-1])
+    near = float((plain - out.logits).abs().max() / out.logits.abs().max())
+    assert 0 < near < 1e-3  # what the old relative tolerance accepted
+    monkeypatch.setattr(specdraft.sampling, "FINAL_LOGIT_KEYS",
+                        tuple(k for k in specdraft.sampling.FINAL_LOGIT_KEYS if k[0] != "final_logit_softcapping"))
+    for fmt in ("hidden", "topk"):
+        with pytest.raises(DumpError, match=r"does not reproduce .*final_logit_softcapping.*near match"):
+            run_dump(target, [chat(0)], tmp_path / fmt, fp32(format=fmt, top_k=8))
+        assert not (tmp_path / fmt / "manifest.json").exists()
+
+
+def test_known_scalings_reproduce_the_models_logits_exactly():
+    """Each operation of sampling.FINAL_LOGIT_KEYS is the modeling code's own: recomputed from the head's input,
+    the logits equal the model's bit for bit (Cohere's logit_scale here; Granite divides)."""
+    from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig
+
+    from specdraft.sampling import final_logit_ops
+
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 4}
+    for cfg, op in ((CohereConfig(logit_scale=0.37, **common), "mul"),
+                    (GraniteConfig(logits_scaling=3.0, **common), "div")):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        assert [o["op"] for o in final_logit_ops(model.config)] == [op]
+        teacher = dump_mod._Teacher(model, VOCAB)
+        ids = torch.randint(5, VOCAB, (2, 6))
+        h = teacher.hidden(ids, torch.ones_like(ids))  # raises unless the teacher equals the logits exactly
+        assert teacher.checked and h.shape == (2, 6, 32)
 
 
 # ------------------------------------------------------------------------------------------ both formats
@@ -510,10 +595,10 @@ def test_dump_command(pair, tmp_path):
     assert "bytes per token" in res.output and "tokens/s" in res.output
     bad = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", str(data), "--out",
                                    str(tmp_path / "x"), "--temperature", "0.5"])
-    assert bad.exit_code == 1 and "--temperature" in bad.output
+    assert bad.exit_code == 2 and "--temperature" in bad.output
     other = CliRunner().invoke(app, ["dump", "--target", pair["draft"], "--data", str(data), "--out", str(out),
                                      "--format", "topk", "--top-k", "4", "--answer-only"])
-    assert other.exit_code == 1 and "another target" in other.output
+    assert other.exit_code == 2 and "another target" in other.output
 
 
 # ------------------------------------------------------------------------------------------ real pair

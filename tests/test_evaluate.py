@@ -125,4 +125,40 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
     assert "6 tokens" in g.output
     bad = CliRunner().invoke(app, ["generate", "hi", "--target", str(tdir), "--draft", str(ddir), "--map-vocab",
                                    "--mapped-proposals", "text", "--temperature", "0.7"])
-    assert bad.exit_code == 1 and "greedy decoding only" in " ".join(bad.output.split())
+    assert bad.exit_code == 2 and "greedy decoding only" in " ".join(bad.output.split())
+
+
+def test_hf_assisted_generation_ignores_the_targets_generation_config():
+    """A checkpoint's repetition_penalty (or top_k, do_sample…) must not reach one contender only: with draft =
+    target, transformers' assisted generation then equals the target alone, and report.json says what ran."""
+    tok = tiny_tokenizer(64)
+    target = tiny_model("llama", 64, seed=0, layers=2)
+    target.generation_config.repetition_penalty = 1.3
+    target.generation_config.top_k = 7
+    target.generation_config.no_repeat_ngram_size = 2
+    own = target.generation_config
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    res = run_eval(target, target, tok, prompts,
+                   config=EvalConfig(num_speculative_tokens=3, max_new_tokens=16, compare_hf=True))
+    s = res.summary()
+    assert s["hf_assisted_matches_target"] == "2/2" and s["lossless"]
+    assert target.generation_config is own and own.repetition_penalty == 1.3  # put back after the call
+    hf = res.config["contenders"]["hf_assisted"]
+    assert hf["repetition_penalty"] == 1.0 and hf["no_repeat_ngram_size"] == 0 and hf["do_sample"] is False
+    assert hf["num_assistant_tokens"] == 3 and hf["num_assistant_tokens_schedule"] == "constant"
+    assert hf["max_new_tokens"] == 16 and hf["eos_token_id"] == [4]
+    ours = res.config["contenders"]["specdraft"]
+    assert ours["num_speculative_tokens"] == 3 and ours["do_sample"] is False and ours["eos_token_id"] == [4]
+    assert res.config["contenders"]["target"]["max_new_tokens"] == 16
+    json.dumps(res.to_dict())  # the report is JSON
+
+
+def test_hf_generation_config_is_complete_and_explicit():
+    from specdraft.evaluate import hf_generation_config
+
+    gc = hf_generation_config(SamplingConfig(temperature=0.7, top_k=0, top_p=0.9), 8, [4], 0, 5, None)
+    assert gc.do_sample is True and gc.temperature == 0.7 and gc.top_k == 0 and gc.top_p == 0.9
+    assert gc.repetition_penalty == 1.0 and gc.assistant_confidence_threshold == 0.0
+    for key in ("repetition_penalty", "temperature", "top_k", "top_p", "no_repeat_ngram_size", "num_beams",
+                "typical_p", "epsilon_cutoff", "min_length"):
+        assert getattr(gc, key) is not None, key  # a None would be filled from a model's generation_config

@@ -137,3 +137,77 @@ def test_embedded_pair_hashes_and_cached_logits_equal_gguf(name, tmp_path):
     joined = models.join_and_verify(m, tmp_path / m.gguf_filename)
     gguf_model, gguf_tok = models.load_gguf(tmp_path, joined.name)
     assert torch.equal(cached_logits, _logits(gguf_model, gguf_tok))
+
+
+# ------------------------------------------------------------------ weights never filled in (issue 17, item 3)
+
+
+def _save_edited(model, directory: Path, drop=(), add=None, config=None) -> Path:
+    """Save ``model``, then rewrite its safetensors without ``drop`` / with ``add``, and its config.json keys."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(directory)
+    sd = {k: v for k, v in load_file(directory / "model.safetensors").items() if k not in drop}
+    save_file(sd | (add or {}), directory / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(cfg | config))
+    return directory
+
+
+def test_untied_model_without_lm_head_is_refused_by_name(tmp_path):
+    from specdraft.testing import tiny_model, tiny_tokenizer
+
+    d = _save_edited(tiny_model("llama", 64), tmp_path / "m", drop=("lm_head.weight",))
+    tiny_tokenizer(64).save_pretrained(d)
+    with pytest.raises(models.CheckpointWeightsError, match=r"missing .*lm_head\.weight") as e:
+        models.load_model(str(d), dtype="float32")
+    assert "tie_word_embeddings" in str(e.value) and str(d) in str(e.value)
+    assert isinstance(e.value, ModelResolutionError)  # every caller of load_model already handles these
+
+
+def test_unexpected_weights_are_refused_but_computed_buffers_are_not(tmp_path):
+    from specdraft.testing import tiny_model
+
+    model = tiny_model("llama", 64)
+    extra = _save_edited(model, tmp_path / "extra", add={"model.extra_proj.weight": torch.ones(2, 2)})
+    with pytest.raises(models.CheckpointWeightsError, match=r"unexpected .*model\.extra_proj\.weight"):
+        models.load_causal_lm(extra, dtype=torch.float32)
+    # Older saves carry each layer's rotary inv_freq: a buffer the model computes itself, not a lost weight.
+    old = _save_edited(model, tmp_path / "old", add={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    loaded, corrections = models.load_causal_lm(old, dtype=torch.float32)
+    assert corrections == {}
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_tied_model_without_lm_head_loads_tied(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.testing import tiny_config
+
+    torch.manual_seed(0)
+    tied = AutoModelForCausalLM.from_config(tiny_config("llama", 64, tie_word_embeddings=True))
+    tied.save_pretrained(tmp_path / "tied")
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(tmp_path / "tied" / "model.safetensors")  # legitimately absent
+    loaded, corrections = models.load_causal_lm(tmp_path / "tied", dtype=torch.float32)
+    assert corrections == {} and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, tied.model.embed_tokens.weight)
+
+
+def test_tie_flag_contradicting_the_tensors_is_set_to_match_them(tmp_path):
+    """config.json says tied, the file holds a different lm_head: the tensors win and the flag follows them."""
+    from specdraft.testing import tiny_model
+
+    model = tiny_model("llama", 64)
+    d = _save_edited(model, tmp_path / "lying", config={"tie_word_embeddings": True})
+    with pytest.warns(UserWarning, match="tie_word_embeddings"):
+        loaded, corrections = models.load_causal_lm(d, dtype=torch.float32)
+    assert corrections == {"tie_word_embeddings": (True, False)}
+    assert loaded.config.tie_word_embeddings is False
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert not torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
+    assert models.match_tie_flag(loaded) == {}  # idempotent

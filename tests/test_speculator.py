@@ -342,7 +342,7 @@ def test_zero_speculative_tokens_names_the_flag(tmp_path, pair):
         IndependentSpeculator(tiny_model("qwen2"), num_speculative_tokens=0)
     res = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out),
                                    "--num-speculative-tokens", "0"])
-    assert res.exit_code == 1 and "--num-speculative-tokens" in res.output
+    assert res.exit_code == 2 and "--num-speculative-tokens" in res.output
     assert not out.exists()
 
 
@@ -430,6 +430,68 @@ def test_killed_convert_leaves_no_speculator(tmp_path, pair):
         load_speculator_config(out)
 
 
+def _rewrite(draft_dir: str, drop=(), config=None) -> None:
+    """Edit a saved draft in place: drop tensors from model.safetensors, override config.json keys."""
+    from safetensors.torch import load_file, save_file
+
+    d = Path(draft_dir)
+    sd = {k: v for k, v in load_file(d / "model.safetensors").items() if k not in drop}
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        (d / "config.json").write_text(json.dumps(json.loads((d / "config.json").read_text()) | config))
+
+
+def test_untied_draft_without_lm_head_is_never_converted(tmp_path, pair):
+    """No random head in a shipped speculator: the missing weight is named, nothing is written, the CLI exits 2."""
+    target_dir, draft_dir = pair
+    _rewrite(draft_dir, drop=("lm_head.weight",))
+    out = tmp_path / "out"
+    with pytest.raises(ModelResolutionError, match=r"lm_head\.weight"):
+        convert(draft_dir, target_dir, out)
+    with pytest.raises(ModelResolutionError, match=r"lm_head\.weight"):
+        IndependentSpeculator.from_pretrained(draft_dir)
+    res = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
+    assert res.exit_code == 2 and "lm_head.weight" in res.output and "Traceback" not in res.output
+    assert not out.exists()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
+    res = CliRunner().invoke(app, ["eval", "-t", target_dir, "-d", draft_dir, "--prompts", str(prompts)])
+    assert res.exit_code == 2 and "lm_head.weight" in res.output  # eval loads through the same check
+
+
+def test_tie_flag_that_contradicts_the_tensors_is_exported_false(tmp_path, pair):
+    """A draft whose config.json claims tied embeddings next to its own lm_head: the speculator says false, so a
+    loader that trusts the flag serves the head that was evaluated; the change is reported and warned."""
+    from safetensors.torch import load_file
+
+    target_dir, draft_dir = pair
+    _rewrite(draft_dir, config={"tie_word_embeddings": True})
+    head = load_file(Path(draft_dir) / "model.safetensors")["lm_head.weight"]
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match="tie_word_embeddings"):
+        res = convert(draft_dir, target_dir, out)
+    assert res.corrected == {"tie_word_embeddings": (True, False)} and "tie_word_embeddings" not in res.resaved
+    written = json.loads((out / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False
+    assert torch.equal(load_file(out / "model.safetensors")["lm_head.weight"], head)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(reloaded.lm_head.weight, head)
+    cli_out = tmp_path / "cli"
+    r = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(cli_out)])
+    assert r.exit_code == 0, r.output
+    assert "tie_word_embeddings: true" in " ".join(r.output.split())
+
+
+def test_saving_a_draft_whose_flag_contradicts_its_tensors_writes_false(tmp_path, verifier):
+    draft = tiny_model("llama", layers=1)
+    draft.config.tie_word_embeddings = True  # a claim the two distinct tensors contradict
+    spec = IndependentSpeculator(draft).attach_verifier(verifier, name_or_path="org/v", check_tokenizer=False)
+    with pytest.warns(UserWarning, match="tie_word_embeddings"):
+        spec.save_pretrained(tmp_path / "s")
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert spec.corrections == {"tie_word_embeddings": (True, False)}
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 
@@ -456,10 +518,10 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     assert f"speculative_tokens (γ)={NUM_SPECULATIVE_TOKENS}" in res.output and cmd in res.output
 
     res = runner.invoke(app, ["inspect", draft_dir])
-    assert res.exit_code == 1 and "specdraft convert" in res.output
+    assert res.exit_code == 2 and "specdraft convert" in res.output
 
     res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
-    assert res.exit_code == 1 and "--overwrite" in res.output
+    assert res.exit_code == 2 and "--overwrite" in res.output
 
 
 # ----------------------------------------------------------------------------------- real weights

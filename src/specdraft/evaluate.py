@@ -5,10 +5,19 @@ the target alone, speculative decoding, and optionally transformers' assisted ge
 (``generate(assistant_model=draft)``). Greedy outputs must match the target alone token for token; every
 divergence is reported with the target's top-2 logit margin at that position, and a divergence whose margin
 exceeds the dtype's rounding tolerance is a failure, not numerics.
+
+Like with like: every contender gets the same explicit settings — sampling, max new tokens, EOS ids, γ — and
+nothing else. transformers would otherwise fill every field a call leaves unset from the model's own
+``generation_config`` (a checkpoint's ``repetition_penalty``, ``top_k``, ``do_sample``…), which specdraft never
+applies; so assisted generation runs with a complete :class:`~transformers.GenerationConfig`
+(:func:`hf_generation_config`) standing in for both models' own during the call. Each contender's effective
+settings are recorded in ``config["contenders"]`` (``report.json``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -191,6 +200,72 @@ class EvalResult:
         }
 
 
+def eos_ids(model) -> list[int]:
+    """The ids that end a row: the model's ``generation_config`` EOS, else its config's (as
+    :func:`~specdraft.decode.speculative_generate` defaults), as a list."""
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
+                         num_speculative_tokens: int, draft_confidence_threshold: float | None = None):
+    """A complete, explicit ``transformers.GenerationConfig`` for assisted generation that matches specdraft's run.
+
+    Every field transformers would otherwise default is set to its neutral global default (no penalty, no bias,
+    no suppressed token, one beam), then ours: sampling (``top_k`` 0 = off in both), max new tokens, EOS and
+    padding ids, and the drafting rule — γ tokens per round with a constant schedule, and the draft confidence
+    threshold (0 = off, like ``draft_confidence_threshold=None``) instead of transformers' default 20 tokens
+    and 0.4. Used with :func:`_models_generation_config`, so nothing comes from either model's own config.
+    """
+    from transformers import GenerationConfig
+
+    # transformers' own table of the values it falls back to (5.x); the deprecated beam-group keys warn when set.
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    for deprecated in ("num_beam_groups", "diversity_penalty"):
+        defaults.pop(deprecated, None)
+    gc = GenerationConfig(**defaults)
+    gc.update(do_sample=not sampling.greedy, max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_id),
+              pad_token_id=pad_token_id, num_assistant_tokens=num_speculative_tokens,
+              num_assistant_tokens_schedule="constant", assistant_confidence_threshold=draft_confidence_threshold or 0.0)
+    if not sampling.greedy:
+        gc.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    return gc
+
+
+@contextlib.contextmanager
+def _models_generation_config(gc, target, draft):
+    """Stand ``gc`` in for both models' ``generation_config`` during a ``generate`` call, then put theirs back.
+
+    transformers fills every field a call leaves at ``None`` from ``self.generation_config`` and builds the
+    assistant's settings from ``assistant_model.generation_config``; with ``gc`` in both places nothing of the
+    checkpoints' own generation settings is used. The draft keeps its own special-token ids (another tokenizer).
+    """
+    saved = [(m, m.generation_config) for m in (target, draft)]
+    try:
+        if draft is not target:
+            dgc = copy.deepcopy(gc)
+            for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+                own = getattr(draft.generation_config, key, None)
+                setattr(dgc, key, own if own is not None else getattr(gc, key))
+            draft.generation_config = dgc
+        target.generation_config = gc
+        yield
+    finally:
+        for m, own in reversed(saved):
+            m.generation_config = own
+
+
+def _specdraft_settings(config: EvalConfig, eos: list[int]) -> dict[str, Any]:
+    """The settings specdraft's target-alone and speculative runs use, in transformers' field names."""
+    s = config.sampling
+    return {"do_sample": not s.greedy, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+            "max_new_tokens": config.max_new_tokens, "eos_token_id": eos,
+            "logits_processors": "none: no repetition penalty, bias, suppressed or forced token"}
+
+
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -240,6 +315,9 @@ def run_eval(
         progress: called as ``progress(done, total)`` after each prompt.
         record: extra facts stored in the result's ``config`` (e.g. the model references).
 
+    Every contender runs with the same explicit settings, none taken from the models' ``generation_config``
+    (see the module docstring); ``result.config["contenders"]`` records each one's effective settings.
+
     Returns:
         :class:`EvalResult`.
     """
@@ -261,6 +339,16 @@ def run_eval(
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )
+    eos = eos_ids(target)
+    common_settings = _specdraft_settings(config, eos)
+    contenders: dict[str, Any] = {
+        "target": common_settings | {"decoder": "specdraft.decode.target_generate"},
+        "specdraft": common_settings | {"decoder": "specdraft.decode.speculative_generate",
+                                        "num_speculative_tokens": gamma,
+                                        "draft_confidence_threshold": draft_confidence_threshold,
+                                        "mapped_proposals": res.config["mapped_proposals"]},
+    }
+    res.config["contenders"] = contenders
     run_hf, hf_tokenizers = compare_hf, {}
     if compare_hf and vocab_mapping is not None:
         if sampling.greedy:
@@ -269,10 +357,18 @@ def run_eval(
             run_hf = False
             res.config["hf_assisted_skipped"] = ("sampled universal assisted generation prunes the draft's output "
                                                  "head in place; compared for greedy decoding only")
+    hf_config = None
+    if run_hf:
+        hf_config = hf_generation_config(sampling, max_new_tokens, eos, pad, gamma, draft_confidence_threshold)
+        contenders["hf_assisted"] = {k: v for k, v in hf_config.to_diff_dict().items() if k != "transformers_version"}
+        contenders["hf_assisted"]["decoder"] = "transformers generate(assistant_model=draft)"
+    elif compare_hf:
+        contenders["hf_assisted"] = {"skipped": res.config["hf_assisted_skipped"]}
     responses = []
     for k, ids in enumerate(prompt_ids):
         inp, mask = left_pad([ids], pad, device)
-        common = {"sampling": sampling, "max_new_tokens": max_new_tokens, "real_vocab": real_vocab}
+        common = {"sampling": sampling, "max_new_tokens": max_new_tokens, "real_vocab": real_vocab,
+                  "eos_token_id": eos}
         base, bc = target_generate(target, inp, mask, generator=torch.Generator(device=device).manual_seed(seed + k),
                                    **common)
         spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
@@ -293,12 +389,11 @@ def run_eval(
                                                 res.divergences)
         if run_hf:
             t0 = time.perf_counter()
-            with torch.no_grad():
+            if not sampling.greedy:  # transformers samples from the global torch RNG
+                torch.manual_seed(seed + k)
+            with torch.no_grad(), _models_generation_config(hf_config, target, draft):
                 hf = target.generate(input_ids=inp, attention_mask=mask, assistant_model=draft,
-                                     max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
-                                     temperature=sampling.temperature or None, top_k=sampling.top_k or None,
-                                     top_p=sampling.top_p if sampling.top_p < 1 else None, pad_token_id=pad,
-                                     **hf_tokenizers)
+                                     generation_config=hf_config, **hf_tokenizers)
             hf_s = time.perf_counter() - t0
             hf_out = hf[0, inp.shape[1]:].tolist()
             res.hf_tokens += len(hf_out)

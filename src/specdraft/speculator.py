@@ -459,13 +459,14 @@ class VerifierHead:
     """The verifier's final norm and output head: what distillation needs of p, without its layers.
 
     ``head(hidden_states)`` maps the verifier's last hidden states ``[B, S, H]`` (before the final norm) to
-    logits ``[B, S, V]`` in the head's dtype, applying ``final_logit_softcapping`` where the config sets it.
+    logits ``[B, S, V]`` in the head's dtype, then applies the architecture's final-logit transforms
+    (soft-capping, scaling: :func:`specdraft.sampling.final_logit_ops`), as the verifier does.
     """
 
-    def __init__(self, norm, lm_head, softcap: float | None = None):
+    def __init__(self, norm, lm_head, logit_ops=()):
         self.norm = norm
         self.lm_head = lm_head
-        self.softcap = softcap
+        self.logit_ops = list(logit_ops)
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> VerifierHead:
@@ -486,15 +487,14 @@ class VerifierHead:
                 f"Cannot find the output head and final norm of {type(model).__name__}; attach it with "
                 "mode='full' instead."
             )
-        return cls(norm, lm_head, getattr(model.config, "final_logit_softcapping", None))
+        from specdraft.sampling import final_logit_ops
+
+        return cls(norm, lm_head, final_logit_ops(model.config))
 
     def __call__(self, hidden_states):
-        import torch
+        from specdraft.sampling import apply_final_logit_ops
 
-        logits = self.lm_head(self.norm(hidden_states))  # [B, S, V]
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return apply_final_logit_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)  # [B, S, V]
 
     def parameters(self):
         yield from self.norm.parameters()
@@ -526,11 +526,15 @@ class IndependentSpeculator:
         draft_source: the directory the draft was loaded from (tokenizer source for the compatibility check).
         compat_verdict: verdict of the last tokenizer check ("identical", "identical-up-to-padding"), or
             ``None`` when none ran.
+        corrections: ``{config key: (before, after)}`` for draft config values set to match its tensors (a
+            ``tie_word_embeddings: true`` next to an untied output head becomes false:
+            :func:`specdraft.models.match_tie_flag`), on loading or saving; the saved ``config.json`` then differs
+            from the draft's own in those keys.
     """
 
     _OWN = frozenset(
         {"draft", "speculator_config", "verifier", "verifier_head", "verifier_mode", "draft_source", "tokenizer",
-         "compat_verdict"}
+         "compat_verdict", "corrections"}
     )
 
     def __init__(
@@ -575,6 +579,7 @@ class IndependentSpeculator:
         own["draft_source"] = None if draft_source is None else str(draft_source)
         own["tokenizer"] = tokenizer
         own["compat_verdict"] = None
+        own["corrections"] = {}
 
     # ---------------------------------------------------------------------------- transparency
 
@@ -714,7 +719,10 @@ class IndependentSpeculator:
         """Write the speculator: the draft's own ``save_pretrained`` output, then ``config.json`` rewritten
         with the three ``speculators_*`` keys added (same formatting, every other key unchanged).
 
-        Weight files are byte-identical to ``draft.save_pretrained``; no held verifier is written.
+        Weight files are byte-identical to ``draft.save_pretrained``; no held verifier is written. A draft whose
+        config claims tied embeddings while its output head differs is saved with ``tie_word_embeddings: false``
+        (warned; recorded in :attr:`corrections`): a loader that trusts the flag would otherwise serve the
+        input embeddings as the head.
 
         Args:
             save_directory: target directory (created).
@@ -729,6 +737,12 @@ class IndependentSpeculator:
         if kwargs.get("push_to_hub"):
             raise SpeculatorError("push_to_hub is not supported: save locally, then upload the directory.")
         self.speculator_config.speculators_config  # noqa: B018 - raises before any file is written
+        from specdraft.models import match_tie_flag
+
+        if fixed := match_tie_flag(self.draft):
+            warnings.warn(f"{type(self.draft).__name__}: the config claims tie_word_embeddings: true but the output "
+                          "head differs from the input embeddings; saving tie_word_embeddings: false.", stacklevel=2)
+            self.corrections.update(fixed)
         self.draft.save_pretrained(save_directory, **kwargs)
         path = Path(save_directory) / "config.json"
         # Re-read what transformers wrote (it may set architectures / dtype on save) so the speculator's
@@ -769,11 +783,12 @@ class IndependentSpeculator:
             SpeculatorError: not a causal LM (names its architecture), invalid speculator keys, γ < 1, a
                 non-detached mode with no verifier recorded or given.
             specdraft.models.ModelResolutionError: the reference cannot be resolved.
+            specdraft.models.CheckpointWeightsError: weights missing from or left over in the checkpoint (named),
+                never filled in at random (:func:`specdraft.models.load_causal_lm`).
         """
         import torch
-        from transformers import AutoModelForCausalLM
 
-        from specdraft.models import resolve
+        from specdraft.models import load_causal_lm, resolve
 
         path = resolve(pretrained)
         config = IndependentSpeculatorConfig.from_pretrained(
@@ -781,8 +796,9 @@ class IndependentSpeculator:
         )
         if isinstance(dtype, str) and dtype != "auto":
             dtype = getattr(torch, dtype)
-        draft = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).eval()
-        spec = cls(draft, config, draft_source=path)
+        draft, corrections = load_causal_lm(path, dtype=dtype, **model_kwargs)
+        spec = cls(draft.eval(), config, draft_source=path)
+        spec.corrections.update(corrections)
         if verifier is None and verifier_mode != "detached":
             if config.verifier is None or not config.verifier.name_or_path:
                 raise SpeculatorError(

@@ -68,7 +68,8 @@ def tiny_tokenizer(vocab_size: int = 128, swap: tuple[int, int] | None = None, c
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 128, layers: int = 2, hidden: int = 32, **kw: Any):
-    """A tiny causal-LM config of a given architecture (llama, qwen2, gpt2, mistral, gemma)."""
+    """A tiny causal-LM config of a given architecture (llama, qwen2, gpt2, mistral, gemma, gemma2, gemma3; the
+    last two soft-cap their final logits when ``final_logit_softcapping`` is given)."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     common = {"vocab_size": vocab_size, "pad_token_id": 0, "eos_token_id": 4, "bos_token_id": None}
@@ -78,6 +79,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, layers: int = 2, hid
         cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch)
         if cls is None and arch == "gemma":
             from transformers import GemmaConfig as cls
+        elif cls is None and arch == "gemma2":
+            from transformers import Gemma2Config as cls
+        elif cls is None and arch == "gemma3":
+            from transformers import Gemma3TextConfig as cls
         if cls is None:
             raise ValueError(f"unknown tiny arch {arch!r}")
         cfg = cls(

@@ -727,8 +727,8 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
 
     Raises:
         FileExistsError: ``out_dir`` is a file, or non-empty while ``overwrite`` is false (checked first).
-        ValueError: the tokenizers are already compatible (nothing to swap).
-        CompatibilityError: no usable overlap (before the draft's weights are read).
+        CompatibilityError: the tokenizers are already compatible (nothing to swap), or no usable overlap (before
+            the draft's weights are read).
         ModelResolutionError: a reference cannot be resolved.
     """
     from pathlib import Path
@@ -745,7 +745,7 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
         raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     tpath, dpath = resolve(target), resolve(draft)
     if not any(vocab_differences(load_tokenizer_view(tpath, None, "target"), load_tokenizer_view(dpath, None, "draft"))):
-        raise ValueError("the draft already speaks the target's tokenizer (identical ids); nothing to swap: use "
+        raise CompatibilityError("the draft already speaks the target's tokenizer (identical ids); nothing to swap: use "
                          f"{draft} as the draft directly")
     t_cfg = AutoConfig.from_pretrained(tpath)
     width = getattr(t_cfg.get_text_config(), "vocab_size", None)

@@ -1,0 +1,119 @@
+"""The command line as a user meets it: expected errors as one line and exit 2, whole model names, a user's own
+prompt file read from its first line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdraft.cli import app
+from specdraft.testing import save_tiny_pair
+
+
+def _error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def test_decode_error_reaches_the_user_as_one_line_and_exit_2(tmp_path):
+    """A prompt longer than the draft's window is the user's to fix: a message, not a traceback."""
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    cfg_path = tmp_path / "draft" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["max_position_embeddings"] = 24
+    cfg_path.write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["generate", "a b c d e f g h", "--target", tdir, "--draft", ddir,
+                                 "--max-new-tokens", "20", "--gamma", "3", "--dtype", "float32"])
+    assert r.exit_code == 2, r.output
+    assert isinstance(r.exception, SystemExit)  # handled, not an uncaught DecodeError
+    assert "Traceback" not in r.output
+    (line,) = _error_lines(r.output)
+    assert "draft's context window (24)" in " ".join(r.output.split())
+    assert line.startswith("error: prompt (")
+
+
+def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
+    """Only the expected error types become messages: a bug still surfaces as itself."""
+    import specdraft.data
+
+    def broken(*_a, **_k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(specdraft.data, "load_examples", broken)
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", "x.jsonl"])
+    assert isinstance(r.exception, RuntimeError) and str(r.exception) == "a bug"
+
+
+def test_data_and_model_errors_are_exit_2(tmp_path):
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(tmp_path / "none.txt")])
+    assert r.exit_code == 2 and len(_error_lines(r.output)) == 1 and "Unknown prompt source" in r.output
+    r = CliRunner().invoke(app, ["check", "--target", str(tmp_path / "nowhere"), "--draft", ddir])
+    assert r.exit_code == 2 and "Unknown model" in r.output and "Traceback" not in r.output
+
+
+def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
+    """The held-out offset (100) belongs to the embedded HumanEval split, not to a user's 3-line file."""
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    prompts = tmp_path / "my.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "def") + "\n")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
+                                 "--max-new-tokens", "4", "--gamma", "2", "--dtype", "float32", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    assert [row["id"] for row in report["per_prompt"]] == ["line-1", "line-2", "line-3"]
+    assert report["config"]["prompt_offset"] == 0
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
+                                 "--prompt-offset", "2", "--max-new-tokens", "4", "--dtype", "float32", "--out",
+                                 str(out)])
+    assert r.exit_code == 0, r.output
+    assert [row["id"] for row in json.loads((out / "report.json").read_text())["per_prompt"]] == ["line-3"]
+
+
+def test_held_out_offsets_belong_to_the_embedded_datasets():
+    from specdraft.data import DATASETS, HELD_OUT_OFFSET, held_out_offset
+    from specdraft.pipeline import PRESETS, parse_source
+
+    assert set(HELD_OUT_OFFSET) == set(DATASETS)
+    assert held_out_offset("humaneval") == 100 and held_out_offset("my.jsonl") == 0
+    # The presets evaluate inside the held-out split and train before it.
+    for preset in PRESETS.values():
+        for spec in preset["eval_prompts"]:
+            name, offset, _ = parse_source(spec)
+            assert offset >= HELD_OUT_OFFSET[name], spec
+        for spec in preset["train_prompts"]:
+            name, offset, limit = parse_source(spec)
+            if name == "humaneval":
+                assert offset + limit <= HELD_OUT_OFFSET[name], spec
+
+
+@pytest.mark.parametrize("width", [80, 50])
+def test_models_list_never_truncates_names(width):
+    from specdraft.models import EMBEDDED
+
+    r = CliRunner().invoke(app, ["models"], terminal_width=width, env={"COLUMNS": str(width)})
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output
+    for name in EMBEDDED:
+        assert f" {name} " in r.output, name
+
+
+def test_models_json_lists_every_embedded_model():
+    from specdraft.models import EMBEDDED, cache_dir
+
+    r = CliRunner().invoke(app, ["models", "--json"], env={"COLUMNS": "40"})
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert [row["name"] for row in rows] == list(EMBEDDED)
+    for row in rows:
+        m = EMBEDDED[row["name"]]
+        assert row["size_bytes"] == m.size_bytes and row["cache_path"] == str(cache_dir(m.name))
+        assert row["pip_command"] == m.pip_command() and isinstance(row["cached"], bool)
+
+
+def test_errors_of_subcommand_groups_are_handled_too():
+    r = CliRunner().invoke(app, ["models", "prepare", "no-such-model"])
+    assert r.exit_code == 2 and "Unknown model" in r.output and isinstance(r.exception, SystemExit)
