@@ -226,3 +226,18 @@ def test_gradient_accumulation_weighs_every_trained_token_equally(setup, tmp_pat
     naive = torch.autograd.grad(0.5 * (per_seq[0] + per_seq[1]), [named[k] for k in sorted(one)])
     flat_naive = torch.cat([x.flatten() for x in naive])
     assert float((flat_naive - flat1).norm() / flat1.norm()) > 0.1
+
+
+def test_learning_curve_scores_held_out_every_eval_steps_once(setup, tmp_path):
+    """eval_steps=2 over 4 steps: points at 0 (before), 2 and 4; the final step is scored once, and it is the
+    reported eval_after."""
+    target, rows = setup
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=4, batch_size=2, eval_steps=2, scheduler="constant",
+                        save_steps=100)
+    result = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path)
+    curve = result["curve"]
+    assert [p["step"] for p in curve] == [0, 2, 4]
+    assert curve[0]["eval_alpha"] == result["eval_before"]["eval_alpha"]
+    assert curve[-1]["eval_loss"] == result["eval_after"]["eval_loss"]
+    assert sum("eval_alpha" in h and h["step"] == 4 for h in result["history"]) == 1
+    assert all(0.0 <= p["eval_alpha"] <= 1.0 for p in curve)

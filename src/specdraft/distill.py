@@ -316,6 +316,9 @@ def _make_trainer_class():
                        for k, v in zip(keys, sums)}
             metrics[f"{metric_key_prefix}_tokens"] = n
             self.log(metrics)
+            # As Trainer.evaluate does: callbacks see the metrics, and the flag that asked for this evaluation is
+            # cleared (left set, the epoch-end check would score the same step a second time).
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
             if was_training:
                 model.train()
             return metrics
@@ -423,13 +426,13 @@ def train(
     eval_before = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
     ckpt = last_checkpoint(ckpt_dir) if resume else None
     trainer.train(resume_from_checkpoint=ckpt)
-    history = [h for h in trainer.state.log_history]
-    last = next((h for h in reversed(history) if "eval_alpha" in h), None)
-    if last is not None and last["step"] == trainer.state.global_step and trainer.state.global_step > 0:
+    last = next((h for h in reversed(trainer.state.log_history) if "eval_alpha" in h), None)
+    if last is not None and last["step"] == trainer.state.global_step:
         eval_after = {k: v for k, v in last.items() if k.startswith("eval_")}  # eval_steps already scored it
     else:
         eval_after = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
-        history = [h for h in trainer.state.log_history]
+    # train() starts a fresh TrainerState (or the checkpoint's), dropping the log of the evaluation before it.
+    history = ([eval_before | {"step": 0}] if eval_before else []) + list(trainer.state.log_history)
     if config.train == "lora":
         draft = draft.merge_and_unload()
     return {"trainable_parameters": n_trainable, "steps": trainer.state.global_step, "history": history,
