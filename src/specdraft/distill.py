@@ -377,7 +377,8 @@ def train(
 
     Returns:
         ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
-        "seconds", "resumed_from", "draft"}``; ``curve`` is :func:`learning_curve` of the history.
+        "processes", "seconds", "resumed_from", "draft"}``; ``curve`` is :func:`learning_curve` of the history,
+        ``processes`` the data-parallel ranks.
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -437,6 +438,7 @@ def train(
         draft = draft.merge_and_unload()
     return {"trainable_parameters": n_trainable, "steps": trainer.state.global_step, "history": history,
             "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
+            "processes": args.world_size,
             "seconds": time.time() - t0,
             "resumed_from": ckpt, "draft": draft}
 
@@ -451,7 +453,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
 
     Writes ``out/checkpoints/`` (resumable), ``out/speculator/`` (the export, with ``training.json``) and
     ``out/training.json``. ``num_speculative_tokens`` (γ) is recorded in the exported speculator
-    (:func:`specdraft.export.export_speculator`).
+    (:func:`specdraft.export.export_speculator`). Under ``accelerate launch`` / ``torchrun`` the ranks train
+    data-parallel (``batch_size`` is per rank) and rank 0 alone writes the export.
 
     Returns:
         ``{"speculator": path, "metrics": {...}, "training": training.json payload}``; ``metrics["curve"]`` is
@@ -489,12 +492,22 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
-               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx)}
+               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
+               "processes": result["processes"],
+               "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"]}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dump_dir), "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
                          "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],
                          "sequences": len(dataset)},
                 "metrics": metrics, "history": result["history"]}
-    spec_dir = export_speculator(trained, draft_tok, target_ref, out / "speculator", num_speculative_tokens, training)
-    write_training_json(out / "training.json", training)
+    # Under accelerate launch / torchrun every rank holds the same trained weights: one writes, all wait for it
+    # (the state is the Trainer's process group; a plain run is rank 0 alone).
+    from accelerate import PartialState
+
+    state = PartialState()
+    spec_dir = out / "speculator"
+    if state.is_main_process:
+        export_speculator(trained, draft_tok, target_ref, spec_dir, num_speculative_tokens, training)
+        write_training_json(out / "training.json", training)
+    state.wait_for_everyone()
     return {"speculator": spec_dir, "metrics": metrics, "training": training, "model": trained}
