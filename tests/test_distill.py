@@ -177,3 +177,67 @@ def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
     assert res["metrics"]["held_out_sequences"] == 2 and res["metrics"]["steps"] == 4
     assert after["eval_loss"] < before["eval_loss"], (before, after)
     assert after["eval_alpha"] > before["eval_alpha"]
+
+
+def _grads_of_first_step(target, rows, tmp_path, batch_size, accumulation):
+    """Gradient of the first optimizer step (before clipping would apply: max_grad_norm is huge) by name."""
+    from transformers import TrainerCallback
+
+    grads = {}
+
+    class Watch(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            if not grads:
+                grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    cfg = DistillConfig(loss="tvd", lr=1e-3, max_steps=1, batch_size=batch_size,
+                        gradient_accumulation_steps=accumulation, max_grad_norm=1e9, scheduler="constant",
+                        held_out_fraction=0.0, save_steps=100)
+    out = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows, None, cfg,
+                tmp_path / f"b{batch_size}-a{accumulation}", resume=False, callbacks=[Watch()])
+    return grads, out["history"][0]["loss"]
+
+
+def test_gradient_accumulation_weighs_every_trained_token_equally(setup, tmp_path):
+    """Two sequences with 10 and 1 trained positions: batch 2 / accumulation 1 and batch 1 / accumulation 2
+    give the same gradient and the same logged loss (the token-weighted mean over both), not the average of
+    the two micro-batch means."""
+    target, _ = setup
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(5, V, (12,), generator=g).tolist(), torch.randint(5, V, (6,), generator=g).tolist()]
+    rows = teacher_rows(target, seqs)
+    rows[0]["loss_mask"][:] = False
+    rows[0]["loss_mask"][1:11] = True  # 10 trained positions
+    rows[1]["loss_mask"][:] = False
+    rows[1]["loss_mask"][2] = True  # 1 trained position
+    one, loss_one = _grads_of_first_step(target, rows, tmp_path, batch_size=2, accumulation=1)
+    two, loss_two = _grads_of_first_step(target, rows, tmp_path, batch_size=1, accumulation=2)
+    assert one.keys() == two.keys() and one
+    flat1 = torch.cat([one[k].flatten() for k in sorted(one)])
+    flat2 = torch.cat([two[k].flatten() for k in sorted(two)])
+    rel = float((flat1 - flat2).norm() / flat1.norm())
+    assert rel < 1e-4, f"gradients differ by {rel:.2e} (relative) between batch 2 and batch 1 × accumulation 2"
+    assert loss_one == pytest.approx(loss_two, rel=1e-5)
+
+    # The test can tell: the plain average of the two per-sequence means (what the Trainer did before) is far off.
+    model = DistillModel(perturbed(target, 0.15), target.lm_head.weight, None, V, DistillConfig(loss="tvd"))
+    per_seq = [model(**collate([r]))["loss"] for r in rows]
+    named = dict(model.named_parameters())
+    naive = torch.autograd.grad(0.5 * (per_seq[0] + per_seq[1]), [named[k] for k in sorted(one)])
+    flat_naive = torch.cat([x.flatten() for x in naive])
+    assert float((flat_naive - flat1).norm() / flat1.norm()) > 0.1
+
+
+def test_learning_curve_scores_held_out_every_eval_steps_once(setup, tmp_path):
+    """eval_steps=2 over 4 steps: points at 0 (before), 2 and 4; the final step is scored once, and it is the
+    reported eval_after."""
+    target, rows = setup
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=4, batch_size=2, eval_steps=2, scheduler="constant",
+                        save_steps=100)
+    result = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path)
+    curve = result["curve"]
+    assert [p["step"] for p in curve] == [0, 2, 4]
+    assert curve[0]["eval_alpha"] == result["eval_before"]["eval_alpha"]
+    assert curve[-1]["eval_loss"] == result["eval_after"]["eval_loss"]
+    assert sum("eval_alpha" in h and h["step"] == 4 for h in result["history"]) == 1
+    assert all(0.0 <= p["eval_alpha"] <= 1.0 for p in curve)

@@ -534,6 +534,17 @@ def test_split_work_covers_every_item_once_in_order():
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
+def test_split_work_in_whole_batches_keeps_the_single_rank_batches():
+    """Each rank starts on a batch boundary of the one-rank run, so its batches are that run's batches."""
+    for n in range(15):
+        for batch in (1, 2, 3, 8):
+            for world in range(1, 5):
+                parts = [split_work(n, r, world, batch) for r in range(world)]
+                assert [i for p in parts for i in p] == list(range(n))
+                assert all(p.start % batch == 0 for p in parts if len(p))
+                assert max(map(len, parts)) - min(map(len, parts)) <= batch
+
+
 def test_merge_manifests_lists_every_rank_and_sums_counts():
     def shard(rank, index, seqs, tokens):
         return {"file": f"shard-r{rank:05d}-{index:05d}.safetensors", "index": index, "start": 0, "end": seqs,

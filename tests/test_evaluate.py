@@ -43,6 +43,11 @@ def test_run_eval_greedy_is_lossless_and_report_is_written(tmp_path):
     assert s["prompts"] == 3 and res.spec_tokens == res.target_tokens
     assert 0 < s["acceptance_rate"] <= 1 and s["cost_ratio_c"] > 0
     assert s["hf_assisted_matches_target"] == "3/3"
+    # Per-prompt counts add up to the totals; the bootstrap interval holds the point estimate.
+    assert sum(r["accepted"] for r in res.per_prompt) == sum(res.spec_counts.accepted)
+    assert sum(r["proposed"] for r in res.per_prompt) == sum(res.spec_counts.proposed)
+    low, high = s["acceptance_rate_ci95"]
+    assert low <= s["acceptance_rate"] <= high and s["alpha_ci95"][0] <= s["alpha"] <= s["alpha_ci95"][1]
     paths = write_report(res, tmp_path)
     data = json.loads(paths["report"].read_text())
     assert data["summary"]["acceptance_rate"] == s["acceptance_rate"]

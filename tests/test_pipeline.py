@@ -70,6 +70,15 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "report.json").read_text())
     assert saved["eval_after"]["acceptance_rate"] == report["eval_after"]["acceptance_rate"]
+    # Statistics and the learning curve reach the report: the paired gain over the same 3 prompts, and
+    # held-out α from step 0 to the last step.
+    assert "acceptance gain (paired 95% CI)" in md and "acceptance rate 95% CI" in md
+    gain = saved["acceptance_gain"]
+    assert gain["prompts"] == 3 and gain["ci"][0] <= gain["value"] <= gain["ci"][1]
+    assert gain["value"] == pytest.approx(saved["eval_after"]["acceptance_rate"]
+                                          - saved["eval_before"]["acceptance_rate"])
+    curve = report["distill"]["curve"]
+    assert [p["step"] for p in curve] == [0, cfg.distill.max_steps] and 0 <= curve[-1]["eval_alpha"] <= 1
     # A third run does nothing but the report.
     logs.clear()
     run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train)

@@ -33,6 +33,8 @@ _EXPORTS = {
     "best_gamma": "specdraft.acceptance",
     "run_eval": "specdraft.evaluate",
     "predicted_alpha": "specdraft.evaluate",
+    "ratio_ci": "specdraft.stats",
+    "paired_difference_ci": "specdraft.stats",
     "SamplingConfig": "specdraft.config",
     "filter_logits": "specdraft.sampling",
     "LOSSES": "specdraft.losses",

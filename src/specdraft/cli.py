@@ -508,6 +508,8 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
     rows = [
         ("prompts", str(s["prompts"])),
         ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
+        ("acceptance rate 95% CI (bootstrap over prompts)",
+         "—" if not s.get("acceptance_rate_ci95") else "[{:.3f}, {:.3f}]".format(*s["acceptance_rate_ci95"])),
         ("α (accepted / reached, the analytic model's)", fmt(s["alpha"])),
         ("mean accepted length (tokens / target pass)", fmt(s["mean_accepted_length"], "{:.2f}")),
         ("predicted α, teacher-forced over prompts", fmt(s["predicted_alpha_prompt"])),

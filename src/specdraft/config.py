@@ -157,7 +157,8 @@ class DistillConfig(BaseModel):
     train_last_layers: int = Field(2, ge=1, description="N for train=last_layers.")
     lora_r: int = Field(16, ge=1, description="LoRA rank for train=lora (needs peft).")
     held_out_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of sequences kept for evaluation.")
-    eval_steps: int = Field(0, ge=0, description="Evaluate held-out α every N steps; 0 = at the end only.")
+    eval_steps: int = Field(0, ge=0, description="Score the held-out set (teacher-forced α and loss, no decoding) "
+                            "every N steps: the learning curve; 0 = before and after training only.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
     logging_steps: int = Field(1, ge=1, description="Log every N steps.")
 

@@ -5,6 +5,16 @@ as non-persistent buffers, so it never enters the draft's state_dict or checkpoi
 Its ``forward`` returns a ``ModelOutput`` whose ``loss`` is passed to the constructor — transformers' Trainer
 reads ``outputs["loss"]`` by key — plus ``train_acc`` (top-1 agreement) and ``tvd`` as metrics.
 
+**One optimizer step weighs every trained token equally**, however it is split into micro-batches (gradient
+accumulation) and ranks (data parallelism): the loss is a token-weighted mean over the loss mask, so the
+Trainer counts the trained positions of the whole step first (all micro-batches, all ranks), and each
+micro-batch contributes its *sum* divided by that count. Averaging micro-batch means instead — the Trainer's
+default when a batch has no ``labels`` — would let a micro-batch of one trained token weigh as much as one of
+a thousand. Logged losses stay per-token means of the step.
+
+**Learning curve**: with ``eval_steps`` the held-out set is scored every N steps (teacher-forced, no decoding;
+α = Σ min(p̃, q̃) under the serving filter); :func:`learning_curve` reads the points from the training log.
+
 Teacher signal per position (from :mod:`specdraft.dump`):
 
 * ``hidden`` dump: teacher logits = ``lm_head(h)`` with h the target's post-norm final hidden state;
@@ -48,6 +58,19 @@ class DistillOutput(ModelOutput):
     tvd: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+
+
+def trained_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, S] bool``: the positions a loss trains — ``loss_mask`` (else the attention mask, else every
+    position), never padding. The one rule used by the forward pass and by the step's token count."""
+    mask = loss_mask if loss_mask is not None else attention_mask
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    mask = mask.bool()
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()
+    return mask
 
 
 class DistillModel(nn.Module):
@@ -113,27 +136,26 @@ class DistillModel(nn.Module):
         return p, None
 
     def forward(self, input_ids, attention_mask=None, loss_mask=None, hidden=None, topk_logprobs=None,
-                topk_ids=None, leftover_logmass=None, **_: Any) -> DistillOutput:
+                topk_ids=None, leftover_logmass=None, num_items_in_batch=None, **_: Any) -> DistillOutput:
         """Args: ``input_ids [B, S]``, ``attention_mask [B, S]``, ``loss_mask [B, S]`` (position j trains the
         prediction of token j+1), and the teacher: ``hidden [B, S, H]`` or ``topk_* [B, S, k]`` +
-        ``leftover_logmass [B, S]``. Without ``loss_mask`` the attention mask is used."""
+        ``leftover_logmass [B, S]``. Without ``loss_mask`` the attention mask is used.
+
+        ``num_items_in_batch``: trained positions of the whole optimizer step (all micro-batches and ranks);
+        given, ``loss`` is this batch's sum divided by it (its share of the step's per-token mean), else the
+        per-token mean of this batch. The metrics are always per-token means of this batch."""
         cfg = self.config_
         out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S, V]
         with torch.no_grad():
             p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
-        mask = loss_mask if loss_mask is not None else attention_mask
-        if mask is None:
-            mask = torch.ones_like(input_ids)
-        mask = mask.bool()
-        if attention_mask is not None:
-            mask = mask & attention_mask.bool()
+        mask = trained_mask(input_ids, attention_mask, loss_mask)  # [B, S] bool
         if cfg.loss == "tvd_deploy" and t_logits is None:
             # A sparse teacher has no logits: filter its probabilities through their logs.
             t_logits = p.clamp(min=1e-30).log()
         per_pos = LOSSES[cfg.loss](d_logits, p, teacher_logits=t_logits, temperature=cfg.temperature,
                                    top_k=cfg.top_k, top_p=cfg.top_p)
-        loss = masked_mean(per_pos, mask)
+        loss = masked_mean(per_pos, mask, num_items_in_batch)
         with torch.no_grad():
             # Metrics reuse the loss where it already is the metric (no second vocabulary-wide pass).
             acc = (d_logits.argmax(-1) == p.argmax(-1)).float()
@@ -212,14 +234,34 @@ def _make_trainer_class():
     from transformers import Trainer
 
     class DistillTrainer(Trainer):
-        """Trainer that logs train_acc/tvd/α beside the loss, stops on a non-finite loss, evaluates held-out
-        α, and checkpoints the draft alone with ``save_pretrained`` (tied weights handled; teacher head out)."""
+        """Trainer that weighs every trained token of a step equally (see the module docstring), logs
+        train_acc/tvd/α beside the loss, stops on a non-finite loss, evaluates held-out α (sharded over ranks),
+        and checkpoints the draft alone with ``save_pretrained`` (tied weights handled; teacher head out)."""
 
         _sums: dict[str, float]
+        # compute_loss already divides by the step's token count: the Trainer must not divide again by the
+        # number of accumulation steps (transformers' Trainer.training_step reads this flag).
+        loss_is_scaled_for_ga = True
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            """The step's micro-batches and its trained positions, summed over micro-batches and ranks.
+
+            transformers counts ``labels`` only; our batches carry ``loss_mask``, so count it here."""
+            batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            n = sum(int(trained_mask(b["input_ids"], b.get("attention_mask"), b.get("loss_mask")).sum())
+                    for b in batch_samples)
+            n = torch.tensor(n, dtype=torch.long, device=device)
+            if self.args.world_size > 1:
+                n = self.accelerator.reduce(n, reduction="sum")
+            return batch_samples, n
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            outputs = model(**inputs)
+            outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
             loss = outputs["loss"]  # by key, as Trainer itself does
+            if num_items_in_batch is not None and self.args.world_size > 1:
+                # DDP averages gradients over ranks, but each rank's loss is already its share of the global
+                # sum / global count: undo the average (as Trainer.compute_loss does for its own losses).
+                loss = loss * self.args.world_size
             if not torch.isfinite(loss):
                 raise DistillError(
                     f"non-finite loss ({loss.item()}) at step {self.state.global_step}; the run stops here. The "
@@ -233,35 +275,54 @@ def _make_trainer_class():
             self._sums = sums
             return (loss, outputs) if return_outputs else loss
 
+        def _sum_over_ranks(self, values: list[float]) -> list[float]:
+            t = torch.tensor(values, dtype=torch.float64, device=self.args.device)
+            if self.args.world_size > 1:
+                t = self.accelerator.reduce(t, reduction="sum")
+            return t.tolist()
+
         def log(self, logs: dict[str, float], *args, **kwargs) -> None:
             sums = getattr(self, "_sums", None)
-            if "loss" in logs and sums and sums["n"]:
-                for k in ("train_acc", "tvd", "alpha"):
-                    logs[k] = sums[k] / sums["n"]
+            # Every rank logs at the same steps with sums gathered since the last log, so the reduction below
+            # is entered by all of them or by none.
+            if "loss" in logs and sums:
+                keys = ("train_acc", "tvd", "alpha")
+                *vals, n = self._sum_over_ranks([sums[k] for k in keys] + [sums["n"]])
+                if n:
+                    logs.update({k: v / n for k, v in zip(keys, vals)})
                 self._sums = {}
             super().log(logs, *args, **kwargs)
 
         def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+            """Token-weighted held-out loss, top-1 agreement, TVD and α; rank r scores sequences r, r+W, …
+            and the sums are added over ranks (no sequence scored twice, unlike a padded distributed loader)."""
+            from torch.utils.data import DataLoader, Subset
+
             ds = eval_dataset if eval_dataset is not None else self.eval_dataset
             if ds is None or len(ds) == 0:
                 return {}
             model = self.model
             was_training = model.training
             model.eval()
-            totals = {"loss": 0.0, "train_acc": 0.0, "tvd": 0.0, "alpha": 0.0}
-            n = 0.0
-            loader = self.get_eval_dataloader(ds)
+            keys = ("loss", "train_acc", "tvd", "alpha")
+            totals = [0.0] * (len(keys) + 1)  # per-key sums weighted by tokens, then tokens
+            mine = Subset(ds, range(self.args.process_index, len(ds), self.args.world_size))
+            loader = DataLoader(mine, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
             with torch.no_grad():
                 for batch in loader:
-                    batch = self._prepare_inputs(batch)
-                    out = model(**batch)
+                    out = model(**self._prepare_inputs(batch))
                     tok = float(out["tokens"])
-                    for k in totals:
-                        totals[k] += float(out[k]) * tok
-                    n += tok
-            metrics = {f"{metric_key_prefix}_{k if k != 'train_acc' else 'acc'}": v / max(n, 1) for k, v in totals.items()}
+                    for i, k in enumerate(keys):
+                        totals[i] += float(out[k]) * tok
+                    totals[-1] += tok
+            *sums, n = self._sum_over_ranks(totals)
+            metrics = {f"{metric_key_prefix}_{k if k != 'train_acc' else 'acc'}": v / max(n, 1)
+                       for k, v in zip(keys, sums)}
             metrics[f"{metric_key_prefix}_tokens"] = n
             self.log(metrics)
+            # As Trainer.evaluate does: callbacks see the metrics, and the flag that asked for this evaluation is
+            # cleared (left set, the epoch-end check would score the same step a second time).
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
             if was_training:
                 model.train()
             return metrics
@@ -282,6 +343,14 @@ def _make_trainer_class():
             del loaded
 
     return DistillTrainer
+
+
+def learning_curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``[{"step", "eval_alpha", "eval_loss"}]`` by step from a Trainer log history: one point per step (the
+    last evaluation logged at it), step 0 being the draft before training."""
+    points = {h["step"]: {"step": h["step"], "eval_alpha": h["eval_alpha"], "eval_loss": h["eval_loss"]}
+              for h in history if "eval_alpha" in h}
+    return [points[s] for s in sorted(points)]
 
 
 def last_checkpoint(checkpoint_dir: Path) -> str | None:
@@ -307,14 +376,18 @@ def train(
     teacher_width: int | None = None,
     report_to: str = "none",
     logit_ops=None,
+    callbacks: list | None = None,
 ) -> dict[str, Any]:
     """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
 
     Checkpoints go to ``output_dir/checkpoints``; with ``resume`` the newest complete checkpoint is resumed.
     ``logit_ops``: the target's final-logit transforms, applied after ``head_weight`` (see :class:`DistillModel`).
+    ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. to watch gradients in a test).
 
     Returns:
-        ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "seconds"}``.
+        ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
+        "processes", "seconds", "resumed_from", "draft"}``; ``curve`` is :func:`learning_curve` of the history,
+        ``processes`` the data-parallel ranks.
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -351,22 +424,32 @@ def train(
         use_cpu=use_cpu,
         bf16=config.dtype == "bfloat16" and not use_cpu,
         dataloader_num_workers=0,
+        # The teacher head is a (non-persistent) buffer, identical on every rank: DDP's default would
+        # broadcast all V×H of it from rank 0 before every forward.
+        ddp_broadcast_buffers=False,
         disable_tqdm=False,
         save_only_model=False,
     )
     Trainer = _make_trainer_class()
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                      data_collator=collate)
+                      data_collator=collate, callbacks=callbacks)
     t0 = time.time()
     eval_before = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
     ckpt = last_checkpoint(ckpt_dir) if resume else None
     trainer.train(resume_from_checkpoint=ckpt)
-    eval_after = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
-    history = [h for h in trainer.state.log_history]
+    last = next((h for h in reversed(trainer.state.log_history) if "eval_alpha" in h), None)
+    if last is not None and last["step"] == trainer.state.global_step:
+        eval_after = {k: v for k, v in last.items() if k.startswith("eval_")}  # eval_steps already scored it
+    else:
+        eval_after = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
+    # train() starts a fresh TrainerState (or the checkpoint's), dropping the log of the evaluation before it.
+    history = ([eval_before | {"step": 0}] if eval_before else []) + list(trainer.state.log_history)
     if config.train == "lora":
         draft = draft.merge_and_unload()
     return {"trainable_parameters": n_trainable, "steps": trainer.state.global_step, "history": history,
-            "eval_before": eval_before, "eval_after": eval_after, "seconds": time.time() - t0,
+            "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
+            "processes": args.world_size,
+            "seconds": time.time() - t0,
             "resumed_from": ckpt, "draft": draft}
 
 
@@ -380,10 +463,12 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
 
     Writes ``out/checkpoints/`` (resumable), ``out/speculator/`` (the export, with ``training.json``) and
     ``out/training.json``. ``num_speculative_tokens`` (γ) is recorded in the exported speculator
-    (:func:`specdraft.export.export_speculator`).
+    (:func:`specdraft.export.export_speculator`). Under ``accelerate launch`` / ``torchrun`` the ranks train
+    data-parallel (``batch_size`` is per rank) and rank 0 alone writes the export.
 
     Returns:
-        ``{"speculator": path, "metrics": {...}, "training": training.json payload}``.
+        ``{"speculator": path, "metrics": {...}, "training": training.json payload}``; ``metrics["curve"]`` is
+        the learning curve (held-out teacher-forced α and loss by step, :func:`learning_curve`).
 
     Raises:
         DistillError / specdraft.dump.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
@@ -416,14 +501,24 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
-               "seconds": result["seconds"], "resumed_from": result["resumed_from"],
-               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx)}
+               "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
+               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
+               "processes": result["processes"],
+               "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"]}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dump_dir), "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
                          "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],
                          "logit_transform": dataset.logit_ops,
                          "sequences": len(dataset)},
                 "metrics": metrics, "history": result["history"]}
-    spec_dir = export_speculator(trained, draft_tok, target_ref, out / "speculator", num_speculative_tokens, training)
-    write_training_json(out / "training.json", training)
+    # Under accelerate launch / torchrun every rank holds the same trained weights: one writes, all wait for it
+    # (the state is the Trainer's process group; a plain run is rank 0 alone).
+    from accelerate import PartialState
+
+    state = PartialState()
+    spec_dir = out / "speculator"
+    if state.is_main_process:
+        export_speculator(trained, draft_tok, target_ref, spec_dir, num_speculative_tokens, training)
+        write_training_json(out / "training.json", training)
+    state.wait_for_everyone()
     return {"speculator": spec_dir, "metrics": metrics, "training": training, "model": trained}

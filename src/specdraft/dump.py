@@ -245,15 +245,24 @@ def _target_revision(resolved: str) -> str | None:
     return None
 
 
-def split_work(n: int, rank: int, world_size: int) -> range:
-    """The items of one rank: a contiguous block, so ranks in order cover 0..n−1 in order.
+def split_work(n: int, rank: int, world_size: int, batch_size: int = 1) -> range:
+    """The items of one rank: a contiguous block of whole batches, so ranks in order cover 0..n−1 in order.
+
+    Batch b holds items ``[b·B, (b+1)·B)`` whatever the number of ranks, and rank r takes batches
+    ``[nb·r // W, nb·(r+1) // W)`` of the ``nb = ⌈n / B⌉``. So every batch a rank runs — its members, its
+    padding, its sampling seed (``seed`` + its first item) — is the batch a single process runs, and W ranks
+    write the very examples one rank writes (sampled generation included). Ranks differ by at most one batch.
 
     Returns:
-        ``range(n * rank // world_size, n * (rank + 1) // world_size)``.
+        ``range(min(B·lo, n), min(B·hi, n))`` with ``lo, hi`` the rank's first and past-last batch.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
-    return range(n * rank // world_size, n * (rank + 1) // world_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+    nb = -(-n // batch_size)
+    lo, hi = nb * rank // world_size, nb * (rank + 1) // world_size
+    return range(min(lo * batch_size, n), min(hi * batch_size, n))
 
 
 _COUNTS = ("sequences", "tokens", "trained_tokens", "truncated", "dropped", "bytes")
@@ -634,7 +643,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
                     raise DataError(f"{ex.id}: prompt ({len(p)} tokens) + --generate {config.generate} may exceed "
                                     f"--max-length {config.max_length} (pass --truncate, or raise --max-length).")
         items, dropped_before_split = examples, 0
-    mine = split_work(len(items), rank, world)
+    mine = split_work(len(items), rank, world, config.batch_size)
     n_mine = len(mine)
 
     # ---- identity: what a resumed run must match ----------------------------------------------------------
@@ -647,6 +656,9 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     identity = {"tokenizer_fingerprint": tok_fp, "target_config": target_facts,
                 "settings": config.plan_settings(), "world_size": world,
                 "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples])}
+    if world > 1:
+        # Several ranks split the work in whole batches: another batch size would hand a resumed rank other items.
+        identity["split_batch_size"] = config.batch_size
     plan = _sha256_json(identity)
     _check_out_dir(out, identity)  # before loading weights: fails fast on another target's dump
 

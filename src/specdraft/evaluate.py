@@ -32,6 +32,7 @@ from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
 from specdraft.losses import sum_min
 from specdraft.sampling import align_logits, filtered_probs, greedy_probs
+from specdraft.stats import ratio_ci
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
 # rounding alone. bf16 keeps 8 significand bits: logits of magnitude ~20 are spaced 0.125 apart, and errors
@@ -144,7 +145,10 @@ class EvalResult:
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ."""
+        """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ.
+
+        ``acceptance_rate_ci95`` / ``alpha_ci95``: ``[low, high]`` 95% bootstrap intervals over prompts
+        (:func:`specdraft.stats.ratio_ci`, seed 0) from the per-prompt counts; ``None`` without them."""
         c = self.spec_counts
         gamma = self.config["num_speculative_tokens"]
         tps = lambda tok, s: tok / s if s else 0.0
@@ -163,7 +167,9 @@ class EvalResult:
         return {
             "prompts": self.prompts,
             "acceptance_rate": c.acceptance_rate,
+            "acceptance_rate_ci95": self._ci("accepted", "proposed"),
             "alpha": alpha,
+            "alpha_ci95": self._ci("accepted", "reached"),
             "mean_accepted_length": c.mean_accepted_length,
             "alpha_per_position": c.alpha_per_position,
             "predicted_alpha_prompt": self.predicted_prompt.get("alpha"),
@@ -187,6 +193,12 @@ class EvalResult:
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
         }
+
+    def _ci(self, numerator: str, denominator: str) -> list[float] | None:
+        rows = self.per_prompt
+        if not rows or any(numerator not in r or denominator not in r for r in rows):
+            return None
+        return ratio_ci([r[numerator] for r in rows], [r[denominator] for r in rows]).interval
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -382,8 +394,10 @@ def run_eval(
         res.target_seconds += bc.time_total
         res.spec_seconds += sc.time_total
         row = {"id": names[k], "prompt_tokens": len(ids), "target_tokens": len(base[0]),
-               "target_s": bc.time_total, "spec_s": sc.time_total, "acceptance_rate": sc.acceptance_rate,
-               "mean_accepted_length": sc.mean_accepted_length}
+               "target_s": bc.time_total, "spec_s": sc.time_total,
+               # Counts, so intervals and paired gains can be computed over prompts (specdraft.stats).
+               "accepted": sum(sc.accepted), "proposed": sum(sc.proposed), "reached": sum(sc.reached),
+               "acceptance_rate": sc.acceptance_rate, "mean_accepted_length": sc.mean_accepted_length}
         if sampling.greedy:
             row["specdraft_matches"] = _compare(target, ids, base[0], spec[0], names[k], "specdraft", tol,
                                                 res.divergences)

@@ -112,15 +112,24 @@ LossFn = Callable[..., torch.Tensor]
 LOSSES: dict[str, LossFn] = {"soft_ce": soft_ce, "tvd": tvd, "tvd_deploy": tvd_deploy}
 
 
-def masked_mean(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(per_position: torch.Tensor, mask: torch.Tensor,
+                denominator: torch.Tensor | float | None = None) -> torch.Tensor:
     """Token-weighted mean of ``[B, S]`` values over positions where ``mask`` is true (the one reduction).
 
     Masked positions are zeroed with ``where`` (not multiplied) so a NaN/inf there cannot leak into the
     value or the gradient. Returns a 0-dim float32 tensor; 0 when the mask is empty.
+
+    Args:
+        per_position: ``[B, S]`` values (a per-position loss or metric).
+        mask: ``[B, S]`` bool/int, true where the value counts.
+        denominator: the number of counted positions of the *whole* optimizer step when this batch is one of
+            several (gradient accumulation, data-parallel ranks): the sum over this batch is divided by it, so
+            the micro-batch values add up to the token-weighted mean of the step. Default: this mask's count.
     """
     mask = mask.bool()
     vals = torch.where(mask, per_position, torch.zeros_like(per_position))
-    return vals.sum() / mask.sum().clamp(min=1)
+    n = mask.sum() if denominator is None else torch.as_tensor(denominator, device=vals.device)
+    return vals.sum() / n.clamp(min=1)
 
 
 def sum_min(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

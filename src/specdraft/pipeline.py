@@ -256,7 +256,7 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, compare_hf: b
         write_report(res, d, title=d.name)
         del target, draft  # free both models before the next stage loads its own
         gc.collect()
-        return res.summary() | {"counts": res.spec_counts.to_dict()}
+        return res.summary() | {"counts": res.spec_counts.to_dict(), "per_prompt": res.per_prompt}
 
     return run
 

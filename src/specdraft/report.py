@@ -11,17 +11,34 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.io import atomic_path, atomic_write_text
+from specdraft.stats import Estimate, paired_gain_from_rows
 
 
 def _fmt(v: Any, spec: str = "{:.3f}") -> str:
     return "—" if v is None else spec.format(v)
 
 
+def _fmt_ci(ci: list[float] | None, spec: str = "{:.3f}") -> str:
+    return "—" if not ci else f"[{spec.format(ci[0])}, {spec.format(ci[1])}]"
+
+
+def acceptance_gain(report: dict[str, Any]) -> Estimate | None:
+    """After − before acceptance rate on the same prompts with a paired 95% bootstrap interval
+    (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when the evaluations kept no per-prompt counts."""
+    b, a = report["eval_before"].get("per_prompt"), report["eval_after"].get("per_prompt")
+    return paired_gain_from_rows(b, a) if b and a else None
+
+
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     """``(measure, before distillation, after distillation)`` rows of a ``specdraft run`` report."""
     b, a = report["eval_before"], report["eval_after"]
+    gain = acceptance_gain(report)
     return [
         ("acceptance rate (accepted / proposed)", _fmt(b["acceptance_rate"]), _fmt(a["acceptance_rate"])),
+        ("acceptance rate 95% CI (bootstrap over prompts)", _fmt_ci(b.get("acceptance_rate_ci95")),
+         _fmt_ci(a.get("acceptance_rate_ci95"))),
+        ("acceptance gain (paired 95% CI)", "—",
+         "—" if gain is None else f"{gain.value:+.3f} {_fmt_ci(gain.interval, '{:+.3f}')}"),
         ("mean accepted length (tokens / target pass)", _fmt(b["mean_accepted_length"], "{:.2f}"),
          _fmt(a["mean_accepted_length"], "{:.2f}")),
         ("predicted α (teacher-forced, target responses)", _fmt(b["predicted_alpha_response"]),
@@ -58,7 +75,8 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     b, a = report["eval_before"], report["eval_after"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    curve = (report.get("distill") or {}).get("curve") or []
+    fig, axes = plt.subplots(1, 4 if curve else 3, figsize=(18.5 if curve else 14, 3.6))
     g = len(b["alpha_per_position"])
     xs = list(range(1, g + 1))
     axes[0].bar([x - 0.2 for x in xs], b["alpha_per_position"], 0.4, label="before")
@@ -78,12 +96,30 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     axes[2].bar(range(len(vals)), vals, color=["#999", "#4C72B0", "#55A868", "#C44E52"][: len(vals)])
     axes[2].set_xticks(range(len(vals)), labels, rotation=15, fontsize=8)
     axes[2].set(ylabel="tokens/s", title="decoding speed")
+    if curve:
+        _plot_curve(axes[3], curve, b, a)
     fig.tight_layout()
     with atomic_path(out / "report.png") as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
+    gain = acceptance_gain(report)
+    payload = report | {"acceptance_gain": gain.to_dict() if gain else None}
+    atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(report))
+
+
+def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str, Any]) -> None:
+    """Held-out teacher-forced α by step (predicted) beside the acceptance measured by decoding before and after
+    (with its 95% interval when kept): does the cheap curve foretell the measured gain?"""
+    steps = [p["step"] for p in curve]
+    ax.plot(steps, [p["eval_alpha"] for p in curve], marker="o", ms=3, label="held-out α (teacher-forced)")
+    for x, ev, name, color in ((0, b, "before", "#4C72B0"), (steps[-1], a, "after", "#55A868")):
+        ci = ev.get("acceptance_rate_ci95")
+        err = [[ev["acceptance_rate"] - ci[0]], [ci[1] - ev["acceptance_rate"]]] if ci else None
+        ax.errorbar([x], [ev["acceptance_rate"]], yerr=err, fmt="s", color=color, capsize=3,
+                    label=f"measured acceptance ({name})")
+    ax.set(xlabel="optimizer step", ylabel="probability", ylim=(0, 1.05), title="learning curve")
+    ax.legend(fontsize=7)
 
 
 def render_markdown(r: dict[str, Any]) -> str:
