@@ -19,6 +19,7 @@ from rich.table import Table
 from specdraft.config import (
     NUM_SPECULATIVE_TOKENS,
     DumpFormat,
+    ExportDtype,
     HiddenDtype,
     LossName,
     ModelDtype,
@@ -233,9 +234,13 @@ def convert(
     num_speculative_tokens: Annotated[int, typer.Option(help="γ: draft tokens proposed per verifier pass "
                                                         "(>= 1).")] = NUM_SPECULATIVE_TOKENS,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty output directory.")] = False,
+    dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
+                                               "bfloat16 is what vLLM serves. A cast is the one case where the "
+                                               "weights are not byte-identical to the draft's.")] = "keep",
 ) -> None:
-    """Package a plain draft checkpoint as an independent speculator for a verifier: same weights, config.json
-    plus three speculators_* keys, the draft's tokenizer files. Prints the config diff and the vLLM command."""
+    """Package a plain draft checkpoint as an independent speculator for a verifier: same weights (byte-identical
+    unless --dtype casts them), config.json plus three speculators_* keys, the draft's tokenizer files. Prints
+    the config diff and the vLLM commands."""
     from specdraft.export import convert as convert_speculator
     from specdraft.models import ModelResolutionError
     from specdraft.speculator import MISSING, SpeculatorError
@@ -244,7 +249,7 @@ def convert(
     try:
         _resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
         res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
-                                 overwrite=overwrite)
+                                 overwrite=overwrite, dtype=dtype)
     except (SpeculatorError, ModelResolutionError) as exc:
         fail(str(exc))
 
@@ -255,15 +260,27 @@ def convert(
         change = "added" if before is MISSING else "removed" if after is MISSING else "changed"
         table.add_row(key, change, json.dumps(after if after is not MISSING else before))
     console.print(table)
-    if res.resaved:
-        console.print(f"[yellow]note:[/] transformers rewrote {sorted(res.resaved)} of the draft's config.json "
+    if res.dtype != "keep":
+        console.print(f"weights cast to {res.dtype}: [bold]not byte-identical[/] to the draft's (the one case).")
+    resaved = sorted(k for k in res.resaved if not (res.dtype != "keep" and k == "dtype"))
+    if resaved:
+        console.print(f"[yellow]note:[/] transformers rewrote {resaved} of the draft's config.json "
                       "when re-saving it (the speculator keeps transformers' current form).")
     verdict = res.compat_verdict or "not checked (no tokenizer known for one side)"
     console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
                   f"(load {res.timings['load_s']:.1f} s, write {res.timings['write_s']:.1f} s)")
-    console.print("Serve it with vLLM:")
-    console.print(res.vllm_command, markup=False, highlight=False, soft_wrap=True)
+    _print_serve(res.serve)
+
+
+def _print_serve(serve) -> None:
+    """The two-path vLLM command, the one-path one (plugin) and the notes of a :class:`~specdraft.export.VllmServe`."""
+    console.print(serve.header)
+    console.print(serve.command, markup=False, highlight=False, soft_wrap=True)
+    console.print("or, with specdraft installed next to vLLM (its plugin reads the verifier and γ from config.json):")
+    console.print(serve.one_path, markup=False, highlight=False, soft_wrap=True)
+    for note in serve.notes:
+        console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 
 
 @app.command("inspect")
@@ -271,8 +288,8 @@ def inspect_speculator(
     speculator: Annotated[str, typer.Argument(help="Speculator directory (or any model reference).")],
 ) -> None:
     """Print a speculator checkpoint's metadata (verifier, γ, proposal methods, draft architecture) as a table."""
-    from specdraft.export import vllm_serve_command
-    from specdraft.models import ModelResolutionError, resolve
+    from specdraft.export import vllm_serve
+    from specdraft.models import ModelResolutionError, embedded_for_hub_id, resolve
     from specdraft.speculator import SpeculatorError, load_speculator_config
 
     try:
@@ -293,7 +310,9 @@ def inspect_speculator(
                                             f"{m.verifier_accept_k}, accept_tolerance={m.accept_tolerance}"))
           for m in sc.proposal_methods],
         ("default_proposal_method", sc.default_proposal_method),
-        ("verifier", str(sc.verifier.name_or_path)),
+        ("verifier", str(sc.verifier.name_or_path) + (f" (specdraft's embedded {emb.name} is {emb.provenance})"
+                                                      if (emb := embedded_for_hub_id(str(sc.verifier.name_or_path)))
+                                                      else "")),
         ("verifier architectures", ", ".join(sc.verifier.architectures)),
         ("draft architectures", ", ".join(d.get("architectures") or [])),
         ("draft model_type", str(d.get("model_type"))),
@@ -307,9 +326,7 @@ def inspect_speculator(
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    console.print("Serve it with vLLM:")
-    console.print(vllm_serve_command(str(sc.verifier.name_or_path), path.absolute(), cfg.num_speculative_tokens),
-                  markup=False, highlight=False, soft_wrap=True)
+    _print_serve(vllm_serve(path))
 
 
 # ------------------------------------------------------------------------------------------ eval
@@ -727,6 +744,9 @@ def run_cmd(
     vocab_swap: Annotated[bool, typer.Option(
         "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
         "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
+    export_dtype: Annotated[ExportDtype | None, typer.Option(
+        help="Weights dtype of the exported speculator (default bfloat16, what vLLM serves; keep = the training "
+        "dtype).")] = None,
 ) -> None:
     """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
     from pydantic import ValidationError
@@ -736,7 +756,7 @@ def run_cmd(
 
     try:
         cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                          refuse_overlap=refuse_overlap, vocab_swap=vocab_swap)
+                          refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype)
     except ValidationError as exc:
         fail(str(exc))
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
@@ -756,8 +776,10 @@ def run_cmd(
         console.print(f"[yellow]note:[/] {escape(note)}")
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
-    console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {report['export']['path']}\nserve it with:\n  "
-                  f"{report['export']['vllm_command']}", highlight=False)
+    exp = report["export"]
+    console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
+                  f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
+                  markup=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover
