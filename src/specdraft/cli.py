@@ -89,11 +89,11 @@ def models_list(ctx: typer.Context) -> None:
     from specdraft.models import EMBEDDED, cache_dir, installed_state, is_cached
 
     table = Table(title="Embedded models")
-    for col in ("name", "description", "GGUF size", "installed", "cached", "cache path"):
+    for col in ("name", "description", "dequantised build of", "GGUF size", "installed", "cached", "cache path"):
         table.add_column(col)
     for m in EMBEDDED.values():
         cached = is_cached(m.name)
-        table.add_row(m.name, m.description, f"{m.size_bytes / 1e6:,.1f} MB",
+        table.add_row(m.name, m.description, m.hub_id, f"{m.size_bytes / 1e6:,.1f} MB",
                       "yes" if installed_state(m) else f"no — {m.pip_command()}",
                       "yes" if cached else "no", str(cache_dir(m.name)) if cached else "")
     console.print(table)
