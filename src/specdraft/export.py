@@ -5,8 +5,14 @@
   (:mod:`specdraft.speculator` holds that format), the draft's tokenizer files copied byte for byte.
 * :func:`export_speculator` — a draft in memory (e.g. just distilled) → a speculator directory, with its
   tokenizer and ``training.json``.
-* :func:`vllm_serve_command` — the shell command that serves the verifier with the speculator as its draft
-  (vLLM's ``draft_model`` speculative method).
+* :func:`vllm_serve` — how vLLM serves it: the two-path command (verifier + ``--speculative-config`` with
+  vLLM's ``draft_model`` method) and the one-path ``vllm serve SPECULATOR_DIR`` that specdraft's vLLM plugin
+  (:mod:`specdraft.vllm_plugin`) makes work. :func:`vllm_speculative_config` is the one place that turns a
+  speculator's config.json into vLLM's speculative config; the command and the plugin both use it.
+
+Dtype: ``dtype="keep"`` (the default of :func:`convert`) writes the draft's tensors byte-identical. Any other
+dtype (``bfloat16`` is what vLLM serves) casts them: that is the one case where a speculator's weights are not
+byte-identical to the draft's.
 
 Every directory is written into a temporary sibling and renamed into place (:func:`specdraft.io.atomic_directory`):
 a killed export leaves the destination as it was.
@@ -24,10 +30,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from specdraft.config import NUM_SPECULATIVE_TOKENS, ExportConfig
+from specdraft.config import NUM_SPECULATIVE_TOKENS, ExportConfig, ExportDtype
 from specdraft.io import atomic_directory, atomic_write_text
 from specdraft.speculator import (
     IndependentSpeculator,
+    IndependentSpeculatorConfig,
     SpeculatorError,
     check_causal_lm_config,
     config_diff,
@@ -35,6 +42,12 @@ from specdraft.speculator import (
     strip_speculator_keys,
     verifier_config,
 )
+
+#: The vLLM release the printed commands and the plugin were tested with (``make test-vllm``, docs/serving.md).
+VLLM_TESTED_VERSION = "0.32.0"
+
+# Weight files a save_pretrained writes; a cast rewrites them all.
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
 
 # Files a tokenizer's save_pretrained may write; `convert` copies the ones the draft has, byte for byte.
 TOKENIZER_FILES = (
@@ -63,14 +76,17 @@ class ConvertResult:
         config: its config.json.
         added: ``config_diff(plain, config)``: the keys added relative to the draft's own save (3 keys).
         resaved: ``config_diff(source config.json, plain)``: keys transformers itself rewrote on re-saving
-            the draft (empty when the source was written by this transformers version); ``corrected`` keys left out.
+            the draft (empty when the source was written by this transformers version; ``dtype`` after a cast);
+            ``corrected`` keys left out.
         corrected: ``{key: (draft's value, written value)}`` for config values specdraft set to match the tensors:
             a draft whose config.json claims ``tie_word_embeddings: true`` while its ``lm_head.weight`` differs
             from its embeddings is written with ``false`` (warned). The speculator's config.json then differs from
             the draft's in that key, on purpose: with ``true``, loaders that drop ``lm_head.weight`` for tied models
             (vLLM) would serve the embeddings as the head, a model other than the one evaluated.
         tokenizer_files: names copied from the draft directory.
-        vllm_command: serves the verifier with this speculator as its draft.
+        vllm_command: serves the verifier with this speculator as its draft (:func:`vllm_serve`).
+        serve: the whole :class:`VllmServe` (both commands, the speculative config, notes).
+        dtype: ``"keep"`` (weights byte-identical) or the dtype the weights were cast to.
         compat_verdict: the tokenizer check's verdict, or ``None`` when a tokenizer was unknown (warned).
         seconds: wall time of the whole conversion, seconds.
     """
@@ -81,6 +97,8 @@ class ConvertResult:
     resaved: dict[str, tuple[Any, Any]]
     tokenizer_files: list[str]
     vllm_command: str
+    serve: VllmServe | None = None
+    dtype: str = "keep"
     compat_verdict: str | None = None
     corrected: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -93,22 +111,31 @@ def convert(
     out: str | os.PathLike,
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     overwrite: bool = False,
+    dtype: ExportDtype = "keep",
 ) -> ConvertResult:
     """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
     (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte).
 
     Order: validate options → refuse a non-empty ``out`` (unless ``overwrite``) → read the verifier's config
-    → load the draft (checkpoint dtype) → tokenizer check → write everything into a temporary directory
-    beside ``out`` → rename it into place (with ``overwrite``: the old directory is renamed aside first,
-    then removed). A killed or failed run leaves ``out`` as it was, plus at most a ``.tmp-*`` sibling that
-    nothing reads.
+    → load the draft (checkpoint dtype, or ``dtype``) → tokenizer check → write everything into a temporary
+    directory beside ``out`` → rename it into place (with ``overwrite``: the old directory is renamed aside
+    first, then removed). A killed or failed run leaves ``out`` as it was, plus at most a ``.tmp-*`` sibling
+    that nothing reads.
+
+    The verifier is recorded as a reference that resolves elsewhere (:func:`specdraft.models.portable_reference`:
+    absolute path; an embedded name → the hub id its weights derive from).
+
+    Args:
+        dtype: ``"keep"`` (default): the draft's tensors are written byte-identical. ``"bfloat16"`` (what vLLM
+            serves), ``"float16"`` or ``"float32"``: the weights are cast — the one case where they are not
+            byte-identical to the draft's (config.json's ``dtype`` says the new one).
 
     A config that contradicts the tensors is corrected, never exported as is: see ``ConvertResult.corrected``.
 
     Raises:
-        SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``);
-            ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable verifier; a
-            draft that is not a causal LM (names its architecture); tokenizer mismatch.
+        SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``,
+            ``--dtype``); ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable
+            verifier; a draft that is not a causal LM (names its architecture); tokenizer mismatch.
         specdraft.models.ModelResolutionError: a reference cannot be resolved (before anything is written).
         specdraft.models.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
             untied ``lm_head.weight``) or holds ones it does not use; named, nothing written.
@@ -118,7 +145,7 @@ def convert(
     try:
         opts = ExportConfig(
             draft=str(draft), verifier=str(verifier), out=Path(out),
-            num_speculative_tokens=num_speculative_tokens, overwrite=overwrite,
+            num_speculative_tokens=num_speculative_tokens, overwrite=overwrite, dtype=dtype,
         )
     except ValidationError as exc:
         raise SpeculatorError(flag_errors(exc)) from exc
@@ -137,7 +164,8 @@ def convert(
     timings["resolve_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    spec = IndependentSpeculator.from_pretrained(draft_dir, num_speculative_tokens=opts.num_speculative_tokens)
+    spec = IndependentSpeculator.from_pretrained(draft_dir, num_speculative_tokens=opts.num_speculative_tokens,
+                                                 dtype="auto" if opts.dtype == "keep" else opts.dtype)
     timings["load_s"] = time.perf_counter() - t
     t = time.perf_counter()
     verdict = spec.attach_verifier(opts.verifier, "detached").compat_verdict
@@ -153,13 +181,16 @@ def convert(
     plain = spec.speculator_config.draft_config
     corrected = {k: (source_cfg.get(k, before), after) for k, (before, after) in spec.corrections.items()}
     resaved = {k: v for k, v in config_diff(strip_speculator_keys(source_cfg), plain).items() if k not in corrected}
+    serve = vllm_serve(out_dir, verifier=opts.verifier)
     return ConvertResult(
         out=out_dir,
         config=config,
         added=config_diff(plain, config),
         resaved=resaved,
         tokenizer_files=copied,
-        vllm_command=vllm_serve_command(opts.verifier, out_dir, spec.num_speculative_tokens),
+        vllm_command=serve.command,
+        serve=serve,
+        dtype=opts.dtype,
         compat_verdict=verdict,
         corrected=corrected,
         seconds=time.perf_counter() - t0,
@@ -182,10 +213,16 @@ def write_training_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_speculative_tokens: int,
-                      training: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
+                      training: dict[str, Any] | None = None, overwrite: bool = True,
+                      dtype: ExportDtype = "keep") -> Path:
     """Save a (trained) draft as an independent speculator: plain HF directory (safetensors, ``architectures``
-    = the draft's class), ``config.json`` plus the ``speculators_*`` keys naming the verifier and γ, the
-    tokenizer, and ``training.json``. Written into a temporary directory beside ``out`` and renamed into place.
+    = the draft's class), ``config.json`` plus the ``speculators_*`` keys naming the verifier (recorded as
+    :func:`specdraft.models.portable_reference` gives it) and γ, the tokenizer, and ``training.json``. Written
+    into a temporary directory beside ``out`` and renamed into place.
+
+    Args:
+        dtype: ``"keep"``: the draft's own dtype; else the written weights are cast (bfloat16 is what vLLM
+            serves). ``draft`` itself is not changed.
 
     Raises:
         SpeculatorError: the verifier reference cannot be read, or ``out`` exists without ``overwrite``
@@ -202,37 +239,166 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
             tokenizer.save_pretrained(tmp)
         if training is not None:
             write_training_json(tmp / "training.json", training)
+        cast_weights(tmp, dtype)
     return out
 
 
-def vllm_serve_command(verifier: str, speculator_dir: str | os.PathLike, num_speculative_tokens: int) -> str:
-    """The shell command that serves ``verifier`` with the speculator at ``speculator_dir`` as its draft.
+def cast_weights(speculator_dir: str | os.PathLike, dtype: ExportDtype) -> bool:
+    """Rewrite a speculator directory's weights in ``dtype`` (in place); other files are kept.
 
-    An embedded name (vLLM does not know them) becomes its specdraft cache directory.
+    The speculator is loaded in ``dtype`` (a cast makes new tensors, so none still maps the old files), the
+    old weight files are removed and :meth:`IndependentSpeculator.save_pretrained` writes the new ones and
+    config.json (``dtype`` updated, the ``speculators_*`` keys kept).
+
+    Returns:
+        ``True`` when the weights were rewritten; ``False`` for ``"keep"`` or when they already are ``dtype``.
+    """
+    if dtype == "keep":
+        return False
+    path = Path(speculator_dir)
+    d = read_config_json(path, role="speculator")
+    if d.get("dtype", d.get("torch_dtype")) == dtype:
+        return False
+    spec = IndependentSpeculator.from_pretrained(path, dtype=dtype)
+    for pattern in WEIGHT_FILES:
+        for f in path.glob(pattern):
+            f.unlink()
+    spec.save_pretrained(path)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving with vLLM
+# --------------------------------------------------------------------------------------------------
+
+
+def vocab_width(config: dict[str, Any]) -> int | None:
+    """A config.json's output width: ``vocab_size``, or its ``text_config``'s (what vLLM's ``get_vocab_size``
+    reads for a multimodal config); ``None`` when it names none."""
+    width = config.get("vocab_size")
+    if width is None and isinstance(config.get("text_config"), dict):
+        width = config["text_config"].get("vocab_size")
+    return None if width is None else int(width)
+
+
+def vllm_speculative_config(speculator: dict[str, Any], model: str,
+                            verifier_vocab_size: int | None = None) -> dict[str, Any]:
+    """vLLM's speculative config for an independent speculator (pure: JSON in, JSON out, no vLLM needed).
+
+    Args:
+        speculator: the speculator's config.json dict (validated against the ``speculators_config`` schema).
+        model: where vLLM loads the draft from (the speculator directory).
+        verifier_vocab_size: the verifier's output width (:func:`vocab_width` of its config), if known.
+
+    Returns:
+        ``{"method": "draft_model", "model": model, "num_speculative_tokens": γ}`` with γ the default proposal
+        method's, plus ``"use_heterogeneous_vocab": true`` when the draft's output width differs from the
+        verifier's (padding rows, verdict identical-up-to-padding): vLLM 0.32 otherwise refuses with "Target and
+        draft model should have the same vocabulary size".
+
+    Raises:
+        NotASpeculatorError / SpeculatorError: ``speculator`` is not a valid independent speculator config.
+    """
+    conf = IndependentSpeculatorConfig.from_speculator_dict(speculator)
+    spec: dict[str, Any] = {"method": "draft_model", "model": str(model),
+                            "num_speculative_tokens": conf.num_speculative_tokens}
+    width = vocab_width(speculator)
+    if verifier_vocab_size is not None and width is not None and width != verifier_vocab_size:
+        spec["use_heterogeneous_vocab"] = True
+    return spec
+
+
+@dataclass
+class VllmServe:
+    """How vLLM serves a speculator on this machine (:func:`vllm_serve`).
+
+    Attributes:
+        command: ``vllm serve TARGET --speculative-config '{...}'``: both paths absolute (tested with vLLM
+            :data:`VLLM_TESTED_VERSION`).
+        one_path: ``vllm serve SPECULATOR_DIR``: works where specdraft is installed next to vLLM (its plugin
+            reads the verifier and γ from the speculator's config.json).
+        target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
+        speculative_config: the JSON passed as ``--speculative-config``.
+        notes: what the reader should know (a verifier whose width could not be checked here; an embedded
+            verifier served from its cache).
+    """
+
+    command: str
+    one_path: str
+    target: str
+    speculative_config: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def header(self) -> str:
+        return f"Serve it with vLLM (tested with vLLM {VLLM_TESTED_VERSION}):"
+
+
+def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -> VllmServe:
+    """The commands that serve the speculator at ``speculator_dir`` with vLLM, on this machine.
+
+    Args:
+        speculator_dir: a speculator directory (its config.json is read).
+        verifier: the verifier reference as given here (embedded name, directory, hub id); default the one
+            recorded in the speculator. An embedded name or a recorded hub id of an embedded model not in the
+            HF cache is served from specdraft's cache directory (vLLM knows no embedded names).
+
+    Raises:
+        NotASpeculatorError / SpeculatorError: ``speculator_dir`` holds no valid independent speculator.
     """
     import shlex
 
-    from specdraft.models import EMBEDDED, cache_dir
+    from specdraft.models import EMBEDDED, ModelResolutionError, embedded_for_hub_id, serving_path
 
-    target = str(cache_dir(verifier)) if verifier in EMBEDDED else str(verifier)
-    spec = json.dumps(
-        {"method": "draft_model", "model": str(speculator_dir), "num_speculative_tokens": num_speculative_tokens}
+    spec_dir = os.path.abspath(speculator_dir)
+    d = read_config_json(spec_dir, role="speculator")
+    recorded = IndependentSpeculatorConfig.from_speculator_dict(d).speculators_config.verifier.name_or_path
+    ref = str(verifier) if verifier is not None else str(recorded)
+    target = serving_path(ref)
+    notes = []
+    emb = EMBEDDED.get(ref) or (embedded_for_hub_id(ref) if target != ref else None)
+    if emb is not None:
+        notes.append(f"The verifier {emb.name} is {emb.provenance}; it is served from specdraft's cache ({target}).")
+    try:
+        verifier_width = vocab_width(read_config_json(target, role="verifier"))
+    except (SpeculatorError, ModelResolutionError):  # e.g. a hub id not cached here: say so, do not guess
+        verifier_width = None
+        notes.append(f"The verifier's config is not readable here, so its vocabulary width was not compared with "
+                     f"the draft's ({vocab_width(d)}): add \"use_heterogeneous_vocab\": true to the speculative "
+                     "config if they differ.")
+    spec = vllm_speculative_config(d, spec_dir, verifier_width)
+    return VllmServe(
+        command=f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}",
+        one_path=f"vllm serve {shlex.quote(spec_dir)}",
+        target=target, speculative_config=spec, notes=notes,
     )
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
-def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike) -> dict[str, Any]:
-    """Copy an exported speculator directory to ``dest`` (atomically) and return what serving it needs:
-    ``{"path", "vllm_command", "num_speculative_tokens"}`` (the pipeline's ``export`` stage)."""
+def vllm_serve_command(speculator_dir: str | os.PathLike, verifier: str | None = None) -> str:
+    """:func:`vllm_serve`'s two-path command (the verifier plus ``--speculative-config``)."""
+    return vllm_serve(speculator_dir, verifier).command
+
+
+def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
+                    dtype: ExportDtype = "keep") -> dict[str, Any]:
+    """Copy an exported speculator directory to ``dest`` (atomically; weights cast to ``dtype`` unless
+    ``"keep"``) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype", "vllm_command",
+    "vllm_one_path", "vllm_notes", "vllm_tested_version"}`` (the pipeline's ``export`` stage).
+
+    Args:
+        verifier: the verifier reference as given to the run, for the command (default: the recorded one).
+    """
     from specdraft.speculator import load_speculator_config
 
     dest = Path(dest)
     with atomic_directory(dest) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
+        cast_weights(tmp, dtype)
     conf = load_speculator_config(str(dest))
-    verifier = str(conf.speculators_config.verifier.name_or_path)
-    return {"path": str(dest.resolve()), "num_speculative_tokens": conf.num_speculative_tokens,
-            "vllm_command": vllm_serve_command(verifier, dest.resolve(), conf.num_speculative_tokens)}
+    serve = vllm_serve(dest, verifier)
+    return {"path": str(dest.resolve()), "num_speculative_tokens": conf.num_speculative_tokens, "dtype": dtype,
+            "vllm_command": serve.command, "vllm_one_path": serve.one_path, "vllm_notes": serve.notes,
+            "vllm_tested_version": VLLM_TESTED_VERSION}
 
 
 def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:

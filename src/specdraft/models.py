@@ -66,6 +66,11 @@ class EmbeddedModel:
             ``"file"`` (one file inside one package folder, found with ``importlib.util.find_spec``),
             ``"data"`` (part ``i`` is ``<package>/data/<extra["files"][i]>``).
         description: one line for ``specdraft models``.
+        hub_id: the Hugging Face hub id the weights derive from: what a speculator records as its verifier,
+            so that the record resolves on a machine without specdraft (:func:`portable_reference`).
+        quant: the GGUF quantisation the packaged file holds (``Q4_K_M``): the embedded weights are that
+            build dequantised to float32, not the hub checkpoint itself (logits differ slightly).
+        source_note: what the GGUF's own metadata says about its source, where it is not plainly ``hub_id``.
     """
 
     name: str
@@ -76,6 +81,15 @@ class EmbeddedModel:
     kind: str = "parts"
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    hub_id: str = ""
+    quant: str = ""
+    source_note: str = ""
+
+    @property
+    def provenance(self) -> str:
+        """One line: which hub checkpoint the embedded weights are a dequantised build of."""
+        note = f" ({self.source_note})" if self.source_note else ""
+        return f"a dequantised {self.quant} GGUF build of {self.hub_id}{note}"
 
     def pip_command(self) -> str:
         reqs = " ".join(f"{dist}=={ver}" for dist, _, ver in self.packages)
@@ -94,6 +108,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size_bytes=1_117_320_768,
             description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (default target)",
+            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            quant="Q4_K_M",
         ),
         EmbeddedModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -104,6 +120,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size_bytes=491_400_064,
             description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (default draft)",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            quant="Q4_K_M",
+            # Read from the file's header: general.name "Qwen2.5 Coder 0.5B Instruct AWQ".
+            source_note="the GGUF header names an AWQ build of it as the conversion source",
         ),
         EmbeddedModel(
             name="smollm2-135m-instruct",
@@ -114,6 +134,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             size_bytes=98_362_432,
             kind="file",
             description="SmolLM2-135M-Instruct, Q4_1 (small: real-weight tests, another tokenizer)",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            quant="Q4_1",
         ),
         EmbeddedModel(
             name="gemma-3-270m",
@@ -127,6 +149,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             kind="data",
             description="Gemma 3 270M, Q4_K_M (a sentencepiece tokenizer of 262k tokens: another draft family)",
             extra={"files": tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4))},
+            hub_id="google/gemma-3-270m",
+            quant="Q4_K_M",
         ),
     ]
 }
@@ -492,6 +516,77 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
                 "and pass the local directory instead, or use an embedded name: " + ", ".join(EMBEDDED)
             ) from exc
     raise unknown_name_error(ref_s)
+
+
+# --------------------------------------------------------------------------------------------------
+# References that travel: what a checkpoint records, and what opens it here
+# --------------------------------------------------------------------------------------------------
+
+
+def embedded_for_hub_id(hub_id: str) -> EmbeddedModel | None:
+    """The embedded model whose weights derive from ``hub_id``, or ``None``."""
+    return next((m for m in EMBEDDED.values() if m.hub_id and m.hub_id == hub_id), None)
+
+
+def portable_reference(ref: str | os.PathLike | ModelRef) -> str:
+    """The reference to *record* for a model (e.g. a speculator's verifier): one that resolves on another
+    machine, not only here.
+
+    * an embedded name (or its specdraft cache directory) → the hub id its weights derive from
+      (:attr:`EmbeddedModel.hub_id`; the embedded weights are a dequantised GGUF build of it);
+    * a local directory → its absolute path (``..`` collapsed, symlinks kept);
+    * anything else (a hub id) → as given.
+    """
+    if isinstance(ref, ModelRef):
+        ref = ref.name
+    ref_s = str(ref)
+    if ref_s in EMBEDDED:
+        return EMBEDDED[ref_s].hub_id or ref_s
+    p = Path(ref_s).expanduser()
+    if p.is_dir():
+        absolute = os.path.abspath(p)
+        for m in EMBEDDED.values():
+            if m.hub_id and absolute == os.path.abspath(cache_dir(m.name)):
+                return m.hub_id
+        return absolute
+    return ref_s
+
+
+def _in_hf_cache(hub_id: str) -> bool:
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(hub_id, local_files_only=True)
+    except (OSError, ValueError):  # LocalEntryNotFoundError (not cached) is an OSError; a bad id a ValueError
+        return False
+    return True
+
+
+def local_reference(ref: str | os.PathLike) -> str:
+    """The reference to *open here* for a recorded one (:func:`portable_reference`'s inverse on this machine).
+
+    A hub id that is not in the local HF cache but is the source of an embedded model becomes that embedded
+    name (its dequantised GGUF build: the weights a run with the embedded name used). Everything else is
+    returned unchanged, so a hub id in the HF cache keeps meaning the hub checkpoint.
+    """
+    ref_s = str(ref)
+    if ref_s in EMBEDDED or Path(ref_s).expanduser().is_dir():
+        return ref_s
+    emb = embedded_for_hub_id(ref_s)
+    if emb is not None and not _in_hf_cache(ref_s):
+        return emb.name
+    return ref_s
+
+
+def serving_path(ref: str | os.PathLike) -> str:
+    """What a serving engine (vLLM) should load for ``ref`` on this machine: an embedded name → its cache
+    directory (vLLM knows no embedded names); a local directory → its absolute path; a hub id → itself, or the
+    embedded model's cache directory when :func:`local_reference` maps it to one."""
+    ref_s = local_reference(ref)
+    if ref_s in EMBEDDED:
+        return str(cache_dir(ref_s))
+    p = Path(ref_s).expanduser()
+    return os.path.abspath(p) if p.is_dir() else ref_s
 
 
 def resolve_dtype(dtype: str | torch.dtype | None):

@@ -341,8 +341,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     distilled = runner.stage("distill", distill_inputs, _distill_stage(cfg, plan, train_draft, out / "dump"))
     after = runner.stage("eval_after", eval_inputs | {"distill": distill_inputs},
                          _eval_stage(cfg, plan, distilled["speculator"], False))
-    export = runner.stage("export", distill_inputs,
-                          lambda d: copy_speculator(distilled["speculator"], d / "speculator"))
+    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype},
+                          lambda d: copy_speculator(distilled["speculator"], d / "speculator", cfg.target,
+                                                    cfg.export_dtype))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
               "vocab_swap": swap, "dump": dump, "distill": distilled, "eval_after": after, "export": export,

@@ -151,12 +151,17 @@ def render_markdown(r: dict[str, Any]) -> str:
          f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."),
         "",
         *([] if (note := slower_note(r)) is None else [f"**Note:** {note}", ""]),
-        f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}). Serve it with:",
+        (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
+         f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM {exp.get('vllm_tested_version', '?')}):"),
         "",
         "```bash",
         exp["vllm_command"],
         "```",
         "",
+        *([] if not exp.get("vllm_one_path") else [
+            f"or, with specdraft installed next to vLLM (its plugin): `{exp['vllm_one_path']}`.", ""]),
+        *[f"Note: {n}" for n in exp.get("vllm_notes", [])],
+        *([""] if exp.get("vllm_notes") else []),
         "| stage | seconds | |",
         "| --- | ---: | --- |",
         *[f"| {k} | {v['seconds']:.1f} | {'skipped (done earlier)' if v['skipped'] else ''} |"

@@ -90,8 +90,10 @@ class VerifierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name_or_path: str | None = Field(
-        description="Hub id, local path or specdraft embedded name of the verifier, as the user gave it; used "
-        "to load the verifier for decoding."
+        description="Where the verifier is loaded from, as a reference that resolves on another machine: an "
+        "absolute path for a local directory, the hub id for a hub model, and for a specdraft embedded model "
+        "the hub id its weights derive from (they are a dequantised GGUF build of it). vLLM loads the "
+        "verifier from this field when it serves the speculator directory alone."
     )
     architectures: list[str] = Field(
         description="The verifier config.json's `architectures`; used to check that a later verifier is of the "
@@ -422,7 +424,9 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
         verifier: a reference (embedded name, local directory, cached hub id: only its config.json is read),
             a ``PreTrainedModel``, a ``PretrainedConfig``, a ``{"name_or_path", "architectures"}`` dict or a
             :class:`VerifierConfig`.
-        name_or_path: recorded instead of the one found (required for an in-memory model without one).
+        name_or_path: recorded instead of the one found (required for an in-memory model without one). A
+            reference is recorded as :func:`specdraft.models.portable_reference` gives it (absolute path; an
+            embedded name → the hub id its weights derive from).
 
     Raises:
         SpeculatorError: the reference's config.json is unreadable, or no name / architecture can be found.
@@ -434,8 +438,11 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
         vc = VerifierConfig.model_validate(verifier)
         return vc if name_or_path is None else vc.model_copy(update={"name_or_path": name_or_path})
     if isinstance(verifier, (str, os.PathLike)):
+        from specdraft.models import portable_reference
+
         d = read_config_json(verifier, role="verifier")
-        name = name_or_path or str(verifier)  # the reference the user typed, not the resolved cache path
+        # Recorded so that it resolves elsewhere: a relative path or an embedded cache path would not.
+        name = name_or_path or portable_reference(verifier)
     else:
         cfg = getattr(verifier, "config", verifier)  # a model → its config
         d = _config_dict(cfg)
@@ -804,7 +811,10 @@ class IndependentSpeculator:
                 raise SpeculatorError(
                     f"verifier_mode={verifier_mode!r} needs a verifier: {pretrained} records none; pass verifier=."
                 )
-            verifier = config.verifier.name_or_path
+            from specdraft.models import local_reference
+
+            # A recorded hub id of an embedded model opens its embedded build when the hub copy is not here.
+            verifier = local_reference(config.verifier.name_or_path)
         if verifier is not None:
             spec.attach_verifier(verifier, verifier_mode, device=device)
         if device is not None:

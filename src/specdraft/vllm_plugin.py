@@ -1,0 +1,144 @@
+"""specdraft's vLLM plugin: ``vllm serve SPECULATOR_DIR`` (or ``LLM(model=SPECULATOR_DIR)``) serves the verifier
+named in an independent speculator's config.json with that speculator as its draft.
+
+Installed as the entry point ``specdraft = "specdraft.vllm_plugin:register"`` in the group
+``vllm.general_plugins``; vLLM calls every general plugin once per process (``vllm.plugins.load_general_plugins``,
+from ``EngineArgs.__post_init__`` — before the engine config is built — and in the engine core and workers).
+
+What vLLM 0.32 does with a speculators checkpoint by itself (read from its source, ``vllm/engine/arg_utils.py``
+and ``vllm/transformers_utils/config.py``, ``configs/speculators/base.py``):
+
+1. ``EngineArgs.create_engine_config`` calls ``maybe_override_with_speculators(model, tokenizer, ...)`` before it
+   builds the model config. When the model's config.json holds ``speculators_config``, that function calls
+   ``SpeculatorsConfig.extract_vllm_speculative_config(config_dict)``, which demands ``transformer_layer_config``
+   (the layer config of an EAGLE-style head) and takes ``speculators_model_type`` as the speculative *method*.
+   An independent speculator has neither: its config.json is the draft's own plus three keys, and
+   ``independent`` is no vLLM method — so without this plugin vLLM stops there.
+2. Otherwise it returns ``(verifier name_or_path, same, {"method": ..., "num_speculative_tokens": γ of the
+   first proposal method, "model": SPECULATOR_DIR} updated with the user's --speculative-config, method and
+   model locked)`` and vLLM builds everything from that.
+
+The plugin wraps ``maybe_override_with_speculators``: for a config whose ``speculators_model_type`` is
+``independent`` it answers step 2 itself — the verifier from the config (:func:`specdraft.models.serving_path`:
+a recorded hub id of an embedded model not in the HF cache is served from specdraft's cache) and the
+speculative config of :func:`specdraft.export.vllm_speculative_config` (vLLM's own ``draft_model`` method, γ
+from the config, ``use_heterogeneous_vocab`` when the output widths differ). Every other model goes to vLLM's
+function untouched. The draft itself loads as the plain model it is (its config.json has its own
+``model_type``).
+
+This module imports without vLLM (vLLM is imported inside :func:`register` only), so its pure part,
+:func:`plan_independent`, is unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# A child of vLLM's "vllm" logger: vLLM configures that one (handler, level), so these lines show with its own.
+logger = logging.getLogger("vllm.specdraft")
+
+#: The speculators_model_type this plugin serves.
+INDEPENDENT = "independent"
+
+
+def plan_independent(config: dict[str, Any], model: str,
+                     user_speculative_config: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """What vLLM should serve for the independent speculator at ``model``: ``(verifier, speculative_config)``.
+
+    Args:
+        config: the speculator's config.json dict.
+        model: the speculator reference vLLM was given (becomes the draft, ``speculative_config["model"]``).
+        user_speculative_config: ``--speculative-config`` as given, if any; its keys win (e.g.
+            ``num_speculative_tokens``, ``use_heterogeneous_vocab``) except ``method`` and ``model``, which the
+            checkpoint dictates (as vLLM does for its own speculators formats).
+
+    Returns:
+        The verifier to load (:func:`specdraft.models.serving_path` of the recorded ``name_or_path``) and
+        vLLM's speculative config.
+
+    Raises:
+        specdraft.speculator.SpeculatorError: the config is not a valid independent speculator.
+    """
+    from specdraft.export import vllm_speculative_config, vocab_width
+    from specdraft.models import ModelResolutionError, serving_path
+    from specdraft.speculator import IndependentSpeculatorConfig, SpeculatorError, read_config_json
+
+    recorded = IndependentSpeculatorConfig.from_speculator_dict(config).speculators_config.verifier.name_or_path
+    verifier = serving_path(str(recorded))
+    try:
+        verifier_width = vocab_width(read_config_json(verifier, role="verifier"))
+    except (SpeculatorError, ModelResolutionError):  # not readable here: vLLM reads it and checks the widths
+        verifier_width = None
+    spec = vllm_speculative_config(config, model, verifier_width)
+    spec.update(user_speculative_config or {})
+    spec.update(method="draft_model", model=model)
+    return verifier, spec
+
+
+def read_model_config(model: str, revision: str | None = None, token: Any = None) -> dict[str, Any] | None:
+    """The config.json dict of ``model`` (a directory, or a hub id through transformers' cache), or ``None``
+    when it cannot be read (vLLM's own function then reports the problem)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        try:
+            d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) else None
+    try:
+        import huggingface_hub
+        from transformers import PretrainedConfig
+
+        d, _ = PretrainedConfig.get_config_dict(model, revision=revision, token=token,
+                                                local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE)
+    except (OSError, ValueError):
+        return None
+    return d
+
+
+def wrap(original: Callable[..., tuple[str, str | None, dict[str, Any] | None]]):
+    """``original`` (vLLM's ``maybe_override_with_speculators``) taught the ``independent`` type."""
+    if getattr(original, "__specdraft__", False):
+        return original
+
+    def maybe_override_with_speculators(model, tokenizer, trust_remote_code, revision=None,
+                                        vllm_speculative_config=None, hf_token=None, **kwargs):
+        config = read_model_config(str(model), revision, hf_token)
+        if config is None or config.get("speculators_model_type") != INDEPENDENT:
+            return original(model, tokenizer, trust_remote_code, revision=revision,
+                            vllm_speculative_config=vllm_speculative_config, hf_token=hf_token, **kwargs)
+        user = vllm_speculative_config if isinstance(vllm_speculative_config, dict) else None
+        verifier, spec = plan_independent(config, str(model), user)
+        logger.info("specdraft: %s is an independent speculator; serving verifier %s with speculative config %s",
+                    model, verifier, json.dumps(spec))
+        return verifier, verifier, spec
+
+    maybe_override_with_speculators.__specdraft__ = True  # type: ignore[attr-defined]
+    maybe_override_with_speculators.__wrapped__ = original  # type: ignore[attr-defined]
+    return maybe_override_with_speculators
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install :func:`wrap` over vLLM's
+    ``maybe_override_with_speculators``. Safe to call more than once (vLLM may, in several processes).
+
+    ``vllm.engine.arg_utils`` imports the function by name, so its binding is replaced too when that module is
+    already loaded (it is, when EngineArgs loads the plugins); if it is imported later it picks up the wrapped one.
+    """
+    import vllm
+    import vllm.transformers_utils.config as vllm_config
+
+    from specdraft.export import VLLM_TESTED_VERSION
+
+    vllm_config.maybe_override_with_speculators = wrap(vllm_config.maybe_override_with_speculators)
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    if arg_utils is not None and hasattr(arg_utils, "maybe_override_with_speculators"):
+        arg_utils.maybe_override_with_speculators = wrap(arg_utils.maybe_override_with_speculators)
+    version = getattr(vllm, "__version__", "?")
+    if version != VLLM_TESTED_VERSION:
+        logger.warning("specdraft's vLLM plugin was tested with vLLM %s; this is %s.", VLLM_TESTED_VERSION, version)

@@ -1,0 +1,228 @@
+"""Shipping a speculator: the recorded verifier resolves elsewhere, the printed vLLM command works from any
+directory and says what a padded draft needs, and a dtype cast is the one change to the weights. Tiny models
+built in the test (a fake embedded-model cache stands in for the real one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from specdraft.cli import app
+from specdraft.export import (
+    VLLM_TESTED_VERSION,
+    convert,
+    copy_speculator,
+    export_speculator,
+    vllm_serve,
+    vllm_speculative_config,
+)
+from specdraft.models import (
+    DEFAULT_TARGET,
+    EMBEDDED,
+    cache_dir,
+    embedded_for_hub_id,
+    local_reference,
+    portable_reference,
+    serving_path,
+)
+from specdraft.speculator import NotASpeculatorError, SpeculatorError
+from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+
+@pytest.fixture
+def pair(tmp_path):
+    return save_tiny_pair(tmp_path / "models", 96)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty HF cache and a private specdraft cache: no hub id is cached, no embedded model is built."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
+
+
+def fake_embedded_cache(name: str, source_dir: str) -> Path:
+    """Put a tiny checkpoint where specdraft's cache keeps embedded model ``name`` (marker included)."""
+    d = cache_dir(name)
+    d.mkdir(parents=True)
+    for f in Path(source_dir).iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "specdraft-cache.json").write_text(json.dumps({"name": name}))
+    return d
+
+
+def dtypes(path: Path) -> set[str]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {str(f.get_tensor(k).dtype) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+
+
+def serve_args(command: str) -> tuple[str, dict]:
+    """``vllm serve TARGET --speculative-config JSON`` → (TARGET, the JSON)."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["vllm", "serve"] and argv[3] == "--speculative-config"
+    return argv[2], json.loads(argv[4])
+
+
+# ------------------------------------------------------------------------------ references
+
+
+def test_every_embedded_model_names_the_hub_id_its_weights_derive_from():
+    for m in EMBEDDED.values():
+        assert m.hub_id.count("/") == 1 and m.quant, m.name
+        assert embedded_for_hub_id(m.hub_id) is m
+        assert portable_reference(m.name) == m.hub_id
+        assert m.provenance.startswith(f"a dequantised {m.quant} GGUF build of {m.hub_id}")
+    assert EMBEDDED[DEFAULT_TARGET].hub_id == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+
+
+def test_references_travel_and_come_back(tmp_path, offline_hub, monkeypatch):
+    target_dir, _ = save_tiny_pair(tmp_path / "models", 96)
+    monkeypatch.chdir(tmp_path)
+    assert portable_reference("models/target") == target_dir  # relative → absolute
+    assert portable_reference("models/../models/target") == target_dir
+    assert portable_reference("org/not-embedded") == "org/not-embedded"
+    hub = EMBEDDED[DEFAULT_TARGET].hub_id
+    # The embedded cache directory records as the hub id too (the pipeline may pass a resolved path).
+    assert portable_reference(str(cache_dir(DEFAULT_TARGET))) == hub or not cache_dir(DEFAULT_TARGET).is_dir()
+    # Not in the (empty) HF cache: the hub id of an embedded model opens the embedded build here.
+    assert local_reference(hub) == DEFAULT_TARGET
+    assert serving_path(hub) == serving_path(DEFAULT_TARGET) == str(cache_dir(DEFAULT_TARGET))
+    assert local_reference("org/not-embedded") == serving_path("org/not-embedded") == "org/not-embedded"
+    assert serving_path("models/target") == target_dir
+
+
+# ----------------------------------------------------------------------- the vLLM command
+
+
+def test_convert_records_absolute_paths_and_prints_a_command_that_works_anywhere(tmp_path, monkeypatch):
+    save_tiny_pair(tmp_path / "models", 96)
+    monkeypatch.chdir(tmp_path)
+    res = convert("models/draft", "models/target", "spec")  # both typed relative
+    target_abs = str(tmp_path / "models" / "target")
+    assert res.config["speculators_config"]["verifier"]["name_or_path"] == target_abs
+    target, spec = serve_args(res.vllm_command)
+    assert target == target_abs and spec == {"method": "draft_model", "model": str(tmp_path / "spec"),
+                                             "num_speculative_tokens": 5}
+    assert os.path.isabs(target) and os.path.isabs(spec["model"])
+    assert res.serve.one_path == f"vllm serve {tmp_path / 'spec'}"
+    assert VLLM_TESTED_VERSION in res.serve.header
+    monkeypatch.chdir("/")  # the same command from elsewhere names the same directories
+    assert serve_args(vllm_serve(tmp_path / "spec").command) == (target_abs, spec)
+
+
+def test_padded_draft_gets_use_heterogeneous_vocab(tmp_path):
+    target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=128)  # 32 padding rows
+    res = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=3)
+    assert res.compat_verdict == "identical-up-to-padding"
+    _, spec = serve_args(res.vllm_command)
+    assert spec == {"method": "draft_model", "model": str(tmp_path / "spec"), "num_speculative_tokens": 3,
+                    "use_heterogeneous_vocab": True}
+    # Equal widths: no such key.
+    target_dir, draft_dir = save_tiny_pair(tmp_path / "same", 96)
+    assert "use_heterogeneous_vocab" not in serve_args(convert(draft_dir, target_dir, tmp_path / "s2").vllm_command)[1]
+
+
+def test_embedded_verifier_records_hub_id_and_is_served_from_the_cache(tmp_path, offline_hub):
+    target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96)
+    cached = fake_embedded_cache(DEFAULT_TARGET, target_dir)
+    res = convert(draft_dir, DEFAULT_TARGET, tmp_path / "spec")
+    hub = EMBEDDED[DEFAULT_TARGET].hub_id
+    assert res.config["speculators_config"]["verifier"]["name_or_path"] == hub
+    for serve in (res.serve, vllm_serve(tmp_path / "spec")):  # as typed, and from the record
+        assert serve.target == str(cached)
+        assert any("dequantised Q4_K_M GGUF build of " + hub in n for n in serve.notes)
+    # The record reads back: from_pretrained opens the embedded build for the recorded hub id.
+    from specdraft.speculator import IndependentSpeculator
+
+    spec = IndependentSpeculator.from_pretrained(tmp_path / "spec", verifier_mode="full")
+    assert spec.verifier is not None and spec.speculator_config.verifier.name_or_path == hub  # still portable
+
+
+def test_unreadable_verifier_leaves_a_note_not_a_guess(tmp_path, pair, offline_hub):
+    target_dir, draft_dir = pair
+    res = convert(draft_dir, target_dir, tmp_path / "spec")
+    conf = json.loads((tmp_path / "spec" / "config.json").read_text())
+    conf["speculators_config"]["verifier"]["name_or_path"] = "org/elsewhere"
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(conf))
+    serve = vllm_serve(res.out)
+    assert serve.target == "org/elsewhere" and "use_heterogeneous_vocab" not in serve.speculative_config
+    assert any("not readable here" in n for n in serve.notes)
+
+
+def test_vllm_speculative_config_is_pure_and_validates(tmp_path, pair):
+    target_dir, draft_dir = pair
+    conf = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=4).config
+    assert vllm_speculative_config(conf, "/x", 96) == {"method": "draft_model", "model": "/x",
+                                                       "num_speculative_tokens": 4}
+    assert vllm_speculative_config(conf, "/x", 97)["use_heterogeneous_vocab"] is True
+    assert "use_heterogeneous_vocab" not in vllm_speculative_config(conf, "/x", None)  # unknown: not guessed
+    with pytest.raises(NotASpeculatorError):
+        vllm_speculative_config(json.loads((Path(draft_dir) / "config.json").read_text()), "/x")
+    bad = json.loads(json.dumps(conf))
+    bad["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 0
+    with pytest.raises(SpeculatorError):
+        vllm_speculative_config(bad, "/x")
+
+
+# ------------------------------------------------------------------------------------- dtype
+
+
+def test_convert_dtype_casts_and_keep_is_byte_identical(tmp_path, pair):
+    target_dir, draft_dir = pair
+    keep = convert(draft_dir, target_dir, tmp_path / "keep")
+    assert (keep.out / "model.safetensors").read_bytes() == (Path(draft_dir) / "model.safetensors").read_bytes()
+    bf = convert(draft_dir, target_dir, tmp_path / "bf16", dtype="bfloat16")
+    assert bf.dtype == "bfloat16" and dtypes(bf.out) == {"torch.bfloat16"}
+    assert bf.config["dtype"] == "bfloat16" and bf.resaved["dtype"] == ("float32", "bfloat16")
+    assert (bf.out / "model.safetensors").stat().st_size < 0.6 * (keep.out / "model.safetensors").stat().st_size
+    # Same model up to bf16 rounding (logits of a 1-layer tiny model: agreement of argmax is the check).
+    ref = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+    cast = AutoModelForCausalLM.from_pretrained(bf.out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = ref(IDS).logits, cast(IDS).logits
+    assert torch.allclose(a, b, atol=0.2, rtol=0.05) and torch.equal(a.argmax(-1), b.argmax(-1))
+    with pytest.raises(SpeculatorError, match="--dtype"):
+        convert(draft_dir, target_dir, tmp_path / "bad", dtype="int8")
+
+
+def test_export_and_copy_cast_without_touching_the_model(tmp_path, pair):
+    target_dir, _ = pair
+    draft = tiny_model("llama", vocab_size=96, seed=3, layers=1)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    out = export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "spec", 3, training={"x": 1},
+                            dtype="bfloat16")
+    assert dtypes(out) == {"torch.bfloat16"} and json.loads((out / "training.json").read_text()) == {"x": 1}
+    assert all(torch.equal(v, draft.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
+    # The pipeline's export stage: copy (float32 → bfloat16), everything else travels.
+    f32 = export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "f32", 3, training={"x": 1})
+    info = copy_speculator(f32, tmp_path / "copy", verifier=target_dir, dtype="bfloat16")
+    copied = tmp_path / "copy"
+    assert dtypes(copied) == {"torch.bfloat16"} and (copied / "tokenizer.json").is_file()
+    assert json.loads((copied / "training.json").read_text()) == {"x": 1}
+    conf = json.loads((copied / "config.json").read_text())
+    assert conf["dtype"] == "bfloat16" and conf["speculators_config"]["verifier"]["name_or_path"] == target_dir
+    assert info["dtype"] == "bfloat16" and info["vllm_tested_version"] == VLLM_TESTED_VERSION
+    assert serve_args(info["vllm_command"])[0] == target_dir and info["vllm_one_path"].endswith(str(copied))
+
+
+def test_cli_convert_dtype_says_not_byte_identical(tmp_path, pair):
+    target_dir, draft_dir = pair
+    runner = CliRunner()
+    res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(tmp_path / "s"),
+                              "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    assert "not byte-identical" in res.output and "tested with vLLM " + VLLM_TESTED_VERSION in res.output
+    assert f"vllm serve {tmp_path / 's'}" in res.output  # the one-path command (plugin)
+    res = runner.invoke(app, ["convert", "--help"])
+    assert "byte-identical" in res.output and "bfloat16" in res.output

@@ -1,0 +1,125 @@
+"""specdraft's vLLM plugin without vLLM: the pure plan (speculator config.json → verifier + vLLM speculative
+config), the wrapper around vLLM's maybe_override_with_speculators (a stand-in with vLLM's signature), the
+registration against stand-in vLLM modules, and the entry point. `make test-vllm` runs it inside a real vLLM."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+
+from specdraft import vllm_plugin
+from specdraft.export import convert
+from specdraft.speculator import SpeculatorError
+from specdraft.testing import save_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def speculator(tmp_path):
+    target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96)
+    res = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=4)
+    return target_dir, str(res.out), res.config
+
+
+def test_plan_serves_the_recorded_verifier_with_draft_model(speculator):
+    target_dir, spec_dir, config = speculator
+    verifier, spec = vllm_plugin.plan_independent(config, spec_dir)
+    assert verifier == target_dir
+    assert spec == {"method": "draft_model", "model": spec_dir, "num_speculative_tokens": 4}
+
+
+def test_plan_user_config_wins_except_method_and_model(speculator):
+    _, spec_dir, config = speculator
+    _, spec = vllm_plugin.plan_independent(config, spec_dir, {"num_speculative_tokens": 2, "method": "eagle3",
+                                                              "model": "/elsewhere", "draft_tensor_parallel_size": 1})
+    assert spec == {"method": "draft_model", "model": spec_dir, "num_speculative_tokens": 2,
+                    "draft_tensor_parallel_size": 1}
+
+
+def test_plan_padded_draft_gets_use_heterogeneous_vocab(tmp_path):
+    target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=112)
+    config = convert(draft_dir, target_dir, tmp_path / "spec").config
+    assert vllm_plugin.plan_independent(config, "/s")[1]["use_heterogeneous_vocab"] is True
+
+
+def test_plan_refuses_an_invalid_speculator(speculator):
+    _, spec_dir, config = speculator
+    config["speculators_config"]["proposal_methods"] = []
+    with pytest.raises(SpeculatorError):
+        vllm_plugin.plan_independent(config, spec_dir)
+
+
+def _vllm_original(calls):
+    """A stand-in with the signature of vLLM 0.32's maybe_override_with_speculators."""
+
+    def maybe_override_with_speculators(model, tokenizer, trust_remote_code, revision=None,
+                                        vllm_speculative_config=None, hf_token=None, **kwargs):
+        calls.append(model)
+        return model, tokenizer, vllm_speculative_config
+
+    return maybe_override_with_speculators
+
+
+def test_wrapper_answers_independent_and_delegates_everything_else(speculator):
+    target_dir, spec_dir, _ = speculator
+    calls: list[str] = []
+    wrapped = vllm_plugin.wrap(_vllm_original(calls))
+    assert vllm_plugin.wrap(wrapped) is wrapped  # idempotent
+    model, tokenizer, spec = wrapped(model=spec_dir, tokenizer=None, trust_remote_code=False,
+                                     vllm_speculative_config={"num_speculative_tokens": 3})
+    assert (model, tokenizer) == (target_dir, target_dir) and calls == []
+    assert spec == {"method": "draft_model", "model": spec_dir, "num_speculative_tokens": 3}
+    # A plain model (and a reference that cannot be read) goes to vLLM's own function unchanged.
+    assert wrapped(target_dir, None, False) == (target_dir, None, None)
+    assert wrapped("org/not-cached", None, False, vllm_speculative_config={"a": 1}) == ("org/not-cached", None,
+                                                                                         {"a": 1})
+    assert calls == [target_dir, "org/not-cached"]
+
+
+def test_register_patches_vllm_once(monkeypatch, speculator):
+    """register() against stand-in modules laid out as vLLM 0.32 lays them out."""
+    calls: list[str] = []
+    original = _vllm_original(calls)
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = "0.32.0"
+    tu = types.ModuleType("vllm.transformers_utils")
+    tu_config = types.ModuleType("vllm.transformers_utils.config")
+    tu_config.maybe_override_with_speculators = original
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.maybe_override_with_speculators = original  # imported by name, as arg_utils does
+    vllm.transformers_utils = tu
+    tu.config = tu_config
+    for name, mod in {"vllm": vllm, "vllm.transformers_utils": tu, "vllm.transformers_utils.config": tu_config,
+                      "vllm.engine.arg_utils": arg_utils}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may call it again in the same process
+    for mod in (tu_config, arg_utils):
+        fn = mod.maybe_override_with_speculators
+        assert fn.__specdraft__ and fn.__wrapped__ is original
+    target_dir, spec_dir, _ = speculator
+    assert arg_utils.maybe_override_with_speculators(spec_dir, None, False)[0] == target_dir
+
+
+def test_entry_point_is_declared_and_loads():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["specdraft"]
+    module, func = target.split(":")
+    assert callable(getattr(importlib.import_module(module), func))
+    assert "vllm" in project["optional-dependencies"]
+
+
+def test_plugin_module_imports_without_vllm_or_torch():
+    code = ("import sys, specdraft.vllm_plugin as p; "
+            "print(json.dumps(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert json.loads(out.stdout) == []
