@@ -550,3 +550,45 @@ def test_real_qwen_draft_converts_and_reloads_with_identical_logits(tmp_path):
         del loaded
         want = AutoModelForCausalLM.from_pretrained(src)(ids).logits
     assert torch.equal(got, want)
+
+
+def test_full_mode_generate_is_speculative_decoding_of_the_verifier(pair):
+    """attach_verifier(mode="full") gives the speculator a user path: generate() runs specdraft's lossless loop with
+    the held verifier — the verifier's own greedy output, in transformers' layout — and records the counts."""
+    target_dir, draft_dir = pair
+    spec = IndependentSpeculator.from_pretrained(draft_dir, num_speculative_tokens=3)
+    verifier = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = (ids != 0).long()
+    plain = spec.generate(input_ids=ids[:1], max_new_tokens=6, do_sample=False)  # detached: the draft's own
+    with torch.no_grad():
+        assert torch.equal(plain, spec.draft.generate(input_ids=ids[:1], max_new_tokens=6, do_sample=False))
+    spec.attach_verifier(verifier, "full", name_or_path=target_dir, check_tokenizer=False)
+    out = spec.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
+    with torch.no_grad():
+        ref = verifier.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+    assert torch.equal(out, ref)
+    c = spec.last_counts
+    assert c.gamma == 3 and c.emitted == 24 and 0.0 <= c.acceptance_rate <= 1.0
+
+
+def test_train_only_mode_is_the_teacher_head_of_distillation(pair):
+    """attach_verifier(mode="train_only") holds the verifier's head: DistillModel.from_speculator turns the
+    verifier's post-norm hidden states (what a hidden dump stores) into exactly the verifier's logits."""
+    from specdraft.config import DistillConfig
+    from specdraft.distill import DistillError, DistillModel
+
+    target_dir, draft_dir = pair
+    spec = IndependentSpeculator.from_pretrained(draft_dir)
+    with pytest.raises(DistillError, match="train_only"):
+        DistillModel.from_speculator(spec, DistillConfig())
+    verifier = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    spec.attach_verifier(verifier, "train_only", name_or_path=target_dir, check_tokenizer=False)
+    m = DistillModel.from_speculator(spec, DistillConfig())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        out = verifier(ids, output_hidden_states=True)
+        _p, logits = m.teacher_probs(hidden=out.hidden_states[-1])  # the last entry is after the final norm
+    torch.testing.assert_close(logits, out.logits.float())
+    assert m.draft is spec.draft

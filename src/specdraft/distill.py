@@ -117,6 +117,25 @@ class DistillModel(nn.Module):
     def gradient_checkpointing_enable(self, **kw):  # pragma: no cover - passthrough
         return self.draft.gradient_checkpointing_enable(**kw)
 
+    @classmethod
+    def from_speculator(cls, speculator, config: DistillConfig, real_vocab: int | None = None) -> DistillModel:
+        """The draft of an :class:`~specdraft.speculator.IndependentSpeculator` whose verifier is attached in mode
+        ``"train_only"``, with that verifier's output head (and final-logit transforms) as the teacher head.
+
+        A hidden-state dump stores the verifier's states *after* its final norm, so only the head applies here.
+
+        Raises:
+            DistillError: no verifier head attached (``attach_verifier(ref, mode="train_only")`` first).
+        """
+        head = speculator.verifier_head
+        if head is None:
+            raise DistillError("the speculator holds no verifier head: attach_verifier(reference, mode='train_only') "
+                               "first")
+        w = head.lm_head.weight.detach()
+        b = getattr(head.lm_head, "bias", None)
+        return cls(speculator.draft, w, None if b is None else b.detach(), real_vocab or w.shape[0], config,
+                   logit_ops=head.logit_ops)
+
     def teacher_probs(self, hidden=None, topk_logprobs=None, topk_ids=None, leftover_logmass=None):
         """Teacher distribution p ``[B, S, V] float32`` (zero on padding rows) and, for a hidden teacher, its
         logits (for tvd_deploy's filter)."""

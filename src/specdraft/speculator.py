@@ -522,7 +522,15 @@ class IndependentSpeculator:
     ``nn.Module``: hand ``speculator.draft`` to code that checks types (``Trainer``).
 
     A held verifier (``attach_verifier(mode="full" | "train_only")``) is never part of the draft's
-    state_dict or saved files; ``.to()`` / ``.cuda()`` / ``.cpu()`` move it along with the draft.
+    state_dict or saved files; ``.to()`` / ``.cuda()`` / ``.cpu()`` move it along with the draft. What each mode
+    is for (the modes mirror the speculators library's):
+
+    * ``"full"`` — :meth:`generate` runs specdraft's lossless speculative decoding of the verifier with this
+      draft (the verifier's output, token for token, when greedy).
+    * ``"train_only"`` — holds only the verifier's final norm and output head (:class:`VerifierHead`), the teacher
+      side of distillation: :meth:`specdraft.distill.DistillModel.from_speculator` turns stored hidden states into p
+      without the verifier's layers.
+    * ``"detached"`` — records the verifier's name and architectures only (what ``convert`` writes).
 
     Attributes:
         draft: the wrapped ``PreTrainedModel``; its config holds no ``speculators_*`` keys.
@@ -541,7 +549,7 @@ class IndependentSpeculator:
 
     _OWN = frozenset(
         {"draft", "speculator_config", "verifier", "verifier_head", "verifier_mode", "draft_source", "tokenizer",
-         "compat_verdict", "corrections"}
+         "compat_verdict", "corrections", "last_counts"}
     )
 
     def __init__(
@@ -587,6 +595,7 @@ class IndependentSpeculator:
         own["tokenizer"] = tokenizer
         own["compat_verdict"] = None
         own["corrections"] = {}
+        own["last_counts"] = None
 
     # ---------------------------------------------------------------------------- transparency
 
@@ -648,6 +657,48 @@ class IndependentSpeculator:
     def num_speculative_tokens(self) -> int:
         """γ."""
         return self.speculator_config.num_speculative_tokens
+
+    # ---------------------------------------------------------------------------- decoding
+
+    def generate(self, input_ids=None, attention_mask=None, **kwargs):
+        """With a verifier attached in mode ``"full"``: specdraft's lossless speculative decoding of the verifier
+        with this draft and γ = :attr:`num_speculative_tokens` (:func:`specdraft.decode.speculative_generate`);
+        otherwise the draft's own ``generate`` (the wrapper is transparent).
+
+        In mode ``"full"``:
+
+        Args:
+            input_ids: ``[B, P] int64`` prompts, left-padded; attention_mask ``[B, P]`` (default all ones).
+            max_new_tokens: new tokens per row (default 20, as transformers); ``sampling``
+                (:class:`specdraft.config.SamplingConfig`, default greedy), ``generator``, ``eos_token_id``,
+                ``real_vocab`` (``len(tokenizer)``) as in ``speculative_generate``.
+
+        Returns:
+            ``[B, P + N] int64``: the prompts followed by the new tokens, rows shorter than the longest (EOS)
+            right-padded with the verifier's pad id — the layout of transformers' ``generate``. The acceptance
+            counts of the call are in :attr:`last_counts`.
+
+        Raises:
+            specdraft.decode.DecodeError: see ``speculative_generate``.
+        """
+        if self.verifier_mode != "full" or self.verifier is None:
+            return self.draft.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        import torch
+
+        from specdraft.decode import speculative_generate
+
+        kwargs.setdefault("max_new_tokens", 20)
+        rows, counts = speculative_generate(self.verifier, self.draft, input_ids, attention_mask,
+                                            num_speculative_tokens=self.num_speculative_tokens, **kwargs)
+        self.__dict__["last_counts"] = counts
+        gc = getattr(self.verifier, "generation_config", None)
+        pad = next((v for v in (getattr(gc, "pad_token_id", None), self.verifier.config.pad_token_id) if v is not None),
+                   0)
+        width = max((len(r) for r in rows), default=0)
+        new = torch.full((len(rows), width), int(pad), dtype=torch.long, device=input_ids.device)
+        for i, r in enumerate(rows):
+            new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return torch.cat([input_ids, new], dim=1)
 
     # ---------------------------------------------------------------------------- verifier
 
