@@ -604,7 +604,6 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
     from specdraft.config import SamplingConfig
-    from specdraft.data import DataError, build_sequences, encode_prompts, load_examples
     from specdraft.models import load_model, load_tokenizer, resolve
     from specdraft.vocab import tokenizer_fingerprint
 
@@ -614,45 +613,19 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     rank, world, barrier, device = _distributed()
 
     # ---- data ----------------------------------------------------------------------------------------------
-    if isinstance(data, list):
-        examples = data[config.offset:][: config.num_examples]
-        data_name = "<examples>"
-    else:
-        examples = load_examples(data, limit=config.num_examples, offset=config.offset)
-        data_name = str(data)
-    if not examples:
-        raise DumpError("the dataset is empty: nothing to dump.")
+    examples, data_name = _examples(data, config)
     resolved = resolve(target_ref)
     tokenizer = load_tokenizer(resolved)
     tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
     if config.format == "topk" and config.top_k >= real_vocab:
         raise DumpError(f"--top-k {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
                         "hidden to keep whole distributions.")
-    items: list[Any]
-    if config.generate is None:
-        items = [_compact(q) for q in
-                 build_sequences(tokenizer, examples, config.answer_only, config.max_length, config.truncate)]
-        dropped_before_split = len(examples) - len(items)
-        if not items:
-            raise DumpError(f"all {len(examples)} sequences lost every trained position to truncation at "
-                            f"--max-length {config.max_length}: nothing to dump.")
-    else:
-        if not config.truncate:
-            for ex, p in zip(examples, encode_prompts(tokenizer, examples), strict=True):
-                if len(p) + config.generate > config.max_length:
-                    raise DataError(f"{ex.id}: prompt ({len(p)} tokens) + --generate {config.generate} may exceed "
-                                    f"--max-length {config.max_length} (pass --truncate, or raise --max-length).")
-        items, dropped_before_split = examples, 0
+    items, dropped_before_split = _work_items(tokenizer, examples, config)
     mine = split_work(len(items), rank, world, config.batch_size)
     n_mine = len(mine)
 
     # ---- identity: what a resumed run must match ----------------------------------------------------------
-    from transformers import AutoConfig
-
-    tcfg = AutoConfig.from_pretrained(resolved)
-    target_facts = {"architectures": getattr(tcfg, "architectures", None), "model_type": tcfg.model_type,
-                    "hidden_size": getattr(tcfg, "hidden_size", None),
-                    "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
+    target_facts = _target_facts(resolved)
     identity = {"tokenizer_fingerprint": tok_fp, "target_config": target_facts,
                 "settings": config.plan_settings(), "world_size": world,
                 "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples])}
@@ -667,24 +640,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     identity["head_fingerprint"] = head_fingerprint(model)  # dtype-dependent: also catches "auto" on new hardware
     _check_out_dir(out, identity)
     teacher = _Teacher(model, real_vocab)
-    header = {
-        "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
-        "target": {"ref": str(target_ref), "resolved": resolved, "revision": _target_revision(resolved),
-                   **target_facts, "dtype": str(teacher.weight.dtype).removeprefix("torch."),
-                   "vocab_width": teacher.width, "real_vocab": teacher.real_vocab},
-        "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
-        "format": config.format,
-        "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
-                  {"topk_logprobs": "float16", "topk_ids": "int32", "leftover_logmass": "float32"}),
-        "top_k": config.top_k if config.format == "topk" else None,
-        "final_norm_applied": None, "final_norm": None,  # known after the first batch (_Teacher.hidden)
-        "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
-        "loss_mask_convention": LOSS_MASK_CONVENTION,
-        "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
-                          if config.format == "topk" else None),
-        "data": data_name, "config": config.model_dump(), "identity": identity,
-        "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
-    }
+    header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, data_name, command)
     if rank == 0 and config.format == "hidden":
         header["head"] = _write_head(out, model)
 
@@ -780,6 +736,72 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
         "generate_tokens_per_s": run["generated_tokens"] / gen if gen else None,
         **{k: run[k] for k in ("shards_written", "shards_skipped", "shards_redone")}}
     return manifest
+
+
+def _examples(data, config: DumpConfig) -> tuple[list, str]:
+    """The examples to dump (``offset`` / ``num_examples`` applied) and the data's name for the manifest."""
+    from specdraft.data import load_examples
+
+    if isinstance(data, list):
+        examples, name = data[config.offset:][: config.num_examples], "<examples>"
+    else:
+        examples, name = load_examples(data, limit=config.num_examples, offset=config.offset), str(data)
+    if not examples:
+        raise DumpError("the dataset is empty: nothing to dump.")
+    return examples, name
+
+
+def _work_items(tokenizer, examples: list, config: DumpConfig) -> tuple[list, int]:
+    """What the ranks split: token sequences (teacher-forced data), or the examples themselves (the target writes
+    the answers, ``generate``); and how many examples were dropped before the split."""
+    from specdraft.data import DataError, build_sequences, encode_prompts
+
+    if config.generate is None:
+        items = [_compact(q) for q in
+                 build_sequences(tokenizer, examples, config.answer_only, config.max_length, config.truncate)]
+        if not items:
+            raise DumpError(f"all {len(examples)} sequences lost every trained position to truncation at "
+                            f"--max-length {config.max_length}: nothing to dump.")
+        return items, len(examples) - len(items)
+    if not config.truncate:
+        for ex, p in zip(examples, encode_prompts(tokenizer, examples), strict=True):
+            if len(p) + config.generate > config.max_length:
+                raise DataError(f"{ex.id}: prompt ({len(p)} tokens) + --generate {config.generate} may exceed "
+                                f"--max-length {config.max_length} (pass --truncate, or raise --max-length).")
+    return examples, 0
+
+
+def _target_facts(resolved: str) -> dict[str, Any]:
+    """The target's architecture facts a resumed dump must match (read from its config, no weights)."""
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(resolved)
+    return {"architectures": getattr(tcfg, "architectures", None), "model_type": tcfg.model_type,
+            "hidden_size": getattr(tcfg, "hidden_size", None),
+            "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
+
+
+def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str, identity: dict,
+            config: DumpConfig, data_name: str, command: str | None) -> dict[str, Any]:
+    """The manifest header: what made the dump and how to read it (see the on-disk contract above)."""
+    return {
+        "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
+        "target": {"ref": str(target_ref), "resolved": resolved, "revision": _target_revision(resolved),
+                   **target_facts, "dtype": str(teacher.weight.dtype).removeprefix("torch."),
+                   "vocab_width": teacher.width, "real_vocab": teacher.real_vocab},
+        "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
+        "format": config.format,
+        "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
+                  {"topk_logprobs": "float16", "topk_ids": "int32", "leftover_logmass": "float32"}),
+        "top_k": config.top_k if config.format == "topk" else None,
+        "final_norm_applied": None, "final_norm": None,  # known after the first batch (_Teacher.hidden)
+        "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
+        "loss_mask_convention": LOSS_MASK_CONVENTION,
+        "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
+                          if config.format == "topk" else None),
+        "data": data_name, "config": config.model_dump(), "identity": identity,
+        "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
+    }
 
 
 def _distributed() -> tuple[int, int, Callable[[], None], Any]:
