@@ -616,7 +616,7 @@ def test_dump_command(pair, tmp_path):
 
 
 @pytest.mark.real
-def test_real_target_dump_matches_a_plain_forward_pass(tmp_path):
+def test_real_target_dump_matches_a_plain_forward_pass(tmp_path, real_model):
     """HumanEval prompts plus canonical solutions through the 1.5B target in bfloat16, in one right-padded
     batch: the stored teacher (both formats) gives the target's own distribution of a lone forward pass."""
     from specdraft.data import load_examples
@@ -637,7 +637,7 @@ def test_real_target_dump_matches_a_plain_forward_pass(tmp_path):
     hidden = TeacherDataset(tmp_path / "h", draft_tokenizer="qwen2.5-coder-0.5b-instruct", verify=True)
     topk = TeacherDataset(tmp_path / "k", verify=True)
     head = hidden.head()
-    model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16", device="cpu")
+    model, _ = real_model(DEFAULT_TARGET, "bfloat16")
     assert head_fingerprint(model) == m["head_fingerprint"] == mk["head_fingerprint"]
     for i in range(3):
         item, item_k = hidden[i], topk[i]

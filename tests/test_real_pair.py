@@ -11,11 +11,9 @@ pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
-def real_pair():
-    from specdraft.models import load_model
-
-    target, tok = load_model(DEFAULT_TARGET, dtype="float32", device="cpu")
-    draft, _ = load_model(DEFAULT_DRAFT, dtype="float32", device="cpu")
+def real_pair(real_model):
+    target, tok = real_model(DEFAULT_TARGET)
+    draft, _ = real_model(DEFAULT_DRAFT)
     return target, draft, tok
 
 
@@ -40,19 +38,18 @@ def test_greedy_speculative_equals_target_on_real_pair(real_pair):
     assert 0.5 < s["predicted_alpha_response"] <= 1.0
 
 
-def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
+def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping(real_model):
     """A draft of another family (SmolLM2-135M, 49k-token BPE) for a Qwen target (0.5B to keep CI short):
     greedy output equals the target's, token for token, with text proposals (the greedy default) and with
     token proposals, and so does transformers' universal assisted generation fed the same pair."""
     from specdraft.data import encode_prompts, load_examples
     from specdraft.evaluate import run_eval
-    from specdraft.models import load_model
     from specdraft.vocab import build_vocab_mapping
 
     smol, qwen = "smollm2-135m-instruct", DEFAULT_DRAFT
     mapping = build_vocab_mapping(qwen, smol)
-    target, tok = load_model(qwen, dtype="float32", device="cpu")
-    draft, _ = load_model(smol, dtype="float32", device="cpu")
+    target, tok = real_model(qwen)
+    draft, _ = real_model(smol)
     examples = load_examples("humaneval", limit=2, offset=100)
     ids = encode_prompts(tok, examples)
     res = run_eval(target, draft, tok, ids, [e.id for e in examples],
@@ -75,16 +72,15 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping():
     assert 0.0 < t["acceptance_rate"] < s["acceptance_rate"]
 
 
-def test_gemma_draft_for_qwen_is_lossless():
+def test_gemma_draft_for_qwen_is_lossless(real_model):
     """A sentencepiece draft (Gemma 3 270M, 262k tokens) for a byte-level Qwen target, both proposal modes."""
     from specdraft.data import encode_prompts, load_examples
     from specdraft.decode import left_pad, speculative_generate, target_generate
-    from specdraft.models import load_model
     from specdraft.vocab import build_vocab_mapping
 
     mapping = build_vocab_mapping(DEFAULT_DRAFT, "gemma-3-270m")
-    target, tok = load_model(DEFAULT_DRAFT, dtype="float32", device="cpu")
-    draft, _ = load_model("gemma-3-270m", dtype="float32", device="cpu")
+    target, tok = real_model(DEFAULT_DRAFT)
+    draft, _ = real_model("gemma-3-270m")
     ids = encode_prompts(tok, load_examples("humaneval", limit=1, offset=110))
     inp, mask = left_pad(ids, tok.pad_token_id)
     base, _ = target_generate(target, inp, mask, max_new_tokens=20, real_vocab=len(tok))
