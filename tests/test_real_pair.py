@@ -10,7 +10,7 @@ from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
 pytestmark = pytest.mark.real
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def real_pair(real_model):
     target, tok = real_model(DEFAULT_TARGET)
     draft, _ = real_model(DEFAULT_DRAFT)
