@@ -76,6 +76,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -653,7 +654,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     bad = []
     for rec in records:
         if problem := _shard_problem(out, rec):
-            print(f"specdraft dump: {problem}; redoing it", file=sys.stderr)
+            warnings.warn(f"specdraft dump: {problem}; redoing it", stacklevel=2)
             bad.append(rec)
     stale = [*out.glob(f".tmp-shard-r{rank:05d}-*"), *out.glob(f".tmp-rank-{rank:05d}*")]
     if rank == 0:

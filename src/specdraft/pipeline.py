@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import shutil
 import sys
 import time
@@ -34,6 +35,8 @@ from typing import Any
 from specdraft.config import PipelineConfig
 from specdraft.io import atomic_write_text, versions
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelRef
+
+_LOG = logging.getLogger("specdraft")
 
 STAGES = ("check", "eval_before", "vocab_swap", "dump", "distill", "eval_after", "export", "report")
 
@@ -145,7 +148,7 @@ def _key(obj: Any) -> str:
 class Runner:
     """Runs stages with skip-if-done, timing and clear failure messages."""
 
-    def __init__(self, out: Path, command: str, log: Callable[[str], None] = print):
+    def __init__(self, out: Path, command: str, log: Callable[[str], None] = _LOG.info):
         self.out = out
         self.command = command
         self.log = log
@@ -296,14 +299,14 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
 
 
 def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = None,
-                 log: Callable[[str], None] = print, eval_examples=None, train_examples=None) -> dict[str, Any]:
+                 log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None) -> dict[str, Any]:
     """Run every stage (skipping those already done with the same inputs) and write the report.
 
     Args:
         cfg: the pipeline config (:func:`make_config` from :data:`PRESETS`).
         out: the run directory.
         command: how to resume (shown on failure); default ``sys.argv``.
-        log: where progress lines go (the CLI prints them; the default is ``print``).
+        log: where progress lines go (the CLI prints them; default: the ``specdraft`` logger at INFO).
         eval_examples / train_examples: explicit example lists (override the prompt sources).
 
     Returns:
