@@ -337,7 +337,7 @@ def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
     assert mapping.draft_to_target[drafted[0]] < 0  # no target twin: token mapping could never propose it
     want = t_tok(" total(items", add_special_tokens=False)["input_ids"]
     assert t_tok.convert_ids_to_tokens(want)[:3] == ["Ġ", "t", "otal"]
-    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], d_tok, t_tok, 4, torch.device("cpu"))
+    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], d_tok, t_tok, [4, 4], torch.device("cpu"))
     assert n.tolist() == [4, 3]
     assert cands[0].tolist() == want[:4]
     assert cands[1].tolist() == want[:3] + [0]  # right-padded; the padding is never verified

@@ -31,7 +31,7 @@ from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup,
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
 from specdraft.losses import sum_min
-from specdraft.sampling import align_logits, filtered_probs, greedy_probs
+from specdraft.sampling import align_logits, filtered_probs, greedy_probs, output_width
 from specdraft.stats import ratio_ci
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
@@ -68,7 +68,7 @@ def predicted_alpha(
         (counts first: ``alpha_sum`` and ``positions`` merge across calls).
     """
     sampling = sampling or SamplingConfig()
-    width = target.get_output_embeddings().weight.shape[0]
+    width = output_width(target)
     total, n, agree = 0.0, 0, 0
     device = next(target.parameters()).device
     for start in range(0, len(sequences), batch_size):
