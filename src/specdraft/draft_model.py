@@ -203,7 +203,7 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
     return model.eval()
 
 
-def describe(draft: nn.Module) -> dict[str, Any]:
+def describe_draft(draft: nn.Module) -> dict[str, Any]:
     """What was done to a draft: ``{"quantization": "int8" | None, "head_tokens": N | None}``."""
     head = draft.get_output_embeddings()
     quantized = any(isinstance(m, Int8Linear) for m in draft.modules())
