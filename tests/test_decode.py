@@ -14,7 +14,7 @@ from specdraft.decode import (
     verify_greedy,
     verify_sampled,
 )
-from specdraft.testing import chi2_goodness_of_fit, perturbed, tiny_model
+from specdraft.testing import chi2_goodness_of_fit, exact_two_token_law, perturbed, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 
@@ -159,20 +159,6 @@ def test_verify_sampled_hand_built():
     assert (n.item(), nxt.item()) == (1, 3)
 
 
-def _exact_two_token_law(target, prompt, sampling):
-    """Exact joint law of the first two sampled tokens under the target, by enumeration."""
-    from specdraft.sampling import filtered_probs
-
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        p1 = filtered_probs(target(ids).logits[0, -1], sampling.temperature, sampling.top_k, sampling.top_p)
-        V = p1.shape[0]
-        ext = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
-        p2 = filtered_probs(target(ext).logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
-    law = (p1[:, None].double() * p2.double()).numpy()  # [V, V]
-    return law / law.sum()
-
-
 @pytest.mark.parametrize(
     "sampling",
     [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=6, top_p=0.9)],
@@ -188,7 +174,7 @@ def test_sampled_output_follows_target_law(sampling):
     target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
     draft = perturbed(target, 0.08, seed=5)
     prompt = [5, 6, 7]
-    law = _exact_two_token_law(target, prompt, sampling)
+    law = exact_two_token_law(target, prompt, sampling)
     ids = torch.tensor([prompt] * N)
     g = torch.Generator().manual_seed(1234)
     out, counts = speculative_generate(target, draft, ids, None, num_speculative_tokens=3, sampling=sampling,
@@ -203,7 +189,7 @@ def test_sampled_target_only_follows_target_law():
     V, N = 12, 4000
     target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
     sampling = SamplingConfig(temperature=1.3)
-    law = _exact_two_token_law(target, [5, 6, 7], sampling)
+    law = exact_two_token_law(target, [5, 6, 7], sampling)
     out, _ = target_generate(target, torch.tensor([[5, 6, 7]] * N), None, sampling=sampling, max_new_tokens=2,
                              eos_token_id=[], generator=torch.Generator().manual_seed(7))
     pvalue, outside = chi2_goodness_of_fit(out, law)
@@ -247,7 +233,7 @@ def test_confidence_threshold_sampled_follows_target_law():
     sampling = SamplingConfig(temperature=1.0)
     target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
     draft = perturbed(target, 0.08, seed=5)
-    law = _exact_two_token_law(target, [5, 6, 7], sampling)
+    law = exact_two_token_law(target, [5, 6, 7], sampling)
     out, _counts = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N), None, num_speculative_tokens=3,
                                        sampling=sampling, max_new_tokens=2, eos_token_id=[],
                                        generator=torch.Generator().manual_seed(99), draft_confidence_threshold=0.5)
@@ -337,7 +323,7 @@ def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
     assert mapping.draft_to_target[drafted[0]] < 0  # no target twin: token mapping could never propose it
     want = t_tok(" total(items", add_special_tokens=False)["input_ids"]
     assert t_tok.convert_ids_to_tokens(want)[:3] == ["Ġ", "t", "otal"]
-    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], d_tok, t_tok, 4, torch.device("cpu"))
+    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], d_tok, t_tok, [4, 4], torch.device("cpu"))
     assert n.tolist() == [4, 3]
     assert cands[0].tolist() == want[:4]
     assert cands[1].tolist() == want[:3] + [0]  # right-padded; the padding is never verified
@@ -390,7 +376,7 @@ def test_mapped_sampled_output_follows_target_law(pair_kind):
     else:  # other segmentation: the draft mostly disagrees, corrections from max(p − q, 0) dominate
         target, draft, mapping, t_tok, _ = _bpe_pair()
         prompt, low, high = t_tok("def total(", add_special_tokens=False)["input_ids"], 0.0, 0.5
-    law = _exact_two_token_law(target, prompt, sampling)
+    law = exact_two_token_law(target, prompt, sampling)
     N = 4000
     out, counts = speculative_generate(target, draft.eval(), torch.tensor([prompt] * N), None,
                                        num_speculative_tokens=3, sampling=sampling, max_new_tokens=2,

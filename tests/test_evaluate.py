@@ -167,3 +167,58 @@ def test_hf_generation_config_is_complete_and_explicit():
     for key in ("repetition_penalty", "temperature", "top_k", "top_p", "no_repeat_ngram_size", "num_beams",
                 "typical_p", "epsilon_cutoff", "min_length"):
         assert getattr(gc, key) is not None, key  # a None would be filled from a model's generation_config
+
+
+def test_run_eval_with_a_cheaper_draft_and_adaptive_gamma_is_lossless_and_predicts_its_speed():
+    tok = tiny_tokenizer(128)
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    config = EvalConfig(num_speculative_tokens=3, max_new_tokens=12, draft_quantization="int8",
+                        draft_head_tokens=100, gamma_policy="adaptive")
+    res = run_eval(target, target, tok, prompts, config=config)
+    s = res.summary()
+    assert s["lossless"] and s["divergences"] == 0 and res.spec_tokens == res.target_tokens
+    # The draft options were applied to a copy (the target, passed as its own draft, is untouched) and recorded.
+    assert res.config["draft_options"] == {"quantization": "int8", "head_tokens": 100}
+    assert res.config["contenders"]["specdraft"]["gamma_policy"] == "adaptive"
+    assert not any(type(m).__name__ == "Int8Linear" for m in target.modules())
+    # The speed model was measured once (t(k) up to k = max(γ, 8) + 1) and gives a prediction to compare.
+    assert len(s["speed_model"]["target_s"]) == 9 and s["speed_model"]["draft_s"] > 0
+    assert s["predicted_speedup"] > 0 and s["prediction_error"] == pytest.approx(
+        s["predicted_speedup"] / s["speedup"] - 1)
+    assert 0 <= s["recommended_gamma"] <= 8
+    json.dumps(res.to_dict())
+
+
+def test_trimmed_head_needs_a_draft_of_the_targets_tokenizer():
+    from specdraft.decode import DecodeError
+    from specdraft.evaluate import prepared_draft
+
+    target = tiny_model("llama", 64, seed=0, layers=1)
+    with pytest.raises(DecodeError, match="target's tokenizer"):
+        prepared_draft(target, tiny_tokenizer(64), EvalConfig(draft_head_tokens=10), vocab_mapping=object())
+
+
+def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
+                                 "--num-prompts", "2", "--prompt-offset", "0", "--max-new-tokens", "6", "--gamma", "2",
+                                 "--dtype", "float32", "--draft-quantization", "int8", "--draft-head-tokens", "50",
+                                 "--gamma-policy", "adaptive", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "predicted speed-up" in r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["summary"]["lossless"] and report["config"]["draft_quantization"] == "int8"
+    assert report["config"]["draft_options"] == {"quantization": "int8", "head_tokens": 50}
+    g = CliRunner().invoke(app, ["generate", "a b", "--target", tdir, "--draft", ddir, "--max-new-tokens", "5",
+                                 "--dtype", "float32", "--draft-quantization", "int8", "--gamma-policy", "adaptive"])
+    assert g.exit_code == 0, g.output
+    assert "5 tokens" in g.output
+    bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int4"])
+    assert bad.exit_code == 2 and "int4" in bad.output

@@ -171,3 +171,17 @@ def test_topk_dump_estimate_uses_the_dumps_own_top_k():
     # 64 log-probs (fp16) + 64 ids (int32) + leftover mass, + id and mask: not the serving top_k (0)
     assert estimate_dump_bytes(topk, 10, 100, 1536) == 10 * (100 + 48) * (64 * 6 + 4 + 5)
     assert estimate_dump_bytes(cfg, 10, 100, 1536) == 10 * (100 + 48) * (1536 * 2 + 5)
+
+
+def test_run_takes_the_draft_options_into_both_evaluations():
+    import pydantic
+
+    cfg = make_config("default", eval={"draft_quantization": "int8", "draft_head_tokens": None,
+                                       "gamma_policy": "adaptive"})
+    assert cfg.eval.draft_quantization == "int8" and cfg.eval.gamma_policy == "adaptive"
+    assert cfg.eval.max_new_tokens == 64 and cfg.eval.compare_hf  # the preset's other settings are kept
+    assert make_config("default").eval.draft_quantization is None
+    with pytest.raises(pydantic.ValidationError, match="draft_quantization"):
+        make_config("default", eval={"draft_quantization": "int4"})
+    with pytest.raises(pydantic.ValidationError, match="vocab-swap"):
+        make_config("default", vocab_swap=True, eval={"draft_head_tokens": 1000})

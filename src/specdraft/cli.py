@@ -24,8 +24,10 @@ from rich.table import Table
 # Choices come from the config's Literal types (one source; specdraft.config imports pydantic only, never torch).
 from specdraft.config import (
     NUM_SPECULATIVE_TOKENS,
+    DraftQuantization,
     DumpFormat,
     ExportDtype,
+    GammaPolicy,
     HiddenDtype,
     LossName,
     ModelDtype,
@@ -452,6 +454,15 @@ MapVocabOpt = Annotated[bool, typer.Option(
 ProposalsOpt = Annotated[ProposalMode | None, typer.Option(
     help="With --map-vocab: 'text' (the draft's own argmax text, re-encoded with the target's tokenizer; greedy "
     "only) or 'tokens' (its tokens with a target twin). Default: text when greedy, tokens when sampling.")]
+QuantOpt = Annotated[DraftQuantization | None, typer.Option(
+    help="int8: the draft's linear layers hold int8 weights (weight-only, one scale per output row); the target is "
+    "untouched and decoding stays exact. Off when not given.")]
+HeadTokensOpt = Annotated[int | None, typer.Option(
+    min=1, help="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the paper), so it never "
+    "proposes the others; decoding stays exact. Off when not given.")]
+GammaPolicyOpt = Annotated[GammaPolicy, typer.Option(
+    help="fixed: γ drafts per round. adaptive: each round a row drafts the k <= γ its running acceptance and the "
+    "pair's measured costs predict fastest, none while no k predicts a gain (never slower than the target alone).")]
 ConfOpt = Annotated[float | None, typer.Option(
     min=0.0, max=1.0, help="Stop drafting a round early once the draft's probability of its own token falls "
     "below this (lossless; γ becomes a maximum). Off when not given.")]
@@ -479,6 +490,9 @@ def eval_cmd(
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalsOpt = None,
     dtype: DtypeOpt = "bfloat16",
+    draft_quantization: QuantOpt = None,
+    draft_head_tokens: HeadTokensOpt = None,
+    gamma_policy: GammaPolicyOpt = "fixed",
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
     """Decode prompts with the target alone and with speculative decoding (and optionally transformers'
@@ -493,7 +507,8 @@ def eval_cmd(
     mode = _check_proposals(mapped_proposals, sampling)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                         compare_hf=compare_hf, draft_confidence_threshold=draft_confidence_threshold,
-                        mapped_proposals=mapped_proposals, dtype=dtype)
+                        mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
+                        draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy)
     offset = held_out_offset(prompts) if prompt_offset is None else prompt_offset
     examples = load_examples(prompts, limit=num_prompts, offset=offset)
     t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
@@ -540,7 +555,12 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("cost ratio c (draft step / target pass)", fmt(s["cost_ratio_c"])),
         ("analytic speed-up at measured α, c", fmt(s["analytic_speedup"], "{:.2f}x")),
         ("measured / analytic", fmt(s["share_of_analytic"], "{:.0%}")),
-        ("recommended γ (analytic)", f"{s['recommended_gamma']} ({s['analytic_speedup_at_recommended_gamma']:.2f}x)"),
+        ("predicted speed-up (measured t(k), d; prefill included)", fmt(s.get("predicted_speedup"), "{:.2f}x")),
+        ("prediction error (predicted / measured − 1)", fmt(s.get("prediction_error"), "{:+.1%}")),
+        ("recommended γ (speed model)",
+         f"{s['recommended_gamma']} ({s['predicted_speedup_at_recommended_gamma']:.2f}x)"),
+        ("recommended γ (analytic)",
+         f"{s['analytic_recommended_gamma']} ({s['analytic_speedup_at_recommended_gamma']:.2f}x)"),
         ("greedy divergences (beyond tolerance)", f"{s['divergences']} ({s['divergences_beyond_tolerance']})"
          if greedy else "— (sampled: the χ² tests cover the law)"),
     ]
@@ -564,20 +584,35 @@ def generate(
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalsOpt = None,
+    draft_quantization: QuantOpt = None,
+    draft_head_tokens: HeadTokensOpt = None,
+    gamma_policy: GammaPolicyOpt = "fixed",
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
     import torch
 
+    from specdraft.config import EvalConfig
     from specdraft.data import Example, encode_prompts
     from specdraft.decode import left_pad, speculative_generate
+    from specdraft.evaluate import measure_speed_model, prepared_draft
 
     if gamma < 1:
         fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
     mode = _check_proposals(mapped_proposals, sampling)
+    config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                        draft_confidence_threshold=draft_confidence_threshold, mapped_proposals=mapped_proposals,
+                        dtype=dtype, draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens,
+                        gamma_policy=gamma_policy)
     t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]
     inp, mask = left_pad([ids], tok.pad_token_id or 0, t.device)
+    d = prepared_draft(d, tok, config, mapping, copy_model=False)
+    speed = None
+    if gamma_policy == "adaptive":
+        with console.status("measuring the pair's costs (the speed model)…"):
+            d_ids = mapping.reencode_batch_for_draft([ids])[0] if mapping is not None else None
+            speed = measure_speed_model(t, d, ids, max_gamma=gamma, draft_context=d_ids)
     emitted: list[int] = []
     printed = [0]
 
@@ -591,7 +626,7 @@ def generate(
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
                                      generator=torch.Generator(device=t.device).manual_seed(seed), on_tokens=stream,
                                      draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
-                                     mapped_proposals=mapped_proposals)
+                                     mapped_proposals=mapped_proposals, speed_model=speed)
     console.print()
     console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "
                   f"({counts.emitted / max(counts.time_total, 1e-9):.2f} tokens/s); acceptance rate "
@@ -763,13 +798,19 @@ def run_cmd(
     export_dtype: Annotated[ExportDtype | None, typer.Option(
         help="Weights dtype of the exported speculator (default bfloat16, what vLLM serves; keep = the training "
         "dtype).")] = None,
+    draft_quantization: QuantOpt = None,
+    draft_head_tokens: HeadTokensOpt = None,
+    gamma_policy: Annotated[GammaPolicy | None, typer.Option(
+        help="Both evaluations: fixed γ, or adaptive (see specdraft eval --help). Default: the preset's.")] = None,
 ) -> None:
     """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
     from specdraft.pipeline import make_config, run_pipeline
     from specdraft.report import slower_note, summary_rows
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                      refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype)
+                      refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
+                      eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
+                            "gamma_policy": gamma_policy})
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
     for ref in (target, draft):
         _resolve_with_progress(ref)

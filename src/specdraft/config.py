@@ -49,6 +49,10 @@ Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 #: How a draft of another tokenizer proposes (see :mod:`specdraft.decode`).
 ProposalMode = Literal["text", "tokens"]
 PresetName = Literal["default", "ci", "tiny", "large"]
+#: How the draft's linear layers are stored (see :mod:`specdraft.draft_model`); only q changes, so decoding stays exact.
+DraftQuantization = Literal["int8"]
+#: How many tokens a row drafts per round: always γ, or what its running acceptance predicts fastest (:mod:`specdraft.speed`).
+GammaPolicy = Literal["fixed", "adaptive"]
 
 
 class SamplingConfig(BaseModel):
@@ -82,6 +86,15 @@ class EvalConfig(BaseModel):
         None, description="A draft of another tokenizer: 'text' (greedy only) or 'tokens'; default text when "
         "greedy, tokens when sampling.")
     dtype: ModelDtype = Field("bfloat16", description="Dtype both models are loaded in.")
+    draft_quantization: DraftQuantization | None = Field(
+        None, description="int8: the draft's linear layers (output head included) hold int8 weights, one scale per "
+        "output row (weight-only, torch._weight_int8pack_mm); the target is untouched, decoding stays exact.")
+    draft_head_tokens: int | None = Field(
+        None, ge=1, description="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the "
+        "paper; counted over the embedded training prompts); it never proposes the others, decoding stays exact.")
+    gamma_policy: GammaPolicy = Field(
+        "fixed", description="fixed: γ drafts per round; adaptive: each row drafts the k <= γ that the measured "
+        "speed model predicts fastest at its running acceptance, none while no k predicts a gain.")
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -205,3 +218,11 @@ class PipelineConfig(BaseModel):
         "bfloat16", description="Weights dtype of the exported speculator: bfloat16 (default) is what vLLM serves "
         "and what the real-weight presets evaluate in; 'keep' writes the distilled draft's training dtype.")
     needs: str = Field("", description="What the preset needs (hardware, time).")
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineConfig:
+        if self.vocab_swap and self.eval.draft_head_tokens is not None:
+            raise ValueError("--draft-head-tokens keeps the most frequent target tokens in the draft's head; with "
+                             "--vocab-swap the first evaluation reads the draft through a vocabulary mapping, whose "
+                             "head is the draft's own: evaluate the swapped draft with specdraft eval instead")
+        return self

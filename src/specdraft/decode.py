@@ -58,7 +58,8 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
-from specdraft.sampling import align_logits, filter_logits
+from specdraft.sampling import align_logits, filter_logits, output_width
+from specdraft.speed import AdaptiveGamma, SpeedModel
 
 
 class DecodeError(ValueError):
@@ -95,6 +96,7 @@ def verify_sampled(
     q: torch.Tensor,
     p: torch.Tensor,
     generator: torch.Generator | None = None,
+    n_proposed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative-sampling verification (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Alg. 2).
 
@@ -103,6 +105,8 @@ def verify_sampled(
         q: ``[B, γ, V] float32`` the exact (filtered) distributions the draft sampled from.
         p: ``[B, γ+1, V] float32`` the target's filtered distributions at the same positions plus the bonus.
         generator: torch RNG for the uniforms and the resampling.
+        n_proposed: ``[B] int64``, proposals per row when rows proposed fewer than γ (the rest is padding);
+            default all γ. Row b is then verified exactly as a round of ``n_proposed[b]`` drafts.
 
     Returns:
         ``(n_accepted [B] int64, next_token [B] int64)``. d_i is accepted when u_i < p_i(d_i)/q_i(d_i);
@@ -110,12 +114,20 @@ def verify_sampled(
         when every draft was accepted.
     """
     B, gamma = draft_tokens.shape
+    live = None
+    if n_proposed is not None:
+        live = torch.arange(gamma, device=q.device)[None, :] < n_proposed[:, None]  # [B, γ]
+        # q = 0 past a row's proposals: the token after its last proposal is drawn from norm(max(p − 0, 0)) = p,
+        # the bonus distribution of a round of n_proposed drafts.
+        q = q * live[..., None]
     idx = draft_tokens[..., None]
     p_d = p[:, :gamma].gather(2, idx).squeeze(2)  # [B, γ]
     q_d = q.gather(2, idx).squeeze(2)  # [B, γ]
     u = torch.rand(p_d.shape, generator=generator, device=p_d.device)
     # u < p/q  ⇔  u·q < p  (q_d > 0 because d was drawn from q; this form avoids dividing).
     accept = (u * q_d < p_d).long()
+    if live is not None:
+        accept = accept * live
     n = accept.cumprod(dim=1).sum(dim=1)  # [B]
     rows = torch.arange(B, device=p.device)
     p_n = p[rows, n]  # [B, V]: p at the first rejection, or the bonus distribution when n == γ
@@ -327,41 +339,60 @@ class Drafter:
 class SameTokenizerDrafter(Drafter):
     """A draft that shares the target's tokenizer (widths may differ by padding rows).
 
-    Its cache holds ``[catch-up?, cur, d_1..d_{k−1}]`` after a round; ``commit`` keeps the accepted prefix, and a
-    row that accepted all k drafts feeds d_k (the *catch-up* token it never read) next round."""
+    ``read[j]``: how many tokens of row j's context (prompt + emitted) its cache holds. Each round it first reads
+    the rest — ``cur``, plus d_k after a round that accepted all k drafts (the one draft it never read), plus every
+    token emitted while the row drafted nothing — in one pass, then drafts. ``commit`` keeps the accepted prefix
+    of what it read while drafting (d_1..d_{k−1})."""
 
     def __init__(self, model, batch: int, width: int, real_vocab: int, device, sampling, generator, threshold):
         super().__init__(sampling, generator, threshold)
         self.stream = _Stream(model, batch, width, real_vocab, device)
-        self.catch_up = torch.full((batch,), -1, dtype=torch.long, device=device)  # d_k not read yet, or −1
+        self.read = [0] * batch
+        self.device = device
 
     def prefill(self, input_ids, attention_mask) -> None:
         if input_ids.shape[1] > 1:
             self.stream.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
             self.prefill_calls = 1
+        self.read = attention_mask[:, :-1].sum(dim=1).tolist()
 
-    def propose(self, cur, rows, gamma) -> Proposal:
-        need = self.catch_up >= 0
-        if bool(need.any()):
-            ids = torch.stack([self.catch_up.clamp(min=0), cur], dim=1)
-            mask = torch.stack([need.long(), torch.ones_like(cur)], dim=1)
-        else:
-            ids, mask = cur[:, None], torch.ones_like(cur)[:, None]
+    def propose(self, cur, rows, ks) -> Proposal:
+        contexts = [r.prompt + r.tokens for r in rows]  # the last token of each is cur
+        ids, mask = _left_holes([c[n:] for c, n in zip(contexts, self.read)], self.device)
         self.start, self.fed = self.stream.length, ids.shape[1]
+        self.read = [len(c) for c in contexts]
         logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
-        tokens, qs = self._draft(logits, gamma, feed=lambda d: d)
+        tokens, qs = self._draft(logits, max(ks), feed=lambda d: d)
         self.drafts = torch.stack(tokens, dim=1)  # [b, k]
-        return Proposal(self.drafts, None, torch.stack(qs, dim=1) if qs else None)
+        return Proposal(self.drafts, _n_proposed(ks, len(tokens), self.device), torch.stack(qs, dim=1) if qs else None)
 
     def commit(self, n_accepted) -> None:
-        k = self.drafts.shape[1]
-        # Keep the catch-up slot (a hole where there was nothing to catch up), cur and min(n, k−1) drafts.
-        self.stream.keep(self.start, torch.clamp(n_accepted, max=k - 1) + self.fed)
-        self.catch_up = torch.where(n_accepted == k, self.drafts[:, -1], torch.full_like(n_accepted, -1))
+        # Keep what was read this round (holes stay holes) and the accepted drafts it read (at most d_1..d_{k−1}).
+        kept = torch.clamp(n_accepted, max=self.drafts.shape[1] - 1)
+        self.stream.keep(self.start, kept + self.fed)
+        self.read = [r + n for r, n in zip(self.read, kept.tolist())]
 
     def select(self, keep) -> None:
         super().select(keep)
-        self.catch_up = self.catch_up[keep]
+        self.read = [self.read[j] for j in keep.tolist()]
+
+
+def _left_holes(feeds: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists → ``(ids [b, w], mask [b, w])`` right-aligned, holes (mask 0) on the left, so the last column is
+    real in every row (each list has ≥ 1 token)."""
+    w = max(len(f) for f in feeds)
+    ids = torch.zeros(len(feeds), w, dtype=torch.long)
+    mask = torch.zeros(len(feeds), w, dtype=torch.long)
+    for j, f in enumerate(feeds):
+        ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
+        mask[j, w - len(f):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _n_proposed(ks: list[int], drafted: int, device) -> torch.Tensor | None:
+    """``[b] int64`` proposals per row (``ks`` capped at the steps drafted), or ``None`` when every row proposed all."""
+    n = [min(k, drafted) for k in ks]
+    return None if all(x == drafted for x in n) else torch.tensor(n, dtype=torch.long, device=device)
 
 
 class MappedDrafter(Drafter):
@@ -381,7 +412,7 @@ class MappedDrafter(Drafter):
         self.mapping, self.text = mapping, mode == "text"
         self.t2d = mapping.target_to_draft.to(device)
         if self.text:  # the draft's own logits over its own vocabulary (padding rows masked)
-            d_width = model.get_output_embeddings().weight.shape[0]
+            d_width = output_width(model)
             self.stream = _Stream(model, batch, d_width, min(mapping.draft_real, d_width), device)
         else:
             self.stream = _Stream(model, batch, width, real_vocab, device, mapping)
@@ -401,19 +432,15 @@ class MappedDrafter(Drafter):
             feeds.append(new[n:])
             self.draft_ids[j] = list(new)
         self.stream.truncate(torch.tensor(n_keep, device=self.device))
-        w = max(len(f) for f in feeds)
-        ids = torch.zeros(len(feeds), w, dtype=torch.long)
-        mask = torch.zeros(len(feeds), w, dtype=torch.long)
-        for j, f in enumerate(feeds):  # left-aligned holes: the last column is real in every row
-            ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
-            mask[j, w - len(f):] = 1
+        ids, mask = _left_holes(feeds, self.device)
         t0 = time.perf_counter()
-        logits = self.stream.forward(ids.to(self.device), mask.to(self.device), logits_to_keep=1)[:, -1]
+        logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
         if not self.prefill_calls:  # the first read is the draft's prompt prefill
             self.prefill_calls, self.prefill_seconds = 1, time.perf_counter() - t0
         return logits
 
-    def propose(self, cur, rows, gamma) -> Proposal | None:
+    def propose(self, cur, rows, ks) -> Proposal | None:
+        gamma = max(ks)
         if self.outgrown:
             return None
         contexts = self.mapping.reencode_batch_for_draft([r.prompt + r.tokens for r in rows])
@@ -432,9 +459,9 @@ class MappedDrafter(Drafter):
             self.draft_ids[j].extend(fed)  # the draft read d_1..d_{k−1} while drafting
         if self.text:
             cands, n = _text_candidates(own.tolist(), self.draft_ids, self.mapping.draft_tokenizer,
-                                        self.mapping.target_tokenizer, gamma, self.device)
+                                        self.mapping.target_tokenizer, ks, self.device)
             return Proposal(cands, n)
-        return Proposal(own, None, torch.stack(qs, dim=1) if qs else None)
+        return Proposal(own, _n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None)
 
     def commit(self, n_accepted) -> None:
         pass  # the cache is trimmed when the draft re-reads the context next round
@@ -490,7 +517,7 @@ def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, generator
     p = filter_logits(t_logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
     if prop is None:
         return t_logits.new_zeros(b, dtype=torch.long), torch.multinomial(p[:, -1], 1, generator=generator).squeeze(1)
-    return verify_sampled(prop.tokens, prop.q, p, generator)
+    return verify_sampled(prop.tokens, prop.q, p, generator, prop.n_proposed)
 
 
 def speculative_generate(
@@ -509,6 +536,7 @@ def speculative_generate(
     draft_confidence_threshold: float | None = None,
     vocab_mapping=None,
     mapped_proposals: str | None = None,
+    speed_model: SpeedModel | None = None,
 ) -> tuple[list[list[int]], AcceptanceCounts]:
     """Generate with speculative decoding (``draft`` given) or target alone (``draft=None``, same code).
 
@@ -531,6 +559,10 @@ def speculative_generate(
         vocab_mapping: a :class:`~specdraft.vocab.VocabMapping` (tokenizers attached) when the draft's tokenizer
             differs; ``mapped_proposals`` ``"tokens"`` or ``"text"`` (greedy only) chooses how it proposes
             (default text when greedy, tokens when sampling). See the module docstring.
+        speed_model: the pair's measured costs (:func:`specdraft.evaluate.measure_speed_model`); when given, each
+            row drafts the k ≤ γ its running acceptance predicts fastest, or none while no k predicts a gain
+            (:class:`~specdraft.speed.AdaptiveGamma`: never slower than the target alone, up to probing). Its
+            t(k) must reach k = γ+1.
 
     Returns:
         ``(tokens, counts)``: per row the new token ids (prompt excluded, EOS/stop included), and the
@@ -541,6 +573,7 @@ def speculative_generate(
             mapped draft's window is checked each round in its own tokens; once outgrown, the target finishes
             alone with a warning), a batch of several rows with a sliding-window model, a ``vocab_mapping``
             wider than the target's output head, ``mapped_proposals="text"`` with sampling.
+        ValueError: a ``speed_model`` measured for a smaller γ.
     """
     sampling = sampling or SamplingConfig()
     gamma = num_speculative_tokens if draft is not None else 0
@@ -549,11 +582,12 @@ def speculative_generate(
     mapped = draft is not None and vocab_mapping is not None
     _check_inputs(target, draft, input_ids, attention_mask, gamma, max_new_tokens, mapped)
     eos = _eos_ids(target, eos_token_id)
-    width = target.get_output_embeddings().weight.shape[0]
+    width = output_width(target)
     real_vocab = min(real_vocab or width, width)
     args = (B, width, real_vocab, device, sampling, generator, draft_confidence_threshold)
     drafter = (None if draft is None else SameTokenizerDrafter(draft, *args) if not mapped else
                MappedDrafter(draft, vocab_mapping, proposal_mode(mapped_proposals, sampling), *args))
+    policy = AdaptiveGamma(speed_model, gamma, B) if speed_model is not None and drafter is not None else None
     counts = AcceptanceCounts(max(gamma, 1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t_start = time.perf_counter()
@@ -569,10 +603,11 @@ def speculative_generate(
     active = list(range(B))  # indices into `rows` of rows still decoding, in batch order
 
     while active:
-        # ---- 1. propose: at most what a row can still emit beyond the target's own token ------------------
+        # ---- 1. propose: γ (or the policy's k) per row, at most what it can still emit beyond the target's token
         t0 = time.perf_counter()
-        k_max = min(gamma, max(max_new_tokens - len(rows[i].tokens) - 1 for i in active))
-        prop = drafter.propose(cur, [rows[i] for i in active], k_max) if drafter and k_max > 0 else None
+        plan = policy.plan() if policy is not None else [gamma] * len(active)
+        ks = [max(0, min(k, max_new_tokens - len(rows[i].tokens) - 1)) for k, i in zip(plan, active)]
+        prop = drafter.propose(cur, [rows[i] for i in active], ks) if drafter and max(ks) > 0 else None
         sync()
         t1 = time.perf_counter()
         moved = drafter.prefill_seconds if drafter else 0.0  # a mapped draft's first read is its prefill
@@ -607,6 +642,8 @@ def speculative_generate(
                 counts.record_round(len(kept), n_proposed=len(kept), bonus=False)
             else:  # the baseline drafts nothing: n = 0, one bonus token per round
                 counts.record_round(n, n_proposed=n_prop[j], bonus=True)
+            if policy is not None:
+                policy.record(j, n_prop[j], n)
             if not ended:
                 keep.append(j)
             if on_tokens is not None:
@@ -623,6 +660,8 @@ def speculative_generate(
             tgt.select(sel)
             if drafter is not None:
                 drafter.select(sel)
+            if policy is not None:
+                policy.select(keep)
             cur, active = cur[sel], [active[j] for j in keep]
     counts.target_calls = tgt.calls - (1 if P > 1 else 0)
     counts.prefill_calls = (1 if P > 1 else 0) + (drafter.prefill_calls if drafter else 0)
@@ -631,8 +670,8 @@ def speculative_generate(
     return [r.tokens for r in rows], counts
 
 
-def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], dtok, ttok, gamma: int, device):
-    """Text mode: the draft's proposals (its own ids) → up to γ target-token candidates per row.
+def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], dtok, ttok, ks: Sequence[int], device):
+    """Text mode: the draft's proposals (its own ids) → up to ``ks[j]`` target-token candidates for row j.
 
     The drafted text is cut from a decode of the draft's last context tokens plus its proposals (so a
     sentencepiece-style leading space survives), a trailing U+FFFD (an unfinished character) is left out,
@@ -649,7 +688,7 @@ def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], dtok, 
     for j in range(b):
         tail, full = texts[j], texts[b + j]
         new_text.append((full[len(tail):] if full.startswith(tail) else dtok.decode(drafted[j])).rstrip("\ufffd"))
-    cands = [c[:gamma] for c in ttok(new_text, add_special_tokens=False)["input_ids"]]
+    cands = [c[:k] for c, k in zip(ttok(new_text, add_special_tokens=False)["input_ids"], ks)]
     k = max(len(c) for c in cands)
     out = torch.zeros(b, k, dtype=torch.long)
     for j, c in enumerate(cands):

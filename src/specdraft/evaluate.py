@@ -29,9 +29,18 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
 from specdraft.config import EvalConfig, SamplingConfig
-from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
+from specdraft.decode import (
+    DecodeError,
+    _Stream,
+    left_pad,
+    proposal_mode,
+    speculative_generate,
+    target_generate,
+)
+from specdraft.draft_model import default_head_corpus, describe_draft, frequent_tokens, prepare_draft
 from specdraft.losses import sum_min
-from specdraft.sampling import align_logits, filtered_probs, greedy_probs
+from specdraft.sampling import align_logits, filtered_probs, greedy_probs, output_width
+from specdraft.speed import SpeedModel
 from specdraft.stats import ratio_ci
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
@@ -68,7 +77,7 @@ def predicted_alpha(
         (counts first: ``alpha_sum`` and ``positions`` merge across calls).
     """
     sampling = sampling or SamplingConfig()
-    width = target.get_output_embeddings().weight.shape[0]
+    width = output_width(target)
     total, n, agree = 0.0, 0, 0
     device = next(target.parameters()).device
     for start in range(0, len(sequences), batch_size):
@@ -107,6 +116,65 @@ def top2_margin(target, context: Sequence[int]) -> float:
     return float(top[0] - top[1])
 
 
+@torch.no_grad()
+def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: int = 3, warmup: int = 1,
+                 last_only: bool = False) -> tuple[dict[int, float], float]:
+    """Wall-clock cost of one forward pass over k new tokens after reading ``context``, batch 1, for each k.
+
+    The pass runs as decoding runs it (:class:`~specdraft.decode._Stream`: the same cache, masks and logits); the
+    k new tokens are rolled back after each pass, so every pass sees the same ``len(context)`` cached tokens. The
+    widths are interleaved within each repeat, so machine noise hits them alike.
+
+    Args:
+        model: a causal LM.
+        context: token ids read first (≥ 2).
+        widths: the k to time.
+        repeats / warmup: timed / untimed rounds over all widths; the median of the timed ones is returned.
+        last_only: score only the last position (a draft step) instead of all k (a verification pass).
+
+    Returns:
+        ``({k: seconds}, prefill_seconds)``: the median pass time per k, and the faster of two reads of
+        ``context[:-1]`` (the prompt prefill decoding does).
+    """
+    device = next(model.parameters()).device
+    width = output_width(model)
+    stream = _Stream(model, 1, width, width, device)
+    ids = torch.tensor([list(context)], device=device)
+    prefill = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        stream.forward(ids[:, :-1], torch.ones_like(ids[:, :-1]), logits_to_keep=1)
+        prefill.append(time.perf_counter() - t0)
+        if len(prefill) < 2:
+            stream.keep(0, torch.zeros(1, dtype=torch.long, device=device))
+    start = stream.length
+    new = ids[:, -1:].repeat(1, max(widths))  # the content of the tokens does not change the cost
+    samples: dict[int, list[float]] = {k: [] for k in widths}
+    for r in range(warmup + repeats):
+        for k in widths:
+            t0 = time.perf_counter()
+            stream.forward(new[:, :k], torch.ones_like(new[:, :k]), logits_to_keep=1 if last_only else 0)
+            if r >= warmup:
+                samples[k].append(time.perf_counter() - t0)
+            stream.keep(start, torch.zeros(1, dtype=torch.long, device=device))
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}, min(prefill)
+
+
+def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
+                        draft_context: Sequence[int] | None = None) -> SpeedModel:
+    """The pair's :class:`~specdraft.speed.SpeedModel`: t(k) for k = 1..max_gamma+1 (target, all k positions
+    scored, as verification does), d (draft, one token, last position scored), and both prompt prefills, measured
+    after reading ``context`` (``draft_context`` for a draft of another tokenizer: the context in its ids).
+
+    Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes (about 10 s for the 1.5B Qwen target on 2 CPU
+    threads); speeds are those of the machine at the time, so measure on the machine that decodes.
+    """
+    t, t_prefill = pass_seconds(target, context, range(1, max_gamma + 2), repeats=repeats)
+    d, d_prefill = pass_seconds(draft, draft_context or context, [1], repeats=repeats + 2, last_only=True)
+    return SpeedModel(target_s=[t[k] for k in range(1, max_gamma + 2)], draft_s=d[1], target_prefill_s=t_prefill,
+                      draft_prefill_s=d_prefill, context=len(context))
+
+
 @dataclass
 class Divergence:
     """A prompt whose speculative (or HF assisted) output differs from the target alone."""
@@ -141,6 +209,7 @@ class EvalResult:
     prompts: int = 0
     predicted_prompt: dict[str, Any] = field(default_factory=dict)
     predicted_response: dict[str, Any] = field(default_factory=dict)
+    speed_model: dict[str, Any] | None = None
     divergences: list[Divergence] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
 
@@ -163,6 +232,10 @@ class EvalResult:
         # accepted / proposed, which also counts the drafts after a rejection that were never tested.
         alpha = c.alpha
         g_best, s_best = best_gamma(alpha, cost_ratio) if cost_ratio else (gamma, 0.0)
+        speed = SpeedModel.from_dict(self.speed_model) if self.speed_model else None
+        measured = s_tps / t_tps if t_tps else 0.0
+        predicted = speed.predict(alpha, gamma, self.spec_tokens, self.prompts) if speed and self.prompts else None
+        g_pred, s_pred = speed.best_gamma(alpha) if speed else (None, None)
         bugs = [d for d in self.divergences if not d.is_numerics and d.contender == "specdraft"]
         return {
             "prompts": self.prompts,
@@ -187,8 +260,15 @@ class EvalResult:
             "analytic_speedup": expected_speedup(alpha, gamma, cost_ratio),
             "share_of_analytic": (s_tps / t_tps) / expected_speedup(alpha, gamma, cost_ratio)
             if t_tps and cost_ratio else None,
-            "recommended_gamma": g_best,
+            "recommended_gamma": g_pred if g_pred is not None else g_best,
+            "predicted_speedup_at_recommended_gamma": s_pred if s_pred is not None else s_best,
+            "analytic_recommended_gamma": g_best,
             "analytic_speedup_at_recommended_gamma": s_best,
+            # The measured speed model (t(k), d, prefills; specdraft.speed) at the measured α: prefill included, so it
+            # compares with the measured wall-clock speed-up. prediction_error = predicted / measured − 1.
+            "predicted_speedup": predicted,
+            "prediction_error": predicted / measured - 1 if predicted and measured else None,
+            "speed_model": self.speed_model,
             "divergences": len([d for d in self.divergences if d.contender == "specdraft"]),
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
@@ -296,6 +376,22 @@ def _compare(target, prompt: Sequence[int], base: list[int], out: list[int], pro
     return pos is None
 
 
+def prepared_draft(draft, tokenizer, config: EvalConfig, vocab_mapping=None, copy_model: bool = True):
+    """The draft with ``config``'s draft options applied (:func:`specdraft.draft_model.prepare_draft`; on a copy
+    unless ``copy_model=False``); ``draft`` itself when there are none.
+
+    Raises:
+        DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
+    """
+    head_ids = None
+    if config.draft_head_tokens is not None:
+        if vocab_mapping is not None:
+            raise DecodeError("--draft-head-tokens keeps the most frequent *target* tokens in the draft's head: it needs "
+                             "a draft of the target's tokenizer (not --map-vocab)")
+        head_ids = frequent_tokens(tokenizer, n=config.draft_head_tokens, token_lists=default_head_corpus(tokenizer))
+    return prepare_draft(draft, config.draft_quantization, head_ids, copy_model=copy_model)
+
+
 def run_eval(
     target,
     draft,
@@ -318,7 +414,10 @@ def run_eval(
         prompt_ids: target token ids per prompt (chat template already applied).
         prompt_names: one name per prompt (default its index), in the per-prompt table.
         config: γ, max new tokens, sampling (greedy by default; sampled outputs are not compared token by token —
-            they are random; the χ² tests cover the law), seed, the HF comparison, the mapped-proposal mode.
+            they are random; the χ² tests cover the law), seed, the HF comparison, the mapped-proposal mode, the
+            draft options (int8 weights, a trimmed head: applied to a copy of ``draft`` that speculative decoding
+            and predicted α use; transformers' assisted generation gets ``draft`` as given) and the γ policy. The
+            pair's costs are measured once first (:func:`measure_speed_model`, ~10 s on CPU for the default pair).
         vocab_mapping: :class:`~specdraft.vocab.VocabMapping` for a draft of another tokenizer (see
             :func:`~specdraft.decode.speculative_generate`). Predicted α (teacher-forced) needs aligned
             positions and is left out; transformers' assisted generation runs as its universal assisted
@@ -351,6 +450,18 @@ def run_eval(
         spec_counts=AcceptanceCounts(gamma),
         target_counts=AcceptanceCounts(1),
     )
+    spec_draft = prepared_draft(draft, tokenizer, config, vocab_mapping)
+    res.config["draft_options"] = describe_draft(spec_draft)
+    # The pair's costs, measured once on a prompt of median length (the speed model: predicted speed-up, best γ,
+    # and the adaptive policy's costs).
+    calib = sorted(prompt_ids, key=len)[len(prompt_ids) // 2] if prompt_ids else []
+    if len(calib) >= 2:
+        d_calib = vocab_mapping.reencode_batch_for_draft([list(calib)])[0] if vocab_mapping is not None else None
+        speed = measure_speed_model(target, spec_draft, calib, max_gamma=max(gamma, 8),
+                                    draft_context=d_calib if d_calib and len(d_calib) >= 2 else None)
+        res.speed_model = speed.to_dict()
+    elif config.gamma_policy == "adaptive":
+        raise ValueError("--gamma-policy adaptive measures the pair's costs on a prompt of at least 2 tokens")
     eos = eos_ids(target)
     common_settings = _specdraft_settings(config, eos)
     contenders: dict[str, Any] = {
@@ -358,7 +469,9 @@ def run_eval(
         "specdraft": common_settings | {"decoder": "specdraft.decode.speculative_generate",
                                         "num_speculative_tokens": gamma,
                                         "draft_confidence_threshold": draft_confidence_threshold,
-                                        "mapped_proposals": res.config["mapped_proposals"]},
+                                        "mapped_proposals": res.config["mapped_proposals"],
+                                        "draft_options": res.config["draft_options"],
+                                        "gamma_policy": config.gamma_policy},
     }
     res.config["contenders"] = contenders
     run_hf, hf_tokenizers = compare_hf, {}
@@ -374,6 +487,7 @@ def run_eval(
         hf_config = hf_generation_config(sampling, max_new_tokens, eos, pad, gamma, draft_confidence_threshold)
         contenders["hf_assisted"] = {k: v for k, v in hf_config.to_diff_dict().items() if k != "transformers_version"}
         contenders["hf_assisted"]["decoder"] = "transformers generate(assistant_model=draft)"
+        contenders["hf_assisted"]["draft"] = "as loaded (without specdraft's draft options)"
     elif compare_hf:
         contenders["hf_assisted"] = {"skipped": res.config["hf_assisted_skipped"]}
     responses = []
@@ -383,10 +497,11 @@ def run_eval(
                   "eos_token_id": eos}
         base, bc = target_generate(target, inp, mask, generator=torch.Generator(device=device).manual_seed(seed + k),
                                    **common)
-        spec, sc = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
+        spec, sc = speculative_generate(target, spec_draft, inp, mask, num_speculative_tokens=gamma,
                                         generator=torch.Generator(device=device).manual_seed(seed + k),
                                         draft_confidence_threshold=draft_confidence_threshold,
-                                        vocab_mapping=vocab_mapping, mapped_proposals=mapped_proposals, **common)
+                                        vocab_mapping=vocab_mapping, mapped_proposals=mapped_proposals,
+                                        speed_model=speed if config.gamma_policy == "adaptive" else None, **common)
         res.target_counts = res.target_counts.merge(bc)
         res.spec_counts = res.spec_counts.merge(sc)
         res.target_tokens += len(base[0])
@@ -426,14 +541,14 @@ def run_eval(
     # target's own responses (the positions speculative decoding actually drafts).
     if vocab_mapping is not None:  # teacher-forced α needs one position grid for both models
         return res
-    res.predicted_prompt = predicted_alpha(target, draft, prompt_ids, sampling=sampling, real_vocab=real_vocab,
+    res.predicted_prompt = predicted_alpha(target, spec_draft, prompt_ids, sampling=sampling, real_vocab=real_vocab,
                                            pad_id=pad)
     seqs = [list(p) + r for p, r in zip(prompt_ids, responses) if r]
     # Position j predicts token j+1: response tokens are predicted from positions P−1..P+R−2; the last
     # position has no successor in the sequence.
     masks = [[0] * (len(p) - 1) + [1] * len(r) + [0] for p, r in zip(prompt_ids, responses) if r]
     if seqs:
-        res.predicted_response = predicted_alpha(target, draft, seqs, masks, sampling=sampling,
+        res.predicted_response = predicted_alpha(target, spec_draft, seqs, masks, sampling=sampling,
                                                  real_vocab=real_vocab, pad_id=pad)
     return res
 

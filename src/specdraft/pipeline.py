@@ -95,7 +95,8 @@ class PipelineError(RuntimeError):
 
 def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     """A :class:`~specdraft.config.PipelineConfig` from a preset plus overrides (top-level fields; ``None`` keeps
-    the preset's value).
+    the preset's value). ``eval`` given as a dict overrides single fields of the preset's evaluation settings
+    (e.g. ``eval={"draft_quantization": "int8"}``).
 
     Raises:
         ValueError: an unknown preset.
@@ -104,6 +105,8 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     base = json.loads(json.dumps(PRESETS[preset])) | {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
+    if isinstance(overrides.get("eval"), dict):
+        base["eval"] |= {k: v for k, v in overrides.pop("eval").items() if v is not None}
     base.update({k: v for k, v in overrides.items() if v is not None})
     return PipelineConfig(preset=preset, **base)
 

@@ -92,6 +92,15 @@ def greedy_probs(logits: torch.Tensor) -> torch.Tensor:
     return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
 
 
+def output_width(model) -> int:
+    """Rows of ``model``'s output head (its logits' width): ``config.vocab_size`` as loaded, which may exceed
+    ``len(tokenizer)``. Reads ``out_features`` where a head keeps no float weight (an int8 or trimmed draft head,
+    :mod:`specdraft.draft_model`)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(head.out_features)
+
+
 def align_logits(logits, width: int, real_vocab: int | None = None):
     """Bring draft (or target) logits to the target's vocabulary width, masking padding rows.
 

@@ -160,6 +160,23 @@ def chi2_goodness_of_fit(samples, law) -> tuple[float, int]:
     return float(stats.chisquare(obs_cells, exp_cells).pvalue), int(obs[expected == 0].sum())
 
 
+def exact_two_token_law(target, prompt, sampling):
+    """Exact joint law ``[V, V] float64`` (numpy) of the first two tokens the target samples after ``prompt``
+    (its filtered distributions, :func:`specdraft.sampling.filtered_probs`), by enumerating every first token."""
+    import torch
+
+    from specdraft.sampling import filtered_probs
+
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt)])
+        p1 = filtered_probs(target(ids).logits[0, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+        V = p1.shape[0]
+        ext = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
+        p2 = filtered_probs(target(ext).logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+    law = (p1[:, None].double() * p2.double()).numpy()  # [V, V]
+    return law / law.sum()
+
+
 def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
                    arch: str = "llama", seed: int = 0):
     """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``.

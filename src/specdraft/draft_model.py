@@ -1,0 +1,211 @@
+"""A cheaper draft: transforms applied to the draft model before it drafts. Each changes only q.
+
+Speculative decoding is exact for *any* draft distribution q (Leviathan et al. 2023, Theorem 3.5): every
+proposal is verified against the target's p, so making the draft cheaper can lower acceptance but never
+changes the output (greedy: the target's argmax; sampled: p's law). The target is never touched.
+
+Two transforms, applied by :func:`prepare_draft` in this order (a trimmed head is then quantised too):
+
+1. **A trimmed output head** (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language
+   Models via Frequency-Ranked Speculative Sampling"): the draft scores only the N most frequent target
+   tokens (:func:`frequent_tokens`). The head's logits are written into a full-width row filled with −inf,
+   so every other token has q = 0 — the draft never proposes it, and when sampling q is the draft's
+   distribution renormalised over the kept set (softmax of −inf is 0). The output keeps the full width, so the
+   drafter and verification need no change. The 0.5B Qwen draft's 151,936-row head is about 27% of the
+   weights it reads per step; 32,768 rows keep ~22% of them.
+2. **Int8 linear layers** (:class:`Int8Linear`): every ``nn.Linear`` of the draft (the output head included)
+   holds its weight as int8 with one scale per output row (symmetric, W ≈ scale · W_int8) and runs
+   ``torch._weight_int8pack_mm`` — weight-only int8: the activations stay in the model's dtype (bfloat16), so
+   only the weights are rounded. Chosen by measurement (``bench/bench_draft_kernels.py``, one-token steps of the
+   0.5B draft after a 64-token prefill, 2 threads; docs/benchmarks.md has the figures): it beats the bf16 draft
+   and fbgemm's dynamic int8 quantisation (``torch.ao.quantization.quantize_dynamic``), which torch 2.13 marks
+   deprecated (its quantised-tensor constructors too); torchao is not a dependency.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+#: FR-Spec's default number of kept head rows.
+HEAD_TOKENS = 32_768
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear layer: ``y = x · (scale[n] · W_int8[n, :])ᵀ + b``.
+
+    Weights are rounded per output row (symmetric: scale = max|W[n, :]| / 127), activations are not quantised.
+    The product runs in ``torch._weight_int8pack_mm`` (int8 weights, bfloat16/float16/float32 activations,
+    one scale per output row; a CPU and CUDA kernel in torch ≥ 2.4).
+
+    Args (of :meth:`from_linear`):
+        linear: the layer to replace; its weight ``[N, K]`` is read, not kept.
+        dtype: activation dtype (default the layer's own); the kernel is fast for bfloat16 on CPU and slow for
+            float32 (measured 25× slower for a 896 × 4864 layer), so a float32 draft keeps bfloat16 activations
+            inside the layer and casts the result back.
+    """
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight_int8", weight_int8)  # [N, K] int8
+        self.register_buffer("scales", scales)  # [N] activation dtype
+        self.register_buffer("bias", bias)  # [N] or None
+        self.in_features, self.out_features = weight_int8.shape[1], weight_int8.shape[0]
+        self.out_dtype = out_dtype
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None) -> Int8Linear:
+        w = linear.weight.detach().float()  # [N, K]
+        act = dtype or (torch.bfloat16 if w.device.type == "cpu" and linear.weight.dtype == torch.float32
+                        else linear.weight.dtype)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
+        w_int8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().to(act).clone()
+        return cls(w_int8, scales.to(act), bias, linear.weight.dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[N, K] float32``: the weight the layer computes with (for tests and error bounds)."""
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        a = x.reshape(-1, shape[-1]).to(self.scales.dtype)
+        y = torch._weight_int8pack_mm(a, self.weight_int8, self.scales)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, " \
+               f"{self.scales.dtype} activations"
+
+
+class TrimmedHead(nn.Module):
+    """An output head that scores only ``token_ids`` and returns full-width logits, −inf elsewhere.
+
+    ``forward(h [.., H]) → [.., width]``: ``logits[.., token_ids] = h · W[token_ids]ᵀ (+ b)``, every other id
+    −inf (q = 0: never proposed; sampling renormalises over the kept set).
+    """
+
+    def __init__(self, head: nn.Module, token_ids: torch.Tensor, width: int):
+        super().__init__()
+        weight = head.weight.detach()
+        self.proj = nn.Linear(weight.shape[1], len(token_ids), bias=getattr(head, "bias", None) is not None,
+                              device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(weight[token_ids.to(weight.device)])
+            if self.proj.bias is not None:
+                self.proj.bias.copy_(head.bias.detach()[token_ids.to(weight.device)])
+        self.register_buffer("token_ids", token_ids.to(weight.device, torch.long))  # [N] sorted ids
+        self.width = width
+
+    @property
+    def out_features(self) -> int:
+        return self.width
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        kept = self.proj(h)  # [.., N]
+        out = kept.new_full((*kept.shape[:-1], self.width), float("-inf"))
+        out[..., self.token_ids] = kept
+        return out
+
+
+def frequent_tokens(tokenizer, texts: Iterable[str] | None = None, n: int = HEAD_TOKENS,
+                    token_lists: Iterable[Sequence[int]] | None = None, always: Iterable[int] = ()) -> torch.Tensor:
+    """The ``n`` most frequent target-vocabulary ids (FR-Spec's token set), sorted by id.
+
+    Frequencies are counted over ``texts`` encoded with ``tokenizer`` (no special tokens added) and/or over
+    ``token_lists`` (already-encoded ids, e.g. chat-templated prompts or a teacher dump). Ties — in particular
+    every id the corpus never shows — are broken by the lower id: byte-level BPE numbers merges in the order it
+    learnt them, so a lower id is a more frequent piece of the tokenizer's own training corpus. The tokenizer's
+    special tokens and ``always`` are always kept (EOS must stay proposable).
+
+    Returns:
+        ``[min(n, len(tokenizer))] int64`` ids, ascending.
+    """
+    counts: Counter[int] = Counter()
+    if texts is not None:
+        for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+            counts.update(ids)
+    for ids in token_lists or ():
+        counts.update(ids)
+    vocab = len(tokenizer)
+    forced = {i for i in (*tokenizer.all_special_ids, *always) if 0 <= i < vocab}
+    ranked = sorted(range(vocab), key=lambda i: (i not in forced, -counts.get(i, 0), i))
+    return torch.tensor(sorted(ranked[: min(n, vocab)]), dtype=torch.long)
+
+
+def default_head_corpus(tokenizer) -> list[list[int]]:
+    """Token ids of the embedded prompt data the presets train on (never the evaluation split): the chat-templated
+    ``conversations`` (500 chats) and ``humaneval:0:100`` prompts (:mod:`specdraft.data`)."""
+    from specdraft.data import encode_prompts, held_out_offset, load_examples
+
+    examples = load_examples("conversations") + load_examples("humaneval", limit=held_out_offset("humaneval"))
+    return encode_prompts(tokenizer, examples)
+
+
+def trim_head(model: nn.Module, token_ids: torch.Tensor) -> nn.Module:
+    """Replace ``model``'s output head by a :class:`TrimmedHead` over ``token_ids`` (in place; tied input
+    embeddings keep their full table). Returns the model."""
+    head = model.get_output_embeddings()
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise TypeError(f"trim the head before quantising it; the draft's head is a {type(head).__name__}")
+    width = head.weight.shape[0]
+    if int(token_ids.max()) >= width:
+        raise ValueError(f"token id {int(token_ids.max())} is past the draft's output head ({width} rows)")
+    model.set_output_embeddings(TrimmedHead(head, token_ids, width))
+    # The head is no longer the input embedding: transformers must not re-tie it on a later tie_weights() call.
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+        if hasattr(model, "_tied_weights_keys"):
+            model._tied_weights_keys = {}
+    return model
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (a trimmed head's projection included) by :class:`Int8Linear`,
+    in place. Embeddings, norms and attention arithmetic keep the model's dtype. Returns the model."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, child_name, Int8Linear.from_linear(child))
+    return model
+
+
+def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens: torch.Tensor | None = None,
+                  copy_model: bool = True) -> nn.Module:
+    """The draft with the requested transforms (module docstring), on a deep copy unless ``copy_model=False``.
+
+    Args:
+        draft: a causal LM (eval mode).
+        quantization: ``None`` or ``"int8"`` (:class:`Int8Linear`; :data:`specdraft.config.DraftQuantization`).
+        head_tokens: ``[N] int64`` target ids the draft keeps in its head (:func:`frequent_tokens`), or ``None``.
+
+    Raises:
+        ValueError: an unknown quantization, or a token id past the draft's head.
+    """
+    if quantization not in (None, "int8"):
+        raise ValueError(f"unknown draft quantization {quantization!r}; known: int8")
+    if quantization is None and head_tokens is None:
+        return draft
+    model = copy.deepcopy(draft) if copy_model else draft
+    if head_tokens is not None:
+        trim_head(model, head_tokens)
+    if quantization == "int8":
+        quantize_int8(model)
+    return model.eval()
+
+
+def describe_draft(draft: nn.Module) -> dict[str, Any]:
+    """What was done to a draft: ``{"quantization": "int8" | None, "head_tokens": N | None}``."""
+    head = draft.get_output_embeddings()
+    quantized = any(isinstance(m, Int8Linear) for m in draft.modules())
+    return {"quantization": "int8" if quantized else None,
+            "head_tokens": len(head.token_ids) if isinstance(head, TrimmedHead) else None}

@@ -1,0 +1,151 @@
+"""The speed model: what a round costs, what it yields, and how many tokens a row should draft.
+
+Leviathan et al. (2023, Theorem 3.8) price a round of γ drafts at γ·c + 1 target passes, assuming a target pass
+over γ+1 tokens costs what a one-token pass costs. On CPU it does not (verifying 6 tokens costs the 1.5B Qwen
+target more than generating one), so the model here takes measured costs (:func:`specdraft.evaluate.measure_speed_model`,
+once per pair):
+
+* t(k): seconds of one target pass over k new tokens, k = 1..γ+1 (the target alone runs t(1) per token);
+* d: seconds of one draft step (one token in, logits of the last position out).
+
+A round of k drafts takes k·d + t(k+1) seconds and emits E(α, k) = (1 − α^(k+1)) / (1 − α) tokens on average
+(eq. 1; α = per-token acceptance probability, i.i.d. as in §3.3), so decoding runs
+
+    S(α, k) = E(α, k) · t(1) / (k·d + t(k+1))
+
+times as fast as the target alone (k = 0: S = 1). With t(k) = t(1) this is Theorem 3.8 with c = d / t(1).
+:meth:`SpeedModel.predict` adds both models' prompt prefill to compare with measured wall-clock figures.
+
+:class:`AdaptiveGamma` uses S per row and round (never slower than the target alone, issue 15 item 7): a row
+drafts the k that maximises S at its running α, or nothing when no k predicts a gain, probing again with one
+draft after a wait that doubles while the prediction stays below 1. Proposal lengths depend only on counts of past
+rounds, never on the round being verified, so each round is an ordinary speculative round with a fixed k: the
+output stays exactly the target's (greedy) or follows p exactly (sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specdraft.acceptance import expected_tokens_per_pass
+
+
+@dataclass
+class SpeedModel:
+    """Measured per-pass costs of a target/draft pair (batch 1, at a context of ``context`` tokens), seconds.
+
+    Attributes:
+        target_s: ``[t(1), …, t(K)]``: one target pass over k new tokens (K = γ_max + 1).
+        draft_s: d, one draft step.
+        target_prefill_s / draft_prefill_s: reading a ``context``-token prompt (all but its last token).
+        context: prompt length the costs were measured at (tokens).
+    """
+
+    target_s: list[float]
+    draft_s: float
+    target_prefill_s: float = 0.0
+    draft_prefill_s: float = 0.0
+    context: int = 0
+
+    @property
+    def max_gamma(self) -> int:
+        return len(self.target_s) - 1
+
+    @property
+    def cost_ratio(self) -> float:
+        """c = d / t(1) (Leviathan et al.'s cost coefficient)."""
+        return self.draft_s / self.target_s[0]
+
+    def round_seconds(self, k: int) -> float:
+        """One round of k drafts: k·d + t(k+1) (k = 0: a plain target step, t(1))."""
+        if not 0 <= k <= self.max_gamma:
+            raise ValueError(f"k must be in 0..{self.max_gamma} (t(k) measured up to {len(self.target_s)}), got {k}")
+        return k * self.draft_s + self.target_s[k]
+
+    def speedup(self, alpha: float, k: int) -> float:
+        """S(α, k) = E(α, k) · t(1) / (k·d + t(k+1)): tokens/s relative to the target alone (k = 0 → 1)."""
+        return expected_tokens_per_pass(alpha, k) * self.target_s[0] / self.round_seconds(k)
+
+    def best_gamma(self, alpha: float, max_gamma: int | None = None) -> tuple[int, float]:
+        """The k in 0..max_gamma maximising :meth:`speedup` (0 when no k beats the target alone), and S there."""
+        top = self.max_gamma if max_gamma is None else min(max_gamma, self.max_gamma)
+        k = max(range(top + 1), key=lambda j: (self.speedup(alpha, j), -j))
+        return k, self.speedup(alpha, k)
+
+    def predict(self, alpha: float, gamma: int, new_tokens: float, prompts: int = 1) -> float:
+        """Predicted wall-clock speed-up of ``prompts`` decodes emitting ``new_tokens`` in all, prefill included:
+        (prefill_t + n·t(1)) / (prefill_t + prefill_d + n / E(α, γ) · (γ·d + t(γ+1)))."""
+        target = prompts * self.target_prefill_s + new_tokens * self.target_s[0]
+        spec = prompts * (self.target_prefill_s + self.draft_prefill_s) + \
+            new_tokens / expected_tokens_per_pass(alpha, gamma) * self.round_seconds(gamma)
+        return target / spec if spec > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"cost_ratio_c": self.cost_ratio}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeedModel:
+        return cls(**{k: v for k, v in d.items() if k != "cost_ratio_c"})
+
+
+class AdaptiveGamma:
+    """Per-row draft lengths from a :class:`SpeedModel` and each row's running acceptance (module docstring).
+
+    Per row: α̂ = a / r, where every reached draft position adds 1 to r and every accepted one 1 to a, and both
+    decay by ``decay`` per round (recent rounds count most); it starts at ``prior_alpha`` with the weight of
+    ``prior_weight`` trials. Each round a row drafts k = argmax_k S(α̂, k) ≤ γ. When that is 0 the row drafts
+    nothing for ``wait`` rounds, then drafts 1 token (a probe) — the only way its α̂ can recover; ``wait`` starts
+    at 1 and doubles (up to ``max_wait``) each time a probe leaves the prediction at no gain, and resets when a
+    gain is predicted again. A hopeless draft thus costs about one probe per ``max_wait`` target steps.
+
+    Args:
+        speed: the pair's measured costs.
+        gamma: the most drafts per round.
+        batch: rows.
+    """
+
+    def __init__(self, speed: SpeedModel, gamma: int, batch: int, prior_alpha: float = 0.8,
+                 prior_weight: float = 2.0, decay: float = 0.9, max_wait: int = 32):
+        if gamma > speed.max_gamma:
+            raise ValueError(f"the speed model measured t(k) up to k = {speed.max_gamma + 1}; γ = {gamma} needs "
+                             f"k up to {gamma + 1}")
+        self.speed, self.gamma, self.decay, self.max_wait = speed, gamma, decay, max_wait
+        self.a = [prior_alpha * prior_weight] * batch
+        self.r = [prior_weight] * batch
+        self.wait = [1] * batch  # rounds without drafting before the next probe
+        self.idle = [0] * batch  # rounds drafted nothing since the last draft
+        # S(α, k) for a grid of α: k*(α) is monotone in α, so a lookup keeps the per-round cost negligible.
+        self._grid = [speed.best_gamma(i / 200, gamma)[0] for i in range(201)]
+
+    def alpha(self, row: int) -> float:
+        return self.a[row] / self.r[row]
+
+    def plan(self) -> list[int]:
+        """Drafts per row for the coming round (before the per-row room left is applied)."""
+        ks = []
+        for j in range(len(self.a)):
+            k = self._grid[round(self.alpha(j) * 200)]
+            if k == 0:
+                k = 1 if self.idle[j] >= self.wait[j] else 0  # a probe: one draft, to measure α again
+            ks.append(k)
+        return ks
+
+    def record(self, row: int, n_proposed: int, n_accepted: int) -> None:
+        """A row's round: ``n_accepted`` of ``n_proposed`` drafts accepted (verification reached
+        min(n_accepted + 1, n_proposed) positions)."""
+        if n_proposed == 0:
+            self.idle[row] += 1
+            return
+        reached = min(n_accepted + 1, n_proposed)
+        self.a[row] = self.a[row] * self.decay + n_accepted
+        self.r[row] = self.r[row] * self.decay + reached
+        was_idle, self.idle[row] = self.idle[row] > 0, 0
+        if self._grid[round(self.alpha(row) * 200)] > 0:
+            self.wait[row] = 1
+        elif was_idle:  # a probe that still predicts no gain: wait twice as long
+            self.wait[row] = min(self.wait[row] * 2, self.max_wait)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (finished rows leave the batch)."""
+        for name in ("a", "r", "wait", "idle"):
+            setattr(self, name, [getattr(self, name)[j] for j in keep])

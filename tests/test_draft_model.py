@@ -1,0 +1,160 @@
+"""A cheaper draft (int8 linears, a trimmed head) changes only q: decoding stays exactly the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.config import SamplingConfig
+from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.draft_model import (
+    Int8Linear,
+    TrimmedHead,
+    describe_draft,
+    frequent_tokens,
+    prepare_draft,
+    quantize_int8,
+)
+from specdraft.sampling import output_width
+from specdraft.testing import chi2_goodness_of_fit, exact_two_token_law, perturbed, tiny_model, tiny_tokenizer
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen2", 128, seed=0, layers=3)
+    return target, perturbed(target, 0.04)
+
+
+def test_int8_linear_rounds_each_weight_by_at_most_half_a_step():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 48, bias=True)
+    q = Int8Linear.from_linear(lin, dtype=torch.float32)
+    w = lin.weight.detach()
+    step = w.abs().amax(dim=1, keepdim=True) / 127  # one int8 step per output row
+    assert ((q.dequantized_weight() - w).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(3, 5, 256)
+    ref = x @ q.dequantized_weight().T + lin.bias
+    # The kernel computes exactly x · W_deq + b up to float32 summation order.
+    assert torch.allclose(q(x), ref, atol=1e-4) and q(x).shape == (3, 5, 48)
+
+
+def test_int8_draft_copy_leaves_the_original_alone(pair):
+    _, draft = pair
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    q = prepare_draft(draft, "int8")
+    assert q is not draft and describe_draft(q) == {"quantization": "int8", "head_tokens": None}
+    assert all(isinstance(m, Int8Linear) for m in q.modules() if "proj" in type(m).__name__.lower())
+    assert not any(type(m) is torch.nn.Linear for m in q.modules())
+    assert all(torch.equal(before[k], v) for k, v in draft.state_dict().items())
+    assert describe_draft(draft) == {"quantization": None, "head_tokens": None}
+    assert prepare_draft(draft) is draft  # no option: nothing to copy
+    with pytest.raises(ValueError, match="int4"):
+        prepare_draft(draft, "int4")
+
+
+@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"head": 1.0}, {"head": 0.6},
+                                     {"quantization": "int8", "head": 0.6}],
+                         ids=["int8", "head-all-emitted", "head-most-emitted", "int8+head"])
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_cheaper_draft_greedy_equals_target_only_batched_and_solo(pair, options, gamma):
+    """The target itself made cheaper is the draft: int8 rounding and a head missing some of the tokens the target
+    emits both cause rejections, and the output is still the target's, batched and solo."""
+    target, _ = pair
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=21, eos_token_id=[])
+    head = None
+    if "head" in options:  # the most frequent share of the tokens the target emits (FR-Spec's token set, in small)
+        tok = tiny_tokenizer(128)
+        emitted = {t for row in base for t in row} - set(tok.all_special_ids)
+        n = len(tok.all_special_ids) + round(options["head"] * len(emitted))
+        head = frequent_tokens(tok, token_lists=base, n=n)
+    cheap = prepare_draft(target, options.get("quantization"), head)
+    spec, counts = speculative_generate(target, cheap, ids, mask, num_speculative_tokens=gamma, max_new_tokens=21,
+                                        eos_token_id=[])
+    assert spec == base
+    for i, p in enumerate(PROMPTS):
+        solo, _ = speculative_generate(target, cheap, *left_pad([p], 0), num_speculative_tokens=gamma,
+                                       max_new_tokens=21, eos_token_id=[])
+        assert solo[0] == base[i]
+    if options == {"head": 1.0}:  # every token the target emits is kept: q's argmax is p's
+        assert counts.acceptance_rate == 1.0
+    else:  # rejections happen (the invariant is tested where it can fail) but the cheaper draft is still useful
+        assert 0.4 < counts.acceptance_rate < 1.0
+
+
+def test_trimmed_head_scores_only_the_kept_tokens(pair):
+    _, draft = pair
+    keep = torch.tensor([3, 7, 8, 50, 127])
+    trimmed = prepare_draft(draft, head_tokens=keep)
+    assert isinstance(trimmed.get_output_embeddings(), TrimmedHead) and output_width(trimmed) == 128
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        full, cut = draft(x).logits, trimmed(x).logits
+    assert cut.shape == full.shape
+    assert torch.allclose(cut[..., keep], full[..., keep], atol=1e-5)  # the same rows, the same logits
+    others = torch.ones(128, dtype=torch.bool)
+    others[keep] = False
+    assert torch.isinf(cut[..., others]).all() and (cut[..., others] < 0).all()
+    # Quantised after trimming: the head's projection is int8 and only 5 rows wide.
+    both = prepare_draft(draft, "int8", keep)
+    assert isinstance(both.get_output_embeddings().proj, Int8Linear)
+    assert both.get_output_embeddings().proj.out_features == 5
+    assert describe_draft(both) == {"quantization": "int8", "head_tokens": 5}
+    with pytest.raises(TypeError, match="trim the head before"):
+        prepare_draft(quantize_int8(prepare_draft(draft, "int8")), head_tokens=keep)
+
+
+def test_trimmed_draft_never_proposes_a_dropped_token(pair):
+    target, draft = pair
+    keep = torch.arange(5, 45)
+    ids, mask = left_pad(PROMPTS, 0)
+    proposed = []
+    trimmed = prepare_draft(draft, head_tokens=keep)
+    orig_forward = trimmed.forward
+
+    def spy(*a, **kw):  # record the draft's argmax at every step
+        out = orig_forward(*a, **kw)
+        proposed.extend(out.logits[:, -1].argmax(-1).tolist())
+        return out
+
+    trimmed.forward = spy
+    base, _ = target_generate(target, ids, mask, max_new_tokens=15, eos_token_id=[])
+    spec, _ = speculative_generate(target, trimmed, ids, mask, num_speculative_tokens=3, max_new_tokens=15,
+                                   eos_token_id=[])
+    assert spec == base and proposed and set(proposed) <= set(keep.tolist())
+
+
+@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"quantization": "int8", "head": 9}],
+                         ids=["int8", "int8+head"])
+def test_cheaper_draft_sampled_output_follows_target_law(options):
+    """χ² of the first two tokens against the target's exact law: q is the int8 draft's, renormalised over the
+    kept head rows when trimmed (tokens outside them have q = 0 and can still be emitted by the correction)."""
+    V, N = 12, 6000
+    sampling = SamplingConfig(temperature=1.0)
+    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
+    draft = perturbed(target, 0.08, seed=5)
+    head = torch.arange(0, options["head"]) if "head" in options else None
+    cheap = prepare_draft(draft, options["quantization"], head)
+    law = exact_two_token_law(target, [5, 6, 7], sampling)
+    out, counts = speculative_generate(target, cheap, torch.tensor([[5, 6, 7]] * N), None, num_speculative_tokens=3,
+                                       sampling=sampling, max_new_tokens=2, eos_token_id=[],
+                                       generator=torch.Generator().manual_seed(4321))
+    assert 0.05 < counts.acceptance_rate < 0.95
+    pvalue, outside = chi2_goodness_of_fit(out, law)
+    assert outside == 0 and pvalue > 1e-3, f"p={pvalue:.2e}"
+
+
+def test_frequent_tokens_ranks_by_count_then_id_and_keeps_special_tokens():
+    tok = tiny_tokenizer(64)
+    words = tok.convert_ids_to_tokens(list(range(64)))
+    text = " ".join([words[40]] * 5 + [words[30]] * 3 + [words[50]] * 3)
+    ids = frequent_tokens(tok, [text], n=8)
+    # The 5 specials, then 40 (5×), then 30 and 50 (3× each).
+    assert ids.tolist() == [0, 1, 2, 3, 4, 30, 40, 50]
+    # Unseen ids rank by id: after the specials and 60, the next is 5 (and 63 is forced).
+    assert frequent_tokens(tok, token_lists=[[60]], n=8, always=[63]).tolist() == [0, 1, 2, 3, 4, 5, 60, 63]
+    more = frequent_tokens(tok, token_lists=[[60, 60, 61]], n=7, always=[63])
+    assert more.tolist() == sorted([0, 1, 2, 3, 4, 63, 60])
+    assert len(frequent_tokens(tok, [text], n=10_000)) == len(tok)

@@ -1,0 +1,144 @@
+"""The speed model (measured t(k) and d) and the adaptive γ policy: outputs stay the target's, a hopeless draft
+drafts little, a good one drafts γ."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdraft.acceptance import expected_speedup
+from specdraft.config import SamplingConfig
+from specdraft.decode import left_pad, speculative_generate, target_generate, verify_sampled
+from specdraft.evaluate import measure_speed_model
+from specdraft.speed import AdaptiveGamma, SpeedModel
+from specdraft.testing import chi2_goodness_of_fit, exact_two_token_law, perturbed, tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
+
+
+def test_flat_target_costs_reduce_to_leviathans_theorem():
+    speed = SpeedModel(target_s=[0.1] * 9, draft_s=0.03)
+    assert speed.cost_ratio == pytest.approx(0.3)
+    for alpha in (0.2, 0.7, 0.95):
+        for k in range(9):
+            assert speed.speedup(alpha, k) == pytest.approx(expected_speedup(alpha, k, 0.3))
+    assert speed.speedup(0.5, 0) == 1.0
+
+
+def test_best_gamma_counts_the_cost_of_verifying_more_tokens():
+    flat = SpeedModel(target_s=[0.1] * 9, draft_s=0.01)
+    rising = SpeedModel(target_s=[0.1 * (1 + 0.15 * k) for k in range(9)], draft_s=0.01)
+    # Wider verification passes cost more, so the best γ is shorter and the predicted gain smaller.
+    assert rising.best_gamma(0.8)[0] < flat.best_gamma(0.8)[0]
+    assert rising.best_gamma(0.8)[1] < flat.best_gamma(0.8)[1]
+    # No k gains when the draft is expensive and rarely right: draft nothing.
+    assert SpeedModel(target_s=[0.1] * 9, draft_s=0.05).best_gamma(0.3) == (0, 1.0)
+    with pytest.raises(ValueError, match="k must be"):
+        flat.round_seconds(9)
+
+
+def test_prediction_includes_prefill():
+    speed = SpeedModel(target_s=[0.1] * 9, draft_s=0.02, target_prefill_s=1.0, draft_prefill_s=0.5)
+    steady = speed.speedup(0.8, 4)
+    # With no tokens, only prefill counts (the draft's prefill makes it slower); with many, the steady state.
+    assert speed.predict(0.8, 4, new_tokens=0) == pytest.approx(1.0 / 1.5)
+    assert speed.predict(0.8, 4, new_tokens=1e7) == pytest.approx(steady, rel=1e-4)
+    assert SpeedModel.from_dict(speed.to_dict()) == speed
+
+
+def test_adaptive_policy_backs_off_a_hopeless_row_and_keeps_a_good_one():
+    speed = SpeedModel(target_s=[0.1] * 7, draft_s=0.01)
+    policy = AdaptiveGamma(speed, gamma=5, batch=2, prior_alpha=0.8)
+    assert policy.plan() == [5, 5]
+    drafted = [0, 0]
+    for _ in range(200):
+        ks = policy.plan()
+        for j, k in enumerate(ks):
+            drafted[j] += k
+            # Row 0 always accepts everything, row 1 nothing.
+            policy.record(j, k, k if j == 0 else 0)
+    assert policy.plan()[0] == 5 and drafted[0] == 5 * 200
+    # Row 1 stops drafting after a few rounds and only probes, ever more rarely (wait doubles up to 32).
+    assert drafted[1] < 5 * 3 + 12 and policy.wait[1] == 32
+    policy.select([1])
+    assert len(policy.a) == 1 and policy.wait == [32]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen2", 128, seed=0, layers=3)
+    return target, perturbed(target, 0.04)
+
+
+def test_measured_speed_model_has_a_cost_per_width(pair):
+    target, draft = pair
+    speed = measure_speed_model(target, draft, PROMPTS[2], max_gamma=3, repeats=1)
+    assert len(speed.target_s) == 4 and all(t > 0 for t in speed.target_s)
+    assert speed.draft_s > 0 and speed.target_prefill_s > 0 and speed.context == len(PROMPTS[2])
+
+
+@pytest.mark.parametrize("draft_cost", [0.001, 0.05], ids=["cheap-draft", "costly-draft"])
+def test_adaptive_gamma_greedy_equals_target_only_batched_and_solo(pair, draft_cost):
+    target, draft = pair
+    speed = SpeedModel(target_s=[0.01] * 6, draft_s=draft_cost)
+    ids, mask = left_pad(PROMPTS, 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=25, eos_token_id=[])
+    spec, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=5, max_new_tokens=25,
+                                        eos_token_id=[], speed_model=speed)
+    assert spec == base
+    for i, p in enumerate(PROMPTS):
+        solo, _ = speculative_generate(target, draft, *left_pad([p], 0), num_speculative_tokens=5, max_new_tokens=25,
+                                       eos_token_id=[], speed_model=speed)
+        assert solo[0] == base[i]
+    assert counts.emitted == 25 * len(PROMPTS)
+
+
+def test_hopeless_draft_ends_up_drafting_little_and_stays_lossless():
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    hopeless = tiny_model("llama", 128, seed=99, layers=1)  # unrelated: acceptance near 1/128
+    speed = SpeedModel(target_s=[0.01] * 6, draft_s=0.004)  # c = 0.4 (the embedded pair's bf16 figure)
+    ids, mask = left_pad([PROMPTS[0]], 0)
+    base, _ = target_generate(target, ids, mask, max_new_tokens=120, eos_token_id=[])
+    fixed, fc = speculative_generate(target, hopeless, ids, mask, num_speculative_tokens=5, max_new_tokens=120,
+                                     eos_token_id=[])
+    adaptive, ac = speculative_generate(target, hopeless, ids, mask, num_speculative_tokens=5, max_new_tokens=120,
+                                        eos_token_id=[], speed_model=speed)
+    assert adaptive == fixed == base
+    # Fixed γ drafts 5 per round; the adaptive row stops after a few rounds and only probes now and then.
+    assert sum(fc.proposed) > 4 * fc.rounds
+    assert sum(ac.proposed) < 0.2 * ac.rounds and ac.draft_calls < 0.3 * fc.draft_calls
+
+
+def test_verify_sampled_with_fewer_proposals_per_row_is_exact():
+    """Rows that proposed n_b < γ drafts: the first emitted token still follows p_1 exactly, whatever q is."""
+    V, B, gamma = 6, 24000, 3
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(gamma + 1, V, generator=g) * 1.5, -1)[None].expand(B, -1, -1)
+    q = torch.softmax(torch.randn(gamma, V, generator=g) * 1.5, -1)[None].expand(B, -1, -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, gamma)
+    n_prop = torch.arange(B) % (gamma + 1)  # 0, 1, 2, 3 proposals in turn
+    n, nxt = verify_sampled(drafts, q, p, g, n_prop)
+    assert (n <= n_prop).all()
+    first = torch.where(n > 0, drafts[:, 0], nxt)
+    law = p[0, 0].double().numpy()
+    for k in range(gamma + 1):
+        rows = n_prop == k
+        pvalue, outside = chi2_goodness_of_fit([[t] for t in first[rows].tolist()], law / law.sum())
+        assert outside == 0 and pvalue > 1e-3, f"{k} proposals: p={pvalue:.2e}"
+    # A row that proposed nothing emits the target's own sample, as the target alone would.
+    assert (n[n_prop == 0] == 0).all()
+
+
+def test_adaptive_sampled_output_follows_target_law():
+    V, N = 12, 6000
+    sampling = SamplingConfig(temperature=1.0)
+    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
+    draft = perturbed(target, 0.08, seed=5)
+    law = exact_two_token_law(target, [5, 6, 7], sampling)
+    speed = SpeedModel(target_s=[0.01] * 4, draft_s=0.002)
+    out, _ = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N), None, num_speculative_tokens=3,
+                                  sampling=sampling, max_new_tokens=2, eos_token_id=[],
+                                  generator=torch.Generator().manual_seed(11), speed_model=speed)
+    pvalue, outside = chi2_goodness_of_fit(out, law)
+    assert outside == 0 and pvalue > 1e-3 and np.isfinite(pvalue)
