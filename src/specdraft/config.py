@@ -163,6 +163,14 @@ class DistillConfig(BaseModel):
                             "every N steps: the learning curve; 0 = before and after training only.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
     logging_steps: int = Field(1, ge=1, description="Log every N steps.")
+    on_policy_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="λ: share of training sequences written by the draft itself from the "
+        "training prompts (sampled with the serving temperature / top-k / top-p) and scored by the target in one "
+        "forward pass (DistillSpec; TRL GKD's lmbda); 0 = the dump's target-written sequences only.")
+    on_policy_every: int = Field(10, ge=1, description="Regenerate the draft-written sequences every N optimizer "
+                                 "steps, from the draft as trained so far.")
+    on_policy_max_new_tokens: int | None = Field(
+        None, ge=1, description="Length bound of the draft's answers; default the dump's --generate (else 128).")
 
 
 class ExportConfig(BaseModel):
