@@ -99,6 +99,87 @@ def predicted_alpha(
 
 
 @torch.no_grad()
+def replay_greedy(
+    draft,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_id: Sequence[int] = (),
+    real_vocab: int | None = None,
+    batch_size: int = 4,
+    pad_id: int = 0,
+) -> list[AcceptanceCounts]:
+    """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt.
+
+    Greedy verification accepts a drafted token iff it equals the target's argmax, and the output is the
+    target's greedy response y. So inside a round that starts after y[:n], the draft's i-th proposal is read in
+    the context y[:n + i] as long as the earlier ones were accepted: the round accepts exactly the run of
+    positions n, n+1, … (at most k) where the draft's teacher-forced argmax equals y, and the target then emits
+    y[n + accepted]. Replaying :func:`~specdraft.decode.speculative_generate`'s rounds (batch 1: k = min(γ,
+    what the row can still emit − 1), an EOS or the length bound ending a row, a row ending inside the accepted
+    block) over that agreement vector gives its counts without decoding; only rounding differs (a full-sequence
+    pass vs cached steps can flip a near-tie argmax in bfloat16), which :func:`run_eval` can check against
+    decoded counts. One target answer serves every draft compared on it (before/after distillation, paired).
+
+    Args:
+        draft: causal LM sharing the target's tokenizer.
+        prompts: ``[n]`` prompt id lists; ``responses``: ``[n]`` the target's greedy answers (EOS included).
+        num_speculative_tokens: γ; ``max_new_tokens``: the bound the answers were generated with.
+        eos_token_id: ids that end a row (as given to the decoding).
+        real_vocab: ids at or past it are padding rows (never proposed).
+
+    Returns:
+        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
+    """
+    eos = set(eos_token_id)
+    width = draft.get_output_embeddings().weight.shape[0]
+    device = next(draft.parameters()).device
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [(list(p), list(r)) for p, r in zip(prompts[start:start + batch_size],
+                                                    responses[start:start + batch_size], strict=True)]
+        ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        logits = draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+        guess = align_logits(logits, width, real_vocab).argmax(-1)  # [b, S]
+        for i, (p, y) in enumerate(chunk):
+            S = ids.shape[1]
+            first = S - len(y) - 1  # left padding: the last prompt position predicts y[0]
+            match = [int(g) == t for g, t in zip(guess[i, first:first + len(y)].tolist(), y)]
+            out.append(_replay_rounds(match, y, num_speculative_tokens, max_new_tokens, eos))
+    return out
+
+
+def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
+    """The rounds of greedy speculative decoding (batch 1) over the agreement vector ``match`` (see
+    :func:`replay_greedy`), recorded as :meth:`AcceptanceCounts.record_round` is by the decoder."""
+    counts = AcceptanceCounts(gamma)
+    n = 0
+    while n < len(y):
+        k = max(0, min(gamma, max_new_tokens - n - 1))
+        acc = 0
+        while acc < k and n + acc < len(y) and match[n + acc]:
+            acc += 1
+        kept, ended = 0, False
+        for t in range(acc + 1):  # the accepted drafts, then the target's own token
+            if n + t >= len(y):
+                break
+            kept += 1
+            ended = y[n + t] in eos or n + t + 1 >= max_new_tokens
+            if ended:
+                break
+        if ended and kept <= acc:  # ended inside the accepted block: no target token
+            counts.record_round(kept, n_proposed=kept, bonus=False)
+        else:
+            counts.record_round(acc, n_proposed=k, bonus=True)
+        n += kept
+        if ended:
+            break
+    return counts
+
+
+@torch.no_grad()
 def top2_margin(target, context: Sequence[int]) -> float:
     """Target's top-1 minus top-2 logit for the token after ``context`` (one plain forward pass)."""
     device = next(target.parameters()).device
