@@ -201,8 +201,14 @@ class PipelineConfig(BaseModel):
     target: str = Field(description="Target (verifier): embedded name, local HF directory or cached hub id.")
     draft: str = Field(description="Draft: embedded name, local HF directory or cached hub id.")
     preset: PresetName = "default"
-    eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources.")
+    eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources of the domain the preset "
+                                    "trains for: the headline acceptance gain.")
+    ood_prompts: list[str] = Field(default_factory=list, description="A second held-out set, reported separately "
+                                   "(out of the training domain): distillation must not make it worse.")
     train_prompts: list[str] = Field(description="Training prompt sources (the target answers them).")
+    speed_prompts: int = Field(4, ge=0, description="Prompts (the first of eval_prompts) of the interleaved speed "
+                               "run: target alone, original and distilled draft, transformers' assisted "
+                               "generation; 0 = no speed run.")
     eval: EvalConfig
     dump: DumpConfig
     distill: DistillConfig
