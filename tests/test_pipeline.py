@@ -24,9 +24,16 @@ def _examples(words, prefix):
 
 
 def test_parse_source_and_overlap():
-    assert parse_source("humaneval:100:4") == ("humaneval", 100, 4)
-    assert parse_source("mt-bench:3") == ("mt-bench", 3, None)
-    assert parse_source("conversations") == ("conversations", 0, None)
+    assert parse_source("humaneval:100:4") == ("humaneval", 100, 4, 1)
+    assert parse_source("mt-bench:3") == ("mt-bench", 3, None, 1)
+    assert parse_source("conversations") == ("conversations", 0, None, 1)
+    assert parse_source("mt-bench:0:27:3") == ("mt-bench", 0, 27, 3)
+    from specdraft.pipeline import load_sources
+
+    spread = load_sources(["mt-bench:0:27:3"])
+    assert len(spread) == 27 and len({e.meta["category"] for e in spread}) == 8
+    assert len(load_sources(["conversations"], unique=True)) == len(
+        {json.dumps(e.prompt_messages) for e in load_sources(["conversations"])})
     train, ev = _examples("cdef", "t"), _examples("efgh", "e")
     assert prompt_overlap(train, ev) == ["e-e", "e-f"]
 

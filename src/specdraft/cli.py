@@ -760,10 +760,10 @@ def run_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
     train_data: Annotated[list[str] | None, typer.Option(
-        help="Training prompt source name[:offset[:limit]] (repeatable): humaneval, mt-bench, conversations, a "
+        help="Training prompt source name[:offset[:limit[:stride]]] (repeatable): humaneval, mt-bench, conversations, a "
         ".jsonl or a saved dataset. Default: the preset's.")] = None,
     eval_data: Annotated[list[str] | None, typer.Option(
-        help="Held-out evaluation prompt source name[:offset[:limit]] (repeatable): the headline acceptance gain. "
+        help="Held-out evaluation prompt source name[:offset[:limit[:stride]]] (repeatable): the headline acceptance gain. "
         "Default: the preset's.")] = None,
     ood_data: Annotated[list[str] | None, typer.Option(
         help="A second held-out set, reported separately (another domain, which must not get worse; repeatable). "

@@ -192,7 +192,7 @@ class ExportConfig(BaseModel):
 class PipelineConfig(BaseModel):
     """Everything ``specdraft run`` does; a preset fills it, flags override single fields.
 
-    Prompt sources are ``name[:offset[:limit]]`` (:func:`specdraft.pipeline.parse_source`); evaluation prompts
+    Prompt sources are ``name[:offset[:limit[:stride]]]`` (:func:`specdraft.pipeline.parse_source`); evaluation prompts
     never enter training. γ of the export is the evaluation's.
     """
 

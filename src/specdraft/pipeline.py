@@ -115,29 +115,44 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     return PipelineConfig(preset=preset, **base)
 
 
-def parse_source(spec: str) -> tuple[str, int, int | None]:
-    """``name[:offset[:limit]]`` → (source, offset, limit). A path may contain ':' only when no offset is given
-    after it (an existing file wins)."""
+def parse_source(spec: str) -> tuple[str, int, int | None, int]:
+    """``name[:offset[:limit[:stride]]]`` → (source, offset, limit, stride): every ``stride``-th example from
+    ``offset`` on, at most ``limit`` of them (``mt-bench:0:27:3`` spreads 27 prompts over all 8 categories). A
+    path may contain ':' only when no offset is given after it (an existing file wins)."""
     if Path(spec).exists():
-        return spec, 0, None
-    parts = spec.rsplit(":", 2)
+        return spec, 0, None, 1
+    parts = spec.rsplit(":", 3)
     nums = []
     while len(parts) > 1 and parts[-1].isdigit():
         nums.insert(0, int(parts.pop()))
     name = ":".join(parts)
     offset = nums[0] if nums else 0
     limit = nums[1] if len(nums) > 1 else None
-    return name, offset, limit
+    stride = max(nums[2], 1) if len(nums) > 2 else 1
+    return name, offset, limit, stride
 
 
-def load_sources(specs: list[str]):
-    """The examples of several ``name[:offset[:limit]]`` sources, in order."""
+def load_sources(specs: list[str], unique: bool = False):
+    """The examples of several ``name[:offset[:limit[:stride]]]`` sources, in order.
+
+    With ``unique`` an example whose prompt messages already occurred is dropped before ``limit`` counts, so
+    ``conversations:0:32`` is 32 distinct prompts (the embedded chats repeat 52 first questions over 500 rows;
+    greedy answers to a repeated prompt would repeat too)."""
     from specdraft.data import load_examples
 
-    out = []
+    out, seen = [], set()
     for spec in specs:
-        name, offset, limit = parse_source(spec)
-        out.extend(load_examples(name, limit=limit, offset=offset))
+        name, offset, limit, stride = parse_source(spec)
+        examples = load_examples(name, offset=offset)[::stride]
+        if unique:
+            fresh = []
+            for e in examples:
+                key = json.dumps(e.prompt_messages, sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    fresh.append(e)
+            examples = fresh
+        out.extend(examples[:limit] if limit is not None else examples)
     return out
 
 
@@ -218,7 +233,9 @@ def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_example
     from specdraft.models import resolve_ref
 
     evals = eval_examples if eval_examples is not None else load_sources(cfg.eval_prompts)
-    trains = train_examples if train_examples is not None else load_sources(cfg.train_prompts)
+    # Repeated training prompts are dropped when the target answers greedily: their sequences would repeat.
+    trains = train_examples if train_examples is not None else load_sources(
+        cfg.train_prompts, unique=cfg.dump.generate is not None and cfg.dump.temperature == 0)
     oods = ood_examples if ood_examples is not None else load_sources(cfg.ood_prompts)
     if not evals or not trains:
         raise PipelineError("the pipeline needs evaluation and training prompts (preset prompt lists are empty)")
