@@ -162,7 +162,44 @@ def render() -> str:
                   f"| plain causal-LM fine-tuning | {t['plain']:.1f} |",
                   f"| specdraft distillation ({loss}, hidden teacher) | {t['distill']:.1f} |", "",
                   f"Loss overhead {r['overhead']:.1%}; target ≤ 15%: {_mark(r['overhead'] <= 0.15)}.", ""]
+    lines += _render_distill_gain()
     return "\n".join(lines)
+
+
+def _ci(ci, spec="{:+.3f}") -> str:
+    return f"[{spec.format(ci[0])}, {spec.format(ci[1])}]" if ci else ""
+
+
+def _render_distill_gain() -> list[str]:
+    """Distillation gain: λ = 0 against the on-policy λ, same budget, same held-out prompts and target answers."""
+    r = _load("distill-gain.json")
+    if not r:
+        return []
+    st = r["settings"]
+    lines = ["## Distillation gain — dump-only vs on-policy", "",
+             (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['torch']}. Embedded pair, trained on "
+              f"{r['dump_sequences']} target-written sequences ({', '.join(st['train'])}; {r['dump_tokens']:,} "
+              f"tokens, dump {r['dump_minutes']:.1f} min), loss `{st['loss']}`, last {st['layers']} layers, lr "
+              f"{st['lr']}, {st['steps']} steps × {st['batch_size']} sequences; on-policy answers sampled at "
+              f"temperature {st['temperature']}, regenerated every {st['on_policy_every']} steps. Greedy acceptance "
+              f"(accepted / proposed), γ = {st['gamma']}, {st['max_new_tokens']} new tokens per held-out prompt: "
+              "every prompt decoded once with the original draft (the target's answers), the distilled draft "
+              "replayed on the same answers, so the gain is paired prompt by prompt (95% bootstrap interval over "
+              "prompts). α_tf: Σ min(p, q) at the serving settings, teacher-forced on the same answers."), "",
+             ("| λ (on-policy share) | set | prompts | drafted tokens | acceptance before → after | gain, paired 95% "
+              "CI | α_tf before → after | minutes (distil) |"),
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in r["runs"]:
+        for name, v in run["sets"].items():
+            lines.append(f"| {run['on_policy_fraction']} | {name} | {v['prompts']} | {v['drafted_before']:,} | "
+                         f"{v['acceptance_before']:.3f} → {v['acceptance_after']:.3f} | {v['gain']:+.3f} "
+                         f"{_ci(v['gain_ci95'])} | {v['alpha_tf_before']:.3f} → {v['alpha_tf_after']:.3f} | "
+                         f"{run['minutes']:.1f} |")
+    lo = r["gain_ci95"][0]
+    lines += ["", (f"Headline (λ = {r['on_policy_fraction']}, chat): {r['acceptance_before']:.3f} → "
+                   f"{r['acceptance_after']:.3f}, gain {r['gain']:+.3f} {_ci(r['gain_ci95'])}. Target gain ≥ +0.05 "
+                   f"with the interval above 0: {_mark(r['gain'] >= 0.05 and lo > 0)}."), ""]
+    return lines
 
 
 README = ROOT.parent / "README.md"
@@ -208,6 +245,12 @@ def render_readme_table() -> str:
                     f"{r['overhead']['topk']:.1%}; {r['bytes_per_token']['hidden']:.0f} / "
                     f"{r['bytes_per_token']['topk']:.0f} bytes per token | ≤ 10%: "
                     f"{_mark(max(r['overhead'].values()) <= 0.10)} |")
+    r = _load("distill-gain.json")
+    if r:
+        rows.append(f"| held-out chat acceptance after distillation (λ = {r['on_policy_fraction']}, "
+                    f"{r['minutes']:.0f} min) | {r['acceptance_before']:.3f} → {r['acceptance_after']:.3f}, gain "
+                    f"{r['gain']:+.3f} {_ci(r['gain_ci95'])} | ≥ +0.05, interval > 0: "
+                    f"{_mark(r['gain'] >= 0.05 and r['gain_ci95'][0] > 0)} |")
     r = _load("distill-tvd.json")
     if r:
         rows.append(f"| distillation step overhead vs plain fine-tuning (tvd) | {r['overhead']:.1%} | ≤ 15%: "

@@ -241,3 +241,124 @@ def test_learning_curve_scores_held_out_every_eval_steps_once(setup, tmp_path):
     assert curve[-1]["eval_loss"] == result["eval_after"]["eval_loss"]
     assert sum("eval_alpha" in h and h["step"] == 4 for h in result["history"]) == 1
     assert all(0.0 <= p["eval_alpha"] <= 1.0 for p in curve)
+
+
+# ------------------------------------------------------------------------------------------ on-policy data
+
+
+def _prompted_rows(target, n: int, prompt_len: int = 5, answer_len: int = 6, seed: int = 3):
+    """Dump-like items with a prompt: loss_mask trains the answer positions only (as --answer-only does)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for k in range(n):
+        ids = torch.randint(5, V, (prompt_len + answer_len,), generator=g)
+        with torch.no_grad():
+            h = target(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[prompt_len - 1:-1] = True  # position j predicts token j+1: the answer tokens
+        rows.append({"id": f"row-{k}", "input_ids": ids, "loss_mask": mask, "hidden": h.to(torch.bfloat16)})
+    return rows
+
+
+class _FakeWriter:
+    """Records each call; answers with items tagged by the refresh step."""
+
+    def __init__(self):
+        self.calls = []
+        self.stats = {"sequences": 0}
+
+    def __call__(self, draft, prompts, seed):
+        self.calls.append((draft, [i for i, _ in prompts], seed))
+        self.stats["sequences"] += len(prompts)
+        return [{"id": f"on-policy/{i}@{seed}"} for i, _ in prompts]
+
+
+def test_prompt_of_cuts_at_the_first_trained_position():
+    from specdraft.distill import prompt_of
+
+    item = {"input_ids": torch.arange(10), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 0]).bool()}
+    assert prompt_of(item) == [0, 1, 2, 3]  # position 3 predicts the first answer token (4)
+    assert prompt_of({"input_ids": torch.arange(4), "loss_mask": torch.ones(4, dtype=torch.bool)}) is None
+
+
+def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
+    from specdraft.distill import OnPolicyStream
+
+    dump = [{"id": f"d{i}"} for i in range(7)]
+    prompts = [(f"p{i}", [1, 2]) for i in range(5)]
+    writer, draft = _FakeWriter(), object()
+    stream = OnPolicyStream(dump, prompts, writer, draft, fraction=0.5, every=3, per_step=4, seed=0, max_steps=8)
+    items = list(itertools.islice(iter(stream), 8 * 4))
+    steps = [items[4 * s: 4 * s + 4] for s in range(8)]
+    assert all(sum(x["id"].startswith("on-policy/") for x in st) == 2 for st in steps)  # λ·G = 2 every step
+    assert [seed for _, _, seed in writer.calls] == [0, 3, 6]  # refreshed at steps 0, 3, 6 (seed + step)
+    assert [len(p) for _, p, _ in writer.calls] == [6, 6, 4]  # the share of steps 0–2, 3–5, 6–7 (max_steps 8)
+    assert all(d is draft for d, _, _ in writer.calls)  # the live model, not a copy
+    # λ = 0.25 of G = 2: one draft-written sequence every other step, exactly.
+    quarter = OnPolicyStream(dump, prompts, _FakeWriter(), draft, 0.25, 10, 2, 0, max_steps=8)
+    got = list(itertools.islice(iter(quarter), 16))
+    assert [sum(x["id"].startswith("on-policy/") for x in got[2 * s: 2 * s + 2]) for s in range(8)] == [0, 1] * 4
+    # A resumed stream continues the dump order where a fresh one would be at that step.
+    resumed = OnPolicyStream(dump, prompts, _FakeWriter(), draft, 0.5, 3, 4, 0, max_steps=8)
+    resumed.start_step = 4
+    later = list(itertools.islice(iter(resumed), 4 * 4))
+    dump_ids = lambda xs: [x["id"] for x in xs if not x["id"].startswith("on-policy/")]
+    assert dump_ids(later) == dump_ids(items[16:])
+
+
+def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forward():
+    from specdraft.config import DumpConfig, SamplingConfig
+    from specdraft.distill import DraftWriter
+    from specdraft.dump import Teacher, generate_from_ids
+    from specdraft.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(V)
+    target = tiny_model("llama", V, seed=0, layers=2)
+    draft = tiny_model("llama", V, seed=7, layers=1)  # another model: its answers are not the target's
+    cfg = DumpConfig(format="hidden", hidden_dtype="float32", answer_only=True, generate=6, max_length=64)
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    writer = DraftWriter(Teacher(target, V), tok, cfg, sampling, max_new_tokens=6)
+    prompts = [("a", [2, 10, 11, 12]), ("b", [2, 20, 21])]
+    items = writer(draft, prompts, seed=5)
+    answers = generate_from_ids(draft, tok, [p for _, p in prompts], 6, sampling, seed=5, real_vocab=V)
+    for item, (_, p), a in zip(items, prompts, answers):
+        assert item["input_ids"].tolist() == p + a  # the draft's own sampled answer, token for token
+        assert item["loss_mask"].tolist() == [False] * (len(p) - 1) + [True] * len(a) + [False]
+        with torch.no_grad():
+            plain = target(item["input_ids"][None]).logits[0]
+        torch.testing.assert_close(target.lm_head(item["hidden"]), plain, atol=1e-5, rtol=1e-5)
+    assert writer.stats["sequences"] == 2 and writer.stats["teacher_tokens"] == sum(len(p) + len(a)
+                                                                                   for (_, p), a in zip(prompts, answers))
+    assert writer.stats["teacher_seconds"] > 0 and writer.stats["generate_seconds"] > 0
+
+
+def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_path):
+    from specdraft.config import DumpConfig, SamplingConfig
+    from specdraft.distill import DraftWriter
+    from specdraft.dump import Teacher
+    from specdraft.testing import tiny_tokenizer
+
+    target = tiny_model("llama", V, seed=0, layers=2)
+    rows = _prompted_rows(target, 6)
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=10, scheduler="constant")
+
+    class Exploding:
+        def __call__(self, *a):
+            raise AssertionError("λ = 0 must not write a sequence")
+
+    plain = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path / "a")
+    zero = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path / "b",
+                 writer=Exploding())
+    loss = lambda r: [h["loss"] for h in r["history"] if "loss" in h]
+    assert loss(zero) == loss(plain) and zero["on_policy"] is None
+    writer = DraftWriter(Teacher(target, V), tiny_tokenizer(V), DumpConfig(answer_only=True, generate=4),
+                         SamplingConfig(temperature=1.0), max_new_tokens=4)
+    half = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
+                 cfg.model_copy(update={"on_policy_fraction": 0.5, "on_policy_every": 1}), tmp_path / "c",
+                 writer=writer)
+    assert half["steps"] == 2 and len(loss(half)) == 2
+    assert half["on_policy"]["refresh_steps"] == [0, 1] and half["on_policy"]["sequences"] == 2  # 1 of 2 per step
+    assert loss(half)[0] != loss(plain)[0]
+    with pytest.raises(DistillError, match="DraftWriter"):
+        train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], None,
+              cfg.model_copy(update={"on_policy_fraction": 0.5}), tmp_path / "d")

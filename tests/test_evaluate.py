@@ -222,3 +222,32 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
     assert "5 tokens" in g.output
     bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int4"])
     assert bad.exit_code == 2 and "int4" in bad.output
+
+
+@pytest.mark.parametrize("scale,gamma,max_new", [(0.03, 3, 12), (0.08, 4, 9), (0.0, 5, 10), (0.3, 2, 7)])
+def test_replay_greedy_equals_decoded_counts(scale, gamma, max_new):
+    """One teacher-forced draft pass over the target's greedy answer gives speculative decoding's counts exactly
+    (float32: no near-tie rounding), rows ending by EOS and by the length bound alike."""
+    from dataclasses import asdict
+
+    from specdraft.decode import speculative_generate, target_generate
+    from specdraft.evaluate import replay_greedy
+
+    target = tiny_model("llama", 64, seed=0, layers=3)
+    draft = perturbed(target, scale, seed=11)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33, 34, 35]]
+    eos = [4, 17, 23]  # frequent enough that some rows end early
+    answers, decoded = [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        y, _ = target_generate(target, ids, max_new_tokens=max_new, eos_token_id=eos)
+        out, c = speculative_generate(target, draft, ids, num_speculative_tokens=gamma, max_new_tokens=max_new,
+                                      eos_token_id=eos)
+        assert out == y
+        answers.append(y[0])
+        decoded.append(c)
+    assert any(a[-1] in eos for a in answers) or scale  # the EOS path is exercised in at least one case
+    replayed = replay_greedy(draft, prompts, answers, gamma, max_new, eos, batch_size=2)
+    keys = ("proposed", "reached", "accepted", "accepted_hist", "rounds", "emitted", "bonus")
+    for r, d in zip(replayed, decoded):
+        assert {k: asdict(r)[k] for k in keys} == {k: asdict(d)[k] for k in keys}

@@ -24,9 +24,16 @@ def _examples(words, prefix):
 
 
 def test_parse_source_and_overlap():
-    assert parse_source("humaneval:100:4") == ("humaneval", 100, 4)
-    assert parse_source("mt-bench:3") == ("mt-bench", 3, None)
-    assert parse_source("conversations") == ("conversations", 0, None)
+    assert parse_source("humaneval:100:4") == ("humaneval", 100, 4, 1)
+    assert parse_source("mt-bench:3") == ("mt-bench", 3, None, 1)
+    assert parse_source("conversations") == ("conversations", 0, None, 1)
+    assert parse_source("mt-bench:0:27:3") == ("mt-bench", 0, 27, 3)
+    from specdraft.pipeline import load_sources
+
+    spread = load_sources(["mt-bench:0:27:3"])
+    assert len(spread) == 27 and len({e.meta["category"] for e in spread}) == 8
+    assert len(load_sources(["conversations"], unique=True)) == len(
+        {json.dumps(e.prompt_messages) for e in load_sources(["conversations"])})
     train, ev = _examples("cdef", "t"), _examples("efgh", "e")
     assert prompt_overlap(train, ev) == ["e-e", "e-f"]
 
@@ -34,7 +41,7 @@ def test_parse_source_and_overlap():
 def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     cfg = make_config("tiny", target=tdir, draft=ddir)
-    train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
+    train, ev, ood = _examples("cdefghij", "t"), _examples("klm", "e"), _examples("nop", "o")
     out = tmp_path / "run"
 
     import specdraft.distill as distill_mod
@@ -50,18 +57,23 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(distill_mod, "run_distill", flaky)
     with pytest.raises(PipelineError) as e:
-        run_pipeline(cfg, out, command="specdraft run --out X", eval_examples=ev, train_examples=train)
+        run_pipeline(cfg, out, command="specdraft run --out X", eval_examples=ev, train_examples=train,
+                     ood_examples=ood)
     assert "stage 'distill' failed" in str(e.value) and "specdraft run --out X" in str(e.value)
     for stage in ("check", "eval_before", "dump"):
         assert (out / stage / "stage.json").is_file()
     assert not (out / "distill" / "stage.json").exists()
 
     logs = []
-    report = run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train)
+    report = run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train, ood_examples=ood)
+    assert report["eval_after"]["sets"]["ood"]["prompts"] == 3 and "out-of-domain" in (out / "report.md").read_text()
     assert any("[dump] done earlier" in m for m in logs) and any("[check] done earlier" in m for m in logs)
     assert report["timings"]["dump"]["skipped"] and not report["timings"]["distill"]["skipped"]
-    assert report["eval_before"]["lossless"] and report["eval_after"]["lossless"]
-    assert report["eval_before"]["prompts"] == 3
+    assert report["speed"]["lossless"] and report["speed"]["prompts"] == 3
+    held = report["eval_before"]["sets"]["held_out"]
+    assert held["prompts"] == 3 and held["method"] == "decoded" and held["replay_check"] == "3/3"  # float32: exact
+    assert report["eval_after"]["sets"]["held_out"]["method"] == "replayed"
+    assert set(report["speed"]["contenders"]) == {"target", "speculative:original", "speculative:distilled"}
     spec = out / "export" / "speculator"
     conf = json.loads((spec / "config.json").read_text())
     assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
@@ -69,20 +81,21 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert "before distillation" in md and "vllm serve" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "report.json").read_text())
-    assert saved["eval_after"]["acceptance_rate"] == report["eval_after"]["acceptance_rate"]
+    after = lambda r: r["eval_after"]["sets"]["held_out"]["acceptance_rate"]
+    before = lambda r: r["eval_before"]["sets"]["held_out"]["acceptance_rate"]
+    assert after(saved) == after(report)
     # Statistics and the learning curve reach the report: the paired gain over the same 3 prompts, and
     # held-out α from step 0 to the last step.
-    assert "acceptance gain (paired 95% CI)" in md and "acceptance rate 95% CI" in md
-    gain = saved["acceptance_gain"]
+    assert "acceptance gain, paired 95% CI" in md and "greedy acceptance (accepted / proposed), 95% CI" in md
+    gain = saved["acceptance_gain"]["held_out"]
     assert gain["prompts"] == 3 and gain["ci"][0] <= gain["value"] <= gain["ci"][1]
-    assert gain["value"] == pytest.approx(saved["eval_after"]["acceptance_rate"]
-                                          - saved["eval_before"]["acceptance_rate"])
+    assert gain["value"] == pytest.approx(after(saved) - before(saved))
     curve = report["distill"]["curve"]
     assert [p["step"] for p in curve] == [0, cfg.distill.max_steps] and 0 <= curve[-1]["eval_alpha"] <= 1
     # A third run does nothing but the report.
     logs.clear()
-    run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train)
-    assert sum("done earlier" in m for m in logs) == 6
+    run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train, ood_examples=ood)
+    assert sum("done earlier" in m for m in logs) == 7
 
 
 def test_overlap_refused_when_asked(tmp_path):
@@ -97,10 +110,10 @@ def test_real_pair_pipeline_ci_preset(tmp_path):
     cfg = make_config("ci")
     report = run_pipeline(cfg, tmp_path / "run")
     assert report["check"]["verdict"] == "identical"
-    assert report["eval_before"]["lossless"] and report["eval_after"]["lossless"]
+    assert report["speed"]["lossless"]
     assert report["dump"]["sequences"] == 3
     assert report["distill"]["steps"] == 2
-    assert report["eval_before"]["acceptance_rate"] > 0.3
+    assert report["eval_before"]["sets"]["held_out"]["acceptance_rate"] > 0.3
     assert (tmp_path / "run" / "export" / "speculator" / "model.safetensors").is_file()
 
 
@@ -119,7 +132,7 @@ def test_run_cli_on_tiny_pair(tmp_path):
     assert r.exit_code == 0, r.output
     assert "vllm serve" in r.output and (tmp_path / "run" / "report.md").is_file()
     r2 = CliRunner().invoke(app, args)
-    assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 6
+    assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 7
     bad = CliRunner().invoke(app, [*args[:-2], "--out", str(tmp_path / "run2"), "--preset", "nope"])
     assert bad.exit_code != 0 and "--preset" in bad.output
 
@@ -140,7 +153,8 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     cfg = make_config("tiny", target=str(tdir), draft=str(ddir), vocab_swap=True)
     report = run_pipeline(cfg, tmp_path / "run", eval_examples=ev, train_examples=train)
     assert report["check"]["verdict"] == "mismatch"
-    assert report["eval_before"]["lossless"] and report["eval_after"]["lossless"]
+    assert report["speed"]["lossless"]
+    assert report["eval_before"]["sets"]["held_out"]["replay_check"] is None  # decoded through the mapping only
     swap = report["vocab_swap"]
     assert swap["width"] == 300 and swap["copied"] + swap["initialised"] == 300
     spec = tmp_path / "run" / "export" / "speculator"
@@ -150,8 +164,9 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
 
     for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):
         r = json.loads(json.dumps(report, default=str))
-        r["eval_before"]["speedup"], r["eval_after"]["speedup"] = before, after
-        assert ("decodes slower than the original (0.50x vs 1.50x" in render_markdown(r)) == warned
+        c = r["speed"]["contenders"]
+        c["speculative:original"]["speedup"], c["speculative:distilled"]["speedup"] = before, after
+        assert ("decoded slower than the original in the interleaved run (0.50x vs 1.50x" in render_markdown(r)) == warned
 
 
 def test_every_preset_validates_and_exports_the_evaluated_gamma():

@@ -749,6 +749,12 @@ def distill(
     held_out_fraction: Annotated[float, typer.Option(help="Share of sequences held out for α.")] = 0.1,
     eval_steps: Annotated[int, typer.Option(help="Held-out evaluation every N steps; 0 = end only.")] = 0,
     save_steps: Annotated[int, typer.Option(help="Checkpoint every N steps (resume point).")] = 50,
+    on_policy_fraction: Annotated[float, typer.Option(
+        help="λ: share of training sequences the draft writes itself from the training prompts (sampled at "
+        "--temperature/--top-k/--top-p), scored by the target; 0 = the dump only.")] = 0.0,
+    on_policy_every: Annotated[int, typer.Option(help="Regenerate the draft-written sequences every N steps.")] = 10,
+    on_policy_max_new_tokens: Annotated[int | None, typer.Option(
+        help="Length bound of the draft's answers (default: the dump's --generate, else 128).")] = None,
     num_speculative_tokens: Annotated[int, typer.Option(min=1, help="γ recorded in the exported speculator.")]
         = NUM_SPECULATIVE_TOKENS,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
@@ -761,7 +767,9 @@ def distill(
         loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
         batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
         scheduler=scheduler, seed=seed, dtype=dtype, train=train, train_last_layers=train_last_layers,
-        held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps)
+        held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
+        on_policy_fraction=on_policy_fraction, on_policy_every=on_policy_every,
+        on_policy_max_new_tokens=on_policy_max_new_tokens)
     res = run_distill(target, draft, dump, out, cfg, resume=not no_resume, num_speculative_tokens=num_speculative_tokens)
     m = res["metrics"]
     table = Table(title="Distillation (held-out, token-weighted)")
@@ -773,6 +781,10 @@ def distill(
     console.print(table)
     console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
                   f"{m['seconds']:.0f} s. Speculator: {res['speculator']}")
+    if (onp := m.get("on_policy")) is not None:
+        console.print(f"on-policy: {onp['sequences']} sequences written by the draft ({onp['generated_tokens']:,} "
+                      f"tokens in {onp['generate_seconds']:.0f} s), scored by the target ({onp['teacher_tokens']:,} "
+                      f"tokens in {onp['teacher_seconds']:.0f} s), at steps {onp['refresh_steps']}")
 
 
 # -------------------------------------------------------------------------------------------- run
@@ -783,10 +795,14 @@ def run_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
     train_data: Annotated[list[str] | None, typer.Option(
-        help="Training prompt source name[:offset[:limit]] (repeatable): humaneval, mt-bench, conversations, a "
+        help="Training prompt source name[:offset[:limit[:stride]]] (repeatable): humaneval, mt-bench, conversations, a "
         ".jsonl or a saved dataset. Default: the preset's.")] = None,
     eval_data: Annotated[list[str] | None, typer.Option(
-        help="Held-out evaluation prompt source name[:offset[:limit]] (repeatable). Default: the preset's.")] = None,
+        help="Held-out evaluation prompt source name[:offset[:limit[:stride]]] (repeatable): the headline acceptance gain. "
+        "Default: the preset's.")] = None,
+    ood_data: Annotated[list[str] | None, typer.Option(
+        help="A second held-out set, reported separately (another domain, which must not get worse; repeatable). "
+        "Default: the preset's.")] = None,
     out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
         = Path("runs/default"),
     preset: Annotated[PresetName, typer.Option(help="default (2-core CPU, ~15 min), ci (minutes), large (GPU, "
@@ -808,7 +824,7 @@ def run_cmd(
     from specdraft.report import slower_note, summary_rows
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
-                      refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
+                      ood_prompts=ood_data, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
                       eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
                             "gamma_policy": gamma_policy})
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")

@@ -176,6 +176,14 @@ class DistillConfig(BaseModel):
                             "every N steps: the learning curve; 0 = before and after training only.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
     logging_steps: int = Field(1, ge=1, description="Log every N steps.")
+    on_policy_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="λ: share of training sequences written by the draft itself from the "
+        "training prompts (sampled with the serving temperature / top-k / top-p) and scored by the target in one "
+        "forward pass (DistillSpec; TRL GKD's lmbda); 0 = the dump's target-written sequences only.")
+    on_policy_every: int = Field(10, ge=1, description="Regenerate the draft-written sequences every N optimizer "
+                                 "steps, from the draft as trained so far.")
+    on_policy_max_new_tokens: int | None = Field(
+        None, ge=1, description="Length bound of the draft's answers; default the dump's --generate (else 128).")
 
 
 class ExportConfig(BaseModel):
@@ -197,7 +205,7 @@ class ExportConfig(BaseModel):
 class PipelineConfig(BaseModel):
     """Everything ``specdraft run`` does; a preset fills it, flags override single fields.
 
-    Prompt sources are ``name[:offset[:limit]]`` (:func:`specdraft.pipeline.parse_source`); evaluation prompts
+    Prompt sources are ``name[:offset[:limit[:stride]]]`` (:func:`specdraft.pipeline.parse_source`); evaluation prompts
     never enter training. γ of the export is the evaluation's.
     """
 
@@ -206,8 +214,14 @@ class PipelineConfig(BaseModel):
     target: str = Field(description="Target (verifier): embedded name, local HF directory or cached hub id.")
     draft: str = Field(description="Draft: embedded name, local HF directory or cached hub id.")
     preset: PresetName = "default"
-    eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources.")
+    eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources of the domain the preset "
+                                    "trains for: the headline acceptance gain.")
+    ood_prompts: list[str] = Field(default_factory=list, description="A second held-out set, reported separately "
+                                   "(out of the training domain): distillation must not make it worse.")
     train_prompts: list[str] = Field(description="Training prompt sources (the target answers them).")
+    speed_prompts: int = Field(4, ge=0, description="Prompts (the first of eval_prompts) of the interleaved speed "
+                               "run: target alone, original and distilled draft, transformers' assisted "
+                               "generation; 0 = no speed run.")
     eval: EvalConfig
     dump: DumpConfig
     distill: DistillConfig

@@ -12,6 +12,16 @@ micro-batch contributes its *sum* divided by that count. Averaging micro-batch m
 default when a batch has no ``labels`` — would let a micro-batch of one trained token weigh as much as one of
 a thousand. Logged losses stay per-token means of the step.
 
+**On-policy data** (``on_policy_fraction`` λ > 0; DistillSpec, Zhou et al. 2024, §4: training on the draft's
+own generations gave the largest acceptance gains; TRL's GKD calls λ ``lmbda``): of every optimizer step's
+global batch of G sequences, ⌊λ·G·(s+1)⌋ − ⌊λ·G·s⌋ at step s (λ·G on average, exactly over many steps) are
+written by the draft itself — it answers training prompts (the dump's sequences up to their first trained
+position), sampled with the serving temperature / top-k / top-p — and scored by the target in one forward pass
+with the dump's own teacher code (:func:`specdraft.dump.teacher_items`); the rest are the dump's target-written
+sequences. Every ``on_policy_every`` steps the draft, as trained so far, writes the next steps' share
+(:class:`OnPolicyStream`, :class:`DraftWriter`); generation and the teacher pass are timed in
+``metrics["on_policy"]``. λ = 0 is the dump-only path, untouched: no target is loaded.
+
 **Learning curve**: with ``eval_steps`` the held-out set is scored every N steps (teacher-forced, no decoding;
 α = Σ min(p̃, q̃) under the serving filter); :func:`learning_curve` reads the points from the training log.
 
@@ -36,6 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 from transformers.utils import ModelOutput
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
@@ -249,6 +260,158 @@ def split_held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[
     return sorted(order[k:]), sorted(order[:k])
 
 
+def prompt_of(item: dict[str, Any]) -> list[int] | None:
+    """The prompt of a dump sequence: its ids up to and including the first trained position (that position
+    predicts the first answer token), or ``None`` when the very first position is trained (no prompt to answer)."""
+    mask = item["loss_mask"].bool()
+    if not bool(mask.any()) or bool(mask[0]):
+        return None
+    first = int(mask.nonzero()[0, 0])
+    return item["input_ids"][: first + 1].tolist()
+
+
+def dataset_prompts(dataset) -> list[tuple[str, list[int]]]:
+    """``[(id, prompt ids)]`` of every sequence of ``dataset`` that has a prompt (:func:`prompt_of`).
+
+    Reads token ids only (``TeacherDataset.tokens``, also through a ``Subset``); a plain list of items works too.
+    """
+    from torch.utils.data import Subset
+
+    base, idx = (dataset.dataset, list(dataset.indices)) if isinstance(dataset, Subset) else \
+        (dataset, list(range(len(dataset))))
+    read = getattr(base, "tokens", base.__getitem__)
+    out = []
+    for i in idx:
+        item = read(i)
+        p = prompt_of(item)
+        if p is not None:
+            out.append((str(item.get("id", i)), p))
+    return out
+
+
+class DraftWriter:
+    """Writes on-policy training sequences: the draft answers prompts, the target scores the answers.
+
+    Args:
+        teacher: a :class:`specdraft.dump.Teacher` around the target (the model the dump was made with).
+        tokenizer: the shared tokenizer (pad and EOS ids).
+        dump_config: the dump's :class:`~specdraft.config.DumpConfig`: the signal format and ``max_length``.
+        sampling: the serving filter the draft samples with (``temperature`` > 0, ``top_k``, ``top_p``).
+        max_new_tokens: length bound of an answer.
+
+    Calling ``writer(draft, [(id, prompt ids)], seed)`` returns :class:`~specdraft.dump.TeacherDataset`-like items
+    (``id`` prefixed ``on-policy/``; only the answer is trained) and adds to :attr:`stats`: ``sequences``,
+    ``generated_tokens``, ``generate_seconds`` (the draft's sampling), ``teacher_tokens``, ``teacher_seconds``
+    (the target's forward pass over prompt + answer), ``dropped`` (answers truncation emptied).
+    """
+
+    def __init__(self, teacher, tokenizer, dump_config, sampling, max_new_tokens: int):
+        self.teacher = teacher
+        self.tokenizer = tokenizer
+        self.dump_config = dump_config
+        self.sampling = sampling
+        self.max_new_tokens = max_new_tokens
+        self.stats = {"refreshes": 0, "sequences": 0, "generated_tokens": 0, "generate_seconds": 0.0,
+                      "teacher_tokens": 0, "teacher_seconds": 0.0, "dropped": 0}
+
+    def __call__(self, draft, prompts: list[tuple[str, list[int]]], seed: int) -> list[dict[str, Any]]:
+        from specdraft.data import sequences_from_responses
+        from specdraft.dump import generate_from_ids, teacher_items
+
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        responses = generate_from_ids(draft, self.tokenizer, [p for _, p in prompts], self.max_new_tokens,
+                                      self.sampling, seed=seed, real_vocab=self.teacher.real_vocab)
+        t1 = time.perf_counter()
+        seqs = sequences_from_responses([f"on-policy/{i}" for i, _ in prompts], [p for _, p in prompts], responses,
+                                        answer_only=True, max_length=self.dump_config.max_length, truncate=True)
+        kept = [q for q in seqs if q is not None]
+        items = teacher_items(self.teacher, kept, self.dump_config)
+        t2 = time.perf_counter()
+        st = self.stats
+        st["refreshes"] += 1
+        st["sequences"] += len(items)
+        st["dropped"] += len(seqs) - len(kept)
+        st["generated_tokens"] += sum(map(len, responses))
+        st["teacher_tokens"] += sum(len(q.ids) for q in kept)
+        st["generate_seconds"] += t1 - t0
+        st["teacher_seconds"] += t2 - t1
+        return items
+
+
+class OnPolicyStream(IterableDataset):
+    """The training stream for λ > 0: per optimizer step, the draft's own sequences and the dump's, in order.
+
+    Step s takes G = ``per_step`` sequences (the global batch): first ⌊λ·G·(s+1)⌋ − ⌊λ·G·s⌋ written by the
+    draft, then dump sequences in a seeded order reshuffled every pass (as the Trainer's sampler does for λ = 0).
+    At every step that is a multiple of ``every`` (and at the step a run starts or resumes from) ``writer`` is
+    called once with the draft as it is then, for the draft-written share of the next ``every`` steps; prompts
+    cycle through ``prompts`` in a seeded order. When truncation drops an answer, its slot takes a dump
+    sequence. The stream never ends; the Trainer stops it at ``max_steps``. (accelerate's data loader reads one
+    micro-batch ahead, so the draft that writes at step s has been trained up to step s − 1 or s − 2.)
+
+    Args:
+        dataset: the dump's training sequences (map-style).
+        prompts: ``[(id, prompt ids)]`` (:func:`dataset_prompts`).
+        writer: a :class:`DraftWriter` (any callable ``(draft, prompts, seed) -> items``).
+        draft: the model being trained (the same object, so each refresh sees the current weights).
+        fraction: λ in [0, 1]; ``every``: steps between refreshes; ``per_step``: G; ``seed``: orders and sampling.
+        max_steps: the last step trained; no answer is written for steps past it.
+    """
+
+    def __init__(self, dataset, prompts, writer, draft, fraction: float, every: int, per_step: int, seed: int,
+                 max_steps: int | None = None):
+        if fraction > 0 and not prompts:
+            raise DistillError("on-policy training needs prompts: every training sequence of the dump is trained "
+                               "from its first position (make the dump with --answer-only, as specdraft run does)")
+        if fraction < 1 and len(dataset) == 0:
+            raise DistillError("no dump sequences to train on")
+        self.dataset, self.prompts, self.writer, self.draft = dataset, prompts, writer, draft
+        self.fraction, self.every, self.per_step, self.seed = fraction, every, per_step, seed
+        self.max_steps = max_steps
+        self.start_step = 0  # set to the resumed step before iteration (_StreamStart)
+        self.refresh_steps: list[int] = []
+
+    def on_policy_before(self, step: int) -> int:
+        """Draft-written sequences in steps 0..step−1: ⌊λ·G·step⌋, from the product (never a running sum, so
+        rounding cannot drift; the 1e-9 keeps λ·G·step = 3.0000000001 vs 2.9999999999 on the same side)."""
+        return math.floor(self.fraction * self.per_step * step + 1e-9)
+
+    def _order(self, n: int, salt: int):
+        """An endless seeded order over range(n): a fresh permutation every pass."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
+        while True:
+            yield from torch.randperm(n, generator=g).tolist()
+
+    def __iter__(self):
+        step = self.start_step
+        before = self.on_policy_before(step)
+        dump_order = self._order(len(self.dataset), 0) if len(self.dataset) else iter(())
+        prompt_order = self._order(len(self.prompts), 1) if self.prompts else iter(())
+        for _ in range(step * self.per_step - before):  # a resumed run continues both orders where they were
+            next(dump_order)
+        for _ in range(before):
+            next(prompt_order)
+        pool: list[dict[str, Any]] = []
+        while True:
+            if step == self.start_step or step % self.every == 0:
+                end = (step // self.every + 1) * self.every
+                if self.max_steps is not None:  # the loader reads a batch ahead: nothing past the last step
+                    end = max(min(end, self.max_steps), step)
+                n = self.on_policy_before(end) - self.on_policy_before(step)
+                chosen = [self.prompts[next(prompt_order)] for _ in range(n)] if n else []
+                pool = self.writer(self.draft, chosen, self.seed + step) if chosen else []
+                if chosen:
+                    self.refresh_steps.append(step)
+            k = self.on_policy_before(step + 1) - self.on_policy_before(step)
+            take, pool = pool[:k], pool[k:]
+            yield from take
+            for _ in range(self.per_step - len(take)):
+                yield self.dataset[next(dump_order)]
+            step += 1
+
+
 def _make_trainer_class():
     from transformers import Trainer
 
@@ -396,17 +559,21 @@ def train(
     report_to: str = "none",
     logit_ops=None,
     callbacks: list | None = None,
+    writer=None,
 ) -> dict[str, Any]:
     """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
 
     Checkpoints go to ``output_dir/checkpoints``; with ``resume`` the newest complete checkpoint is resumed.
     ``logit_ops``: the target's final-logit transforms, applied after ``head_weight`` (see :class:`DistillModel`).
     ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. to watch gradients in a test).
+    ``writer``: a :class:`DraftWriter` (needed when ``config.on_policy_fraction`` > 0): the draft writes that share
+    of the training sequences (:class:`OnPolicyStream`); λ = 0 trains on ``train_dataset`` alone, as before.
 
     Returns:
         ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
-        "processes", "seconds", "resumed_from", "draft"}``; ``curve`` is :func:`learning_curve` of the history,
-        ``processes`` the data-parallel ranks.
+        "processes", "seconds", "resumed_from", "draft", "on_policy"}``; ``curve`` is :func:`learning_curve` of
+        the history, ``processes`` the data-parallel ranks, ``on_policy`` the writer's counts and seconds plus
+        the steps it wrote at (``None`` for λ = 0).
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -449,6 +616,19 @@ def train(
         disable_tqdm=False,
         save_only_model=False,
     )
+    stream = None
+    if config.on_policy_fraction > 0:
+        if writer is None:
+            raise DistillError("on_policy_fraction > 0 needs a DraftWriter (the target scores the draft's answers)")
+        stream = OnPolicyStream(train_dataset, dataset_prompts(train_dataset), writer, draft,
+                                config.on_policy_fraction, config.on_policy_every,
+                                config.batch_size * config.gradient_accumulation_steps * args.world_size, config.seed,
+                                config.max_steps)
+        # The Trainer iterates an IterableDataset in order (no sampler, no data skipping on resume: the stream
+        # itself restarts at the resumed step, told by _StreamStart).
+        train_dataset = stream
+        args.ignore_data_skip = True
+        callbacks = [*(callbacks or []), _stream_start_callback(stream)]
     Trainer = _make_trainer_class()
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                       data_collator=collate, callbacks=callbacks)
@@ -469,7 +649,42 @@ def train(
             "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
             "processes": args.world_size,
             "seconds": time.time() - t0,
-            "resumed_from": ckpt, "draft": draft}
+            "resumed_from": ckpt, "draft": draft,
+            "on_policy": None if stream is None else {**getattr(stream.writer, "stats", {}),
+                                                      "refresh_steps": stream.refresh_steps}}
+
+
+def _stream_start_callback(stream: OnPolicyStream):
+    """A TrainerCallback that tells the stream the step training starts from (0, or a resumed checkpoint's)."""
+    from transformers import TrainerCallback
+
+    class _StreamStart(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            stream.start_step = state.global_step
+
+    return _StreamStart()
+
+
+def _draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, config: DistillConfig,
+                  device: str | None) -> DraftWriter:
+    """The target the dump was made with (same dtype, same output head: checked by fingerprint) wrapped as the
+    scorer of the draft's answers, for λ > 0."""
+    from specdraft.config import DumpConfig, SamplingConfig
+    from specdraft.dump import Teacher, head_fingerprint
+    from specdraft.models import load_model
+
+    dump_cfg = DumpConfig.model_validate(manifest["config"])
+    if not dump_cfg.answer_only:
+        raise DistillError("--on-policy-fraction needs a dump made with --answer-only: its sequences mark where the "
+                           "prompt ends, and the draft answers those prompts")
+    target, _ = load_model(target_ref, dtype=manifest["target"]["dtype"], device=device or "cpu")
+    if head_fingerprint(target) != manifest.get("head_fingerprint"):
+        raise DistillError(f"{target_ref} loaded in {manifest['target']['dtype']} is not the target the dump was made "
+                           "with (output-head fingerprints differ): on-policy sequences would be scored by another "
+                           "teacher than the dump's")
+    sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    n = config.on_policy_max_new_tokens or dump_cfg.generate or 128
+    return DraftWriter(Teacher(target, int(manifest["target"]["real_vocab"])), tokenizer, dump_cfg, sampling, n)
 
 
 def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str | Path,
@@ -515,15 +730,18 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     train_idx, held_idx = split_held_out(len(dataset), config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
+    writer = _draft_writer(target_ref, manifest, draft_tok, config, device) if config.on_policy_fraction > 0 else None
     result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
-                   teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops)
+                   teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer)
+    del writer  # frees the target
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
                "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
                "processes": result["processes"],
-               "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"]}
+               "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
+               "on_policy": result["on_policy"]}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dump_dir), "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
                          "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],

@@ -319,7 +319,7 @@ def _capture_module(model):
     return base
 
 
-class _Teacher:
+class Teacher:
     """The target plus a capture of its output head's input, checked against its own logits every batch.
 
     The teacher is ``apply_final_logit_ops(lm_head(h), ops)`` with ``ops`` the architecture's final-logit
@@ -448,28 +448,58 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
     Returns:
         ``(prompts, responses)``: per example the prompt ids and the generated ids.
     """
+    from specdraft.data import encode_prompts
+
+    prompts = encode_prompts(tokenizer, examples)
+    return prompts, generate_from_ids(target, tokenizer, prompts, max_new_tokens, sampling, seed, real_vocab)
+
+
+def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
+                      real_vocab: int | None = None) -> list[list[int]]:
+    """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
+    the draft for on-policy distillation (:class:`specdraft.distill.DraftWriter`).
+
+    Args:
+        model: causal LM (in eval mode for the call; its training mode is restored after).
+        tokenizer: the shared tokenizer (pad id; its EOS joins the model's ``generation_config`` EOS ids).
+        prompts: ``[n]`` token-id lists (chat template already applied).
+        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
+        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
+        seed: seed of the sampling generator.
+        real_vocab: ids at or past it are padding rows and never generated.
+
+    Returns:
+        ``[n]`` generated id lists (prompt excluded, EOS included).
+
+    Raises:
+        DumpError: bad generation settings (a prompt plus N beyond the context window).
+    """
     import torch
 
     from specdraft.config import SamplingConfig
-    from specdraft.data import encode_prompts
     from specdraft.decode import DecodeError, left_pad, target_generate
 
     sampling = sampling or SamplingConfig()
-    prompts = encode_prompts(tokenizer, examples)
-    device = next(target.parameters()).device
+    device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask = left_pad(prompts, pad, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos = getattr(target.generation_config, "eos_token_id", None) if hasattr(target, "generation_config") else None
+    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
+    was_training = model.training
+    model.eval()
     try:
-        responses, _ = target_generate(target, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
-                                       eos_token_id=sorted(eos_ids) or None, real_vocab=real_vocab, generator=gen)
+        with torch.no_grad():
+            responses, _ = target_generate(model, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
+                                           eos_token_id=sorted(eos_ids) or None, real_vocab=real_vocab,
+                                           generator=gen)
     except DecodeError as exc:
         raise DumpError(f"--generate: {exc}") from exc
-    return prompts, responses
+    finally:
+        model.train(was_training)
+    return responses
 
 
 # ------------------------------------------------------------------------------------------ the writer
@@ -640,7 +670,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     model, _ = load_model(resolved, dtype=config.dtype, device=str(device) if device is not None else None)
     identity["head_fingerprint"] = head_fingerprint(model)  # dtype-dependent: also catches "auto" on new hardware
     _check_out_dir(out, identity)
-    teacher = _Teacher(model, real_vocab)
+    teacher = Teacher(model, real_vocab)
     header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, data_name, command)
     if rank == 0 and config.format == "hidden":
         header["head"] = _write_head(out, model)
@@ -795,7 +825,7 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
         "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
                   {"topk_logprobs": "float16", "topk_ids": "int32", "leftover_logmass": "float32"}),
         "top_k": config.top_k if config.format == "topk" else None,
-        "final_norm_applied": None, "final_norm": None,  # known after the first batch (_Teacher.hidden)
+        "final_norm_applied": None, "final_norm": None,  # known after the first batch (Teacher.hidden)
         "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
@@ -899,7 +929,7 @@ def _generated(model, tokenizer, batch: list[Example], config: DumpConfig, sampl
     return kept, len(seqs) - len(kept), sum(map(len, responses))
 
 
-def _rows(teacher: _Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[_Row]:
+def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[_Row]:
     """One right-padded forward over ``seqs`` → per-row teacher signal in storage dtypes, on the CPU."""
     import torch
 
@@ -927,6 +957,28 @@ def _rows(teacher: _Teacher, seqs: list[TokenSequence], config: DumpConfig) -> l
                              "leftover_logmass": left[a:a + n].to("cpu", torch.float32)}))
         a += n
     return rows
+
+
+def teacher_items(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[dict[str, Any]]:
+    """The teacher signal of ``seqs`` from one target forward pass, as :class:`TeacherDataset` items.
+
+    The very code a dump writes its shards with (same capture, same exactness check, same storage dtypes), for
+    sequences that never go to disk: on-policy distillation scores the draft's own answers with it.
+
+    Args:
+        teacher: a :class:`Teacher` around the target.
+        seqs: token sequences with their loss masks (:func:`specdraft.data.sequences_from_responses`).
+        config: the dump settings the signal follows (``format``, ``hidden_dtype``, ``top_k``): the dump's own.
+
+    Returns:
+        Per sequence ``{"id", "input_ids" [S] int64, "loss_mask" [S] bool, "hidden" [S, H] | "topk_logprobs",
+        "topk_ids", "leftover_logmass"}``, CPU tensors, as ``TeacherDataset[i]`` gives them.
+    """
+    import torch
+
+    return [{"id": r.seq.id, "input_ids": torch.tensor(list(r.seq.ids), dtype=torch.long),
+             "loss_mask": torch.tensor([bool(m) for m in r.seq.loss_mask], dtype=torch.bool), **r.signal}
+            for r in _rows(teacher, seqs, config)]
 
 
 def _flush(out: Path, rank: int, index: int, rows: list[_Row], start: int, end: int, dropped: int,
@@ -1017,6 +1069,17 @@ class TeacherDataset:
         return self._handles[si]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        item, (f, a, b) = self._tokens(i)
+        for name in self.manifest["dtype"]:
+            item[name] = f.get_slice(name)[a:b]
+        return item
+
+    def tokens(self, i: int) -> dict[str, Any]:
+        """``self[i]`` without the teacher signal: ``id``, ``input_ids [S] int64``, ``loss_mask [S] bool`` (reads
+        no hidden state: what on-policy distillation needs to find the prompts)."""
+        return self._tokens(i)[0]
+
+    def _tokens(self, i: int):
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
@@ -1028,9 +1091,7 @@ class TeacherDataset:
         item: dict[str, Any] = {"id": self._ids[si][j],
                                 "input_ids": f.get_slice("input_ids")[a:b].long(),
                                 "loss_mask": f.get_slice("loss_mask")[a:b]}
-        for name in self.manifest["dtype"]:
-            item[name] = f.get_slice(name)[a:b]
-        return item
+        return item, (f, a, b)
 
     @property
     def logit_ops(self) -> list[dict[str, Any]]:

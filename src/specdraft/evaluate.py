@@ -73,12 +73,13 @@ def predicted_alpha(
         real_vocab: ``len(tokenizer)``: ids past it are padding rows with zero probability.
 
     Returns:
-        ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float}``
-        (counts first: ``alpha_sum`` and ``positions`` merge across calls).
+        ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float, "per_sequence":
+        [[alpha_sum, positions], …]}`` (counts first: sums and positions merge across calls and sequences).
     """
     sampling = sampling or SamplingConfig()
     width = output_width(target)
     total, n, agree = 0.0, 0, 0
+    per_sequence: list[list[float]] = []
     device = next(target.parameters()).device
     for start in range(0, len(sequences), batch_size):
         chunk = [list(s) for s in sequences[start:start + batch_size]]
@@ -99,12 +100,97 @@ def predicted_alpha(
         else:
             p = filtered_probs(p_l, sampling.temperature, sampling.top_k, sampling.top_p)
             q = filtered_probs(q_l, sampling.temperature, sampling.top_k, sampling.top_p)
-        total += float(sum_min(p, q).sum())
+        a = sum_min(p, q).double()  # [N]
+        row = sel.nonzero()[:, 0]  # the sequence of each selected position
+        sums = torch.zeros(len(chunk), dtype=torch.float64, device=a.device).index_add_(0, row, a)
+        per_sequence += [[float(x), int(c)] for x, c in zip(sums.tolist(), sel.sum(1).tolist())]
+        total += float(a.sum())
         agree += int((p_l.argmax(-1) == q_l.argmax(-1)).sum())
         n += int(sel.sum())
     # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
     return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
-            "top1_agreement": agree / n if n else 0.0}
+            "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence}
+
+
+@torch.no_grad()
+def replay_greedy(
+    draft,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_id: Sequence[int] = (),
+    real_vocab: int | None = None,
+    batch_size: int = 4,
+    pad_id: int = 0,
+) -> list[AcceptanceCounts]:
+    """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt.
+
+    Greedy verification accepts a drafted token iff it equals the target's argmax, and the output is the
+    target's greedy response y. So inside a round that starts after y[:n], the draft's i-th proposal is read in
+    the context y[:n + i] as long as the earlier ones were accepted: the round accepts exactly the run of
+    positions n, n+1, … (at most k) where the draft's teacher-forced argmax equals y, and the target then emits
+    y[n + accepted]. Replaying :func:`~specdraft.decode.speculative_generate`'s rounds (batch 1: k = min(γ,
+    what the row can still emit − 1), an EOS or the length bound ending a row, a row ending inside the accepted
+    block) over that agreement vector gives its counts without decoding; only rounding differs (a full-sequence
+    pass vs cached steps can flip a near-tie argmax in bfloat16), which :func:`run_eval` can check against
+    decoded counts. One target answer serves every draft compared on it (before/after distillation, paired).
+
+    Args:
+        draft: causal LM sharing the target's tokenizer.
+        prompts: ``[n]`` prompt id lists; ``responses``: ``[n]`` the target's greedy answers (EOS included).
+        num_speculative_tokens: γ; ``max_new_tokens``: the bound the answers were generated with.
+        eos_token_id: ids that end a row (as given to the decoding).
+        real_vocab: ids at or past it are padding rows (never proposed).
+
+    Returns:
+        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
+    """
+    eos = set(eos_token_id)
+    width = draft.get_output_embeddings().weight.shape[0]
+    device = next(draft.parameters()).device
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [(list(p), list(r)) for p, r in zip(prompts[start:start + batch_size],
+                                                    responses[start:start + batch_size], strict=True)]
+        ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        logits = draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+        guess = align_logits(logits, width, real_vocab).argmax(-1)  # [b, S]
+        for i, (p, y) in enumerate(chunk):
+            S = ids.shape[1]
+            first = S - len(y) - 1  # left padding: the last prompt position predicts y[0]
+            match = [int(g) == t for g, t in zip(guess[i, first:first + len(y)].tolist(), y)]
+            out.append(_replay_rounds(match, y, num_speculative_tokens, max_new_tokens, eos))
+    return out
+
+
+def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
+    """The rounds of greedy speculative decoding (batch 1) over the agreement vector ``match`` (see
+    :func:`replay_greedy`), recorded as :meth:`AcceptanceCounts.record_round` is by the decoder."""
+    counts = AcceptanceCounts(gamma)
+    n = 0
+    while n < len(y):
+        k = max(0, min(gamma, max_new_tokens - n - 1))
+        acc = 0
+        while acc < k and n + acc < len(y) and match[n + acc]:
+            acc += 1
+        kept, ended = 0, False
+        for t in range(acc + 1):  # the accepted drafts, then the target's own token
+            if n + t >= len(y):
+                break
+            kept += 1
+            ended = y[n + t] in eos or n + t + 1 >= max_new_tokens
+            if ended:
+                break
+        if ended and kept <= acc:  # ended inside the accepted block: no target token
+            counts.record_round(kept, n_proposed=kept, bonus=False)
+        else:
+            counts.record_round(acc, n_proposed=k, bonus=True)
+        n += kept
+        if ended:
+            break
+    return counts
 
 
 @torch.no_grad()
@@ -551,6 +637,205 @@ def run_eval(
         res.predicted_response = predicted_alpha(target, spec_draft, seqs, masks, sampling=sampling,
                                                  real_vocab=real_vocab, pad_id=pad)
     return res
+
+
+def acceptance_eval(
+    target,
+    draft,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    prompt_names: Sequence[str],
+    config: EvalConfig,
+    serving: SamplingConfig,
+    *,
+    answers: Sequence[Sequence[int]] | None = None,
+    vocab_mapping=None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Greedy acceptance of ``draft`` on held-out prompts, per prompt, plus the teacher-forced α at the serving
+    settings: the measure :func:`specdraft.pipeline.run_pipeline` compares before and after distillation.
+
+    Without ``answers`` every prompt is decoded by greedy speculative decoding (batch 1; its output is the
+    target's greedy answer), and the decoder's counts are kept; the same counts are then replayed
+    (:func:`replay_greedy`) and the number of prompts where both agree is reported (``replay_check``). With
+    ``answers`` (the target's answers from an earlier call) nothing is decoded: the counts are replayed, so a
+    second draft is compared on the very same target answers (a paired comparison) in one draft pass per
+    prompt.
+
+    Sampled acceptance: ``alpha_sampled`` is Σ min(p̃, q̃) under ``serving`` (the serving temperature / top-k /
+    top-p), teacher-forced over the target's answers — the per-token acceptance probability of speculative
+    sampling at those contexts (Leviathan et al. 2023, §3.1), not a decoded count.
+
+    Args:
+        target, draft: causal LMs sharing ``tokenizer`` (or a draft of another tokenizer with ``vocab_mapping``,
+            decoded only: replay and teacher forcing need one position grid).
+        prompt_ids / prompt_names: the prompts (chat template applied) and their ids.
+        config: γ and max new tokens (greedy; its ``sampling`` must be greedy).
+        serving: the filter of the sampled α.
+
+    Returns:
+        ``{"method": "decoded" | "replayed", "prompts", "rows": [{"id", "accepted", "proposed", "reached",
+        "alpha_sum", "positions"}], "answers": [[ids]], "counts": AcceptanceCounts dict, "acceptance_rate",
+        "acceptance_rate_ci95", "alpha", "alpha_ci95", "drafted", "mean_accepted_length", "alpha_per_position",
+        "alpha_sampled", "alpha_sampled_ci95", "replay_check", "seconds"}`` (intervals: bootstrap over prompts).
+
+    Raises:
+        ValueError: a sampled ``config``, or ``answers`` with a draft of another tokenizer.
+    """
+    if not config.sampling.greedy:
+        raise ValueError("acceptance_eval measures greedy acceptance; the sampled figure is alpha_sampled")
+    if answers is not None and vocab_mapping is not None:
+        raise ValueError("a draft of another tokenizer cannot be replayed: decode it (answers=None)")
+    t0 = time.perf_counter()
+    gamma, max_new = config.num_speculative_tokens, config.max_new_tokens
+    eos = eos_ids(target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    real_vocab = len(tokenizer)
+    device = next(target.parameters()).device
+    decoded: list[AcceptanceCounts] | None = None
+    if answers is None:
+        answers, decoded = [], []
+        for k, ids in enumerate(prompt_ids):
+            inp, mask = left_pad([ids], pad, device)
+            out, c = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
+                                          max_new_tokens=max_new, eos_token_id=eos, real_vocab=real_vocab,
+                                          vocab_mapping=vocab_mapping, mapped_proposals=config.mapped_proposals)
+            answers.append(out[0])
+            decoded.append(c)
+            if progress:
+                progress(k + 1, len(prompt_ids))
+    answers = [list(a) for a in answers]
+    replayed = None if vocab_mapping is not None else replay_greedy(
+        draft, prompt_ids, answers, gamma, max_new, eos, real_vocab=real_vocab, pad_id=pad)
+    counts_per_prompt = decoded if decoded is not None else replayed
+    keys = ("proposed", "reached", "accepted", "accepted_hist")
+    check = None
+    if decoded is not None and replayed is not None:
+        same = sum(all(getattr(d, k) == getattr(r, k) for k in keys) for d, r in zip(decoded, replayed))
+        check = f"{same}/{len(decoded)}"
+    sampled = None
+    if vocab_mapping is None:
+        seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
+        masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
+        sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
+    rows = []
+    for k, c in enumerate(counts_per_prompt):
+        row = {"id": prompt_names[k], "accepted": sum(c.accepted), "proposed": sum(c.proposed),
+               "reached": sum(c.reached), "answer_tokens": len(answers[k])}
+        if sampled is not None:
+            row["alpha_sum"], row["positions"] = sampled["per_sequence"][k]
+        rows.append(row)
+    total = AcceptanceCounts(gamma)
+    for c in counts_per_prompt:
+        total = total.merge(c)
+    ci = lambda num, den: ratio_ci([r[num] for r in rows], [r[den] for r in rows]).interval if rows else None
+    return {
+        "method": "decoded" if decoded is not None else "replayed", "prompts": len(rows), "rows": rows,
+        "answers": answers, "counts": total.to_dict(), "acceptance_rate": total.acceptance_rate,
+        "acceptance_rate_ci95": ci("accepted", "proposed"), "alpha": total.alpha, "alpha_ci95": ci("accepted", "reached"),
+        "drafted": sum(total.proposed), "mean_accepted_length": total.mean_accepted_length,
+        "alpha_per_position": total.alpha_per_position,
+        "alpha_sampled": sampled["alpha"] if sampled else None,
+        "alpha_sampled_ci95": ci("alpha_sum", "positions") if sampled else None,
+        "serving": serving.model_dump(), "replay_check": check, "seconds": time.perf_counter() - t0,
+    }
+
+
+def interleaved_speed(
+    target,
+    drafts: dict[str, Any],
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    prompt_names: Sequence[str],
+    config: EvalConfig,
+    *,
+    hf_draft: str | None = None,
+    vocab_mappings: dict[str, Any] | None = None,
+    warmup_tokens: int = 8,
+) -> dict[str, Any]:
+    """Tokens/s of the target alone, of speculative decoding with each draft and (``hf_draft``: the name of one
+    of ``drafts``) of transformers' assisted generation, in one run: after a warm-up (every contender decodes
+    ``warmup_tokens`` of the first prompt, untimed), prompt by prompt with the contenders in a rotating order,
+    so machine noise and warm caches hit all alike.
+
+    Greedy outputs are compared with the target alone's (a divergence beyond the dtype's rounding tolerance is a
+    bug: ``lossless`` False). Speed-ups are ratios of tokens/s on the same prompts with a paired bootstrap
+    interval (:func:`specdraft.stats.paired_ratio_ci`).
+
+    Returns:
+        ``{"prompts", "contenders": {name: {"tokens", "seconds", "tokens_per_s", "tokens_per_s_ci95",
+        "speedup", "speedup_ci95", "matches_target"}}, "rows": [{"id", name: [tokens, seconds], …}],
+        "divergences", "lossless", "warmup_tokens"}``; contender names: ``target``, ``speculative:<draft>``,
+        ``hf_assisted:<draft>``.
+    """
+    from specdraft.stats import paired_ratio_ci
+
+    sampling, gamma, max_new = config.sampling, config.num_speculative_tokens, config.max_new_tokens
+    vocab_mappings = vocab_mappings or {}
+    eos = eos_ids(target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    real_vocab = len(tokenizer)
+    device = next(target.parameters()).device
+    tol = ROUNDING_TOLERANCE.get(next(target.parameters()).dtype, 0.5)
+    hf_config = hf_generation_config(sampling, max_new, eos, pad, gamma, config.draft_confidence_threshold)
+
+    def run(name: str, ids: list[int], k: int, n_new: int) -> list[int]:
+        inp, mask = left_pad([ids], pad, device)
+        gen = torch.Generator(device=device).manual_seed(config.seed + k)
+        common = {"sampling": sampling, "max_new_tokens": n_new, "real_vocab": real_vocab, "eos_token_id": eos,
+                  "generator": gen}
+        if name == "target":
+            return target_generate(target, inp, mask, **common)[0][0]
+        kind, draft_name = name.split(":", 1)
+        if kind == "speculative":
+            return speculative_generate(target, drafts[draft_name], inp, mask, num_speculative_tokens=gamma,
+                                        draft_confidence_threshold=config.draft_confidence_threshold,
+                                        vocab_mapping=vocab_mappings.get(draft_name),
+                                        mapped_proposals=config.mapped_proposals, **common)[0][0]
+        mapping = vocab_mappings.get(draft_name)
+        extra = {"tokenizer": tokenizer, "assistant_tokenizer": mapping.draft_tokenizer} if mapping else {}
+        gc = hf_config if n_new == max_new else copy.deepcopy(hf_config)
+        gc.max_new_tokens = n_new
+        if not sampling.greedy:
+            torch.manual_seed(config.seed + k)
+        with torch.no_grad(), _models_generation_config(gc, target, drafts[draft_name]):
+            out = target.generate(input_ids=inp, attention_mask=mask, assistant_model=drafts[draft_name],
+                                  generation_config=gc, **extra)
+        return out[0, inp.shape[1]:].tolist()
+
+    names = ["target"] + [f"speculative:{d}" for d in drafts] + ([f"hf_assisted:{hf_draft}"] if hf_draft else [])
+    if prompt_ids:
+        for name in names:  # warm-up: first calls pay for allocation and kernel selection
+            run(name, list(prompt_ids[0]), 0, warmup_tokens)
+    rows, divergences = [], []
+    for k, ids in enumerate(prompt_ids):
+        row: dict[str, Any] = {"id": prompt_names[k]}
+        outputs = {}
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            t0 = time.perf_counter()
+            outputs[name] = run(name, list(ids), k, max_new)
+            row[name] = [len(outputs[name]), time.perf_counter() - t0]
+        if sampling.greedy:
+            for name in names[1:]:
+                row[f"{name}:matches"] = _compare(target, ids, outputs["target"], outputs[name], prompt_names[k],
+                                                  name, tol, divergences)
+        rows.append(row)
+    contenders = {}
+    for name in names:
+        tok, sec = [r[name][0] for r in rows], [r[name][1] for r in rows]
+        c = {"tokens": sum(tok), "seconds": sum(sec), "tokens_per_s": sum(tok) / sum(sec) if sum(sec) else 0.0,
+             "tokens_per_s_ci95": ratio_ci(tok, sec).interval if rows else None}
+        if name != "target" and rows:
+            base_tok, base_sec = [r["target"][0] for r in rows], [r["target"][1] for r in rows]
+            sp = paired_ratio_ci(tok, sec, base_tok, base_sec)
+            c |= {"speedup": sp.value, "speedup_ci95": sp.interval}
+            if sampling.greedy:
+                c["matches_target"] = f"{sum(r[f'{name}:matches'] for r in rows)}/{len(rows)}"
+        contenders[name] = c
+    bugs = [d for d in divergences if not d.is_numerics and not d.contender.startswith("hf_assisted")]
+    return {"prompts": len(rows), "contenders": contenders, "rows": rows, "warmup_tokens": warmup_tokens,
+            "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in divergences],
+            "lossless": not bugs, "max_new_tokens": max_new, "num_speculative_tokens": gamma}
 
 
 def write_report(res: EvalResult, out_dir: str | Path, title: str = "specdraft eval") -> dict[str, Path]:

@@ -4,15 +4,25 @@ Stages, each a library call writing into ``OUT/<stage>/`` and finished by a ``st
 its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped):
 
 1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
-2. ``eval_before`` predicted α + target-only vs speculative decoding on held-out prompts (+ transformers'
-                   assisted generation) (:func:`specdraft.evaluate.run_eval`)
+2. ``eval_before`` greedy acceptance of the original draft per held-out set, decoded (the target's answers
+                   are kept), + α at the serving settings (:func:`specdraft.evaluate.acceptance_eval`)
 3. ``vocab_swap``  only for a draft of another tokenizer: re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`)
 4. ``dump``        the target's teacher signal on the training prompts, responses written by the target
                    itself (:func:`specdraft.dump.run_dump`)
 5. ``distill``     the draft trained against the dump (:func:`specdraft.distill.run_distill`)
-6. ``eval_after``  the same evaluation with the distilled draft
-7. ``export``      the distilled draft as an independent speculator + the vLLM command (:mod:`specdraft.export`)
-8. ``report``      ``report.md``, ``report.json`` and plots (:mod:`specdraft.report`)
+6. ``eval_after``  the distilled draft on the same target answers (replayed: a paired comparison)
+7. ``speed``       one interleaved timing run after a warm-up: target alone, original and distilled draft,
+                   transformers' assisted generation (:func:`specdraft.evaluate.interleaved_speed`)
+8. ``export``      the distilled draft as an independent speculator + the vLLM command (:mod:`specdraft.export`)
+9. ``report``      ``report.md``, ``report.json`` and plots (:mod:`specdraft.report`)
+
+**Evaluation design.** Acceptance is measured on held-out prompts in two sets, reported separately:
+``eval_prompts`` (the domain the preset trains for: the headline gain) and ``ood_prompts`` (a second domain
+that must not get worse). Before distillation every prompt is decoded by greedy speculative decoding, which
+writes the target's greedy answer; after it, the distilled draft's counts are replayed on those very answers
+(:func:`specdraft.evaluate.replay_greedy`; exact for greedy verification, and checked against the decoded counts
+of the original draft on every prompt), so the gain is paired prompt by prompt and costs one draft pass per
+prompt instead of a second decoding. Speed is measured once, interleaved, on a few prompts.
 
 Evaluation prompts never enter training: overlaps between the two prompt sets are counted and warned about
 (or refused with ``refuse_overlap``). Everything that can be checked is checked before the first stage runs.
@@ -38,7 +48,7 @@ from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelRef
 
 _LOG = logging.getLogger("specdraft")
 
-STAGES = ("check", "eval_before", "vocab_swap", "dump", "distill", "eval_after", "export", "report")
+STAGES = ("check", "eval_before", "vocab_swap", "dump", "distill", "eval_after", "speed", "export", "report")
 
 #: Training answers are written by the target, evaluation is greedy, models decode in bf16 (as served).
 _DUMP = {"answer_only": True, "dtype": "bfloat16"}
@@ -111,29 +121,44 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     return PipelineConfig(preset=preset, **base)
 
 
-def parse_source(spec: str) -> tuple[str, int, int | None]:
-    """``name[:offset[:limit]]`` → (source, offset, limit). A path may contain ':' only when no offset is given
-    after it (an existing file wins)."""
+def parse_source(spec: str) -> tuple[str, int, int | None, int]:
+    """``name[:offset[:limit[:stride]]]`` → (source, offset, limit, stride): every ``stride``-th example from
+    ``offset`` on, at most ``limit`` of them (``mt-bench:0:27:3`` spreads 27 prompts over all 8 categories). A
+    path may contain ':' only when no offset is given after it (an existing file wins)."""
     if Path(spec).exists():
-        return spec, 0, None
-    parts = spec.rsplit(":", 2)
+        return spec, 0, None, 1
+    parts = spec.rsplit(":", 3)
     nums = []
     while len(parts) > 1 and parts[-1].isdigit():
         nums.insert(0, int(parts.pop()))
     name = ":".join(parts)
     offset = nums[0] if nums else 0
     limit = nums[1] if len(nums) > 1 else None
-    return name, offset, limit
+    stride = max(nums[2], 1) if len(nums) > 2 else 1
+    return name, offset, limit, stride
 
 
-def load_sources(specs: list[str]):
-    """The examples of several ``name[:offset[:limit]]`` sources, in order."""
+def load_sources(specs: list[str], unique: bool = False):
+    """The examples of several ``name[:offset[:limit[:stride]]]`` sources, in order.
+
+    With ``unique`` an example whose prompt messages already occurred is dropped before ``limit`` counts, so
+    ``conversations:0:32`` is 32 distinct prompts (the embedded chats repeat 52 first questions over 500 rows;
+    greedy answers to a repeated prompt would repeat too)."""
     from specdraft.data import load_examples
 
-    out = []
+    out, seen = [], set()
     for spec in specs:
-        name, offset, limit = parse_source(spec)
-        out.extend(load_examples(name, limit=limit, offset=offset))
+        name, offset, limit, stride = parse_source(spec)
+        examples = load_examples(name, offset=offset)[::stride]
+        if unique:
+            fresh = []
+            for e in examples:
+                key = json.dumps(e.prompt_messages, sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    fresh.append(e)
+            examples = fresh
+        out.extend(examples[:limit] if limit is not None else examples)
     return out
 
 
@@ -201,17 +226,26 @@ class _Plan:
     target: ModelRef
     draft: ModelRef
     overlap: list[str]
+    oods: list
+
+    @property
+    def sets(self) -> dict[str, list]:
+        """The evaluation sets by name: ``held_out`` (the headline) and, when given, ``ood``."""
+        return {"held_out": self.evals} | ({"ood": self.oods} if self.oods else {})
 
 
-def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_examples) -> _Plan:
+def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_examples, ood_examples=None) -> _Plan:
     """Every check that needs no weights: prompts exist and are disjoint, references resolve, disk suffices."""
     from specdraft.models import resolve_ref
 
     evals = eval_examples if eval_examples is not None else load_sources(cfg.eval_prompts)
-    trains = train_examples if train_examples is not None else load_sources(cfg.train_prompts)
+    # Repeated training prompts are dropped when the target answers greedily: their sequences would repeat.
+    trains = train_examples if train_examples is not None else load_sources(
+        cfg.train_prompts, unique=cfg.dump.generate is not None and cfg.dump.temperature == 0)
+    oods = ood_examples if ood_examples is not None else load_sources(cfg.ood_prompts)
     if not evals or not trains:
         raise PipelineError("the pipeline needs evaluation and training prompts (preset prompt lists are empty)")
-    overlap = prompt_overlap(trains, evals)
+    overlap = prompt_overlap(trains, evals + oods)
     if overlap:
         msg = f"{len(overlap)} evaluation prompt(s) also occur in the training prompts (e.g. {overlap[:3]})"
         if cfg.refuse_overlap:
@@ -224,7 +258,7 @@ def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_example
     if need > 0.9 * free:
         raise PipelineError(f"the teacher dump needs about {need / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB "
                             "free; free disk, pick another --out, or use a smaller preset / --format topk")
-    return _Plan(evals, trains, target, draft, overlap)
+    return _Plan(evals, trains, target, draft, overlap, oods)
 
 
 def _check_stage(cfg: PipelineConfig, plan: _Plan) -> Callable[[Path], dict[str, Any]]:
@@ -245,24 +279,61 @@ def _check_stage(cfg: PipelineConfig, plan: _Plan) -> Callable[[Path], dict[str,
     return run
 
 
-def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, compare_hf: bool,
-                map_vocab: bool = False) -> Callable[[Path], dict[str, Any]]:
+def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bool = False,
+                before: dict[str, Any] | None = None) -> Callable[[Path], dict[str, Any]]:
+    """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`): ``before`` is None for
+    the original draft (decoded: the target's answers are written here), else the distilled draft is replayed on
+    the answers ``before`` holds (the same target answers: a paired comparison)."""
+
     def run(d: Path) -> dict[str, Any]:
+        from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.evaluate import run_eval, write_report
+        from specdraft.evaluate import acceptance_eval
         from specdraft.models import load_model
         from specdraft.vocab import build_vocab_mapping
 
         target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
         draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
         mapping = build_vocab_mapping(plan.target.path, draft_path) if map_vocab else None
-        res = run_eval(target, draft, tok, encode_prompts(tok, plan.evals), [e.id for e in plan.evals],
-                       cfg.eval.model_copy(update={"compare_hf": compare_hf}), vocab_mapping=mapping,
-                       record={"target": cfg.target, "draft": str(draft_path)})
-        write_report(res, d, title=d.name)
+        serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
+        sets = {}
+        for name, examples in plan.sets.items():
+            answers = before["sets"][name]["answers"] if before is not None else None
+            sets[name] = acceptance_eval(target, draft, tok, encode_prompts(tok, examples), [e.id for e in examples],
+                                         cfg.eval, serving, answers=answers, vocab_mapping=mapping)
+            sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
+        atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
         del target, draft  # free both models before the next stage loads its own
         gc.collect()
-        return res.summary() | {"counts": res.spec_counts.to_dict(), "per_prompt": res.per_prompt}
+        return {"draft": str(draft_path), "sets": sets}
+
+    return run
+
+
+def _speed_stage(cfg: PipelineConfig, plan: _Plan, original: str, distilled: str,
+                 map_vocab: bool) -> Callable[[Path], dict[str, Any]]:
+    """One interleaved timing run (:func:`specdraft.evaluate.interleaved_speed`): target alone, the original and
+    the distilled draft, transformers' assisted generation with the original draft, on the first
+    ``speed_prompts`` held-out prompts, after a warm-up."""
+
+    def run(d: Path) -> dict[str, Any]:
+        from specdraft.data import encode_prompts
+        from specdraft.evaluate import interleaved_speed
+        from specdraft.models import load_model
+        from specdraft.vocab import build_vocab_mapping
+
+        target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
+        drafts = {"original": load_model(original, dtype=cfg.eval.dtype)[0],
+                  "distilled": load_model(distilled, dtype=cfg.eval.dtype)[0]}
+        mappings = {"original": build_vocab_mapping(plan.target.path, original)} if map_vocab else {}
+        examples = plan.evals[: cfg.speed_prompts]
+        res = interleaved_speed(target, drafts, tok, encode_prompts(tok, examples), [e.id for e in examples],
+                                cfg.eval, hf_draft="original" if cfg.eval.compare_hf else None,
+                                vocab_mappings=mappings)
+        atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
+        del target, drafts
+        gc.collect()
+        return res
 
     return run
 
@@ -302,7 +373,8 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
 
 
 def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = None,
-                 log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None) -> dict[str, Any]:
+                 log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None,
+                 ood_examples=None) -> dict[str, Any]:
     """Run every stage (skipping those already done with the same inputs) and write the report.
 
     Args:
@@ -310,7 +382,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         out: the run directory.
         command: how to resume (shown on failure); default ``sys.argv``.
         log: where progress lines go (the CLI prints them; default: the ``specdraft`` logger at INFO).
-        eval_examples / train_examples: explicit example lists (override the prompt sources).
+        eval_examples / train_examples / ood_examples: explicit example lists (override the prompt sources).
 
     Returns:
         The ``report.json`` payload.
@@ -326,17 +398,15 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     command = command or " ".join(["specdraft"] + sys.argv[1:])
     runner = Runner(out, command, log)
     t_all = time.time()
-    plan = _preflight(cfg, out, log, eval_examples, train_examples)
+    plan = _preflight(cfg, out, log, eval_examples, train_examples, ood_examples)
     fingerprint = {"target": cfg.target, "draft": cfg.draft}
 
     check = runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, _check_stage(cfg, plan))
     mapped = check["verdict"] == "mismatch"
-    eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "prompts": [e.id for e in plan.evals]}
-    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, cfg.eval.compare_hf,
-                                                                  mapped))
-    if not before["lossless"]:
-        raise PipelineError(f"greedy speculative decoding diverged beyond rounding tolerance before distillation "
-                            f"(see {out / 'eval_before' / 'report.json'}); this is a bug, please report it")
+    serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
+    eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
+                                 "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
+    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped))
     swap = runner.stage("vocab_swap", fingerprint | {"dtype": cfg.distill.dtype}, _swap_stage(cfg, plan)) \
         if mapped else None
     train_draft = swap["path"] if swap else plan.draft.path
@@ -346,13 +416,21 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                       "gamma": cfg.eval.num_speculative_tokens, "vocab_swap": mapped}
     distilled = runner.stage("distill", distill_inputs, _distill_stage(cfg, plan, train_draft, out / "dump"))
     after = runner.stage("eval_after", eval_inputs | {"distill": distill_inputs},
-                         _eval_stage(cfg, plan, distilled["speculator"], False))
+                         _eval_stage(cfg, plan, distilled["speculator"], False, before=before))
+    speed = None
+    if cfg.speed_prompts:
+        speed = runner.stage("speed", eval_inputs | {"distill": distill_inputs, "speed_prompts": cfg.speed_prompts},
+                             _speed_stage(cfg, plan, plan.draft.path, distilled["speculator"], mapped))
+        if not speed["lossless"]:
+            raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
+                                f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
     export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype},
                           lambda d: copy_speculator(distilled["speculator"], d / "speculator", cfg.target,
                                                     cfg.export_dtype))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
-              "vocab_swap": swap, "dump": dump, "distill": distilled, "eval_after": after, "export": export,
+              "vocab_swap": swap, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed,
+              "export": export,
               "overlap": plan.overlap, "timings": runner.timings, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     write_pipeline_report(report, out)

@@ -22,95 +22,154 @@ def _fmt_ci(ci: list[float] | None, spec: str = "{:.3f}") -> str:
     return "—" if not ci else f"[{spec.format(ci[0])}, {spec.format(ci[1])}]"
 
 
-def acceptance_gain(report: dict[str, Any]) -> Estimate | None:
-    """After − before acceptance rate on the same prompts with a paired 95% bootstrap interval
-    (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when the evaluations kept no per-prompt counts."""
-    b, a = report["eval_before"].get("per_prompt"), report["eval_after"].get("per_prompt")
+#: How each evaluation set is named in the report.
+SET_LABELS = {"held_out": "held-out", "ood": "out-of-domain"}
+
+
+def _sets(report: dict[str, Any]) -> list[str]:
+    return list(report["eval_before"]["sets"])
+
+
+def acceptance_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
+    """After − before greedy acceptance on the same prompts (and the same target answers) with a paired 95%
+    bootstrap interval (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when a set has no rows."""
+    b = report["eval_before"]["sets"].get(name, {}).get("rows")
+    a = report["eval_after"]["sets"].get(name, {}).get("rows")
     return paired_gain_from_rows(b, a) if b and a else None
 
 
+def sampled_alpha_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
+    """After − before teacher-forced α at the serving settings, paired over prompts; ``None`` without it."""
+    b = report["eval_before"]["sets"].get(name, {}).get("rows")
+    a = report["eval_after"]["sets"].get(name, {}).get("rows")
+    if not b or not a or any("alpha_sum" not in r for r in (*b, *a)):
+        return None
+    return paired_gain_from_rows(b, a, numerator="alpha_sum", denominator="positions")
+
+
+def _with_ci(value: float | None, ci: list[float] | None, spec: str = "{:.3f}") -> str:
+    return "—" if value is None else f"{spec.format(value)} {_fmt_ci(ci, spec)}" if ci else spec.format(value)
+
+
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """``(measure, before distillation, after distillation)`` rows of a ``specdraft run`` report."""
-    b, a = report["eval_before"], report["eval_after"]
-    gain = acceptance_gain(report)
-    return [
-        ("acceptance rate (accepted / proposed)", _fmt(b["acceptance_rate"]), _fmt(a["acceptance_rate"])),
-        ("acceptance rate 95% CI (bootstrap over prompts)", _fmt_ci(b.get("acceptance_rate_ci95")),
-         _fmt_ci(a.get("acceptance_rate_ci95"))),
-        ("acceptance gain (paired 95% CI)", "—",
-         "—" if gain is None else f"{gain.value:+.3f} {_fmt_ci(gain.interval, '{:+.3f}')}"),
-        ("mean accepted length (tokens / target pass)", _fmt(b["mean_accepted_length"], "{:.2f}"),
-         _fmt(a["mean_accepted_length"], "{:.2f}")),
-        ("predicted α (teacher-forced, target responses)", _fmt(b["predicted_alpha_response"]),
-         _fmt(a["predicted_alpha_response"])),
-        ("target alone (tokens/s)", _fmt(b["target_tokens_per_s"], "{:.2f}"), _fmt(a["target_tokens_per_s"], "{:.2f}")),
-        ("speculative (tokens/s)", _fmt(b["speculative_tokens_per_s"], "{:.2f}"),
-         _fmt(a["speculative_tokens_per_s"], "{:.2f}")),
-        ("speed-up vs target alone", _fmt(b["speedup"], "{:.2f}x"), _fmt(a["speedup"], "{:.2f}x")),
-        ("transformers assisted generation (tokens/s)", _fmt(b.get("hf_assisted_tokens_per_s"), "{:.2f}"), "—"),
-        ("cost ratio c (draft step / target pass)", _fmt(b["cost_ratio_c"]), _fmt(a["cost_ratio_c"])),
-        ("analytic speed-up at measured α, c", _fmt(b["analytic_speedup"], "{:.2f}x"),
-         _fmt(a["analytic_speedup"], "{:.2f}x")),
-        ("recommended γ", str(b["recommended_gamma"]), str(a["recommended_gamma"])),
-        ("greedy divergences (beyond tolerance)", f"{b['divergences']} ({b['divergences_beyond_tolerance']})",
-         f"{a['divergences']} ({a['divergences_beyond_tolerance']})"),
-    ]
+    """``(measure, before distillation, after distillation)`` rows of a ``specdraft run`` report: per evaluation
+    set the greedy acceptance with its interval, the paired gain, the drafted tokens it rests on and α at the
+    serving settings; then the interleaved speed run."""
+    rows: list[tuple[str, str, str]] = []
+    for name in _sets(report):
+        b, a = report["eval_before"]["sets"][name], report["eval_after"]["sets"][name]
+        tag = f"[{SET_LABELS.get(name, name)}: {b['prompts']} prompts]"
+        gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
+        rows += [
+            (f"{tag} greedy acceptance (accepted / proposed), 95% CI",
+             _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
+             _with_ci(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
+            (f"{tag} acceptance gain, paired 95% CI", "—",
+             "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
+            (f"{tag} drafted tokens (proposed)", f"{b['drafted']:,}", f"{a['drafted']:,}"),
+            (f"{tag} mean accepted length (tokens / target pass)", _fmt(b["mean_accepted_length"], "{:.2f}"),
+             _fmt(a["mean_accepted_length"], "{:.2f}")),
+            (f"{tag} α at the serving settings (teacher-forced), 95% CI",
+             _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95")),
+             _with_ci(a.get("alpha_sampled"), a.get("alpha_sampled_ci95"))
+             + ("" if sgain is None else f"; gain {sgain.value:+.3f} {_fmt_ci(sgain.interval, '{:+.3f}')}")),
+        ]
+        if b.get("replay_check"):
+            rows.append((f"{tag} replayed counts = decoded counts (prompts)", b["replay_check"], "—"))
+    sp = report.get("speed")
+    if sp:
+        c = sp["contenders"]
+        o, d = c.get("speculative:original", {}), c.get("speculative:distilled", {})
+        t = c["target"]
+        hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
+        tag = f"[speed: {sp['prompts']} prompts, interleaved]"
+        rows += [
+            (f"{tag} target alone (tokens/s)", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"),
+             "(same run)"),
+            (f"{tag} speculative (tokens/s)", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
+             _with_ci(d.get("tokens_per_s"), d.get("tokens_per_s_ci95"), "{:.2f}")),
+            (f"{tag} speed-up vs target alone, paired 95% CI",
+             _with_ci(o.get("speedup"), o.get("speedup_ci95"), "{:.2f}"),
+             _with_ci(d.get("speedup"), d.get("speedup_ci95"), "{:.2f}")),
+            (f"{tag} transformers assisted generation (tokens/s)",
+             "—" if hf is None else _with_ci(hf["tokens_per_s"], hf["tokens_per_s_ci95"], "{:.2f}"), "—"),
+            (f"{tag} greedy output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
+        ]
+    return rows
 
 
 def slower_note(report: dict[str, Any]) -> str | None:
-    """A warning when the distilled draft decoded slower than the original, else ``None``."""
-    b, a = report["eval_before"], report["eval_after"]
-    if (a["speedup"] or 0) >= (b["speedup"] or 0):
+    """A warning when the distilled draft decoded slower than the original in the interleaved run, else ``None``."""
+    sp = report.get("speed")
+    if not sp:
         return None
-    return (f"the distilled draft decodes slower than the original ({a['speedup']:.2f}x vs {b['speedup']:.2f}x the "
-            f"target alone on these {b['prompts']} prompt(s)); keep the original draft, or distil longer (more data, "
-            "more steps, the `large` preset) before shipping this one.")
+    o, d = sp["contenders"].get("speculative:original"), sp["contenders"].get("speculative:distilled")
+    if not o or not d or d["speedup"] >= o["speedup"]:
+        return None
+    return (f"the distilled draft decoded slower than the original in the interleaved run ({d['speedup']:.2f}x vs "
+            f"{o['speedup']:.2f}x the target alone on {sp['prompts']} prompt(s); intervals "
+            f"{_fmt_ci(d['speedup_ci95'], '{:.2f}')} vs {_fmt_ci(o['speedup_ci95'], '{:.2f}')}); keep the original "
+            "draft unless its acceptance gain holds, or distil longer (more data, more steps, the `large` preset).")
 
 
 def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
-    """``report.json``, ``report.md`` and ``report.png`` (α per position, accepted lengths, speed), atomically."""
+    """``report.json``, ``report.md`` and ``report.png`` (acceptance per set with intervals, α per position,
+    speed with intervals, learning curve), atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    b, a = report["eval_before"], report["eval_after"]
+    names = _sets(report)
+    B, A = report["eval_before"]["sets"], report["eval_after"]["sets"]
     curve = (report.get("distill") or {}).get("curve") or []
-    fig, axes = plt.subplots(1, 4 if curve else 3, figsize=(18.5 if curve else 14, 3.6))
-    g = len(b["alpha_per_position"])
+    sp = report.get("speed")
+    panels = 2 + bool(sp) + bool(curve)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
+    ax = axes[0]
+    for shift, side, color in ((-0.2, B, "#4C72B0"), (0.2, A, "#55A868")):
+        vals = [side[n]["acceptance_rate"] for n in names]
+        cis = [side[n].get("acceptance_rate_ci95") or [v, v] for n, v in zip(names, vals)]
+        err = [[v - c[0] for v, c in zip(vals, cis)], [c[1] - v for v, c in zip(vals, cis)]]
+        ax.bar([i + shift for i in range(len(names))], vals, 0.4, yerr=err, capsize=3, color=color,
+               label="before" if side is B else "after")
+    ax.set_xticks(range(len(names)), [SET_LABELS.get(n, n) for n in names])
+    ax.set(ylabel="accepted / proposed", ylim=(0, 1.05), title="greedy acceptance (95% CI)")
+    ax.legend()
+    g = len(B[names[0]]["alpha_per_position"])
     xs = list(range(1, g + 1))
-    axes[0].bar([x - 0.2 for x in xs], b["alpha_per_position"], 0.4, label="before")
-    axes[0].bar([x + 0.2 for x in xs], a["alpha_per_position"], 0.4, label="after")
-    axes[0].set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05), title="α per position")
-    axes[0].legend()
-    hb, ha = b["counts"]["accepted_hist"], a["counts"]["accepted_hist"]
-    axes[1].bar([x - 0.2 for x in range(len(hb))], hb, 0.4, label="before")
-    axes[1].bar([x + 0.2 for x in range(len(ha))], ha, 0.4, label="after")
-    axes[1].set(xlabel="drafts accepted per round", ylabel="rounds", title="accepted length")
+    axes[1].bar([x - 0.2 for x in xs], B[names[0]]["alpha_per_position"], 0.4, label="before")
+    axes[1].bar([x + 0.2 for x in xs], A[names[0]]["alpha_per_position"], 0.4, label="after")
+    axes[1].set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05),
+                title=f"α per position ({SET_LABELS.get(names[0], names[0])})")
     axes[1].legend()
-    labels = ["target alone", "speculative (before)", "speculative (after)"]
-    vals = [b["target_tokens_per_s"], b["speculative_tokens_per_s"], a["speculative_tokens_per_s"]]
-    if b.get("hf_assisted_tokens_per_s"):
-        labels.append("HF assisted")
-        vals.append(b["hf_assisted_tokens_per_s"])
-    axes[2].bar(range(len(vals)), vals, color=["#999", "#4C72B0", "#55A868", "#C44E52"][: len(vals)])
-    axes[2].set_xticks(range(len(vals)), labels, rotation=15, fontsize=8)
-    axes[2].set(ylabel="tokens/s", title="decoding speed")
+    k = 2
+    if sp:
+        c = sp["contenders"]
+        keys = list(c)
+        vals = [c[x]["tokens_per_s"] for x in keys]
+        cis = [c[x]["tokens_per_s_ci95"] or [v, v] for x, v in zip(keys, vals)]
+        err = [[v - ci[0] for v, ci in zip(vals, cis)], [ci[1] - v for v, ci in zip(vals, cis)]]
+        axes[k].bar(range(len(keys)), vals, yerr=err, capsize=3,
+                    color=["#999", "#4C72B0", "#55A868", "#C44E52"][: len(keys)])
+        axes[k].set_xticks(range(len(keys)), [x.replace(":", "\n") for x in keys], fontsize=7)
+        axes[k].set(ylabel="tokens/s", title=f"decoding speed (interleaved, {sp['prompts']} prompts)")
+        k += 1
     if curve:
-        _plot_curve(axes[3], curve, b, a)
+        _plot_curve(axes[k], curve, B[names[0]], A[names[0]])
     fig.tight_layout()
     with atomic_path(out / "report.png") as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    gain = acceptance_gain(report)
-    payload = report | {"acceptance_gain": gain.to_dict() if gain else None}
+    gains = {n: (e.to_dict() if (e := acceptance_gain(report, n)) else None) for n in names}
+    payload = report | {"acceptance_gain": gains}
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(report))
 
 
 def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str, Any]) -> None:
-    """Held-out teacher-forced α by step (predicted) beside the acceptance measured by decoding before and after
-    (with its 95% interval when kept): does the cheap curve foretell the measured gain?"""
+    """Held-out teacher-forced α by step (predicted) beside the acceptance measured before and after (with its 95%
+    interval): does the cheap curve foretell the measured gain?"""
     steps = [p["step"] for p in curve]
     ax.plot(steps, [p["eval_alpha"] for p in curve], marker="o", ms=3, label="held-out α (teacher-forced)")
     for x, ev, name, color in ((0, b, "before", "#4C72B0"), (steps[-1], a, "after", "#55A868")):
@@ -124,15 +183,21 @@ def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str,
 
 def render_markdown(r: dict[str, Any]) -> str:
     """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
-    b, dist, exp, cfg = r["eval_before"], r["distill"], r["export"], r["config"]
+    dist, exp, cfg = r["distill"], r["export"], r["config"]
+    sets = r["eval_before"]["sets"]
+    onp = dist.get("on_policy")
     lines = [
         f"# specdraft run — {cfg['target']} ← {cfg['draft']}",
         "",
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
          f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min."),
         "",
-        (f"Evaluation on {b['prompts']} held-out prompt(s) ({', '.join(cfg['eval_prompts'])}), "
-         f"γ = {cfg['eval']['num_speculative_tokens']}, greedy, {cfg['eval']['max_new_tokens']} new tokens each."),
+        ("Evaluation: greedy speculative decoding, γ = "
+         f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
+         + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
+                     f"{v['drafted']:,} drafted tokens" for n, v in sets.items())
+         + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
+         "gain); the sampled figure is α = Σ min(p̃, q̃) at the serving settings, teacher-forced on those answers."),
         "",
         *([] if not (sw := r.get("vocab_swap")) else [
             (f"The draft speaks another tokenizer: *before* decodes it through a vocabulary mapping "
@@ -148,7 +213,12 @@ def render_markdown(r: dict[str, Any]) -> str:
          f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters), loss "
          f"`{cfg['distill']['loss']}`; held-out α (teacher-forced) "
          f"{_fmt(dist['eval_before'].get('eval_alpha'))} → {_fmt(dist['eval_after'].get('eval_alpha'))}, held-out loss "
-         f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."),
+         f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."
+         + ("" if not onp else
+            f" On-policy: λ = {cfg['distill']['on_policy_fraction']}, {onp['sequences']} sequences written by the "
+            f"draft ({onp['generated_tokens']:,} tokens, {onp['generate_seconds']:.0f} s) and scored by the target "
+            f"({onp['teacher_tokens']:,} tokens, {onp['teacher_seconds']:.0f} s), regenerated at steps "
+            f"{onp['refresh_steps']}.")),
         "",
         *([] if (note := slower_note(r)) is None else [f"**Note:** {note}", ""]),
         (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "

@@ -172,3 +172,32 @@ def paired_gain_from_rows(before: Sequence[dict[str, Any]], after: Sequence[dict
 
     return paired_difference_ci(col("before", numerator), col("before", denominator), col("after", numerator),
                                 col("after", denominator), level=level, n_boot=n_boot, seed=seed)
+
+
+def paired_ratio_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float], den_b: Sequence[float],
+                    *, level: float = 0.95, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate:
+    """(Σnum_a / Σden_a) / (Σnum_b / Σden_b) with a *paired* bootstrap interval: a speed-up, e.g. tokens/s of
+    speculative decoding over tokens/s of the target alone, measured on the same prompts (entry k = prompt k).
+
+    Returns:
+        :class:`Estimate` of the ratio (0 where side b is 0).
+
+    Raises:
+        ValueError: sequences of different lengths, no prompts, bad counts or level.
+    """
+    arrays = [_counts(a, name) for a, name in ((num_a, "num_a"), (den_a, "den_a"), (num_b, "num_b"),
+                                               (den_b, "den_b"))]
+    if len({len(a) for a in arrays}) != 1:
+        raise ValueError(f"paired values need one entry per prompt on both sides, got lengths "
+                         f"{[len(a) for a in arrays]}")
+    na, da, nb, db = arrays
+    if len(na) == 0:
+        raise ValueError("no prompts to resample")
+
+    def ratio(ra: np.ndarray, rb: np.ndarray) -> np.ndarray:
+        return np.divide(ra, rb, out=np.zeros_like(ra, dtype=np.float64), where=rb > 0)
+
+    reps = np.concatenate([ratio(_ratio(na[idx], da[idx]), _ratio(nb[idx], db[idx]))
+                           for idx in _replicates(len(na), n_boot, seed)])
+    value = ratio(np.asarray(_ratio(na, da)), np.asarray(_ratio(nb, db)))
+    return _estimate(float(value), reps, level, len(na))

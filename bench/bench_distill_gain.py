@@ -1,0 +1,169 @@
+"""Does distillation raise acceptance on held-out prompts? Dump-only (λ = 0) against on-policy λ, same budget,
+same held-out prompts, same target answers; the gain with a paired 95% bootstrap interval.
+
+Steps, each cached in ``--work`` (reused when its inputs are the same, so λ runs share them):
+
+1. ``answers-<set>.json``: greedy speculative decoding with the original draft writes the target's greedy answers
+   to the held-out prompts (``--chat``: the domain with headroom, the headline; ``--code``: must not get worse),
+   and keeps the original draft's decoded counts (:func:`specdraft.evaluate.acceptance_eval`).
+2. ``dump/``: the target answers the training prompts (``--train``; answer-only hidden-state dump).
+3. per λ in ``--on-policy-fraction``: :func:`specdraft.distill.run_distill` with the same settings but λ, then the
+   distilled draft (bfloat16, as served) is replayed on the answers of step 1 (exact greedy counts), per set.
+
+Writes ``bench/results/distill-gain.json``: the headline (the λ with the largest chat gain) under the keys
+``acceptance_before``, ``acceptance_after``, ``gain``, ``gain_ci95``, ``alpha_tf_before``, ``alpha_tf_after``
+(teacher-forced α, serving settings, on the chat answers), ``minutes`` (that λ's distillation, on-policy
+generation and teacher passes included), ``mode`` ("greedy"), ``on_policy_fraction``, ``command``; every λ's
+figures for both sets under ``runs``.
+
+    python bench/bench_distill_gain.py --on-policy-fraction 0 0.5 [--steps 30 --lr 3e-5 --layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+from specdraft.config import DistillConfig, DumpConfig, EvalConfig, SamplingConfig
+from specdraft.data import encode_prompts
+from specdraft.distill import run_distill
+from specdraft.dump import run_dump
+from specdraft.evaluate import acceptance_eval
+from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from specdraft.pipeline import load_sources
+from specdraft.stats import paired_gain_from_rows
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cached(path: Path, inputs: dict, make):
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == _key(inputs):
+            return saved["result"]
+    result = make()
+    path.write_text(json.dumps({"key": _key(inputs), "inputs": inputs, "result": result}, default=str))
+    return result
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chat", nargs="+", default=["mt-bench:0:27:3"], help="held-out chat prompt sources")
+    ap.add_argument("--code", nargs="*", default=["humaneval:100:16:4"], help="held-out code prompt sources")
+    ap.add_argument("--train", nargs="+", default=["conversations:0:32", "humaneval:0:8"],
+                    help="training prompt sources (repeated prompts dropped before a limit counts)")
+    ap.add_argument("--generate", type=int, default=48, help="tokens the target writes per training prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per held-out answer")
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--on-policy-fraction", type=float, nargs="+", default=[0.0, 0.5])
+    ap.add_argument("--on-policy-every", type=int, default=10)
+    ap.add_argument("--loss", default="tvd", choices=["soft_ce", "tvd", "tvd_deploy"])
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=1.0, help="serving temperature (on-policy sampling, α)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--work", type=Path, default=Path("runs/bench-distill-gain"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    command = "python bench/bench_distill_gain.py " + shlex.join(sys.argv[1:])
+    eval_cfg = EvalConfig(num_speculative_tokens=args.gamma, max_new_tokens=args.max_new_tokens)
+    serving = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
+    sets = {"chat": load_sources(args.chat), **({"code": load_sources(args.code)} if args.code else {})}
+
+    # 1. the target's answers to the held-out prompts, and the original draft's counts on them
+    target, tok = load_model(DEFAULT_TARGET, dtype="bfloat16")
+    draft, _ = load_model(DEFAULT_DRAFT, dtype="bfloat16")
+    before = {}
+    for name, examples in sets.items():
+        inputs = {"prompts": [e.id for e in examples], "eval": eval_cfg.model_dump(), "serving": serving.model_dump(),
+                  "target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
+        before[name] = _cached(args.work / f"answers-{name}.json", inputs, lambda ex=examples: acceptance_eval(
+            target, draft, tok, encode_prompts(tok, ex), [e.id for e in ex], eval_cfg, serving))
+        b = before[name]
+        print(f"[before] {name}: acceptance {b['acceptance_rate']:.3f} on {b['prompts']} prompts, {b['drafted']} "
+              f"drafted; replay = decoded on {b['replay_check']}", flush=True)
+
+    # 2. the dump (the target answers the training prompts)
+    trains = load_sources(args.train, unique=True)
+    dump_cfg = DumpConfig(answer_only=True, dtype="bfloat16", generate=args.generate, max_length=512, batch_size=8)
+    dump_dir = args.work / f"dump-{_key([[e.id for e in trains], dump_cfg.model_dump()])}"
+    t0 = time.time()
+    manifest = run_dump(DEFAULT_TARGET, trains, dump_dir, dump_cfg, command=command)
+    dump_seconds = manifest["this_run"]["seconds"] if manifest["this_run"]["shards_written"] else 0.0
+    print(f"[dump] {manifest['sequences']} sequences, {manifest['tokens']} tokens ({time.time() - t0:.0f} s)", flush=True)
+
+    # 3. per λ: distil, then replay the distilled draft on the same answers
+    runs = []
+    for lam in args.on_policy_fraction:
+        cfg = DistillConfig(loss=args.loss, train="last_layers", train_last_layers=args.layers, lr=args.lr,
+                            max_steps=args.steps, batch_size=args.batch_size, held_out_fraction=0.125,
+                            scheduler="cosine", warmup_ratio=0.1, save_steps=10_000, logging_steps=5,
+                            temperature=args.temperature, top_p=args.top_p, on_policy_fraction=lam,
+                            on_policy_every=args.on_policy_every)
+        out_dir = args.work / f"distill-{_key(cfg.model_dump())}-{_key(str(dump_dir))}"
+        t0 = time.time()
+        res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, dump_dir, out_dir, cfg, resume=False,
+                          num_speculative_tokens=args.gamma)
+        minutes = (time.time() - t0) / 60
+        trained = res["model"].to(torch.bfloat16).eval()
+        run = {"on_policy_fraction": lam, "minutes": minutes, "distill": {
+            k: res["metrics"][k] for k in ("steps", "trainable_parameters", "train_sequences", "eval_before",
+                                           "eval_after", "curve", "on_policy", "seconds")}, "sets": {}}
+        for name, examples in sets.items():
+            after = acceptance_eval(target, trained, tok, encode_prompts(tok, examples), [e.id for e in examples],
+                                    eval_cfg, serving, answers=before[name]["answers"])
+            gain = paired_gain_from_rows(before[name]["rows"], after["rows"])
+            alpha_gain = paired_gain_from_rows(before[name]["rows"], after["rows"], numerator="alpha_sum",
+                                               denominator="positions")
+            run["sets"][name] = {
+                "prompts": after["prompts"], "drafted_before": before[name]["drafted"], "drafted_after": after["drafted"],
+                "acceptance_before": before[name]["acceptance_rate"], "acceptance_after": after["acceptance_rate"],
+                "acceptance_before_ci95": before[name]["acceptance_rate_ci95"],
+                "acceptance_after_ci95": after["acceptance_rate_ci95"], "gain": gain.value, "gain_ci95": gain.interval,
+                "alpha_tf_before": before[name]["alpha_sampled"], "alpha_tf_after": after["alpha_sampled"],
+                "alpha_tf_gain_ci95": alpha_gain.interval, "rows_after": after["rows"]}
+            print(f"[λ={lam}] {name}: {before[name]['acceptance_rate']:.3f} → {after['acceptance_rate']:.3f}, gain "
+                  f"{gain.value:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}]; α_tf {before[name]['alpha_sampled']:.3f} → "
+                  f"{after['alpha_sampled']:.3f} ({minutes:.1f} min)", flush=True)
+        runs.append(run)
+        del trained, res
+
+    best = max(runs, key=lambda r: r["sets"]["chat"]["gain"])
+    chat = best["sets"]["chat"]
+    result = {
+        "acceptance_before": chat["acceptance_before"], "acceptance_after": chat["acceptance_after"],
+        "gain": chat["gain"], "gain_ci95": chat["gain_ci95"], "alpha_tf_before": chat["alpha_tf_before"],
+        "alpha_tf_after": chat["alpha_tf_after"], "minutes": best["minutes"], "mode": "greedy",
+        "on_policy_fraction": best["on_policy_fraction"], "command": command,
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {args.threads} threads",
+        "torch": torch.__version__, "dump_minutes": dump_seconds / 60, "dump_sequences": manifest["sequences"],
+        "dump_tokens": manifest["tokens"], "settings": {k: v for k, v in vars(args).items() if k not in ("work", "out")},
+        "before": {n: {k: v for k, v in b.items() if k not in ("answers", "rows")} | {"rows": b["rows"]}
+                   for n, b in before.items()},
+        "runs": runs,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "distill-gain.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
