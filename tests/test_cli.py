@@ -82,12 +82,12 @@ def test_held_out_offsets_belong_to_the_embedded_datasets():
     # The presets evaluate inside the held-out split and train before it.
     for preset in PRESETS.values():
         for spec in preset["eval_prompts"]:
-            name, offset, _ = parse_source(spec)
+            name, offset, _, _ = parse_source(spec)
             assert offset >= HELD_OUT_OFFSET[name], spec
         for spec in preset["train_prompts"]:
-            name, offset, limit = parse_source(spec)
+            name, offset, limit, stride = parse_source(spec)
             if name == "humaneval":
-                assert offset + limit <= HELD_OUT_OFFSET[name], spec
+                assert offset + (limit - 1) * stride < HELD_OUT_OFFSET[name], spec
 
 
 @pytest.mark.parametrize("width", [80, 50])
