@@ -220,5 +220,5 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
                                  "--dtype", "float32", "--draft-quantization", "int8", "--gamma-policy", "adaptive"])
     assert g.exit_code == 0, g.output
     assert "5 tokens" in g.output
-    bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int4"])
-    assert bad.exit_code == 2 and "int4" in bad.output
+    bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int2"])
+    assert bad.exit_code == 2 and "int2" in bad.output

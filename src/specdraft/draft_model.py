@@ -107,8 +107,8 @@ class Int4Linear(nn.Module):
 
     @staticmethod
     def fits(linear: nn.Linear, group_size: int = 32) -> bool:
-        """Whether the kernel takes this shape (K a multiple of the group size; N even, for the packing)."""
-        return linear.in_features % group_size == 0 and linear.out_features % 2 == 0 and \
+        """Whether the kernel takes this shape (K a multiple of the group size; N of 16, for the packing)."""
+        return linear.in_features % group_size == 0 and linear.out_features % 16 == 0 and \
             linear.weight.device.type == "cpu"
 
     @classmethod
