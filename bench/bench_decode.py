@@ -25,7 +25,10 @@ an ``ablation`` table (c, acceptance, speed-up, prediction error per contender).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -86,6 +89,9 @@ def build_variants(draft, tok, names, head_tokens: int) -> dict:
         variant.config.tie_word_embeddings = False
         variant.set_output_embeddings(head)
         out[n] = variant.eval()
+    gc.collect()  # give the quantisation's temporaries back to the OS: the machine is shared
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     return out
 
 
