@@ -12,14 +12,19 @@ Two transforms, applied by :func:`prepare_draft` in this order (a trimmed head i
    so every other token has q = 0 — the draft never proposes it, and when sampling q is the draft's
    distribution renormalised over the kept set (softmax of −inf is 0). The output keeps the full width, so the
    drafter and verification need no change. The 0.5B Qwen draft's 151,936-row head is about 27% of the
-   weights it reads per step; 32,768 rows keep ~22% of them.
-2. **Int8 linear layers** (:class:`Int8Linear`): every ``nn.Linear`` of the draft (the output head included)
-   holds its weight as int8 with one scale per output row (symmetric, W ≈ scale · W_int8) and runs
-   ``torch._weight_int8pack_mm`` — weight-only int8: the activations stay in the model's dtype (bfloat16), so
-   only the weights are rounded. Chosen by measurement (``bench/bench_draft_kernels.py``, one-token steps of the
-   0.5B draft after a 64-token prefill, 2 threads; docs/benchmarks.md has the figures): it beats the bf16 draft
-   and fbgemm's dynamic int8 quantisation (``torch.ao.quantization.quantize_dynamic``), which torch 2.13 marks
-   deprecated (its quantised-tensor constructors too); torchao is not a dependency.
+   weights it reads per step; keeping 32,768 rows (22% of the head) reads ~21% fewer weights per step.
+2. **Weight-only int8 or int4 linear layers** (:class:`Int8Linear`, :class:`Int4Linear`): every ``nn.Linear`` of
+   the draft (the output head included) holds its weight as int8 with one scale per output row, or as int4 with a
+   scale and zero per group of 32 inputs, and runs ``torch._weight_int8pack_mm`` / ``torch.ops.aten.
+   _weight_int4pack_mm_for_cpu``. Only weights are rounded; activations stay bfloat16. Chosen by measurement
+   (``bench/bench_draft_kernels.py``: one-token steps of the 0.5B Qwen draft after a 64-token prefill, 2 threads,
+   candidates interleaved; docs/benchmarks.md): per step, bf16 1.00, int8 weight-only ~0.48, int4 weight-only ~0.37,
+   torch's fbgemm dynamic int8 (``torch.ao.quantization.quantize_dynamic`` on a float32 copy) ~0.37 — but fbgemm
+   also rounds the activations (one scale per token), which cut the draft's top-1 agreement with the target from
+   0.775 to 0.61–0.64, while both weight-only kernels kept it (0.780); and torch 2.13 marks ``torch.ao.quantization``
+   and its quantised tensors deprecated. Int4 in groups of 32 lost no top-1 agreement on the embedded draft,
+   plausibly because it is a dequantised Q4_K_M GGUF build whose weights already lie on a 4-bit grid of 32-weight
+   blocks; weight-only int8 is the conservative choice for a draft trained in full precision (measure α).
 """
 
 from __future__ import annotations
