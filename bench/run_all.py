@@ -191,18 +191,29 @@ def render_cheap_draft() -> list[str]:
                   (f"`{k['command']}` — {k['date']}, {k['machine']}, torch {k['versions']['torch']}. One-token steps of "
                    f"{k['draft']} after a {k['context_tokens']}-token prefill (batch 1, the decode loop's cache code), "
                    "candidates interleaved within each of 5 rounds, median of the rounds; top-1 agreement with the "
-                   f"target {k['target']}, teacher-forced over the prompt tokens of 4 held-out HumanEval prompts "
-                   f"({k['agreement_positions']})."), "",
+                   f"target {k['target']}, {k['agreement_positions']} (4 held-out prompts)."), "",
                   "| draft | step (ms) | vs bf16 | top-1 agreement with the target |", "| --- | ---: | ---: | ---: |"]
         for n, v in ms.items():
             a = agree.get(n)
             lines.append(f"| {n} | {v:.1f} | {v / base:.2f}x | {'—' if a is None else f'{a:.3f}'} |")
         lines += ["", ("The machine was shared (other jobs held 1–2 of its 2 cores): absolute times are noisy, the "
-                       "ratios within a round less so."), ""]
-    r = _load("decode-greedy-ablation.json")
+                       "ratios within a round less so. Chosen: weight-only int8 (`--draft-quantization int8`, the "
+                       "conservative choice) and int4 (`int4`, fastest at equal agreement here). fbgemm's dynamic "
+                       "int8 is as fast as int4 but also rounds the activations, which costs agreement, and torch "
+                       "2.13 deprecates it (`torch.ao.quantization is deprecated and will be removed`, and its "
+                       "quantised-tensor constructors)."), ""]
+    titles = {"ablation": "A cheaper draft — decoding ablation",
+              "mtbench-adaptive": "A poor pairing — adaptive γ on MT-Bench (never slower than the target alone)"}
+    for name, title in titles.items():
+        lines += _ablation_section(_load(f"decode-greedy-{name}.json"), title)
+    return lines
+
+
+def _ablation_section(r: dict | None, title: str) -> list[str]:
+    lines: list[str] = []
     if r:
         a, ab, hf = r["args"], r["ablation"], r.get("speedup_vs_hf_assisted") or {}
-        lines += ["## A cheaper draft — decoding ablation", "",
+        lines += [f"## {title}", "",
                   (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['versions']['torch']}, transformers "
                    f"{r['versions']['transformers']}. Embedded pair, {a['dtype']}, batch 1, {a['num_prompts']} "
                    f"{a['prompts']} prompts (ids {a['prompt_offset']}–{a['prompt_offset'] + a['num_prompts'] - 1}) × "

@@ -222,3 +222,24 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
     assert "5 tokens" in g.output
     bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int2"])
     assert bad.exit_code == 2 and "int2" in bad.output
+
+
+def test_rank_cli_orders_drafts_by_predicted_speedup_and_confirms_the_top_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
+    r = CliRunner().invoke(app, ["rank", ddir, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
+                                 "--max-new-tokens", "6", "--gamma", "2", "--dtype", "float32",
+                                 "--out", str(tmp_path / "rank")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "rank" / "rank.json").read_text())
+    ranking = report["ranking"]
+    assert {x["draft"] for x in ranking} == {ddir, tdir}
+    assert [x["predicted_speedup"] for x in ranking] == sorted((x["predicted_speedup"] for x in ranking), reverse=True)
+    # The target as its own draft: every proposal accepted.
+    assert next(x for x in ranking if x["draft"] == tdir)["alpha"] == 1.0
+    assert report["confirmation"]["draft"] == ranking[0]["draft"] and report["confirmation"]["lossless"]
