@@ -284,8 +284,9 @@ class _Row:
 
 
 class Drafter:
-    """The draft side of the loop: ``propose`` up to γ tokens for the active rows, then ``commit`` how many the
-    target accepted (the drafter rolls its cache back), ``select`` the rows that continue.
+    """The draft side of the loop: ``propose`` up to ``ks[j]`` tokens for active row j (a round drafts max(ks) steps
+    for the batch; :attr:`Proposal.n_proposed` marks rows that propose fewer), then ``commit`` how many the target
+    accepted (the drafter rolls its cache back), ``select`` the rows that continue.
 
     Subclasses set ``self.stream`` (a :class:`_Stream`) and implement :meth:`prefill`, :meth:`propose`,
     :meth:`commit`. ``prefill_seconds`` is drafting time that was really prompt reading (a mapped draft reads its
@@ -331,7 +332,7 @@ class Drafter:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def propose(self, cur: torch.Tensor, rows: list[_Row], gamma: int) -> Proposal | None:
+    def propose(self, cur: torch.Tensor, rows: list[_Row], ks: list[int]) -> Proposal | None:
         raise NotImplementedError
 
     def commit(self, n_accepted: torch.Tensor) -> None:
