@@ -1,4 +1,4 @@
-"""Per-step cost of the draft with each int8 kernel candidate (issue 15, item 1), interleaved.
+"""Per-step cost of the draft with each int8 / int4 kernel candidate (issue 15, item 1), interleaved.
 
 One-token steps of the draft after a 64-token prefill (batch 1, the decode loop's own cache code:
 :func:`specdraft.evaluate.pass_seconds`), each candidate timed in turn within every repeat so machine noise hits
@@ -7,11 +7,11 @@ check on what the rounding costs. Writes ``bench/results/draft-kernels.json``.
 
     python bench/bench_draft_kernels.py [--repeats 5] [--head-tokens 32768]
 
-Candidates: the draft as loaded (bf16), weight-only int8 linears (``torch._weight_int8pack_mm``,
-:mod:`specdraft.draft_model`) in the bf16 model and in a float32 copy (bf16 activations inside the linears only),
+Candidates: the draft as loaded (bf16), weight-only int8 linears (``torch._weight_int8pack_mm``) and weight-only
+int4 linears (``torch.ops.aten._weight_int4pack_mm_for_cpu``, groups of 32) of :mod:`specdraft.draft_model`,
 torch's fbgemm dynamic int8 quantisation of the linears on a float32 copy (``torch.ao.quantization.quantize_dynamic``,
 per-tensor and per-channel weight scales; deprecated in torch 2.13), optionally a plain float32 copy, and a trimmed
-head (FR-Spec) on the int8 draft. About 6 GB of memory.
+head (FR-Spec) on the int8 and int4 drafts. About 6 GB of memory.
 """
 
 from __future__ import annotations
@@ -72,13 +72,12 @@ def candidates(bf16, tok, head_tokens: int, with_float32: bool) -> dict:
         c["float32 copy"] = lambda: copy.deepcopy(bf16).float()
     c["fbgemm dynamic int8, per-tensor (float32 copy)"] = lambda: fbgemm_dynamic(bf16, per_channel=False)[0]
     c["fbgemm dynamic int8, per-channel (float32 copy)"] = lambda: fbgemm_dynamic(bf16, per_channel=True)[0]
-    c["int8 weight-only, bf16 model"] = lambda: prepare_draft(bf16, "int8")
-    c["int8 weight-only, float32 model (specdraft)"] = lambda: prepare_draft(copy.deepcopy(bf16).float(), "int8",
-                                                                               copy_model=False)
+    c["int8 weight-only (_weight_int8pack_mm)"] = lambda: prepare_draft(bf16, "int8")
+    c["int4 weight-only, groups of 32 (_weight_int4pack_mm_for_cpu)"] = lambda: prepare_draft(bf16, "int4")
     if head_tokens:
         ids = frequent_tokens(tok, n=head_tokens, token_lists=default_head_corpus(tok))
-        c[f"int8 weight-only, float32 model, head {head_tokens}"] = lambda: prepare_draft(
-            copy.deepcopy(bf16).float(), "int8", head_tokens=ids, copy_model=False)
+        c[f"int8 weight-only, head {head_tokens}"] = lambda: prepare_draft(bf16, "int8", head_tokens=ids)
+        c[f"int4 weight-only, head {head_tokens}"] = lambda: prepare_draft(bf16, "int4", head_tokens=ids)
     return c
 
 
@@ -100,10 +99,7 @@ def main() -> dict:
     prompts = encode_prompts(tok, load_examples("humaneval", limit=max(args.agreement_prompts, 1), offset=100))
     context = (prompts[0] * 4)[: args.context]
     build = candidates(bf16, tok, args.head_tokens, args.with_float32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fbgemm_dynamic(torch.nn.Sequential(torch.nn.Linear(8, 8)), per_channel=False)
-    warned = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught})
+    _, warned = fbgemm_dynamic(torch.nn.Sequential(torch.nn.Linear(8, 8)), per_channel=False)
     cands = {}
     for name, make in build.items():
         cands[name] = make()

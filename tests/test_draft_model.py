@@ -8,11 +8,13 @@ import torch
 from specdraft.config import SamplingConfig
 from specdraft.decode import left_pad, speculative_generate, target_generate
 from specdraft.draft_model import (
+    Int4Linear,
     Int8Linear,
     TrimmedHead,
     describe_draft,
     frequent_tokens,
     prepare_draft,
+    quantize_int4,
     quantize_int8,
 )
 from specdraft.sampling import output_width
@@ -40,6 +42,21 @@ def test_int8_linear_rounds_each_weight_by_at_most_half_a_step():
     assert torch.allclose(q(x), ref, atol=1e-4) and q(x).shape == (3, 5, 48)
 
 
+def test_int4_linear_matches_its_dequantized_weight_and_falls_back_to_int8():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    q = Int4Linear.from_linear(lin, group_size=32)
+    w, deq = lin.weight.detach(), q.dequantized_weight()
+    # 16 levels per group of 32: each weight within half a step (+ bfloat16 rounding of scale and zero).
+    step = (w.reshape(48, 2, 32).amax(-1) - w.reshape(48, 2, 32).amin(-1)) / 15
+    assert ((deq - w).abs().reshape(48, 2, 32) <= (step / 2 * 1.05 + 2e-3)[..., None]).all()
+    x = torch.randn(2, 3, 64)
+    ref = x.bfloat16().float() @ deq.T + lin.bias
+    assert torch.allclose(q(x), ref, atol=2e-2) and q(x).dtype == torch.float32
+    odd = torch.nn.Sequential(torch.nn.Linear(48, 16))  # K = 48: not a multiple of 32
+    assert isinstance(quantize_int4(odd)[0], Int8Linear)
+
+
 def test_int8_draft_copy_leaves_the_original_alone(pair):
     _, draft = pair
     before = {k: v.clone() for k, v in draft.state_dict().items()}
@@ -50,13 +67,13 @@ def test_int8_draft_copy_leaves_the_original_alone(pair):
     assert all(torch.equal(before[k], v) for k, v in draft.state_dict().items())
     assert describe_draft(draft) == {"quantization": None, "head_tokens": None}
     assert prepare_draft(draft) is draft  # no option: nothing to copy
-    with pytest.raises(ValueError, match="int4"):
-        prepare_draft(draft, "int4")
+    with pytest.raises(ValueError, match="int2"):
+        prepare_draft(draft, "int2")
 
 
-@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"head": 1.0}, {"head": 0.6},
-                                     {"quantization": "int8", "head": 0.6}],
-                         ids=["int8", "head-all-emitted", "head-most-emitted", "int8+head"])
+@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"quantization": "int4"}, {"head": 1.0}, {"head": 0.6},
+                                     {"quantization": "int8", "head": 0.6}, {"quantization": "int4", "head": 0.6}],
+                         ids=["int8", "int4", "head-all-emitted", "head-most-emitted", "int8+head", "int4+head"])
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_cheaper_draft_greedy_equals_target_only_batched_and_solo(pair, options, gamma):
     """The target itself made cheaper is the draft: int8 rounding and a head missing some of the tokens the target
@@ -81,7 +98,8 @@ def test_cheaper_draft_greedy_equals_target_only_batched_and_solo(pair, options,
     if options == {"head": 1.0}:  # every token the target emits is kept: q's argmax is p's
         assert counts.acceptance_rate == 1.0
     else:  # rejections happen (the invariant is tested where it can fail) but the cheaper draft is still useful
-        assert 0.4 < counts.acceptance_rate < 1.0
+        # (int4 rounds a random tiny model's near-tied logits harder than a trained model's: lower bar)
+        assert (0.15 if options.get("quantization") == "int4" else 0.4) < counts.acceptance_rate < 1.0
 
 
 def test_trimmed_head_scores_only_the_kept_tokens(pair):
@@ -126,14 +144,14 @@ def test_trimmed_draft_never_proposes_a_dropped_token(pair):
     assert spec == base and proposed and set(proposed) <= set(keep.tolist())
 
 
-@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"quantization": "int8", "head": 9}],
-                         ids=["int8", "int8+head"])
+@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"quantization": "int4"},
+                                     {"quantization": "int8", "head": 9}], ids=["int8", "int4", "int8+head"])
 def test_cheaper_draft_sampled_output_follows_target_law(options):
     """χ² of the first two tokens against the target's exact law: q is the int8 draft's, renormalised over the
     kept head rows when trimmed (tokens outside them have q = 0 and can still be emitted by the correction)."""
     V, N = 12, 6000
     sampling = SamplingConfig(temperature=1.0)
-    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=16)
+    target = tiny_model("llama", V + 5, seed=0, layers=2, hidden=32)  # K = 32: one int4 group per row
     draft = perturbed(target, 0.08, seed=5)
     head = torch.arange(0, options["head"]) if "head" in options else None
     cheap = prepare_draft(draft, options["quantization"], head)

@@ -220,8 +220,8 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
                                  "--dtype", "float32", "--draft-quantization", "int8", "--gamma-policy", "adaptive"])
     assert g.exit_code == 0, g.output
     assert "5 tokens" in g.output
-    bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int4"])
-    assert bad.exit_code == 2 and "int4" in bad.output
+    bad = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--draft-quantization", "int2"])
+    assert bad.exit_code == 2 and "int2" in bad.output
 
 
 @pytest.mark.parametrize("scale,gamma,max_new", [(0.03, 3, 12), (0.08, 4, 9), (0.0, 5, 10), (0.3, 2, 7)])
@@ -251,3 +251,26 @@ def test_replay_greedy_equals_decoded_counts(scale, gamma, max_new):
     keys = ("proposed", "reached", "accepted", "accepted_hist", "rounds", "emitted", "bonus")
     for r, d in zip(replayed, decoded):
         assert {k: asdict(r)[k] for k in keys} == {k: asdict(d)[k] for k in keys}
+
+
+
+
+def test_rank_cli_orders_drafts_by_predicted_speedup_and_confirms_the_top_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
+    r = CliRunner().invoke(app, ["rank", ddir, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
+                                 "--max-new-tokens", "6", "--gamma", "2", "--dtype", "float32",
+                                 "--out", str(tmp_path / "rank")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "rank" / "rank.json").read_text())
+    ranking = report["ranking"]
+    assert {x["draft"] for x in ranking} == {ddir, tdir}
+    assert [x["predicted_speedup"] for x in ranking] == sorted((x["predicted_speedup"] for x in ranking), reverse=True)
+    # The target as its own draft: every proposal accepted.
+    assert next(x for x in ranking if x["draft"] == tdir)["alpha"] == 1.0
+    assert report["confirmation"]["draft"] == ranking[0]["draft"] and report["confirmation"]["lossless"]

@@ -197,6 +197,6 @@ def test_run_takes_the_draft_options_into_both_evaluations():
     assert cfg.eval.max_new_tokens == 64 and cfg.eval.compare_hf  # the preset's other settings are kept
     assert make_config("default").eval.draft_quantization is None
     with pytest.raises(pydantic.ValidationError, match="draft_quantization"):
-        make_config("default", eval={"draft_quantization": "int4"})
+        make_config("default", eval={"draft_quantization": "int2"})
     with pytest.raises(pydantic.ValidationError, match="vocab-swap"):
         make_config("default", vocab_swap=True, eval={"draft_head_tokens": 1000})

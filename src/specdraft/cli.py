@@ -634,6 +634,96 @@ def generate(
                   f"accepted-length histogram {counts.accepted_hist}[/]")
 
 
+# ------------------------------------------------------------------------------------------- rank
+
+
+@app.command()
+def rank(
+    drafts: Annotated[list[str], typer.Argument(help="Candidate drafts: embedded names, local HF directories or cached "
+                                                "hub ids (same tokenizer as the target, or another: then decoded "
+                                                "through a vocabulary mapping).")],
+    target: TargetOpt = DEFAULT_TARGET,
+    prompts: Annotated[str, typer.Option(help="Calibration prompts: humaneval | mt-bench | conversations | a .jsonl.")]
+        = "humaneval",
+    num_prompts: Annotated[int, typer.Option(min=1, help="Calibration prompts per draft.")] = 2,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per calibration prompt.")] = 48,
+    gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
+    temperature: SamplingTemp = 0.0,
+    top_k: SamplingTopK = 0,
+    top_p: SamplingTopP = 1.0,
+    dtype: DtypeOpt = "bfloat16",
+    draft_quantization: QuantOpt = None,
+    draft_head_tokens: HeadTokensOpt = None,
+    confirm: Annotated[bool, typer.Option(help="Then measure the top draft against the target alone (specdraft "
+                                          "eval on the same prompts, at its recommended γ).")] = True,
+    out: Annotated[Path, typer.Option(help="Directory for rank.json (and the confirmation's report).")]
+        = Path("runs/rank"),
+) -> None:
+    """Which draft should I use? Measure each candidate's acceptance and step cost on a short calibration set, print
+    the predicted speed-up of each (the measured speed model), best first, then confirm the top one by measurement.
+
+    Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
+    from specdraft.check import check_compatible
+    from specdraft.config import EvalConfig
+    from specdraft.data import encode_prompts, held_out_offset, load_examples
+    from specdraft.evaluate import rank_drafts, run_eval, write_report
+    from specdraft.io import atomic_write_text
+    from specdraft.models import load_model
+    from specdraft.vocab import build_vocab_mapping
+
+    sampling = _sampling(temperature, top_k, top_p)
+    config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, dtype=dtype,
+                        draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens)
+    examples = load_examples(prompts, limit=num_prompts, offset=held_out_offset(prompts))
+    tpath = _resolve_with_progress(target)
+    paths = {d: _resolve_with_progress(d) for d in drafts}
+    with console.status("loading the target…"):
+        t, tok = load_model(tpath, dtype=dtype)
+    ids = encode_prompts(tok, examples)
+
+    def loader(ref: str):
+        def load():
+            mapping = None
+            if check_compatible(tpath, paths[ref]).verdict == "mismatch":
+                mapping = build_vocab_mapping(tpath, paths[ref])
+            return load_model(paths[ref], dtype=dtype)[0], mapping
+        return load
+
+    with console.status("calibrating…") as status:
+        rows = rank_drafts(t, tok, ids, [(d, loader(d)) for d in drafts], config,
+                           progress=lambda name: status.update(f"calibrating {name}…"))
+    table = Table(title=f"Drafts for {target}, best first ({len(ids)} {prompts} prompts × {max_new_tokens} tokens)")
+    for col in ("draft", "acceptance", "α", "draft step (ms)", "c", "best γ", "predicted speed-up",
+                f"at γ = {gamma}"):
+        table.add_column(col, justify="left" if col == "draft" else "right")
+    for r in rows:
+        table.add_row(r["draft"] + (" (mapped)" if r["mapped"] else ""), f"{r['acceptance_rate']:.3f}",
+                      f"{r['alpha']:.3f}", f"{r['draft_step_ms']:.1f}", f"{r['cost_ratio_c']:.3f}", str(r["best_gamma"]),
+                      f"{r['predicted_speedup']:.2f}x", f"{r['predicted_speedup_at_gamma']:.2f}x")
+    console.print(table)
+    report = {"target": target, "prompts": prompts, "config": config.model_dump(), "ranking": rows,
+              "command": " ".join(sys.argv)}
+    if confirm and rows:
+        top = rows[0]
+        load = loader(top["draft"])
+        d, mapping = load()
+        cfg = config.model_copy(update={"num_speculative_tokens": max(top["best_gamma"], 1)})
+        with console.status(f"confirming {top['draft']} at γ = {cfg.num_speculative_tokens}…"):
+            res = run_eval(t, d, tok, ids, [e.id for e in examples], cfg, vocab_mapping=mapping,
+                           record={"target": target, "draft": top["draft"]})
+        write_report(res, out / "confirm")
+        s = res.summary()
+        report["confirmation"] = {"draft": top["draft"], "gamma": cfg.num_speculative_tokens,
+                                  "measured_speedup": s["speedup"], "predicted_speedup": top["predicted_speedup"],
+                                  "lossless": s["lossless"]}
+        same = f"; greedy outputs equal to the target's: {'yes' if s['lossless'] else 'NO'}" if sampling.greedy else ""
+        console.print(f"confirmed {top['draft']} at γ = {cfg.num_speculative_tokens}: measured {s['speedup']:.2f}x the "
+                      f"target alone (predicted {top['predicted_speedup']:.2f}x){same}", highlight=False)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "rank.json", json.dumps(report, indent=2, default=str))
+    console.print(f"report: {out / 'rank.json'}")
+
+
 # -------------------------------------------------------------------------------------------- dump
 
 @app.command()

@@ -50,7 +50,7 @@ Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 ProposalMode = Literal["text", "tokens"]
 PresetName = Literal["default", "ci", "tiny", "large"]
 #: How the draft's linear layers are stored (see :mod:`specdraft.draft_model`); only q changes, so decoding stays exact.
-DraftQuantization = Literal["int8"]
+DraftQuantization = Literal["int8", "int4"]
 #: How many tokens a row drafts per round: always γ, or what its running acceptance predicts fastest (:mod:`specdraft.speed`).
 GammaPolicy = Literal["fixed", "adaptive"]
 

@@ -39,7 +39,12 @@ the target decodes alone until the draft has context — never a stand-in id.
 The draft side is a *drafter* (:class:`Drafter`: ``propose`` then ``commit``), one for a draft that shares the
 target's tokenizer (:class:`SameTokenizerDrafter`) and one for a draft of another tokenizer
 (:class:`MappedDrafter`); the loop in :func:`speculative_generate` reads propose → verify → accept → roll back.
-A round never drafts more tokens than a row can still emit (``max_new_tokens`` − emitted − 1).
+Each row drafts its own k per round (rows proposing fewer are right-padded and verified as a round of k drafts):
+γ, or with a measured :class:`~specdraft.speed.SpeedModel` the k its running acceptance predicts fastest — none
+while no k predicts a gain (:class:`~specdraft.speed.AdaptiveGamma`) — and never more than the row can still emit
+(``max_new_tokens`` − emitted − 1). A drafter reads, before drafting, every token of its row it has not read yet
+(the last one, a draft it proposed but never read, or all tokens emitted while the row drafted nothing).
+A cheaper draft (int8/int4 weights, a trimmed head: :mod:`specdraft.draft_model`) is just another draft model.
 
 Caches: every layer keeps every position (no sliding-window eviction), so rolling back is always possible; a
 sliding-window model still attends only within its window (transformers builds that mask from the config). Holes
@@ -279,8 +284,9 @@ class _Row:
 
 
 class Drafter:
-    """The draft side of the loop: ``propose`` up to γ tokens for the active rows, then ``commit`` how many the
-    target accepted (the drafter rolls its cache back), ``select`` the rows that continue.
+    """The draft side of the loop: ``propose`` up to ``ks[j]`` tokens for active row j (a round drafts max(ks) steps
+    for the batch; :attr:`Proposal.n_proposed` marks rows that propose fewer), then ``commit`` how many the target
+    accepted (the drafter rolls its cache back), ``select`` the rows that continue.
 
     Subclasses set ``self.stream`` (a :class:`_Stream`) and implement :meth:`prefill`, :meth:`propose`,
     :meth:`commit`. ``prefill_seconds`` is drafting time that was really prompt reading (a mapped draft reads its
@@ -326,7 +332,7 @@ class Drafter:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def propose(self, cur: torch.Tensor, rows: list[_Row], gamma: int) -> Proposal | None:
+    def propose(self, cur: torch.Tensor, rows: list[_Row], ks: list[int]) -> Proposal | None:
         raise NotImplementedError
 
     def commit(self, n_accepted: torch.Tensor) -> None:

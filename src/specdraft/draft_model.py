@@ -12,14 +12,19 @@ Two transforms, applied by :func:`prepare_draft` in this order (a trimmed head i
    so every other token has q = 0 — the draft never proposes it, and when sampling q is the draft's
    distribution renormalised over the kept set (softmax of −inf is 0). The output keeps the full width, so the
    drafter and verification need no change. The 0.5B Qwen draft's 151,936-row head is about 27% of the
-   weights it reads per step; 32,768 rows keep ~22% of them.
-2. **Int8 linear layers** (:class:`Int8Linear`): every ``nn.Linear`` of the draft (the output head included)
-   holds its weight as int8 with one scale per output row (symmetric, W ≈ scale · W_int8) and runs
-   ``torch._weight_int8pack_mm`` — weight-only int8: the activations stay in the model's dtype (bfloat16), so
-   only the weights are rounded. Chosen by measurement (``bench/bench_draft_kernels.py``, one-token steps of the
-   0.5B draft after a 64-token prefill, 2 threads; docs/benchmarks.md has the figures): it beats the bf16 draft
-   and fbgemm's dynamic int8 quantisation (``torch.ao.quantization.quantize_dynamic``), which torch 2.13 marks
-   deprecated (its quantised-tensor constructors too); torchao is not a dependency.
+   weights it reads per step; keeping 32,768 rows (22% of the head) reads ~21% fewer weights per step.
+2. **Weight-only int8 or int4 linear layers** (:class:`Int8Linear`, :class:`Int4Linear`): every ``nn.Linear`` of
+   the draft (the output head included) holds its weight as int8 with one scale per output row, or as int4 with a
+   scale and zero per group of 32 inputs, and runs ``torch._weight_int8pack_mm`` / ``torch.ops.aten.
+   _weight_int4pack_mm_for_cpu``. Only weights are rounded; activations stay bfloat16. Chosen by measurement
+   (``bench/bench_draft_kernels.py``: one-token steps of the 0.5B Qwen draft after a 64-token prefill, 2 threads,
+   candidates interleaved; docs/benchmarks.md): per step, bf16 1.00, int8 weight-only ~0.48, int4 weight-only ~0.37,
+   torch's fbgemm dynamic int8 (``torch.ao.quantization.quantize_dynamic`` on a float32 copy) ~0.37 — but fbgemm
+   also rounds the activations (one scale per token), which cut the draft's top-1 agreement with the target from
+   0.775 to 0.61–0.64, while both weight-only kernels kept it (0.780); and torch 2.13 marks ``torch.ao.quantization``
+   and its quantised tensors deprecated. Int4 in groups of 32 lost no top-1 agreement on the embedded draft,
+   plausibly because it is a dequantised Q4_K_M GGUF build whose weights already lie on a 4-bit grid of 32-weight
+   blocks; weight-only int8 is the conservative choice for a draft trained in full precision (measure α).
 """
 
 from __future__ import annotations
@@ -85,6 +90,64 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, " \
                f"{self.scales.dtype} activations"
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 linear layer, asymmetric per group of ``group_size`` input columns:
+    ``W[n, g·G:(g+1)·G] ≈ (q − 8) · scale[g, n] + zero[g, n]``, q ∈ 0..15 (min/max rounding per group).
+
+    Runs ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (packed int4 weights, bfloat16 activations, a CPU kernel in
+    torch ≥ 2.6). Half the bytes of int8 per step; more rounding (16 levels per group instead of 255 per row).
+    Args of :meth:`from_linear` as :class:`Int8Linear`; ``group_size`` ∈ {32, 64, 128, 256} must divide K.
+    """
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
+                 in_features: int, out_features: int, group_size: int, out_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight_int4", packed)  # kernel-specific packing of [N, K] 4-bit values
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K / G, N, 2] bfloat16
+        self.register_buffer("bias", bias)
+        self.in_features, self.out_features, self.group_size, self.out_dtype = in_features, out_features, \
+            group_size, out_dtype
+
+    @staticmethod
+    def fits(linear: nn.Linear, group_size: int = 32) -> bool:
+        """Whether the kernel takes this shape (K a multiple of the group size; N of 16, for the packing)."""
+        return linear.in_features % group_size == 0 and linear.out_features % 16 == 0 and \
+            linear.weight.device.type == "cpu"
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
+        w = linear.weight.detach().float()  # [N, K]
+        N, K = w.shape
+        groups = w.reshape(N, K // group_size, group_size)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(N, K)
+        zero = low + 8 * scale  # the kernel computes (q − 8) · scale + zero
+        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
+        return cls(packed, sz.to(torch.bfloat16), bias, K, N, group_size, linear.weight.dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[N, K] float32``: the weight the layer computes with (one identity pass through the kernel)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.scales_and_zeros.device)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight_int4, self.group_size,
+                                                          self.scales_and_zeros).float().T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        a = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.weight_int4, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 weights (groups of " \
+               f"{self.group_size}), bfloat16 activations"
 
 
 class TrimmedHead(nn.Module):
@@ -172,16 +235,32 @@ def trim_head(model: nn.Module, token_ids: torch.Tensor) -> nn.Module:
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (a trimmed head's projection included) by :class:`Int8Linear`,
     in place. Embeddings, norms and attention arithmetic keep the model's dtype. Returns the model."""
-    for name, module in list(model.named_modules()):
+    return _replace_linears(model, Int8Linear.from_linear)
+
+
+def quantize_int4(model: nn.Module, group_size: int = 32) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` by :class:`Int4Linear` (groups of ``group_size``), in place; a layer
+    whose shape the int4 kernel does not take becomes :class:`Int8Linear`. Returns the model."""
+    return _replace_linears(model, lambda lin: Int4Linear.from_linear(lin, group_size)
+                            if Int4Linear.fits(lin, group_size) else Int8Linear.from_linear(lin))
+
+
+def _replace_linears(model: nn.Module, make) -> nn.Module:
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, Int8Linear.from_linear(child))
+                setattr(module, child_name, make(child))
     return model
 
 
 def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens: torch.Tensor | None = None,
                   copy_model: bool = True) -> nn.Module:
-    """The draft with the requested transforms (module docstring), on a deep copy unless ``copy_model=False``.
+    """The draft with the requested transforms (module docstring), on a copy unless ``copy_model=False``.
+
+    The copy is a new module tree that shares the draft's tensors: the transforms never write into a tensor, they
+    replace modules (a quantised layer holds new int8/int4 buffers, a trimmed head a copy of its rows), so the
+    original draft is unchanged and only what differs costs memory (an int4 0.5B draft: ~0.25 GB, not another 1 GB).
+    Do not train the copy in place.
 
     Args:
         draft: a causal LM (eval mode).
@@ -191,21 +270,28 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
     Raises:
         ValueError: an unknown quantization, or a token id past the draft's head.
     """
-    if quantization not in (None, "int8"):
-        raise ValueError(f"unknown draft quantization {quantization!r}; known: int8")
+    if quantization not in (None, "int8", "int4"):
+        raise ValueError(f"unknown draft quantization {quantization!r}; known: int8, int4")
     if quantization is None and head_tokens is None:
         return draft
-    model = copy.deepcopy(draft) if copy_model else draft
+    if copy_model:
+        shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}  # deepcopy's memo: keep these as they are
+        model = copy.deepcopy(draft, shared)
+    else:
+        model = draft
     if head_tokens is not None:
         trim_head(model, head_tokens)
     if quantization == "int8":
         quantize_int8(model)
+    elif quantization == "int4":
+        quantize_int4(model)
     return model.eval()
 
 
 def describe_draft(draft: nn.Module) -> dict[str, Any]:
     """What was done to a draft: ``{"quantization": "int8" | None, "head_tokens": N | None}``."""
     head = draft.get_output_embeddings()
-    quantized = any(isinstance(m, Int8Linear) for m in draft.modules())
-    return {"quantization": "int8" if quantized else None,
+    kinds = {type(m) for m in draft.modules()}
+    quantized = "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else None
+    return {"quantization": quantized,
             "head_tokens": len(head.token_ids) if isinstance(head, TrimmedHead) else None}

@@ -838,6 +838,62 @@ def interleaved_speed(
             "lossless": not bugs, "max_new_tokens": max_new, "num_speculative_tokens": gamma}
 
 
+def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
+                drafts: Sequence[tuple[str, Callable[[], tuple[Any, Any]]]], config: EvalConfig | None = None,
+                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Which draft should I use? Each candidate's predicted speed-up on a short calibration set, best first.
+
+    The target's t(k) is measured once; then per candidate — loaded by its callable as ``(model, vocab_mapping or
+    None)``, given ``config``'s draft options, and freed before the next — its step d is measured and its α by
+    decoding ``prompt_ids`` speculatively (γ and sampling of ``config``), and the
+    :class:`~specdraft.speed.SpeedModel` predicts its speed-up at the γ it recommends. Nothing is compared token by
+    token here: confirm the top one with :func:`run_eval`.
+
+    Returns:
+        one dict per candidate: ``draft``, ``alpha``, ``acceptance_rate``, ``draft_step_ms``, ``cost_ratio_c``,
+        ``best_gamma``, ``predicted_speedup`` (at ``best_gamma``, prefill included), ``predicted_speedup_at_gamma``
+        (at the config's γ), ``speed_model``; sorted by ``predicted_speedup``, highest first.
+    """
+    import gc
+
+    config = config or EvalConfig()
+    gamma, sampling = config.num_speculative_tokens, config.sampling
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(target.parameters()).device
+    calib = sorted(prompt_ids, key=len)[len(prompt_ids) // 2]
+    max_k = max(gamma, 8) + 1
+    t_k, t_prefill = pass_seconds(target, calib, range(1, max_k + 1))
+    eos = eos_ids(target)
+    rows = []
+    for name, load in drafts:
+        if progress:
+            progress(name)
+        model, mapping = load()
+        draft = prepared_draft(model, tokenizer, config, mapping, copy_model=False)
+        d_calib = mapping.reencode_batch_for_draft([list(calib)])[0] if mapping is not None else calib
+        d, d_prefill = pass_seconds(draft, d_calib, [1], repeats=5, last_only=True)
+        speed = SpeedModel(target_s=[t_k[k] for k in range(1, max_k + 1)], draft_s=d[1], target_prefill_s=t_prefill,
+                           draft_prefill_s=d_prefill, context=len(calib))
+        counts, tokens = AcceptanceCounts(gamma), 0
+        for k, ids in enumerate(prompt_ids):
+            out, c = speculative_generate(
+                target, draft, *left_pad([ids], pad, device), num_speculative_tokens=gamma, sampling=sampling,
+                max_new_tokens=config.max_new_tokens, real_vocab=len(tokenizer), eos_token_id=eos,
+                generator=torch.Generator(device=device).manual_seed(config.seed + k), vocab_mapping=mapping,
+                mapped_proposals=config.mapped_proposals)
+            counts, tokens = counts.merge(c), tokens + len(out[0])
+        g, _ = speed.best_gamma(counts.alpha)
+        rows.append({"draft": name, "alpha": counts.alpha, "acceptance_rate": counts.acceptance_rate,
+                     "draft_step_ms": 1e3 * speed.draft_s, "cost_ratio_c": speed.cost_ratio, "best_gamma": g,
+                     "predicted_speedup": speed.predict(counts.alpha, g, tokens, len(prompt_ids)),
+                     "predicted_speedup_at_gamma": speed.predict(counts.alpha, gamma, tokens, len(prompt_ids)),
+                     "mapped": mapping is not None, "draft_options": describe_draft(draft),
+                     "speed_model": speed.to_dict()})
+        del model, draft
+        gc.collect()
+    return sorted(rows, key=lambda r: -r["predicted_speedup"])
+
+
 def write_report(res: EvalResult, out_dir: str | Path, title: str = "specdraft eval") -> dict[str, Path]:
     """Write ``report.json`` and PNG plots (α per position, accepted-length histogram) atomically."""
     import matplotlib
