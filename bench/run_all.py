@@ -239,6 +239,10 @@ def render_cheap_draft() -> list[str]:
     return lines
 
 
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
 def _ablation_section(r: dict | None, title: str) -> list[str]:
     lines: list[str] = []
     if r:
@@ -254,12 +258,12 @@ def _ablation_section(r: dict | None, title: str) -> list[str]:
                   "prediction error | output = target |"),
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
                   (f"| target alone | {r['tokens_per_s']['target']:.2f} | 1.00x | "
-                   f"{hf.get('target', float('nan')):.2f}x | — | — | — | — | — | — |")]
+                   f"{_x(hf.get('target'))} | — | — | — | — | — | — |")]
         for n, x in ab.items():
             pred = "—" if x["predicted_speedup"] is None else f"{x['predicted_speedup']:.2f}x"
             err = "—" if x["prediction_error"] is None else f"{x['prediction_error']:+.1%}"
             lines.append(f"| {_ablation_label(n)} | {r['tokens_per_s'][n]:.2f} | {x['speedup_vs_target']:.2f}x | "
-                         f"{hf.get(n, float('nan')):.2f}x | {x['cost_ratio_c']:.3f} | {x['acceptance_rate']:.3f} | "
+                         f"{_x(hf.get(n))} | {x['cost_ratio_c']:.3f} | {x['acceptance_rate']:.3f} | "
                          f"{x['alpha']:.3f} | {pred} | {err} | {x['identical_to_target']} |")
         if "hf_assisted" in r["tokens_per_s"]:
             lines.append(f"| transformers `generate(assistant_model=…)`, bf16 draft | {r['tokens_per_s']['hf_assisted']:.2f} "
