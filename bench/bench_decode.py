@@ -57,7 +57,7 @@ from specdraft.draft_model import (
     quantize_int4,
     quantize_int8,
 )
-from specdraft.evaluate import pass_seconds
+from specdraft.evaluate import _first_difference, pass_seconds, top2_margin
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
@@ -219,6 +219,11 @@ def main() -> dict:
             matches[n] += out == base[0]
             row[n] = {"tokens": len(out), "seconds": round(s, 3), "tokens_per_s": round(len(out) / s, 3),
                       "matches_target": out == base[0]}
+            pos = _first_difference(base[0], out) if sampling.greedy else None
+            if pos is not None and pos < min(len(base[0]), len(out)):
+                # As specdraft eval does: the target's top-2 logit margin there tells a bf16 near-tie from a bug.
+                row[n]["first_difference"] = {"position": pos, "target_token": base[0][pos], "token": out[pos],
+                                              "target_top2_margin": top2_margin(target, list(ids) + base[0][:pos])}
         per_prompt.append(row)
         print(f"[{k + 1}/{len(prompts)}] {ex.id} " + "  ".join(
             f"{n}={row[n]['tokens_per_s']:.2f}" for n in names), flush=True)
