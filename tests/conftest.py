@@ -1,4 +1,4 @@
-"""Shared fixtures. Real embedded models are loaded once per test session (``real_model``), not once per test."""
+"""Shared fixtures. Real embedded models are loaded once per test module (``real_model``), not once per test."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import gc
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_model():
-    """``real_model(name, dtype="float32") -> (model, tokenizer)`` on CPU, shared by the tests of a session.
+    """``real_model(name, dtype="float32") -> (model, tokenizer)`` on CPU, shared by the tests of a module.
 
-    The two most recently used models stay loaded (the default pair in float32 is ~8 GB; more would break the
-    suite's memory bound), so consecutive tests of one pair load it once. Tests must not modify the returned
+    The two most recently used models stay loaded (the default pair in float32 is ~8 GB), and all are released
+    when the module ends, so tests that load models themselves (the pipeline) never run beside a held pair. Tests must not modify the returned
     model (weights or config): later tests share it."""
     from specdraft.models import load_model
 

@@ -529,13 +529,15 @@ def test_cli_convert_and_inspect(tmp_path, pair):
 
 @pytest.mark.real
 def test_real_qwen_draft_converts_and_reloads_with_identical_logits(tmp_path):
-    from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_tokenizer, resolve
+    from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED, load_tokenizer, resolve
 
     out = tmp_path / "spec"
     res = convert(DEFAULT_DRAFT, DEFAULT_TARGET, out)  # the verifier's config and tokenizer only
     assert sorted(res.added) == sorted(SPECULATOR_KEYS) and res.resaved == {}
+    # An embedded verifier is recorded portably: the hub id its (dequantised GGUF) weights derive from.
     assert res.config["speculators_config"] == expected_speculators_config(
-        NUM_SPECULATIVE_TOKENS, DEFAULT_TARGET, ["Qwen2ForCausalLM"])
+        NUM_SPECULATIVE_TOKENS, EMBEDDED[DEFAULT_TARGET].hub_id, ["Qwen2ForCausalLM"])
+    assert EMBEDDED[DEFAULT_TARGET].hub_id == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert res.compat_verdict in (None, "identical", "identical-up-to-padding")
     src = Path(resolve(DEFAULT_DRAFT))
     # The cache entry was written by this transformers' save_pretrained too: same bytes.
