@@ -111,6 +111,21 @@ def ratio_ci(numerators: Sequence[float], denominators: Sequence[float], *, leve
     return _estimate(_ratio(num, den), reps, level, len(num))
 
 
+def _paired(**named: Sequence[float]) -> list[np.ndarray]:
+    """The checked count arrays of a paired comparison, in argument order (entry k of each = prompt k).
+
+    Raises:
+        ValueError: bad counts, lengths that differ (not paired), no prompts.
+    """
+    arrays = [_counts(a, name) for name, a in named.items()]
+    if len({len(a) for a in arrays}) != 1:
+        raise ValueError(f"paired counts need one entry per prompt on both sides, got lengths "
+                         f"{[len(a) for a in arrays]}")
+    if len(arrays[0]) == 0:
+        raise ValueError("no prompts to resample")
+    return arrays
+
+
 def paired_difference_ci(num_before: Sequence[float], den_before: Sequence[float], num_after: Sequence[float],
                          den_after: Sequence[float], *, level: float = 0.95, n_boot: int = N_BOOTSTRAP,
                          seed: int = 0) -> Estimate:
@@ -125,14 +140,7 @@ def paired_difference_ci(num_before: Sequence[float], den_before: Sequence[float
     Raises:
         ValueError: sequences of different lengths (not paired), no prompts, bad counts or level.
     """
-    arrays = [_counts(a, name) for a, name in ((num_before, "num_before"), (den_before, "den_before"),
-                                               (num_after, "num_after"), (den_after, "den_after"))]
-    if len({len(a) for a in arrays}) != 1:
-        raise ValueError(f"paired counts need one entry per prompt on both sides, got lengths "
-                         f"{[len(a) for a in arrays]}")
-    nb, db, na, da = arrays
-    if len(nb) == 0:
-        raise ValueError("no prompts to resample")
+    nb, db, na, da = _paired(num_before=num_before, den_before=den_before, num_after=num_after, den_after=den_after)
     reps = np.concatenate([_ratio(na[idx], da[idx]) - _ratio(nb[idx], db[idx])
                            for idx in _replicates(len(nb), n_boot, seed)])
     return _estimate(_ratio(na, da) - _ratio(nb, db), reps, level, len(nb))
@@ -185,14 +193,7 @@ def paired_ratio_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Seque
     Raises:
         ValueError: sequences of different lengths, no prompts, bad counts or level.
     """
-    arrays = [_counts(a, name) for a, name in ((num_a, "num_a"), (den_a, "den_a"), (num_b, "num_b"),
-                                               (den_b, "den_b"))]
-    if len({len(a) for a in arrays}) != 1:
-        raise ValueError(f"paired values need one entry per prompt on both sides, got lengths "
-                         f"{[len(a) for a in arrays]}")
-    na, da, nb, db = arrays
-    if len(na) == 0:
-        raise ValueError("no prompts to resample")
+    na, da, nb, db = _paired(num_a=num_a, den_a=den_a, num_b=num_b, den_b=den_b)
 
     def ratio(ra: np.ndarray, rb: np.ndarray) -> np.ndarray:
         return np.divide(ra, rb, out=np.zeros_like(ra, dtype=np.float64), where=rb > 0)
