@@ -89,7 +89,7 @@ def test_hidden_states_last_is_after_the_final_norm(arch):
         out = model(input_ids=ids, output_hidden_states=True)
         h = out.hidden_states[-1]
         torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
-        teacher = dump_mod._Teacher(model, VOCAB)
+        teacher = dump_mod.Teacher(model, VOCAB)
         captured = teacher.hidden(ids, torch.ones_like(ids))
     assert torch.equal(captured, h) and teacher.final_norm == "model" and teacher.checked
     assert teacher.ops == [] and teacher._difference(h, out.logits) is None  # bit for bit, every position
@@ -194,7 +194,7 @@ def test_known_scalings_reproduce_the_models_logits_exactly():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).eval()
         assert [o["op"] for o in final_logit_ops(model.config)] == [op]
-        teacher = dump_mod._Teacher(model, VOCAB)
+        teacher = dump_mod.Teacher(model, VOCAB)
         ids = torch.randint(5, VOCAB, (2, 6))
         h = teacher.hidden(ids, torch.ones_like(ids))  # raises unless the teacher equals the logits exactly
         assert teacher.checked and h.shape == (2, 6, 32)
