@@ -64,8 +64,9 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chat", nargs="+", default=["mt-bench:0:27:3"], help="held-out chat prompt sources")
     ap.add_argument("--code", nargs="*", default=["humaneval:100:16:4"], help="held-out code prompt sources")
-    ap.add_argument("--train", nargs="+", default=["conversations:0:32", "humaneval:0:8"],
-                    help="training prompt sources (repeated prompts dropped before a limit counts)")
+    ap.add_argument("--train", nargs="+", default=["mt-bench:1:20:3", "mt-bench:2:20:3"],
+                    help="training prompt sources (repeated prompts dropped before a limit counts); the default "
+                    "preset's: MT-Bench questions disjoint from --chat")
     ap.add_argument("--generate", type=int, default=48, help="tokens the target writes per training prompt")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per held-out answer")
     ap.add_argument("--gamma", type=int, default=5)
