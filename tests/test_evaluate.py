@@ -196,3 +196,21 @@ def test_replay_greedy_equals_decoded_counts(scale, gamma, max_new):
     keys = ("proposed", "reached", "accepted", "accepted_hist", "rounds", "emitted", "bonus")
     for r, d in zip(replayed, decoded):
         assert {k: asdict(r)[k] for k in keys} == {k: asdict(d)[k] for k in keys}
+
+
+def test_interleaved_speed_times_every_contender_on_the_same_prompts():
+    from specdraft.evaluate import interleaved_speed
+
+    tok = tiny_tokenizer(128)
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    drafts = {"original": perturbed(target, 0.03), "distilled": perturbed(target, 0.01, seed=5)}
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    res = interleaved_speed(target, drafts, tok, prompts, ["a", "b", "c"],
+                            EvalConfig(num_speculative_tokens=3, max_new_tokens=10), hf_draft="original")
+    c = res["contenders"]
+    assert set(c) == {"target", "speculative:original", "speculative:distilled", "hf_assisted:original"}
+    assert res["lossless"] and c["speculative:distilled"]["matches_target"] == "3/3"
+    assert all(r[name][0] == r["target"][0] > 0 for r in res["rows"] for name in c)  # greedy: the same tokens
+    sp = c["speculative:original"]
+    assert sp["speedup_ci95"][0] <= sp["speedup"] <= sp["speedup_ci95"][1]
+    assert sp["speedup"] == pytest.approx(sp["tokens_per_s"] / c["target"]["tokens_per_s"])
