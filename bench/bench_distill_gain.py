@@ -13,7 +13,8 @@ Steps, each cached in ``--work`` (reused when its inputs are the same, so λ run
 Writes ``bench/results/distill-gain.json``: the headline (the λ with the largest chat gain) under the keys
 ``acceptance_before``, ``acceptance_after``, ``gain``, ``gain_ci95``, ``alpha_tf_before``, ``alpha_tf_after``
 (teacher-forced α, serving settings, on the chat answers), ``minutes`` (that λ's distillation, on-policy
-generation and teacher passes included), ``mode`` ("greedy"), ``on_policy_fraction``, ``command``; every λ's
+generation and teacher passes included; a run already in ``--work`` with the same settings and dump is
+evaluated again, not retrained), ``mode`` ("greedy"), ``on_policy_fraction``, ``command``; every λ's
 figures for both sets under ``runs``.
 
     python bench/bench_distill_gain.py --on-policy-fraction 0 0.5 [--steps 30 --lr 3e-5 --layers 4]
@@ -63,8 +64,9 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chat", nargs="+", default=["mt-bench:0:27:3"], help="held-out chat prompt sources")
     ap.add_argument("--code", nargs="*", default=["humaneval:100:16:4"], help="held-out code prompt sources")
-    ap.add_argument("--train", nargs="+", default=["conversations:0:32", "humaneval:0:8"],
-                    help="training prompt sources (repeated prompts dropped before a limit counts)")
+    ap.add_argument("--train", nargs="+", default=["mt-bench:1:20:3", "mt-bench:2:20:3"],
+                    help="training prompt sources (repeated prompts dropped before a limit counts); the default "
+                    "preset's: MT-Bench questions disjoint from --chat")
     ap.add_argument("--generate", type=int, default=48, help="tokens the target writes per training prompt")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per held-out answer")
     ap.add_argument("--gamma", type=int, default=5)
@@ -118,15 +120,22 @@ def main() -> dict:
                             scheduler="cosine", warmup_ratio=0.1, save_steps=10_000, logging_steps=5,
                             temperature=args.temperature, top_p=args.top_p, on_policy_fraction=lam,
                             on_policy_every=args.on_policy_every)
-        out_dir = args.work / f"distill-{_key(cfg.model_dump())}-{_key(str(dump_dir))}"
-        t0 = time.time()
-        res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, dump_dir, out_dir, cfg, resume=False,
-                          num_speculative_tokens=args.gamma)
-        minutes = (time.time() - t0) / 60
-        trained = res["model"].to(torch.bfloat16).eval()
+        out_dir = args.work / f"distill-{_key(cfg.model_dump())}-{_key(manifest['plan'])}"
+        done = out_dir / "training.json"
+        if done.is_file() and json.loads(done.read_text())["config"] == cfg.model_dump():
+            # Trained earlier with these very settings on this very dump: evaluate that run (its own timing).
+            metrics = json.loads(done.read_text())["metrics"]
+            trained, _ = load_model(str(out_dir / "speculator"), dtype="bfloat16")
+        else:
+            res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, dump_dir, out_dir, cfg, resume=False,
+                              num_speculative_tokens=args.gamma)
+            metrics = res["metrics"]
+            trained = res["model"].to(torch.bfloat16).eval()
+            del res
+        minutes = metrics["seconds"] / 60  # training, on-policy writing and teacher passes included
         run = {"on_policy_fraction": lam, "minutes": minutes, "distill": {
-            k: res["metrics"][k] for k in ("steps", "trainable_parameters", "train_sequences", "eval_before",
-                                           "eval_after", "curve", "on_policy", "seconds")}, "sets": {}}
+            k: metrics[k] for k in ("steps", "trainable_parameters", "train_sequences", "eval_before",
+                                    "eval_after", "curve", "on_policy", "seconds")}, "sets": {}}
         for name, examples in sets.items():
             after = acceptance_eval(target, trained, tok, encode_prompts(tok, examples), [e.id for e in examples],
                                     eval_cfg, serving, answers=before[name]["answers"])
@@ -144,7 +153,7 @@ def main() -> dict:
                   f"{gain.value:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}]; α_tf {before[name]['alpha_sampled']:.3f} → "
                   f"{after['alpha_sampled']:.3f} ({minutes:.1f} min)", flush=True)
         runs.append(run)
-        del trained, res
+        del trained
 
     best = max(runs, key=lambda r: r["sets"]["chat"]["gain"])
     chat = best["sets"]["chat"]

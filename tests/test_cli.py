@@ -75,19 +75,22 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
 
 def test_held_out_offsets_belong_to_the_embedded_datasets():
     from specdraft.data import DATASETS, HELD_OUT_OFFSET, held_out_offset
-    from specdraft.pipeline import PRESETS, parse_source
+    from specdraft.pipeline import PRESETS, load_sources, parse_source, prompt_overlap
 
     assert set(HELD_OUT_OFFSET) == set(DATASETS)
     assert held_out_offset("humaneval") == 100 and held_out_offset("my.jsonl") == 0
-    # The presets evaluate inside the held-out split and train before it.
+    # The presets evaluate inside the held-out split and train before it (mt-bench: split by stride), and no
+    # evaluation prompt of either set is a training prompt.
     for preset in PRESETS.values():
-        for spec in preset["eval_prompts"]:
+        evals = preset["eval_prompts"] + preset.get("ood_prompts", [])
+        for spec in evals:
             name, offset, _, _ = parse_source(spec)
             assert offset >= HELD_OUT_OFFSET[name], spec
         for spec in preset["train_prompts"]:
             name, offset, limit, stride = parse_source(spec)
             if name == "humaneval":
                 assert offset + (limit - 1) * stride < HELD_OUT_OFFSET[name], spec
+        assert not prompt_overlap(load_sources(preset["train_prompts"]), load_sources(evals))
 
 
 @pytest.mark.parametrize("width", [80, 50])

@@ -274,3 +274,21 @@ def test_rank_cli_orders_drafts_by_predicted_speedup_and_confirms_the_top_one(tm
     # The target as its own draft: every proposal accepted.
     assert next(x for x in ranking if x["draft"] == tdir)["alpha"] == 1.0
     assert report["confirmation"]["draft"] == ranking[0]["draft"] and report["confirmation"]["lossless"]
+
+
+def test_interleaved_speed_times_every_contender_on_the_same_prompts():
+    from specdraft.evaluate import interleaved_speed
+
+    tok = tiny_tokenizer(128)
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    drafts = {"original": perturbed(target, 0.03), "distilled": perturbed(target, 0.01, seed=5)}
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    res = interleaved_speed(target, drafts, tok, prompts, ["a", "b", "c"],
+                            EvalConfig(num_speculative_tokens=3, max_new_tokens=10), hf_draft="original")
+    c = res["contenders"]
+    assert set(c) == {"target", "speculative:original", "speculative:distilled", "hf_assisted:original"}
+    assert res["lossless"] and c["speculative:distilled"]["matches_target"] == "3/3"
+    assert all(r[name][0] == r["target"][0] > 0 for r in res["rows"] for name in c)  # greedy: the same tokens
+    sp = c["speculative:original"]
+    assert sp["speedup_ci95"][0] <= sp["speedup"] <= sp["speedup_ci95"][1]
+    assert sp["speedup"] == pytest.approx(sp["tokens_per_s"] / c["target"]["tokens_per_s"])

@@ -90,6 +90,9 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     gain = saved["acceptance_gain"]["held_out"]
     assert gain["prompts"] == 3 and gain["ci"][0] <= gain["value"] <= gain["ci"][1]
     assert gain["value"] == pytest.approx(after(saved) - before(saved))
+    onp = report["distill"]["on_policy"]  # the tiny preset trains half on the draft's own answers
+    assert onp["sequences"] == 3 and onp["refresh_steps"] == [0, 2] and onp["teacher_seconds"] > 0
+    assert "On-policy: λ = 0.5" in md
     curve = report["distill"]["curve"]
     assert [p["step"] for p in curve] == [0, cfg.distill.max_steps] and 0 <= curve[-1]["eval_alpha"] <= 1
     # A third run does nothing but the report.

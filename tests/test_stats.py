@@ -91,3 +91,17 @@ def test_paired_gain_from_rows_matches_prompt_ids():
     assert paired_gain_from_rows([{"id": "p0", "acceptance_rate": 0.5}], after[:1]) is None  # counts not kept
     with pytest.raises(ValueError, match="not the same prompts"):
         paired_gain_from_rows(before, after[1:])
+
+
+def test_paired_ratio_ci_is_a_ratio_of_summed_rates():
+    from specdraft.stats import paired_ratio_ci
+
+    tok_a, sec_a = [64, 64, 30, 64], [8.0, 10.0, 5.0, 9.0]
+    tok_b, sec_b = [64, 64, 30, 64], [12.0, 13.0, 6.0, 15.0]
+    est = paired_ratio_ci(tok_a, sec_a, tok_b, sec_b, n_boot=2000)
+    assert est.value == pytest.approx((222 / 32.0) / (222 / 46.0))  # ratio of Σtokens/Σseconds, not of means
+    assert est.low <= est.value <= est.high and est.prompts == 4
+    same = paired_ratio_ci(tok_a, sec_a, tok_a, sec_a, n_boot=500)
+    assert same.value == pytest.approx(1.0) and same.low == pytest.approx(1.0) and same.high == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        paired_ratio_ci([1, 2], [1, 1], [1], [1])

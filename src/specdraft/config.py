@@ -148,7 +148,8 @@ class DistillConfig(BaseModel):
     """Distillation settings; field names equal the CLI flags (``top_p`` ↔ ``--top-p``).
 
     The serving filter (``temperature``, ``top_k``, ``top_p``) is here because ``tvd_deploy`` and the held-out α
-    are computed after it; γ is not (training never uses it; the export takes it from :class:`ExportConfig`).
+    are computed after it, and the draft samples its own training answers with it (``on_policy_fraction`` > 0);
+    γ is not (training never uses it; the export takes it from :class:`ExportConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -39,9 +39,11 @@ DATA_PACKAGES = {
 DATASETS = tuple(DATA_PACKAGES)
 
 #: Where each embedded dataset's held-out split starts: the presets train on the examples before it
-#: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is never trained on;
-#: ``conversations`` has no held-out split (the ``large`` preset trains on all 500). A user's own file or
-#: saved dataset has no split either: it is read from its first example (:func:`held_out_offset`).
+#: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is split by stride instead:
+#: the presets evaluate on every third question from 0 (``mt-bench:0:27:3``, all 8 categories) and train only
+#: on the others (``mt-bench:1:…:3``, ``mt-bench:2:…:3``); ``conversations`` has no held-out split (52
+#: distinct first questions over 500 rows). A user's own file or saved dataset has no split either: it is
+#: read from its first example (:func:`held_out_offset`).
 HELD_OUT_OFFSET = {"humaneval": 100, "mt-bench": 0, "conversations": 0}
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"

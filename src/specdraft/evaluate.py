@@ -656,8 +656,10 @@ def acceptance_eval(
     settings: the measure :func:`specdraft.pipeline.run_pipeline` compares before and after distillation.
 
     Without ``answers`` every prompt is decoded by greedy speculative decoding (batch 1; its output is the
-    target's greedy answer), and the decoder's counts are kept; the same counts are then replayed
-    (:func:`replay_greedy`) and the number of prompts where both agree is reported (``replay_check``). With
+    target's greedy answer); the counts are then replayed (:func:`replay_greedy`) on those answers, the number of
+    prompts where replayed and decoded counts agree is reported (``replay_check``, and the decoded rate as
+    ``decoded_acceptance_rate``), and the rows hold the replayed counts, so that every draft compared on these
+    answers is counted by one method (a draft of another tokenizer cannot be replayed: its rows are decoded). With
     ``answers`` (the target's answers from an earlier call) nothing is decoded: the counts are replayed, so a
     second draft is compared on the very same target answers (a paired comparison) in one draft pass per
     prompt.
@@ -677,7 +679,8 @@ def acceptance_eval(
         ``{"method": "decoded" | "replayed", "prompts", "rows": [{"id", "accepted", "proposed", "reached",
         "alpha_sum", "positions"}], "answers": [[ids]], "counts": AcceptanceCounts dict, "acceptance_rate",
         "acceptance_rate_ci95", "alpha", "alpha_ci95", "drafted", "mean_accepted_length", "alpha_per_position",
-        "alpha_sampled", "alpha_sampled_ci95", "replay_check", "seconds"}`` (intervals: bootstrap over prompts).
+        "alpha_sampled", "alpha_sampled_ci95", "replay_check", "decoded_acceptance_rate", "seconds"}`` (intervals:
+        bootstrap over prompts).
 
     Raises:
         ValueError: a sampled ``config``, or ``answers`` with a draft of another tokenizer.
@@ -707,9 +710,17 @@ def acceptance_eval(
     answers = [list(a) for a in answers]
     replayed = None if vocab_mapping is not None else replay_greedy(
         draft, prompt_ids, answers, gamma, max_new, eos, real_vocab=real_vocab, pad_id=pad)
-    counts_per_prompt = decoded if decoded is not None else replayed
+    # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between
+    # two drafts then compares one method with itself (decoded vs replayed differ only by bfloat16 near-ties,
+    # reported as replay_check and decoded_acceptance_rate).
+    counts_per_prompt = replayed if replayed is not None else decoded
     keys = ("proposed", "reached", "accepted", "accepted_hist")
-    check = None
+    check, decoded_rate = None, None
+    if decoded is not None:
+        merged = AcceptanceCounts(gamma)
+        for c in decoded:
+            merged = merged.merge(c)
+        decoded_rate = merged.acceptance_rate
     if decoded is not None and replayed is not None:
         same = sum(all(getattr(d, k) == getattr(r, k) for k in keys) for d, r in zip(decoded, replayed))
         check = f"{same}/{len(decoded)}"
@@ -737,7 +748,8 @@ def acceptance_eval(
         "alpha_per_position": total.alpha_per_position,
         "alpha_sampled": sampled["alpha"] if sampled else None,
         "alpha_sampled_ci95": ci("alpha_sum", "positions") if sampled else None,
-        "serving": serving.model_dump(), "replay_check": check, "seconds": time.perf_counter() - t0,
+        "serving": serving.model_dump(), "replay_check": check, "decoded_acceptance_rate": decoded_rate,
+        "seconds": time.perf_counter() - t0,
     }
 
 

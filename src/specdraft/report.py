@@ -75,7 +75,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
              + ("" if sgain is None else f"; gain {sgain.value:+.3f} {_fmt_ci(sgain.interval, '{:+.3f}')}")),
         ]
         if b.get("replay_check"):
-            rows.append((f"{tag} replayed counts = decoded counts (prompts)", b["replay_check"], "—"))
+            rows.append((f"{tag} replayed counts = decoded counts (prompts); decoded acceptance",
+                         f"{b['replay_check']}; {_fmt(b.get('decoded_acceptance_rate'))}", "—"))
     sp = report.get("speed")
     if sp:
         c = sp["contenders"]
