@@ -60,6 +60,50 @@ def _cached(path: Path, inputs: dict, make):
     return result
 
 
+class AcceptanceCurve:
+    """A TrainerCallback: every ``every`` steps, a bfloat16 copy of the draft being trained is replayed on the
+    held-out answers (the same counts as the final evaluation; its wall time is not in the training minutes'
+    meaning but is inside them) and the paired gain per set is appended to ``path`` (rewritten atomically each
+    time, so a killed run keeps its curve)."""
+
+    def __init__(self, every, target, tok, sets, before, eval_cfg, serving, path: Path):
+        from transformers import TrainerCallback
+
+        self.every, self.target, self.tok, self.sets, self.before = every, target, tok, sets, before
+        self.eval_cfg, self.serving, self.path, self.points = eval_cfg, serving, path, []
+        outer = self
+
+        class _CB(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kw):
+                if state.global_step % outer.every == 0:
+                    outer.measure(state.global_step, model)
+
+        self.callback = _CB()
+
+    def measure(self, step: int, model) -> None:
+        import copy
+
+        t0 = time.time()
+        draft = copy.deepcopy(model.draft).to(torch.bfloat16).eval()
+        point = {"step": step}
+        with torch.no_grad():
+            for name, examples in self.sets.items():
+                after = acceptance_eval(self.target, draft, self.tok, encode_prompts(self.tok, examples),
+                                        [e.id for e in examples], self.eval_cfg, self.serving,
+                                        answers=self.before[name]["answers"])
+                g = paired_gain_from_rows(self.before[name]["rows"], after["rows"])
+                point[name] = {"acceptance": after["acceptance_rate"], "gain": g.value, "gain_ci95": g.interval,
+                               "alpha_tf": after["alpha_sampled"]}
+        del draft
+        point["seconds"] = time.time() - t0
+        self.points.append(point)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.points, indent=1))
+        tmp.replace(self.path)
+        print("[curve] step", step, {n: f"{v['acceptance']:.3f} ({v['gain']:+.3f})" for n, v in point.items()
+                                     if isinstance(v, dict)}, f"{point['seconds']:.0f} s", flush=True)
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chat", nargs="+", default=["mt-bench:0:27:3"], help="held-out chat prompt sources")
@@ -75,7 +119,13 @@ def main() -> dict:
     ap.add_argument("--loss", default="tvd", choices=["soft_ce", "tvd", "tvd_deploy"])
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="layers trained (--train-mode last_layers)")
+    ap.add_argument("--train-mode", default="last_layers", choices=["last_layers", "all"])
+    ap.add_argument("--warmup-ratio", type=float, default=0.1)
+    ap.add_argument("--curve-every", type=int, default=0,
+                    help="every K steps, replay the held-out sets with the draft being trained (bf16 copy): the "
+                    "learning curve in measured acceptance, written as training goes (curve-<run>.json in --work)")
+    ap.add_argument("--result-name", default="distill-gain", help="writes <out>/<result-name>.json")
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=1.0, help="serving temperature (on-policy sampling, α)")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -115,9 +165,9 @@ def main() -> dict:
     # 3. per λ: distil, then replay the distilled draft on the same answers
     runs = []
     for lam in args.on_policy_fraction:
-        cfg = DistillConfig(loss=args.loss, train="last_layers", train_last_layers=args.layers, lr=args.lr,
+        cfg = DistillConfig(loss=args.loss, train=args.train_mode, train_last_layers=args.layers, lr=args.lr,
                             max_steps=args.steps, batch_size=args.batch_size, held_out_fraction=0.125,
-                            scheduler="cosine", warmup_ratio=0.1, save_steps=10_000, logging_steps=5,
+                            scheduler="cosine", warmup_ratio=args.warmup_ratio, save_steps=10_000, logging_steps=5,
                             temperature=args.temperature, top_p=args.top_p, on_policy_fraction=lam,
                             on_policy_every=args.on_policy_every)
         out_dir = args.work / f"distill-{_key(cfg.model_dump())}-{_key(manifest['plan'])}"
@@ -127,13 +177,17 @@ def main() -> dict:
             metrics = json.loads(done.read_text())["metrics"]
             trained, _ = load_model(str(out_dir / "speculator"), dtype="bfloat16")
         else:
+            curve = AcceptanceCurve(args.curve_every, target, tok, sets, before, eval_cfg, serving,
+                                    args.work / f"curve-{out_dir.name}.json") if args.curve_every else None
             res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, dump_dir, out_dir, cfg, resume=False,
-                              num_speculative_tokens=args.gamma)
+                              num_speculative_tokens=args.gamma, callbacks=[curve.callback] if curve else None)
             metrics = res["metrics"]
             trained = res["model"].to(torch.bfloat16).eval()
             del res
         minutes = metrics["seconds"] / 60  # training, on-policy writing and teacher passes included
-        run = {"on_policy_fraction": lam, "minutes": minutes, "distill": {
+        curve_file = args.work / f"curve-{out_dir.name}.json"
+        run = {"on_policy_fraction": lam, "minutes": minutes, "settings": cfg.model_dump(),
+               "acceptance_curve": json.loads(curve_file.read_text()) if curve_file.is_file() else None, "distill": {
             k: metrics[k] for k in ("steps", "trainable_parameters", "train_sequences", "eval_before",
                                     "eval_after", "curve", "on_policy", "seconds")}, "sets": {}}
         for name, examples in sets.items():
@@ -170,7 +224,7 @@ def main() -> dict:
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "distill-gain.json").write_text(json.dumps(result, indent=1, default=str))
+    (args.out / f"{args.result_name}.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
 

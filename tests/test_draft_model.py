@@ -13,9 +13,12 @@ from specdraft.draft_model import (
     TrimmedHead,
     describe_draft,
     frequent_tokens,
+    load_head_tokens,
     prepare_draft,
     quantize_int4,
     quantize_int8,
+    rank_tokens,
+    save_head_tokens,
 )
 from specdraft.sampling import output_width
 from specdraft.testing import chi2_goodness_of_fit, exact_two_token_law, perturbed, tiny_model, tiny_tokenizer
@@ -176,3 +179,24 @@ def test_frequent_tokens_ranks_by_count_then_id_and_keeps_special_tokens():
     more = frequent_tokens(tok, token_lists=[[60, 60, 61]], n=7, always=[63])
     assert more.tolist() == sorted([0, 1, 2, 3, 4, 63, 60])
     assert len(frequent_tokens(tok, [text], n=10_000)) == len(tok)
+
+
+def test_a_saved_token_ranking_is_reused_beside_its_speculator(tmp_path):
+    from specdraft.config import EvalConfig
+    from specdraft.evaluate import prepared_draft
+
+    tok = tiny_tokenizer(64)
+    ranked = rank_tokens(tok, token_lists=[[60, 60, 60, 61, 61, 62]])
+    assert ranked[:8] == [0, 1, 2, 3, 4, 60, 61, 62] and sorted(ranked) == list(range(64))
+    assert load_head_tokens(tmp_path, 8, tok) is None  # no file: nothing saved here
+    save_head_tokens(tmp_path, ranked, tok, "test answers")
+    assert load_head_tokens(tmp_path, 7, tok).tolist() == [0, 1, 2, 3, 4, 60, 61]
+    # A draft loaded from that directory keeps the saved tokens; elsewhere the embedded prompts are counted.
+    draft = tiny_model("llama", 64, seed=1)
+    draft.config._name_or_path = str(tmp_path)
+    trimmed = prepared_draft(draft, tok, EvalConfig(draft_head_tokens=7, dtype="float32"))
+    assert trimmed.get_output_embeddings().token_ids.tolist() == [0, 1, 2, 3, 4, 60, 61]
+    # Counted with another tokenizer: refused, naming the file.
+    other = tiny_tokenizer(80)
+    with pytest.raises(ValueError, match="head_tokens.json was counted with another tokenizer"):
+        load_head_tokens(tmp_path, 7, other)

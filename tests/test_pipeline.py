@@ -77,6 +77,20 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     spec = out / "export" / "speculator"
     conf = json.loads((spec / "config.json").read_text())
     assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
+    # The token ranking beside the export is counted over the dump's target-written answers (the tokens after each
+    # trained position) and the embedded training prompts.
+    from specdraft.draft_model import default_head_corpus, rank_tokens
+    from specdraft.dump import TeacherDataset
+    from specdraft.models import load_tokenizer
+
+    saved_rank = json.loads((spec / "head_tokens.json").read_text())["ranked_token_ids"]
+    dump, tok = TeacherDataset(out / "dump"), load_tokenizer(tdir)
+    answers = [[int(x["input_ids"][j + 1]) for j in range(len(x["input_ids"]) - 1) if x["loss_mask"][j]]
+               for x in map(dump.tokens, range(len(dump)))]
+    assert sum(map(len, answers)) > 0
+    assert saved_rank == rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
+    assert saved_rank != rank_tokens(tok, token_lists=default_head_corpus(tok))  # the answers counted
+    assert report["export"]["head_tokens_file"] == str((spec / "head_tokens.json").resolve())
     md = (out / "report.md").read_text()
     assert "before distillation" in md and "vllm serve" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"

@@ -689,7 +689,8 @@ def _draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, config: 
 
 def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str | Path,
                 config: DistillConfig | None = None, resume: bool = True, report_to: str = "none",
-                device: str | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS) -> dict[str, Any]:
+                device: str | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
+                callbacks: list | None = None) -> dict[str, Any]:
     """Distil ``draft_ref`` against the teacher dump in ``dump_dir`` and export it as a speculator.
 
     Everything that can be wrong is checked before training starts: the dump is finished and its shards
@@ -697,7 +698,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
 
     Writes ``out/checkpoints/`` (resumable), ``out/speculator/`` (the export, with ``training.json``) and
     ``out/training.json``. ``num_speculative_tokens`` (γ) is recorded in the exported speculator
-    (:func:`specdraft.export.export_speculator`). Under ``accelerate launch`` / ``torchrun`` the ranks train
+    (:func:`specdraft.export.export_speculator`). ``callbacks``: extra ``transformers.TrainerCallback`` objects
+    (e.g. a learning curve measured by decoding, ``bench/bench_distill_gain.py --curve-every``). Under ``accelerate launch`` / ``torchrun`` the ranks train
     data-parallel (``batch_size`` is per rank) and rank 0 alone writes the export.
 
     Returns:
@@ -732,7 +734,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     eval_ds = Subset(dataset, held_idx) if held_idx else None
     writer = _draft_writer(target_ref, manifest, draft_tok, config, device) if config.on_policy_fraction > 0 else None
     result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
-                   teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer)
+                   teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer,
+                   callbacks=callbacks)
     del writer  # frees the target
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],

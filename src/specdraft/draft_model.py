@@ -30,8 +30,10 @@ Two transforms, applied by :func:`prepare_draft` in this order (a trimmed head i
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +41,9 @@ from torch import nn
 
 #: FR-Spec's default number of kept head rows.
 HEAD_TOKENS = 32_768
+
+#: The optional token-set file beside an exported speculator (:func:`save_head_tokens`).
+HEAD_TOKENS_FILE = "head_tokens.json"
 
 
 class Int8Linear(nn.Module):
@@ -180,29 +185,80 @@ class TrimmedHead(nn.Module):
         return out
 
 
-def frequent_tokens(tokenizer, texts: Iterable[str] | None = None, n: int = HEAD_TOKENS,
-                    token_lists: Iterable[Sequence[int]] | None = None, always: Iterable[int] = ()) -> torch.Tensor:
-    """The ``n`` most frequent target-vocabulary ids (FR-Spec's token set), sorted by id.
+def rank_tokens(tokenizer, texts: Iterable[str] | None = None, token_lists: Iterable[Sequence[int]] | None = None,
+                always: Iterable[int] = ()) -> list[int]:
+    """Every id of ``tokenizer``'s vocabulary, most frequent first (FR-Spec's ranking).
 
     Frequencies are counted over ``texts`` encoded with ``tokenizer`` (no special tokens added) and/or over
     ``token_lists`` (already-encoded ids, e.g. chat-templated prompts or a teacher dump). Ties — in particular
     every id the corpus never shows — are broken by the lower id: byte-level BPE numbers merges in the order it
     learnt them, so a lower id is a more frequent piece of the tokenizer's own training corpus. The tokenizer's
-    special tokens and ``always`` are always kept (EOS must stay proposable).
+    special tokens and ``always`` rank first (EOS must stay proposable).
 
     Returns:
-        ``[min(n, len(tokenizer))] int64`` ids, ascending.
+        ``len(tokenizer)`` ids.
     """
     counts: Counter[int] = Counter()
     if texts is not None:
         for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
             counts.update(ids)
     for ids in token_lists or ():
-        counts.update(ids)
+        counts.update(int(i) for i in ids)
     vocab = len(tokenizer)
     forced = {i for i in (*tokenizer.all_special_ids, *always) if 0 <= i < vocab}
-    ranked = sorted(range(vocab), key=lambda i: (i not in forced, -counts.get(i, 0), i))
-    return torch.tensor(sorted(ranked[: min(n, vocab)]), dtype=torch.long)
+    return sorted(range(vocab), key=lambda i: (i not in forced, -counts.get(i, 0), i))
+
+
+def frequent_tokens(tokenizer, texts: Iterable[str] | None = None, n: int = HEAD_TOKENS,
+                    token_lists: Iterable[Sequence[int]] | None = None, always: Iterable[int] = ()) -> torch.Tensor:
+    """The ``n`` most frequent target-vocabulary ids (FR-Spec's token set; the first ``n`` of :func:`rank_tokens`,
+    same arguments), sorted by id.
+
+    Returns:
+        ``[min(n, len(tokenizer))] int64`` ids, ascending.
+    """
+    ranked = rank_tokens(tokenizer, texts, token_lists, always)
+    return torch.tensor(sorted(ranked[: min(n, len(ranked))]), dtype=torch.long)
+
+
+def save_head_tokens(directory: str | Path, ranked: Sequence[int], tokenizer, counted_over: str) -> Path:
+    """Write the token ranking beside a speculator (``directory/head_tokens.json``, atomically) so that a later
+    ``--draft-head-tokens N`` keeps the N tokens counted where the speculator was made (e.g. the target-written
+    answers of its teacher dump) rather than the embedded prompts.
+
+    File: ``{"format": 1, "ranked_token_ids": [ids, most frequent first], "tokenizer_fingerprint": sha256,
+    "counted_over": str}`` (fingerprint: :func:`specdraft.vocab.tokenizer_fingerprint`). Returns the path.
+    """
+    from specdraft.io import atomic_write_text
+    from specdraft.vocab import tokenizer_fingerprint
+
+    path = Path(directory) / HEAD_TOKENS_FILE
+    atomic_write_text(path, json.dumps({"format": 1, "ranked_token_ids": [int(i) for i in ranked],
+                                        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                                        "counted_over": counted_over}))
+    return path
+
+
+def load_head_tokens(directory: str | Path, n: int, tokenizer) -> torch.Tensor | None:
+    """The ``n`` most frequent ids of the ranking saved in ``directory`` (:func:`save_head_tokens`), sorted by id;
+    ``None`` when the directory holds no such file.
+
+    Raises:
+        ValueError: the file was counted with another tokenizer (fingerprints differ), or is not a ranking file.
+    """
+    from specdraft.vocab import tokenizer_fingerprint
+
+    path = Path(directory) / HEAD_TOKENS_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        ranked = saved["ranked_token_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a specdraft token ranking ({e}); delete it or re-export") from None
+    if saved.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"{path} was counted with another tokenizer than the target's; delete it or re-export")
+    return torch.tensor(sorted(ranked[: min(n, len(ranked))]), dtype=torch.long)
 
 
 def default_head_corpus(tokenizer) -> list[list[int]]:

@@ -37,7 +37,13 @@ from specdraft.decode import (
     speculative_generate,
     target_generate,
 )
-from specdraft.draft_model import default_head_corpus, describe_draft, frequent_tokens, prepare_draft
+from specdraft.draft_model import (
+    default_head_corpus,
+    describe_draft,
+    frequent_tokens,
+    load_head_tokens,
+    prepare_draft,
+)
 from specdraft.losses import sum_min
 from specdraft.sampling import align_logits, filtered_probs, greedy_probs, output_width
 from specdraft.speed import SpeedModel
@@ -466,15 +472,25 @@ def prepared_draft(draft, tokenizer, config: EvalConfig, vocab_mapping=None, cop
     """The draft with ``config``'s draft options applied (:func:`specdraft.draft_model.prepare_draft`; on a copy
     unless ``copy_model=False``); ``draft`` itself when there are none.
 
+    The trimmed head's tokens come from the draft's directory when it holds a saved ranking
+    (:data:`specdraft.draft_model.HEAD_TOKENS_FILE`, written by the pipeline's export), else from the embedded
+    training prompts.
+
     Raises:
         DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
+        ValueError: a saved ranking counted with another tokenizer.
     """
     head_ids = None
     if config.draft_head_tokens is not None:
         if vocab_mapping is not None:
             raise DecodeError("--draft-head-tokens keeps the most frequent *target* tokens in the draft's head: it needs "
                              "a draft of the target's tokenizer (not --map-vocab)")
-        head_ids = frequent_tokens(tokenizer, n=config.draft_head_tokens, token_lists=default_head_corpus(tokenizer))
+        # A speculator exported with its token ranking (head_tokens.json) keeps the tokens counted where it was made.
+        source = getattr(draft.config, "_name_or_path", "") or ""
+        head_ids = load_head_tokens(source, config.draft_head_tokens, tokenizer) if Path(source).is_dir() else None
+        if head_ids is None:
+            head_ids = frequent_tokens(tokenizer, n=config.draft_head_tokens,
+                                       token_lists=default_head_corpus(tokenizer))
     return prepare_draft(draft, config.draft_quantization, head_ids, copy_model=copy_model)
 
 

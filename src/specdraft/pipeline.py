@@ -382,6 +382,32 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
     return run
 
 
+def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path) -> Callable[[Path], dict[str, Any]]:
+    """Copy the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
+    counted over the teacher dump's target-written answers plus the embedded training prompts
+    (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator."""
+
+    def run(d: Path) -> dict[str, Any]:
+        from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
+        from specdraft.dump import TeacherDataset
+        from specdraft.export import copy_speculator
+        from specdraft.models import load_tokenizer
+
+        res = copy_speculator(speculator, d / "speculator", cfg.target, cfg.export_dtype)
+        tok = load_tokenizer(plan.target.path)
+        dump = TeacherDataset(dump_dir)
+        answers = []
+        for i in range(len(dump)):
+            item = dump.tokens(i)
+            answers.append(item["input_ids"][1:][item["loss_mask"][:-1].bool()].tolist())
+        ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
+        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} target-"
+                                "written answer tokens) + the embedded training prompts")
+        return res | {"head_tokens_file": str(path.resolve())}
+
+    return run
+
+
 def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = None,
                  log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None,
                  ood_examples=None) -> dict[str, Any]:
@@ -400,7 +426,6 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     Raises:
         PipelineError: a stage failed (names it and the resume command), overlap refused, too little disk.
     """
-    from specdraft.export import copy_speculator
     from specdraft.report import write_pipeline_report
 
     out = Path(out)
@@ -434,9 +459,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         if not speed["lossless"]:
             raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
                                 f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
-    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype},
-                          lambda d: copy_speculator(distilled["speculator"], d / "speculator", cfg.target,
-                                                    cfg.export_dtype))
+    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": 1},
+                          _export_stage(cfg, plan, distilled["speculator"], out / "dump"))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
               "vocab_swap": swap, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed,
