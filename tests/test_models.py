@@ -42,6 +42,13 @@ def test_unknown_name_lists_known_names():
         assert name in str(e.value)
 
 
+@pytest.mark.parametrize("ref", ["./no-such-dir", "../no-such-dir", "/no/such/dir", "~/no-such-dir", "a/b/c"])
+def test_missing_path_says_it_does_not_exist(ref):
+    with pytest.raises(ModelResolutionError) as e:
+        models.resolve(ref)
+    assert str(e.value) == f"{ref} does not exist"
+
+
 def test_uncached_hub_id_says_how_to_pass_a_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))

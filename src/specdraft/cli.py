@@ -107,8 +107,10 @@ DtypeOpt = Annotated[ModelDtype, typer.Option(help="Weights dtype (auto: float32
 
 
 def fail(msg: str, code: int = 2) -> None:
-    """Print ``error: msg`` (no markup read in ``msg``) to stderr and exit with ``code`` (2: an expected error)."""
-    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
+    """Print ``error: msg`` (no markup read in ``msg``) to stderr as one line, however long (soft_wrap: rich would
+    otherwise wrap it at the terminal width, and a script reading the error line would get its first piece), and
+    exit with ``code`` (2: an expected error)."""
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -177,6 +179,10 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
     """Build the safetensors cache of an embedded model (join parts, verify sha256, convert from GGUF)."""
     import time
 
+    from specdraft.models import EMBEDDED, unknown_embedded_error
+
+    if name not in EMBEDDED:  # embedded names only: a directory or hub id has nothing to prepare
+        raise unknown_embedded_error(name)
     t0 = time.time()
     path = _resolve_with_progress(name)
     console.print(f"[green]ready[/] {name} → {path} ({time.time() - t0:.1f} s)")

@@ -203,7 +203,8 @@ def flag_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = err["loc"][0] if err["loc"] else ""
-        lines.append(f"--{str(loc).replace('_', '-')}: {err['msg']} (got {err.get('input')!r})")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"--{str(loc).replace('_', '-')}: {msg} (got {err.get('input')!r})")
     return "; ".join(lines)
 
 

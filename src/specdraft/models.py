@@ -180,6 +180,17 @@ def unknown_name_error(ref: str) -> ModelResolutionError:
     )
 
 
+def unknown_embedded_error(name: str) -> ModelResolutionError:
+    """:func:`prepare` takes embedded names only: no advice about directories or hub ids."""
+    return ModelResolutionError(f"Unknown embedded model {name!r}. Embedded names: {', '.join(EMBEDDED)}.")
+
+
+def looks_like_path(ref: str) -> bool:
+    """A reference written as a path (``./x``, ``../x``, ``/x``, ``~/x``, or with a path separator), not a name."""
+    seps = tuple(s for s in (os.sep, os.altsep) if s)
+    return ref.startswith(("./", "../", "/", "~")) or any(s in ref for s in seps)
+
+
 # --------------------------------------------------------------------------------------------------
 # Locating and joining the packaged parts
 # --------------------------------------------------------------------------------------------------
@@ -361,7 +372,7 @@ def prepare(
         ModelResolutionError: unknown name, missing weight package, or sha256 mismatch.
     """
     if name not in EMBEDDED:
-        raise unknown_name_error(name)
+        raise unknown_embedded_error(name)
     model_info = EMBEDDED[name]
     final = cache_dir(name)
     if is_cached(name):
@@ -487,7 +498,8 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
         id found in the local HF cache, the snapshot directory.
 
     Raises:
-        ModelResolutionError: unknown name / path / uncached hub id, with the list of embedded names.
+        ModelResolutionError: a path that does not exist ("PATH does not exist"); an unknown name or uncached hub
+            id, with the list of embedded names.
     """
     if isinstance(ref, ModelRef):  # resolved once already
         return ref.path
@@ -515,6 +527,8 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
                 f"unreachable from here ({type(exc).__name__}). Download it where the hub is reachable "
                 "and pass the local directory instead, or use an embedded name: " + ", ".join(EMBEDDED)
             ) from exc
+    if looks_like_path(ref_s):
+        raise ModelResolutionError(f"{ref_s} does not exist")
     raise unknown_name_error(ref_s)
 
 

@@ -239,7 +239,10 @@ class IndependentSpeculatorConfig(BaseModel):
         try:
             fields = SpeculatorFields.model_validate({k: d[k] for k in SPECULATOR_KEYS if k in d})
         except ValidationError as exc:
-            raise SpeculatorError(f"invalid speculator config: {exc}") from exc
+            # One line, without pydantic's "Value error, " prefix and help links: the CLI shows it as `error: …`.
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: "
+                                 f"{str(e['msg']).removeprefix('Value error, ')}" for e in exc.errors())
+            raise SpeculatorError(f"invalid speculator config: {problems}") from exc
         sc = fields.speculators_config
         return cls(
             draft_config=strip_speculator_keys(d),
