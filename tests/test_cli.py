@@ -64,6 +64,20 @@ def test_expected_error_is_one_line_however_long(tmp_path):
     assert len(msg) > 80 and r.output.splitlines() == [msg]
 
 
+def test_check_given_two_positional_models_names_the_flags():
+    r = CliRunner().invoke(app, ["check", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
+    (line,) = _error_lines(r.output)
+    assert line.endswith("pass them as --target qwen2.5-coder-1.5b-instruct --draft smollm2-135m-instruct")
+
+
+def test_version():
+    from specdraft import __version__
+
+    r = CliRunner().invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output == f"specdraft {__version__}\n"
+
+
 def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
     """The held-out offset (100) belongs to the embedded HumanEval split, not to a user's 3-line file."""
     tdir, ddir = save_tiny_pair(tmp_path, 96)

@@ -93,6 +93,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from specdraft import __version__
+
+        typer.echo(f"specdraft {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print specdraft's version and exit.")] = False,
+) -> None:
+    # Only --version (eager, handled by its callback); no docstring, so the app's help stays the Typer's help=.
+    return None
+
+
 models_app = typer.Typer(help="Embedded models: list them, build their cache.", invoke_without_command=True)
 app.add_typer(models_app, name="models")
 
@@ -191,8 +210,9 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
 # ------------------------------------------------------------------------------------------- check
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})  # positional models: a hint, not click's bare refusal
 def check(
+    ctx: typer.Context,
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
     prompt: Annotated[str, typer.Option(help="Prompt for the greedy continuation of each model.")] =
@@ -204,6 +224,10 @@ def check(
     """Load target and draft, compare their tokenizers over the whole vocabulary, print both models' facts and
     a short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
     from specdraft.check import run_check
+
+    if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
+        flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
+        fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
 
     tpath = _resolve_with_progress(target)
     dpath = _resolve_with_progress(draft)
