@@ -78,6 +78,40 @@ def test_version():
     assert r.exit_code == 0 and r.output == f"specdraft {__version__}\n"
 
 
+def _options():
+    """``(command path, click parameter)`` for every visible option of every command."""
+    import typer.main
+
+    def walk(cmd, path):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}".strip())
+        for p in cmd.params:
+            if not getattr(p, "hidden", False):
+                yield path, p
+
+    return list(walk(typer.main.get_command(app), ""))
+
+
+def test_every_option_has_help_and_dtype_help_states_the_default():
+    checked = []
+    for path, p in _options():
+        assert p.help, f"{path} {p.opts}"
+        if p.name == "dtype" and path not in ("convert", "distill"):  # theirs: no "auto" (export / training dtype)
+            assert f"default {p.default} (auto =" in p.help, (path, p.default, p.help)
+            checked.append(path)
+    assert sorted(checked) == ["check", "dump", "eval", "generate", "rank", "vocab-swap"]
+
+
+def test_gamma_help_states_the_configs_bound():
+    from specdraft.config import EvalConfig, ExportConfig
+
+    for cfg in (EvalConfig, ExportConfig):
+        (le,) = [m.le for m in cfg.model_fields["num_speculative_tokens"].metadata if getattr(m, "le", None)]
+        assert le == 64
+    helps = [p.help for _, p in _options() if p.name in ("gamma", "num_speculative_tokens")]
+    assert len(helps) == 5 and all("(1..64)" in h for h in helps)  # eval, generate, rank, convert, distill
+
+
 def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
     """The held-out offset (100) belongs to the embedded HumanEval split, not to a user's 3-line file."""
     tdir, ddir = save_tiny_pair(tmp_path, 96)
@@ -150,3 +184,14 @@ def test_errors_of_subcommand_groups_are_handled_too():
     # prepare takes embedded names only: no advice to pass a directory, the names instead.
     assert line.startswith("error: Unknown embedded model 'no-such-model'") and "directory" not in line
     assert all(name in line for name in EMBEDDED)
+
+
+def test_gamma_policy_help_states_the_probe_cost():
+    """adaptive is not free where no γ predicts a gain: the help's figure is AdaptiveGamma's longest wait."""
+    import inspect
+
+    from specdraft.speed import AdaptiveGamma
+
+    (help_,) = [p.help for path, p in _options() if p.name == "gamma_policy" and path == "eval"]
+    max_wait = inspect.signature(AdaptiveGamma).parameters["max_wait"].default
+    assert f"one probe draft per {max_wait} target steps" in help_ and "never slower" not in help_

@@ -58,6 +58,8 @@ def test_int4_linear_matches_its_dequantized_weight_and_falls_back_to_int8():
     assert torch.allclose(q(x), ref, atol=2e-2) and q(x).dtype == torch.float32
     odd = torch.nn.Sequential(torch.nn.Linear(48, 16))  # K = 48: not a multiple of 32
     assert isinstance(quantize_int4(odd)[0], Int8Linear)
+    assert not Int4Linear.fits(torch.nn.Linear(64, 40))  # N = 40: not a multiple of 16
+    assert not Int4Linear.fits(torch.nn.Linear(64, 48, device="meta"))  # not on the CPU (a CUDA weight): int8
 
 
 def test_int8_draft_copy_leaves_the_original_alone(pair):

@@ -23,6 +23,7 @@ from rich.table import Table
 
 # Choices come from the config's Literal types (one source; specdraft.config imports pydantic only, never torch).
 from specdraft.config import (
+    MAX_SPECULATIVE_TOKENS,
     NUM_SPECULATIVE_TOKENS,
     DraftQuantization,
     DumpFormat,
@@ -122,7 +123,12 @@ TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target (verifier
                                         "directory or cached hub id.")]
 DraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model: embedded name, local HF directory "
                                        "or cached hub id.")]
-DtypeOpt = Annotated[ModelDtype, typer.Option(help="Weights dtype (auto: float32 on CPU, bfloat16 on CUDA).")]
+
+
+def dtype_opt(default: ModelDtype):
+    """The --dtype option of a command whose default is ``default`` (its help states that default)."""
+    return Annotated[ModelDtype, typer.Option(show_default=False, help=f"Weights dtype, default {default} (auto = "
+                                              "float32 on CPU, bfloat16 on CUDA).")]
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -219,7 +225,7 @@ def check(
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens of greedy continuation per model.")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
-    dtype: DtypeOpt = "auto",
+    dtype: dtype_opt("auto") = "auto",
 ) -> None:
     """Load target and draft, compare their tokenizers over the whole vocabulary, print both models' facts and
     a short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
@@ -270,7 +276,7 @@ def vocab_swap_cmd(
                                        "directory or cached hub id.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the swapped draft (written atomically).")],
     target: TargetOpt = DEFAULT_TARGET,
-    dtype: DtypeOpt = "float32",
+    dtype: dtype_opt("float32") = "float32",
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
 ) -> None:
     """Re-index a draft of another tokenizer into the target's: its embedding and output rows are copied to
@@ -322,7 +328,7 @@ def convert(
                                           "and tokenizer are read.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist or be empty).")],
     num_speculative_tokens: Annotated[int, typer.Option(help="γ: draft tokens proposed per verifier pass "
-                                                        "(>= 1).")] = NUM_SPECULATIVE_TOKENS,
+                                                        f"(1..{MAX_SPECULATIVE_TOKENS}).")] = NUM_SPECULATIVE_TOKENS,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty output directory.")] = False,
     dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
                                                "bfloat16 is what vLLM serves. A cast is the one case where the "
@@ -476,7 +482,8 @@ SamplingTemp = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (temp
 SamplingTopK = Annotated[int, typer.Option(help="Top-k filter; 0 = off.")]
 SamplingTopP = Annotated[float, typer.Option(help="Top-p (nucleus) mass in (0, 1]; 1 = off.")]
 GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-g",
-                                       help="γ: draft tokens proposed per target pass (>= 1); the maximum when "
+                                       help=f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS}); "
+                                       "the maximum when "
                                        "--draft-confidence-threshold is set.")]
 MapVocabOpt = Annotated[bool, typer.Option(
     "--map-vocab", help="Allow a draft with another tokenizer: the draft re-reads the context as text and proposes text "
@@ -485,14 +492,18 @@ ProposalsOpt = Annotated[ProposalMode | None, typer.Option(
     help="With --map-vocab: 'text' (the draft's own argmax text, re-encoded with the target's tokenizer; greedy "
     "only) or 'tokens' (its tokens with a target twin). Default: text when greedy, tokens when sampling.")]
 QuantOpt = Annotated[DraftQuantization | None, typer.Option(
-    help="int8: the draft's linear layers hold int8 weights (weight-only, one scale per output row); the target is "
-    "untouched and decoding stays exact. Off when not given.")]
+    help="The draft's linear layers (output head included), weight-only: int8 = int8 weights, one scale per output "
+    "row; int4 = int4 weights, a scale and zero per group of 32 inputs (CPU kernel _weight_int4pack_mm_for_cpu), a "
+    "layer it does not take (inputs not a multiple of 32, outputs not of 16, or a weight not on the CPU, e.g. CUDA) "
+    "falls back to int8. The target is untouched and decoding stays exact. Off when not given.")]
 HeadTokensOpt = Annotated[int | None, typer.Option(
     min=1, help="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the paper), so it never "
     "proposes the others; decoding stays exact. Off when not given.")]
 GammaPolicyOpt = Annotated[GammaPolicy, typer.Option(
     help="fixed: γ drafts per round. adaptive: each round a row drafts the k <= γ its running acceptance and the "
-    "pair's measured costs predict fastest, none while no k predicts a gain (never slower than the target alone).")]
+    "pair's measured costs predict fastest, none while no k predicts a gain except a one-draft probe after a wait "
+    "that doubles up to 32 rounds: it costs at most about one probe draft per 32 target steps when no γ predicts a "
+    "gain.")]
 ConfOpt = Annotated[float | None, typer.Option(
     min=0.0, max=1.0, help="Stop drafting a round early once the draft's probability of its own token falls "
     "below this (lossless; γ becomes a maximum). Off when not given.")]
@@ -519,7 +530,7 @@ def eval_cmd(
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalsOpt = None,
-    dtype: DtypeOpt = "bfloat16",
+    dtype: dtype_opt("bfloat16") = "bfloat16",
     draft_quantization: QuantOpt = None,
     draft_head_tokens: HeadTokensOpt = None,
     gamma_policy: GammaPolicyOpt = "fixed",
@@ -604,13 +615,13 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens of the answer (fewer at EOS).")] = 128,
     gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
-    seed: int = 0,
-    dtype: DtypeOpt = "bfloat16",
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    dtype: dtype_opt("bfloat16") = "bfloat16",
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalsOpt = None,
@@ -673,7 +684,8 @@ def rank(
                                                 "hub ids (same tokenizer as the target, or another: then decoded "
                                                 "through a vocabulary mapping).")],
     target: TargetOpt = DEFAULT_TARGET,
-    prompts: Annotated[str, typer.Option(help="Calibration prompts: humaneval | mt-bench | conversations | a .jsonl.")]
+    prompts: Annotated[str, typer.Option(help="Calibration prompts: humaneval | mt-bench | conversations | a .jsonl | a "
+                                         "saved dataset.")]
         = "humaneval",
     num_prompts: Annotated[int, typer.Option(min=1, help="Calibration prompts per draft.")] = 2,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per calibration prompt.")] = 48,
@@ -681,7 +693,7 @@ def rank(
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
-    dtype: DtypeOpt = "bfloat16",
+    dtype: dtype_opt("bfloat16") = "bfloat16",
     draft_quantization: QuantOpt = None,
     draft_head_tokens: HeadTokensOpt = None,
     confirm: Annotated[bool, typer.Option(help="Then measure the top draft against the target alone (specdraft "
@@ -780,7 +792,7 @@ def dump(
     offset: Annotated[int, typer.Option(help="Skip this many examples first.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Sequences per target forward pass.")] = 8,
     shard_size_mb: Annotated[float, typer.Option(help="Shard size bound, MB.")] = 256.0,
-    dtype: DtypeOpt = "auto",
+    dtype: dtype_opt("auto") = "auto",
 ) -> None:
     """Run the target once over every sequence and store its distribution (teacher dump) in shards plus a
     manifest; a killed run resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
@@ -861,7 +873,7 @@ def distill(
     gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
     warmup_ratio: Annotated[float, typer.Option(help="Share of steps warming up.")] = 0.0,
     scheduler: Annotated[Scheduler, typer.Option(help="Learning-rate schedule.")] = "cosine",
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(help="Seed for data order and initialisation.")] = 0,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Training dtype of the draft.")] = "float32",
     train: Annotated[TrainWhat, typer.Option(help="All parameters, the last N layers (+ final norm), or LoRA.")]
         = "all",
@@ -875,7 +887,8 @@ def distill(
     on_policy_every: Annotated[int, typer.Option(help="Regenerate the draft-written sequences every N steps.")] = 10,
     on_policy_max_new_tokens: Annotated[int | None, typer.Option(
         help="Length bound of the draft's answers (default: the dump's --generate, else 128).")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(min=1, help="γ recorded in the exported speculator.")]
+    num_speculative_tokens: Annotated[int, typer.Option(min=1, max=MAX_SPECULATIVE_TOKENS, help="γ recorded in the "
+                                                        f"exported speculator (1..{MAX_SPECULATIVE_TOKENS}).")]
         = NUM_SPECULATIVE_TOKENS,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
 ) -> None:

@@ -26,13 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: γ by default: draft tokens per target pass, everywhere a γ is not given (one constant).
 NUM_SPECULATIVE_TOKENS = 5
+#: The largest γ accepted anywhere (the bound of :data:`SpeculativeTokens`; the CLI's help states it).
+MAX_SPECULATIVE_TOKENS = 64
 
 #: γ as a validated field: shared by the speculator schema, the export and the evaluation.
 SpeculativeTokens = Annotated[
     int,
     Field(
         ge=1,
-        le=64,
+        le=MAX_SPECULATIVE_TOKENS,
         description="γ: tokens the draft proposes per round; the verifier checks them in one forward pass. "
         "Larger γ raises the possible accepted length and the cost of each round.",
     ),
@@ -88,7 +90,10 @@ class EvalConfig(BaseModel):
     dtype: ModelDtype = Field("bfloat16", description="Dtype both models are loaded in.")
     draft_quantization: DraftQuantization | None = Field(
         None, description="int8: the draft's linear layers (output head included) hold int8 weights, one scale per "
-        "output row (weight-only, torch._weight_int8pack_mm); the target is untouched, decoding stays exact.")
+        "output row (weight-only, torch._weight_int8pack_mm); int4: int4 weights, a scale and zero per group of 32 "
+        "inputs (_weight_int4pack_mm_for_cpu), int8 for a layer that kernel does not take (Int4Linear.fits: inputs "
+        "not a multiple of 32, outputs not of 16, or a weight not on the CPU). The target is untouched, decoding "
+        "stays exact.")
     draft_head_tokens: int | None = Field(
         None, ge=1, description="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the "
         "paper; counted over the embedded training prompts); it never proposes the others, decoding stays exact.")

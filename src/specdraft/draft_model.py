@@ -320,7 +320,8 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
 
     Args:
         draft: a causal LM (eval mode).
-        quantization: ``None`` or ``"int8"`` (:class:`Int8Linear`; :data:`specdraft.config.DraftQuantization`).
+        quantization: ``None``, ``"int8"`` (:class:`Int8Linear`) or ``"int4"`` (:class:`Int4Linear`, groups of 32; a
+            layer :meth:`Int4Linear.fits` refuses becomes int8); :data:`specdraft.config.DraftQuantization`.
         head_tokens: ``[N] int64`` target ids the draft keeps in its head (:func:`frequent_tokens`), or ``None``.
 
     Raises:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdraft import __version__
-from specdraft.config import NUM_SPECULATIVE_TOKENS, SpeculativeTokens
+from specdraft.config import MAX_SPECULATIVE_TOKENS, NUM_SPECULATIVE_TOKENS, SpeculativeTokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
@@ -211,7 +211,7 @@ class IndependentSpeculatorConfig(BaseModel):
 
         Args:
             draft_config: the draft's config (dict as in config.json, or a ``PretrainedConfig``).
-            num_speculative_tokens: γ >= 1.
+            num_speculative_tokens: γ in 1..64 (:data:`specdraft.config.MAX_SPECULATIVE_TOKENS`).
             verifier: anything :func:`verifier_config` accepts, or ``None`` to name it later.
 
         Raises:
@@ -726,8 +726,8 @@ class IndependentSpeculator:
                 head (``self.verifier_head``), which distillation needs.
             name_or_path: recorded instead of the reference / the model's ``name_or_path``.
             tokenizer: the verifier's tokenizer (object or reference) for the compatibility check.
-            check_tokenizer: run ``specdraft.compat.check_compatible`` (when it exists) between the verifier's
-                and the draft's tokenizers.
+            check_tokenizer: run :func:`specdraft.check.check_compatible` between the verifier's and the draft's
+                tokenizers (a mismatch raises; an unknown tokenizer warns and skips the check).
             dtype, device: for loading a referenced verifier (see :func:`specdraft.models.load_model`).
 
         Returns:
@@ -886,7 +886,7 @@ def _greedy(num_speculative_tokens: int) -> GreedyTokenProposalConfig:
         return GreedyTokenProposalConfig(speculative_tokens=num_speculative_tokens)
     except ValidationError as exc:
         raise SpeculatorError(
-            f"num_speculative_tokens (--num-speculative-tokens) must be an integer >= 1, got "
+            f"num_speculative_tokens (--num-speculative-tokens) must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got "
             f"{num_speculative_tokens!r}"
         ) from exc
 
