@@ -23,6 +23,7 @@ figures for both sets under ``runs``.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import platform
@@ -40,7 +41,7 @@ from specdraft.config import DistillConfig, DumpConfig, EvalConfig, SamplingConf
 from specdraft.data import encode_prompts
 from specdraft.distill import run_distill
 from specdraft.dump import run_dump
-from specdraft.evaluate import acceptance_eval
+from specdraft.evaluate import acceptance_eval, eos_ids
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 from specdraft.pipeline import load_sources
 from specdraft.stats import paired_gain_from_rows
@@ -62,15 +63,16 @@ def _cached(path: Path, inputs: dict, make):
 
 class AcceptanceCurve:
     """A TrainerCallback: every ``every`` steps, a bfloat16 copy of the draft being trained is replayed on the
-    held-out answers (the same counts as the final evaluation; its wall time is not in the training minutes'
-    meaning but is inside them) and the paired gain per set is appended to ``path`` (rewritten atomically each
-    time, so a killed run keeps its curve)."""
+    held-out answers (:func:`specdraft.evaluate.replay_greedy`: the same greedy counts as the final evaluation,
+    without the target, which is not held in memory during training) and the paired gain per set is appended to
+    ``path`` (rewritten atomically each time, so a killed run keeps its curve). Its seconds are inside the
+    training minutes."""
 
-    def __init__(self, every, target, tok, sets, before, eval_cfg, serving, path: Path):
+    def __init__(self, every, tok, sets, before, eval_cfg, eos, path: Path):
         from transformers import TrainerCallback
 
-        self.every, self.target, self.tok, self.sets, self.before = every, target, tok, sets, before
-        self.eval_cfg, self.serving, self.path, self.points = eval_cfg, serving, path, []
+        self.every, self.tok, self.sets, self.before, self.eos = every, tok, sets, before, eos
+        self.eval_cfg, self.path, self.points = eval_cfg, path, []
         outer = self
 
         class _CB(TrainerCallback):
@@ -83,17 +85,23 @@ class AcceptanceCurve:
     def measure(self, step: int, model) -> None:
         import copy
 
+        from specdraft.evaluate import replay_greedy
+
         t0 = time.time()
         draft = copy.deepcopy(model.draft).to(torch.bfloat16).eval()
         point = {"step": step}
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         with torch.no_grad():
             for name, examples in self.sets.items():
-                after = acceptance_eval(self.target, draft, self.tok, encode_prompts(self.tok, examples),
-                                        [e.id for e in examples], self.eval_cfg, self.serving,
-                                        answers=self.before[name]["answers"])
-                g = paired_gain_from_rows(self.before[name]["rows"], after["rows"])
-                point[name] = {"acceptance": after["acceptance_rate"], "gain": g.value, "gain_ci95": g.interval,
-                               "alpha_tf": after["alpha_sampled"]}
+                b = self.before[name]
+                counts = replay_greedy(draft, encode_prompts(self.tok, examples), b["answers"],
+                                       self.eval_cfg.num_speculative_tokens, self.eval_cfg.max_new_tokens, self.eos,
+                                       real_vocab=len(self.tok), pad_id=pad)
+                rows = [{"id": e.id, "accepted": sum(c.accepted), "proposed": sum(c.proposed)}
+                        for e, c in zip(examples, counts)]
+                g = paired_gain_from_rows(b["rows"], rows)
+                acc = sum(r["accepted"] for r in rows) / max(1, sum(r["proposed"] for r in rows))
+                point[name] = {"acceptance": acc, "gain": g.value, "gain_ci95": g.interval}
         del draft
         point["seconds"] = time.time() - t0
         self.points.append(point)
@@ -127,6 +135,7 @@ def main() -> dict:
                     "learning curve in measured acceptance, written as training goes (curve-<run>.json in --work)")
     ap.add_argument("--result-name", default="distill-gain", help="writes <out>/<result-name>.json")
     ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--temperature", type=float, default=1.0, help="serving temperature (on-policy sampling, α)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--work", type=Path, default=Path("runs/bench-distill-gain"))
@@ -153,6 +162,9 @@ def main() -> dict:
         print(f"[before] {name}: acceptance {b['acceptance_rate']:.3f} on {b['prompts']} prompts, {b['drafted']} "
               f"drafted; replay = decoded on {b['replay_check']}", flush=True)
 
+    draft = None  # the original draft's counts are in `before`
+    gc.collect()
+
     # 2. the dump (the target answers the training prompts)
     trains = load_sources(args.train, unique=True)
     dump_cfg = DumpConfig(answer_only=True, dtype="bfloat16", generate=args.generate, max_length=512, batch_size=8)
@@ -167,6 +179,7 @@ def main() -> dict:
     for lam in args.on_policy_fraction:
         cfg = DistillConfig(loss=args.loss, train=args.train_mode, train_last_layers=args.layers, lr=args.lr,
                             max_steps=args.steps, batch_size=args.batch_size, held_out_fraction=0.125,
+                            gradient_accumulation_steps=args.grad_accum,
                             scheduler="cosine", warmup_ratio=args.warmup_ratio, save_steps=10_000, logging_steps=5,
                             temperature=args.temperature, top_p=args.top_p, on_policy_fraction=lam,
                             on_policy_every=args.on_policy_every)
@@ -177,13 +190,17 @@ def main() -> dict:
             metrics = json.loads(done.read_text())["metrics"]
             trained, _ = load_model(str(out_dir / "speculator"), dtype="bfloat16")
         else:
-            curve = AcceptanceCurve(args.curve_every, target, tok, sets, before, eval_cfg, serving,
+            curve = AcceptanceCurve(args.curve_every, tok, sets, before, eval_cfg, eos_ids(target),
                                     args.work / f"curve-{out_dir.name}.json") if args.curve_every else None
+            # Training holds the draft, its gradients and optimizer state: the target waits on disk meanwhile.
+            target = None
+            gc.collect()
             res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, dump_dir, out_dir, cfg, resume=False,
                               num_speculative_tokens=args.gamma, callbacks=[curve.callback] if curve else None)
             metrics = res["metrics"]
             trained = res["model"].to(torch.bfloat16).eval()
             del res
+            target, _ = load_model(DEFAULT_TARGET, dtype="bfloat16")
         minutes = metrics["seconds"] / 60  # training, on-policy writing and teacher passes included
         curve_file = args.work / f"curve-{out_dir.name}.json"
         run = {"on_policy_fraction": lam, "minutes": minutes, "settings": cfg.model_dump(),
