@@ -114,6 +114,11 @@ class AcceptanceCurve:
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="the draft to distil (sharing the target's tokenizer, "
+                    "e.g. a `specdraft vocab-swap` output)")
+    ap.add_argument("--answers-from", type=Path, default=None,
+                    help="a --work directory of an earlier run: reuse its target answers to the held-out prompts "
+                    "(greedy: the same for any draft) and replay this draft on them instead of decoding")
     ap.add_argument("--chat", nargs="+", default=["mt-bench:0:27:3"], help="held-out chat prompt sources")
     ap.add_argument("--code", nargs="*", default=["humaneval:100:16:4"], help="held-out code prompt sources")
     ap.add_argument("--train", nargs="+", default=["mt-bench:1:20:3", "mt-bench:2:20:3"],
@@ -151,13 +156,22 @@ def main() -> dict:
 
     # 1. the target's answers to the held-out prompts, and the original draft's counts on them
     target, tok = load_model(DEFAULT_TARGET, dtype="bfloat16")
-    draft, _ = load_model(DEFAULT_DRAFT, dtype="bfloat16")
+    draft, _ = load_model(args.draft, dtype="bfloat16")
     before = {}
     for name, examples in sets.items():
         inputs = {"prompts": [e.id for e in examples], "eval": eval_cfg.model_dump(), "serving": serving.model_dump(),
-                  "target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
-        before[name] = _cached(args.work / f"answers-{name}.json", inputs, lambda ex=examples: acceptance_eval(
-            target, draft, tok, encode_prompts(tok, ex), [e.id for e in ex], eval_cfg, serving))
+                  "target": DEFAULT_TARGET, "draft": args.draft, "answers_from": str(args.answers_from)}
+        given = None
+        if args.answers_from:
+            saved = json.loads((args.answers_from / f"answers-{name}.json").read_text())
+            if saved["inputs"]["prompts"] != inputs["prompts"] or saved["inputs"]["eval"] != inputs["eval"]:
+                raise SystemExit(f"{args.answers_from}: its {name} answers are for other prompts or settings")
+            given = saved["result"]["answers"]
+        # The default draft's file is what --answers-from reads.
+        suffix = "" if args.draft == DEFAULT_DRAFT and not args.answers_from else f"-{_key(inputs)}"
+        before[name] = _cached(args.work / f"answers-{name}{suffix}.json", inputs,
+                               lambda ex=examples, given=given: acceptance_eval(
+            target, draft, tok, encode_prompts(tok, ex), [e.id for e in ex], eval_cfg, serving, answers=given))
         b = before[name]
         print(f"[before] {name}: acceptance {b['acceptance_rate']:.3f} on {b['prompts']} prompts, {b['drafted']} "
               f"drafted; replay = decoded on {b['replay_check']}", flush=True)
@@ -183,7 +197,7 @@ def main() -> dict:
                             scheduler="cosine", warmup_ratio=args.warmup_ratio, save_steps=10_000, logging_steps=5,
                             temperature=args.temperature, top_p=args.top_p, on_policy_fraction=lam,
                             on_policy_every=args.on_policy_every)
-        out_dir = args.work / f"distill-{_key(cfg.model_dump())}-{_key(manifest['plan'])}"
+        out_dir = args.work / f"distill-{_key([cfg.model_dump(), args.draft])}-{_key(manifest['plan'])}"
         done = out_dir / "training.json"
         if done.is_file() and json.loads(done.read_text())["config"] == cfg.model_dump():
             # Trained earlier with these very settings on this very dump: evaluate that run (its own timing).
@@ -195,7 +209,7 @@ def main() -> dict:
             # Training holds the draft, its gradients and optimizer state: the target waits on disk meanwhile.
             target = None
             gc.collect()
-            res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, dump_dir, out_dir, cfg, resume=False,
+            res = run_distill(DEFAULT_TARGET, args.draft, dump_dir, out_dir, cfg, resume=False,
                               num_speculative_tokens=args.gamma, callbacks=[curve.callback] if curve else None)
             metrics = res["metrics"]
             trained = res["model"].to(torch.bfloat16).eval()

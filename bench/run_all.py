@@ -169,11 +169,49 @@ def render() -> str:
                   f"| specdraft distillation ({loss}, hidden teacher) | {t['distill']:.1f} |", "",
                   f"Loss overhead {r['overhead']:.1%}; target ≤ 15%: {_mark(r['overhead'] <= 0.15)}.", ""]
     lines += _render_distill_gain()
+    lines += _render_distill_curve("distill-curve.json", "the embedded pair")
+    lines += _render_distill_curve("distill-curve-smollm2.json", "SmolLM2-135M vocab-swapped into the target's tokenizer")
     return "\n".join(lines)
 
 
 def _ci(ci, spec="{:+.3f}") -> str:
     return f"[{spec.format(ci[0])}, {spec.format(ci[1])}]" if ci else ""
+
+
+def _render_distill_curve(name: str, what: str) -> list[str]:
+    """The learning curve in measured acceptance (held-out chat and code, replayed every K steps)."""
+    r = _load(name)
+    if not r or not r["runs"] or not r["runs"][0].get("acceptance_curve"):
+        return []
+    run = r["runs"][0]
+    st, cur = run["settings"], run["acceptance_curve"]
+    b = r["before"]
+    lines = [f"## Distillation — a learning curve in measured acceptance, {what}", "",
+             (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['torch']}. Training: {r['dump_sequences']} "
+              f"target-written answers ({r['dump_tokens']:,} tokens, prompts disjoint from the held-out sets), "
+              f"`{st['loss']}`, train = {st['train']}, lr {st['lr']}, {st['batch_size']} × "
+              f"{st['gradient_accumulation_steps']} sequences per step, {st['scheduler']}. Every "
+              f"{r['settings']['curve_every']} steps a bfloat16 copy of the draft is replayed on the same held-out "
+              f"target answers as the final evaluation (chat: {b['chat']['prompts']} MT-Bench prompts, "
+              f"{b['chat']['drafted']:,} drafted tokens; code: {b['code']['prompts']} HumanEval prompts); gains are "
+              "paired per prompt, 95% bootstrap intervals."), "",
+             "| step | sequences seen | chat acceptance | chat gain, paired 95% CI | code acceptance | code gain |",
+             "| ---: | ---: | ---: | --- | ---: | --- |",
+             f"| 0 | 0 | {b['chat']['acceptance_rate']:.3f} | — | {b['code']['acceptance_rate']:.3f} | — |"]
+    per_step = st["batch_size"] * st["gradient_accumulation_steps"]
+    for p in cur:
+        c, k = p["chat"], p.get("code")
+        lines.append(f"| {p['step']} | {p['step'] * per_step} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
+                     f"{_ci(c['gain_ci95'])} | {k['acceptance']:.3f} | {k['gain']:+.3f} {_ci(k['gain_ci95'])} |"
+                     if k else f"| {p['step']} | {p['step'] * per_step} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
+                     f"{_ci(c['gain_ci95'])} | — | — |")
+    d = run["distill"]
+    lines += ["", (f"{d['train_sequences']} training sequences ({d['steps'] * per_step / d['train_sequences']:.1f} "
+                   f"epochs); teacher-forced α on the {d['eval_before'].get('eval_tokens', 0):.0f} held-out tokens of "
+                   f"the training split {d['eval_before'].get('eval_alpha', float('nan')):.3f} → "
+                   f"{d['eval_after'].get('eval_alpha', float('nan')):.3f}. Training minutes (curve replays "
+                   f"included): {run['minutes']:.1f}."), ""]
+    return lines
 
 
 def _render_distill_gain() -> list[str]:
