@@ -318,7 +318,8 @@ def render_cheap_draft() -> list[str]:
                        "compiling costs ~20 s per process (more on a cold inductor cache), longer than a short "
                        "decode. The decode loop keeps its eager dynamic cache (whose `crop` rolls back rejected "
                        "drafts)."), ""]
-    titles = {"ablation": "A cheaper draft — decoding ablation",
+    titles = {"final16": "A cheaper draft — issue 15's goal set (16 prompts × 128 tokens)",
+              "ablation": "A cheaper draft — decoding ablation",
               "mtbench-adaptive": "A poor pairing — adaptive γ on MT-Bench (never slower than the target alone)"}
     for name, title in titles.items():
         r = _load(f"decode-greedy-{name}.json")
@@ -333,6 +334,21 @@ def render_cheap_draft() -> list[str]:
                 "head, adaptive γ) did not recur when re-decoded (the calibrated costs, hence the k per round, "
                 "differed). The fp32 tests on tiny models hold the output equal token for token. `bench_decode.py` "
                 "now records that margin at every greedy difference (`first_difference` per prompt)."), ""]
+        if r and name == "final16":
+            diffs = [f"{p['id']} ({_ablation_label(n)}: first difference at token {v['first_difference']['position']}, "
+                     f"target top-2 logit margin {v['first_difference']['target_top2_margin']})"
+                     for p in r["per_prompt"] for n, v in p.items()
+                     if isinstance(v, dict) and v.get("first_difference")]
+            ab = r["ablation"]
+            lines += [(("Outputs that differ from the target alone: " + "; ".join(diffs) + " — a bfloat16 tie in the "
+                        "target's own logits (the brief's one exception), not a verification error. ") if diffs else "")
+                      + ("Against the 8 × 64 ablation above, the longer answers lower acceptance (int4 + head "
+                         f"{ab['specdraft_int4_head']['acceptance_rate']:.3f} here) and the speed model over-predicts "
+                         "by 5–9% (2.25x predicted for int4 + head; its steady state at the best γ, prefill left out, would be "
+                         "about 2.6x): d and t(k) are calibrated once at a short context and both grow with the "
+                         "context (128 new tokens after each HumanEval prompt), and the model takes acceptance as independent "
+                         "per token (Leviathan et al.'s assumption). Neither goal is met here: 2.09x the target (goal 2.5x), "
+                         "1.47x HF (goal 1.5x)."), ""]
         if r and name == "ablation":
             ab, sm = r["ablation"], r["speed_models"]
             plain, best = ab["specdraft"], ab.get("specdraft_int4_head")
@@ -423,7 +439,10 @@ def render_readme_table() -> str:
             rows.append(f"| share of the analytic bound (α = {r['alpha']:.3f}, c = {r['cost_ratio_c']:.3f}, "
                         f"γ = {r['args']['gamma']}) | {r['share_of_bound']:.0%} | ≥ 90%: "
                         f"{_mark(r['share_of_bound'] >= 0.9)} |")
-    r = _load("decode-greedy-ablation.json")
+    for name in ("decode-greedy-final16.json", "decode-greedy-ablation.json"):
+        r = _load(name)
+        if r:
+            break
     if r:  # the cheapest lossless draft of the ablation (issue 15's goals: 2.5x target, 1.5x HF, prediction ±5%)
         sv, hf, err = r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}, r.get("prediction_error") or {}
         best = max((k for k in sv if k.startswith("specdraft")), key=lambda k: sv[k])
