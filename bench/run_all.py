@@ -199,12 +199,9 @@ def _render_distill_curve(name: str, what: str) -> list[str]:
              "| ---: | ---: | ---: | --- | ---: | --- |",
              f"| 0 | 0 | {b['chat']['acceptance_rate']:.3f} | — | {b['code']['acceptance_rate']:.3f} | — |"]
     per_step = st["batch_size"] * st["gradient_accumulation_steps"]
+    cell = lambda v: f"{v['acceptance']:.3f} | {v['gain']:+.3f} {_ci(v['gain_ci95'])}" if v else "— | —"
     for p in cur:
-        c, k = p["chat"], p.get("code")
-        lines.append(f"| {p['step']} | {p['step'] * per_step} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
-                     f"{_ci(c['gain_ci95'])} | {k['acceptance']:.3f} | {k['gain']:+.3f} {_ci(k['gain_ci95'])} |"
-                     if k else f"| {p['step']} | {p['step'] * per_step} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
-                     f"{_ci(c['gain_ci95'])} | — | — |")
+        lines.append(f"| {p['step']} | {p['step'] * per_step} | {cell(p['chat'])} | {cell(p.get('code'))} |")
     d = run["distill"]
     lines += ["", (f"{d['train_sequences']} training sequences ({d['steps'] * per_step / d['train_sequences']:.1f} "
                    f"epochs); teacher-forced α on the {d['eval_before'].get('eval_tokens', 0):.0f} held-out tokens of "
