@@ -73,6 +73,7 @@ class AcceptanceCurve:
 
         self.every, self.tok, self.sets, self.before, self.eos = every, tok, sets, before, eos
         self.eval_cfg, self.path, self.points = eval_cfg, path, []
+        self.prompt_ids = {name: encode_prompts(tok, examples) for name, examples in sets.items()}  # once, not per point
         outer = self
 
         class _CB(TrainerCallback):
@@ -94,7 +95,7 @@ class AcceptanceCurve:
         with torch.no_grad():
             for name, examples in self.sets.items():
                 b = self.before[name]
-                counts = replay_greedy(draft, encode_prompts(self.tok, examples), b["answers"],
+                counts = replay_greedy(draft, self.prompt_ids[name], b["answers"],
                                        self.eval_cfg.num_speculative_tokens, self.eval_cfg.max_new_tokens, self.eos,
                                        real_vocab=len(self.tok), pad_id=pad)
                 rows = [{"id": e.id, "accepted": sum(c.accepted), "proposed": sum(c.proposed)}
