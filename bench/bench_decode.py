@@ -30,15 +30,17 @@ import copy
 import ctypes
 import gc
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-# Before torch loads OpenMP: threads that spin while waiting turn a busy shared machine into a pathology (one draft
-# step measured 1.55 s with 2 spinning threads while other processes held a core, 87 ms with passive waiting).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads OpenMP: as the CLI does, threads spin between small operations (specdraft.runtime). On a machine
+# shared with other busy processes run with OMP_WAIT_POLICY=PASSIVE (spinning threads then fight for the cores).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from specdraft.runtime import prefer_active_wait
+
+OMP_WAIT_POLICY = prefer_active_wait()
 
 import torch
 
@@ -262,7 +264,7 @@ def main() -> dict:
     result = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}, {platform.processor() or 'cpu'}",
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "python": platform.python_version()},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

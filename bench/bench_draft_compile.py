@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads OpenMP: as the CLI does, threads spin between small operations (specdraft.runtime). On a machine
+# shared with other busy processes run with OMP_WAIT_POLICY=PASSIVE (spinning threads then fight for the cores).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from specdraft.runtime import prefer_active_wait
+
+OMP_WAIT_POLICY = prefer_active_wait()
 
 import torch
 
@@ -130,7 +134,7 @@ def main() -> dict:
                 f"{int((dyn.argmax(-1) == ref.argmax(-1)).sum())}/{len(ref)}"}
     result = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}",
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
         "draft": args.draft, "context_tokens": len(context), "steps": args.steps, "rounds": args.rounds,
         "draft_step_ms_median": step_ms,
