@@ -163,3 +163,46 @@ def test_every_loss_name_has_one_implementation():
     from specdraft.config import LossName
 
     assert set(LOSSES) == set(get_args(LossName))  # the CLI's --loss choices and the table agree
+
+
+def _float64_nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Vectorised full-sort reference in float64: kept ids as a bool mask."""
+    x = logits.double() / temperature
+    order = torch.argsort(x, dim=-1, descending=True)
+    probs = x.softmax(-1).gather(-1, order)
+    kept_sorted = (probs.cumsum(-1) - probs) < top_p
+    return torch.zeros_like(kept_sorted).scatter(-1, order, kept_sorted)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_full_vocab_top_p_without_sort_matches_definition(scale, monkeypatch):
+    # Flat rows (scale 0.3) keep most of the vocabulary: the top-K candidates do not reach top_p and the filter must
+    # widen (K 16 → 128 → … → V); peaked rows (12) keep a few ids. Both must be the definition's nucleus exactly.
+    import specdraft.sampling as sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3000, generator=g) * scale
+    got = torch.isfinite(filter_logits(logits, 0.7, 0, 0.95))
+    want = _float64_nucleus(logits, 0.7, 0.95)
+    assert torch.equal(got, want)
+    kept = got.sum(-1)
+    assert bool((kept < 3000).all()) and bool((kept >= 1).all())
+    if scale < 1:
+        assert int(kept.min()) > 16 * 8  # the widening path was taken
+
+
+def test_sample_follows_probs_and_never_draws_zero_mass():
+    from specdraft.sampling import sample
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(40_000, 1)
+    g = torch.Generator().manual_seed(4)
+    draws = sample(probs * 3.0, g)  # rows need not sum to 1
+    assert draws.shape == (40_000,) and draws.dtype == torch.int64
+    freq = torch.bincount(draws, minlength=6).double() / len(draws)
+    assert freq[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    sd = (probs[0] * (1 - probs[0]) / len(draws)).sqrt()
+    assert bool(((freq - probs[0].double()).abs() <= 4 * sd + 1e-12).all()), freq
+    # Reproducible from a seed; a one-hot row always gives its id.
+    assert torch.equal(sample(probs[:5], torch.Generator().manual_seed(9)), sample(probs[:5], torch.Generator().manual_seed(9)))
+    assert sample(torch.tensor([[0.0, 0.0, 1.0]])).item() == 2

@@ -63,7 +63,7 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
-from specdraft.sampling import align_logits, filter_logits, output_width
+from specdraft.sampling import align_logits, filter_logits, output_width, sample
 from specdraft.speed import AdaptiveGamma, SpeedModel
 
 
@@ -141,7 +141,7 @@ def verify_sampled(
     mass = residual.sum(dim=-1, keepdim=True)
     # mass = 0 only if p == q, where rejection has probability 0; fall back to p for numerical safety.
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
-    nxt = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    nxt = sample(residual, generator)
     return n, nxt
 
 
@@ -317,7 +317,7 @@ class Drafter:
             else:
                 s = self.sampling
                 q_i = filter_logits(logits, s.temperature, s.top_k, s.top_p).softmax(-1)
-                d = torch.multinomial(q_i, 1, generator=self.generator).squeeze(1)
+                d = sample(q_i, self.generator)
                 qs.append(q_i)
             tokens.append(d)
             if i == gamma - 1:
@@ -522,7 +522,7 @@ def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, generator
         return verify_greedy(prop.tokens, t_logits, prop.n_proposed)
     p = filter_logits(t_logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
     if prop is None:
-        return t_logits.new_zeros(b, dtype=torch.long), torch.multinomial(p[:, -1], 1, generator=generator).squeeze(1)
+        return t_logits.new_zeros(b, dtype=torch.long), sample(p[:, -1], generator)
     return verify_sampled(prop.tokens, prop.q, p, generator, prop.n_proposed)
 
 

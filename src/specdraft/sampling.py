@@ -21,14 +21,20 @@ import torch.nn.functional as F
 NEG_INF = float("-inf")
 
 
-def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+#: Candidates read by the full-vocabulary top-p filter before it falls back to more (:func:`_top_p_threshold`).
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float, log_norm: torch.Tensor | None = None) -> torch.Tensor:
     """Smallest logit kept by top-p, given logits sorted in descending order ``[..., K]`` → ``[..., 1]``.
 
     Keeps the smallest prefix whose probability mass reaches ``top_p``: token j is kept when the mass of the
     tokens before it is < ``top_p`` (so the argmax, with zero mass before it, is always kept). The mass is
-    renormalised over the K values given (after top-k, as serving stacks do).
+    renormalised over the K values given (after top-k, as serving stacks do), or taken as ``exp(logit − log_norm)``
+    when ``log_norm [..., 1]`` (the log-normaliser of a wider vocabulary) is given.
     """
-    probs = sorted_logits.softmax(dim=-1)
+    # With log_norm, float64: the mass before a token is summed over up to the whole vocabulary.
+    probs = sorted_logits.softmax(dim=-1) if log_norm is None else (sorted_logits.double() - log_norm.double()).exp()
     mass_before = probs.cumsum(dim=-1) - probs
     keep = mass_before < top_p
     keep[..., 0] = True
@@ -77,9 +83,45 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
             threshold = torch.maximum(threshold, _nucleus_threshold(top_vals, top_p))
         return x.masked_fill(x < threshold, NEG_INF)
     if top_p < 1.0:
-        sorted_x = torch.sort(x, dim=-1, descending=True).values
-        return x.masked_fill(x < _nucleus_threshold(sorted_x, top_p), NEG_INF)
+        return x.masked_fill(x < _top_p_threshold(x, top_p), NEG_INF)
     return x
+
+
+@torch.no_grad()
+def _top_p_threshold(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus threshold of ``x [..., V]`` over the whole vocabulary (``[..., 1]``) without sorting it.
+
+    A full sort of 151,936 logits costs about 10 ms per row on 2 CPU cores (every draft step and 6 rows per
+    verification when sampling); ``torch.topk`` of 1,024 about 0.5 ms. The kept prefix of the sorted vocabulary ends
+    inside the top K exactly when those K tokens hold at least ``top_p`` of the mass (then token K has ≥ ``top_p``
+    before it and is dropped, and so is every later one), so the threshold found among them is the full sort's.
+    Rows where they do not (a flat distribution) read 8× more candidates, up to the whole vocabulary (= the sort).
+    Masses are float64 (the vocabulary-wide normaliser and the running sum), as the definition reads.
+    """
+    vocab = x.shape[-1]
+    log_norm = torch.logsumexp(x.double(), dim=-1, keepdim=True)
+    k = min(NUCLEUS_CANDIDATES, vocab)
+    while True:
+        top = torch.topk(x, k, dim=-1).values  # [..., k], descending
+        if k == vocab or bool(((top.double() - log_norm).exp().sum(dim=-1) >= top_p).all()):
+            return _nucleus_threshold(top, top_p, log_norm)
+        k = min(k * 8, vocab)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from ``probs [..., V]`` (non-negative; rows need not sum to 1) → ``[...] int64``.
+
+    Inverse-CDF sampling: u ~ U[0, 1) from ``generator``, then the first id whose cumulative mass (float64) exceeds
+    u · total. The distribution is ``torch.multinomial(probs, 1)``'s (the draws from one seed differ); ids of zero
+    probability are never drawn. About 0.4 ms for a 151,936-wide row on 2 CPU cores, against 2.4 ms for
+    ``torch.multinomial``, which the sampled decode loop pays at every draft step and verification.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[..., -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    # u < 1, but u · total may round up to total: stay strictly below it, so the id found has positive mass.
+    v = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, v, right=True).squeeze(-1)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
