@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -60,6 +62,33 @@ def test_int4_linear_matches_its_dequantized_weight_and_falls_back_to_int8():
     assert isinstance(quantize_int4(odd)[0], Int8Linear)
     assert not Int4Linear.fits(torch.nn.Linear(64, 40))  # N = 40: not a multiple of 16
     assert not Int4Linear.fits(torch.nn.Linear(64, 48, device="meta"))  # not on the CPU (a CUDA weight): int8
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantised_layers_read_long_inputs_with_the_shared_dense_weight(kind, pair):
+    from specdraft.draft_model import DENSE_MIN_ROWS
+
+    _, draft = pair
+    q = prepare_draft(draft, kind)  # a copy: keeps references to the draft's own dense weights
+    layers = [(name, m) for name, m in q.named_modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert layers and all(m.dense_weight is not None for _, m in layers)
+    name, layer = layers[0]
+    original = draft.get_submodule(name)
+    assert layer.dense_weight.data_ptr() == original.weight.data_ptr()  # shared, not copied
+    assert not any("dense" in k for k in q.state_dict())  # the checkpoint holds the quantised tensors only
+    long = torch.randn(1, DENSE_MIN_ROWS, layer.in_features)
+    short = long[:, : DENSE_MIN_ROWS - 1]
+    with torch.no_grad():
+        assert torch.equal(layer(long), original(long))  # a prefill: the dense product
+        assert not torch.equal(layer(short), original(short))  # a step: the quantised kernel
+        deq = short.bfloat16().float() @ layer.dequantized_weight().T + (0 if original.bias is None else original.bias)
+        err = (layer(short) - deq).abs().max() / deq.abs().max()
+        assert err < 0.02, err  # ... of the quantised weight (bfloat16 activations)
+    # Without a copy the draft's dense weights would be kept alive: off by default there, on when asked.
+    alone = prepare_draft(copy.deepcopy(draft), kind, copy_model=False)
+    assert all(m.dense_weight is None for m in alone.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    forced = prepare_draft(draft, kind, dense_prefill=False)
+    assert all(m.dense_weight is None for m in forced.modules() if isinstance(m, (Int8Linear, Int4Linear)))
 
 
 def test_int8_draft_copy_leaves_the_original_alone(pair):
