@@ -178,7 +178,7 @@ def _float64_nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> 
 def test_full_vocab_top_p_without_sort_matches_definition(scale, monkeypatch):
     # Flat rows (scale 0.3) keep most of the vocabulary: the top-K candidates do not reach top_p and the filter must
     # widen (K 16 → 128 → … → V); peaked rows (12) keep a few ids. Both must be the definition's nucleus exactly.
-    import specdraft.sampling as sampling
+    from specdraft import sampling
 
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
     g = torch.Generator().manual_seed(3)
