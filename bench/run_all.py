@@ -266,9 +266,10 @@ ABLATION_LABELS = {"specdraft": "bf16 draft (as loaded)", "specdraft_int8": "int
                    "specdraft_int8_head": "int8 + trimmed head", "specdraft_int4_head": "int4 + trimmed head"}
 
 
-def _ablation_label(name: str) -> str:
+def _ablation_label(name: str, gamma: int = 5) -> str:
     base = name.removesuffix("_adaptive_gamma")
-    return ABLATION_LABELS.get(base, base) + (", adaptive γ" if name.endswith("_adaptive_gamma") else ", γ = 5")
+    return ABLATION_LABELS.get(base, base) + (f", adaptive γ ≤ {gamma}" if name.endswith("_adaptive_gamma")
+                                              else f", γ = {gamma}")
 
 
 def render_cheap_draft() -> list[str]:
@@ -333,7 +334,7 @@ def render_cheap_draft() -> list[str]:
                 "differed). The fp32 tests on tiny models hold the output equal token for token. `bench_decode.py` "
                 "now records that margin at every greedy difference (`first_difference` per prompt)."), ""]
         if r and name == "final16":
-            diffs = [f"{p['id']} ({_ablation_label(n)}: first difference at token {v['first_difference']['position']}, "
+            diffs = [f"{p['id']} ({_ablation_label(n, r['args']['gamma'])}: first difference at token {v['first_difference']['position']}, "
                      f"target top-2 logit margin {v['first_difference']['target_top2_margin']})"
                      for p in r["per_prompt"] for n, v in p.items()
                      if isinstance(v, dict) and v.get("first_difference")]
@@ -399,7 +400,7 @@ def _ablation_section(r: dict | None, title: str) -> list[str]:
         for n, x in ab.items():
             pred = "—" if x["predicted_speedup"] is None else f"{x['predicted_speedup']:.2f}x"
             err = "—" if x["prediction_error"] is None else f"{x['prediction_error']:+.1%}"
-            lines.append(f"| {_ablation_label(n)} | {r['tokens_per_s'][n]:.2f} | {x['speedup_vs_target']:.2f}x | "
+            lines.append(f"| {_ablation_label(n, a['gamma'])} | {r['tokens_per_s'][n]:.2f} | {x['speedup_vs_target']:.2f}x | "
                          f"{_x(hf.get(n))} | {x['cost_ratio_c']:.3f} | {x['acceptance_rate']:.3f} | "
                          f"{x['alpha']:.3f} | {pred} | {err} | {x['identical_to_target']} |")
         if "hf_assisted" in r["tokens_per_s"]:
@@ -409,11 +410,11 @@ def _ablation_section(r: dict | None, title: str) -> list[str]:
         best = max(ab, key=lambda n: ab[n]["speedup_vs_target"])
         x = ab[best]
         if "hf_assisted" in hf and a.get("mode", "greedy") != "greedy":
-            lines += ["", (f"Issue 15's sampled goal, best contender ({_ablation_label(best)}): ≥ 1.5x transformers "
+            lines += ["", (f"Issue 15's sampled goal, best contender ({_ablation_label(best, a['gamma'])}): ≥ 1.5x transformers "
                            f"assisted generation {_mark(hf[best] >= 1.5)} ({hf[best]:.3f}x; {x['speedup_vs_target']:.2f}x "
                            "the target alone).")]
         elif "hf_assisted" in hf:
-            lines += ["", (f"Issue 15's goals, best contender ({_ablation_label(best)}): ≥ 2.5x the target alone "
+            lines += ["", (f"Issue 15's goals, best contender ({_ablation_label(best, a['gamma'])}): ≥ 2.5x the target alone "
                            f"{_mark(x['speedup_vs_target'] >= 2.5)} ({x['speedup_vs_target']:.2f}x); ≥ 1.5x transformers "
                            f"assisted generation {_mark(hf[best] >= 1.5)} ({hf[best]:.3f}x); outputs identical to the "
                            f"target alone {x['identical_to_target']}.")]
@@ -456,7 +457,7 @@ def render_readme_table() -> str:
         sv, hf, err = r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}, r.get("prediction_error") or {}
         best = max((k for k in sv if k.startswith("specdraft")), key=lambda k: sv[k])
         e = err.get(best) if isinstance(err, dict) else None
-        rows.append(f"| decoding, greedy, cheapest draft ({_ablation_label(best)}), {r['args']['num_prompts']} HumanEval "
+        rows.append(f"| decoding, greedy, cheapest draft ({_ablation_label(best, r['args']['gamma'])}), {r['args']['num_prompts']} HumanEval "
                     f"prompts × {r['args']['max_new_tokens']} tokens | {sv[best]:.2f}x target alone, "
                     f"{hf.get(best, float('nan')):.2f}x HF assisted; identical {r['identical_to_target'][best]}"
                     + (f"; predicted speed-up off by {e:+.1%}" if e is not None else "")

@@ -231,3 +231,42 @@ def test_a_saved_token_ranking_is_reused_beside_its_speculator(tmp_path):
     other = tiny_tokenizer(80)
     with pytest.raises(ValueError, match="head_tokens.json was counted with another tokenizer"):
         load_head_tokens(tmp_path, 7, other)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
+def test_decode_attention_equals_sdpa_on_one_token_steps_with_padding(arch, monkeypatch):
+    import transformers.integrations.sdpa_attention as sdpa_module
+    from transformers import DynamicCache
+
+    from specdraft.draft_model import DECODE_ATTENTION, use_decode_attention
+
+    model = tiny_model(arch, 96, seed=2, layers=2)  # 4 query heads share 2 key-value heads
+    fast = copy.deepcopy(model)
+    assert use_decode_attention(fast) and fast.config._attn_implementation == DECODE_ATTENTION
+    assert model.config._attn_implementation == "sdpa"  # the original is untouched
+    assert not use_decode_attention(fast)  # not on sdpa any more: left alone
+    ids, mask = left_pad([[5, 9, 11, 12, 30, 31], [7, 8, 40]], 0)  # row 2 is left-padded
+    caches = [DynamicCache(), DynamicCache()]
+    fallback_queries = []  # query lengths the decode attention handed to sdpa
+    real_sdpa = sdpa_module.sdpa_attention_forward
+
+    def counting(module, query, *a, **k):
+        if module.config is fast.config:
+            fallback_queries.append(query.shape[2])
+        return real_sdpa(module, query, *a, **k)
+
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", counting)
+    with torch.no_grad():
+        outs = [m(input_ids=ids, attention_mask=mask, cache=c, use_cache=True).logits
+                for m, c in zip((model, fast), caches)]
+        torch.testing.assert_close(outs[0], outs[1])  # the prefill (several queries) is sdpa in both
+        for step in range(3):  # one-token steps read the padded cache through the mask
+            nxt = outs[0][:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            outs = [m(input_ids=nxt, attention_mask=mask, cache=c, use_cache=True).logits
+                    for m, c in zip((model, fast), caches)]
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert fallback_queries == [6, 6]  # only the prefill (2 layers) went to sdpa; the steps were grouped products
+    base, _ = target_generate(model, ids, left_pad([[5, 9, 11, 12, 30, 31], [7, 8, 40]], 0)[1], max_new_tokens=10)
+    again, _ = target_generate(fast, ids, left_pad([[5, 9, 11, 12, 30, 31], [7, 8, 40]], 0)[1], max_new_tokens=10)
+    assert base == again
