@@ -38,11 +38,6 @@ from specdraft.config import (
     TrainWhat,
 )
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.runtime import prefer_active_wait
-
-# Before any command imports torch: OpenMP threads spin between the many small operations of a draft step instead
-# of sleeping (a draft step 29 → 18.5 ms on 2 cores; see specdraft.runtime). OMP_WAIT_POLICY set by the user wins.
-prefer_active_wait()
 
 #: Errors a user causes and can fix: bad flags, missing files, a model / tokenizer / dump that does not fit, a
 #: prompt longer than a model's window. ``(module, class)`` pairs, resolved only among modules already imported
