@@ -163,8 +163,8 @@ def main() -> dict:
     d_calib = mapping.reencode_batch_for_draft([calib])[0] if mapping is not None else calib
     for v, m in drafts.items():
         d, d_prefill = pass_seconds(m, d_calib, [1], repeats=5, last_only=True)
-        speed[v] = SpeedModel(target_s=[t_k[k] for k in range(1, max_k + 1)], draft_s=d[1],
-                              target_prefill_s=t_prefill, draft_prefill_s=d_prefill, context=len(calib))
+        speed[v] = SpeedModel.from_measurements(t_k, d[1], target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
+                                                context=len(calib))
         print(f"speed model {v}: d = {d[1] * 1e3:.1f} ms, t(1) = {t_k[1] * 1e3:.1f} ms, t({args.gamma + 1}) = "
               f"{t_k[args.gamma + 1] * 1e3:.1f} ms, c = {speed[v].cost_ratio:.3f}", flush=True)
     # contender name → (draft variant, adaptive γ?)

@@ -316,10 +316,10 @@ def render_cheap_draft() -> list[str]:
                        "compiling costs ~20 s per process (more on a cold inductor cache), longer than a short "
                        "decode. The decode loop keeps its eager dynamic cache (whose `crop` rolls back rejected "
                        "drafts)."), ""]
-    titles = {"final16": "A cheaper draft — issue 15's goal set (16 prompts × 128 tokens)",
-              "ablation": "A cheaper draft — decoding ablation",
+    titles = {"goal16": "A cheaper draft — issue 15's goal set (16 prompts × 128 tokens)",
+              "goal8": "A cheaper draft — sampled (temperature 0.7, top-p 0.95)",
+              "ablation": "A cheaper draft — decoding ablation (older run: OpenMP forced passive, γ = 5)",
               "mtbench-adaptive": "A poor pairing — adaptive γ on MT-Bench (never slower than the target alone)"}
-    titles["int4head"] = "A cheaper draft — sampled (temperature 0.7, top-p 0.95)"
     for name, title in titles.items():
         r = _load(f"decode-greedy-{name}.json") or _load(f"decode-sampled-{name}.json")
         lines += _ablation_section(r, title)
@@ -333,21 +333,26 @@ def render_cheap_draft() -> list[str]:
                 "head, adaptive γ) did not recur when re-decoded (the calibrated costs, hence the k per round, "
                 "differed). The fp32 tests on tiny models hold the output equal token for token. `bench_decode.py` "
                 "now records that margin at every greedy difference (`first_difference` per prompt)."), ""]
-        if r and name == "final16":
-            diffs = [f"{p['id']} ({_ablation_label(n, r['args']['gamma'])}: first difference at token {v['first_difference']['position']}, "
-                     f"target top-2 logit margin {v['first_difference']['target_top2_margin']})"
+        if r and name == "goal16":
+            diffs = [f"{p['id']} ({_ablation_label(n, r['args']['gamma'])}: first difference at token "
+                     f"{v['first_difference']['position']}, target top-2 logit margin "
+                     f"{v['first_difference']['target_top2_margin']})"
                      for p in r["per_prompt"] for n, v in p.items()
                      if isinstance(v, dict) and v.get("first_difference")]
-            ab = r["ablation"]
-            lines += [(("Outputs that differ from the target alone: " + "; ".join(diffs) + " — a bfloat16 tie in the "
-                        "target's own logits (the brief's one exception), not a verification error. ") if diffs else "")
-                      + ("Against the 8 × 64 ablation above, the longer answers lower acceptance (int4 + head "
-                         f"{ab['specdraft_int4_head']['acceptance_rate']:.3f} here) and the speed model over-predicts "
-                         "by 5–9% (2.25x predicted for int4 + head; its steady state at the best γ, prefill left out, would be "
-                         "about 2.6x): d and t(k) are calibrated once at a short context and both grow with the "
-                         "context (128 new tokens after each HumanEval prompt), and the model takes acceptance as independent "
-                         "per token (Leviathan et al.'s assumption). Neither goal is met here: 2.09x the target (goal 2.5x), "
-                         "1.47x HF (goal 1.5x)."), ""]
+            lines += [(("Outputs that differ from the target alone: " + "; ".join(diffs) + " — an exact bfloat16 tie "
+                        "in the target's own logits (margin 0.0: a 9-token verification pass and a one-token step "
+                        "round the two candidates differently; the brief's one exception), not a verification error. "
+                        ) if diffs else "")
+                      + ("What changed since the 2.09x of the previous round (same prompts, γ = 5): (1) the benchmark "
+                         "no longer forces `OMP_WAIT_POLICY=PASSIVE` — with sleeping OpenMP threads each of a draft "
+                         "step's ~200 small operations paid a thread wake-up (int4 + head step 29.5 → ~18 ms; libgomp's "
+                         "default, which users get, spins briefly and is as fast as ACTIVE); (2) prepared drafts run "
+                         "one-token attention as grouped matrix products instead of sdpa (18.7 → 16.2 ms per step at "
+                         "300 cached tokens) and read the prompt with their dense weights (prefill 427 → ~200 ms on "
+                         "171 tokens); (3) γ = 8, the speed model's choice at this c and α. The sampled path also lost "
+                         "its two vocabulary-wide costs: top-p takes the top 1,024 logits instead of sorting 151,936 "
+                         "(exact; 10.9 → 0.8 ms per row) and draws by inverse CDF instead of `torch.multinomial` "
+                         "(2.3 → 0.16 ms)."), ""]
         if r and name == "ablation":
             ab, sm = r["ablation"], r["speed_models"]
             plain, best = ab["specdraft"], ab.get("specdraft_int4_head")
@@ -449,19 +454,31 @@ def render_readme_table() -> str:
             rows.append(f"| share of the analytic bound (α = {r['alpha']:.3f}, c = {r['cost_ratio_c']:.3f}, "
                         f"γ = {r['args']['gamma']}) | {r['share_of_bound']:.0%} | ≥ 90%: "
                         f"{_mark(r['share_of_bound'] >= 0.9)} |")
-    for name in ("decode-greedy-final16.json", "decode-greedy-ablation.json"):
+    for name in ("decode-greedy-goal16.json", "decode-greedy-ablation.json"):
         r = _load(name)
         if r:
             break
     if r:  # the cheapest lossless draft of the ablation (issue 15's goals: 2.5x target, 1.5x HF, prediction ±5%)
-        sv, hf, err = r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}, r.get("prediction_error") or {}
+        sv, hf = r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}
         best = max((k for k in sv if k.startswith("specdraft")), key=lambda k: sv[k])
-        e = err.get(best) if isinstance(err, dict) else None
-        rows.append(f"| decoding, greedy, cheapest draft ({_ablation_label(best, r['args']['gamma'])}), {r['args']['num_prompts']} HumanEval "
-                    f"prompts × {r['args']['max_new_tokens']} tokens | {sv[best]:.2f}x target alone, "
-                    f"{hf.get(best, float('nan')):.2f}x HF assisted; identical {r['identical_to_target'][best]}"
+        e = r["ablation"].get(best, {}).get("prediction_error")
+        rows.append(f"| decoding, greedy, cheapest draft ({_ablation_label(best, r['args']['gamma'])}), "
+                    f"{r['args']['num_prompts']} HumanEval prompts × {r['args']['max_new_tokens']} tokens | "
+                    f"{sv[best]:.2f}x target alone, {hf.get(best, float('nan')):.2f}x HF assisted; identical "
+                    f"{r['identical_to_target'][best]}" + (f"; predicted speed-up off by {e:+.1%}" if e is not None else "")
+                    + f" | ≥ 2.5x target, ≥ 1.5x HF, ±5%: "
+                    f"{_mark(sv[best] >= 2.5 and hf.get(best, 0) >= 1.5 and e is not None and abs(e) <= 0.05)} |")
+    r = _load("decode-sampled-goal8.json")
+    if r:
+        sv, hf = r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}
+        best = max((k for k in sv if k.startswith("specdraft")), key=lambda k: sv[k])
+        e = r["ablation"].get(best, {}).get("prediction_error")
+        rows.append(f"| decoding, sampled (T {r['args']['temperature']}, top-p {r['args']['top_p']}), cheapest draft "
+                    f"({_ablation_label(best, r['args']['gamma'])}), {r['args']['num_prompts']} HumanEval prompts × "
+                    f"{r['args']['max_new_tokens']} tokens | {sv[best]:.2f}x target alone, "
+                    f"{hf.get(best, float('nan')):.2f}x HF assisted"
                     + (f"; predicted speed-up off by {e:+.1%}" if e is not None else "")
-                    + f" | ≥ 2.5x target, ≥ 1.5x HF: {_mark(sv[best] >= 2.5 and hf.get(best, 0) >= 1.5)} |")
+                    + f" | ≥ 1.5x HF, ±5%: {_mark(hf.get(best, 0) >= 1.5 and e is not None and abs(e) <= 0.05)} |")
     r = _load("decode-greedy-smollm2-135m-instruct.json")
     if r:
         t, sv, hf = r["tokens_per_s"], r["speedup_vs_target"], r.get("speedup_vs_hf_assisted") or {}

@@ -142,3 +142,17 @@ def test_adaptive_sampled_output_follows_target_law():
                                   generator=torch.Generator().manual_seed(11), speed_model=speed)
     pvalue, outside = chi2_goodness_of_fit(out, law)
     assert outside == 0 and pvalue > 1e-3 and np.isfinite(pvalue)
+
+
+def test_target_costs_are_the_line_through_the_timings():
+    # A pass costs a fixed part plus a part per token; one noisy timing (t(1) here) must not set the baseline alone.
+    timings = {k: 0.140 + 0.002 * k for k in range(1, 10)} | {1: 0.155}
+    speed = SpeedModel.from_measurements(timings, 0.016, context=190)
+    assert speed.target_s_measured[0] == 0.155 and len(speed.target_s) == 9
+    slope = speed.target_s[1] - speed.target_s[0]
+    assert all(abs((b - a) - slope) < 1e-12 for a, b in zip(speed.target_s, speed.target_s[1:]))
+    assert 0.0 < slope < 0.002 and abs(speed.target_s[0] - 0.142) < (0.155 - 0.142) / 2  # pulled to the line
+    # A falling line (noise) is clipped to a flat one: verifying more tokens never costs less.
+    flat = SpeedModel.from_measurements({1: 0.15, 2: 0.14, 3: 0.13}, 0.01)
+    assert flat.target_s == [0.14, 0.14, 0.14]
+    assert SpeedModel.from_dict(speed.to_dict()) == speed

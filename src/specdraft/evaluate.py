@@ -255,16 +255,17 @@ def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: 
 def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
                         draft_context: Sequence[int] | None = None) -> SpeedModel:
     """The pair's :class:`~specdraft.speed.SpeedModel`: t(k) for k = 1..max_gamma+1 (target, all k positions
-    scored, as verification does), d (draft, one token, last position scored), and both prompt prefills, measured
-    after reading ``context`` (``draft_context`` for a draft of another tokenizer: the context in its ids).
+    scored, as verification does; the least-squares line through the timings, :meth:`SpeedModel.from_measurements`),
+    d (draft, one token, last position scored), and both prompt prefills, measured after reading ``context``
+    (``draft_context`` for a draft of another tokenizer: the context in its ids).
 
     Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes (about 10 s for the 1.5B Qwen target on 2 CPU
     threads); speeds are those of the machine at the time, so measure on the machine that decodes.
     """
     t, t_prefill = pass_seconds(target, context, range(1, max_gamma + 2), repeats=repeats)
     d, d_prefill = pass_seconds(draft, draft_context or context, [1], repeats=repeats + 2, last_only=True)
-    return SpeedModel(target_s=[t[k] for k in range(1, max_gamma + 2)], draft_s=d[1], target_prefill_s=t_prefill,
-                      draft_prefill_s=d_prefill, context=len(context))
+    return SpeedModel.from_measurements(t, d[1], target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
+                                        context=len(context))
 
 
 @dataclass
@@ -900,8 +901,8 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
         draft = prepared_draft(model, tokenizer, config, mapping, copy_model=False)
         d_calib = mapping.reencode_batch_for_draft([list(calib)])[0] if mapping is not None else calib
         d, d_prefill = pass_seconds(draft, d_calib, [1], repeats=5, last_only=True)
-        speed = SpeedModel(target_s=[t_k[k] for k in range(1, max_k + 1)], draft_s=d[1], target_prefill_s=t_prefill,
-                           draft_prefill_s=d_prefill, context=len(calib))
+        speed = SpeedModel.from_measurements(t_k, d[1], target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
+                                             context=len(calib))
         counts, tokens = AcceptanceCounts(gamma), 0
         for k, ids in enumerate(prompt_ids):
             out, c = speculative_generate(

@@ -40,6 +40,7 @@ class SpeedModel:
         draft_s: d, one draft step.
         target_prefill_s / draft_prefill_s: reading a ``context``-token prompt (all but its last token).
         context: prompt length the costs were measured at (tokens).
+        target_s_measured: the raw timings when ``target_s`` is their fitted line (:meth:`from_measurements`).
     """
 
     target_s: list[float]
@@ -47,6 +48,7 @@ class SpeedModel:
     target_prefill_s: float = 0.0
     draft_prefill_s: float = 0.0
     context: int = 0
+    target_s_measured: list[float | None] | None = None
 
     @property
     def max_gamma(self) -> int:
@@ -80,6 +82,25 @@ class SpeedModel:
         spec = prompts * (self.target_prefill_s + self.draft_prefill_s) + \
             new_tokens / expected_tokens_per_pass(alpha, gamma) * self.round_seconds(gamma)
         return target / spec if spec > 0 else 0.0
+
+    @classmethod
+    def from_measurements(cls, target_s: dict[int, float], draft_s: float, **kw) -> SpeedModel:
+        """A model whose t(k) is the least-squares line through measured ``{k: seconds}`` (slope ≥ 0), kept in
+        ``target_s_measured`` beside it.
+
+        One pass over k tokens costs a fixed part (reading the weights) plus a part growing with k; single timings on
+        a shared machine scatter by several percent either way (t(1) once measured 155 ms against 144 ms for t(9)),
+        and t(1) prices every token of the target alone, so one noisy timing would skew every prediction. The line
+        uses all K timings.
+        """
+        ks = sorted(target_s)
+        n = len(ks)
+        mean_k, mean_t = sum(ks) / n, sum(target_s[k] for k in ks) / n
+        var = sum((k - mean_k) ** 2 for k in ks)
+        slope = max(0.0, sum((k - mean_k) * (target_s[k] - mean_t) for k in ks) / var) if var else 0.0
+        fitted = [mean_t + slope * (k - mean_k) for k in range(1, ks[-1] + 1)]
+        return cls(target_s=fitted, draft_s=draft_s, target_s_measured=[target_s.get(k) for k in range(1, ks[-1] + 1)],
+                   **kw)
 
     def to_dict(self) -> dict:
         return asdict(self) | {"cost_ratio_c": self.cost_ratio}
