@@ -13,7 +13,8 @@ Greedy (temperature 0): d_i is accepted while it equals argmax p_i — the outpu
 decoding token for token. Sampled: d_i ~ q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i)); on
 rejection the emitted token is drawn from norm(max(p_i − q_i, 0)) — the output follows p exactly
 (Leviathan et al. 2023, Theorem 3.5; Chen et al. 2023). p and q are the distributions after the same
-temperature → top-k → renormalise → top-p filter (:func:`specdraft.losses.filter_logits`).
+temperature → top-k → renormalise → top-p filter (:func:`specdraft.sampling.filter_logits`); draws use
+inverse-CDF sampling (:func:`specdraft.sampling.sample`).
 
 Batches: rows are left-padded and may accept different numbers of tokens in one round. Both caches keep a
 common length; positions a row rejected become *holes*, masked out of attention (``attention_mask`` 0) and

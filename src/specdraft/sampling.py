@@ -49,9 +49,10 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     ``softmax`` of the result is the sampling distribution. Ties at the k-th value are all kept (threshold
     semantics, as transformers' ``TopKLogitsWarper``), so more than k tokens survive on exact ties.
 
-    Memory: with ``top_k > 0`` only ``torch.topk`` values ``[..., k]`` are sorted and the nucleus is taken over
-    them — no full-vocabulary sort and no vocabulary-sized int64 index tensor; ``top_k = 0`` with
-    ``top_p < 1`` takes the full-sort path.
+    Cost: with ``top_k > 0`` only ``torch.topk`` values ``[..., k]`` are sorted and the nucleus is taken over
+    them — no full-vocabulary sort and no vocabulary-sized int64 index tensor; ``top_k = 0`` with ``top_p < 1``
+    finds the exact nucleus among the top :data:`NUCLEUS_CANDIDATES` logits, reading more only for rows whose
+    nucleus is wider (:func:`_top_p_threshold`).
 
     Args:
         logits: ``[..., V]`` any float dtype (upcast to float32).
