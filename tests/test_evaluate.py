@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -155,7 +156,9 @@ def test_hf_assisted_generation_ignores_the_targets_generation_config():
     ours = res.config["contenders"]["specdraft"]
     assert ours["num_speculative_tokens"] == 3 and ours["do_sample"] is False and ours["eos_token_id"] == [4]
     assert res.config["contenders"]["target"]["max_new_tokens"] == 16
-    json.dumps(res.to_dict())  # the report is JSON
+    report = json.loads(json.dumps(res.to_dict()))  # the report is JSON
+    assert report["machine"]["cpu_threads"] == torch.get_num_threads() >= 1
+    assert report["machine"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "unset")
 
 
 def test_hf_generation_config_is_complete_and_explicit():

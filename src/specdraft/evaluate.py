@@ -285,6 +285,16 @@ class Divergence:
         return self.margin <= self.tolerance
 
 
+def machine_info() -> dict[str, Any]:
+    """What the speeds depend on besides the models: torch's intra-op threads, OpenMP's wait policy (``"unset"`` =
+    libgomp's default; ``PASSIVE`` makes a CPU draft step ~1.7x slower, see docs/benchmarks.md), torch's version."""
+    import os
+    import platform
+
+    return {"cpu_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "machine": platform.machine(), "torch": torch.__version__}
+
+
 @dataclass
 class EvalResult:
     """Everything ``specdraft eval`` measured (counts first; ratios derived in :meth:`summary`)."""
@@ -305,6 +315,7 @@ class EvalResult:
     speed_model: dict[str, Any] | None = None
     divergences: list[Divergence] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=lambda: machine_info())
 
     def summary(self) -> dict[str, Any]:
         """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ.
@@ -376,6 +387,7 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
+            "machine": self.machine,
             "summary": self.summary(),
             "speculative_counts": self.spec_counts.to_dict(),
             "target_counts": self.target_counts.to_dict(),
