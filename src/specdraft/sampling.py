@@ -25,16 +25,16 @@ NEG_INF = float("-inf")
 NUCLEUS_CANDIDATES = 1024
 
 
-def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float, log_norm: torch.Tensor | None = None) -> torch.Tensor:
+def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float, probs: torch.Tensor | None = None) -> torch.Tensor:
     """Smallest logit kept by top-p, given logits sorted in descending order ``[..., K]`` → ``[..., 1]``.
 
     Keeps the smallest prefix whose probability mass reaches ``top_p``: token j is kept when the mass of the
     tokens before it is < ``top_p`` (so the argmax, with zero mass before it, is always kept). The mass is
-    renormalised over the K values given (after top-k, as serving stacks do), or taken as ``exp(logit − log_norm)``
-    when ``log_norm [..., 1]`` (the log-normaliser of a wider vocabulary) is given.
+    renormalised over the K values given (after top-k, as serving stacks do), unless ``probs [..., K]`` — their
+    probabilities within a wider vocabulary — is given.
     """
-    # With log_norm, float64: the mass before a token is summed over up to the whole vocabulary.
-    probs = sorted_logits.softmax(dim=-1) if log_norm is None else (sorted_logits.double() - log_norm.double()).exp()
+    if probs is None:
+        probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     keep = mass_before < top_p
     keep[..., 0] = True
@@ -104,8 +104,9 @@ def _top_p_threshold(x: torch.Tensor, top_p: float) -> torch.Tensor:
     k = min(NUCLEUS_CANDIDATES, vocab)
     while True:
         top = torch.topk(x, k, dim=-1).values  # [..., k], descending
-        if k == vocab or bool(((top.double() - log_norm).exp().sum(dim=-1) >= top_p).all()):
-            return _nucleus_threshold(top, top_p, log_norm)
+        probs = (top.double() - log_norm).exp()  # float64: the mass before a token is summed over up to V tokens
+        if k == vocab or bool((probs.sum(dim=-1) >= top_p).all()):
+            return _nucleus_threshold(top, top_p, probs)
         k = min(k * 8, vocab)
 
 
