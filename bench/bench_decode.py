@@ -30,16 +30,10 @@ import copy
 import ctypes
 import gc
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
-
-# OpenMP's wait policy is left to the environment (libgomp's default spins briefly between parallel regions). Forcing
-# OMP_WAIT_POLICY=PASSIVE, as these benchmarks once did, makes every one of a draft step's ~200 small operations wake
-# a sleeping thread: the 0.5B int4 draft step measured 29-34 ms passive against 16-19 ms by default or ACTIVE.
-OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "unset")
 
 import torch
 
@@ -58,7 +52,7 @@ from specdraft.draft_model import (
     quantize_int4,
     quantize_int8,
 )
-from specdraft.evaluate import _first_difference, pass_seconds, top2_margin
+from specdraft.evaluate import _first_difference, machine_line, pass_seconds, top2_margin
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
@@ -263,7 +257,7 @@ def main() -> dict:
     result = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}, {platform.processor() or 'cpu'}",
+        "machine": machine_line() + f", {platform.processor() or 'cpu'}",
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "python": platform.python_version()},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

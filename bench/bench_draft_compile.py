@@ -19,16 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
-
-# OpenMP's wait policy is left to the environment (libgomp's default spins briefly between parallel regions). Forcing
-# OMP_WAIT_POLICY=PASSIVE, as these benchmarks once did, makes every one of a draft step's ~200 small operations wake
-# a sleeping thread: the 0.5B int4 draft step measured 29-34 ms passive against 16-19 ms by default or ACTIVE.
-OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "unset")
 
 import torch
 
@@ -37,6 +30,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.data import encode_prompts, load_examples
 from specdraft.draft_model import default_head_corpus, frequent_tokens, prepare_draft
+from specdraft.evaluate import machine_line
 from specdraft.models import DEFAULT_DRAFT, load_model
 
 
@@ -133,7 +127,7 @@ def main() -> dict:
                 f"{int((dyn.argmax(-1) == ref.argmax(-1)).sum())}/{len(ref)}"}
     result = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}",
+        "date": time.strftime("%Y-%m-%d"), "machine": machine_line(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
         "draft": args.draft, "context_tokens": len(context), "steps": args.steps, "rounds": args.rounds,
         "draft_step_ms_median": step_ms,

@@ -22,17 +22,10 @@ import copy
 import ctypes
 import gc
 import json
-import os
-import platform
 import sys
 import time
 import warnings
 from pathlib import Path
-
-# OpenMP's wait policy is left to the environment (libgomp's default spins briefly between parallel regions). Forcing
-# OMP_WAIT_POLICY=PASSIVE, as these benchmarks once did, makes every one of a draft step's ~200 small operations wake
-# a sleeping thread: the 0.5B int4 draft step measured 29-34 ms passive against 16-19 ms by default or ACTIVE.
-OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "unset")
 
 import torch
 
@@ -41,7 +34,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.data import encode_prompts, load_examples
 from specdraft.draft_model import default_head_corpus, frequent_tokens, prepare_draft
-from specdraft.evaluate import pass_seconds, predicted_alpha
+from specdraft.evaluate import machine_line, pass_seconds, predicted_alpha
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
 
@@ -132,7 +125,7 @@ def main() -> dict:
     result = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}",
+        "machine": machine_line(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
         "draft": args.draft, "target": args.target, "context_tokens": len(context),
         "draft_step_ms_median": step_ms,

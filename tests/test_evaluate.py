@@ -159,6 +159,9 @@ def test_hf_assisted_generation_ignores_the_targets_generation_config():
     report = json.loads(json.dumps(res.to_dict()))  # the report is JSON
     assert report["machine"]["cpu_threads"] == torch.get_num_threads() >= 1
     assert report["machine"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "unset")
+    from specdraft.evaluate import machine_line
+
+    assert f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={report['machine']['omp_wait_policy']}" in machine_line()
 
 
 def test_hf_generation_config_is_complete_and_explicit():

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -287,12 +289,17 @@ class Divergence:
 
 def machine_info() -> dict[str, Any]:
     """What the speeds depend on besides the models: torch's intra-op threads, OpenMP's wait policy (``"unset"`` =
-    libgomp's default; ``PASSIVE`` makes a CPU draft step ~1.7x slower, see docs/benchmarks.md), torch's version."""
-    import os
-    import platform
-
+    libgomp's default, which spins briefly between parallel regions; ``PASSIVE`` makes each of a CPU draft step's
+    ~200 small operations wake a sleeping thread: the 0.5B int4 draft step 29-34 ms against 16-19 ms unset or
+    ``ACTIVE``, 2 cores), the CPU architecture and torch's version."""
     return {"cpu_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "machine": platform.machine(), "torch": torch.__version__}
+
+
+def machine_line() -> str:
+    """:func:`machine_info` as the one line the benchmark results carry: ``"x86_64, 2 threads, OMP_WAIT_POLICY=…"``."""
+    m = machine_info()
+    return f"{m['machine']}, {m['cpu_threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}"
 
 
 @dataclass
@@ -315,7 +322,7 @@ class EvalResult:
     speed_model: dict[str, Any] | None = None
     divergences: list[Divergence] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    machine: dict[str, Any] = field(default_factory=lambda: machine_info())
+    machine: dict[str, Any] = field(default_factory=machine_info)
 
     def summary(self) -> dict[str, Any]:
         """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ.
