@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
 RESULTS = ROOT / "results"
 DOC = ROOT.parent / "docs" / "benchmarks.md"
 
@@ -396,6 +397,19 @@ def _mode_words(a: dict) -> str:
             "sequences, which sampling does not promise: exactness is the χ² tests' job)")
 
 
+def _speedup_ci(r: dict, name: str, base: str) -> str:
+    """``" [low, high]"``: the paired 95% bootstrap interval over prompts of tokens/s of ``name`` over ``base``
+    (:func:`specdraft.stats.paired_ratio_ci` on the per-prompt tokens and seconds), or ``""`` without them."""
+    from specdraft.stats import paired_ratio_ci
+
+    rows = [p for p in r.get("per_prompt", []) if name in p and base in p]
+    if len(rows) < 2 or len(rows) != len(r.get("per_prompt", [])):
+        return ""
+    est = paired_ratio_ci([p[name]["tokens"] for p in rows], [p[name]["seconds"] for p in rows],
+                          [p[base]["tokens"] for p in rows], [p[base]["seconds"] for p in rows])
+    return f" [{est.interval[0]:.2f}, {est.interval[1]:.2f}]"
+
+
 def _ablation_section(r: dict | None, title: str) -> list[str]:
     lines: list[str] = []
     if r:
@@ -407,16 +421,17 @@ def _ablation_section(r: dict | None, title: str) -> list[str]:
                    f"{a['max_new_tokens']} new tokens, {_mode_words(a)}, contenders interleaved prompt by prompt. c = draft "
                    "step / target pass measured in the run; predicted = the speed model (measured t(k) and d, "
                    "`specdraft.speed`) at the contender's measured α, prefill included."), "",
-                  ("| draft | tokens/s | vs target alone | vs HF assisted | c | acceptance | α | predicted | "
-                  "prediction error | output = target |"),
+                  ("| draft | tokens/s | vs target alone [95% CI] | vs HF assisted [95% CI] | c | acceptance | α | "
+                   "predicted | prediction error | output = target |"),
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
                   (f"| target alone | {r['tokens_per_s']['target']:.2f} | 1.00x | "
                    f"{_x(hf.get('target'))} | — | — | — | — | — | — |")]
         for n, x in ab.items():
             pred = "—" if x["predicted_speedup"] is None else f"{x['predicted_speedup']:.2f}x"
             err = "—" if x["prediction_error"] is None else f"{x['prediction_error']:+.1%}"
-            lines.append(f"| {_ablation_label(n, a['gamma'])} | {r['tokens_per_s'][n]:.2f} | {x['speedup_vs_target']:.2f}x | "
-                         f"{_x(hf.get(n))} | {x['cost_ratio_c']:.3f} | {x['acceptance_rate']:.3f} | "
+            lines.append(f"| {_ablation_label(n, a['gamma'])} | {r['tokens_per_s'][n]:.2f} | {x['speedup_vs_target']:.2f}x"
+                         f"{_speedup_ci(r, n, 'target')} | {_x(hf.get(n))}"
+                         f"{_speedup_ci(r, n, 'hf_assisted') if n in hf else ''} | {x['cost_ratio_c']:.3f} | {x['acceptance_rate']:.3f} | "
                          f"{x['alpha']:.3f} | {pred} | {err} | {x['identical_to_target']} |")
         if "hf_assisted" in r["tokens_per_s"]:
             lines.append(f"| transformers `generate(assistant_model=…)`, bf16 draft | {r['tokens_per_s']['hf_assisted']:.2f} "
