@@ -70,3 +70,115 @@ def test_cli_help_is_instant_and_imports_no_torch():
     out = subprocess.run([sys.executable, "-m", "specdraft.cli", "--help"], capture_output=True, text=True,
                          check=False)
     assert out.returncode == 0 and "check" in out.stdout and "models" in out.stdout
+
+
+# ------------------------------------------------------------------------------ ShareGPT
+
+
+def _sharegpt_record(rid: str, human: str, gpt: str, first: str = "human") -> dict:
+    second = "gpt" if first == "human" else "human"
+    return {"id": rid, "conversations": [{"from": first, "value": human}, {"from": second, "value": gpt}]}
+
+
+def _truncated_sharegpt_file(path) -> None:
+    """A ShareGPT-shaped file with one record of every kind the reader drops, a record that does not decode in the
+    middle, and the last record cut inside a two-byte UTF-8 character (as the embedded file is cut mid-string)."""
+    long = "x" * 200
+    good = [_sharegpt_record("a_0", "What is a tensor, in one paragraph?", "A tensor is " + long),
+            _sharegpt_record("b_0", "Explain speculative decoding.", "Speculative decoding " + long),
+            _sharegpt_record("c", "Write a haiku about the sea.", "Waves fold " + long)]  # no part suffix: a start
+    dropped = [
+        _sharegpt_record("a_1", "And what about a matrix then?", "A matrix is " + long),  # continuation
+        _sharegpt_record("d_0", "Hello, I am a reply that comes first", "Hi " + long, first="gpt"),  # not human→gpt
+        _sharegpt_record("e_0", "short", "Too short a prompt " + long),  # length
+        _sharegpt_record("f_0", "Translate this into Greek please", "Ελληνικά " * 40),  # non-ASCII
+        _sharegpt_record("g_0", "Explain speculative decoding.", "Again " + long),  # duplicate prompt
+        {"id": "h_0", "conversations": "not a list"},  # wrong shape: malformed
+        [1, 2, 3],  # not an object: malformed
+    ]
+    body = ",\n".join(json.dumps(r, indent=2) for r in [good[0], *dropped[:3]])
+    body += ',\n{"id": "bad_0", "conversations": [{"from": "human", "value": "a bad \\q escape"}]}'  # does not decode
+    body += ",\n" + ",\n".join(json.dumps(r, indent=2) for r in [good[1], *dropped[3:], good[2]])
+    cut = json.dumps(_sharegpt_record("z_0", "A question cut short?", "é" * 300), ensure_ascii=False).encode()
+    end = cut.index("é".encode()) + 2 * 5 + 1  # inside the sixth é (0xC3 0xA9)
+    path.write_bytes(("[\n" + body + ",\n").encode() + cut[:end])
+
+
+def test_sharegpt_reader_on_a_truncated_file(tmp_path):
+    from specdraft.data import decode_json_records, parse_sharegpt
+
+    f = tmp_path / "sharegpt.json"
+    _truncated_sharegpt_file(f)
+    text = f.read_text(encoding="utf-8", errors="replace")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)  # as the real file: not valid JSON
+    records, malformed = decode_json_records(text)
+    assert malformed == 2  # the bad escape and the cut tail; every record after the bad one still decodes
+    assert [r["id"] if isinstance(r, dict) else r for r in records] == [
+        "a_0", "a_1", "d_0", "e_0", "b_0", "f_0", "g_0", "h_0", [1, 2, 3], "c"]
+    index = parse_sharegpt(text)
+    assert index["counts"] == {"records": 10, "malformed": 4, "continuation": 1, "not_human_gpt": 1, "length": 1,
+                               "non_ascii": 1, "duplicate_prompt": 1, "kept": 3}
+    assert [t["id"] for t in index["turns"]] == ["a_0", "b_0", "c"]
+    assert index["turns"][1]["prompt"] == "Explain speculative decoding." and index["turns"][1]["reply"].startswith(
+        "Speculative decoding x")
+    assert decode_json_records("") == ([], 0) and decode_json_records("[]") == ([], 0)
+
+
+def test_sharegpt_index_is_cached_atomically_and_rebuilt_when_stale(tmp_path, monkeypatch):
+    from specdraft import data
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "sharegpt.json"
+    _truncated_sharegpt_file(f)
+    first = data.sharegpt_index(f)
+    [cached] = (tmp_path / "cache" / "data").glob("sharegpt-*.json")
+    assert not list(cached.parent.glob(".tmp-*"))  # written through specdraft.io.atomic_path
+    calls = []
+    real_parse = data.parse_sharegpt
+    monkeypatch.setattr(data, "parse_sharegpt", lambda text: calls.append(1) or real_parse(text))
+    again = data.sharegpt_index(f)
+    assert calls == [] and again["turns"] == first["turns"] and again["counts"] == first["counts"]
+    cached.write_text("{ damaged")  # an unreadable cache is rebuilt, not trusted
+    assert data.sharegpt_index(f)["counts"] == first["counts"] and calls == [1]
+    assert json.loads(cached.read_text())["counts"] == first["counts"]
+    _truncated_sharegpt_file(f)
+    f.write_bytes(f.read_bytes()[:-30])  # another file (size changes): another key, parsed again
+    data.sharegpt_index(f)
+    assert calls == [1, 1] and len(list(cached.parent.glob("sharegpt-*.json"))) == 2
+
+
+def test_sharegpt_examples_are_prompts_and_teacher_forced_first_turns(tmp_path, monkeypatch):
+    from specdraft import data
+    from specdraft.data import build_sequences, source_counts
+    from specdraft.pipeline import load_sources
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "sharegpt.json"
+    _truncated_sharegpt_file(f)
+    monkeypatch.setattr(data, "data_file", lambda name: f)
+    ex = load_examples("sharegpt")
+    assert [e.id for e in ex] == ["sharegpt/a_0", "sharegpt/b_0", "sharegpt/c"]
+    assert [m["role"] for m in ex[1].messages] == ["user", "assistant"]
+    assert ex[1].prompt_messages == [{"role": "user", "content": "Explain speculative decoding."}]
+    assert [e.id for e in load_sources(["sharegpt:1:5:1"])] == ["sharegpt/b_0", "sharegpt/c"]
+    assert [e.id for e in load_sources(["sharegpt:0:2:2"])] == ["sharegpt/a_0", "sharegpt/c"]
+    assert source_counts("sharegpt")["malformed"] == 4 and source_counts("humaneval") is None
+    # Teacher-forced: the whole turn is the sequence; with answer_only the trained predictions are the reply's.
+    tok = tiny_tokenizer(64)
+    seq = build_sequences(tok, ex[:1], answer_only=True)[0]
+    predicted = [seq.ids[j + 1] for j, m in enumerate(seq.loss_mask) if m]
+    assert predicted[:-1] == tok(ex[0].messages[1]["content"], add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(predicted[-1:]) == ["<|im_end|>"]
+
+
+def test_embedded_sharegpt_has_its_documented_counts_and_split():
+    from specdraft.data import HELD_OUT_OFFSET, source_counts
+
+    ex = load_examples("sharegpt")
+    c = source_counts("sharegpt")
+    assert (c["records"], c["malformed"], c["kept"]) == (17671, 1, 6413) and len(ex) == 6413
+    held = load_examples("sharegpt", offset=HELD_OUT_OFFSET["sharegpt"])
+    assert len(held) == 413
+    train_prompts = {e.messages[0]["content"] for e in ex[:HELD_OUT_OFFSET["sharegpt"]]}
+    assert not any(e.messages[0]["content"] in train_prompts for e in held)

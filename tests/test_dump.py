@@ -658,3 +658,29 @@ def test_real_target_dump_matches_a_plain_forward_pass(tmp_path, real_model):
         assert (p_ref.max(-1).values - top1).max() < 0.05
         mass = item_k["topk_logprobs"].float().exp().sum(-1) + item_k["leftover_logmass"].exp()
         torch.testing.assert_close(mass, torch.ones_like(mass), atol=1e-2, rtol=0)
+
+
+def test_teacher_forced_dump_of_sharegpt_first_turns_trains_their_existing_replies(pair, tmp_path, monkeypatch):
+    # ShareGPT's turns already hold a reply: without --generate the dump teacher-forces it (one prefill per
+    # sequence) and --answer-only trains the reply's predictions only; the reader's counts reach the manifest.
+    from specdraft import data
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "SHAREGPT_FILTER", {"prompt_chars": (1, 100), "reply_chars": (1, 100), "min_ascii": 1})
+    records = [{"id": f"s{i}_0", "conversations": [{"from": "human", "value": c.messages[0]["content"]},
+                                                    {"from": "gpt", "value": c.messages[1]["content"]}]}
+               for i, c in enumerate(chat(i) for i in range(3))]
+    f = tmp_path / "sharegpt.json"
+    f.write_text(json.dumps(records)[:-1] + ', {"id": "cut_0", "conversations": [{"from": "human", "val')
+    monkeypatch.setattr(data, "data_file", lambda name: f)
+    m = run_dump(pair["target"], "sharegpt", tmp_path / "d", fp32(answer_only=True, batch_size=2), command="pytest")
+    assert m["data"] == "sharegpt" and m["data_counts"]["malformed"] == 1 and m["data_counts"]["kept"] == 3
+    ds = TeacherDataset(tmp_path / "d", draft_tokenizer=tiny_tokenizer(VOCAB))
+    tok = pair["tok"]
+    for i in range(3):
+        item = ds[i]
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        predicted = [ids[j + 1] for j, on in enumerate(mask) if on]
+        reply = records[i]["conversations"][1]["value"]
+        assert item["id"] == f"sharegpt/s{i}_0"
+        assert predicted == tok(reply, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]

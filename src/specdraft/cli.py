@@ -37,7 +37,11 @@ from specdraft.config import (
     Scheduler,
     TrainWhat,
 )
+from specdraft.data import DATASETS  # json/gzip only, like config
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+#: The prompt sources a data option takes (the names come from specdraft.data's registry).
+SOURCES_HELP = " | ".join(DATASETS) + " | a .jsonl | a saved dataset."
 
 #: Errors a user causes and can fix: bad flags, missing files, a model / tokenizer / dump that does not fit, a
 #: prompt longer than a model's window. ``(module, class)`` pairs, resolved only among modules already imported
@@ -513,7 +517,7 @@ ConfOpt = Annotated[float | None, typer.Option(
 def eval_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
-    prompts: Annotated[str, typer.Option(help="humaneval | mt-bench | conversations | a .jsonl | a saved dataset.")]
+    prompts: Annotated[str, typer.Option(help=SOURCES_HELP)]
         = "humaneval",
     num_prompts: Annotated[int, typer.Option(min=1, help="How many prompts to decode.")] = 8,
     prompt_offset: Annotated[int | None, typer.Option(
@@ -684,8 +688,7 @@ def rank(
                                                 "hub ids (same tokenizer as the target, or another: then decoded "
                                                 "through a vocabulary mapping).")],
     target: TargetOpt = DEFAULT_TARGET,
-    prompts: Annotated[str, typer.Option(help="Calibration prompts: humaneval | mt-bench | conversations | a .jsonl | a "
-                                         "saved dataset.")]
+    prompts: Annotated[str, typer.Option(help="Calibration prompts: " + SOURCES_HELP)]
         = "humaneval",
     num_prompts: Annotated[int, typer.Option(min=1, help="Calibration prompts per draft.")] = 2,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per calibration prompt.")] = 48,
@@ -773,7 +776,7 @@ def dump(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory: new, empty, or an unfinished or "
                                       "finished dump of the same plan (resumed / verified).")],
     target: TargetOpt = DEFAULT_TARGET,
-    data: Annotated[str, typer.Option(help="humaneval | mt-bench | conversations | a .jsonl | a saved dataset.")]
+    data: Annotated[str, typer.Option(help=SOURCES_HELP)]
         = "conversations",
     format: Annotated[DumpFormat, typer.Option("--format", help="hidden: final hidden states after the final "
                                                "norm (exact); topk: top-k log-probs + leftover mass.")] = "hidden",
@@ -928,8 +931,8 @@ def run_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
     train_data: Annotated[list[str] | None, typer.Option(
-        help="Training prompt source name[:offset[:limit[:stride]]] (repeatable): humaneval, mt-bench, conversations, a "
-        ".jsonl or a saved dataset. Default: the preset's.")] = None,
+        help="Training prompt source name[:offset[:limit[:stride]]] (repeatable): " + SOURCES_HELP +
+        " Default: the preset's.")] = None,
     eval_data: Annotated[list[str] | None, typer.Option(
         help="Held-out evaluation prompt source name[:offset[:limit[:stride]]] (repeatable): the headline acceptance gain. "
         "Default: the preset's.")] = None,

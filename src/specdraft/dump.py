@@ -815,6 +815,8 @@ def _target_facts(resolved: str) -> dict[str, Any]:
 def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str, identity: dict,
             config: DumpConfig, data_name: str, command: str | None) -> dict[str, Any]:
     """The manifest header: what made the dump and how to read it (see the on-disk contract above)."""
+    from specdraft.data import source_counts
+
     return {
         "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
         "target": {"ref": str(target_ref), "resolved": resolved, "revision": _target_revision(resolved),
@@ -831,6 +833,7 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
                           if config.format == "topk" else None),
         "data": data_name, "config": config.model_dump(), "identity": identity,
+        "data_counts": source_counts(data_name),  # sharegpt: malformed records skipped, first turns kept
         "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
 
