@@ -27,6 +27,7 @@ from specdraft.export import (
 from specdraft.models import (
     DEFAULT_TARGET,
     EMBEDDED,
+    CheckpointWeightsError,
     cache_dir,
     embedded_for_hub_id,
     local_reference,
@@ -226,3 +227,65 @@ def test_cli_convert_dtype_says_not_byte_identical(tmp_path, pair):
     assert f"vllm serve {tmp_path / 's'}" in res.output  # the one-path command (plugin)
     res = runner.invoke(app, ["convert", "--help"])
     assert "byte-identical" in res.output and "bfloat16" in res.output
+
+
+# ------------------------------------------------------------------------------ prepared drafts
+
+
+@pytest.mark.parametrize("quantization, keep_every, tie", [("int4", 3, False), ("int8", None, True),
+                                                            (None, 2, True), ("int4", None, False)])
+def test_a_prepared_draft_exports_dense_and_reloads_to_the_logits_it_drafted_with(tmp_path, pair, quantization,
+                                                                                   keep_every, tie):
+    """An exported prepared draft (int8/int4 layers, trimmed head) reloads with AutoModelForCausalLM, nothing
+    missing or dropped, to the q it drafted with: kept logits within 0.3 (the kernels round activations to
+    bfloat16, the reload runs float32), the same argmax, and no excluded token ever scoring above the best kept one."""
+    from specdraft.draft_model import is_prepared, prepare_draft
+
+    target_dir, _ = pair
+    draft = tiny_model("llama", vocab_size=96, seed=3, layers=2, tie_word_embeddings=tie)
+    kept = torch.arange(0, 96, keep_every) if keep_every else None
+    # dense_prefill off: every input runs through the quantised kernels, as a one-token draft step does.
+    prepared = prepare_draft(draft, quantization, kept, dense_prefill=False)
+    ids = torch.randint(5, 96, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        evaluated = prepared(ids).logits  # [3, 9, 96], -inf outside the kept set
+    out = export_speculator(prepared, tiny_tokenizer(96), target_dir, tmp_path / "spec", 3)
+    assert is_prepared(prepared)  # the prepared copy is not changed by its export
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        logits = reloaded.eval()(ids).logits
+    cols = kept if kept is not None else torch.arange(96)
+    # 0.3: the kernels round activations to bfloat16 (the int8 export matches exactly once the reload rounds them
+    # too), against an int4 rounding error of ~3.6 and ~5 for layers initialised at random (logits up to ~6).
+    assert (logits[..., cols] - evaluated[..., cols]).abs().max() < 0.3
+    top2 = evaluated.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 0.6  # positions whose argmax the tolerance cannot flip
+    assert clear.sum() >= 5 and torch.equal(logits.argmax(-1)[clear], evaluated.argmax(-1)[clear])
+    if kept is not None:
+        dropped = torch.ones(96, dtype=torch.bool)
+        dropped[kept] = False
+        assert (logits[..., dropped].amax(-1) < logits[..., cols].amax(-1)).all()
+    # The copy the pipeline makes (and a cast) reload the same.
+    copy_speculator(out, tmp_path / "copy", verifier=target_dir, dtype="float32")
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "copy")(ids).logits, logits)
+
+
+def test_weights_that_would_not_reload_are_refused_before_anything_is_written(tmp_path, pair):
+    from specdraft.draft_model import prepare_draft
+
+    target_dir, _ = pair
+    draft = tiny_model("llama", vocab_size=96, seed=3, layers=1)
+    prepared = prepare_draft(draft, "int8", torch.arange(0, 96, 2), dense_prefill=False)
+    # A prepared draft saved by transformers itself holds its buffers: a copy of it refuses, naming them.
+    raw = tmp_path / "raw"
+    prepared.save_pretrained(raw)
+    with pytest.raises(CheckpointWeightsError, match=r"weight_int8.*prepared for decoding"):
+        copy_speculator(raw, tmp_path / "copy", verifier=target_dir)
+    assert not (tmp_path / "copy").exists()
+    # A module its class does not have: the export refuses and writes nothing.
+    draft.model.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointWeightsError, match=r"unexpected.*model\.extra\.weight"):
+        export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "spec", 3)
+    assert not (tmp_path / "spec").exists()

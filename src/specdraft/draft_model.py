@@ -38,6 +38,7 @@ import copy
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,10 @@ from specdraft.sampling import NEG_INF
 
 #: FR-Spec's default number of kept head rows.
 HEAD_TOKENS = 32_768
+
+#: ``draft_quantization="auto"`` trims the head of a draft of the target's tokenizer whose head has at least this many
+#: rows (twice FR-Spec's kept set: a smaller head is a small share of a step and trimming it gains little).
+AUTO_HEAD_MIN_ROWS = 2 * HEAD_TOKENS
 
 #: The optional token-set file beside an exported speculator (:func:`save_head_tokens`).
 HEAD_TOKENS_FILE = "head_tokens.json"
@@ -411,8 +416,10 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
 
     Args:
         draft: a causal LM (eval mode).
-        quantization: ``None``, ``"int8"`` (:class:`Int8Linear`) or ``"int4"`` (:class:`Int4Linear`, groups of 32; a
-            layer :meth:`Int4Linear.fits` refuses becomes int8); :data:`specdraft.config.DraftQuantization`.
+        quantization: ``None`` / ``"none"``, ``"int8"`` (:class:`Int8Linear`) or ``"int4"`` (:class:`Int4Linear`, groups
+            of 32; a layer :meth:`Int4Linear.fits` refuses becomes int8), or ``"auto"`` (int4 on CPU, else none; the
+            head is what ``head_tokens`` says — :func:`choose_draft_options` chooses both);
+            :data:`specdraft.config.DraftQuantization`.
         head_tokens: ``[N] int64`` target ids the draft keeps in its head (:func:`frequent_tokens`), or ``None``.
         dense_prefill: quantised layers keep a reference to their dense weights and use them for inputs of
             ≥ :data:`DENSE_MIN_ROWS` rows (the prompt prefill; one-token steps stay quantised). Default: with
@@ -423,8 +430,11 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
     Raises:
         ValueError: an unknown quantization, or a token id past the draft's head.
     """
-    if quantization not in (None, "int8", "int4"):
-        raise ValueError(f"unknown draft quantization {quantization!r}; known: int8, int4")
+    if quantization not in (None, "none", "auto", "int8", "int4"):
+        raise ValueError(f"unknown draft quantization {quantization!r}; known: auto, none, int8, int4")
+    if quantization == "auto":  # the layers' half of choose_draft_options (the head is given, or not, by the caller)
+        quantization = "int4" if next(draft.parameters()).device.type == "cpu" else None
+    quantization = None if quantization == "none" else quantization
     if quantization is None and head_tokens is None:
         return draft
     if copy_model:
@@ -443,10 +453,200 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
     return model.eval()
 
 
-def describe_draft(draft: nn.Module) -> dict[str, Any]:
-    """What was done to a draft: ``{"quantization": "int8" | None, "head_tokens": N | None}``."""
+@dataclass
+class DraftPlan:
+    """What :func:`choose_draft_options` decided: the arguments of :func:`prepare_draft` and why.
+
+    Attributes:
+        requested: the ``draft_quantization`` asked for (``"auto"``, ``"none"``, ``"int8"``, ``"int4"``).
+        quantization: ``None``, ``"int8"`` or ``"int4"`` (int4 turns a layer its kernel refuses into int8).
+        head_tokens: rows kept in a trimmed head (FR-Spec), or ``None`` for the full head.
+        reason: one line a report prints.
+    """
+
+    requested: str
+    quantization: str | None
+    head_tokens: int | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def choose_draft_options(draft: nn.Module, quantization: str | None = "auto", head_tokens: int | None = None,
+                         same_tokenizer: bool = True) -> DraftPlan:
+    """The draft preparation to run: ``quantization`` / ``head_tokens`` as asked, or chosen for ``"auto"``.
+
+    ``auto`` (the default of every command, :class:`specdraft.config.EvalConfig`): on CPU, int4 weight-only layers
+    (int8 where :meth:`Int4Linear.fits` refuses the shape) — one step of the 0.5B Qwen draft costs ~0.37x of bf16 at
+    the same top-1 agreement with its target (``bench/bench_draft_kernels.py``) — and, for a draft of the target's
+    tokenizer whose head has ≥ :data:`AUTO_HEAD_MIN_ROWS` rows, a trimmed head of :data:`HEAD_TOKENS` rows (FR-Spec;
+    the 151,936-row head is ~27% of the 0.5B draft's weights). On another device the draft stays as loaded: these
+    kernels are CPU kernels. ``head_tokens`` 0 turns the trimmed head off; ``None`` leaves it to ``auto`` (off for an
+    explicit quantization). Only q changes: decoding stays lossless whatever is chosen.
+
+    Args:
+        draft: the loaded draft (its device and output width are read).
+        quantization: ``"auto"``, ``"none"`` / ``None``, ``"int8"`` or ``"int4"``.
+        head_tokens: N rows to keep, 0 = off, ``None`` = auto's choice.
+        same_tokenizer: False for a draft decoded through a vocabulary mapping (its head is its own vocabulary).
+
+    Raises:
+        ValueError: an unknown quantization.
+    """
+    if quantization not in (None, "auto", "none", "int8", "int4"):
+        raise ValueError(f"unknown draft quantization {quantization!r}; known: auto, none, int8, int4")
+    requested = "none" if quantization is None else quantization
     head = draft.get_output_embeddings()
-    kinds = {type(m) for m in draft.modules()}
-    quantized = "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else None
-    return {"quantization": quantized,
-            "head_tokens": len(head.token_ids) if isinstance(head, TrimmedHead) else None}
+    rows = int(head.weight.shape[0]) if isinstance(getattr(head, "weight", None), torch.Tensor) else 0
+    explicit_head = head_tokens if head_tokens else None
+    if requested != "auto":
+        q = None if requested == "none" else requested
+        what = "the draft as loaded" if q is None and explicit_head is None else \
+            ", ".join(x for x in (q and f"{q} weight-only layers", explicit_head and f"head of {explicit_head:,} rows")
+                      if x)
+        return DraftPlan(requested, q, explicit_head, f"as requested (--draft-quantization {requested}): {what}")
+    device = next(draft.parameters()).device
+    if device.type != "cpu":
+        return DraftPlan(requested, None, explicit_head, f"auto on {device.type}: the draft as loaded (the int8/int4 "
+                         "weight-only kernels specdraft uses are CPU kernels)")
+    parts = ["int4 weight-only layers (int8 where the int4 kernel refuses a shape): a CPU draft step ~0.37x of bf16 "
+             "at equal top-1 agreement"]
+    if head_tokens is None:
+        if not same_tokenizer:
+            parts.append("full head (a draft of another tokenizer)")
+        elif rows >= AUTO_HEAD_MIN_ROWS:
+            head_tokens = min(HEAD_TOKENS, rows)
+            parts.append(f"head trimmed to the {head_tokens:,} most frequent of {rows:,} tokens (FR-Spec)")
+        else:
+            parts.append(f"full head ({rows:,} rows < {AUTO_HEAD_MIN_ROWS:,}: little to trim)")
+    elif head_tokens == 0:
+        head_tokens = None
+        parts.append("full head (--draft-head-tokens 0)")
+    else:
+        parts.append(f"head of {head_tokens:,} rows (--draft-head-tokens)")
+    return DraftPlan(requested, "int4", head_tokens, "auto on CPU: " + "; ".join(parts))
+
+
+def is_prepared(draft: nn.Module) -> bool:
+    """Whether ``draft`` holds any module :func:`prepare_draft` put in (a quantised layer or a trimmed head)."""
+    return any(isinstance(m, (Int8Linear, Int4Linear, TrimmedHead)) for m in draft.modules())
+
+
+@torch.no_grad()
+def dense_draft(draft: nn.Module) -> nn.Module:
+    """A prepared draft as a plain model of its own class, computing the q it drafts with: what any writer of
+    weights saves (``AutoModelForCausalLM`` reloads it with nothing missing and nothing initialised at random).
+
+    On a copy sharing the draft's unchanged tensors (the draft is not changed); a draft that is not prepared
+    (:func:`is_prepared`) is returned as is.
+
+    * :class:`Int8Linear` / :class:`Int4Linear` → ``nn.Linear`` holding :meth:`~Int8Linear.dequantized_weight`
+      in the layer's output dtype: the weights of a one-token draft step (a prepared copy reads prefills of
+      ≥ :data:`DENSE_MIN_ROWS` rows with the original dense weights; the export carries the rounded ones, which
+      decide every proposal after the first). Activations that the kernels round to bfloat16 run in the model's
+      dtype after reloading: logits agree to bfloat16 rounding (the tests: within 0.05 on a tiny float32 model).
+    * :class:`TrimmedHead` → a full-width ``nn.Linear``: kept rows as scored, every excluded row the **mean of
+      the kept rows** (and bias). A plain linear head cannot write −inf, but a row inside the convex hull of the
+      kept rows scores at most the best kept row for every hidden state (h·mean = the mean of the kept logits
+      < their maximum unless all are equal), so an excluded token never wins the argmax; it is given probability
+      when sampling (q changes there, the output's law does not: verification keeps p). Re-trim on loading
+      (``--draft-head-tokens``) to get the evaluated q back exactly.
+    * the output head no longer equals the input embeddings: ``tie_word_embeddings`` becomes false; one-token
+      attention (:func:`decode_attention_forward`) goes back to ``sdpa``.
+    """
+    if not is_prepared(draft):
+        return draft
+    shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}
+    model = copy.deepcopy(draft, shared)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (Int8Linear, Int4Linear)):
+                setattr(module, name, _dense_linear(child))
+    head = model.get_output_embeddings()
+    if isinstance(head, TrimmedHead):
+        model.set_output_embeddings(_full_width_head(head))
+    if model.get_output_embeddings() is not draft.get_output_embeddings():
+        _untie(model)
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) == DECODE_ATTENTION:
+            cfg._attn_implementation = "sdpa"
+    return model
+
+
+def _dense_linear(layer: Int8Linear | Int4Linear) -> nn.Linear:
+    weight = layer.dequantized_weight().to(layer.out_dtype)  # [N, K]
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=weight.device,
+                      dtype=layer.out_dtype)
+    dense.weight.copy_(weight)
+    if layer.bias is not None:
+        dense.bias.copy_(layer.bias)
+    return dense
+
+
+def _full_width_head(head: TrimmedHead) -> nn.Linear:
+    kept = head.proj.weight  # [N, H]
+    full = nn.Linear(kept.shape[1], head.width, bias=head.proj.bias is not None, device=kept.device, dtype=kept.dtype)
+    # Excluded rows: the mean of the kept rows, inside their convex hull, so they never outscore the best kept row.
+    full.weight.copy_(kept.float().mean(dim=0).to(kept.dtype).expand(head.width, -1))
+    full.weight[head.token_ids] = kept
+    if full.bias is not None:
+        full.bias.fill_(float(head.proj.bias.float().mean()))
+        full.bias[head.token_ids] = head.proj.bias
+    return full
+
+
+def _untie(model: nn.Module) -> None:
+    # The head is no longer the input embedding: transformers must not re-tie it on a later tie_weights() call.
+    configs = [model.config]
+    if hasattr(model.config, "get_text_config"):
+        configs.append(model.config.get_text_config(decoder=True))
+    for cfg in configs:
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = {}
+
+
+def describe_draft(draft: nn.Module) -> dict[str, Any]:
+    """What was done to a draft, as it ran.
+
+    Returns:
+        ``{"quantization": "int4" | "int8" | None`` (the kind most layers hold; ``"int4+int8"`` when both occur),
+        ``"head_tokens": N | None, "layers": {"int4": n, "int8": n, "dense": n}`` (``nn.Linear`` layers by storage),
+        ``"int8_fallback_shapes": [[out, in], …]`` (layer shapes held as int8 beside int4 ones: the int4 kernel refused
+        them), ``"head_tokens_source": str | None}`` (where a trimmed head's ranking was counted).
+    """
+    head = draft.get_output_embeddings()
+    counts = {"int4": 0, "int8": 0, "dense": 0}
+    int8_shapes: set[tuple[int, int]] = set()
+    for m in draft.modules():
+        if isinstance(m, Int4Linear):
+            counts["int4"] += 1
+        elif isinstance(m, Int8Linear):
+            counts["int8"] += 1
+            int8_shapes.add((m.out_features, m.in_features))
+        elif type(m) is nn.Linear:
+            counts["dense"] += 1
+    quantized = ("int4+int8" if counts["int4"] and counts["int8"] else "int4" if counts["int4"] else
+                 "int8" if counts["int8"] else None)
+    trimmed = isinstance(head, TrimmedHead)
+    return {"quantization": quantized, "head_tokens": len(head.token_ids) if trimmed else None, "layers": counts,
+            "int8_fallback_shapes": sorted([list(s) for s in int8_shapes]) if counts["int4"] else [],
+            "head_tokens_source": getattr(head, "source", None) if trimmed else None}
+
+
+def draft_label(info: dict[str, Any]) -> str:
+    """:func:`describe_draft` as a short label: ``"int4 (168/169 layers; 1 int8) + head 32,768"``, ``"as loaded"``."""
+    layers = info.get("layers") or {}
+    total = sum(layers.values())
+    parts = []
+    if layers.get("int4"):
+        extra = f"; {layers['int8']} int8" if layers.get("int8") else ""
+        parts.append(f"int4 ({layers['int4']}/{total} layers{extra})")
+    elif layers.get("int8"):
+        parts.append(f"int8 ({layers['int8']}/{total} layers)")
+    if info.get("head_tokens"):
+        parts.append(f"head {info['head_tokens']:,}")
+    return " + ".join(parts) or "as loaded (dense)"

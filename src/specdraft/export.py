@@ -221,6 +221,10 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
     :func:`specdraft.models.portable_reference` gives it) and γ, the tokenizer, and ``training.json``. Written
     into a temporary directory beside ``out`` and renamed into place.
 
+    A draft prepared for decoding (:func:`specdraft.draft_model.prepare_draft`: int8/int4 layers, a trimmed head) is
+    written as its dense equivalent (:func:`specdraft.draft_model.dense_draft`): ``AutoModelForCausalLM`` reloads
+    the logits it drafted with (to bfloat16 activation rounding), and no excluded token of a trimmed head wins.
+
     Args:
         dtype: ``"keep"``: the draft's own dtype; else the written weights are cast (bfloat16 is what vLLM
             serves). ``draft`` itself is not changed.
@@ -228,6 +232,8 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
     Raises:
         SpeculatorError: the verifier reference cannot be read, or ``out`` exists without ``overwrite``
             (nothing is written).
+        specdraft.models.CheckpointWeightsError: the draft holds tensors its class would not reload (named;
+            nothing is written).
     """
     out = Path(out)
     if out.exists() and not overwrite:
@@ -388,9 +394,15 @@ def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: s
 
     Args:
         verifier: the verifier reference as given to the run, for the command (default: the recorded one).
+
+    Raises:
+        specdraft.models.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
+            buffers of a prepared draft saved as they are); checked from the file headers, nothing written.
     """
+    from specdraft.models import check_checkpoint_weights
     from specdraft.speculator import load_speculator_config
 
+    check_checkpoint_weights(src)  # a copy must reload as the source was evaluated: refuse before writing
     dest = Path(dest)
     with atomic_directory(dest) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)

@@ -422,6 +422,9 @@ def prepare(
                 )
             )
             del model
+            from specdraft.io import chmod_tree_like_umask
+
+            chmod_tree_like_umask(out)  # safetensors writes 0600: a shared cache must be readable by its other users
             if final.exists():  # an incomplete entry without marker (should not happen): replace it
                 shutil.rmtree(final)
             os.rename(out, final)
@@ -694,6 +697,96 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str | None = No
 def _names(keys: list[str], most: int = 8) -> str:
     more = f" and {len(keys) - most} more" if len(keys) > most else ""
     return ", ".join(keys[:most]) + more
+
+
+#: Tensor names that only a draft prepared for decoding holds (:mod:`specdraft.draft_model`'s int8/int4 layers and
+#: trimmed head): a checkpoint holding them was saved from the prepared copy, not its plain model.
+PREPARED_TENSOR_SUFFIXES = (".weight_int8", ".weight_int4", ".scales", ".scales_and_zeros", ".token_ids",
+                            ".proj.weight", ".proj.bias")
+
+
+def weight_problems(model_cls, config, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """What keeps tensors of these names and shapes from loading into ``model_cls(config)`` as they are: one line
+    each for weights missing (transformers would initialise them at random), unexpected (dropped) or of another
+    shape; empty when they fit. Buffers (rotary ``inv_freq``) and tied weights may be absent, as in a save.
+
+    The reference model is built on the ``meta`` device (no memory, no weights read). ``shapes``: ``{name: shape}``.
+    """
+    import copy as _copy
+
+    import torch
+
+    with torch.device("meta"):
+        ref = model_cls(_copy.deepcopy(config))
+    allowed = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    required = {name for name, _ in ref.named_parameters()}  # one name per tied tensor, as save_pretrained writes
+    missing = sorted(required - shapes.keys())
+    unexpected = sorted(k for k in shapes if k not in allowed)
+    mismatched = sorted(f"{k} {list(shapes[k])} (expects {list(allowed[k])})" for k in shapes
+                        if k in allowed and tuple(shapes[k]) != allowed[k])
+    problems = [f"{what} {_names(keys)}" for what, keys in (
+        ("missing (transformers would initialise them at random):", missing),
+        ("unexpected (they would be dropped):", unexpected),
+        ("of another shape:", mismatched)) if keys]
+    if any(k.endswith(PREPARED_TENSOR_SUFFIXES) for k in unexpected):
+        problems.append("these are the buffers of a draft prepared for decoding (int8/int4 layers, a trimmed head): "
+                        "write it through specdraft.export, which saves its dense equivalent "
+                        "(specdraft.draft_model.dense_draft)")
+    return problems
+
+
+def check_model_weights(model: PreTrainedModel, what: str = "the draft") -> None:
+    """Refuse to save ``model`` when its state dict is not what its own class loads back
+    (:func:`weight_problems`); called before anything is written.
+
+    Raises:
+        CheckpointWeightsError: names the tensors.
+    """
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if problems := weight_problems(type(model), model.config, shapes):
+        raise CheckpointWeightsError(f"{what} ({type(model).__name__}) would not reload as it is — "
+                                     f"{'; '.join(problems)}. Nothing was written.")
+
+
+def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: shape}`` of a checkpoint directory's safetensors weights (read from the file headers, no
+    tensor loaded): the files its ``model.safetensors.index.json`` names, else ``model.safetensors``; ``None``
+    for a checkpoint without safetensors weights (``*.bin``)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def check_checkpoint_weights(path: str | os.PathLike) -> None:
+    """Refuse a checkpoint directory whose safetensors tensors do not fit the causal LM its config.json names
+    (:func:`weight_problems`), from the file headers only; a checkpoint of ``*.bin`` weights is not checked.
+
+    Raises:
+        CheckpointWeightsError: names the tensors and the directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shapes = checkpoint_tensor_shapes(path)
+    if shapes is None:
+        return
+    config = AutoConfig.from_pretrained(path)
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    if problems := weight_problems(cls, config, shapes):
+        raise CheckpointWeightsError(f"{path}: the checkpoint does not hold the weights {cls.__name__} expects — "
+                                     f"{'; '.join(problems)}.")
 
 
 def match_tie_flag(model: PreTrainedModel) -> dict[str, tuple[Any, Any]]:

@@ -780,7 +780,10 @@ class IndependentSpeculator:
         """Write the speculator: the draft's own ``save_pretrained`` output, then ``config.json`` rewritten
         with the three ``speculators_*`` keys added (same formatting, every other key unchanged).
 
-        Weight files are byte-identical to ``draft.save_pretrained``; no held verifier is written. A draft whose
+        Weight files are byte-identical to ``draft.save_pretrained``; no held verifier is written. A draft prepared
+        for decoding (:func:`specdraft.draft_model.prepare_draft`) is written as
+        :func:`specdraft.draft_model.dense_draft` gives it: dequantised layers, a full-width head whose excluded rows
+        never win, so ``AutoModelForCausalLM`` reloads the q that was evaluated. A draft whose
         config claims tied embeddings while its output head differs is saved with ``tie_word_embeddings: false``
         (warned; recorded in :attr:`corrections`): a loader that trusts the flag would otherwise serve the
         input embeddings as the head.
@@ -792,27 +795,32 @@ class IndependentSpeculator:
 
         Raises:
             SpeculatorError: no verifier named (nothing is written), or ``push_to_hub=True``.
+            specdraft.models.CheckpointWeightsError: the draft's state dict is not what its class loads back
+                (names the tensors; nothing is written).
         """
         from specdraft.io import atomic_path
 
         if kwargs.get("push_to_hub"):
             raise SpeculatorError("push_to_hub is not supported: save locally, then upload the directory.")
         self.speculator_config.speculators_config  # noqa: B018 - raises before any file is written
-        from specdraft.models import match_tie_flag
+        from specdraft.draft_model import dense_draft
+        from specdraft.models import check_model_weights, match_tie_flag
 
-        if fixed := match_tie_flag(self.draft):
-            warnings.warn(f"{type(self.draft).__name__}: the config claims tie_word_embeddings: true but the output "
+        # A draft prepared for decoding (int8/int4 layers, a trimmed head) is written as its dense equivalent: its
+        # own buffers are not weights its class loads, and transformers would initialise those layers at random.
+        draft = dense_draft(self.draft)
+        if fixed := match_tie_flag(draft):
+            warnings.warn(f"{type(draft).__name__}: the config claims tie_word_embeddings: true but the output "
                           "head differs from the input embeddings; saving tie_word_embeddings: false.", stacklevel=2)
             self.corrections.update(fixed)
-        self.draft.save_pretrained(save_directory, **kwargs)
+        check_model_weights(draft)  # anything else its class would not reload: refused before a file is written
+        draft.save_pretrained(save_directory, **kwargs)
         path = Path(save_directory) / "config.json"
         # Re-read what transformers wrote (it may set architectures / dtype on save) so the speculator's
         # config is exactly the plain one plus three keys.
         self.speculator_config.draft_config = json.loads(path.read_text(encoding="utf-8"))
-        mode = path.stat().st_mode & 0o777
-        with atomic_path(path) as tmp:
+        with atomic_path(path) as tmp:  # the mode of a plain write, as transformers gave config.json
             tmp.write_text(self.speculator_config.to_json_string(), encoding="utf-8")
-            os.chmod(tmp, mode)  # mkstemp makes 0600; keep the mode transformers gave config.json
 
     @classmethod
     def from_pretrained(
