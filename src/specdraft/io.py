@@ -16,7 +16,8 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is renamed onto ``path``, on error removed."""
+    """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` with the mode a plain write
+    would give it (0666 less the umask), on error removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
@@ -24,6 +25,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        chmod_like_umask(tmp_path)  # mkstemp makes 0600: the written file gets a plain open()'s mode
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp_path, path)
@@ -58,11 +60,34 @@ def fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    umask = os.umask(0)  # the only way to read it: set, then restore at once
+    os.umask(umask)
+    return umask
+
+
 def chmod_like_mkdir(path: Path) -> None:
     """Give ``path`` the mode a plain mkdir would (0777 less umask); mkdtemp creates 0700."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
+    os.chmod(path, 0o777 & ~_umask())
+
+
+def chmod_like_umask(path: str | os.PathLike) -> None:
+    """Give the file ``path`` the mode a plain ``open(path, "w")`` would: 0666 less the umask (0777 less the umask
+    when it is executable). ``tempfile.mkstemp`` creates 0600, and safetensors (through ``save_pretrained``) writes
+    its files 0600 too, which a server running as another user (vLLM) cannot read."""
+    exe = os.stat(path).st_mode & 0o111
+    os.chmod(path, (0o777 if exe else 0o666) & ~_umask())
+
+
+def chmod_tree_like_umask(root: str | os.PathLike) -> None:
+    """:func:`chmod_like_umask` on every file under ``root`` and :func:`chmod_like_mkdir` on every directory
+    (``root`` included): a tree written into a private temporary directory gets the modes of a plain write."""
+    for dirpath, _, files in os.walk(root):
+        chmod_like_mkdir(Path(dirpath))
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p):
+                chmod_like_umask(p)
 
 
 def swap_into_place(tmp: Path, out: Path) -> None:
@@ -81,8 +106,9 @@ def swap_into_place(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``out``; on success its files are fsynced and it is renamed
-    onto ``out`` (a non-empty ``out`` is replaced), on error it is removed. A killed writer leaves only a
+    """Yield a fresh temporary directory beside ``out``; on success its files get the modes of a plain write
+    (:func:`chmod_tree_like_umask`), are fsynced, and it is renamed onto ``out`` (a non-empty ``out`` is replaced),
+    on error it is removed. A killed writer leaves only a
     ``.tmp-<name>-*`` directory that nothing reads; ``out`` is never half written."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +116,7 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     try:
         chmod_like_mkdir(tmp)
         yield tmp
+        chmod_tree_like_umask(tmp)  # what the writers made 0600 (safetensors, mkstemp) becomes a plain file's mode
         fsync_tree(tmp)
         swap_into_place(tmp, out)
     except BaseException:

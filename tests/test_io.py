@@ -1,0 +1,63 @@
+"""Atomic writes: what they leave on disk, and with which modes."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from specdraft.io import atomic_directory, atomic_write_bytes, atomic_write_text
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test and restore it after."""
+    saved = os.umask(0o022)
+    yield lambda m: os.umask(m)
+    os.umask(saved)
+
+
+def _mode(p) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_atomic_files_get_the_mode_of_a_plain_write(tmp_path, umask, mask):
+    """mkstemp makes 0600: a shipped file must read like its neighbours (0644 under umask 022)."""
+    umask(mask)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    atomic_write_text(tmp_path / "a.json", "{}")
+    atomic_write_bytes(tmp_path / "b.bin", b"\0")
+    assert _mode(plain) == 0o666 & ~mask
+    assert _mode(tmp_path / "a.json") == _mode(tmp_path / "b.bin") == 0o666 & ~mask
+
+
+def test_atomic_directory_widens_what_its_writers_made_private(tmp_path, umask):
+    """safetensors (through save_pretrained) writes 0600; the finished directory holds plain-mode files."""
+    umask(0o022)
+    with atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "sub").mkdir()
+        for f in (tmp / "weights.safetensors", tmp / "sub" / "x.json"):
+            f.write_bytes(b"w")
+            os.chmod(f, 0o600)
+        (tmp / "run.sh").write_text("#!/bin/sh\n")
+        os.chmod(tmp / "run.sh", 0o700)
+    out = tmp_path / "out"
+    assert _mode(out) == _mode(out / "sub") == 0o755
+    assert _mode(out / "weights.safetensors") == _mode(out / "sub" / "x.json") == 0o644
+    assert _mode(out / "run.sh") == 0o755  # an executable stays executable
+
+
+def test_a_converted_speculator_is_readable_by_others(tmp_path, umask):
+    """The end-to-end case of the issue: model.safetensors after convert was -rw-------."""
+    from specdraft.export import convert
+    from specdraft.testing import save_tiny_pair
+
+    umask(0o022)
+    target, draft = save_tiny_pair(tmp_path, 64)
+    out = tmp_path / "spec"
+    convert(draft, target, out)
+    modes = {p.name: _mode(p) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
