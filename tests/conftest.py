@@ -32,3 +32,18 @@ def real_model():
     yield get
     cache.clear()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _speed_cache(tmp_path_factory):
+    """Calibrations measured by the tests go to a session directory, never the user's cache
+    (:func:`specdraft.evaluate.cached_speed_model`)."""
+    import os
+
+    old = os.environ.get("SPECDRAFT_SPEED_CACHE")
+    os.environ["SPECDRAFT_SPEED_CACHE"] = str(tmp_path_factory.mktemp("speed-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECDRAFT_SPEED_CACHE", None)
+    else:
+        os.environ["SPECDRAFT_SPEED_CACHE"] = old

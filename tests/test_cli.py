@@ -195,3 +195,26 @@ def test_gamma_policy_help_states_the_probe_cost():
     (help_,) = [p.help for path, p in _options() if p.name == "gamma_policy" and path == "eval"]
     max_wait = inspect.signature(AdaptiveGamma).parameters["max_wait"].default
     assert f"one probe draft per {max_wait} target steps" in help_ and "never slower" not in help_
+
+
+def test_eval_help_shows_every_long_flag_whole_at_80_columns():
+    import re
+
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    for cmd in ("eval", "generate", "rank", "run"):
+        r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+        assert r.exit_code == 0, r.output
+        assert "…" not in r.output and max(len(line) for line in r.output.splitlines()) <= 80
+        command = next(c for c in app.registered_commands if (c.name or c.callback.__name__) in (cmd, f"{cmd}_cmd"))
+        import click
+        import typer.main
+
+        params = typer.main.get_command(app).commands[cmd].params
+        for p in params:
+            for flag in p.opts:
+                if flag.startswith("--"):
+                    assert re.search(rf"(^|[\s,/]){re.escape(flag)}([\s,=]|$)", r.output, re.M), (cmd, flag)
+        del command, click

@@ -95,11 +95,15 @@ def test_int8_draft_copy_leaves_the_original_alone(pair):
     _, draft = pair
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     q = prepare_draft(draft, "int8")
-    assert q is not draft and describe_draft(q) == {"quantization": "int8", "head_tokens": None}
+    info = describe_draft(q)
+    assert q is not draft and (info["quantization"], info["head_tokens"]) == ("int8", None)
+    n_linear = sum(type(m) is torch.nn.Linear for m in draft.modules())
+    assert info["layers"] == {"int4": 0, "int8": n_linear, "dense": 0} and info["int8_fallback_shapes"] == []
     assert all(isinstance(m, Int8Linear) for m in q.modules() if "proj" in type(m).__name__.lower())
     assert not any(type(m) is torch.nn.Linear for m in q.modules())
     assert all(torch.equal(before[k], v) for k, v in draft.state_dict().items())
-    assert describe_draft(draft) == {"quantization": None, "head_tokens": None}
+    plain = describe_draft(draft)
+    assert (plain["quantization"], plain["head_tokens"], plain["layers"]["dense"]) == (None, None, n_linear)
     assert prepare_draft(draft) is draft  # no option: nothing to copy
     with pytest.raises(ValueError, match="int2"):
         prepare_draft(draft, "int2")
@@ -153,7 +157,8 @@ def test_trimmed_head_scores_only_the_kept_tokens(pair):
     both = prepare_draft(draft, "int8", keep)
     assert isinstance(both.get_output_embeddings().proj, Int8Linear)
     assert both.get_output_embeddings().proj.out_features == 5
-    assert describe_draft(both) == {"quantization": "int8", "head_tokens": 5}
+    info = describe_draft(both)
+    assert (info["quantization"], info["head_tokens"]) == ("int8", 5)
     with pytest.raises(TypeError, match="trim the head before"):
         prepare_draft(quantize_int8(prepare_draft(draft, "int8")), head_tokens=keep)
 
@@ -270,3 +275,30 @@ def test_decode_attention_equals_sdpa_on_one_token_steps_with_padding(arch, monk
     base, _ = target_generate(model, ids, left_pad([[5, 9, 11, 12, 30, 31], [7, 8, 40]], 0)[1], max_new_tokens=10)
     again, _ = target_generate(fast, ids, left_pad([[5, 9, 11, 12, 30, 31], [7, 8, 40]], 0)[1], max_new_tokens=10)
     assert base == again
+
+
+def test_auto_picks_int4_where_the_kernel_takes_the_layer_and_int8_where_it_refuses():
+    from specdraft.draft_model import choose_draft_options, draft_label
+
+    # hidden 64 (int4 takes K = 64), intermediate 80 (N = 80 is a multiple of 16): down_proj has K = 80, not a
+    # multiple of 32 → int8.
+    draft = tiny_model("qwen2", 128, seed=0, layers=2, hidden=64, intermediate_size=80)
+    plan = choose_draft_options(draft, "auto", None)
+    assert (plan.quantization, plan.head_tokens) == ("int4", None)  # 128 rows: too small a head to trim
+    assert "auto on CPU" in plan.reason and "full head (128 rows" in plan.reason
+    info = describe_draft(prepare_draft(draft, plan.quantization))
+    n_linear = sum(type(m) is torch.nn.Linear for m in draft.modules())
+    assert info["layers"] == {"int4": n_linear - 2, "int8": 2, "dense": 0}  # one down_proj per layer
+    assert info["int8_fallback_shapes"] == [[64, 80]] and info["quantization"] == "int4+int8"
+    assert draft_label(info) == f"int4 ({n_linear - 2}/{n_linear} layers; 2 int8)"
+    # The head is trimmed only for a large head of the target's tokenizer; 0 turns it off; explicit choices stay.
+    big = tiny_model("qwen2", 70_000, seed=0, layers=1, hidden=32)
+    assert choose_draft_options(big, "auto", None).head_tokens == 32_768
+    assert choose_draft_options(big, "auto", None, same_tokenizer=False).head_tokens is None
+    assert choose_draft_options(big, "auto", 0).head_tokens is None
+    assert choose_draft_options(big, "auto", 1000).head_tokens == 1000
+    assert (choose_draft_options(big, "none", None).quantization, choose_draft_options(big, "none").head_tokens) == \
+        (None, None)
+    assert choose_draft_options(big, "int8", None).head_tokens is None  # explicit quantization: no automatic head
+    with pytest.raises(ValueError, match="int2"):
+        choose_draft_options(big, "int2")

@@ -185,7 +185,9 @@ def test_run_eval_with_a_cheaper_draft_and_adaptive_gamma_is_lossless_and_predic
     s = res.summary()
     assert s["lossless"] and s["divergences"] == 0 and res.spec_tokens == res.target_tokens
     # The draft options were applied to a copy (the target, passed as its own draft, is untouched) and recorded.
-    assert res.config["draft_options"] == {"quantization": "int8", "head_tokens": 100}
+    opts = res.config["draft_options"]
+    assert (opts["quantization"], opts["head_tokens"], opts["requested"]) == ("int8", 100, "int8")
+    assert opts["head_tokens_source"].startswith("embedded training prompts") and "int8" in opts["label"]
     assert res.config["contenders"]["specdraft"]["gamma_policy"] == "adaptive"
     assert not any(type(m).__name__ == "Int8Linear" for m in target.modules())
     # The speed model was measured once (t(k) up to k = max(γ, 8) + 1) and gives a prediction to compare.
@@ -221,7 +223,9 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
     assert "predicted speed-up" in r.output
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["summary"]["lossless"] and report["config"]["draft_quantization"] == "int8"
-    assert report["config"]["draft_options"] == {"quantization": "int8", "head_tokens": 50}
+    opts = report["config"]["draft_options"]
+    assert (opts["quantization"], opts["head_tokens"]) == ("int8", 50)
+    assert "configuration: draft int8" in r.output and "why: as requested" in r.output
     g = CliRunner().invoke(app, ["generate", "a b", "--target", tdir, "--draft", ddir, "--max-new-tokens", "5",
                                  "--dtype", "float32", "--draft-quantization", "int8", "--gamma-policy", "adaptive"])
     assert g.exit_code == 0, g.output
@@ -271,7 +275,7 @@ def test_rank_cli_orders_drafts_by_predicted_speedup_and_confirms_the_top_one(tm
     prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
     r = CliRunner().invoke(app, ["rank", ddir, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
                                  "--max-new-tokens", "6", "--gamma", "2", "--dtype", "float32",
-                                 "--out", str(tmp_path / "rank")])
+                                 "--draft-quantization", "none", "--out", str(tmp_path / "rank")])
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "rank" / "rank.json").read_text())
     ranking = report["ranking"]
@@ -298,3 +302,39 @@ def test_interleaved_speed_times_every_contender_on_the_same_prompts():
     sp = c["speculative:original"]
     assert sp["speedup_ci95"][0] <= sp["speedup"] <= sp["speedup_ci95"][1]
     assert sp["speedup"] == pytest.approx(sp["tokens_per_s"] / c["target"]["tokens_per_s"])
+
+
+def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tmp_path):
+    from specdraft.draft_model import prepare_draft
+    from specdraft.evaluate import cached_speed_model, speed_cache_key
+
+    target = tiny_model("llama", 64, seed=0, layers=1)
+    draft = tiny_model("llama", 64, seed=1, layers=1)
+    ctx = [5, 6, 7, 8, 9]
+    first, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
+    assert src == "measured" and len(list(tmp_path.iterdir())) == 1
+    again, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
+    assert src == "cache" and again.target_s == first.target_s and again.draft_s == first.draft_s
+    # Another preparation of the draft: another key, a new measurement.
+    assert cached_speed_model(target, prepare_draft(draft, "int8"), ctx, max_gamma=2, repeats=1,
+                              cache_dir=tmp_path)[1] == "measured"
+    # Another thread count: a miss.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        assert cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)[1] == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    # A changed weight (e.g. a distilled draft): a miss.
+    with torch.no_grad():
+        next(draft.parameters()).add_(0.5)
+    assert cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)[1] == "measured"
+    # A foreign entry under this key's file name (another key stored in it) is never used.
+    key = speed_cache_key(target, draft, 2)
+    entry = next(p for p in tmp_path.iterdir() if json.loads(p.read_text())["key"]["draft"] == key["draft"])
+    saved = json.loads(entry.read_text())
+    saved["key"]["cpu_threads"] = 999
+    saved["speed_model"]["draft_s"] = 123.0
+    entry.write_text(json.dumps(saved))
+    speed, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
+    assert src == "measured" and speed.draft_s != 123.0

@@ -23,6 +23,7 @@ from rich.table import Table
 
 # Choices come from the config's Literal types (one source; specdraft.config imports pydantic only, never torch).
 from specdraft.config import (
+    ADAPTIVE_MAX_SPECULATIVE_TOKENS,
     MAX_SPECULATIVE_TOKENS,
     NUM_SPECULATIVE_TOKENS,
     DraftQuantization,
@@ -97,6 +98,9 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # click's plain help: rich's option table truncates long flag names at 80 columns ("--draft-confiden…"); click
+    # wraps the help text and always prints every flag whole.
+    rich_markup_mode=None,
 )
 
 
@@ -117,7 +121,8 @@ def _main(
     return None
 
 
-models_app = typer.Typer(help="Embedded models: list them, build their cache.", invoke_without_command=True)
+models_app = typer.Typer(help="Embedded models: list them, build their cache.", invoke_without_command=True,
+                         rich_markup_mode=None)
 app.add_typer(models_app, name="models")
 
 console = Console()
@@ -485,10 +490,11 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False, map
 SamplingTemp = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (temperature → top-k → top-p).")]
 SamplingTopK = Annotated[int, typer.Option(help="Top-k filter; 0 = off.")]
 SamplingTopP = Annotated[float, typer.Option(help="Top-p (nucleus) mass in (0, 1]; 1 = off.")]
-GammaOpt = Annotated[int, typer.Option("--gamma", "--num-speculative-tokens", "-g",
-                                       help=f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS}); "
-                                       "the maximum when "
-                                       "--draft-confidence-threshold is set.")]
+GammaOpt = Annotated[int | None, typer.Option("--gamma", "--num-speculative-tokens", "-g",
+                                              help=f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS}); "
+                                              "the maximum with --gamma-policy adaptive or --draft-confidence-threshold. "
+                                              f"Default: {ADAPTIVE_MAX_SPECULATIVE_TOKENS} with adaptive, "
+                                              f"{NUM_SPECULATIVE_TOKENS} with fixed.", show_default=False)]
 MapVocabOpt = Annotated[bool, typer.Option(
     "--map-vocab", help="Allow a draft with another tokenizer: the draft re-reads the context as text and proposes text "
     "(greedy) or tokens with a string-identical target twin (sampling); lossless, see specdraft check.")]
@@ -496,15 +502,18 @@ ProposalsOpt = Annotated[ProposalMode | None, typer.Option(
     help="With --map-vocab: 'text' (the draft's own argmax text, re-encoded with the target's tokenizer; greedy "
     "only) or 'tokens' (its tokens with a target twin). Default: text when greedy, tokens when sampling.")]
 QuantOpt = Annotated[DraftQuantization | None, typer.Option(
-    help="The draft's linear layers (output head included), weight-only: int8 = int8 weights, one scale per output "
-    "row; int4 = int4 weights, a scale and zero per group of 32 inputs (CPU kernel _weight_int4pack_mm_for_cpu), a "
-    "layer it does not take (inputs not a multiple of 32, outputs not of 16, or a weight not on the CPU, e.g. CUDA) "
-    "falls back to int8. The target is untouched and decoding stays exact. Off when not given.")]
+    help="How specdraft's decoder runs the draft (the target is untouched and decoding stays exact; an exported "
+    "speculator stays the dense draft). auto: on CPU int4 layers (int8 for a layer the int4 kernel refuses) and, for "
+    "a draft of the target's tokenizer with a head of >= 65,536 rows, a head trimmed to 32,768 tokens; elsewhere the "
+    "draft as loaded; the report names what ran and why. none: the draft as loaded. int8 = weight-only int8, one "
+    "scale per output row; int4 = weight-only int4, a scale and zero per group of 32 inputs (CPU kernel), int8 for "
+    "a layer it does not take.")]
 HeadTokensOpt = Annotated[int | None, typer.Option(
-    min=1, help="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the paper), so it never "
-    "proposes the others; decoding stays exact. Off when not given.")]
+    min=0, help="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the paper), so it never "
+    "proposes the others; decoding stays exact. 0 = off. Default: auto's choice (off with another "
+    "--draft-quantization).", show_default=False)]
 GammaPolicyOpt = Annotated[GammaPolicy, typer.Option(
-    help="fixed: γ drafts per round. adaptive: each round a row drafts the k <= γ its running acceptance and the "
+    help="fixed: γ drafts per round. adaptive (default): each round a row drafts the k <= γ its running acceptance and the "
     "pair's measured costs predict fastest, none while no k predicts a gain except a one-draft probe after a wait "
     "that doubles up to 32 rounds: it costs at most about one probe draft per 32 target steps when no γ predicts a "
     "gain.")]
@@ -524,7 +533,7 @@ def eval_cmd(
         min=0, help="Skip this many prompts first. Default: an embedded dataset's held-out split (humaneval: 100, "
         "the prompts before it are the presets' training prompts), 0 for your own file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per prompt.")] = 128,
-    gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
+    gamma: GammaOpt = None,
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
@@ -535,9 +544,9 @@ def eval_cmd(
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalsOpt = None,
     dtype: dtype_opt("bfloat16") = "bfloat16",
-    draft_quantization: QuantOpt = None,
+    draft_quantization: QuantOpt = "auto",
     draft_head_tokens: HeadTokensOpt = None,
-    gamma_policy: GammaPolicyOpt = "fixed",
+    gamma_policy: GammaPolicyOpt = "adaptive",
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
     """Decode prompts with the target alone and with speculative decoding (and optionally transformers'
@@ -566,7 +575,8 @@ def eval_cmd(
                        record={"target": target, "draft": draft, "prompts": prompts, "prompt_offset": offset,
                                "command": " ".join(sys.argv)})
     paths = write_report(res, out)
-    print_eval_summary(res.summary(), gamma, greedy=sampling.greedy)
+    print_eval_summary(res.summary(), config.num_speculative_tokens, greedy=sampling.greedy)
+    print_configuration(res.config)
     for d_ in res.divergences:
         kind = "numerics (near-tie)" if d_.is_numerics else "[red]BUG: beyond rounding tolerance[/]"
         console.print(f"divergence {d_.contender} on {d_.prompt_id} at token {d_.position}: target {d_.target_token} "
@@ -574,6 +584,23 @@ def eval_cmd(
     console.print(f"report: {paths['report']}  plots: {paths['alpha_plot']}, {paths['hist_plot']}")
     if not res.summary()["lossless"]:
         raise typer.Exit(2)
+
+
+def print_configuration(config: dict) -> None:
+    """What specdraft's decoder ran (the draft preparation, the γ policy and the calibration's source) and why."""
+    opts = config.get("draft_options") or {}
+    policy = config.get("gamma_policy", "fixed")
+    gamma = config.get("num_speculative_tokens")
+    how = f"adaptive γ <= {gamma}" if policy == "adaptive" else f"fixed γ = {gamma}"
+    src = (config.get("speed_model_source") or "")
+    console.print(f"configuration: draft {opts.get('label', 'as given')}, {how}"
+                  + (f" (speed model: {src})" if src else ""), highlight=False)
+    if opts.get("reason"):
+        console.print(f"  why: {opts['reason']}", highlight=False)
+    if opts.get("head_tokens_source"):
+        console.print(f"  head ranking: {opts['head_tokens_source']}", highlight=False)
+    console.print("  an exported speculator stays the dense draft (what vLLM serves); the prepared copy is the "
+                  "decoder's own", highlight=False)
 
 
 def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding", greedy: bool = True) -> None:
@@ -619,8 +646,8 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens of the answer (fewer at EOS).")] = 128,
-    gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens of the answer; it stops at EOS.")] = 512,
+    gamma: GammaOpt = None,
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
@@ -629,9 +656,9 @@ def generate(
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalsOpt = None,
-    draft_quantization: QuantOpt = None,
+    draft_quantization: QuantOpt = "auto",
     draft_head_tokens: HeadTokensOpt = None,
-    gamma_policy: GammaPolicyOpt = "fixed",
+    gamma_policy: GammaPolicyOpt = "adaptive",
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
     import torch
@@ -639,10 +666,8 @@ def generate(
     from specdraft.config import EvalConfig
     from specdraft.data import Example, encode_prompts
     from specdraft.decode import left_pad, speculative_generate
-    from specdraft.evaluate import measure_speed_model, prepared_draft
+    from specdraft.evaluate import cached_speed_model, draft_configuration, eos_ids, prepared_draft
 
-    if gamma < 1:
-        fail(f"--gamma must be >= 1 (got {gamma})")
     sampling = _sampling(temperature, top_k, top_p)
     mode = _check_proposals(mapped_proposals, sampling)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
@@ -652,12 +677,15 @@ def generate(
     t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]
     inp, mask = left_pad([ids], tok.pad_token_id or 0, t.device)
+    gamma = config.num_speculative_tokens
     d = prepared_draft(d, tok, config, mapping, copy_model=False)
-    speed = None
+    speed, source = None, ""
     if gamma_policy == "adaptive":
-        with console.status("measuring the pair's costs (the speed model)…"):
+        with console.status("the pair's costs (the speed model: measured once per pair and machine, then cached)…"):
             d_ids = mapping.reencode_batch_for_draft([ids])[0] if mapping is not None else None
-            speed = measure_speed_model(t, d, ids, max_gamma=gamma, draft_context=d_ids)
+            speed, source = cached_speed_model(t, d, ids, max_gamma=max(gamma, 8), draft_context=d_ids)
+    print_configuration({"draft_options": draft_configuration(d), "gamma_policy": gamma_policy,
+                         "num_speculative_tokens": gamma, "speed_model_source": source})
     emitted: list[int] = []
     printed = [0]
 
@@ -670,6 +698,7 @@ def generate(
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
                                      generator=torch.Generator(device=t.device).manual_seed(seed), on_tokens=stream,
+                                     eos_token_id=eos_ids(t),
                                      draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
                                      mapped_proposals=mapped_proposals, speed_model=speed)
     console.print()
@@ -692,12 +721,12 @@ def rank(
         = "humaneval",
     num_prompts: Annotated[int, typer.Option(min=1, help="Calibration prompts per draft.")] = 2,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per calibration prompt.")] = 48,
-    gamma: GammaOpt = NUM_SPECULATIVE_TOKENS,
+    gamma: GammaOpt = None,
     temperature: SamplingTemp = 0.0,
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
     dtype: dtype_opt("bfloat16") = "bfloat16",
-    draft_quantization: QuantOpt = None,
+    draft_quantization: QuantOpt = "auto",
     draft_head_tokens: HeadTokensOpt = None,
     confirm: Annotated[bool, typer.Option(help="Then measure the top draft against the target alone (specdraft "
                                           "eval on the same prompts, at its recommended γ).")] = True,
@@ -737,6 +766,7 @@ def rank(
     with console.status("calibrating…") as status:
         rows = rank_drafts(t, tok, ids, [(d, loader(d)) for d in drafts], config,
                            progress=lambda name: status.update(f"calibrating {name}…"))
+    gamma = config.num_speculative_tokens
     table = Table(title=f"Drafts for {target}, best first ({len(ids)} {prompts} prompts × {max_new_tokens} tokens)")
     for col in ("draft", "acceptance", "α", "draft step (ms)", "c", "best γ", "predicted speed-up",
                 f"at γ = {gamma}"):

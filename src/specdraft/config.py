@@ -11,6 +11,7 @@ EvalConfig         target alone vs speculative decoding            :func:`specdr
 DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
 DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
 ExportConfig       the draft as an independent speculator          :func:`specdraft.export.convert`
+HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
 PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
 =================  ==============================================  ============================================
 
@@ -28,6 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 NUM_SPECULATIVE_TOKENS = 5
 #: The largest γ accepted anywhere (the bound of :data:`SpeculativeTokens`; the CLI's help states it).
 MAX_SPECULATIVE_TOKENS = 64
+#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts; each row drafts the k ≤ γ its running
+#: acceptance predicts fastest. 8 is what the speed model recommended for the embedded pair's int4 + trimmed-head
+#: draft on 16 HumanEval prompts (c ≈ 0.11, α ≈ 0.94; docs/benchmarks.md).
+ADAPTIVE_MAX_SPECULATIVE_TOKENS = 8
 
 #: γ as a validated field: shared by the speculator schema, the export and the evaluation.
 SpeculativeTokens = Annotated[
@@ -52,7 +57,8 @@ Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 ProposalMode = Literal["text", "tokens"]
 PresetName = Literal["default", "ci", "tiny", "large"]
 #: How the draft's linear layers are stored (see :mod:`specdraft.draft_model`); only q changes, so decoding stays exact.
-DraftQuantization = Literal["int8", "int4"]
+#: ``auto`` chooses (:func:`specdraft.draft_model.choose_draft_options`), ``none`` keeps the draft as loaded.
+DraftQuantization = Literal["auto", "none", "int8", "int4"]
 #: How many tokens a row drafts per round: always γ, or what its running acceptance predicts fastest (:mod:`specdraft.speed`).
 GammaPolicy = Literal["fixed", "adaptive"]
 
@@ -76,7 +82,9 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
+    num_speculative_tokens: SpeculativeTokens = Field(
+        None, validate_default=False, description="γ: the most tokens a round drafts. Default: "
+        f"{ADAPTIVE_MAX_SPECULATIVE_TOKENS} with gamma_policy adaptive, {NUM_SPECULATIVE_TOKENS} with fixed.")
     max_new_tokens: int = Field(128, ge=1, description="New tokens per prompt (met exactly unless EOS/stop).")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     seed: int = Field(0, description="Sampling seed; prompt k uses seed + k for every contender.")
@@ -89,17 +97,37 @@ class EvalConfig(BaseModel):
         "greedy, tokens when sampling.")
     dtype: ModelDtype = Field("bfloat16", description="Dtype both models are loaded in.")
     draft_quantization: DraftQuantization | None = Field(
-        None, description="int8: the draft's linear layers (output head included) hold int8 weights, one scale per "
+        "auto", description="auto (default): on CPU int4 (int8 for a layer the int4 kernel refuses) and, for a draft "
+        "of the target's tokenizer with a head of >= 65,536 rows, the trimmed head of 32,768 tokens; on another device "
+        "the draft as loaded (the weight-only kernels are CPU kernels); the reason is reported. none (or None): the "
+        "draft as loaded. int8: the draft's linear layers (output head included) hold int8 weights, one scale per "
         "output row (weight-only, torch._weight_int8pack_mm); int4: int4 weights, a scale and zero per group of 32 "
         "inputs (_weight_int4pack_mm_for_cpu), int8 for a layer that kernel does not take (Int4Linear.fits: inputs "
         "not a multiple of 32, outputs not of 16, or a weight not on the CPU). The target is untouched, decoding "
         "stays exact.")
     draft_head_tokens: int | None = Field(
-        None, ge=1, description="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the "
-        "paper; counted over the embedded training prompts); it never proposes the others, decoding stays exact.")
+        None, ge=0, description="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the "
+        "paper; counted over the draft's saved ranking or the embedded training prompts); it never proposes the "
+        "others, decoding stays exact. None: chosen by draft_quantization auto (off otherwise); 0: off.")
     gamma_policy: GammaPolicy = Field(
-        "fixed", description="fixed: γ drafts per round; adaptive: each row drafts the k <= γ that the measured "
+        "adaptive", description="fixed: γ drafts per round; adaptive: each row drafts the k <= γ that the measured "
         "speed model predicts fastest at its running acceptance, none while no k predicts a gain.")
+
+    speed_cache: bool = Field(True, description="Read the pair's measured costs (the speed model) from the calibration "
+                              "cache when an entry of the same models, preparation, machine, torch and threads exists; "
+                              "False measures again and replaces it.")
+    speed_cache_dir: Path | None = Field(None, description="Directory of the calibration cache (default "
+                                         "$SPECDRAFT_CACHE/speed).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_gamma(cls, data: Any) -> Any:
+        # γ's default depends on the policy: adaptive γ is a bound (a larger one costs nothing where it cannot win).
+        if isinstance(data, dict) and data.get("num_speculative_tokens") is None:
+            policy = data.get("gamma_policy", "adaptive")
+            data = data | {"num_speculative_tokens": ADAPTIVE_MAX_SPECULATIVE_TOKENS if policy == "adaptive"
+                           else NUM_SPECULATIVE_TOKENS}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -208,6 +236,23 @@ class ExportConfig(BaseModel):
         "case where the weights are not byte-identical to the draft's.")
 
 
+class HeadroomConfig(BaseModel):
+    """Settings of ``specdraft headroom`` / the pipeline's ``headroom`` stage (:mod:`specdraft.headroom`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sure: float = Field(0.5, gt=0.0, le=1.0, description="The target is sure at a position when its largest "
+                        "probability max p is at least this (0.5: its argmax is a majority).")
+    min_gain: float = Field(0.02, ge=0.0, le=1.0, description="A forecast gain below this reads 'little to learn'.")
+    generate: int | None = Field(None, ge=1, description="The target answers each prompt with up to N greedy tokens "
+                                 "and the forecast runs on those answers (what decoding verifies); default: the "
+                                 "examples' existing replies, teacher-forced (one prefill each).")
+    max_length: int = Field(1024, ge=2, description="Tokens kept per sequence (longer ones are cut).")
+    batch_size: int = Field(4, ge=1, description="Sequences per forward pass.")
+    dtype: ModelDtype = Field("auto", description="Weights dtype of both models (auto: bfloat16 on CUDA, else "
+                              "float32).")
+
+
 class PipelineConfig(BaseModel):
     """Everything ``specdraft run`` does; a preset fills it, flags override single fields.
 
@@ -231,6 +276,8 @@ class PipelineConfig(BaseModel):
     eval: EvalConfig
     dump: DumpConfig
     distill: DistillConfig
+    headroom: HeadroomConfig = Field(default_factory=HeadroomConfig, description="The forecast before training "
+                                     "(its sure threshold and verdict bound; it runs on eval_before's answers).")
     refuse_overlap: bool = Field(False, description="Refuse (instead of warn) when train and eval prompts overlap.")
     vocab_swap: bool = Field(False, description="A draft of another tokenizer: evaluate it through a vocabulary "
                              "mapping, then re-index it into the target's tokenizer (vocab_swap stage) and distil that.")

@@ -40,8 +40,11 @@ from specdraft.decode import (
     target_generate,
 )
 from specdraft.draft_model import (
+    HEAD_TOKENS_FILE,
+    choose_draft_options,
     default_head_corpus,
     describe_draft,
+    draft_label,
     frequent_tokens,
     load_head_tokens,
     prepare_draft,
@@ -270,6 +273,83 @@ def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 
                                         context=len(context))
 
 
+#: Version of the calibration cache's key and file layout (:func:`cached_speed_model`); a change misses every entry.
+SPEED_CACHE_FORMAT = 1
+
+
+@torch.no_grad()
+def model_fingerprint(model) -> str:
+    """A sha256 of what a model computes with, cheap enough to take before every evaluation: its class, config
+    (without ``_name_or_path``), every parameter's and buffer's name, shape, dtype and device type, and up to 64 values
+    read at a stride through each tensor (a changed weight, a distilled draft, a new quantisation all change it)."""
+    import hashlib
+
+    h = hashlib.sha256(type(model).__name__.encode())
+    cfg = model.config.to_dict() if hasattr(model, "config") else {}
+    cfg.pop("_name_or_path", None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            sample = flat[:: max(1, flat.numel() // 64)][:64]
+            h.update(sample.to(torch.float32).cpu().numpy().tobytes() if sample.is_floating_point() or
+                     sample.dtype == torch.bfloat16 else sample.to(torch.int64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
+    """What a calibration depends on: both models (:func:`model_fingerprint`, the draft as prepared), the draft's
+    preparation, γ's bound, the device, the machine (CPU model, cores), torch's version and threads, OpenMP's wait
+    policy. Two calibrations with equal keys would measure the same costs up to machine noise."""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    device = next(target.parameters()).device
+    return {"format": SPEED_CACHE_FORMAT, "target": model_fingerprint(target), "draft": model_fingerprint(draft),
+            "preparation": describe_draft(draft), "max_gamma": max_gamma, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+            "cpu_count": os.cpu_count(), "dtype": str(next(target.parameters()).dtype)} | machine_info()
+
+
+def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
+                       draft_context: Sequence[int] | None = None, cache_dir: str | Path | None = None,
+                       refresh: bool = False) -> tuple[SpeedModel, str]:
+    """:func:`measure_speed_model`, measured once per :func:`speed_cache_key` and then read back.
+
+    Entries live in ``cache_dir`` (default ``$SPECDRAFT_SPEED_CACHE``, else ``$SPECDRAFT_CACHE/speed``), one JSON file per key, named by the key's
+    sha256 and holding the key itself: an entry is used only when its stored key equals this call's key in every
+    field (a file renamed or written for other models, another preparation, thread count, torch or machine is a
+    miss, never a hit), and is replaced atomically after a new measurement. The cached costs are those of the
+    calibration context (``context`` of the first call).
+
+    Returns:
+        ``(speed_model, "cache" | "measured")``.
+    """
+    import hashlib
+
+    from specdraft.io import atomic_write_text
+    from specdraft.models import cache_root
+
+    key = speed_cache_key(target, draft, max_gamma)
+    root = Path(cache_dir or os.environ.get("SPECDRAFT_SPEED_CACHE") or cache_root() / "speed")
+    path = root / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32] + ".json")
+    if not refresh and path.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            saved = json.loads(path.read_text())
+            if json.loads(json.dumps(key, default=str)) == saved["key"]:
+                return SpeedModel.from_dict(saved["speed_model"]), "cache"
+    speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
+                                draft_context=draft_context)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"key": key, "speed_model": speed.to_dict(),
+                                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, default=str, indent=1))
+    return speed, "measured"
+
+
 @dataclass
 class Divergence:
     """A prompt whose speculative (or HF assisted) output differs from the target alone."""
@@ -489,29 +569,53 @@ def _compare(target, prompt: Sequence[int], base: list[int], out: list[int], pro
 
 
 def prepared_draft(draft, tokenizer, config: EvalConfig, vocab_mapping=None, copy_model: bool = True):
-    """The draft with ``config``'s draft options applied (:func:`specdraft.draft_model.prepare_draft`; on a copy
-    unless ``copy_model=False``); ``draft`` itself when there are none.
+    """The draft with ``config``'s draft options applied (:func:`specdraft.draft_model.choose_draft_options` decides
+    what ``draft_quantization="auto"`` means, :func:`~specdraft.draft_model.prepare_draft` applies it; on a copy
+    unless ``copy_model=False``); ``draft`` itself when there are none. The plan is kept on the returned model as
+    ``specdraft_plan`` (a :class:`~specdraft.draft_model.DraftPlan`), and :func:`describe_draft` reports it.
 
     The trimmed head's tokens come from the draft's directory when it holds a saved ranking
     (:data:`specdraft.draft_model.HEAD_TOKENS_FILE`, written by the pipeline's export), else from the embedded
-    training prompts.
+    training prompts; where they came from is ``describe_draft(...)["head_tokens_source"]``.
+
+    The prepared copy is what specdraft's decoder runs; an exported speculator stays the dense draft (vLLM serves
+    dense weights; :mod:`specdraft.export`).
 
     Raises:
         DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
         ValueError: a saved ranking counted with another tokenizer.
     """
-    head_ids = None
-    if config.draft_head_tokens is not None:
-        if vocab_mapping is not None:
-            raise DecodeError("--draft-head-tokens keeps the most frequent *target* tokens in the draft's head: it needs "
-                             "a draft of the target's tokenizer (not --map-vocab)")
+    if config.draft_head_tokens and vocab_mapping is not None:
+        raise DecodeError("--draft-head-tokens keeps the most frequent *target* tokens in the draft's head: it needs "
+                          "a draft of the target's tokenizer (not --map-vocab)")
+    plan = choose_draft_options(draft, config.draft_quantization, config.draft_head_tokens,
+                                same_tokenizer=vocab_mapping is None)
+    head_ids, source = None, None
+    if plan.head_tokens is not None:
         # A speculator exported with its token ranking (head_tokens.json) keeps the tokens counted where it was made.
-        source = getattr(draft.config, "_name_or_path", "") or ""
-        head_ids = load_head_tokens(source, config.draft_head_tokens, tokenizer) if Path(source).is_dir() else None
+        path = getattr(draft.config, "_name_or_path", "") or ""
+        head_ids = load_head_tokens(path, plan.head_tokens, tokenizer) if Path(path).is_dir() else None
+        source = f"{Path(path) / HEAD_TOKENS_FILE}" if head_ids is not None else None
         if head_ids is None:
-            head_ids = frequent_tokens(tokenizer, n=config.draft_head_tokens,
-                                       token_lists=default_head_corpus(tokenizer))
-    return prepare_draft(draft, config.draft_quantization, head_ids, copy_model=copy_model)
+            corpus = default_head_corpus(tokenizer)
+            head_ids = frequent_tokens(tokenizer, n=plan.head_tokens, token_lists=corpus)
+            source = f"embedded training prompts (conversations + humaneval:0:100, {len(corpus)} prompts)"
+    model = prepare_draft(draft, plan.quantization, head_ids, copy_model=copy_model)
+    head = model.get_output_embeddings()
+    if source is not None and hasattr(head, "token_ids"):
+        head.source = source
+    if model is not draft or not copy_model:
+        model.specdraft_plan = plan
+    return model
+
+
+def draft_configuration(draft) -> dict[str, Any]:
+    """The configuration a report names: :func:`describe_draft` of the model that ran, plus the plan's reason
+    (``"reason"``) and its short label (``"label"``)."""
+    info = describe_draft(draft)
+    plan = getattr(draft, "specdraft_plan", None)
+    return info | {"label": draft_label(info), "requested": plan.requested if plan else None,
+                   "reason": plan.reason if plan else "the draft as given"}
 
 
 def run_eval(
@@ -573,15 +677,17 @@ def run_eval(
         target_counts=AcceptanceCounts(1),
     )
     spec_draft = prepared_draft(draft, tokenizer, config, vocab_mapping)
-    res.config["draft_options"] = describe_draft(spec_draft)
+    res.config["draft_options"] = draft_configuration(spec_draft)
     # The pair's costs, measured once on a prompt of median length (the speed model: predicted speed-up, best γ,
     # and the adaptive policy's costs).
     calib = sorted(prompt_ids, key=len)[len(prompt_ids) // 2] if prompt_ids else []
     if len(calib) >= 2:
         d_calib = vocab_mapping.reencode_batch_for_draft([list(calib)])[0] if vocab_mapping is not None else None
-        speed = measure_speed_model(target, spec_draft, calib, max_gamma=max(gamma, 8),
-                                    draft_context=d_calib if d_calib and len(d_calib) >= 2 else None)
-        res.speed_model = speed.to_dict()
+        speed, source = cached_speed_model(target, spec_draft, calib, max_gamma=max(gamma, 8),
+                                           draft_context=d_calib if d_calib and len(d_calib) >= 2 else None,
+                                           cache_dir=config.speed_cache_dir, refresh=not config.speed_cache)
+        res.speed_model = speed.to_dict() | {"source": source}
+        res.config["speed_model_source"] = source
     elif config.gamma_policy == "adaptive":
         raise ValueError("--gamma-policy adaptive measures the pair's costs on a prompt of at least 2 tokens")
     eos = eos_ids(target)
@@ -826,6 +932,19 @@ def interleaved_speed(
     device = next(target.parameters()).device
     tol = ROUNDING_TOLERANCE.get(next(target.parameters()).dtype, 0.5)
     hf_config = hf_generation_config(sampling, max_new, eos, pad, gamma, config.draft_confidence_threshold)
+    # specdraft's contenders decode with the configuration's draft preparation and γ policy (transformers' assisted
+    # generation gets each draft as given); the speed model of each prepared draft comes from the calibration cache.
+    prepared = {n: prepared_draft(m, tokenizer, config, vocab_mappings.get(n)) for n, m in drafts.items()}
+    speeds: dict[str, SpeedModel] = {}
+    speed_sources: dict[str, str] = {}
+    if config.gamma_policy == "adaptive" and prompt_ids:
+        calib = list(sorted(prompt_ids, key=len)[len(prompt_ids) // 2])
+        for n, m in prepared.items():
+            mapping = vocab_mappings.get(n)
+            d_calib = mapping.reencode_batch_for_draft([calib])[0] if mapping is not None else None
+            speeds[n], speed_sources[n] = cached_speed_model(
+                target, m, calib, max_gamma=max(gamma, 8), draft_context=d_calib if d_calib and len(d_calib) >= 2
+                else None, cache_dir=config.speed_cache_dir, refresh=not config.speed_cache)
 
     def run(name: str, ids: list[int], k: int, n_new: int) -> list[int]:
         inp, mask = left_pad([ids], pad, device)
@@ -836,10 +955,11 @@ def interleaved_speed(
             return target_generate(target, inp, mask, **common)[0][0]
         kind, draft_name = name.split(":", 1)
         if kind == "speculative":
-            return speculative_generate(target, drafts[draft_name], inp, mask, num_speculative_tokens=gamma,
+            return speculative_generate(target, prepared[draft_name], inp, mask, num_speculative_tokens=gamma,
                                         draft_confidence_threshold=config.draft_confidence_threshold,
                                         vocab_mapping=vocab_mappings.get(draft_name),
-                                        mapped_proposals=config.mapped_proposals, **common)[0][0]
+                                        mapped_proposals=config.mapped_proposals,
+                                        speed_model=speeds.get(draft_name), **common)[0][0]
         mapping = vocab_mappings.get(draft_name)
         extra = {"tokenizer": tokenizer, "assistant_tokenizer": mapping.draft_tokenizer} if mapping else {}
         gc = hf_config if n_new == max_new else copy.deepcopy(hf_config)
@@ -883,7 +1003,10 @@ def interleaved_speed(
     bugs = [d for d in divergences if not d.is_numerics and not d.contender.startswith("hf_assisted")]
     return {"prompts": len(rows), "contenders": contenders, "rows": rows, "warmup_tokens": warmup_tokens,
             "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in divergences],
-            "lossless": not bugs, "max_new_tokens": max_new, "num_speculative_tokens": gamma}
+            "lossless": not bugs, "max_new_tokens": max_new, "num_speculative_tokens": gamma,
+            "gamma_policy": config.gamma_policy,
+            "draft_configuration": {n: draft_configuration(m) for n, m in prepared.items()},
+            "speed_models": {n: sp.to_dict() | {"source": speed_sources[n]} for n, sp in speeds.items()}}
 
 
 def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
@@ -935,7 +1058,7 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
                      "draft_step_ms": 1e3 * speed.draft_s, "cost_ratio_c": speed.cost_ratio, "best_gamma": g,
                      "predicted_speedup": speed.predict(counts.alpha, g, tokens, len(prompt_ids)),
                      "predicted_speedup_at_gamma": speed.predict(counts.alpha, gamma, tokens, len(prompt_ids)),
-                     "mapped": mapping is not None, "draft_options": describe_draft(draft),
+                     "mapped": mapping is not None, "draft_options": draft_configuration(draft),
                      "speed_model": speed.to_dict()})
         del model, draft
         gc.collect()

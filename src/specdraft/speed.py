@@ -26,7 +26,7 @@ follows p exactly (sampled).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from specdraft.acceptance import expected_tokens_per_pass
 
@@ -107,7 +107,9 @@ class SpeedModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeedModel:
-        return cls(**{k: v for k, v in d.items() if k != "cost_ratio_c"})
+        """Inverse of :meth:`to_dict`; keys that are not fields (``cost_ratio_c``, a report's ``source``) are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class AdaptiveGamma:
