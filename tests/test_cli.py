@@ -33,9 +33,11 @@ def test_decode_error_reaches_the_user_as_one_line_and_exit_2(tmp_path):
     assert line.startswith("error: prompt (")
 
 
-def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
-    """Only the expected error types become messages: a bug still surfaces as itself."""
+def test_unexpected_errors_keep_their_traceback_and_never_exit_1(tmp_path, monkeypatch):
+    """Only the expected error types become messages: a bug still surfaces as itself, with its traceback, and exits
+    3 — not 1, which the README reserves for "the tokenizers differ" (python's own status for an uncaught error)."""
     import specdraft.data
+    from specdraft.cli import BUG_EXIT
 
     def broken(*_a, **_k):
         raise RuntimeError("a bug")
@@ -43,13 +45,15 @@ def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(specdraft.data, "load_examples", broken)
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", "x.jsonl"])
-    assert isinstance(r.exception, RuntimeError) and str(r.exception) == "a bug"
+    assert BUG_EXIT == 3 and r.exit_code == 3, r.output
+    assert "Traceback (most recent call last)" in r.output and r.output.rstrip().endswith("RuntimeError: a bug")
+    assert not _error_lines(r.output)
 
 
 def test_data_and_model_errors_are_exit_2(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(tmp_path / "none.txt")])
-    assert r.exit_code == 2 and len(_error_lines(r.output)) == 1 and "Unknown prompt source" in r.output
+    assert r.exit_code == 2 and _error_lines(r.output) == [f"error: no such file: {tmp_path / 'none.txt'}"]
     r = CliRunner().invoke(app, ["check", "--target", str(tmp_path / "nowhere"), "--draft", ddir])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert _error_lines(r.output) == [f"error: {tmp_path / 'nowhere'} does not exist"]
@@ -92,24 +96,82 @@ def _options():
     return list(walk(typer.main.get_command(app), ""))
 
 
-def test_every_option_has_help_and_dtype_help_states_the_default():
-    checked = []
+def test_every_option_has_help_and_every_dtype_states_its_default_one_way():
+    """Defaults of --dtype were stated three ways (in the text, typer's [default: …], "(default …)"): now every one
+    with a default shows typer's [default: …], and those offering auto explain it in the same words."""
+    from specdraft.cli import AUTO_DTYPE
+
+    explained = []
     for path, p in _options():
         assert p.help, f"{path} {p.opts}"
-        if p.name == "dtype" and path not in ("convert", "distill"):  # theirs: no "auto" (export / training dtype)
-            assert f"default {p.default} (auto =" in p.help, (path, p.default, p.help)
-            checked.append(path)
-    assert sorted(checked) == ["check", "dump", "eval", "generate", "rank", "vocab-swap"]
+        if p.name in ("dtype", "export_dtype"):
+            assert p.show_default is not False and f"default {p.default}" not in p.help and "(default" not in p.help, \
+                (path, p.help)
+            if "auto" in (getattr(p.type_descriptor, "choices", None) or ()):
+                assert AUTO_DTYPE in p.help, (path, p.help)
+                explained.append(path)
+    assert {"check", "dump", "eval", "generate", "rank", "vocab-swap"} <= set(explained)
+    (check_help,) = [p.help for path, p in _options() if path == "check" and p.name == "dtype"]
+    assert "decode in bfloat16 by default" in check_help  # check loads float32 on CPU where eval decodes bf16
 
 
-def test_gamma_help_states_the_configs_bound():
+def test_gamma_is_one_option_in_every_command_that_takes_it():
+    """--gamma everywhere γ is (convert and distill took only --num-speculative-tokens), one wording, the
+    config's bound."""
+    from specdraft.cli import GAMMA_HELP
     from specdraft.config import EvalConfig, ExportConfig
 
     for cfg in (EvalConfig, ExportConfig):
         (le,) = [m.le for m in cfg.model_fields["num_speculative_tokens"].metadata if getattr(m, "le", None)]
         assert le == 64
-    helps = [p.help for _, p in _options() if p.name in ("gamma", "num_speculative_tokens")]
-    assert len(helps) == 5 and all("(1..64)" in h for h in helps)  # eval, generate, rank, convert, distill
+    gammas = {path: p for path, p in _options() if p.name in ("gamma", "num_speculative_tokens")}
+    assert {"eval", "generate", "rank", "convert", "distill"} <= set(gammas)
+    for path, p in gammas.items():
+        assert {"--gamma", "--num-speculative-tokens", "-g"} <= set(p.opts), path
+        assert GAMMA_HELP == "γ: draft tokens proposed per target pass (1..64)" and p.help.startswith(GAMMA_HELP), path
+
+
+def _one_error_line(r) -> str:
+    """The whole output of a refused command: exactly one ``error:`` line, exit 2, no usage box or traceback."""
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+    (line,) = r.output.splitlines()
+    assert line.startswith("error: "), r.output
+    return line
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["eval", "--num-prompts", "0"], "error: --num-prompts: 0 is not in the range x>=1"),
+    (["eval", "--dtype", "fp16"], "error: --dtype: 'fp16' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
+    (["convert", "--draft", "d", "--verifier", "t", "--out", "o", "--dtype", "fp16"],
+     "error: --dtype: 'fp16' is not one of 'keep', 'bfloat16', 'float16', 'float32'"),
+    (["convert", "--draft", "d", "--verifier", "t", "--out", "o", "--gamma", "0"],
+     "error: --gamma: 0 is not in the range 1<=x<=64"),
+    (["convert", "--draft", "d", "--verifier", "t", "--out", "o", "--num-speculative-tokens", "65"],
+     "error: --num-speculative-tokens: 65 is not in the range 1<=x<=64"),
+    (["distill", "--gamma", "65"], "error: --gamma: 65 is not in the range 1<=x<=64"),
+    (["eval", "--temperature", "warm"],
+     "error: --temperature: Input should be a valid number, unable to parse string as a number (got 'warm')"),
+    (["eval", "--bogus"], "error: No such option: --bogus (Possible options: --out) (see specdraft eval --help)"),
+    (["evl"], "error: No such command 'evl'. Did you mean 'eval'? (see specdraft --help)"),
+    (["vocab-swap", "--draft", "d"], "error: Missing option '--out' / '-o' (see specdraft vocab-swap --help)"),
+])
+def test_values_click_rejects_are_one_error_line_naming_the_flag(args, expected):
+    """No multi-line usage box with pydantic's wording ("Input should be greater than or equal to" / "1"): the
+    flag as typed, the value given, the allowed range or choices, on one line."""
+    r = CliRunner().invoke(app, args, terminal_width=80, prog_name="specdraft")
+    assert _one_error_line(r) == expected
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--gamma", "0", "error: --gamma: 0 is not in the range 1<=x<=64"),  # the config's bound, the flag typed
+    ("--num-speculative-tokens", "0", "error: --num-speculative-tokens: 0 is not in the range 1<=x<=64"),
+    ("--top-p", "1.5", "error: --top-p: 1.5 is not in the range 0.0<x<=1.0"),
+])
+def test_config_rejections_read_like_click_ones(tmp_path, flag, value, expected):
+    """Values a config (pydantic) refuses get the same line as click's, naming the flag typed, not the field."""
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--temperature", "0.5", flag, value])
+    assert _one_error_line(r) == expected
 
 
 def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
@@ -216,5 +278,90 @@ def test_eval_help_shows_every_long_flag_whole_at_80_columns():
         for p in params:
             for flag in p.opts:
                 if flag.startswith("--"):
-                    assert re.search(rf"(^|[\s,/]){re.escape(flag)}([\s,=]|$)", r.output, re.M), (cmd, flag)
+                    assert re.search(rf"(^|[\s,/]){re.escape(flag)}([\s,=]|$)", r.output, re.MULTILINE), (cmd, flag)
         del command, click
+
+
+@pytest.mark.parametrize(("line", "says"), [('["a", "b"]', "expected an object, got a list"),
+                                            ('{"messages": []}', "'messages' must be a non-empty list"),
+                                            ('{"messages": [{"role": "wizard", "content": "x"}]}', "role \"wizard\"")])
+def test_a_malformed_prompt_file_fails_before_any_model_loads(tmp_path, monkeypatch, line, says):
+    """Was an AttributeError traceback and exit 1, or a crash after both models loaded: now `error: FILE:LINE: …`."""
+    import specdraft.models
+
+    def no_loading(*_a, **_k):
+        raise AssertionError("a model was loaded before the prompt file was checked")
+
+    monkeypatch.setattr(specdraft.models, "load_model", no_loading)
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n" + line + "\n")
+    for cmd in (["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts)],
+                ["dump", "--target", tdir, "--data", str(prompts), "--out", str(tmp_path / "dump")],
+                ["rank", ddir, "--target", tdir, "--prompts", str(prompts)]):
+        r = CliRunner().invoke(app, cmd)
+        line_ = _one_error_line(r)
+        assert line_.startswith(f"error: {prompts}:2: ") and says in line_, (cmd, r.output)
+    assert not (tmp_path / "dump").exists()
+
+
+def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
+    """It printed the serve commands and exited 0; the README lists a checkpoint missing weights as exit 2."""
+    from specdraft.export import convert
+
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    spec = tmp_path / "spec"
+    convert(ddir, tdir, spec)
+    r = CliRunner().invoke(app, ["inspect", str(spec)])
+    assert r.exit_code == 0 and "model.safetensors" in r.output and "vllm serve" in r.output
+    (spec / "model.safetensors").unlink()
+    r = CliRunner().invoke(app, ["inspect", str(spec)], terminal_width=300)
+    assert _one_error_line(r) == (f"error: {spec} holds no weight files (*.safetensors or *.bin): the checkpoint is "
+                                  "incomplete. Copy or export it again (specdraft convert).")
+
+
+def test_check_json_creates_no_folders_the_user_did_not_ask_for(tmp_path):
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    missing = tmp_path / "no" / "such" / "x.json"
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(missing)])
+    assert _one_error_line(r).startswith(f"error: --json {missing}: the folder {missing.parent} does not exist")
+    assert not (tmp_path / "no").exists()
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(tmp_path)])
+    assert _one_error_line(r) == f"error: --json {tmp_path} is a directory: give a file name"
+
+
+def _commands():
+    import typer.main
+
+    def walk(cmd, path):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield f"{path} {name}".strip(), sub
+            yield from walk(sub, f"{path} {name}".strip())
+
+    return list(walk(typer.main.get_command(app), ""))
+
+
+def test_command_summaries_are_whole_sentences_at_80_columns():
+    """`specdraft --help` cut summaries mid-sentence ("…over the...") and vocab-swap's was a paragraph: each
+    command's first paragraph is now one sentence that the 80-column list shows whole."""
+    for path, cmd in _commands():
+        first = cmd.help.split("\n\n")[0]
+        assert "\n" not in first and first.endswith("."), (path, first)
+        assert cmd.get_short_help_str(limit=80 - 6 - len("vocab-swap")) == first, path
+    for args in ([], ["models"]):
+        r = CliRunner().invoke(app, [*args, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+        assert r.exit_code == 0 and "..." not in r.output.split("Commands:")[1], r.output
+
+
+def test_usage_names_arguments_and_switches_take_one_flag():
+    """generate's usage said `{prompt}`; --overwrite was a flag in convert and --overwrite/--no-overwrite in
+    vocab-swap. A switch that is off by default is one flag everywhere."""
+    r = CliRunner().invoke(app, ["generate", "--help"], prog_name="specdraft")
+    assert r.output.splitlines()[0] == "Usage: specdraft generate [OPTIONS] PROMPT"
+    r = CliRunner().invoke(app, ["rank", "--help"], prog_name="specdraft")
+    assert r.output.splitlines()[0] == "Usage: specdraft rank [OPTIONS] DRAFTS..."
+    off_switches = [(path, p) for path, p in _options() if getattr(p, "is_flag", False) and p.default is False]
+    assert {path for path, p in off_switches if p.name == "overwrite"} == {"convert", "vocab-swap"}
+    for path, p in off_switches:
+        assert not p.secondary_opts, (path, p.opts, p.secondary_opts)
+    assert "<bool>" not in CliRunner().invoke(app, ["vocab-swap", "--help"]).output

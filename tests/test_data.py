@@ -51,7 +51,7 @@ def test_bad_sources_name_the_problem(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2"):
         load_examples(bad)
-    with pytest.raises(DataError, match="no examples"):
+    with pytest.raises(DataError, match="skips them all"):
         load_examples("humaneval", offset=1000)
 
 
@@ -182,3 +182,47 @@ def test_embedded_sharegpt_has_its_documented_counts_and_split():
     assert len(held) == 413
     train_prompts = {e.messages[0]["content"] for e in ex[:HELD_OUT_OFFSET["sharegpt"]]}
     assert not any(e.messages[0]["content"] in train_prompts for e in held)
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('["a", "b"]', "expected an object, got a list"),
+    ('"text"', "expected an object, got a str"),
+    ('{"messages": []}', "'messages' must be a non-empty list"),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}', "role \"wizard\"; a role is one of system, user, assistant"),
+    ('{"messages": [{"role": "user"}]}', "messages[0] must be an object with a 'role' and a 'content' string"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "no user message before the first assistant message"),
+    ('{"prompt": ""}', "'prompt' must be a non-empty string"),
+    ('{"prompt": 3}', "'prompt' must be a non-empty string, got 3"),
+])
+def test_every_malformed_line_is_a_data_error_naming_file_and_line(tmp_path, line, says):
+    """Valid JSON of the wrong shape used to end in AttributeError (exit 1) or crash after the models loaded."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + line + "\n")
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(err.value).startswith(f"{path}:2: ") and says in str(err.value)
+
+
+def test_a_missing_source_is_named_as_what_it_is(tmp_path):
+    with pytest.raises(DataError, match=r"^no such file: nope.jsonl$"):
+        load_examples("nope.jsonl")
+    with pytest.raises(DataError, match=r"no such file: humaneval.jsonl; for the embedded dataset, pass --prompts "
+                                        "humaneval"):
+        load_examples("humaneval.jsonl")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match="is not a .jsonl file"):
+        load_examples(tmp_path / "notes.txt")
+    with pytest.raises(DataError, match="not a dataset written by datasets' save_to_disk"):
+        load_examples(tmp_path)
+    upper = tmp_path / "BAD.JSONL"  # the suffix's case does not matter
+    upper.write_text(json.dumps({"prompt": "a"}) + "\n")
+    assert [e.messages[0]["content"] for e in load_examples(upper)] == ["a"]
+
+
+def test_an_offset_past_the_end_says_how_many_prompts_there_are(tmp_path):
+    with pytest.raises(DataError, match=r"humaneval has 164 prompt\(s\): an offset of 10000 skips them all"):
+        load_examples("humaneval", offset=10000)
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in "abc"))
+    with pytest.raises(DataError, match=r"has 3 prompt\(s\): an offset of 3 skips them all \(use an offset below 3\)"):
+        load_examples(path, offset=3)

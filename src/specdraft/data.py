@@ -63,6 +63,13 @@ class DataError(ValueError):
     """Prompt data could not be found or parsed."""
 
 
+#: The roles a chat message may take in a user's ``.jsonl`` file or saved dataset (what chat templates render).
+ROLES = ("system", "user", "assistant")
+#: What one line of a user's ``.jsonl`` file must hold (said after every error about one).
+ROW_FORMAT = ("Each line must be a JSON object with a 'prompt' string or a 'messages' list of {role, content} "
+              f"objects (roles: {', '.join(ROLES)}).")
+
+
 @dataclass
 class Example:
     """One prompt or conversation.
@@ -172,42 +179,103 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
         ]
     else:
         path = Path(src).expanduser()
-        if path.is_file() and path.suffix == ".jsonl":
+        if path.is_file() and path.suffix.lower() == ".jsonl":
             examples = []
-            for i, line in enumerate(path.read_text().splitlines(), 1):
+            # Every line is checked here, before any model loads: a bad line 900 fails now, not after an hour.
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
                     examples.append(_example_from_row(json.loads(line), f"line-{i}"))
-                except (json.JSONDecodeError, DataError, KeyError, TypeError) as exc:
-                    raise DataError(f"{path}:{i}: {exc}. Each line must be an object with a 'prompt' string "
-                                    "or a 'messages' list of {role, content}.") from exc
+                except (json.JSONDecodeError, DataError) as exc:
+                    raise DataError(f"{path}:{i}: {exc}. {ROW_FORMAT}") from exc
         elif path.is_dir() and any(path.glob("**/state.json")):
             from datasets import load_from_disk
 
             ds = load_from_disk(str(path))
             if hasattr(ds, "keys") and not hasattr(ds, "column_names"):  # DatasetDict: take the first split
                 ds = ds[next(iter(ds.keys()))]
-            examples = [_example_from_row(dict(r), f"row-{i}") for i, r in enumerate(ds)]
+            examples = []
+            for i, r in enumerate(ds):
+                try:
+                    examples.append(_example_from_row(dict(r), f"row-{i}"))
+                except DataError as exc:
+                    raise DataError(f"{path}: row {i}: {exc}. {ROW_FORMAT}") from exc
         else:
-            raise DataError(f"Unknown prompt source {src!r}. Use one of {', '.join(DATASETS)}, a .jsonl file, "
-                            "or a directory written by datasets' save_to_disk.")
+            raise _missing_source_error(src, path)
+    total = len(examples)
     examples = examples[offset:]
     if limit is not None:
         examples = examples[:limit]
     if not examples:
+        if total and offset >= total:
+            raise DataError(f"{src} has {total} prompt(s): an offset of {offset} skips them all (use an offset "
+                            f"below {total}).")
         raise DataError(f"Prompt source {src!r} gave no examples (offset={offset}, limit={limit}).")
     return examples
 
 
-def _example_from_row(row: dict[str, Any], default_id: str) -> Example:
+def _missing_source_error(src: str, path: Path) -> DataError:
+    """What a source that is neither an embedded name nor a readable file or saved dataset is: a missing file, a
+    file of another kind, a directory without a dataset, or an unknown name (each said as such)."""
+    if path.is_dir():
+        return DataError(f"{path} is a directory but not a dataset written by datasets' save_to_disk (no "
+                         "state.json under it).")
+    if path.is_file():
+        return DataError(f"{path} is not a .jsonl file. {ROW_FORMAT}")
+    if path.suffix or looks_like_path(src):
+        near = next((name for name in DATASETS if name == path.stem.lower()), None)
+        hint = f"; for the embedded dataset, pass --prompts {near} (no suffix)" if near else ""
+        return DataError(f"no such file: {path}{hint}")
+    return DataError(f"Unknown prompt source {src!r}. Use one of {', '.join(DATASETS)}, a .jsonl file, or a "
+                     "directory written by datasets' save_to_disk.")
+
+
+def looks_like_path(ref: str) -> bool:
+    """A source written as a path (``./x``, ``/x``, ``~/x``, or with a path separator), not a dataset name."""
+    return ref.startswith((".", "/", "~")) or "/" in ref or "\\" in ref
+
+
+def _short(value: Any, most: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= most else text[: most - 1] + "…"
+
+
+def _example_from_row(row: Any, default_id: str) -> Example:
+    """One line of a ``.jsonl`` file (or one row of a saved dataset) as an :class:`Example`, checked whole: an
+    object with a non-empty ``prompt`` string, or a non-empty ``messages`` list of ``{role, content}`` objects whose
+    roles are :data:`ROLES` and which holds a user message before its first assistant message.
+
+    Raises:
+        DataError: what is wrong with the row (its value shortened).
+    """
+    if not isinstance(row, dict):
+        raise DataError(f"expected an object, got a {type(row).__name__}: {_short(row)}")
     eid = str(row.get("id", default_id))
-    if isinstance(row.get("messages"), list):
-        msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]]
-        return Example(id=eid, messages=msgs, reference=row.get("reference"))
-    if isinstance(row.get("prompt"), str):
-        return Example(id=eid, messages=[{"role": "user", "content": row["prompt"]}], reference=row.get("reference"))
-    raise DataError("no 'prompt' string or 'messages' list")
+    reference = row.get("reference")
+    if reference is not None and not isinstance(reference, str):
+        raise DataError(f"'reference' must be a string, got {_short(reference)}")
+    if row.get("messages") is not None:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"'messages' must be a non-empty list of {{role, content}} objects, got {_short(msgs)}")
+        for k, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise DataError(f"messages[{k}] must be an object with a 'role' and a 'content' string, got "
+                                f"{_short(m)}")
+            if m["role"] not in ROLES:
+                raise DataError(f"messages[{k}] has the role {_short(m['role'])}; a role is one of "
+                                f"{', '.join(ROLES)}")
+        ex = Example(id=eid, messages=[{"role": m["role"], "content": m["content"]} for m in msgs],
+                     reference=reference)
+        if not any(m["role"] == "user" for m in ex.prompt_messages):
+            raise DataError("no user message before the first assistant message: there is nothing to answer")
+        return ex
+    if row.get("prompt") is not None:
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            raise DataError(f"'prompt' must be a non-empty string, got {_short(row['prompt'])}")
+        return Example(id=eid, messages=[{"role": "user", "content": row["prompt"]}], reference=reference)
+    raise DataError(f"no 'prompt' string or 'messages' list in {_short(row)}")
 
 
 # ------------------------------------------------------------------------------ ShareGPT

@@ -770,6 +770,30 @@ def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ..
     return shapes
 
 
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint directory (``*.safetensors``, else ``*.bin``), each one its index names
+    included.
+
+    Raises:
+        CheckpointWeightsError: the directory holds no weight file, or its ``*.index.json`` names a shard that is
+            not there (a checkpoint missing weights: loading it would fail, or initialise them at random).
+    """
+    path = Path(path)
+    for index in sorted(path.glob("*.index.json")):
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+        except (OSError, ValueError) as exc:
+            raise CheckpointWeightsError(f"{index} cannot be read: {exc}") from exc
+        if missing := [f for f in shards if not (path / f).is_file()]:
+            raise CheckpointWeightsError(f"{path} is missing weight files that {index.name} names: "
+                                         f"{_names(missing)}. Copy or export the checkpoint again.")
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not files:
+        raise CheckpointWeightsError(f"{path} holds no weight files (*.safetensors or *.bin): the checkpoint is "
+                                     "incomplete. Copy or export it again (specdraft convert).")
+    return files
+
+
 def check_checkpoint_weights(path: str | os.PathLike) -> None:
     """Refuse a checkpoint directory whose safetensors tensors do not fit the causal LM its config.json names
     (:func:`weight_problems`), from the file headers only; a checkpoint of ``*.bin`` weights is not checked.
