@@ -107,12 +107,19 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     onp = report["distill"]["on_policy"]  # the tiny preset trains half on the draft's own answers
     assert onp["sequences"] == 3 and onp["refresh_steps"] == [0, 2] and onp["teacher_seconds"] > 0
     assert "On-policy: λ = 0.5" in md
+    # The forecast ran before the dump, on the 3 held-out answers, and is printed beside the measured gain.
+    head = report["headroom"]
+    assert head["sequences"] == 3 and head["positions"] == sum(
+        len(a) for a in report["eval_before"]["sets"]["held_out"]["answers"])
+    assert 1 - head["greedy"] == pytest.approx(head["greedy_learnable"] + head["greedy_uncertain"])
+    assert head["verdict"] in md and (out / "headroom" / "report.json").is_file()
+    assert list(report["timings"]).index("headroom") < list(report["timings"]).index("dump")
     curve = report["distill"]["curve"]
     assert [p["step"] for p in curve] == [0, cfg.distill.max_steps] and 0 <= curve[-1]["eval_alpha"] <= 1
     # A third run does nothing but the report.
     logs.clear()
     run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train, ood_examples=ood)
-    assert sum("done earlier" in m for m in logs) == 7
+    assert sum("done earlier" in m for m in logs) == 8
 
 
 def test_overlap_refused_when_asked(tmp_path):
@@ -149,7 +156,7 @@ def test_run_cli_on_tiny_pair(tmp_path):
     assert r.exit_code == 0, r.output
     assert "vllm serve" in r.output and (tmp_path / "run" / "report.md").is_file()
     r2 = CliRunner().invoke(app, args)
-    assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 7
+    assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 8
     bad = CliRunner().invoke(app, [*args[:-2], "--out", str(tmp_path / "run2"), "--preset", "nope"])
     assert bad.exit_code != 0 and "--preset" in bad.output
 
@@ -174,6 +181,8 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert report["eval_before"]["sets"]["held_out"]["replay_check"] is None  # decoded through the mapping only
     swap = report["vocab_swap"]
     assert swap["width"] == 300 and swap["copied"] + swap["initialised"] == 300
+    # The forecast compares p and q id by id: it ran on the re-indexed draft, the one that is trained.
+    assert report["headroom"]["draft"] == swap["path"] and report["headroom"]["positions"] > 0
     spec = tmp_path / "run" / "export" / "speculator"
     assert check_compatible(str(tdir), str(spec)).verdict == "identical"  # it now speaks the target's tokenizer
     assert "re-indexed into the target's tokenizer" in (tmp_path / "run" / "report.md").read_text()

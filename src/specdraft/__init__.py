@@ -57,6 +57,9 @@ _EXPORTS = {
     "IndependentSpeculatorConfig": "specdraft.speculator",
     "load_speculator_config": "specdraft.speculator",
     "run_pipeline": "specdraft.pipeline",
+    "forecast_headroom": "specdraft.headroom",
+    "run_headroom": "specdraft.headroom",
+    "HeadroomConfig": "specdraft.config",
 }
 __all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - keys of a str-keyed dict
 

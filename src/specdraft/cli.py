@@ -1243,6 +1243,58 @@ def headroom(
         console.print(f"forecast: {out}")
 
 
+# ------------------------------------------------------------------------------------------ headroom
+
+HEADROOM_DATA = ["sharegpt:6000:32"]
+
+
+@app.command(cls=_Command)
+def headroom(
+    target: TargetOpt = DEFAULT_TARGET,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    data: Annotated[list[str] | None, typer.Option(
+        help="Prompt source name[:offset[:limit[:stride]]] (repeatable): " + SOURCES_HELP + " Default: "
+        f"{' '.join(HEADROOM_DATA)} (held-out ShareGPT turns, their replies teacher-forced).")] = None,
+    generate: Annotated[int | None, typer.Option(help="The target answers each prompt with up to N greedy tokens and "
+                                                    "the forecast runs on its answers (what decoding verifies); "
+                                                    "default: the existing replies (one prefill each).")] = None,
+    sure: Annotated[float, typer.Option(help="The target is sure at a position when max p >= this.")] = 0.5,
+    min_gain: Annotated[float, typer.Option(help="A forecast gain below this reads 'little to learn'.")] = 0.02,
+    max_length: Annotated[int, typer.Option(help="Tokens kept per sequence.")] = 1024,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
+    dtype: dtype_opt("auto") = "auto",
+    out: Annotated[Path | None, typer.Option(help="Write the forecast to this JSON file.")] = None,
+) -> None:
+    """Forecast how much acceptance distillation can add.
+
+    Before training: how much acceptance can distillation add to this pair? Splits 1 − agreement into the part
+    where the target is sure and the draft is not (learnable) and where the target is unsure
+    (specdraft.headroom)."""
+    from specdraft.config import HeadroomConfig
+    from specdraft.headroom import run_headroom
+    from specdraft.io import atomic_write_text
+    from specdraft.pipeline import load_sources
+
+    config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
+                            batch_size=batch_size, dtype=dtype)
+    examples = load_sources(data or HEADROOM_DATA)
+    _quiet_transformers()
+    with console.status(f"forecasting over {len(examples)} sequences…"):
+        r = run_headroom(target, draft, examples, config)
+    table = Table(title=f"Headroom: {r['positions']:,} positions of {r['sequences']} sequences, "
+                  f"target sure at {r['sure_share']:.0%} (max p >= {sure})")
+    for col in ("", "now", "learnable", "uncertain", "ceiling"):
+        table.add_column(col, justify="right" if col else "left")
+    for kind in ("greedy", "sampled"):
+        table.add_row(kind, *(f"{r[kind + s]:.3f}" for s in ("", "_learnable", "_uncertain", "_ceiling")))
+    console.print(table)
+    lo, hi = r["gain_ci95"]
+    console.print(f"{r['verdict']} (95% CI [{lo:+.3f}, {hi:+.3f}] over sequences)", highlight=False)
+    if out is not None:
+        atomic_write_text(out, json.dumps(r | {"command": " ".join(sys.argv)}, indent=1, default=str))
+        console.print(f"forecast: {out}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

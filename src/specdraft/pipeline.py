@@ -7,6 +7,9 @@ its inputs (a re-run skips a stage whose key matches, so a killed run continues 
 2. ``eval_before`` greedy acceptance of the original draft per held-out set, decoded (the target's answers
                    are kept), + α at the serving settings (:func:`specdraft.evaluate.acceptance_eval`)
 3. ``vocab_swap``  only for a draft of another tokenizer: re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`)
+   ``headroom``    the forecast before training, on the held-out answers ``eval_before`` wrote (the positions
+                   ``eval_after`` replays) for the draft that is trained: what distillation can add, and its verdict
+                   (:func:`specdraft.headroom.forecast_headroom`); the report prints it beside the measured gain
 4. ``dump``        the target's teacher signal on the training prompts, responses written by the target
                    itself (:func:`specdraft.dump.run_dump`)
 5. ``distill``     the draft trained against the dump (:func:`specdraft.distill.run_distill`)
@@ -48,7 +51,7 @@ from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelRef
 
 _LOG = logging.getLogger("specdraft")
 
-STAGES = ("check", "eval_before", "vocab_swap", "dump", "distill", "eval_after", "speed", "export", "report")
+STAGES = ("check", "eval_before", "vocab_swap", "headroom", "dump", "distill", "eval_after", "speed", "export", "report")
 
 #: Training answers are written by the target, evaluation is greedy, models decode in bf16 (as served).
 _DUMP = {"answer_only": True, "dtype": "bfloat16"}
@@ -359,6 +362,36 @@ def _swap_stage(cfg: PipelineConfig, plan: _Plan) -> Callable[[Path], dict[str, 
     return run
 
 
+def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
+                    before: dict[str, Any]) -> Callable[[Path], dict[str, Any]]:
+    """The forecast (:func:`specdraft.headroom.forecast_headroom`) over the target's held-out answers from
+    ``eval_before``, teacher-forced, with the serving filter of the sampled α."""
+
+    def run(d: Path) -> dict[str, Any]:
+        from specdraft.config import SamplingConfig
+        from specdraft.data import encode_prompts
+        from specdraft.headroom import forecast_headroom
+        from specdraft.models import load_model
+
+        target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
+        draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
+        prompts = encode_prompts(tok, plan.evals)
+        answers = before["sets"]["held_out"]["answers"]
+        seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
+        # Position j predicts token j + 1: the last prompt position predicts the first answer token.
+        masks = [[False] * (len(p) - 1) + [True] * len(a) + [False] for p, a in zip(prompts, answers, strict=True)]
+        serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
+        res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
+                                serving=serving, real_vocab=len(tok),
+                                pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+        atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
+        del target, draft
+        gc.collect()
+        return {k: v for k, v in res.items() if k != "per_sequence"} | {"draft": str(draft_path)}
+
+    return run
+
+
 def _dump_stage(cfg: PipelineConfig, plan: _Plan, command: str) -> Callable[[Path], dict[str, Any]]:
     def run(d: Path) -> dict[str, Any]:
         from specdraft.dump import run_dump
@@ -445,6 +478,10 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     swap = runner.stage("vocab_swap", fingerprint | {"dtype": cfg.distill.dtype}, _swap_stage(cfg, plan)) \
         if mapped else None
     train_draft = swap["path"] if swap else plan.draft.path
+    headroom = runner.stage("headroom", eval_inputs | {"trained_draft": str(train_draft), "headroom":
+                                                       cfg.headroom.model_dump()},
+                            _headroom_stage(cfg, plan, train_draft, before))
+    log(f"[headroom] {headroom['verdict']} (95% CI [{headroom['gain_ci95'][0]:+.3f}, {headroom['gain_ci95'][1]:+.3f}])")
     dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
     dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command))
     distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, "distill": cfg.distill.model_dump(),
@@ -463,7 +500,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                           _export_stage(cfg, plan, distilled["speculator"], out / "dump"))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
-              "vocab_swap": swap, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed,
+              "vocab_swap": swap, "headroom": headroom, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed,
               "export": export,
               "overlap": plan.overlap, "timings": runner.timings, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}

@@ -200,6 +200,11 @@ def render_markdown(r: dict[str, Any]) -> str:
          + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
          "gain); the sampled figure is α = Σ min(p̃, q̃) at the serving settings, teacher-forced on those answers."),
         "",
+        *([] if not (h := r.get("headroom")) else [
+            (f"Forecast before training (`specdraft headroom` on the held-out answers): {h['verdict']}; greedy "
+             f"acceptance {h['greedy']:.3f} per position, ceiling {h['greedy_ceiling']:.3f} (95% CI of the gain "
+             f"[{h['gain_ci95'][0]:+.3f}, {h['gain_ci95'][1]:+.3f}]; the target is sure, max p ≥ {h['sure_threshold']}, "
+             f"at {h['sure_share']:.0%} of {h['positions']:,} positions). The measured gain is in the table below."), ""]),
         *([] if not (sw := r.get("vocab_swap")) else [
             (f"The draft speaks another tokenizer: *before* decodes it through a vocabulary mapping "
              f"({sw['target_coverage']:.1%} of the target vocabulary reachable); it was then re-indexed into the "

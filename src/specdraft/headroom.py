@@ -1,0 +1,303 @@
+"""Headroom forecast: before training, how much acceptance distillation can add to a pair.
+
+Notation: p = target distribution, q = draft distribution, both over the next token at the same context.
+
+Over N teacher-forced positions j (the masked positions of some sequences: existing replies, or the target's own
+answers — what decoding verifies), both models score the same token ids once, and per position:
+
+* greedy agreement ``a_j = 1[argmax q_j = argmax p_j]`` (a greedy draft's token is accepted iff it is the target's);
+* sampled acceptance ``α_j = Σ_x min(p_j(x), q_j(x))`` (after the serving filter when one is given; plain T = 1
+  otherwise);
+* the target is **sure** at j when ``max_x p_j(x) ≥ τ`` (``HeadroomConfig.sure``, default 0.5: the argmax is a
+  majority of the mass, a fact of the data that one soft label teaches). Sureness is read off the raw p.
+
+The gap splits into two parts (greedy with ``a``, sampled with ``α``), each a share of all N positions:
+
+* ``learnable = (1/N) Σ_{j sure} (1 − a_j)``: where the target is sure and the draft is not with it;
+* ``uncertain = (1/N) Σ_{j unsure} (1 − a_j)``: where the target itself spreads its mass. A draft closes this part
+  only by copying p's spread, which a small model does least well, and more data of the same kind hardly helps.
+
+``1 − ā = learnable + uncertain`` exactly. The **ceiling** is the acceptance of a perfect student of the sure
+positions — it copies p there (agreement 1, α = 1) and stays as it is elsewhere: ``ceiling = ā + learnable``. The
+**forecast gain** is the greedy ``learnable`` (the pipeline's headline is greedy acceptance), with a bootstrap
+interval over sequences; the sampled one is reported beside it. Units: per-position probability (agreement
+rate, α), the units of ``acceptance_eval``'s ``alpha`` (accepted / reached) on the same answers.
+
+**Verdict** (one line): ``distillation can add about +0.xx`` when the gain is at least ``min_gain``, else ``little
+to learn: the draft already agrees where the target is sure``. The forecast is an upper bound of what training on
+such data can reach at these positions; how much of it a given budget reaches is measured, not forecast.
+
+Counts first (:class:`HeadroomCounts`): positions, sure positions, agreements (all and sure) and α sums, per
+sequence, so forecasts merge across batches and intervals resample sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from specdraft.config import HeadroomConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from specdraft.config import SamplingConfig
+    from specdraft.data import Example
+
+
+@dataclass
+class HeadroomCounts:
+    """Sums over teacher-forced positions (merge with ``+``); every figure of the forecast derives from them.
+
+    Attributes:
+        positions: N, positions scored.
+        sure: positions where max p ≥ τ.
+        agree / agree_sure: greedy agreements (argmax q = argmax p), all and at sure positions.
+        alpha / alpha_sure: Σ α_j (probability), all and at sure positions.
+    """
+
+    positions: int = 0
+    sure: int = 0
+    agree: int = 0
+    agree_sure: int = 0
+    alpha: float = 0.0
+    alpha_sure: float = 0.0
+
+    def __add__(self, other: HeadroomCounts) -> HeadroomCounts:
+        return HeadroomCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def _share(self, x: float) -> float:
+        return x / self.positions if self.positions else 0.0
+
+    @property
+    def greedy(self) -> float:
+        """ā: greedy agreement rate (probability)."""
+        return self._share(self.agree)
+
+    @property
+    def greedy_learnable(self) -> float:
+        """Share of positions where the target is sure and the draft's argmax is another token: the forecast gain."""
+        return self._share(self.sure - self.agree_sure)
+
+    @property
+    def greedy_uncertain(self) -> float:
+        """Share of positions where the target is unsure and the argmaxes differ."""
+        return self._share((self.positions - self.sure) - (self.agree - self.agree_sure))
+
+    @property
+    def sampled(self) -> float:
+        """ᾱ: mean Σ min(p, q)."""
+        return min(self._share(self.alpha), 1.0)  # Σ min ≤ 1 per position; float rounding may overshoot ~1e-6
+
+    @property
+    def sampled_learnable(self) -> float:
+        """(1/N) Σ_{sure} (1 − α_j)."""
+        return max(self._share(self.sure - self.alpha_sure), 0.0)
+
+    @property
+    def sampled_uncertain(self) -> float:
+        """(1/N) Σ_{unsure} (1 − α_j)."""
+        return max(self._share((self.positions - self.sure) - (self.alpha - self.alpha_sure)), 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counts and every derived figure (``*_ceiling`` = the figure plus its learnable part)."""
+        return asdict(self) | {
+            "sure_share": self._share(self.sure),
+            "greedy": self.greedy, "greedy_learnable": self.greedy_learnable,
+            "greedy_uncertain": self.greedy_uncertain, "greedy_ceiling": self.greedy + self.greedy_learnable,
+            "sampled": self.sampled, "sampled_learnable": self.sampled_learnable,
+            "sampled_uncertain": self.sampled_uncertain, "sampled_ceiling": min(self.sampled + self.sampled_learnable, 1.0),
+        }
+
+
+def position_headroom(target_logits: torch.Tensor, draft_logits: torch.Tensor, sure: float = 0.5,
+                      serving: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position ingredients of the forecast.
+
+    Args:
+        target_logits / draft_logits: ``[N, V] float`` logits of p and q at the same N positions, aligned to one
+            width with padding rows at ``-inf`` (:func:`specdraft.sampling.align_logits`).
+        sure: τ; the target is sure where ``max p ≥ τ`` (raw p, T = 1).
+        serving: the filter α is computed after (temperature / top-k / top-p); None or plain: T = 1 unfiltered.
+
+    Returns:
+        ``(sure [N] bool, agree [N] bool, alpha [N] float64)``: sureness, greedy agreement and Σ min(p̃, q̃).
+    """
+    from specdraft.losses import sum_min
+    from specdraft.sampling import filtered_probs
+
+    p = target_logits.float().softmax(-1)  # [N, V]
+    is_sure = p.max(-1).values >= sure
+    agree = target_logits.argmax(-1) == draft_logits.argmax(-1)
+    plain = serving is None or serving.greedy or (serving.temperature == 1.0 and serving.top_k == 0
+                                                  and serving.top_p == 1.0)
+    if plain:
+        alpha = sum_min(p, draft_logits.float().softmax(-1))
+    else:
+        alpha = sum_min(filtered_probs(target_logits.float(), serving.temperature, serving.top_k, serving.top_p),
+                        filtered_probs(draft_logits.float(), serving.temperature, serving.top_k, serving.top_p))
+    return is_sure, agree, alpha.double()
+
+
+def counts_from_positions(is_sure: torch.Tensor, agree: torch.Tensor, alpha: torch.Tensor) -> HeadroomCounts:
+    """:class:`HeadroomCounts` of the ``[N]`` outputs of :func:`position_headroom`."""
+    return HeadroomCounts(positions=int(is_sure.numel()), sure=int(is_sure.sum()), agree=int(agree.sum()),
+                          agree_sure=int((agree & is_sure).sum()), alpha=float(alpha.sum()),
+                          alpha_sure=float(alpha[is_sure].sum()))
+
+
+def verdict(counts: HeadroomCounts, min_gain: float = 0.02) -> str:
+    """The one-line reading of a forecast (see the module docstring)."""
+    gain = counts.greedy_learnable
+    if gain >= min_gain:
+        return (f"distillation can add about +{gain:.2f} greedy acceptance (sampled α +{counts.sampled_learnable:.2f}): "
+                f"the draft disagrees at {counts.sure - counts.agree_sure:,} of the {counts.sure:,} positions where "
+                f"the target is sure")
+    return (f"little to learn: the draft already agrees where the target is sure (at most +{gain:.2f}; "
+            f"{counts.greedy_uncertain:.2f} of the gap is where the target itself is uncertain)")
+
+
+def forecast_headroom(
+    target,
+    draft,
+    sequences: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[bool | int]],
+    config: HeadroomConfig | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    serving: SamplingConfig | None = None,
+    real_vocab: int | None = None,
+    pad_id: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """The forecast over the masked positions of ``sequences`` (teacher-forced; both models run once per batch).
+
+    Args:
+        target, draft: causal LMs of one tokenizer (widths may differ by padding rows).
+        sequences: ``[n]`` token id lists.
+        masks: ``[n]`` per sequence, True where the distribution of the next token counts (the dump's
+            ``loss_mask`` convention; same length as the sequence).
+        config: τ, the verdict bound and the batch size (:class:`~specdraft.config.HeadroomConfig`).
+        names: an id per sequence (reported per sequence).
+        serving: the filter of the sampled α (default: plain T = 1).
+        real_vocab: ``len(tokenizer)``; ids past it are padding with zero probability.
+        progress: called as ``progress(done, total)`` after each batch.
+
+    Returns:
+        ``{**HeadroomCounts.to_dict(), "gain", "gain_ci95": [low, high], "verdict", "sequences", "sure_threshold",
+        "per_sequence": [{"id", **counts}]}``; ``gain`` is ``greedy_learnable`` and its interval a bootstrap over
+        sequences (:func:`specdraft.stats.ratio_ci`).
+
+    Raises:
+        ValueError: a mask whose length differs from its sequence's, or no masked position at all.
+    """
+    import torch
+
+    from specdraft.decode import left_pad
+    from specdraft.sampling import align_logits, output_width
+    from specdraft.stats import ratio_ci
+
+    config = config or HeadroomConfig()
+    width = output_width(target)
+    device = next(target.parameters()).device
+    per_sequence: list[HeadroomCounts] = []
+    bs = config.batch_size
+    for start in range(0, len(sequences), bs):
+        chunk = [list(s) for s in sequences[start:start + bs]]
+        ids, attn = left_pad(chunk, pad_id, device)
+        sel = torch.zeros_like(attn, dtype=torch.bool)
+        for i, s in enumerate(chunk):
+            m = [bool(x) for x in masks[start + i]]
+            if len(m) != len(s):
+                raise ValueError(f"mask {start + i} has length {len(m)}, its sequence {len(s)}")
+            sel[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            p_logits = target(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            q_logits = draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+        for i in range(len(chunk)):
+            p_l = align_logits(p_logits[i][sel[i]], width, real_vocab)  # [N_i, V]
+            q_l = align_logits(q_logits[i][sel[i]], width, real_vocab)
+            per_sequence.append(counts_from_positions(*position_headroom(p_l, q_l, config.sure, serving)))
+        del p_logits, q_logits
+        if progress:
+            progress(min(start + bs, len(sequences)), len(sequences))
+    total = sum(per_sequence, HeadroomCounts())
+    if total.positions == 0:
+        raise ValueError("no masked position to forecast over (every mask is empty)")
+    ci = ratio_ci([c.sure - c.agree_sure for c in per_sequence], [c.positions for c in per_sequence])
+    names = list(names) if names is not None else [str(i) for i in range(len(per_sequence))]
+    return total.to_dict() | {
+        "gain": total.greedy_learnable, "gain_ci95": [ci.low, ci.high], "verdict": verdict(total, config.min_gain),
+        "sequences": len(per_sequence), "sure_threshold": config.sure,
+        "per_sequence": [{"id": n} | asdict(c) for n, c in zip(names, per_sequence, strict=True)],
+    }
+
+
+def headroom_sequences(target, tokenizer, examples: list[Example], config: HeadroomConfig,
+                       ) -> tuple[list[str], list[list[int]], list[list[bool]]]:
+    """The sequences a forecast runs on: ``(ids, sequences, masks)``.
+
+    Without ``config.generate`` each example's existing reply (an assistant turn, or HumanEval's reference) is
+    teacher-forced and only predictions of reply tokens count (:func:`specdraft.data.build_sequences` with
+    ``answer_only``); with it, the target answers each prompt greedily with up to N tokens and the answers count
+    (:func:`specdraft.dump.generate_responses`). Sequences are cut to ``config.max_length``.
+
+    Raises:
+        specdraft.data.DataError: an example with no reply while ``generate`` is not set (names it and the fix).
+    """
+    from specdraft.data import DataError, build_sequences, sequences_from_responses
+
+    if config.generate is None:
+        missing = [e.id for e in examples if e.messages[-1]["role"] != "assistant" and not e.reference]
+        if missing:
+            raise DataError(f"{len(missing)} example(s) have no reply to teacher-force (e.g. {missing[:3]}): pass "
+                            "--generate N to let the target answer them, or use data with replies (sharegpt, "
+                            "humaneval).")
+        seqs = build_sequences(tokenizer, examples, answer_only=True, max_length=config.max_length)
+    else:
+        from specdraft.dump import generate_responses
+
+        prompts, responses = generate_responses(target, tokenizer, examples, config.generate,
+                                                real_vocab=len(tokenizer))
+        seqs = [s for s in sequences_from_responses([e.id for e in examples], prompts, responses, answer_only=True,
+                                                    max_length=config.max_length) if s is not None]
+    return [s.id for s in seqs], [s.ids for s in seqs], [s.loss_mask for s in seqs]
+
+
+def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], config: HeadroomConfig | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Load the pair, check that it shares one tokenizer, build the sequences and forecast.
+
+    Args:
+        target_ref / draft_ref: embedded names, local HF directories or cached hub ids.
+        examples: prompts with replies (or any prompts with ``config.generate``).
+        config: :class:`~specdraft.config.HeadroomConfig`.
+
+    Returns:
+        :func:`forecast_headroom`'s result plus ``target``, ``draft``, ``config`` and ``examples``.
+
+    Raises:
+        specdraft.vocab.CompatibilityError: the tokenizers differ (before any weights load): re-index the draft
+            first (``specdraft vocab-swap``) and forecast the swapped draft.
+        specdraft.data.DataError: see :func:`headroom_sequences`.
+    """
+    from specdraft.check import check_compatible
+    from specdraft.models import load_model
+    from specdraft.vocab import CompatibilityError
+
+    config = config or HeadroomConfig()
+    rep = check_compatible(target_ref, draft_ref)
+    if rep.verdict == "mismatch":
+        raise CompatibilityError(f"the forecast compares p and q id by id, but the tokenizers differ ({rep.summary()}): "
+                                 "re-index the draft into the target's tokenizer first (specdraft vocab-swap) and "
+                                 "forecast the swapped draft.")
+    target, tok = load_model(target_ref, dtype=config.dtype)
+    names, seqs, masks = headroom_sequences(target, tok, examples, config)
+    draft, _ = load_model(draft_ref, dtype=config.dtype)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    res = forecast_headroom(target, draft, seqs, masks, config, names=names, real_vocab=len(tok), pad_id=pad,
+                            progress=progress)
+    return res | {"target": str(target_ref), "draft": str(draft_ref), "config": config.model_dump(),
+                  "examples": len(examples)}
