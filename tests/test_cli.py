@@ -365,3 +365,50 @@ def test_usage_names_arguments_and_switches_take_one_flag():
     for path, p in off_switches:
         assert not p.secondary_opts, (path, p.opts, p.secondary_opts)
     assert "<bool>" not in CliRunner().invoke(app, ["vocab-swap", "--help"]).output
+
+
+def test_generate_summary_adds_up_and_says_why_the_last_round_was_short(tmp_path):
+    """"acceptance 0.833, a histogram of 7 rounds at γ = 5" only added up if the last round was cut: the line now
+    gives accepted / proposed / passes, and says which pass drafted fewer than γ and why."""
+    import re
+
+    tdir, _ = save_tiny_pair(tmp_path, 64)  # the target drafts for itself: every draft is accepted
+    r = CliRunner().invoke(app, ["generate", "a b c d", "--target", tdir, "--draft", tdir, "--max-new-tokens", "8",
+                                 "--gamma", "5", "--gamma-policy", "fixed", "--draft-quantization", "none",
+                                 "--dtype", "float32"], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    line = r.output.strip().splitlines()[-1]
+    m = re.search(r"^(\d+) tokens .*; (\d+) of (\d+) drafted tokens accepted \(acceptance rate ([\d.]+)\) in (\d+) "
+                  r"target pass(?:es)?, ([\d.]+) tokens per pass; accepted-length histogram \[([\d, ]+)\]", line)
+    emitted, accepted, proposed, rate, passes, per_pass = (float(x) for x in m.groups()[:6])
+    hist = [int(x) for x in m.group(7).split(",")]
+    assert rate == pytest.approx(accepted / proposed, abs=5e-4) and sum(hist) == passes
+    assert per_pass == pytest.approx(emitted / passes, abs=5e-3) and emitted == 8
+    # 6 + 2 tokens: a full pass of 5 drafts (+1), then the budget leaves room for 1 draft (+1).
+    assert (accepted, proposed, passes) == (6, 6, 2) and proposed < passes * 5
+    assert line.endswith("; the last pass checked 1 draft instead of γ = 5: --max-new-tokens 8 was reached")
+
+
+def test_one_prompt_gives_no_interval_and_each_cost_ratio_says_what_it_is(tmp_path):
+    """A one-prompt eval reported a zero-width 95% interval as if it meant something; report.json held two
+    cost_ratio_c values with no word on which is which."""
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "cd"))
+    reports = {}
+    for n in (1, 2):
+        out = tmp_path / f"out{n}"
+        r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
+                                     "--num-prompts", str(n), "--max-new-tokens", "6", "--gamma", "2",
+                                     "--gamma-policy", "fixed", "--dtype", "float32", "--out", str(out)],
+                               terminal_width=200)
+        assert r.exit_code == 0, r.output
+        reports[n] = (r.output, json.loads((out / "report.json").read_text()))
+    text, one = reports[1]
+    assert one["summary"]["acceptance_rate_ci95"] is None and "one prompt gives no interval" in text
+    _, two = reports[2]
+    low, high = two["summary"]["acceptance_rate_ci95"]
+    assert low <= two["summary"]["acceptance_rate"] <= high
+    defs = one["definitions"]
+    assert "timed while decoding" in defs["summary.cost_ratio_c"]
+    assert "d / t(1)" in defs["summary.speed_model.cost_ratio_c"]

@@ -738,6 +738,7 @@ def eval_cmd(
     paths = write_report(res, out)
     print_eval_summary(res.summary(), config.num_speculative_tokens, greedy=sampling.greedy)
     print_configuration(res.config)
+    busy_warning(res.summary().get("machine_load"))
     for d_ in res.divergences:
         kind = "numerics (near-tie)" if d_.is_numerics else "[red]BUG: beyond rounding tolerance[/]"
         console.print(f"divergence {d_.contender} on {d_.prompt_id} at token {d_.position}: target {d_.target_token} "
@@ -745,6 +746,14 @@ def eval_cmd(
     console.print(f"report: {paths['report']}  plots: {paths['alpha_plot']}, {paths['hist_plot']}")
     if not res.summary()["lossless"]:
         raise typer.Exit(2)
+
+
+def busy_warning(load: dict | None) -> None:
+    """The warning printed when other processes held the CPU while speeds were measured."""
+    if load and load.get("busy"):
+        console.print(f"[yellow]warning:[/] other processes held {load['others_cpu_share']:.0%} of the CPU while "
+                      "decoding: tokens/s and speed-ups are those of a busy machine (rerun on a quiet one)",
+                      highlight=False)
 
 
 def print_configuration(config: dict) -> None:
@@ -774,7 +783,8 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("prompts", str(s["prompts"])),
         ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
         ("acceptance rate 95% CI (bootstrap over prompts)",
-         "—" if not s.get("acceptance_rate_ci95") else "[{:.3f}, {:.3f}]".format(*s["acceptance_rate_ci95"])),
+         "— (one prompt gives no interval)" if s["prompts"] < 2 else "—" if not s.get("acceptance_rate_ci95")
+         else "[{:.3f}, {:.3f}]".format(*s["acceptance_rate_ci95"])),
         ("α (accepted / reached, the analytic model's)", fmt(s["alpha"])),
         ("mean accepted length (tokens / target pass)", fmt(s["mean_accepted_length"], "{:.2f}")),
         ("predicted α, teacher-forced over prompts", fmt(s["predicted_alpha_prompt"])),
@@ -785,7 +795,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("transformers assisted generation (tokens/s)", fmt(s["hf_assisted_tokens_per_s"], "{:.2f}")),
         ("speed-up vs assisted generation", fmt(s["speedup_vs_hf_assisted"], "{:.2f}x")),
         ("assisted generation matches target", s["hf_assisted_matches_target"] or "—"),
-        ("cost ratio c (draft step / target pass)", fmt(s["cost_ratio_c"])),
+        ("cost ratio c (draft step / target pass, timed while decoding)", fmt(s["cost_ratio_c"])),
         ("analytic speed-up at measured α, c", fmt(s["analytic_speedup"], "{:.2f}x")),
         ("measured / analytic", fmt(s["share_of_analytic"], "{:.0%}")),
         ("predicted speed-up (measured t(k), d; prefill included)", fmt(s.get("predicted_speedup"), "{:.2f}x")),
@@ -863,10 +873,29 @@ def generate(
                                      draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
                                      mapped_proposals=mapped_proposals, speed_model=speed)
     console.print()
-    console.print(f"[dim]{counts.emitted} tokens in {counts.time_total:.2f} s "
-                  f"({counts.emitted / max(counts.time_total, 1e-9):.2f} tokens/s); acceptance rate "
-                  f"{counts.acceptance_rate:.3f}, {counts.mean_accepted_length:.2f} tokens per target pass, "
-                  f"accepted-length histogram {counts.accepted_hist}[/]")
+    fixed = gamma_policy == "fixed" and draft_confidence_threshold is None and mapping is None
+    console.print(f"[dim]{escape(generate_summary(counts, max_new_tokens, fixed))}[/]", soft_wrap=True)
+
+
+def generate_summary(counts, max_new_tokens: int, fixed: bool) -> str:
+    """``generate``'s closing line, whose figures add up: accepted of proposed drafts over the target passes, and
+    why fewer than passes × γ were proposed (the last round is cut at --max-new-tokens or EOS; with ``fixed`` off,
+    adaptive γ or the confidence threshold also draft fewer)."""
+    g, proposed, accepted = counts.gamma, sum(counts.proposed), sum(counts.accepted)
+    line = (f"{counts.emitted} tokens in {counts.time_total:.2f} s ({counts.emitted / max(counts.time_total, 1e-9):.2f} "
+            f"tokens/s); {accepted} of {proposed} drafted tokens accepted (acceptance rate {counts.acceptance_rate:.3f}) "
+            f"in {counts.rounds} target pass{'' if counts.rounds == 1 else 'es'}, {counts.mean_accepted_length:.2f} "
+            f"tokens per pass; accepted-length "
+            f"histogram {counts.accepted_hist} (passes that accepted 0..{g} drafts)")
+    short = counts.rounds * g - proposed
+    if short <= 0:
+        return line
+    end = (f"--max-new-tokens {max_new_tokens} was reached" if counts.emitted >= max_new_tokens else "the answer ended")
+    if fixed:  # only the last round can draft fewer than γ: the answer's end cut it
+        n = g - short
+        return f"{line}; the last pass checked {n} draft{'' if n == 1 else 's'} instead of γ = {g}: {end}"
+    return (f"{line}; {proposed} drafts over {counts.rounds} passes, not {counts.rounds * g}: each pass drafts up to "
+            f"γ = {g} (adaptive γ, --draft-confidence-threshold or a mapped draft), and {end}")
 
 
 # ------------------------------------------------------------------------------------------- rank
@@ -1189,58 +1218,6 @@ def run_cmd(
     console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
                   f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
                   markup=False, soft_wrap=True)
-
-
-# ------------------------------------------------------------------------------------------ headroom
-
-HEADROOM_DATA = ["sharegpt:6000:32"]
-
-
-@app.command(cls=_Command)
-def headroom(
-    target: TargetOpt = DEFAULT_TARGET,
-    draft: DraftOpt = DEFAULT_DRAFT,
-    data: Annotated[list[str] | None, typer.Option(
-        help="Prompt source name[:offset[:limit[:stride]]] (repeatable): " + SOURCES_HELP + " Default: "
-        f"{' '.join(HEADROOM_DATA)} (held-out ShareGPT turns, their replies teacher-forced).")] = None,
-    generate: Annotated[int | None, typer.Option(help="The target answers each prompt with up to N greedy tokens and "
-                                                    "the forecast runs on its answers (what decoding verifies); "
-                                                    "default: the existing replies (one prefill each).")] = None,
-    sure: Annotated[float, typer.Option(help="The target is sure at a position when max p >= this.")] = 0.5,
-    min_gain: Annotated[float, typer.Option(help="A forecast gain below this reads 'little to learn'.")] = 0.02,
-    max_length: Annotated[int, typer.Option(help="Tokens kept per sequence.")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
-    dtype: dtype_opt("auto") = "auto",
-    out: Annotated[Path | None, typer.Option(help="Write the forecast to this JSON file.")] = None,
-) -> None:
-    """Forecast how much acceptance distillation can add.
-
-    Before training: how much acceptance can distillation add to this pair? Splits 1 − agreement into the part
-    where the target is sure and the draft is not (learnable) and where the target is unsure
-    (specdraft.headroom)."""
-    from specdraft.config import HeadroomConfig
-    from specdraft.headroom import run_headroom
-    from specdraft.io import atomic_write_text
-    from specdraft.pipeline import load_sources
-
-    config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
-                            batch_size=batch_size, dtype=dtype)
-    examples = load_sources(data or HEADROOM_DATA)
-    _quiet_transformers()
-    with console.status(f"forecasting over {len(examples)} sequences…"):
-        r = run_headroom(target, draft, examples, config)
-    table = Table(title=f"Headroom: {r['positions']:,} positions of {r['sequences']} sequences, "
-                  f"target sure at {r['sure_share']:.0%} (max p >= {sure})")
-    for col in ("", "now", "learnable", "uncertain", "ceiling"):
-        table.add_column(col, justify="right" if col else "left")
-    for kind in ("greedy", "sampled"):
-        table.add_row(kind, *(f"{r[kind + s]:.3f}" for s in ("", "_learnable", "_uncertain", "_ceiling")))
-    console.print(table)
-    lo, hi = r["gain_ci95"]
-    console.print(f"{r['verdict']} (95% CI [{lo:+.3f}, {hi:+.3f}] over sequences)", highlight=False)
-    if out is not None:
-        atomic_write_text(out, json.dumps(r | {"command": " ".join(sys.argv)}, indent=1, default=str))
-        console.print(f"forecast: {out}")
 
 
 # ------------------------------------------------------------------------------------------ headroom

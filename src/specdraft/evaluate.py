@@ -50,7 +50,7 @@ from specdraft.draft_model import (
     prepare_draft,
 )
 from specdraft.losses import sum_min
-from specdraft.sampling import align_logits, filtered_probs, greedy_probs, output_width
+from specdraft.sampling import align_logits, check_token_ids, filtered_probs, greedy_probs, output_width
 from specdraft.speed import SpeedModel
 from specdraft.stats import ratio_ci
 
@@ -273,6 +273,53 @@ def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 
                                         context=len(context))
 
 
+#: Other processes' share of the machine's CPU time (0..1) above which timings are marked as taken on a busy machine
+#: (two low-priority jobs beside `make run` on 2 cores halved the target's tokens/s: 4.06 instead of ~7.4).
+BUSY_SHARE = 0.2
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """``(busy, total)`` jiffies of all CPUs since boot (``/proc/stat``), or ``None`` where it cannot be read."""
+    try:
+        fields_ = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields_[3] + (fields_[4] if len(fields_) > 4 else 0)  # idle + iowait
+    return sum(fields_[:8]) - idle, sum(fields_[:8])
+
+
+class LoadMonitor:
+    """How busy the machine was, from the outside, while a timed stage ran: other processes' share of all CPU time.
+
+    ``with LoadMonitor() as load: ...`` then ``load.others_share`` (0..1: CPU time of every other process over the
+    machine's CPU time in the interval, from ``/proc/stat`` less this process's own ``os.times()``) and ``load.busy``
+    (share > :data:`BUSY_SHARE`). ``None`` / False where ``/proc/stat`` does not exist.
+    """
+
+    def __enter__(self) -> LoadMonitor:
+        self._start, self._own = _cpu_jiffies(), sum(os.times()[:2])
+        self._t0 = time.perf_counter()
+        self.others_share: float | None = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = _cpu_jiffies()
+        if self._start is None or end is None:
+            return
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        busy, total = end[0] - self._start[0], end[1] - self._start[1]
+        own = (sum(os.times()[:2]) - self._own) * hz
+        if total > 0:
+            self.others_share = max(0.0, min(1.0, (busy - own) / total))
+
+    @property
+    def busy(self) -> bool:
+        return self.others_share is not None and self.others_share > BUSY_SHARE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"others_cpu_share": self.others_share, "busy": self.busy, "threshold": BUSY_SHARE}
+
+
 #: Version of the calibration cache's key and file layout (:func:`cached_speed_model`); a change misses every entry.
 SPEED_CACHE_FORMAT = 1
 
@@ -326,8 +373,11 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     miss, never a hit), and is replaced atomically after a new measurement. The cached costs are those of the
     calibration context (``context`` of the first call).
 
+    A calibration measured while other processes held more than :data:`BUSY_SHARE` of the CPU
+    (:class:`LoadMonitor`) is returned but not cached.
+
     Returns:
-        ``(speed_model, "cache" | "measured")``.
+        ``(speed_model, source)``: source ``"cache"``, ``"measured"`` or ``"measured on a busy machine (…)"``.
     """
     import hashlib
 
@@ -342,8 +392,11 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
             saved = json.loads(path.read_text())
             if json.loads(json.dumps(key, default=str)) == saved["key"]:
                 return SpeedModel.from_dict(saved["speed_model"]), "cache"
-    speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
-                                draft_context=draft_context)
+    with LoadMonitor() as load:
+        speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
+                                    draft_context=draft_context)
+    if load.busy:  # costs measured beside other work would price every later run wrongly: not cached
+        return speed, f"measured on a busy machine (other processes held {load.others_share:.0%} of the CPU; not cached)"
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "speed_model": speed.to_dict(),
                                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, default=str, indent=1))
@@ -382,6 +435,18 @@ def machine_line() -> str:
     return f"{m['machine']}, {m['cpu_threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}"
 
 
+#: What the figures of ``report.json`` that could be confused are (written into it as ``definitions``).
+REPORT_DEFINITIONS = {
+    "summary.cost_ratio_c": "c of the analytic model (analytic_speedup, analytic_recommended_gamma): the mean draft "
+    "step of the speculative run over the mean target pass of the target-alone run, both timed while decoding",
+    "summary.speed_model.cost_ratio_c": "d / t(1) of the measured speed model (predicted_speedup, recommended_gamma): "
+    "one draft step over one one-token target pass, timed apart before decoding at one prompt's context; it "
+    "differs from summary.cost_ratio_c by timing noise and context length",
+    "summary.acceptance_rate_ci95": "95% bootstrap interval over prompts; null with fewer than 2 prompts (one prompt "
+    "gives no interval)",
+}
+
+
 @dataclass
 class EvalResult:
     """Everything ``specdraft eval`` measured (counts first; ratios derived in :meth:`summary`)."""
@@ -400,6 +465,7 @@ class EvalResult:
     predicted_prompt: dict[str, Any] = field(default_factory=dict)
     predicted_response: dict[str, Any] = field(default_factory=dict)
     speed_model: dict[str, Any] | None = None
+    load: dict[str, Any] | None = None
     divergences: list[Divergence] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=machine_info)
@@ -408,7 +474,9 @@ class EvalResult:
         """Derived figures: tokens/s (tokens per wall-clock second), speed-ups, α, c, analytic bound, best γ.
 
         ``acceptance_rate_ci95`` / ``alpha_ci95``: ``[low, high]`` 95% bootstrap intervals over prompts
-        (:func:`specdraft.stats.ratio_ci`, seed 0) from the per-prompt counts; ``None`` without them."""
+        (:func:`specdraft.stats.ratio_ci`, seed 0) from the per-prompt counts; ``None`` without them or with fewer
+        than 2 prompts (one prompt gives no interval). ``cost_ratio_c`` is timed while decoding; the speed model's
+        own ``cost_ratio_c`` is timed apart (:data:`REPORT_DEFINITIONS`)."""
         c = self.spec_counts
         gamma = self.config["num_speculative_tokens"]
         tps = lambda tok, s: tok / s if s else 0.0
@@ -463,11 +531,16 @@ class EvalResult:
             "divergences": len([d for d in self.divergences if d.contender == "specdraft"]),
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
+            # Other processes' share of the CPU while decoding (LoadMonitor): speeds measured on a busy machine are
+            # marked, never silently reported as the pair's.
+            "machine_load": self.load,
+            "busy_machine": bool(self.load and self.load.get("busy")),
         }
 
     def _ci(self, numerator: str, denominator: str) -> list[float] | None:
         rows = self.per_prompt
-        if not rows or any(numerator not in r or denominator not in r for r in rows):
+        # One prompt: every bootstrap replicate is that prompt, a zero-width interval that says nothing: none.
+        if len(rows) < 2 or any(numerator not in r or denominator not in r for r in rows):
             return None
         return ratio_ci([r[numerator] for r in rows], [r[denominator] for r in rows]).interval
 
@@ -481,6 +554,7 @@ class EvalResult:
             "predicted_alpha": {"prompt": self.predicted_prompt, "response": self.predicted_response},
             "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in self.divergences],
             "per_prompt": self.per_prompt,
+            "definitions": REPORT_DEFINITIONS,
         }
 
 
@@ -719,6 +793,7 @@ def run_eval(
     elif compare_hf:
         contenders["hf_assisted"] = {"skipped": res.config["hf_assisted_skipped"]}
     responses = []
+    load = LoadMonitor().__enter__()  # other processes' CPU share over the timed decoding (a busy machine is said)
     for k, ids in enumerate(prompt_ids):
         inp, mask = left_pad([ids], pad, device)
         common = {"sampling": sampling, "max_new_tokens": max_new_tokens, "real_vocab": real_vocab,
@@ -767,6 +842,8 @@ def run_eval(
             progress(k + 1, len(prompt_ids))
     # Predicted α from teacher-forced passes: over the prompts (available before any decoding), and over the
     # target's own responses (the positions speculative decoding actually drafts).
+    load.__exit__(None, None, None)
+    res.load = load.to_dict()
     if vocab_mapping is not None:  # teacher-forced α needs one position grid for both models
         return res
     res.predicted_prompt = predicted_alpha(target, spec_draft, prompt_ids, sampling=sampling, real_vocab=real_vocab,
@@ -976,6 +1053,7 @@ def interleaved_speed(
         for name in names:  # warm-up: first calls pay for allocation and kernel selection
             run(name, list(prompt_ids[0]), 0, warmup_tokens)
     rows, divergences = [], []
+    load = LoadMonitor().__enter__()
     for k, ids in enumerate(prompt_ids):
         row: dict[str, Any] = {"id": prompt_names[k]}
         outputs = {}
@@ -988,6 +1066,7 @@ def interleaved_speed(
                 row[f"{name}:matches"] = _compare(target, ids, outputs["target"], outputs[name], prompt_names[k],
                                                   name, tol, divergences)
         rows.append(row)
+    load.__exit__(None, None, None)
     contenders = {}
     for name in names:
         tok, sec = [r[name][0] for r in rows], [r[name][1] for r in rows]
@@ -1004,7 +1083,7 @@ def interleaved_speed(
     return {"prompts": len(rows), "contenders": contenders, "rows": rows, "warmup_tokens": warmup_tokens,
             "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in divergences],
             "lossless": not bugs, "max_new_tokens": max_new, "num_speculative_tokens": gamma,
-            "gamma_policy": config.gamma_policy,
+            "gamma_policy": config.gamma_policy, "machine_load": load.to_dict(), "busy_machine": load.busy,
             "draft_configuration": {n: draft_configuration(m) for n, m in prepared.items()},
             "speed_models": {n: sp.to_dict() | {"source": speed_sources[n]} for n, sp in speeds.items()}}
 
@@ -1024,10 +1103,15 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
         one dict per candidate: ``draft``, ``alpha``, ``acceptance_rate``, ``draft_step_ms``, ``cost_ratio_c``,
         ``best_gamma``, ``predicted_speedup`` (at ``best_gamma``, prefill included), ``predicted_speedup_at_gamma``
         (at the config's γ), ``speed_model``; sorted by ``predicted_speedup``, highest first.
+
+    Raises:
+        specdraft.sampling.TokenWidthError: prompt ids past the target's or a draft's embedding or head (named;
+            a draft's checked when it is loaded, before it is timed).
     """
     import gc
 
     config = config or EvalConfig()
+    check_token_ids(prompt_ids, [("target", target)], what="the calibration prompts")
     gamma, sampling = config.num_speculative_tokens, config.sampling
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(target.parameters()).device
@@ -1040,6 +1124,8 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
         if progress:
             progress(name)
         model, mapping = load()
+        if mapping is None:  # before timing it: an id past its embedding is an IndexError inside the draft
+            check_token_ids(prompt_ids, [(f"draft {name}", model)], what="the calibration prompts")
         draft = prepared_draft(model, tokenizer, config, mapping, copy_model=False)
         d_calib = mapping.reencode_batch_for_draft([list(calib)])[0] if mapping is not None else calib
         d, d_prefill = pass_seconds(draft, d_calib, [1], repeats=5, last_only=True)
