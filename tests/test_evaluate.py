@@ -304,9 +304,12 @@ def test_interleaved_speed_times_every_contender_on_the_same_prompts():
     assert sp["speedup"] == pytest.approx(sp["tokens_per_s"] / c["target"]["tokens_per_s"])
 
 
-def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tmp_path):
+def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tmp_path, monkeypatch):
+    import specdraft.evaluate as ev
     from specdraft.draft_model import prepare_draft
     from specdraft.evaluate import cached_speed_model, speed_cache_key
+
+    monkeypatch.setattr(ev, "BUSY_SHARE", 2.0)  # the test machine may be busy: caching is what is tested here
 
     target = tiny_model("llama", 64, seed=0, layers=1)
     draft = tiny_model("llama", 64, seed=1, layers=1)
@@ -338,3 +341,54 @@ def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tm
     entry.write_text(json.dumps(saved))
     speed, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
     assert src == "measured" and speed.draft_s != 123.0
+
+
+def test_rank_names_prompt_ids_past_a_drafts_width_before_timing_it(monkeypatch):
+    """`rank` with a candidate of 80 rows beside a 96-id tokenizer: the calibration prompts' ids past it are named
+    when it is loaded, before it is timed (was an IndexError inside the draft); ids past the target, at once."""
+    from specdraft import evaluate
+    from specdraft.evaluate import rank_drafts
+    from specdraft.sampling import TokenWidthError
+
+    target, tok = tiny_model("llama", 96, seed=0, layers=2), tiny_tokenizer(96)
+    narrow = tiny_model("llama", 80, seed=1, layers=1)
+    real_pass_seconds = evaluate.pass_seconds
+
+    def timed(model, *a, **k):
+        assert model is target, "the narrow draft was timed"
+        return real_pass_seconds(model, *a, **k)
+
+    monkeypatch.setattr(evaluate, "pass_seconds", timed)
+    prompts = [[5, 6, 85, 7], [8, 9, 10]]
+    cfg = EvalConfig(max_new_tokens=3, num_speculative_tokens=2, dtype="float32")
+    with pytest.raises(TokenWidthError, match=r"draft narrow cannot read or score: 85 \(its input embedding has 80"):
+        rank_drafts(target, tok, prompts, [("narrow", lambda: (narrow, None))], cfg)
+    with pytest.raises(TokenWidthError, match=r"target cannot read or score: 120"):
+        rank_drafts(target, tok, [[5, 120]], [("narrow", lambda: (narrow, None))], cfg)
+
+
+def test_load_monitor_sees_another_process_hold_the_cpu_and_a_busy_calibration_is_not_cached(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    import specdraft.evaluate as ev
+
+    # A child process spinning for ~1.5 s while this one sleeps: others' share of the CPU is well above zero.
+    with ev.LoadMonitor() as load:
+        child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"])
+        child.wait()
+    assert load.others_share is not None and load.others_share >= 0.2 / (os.cpu_count() or 1)
+    # The share itself: (busy jiffies − this process's own) / all jiffies of the interval.
+    readings = iter([(100, 1000), (300, 1400)])
+    monkeypatch.setattr(ev, "_cpu_jiffies", lambda: next(readings))
+    with ev.LoadMonitor() as fake:
+        time.sleep(0.01)
+    own = fake.others_share  # this process's few jiffies are subtracted from the 200 busy ones
+    assert 0.45 <= own <= 0.5 and fake.busy
+    monkeypatch.undo()
+    # A calibration measured on a busy machine is returned but never cached.
+    monkeypatch.setattr(ev, "BUSY_SHARE", -1.0)
+    target, draft = tiny_model("llama", 64, seed=0, layers=1), tiny_model("llama", 64, seed=1, layers=1)
+    _, src = ev.cached_speed_model(target, draft, [5, 6, 7], max_gamma=1, repeats=1, cache_dir=tmp_path)
+    assert src.startswith("measured on a busy machine") and not any(tmp_path.iterdir())

@@ -34,6 +34,7 @@ from specdraft.config import (
     HiddenDtype,
     LossName,
     ModelDtype,
+    Precision,
     PresetName,
     ProposalMode,
     Scheduler,
@@ -412,7 +413,7 @@ def check(
 
 def _print_check(report: dict, max_new_tokens: int) -> None:
     """The tokenizer report, then both models' facts and continuations (when they were loaded)."""
-    from specdraft.check import CompatReport, print_report
+    from specdraft.check import CompatReport, parameter_note, print_report
 
     print_report(CompatReport.from_dict(report["compat"]), console)
     if "continuations" not in report:
@@ -422,9 +423,11 @@ def _print_check(report: dict, max_new_tokens: int) -> None:
     table.add_column(f"target: {report['target_ref']}")
     table.add_column(f"draft: {report['draft_ref']}")
     for k in report["target"]:
-        fmt = (lambda v: f"{v / 1e6:,.1f} M") if k == "parameters" else str
+        fmt = (lambda v: f"{v / 1e6:,.1f} M") if k.endswith("parameters") else str
         table.add_row(k, fmt(report["target"][k]), fmt(report["draft"][k]))
     console.print(table)
+    if (note := parameter_note(report)) is not None:
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     console.print(f"[bold]Prompt:[/] {escape(report['prompt'])}")
     for role in ("target", "draft"):
         console.print(f"[bold]{role} ({max_new_tokens} greedy tokens):[/] {escape(repr(report['continuations'][role]))}")
@@ -510,11 +513,14 @@ def convert(
     res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
                              overwrite=overwrite, dtype=dtype)
 
-    table = Table(title=f"config.json: the speculator vs the draft's own save ({len(res.added)} keys)")
+    table = Table(title=f"config.json: the speculator's {len(res.added)} keys vs the draft's config.json")
     for col in ("key", "change", "value"):
         table.add_column(col, overflow="fold")
     for key, (before, after) in res.added.items():
-        change = "added" if before is MISSING else "removed" if after is MISSING else "changed"
+        # Against what the draft's config.json held: re-converting a speculator changes γ, it adds nothing.
+        had = res.source_config.get(key, MISSING) if before is MISSING else before
+        change = ("added" if had is MISSING else "removed" if after is MISSING else "kept" if had == after else
+                  "changed: " + ", ".join(f"{k} {json.dumps(a)} → {json.dumps(b)}" for k, a, b in _leaf_changes(had, after)))
         table.add_row(key, change, json.dumps(after if after is not MISSING else before))
     console.print(table)
     if res.dtype != "keep":
@@ -532,6 +538,16 @@ def convert(
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
                   f"(load {res.timings['load_s']:.1f} s, write {res.timings['write_s']:.1f} s)")
     _print_serve(res.serve)
+
+
+def _leaf_changes(before, after, path: str = "") -> list[tuple[str, object, object]]:
+    """``(path, before, after)`` of each leaf value that differs between two JSON values (``a.b[0].c``)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [c for k in sorted(set(before) | set(after), key=str)
+                for c in _leaf_changes(before.get(k), after.get(k), f"{path}.{k}" if path else str(k))]
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [c for i, (a, b) in enumerate(zip(before, after)) for c in _leaf_changes(a, b, f"{path}[{i}]")]
+    return [] if before == after else [(path or "value", before, after)]
 
 
 def _print_serve(serve) -> None:
@@ -1106,6 +1122,9 @@ def distill(
     seed: Annotated[int, typer.Option(help="Seed for data order and initialisation.")] = 0,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights dtype of the draft while it "
                                                                       "trains.")] = "float32",
+    precision: Annotated[Precision, typer.Option(
+        help="float32; bf16-autocast: the draft's forward in bfloat16 (torch.autocast), float32 master weights, "
+        "teacher and loss; auto: bf16-autocast on a CPU with AMX-bf16/avx512_bf16 or a bf16 CUDA GPU.")] = "float32",
     train: Annotated[TrainWhat, typer.Option(help="All parameters, the last N layers (+ final norm), or LoRA.")]
         = "all",
     train_last_layers: Annotated[int, typer.Option(help="N for --train last_layers.")] = 2,
@@ -1132,7 +1151,8 @@ def distill(
     cfg = DistillConfig(
         loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
         batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
-        scheduler=scheduler, seed=seed, dtype=dtype, train=train, train_last_layers=train_last_layers,
+        scheduler=scheduler, seed=seed, dtype=dtype, precision=precision, train=train,
+        train_last_layers=train_last_layers,
         held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
         on_policy_fraction=on_policy_fraction, on_policy_every=on_policy_every,
         on_policy_max_new_tokens=on_policy_max_new_tokens)
@@ -1146,7 +1166,7 @@ def distill(
         table.add_row(k, "—" if b is None else f"{b:.4f}", "—" if a is None else f"{a:.4f}")
     console.print(table)
     console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
-                  f"{m['seconds']:.0f} s. Speculator: {res['speculator']}")
+                  f"{m['seconds']:.0f} s, {m['precision']} ({m['precision_reason']}). Speculator: {res['speculator']}")
     if (onp := m.get("on_policy")) is not None:
         console.print(f"on-policy: {onp['sequences']} sequences written by the draft ({onp['generated_tokens']:,} "
                       f"tokens in {onp['generate_seconds']:.0f} s), scored by the target ({onp['teacher_tokens']:,} "

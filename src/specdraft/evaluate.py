@@ -296,7 +296,7 @@ class LoadMonitor:
     (share > :data:`BUSY_SHARE`). ``None`` / False where ``/proc/stat`` does not exist.
     """
 
-    def __enter__(self) -> LoadMonitor:
+    def __enter__(self) -> LoadMonitor:  # noqa: PYI034
         self._start, self._own = _cpu_jiffies(), sum(os.times()[:2])
         self._t0 = time.perf_counter()
         self.others_share: float | None = None
