@@ -53,6 +53,9 @@ HiddenDtype = Literal["bfloat16", "float16", "float32"]
 LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
 TrainWhat = Literal["all", "last_layers", "lora"]
 Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+#: How the draft computes while it trains (:func:`specdraft.distill.resolve_precision`): float32 throughout, or its
+#: forward in bfloat16 under torch.autocast with float32 master weights; ``auto`` picks by hardware.
+Precision = Literal["float32", "bf16-autocast", "auto"]
 #: How a draft of another tokenizer proposes (see :mod:`specdraft.decode`).
 ProposalMode = Literal["text", "tokens"]
 PresetName = Literal["default", "ci", "tiny", "large"]
@@ -202,6 +205,11 @@ class DistillConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     seed: int = Field(0, description="Seed for data order and initialisation.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype of the draft.")
+    precision: Precision = Field(
+        "float32", description="float32: every op in float32. bf16-autocast: the draft's forward pass (its matmuls) "
+        "runs in bfloat16 under torch.autocast while weights, gradients and optimizer state stay float32 (master "
+        "weights) and the teacher and the loss stay float32. auto: bf16-autocast on a CPU with AMX-bf16 or "
+        "avx512_bf16 (/proc/cpuinfo flags) or a CUDA GPU with bfloat16, else float32.")
     train: TrainWhat = Field("all", description="all parameters, the last N layers (+ final norm), or LoRA.")
     train_last_layers: int = Field(2, ge=1, description="N for train=last_layers.")
     lora_r: int = Field(16, ge=1, description="LoRA rank for train=lora (needs peft).")
@@ -218,6 +226,13 @@ class DistillConfig(BaseModel):
                                  "steps, from the draft as trained so far.")
     on_policy_max_new_tokens: int | None = Field(
         None, ge=1, description="Length bound of the draft's answers; default the dump's --generate (else 128).")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> DistillConfig:
+        if self.precision != "float32" and self.dtype == "bfloat16":
+            raise ValueError(f"--precision {self.precision} keeps float32 master weights under a bfloat16 forward: "
+                             "use it with --dtype float32 (or keep --dtype bfloat16 with --precision float32)")
+        return self
 
 
 class ExportConfig(BaseModel):

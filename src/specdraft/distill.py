@@ -22,6 +22,13 @@ sequences. Every ``on_policy_every`` steps the draft, as trained so far, writes 
 (:class:`OnPolicyStream`, :class:`DraftWriter`); generation and the teacher pass are timed in
 ``metrics["on_policy"]``. λ = 0 is the dump-only path, untouched: no target is loaded.
 
+**Precision** (``precision``, :func:`resolve_precision`): ``float32`` computes everything in float32;
+``bf16-autocast`` runs the draft's forward pass under ``torch.autocast(dtype=bfloat16)`` — its matmuls (the output
+head over the whole vocabulary first) in bfloat16, several times faster than float32 on CPUs with AMX-bf16 or
+avx512_bf16 — while the weights, their gradients and AdamW's state stay float32 (master weights: autocast casts a
+weight per op, the gradient lands on the float32 parameter). The teacher and the loss are outside autocast: p is
+computed as the target computed it, and the softmax over the vocabulary stays float32. ``auto`` chooses by hardware.
+
 **Learning curve**: with ``eval_steps`` the held-out set is scored every N steps (teacher-forced, no decoding;
 α = Σ min(p̃, q̃) under the serving filter); :func:`learning_curve` reads the points from the training log.
 
@@ -57,6 +64,46 @@ from specdraft.sampling import align_logits, filtered_probs
 
 class DistillError(RuntimeError):
     """Distillation cannot start or continue (bad input, non-finite loss)."""
+
+
+#: CPU flags (``/proc/cpuinfo``) of native bfloat16 matmuls: AMX tiles, or AVX-512 BF16 dot products (oneDNN
+#: uses either); without them a bfloat16 matmul is emulated and no faster than float32.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """The :data:`BF16_CPU_FLAGS` this CPU advertises (``cpuinfo``: the text of ``/proc/cpuinfo``, read when
+    None; an unreadable file — not Linux — gives none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return [f for f in BF16_CPU_FLAGS if f in flags]
+
+
+def resolve_precision(precision: str, device_type: str, cpuinfo: str | None = None) -> tuple[str, str]:
+    """What ``DistillConfig.precision`` means on this device: ``("float32" | "bf16-autocast", reason)``.
+
+    ``auto`` is bf16-autocast on a CPU with :data:`BF16_CPU_FLAGS` or on a CUDA device that supports bfloat16
+    (``torch.cuda.is_bf16_supported``), float32 elsewhere; an explicit choice is kept as asked.
+    """
+    if precision != "auto":
+        return precision, "asked for"
+    if device_type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return ("bf16-autocast", "auto: CUDA with bfloat16") if ok else ("float32", "auto: CUDA without bfloat16")
+    if device_type == "cpu":
+        found = cpu_bf16_flags(cpuinfo)
+        if found:
+            return "bf16-autocast", f"auto: CPU with {', '.join(found)}"
+        return "float32", f"auto: CPU without {' or '.join(BF16_CPU_FLAGS)} (bfloat16 would be emulated)"
+    return "float32", f"auto: {device_type} (bf16 autocast only chosen on CPU and CUDA)"
+
 
 
 @dataclass
@@ -95,14 +142,17 @@ class DistillModel(nn.Module):
         config: the :class:`DistillConfig` (loss and serving filter).
         logit_ops: the target's final-logit transforms after its head (soft-capping, scaling): the dump's
             ``TeacherDataset.logit_ops``; without them a soft-capped target's teacher would be wrong.
+        autocast: run the draft's forward under ``torch.autocast(dtype=bfloat16)`` (weights stay as they are;
+            the teacher and the loss stay outside it): ``precision`` bf16-autocast, resolved by :func:`train`.
 
     Raises:
         DistillError: a width smaller than the real vocabulary (not padding of one tokenizer).
     """
 
     def __init__(self, draft, head_weight: torch.Tensor | None, head_bias: torch.Tensor | None, real_vocab: int,
-                 config: DistillConfig, teacher_width: int | None = None, logit_ops=None):
+                 config: DistillConfig, teacher_width: int | None = None, logit_ops=None, autocast: bool = False):
         super().__init__()
+        self.autocast = autocast
         self.logit_ops = list(logit_ops or [])
         self.draft = draft
         self.config_ = config
@@ -175,7 +225,8 @@ class DistillModel(nn.Module):
         given, ``loss`` is this batch's sum divided by it (its share of the step's per-token mean), else the
         per-token mean of this batch. The metrics are always per-token means of this batch."""
         cfg = self.config_
-        out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S, V]
         with torch.no_grad():
             p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
@@ -571,9 +622,10 @@ def train(
 
     Returns:
         ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
-        "processes", "seconds", "resumed_from", "draft", "on_policy"}``; ``curve`` is :func:`learning_curve` of
-        the history, ``processes`` the data-parallel ranks, ``on_policy`` the writer's counts and seconds plus
-        the steps it wrote at (``None`` for λ = 0).
+        "processes", "precision", "precision_reason", "seconds", "resumed_from", "draft", "on_policy"}``; ``curve``
+        is :func:`learning_curve` of the history, ``processes`` the data-parallel ranks, ``precision`` what
+        ``config.precision`` resolved to here (:func:`resolve_precision`), ``on_policy`` the writer's counts and
+        seconds plus the steps it wrote at (``None`` for λ = 0).
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -583,10 +635,11 @@ def train(
 
     set_seed(config.seed)
     draft, n_trainable = select_trainable(draft, config)
-    model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width,
-                         logit_ops=logit_ops)
-    ckpt_dir = Path(output_dir) / "checkpoints"
     use_cpu = not torch.cuda.is_available()
+    precision, precision_reason = resolve_precision(config.precision, "cpu" if use_cpu else "cuda")
+    model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width,
+                         logit_ops=logit_ops, autocast=precision == "bf16-autocast")
+    ckpt_dir = Path(output_dir) / "checkpoints"
     args = TrainingArguments(
         output_dir=str(ckpt_dir),
         max_steps=config.max_steps,
@@ -608,6 +661,7 @@ def train(
         remove_unused_columns=False,
         report_to=report_to,
         use_cpu=use_cpu,
+        # The Trainer's own bf16 would autocast the teacher too; precision bf16-autocast wraps the draft alone.
         bf16=config.dtype == "bfloat16" and not use_cpu,
         dataloader_num_workers=0,
         # The teacher head is a (non-persistent) buffer, identical on every rank: DDP's default would
@@ -647,7 +701,7 @@ def train(
         draft = draft.merge_and_unload()
     return {"trainable_parameters": n_trainable, "steps": trainer.state.global_step, "history": history,
             "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
-            "processes": args.world_size,
+            "processes": args.world_size, "precision": precision, "precision_reason": precision_reason,
             "seconds": time.time() - t0,
             "resumed_from": ckpt, "draft": draft,
             "on_policy": None if stream is None else {**getattr(stream.writer, "stats", {}),
@@ -743,6 +797,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
                "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
                "processes": result["processes"],
+               "precision": result["precision"], "precision_reason": result["precision_reason"],
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
                "on_policy": result["on_policy"]}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
