@@ -196,7 +196,8 @@ def test_print_report_names_the_first_differences():
     a, b = tiny_tokenizer(64), tiny_tokenizer(64, swap=(10, 20))
     print_report(check_compatible(a, b), console)
     text = console.export_text()
-    assert "mismatch: 2 of 64 ids and 2 strings differ" in text
+    assert ("mismatch: 2 of the 64 ids below the larger real vocabulary (target 64, draft 64) and 2 strings "
+            "differ") in text
     assert repr(a.convert_ids_to_tokens(10)) in text and repr(a.convert_ids_to_tokens(20)) in text
 
 
@@ -578,3 +579,29 @@ def test_vocab_swap_builds_missing_rows_from_draft_pieces(tied):
     # Control tokens without a twin never take pieces: there are none here, all 5 specials are shared.
     assert all(int(mapping_row) >= 0 for mapping_row in
                build_vocab_mapping(target_tok, draft_tok).target_to_draft[:5])
+
+
+def test_mismatch_count_names_both_vocabularies_whichever_is_larger():
+    """"N of M ids" took M from the draft for one pair and from the target for another, unsaid."""
+    small, large = tiny_tokenizer(64), tiny_tokenizer(80, swap=(10, 20))
+    for t, d, sizes in ((large, small, "(target 80, draft 64)"), (small, large, "(target 64, draft 80)")):
+        detail = check_compatible(t, d).detail()
+        assert detail.startswith(f"18 of the 80 ids below the larger real vocabulary {sizes} and "), detail
+
+
+def test_parameter_note_explains_a_separate_output_head(tmp_path):
+    """check's counts (1,777 M / 630 M for the embedded pair) exceed the published sizes: an untied head, said once."""
+    from specdraft.check import model_facts, parameter_note
+    from specdraft.testing import tiny_model
+
+    tok = tiny_tokenizer(64)
+    untied, tied = tiny_model("llama", vocab_size=64), tiny_model("llama", vocab_size=64, tie_word_embeddings=True)
+    f_untied, f_tied = model_facts(untied, tok), model_facts(tied, tok)
+    assert f_untied["output_head_parameters"] == 64 * 32 and f_tied["output_head_parameters"] == 0
+    assert f_untied["parameters"] - f_tied["parameters"] == 64 * 32  # what the tie saves
+    assert parameter_note({"target": f_tied, "draft": f_tied}) is None
+    note = parameter_note({"target_ref": "t", "draft_ref": "qwen2.5-coder-0.5b-instruct", "target": f_tied,
+                           "draft": f_untied})
+    assert note.startswith("the parameter counts include a separate output head (draft 0.0 M)")
+    assert "GGUF builds, which store the output head separately" in note
+    assert "GGUF" not in parameter_note({"target_ref": "t", "draft_ref": "d", "target": f_untied, "draft": f_tied})

@@ -412,3 +412,38 @@ def test_one_prompt_gives_no_interval_and_each_cost_ratio_says_what_it_is(tmp_pa
     defs = one["definitions"]
     assert "timed while decoding" in defs["summary.cost_ratio_c"]
     assert "d / t(1)" in defs["summary.speed_model.cost_ratio_c"]
+
+
+def test_convert_names_the_pair_as_typed_and_points_to_vocab_swap(tmp_path, monkeypatch):
+    """A mismatched pair named the recorded reference (a hub id, an absolute path) and gave no way out."""
+    from specdraft.testing import tiny_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    save_tiny_pair(tmp_path, 64)
+    tiny_tokenizer(64, swap=(10, 20)).save_pretrained(tmp_path / "draft")
+    r = CliRunner().invoke(app, ["convert", "--draft", "draft", "--verifier", "target", "--out", "spec"],
+                           terminal_width=400)
+    line = _one_error_line(r)
+    assert line.startswith("error: The verifier 'target' and the draft 'draft' do not share a tokenizer — mismatch: 2 of")
+    assert "`specdraft vocab-swap --target target --draft draft --out DIR`" in line and not (tmp_path / "spec").exists()
+
+
+def test_reconverting_a_speculator_says_which_keys_changed(tmp_path):
+    """Re-converting at another γ listed every speculators_* key as "added"; the draft already held them."""
+    import re
+
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    args = ["--verifier", tdir, "--out"]
+    r = CliRunner().invoke(app, ["convert", "--draft", ddir, *args, str(tmp_path / "s1")], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in r.output.splitlines()
+            if line.startswith("│ speculators_")}
+    assert rows == dict.fromkeys(("speculators_config", "speculators_model_type", "speculators_version"), "added")
+    r = CliRunner().invoke(app, ["convert", "--draft", str(tmp_path / "s1"), *args, str(tmp_path / "s2"), "--gamma",
+                                 "3"], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in r.output.splitlines()
+            if line.startswith("│ speculators_")}
+    assert rows == {"speculators_config": "changed", "speculators_model_type": "kept", "speculators_version": "kept"}
+    cells = re.sub(r"[│\s]+", " ", r.output.split("│ speculators_config")[1].split("│ speculators_model_type")[0])
+    assert cells.strip() == "changed proposal_methods[0].speculative_tokens: 5 → 3"

@@ -136,8 +136,10 @@ class CompatReport:
             return (f"{self.real_vocab} ids agree; logits widths target {self.target_width}, draft "
                     f"{self.draft_width} (rows past {self.real_vocab} are padding)")
         first = "; ".join(f"id {d.id}: target {d.target!r} vs draft {d.draft!r}" for d in self.differences[:3])
-        return (f"{self.n_diff_ids} of {max(self.target_real_vocab, self.draft_real_vocab)} ids and "
-                f"{self.n_diff_strings} strings differ (first: {first})")
+        # Ids are compared over the larger real vocabulary, whichever side holds it: both sizes are named.
+        n = max(self.target_real_vocab, self.draft_real_vocab)
+        return (f"{self.n_diff_ids:,} of the {n:,} ids below the larger real vocabulary (target {self.target_real_vocab:,}, "
+                f"draft {self.draft_real_vocab:,}) and {self.n_diff_strings:,} strings differ (first: {first})")
 
     def summary(self) -> str:
         """One line: the verdict and :meth:`detail`."""
@@ -358,12 +360,16 @@ def print_report(report: CompatReport, console) -> None:
 
 
 def model_facts(model, tokenizer) -> dict[str, Any]:
-    """Parameters, dtype, architecture and vocabulary sizes of a loaded model."""
+    """Parameters, dtype, architecture and vocabulary sizes of a loaded model. ``output_head_parameters`` counts a
+    separate (untied) output head, 0 when it is the input embeddings: ``parameters`` includes it."""
     cfg = model.config
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = out is not None and inp is not None and out.weight is not inp.weight
     return {
         "architecture": (cfg.architectures or [type(model).__name__])[0],
         "model_type": cfg.model_type,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "output_head_parameters": out.weight.numel() if untied else 0,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "config_vocab_size": cfg.vocab_size,
         "tokenizer_len": len(tokenizer),
@@ -372,6 +378,24 @@ def model_facts(model, tokenizer) -> dict[str, Any]:
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "tie_word_embeddings": getattr(cfg, "tie_word_embeddings", None),
     }
+
+
+def parameter_note(report: dict[str, Any]) -> str | None:
+    """Why :func:`run_check`'s parameter counts can exceed a model's published size: they include a separate output
+    head (V × H), which a checkpoint that ties it to the input embeddings — as published sizes of such models count
+    it — does not hold. The embedded models are GGUF builds that store the head separately. None when both heads
+    are tied (or the models were not loaded)."""
+    from specdraft.models import EMBEDDED
+
+    heads = {role: report.get(role, {}).get("output_head_parameters", 0) for role in ("target", "draft")}
+    if not any(heads.values()):
+        return None
+    sides = ", ".join(f"{role} {n / 1e6:,.1f} M" for role, n in heads.items() if n)
+    gguf = any(report.get(f"{role}_ref") in EMBEDDED for role in heads)
+    return (f"the parameter counts include a separate output head ({sides}); a checkpoint that ties the head to "
+            "the input embeddings holds that many fewer, as published sizes of tied models count them"
+            + ("; the embedded models are GGUF builds, which store the output head separately, so their counts "
+               "exceed the published sizes" if gguf else ""))
 
 
 def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> str:

@@ -520,8 +520,10 @@ def convert(
         # Against what the draft's config.json held: re-converting a speculator changes γ, it adds nothing.
         had = res.source_config.get(key, MISSING) if before is MISSING else before
         change = ("added" if had is MISSING else "removed" if after is MISSING else "kept" if had == after else
-                  "changed: " + ", ".join(f"{k} {json.dumps(a)} → {json.dumps(b)}" for k, a, b in _leaf_changes(had, after)))
-        table.add_row(key, change, json.dumps(after if after is not MISSING else before))
+                  "changed")
+        value = ("; ".join(f"{k}: {json.dumps(a)} → {json.dumps(b)}" for k, a, b in _leaf_changes(had, after))
+                 if change == "changed" else json.dumps(after if after is not MISSING else before))
+        table.add_row(key, change, value)
     console.print(table)
     if res.dtype != "keep":
         console.print(f"weights cast to {res.dtype}: [bold]not byte-identical[/] to the draft's (the one case).")
@@ -1094,6 +1096,8 @@ def dump(
         rows.append(("generation (new tokens/s)", f"{r['generated_tokens']:,} at {r['generate_tokens_per_s']:,.1f}"))
     if m.get("head"):
         rows.append(("output head file", f"{m['head']['bytes'] / 1e6:,.1f} MB"))
+    if dc := m.get("data_counts"):  # a source read record by record (sharegpt): what its reader skipped
+        rows.append(("records kept / malformed (skipped)", f"{dc['kept']:,} / {dc['malformed']:,}"))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
@@ -1211,7 +1215,7 @@ def run_cmd(
     check → evaluate → dump → distill → evaluate again → export → report; a re-run resumes, skipping finished
     stages."""
     from specdraft.pipeline import make_config, run_pipeline
-    from specdraft.report import slower_note, summary_rows
+    from specdraft.report import answers, slowdown_notes, slower_note, summary_sections
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
                       ood_prompts=ood_data, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
@@ -1224,13 +1228,19 @@ def run_cmd(
     for ref in (target, draft):
         _resolve_with_progress(ref)
     report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
-    table = Table(title=f"specdraft run — {target} ← {draft}")
-    for col in ("", "before distillation", "after distillation"):
-        table.add_column(col, justify="right")
-    for row in summary_rows(report):
-        table.add_row(*row)
-    console.print(table)
+    console.print(f"[bold]specdraft run — {escape(target)} ← {escape(draft)}[/]")
+    for q, a in answers(report):
+        console.print(f"[bold]{escape(q)}[/] {escape(a)}")
+    for title, rows in summary_sections(report):
+        table = Table(title=title, title_justify="left")
+        for col in ("measure", "before distillation", "after distillation"):
+            table.add_column(col, justify="left" if col == "measure" else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
     if (note := slower_note(report)) is not None:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    for note in slowdown_notes(report):
         console.print(f"[yellow]note:[/] {escape(note)}")
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")

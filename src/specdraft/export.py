@@ -103,6 +103,8 @@ class ConvertResult:
     corrected: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    source_config: dict[str, Any] = field(default_factory=dict)  # the draft's config.json as read (a speculator's
+    # own speculators_* keys when the draft already was one: re-converting changes γ, it adds nothing)
 
 
 def convert(
@@ -195,6 +197,7 @@ def convert(
         corrected=corrected,
         seconds=time.perf_counter() - t0,
         timings=timings,
+        source_config=source_cfg,
     )
 
 

@@ -760,7 +760,9 @@ class IndependentSpeculator:
                 tokenizer = _tokenizer_dir(resolve(model_or_reference))
             elif tokenizer is None and model is not None:
                 tokenizer = _tokenizer_dir(getattr(model, "name_or_path", None))
-            verdict = _check_tokenizers(tokenizer, self._draft_tokenizer_source(), record.name_or_path)
+            # The error names the verifier as the caller gave it (an embedded name), not the recorded hub id.
+            verdict = _check_tokenizers(tokenizer, self._draft_tokenizer_source(),
+                                        str(model_or_reference) if is_ref else record.name_or_path, self.draft_source)
 
         self.speculator_config.verifier = record
         self.verifier = model if mode == "full" else None
@@ -1008,9 +1010,10 @@ def _tokenizer_dir(path: str | os.PathLike | None) -> str | None:
     return None
 
 
-def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | None) -> str | None:
-    """Run :func:`specdraft.check.check_compatible`; raise on "mismatch". Returns the verdict (``None`` when a
-    tokenizer is unknown: warned)."""
+def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | None,
+                      draft_name: str | None = None) -> str | None:
+    """Run :func:`specdraft.check.check_compatible`; raise on "mismatch" (naming both models as given and the way
+    out: ``specdraft vocab-swap``). Returns the verdict (``None`` when a tokenizer is unknown: warned)."""
     from specdraft.check import check_compatible
 
     missing = [side for side, tok in (("verifier", verifier_tok), ("draft", draft_tok)) if tok is None]
@@ -1025,8 +1028,12 @@ def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | No
     verdict = report.verdict
     if verdict == "mismatch":
         detail = report.summary()
+        draft = f" {draft_name!r}" if draft_name else ""
+        swap = (f"specdraft vocab-swap --target {verifier_name} --draft {draft_name} --out DIR" if draft_name
+                else "specdraft vocab-swap")
         raise SpeculatorError(
-            f"The verifier {verifier_name!r} and the draft do not share a tokenizer — {detail}. A speculator's "
-            "token ids must mean the same strings to both models."
+            f"The verifier {verifier_name!r} and the draft{draft} do not share a tokenizer — {detail}. A speculator's "
+            f"token ids must mean the same strings to both models: re-index the draft into the verifier's tokenizer "
+            f"with `{swap}` (then distil it), and convert that; see specdraft check."
         )
     return verdict
