@@ -684,3 +684,12 @@ def test_teacher_forced_dump_of_sharegpt_first_turns_trains_their_existing_repli
         reply = records[i]["conversations"][1]["value"]
         assert item["id"] == f"sharegpt/s{i}_0"
         assert predicted == tok(reply, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    # The command reports the reader's counts.
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    r = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", "sharegpt", "--answer-only",
+                                 "--dtype", "float32", "--out", str(tmp_path / "d2")])
+    assert r.exit_code == 0, r.output
+    assert "records kept / malformed (skipped)" in r.output and "3 / 1" in r.output
