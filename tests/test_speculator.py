@@ -505,7 +505,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     cmd = (f"vllm serve {target_dir} --speculative-config '{{\"method\": \"draft_model\", \"model\": "
            f"\"{out}\", \"num_speculative_tokens\": {NUM_SPECULATIVE_TOKENS}}}'")
     assert cmd in res.output
-    assert "(3 keys)" in res.output and all(k in res.output for k in SPECULATOR_KEYS)
+    assert "the speculator's 3 keys" in res.output and all(k in res.output for k in SPECULATOR_KEYS)
     # The draft's tokenizer files travel byte for byte; the config diff is the three keys.
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert filecmp.cmp(out / name, Path(draft_dir) / name, shallow=False)
