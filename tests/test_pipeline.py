@@ -100,7 +100,15 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert after(saved) == after(report)
     # Statistics and the learning curve reach the report: the paired gain over the same 3 prompts, and
     # held-out α from step 0 to the last step.
-    assert "acceptance gain, paired 95% CI" in md and "greedy acceptance (accepted / proposed), 95% CI" in md
+    assert "acceptance gain, paired 95% CI" in md and "greedy acceptance, 95% CI" in md
+    # The page leads with the answers; every held-out set is timed (out-of-domain too) with the configuration named.
+    assert md.index("**Can these two work together?** yes") < md.index("| measure |")
+    for q in ("How much faster will it be?", "Can the draft agree more?", "Is it lossless on this pair?",
+              "Can I ship it?"):
+        assert f"**{q}**" in md, q
+    assert report["speed"]["other_sets"]["ood"]["prompts"] == 3 and report["speed"]["other_sets"]["ood"]["lossless"]
+    assert "out-of-domain set, 3 prompts: speed, interleaved" in md and "adaptive γ ≤ 3" in md
+    assert report["speed"]["draft_configuration"]["original"]["requested"] == "auto"
     gain = saved["acceptance_gain"]["held_out"]
     assert gain["prompts"] == 3 and gain["ci"][0] <= gain["value"] <= gain["ci"][1]
     assert gain["value"] == pytest.approx(after(saved) - before(saved))

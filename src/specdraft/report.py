@@ -51,52 +51,93 @@ def _with_ci(value: float | None, ci: list[float] | None, spec: str = "{:.3f}") 
     return "—" if value is None else f"{spec.format(value)} {_fmt_ci(ci, spec)}" if ci else spec.format(value)
 
 
-def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """``(measure, before distillation, after distillation)`` rows of a ``specdraft run`` report: per evaluation
-    set the greedy acceptance with its interval, the paired gain, the drafted tokens it rests on and α at the
-    serving settings; then the interleaved speed run."""
-    rows: list[tuple[str, str, str]] = []
+def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """The summary as sections: ``[(title, [(measure, before distillation, after distillation), …]), …]`` — per
+    evaluation set the greedy acceptance with its interval, the paired gain, the drafted tokens it rests on and α at
+    the serving settings; then per timed set the interleaved speed run. Labels are short (a section names the set),
+    so the terminal table fits 80 columns."""
+    sections: list[tuple[str, list[tuple[str, str, str]]]] = []
     for name in _sets(report):
         b, a = report["eval_before"]["sets"][name], report["eval_after"]["sets"][name]
-        tag = f"[{SET_LABELS.get(name, name)}: {b['prompts']} prompts]"
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
-        rows += [
-            (f"{tag} greedy acceptance (accepted / proposed), 95% CI",
-             _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
+        rows = [
+            ("greedy acceptance, 95% CI", _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
              _with_ci(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
-            (f"{tag} acceptance gain, paired 95% CI", "—",
+            ("acceptance gain, paired 95% CI", "—",
              "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
-            (f"{tag} drafted tokens (proposed)", f"{b['drafted']:,}", f"{a['drafted']:,}"),
-            (f"{tag} mean accepted length (tokens / target pass)", _fmt(b["mean_accepted_length"], "{:.2f}"),
-             _fmt(a["mean_accepted_length"], "{:.2f}")),
-            (f"{tag} α at the serving settings (teacher-forced), 95% CI",
-             _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95")),
+            ("drafted tokens", f"{b['drafted']:,}", f"{a['drafted']:,}"),
+            ("tokens / target pass", _fmt(b["mean_accepted_length"], "{:.2f}"), _fmt(a["mean_accepted_length"], "{:.2f}")),
+            ("α at serving settings, 95% CI", _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95")),
              _with_ci(a.get("alpha_sampled"), a.get("alpha_sampled_ci95"))
              + ("" if sgain is None else f"; gain {sgain.value:+.3f} {_fmt_ci(sgain.interval, '{:+.3f}')}")),
         ]
         if b.get("replay_check"):
-            rows.append((f"{tag} replayed counts = decoded counts (prompts); decoded acceptance",
+            rows.append(("replayed = decoded (prompts); decoded acceptance",
                          f"{b['replay_check']}; {_fmt(b.get('decoded_acceptance_rate'))}", "—"))
-    sp = report.get("speed")
-    if sp:
+        sections.append((f"{SET_LABELS.get(name, name)} set, {b['prompts']} prompts: acceptance", rows))
+    for name, sp in speed_sets(report).items():
         c = sp["contenders"]
         o, d = c.get("speculative:original", {}), c.get("speculative:distilled", {})
         t = c["target"]
         hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
-        tag = f"[speed: {sp['prompts']} prompts, interleaved]"
-        rows += [
-            (f"{tag} target alone (tokens/s)", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"),
-             "(same run)"),
-            (f"{tag} speculative (tokens/s)", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
+        rows = [
+            ("target alone (tokens/s)", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"), "(same run)"),
+            ("speculative (tokens/s)", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
              _with_ci(d.get("tokens_per_s"), d.get("tokens_per_s_ci95"), "{:.2f}")),
-            (f"{tag} speed-up vs target alone, paired 95% CI",
-             _with_ci(o.get("speedup"), o.get("speedup_ci95"), "{:.2f}"),
+            ("speed-up vs target alone, paired 95% CI", _with_ci(o.get("speedup"), o.get("speedup_ci95"), "{:.2f}"),
              _with_ci(d.get("speedup"), d.get("speedup_ci95"), "{:.2f}")),
-            (f"{tag} transformers assisted generation (tokens/s)",
+            ("transformers assisted (tokens/s)",
              "—" if hf is None else _with_ci(hf["tokens_per_s"], hf["tokens_per_s_ci95"], "{:.2f}"), "—"),
-            (f"{tag} greedy output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
+            ("speed-up vs assisted", "—" if hf is None or not hf["tokens_per_s"] or not o.get("tokens_per_s") else
+             f"{o['tokens_per_s'] / hf['tokens_per_s']:.2f}x",
+             "—" if hf is None or not hf["tokens_per_s"] or not d.get("tokens_per_s") else
+             f"{d['tokens_per_s'] / hf['tokens_per_s']:.2f}x"),
+            ("greedy output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
         ]
-    return rows
+        busy = " (busy machine)" if sp.get("busy_machine") else ""
+        sections.append((f"{SET_LABELS.get(name, name)} set, {sp['prompts']} prompts: speed, interleaved{busy}", rows))
+    return sections
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """:func:`summary_sections` flattened: each measure prefixed with its section's title in brackets."""
+    return [(f"[{title}] {k}", v1, v2) for title, rows in summary_sections(report) for k, v1, v2 in rows]
+
+
+def speed_sets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The speed stage's interleaved runs by evaluation set (``held_out`` first), ``{}`` without a speed stage."""
+    sp = report.get("speed")
+    if not sp:
+        return {}
+    return {"held_out": sp} | dict(sp.get("other_sets") or {})
+
+
+def configuration_line(report: dict[str, Any]) -> str | None:
+    """What specdraft's decoder ran in the speed stage (the original draft's preparation, the γ policy) and why."""
+    sp = report.get("speed")
+    if not sp:
+        return None
+    conf = (sp.get("draft_configuration") or {}).get("original") or {}
+    policy, gamma = sp.get("gamma_policy", "fixed"), sp.get("num_speculative_tokens")
+    how = f"adaptive γ ≤ {gamma}" if policy == "adaptive" else f"fixed γ = {gamma}"
+    return (f"draft {conf.get('label', 'as given')}, {how}; why: {conf.get('reason', 'the draft as given')}. The "
+            "exported speculator stays the dense draft (what vLLM serves); the prepared copy is the decoder's own.")
+
+
+def slowdown_notes(report: dict[str, Any]) -> list[str]:
+    """One sentence per timed set where speculative decoding with the original draft was not faster than the target
+    alone (its paired interval's upper end ≤ 1, or the point estimate < 1)."""
+    notes = []
+    for name, sp in speed_sets(report).items():
+        for who in ("original", "distilled"):
+            o = sp["contenders"].get(f"speculative:{who}")
+            if not o or o.get("speedup") is None:
+                continue
+            if o["speedup"] < 1.0:
+                notes.append(f"on the {SET_LABELS.get(name, name)} set the {who} draft decoded at {o['speedup']:.2f}x "
+                             f"the target alone {_fmt_ci(o.get('speedup_ci95'), '{:.2f}')}: this pair cannot win there "
+                             "at this acceptance and draft cost (adaptive γ drafts less where it predicts no gain)")
+    return notes
 
 
 def slower_note(report: dict[str, Any]) -> str | None:
@@ -182,6 +223,64 @@ def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str,
     ax.legend(fontsize=7)
 
 
+def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The four questions a user asks of a pair, answered from a ``specdraft run`` report, figures after words:
+    ``[(question, answer), …]`` — the terminal summary and ``report.md`` lead with these."""
+    check = r.get("check") or {}
+    verdict = check.get("verdict", "?")
+    works = {"identical": "yes: the tokenizers are identical over the whole vocabulary",
+             "identical-up-to-padding": "yes: identical tokenizers; the output widths differ only by padding rows",
+             "mismatch": "not as they are: the tokenizers differ"}.get(verdict, f"verdict {verdict}")
+    if verdict == "mismatch" and r.get("vocab_swap"):
+        works += (f"; through a vocabulary mapping ({r['vocab_swap']['target_coverage']:.1%} of the target vocabulary "
+                  "reachable) and, after the vocabulary swap, as a draft of the target's own tokenizer")
+    out = [("Can these two work together?", works + ".")]
+    faster = []
+    for name, sp in speed_sets(r).items():
+        c = sp["contenders"]
+        best = max((k for k in c if k.startswith("speculative:")), key=lambda k: c[k].get("speedup") or 0, default=None)
+        if best is None:
+            continue
+        b = c[best]
+        hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
+        vs_hf = f", {b['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers' assisted generation" if hf and \
+            hf.get("tokens_per_s") else ""
+        word = "faster" if (b.get("speedup_ci95") or [0])[0] > 1 else "not faster" if (b.get("speedup") or 0) < 1 \
+            else "about as fast (interval includes 1x)"
+        faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b['speedup']:.2f}x the target alone "
+                      f"{_fmt_ci(b.get('speedup_ci95'), '{:.2f}')} with the {best.split(':', 1)[1]} draft{vs_hf}, "
+                      f"outputs equal {b.get('matches_target', '—')} ({sp['prompts']} prompts × "
+                      f"{sp.get('max_new_tokens', '?')} tokens{'; busy machine' if sp.get('busy_machine') else ''})")
+    if (conf := configuration_line(r)) is not None:
+        faster.append(f"configuration: {conf}")
+    out.append(("How much faster will it be?", "; ".join(faster) if faster else "not timed (speed_prompts = 0)."))
+    gain = acceptance_gain(r, "held_out")
+    h = r.get("headroom")
+    learn = []
+    if h:
+        learn.append(f"forecast: {h['verdict']}")
+    if gain is not None:
+        word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
+        learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
+                     f"[{gain.low:+.3f}, {gain.high:+.3f}] (paired, {gain.prompts} prompts)")
+    out.append(("Can the draft agree more?", "; ".join(learn) or "not measured."))
+    exp = r.get("export") or {}
+    divs = [d for sp in speed_sets(r).values() for d in sp.get("divergences", [])
+            if not str(d.get("contender", "")).startswith("hf_assisted")]
+    if speed_sets(r):
+        same = ", ".join(f"{SET_LABELS.get(n, n)} {sp['contenders'][k].get('matches_target', '—')}"
+                         for n, sp in speed_sets(r).items() for k in sp["contenders"] if k == "speculative:original")
+        detail = "; ".join(f"{d['prompt_id']} token {d['position']}: top-2 margin {d['margin']:.4f} "
+                           f"({'a bf16 near-tie, within' if d.get('is_numerics') else 'BEYOND'} the {d['tolerance']} "
+                           "tolerance)" for d in divs)
+        out.append(("Is it lossless on this pair?", f"greedy outputs equal to the target alone's: {same}"
+                    + (f"; divergences: {detail}" if detail else "") + "."))
+    out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` is an independent speculator (a plain transformers "
+                f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`."
+                if exp else "no export was written."))
+    return out
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
     dist, exp, cfg = r["distill"], r["export"], r["config"]
@@ -190,6 +289,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# specdraft run — {cfg['target']} ← {cfg['draft']}",
         "",
+        *[f"**{q}** {a}\n" for q, a in answers(r)],
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
          f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min."),
         "",
@@ -227,6 +327,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"{onp['refresh_steps']}.")),
         "",
         *([] if (note := slower_note(r)) is None else [f"**Note:** {note}", ""]),
+        *[f"**Note:** {n}.\n" for n in slowdown_notes(r)],
         (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
          f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM {exp.get('vllm_tested_version', '?')}):"),
         "",
