@@ -8,6 +8,7 @@ import torch
 from specdraft.config import SamplingConfig
 from specdraft.decode import (
     DecodeError,
+    NonFiniteError,
     left_pad,
     speculative_generate,
     target_generate,
@@ -527,3 +528,74 @@ def test_mapped_draft_with_no_context_waits_instead_of_reading_a_stand_in_id():
     assert counts.accepted_hist[0] >= 3  # three target-only rounds, then drafting resumes
     # The draft's first read is the real context after those three tokens, not a stand-in id.
     assert seen[0] == [real([ids[0].tolist() + base[0][:3]])[0]]
+
+
+def test_prompt_ids_past_either_models_width_are_named_before_decoding():
+    """Tokens added to the target after the draft was made (draft 80 rows, target 96): the ids the draft cannot
+    read are named in a ValueError before any forward pass (was an IndexError inside the draft), padding included
+    (it is looked up too); ids past the target itself are named for the target; with ``real_vocab``, a draft
+    narrower than what the target can emit is refused."""
+    target, draft = tiny_model("llama", 96, seed=0, layers=2), tiny_model("llama", 80, seed=1, layers=1)
+    ids, mask = left_pad([[5, 85, 6, 90], [7, 8]], pad_id=93)
+    with pytest.raises(DecodeError, match=r"draft cannot read or score: 85, 90, 93 \(its input embedding has 80 rows"):
+        speculative_generate(target, draft, ids, mask, num_speculative_tokens=2, max_new_tokens=3)
+    assert issubclass(DecodeError, ValueError)
+    ok, mask = left_pad([[5, 6, 7], [7, 8]], pad_id=0)
+    # A tokenizer of 80 ids (the target's rows past it are padding): the target never emits an id the draft lacks.
+    out, _ = speculative_generate(target, draft, ok, mask, num_speculative_tokens=2, max_new_tokens=3, real_vocab=80)
+    assert [len(r) for r in out] == [3, 3]
+    with pytest.raises(DecodeError, match=r"target can emit token ids up to 95 .* only ids below 80"):
+        speculative_generate(target, draft, ok, mask, num_speculative_tokens=2, real_vocab=96)
+    with pytest.raises(DecodeError, match=r"target cannot read or score: 100"):
+        speculative_generate(target, None, torch.tensor([[5, 100]]), max_new_tokens=2)
+
+
+def test_a_draft_with_non_finite_logits_never_reaches_a_draw_and_the_target_law_is_kept():
+    """An overflowing draft (NaN logits) in sampled decoding: was an IndexError from drawing from a NaN q. Now a
+    row stops proposing at its first non-finite q and the target draws its own token: χ² of the first two tokens
+    against the target's exact law, with half the rows NaN from their first step and the rest +inf at every third
+    draft call (mid-round), and a warning naming the draft and its dtype."""
+    V, N = 12, 6000
+    sampling = SamplingConfig(temperature=1.0)
+    target = tiny_model("llama", V + 5, seed=0, layers=2)
+    draft = perturbed(target, 0.08, seed=5)
+    calls = {"n": 0}
+
+    def overflow(_module, _args, logits):
+        calls["n"] += 1
+        logits = logits.clone()
+        logits[0::2] = float("nan")
+        if calls["n"] % 3 == 0:  # call 3 is the first round's second draft step: a cut mid-round
+            logits[1::2, :, 3] = float("inf")  # +inf is not finite either (softmax gives NaN)
+        return logits
+
+    draft.lm_head.register_forward_hook(overflow)
+    law = exact_two_token_law(target, [5, 6, 7], sampling)
+    with pytest.warns(UserWarning, match=r"draft \(LlamaForCausalLM, float32\) gave a non-finite q"):
+        out, counts = speculative_generate(target, draft, torch.tensor([[5, 6, 7]] * N), None,
+                                           num_speculative_tokens=3, sampling=sampling, max_new_tokens=4,
+                                           eos_token_id=[], generator=torch.Generator().manual_seed(4321))
+    assert sum(counts.accepted) > 0  # the odd rows' finite first proposals still count
+    pvalue, outside = chi2_goodness_of_fit(out, law)
+    assert outside == 0 and pvalue > 1e-3, f"p={pvalue:.2e}"
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_target_with_non_finite_logits_is_named_with_its_dtype(greedy):
+    target = tiny_model("llama", 32, seed=0, layers=1)
+    with torch.no_grad():
+        target.lm_head.weight[7] = float("nan")
+    sampling = SamplingConfig() if greedy else SamplingConfig(temperature=1.0)
+    with pytest.raises(NonFiniteError, match=r"target \(LlamaForCausalLM, float32\) returned NaN or \+inf logits "
+                                             r"\(batch rows \[0, 1\]\)"):
+        speculative_generate(target, perturbed(target, 0.05), torch.tensor([[5, 6], [7, 8]]), sampling=sampling,
+                             max_new_tokens=3, generator=torch.Generator().manual_seed(0))
+    assert issubclass(NonFiniteError, ValueError)
+
+
+def test_sample_refuses_a_distribution_it_cannot_draw_from():
+    from specdraft.sampling import sample
+
+    for bad in ([0.5, float("nan"), 0.5], [0.0, 0.0, 0.0], [1.0, float("inf"), 0.0]):
+        with pytest.raises(ValueError, match="NaN or inf, or no mass"):
+            sample(torch.tensor([[0.2, 0.3, 0.5], bad]))

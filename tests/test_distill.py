@@ -119,6 +119,40 @@ def test_non_finite_loss_stops_with_clear_error(setup, tmp_path):
               DistillConfig(max_steps=2, batch_size=1), tmp_path)
 
 
+def test_weights_made_non_finite_by_a_step_are_never_checkpointed_or_exported(setup, tmp_path):
+    """A finite loss whose update overflows (NaN weights after the optimizer step, saved before the next loss
+    would show it): the checkpoint is refused with a message, the last good one stays, and an export refuses them."""
+    from transformers import TrainerCallback
+
+    from specdraft.export import export_speculator
+    from specdraft.models import CheckpointWeightsError
+
+    target, rows = setup
+
+    class Overflow(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 2:
+                with torch.no_grad():
+                    next(model.draft.parameters()).fill_(float("nan"))
+
+    draft = perturbed(target, 0.1)
+    with pytest.raises(DistillError, match=r"weights are not finite after step 2 \(model\.embed_tokens\.weight"):
+        train(draft, target.lm_head.weight, None, V, rows[:4], None,
+              DistillConfig(max_steps=3, batch_size=1, save_steps=1), tmp_path, callbacks=[Overflow()])
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("checkpoint-*"))
+    assert ckpts == ["checkpoint-1"] and (tmp_path / "checkpoints" / "checkpoint-1" / "trainer_state.json").is_file()
+    with pytest.raises(CheckpointWeightsError, match=r"not finite \(NaN or inf\): model\.embed_tokens\.weight"):
+        export_speculator(draft, None, target_dir(tmp_path), tmp_path / "spec", 3)
+    assert not (tmp_path / "spec").exists()
+
+
+def target_dir(tmp_path):
+    """A saved tiny target, for the export's verifier record."""
+    d = tmp_path / "target"
+    tiny_model("llama", V, seed=0, layers=1).save_pretrained(d)
+    return str(d)
+
+
 @pytest.mark.parametrize("fmt", ["hidden", "topk"])
 def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     """dump → distill → export: the export loads with AutoModelForCausalLM, its logits equal the trained model's,
@@ -362,6 +396,29 @@ def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_pa
     with pytest.raises(DistillError, match="DraftWriter"):
         train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], None,
               cfg.model_copy(update={"on_policy_fraction": 0.5}), tmp_path / "d")
+
+
+def test_a_dump_holding_ids_past_the_drafts_width_is_refused_before_training(tmp_path, monkeypatch):
+    """Target and draft share a tokenizer of 96 ids, but the draft was made with 80 rows: the dump's ids 80+ are
+    named before a training step (was an IndexError inside the draft at its first batch)."""
+    import json
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.sampling import TokenWidthError
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=80)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d"}]})
+                              for w in ("f", "bn0", "g", "bx0")) + "\n")  # ids 80 and 90
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(TokenWidthError, match=r"draft cannot read or score: 80, 90 \(its input embedding has 80"):
+        run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
+    assert issubclass(TokenWidthError, ValueError)
 
 
 def test_resolve_precision_reads_the_cpu_flags():

@@ -693,3 +693,33 @@ def test_teacher_forced_dump_of_sharegpt_first_turns_trains_their_existing_repli
                                  "--dtype", "float32", "--out", str(tmp_path / "d2")])
     assert r.exit_code == 0, r.output
     assert "records kept / malformed (skipped)" in r.output and "3 / 1" in r.output
+
+
+def test_ids_past_the_targets_width_are_named_before_it_is_loaded(tmp_path, monkeypatch):
+    """A tokenizer of 64 ids beside a target of 60 rows (tokens added after it was made): the dump names the ids
+    its sequences hold past the target's rows, before any weight is loaded (was an IndexError in the forward)."""
+    d = tmp_path / "narrow"
+    tiny_model("llama", vocab_size=60, seed=0, layers=1).save_pretrained(d)
+    tiny_tokenizer(VOCAB).save_pretrained(d)  # ids 60..63 are "at0", "au0", "av0", "aw0"
+    examples = [Example("e0", [{"role": "user", "content": "a b at0"}, {"role": "assistant", "content": "c av0"}]),
+                Example("e1", [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}])]
+    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    for generate in (None, 4):  # teacher-forced sequences, and prompts the target would answer
+        with pytest.raises(DumpError, match=r"target cannot read or score: 60, 62 \(its input embedding has 60 rows"
+                           if generate is None else r"target cannot read or score: 60 \("):
+            run_dump(str(d), examples, tmp_path / f"out{generate}", fp32(generate=generate, answer_only=True))
+
+
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_a_target_with_non_finite_logits_is_refused_and_nothing_is_stored(tmp_path, fmt):
+    """NaN in the target's head (as an overflow gives): the dump names the target and its dtype and writes no
+    shard of NaNs, in either format."""
+    d = tmp_path / "nan"
+    m = tiny_model("llama", vocab_size=VOCAB, seed=0, layers=1)
+    with torch.no_grad():
+        m.lm_head.weight[9] = float("nan")
+    m.save_pretrained(d)
+    tiny_tokenizer(VOCAB).save_pretrained(d)
+    with pytest.raises(DumpError, match=r"target \(LlamaForCausalLM, float32\) gave non-finite logits"):
+        run_dump(str(d), [chat(0), chat(1)], tmp_path / "out", fp32(format=fmt, top_k=8))
+    assert not list((tmp_path / "out").glob("shard-*"))

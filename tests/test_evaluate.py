@@ -392,3 +392,35 @@ def test_load_monitor_sees_another_process_hold_the_cpu_and_a_busy_calibration_i
     target, draft = tiny_model("llama", 64, seed=0, layers=1), tiny_model("llama", 64, seed=1, layers=1)
     _, src = ev.cached_speed_model(target, draft, [5, 6, 7], max_gamma=1, repeats=1, cache_dir=tmp_path)
     assert src.startswith("measured on a busy machine") and not any(tmp_path.iterdir())
+
+
+def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_value(tmp_path):
+    from specdraft.evaluate import certify_sampling
+
+    target = tiny_model("llama", 32, seed=0, layers=1)
+    draft = perturbed(target, 0.5)  # a draft that disagrees often: the residual draws carry the law
+    sampling = SamplingConfig(temperature=1.0, top_p=0.9)
+    cert = certify_sampling(target, draft, [5, 6, 7], sampling, 3000, 3, batch_size=500, seed=1)
+    assert cert["draws"] == 3000 and cert["outside_support"] == 0 and cert["p_value"] > 1e-3 and cert["passed"]
+    assert cert["cells"] >= 5 and abs(sum(share for _, _, share in cert["top_tokens"]) -
+                                      sum(p for _, p, _ in cert["top_tokens"])) < 0.05
+    # The test has power: the draft's own samples, posing as the target's, fail it.
+    wrong = certify_sampling(draft, draft, [5, 6, 7], sampling, 3000, 3, batch_size=500, seed=1)
+    cert_vs_draft_law = wrong["top_tokens"]
+    from specdraft.testing import chi2_goodness_of_fit
+    import numpy as np
+
+    from specdraft.sampling import filtered_probs
+
+    with torch.no_grad():
+        law = filtered_probs(target(torch.tensor([[5, 6, 7]])).logits[0, -1], 1.0, 0, 0.9).double().numpy()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        q = filtered_probs(draft(torch.tensor([[5, 6, 7]])).logits[0, -1], 1.0, 0, 0.9)
+    draws = torch.multinomial(q, 3000, replacement=True, generator=gen).tolist()
+    assert chi2_goodness_of_fit([[t] for t in draws], law / law.sum())[0] < 1e-3 and cert_vs_draft_law
+    del np
+    with pytest.raises(ValueError, match="sampled"):
+        certify_sampling(target, draft, [5, 6, 7], SamplingConfig(), 10, 3)
+    with pytest.raises(Exception, match="certify"):
+        EvalConfig(certify=10)  # greedy: refused, not ignored

@@ -733,6 +733,10 @@ def eval_cmd(
     draft_quantization: QuantOpt = "auto",
     draft_head_tokens: HeadTokensOpt = None,
     gamma_policy: GammaPolicyOpt = "adaptive",
+    certify: Annotated[int, typer.Option(
+        min=0, help="Sampled decoding: draw the first new token of the first prompt N times by speculative sampling "
+        "and χ²-test the counts against the target's own law (p-value reported; 2000 draws take a few minutes on "
+        "CPU). 0 = off.")] = 0,
     out: Annotated[Path, typer.Option(help="Directory for report.json and plots.")] = Path("runs/eval"),
 ) -> None:
     """Measure speculative decoding against the target alone.
@@ -750,7 +754,7 @@ def eval_cmd(
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                         compare_hf=compare_hf, draft_confidence_threshold=draft_confidence_threshold,
                         mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
-                        draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy)
+                        draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
     offset = held_out_offset(prompts) if prompt_offset is None else prompt_offset
     examples = load_examples(prompts, limit=num_prompts, offset=offset)
     t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
@@ -766,12 +770,17 @@ def eval_cmd(
     print_eval_summary(res.summary(), config.num_speculative_tokens, greedy=sampling.greedy)
     print_configuration(res.config)
     busy_warning(res.summary().get("machine_load"))
+    if (cert := res.certificate) is not None:
+        verdict = "passed" if cert["passed"] else "[red]FAILED: sampled output does not follow the target's law[/]"
+        console.print(f"sampling certificate: {cert['draws']} first-token draws vs the target's law, χ² over "
+                      f"{cert['cells']} cells, p = {cert['p_value']:.3g}, {cert['outside_support']} draws outside "
+                      f"p's support — {verdict}", highlight=False)
     for d_ in res.divergences:
         kind = "numerics (near-tie)" if d_.is_numerics else "[red]BUG: beyond rounding tolerance[/]"
         console.print(f"divergence {d_.contender} on {d_.prompt_id} at token {d_.position}: target {d_.target_token} "
                       f"vs {d_.other_token}, top-2 margin {d_.margin:.3f} (tolerance {d_.tolerance}) — {kind}")
     console.print(f"report: {paths['report']}  plots: {paths['alpha_plot']}, {paths['hist_plot']}")
-    if not res.summary()["lossless"]:
+    if not res.summary()["lossless"] or (res.certificate is not None and not res.certificate["passed"]):
         raise typer.Exit(2)
 
 

@@ -64,12 +64,22 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
-from specdraft.sampling import align_logits, filter_logits, output_width, sample
+from specdraft.sampling import align_logits, check_token_ids, filter_logits, input_width, output_width, sample
 from specdraft.speed import AdaptiveGamma, SpeedModel
 
 
 class DecodeError(ValueError):
     """Bad decoding input (context too long, incompatible vocabularies, bad settings)."""
+
+
+class NonFiniteError(DecodeError):
+    """A model whose logits hold NaN or +inf where a distribution is needed (e.g. float16 activations that
+    overflow): there is no law to keep, so decoding stops and names the model and its dtype."""
+
+
+def _model_name(model) -> str:
+    dtype = next(model.parameters()).dtype
+    return f"{type(model).__name__}, {str(dtype).removeprefix('torch.')}"
 
 
 # --------------------------------------------------------------------------------------- verification
@@ -300,6 +310,8 @@ class Drafter:
                  confidence_threshold: float | None):
         self.sampling, self.generator, self.threshold = sampling, generator, confidence_threshold
         self.prefill_calls, self.prefill_seconds = 0, 0.0
+        self.first_bad: torch.Tensor | None = None  # [b]: the round's first step whose q was not finite (γ: none)
+        self.nonfinite_rows = 0  # row-rounds whose proposals stopped at a non-finite q (warned once per call)
 
     @property
     def calls(self) -> int:
@@ -312,12 +324,22 @@ class Drafter:
         own token fell below the confidence threshold), and the sampling distributions (empty when greedy)."""
         tokens, qs = [], []
         ones = torch.ones(logits.shape[0], 1, dtype=torch.long, device=logits.device)
+        self.first_bad = None
         for i in range(gamma):
             if self.sampling.greedy:
-                d = logits.argmax(dim=-1)
+                d = logits.argmax(dim=-1)  # NaN logits give some id, which greedy verification judges as any other
             else:
                 s = self.sampling
                 q_i = filter_logits(logits, s.temperature, s.top_k, s.top_p).softmax(-1)
+                # Never draw from a non-finite q (NaN/+inf logits, e.g. float16 overflow): such a row proposes nothing
+                # from this step on (:meth:`_n_proposed` caps it), so the target draws its own token there and its law
+                # is kept. A one-hot placeholder keeps the tensors finite; no host sync here (one per round, later).
+                bad = ~torch.isfinite(q_i).all(dim=-1)  # [b]
+                placeholder = torch.zeros_like(q_i[:1])
+                placeholder[0, 0] = 1.0
+                q_i = torch.where(bad[:, None], placeholder, q_i)
+                step = torch.where(bad, i, gamma)
+                self.first_bad = step if self.first_bad is None else torch.minimum(self.first_bad, step)
                 d = sample(q_i, self.generator)
                 qs.append(q_i)
             tokens.append(d)
@@ -329,6 +351,14 @@ class Drafter:
                     break
             logits = self.stream.forward(feed(d)[:, None], ones, logits_to_keep=1)[:, -1]
         return tokens, qs
+
+    def _n_proposed(self, ks: list[int], drafted: int, device) -> torch.Tensor | None:
+        """:func:`_n_proposed`, each row also capped at its first non-finite q of the round (:meth:`_draft`)."""
+        n = _n_proposed(ks, drafted, device)
+        if self.first_bad is None or not bool((cut := self.first_bad < drafted).any()):  # one host sync per round
+            return n
+        self.nonfinite_rows += int(cut.sum())
+        return torch.minimum(n if n is not None else torch.full_like(self.first_bad, drafted), self.first_bad)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         raise NotImplementedError
@@ -371,7 +401,8 @@ class SameTokenizerDrafter(Drafter):
         logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
         tokens, qs = self._draft(logits, max(ks), feed=lambda d: d)
         self.drafts = torch.stack(tokens, dim=1)  # [b, k]
-        return Proposal(self.drafts, _n_proposed(ks, len(tokens), self.device), torch.stack(qs, dim=1) if qs else None)
+        return Proposal(self.drafts, self._n_proposed(ks, len(tokens), self.device),
+                        torch.stack(qs, dim=1) if qs else None)
 
     def commit(self, n_accepted) -> None:
         # Keep what was read this round (holes stay holes) and the accepted drafts it read (at most d_1..d_{k−1}).
@@ -468,7 +499,7 @@ class MappedDrafter(Drafter):
             cands, n = _text_candidates(own.tolist(), self.draft_ids, self.mapping.draft_tokenizer,
                                         self.mapping.target_tokenizer, ks, self.device)
             return Proposal(cands, n)
-        return Proposal(own, _n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None)
+        return Proposal(own, self._n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None)
 
     def commit(self, n_accepted) -> None:
         pass  # the cache is trimmed when the draft re-reads the context next round
@@ -481,13 +512,25 @@ class MappedDrafter(Drafter):
 # ------------------------------------------------------------------------------------------ the loop
 
 
-def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_tokens: int, mapped: bool) -> None:
+def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_tokens: int, mapped: bool,
+                  real_vocab: int | None = None) -> None:
     if draft is not None and gamma < 1:
         raise DecodeError(f"num_speculative_tokens (γ) must be >= 1, got {gamma}")
     if input_ids.dim() != 2:
         raise DecodeError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}")
     if bool((attention_mask[:, -1] == 0).any()):
         raise DecodeError("prompts must be left-padded (attention_mask[:, -1] is 0 for some row)")
+    # Ids past either model's embedding or head (padding too: it is looked up) fail later as an IndexError inside
+    # it; a mapped draft reads its own.
+    check_token_ids(input_ids, [("target", target)] + ([("draft", draft)] if draft is not None
+                                                                           and not mapped else []), error=DecodeError)
+    if draft is not None and not mapped and real_vocab is not None:
+        emitted = min(real_vocab, output_width(target))  # the ids the target can emit, each read by the draft next
+        if (rows := min(input_width(draft), output_width(draft))) < emitted:
+            raise DecodeError(f"the target can emit token ids up to {emitted - 1} (real_vocab {real_vocab}) but the "
+                              f"draft reads and scores only ids below {rows}: tokens added to the tokenizer after the "
+                              "draft was made? Resize the draft's embeddings (resize_token_embeddings) and train "
+                              "them, or decode with a draft of this tokenizer.")
     longest = int(attention_mask.sum(dim=1).max())
     # A mapped draft counts positions in its own tokens: its window is checked each round instead.
     for name, m in (("target", target), ("draft", None if mapped else draft)):
@@ -512,6 +555,15 @@ def _eos_ids(target, eos_token_id) -> set[int]:
         if eos_token_id is None:
             eos_token_id = target.config.eos_token_id
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+
+
+def _check_target_logits(t_logits: torch.Tensor, target) -> None:
+    """Refuse target logits holding NaN or +inf (−inf is a masked id): p is not defined there, in either mode."""
+    if bool((torch.isnan(t_logits) | torch.isposinf(t_logits)).any()):  # one host sync per round
+        rows = sorted({int(r) for r in (torch.isnan(t_logits) | torch.isposinf(t_logits)).any(-1).nonzero()[:, 0]})
+        raise NonFiniteError(f"the target ({_model_name(target)}) returned NaN or +inf logits (batch rows {rows}): "
+                             "its activations overflow or its weights are not finite, so there is no distribution "
+                             "to decode from. Load it in bfloat16 or float32 (--dtype), or check its weights.")
 
 
 def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, generator):
@@ -576,7 +628,8 @@ def speculative_generate(
         :class:`~specdraft.acceptance.AcceptanceCounts` (per-position accepted/proposed, histogram, timings).
 
     Raises:
-        DecodeError: γ < 1, a prompt plus ``max_new_tokens`` longer than either model's context window (a
+        DecodeError: γ < 1, prompt ids past either model's input embedding or output head (named; a mapped
+            draft's are its own) or, with ``real_vocab``, a draft narrower than the ids the target can emit, a prompt plus ``max_new_tokens`` longer than either model's context window (a
             mapped draft's window is checked each round in its own tokens; once outgrown, the target finishes
             alone with a warning), a batch of several rows with a sliding-window model, a ``vocab_mapping``
             wider than the target's output head, ``mapped_proposals="text"`` with sampling.
@@ -587,7 +640,7 @@ def speculative_generate(
     device, (B, P) = input_ids.device, input_ids.shape
     attention_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).long()
     mapped = draft is not None and vocab_mapping is not None
-    _check_inputs(target, draft, input_ids, attention_mask, gamma, max_new_tokens, mapped)
+    _check_inputs(target, draft, input_ids, attention_mask, gamma, max_new_tokens, mapped, real_vocab)
     eos = _eos_ids(target, eos_token_id)
     width = output_width(target)
     real_vocab = min(real_vocab or width, width)
@@ -630,6 +683,7 @@ def speculative_generate(
             t_mask[:, 1:] = (torch.arange(drafts.shape[1], device=device) < prop.n_proposed[:, None]).long()
         start = tgt.length
         t_logits = tgt.forward(t_ids, t_mask)  # [b, k+1, V]
+        _check_target_logits(t_logits, target)
         n_acc, nxt = _verify(prop, t_logits, sampling, generator)
         sync()
         counts.time_target += time.perf_counter() - t1
@@ -670,6 +724,11 @@ def speculative_generate(
             if policy is not None:
                 policy.select(keep)
             cur, active = cur[sel], [active[j] for j in keep]
+    if drafter is not None and drafter.nonfinite_rows:
+        warnings.warn(f"the draft ({_model_name(draft)}) gave a non-finite q (NaN or +inf logits) in "
+                      f"{drafter.nonfinite_rows} row-rounds; those rows proposed nothing from there and the target drew "
+                      "its own token (the output's law is unchanged, acceptance is lower). Load the draft in bfloat16 "
+                      "or float32.", stacklevel=2)
     counts.target_calls = tgt.calls - (1 if P > 1 else 0)
     counts.prefill_calls = (1 if P > 1 else 0) + (drafter.prefill_calls if drafter else 0)
     counts.draft_calls = drafter.calls - drafter.prefill_calls if drafter else 0

@@ -59,7 +59,7 @@ from transformers.utils import ModelOutput
 from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
 from specdraft.export import export_speculator, write_training_json
 from specdraft.losses import LOSSES, masked_mean, sum_min
-from specdraft.sampling import align_logits, filtered_probs
+from specdraft.sampling import align_logits, check_token_ids, filtered_probs, input_width, output_width
 
 
 class DistillError(RuntimeError):
@@ -103,7 +103,6 @@ def resolve_precision(precision: str, device_type: str, cpuinfo: str | None = No
             return "bf16-autocast", f"auto: CPU with {', '.join(found)}"
         return "float32", f"auto: CPU without {' or '.join(BF16_CPU_FLAGS)} (bfloat16 would be emulated)"
     return "float32", f"auto: {device_type} (bf16 autocast only chosen on CPU and CUDA)"
-
 
 
 @dataclass
@@ -562,8 +561,16 @@ def _make_trainer_class():
 
         def _save(self, output_dir: str | None = None, state_dict=None) -> None:
             output_dir = output_dir or self.args.output_dir
-            os.makedirs(output_dir, exist_ok=True)
             draft = self.accelerator.unwrap_model(self.model).draft
+            # A finite loss can still give non-finite gradients (an overflow in backward) and so NaN weights after
+            # the optimizer step, saved before the next loss would show it: never write such a checkpoint.
+            if bad := [n for n, p in draft.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]:
+                raise DistillError(
+                    f"the draft's weights are not finite after step {self.state.global_step} ({', '.join(bad[:4])}"
+                    f"{' …' if len(bad) > 4 else ''}): an update overflowed. No checkpoint is written; the last good "
+                    f"one stays under {self.args.output_dir}. Lower --lr or --max-grad-norm (or train in float32), "
+                    "then rerun the same command to resume from it.")
+            os.makedirs(output_dir, exist_ok=True)
             draft.save_pretrained(output_dir, is_main_process=self.args.should_save)
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -763,6 +770,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     Raises:
         DistillError / specdraft.dump.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
             a non-finite loss.
+        specdraft.sampling.TokenWidthError: the dump holds token ids past the draft's embedding or head (named).
     """
     from torch.utils.data import Subset
 
@@ -783,6 +791,9 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
         head_w, head_b = head["lm_head.weight"], head.get("lm_head.bias")
     teacher_width = int(manifest["target"]["vocab_width"])
     draft, _ = load_model(draft_ref, dtype=config.dtype, device=device or "cpu")
+    widths = (input_width(draft), output_width(draft))
+    if beyond := dataset.token_ids_from(min(widths)):  # an IndexError inside the draft at its first batch otherwise
+        check_token_ids(torch.tensor(beyond), [("draft", widths)], what=f"the dump's sequences ({dump_dir})")
     train_idx, held_idx = split_held_out(len(dataset), config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None

@@ -363,6 +363,13 @@ class Teacher:
             return None
         return float(((mine.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).detach())
 
+    def _non_finite(self, what: str) -> DumpError:
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return DumpError(f"the target ({type(self.model).__name__}, {dtype}) gave non-finite {what} (NaN or inf): its "
+                         "activations overflow in this dtype or its weights are not finite. Nothing of this batch is "
+                         "stored (a dump of NaNs would train the draft on nothing); dump with --dtype bfloat16 or "
+                         "float32.")
+
     def _refusal(self, err: float) -> DumpError:
         applied = ", ".join(f"{o['op']} {o['key']}={o['value']}" for o in self.ops) or "none"
         hints = sorted(k for k, v in vars(self.model.config).items()
@@ -393,6 +400,10 @@ class Teacher:
             handle.remove()
         h = box["h"]
         ref = out.logits  # [B, 1, V] (all positions without logits_to_keep), the model's dtype
+        if not bool(torch.isfinite(h[attn.bool()]).all()):  # real positions only: padding is never stored as signal
+            raise self._non_finite("hidden states")
+        if bool((torch.isnan(ref) | torch.isposinf(ref)).any()):  # else the exactness check reports a NaN difference
+            raise self._non_finite("logits")
         with torch.no_grad():
             if self.norm is not None:
                 h = self.norm(h)
@@ -429,6 +440,8 @@ class Teacher:
                 ids.append(top.indices)
                 rest = logits.scatter(-1, top.indices, float("-inf"))
                 left.append(rest.logsumexp(dim=-1) - lse[:, 0])
+                if not bool(torch.isfinite(lps[-1]).all()) or bool(torch.isnan(left[-1]).any()):
+                    raise self._non_finite("logits")  # a logit of inf (head overflow) makes every log-prob NaN
         return torch.cat(lps), torch.cat(ids), torch.cat(left)
 
 
@@ -631,7 +644,8 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
 
     Raises:
         DumpError: empty data, a directory holding another dump (nothing in it is touched), a model whose
-            head input cannot be captured, bad generation settings.
+            head input cannot be captured, bad generation settings, token ids past the target's embedding or head
+            rows (named, before the target is loaded).
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
     from specdraft.config import SamplingConfig
@@ -652,6 +666,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
         raise DumpError(f"--top-k {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
                         "hidden to keep whole distributions.")
     items, dropped_before_split = _work_items(tokenizer, examples, config)
+    _check_token_widths(resolved, tokenizer, items, config)  # from the config: before any weight is loaded
     mine = split_work(len(items), rank, world, config.batch_size)
     n_mine = len(mine)
 
@@ -802,6 +817,21 @@ def _work_items(tokenizer, examples: list, config: DumpConfig) -> tuple[list, in
     return examples, 0
 
 
+def _check_token_widths(resolved: str, tokenizer, items: list, config: DumpConfig) -> None:
+    """Refuse token ids past the target's embedding / head rows (``vocab_size``): named, before loading it."""
+    from transformers import AutoConfig
+
+    from specdraft.data import encode_prompts
+    from specdraft.sampling import check_token_ids
+
+    tcfg = AutoConfig.from_pretrained(resolved)
+    width = getattr(tcfg.get_text_config(decoder=True), "vocab_size", None)
+    if width is None:
+        return
+    ids = [q.ids for q in items] if config.generate is None else encode_prompts(tokenizer, items)
+    check_token_ids(ids, [("target", (int(width), int(width)))], what="the sequences to dump", error=DumpError)
+
+
 def _target_facts(resolved: str) -> dict[str, Any]:
     """The target's architecture facts a resumed dump must match (read from its config, no weights)."""
     from transformers import AutoConfig
@@ -950,7 +980,11 @@ def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> li
     lens = [len(q.ids) for q in seqs]
     if config.format == "hidden":
         dt = getattr(torch, config.hidden_dtype)
-        return [_Row(q, {"hidden": h[i, :n].to(device="cpu", dtype=dt)}) for i, (q, n) in enumerate(zip(seqs, lens))]
+        stored = h.to(device="cpu", dtype=dt)
+        if not bool(torch.isfinite(stored[attn.bool()]).all()):  # finite in the model's dtype (checked), not in dt
+            raise DumpError(f"the target's hidden states overflow --hidden-dtype {config.hidden_dtype} (|h| up to "
+                            f"{float(h[attn.to(h.device).bool()].abs().max()):.4g}); store them in bfloat16 or float32.")
+        return [_Row(q, {"hidden": stored[i, :n]}) for i, (q, n) in enumerate(zip(seqs, lens))]
     flat = h[attn.to(h.device).bool()]  # [N, H], rows in order
     lp, tid, left = teacher.topk(flat, config.top_k)
     rows, a = [], 0
@@ -1095,6 +1129,17 @@ class TeacherDataset:
                                 "input_ids": f.get_slice("input_ids")[a:b].long(),
                                 "loss_mask": f.get_slice("loss_mask")[a:b]}
         return item, (f, a, b)
+
+    def token_ids_from(self, limit: int) -> list[int]:
+        """The distinct token ids ≥ ``limit`` in the dump's sequences, ascending (reads each shard's ``input_ids``
+        only): what a model of ``limit`` embedding rows could not read."""
+        import torch
+
+        found: set[int] = set()
+        for si in range(len(self.shards)):
+            ids = self._open(si).get_tensor("input_ids")
+            found.update(torch.unique(ids[ids >= limit]).tolist())
+        return sorted(found)
 
     @property
     def logit_ops(self) -> list[dict[str, Any]]:

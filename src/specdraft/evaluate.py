@@ -466,6 +466,7 @@ class EvalResult:
     predicted_response: dict[str, Any] = field(default_factory=dict)
     speed_model: dict[str, Any] | None = None
     load: dict[str, Any] | None = None
+    certificate: dict[str, Any] | None = None
     divergences: list[Divergence] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=machine_info)
@@ -533,6 +534,7 @@ class EvalResult:
             "lossless": not bugs,
             # Other processes' share of the CPU while decoding (LoadMonitor): speeds measured on a busy machine are
             # marked, never silently reported as the pair's.
+            "sampling_certificate": self.certificate,
             "machine_load": self.load,
             "busy_machine": bool(self.load and self.load.get("busy")),
         }
@@ -692,6 +694,58 @@ def draft_configuration(draft) -> dict[str, Any]:
                    "reason": plan.reason if plan else "the draft as given"}
 
 
+@torch.no_grad()
+def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingConfig, draws: int,
+                     num_speculative_tokens: int, *, real_vocab: int | None = None, pad_id: int = 0,
+                     batch_size: int = 64, seed: int = 0, vocab_mapping=None) -> dict[str, Any]:
+    """Is sampled speculative decoding exact on this pair? A χ² goodness-of-fit test of the first sampled token.
+
+    ``draws`` rows of ``prompt`` (in batches of ``batch_size``) each emit one token by speculative sampling
+    (:func:`~specdraft.decode.speculative_generate`, ``max_new_tokens=1``: a draft proposal, then acceptance with
+    min(1, p/q) or a draw from the residual max(0, p − q)); the counts are tested against the target's own filtered
+    law p of that position (one target forward pass; :func:`specdraft.sampling.filtered_probs`). Cells of expected
+    count < 5 are merged into one (:func:`specdraft.testing.chi2_goodness_of_fit`). Leviathan et al. 2023, Thm 3.5:
+    the emitted token's law is p whatever q is, so a small p-value (< 0.001 over enough draws) would be a bug.
+
+    Returns:
+        ``{"draws", "p_value", "outside_support"`` (draws of tokens with p = 0: must be 0),
+        ``"cells"`` (χ² cells after merging), ``"top_tokens"`` ([[id, p, observed share], …] for the 5 likeliest),
+        ``"passed"`` (p_value ≥ 0.001 and nothing outside the support)}.
+
+    Raises:
+        ValueError: greedy ``sampling`` (there the identity count is the certificate) or ``draws`` < 1.
+    """
+    import numpy as np
+
+    from specdraft.testing import chi2_goodness_of_fit
+
+    if sampling.greedy:
+        raise ValueError("--certify tests sampled decoding; greedy output is certified token by token")
+    if draws < 1:
+        raise ValueError(f"--certify needs at least 1 draw (got {draws})")
+    device = next(target.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    logits = align_logits(target(ids).logits[0, -1].float(), output_width(target), real_vocab)
+    law = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).double().cpu().numpy()
+    law = law / law.sum()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    first: list[int] = []
+    while len(first) < draws:
+        b = min(batch_size, draws - len(first))
+        inp, mask = left_pad([list(prompt)] * b, pad_id, device)
+        out, _ = speculative_generate(target, draft, inp, mask, num_speculative_tokens=num_speculative_tokens,
+                                      sampling=sampling, max_new_tokens=1, real_vocab=real_vocab, generator=gen,
+                                      vocab_mapping=vocab_mapping)
+        first += [row[0] for row in out]
+    p_value, outside = chi2_goodness_of_fit([[t] for t in first], law)
+    counts = np.bincount(first, minlength=law.shape[0])
+    top = np.argsort(-law)[:5]
+    cells = int((law * draws >= 5).sum()) + int((law * draws < 5).any())
+    return {"draws": draws, "p_value": p_value, "outside_support": outside, "cells": cells,
+            "top_tokens": [[int(t), float(law[t]), float(counts[t] / draws)] for t in top],
+            "passed": p_value >= 1e-3 and outside == 0}
+
+
 def run_eval(
     target,
     draft,
@@ -844,6 +898,9 @@ def run_eval(
     # target's own responses (the positions speculative decoding actually drafts).
     load.__exit__(None, None, None)
     res.load = load.to_dict()
+    if config.certify and not sampling.greedy and prompt_ids:
+        res.certificate = certify_sampling(target, spec_draft, prompt_ids[0], sampling, config.certify, gamma,
+                                           real_vocab=real_vocab, pad_id=pad, seed=seed, vocab_mapping=vocab_mapping)
     if vocab_mapping is not None:  # teacher-forced α needs one position grid for both models
         return res
     res.predicted_prompt = predicted_alpha(target, spec_draft, prompt_ids, sampling=sampling, real_vocab=real_vocab,

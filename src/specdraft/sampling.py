@@ -117,9 +117,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     u · total. The distribution is ``torch.multinomial(probs, 1)``'s (the draws from one seed differ); ids of zero
     probability are never drawn. About 0.4 ms for a 151,936-wide row on 2 CPU cores, against 2.4 ms for
     ``torch.multinomial``, which the sampled decode loop pays at every draft step and verification.
+
+    Raises:
+        ValueError: a row holding NaN or inf, or summing to 0 (no id could be drawn).
     """
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[..., -1:]
+    # A NaN/inf or empty row would be "drawn" as an id past the vocabulary (an IndexError later): refuse it here.
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise ValueError("sample: a distribution holds NaN or inf, or no mass: a model's logits are not finite "
+                         "(e.g. float16 activations that overflow); load it in bfloat16 or float32")
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     # u < 1, but u · total may round up to total: stay strictly below it, so the id found has positive mass.
     v = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -143,6 +150,53 @@ def output_width(model) -> int:
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(head.out_features)
+
+
+def input_width(model) -> int:
+    """Rows of ``model``'s input embedding: the ids it can read."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def token_width_problem(ids, models, what: str = "input_ids") -> str | None:
+    """Why ``ids`` cannot go through ``models``, or ``None`` when every id fits.
+
+    An id must be below each model's input embedding rows (to be read) and output head rows (to be scored and
+    proposed): past either, torch fails later with an ``IndexError`` inside the model, or a width that cannot be
+    aligned. Typically tokens added to the target's tokenizer after the draft was made.
+
+    Args:
+        ids: a tensor of token ids (any shape; only the ids that count, e.g. ``input_ids[attention_mask == 1]``), or
+            an iterable of id sequences.
+        models: ``[(name, model), ...]`` (``"target"``, ``"draft"``), or ``[(name, (embedding rows, head rows))]``
+            for a model not loaded yet.
+        what: what ``ids`` are, for the message.
+
+    Returns:
+        one line naming the offending ids (at most 10, then a count) and the widths, with the fixes.
+    """
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.cat([torch.zeros(0, dtype=torch.long), *(torch.tensor(list(seq), dtype=torch.long) for seq in ids)])
+    ids = ids.reshape(-1)
+    for name, model in models:
+        emb, head = model if isinstance(model, tuple) else (input_width(model), output_width(model))
+        bad = torch.unique(ids[(ids >= min(emb, head)) | (ids < 0)]).tolist() if ids.numel() else []
+        if bad:
+            shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+            return (f"{what} hold token ids the {name} cannot read or score: {shown} (its input embedding has {emb} "
+                    f"rows, its output head {head}). Tokens added to the tokenizer after the {name} was made? Resize "
+                    "its embeddings (model.resize_token_embeddings(len(tokenizer))) and train them, or keep those "
+                    "tokens out of the prompts.")
+    return None
+
+
+class TokenWidthError(ValueError):
+    """Token ids past a model's input embedding or output head (:func:`check_token_ids`)."""
+
+
+def check_token_ids(ids, models, what: str = "input_ids", error: type[Exception] = TokenWidthError) -> None:
+    """Raise ``error`` (:class:`TokenWidthError` by default) with :func:`token_width_problem`'s message, if any."""
+    if (problem := token_width_problem(ids, models, what)) is not None:
+        raise error(problem)
 
 
 def align_logits(logits, width: int, real_vocab: int | None = None):
