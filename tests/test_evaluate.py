@@ -404,23 +404,32 @@ def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_v
     assert cert["draws"] == 3000 and cert["outside_support"] == 0 and cert["p_value"] > 1e-3 and cert["passed"]
     assert cert["cells"] >= 5 and abs(sum(share for _, _, share in cert["top_tokens"]) -
                                       sum(p for _, p, _ in cert["top_tokens"])) < 0.05
-    # The test has power: the draft's own samples, posing as the target's, fail it.
-    wrong = certify_sampling(draft, draft, [5, 6, 7], sampling, 3000, 3, batch_size=500, seed=1)
-    cert_vs_draft_law = wrong["top_tokens"]
-    from specdraft.testing import chi2_goodness_of_fit
-    import numpy as np
-
+    # The test has power: as many draws from the draft's own law q, tested against p, fail it.
     from specdraft.sampling import filtered_probs
+    from specdraft.testing import chi2_goodness_of_fit
 
+    full = SamplingConfig(temperature=1.0)
     with torch.no_grad():
-        law = filtered_probs(target(torch.tensor([[5, 6, 7]])).logits[0, -1], 1.0, 0, 0.9).double().numpy()
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        q = filtered_probs(draft(torch.tensor([[5, 6, 7]])).logits[0, -1], 1.0, 0, 0.9)
-    draws = torch.multinomial(q, 3000, replacement=True, generator=gen).tolist()
-    assert chi2_goodness_of_fit([[t] for t in draws], law / law.sum())[0] < 1e-3 and cert_vs_draft_law
-    del np
+        p = filtered_probs(target(torch.tensor([[5, 6, 7]])).logits[0, -1], 1.0).double().numpy()
+        q = filtered_probs(draft(torch.tensor([[5, 6, 7]])).logits[0, -1], 1.0)
+    draws = torch.multinomial(q, 3000, replacement=True, generator=torch.Generator().manual_seed(2)).tolist()
+    assert chi2_goodness_of_fit([[t] for t in draws], p / p.sum())[0] < 1e-3
+    assert certify_sampling(target, draft, [5, 6, 7], full, 3000, 3, batch_size=500, seed=1)["passed"]
     with pytest.raises(ValueError, match="sampled"):
         certify_sampling(target, draft, [5, 6, 7], SamplingConfig(), 10, 3)
     with pytest.raises(Exception, match="certify"):
         EvalConfig(certify=10)  # greedy: refused, not ignored
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b c"}) + "\n")
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts), "--num-prompts",
+                                 "1", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "1",
+                                 "--certify", "400", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "sampling certificate: 400 first-token draws" in r.output and "passed" in r.output
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())["summary"]["sampling_certificate"]
+    assert saved["draws"] == 400 and 0 <= saved["p_value"] <= 1

