@@ -156,3 +156,31 @@ def test_target_costs_are_the_line_through_the_timings():
     flat = SpeedModel.from_measurements({1: 0.15, 2: 0.14, 3: 0.13}, 0.01)
     assert flat.target_s == [0.14, 0.14, 0.14]
     assert SpeedModel.from_dict(speed.to_dict()) == speed
+
+
+def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verification():
+    from specdraft.speed import llama_bench_speed_model, llama_cpp_command, llama_cpp_plan
+
+    # The embedded pair's Q4_K_M GGUFs on this 2-core machine (issue 24): tg 11.65 / 26.0 tok/s, pp4 32.0, pp8 34.7.
+    target = [{"n_prompt": 0, "n_gen": 32, "avg_ts": 11.65}, {"n_prompt": 4, "n_gen": 0, "avg_ts": 32.0},
+              {"n_prompt": 8, "n_gen": 0, "avg_ts": 34.7}]
+    draft = [{"n_prompt": 0, "n_gen": 32, "avg_ts": 26.0}]
+    speed = llama_bench_speed_model(target, draft)
+    assert speed.draft_s == pytest.approx(1 / 26.0) and speed.max_gamma == 7
+    assert speed.target_s_measured[3] == pytest.approx(4 / 32.0) and speed.target_s_measured[7] == pytest.approx(8 / 34.7)
+    assert speed.cost_ratio == pytest.approx((1 / 26.0) / speed.target_s[0])
+    plan = llama_cpp_plan(speed, 0.95)
+    # By hand: S(α, n) = E(α, n) t(1) / (n d + t(n+1)) on the fitted line; the best n is where it peaks.
+    by_hand = {n: (1 - 0.95 ** (n + 1)) / 0.05 * speed.target_s[0] / (n * speed.draft_s + speed.target_s[n])
+               for n in range(8)}
+    assert plan["n_max"] == max(by_hand, key=by_hand.get) and plan["predicted_speedup"] == pytest.approx(
+        by_hand[plan["n_max"]])
+    assert plan["by_n"][0] == pytest.approx(1.0)
+    # A costly verification and a poor draft: drafting cannot win, the command serves the target alone.
+    assert llama_cpp_plan(speed, 0.3)["n_max"] == 0
+    assert llama_cpp_command("t.gguf", "d.gguf", 0) == "llama-completion -m t.gguf -t 2"
+    assert "-md d.gguf --spec-draft-n-max 3" in llama_cpp_command("t.gguf", "d.gguf", 3, server=True)
+    with pytest.raises(ValueError, match="pp test"):
+        llama_bench_speed_model(target[:1], draft)
+    with pytest.raises(ValueError, match="no tg test"):
+        llama_bench_speed_model(target, [])

@@ -173,3 +173,61 @@ class AdaptiveGamma:
         """Keep only rows ``keep`` (finished rows leave the batch)."""
         for name in ("a", "r", "wait", "idle"):
             setattr(self, name, [getattr(self, name)[j] for j in keep])
+
+
+# ------------------------------------------------------------------------------------------------ llama.cpp
+#
+# The same model priced with llama.cpp's own timings of the two GGUFs. llama.cpp on CPU verifies compute-bound
+# (the 1.5B Qwen Q4_K_M target: pp4 = 32.0 tok/s, i.e. 125 ms for 4 tokens, against tg = 11.65 tok/s, 86 ms for one),
+# so t(k) grows with k and the best --spec-draft-n-max is small; the bf16 transformers target specdraft decodes with
+# verifies almost for free (t(9) / t(1) ≈ 1.1). One SpeedModel, two engines: only the timings differ.
+
+
+def llama_bench_speed_model(target_bench: list[dict], draft_bench: list[dict]) -> SpeedModel:
+    """A :class:`SpeedModel` from ``llama-bench -o json`` results of the target and the draft GGUF.
+
+    ``llama-bench`` writes one object per test with ``n_prompt``, ``n_gen`` and ``avg_ts`` (tokens/s, mean over its
+    repetitions). t(1) is the target's one-token generation step (``tg``: ``n_gen > 0``, ``n_prompt == 0``), t(k)
+    for k ≥ 2 a prompt pass over k tokens (``pp``: ``n_prompt == k``, ``n_gen == 0``) — what a verification of k−1
+    drafts plus one costs; the line through them (:meth:`SpeedModel.from_measurements`) fills the k not measured.
+    d is the draft's ``tg`` step.
+
+    Raises:
+        ValueError: a result set without a ``tg`` test, or a target set without any ``pp`` width ≥ 2.
+    """
+    def tg_seconds(bench: list[dict], who: str) -> float:
+        tg = [b for b in bench if int(b.get("n_gen", 0)) > 0 and int(b.get("n_prompt", 0)) == 0]
+        if not tg:
+            raise ValueError(f"the {who}'s llama-bench results hold no tg test (run llama-bench -p 0 -n 32 ...)")
+        return 1.0 / float(tg[0]["avg_ts"])
+
+    t = {1: tg_seconds(target_bench, "target")}
+    for b in target_bench:
+        k = int(b.get("n_prompt", 0))
+        if k >= 2 and int(b.get("n_gen", 0)) == 0:
+            t[k] = k / float(b["avg_ts"])
+    if len(t) < 2:
+        raise ValueError("the target's llama-bench results hold no pp test of 2 or more tokens (run llama-bench "
+                         "-p 2,4,8 ...): verification costs are what decide --spec-draft-n-max on CPU")
+    return SpeedModel.from_measurements(t, tg_seconds(draft_bench, "draft"))
+
+
+def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> dict:
+    """What llama.cpp should draft at acceptance ``alpha``: ``{"n_max", "predicted_speedup", "by_n": {n: S}}``.
+
+    ``n_max`` is :meth:`SpeedModel.best_gamma` (0: drafting cannot win, serve the target alone). ``alpha`` is the
+    per-token acceptance probability specdraft measured on the pair (``specdraft eval``'s α, accepted / reached);
+    greedy llama.cpp accepts a draft token exactly when it is the target's argmax, as specdraft's greedy verification.
+    """
+    top = speed.max_gamma if max_n is None else min(max_n, speed.max_gamma)
+    n, s = speed.best_gamma(alpha, top)
+    return {"n_max": n, "predicted_speedup": s, "by_n": {k: speed.speedup(alpha, k) for k in range(top + 1)}}
+
+
+def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False) -> str:
+    """The llama.cpp command serving ``target_gguf`` with ``draft_gguf`` as its ``-md`` draft (``llama-server`` or
+    ``llama-speculative-simple``), drafting at most ``n_max`` tokens per round; ``n_max`` 0 → the target alone."""
+    exe = "llama-server" if server else "llama-speculative-simple"
+    if n_max == 0:
+        return f"{'llama-server' if server else 'llama-completion'} -m {target_gguf} -t {threads}"
+    return f"{exe} -m {target_gguf} -md {draft_gguf} --spec-draft-n-max {n_max} -t {threads} -td {threads}"
