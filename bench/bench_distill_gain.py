@@ -26,6 +26,7 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import platform
 import shlex
 import sys
@@ -122,9 +123,24 @@ def main() -> dict:
                     "(greedy: the same for any draft) and replay this draft on them instead of decoding")
     ap.add_argument("--chat", nargs="+", default=["mt-bench:0:27:3"], help="held-out chat prompt sources")
     ap.add_argument("--code", nargs="*", default=["humaneval:100:16:4"], help="held-out code prompt sources")
-    ap.add_argument("--train", nargs="+", default=["mt-bench:1:20:3", "mt-bench:2:20:3"],
-                    help="training prompt sources (repeated prompts dropped before a limit counts); the default "
-                    "preset's: MT-Bench questions disjoint from --chat")
+    ap.add_argument("--train", nargs="*", default=["mt-bench:1:20:3", "mt-bench:2:20:3"],
+                    help="training prompt sources the target answers (--generate tokens each; repeated prompts dropped "
+                    "before a limit counts); the default preset's: MT-Bench questions disjoint from --chat; none: "
+                    "teacher-forced data alone")
+    ap.add_argument("--train-forced", nargs="*", default=[],
+                    help="teacher-forced training sources (e.g. sharegpt:0:1000): their existing replies scored by the "
+                    "target in one prefill each (answer-only), no generation; dumped apart and mixed with --train")
+    ap.add_argument("--forced-max-length", type=int, default=384, help="tokens kept per teacher-forced sequence")
+    ap.add_argument("--written-weight", type=int, default=1,
+                    help="repeats per epoch of each target-written (--train) sequence in the mix")
+    ap.add_argument("--epochs", type=float, default=None,
+                    help="train this many passes over the (weighted) training sequences; sets --steps")
+    ap.add_argument("--precision", default="auto", choices=["float32", "bf16-autocast", "auto"])
+    ap.add_argument("--dump-format", default="hidden", choices=["hidden", "topk"])
+    ap.add_argument("--top-k", type=int, default=64, help="log-probs kept per position (--dump-format topk)")
+    ap.add_argument("--dump-batch-size", type=int, default=8)
+    ap.add_argument("--held-out-fraction", type=float, default=0.125,
+                    help="share of each dump kept for the teacher-forced held-out α of training")
     ap.add_argument("--generate", type=int, default=48, help="tokens the target writes per training prompt")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per held-out answer")
     ap.add_argument("--gamma", type=int, default=5)
@@ -147,6 +163,8 @@ def main() -> dict:
     ap.add_argument("--work", type=Path, default=Path("runs/bench-distill-gain"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--answers-only", action="store_true",
+                    help="stop after step 1 (the held-out answers and the draft's counts, cached in --work)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -177,51 +195,85 @@ def main() -> dict:
         print(f"[before] {name}: acceptance {b['acceptance_rate']:.3f} on {b['prompts']} prompts, {b['drafted']} "
               f"drafted; replay = decoded on {b['replay_check']}", flush=True)
 
+    if args.answers_only:
+        return {"before": before}
     draft = None  # the original draft's counts are in `before`
     gc.collect()
 
-    # 2. the dump (the target answers the training prompts)
-    trains = load_sources(args.train, unique=True)
-    dump_cfg = DumpConfig(answer_only=True, dtype="bfloat16", generate=args.generate, max_length=512, batch_size=8)
-    dump_dir = args.work / f"dump-{_key([[e.id for e in trains], dump_cfg.model_dump()])}"
-    t0 = time.time()
-    manifest = run_dump(DEFAULT_TARGET, trains, dump_dir, dump_cfg, command=command)
-    dump_seconds = manifest["this_run"]["seconds"] if manifest["this_run"]["shards_written"] else 0.0
-    print(f"[dump] {manifest['sequences']} sequences, {manifest['tokens']} tokens ({time.time() - t0:.0f} s)", flush=True)
+    # 2. the dumps: the target answers the training prompts (--train) / scores existing replies (--train-forced)
+    eos = eos_ids(target)
+    target = None  # run_dump loads its own copy; two 1.5B copies would not fit beside other jobs
+    gc.collect()
+    fmt = {"format": args.dump_format, "top_k": args.top_k}
+    plans = []
+    if args.train:
+        plans.append(("written", load_sources(args.train, unique=True),
+                      DumpConfig(answer_only=True, dtype="bfloat16", generate=args.generate, max_length=512,
+                                 batch_size=args.dump_batch_size, **fmt), args.written_weight))
+    if args.train_forced:
+        plans.append(("forced", load_sources(args.train_forced, unique=True),
+                      DumpConfig(answer_only=True, dtype="bfloat16", max_length=args.forced_max_length,
+                                 batch_size=args.dump_batch_size, **fmt), 1))
+    if not plans:
+        raise SystemExit("error: no training data: give --train and/or --train-forced")
+    dump_dirs, dump_weights, dumps, dump_seconds = [], [], {}, 0.0
+    for kind, trains, dump_cfg, weight in plans:
+        dump_dir = args.work / f"dump-{_key([[e.id for e in trains], dump_cfg.model_dump()])}"
+        t0 = time.time()
+        manifest = run_dump(DEFAULT_TARGET, trains, dump_dir, dump_cfg, command=command)
+        seconds = manifest["this_run"]["seconds"] if manifest["this_run"]["shards_written"] else 0.0
+        dump_seconds += seconds
+        dumps[kind] = {"dir": dump_dir.name, "sequences": manifest["sequences"], "tokens": manifest["tokens"],
+                       "trained_tokens": manifest.get("trained_tokens"), "seconds": seconds, "weight": weight,
+                       "cached": not manifest["this_run"]["shards_written"]}
+        dump_dirs.append(dump_dir)
+        dump_weights.append(weight)
+        print(f"[dump {kind}] {manifest['sequences']} sequences, {manifest['tokens']} tokens, weight {weight} "
+              f"({time.time() - t0:.0f} s{', cached' if dumps[kind]['cached'] else ''})", flush=True)
+    from specdraft.distill import mixed_split
+
+    n_train = len(mixed_split([d["sequences"] for d in dumps.values()], dump_weights, args.held_out_fraction, 0)[0])
+    if args.epochs:
+        args.steps = max(1, math.ceil(args.epochs * n_train / (args.batch_size * args.grad_accum)))
+    print(f"[train] {n_train} weighted training sequences, {args.steps} steps of {args.batch_size * args.grad_accum}",
+          flush=True)
+    plan_key = _key([json.loads((d / "manifest.json").read_text())["plan"] for d in dump_dirs] + dump_weights)
 
     # 3. per λ: distil, then replay the distilled draft on the same answers
     runs = []
     for lam in args.on_policy_fraction:
         cfg = DistillConfig(loss=args.loss, train=args.train_mode, train_last_layers=args.layers, lr=args.lr,
-                            max_steps=args.steps, batch_size=args.batch_size, held_out_fraction=0.125,
+                            max_steps=args.steps, batch_size=args.batch_size,
+                            held_out_fraction=args.held_out_fraction, precision=args.precision,
                             gradient_accumulation_steps=args.grad_accum,
                             scheduler="cosine", warmup_ratio=args.warmup_ratio, save_steps=10_000, logging_steps=5,
                             temperature=args.temperature, top_p=args.top_p, on_policy_fraction=lam,
                             on_policy_every=args.on_policy_every)
-        out_dir = args.work / f"distill-{_key([cfg.model_dump(), args.draft])}-{_key(manifest['plan'])}"
+        out_dir = args.work / f"distill-{_key([cfg.model_dump(), args.draft])}-{plan_key}"
         done = out_dir / "training.json"
         if done.is_file() and json.loads(done.read_text())["config"] == cfg.model_dump():
             # Trained earlier with these very settings on this very dump: evaluate that run (its own timing).
             metrics = json.loads(done.read_text())["metrics"]
             trained, _ = load_model(str(out_dir / "speculator"), dtype="bfloat16")
         else:
-            curve = AcceptanceCurve(args.curve_every, tok, sets, before, eval_cfg, eos_ids(target),
+            curve = AcceptanceCurve(args.curve_every, tok, sets, before, eval_cfg, eos,
                                     args.work / f"curve-{out_dir.name}.json") if args.curve_every else None
             # Training holds the draft, its gradients and optimizer state: the target waits on disk meanwhile.
-            target = None
             gc.collect()
-            res = run_distill(DEFAULT_TARGET, args.draft, dump_dir, out_dir, cfg, resume=False,
-                              num_speculative_tokens=args.gamma, callbacks=[curve.callback] if curve else None)
+            res = run_distill(DEFAULT_TARGET, args.draft, dump_dirs if len(dump_dirs) > 1 else dump_dirs[0], out_dir,
+                              cfg, resume=False, num_speculative_tokens=args.gamma,
+                              callbacks=[curve.callback] if curve else None, dump_weights=dump_weights)
             metrics = res["metrics"]
             trained = res["model"].to(torch.bfloat16).eval()
             del res
+        if target is None:
             target, _ = load_model(DEFAULT_TARGET, dtype="bfloat16")
         minutes = metrics["seconds"] / 60  # training, on-policy writing and teacher passes included
         curve_file = args.work / f"curve-{out_dir.name}.json"
         run = {"on_policy_fraction": lam, "minutes": minutes, "settings": cfg.model_dump(),
                "acceptance_curve": json.loads(curve_file.read_text()) if curve_file.is_file() else None, "distill": {
-            k: metrics[k] for k in ("steps", "trainable_parameters", "train_sequences", "eval_before",
-                                    "eval_after", "curve", "on_policy", "seconds")}, "sets": {}}
+            k: metrics.get(k) for k in ("steps", "trainable_parameters", "train_sequences", "eval_before",
+                                        "eval_after", "curve", "on_policy", "seconds", "precision")}, "sets": {}}
         for name, examples in sets.items():
             after = acceptance_eval(target, trained, tok, encode_prompts(tok, examples), [e.id for e in examples],
                                     eval_cfg, serving, answers=before[name]["answers"])
@@ -249,8 +301,9 @@ def main() -> dict:
         "alpha_tf_after": chat["alpha_tf_after"], "minutes": best["minutes"], "mode": "greedy",
         "on_policy_fraction": best["on_policy_fraction"], "command": command,
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {args.threads} threads",
-        "torch": torch.__version__, "dump_minutes": dump_seconds / 60, "dump_sequences": manifest["sequences"],
-        "dump_tokens": manifest["tokens"], "settings": {k: v for k, v in vars(args).items() if k not in ("work", "out")},
+        "torch": torch.__version__, "dump_minutes": dump_seconds / 60,
+        "dump_sequences": sum(d["sequences"] for d in dumps.values()),
+        "dump_tokens": sum(d["tokens"] for d in dumps.values()), "dumps": dumps, "settings": {k: v for k, v in vars(args).items() if k not in ("work", "out")},
         "before": {n: {k: v for k, v in b.items() if k not in ("answers", "rows")} | {"rows": b["rows"]}
                    for n, b in before.items()},
         "runs": runs,

@@ -472,3 +472,58 @@ def test_distill_command_refuses_autocast_over_bfloat16_weights_before_loading(t
     r = CliRunner().invoke(app, ["distill", "--dump", str(tmp_path / "none"), "--precision", "bf16-autocast",
                                  "--dtype", "bfloat16", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "--precision" in r.output and "master weights" in r.output
+
+
+def test_mixed_split_splits_each_dump_and_repeats_by_weight():
+    """One dump splits exactly as split_held_out; in a mix each dump keeps its own held-out share, training
+    sequences of a weight-3 dump appear 3 times, held-out ones once, and bad weights are named."""
+    from specdraft.distill import mixed_split, split_held_out
+
+    assert mixed_split([10], None, 0.2, 0) == split_held_out(10, 0.2, 0)
+    train_idx, held_idx = mixed_split([10, 4], [1, 3], 0.25, 0)
+    tr0, he0 = split_held_out(10, 0.25, 0)
+    tr1, he1 = split_held_out(4, 0.25, 0)
+    assert held_idx == he0 + [10 + i for i in he1]
+    assert sorted(train_idx) == sorted(tr0 + [10 + i for i in tr1] * 3)
+    assert not set(train_idx) & set(held_idx)
+    with pytest.raises(DistillError, match="one weight per dump"):
+        mixed_split([10, 4], [1], 0.25, 0)
+    with pytest.raises(DistillError, match="whole numbers"):
+        mixed_split([10, 4], [1, 0], 0.25, 0)
+
+
+def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(tmp_path):
+    """Teacher-forced and target-written dumps of one target train together (TeacherMix): the training count is
+    each dump's training share times its weight, both dumps are recorded, and a dump of another target (another
+    head) is refused with the differing field named."""
+    import json
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import DumpError, TeacherDataset, TeacherMix, run_dump
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d e"}]})
+                              for w in "fghijklm") + "\n")
+    run_dump(tdir, str(data), tmp_path / "forced", DumpConfig(answer_only=True, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "written", DumpConfig(answer_only=True, dtype="float32", generate=4,
+                                                               num_examples=4))
+    mix = TeacherMix([TeacherDataset(tmp_path / "forced"), TeacherDataset(tmp_path / "written")])
+    assert mix.lengths == [8, 4] and len(mix) == 12
+    assert mix.tokens(8)["id"] == TeacherDataset(tmp_path / "written").tokens(0)["id"]
+    assert torch.equal(mix[9]["hidden"], TeacherDataset(tmp_path / "written")[1]["hidden"])
+    cfg = DistillConfig(loss="tvd", lr=1e-3, max_steps=2, batch_size=2, held_out_fraction=0.25)
+    res = run_distill(tdir, ddir, [tmp_path / "forced", tmp_path / "written"], tmp_path / "out", cfg,
+                      dump_weights=[1, 2], num_speculative_tokens=3)
+    assert res["metrics"]["train_sequences"] == 6 + 3 * 2  # 8 − 2 held out, (4 − 1) × weight 2
+    assert res["metrics"]["held_out_sequences"] == 2 + 1
+    assert res["training"]["dump"]["sequences_per_dump"] == [8, 4]
+    assert res["training"]["dump"]["weights"] == [1, 2]
+    # Another target (other weights, same tokenizer): its head differs, so the mix is refused.
+    other, _ = save_tiny_pair(tmp_path / "models2", 96, seed=7)
+    run_dump(other, str(data), tmp_path / "other", DumpConfig(answer_only=True, dtype="float32"))
+    with pytest.raises(DumpError, match="head_fingerprint differ"):
+        TeacherMix([TeacherDataset(tmp_path / "forced"), TeacherDataset(tmp_path / "other")])

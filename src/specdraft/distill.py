@@ -310,6 +310,34 @@ def split_held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[
     return sorted(order[k:]), sorted(order[:k])
 
 
+def mixed_split(lengths: list[int], weights: list[int] | None, fraction: float,
+                seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) indices into a :class:`specdraft.dump.TeacherMix` of dumps of ``lengths`` sequences.
+
+    Each dump is split on its own (:func:`split_held_out`, so every source keeps its held-out share and one dump
+    splits exactly as before); a training sequence of dump k is listed ``weights[k]`` times (its weight in the
+    token-weighted loss of an epoch: the sampler shuffles the repeats), a held-out one once. ``weights`` default
+    all 1.
+
+    Raises:
+        DistillError: a weight count other than the dump count, or a weight below 1.
+    """
+    weights = [1] * len(lengths) if weights is None else list(weights)
+    if len(weights) != len(lengths):
+        raise DistillError(f"{len(weights)} dump weights for {len(lengths)} dumps: give one weight per dump")
+    if any(int(w) != w or w < 1 for w in weights):
+        raise DistillError(f"dump weights must be whole numbers >= 1 (repeats per epoch), got {weights}")
+    train_idx: list[int] = []
+    held_idx: list[int] = []
+    start = 0
+    for n, w in zip(lengths, weights):
+        tr, he = split_held_out(n, fraction, seed)
+        train_idx += [start + i for i in tr] * int(w)
+        held_idx += [start + i for i in he]
+        start += n
+    return train_idx, held_idx
+
+
 def prompt_of(item: dict[str, Any]) -> list[int] | None:
     """The prompt of a dump sequence: its ids up to and including the first trained position (that position
     predicts the first answer token), or ``None`` when the very first position is trained (no prompt to answer)."""
@@ -748,11 +776,15 @@ def _draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, config: 
     return DraftWriter(Teacher(target, int(manifest["target"]["real_vocab"])), tokenizer, dump_cfg, sampling, n)
 
 
-def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str | Path,
+def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str | Path], out: str | Path,
                 config: DistillConfig | None = None, resume: bool = True, report_to: str = "none",
                 device: str | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
-                callbacks: list | None = None) -> dict[str, Any]:
+                callbacks: list | None = None, dump_weights: list[int] | None = None) -> dict[str, Any]:
     """Distil ``draft_ref`` against the teacher dump in ``dump_dir`` and export it as a speculator.
+
+    ``dump_dir`` may be a list of dumps of the same teacher (:class:`specdraft.dump.TeacherMix`: e.g. teacher-forced
+    ShareGPT replies and target-written answers); ``dump_weights`` repeats each dump's training sequences that
+    many times per epoch (:func:`mixed_split`; default 1 each).
 
     Everything that can be wrong is checked before training starts: the dump is finished and its shards
     intact; the draft's tokenizer fingerprint equals the dump's; the widths align (padding only).
@@ -774,13 +806,15 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     """
     from torch.utils.data import Subset
 
-    from specdraft.dump import TeacherDataset
+    from specdraft.dump import TeacherDataset, TeacherMix
     from specdraft.models import load_model, load_tokenizer
 
     config = config or DistillConfig()
     out = Path(out)
     draft_tok = load_tokenizer(draft_ref)
-    dataset = TeacherDataset(dump_dir, draft_tokenizer=draft_tok, verify=True)  # refuses a mismatch
+    dirs = list(dump_dir) if isinstance(dump_dir, (list, tuple)) else [dump_dir]
+    parts = [TeacherDataset(d, draft_tokenizer=draft_tok, verify=True) for d in dirs]  # refuses a mismatch
+    dataset = parts[0] if len(parts) == 1 else TeacherMix(parts)  # refuses dumps of different teachers
     manifest = dataset.manifest
     if len(dataset) == 0:
         raise DistillError(f"the dump in {dump_dir} holds no sequences")
@@ -794,7 +828,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
     widths = (input_width(draft), output_width(draft))
     if beyond := dataset.token_ids_from(min(widths)):  # an IndexError inside the draft at its first batch otherwise
         check_token_ids(torch.tensor(beyond), [("draft", widths)], what=f"the dump's sequences ({dump_dir})")
-    train_idx, held_idx = split_held_out(len(dataset), config.held_out_fraction, config.seed)
+    train_idx, held_idx = mixed_split([len(p) for p in parts], dump_weights, config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
     writer = _draft_writer(target_ref, manifest, draft_tok, config, device) if config.on_policy_fraction > 0 else None
@@ -812,7 +846,9 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path, out: str 
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
                "on_policy": result["on_policy"]}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
-                "dump": {"dir": str(dump_dir), "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
+                "dump": {"dir": str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs],
+                         "weights": dump_weights, "sequences_per_dump": [len(p) for p in parts],
+                         "tokenizer_fingerprint": manifest["tokenizer_fingerprint"],
                          "head_fingerprint": manifest.get("head_fingerprint"), "format": manifest["format"],
                          "logit_transform": dataset.logit_ops,
                          "sequences": len(dataset)},

@@ -1185,6 +1185,84 @@ class TeacherDataset:
                                        t["real_vocab"])
 
 
+#: What every dump of a mix must share with the first: the same teacher (tokenizer, head, final-logit transform,
+#: widths) in the same format, so one head and one loss read every sequence.
+MIX_KEYS = ("tokenizer_fingerprint", "head_fingerprint", "format", "logit_transform")
+
+
+class TeacherMix:
+    """Several finished dumps of one teacher read as one dataset: item ``i`` of dump k is ``mix[starts[k] + i]``.
+
+    A mix is how teacher-forced sequences (existing text scored by the target, one prefill each) and
+    target-written ones (``--generate``) train together; per-dump weights are applied by
+    :func:`specdraft.distill.mixed_split` (repeats), not here. Offers what distillation reads from a
+    :class:`TeacherDataset`: ``manifest`` (the first dump's), ``tokens``, ``token_ids_from``, ``logit_ops``,
+    ``head``, ``teacher_probs``; ``lengths`` gives each dump's sequence count.
+
+    Raises:
+        DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:
+            tokenizer / head fingerprint, format, logit transform, top_k, real vocabulary or logits width).
+    """
+
+    def __init__(self, datasets: list[TeacherDataset]):
+        if not datasets:
+            raise DumpError("a mix needs at least one dump")
+        first = datasets[0].manifest
+        for ds in datasets[1:]:
+            m = ds.manifest
+            facts = [(k, first.get(k), m.get(k)) for k in MIX_KEYS]
+            facts += [(f"target.{k}", first["target"].get(k), m["target"].get(k)) for k in ("real_vocab", "vocab_width")]
+            if first["format"] == "topk":
+                facts.append(("top_k", first["config"].get("top_k"), m["config"].get("top_k")))
+            for name, a, b in facts:
+                if a != b:
+                    raise DumpError(f"{ds.dir} cannot be mixed with {datasets[0].dir}: their {name} differ ({b!r} vs "
+                                    f"{a!r}); dump both with the same target and --format")
+        self.datasets = datasets
+        self.manifest = first
+        self.vocab_mapping = datasets[0].vocab_mapping
+        self._starts = [0]
+        for ds in datasets:
+            self._starts.append(self._starts[-1] + len(ds))
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ds) for ds in self.datasets]
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _locate(self, i: int) -> tuple[TeacherDataset, int]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} outside [0, {len(self)})")
+        k = bisect.bisect_right(self._starts, i) - 1
+        return self.datasets[k], i - self._starts[k]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ds, j = self._locate(i)
+        return ds[j]
+
+    def tokens(self, i: int) -> dict[str, Any]:
+        ds, j = self._locate(i)
+        return ds.tokens(j)
+
+    def token_ids_from(self, limit: int) -> list[int]:
+        return sorted({t for ds in self.datasets for t in ds.token_ids_from(limit)})
+
+    @property
+    def logit_ops(self) -> list[dict[str, Any]]:
+        return self.datasets[0].logit_ops
+
+    def head(self) -> dict[str, torch.Tensor]:
+        return self.datasets[0].head()  # one head fingerprint for all (checked at construction)
+
+    def teacher_probs(self, item: dict[str, Any], head: dict[str, torch.Tensor] | None = None,
+                      vocab_width: int | None = None) -> torch.Tensor:
+        return self.datasets[0].teacher_probs(item, head, vocab_width)
+
+
 def pad_collate(batch: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
     """Right-pad dataset items into a batch: every tensor gets a leading ``[B]`` and is padded to ``S_max``
     along its first dimension (``loss_mask`` with False, ``input_ids`` with ``pad_id``, signals with 0), plus
