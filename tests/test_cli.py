@@ -320,6 +320,46 @@ def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
                                   "incomplete. Copy or export it again (specdraft convert).")
 
 
+def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
+    """The trimmed head's ranking (head_tokens.json) was used by --draft-head-tokens without inspect naming it:
+    its size, what it was counted over and whether its tokenizer is the speculator's are printed."""
+    from specdraft.draft_model import head_tokens_info, rank_tokens, save_head_tokens
+    from specdraft.export import convert
+    from specdraft.testing import tiny_tokenizer
+
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    spec = tmp_path / "spec"
+    convert(ddir, tdir, spec)
+
+    def ranking_line() -> str:
+        r = CliRunner().invoke(app, ["inspect", str(spec)])
+        assert r.exit_code == 0, r.output
+        rows: dict[str, str] = {}  # the table's rows: a value folded over several lines is joined
+        field = ""
+        for cells in (x.split("│")[1:-1] for x in r.output.splitlines() if x.startswith("│")):
+            field = cells[0].strip() or field
+            rows[field] = " ".join([rows.get(field, ""), cells[-1].strip()]).strip()
+        return rows["head token ranking"]
+
+    assert "none (head_tokens.json absent)" in ranking_line()
+    tok = tiny_tokenizer(64)
+    save_head_tokens(spec, rank_tokens(tok, token_lists=[[60, 60, 61]]), tok, "teacher dump (3 answer tokens)")
+    assert head_tokens_info(spec, tok) == {"path": str(spec / "head_tokens.json"), "size": 64,
+                                           "counted_over": "teacher dump (3 answer tokens)",
+                                           "tokenizer_fingerprint": head_tokens_info(spec)["tokenizer_fingerprint"],
+                                           "tokenizer_matches": True, "error": None}
+    line = ranking_line()
+    assert "64 token ids ranked, counted over teacher dump (3 answer tokens)" in line
+    assert "counted with this speculator's tokenizer (fingerprints match)" in line
+    other = tiny_tokenizer(80)
+    save_head_tokens(spec, rank_tokens(other), other, "another vocabulary")
+    line = ranking_line()
+    assert "80 token ids ranked, counted over another vocabulary" in line
+    assert "counted with another tokenizer than this speculator's" in line
+    (spec / "head_tokens.json").write_text("{}")
+    assert "head_tokens.json is not a specdraft token ranking" in ranking_line()
+
+
 def test_check_json_creates_no_folders_the_user_did_not_ask_for(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     missing = tmp_path / "no" / "such" / "x.json"

@@ -610,10 +610,34 @@ def inspect_speculator(
     ]
     weights = weight_files(path)  # none, or a shard its index names missing: exit 2 before the serve commands
     rows.append(("weight files", ", ".join(f"{w.name} ({w.stat().st_size / 1e6:,.1f} MB)" for w in weights)))
+    rows.append(("head token ranking", _head_ranking_line(path)))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
     _print_serve(vllm_serve(path))
+
+
+def _head_ranking_line(path: Path) -> str:
+    """inspect's line on the trimmed head's token ranking beside a speculator (head_tokens.json): its size, what
+    it was counted over, and whether it was counted with this speculator's tokenizer."""
+    from specdraft.draft_model import HEAD_TOKENS_FILE, head_tokens_info
+    from specdraft.models import ModelResolutionError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(path)
+    except ModelResolutionError:
+        tok = None
+    info = head_tokens_info(path, tok)
+    if info is None:
+        return (f"none ({HEAD_TOKENS_FILE} absent): --draft-head-tokens N counts the embedded training prompts "
+                "instead")
+    if info["error"]:
+        return f"[red]{HEAD_TOKENS_FILE} is {info['error']}[/]"
+    match = {True: "counted with this speculator's tokenizer (fingerprints match)",
+             False: "[red]counted with another tokenizer than this speculator's[/] (--draft-head-tokens refuses it)",
+             None: "its tokenizer not compared (no tokenizer in the directory)"}[info["tokenizer_matches"]]
+    return (f"{HEAD_TOKENS_FILE}: {info['size']:,} token ids ranked, counted over "
+            f"{escape(str(info['counted_over'] or 'an unrecorded source'))}; {match}")
 
 
 # ------------------------------------------------------------------------------------------ eval

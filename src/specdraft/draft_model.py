@@ -301,6 +301,39 @@ def load_head_tokens(directory: str | Path, n: int, tokenizer) -> torch.Tensor |
     return torch.tensor(sorted(ranked[: min(n, len(ranked))]), dtype=torch.long)
 
 
+def head_tokens_info(directory: str | Path, tokenizer=None) -> dict[str, Any] | None:
+    """What the token ranking beside a speculator is (``directory/head_tokens.json``, :func:`save_head_tokens`),
+    for ``specdraft inspect``; ``None`` when the directory holds no such file.
+
+    Args:
+        directory: the speculator directory.
+        tokenizer: the tokenizer to compare the ranking's fingerprint with (the speculator's own), or ``None``.
+
+    Returns:
+        ``{"path": str, "size": int (ids ranked) | None, "counted_over": str | None, "tokenizer_fingerprint": str |
+        None, "tokenizer_matches": bool | None (None without ``tokenizer``), "error": str | None}``; ``error``
+        names why the file is not a readable ranking (then every other field but ``path`` is ``None``). Never
+        raises for a bad file: ``inspect`` reports it.
+    """
+    from specdraft.vocab import tokenizer_fingerprint
+
+    path = Path(directory) / HEAD_TOKENS_FILE
+    if not path.is_file():
+        return None
+    info: dict[str, Any] = {"path": str(path), "size": None, "counted_over": None, "tokenizer_fingerprint": None,
+                            "tokenizer_matches": None, "error": None}
+    try:
+        saved = json.loads(path.read_text())
+        ranked = saved["ranked_token_ids"]
+        if not isinstance(ranked, list):
+            raise TypeError("ranked_token_ids is not a list")
+    except (ValueError, KeyError, TypeError) as e:
+        return info | {"error": f"not a specdraft token ranking ({e}); delete it or re-export"}
+    fp = saved.get("tokenizer_fingerprint")
+    return info | {"size": len(ranked), "counted_over": saved.get("counted_over"), "tokenizer_fingerprint": fp,
+                   "tokenizer_matches": None if tokenizer is None else fp == tokenizer_fingerprint(tokenizer)}
+
+
 def default_head_corpus(tokenizer) -> list[list[int]]:
     """Token ids of the embedded prompt data the presets train on (never the evaluation split): the chat-templated
     ``conversations`` (500 chats) and ``humaneval:0:100`` prompts (:mod:`specdraft.data`)."""
@@ -510,8 +543,8 @@ def choose_draft_options(draft: nn.Module, quantization: str | None = "auto", he
     if device.type != "cpu":
         return DraftPlan(requested, None, explicit_head, f"auto on {device.type}: the draft as loaded (the int8/int4 "
                          "weight-only kernels specdraft uses are CPU kernels)")
-    parts = ["int4 weight-only layers (int8 where the int4 kernel refuses a shape): a CPU draft step ~0.37x of bf16 "
-             "at equal top-1 agreement"]
+    parts = [("int4 weight-only layers (int8 where the int4 kernel refuses a shape): a CPU draft step ~0.37x of bf16 "
+              "at equal top-1 agreement")]
     if head_tokens is None:
         if not same_tokenizer:
             parts.append("full head (a draft of another tokenizer)")
