@@ -180,6 +180,8 @@ def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verificat
     assert llama_cpp_plan(speed, 0.3)["n_max"] == 0
     assert llama_cpp_command("t.gguf", "d.gguf", 0) == "llama-completion -m t.gguf -t 2"
     assert "-md d.gguf --spec-draft-n-max 3" in llama_cpp_command("t.gguf", "d.gguf", 3, server=True)
+    # A plain -md draft drafts only with an explicit --spec-type (llama.cpp infers one for MTP/DFlash GGUFs only).
+    assert "--spec-type draft-simple" in llama_cpp_command("t.gguf", "d.gguf", 3, server=True)
     with pytest.raises(ValueError, match="pp test"):
         llama_bench_speed_model(target[:1], draft)
     with pytest.raises(ValueError, match="no tg test"):

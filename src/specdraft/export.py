@@ -3,6 +3,8 @@
 * :func:`convert` — a plain draft checkpoint (as it is, untrained) → a speculator directory: weights re-saved
   byte-identical, ``config.json`` = the draft's plus the three ``speculators_*`` keys
   (:mod:`specdraft.speculator` holds that format), the draft's tokenizer files copied byte for byte.
+* ``convert(..., format="gguf")`` — the draft as one GGUF file llama.cpp loads with ``-md`` beside the target's
+  GGUF, written by llama.cpp's own converter and checked as llama.cpp checks a pair (:mod:`specdraft.gguf_export`).
 * :func:`export_speculator` — a draft in memory (e.g. just distilled) → a speculator directory, with its
   tokenizer and ``training.json``.
 * :func:`vllm_serve` — how vLLM serves it: the two-path command (verifier + ``--speculative-config`` with
@@ -21,16 +23,17 @@ a killed export leaves the destination as it was.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from specdraft.config import NUM_SPECULATIVE_TOKENS, ExportConfig, ExportDtype
+from specdraft.config import NUM_SPECULATIVE_TOKENS, ExportConfig, ExportDtype, ExportFormat, GgufType
 from specdraft.io import atomic_directory, atomic_write_text
 from specdraft.speculator import (
     IndependentSpeculator,
@@ -42,6 +45,11 @@ from specdraft.speculator import (
     strip_speculator_keys,
     verifier_config,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from specdraft.gguf_export import GgufResult
+
+_LOG = logging.getLogger("specdraft")
 
 #: The vLLM release the printed commands and the plugin were tested with (``make test-vllm``, docs/serving.md).
 VLLM_TESTED_VERSION = "0.32.0"
@@ -83,7 +91,8 @@ class ConvertResult:
             from its embeddings is written with ``false`` (warned). The speculator's config.json then differs from
             the draft's in that key, on purpose: with ``true``, loaders that drop ``lm_head.weight`` for tied models
             (vLLM) would serve the embeddings as the head, a model other than the one evaluated.
-        tokenizer_files: names copied from the draft directory.
+        tokenizer_files: names copied from the draft directory (byte for byte, except the chat template when the
+            draft's renders differently from the target's: see ``chat_template``).
         vllm_command: serves the verifier with this speculator as its draft (:func:`vllm_serve`).
         serve: the whole :class:`VllmServe` (both commands, the speculative config, notes).
         dtype: ``"keep"`` (weights byte-identical) or the dtype the weights were cast to.
@@ -105,6 +114,8 @@ class ConvertResult:
     timings: dict[str, float] = field(default_factory=dict)
     source_config: dict[str, Any] = field(default_factory=dict)  # the draft's config.json as read (a speculator's
     # own speculators_* keys when the draft already was one: re-converting changes γ, it adds nothing)
+    chat_template: dict[str, Any] = field(default_factory=dict)  # carry_chat_template's result: whose template the
+    # speculator carries (the target's where the draft's renders differently) and the sentence that says so
 
 
 def convert(
@@ -114,9 +125,21 @@ def convert(
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     overwrite: bool = False,
     dtype: ExportDtype = "keep",
-) -> ConvertResult:
+    format: ExportFormat = "speculator",
+    gguf_type: GgufType | None = None,
+    llama_cpp: str | os.PathLike | None = None,
+    llama_quantize: str | os.PathLike | None = None,
+    progress=None,
+) -> ConvertResult | GgufResult:
     """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
-    (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte).
+    (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte; where the
+    draft's chat template renders differently from the verifier's, the verifier's is written instead:
+    :func:`carry_chat_template`).
+
+    With ``format="gguf"``, ``out`` is one GGUF file instead (:func:`specdraft.gguf_export.export_gguf`, which
+    returns a :class:`~specdraft.gguf_export.GgufResult`): ``gguf_type`` (default f16), ``llama_cpp`` and
+    ``llama_quantize`` apply to it only, and ``dtype`` must stay ``"keep"``; ``progress(line)`` hears its long
+    steps (fetching the converter, converting).
 
     Order: validate options → refuse a non-empty ``out`` (unless ``overwrite``) → read the verifier's config
     → load the draft (checkpoint dtype, or ``dtype``) → tokenizer check → write everything into a temporary
@@ -144,13 +167,23 @@ def convert(
     """
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
+    # Only what was given reaches the config: a GGUF option given to the speculator format is refused there.
+    gguf_opts = {k: v for k, v in (("gguf_type", gguf_type), ("llama_cpp", llama_cpp),
+                                   ("llama_quantize", llama_quantize)) if v is not None}
     try:
         opts = ExportConfig(
             draft=str(draft), verifier=str(verifier), out=Path(out),
-            num_speculative_tokens=num_speculative_tokens, overwrite=overwrite, dtype=dtype,
+            num_speculative_tokens=num_speculative_tokens, overwrite=overwrite, dtype=dtype, format=format,
+            **{k: str(v) if k != "gguf_type" else v for k, v in gguf_opts.items()},
         )
     except ValidationError as exc:
         raise SpeculatorError(flag_errors(exc)) from exc
+    if opts.format == "gguf":
+        from specdraft.gguf_export import export_gguf
+
+        return export_gguf(opts.draft, opts.verifier, opts.out, gguf_type=opts.gguf_type,
+                           num_speculative_tokens=opts.num_speculative_tokens, overwrite=opts.overwrite,
+                           llama_cpp=opts.llama_cpp, llama_quantize=opts.llama_quantize, progress=progress)
     out_dir = opts.out.expanduser().absolute()
     if out_dir.exists() and not out_dir.is_dir():
         raise SpeculatorError(f"--out {out_dir} is a file, not a directory.")
@@ -177,6 +210,7 @@ def convert(
     with atomic_directory(out_dir) as tmp:
         spec.save_pretrained(tmp)
         copied = _copy_tokenizer_files(Path(draft_dir), tmp)
+        template = carry_chat_template(tmp, opts.verifier)
     timings["write_s"] = time.perf_counter() - t
 
     config = spec.speculator_config.to_dict()
@@ -198,16 +232,84 @@ def convert(
         seconds=time.perf_counter() - t0,
         timings=timings,
         source_config=source_cfg,
+        chat_template=template,
     )
+
+
+def carry_chat_template(speculator_dir: str | os.PathLike, verifier) -> dict[str, Any]:
+    """Make the speculator directory carry the chat template its verifier (the target) serves with, where the
+    tokenizer files there (the draft's) render differently: the target's template is written in transformers'
+    files (``chat_template.jinja``, ``additional_chat_templates/`` for named ones; a ``chat_template`` key in
+    ``tokenizer_config.json`` is removed so that no loader reads the draft's). Rendering, not source text, decides
+    (:func:`specdraft.check.compare_chat_templates`). A target without a template leaves the files as they are.
+
+    Args:
+        speculator_dir: a directory holding the draft's tokenizer files (changed in place: call it inside the
+            export's temporary directory).
+        verifier: the target's tokenizer, or a reference to it (a reference whose tokenizer cannot be loaded is
+            noted, not raised).
+
+    Returns:
+        ``{"carried": "target" | "draft" | None (no template), "changed": bool, "comparison":
+        compare_chat_templates(target, draft) | None, "note": one sentence for the printout and report}``.
+
+    Raises:
+        SpeculatorError: the written template does not reload as the target's (a transformers file-precedence
+            change); nothing outside ``speculator_dir`` is touched.
+    """
+    from transformers import AutoTokenizer
+
+    from specdraft.check import compare_chat_templates, template_difference
+
+    directory = Path(speculator_dir)
+    target_tok = verifier
+    if isinstance(verifier, (str, os.PathLike)):
+        from specdraft.models import ModelResolutionError, load_tokenizer
+
+        try:
+            target_tok = load_tokenizer(verifier)
+        except ModelResolutionError:
+            return {"carried": None, "changed": False, "comparison": None,
+                    "note": f"the verifier's tokenizer ({verifier}) is not readable here: the chat template is the "
+                            "draft's, not compared with the target's"}
+    try:
+        draft_tok = AutoTokenizer.from_pretrained(directory)
+    except Exception:  # noqa: BLE001 - no tokenizer files: there is no template to correct
+        return {"carried": None, "changed": False, "comparison": None,
+                "note": "the speculator holds no tokenizer files: vLLM serves the target's tokenizer and template"}
+    chat = compare_chat_templates(target_tok, draft_tok)
+    if not chat["target_has_template"]:
+        return {"carried": "draft" if chat["draft_has_template"] else None, "changed": False, "comparison": chat,
+                "note": "the target has no chat template; the draft's tokenizer files are kept as they are"}
+    if chat["equal"]:
+        return {"carried": "draft", "changed": False, "comparison": chat,
+                "note": f"the draft's chat template renders as the target's ({len(chat['conversations'])} probe "
+                        "conversations): kept"}
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (directory / name).unlink(missing_ok=True)
+    shutil.rmtree(directory / "additional_chat_templates", ignore_errors=True)
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config, _ = target_tok.save_chat_templates(directory, config, None, save_jinja_files=True)
+    if config_file.is_file():
+        atomic_write_text(config_file, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    if not compare_chat_templates(target_tok, AutoTokenizer.from_pretrained(directory))["equal"]:
+        raise SpeculatorError(f"the target's chat template written into {directory} does not reload as the target's; "
+                              "this is a bug, please report it")
+    return {"carried": "target", "changed": True, "comparison": chat,
+            "note": f"{template_difference(chat)}: the speculator carries the target's chat template (the one it "
+                    "serves with), not the draft's"}
 
 
 def flag_errors(exc: ValidationError) -> str:
     """One line per pydantic error, naming the CLI flag (``num_speculative_tokens`` → ``--num-speculative-tokens``)."""
     lines = []
     for err in exc.errors():
-        loc = err["loc"][0] if err["loc"] else ""
         msg = str(err["msg"]).removeprefix("Value error, ")
-        lines.append(f"--{str(loc).replace('_', '-')}: {msg} (got {err.get('input')!r})")
+        if not err["loc"]:  # a cross-field check: its message names the flags itself
+            lines.append(msg)
+            continue
+        lines.append(f"--{str(err['loc'][0]).replace('_', '-')}: {msg} (got {err.get('input')!r})")
     return "; ".join(lines)
 
 
@@ -218,7 +320,7 @@ def write_training_json(path: Path, payload: dict[str, Any]) -> None:
 
 def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_speculative_tokens: int,
                       training: dict[str, Any] | None = None, overwrite: bool = True,
-                      dtype: ExportDtype = "keep") -> Path:
+                      dtype: ExportDtype = "keep", verifier_tokenizer=None) -> Path:
     """Save a (trained) draft as an independent speculator: plain HF directory (safetensors, ``architectures``
     = the draft's class), ``config.json`` plus the ``speculators_*`` keys naming the verifier (recorded as
     :func:`specdraft.models.portable_reference` gives it) and γ, the tokenizer, and ``training.json``. Written
@@ -228,9 +330,14 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
     written as its dense equivalent (:func:`specdraft.draft_model.dense_draft`): ``AutoModelForCausalLM`` reloads
     the logits it drafted with (to bfloat16 activation rounding), and no excluded token of a trimmed head wins.
 
+    The tokenizer carries the chat template the verifier serves with where ``tokenizer``'s renders differently
+    (:func:`carry_chat_template`); ``training.json``'s ``chat_template`` says whose it is, and the ``specdraft``
+    logger says so at INFO.
+
     Args:
         dtype: ``"keep"``: the draft's own dtype; else the written weights are cast (bfloat16 is what vLLM
             serves). ``draft`` itself is not changed.
+        verifier_tokenizer: the verifier's tokenizer, when already loaded (default: loaded from ``verifier_ref``).
 
     Raises:
         SpeculatorError: the verifier reference cannot be read, or ``out`` exists without ``overwrite``
@@ -247,10 +354,18 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
         spec.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+            template = carry_chat_template(tmp, verifier_tokenizer if verifier_tokenizer is not None else verifier_ref)
+            _LOG.info("export %s: %s", out, template["note"])
+            training = None if training is None else training | {"chat_template": _template_record(template)}
         if training is not None:
             write_training_json(tmp / "training.json", training)
         cast_weights(tmp, dtype)
     return out
+
+
+def _template_record(template: dict[str, Any]) -> dict[str, Any]:
+    """carry_chat_template's result for a JSON file: whose template, whether it was rewritten, the sentence."""
+    return {k: template[k] for k in ("carried", "changed", "note")}
 
 
 def cast_weights(speculator_dir: str | os.PathLike, dtype: ExportDtype) -> bool:
@@ -392,8 +507,10 @@ def vllm_serve_command(speculator_dir: str | os.PathLike, verifier: str | None =
 def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
                     dtype: ExportDtype = "keep") -> dict[str, Any]:
     """Copy an exported speculator directory to ``dest`` (atomically; weights cast to ``dtype`` unless
-    ``"keep"``) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype", "vllm_command",
-    "vllm_one_path", "vllm_notes", "vllm_tested_version"}`` (the pipeline's ``export`` stage).
+    ``"keep"``; the verifier's chat template written where the copied one renders differently,
+    :func:`carry_chat_template`) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype",
+    "vllm_command", "vllm_one_path", "vllm_notes", "vllm_tested_version", "chat_template": {"carried", "changed",
+    "note"}}`` (the pipeline's ``export`` stage).
 
     Args:
         verifier: the verifier reference as given to the run, for the command (default: the recorded one).
@@ -410,11 +527,13 @@ def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: s
     with atomic_directory(dest) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
         cast_weights(tmp, dtype)
-    conf = load_speculator_config(str(dest))
+        conf = load_speculator_config(str(tmp))
+        template = carry_chat_template(tmp, verifier if verifier is not None else
+                                       str(conf.speculators_config.verifier.name_or_path))
     serve = vllm_serve(dest, verifier)
     return {"path": str(dest.resolve()), "num_speculative_tokens": conf.num_speculative_tokens, "dtype": dtype,
             "vllm_command": serve.command, "vllm_one_path": serve.one_path, "vllm_notes": serve.notes,
-            "vllm_tested_version": VLLM_TESTED_VERSION}
+            "vllm_tested_version": VLLM_TESTED_VERSION, "chat_template": _template_record(template)}
 
 
 def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:

@@ -226,8 +226,13 @@ def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) ->
 
 def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False) -> str:
     """The llama.cpp command serving ``target_gguf`` with ``draft_gguf`` as its ``-md`` draft (``llama-server`` or
-    ``llama-speculative-simple``), drafting at most ``n_max`` tokens per round; ``n_max`` 0 → the target alone."""
+    ``llama-speculative-simple``), drafting at most ``n_max`` tokens per round; ``n_max`` 0 → the target alone.
+
+    ``--spec-type draft-simple`` is needed: llama.cpp (pinned :data:`specdraft.gguf_export.LLAMA_CPP_VERSION`,
+    common/arg.cpp) infers a speculative type from the ``-md`` GGUF only for MTP / DFlash heads; a plain draft model
+    leaves the type at ``none`` and nothing is drafted."""
     exe = "llama-server" if server else "llama-speculative-simple"
     if n_max == 0:
         return f"{'llama-server' if server else 'llama-completion'} -m {target_gguf} -t {threads}"
-    return f"{exe} -m {target_gguf} -md {draft_gguf} --spec-draft-n-max {n_max} -t {threads} -td {threads}"
+    return (f"{exe} -m {target_gguf} --spec-type draft-simple -md {draft_gguf} --spec-draft-n-max {n_max} "
+            f"-t {threads} -td {threads}")
