@@ -16,7 +16,14 @@ import torch
 from specdraft.check import VERDICTS, check_compatible, print_report, require_compatible
 from specdraft.models import ModelResolutionError
 from specdraft.sampling import align_logits
-from specdraft.testing import SPECIAL_TOKENS, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+from specdraft.testing import (
+    SPECIAL_TOKENS,
+    TINY_CHAT_TEMPLATE,
+    save_tiny_pair,
+    tiny_model,
+    tiny_tokenizer,
+    tiny_words,
+)
 from specdraft.vocab import CompatibilityError, build_vocab_mapping, tokenizer_fingerprint, vocab_swap
 
 
@@ -605,3 +612,85 @@ def test_parameter_note_explains_a_separate_output_head(tmp_path):
     assert note.startswith("the parameter counts include a separate output head (draft 0.0 M)")
     assert "GGUF builds, which store the output head separately" in note
     assert "GGUF" not in parameter_note({"target_ref": "t", "draft_ref": "d", "target": f_untied, "draft": f_tied})
+
+
+# ------------------------------------------------------------------------------------------ chat templates
+
+# Each renders like the tiny tokenizer's ChatML template except where its name says.
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    + TINY_CHAT_TEMPLATE)
+EMPTY_THINK_TEMPLATE = TINY_CHAT_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
+                                                  "<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}")
+# Other source text (names, concatenation, whitespace control), the same rendering.
+SAME_RENDERING_TEMPLATE = (
+    "{%- for message in messages -%}{{ '<|im_start|>' ~ message.role ~ '\\n' ~ message.content ~ '<|im_end|>\\n' }}"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}{{ '<|im_start|>' + 'assistant' + '\\n' }}{%- endif -%}")
+
+
+def test_chat_templates_are_compared_by_what_they_render():
+    """check said two templates were equal although one adds a default system prompt where the conversation has
+    none: the one rendered conversation held a system message. Every probe conversation is rendered now."""
+    from rich.console import Console
+
+    from specdraft.check import PROBE_CONVERSATIONS, TEMPLATE_USE, compare_chat_templates
+
+    base = tiny_tokenizer(64)
+    r = check_compatible(base, tiny_tokenizer(64, chat_template=DEFAULT_SYSTEM_TEMPLATE))
+    assert r.verdict == "identical" and r.chat_template_equal is False
+    chat = r.chat_template
+    assert [c["equal"] for c in chat["conversations"]] == [False, True, False, True]  # the system ones agree
+    assert chat["first_difference"] == {"conversation": "user, generation prompt", "position": 12,
+                                        "target": "_start|>user\nWrite hello world in Python",
+                                        "draft": "_start|>system\nYou are a helpful assista"}
+    (w,) = [w for w in r.warnings if "chat templates" in w]
+    assert w.startswith("the chat templates render 2 of the 4 probe conversations differently; first in \"user, "
+                        "generation prompt\" at character 12: target '_start|>user\\nWrite")
+    assert w.endswith(TEMPLATE_USE) and "the dump, the evaluation and the export use the target's" in w
+
+    think = compare_chat_templates(base, tiny_tokenizer(64, chat_template=EMPTY_THINK_TEMPLATE))
+    assert [c["equal"] for c in think["conversations"]] == [False, False, False, True]  # only with the gen prompt
+    f = think["first_difference"]
+    rendered = base.apply_chat_template(PROBE_CONVERSATIONS[f["conversation"]][0], tokenize=False,
+                                        add_generation_prompt=True)
+    assert f["position"] == len(rendered) and f["target"] == "sistant\n" and f["draft"] == "sistant\n<think>\n\n</think>\n\n"
+
+    other_source = tiny_tokenizer(64, chat_template=SAME_RENDERING_TEMPLATE)
+    assert other_source.chat_template != base.chat_template
+    r = check_compatible(base, other_source)
+    assert r.chat_template_equal is True and r.chat_template["first_difference"] is None and r.warnings == []
+    console = Console(record=True, width=200)
+    print_report(r, console)
+    text = " ".join(console.export_text().split())
+    assert "chat template │ renders the same" in text
+    assert ("chat templates: both chat templates render the 4 probe conversations identically; the dump, the "
+            "evaluation and the export use the target's chat template") in text
+
+
+def test_eval_renders_prompts_with_the_targets_template(tmp_path, monkeypatch):
+    """What check says about the template in use, for eval: the prompts it decodes are the target's rendering
+    even when the draft's template differs (the draft reads the target's ids)."""
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    import specdraft.evaluate
+    from specdraft.cli import app
+    from specdraft.data import Example, encode_prompts
+    from specdraft.models import load_tokenizer
+
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    tiny_tokenizer(64, chat_template=DEFAULT_SYSTEM_TEMPLATE).save_pretrained(tdir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
+    seen = []
+
+    def capture(target, draft, tok, ids, *_a, **_k):
+        seen.append(ids)
+        raise KeyboardInterrupt  # stop before decoding: the prompts are what this test reads
+
+    monkeypatch.setattr(specdraft.evaluate, "run_eval", capture)
+    CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
+                             "--dtype", "float32"])
+    ex = [Example("p", [{"role": "user", "content": "a b"}])]
+    targets, drafts = encode_prompts(AutoTokenizer.from_pretrained(tdir), ex), encode_prompts(load_tokenizer(ddir), ex)
+    assert targets != drafts and seen == [targets]

@@ -203,17 +203,21 @@ def test_export_and_copy_cast_without_touching_the_model(tmp_path, pair):
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     out = export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "spec", 3, training={"x": 1},
                             dtype="bfloat16")
-    assert dtypes(out) == {"torch.bfloat16"} and json.loads((out / "training.json").read_text()) == {"x": 1}
+    kept = {"carried": "draft", "changed": False, "note": "the draft's chat template renders as the target's (4 "
+            "probe conversations): kept"}
+    assert dtypes(out) == {"torch.bfloat16"}
+    assert json.loads((out / "training.json").read_text()) == {"x": 1, "chat_template": kept}
     assert all(torch.equal(v, draft.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
     # The pipeline's export stage: copy (float32 → bfloat16), everything else travels.
     f32 = export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "f32", 3, training={"x": 1})
     info = copy_speculator(f32, tmp_path / "copy", verifier=target_dir, dtype="bfloat16")
     copied = tmp_path / "copy"
     assert dtypes(copied) == {"torch.bfloat16"} and (copied / "tokenizer.json").is_file()
-    assert json.loads((copied / "training.json").read_text()) == {"x": 1}
+    assert json.loads((copied / "training.json").read_text()) == {"x": 1, "chat_template": kept}
     conf = json.loads((copied / "config.json").read_text())
     assert conf["dtype"] == "bfloat16" and conf["speculators_config"]["verifier"]["name_or_path"] == target_dir
     assert info["dtype"] == "bfloat16" and info["vllm_tested_version"] == VLLM_TESTED_VERSION
+    assert info["chat_template"] == kept
     assert serve_args(info["vllm_command"])[0] == target_dir and info["vllm_one_path"].endswith(str(copied))
 
 
@@ -289,3 +293,65 @@ def test_weights_that_would_not_reload_are_refused_before_anything_is_written(tm
     with pytest.raises(CheckpointWeightsError, match=r"unexpected.*model\.extra\.weight"):
         export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "spec", 3)
     assert not (tmp_path / "spec").exists()
+
+
+# ------------------------------------------------------------------------------ chat template
+
+
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}")
+SAME_RENDERING = ("{%- for x in messages -%}{{ '<|im_start|>' ~ x.role ~ '\\n' ~ x.content ~ '<|im_end|>\\n' }}"
+                  "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def _renders(tok) -> list[str]:
+    from specdraft.check import PROBE_CONVERSATIONS
+
+    return [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g) for m, g in PROBE_CONVERSATIONS.values()]
+
+
+def test_every_export_carries_the_template_the_target_serves_with(tmp_path, pair):
+    """A draft whose chat template renders differently (an empty think block after the generation prompt) was
+    exported with its own: the speculator's tokenizer now renders as the target's, and each export says so."""
+    from transformers import AutoTokenizer
+
+    target_dir, draft_dir = pair
+    target_tok = AutoTokenizer.from_pretrained(target_dir)
+    tiny_tokenizer(96, chat_template=THINK_TEMPLATE).save_pretrained(draft_dir)
+    assert _renders(AutoTokenizer.from_pretrained(draft_dir)) != _renders(target_tok)
+
+    res = convert(draft_dir, target_dir, tmp_path / "conv")
+    assert res.chat_template["carried"] == "target" and res.chat_template["changed"]
+    assert "carries the target's chat template" in res.chat_template["note"]
+    assert _renders(AutoTokenizer.from_pretrained(res.out)) == _renders(target_tok)
+    assert "chat_template" not in json.loads((res.out / "tokenizer_config.json").read_text())
+    r = CliRunner().invoke(app, ["convert", "--draft", draft_dir, "--verifier", target_dir, "--out", str(tmp_path / "cli")])
+    assert r.exit_code == 0, r.output
+    assert "chat template: the chat templates render 3 of the 4 probe conversations differently" in " ".join(
+        r.output.split())
+
+    # export_speculator (distill's export): the draft's tokenizer object is given, the target's template written.
+    draft = tiny_model("llama", vocab_size=96, seed=3, layers=1)
+    out = export_speculator(draft, tiny_tokenizer(96, chat_template=THINK_TEMPLATE), target_dir, tmp_path / "exp", 3,
+                            training={"x": 1})
+    assert _renders(AutoTokenizer.from_pretrained(out)) == _renders(target_tok)
+    assert json.loads((out / "training.json").read_text())["chat_template"]["carried"] == "target"
+    # copy_speculator (the pipeline's export) of a speculator that still holds the draft's template.
+    stale = tmp_path / "stale"
+    convert(draft_dir, target_dir, stale)
+    (stale / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    info = copy_speculator(stale, tmp_path / "copy", verifier=target_dir)
+    assert info["chat_template"]["carried"] == "target" and info["chat_template"]["changed"]
+    assert _renders(AutoTokenizer.from_pretrained(tmp_path / "copy")) == _renders(target_tok)
+
+
+def test_a_template_written_otherwise_that_renders_the_same_is_kept_byte_for_byte(tmp_path, pair):
+    from transformers import AutoTokenizer
+
+    target_dir, draft_dir = pair
+    tiny_tokenizer(96, chat_template=SAME_RENDERING).save_pretrained(draft_dir)
+    assert AutoTokenizer.from_pretrained(draft_dir).chat_template != AutoTokenizer.from_pretrained(target_dir).chat_template
+    res = convert(draft_dir, target_dir, tmp_path / "conv")
+    assert res.chat_template["carried"] == "draft" and not res.chat_template["changed"]
+    assert "renders as the target's" in res.chat_template["note"]
+    assert all((res.out / f).read_bytes() == (Path(draft_dir) / f).read_bytes() for f in res.tokenizer_files)

@@ -37,25 +37,92 @@ VERDICTS: tuple[str, ...] = get_args(Verdict)
 #: Differences listed by name in a report (all of them are counted).
 MAX_DIFFERENCES = 10
 
-# Rendered with both chat templates. User and assistant alternate, so strict templates accept it.
-PROBE_CONVERSATION = [
-    {"role": "system", "content": "You are a careful assistant."},
-    {"role": "user", "content": "Write hello world in Python."},
-    {"role": "assistant", "content": "print('hello world')"},
-    {"role": "user", "content": "Now in C."},
-]
+_SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+_USER = {"role": "user", "content": "Write hello world in Python."}
+_REPLY = {"role": "assistant", "content": "print('hello world')"}
+_AGAIN = {"role": "user", "content": "Now in C."}
+
+#: Conversations both chat templates render (``name → (messages, add_generation_prompt)``), the comparison of
+#: :func:`compare_chat_templates`. Without a system message a template may add its default one; with the generation
+#: prompt it may open an (empty) think block; a multi-turn chat shows how earlier replies are kept. User and
+#: assistant alternate, so strict templates accept every one.
+PROBE_CONVERSATIONS: dict[str, tuple[list[dict[str, str]], bool]] = {
+    "user, generation prompt": ([_USER], True),
+    "system + user, generation prompt": ([_SYSTEM, _USER], True),
+    "multi-turn, generation prompt": ([_USER, _REPLY, _AGAIN], True),
+    "system + multi-turn, no generation prompt": ([_SYSTEM, _USER, _REPLY], False),
+}
+
+#: Which chat template specdraft's stages render with (:func:`specdraft.data.encode_prompts` and
+#: :func:`specdraft.data.build_sequences` are always given the target's tokenizer).
+TEMPLATE_USE = ("the dump, the evaluation and the export use the target's chat template (prompts and training "
+                "sequences are rendered with the target's tokenizer; an exported speculator carries the target's "
+                "template where the draft's renders differently)")
+
+# Characters of each side shown around the first difference.
+_EXCERPT = 40
 
 
-def _render(tok) -> str | None:
+def _render(tok, messages: list[dict[str, str]], add_generation_prompt: bool) -> str | None:
+    """The template's text for ``messages``; ``None`` without a template; ``"error: ..."`` when it fails (a
+    failure is a rendering too: a template that refuses a conversation the other renders differs from it)."""
     if not getattr(tok, "chat_template", None):
         return None
     try:
-        return tok.apply_chat_template(PROBE_CONVERSATION, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001
         return f"error: {type(exc).__name__}: {exc}"
 
 
-def _first_list_difference(a: list, b: list) -> int:
+def compare_chat_templates(target_tok, draft_tok) -> dict[str, Any]:
+    """Render every :data:`PROBE_CONVERSATIONS` entry with both tokenizers' ``apply_chat_template``
+    (``tokenize=False``) and compare the texts: what the templates render, not their source (two templates written
+    differently that render the same text are equal).
+
+    Returns:
+        ``{"equal": bool | None (None: neither has a template), "target_has_template": bool, "draft_has_template":
+        bool, "conversations": [{"name", "equal"}], "first_difference": None | {"conversation": name, "position":
+        character index, "target": excerpt, "draft": excerpt}}``. An excerpt is up to 40 characters of that side's
+        rendering from a few characters before ``position`` (``None`` for a side without a template).
+    """
+    has_t, has_d = bool(getattr(target_tok, "chat_template", None)), bool(getattr(draft_tok, "chat_template", None))
+    out: dict[str, Any] = {"equal": None, "target_has_template": has_t, "draft_has_template": has_d,
+                           "conversations": [], "first_difference": None}
+    if not has_t and not has_d:
+        return out
+    for name, (messages, gen) in PROBE_CONVERSATIONS.items():
+        a, b = _render(target_tok, messages, gen), _render(draft_tok, messages, gen)
+        same = a == b
+        out["conversations"].append({"name": name, "equal": same})
+        if not same and out["first_difference"] is None:
+            k = 0 if a is None or b is None else _first_list_difference(a, b)
+            start = max(0, k - 8)
+            out["first_difference"] = {"conversation": name, "position": k,
+                                       "target": None if a is None else a[start: start + _EXCERPT],
+                                       "draft": None if b is None else b[start: start + _EXCERPT]}
+    out["equal"] = all(c["equal"] for c in out["conversations"])
+    return out
+
+
+def template_difference(chat: dict[str, Any]) -> str:
+    """One line for :func:`compare_chat_templates`'s result: equal, or the first difference with both excerpts."""
+    if chat["equal"] is None:
+        return "neither tokenizer has a chat template"
+    if chat["equal"]:
+        return f"both chat templates render the {len(chat['conversations'])} probe conversations identically"
+    if not chat["draft_has_template"]:
+        return "only the target has a chat template"
+    if not chat["target_has_template"]:
+        return "only the draft has a chat template"
+    f = chat["first_difference"]
+    n = sum(not c["equal"] for c in chat["conversations"])
+    return (f"the chat templates render {n} of the {len(chat['conversations'])} probe conversations differently; "
+            f"first in \"{f['conversation']}\" at character {f['position']}: target {f['target']!r} vs draft "
+            f"{f['draft']!r}")
+
+
+def _first_list_difference(a: list | str, b: list | str) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter length when one is a prefix of the other)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -116,11 +183,13 @@ class CompatReport:
     special_tokens_equal: bool  # roles and special flags agree
     probe_equal: bool  # PROBE_TEXT encodes to the same ids (add_special_tokens=False)
     probe_detail: dict[str, Any] | None  # first differing position and the ids around it
-    chat_template_equal: bool | None  # None when neither tokenizer has a chat template
+    chat_template_equal: bool | None  # rendered alike (compare_chat_templates); None when neither has a template
     target_fingerprint: str
     draft_fingerprint: str
     warnings: list[str] = field(default_factory=list)
     mapping: dict[str, Any] | None = None  # on a mismatch: what a VocabMapping would cover
+    chat_template: dict[str, Any] | None = None  # compare_chat_templates(target, draft): per conversation, first diff
+    template_use: str = TEMPLATE_USE  # which template the dump, the evaluation and the export use
     seconds: float = 0.0  # wall time of the check, loading included
 
     @property
@@ -253,13 +322,10 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
     elif vocab_equal and encode_text(t.tok, PROBE_TEXT, True) != encode_text(d.tok, PROBE_TEXT, True):
         warnings.append("the tokenizers add different special tokens (bos/eos) when encoding")
 
-    render_t, render_d = _render(t.tok), _render(d.tok)
-    chat_equal = None if render_t is None and render_d is None else render_t == render_d
+    chat = compare_chat_templates(t.tok, d.tok)
+    chat_equal = chat["equal"]
     if chat_equal is False and vocab_equal:
-        which = ("only the target has a chat template" if render_d is None else
-                 "only the draft has a chat template" if render_t is None else
-                 "the chat templates render the probe conversation differently")
-        warnings.append(f"{which}: format the draft's training data with the target's template")
+        warnings.append(f"{template_difference(chat)}; {TEMPLATE_USE}")
 
     for v, role in ((t, "target"), (d, "draft")):
         if v.config_vocab is not None and v.config_vocab < v.real:
@@ -291,7 +357,7 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
         special_tokens=special, special_tokens_equal=special_equal,
         probe_equal=probe_equal, probe_detail=probe_detail, chat_template_equal=chat_equal,
         target_fingerprint=view_fingerprint(t), draft_fingerprint=view_fingerprint(d),
-        warnings=warnings, mapping=mapping, seconds=round(time.perf_counter() - t0, 3),
+        warnings=warnings, mapping=mapping, chat_template=chat, seconds=round(time.perf_counter() - t0, 3),
     )
 
 
@@ -332,9 +398,13 @@ def print_report(report: CompatReport, console) -> None:
         style = "" if s["equal"] else "[yellow]"
         table.add_row(f"{style}{role}", *(f"{style}{fmt(s[k][0])} ({s[k][1]})" for k in ("target", "draft")))
     table.add_row("probe encoding", "same" if report.probe_equal else "[yellow]differs", "")
-    chat = {None: "none", True: "same", False: "[yellow]differs"}[report.chat_template_equal]
+    chat = {None: "none", True: "renders the same", False: "[yellow]renders differently"}[report.chat_template_equal]
     table.add_row("chat template", chat, "")
     console.print(table)
+    if report.chat_template is not None and report.chat_template["equal"] is not None:
+        said = template_difference(report.chat_template)
+        if not any(w.startswith(said) for w in report.warnings):  # a difference is a warning below: said once
+            console.print(f"chat templates: {escape(said)}; {escape(report.template_use)}.", highlight=False)
 
     if report.differences:
         diff = Table(title=f"First differing ids (of {report.n_diff_ids})")

@@ -339,6 +339,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"or, with specdraft installed next to vLLM (its plugin): `{exp['vllm_one_path']}`.", ""]),
         *[f"Note: {n}" for n in exp.get("vllm_notes", [])],
         *([""] if exp.get("vllm_notes") else []),
+        *([] if not (tpl := exp.get("chat_template")) else [f"Chat template: {tpl['note']}.", ""]),
         "| stage | seconds | |",
         "| --- | ---: | --- |",
         *[f"| {k} | {v['seconds']:.1f} | {'skipped (done earlier)' if v['skipped'] else ''} |"
