@@ -599,3 +599,29 @@ def test_sample_refuses_a_distribution_it_cannot_draw_from():
     for bad in ([0.5, float("nan"), 0.5], [0.0, 0.0, 0.0], [1.0, float("inf"), 0.0]):
         with pytest.raises(ValueError, match="NaN or inf, or no mass"):
             sample(torch.tensor([[0.2, 0.3, 0.5], bad]))
+
+
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_a_rows_sampled_tokens_do_not_change_when_rows_join_its_batch(pair, with_draft):
+    """Seeds are a contract: row j draws from its own stream (seed s + j, s drawn once from the generator), keyed by
+    its own length, so a row decodes the same tokens alone or with other rows appended to its batch (was: one
+    shared stream, so every row's tokens moved when the batch changed). A reused generator still gives new draws."""
+    target, draft = pair
+    sampling = SamplingConfig(temperature=1.0)
+    d = draft if with_draft else None
+
+    def run(prompts, seed=11, gen=None):
+        ids, mask = left_pad(prompts, pad_id=0)
+        out, _ = speculative_generate(target, d, ids, mask, num_speculative_tokens=3, sampling=sampling,
+                                      max_new_tokens=12, eos_token_id=[],
+                                      generator=gen or torch.Generator().manual_seed(seed))
+        return out
+
+    alone = run(PROMPTS[:1])
+    pair_ = run(PROMPTS[:2])
+    five = run(PROMPTS)
+    assert pair_[0] == alone[0] and five[0] == alone[0] and five[1] == pair_[1]
+    assert run(PROMPTS[1:2])[0] != pair_[1]  # alone, prompt 1 is row 0: seed s + 0, another stream
+    assert len({tuple(r) for r in run([PROMPTS[0]] * 4)}) > 1  # each row its own stream, even for one prompt
+    g = torch.Generator().manual_seed(11)
+    assert run(PROMPTS[:1], gen=g) == alone and run(PROMPTS[:1], gen=g) != alone  # a reused generator moves on

@@ -113,6 +113,7 @@ def verify_sampled(
     p: torch.Tensor,
     generator: torch.Generator | None = None,
     n_proposed: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative-sampling verification (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Alg. 2).
 
@@ -123,6 +124,8 @@ def verify_sampled(
         generator: torch RNG for the uniforms and the resampling.
         n_proposed: ``[B] int64``, proposals per row when rows proposed fewer than γ (the rest is padding);
             default all γ. Row b is then verified exactly as a round of ``n_proposed[b]`` drafts.
+        u: ``[B, γ+1] float64`` uniforms in [0, 1) instead of ``generator``: γ acceptance tests, then the draw of
+            the next token (the decode loop's per-row streams, :class:`RowDraws`).
 
     Returns:
         ``(n_accepted [B] int64, next_token [B] int64)``. d_i is accepted when u_i < p_i(d_i)/q_i(d_i);
@@ -139,7 +142,11 @@ def verify_sampled(
     idx = draft_tokens[..., None]
     p_d = p[:, :gamma].gather(2, idx).squeeze(2)  # [B, γ]
     q_d = q.gather(2, idx).squeeze(2)  # [B, γ]
-    u = torch.rand(p_d.shape, generator=generator, device=p_d.device)
+    u_next = None
+    if u is None:
+        u = torch.rand(p_d.shape, generator=generator, device=p_d.device)
+    else:
+        u, u_next = u[:, :gamma], u[:, gamma:gamma + 1]
     # u < p/q  ⇔  u·q < p  (q_d > 0 because d was drawn from q; this form avoids dividing).
     accept = (u * q_d < p_d).long()
     if live is not None:
@@ -152,8 +159,43 @@ def verify_sampled(
     mass = residual.sum(dim=-1, keepdim=True)
     # mass = 0 only if p == q, where rejection has probability 0; fall back to p for numerical safety.
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
-    nxt = sample(residual, generator)
+    nxt = sample(residual, generator, u_next)
     return n, nxt
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64's finaliser, folded over the values): distinct keys, unrelated seeds."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class RowDraws:
+    """Each row's own random stream in sampled decoding: row j of a call draws from seed ``s + j``, where ``s`` is
+    drawn once per call from the caller's generator (so a reused generator still gives new draws each call).
+
+    A row's round is keyed by its seed and its length so far: ``u(rows)`` is ``[b, 2γ+1] float64`` — columns
+    ``0..γ−1`` the draft's draws at steps 1..γ, ``γ..2γ−1`` the acceptance tests, ``2γ`` the correction or bonus
+    token. Nothing a row draws depends on the other rows, on how many steps the batch drafts or on the batch's
+    order, so a row's tokens do not change when another row joins its batch (up to the float rounding of a batched
+    forward); a batch-wide ``draft_confidence_threshold`` stop is the one exception (it changes what is proposed).
+    """
+
+    def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):
+        gen_device = generator.device if generator is not None else "cpu"
+        base = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device))
+        self.seeds = [base + j for j in range(batch)]
+        self.width, self.device = 2 * gamma + 1, device
+
+    def u(self, rows: list[_Row]) -> torch.Tensor:
+        out = torch.empty(len(rows), self.width, dtype=torch.float64, device=self.device)
+        for j, r in enumerate(rows):
+            g = torch.Generator(device=self.device).manual_seed(_mix(self.seeds[r.index], len(r.tokens)))
+            out[j] = torch.rand(self.width, generator=g, dtype=torch.float64, device=self.device)
+        return out
 
 
 # ------------------------------------------------------------------------------------ per-model state
@@ -306,9 +348,9 @@ class Drafter:
 
     stream: _Stream
 
-    def __init__(self, sampling: SamplingConfig, generator: torch.Generator | None,
-                 confidence_threshold: float | None):
-        self.sampling, self.generator, self.threshold = sampling, generator, confidence_threshold
+    def __init__(self, sampling: SamplingConfig, draws: RowDraws | None, confidence_threshold: float | None):
+        self.sampling, self.draws, self.threshold = sampling, draws, confidence_threshold
+        self.u: torch.Tensor | None = None  # [b, 2γ+1]: this round's uniforms per row (sampling), set by the loop
         self.prefill_calls, self.prefill_seconds = 0, 0.0
         self.first_bad: torch.Tensor | None = None  # [b]: the round's first step whose q was not finite (γ: none)
         self.nonfinite_rows = 0  # row-rounds whose proposals stopped at a non-finite q (warned once per call)
@@ -340,7 +382,7 @@ class Drafter:
                 q_i = torch.where(bad[:, None], placeholder, q_i)
                 step = torch.where(bad, i, gamma)
                 self.first_bad = step if self.first_bad is None else torch.minimum(self.first_bad, step)
-                d = sample(q_i, self.generator)
+                d = sample(q_i, u=self.u[:, i:i + 1])  # the row's own draw for step i (RowDraws)
                 qs.append(q_i)
             tokens.append(d)
             if i == gamma - 1:
@@ -381,8 +423,8 @@ class SameTokenizerDrafter(Drafter):
     token emitted while the row drafted nothing — in one pass, then drafts. ``commit`` keeps the accepted prefix
     of what it read while drafting (d_1..d_{k−1})."""
 
-    def __init__(self, model, batch: int, width: int, real_vocab: int, device, sampling, generator, threshold):
-        super().__init__(sampling, generator, threshold)
+    def __init__(self, model, batch: int, width: int, real_vocab: int, device, sampling, draws, threshold):
+        super().__init__(sampling, draws, threshold)
         self.stream = _Stream(model, batch, width, real_vocab, device)
         self.read = [0] * batch
         self.device = device
@@ -441,8 +483,8 @@ class MappedDrafter(Drafter):
     (``mode="text"``, greedy only). Once its context outgrows its window it stops proposing (warned)."""
 
     def __init__(self, model, mapping, mode: str, batch: int, width: int, real_vocab: int, device, sampling,
-                 generator, threshold):
-        super().__init__(sampling, generator, threshold)
+                 draws, threshold):
+        super().__init__(sampling, draws, threshold)
         if mapping.target_width > width:
             raise DecodeError(f"vocab_mapping covers {mapping.target_width} target ids but the target's output "
                               f"head has {width} rows; build the mapping with the target's config "
@@ -566,17 +608,21 @@ def _check_target_logits(t_logits: torch.Tensor, target) -> None:
                              "to decode from. Load it in bfloat16 or float32 (--dtype), or check its weights.")
 
 
-def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, generator):
-    """``(n_accepted [b], next_token [b])`` for a round's proposals (none: the target's own next token)."""
+def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, u: torch.Tensor | None):
+    """``(n_accepted [b], next_token [b])`` for a round's proposals (none: the target's own next token); ``u``
+    the round's per-row uniforms (:class:`RowDraws`, sampling only)."""
     b = t_logits.shape[0]
     if sampling.greedy:
         if prop is None:
             return t_logits.new_zeros(b, dtype=torch.long), t_logits[:, -1].argmax(-1)
         return verify_greedy(prop.tokens, t_logits, prop.n_proposed)
     p = filter_logits(t_logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
+    half = (u.shape[1] - 1) // 2  # γ: acceptance tests in columns γ..2γ−1, the next token's draw in 2γ
     if prop is None:
-        return t_logits.new_zeros(b, dtype=torch.long), sample(p[:, -1], generator)
-    return verify_sampled(prop.tokens, prop.q, p, generator, prop.n_proposed)
+        return t_logits.new_zeros(b, dtype=torch.long), sample(p[:, -1], u=u[:, 2 * half:])
+    k = prop.tokens.shape[1]
+    return verify_sampled(prop.tokens, prop.q, p, n_proposed=prop.n_proposed,
+                          u=torch.cat([u[:, half:half + k], u[:, 2 * half:]], dim=1))
 
 
 def speculative_generate(
@@ -610,7 +656,9 @@ def speculative_generate(
         stop / eos_token_id: token-id sequences / id(s) that end a row, included in the output (EOS default:
             the target's ``generation_config``, then config).
         real_vocab: ``len(tokenizer)``; logits of ids at or past it are padding and get zero probability.
-        generator: torch RNG (sampling only); seed it for reproducible output.
+        generator: torch RNG (sampling only); seed it for reproducible output. Each row draws from its own stream,
+            seeded ``s + row index`` with ``s`` drawn once from ``generator`` (:class:`RowDraws`): a row's tokens do not
+            depend on the other rows of its batch (without ``draft_confidence_threshold``, which stops the batch).
         on_tokens: called as ``on_tokens(row, new_tokens)`` after each round (streaming).
         draft_confidence_threshold: a round stops drafting once the draft's probability of its own latest token
             falls below this in every row (lossless: proposals depend only on the draft, and each is verified
@@ -644,7 +692,8 @@ def speculative_generate(
     eos = _eos_ids(target, eos_token_id)
     width = output_width(target)
     real_vocab = min(real_vocab or width, width)
-    args = (B, width, real_vocab, device, sampling, generator, draft_confidence_threshold)
+    draws = None if sampling.greedy else RowDraws(generator, B, gamma, device)
+    args = (B, width, real_vocab, device, sampling, draws, draft_confidence_threshold)
     drafter = (None if draft is None else SameTokenizerDrafter(draft, *args) if not mapped else
                MappedDrafter(draft, vocab_mapping, proposal_mode(mapped_proposals, sampling), *args))
     policy = AdaptiveGamma(speed_model, gamma, B) if speed_model is not None and drafter is not None else None
@@ -667,6 +716,9 @@ def speculative_generate(
         t0 = time.perf_counter()
         plan = policy.plan() if policy is not None else [gamma] * len(active)
         ks = [max(0, min(k, max_new_tokens - len(rows[i].tokens) - 1)) for k, i in zip(plan, active)]
+        u = draws.u([rows[i] for i in active]) if draws is not None else None  # [b, 2γ+1], each row its own
+        if drafter:
+            drafter.u = u
         prop = drafter.propose(cur, [rows[i] for i in active], ks) if drafter and max(ks) > 0 else None
         sync()
         t1 = time.perf_counter()
@@ -684,7 +736,7 @@ def speculative_generate(
         start = tgt.length
         t_logits = tgt.forward(t_ids, t_mask)  # [b, k+1, V]
         _check_target_logits(t_logits, target)
-        n_acc, nxt = _verify(prop, t_logits, sampling, generator)
+        n_acc, nxt = _verify(prop, t_logits, sampling, u)
         sync()
         counts.time_target += time.perf_counter() - t1
         # ---- 3. accept: emit the accepted drafts + one target token per row, stop, account ----------------
