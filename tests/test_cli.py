@@ -511,3 +511,20 @@ def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypat
     for m in EMBEDDED.values():  # every word of every description is whole somewhere in the output
         for word in f"{m.description}; a build of {m.hub_id}".split():
             assert word in words, word
+
+
+def test_inspect_refuses_a_checkpoint_of_two_weight_layouts_naming_the_files(tmp_path):
+    """A stale model.safetensors beside a sharded index (transformers loads the stale one): inspect said nothing."""
+    from specdraft.export import convert
+    from specdraft.speculator import IndependentSpeculator
+
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    spec = tmp_path / "spec"
+    convert(ddir, tdir, spec)
+    sharded = IndependentSpeculator.from_pretrained(spec)
+    sharded.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    for f in (tmp_path / "sharded").iterdir():
+        (spec / f.name).write_bytes(f.read_bytes())  # shards + index beside the old model.safetensors
+    r = CliRunner().invoke(app, ["inspect", str(spec)], terminal_width=300)
+    line = _one_error_line(r)
+    assert r.exit_code == 2 and "a model.safetensors lies beside the sharded index model.safetensors.index.json" in line

@@ -220,3 +220,69 @@ def test_tie_flag_contradicting_the_tensors_is_set_to_match_them(tmp_path):
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert not torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
     assert models.match_tie_flag(loaded) == {}  # idempotent
+
+
+# ------------------------------------------------------------------------------ one weight layout per directory
+
+
+def _sharded(tmp_path, name="sharded", seed=0):
+    """A tiny checkpoint saved in shards with its index; returns (directory, model, shard names)."""
+    from specdraft.testing import tiny_model
+
+    d = tmp_path / name
+    m = tiny_model("llama", 64, seed=seed, layers=2)
+    m.save_pretrained(d, max_shard_size="30KB")
+    shards = sorted(p.name for p in d.glob("model-*.safetensors"))
+    assert (d / "model.safetensors.index.json").is_file() and len(shards) > 1
+    return d, m, shards
+
+
+def test_a_stale_single_file_beside_a_sharded_index_is_refused_naming_both(tmp_path):
+    """transformers prefers a model.safetensors left beside a sharded index and loads another model silently
+    (shown here); specdraft's loader refuses, naming both files, before loading anything."""
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.models import CheckpointWeightsError, load_causal_lm
+    from specdraft.testing import tiny_model
+
+    d, m, _ = _sharded(tmp_path)
+    tiny_model("llama", 64, seed=9, layers=2).save_pretrained(tmp_path / "old")
+    (d / "model.safetensors").write_bytes((tmp_path / "old" / "model.safetensors").read_bytes())
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        assert not torch.allclose(AutoModelForCausalLM.from_pretrained(d)(ids).logits, m(ids).logits)
+    with pytest.raises(CheckpointWeightsError, match=r"a model\.safetensors lies beside the sharded index "
+                                                     r"model\.safetensors\.index\.json \(\d+ shards: model-00001"):
+        load_causal_lm(d)
+
+
+def test_a_missing_shard_or_an_unindexed_tensor_is_refused_and_a_stray_file_warned(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specdraft.models import CheckpointWeightsError, load_causal_lm, weight_layout_problems
+
+    d, m, shards = _sharded(tmp_path)
+    assert weight_layout_problems(d) == ([], [])
+    loaded, _ = load_causal_lm(d)  # a sound sharded checkpoint loads, to the saved model
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in loaded.state_dict().items())
+    # A tensor in a shard that the index does not map to it.
+    tensors = load_file(str(d / shards[0]))
+    save_file(tensors | {"model.extra.weight": torch.zeros(2)}, str(d / shards[0]), metadata={"format": "pt"})
+    with pytest.raises(CheckpointWeightsError, match=rf"shards hold tensors .* does not map to them: "
+                                                     rf"model\.extra\.weight \({shards[0]}\)"):
+        load_causal_lm(d)
+    save_file(tensors, str(d / shards[0]), metadata={"format": "pt"})
+    # A stray file the index does not name: loaded fine, warned.
+    (d / "model-extra.safetensors").write_bytes((d / shards[0]).read_bytes())
+    with pytest.warns(UserWarning, match=r"weight files model\.safetensors\.index\.json does not name \(never loaded\)"
+                                         r": model-extra\.safetensors"):
+        load_causal_lm(d)
+    (d / "model-extra.safetensors").unlink()
+    # A missing shard.
+    (d / shards[-1]).unlink()
+    with pytest.raises(CheckpointWeightsError, match=rf"names shards that are not there: {shards[-1]}"):
+        load_causal_lm(d)
+    # Several files and no index.
+    (d / "model.safetensors.index.json").unlink()
+    errors, _ = weight_layout_problems(d)
+    assert errors and "no model.safetensors.index.json" in errors[0]

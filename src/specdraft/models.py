@@ -674,7 +674,8 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str | None = No
         for each config value corrected to match the tensors (empty when none; each one also warned).
 
     Raises:
-        CheckpointWeightsError: missing, unexpected or mismatched weights (names them and the directory).
+        CheckpointWeightsError: missing, unexpected or mismatched weights (names them and the directory); a mixed
+            or broken weight layout (:func:`check_weight_layout`, before anything is loaded).
         ModelResolutionError: the checkpoint cannot be loaded by ``cls`` (e.g. not a causal LM).
     """
     import warnings
@@ -682,6 +683,8 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str | None = No
     from transformers import AutoModelForCausalLM
 
     cls = cls or AutoModelForCausalLM
+    if Path(path).is_dir():
+        check_weight_layout(path)  # transformers picks one layout silently (a stale model.safetensors wins)
     try:
         model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     except ValueError as exc:
@@ -789,15 +792,86 @@ def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ..
     return shapes
 
 
+def weight_layout_problems(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """What is wrong with a checkpoint directory's weight layout: ``(refusals, warnings)``, one line each, naming
+    the files. One layout per directory: a single ``model.safetensors``, or shards and the
+    ``model.safetensors.index.json`` that maps every tensor to the shard holding it.
+
+    Refused (loading would silently compute another model, or fail on a missing weight): a ``model.safetensors``
+    beside a sharded index (transformers loads the single file and ignores the shards), a shard the index names
+    that is missing, a tensor a shard holds that the index does not map to it, a tensor the index maps to a shard
+    that does not hold it, several safetensors files without an index. Warned: safetensors files the index does
+    not name (never loaded), PyTorch ``*.bin`` weights beside safetensors ones (transformers loads the latter).
+    Headers only: no tensor is read.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    errors: list[str] = []
+    warns: list[str] = []
+    files = sorted(p.name for p in path.glob("*.safetensors") if not p.name.startswith("adapter_"))
+    bins = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        except (OSError, ValueError) as exc:
+            return [f"{index.name} cannot be read ({exc})"], warns
+        shards = sorted(set(weight_map.values()))
+        if "model.safetensors" in files and "model.safetensors" not in shards:
+            errors.append(f"a model.safetensors lies beside the sharded index {index.name} ({len(shards)} shards: "
+                          f"{_names(shards, 3)}); transformers would load model.safetensors and ignore the shards. "
+                          "Delete whichever is stale (or export the checkpoint again into an empty directory)")
+        if missing := [f for f in shards if f not in files]:
+            errors.append(f"{index.name} names shards that are not there: {_names(missing)}")
+        if stray := [f for f in files if f not in shards and f != "model.safetensors"]:
+            warns.append(f"weight files {index.name} does not name (never loaded): {_names(stray)}")
+        held: dict[str, set[str]] = {}
+        for f in shards:
+            if f in files:
+                with safe_open(str(path / f), framework="pt") as handle:
+                    held[f] = set(handle.keys())
+        unindexed = sorted(f"{k} ({f})" for f, keys in held.items() for k in keys if weight_map.get(k) != f)
+        if unindexed:
+            errors.append(f"shards hold tensors {index.name} does not map to them: {_names(unindexed)}")
+        if absent := sorted(f"{k} ({f})" for k, f in weight_map.items() if f in held and k not in held[f]):
+            errors.append(f"{index.name} maps tensors to shards that do not hold them: {_names(absent)}")
+    elif len(files) > 1:
+        errors.append(f"several weight files and no model.safetensors.index.json to say which tensors each holds: "
+                      f"{_names(files)}. Keep one layout (delete the stale files, or export again)")
+    if files and bins:
+        warns.append(f"PyTorch weights ({_names(bins)}) beside safetensors ones ({_names(files, 3)}): transformers "
+                     "loads the safetensors; delete the stale files")
+    return errors, warns
+
+
+def check_weight_layout(path: str | os.PathLike) -> None:
+    """Refuse a checkpoint directory with a mixed or broken weight layout, warn about stray files
+    (:func:`weight_layout_problems`).
+
+    Raises:
+        CheckpointWeightsError: names the files and the directory.
+    """
+    import warnings
+
+    errors, warns = weight_layout_problems(path)
+    for w in warns:
+        warnings.warn(f"{path}: {w}", stacklevel=3)
+    if errors:
+        raise CheckpointWeightsError(f"{path}: more than one weight layout, or a broken one — {'; '.join(errors)}.")
+
+
 def weight_files(path: str | os.PathLike) -> list[Path]:
     """The weight files of a checkpoint directory (``*.safetensors``, else ``*.bin``), each one its index names
     included.
 
     Raises:
         CheckpointWeightsError: the directory holds no weight file, or its ``*.index.json`` names a shard that is
-            not there (a checkpoint missing weights: loading it would fail, or initialise them at random).
+            not there (a checkpoint missing weights: loading it would fail, or initialise them at random), or more
+            than one weight layout (:func:`check_weight_layout`; stray files are warned about).
     """
     path = Path(path)
+    check_weight_layout(path)
     for index in sorted(path.glob("*.index.json")):
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()))
@@ -822,6 +896,7 @@ def check_checkpoint_weights(path: str | os.PathLike) -> None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_weight_layout(path)
     shapes = checkpoint_tensor_shapes(path)
     if shapes is None:
         return
