@@ -100,7 +100,8 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert after(saved) == after(report)
     # Statistics and the learning curve reach the report: the paired gain over the same 3 prompts, and
     # held-out α from step 0 to the last step.
-    assert "acceptance gain, paired 95% CI" in md and "greedy acceptance, 95% CI" in md
+    assert "acceptance] gain (paired) | — | " in md and "acceptance] greedy acceptance | " in md
+    assert "Intervals in brackets are 95% bootstrap CIs over prompts" in md
     # The page leads with the answers; every held-out set is timed (out-of-domain too) with the configuration named.
     assert md.index("**Can these two work together?** yes") < md.index("| measure |")
     for q in ("How much faster will it be?", "Can the draft agree more?", "Is it lossless on this pair?",
@@ -235,3 +236,39 @@ def test_run_takes_the_draft_options_into_both_evaluations():
         make_config("default", eval={"draft_quantization": "int2"})
     with pytest.raises(pydantic.ValidationError, match="vocab-swap"):
         make_config("default", vocab_swap=True, eval={"draft_head_tokens": 1000})
+
+
+def test_a_rerun_with_other_training_prompts_names_the_stage_and_offers_overwrite(tmp_path, monkeypatch):
+    """Re-running into the same --out with other training prompts failed inside the dump ("files that are not part
+    of a teacher dump (stage.json)"). Now the run stops before any work on that stage, naming it and what changed,
+    and --overwrite redoes it from an emptied directory."""
+    from typer.testing import CliRunner
+
+    import specdraft.distill as distill_mod
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir)
+    ev, out = _examples("klm", "e"), tmp_path / "run"
+
+    def stop(*a, **k):  # stop after the dump: the stages before distill are all that matter here
+        raise RuntimeError("stopped after the dump")
+
+    monkeypatch.setattr(distill_mod, "run_distill", stop)
+    with pytest.raises(PipelineError, match="stage 'distill' failed"):
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=_examples("cdefghij", "t"))
+    marker = (out / "dump" / "stage.json").read_text()
+    with pytest.raises(PipelineError) as e:
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=_examples("cdefgx", "t"))
+    msg = str(e.value)
+    assert f"{out} holds a finished 'dump' stage made from other inputs (prompts: 8 → 6 items (1 new, 3 gone))" in msg
+    assert "Pass --overwrite to redo 'dump' and the stages after it there, or choose a new --out." in msg
+    assert (out / "dump" / "stage.json").read_text() == marker  # nothing touched
+    logs = []
+    with pytest.raises(PipelineError, match="stage 'distill' failed"):
+        run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=_examples("cdefgx", "t"),
+                     overwrite=True)
+    assert any(m.startswith("[dump] inputs changed (prompts: 8 → 6 items") for m in logs)
+    redone = json.loads((out / "dump" / "stage.json").read_text())
+    assert redone["inputs"]["prompts"] == [f"t-{w}" for w in "cdefgx"] and redone["result"]["sequences"] == 6
+    assert "--overwrite" in CliRunner().invoke(app, ["run", "--help"], terminal_width=200).output

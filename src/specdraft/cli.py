@@ -1293,13 +1293,15 @@ def run_cmd(
     draft_head_tokens: HeadTokensOpt = None,
     gamma_policy: Annotated[GammaPolicy | None, typer.Option(
         help="Both evaluations: fixed γ, or adaptive (see specdraft eval --help). Default: the preset's.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo a stage that --out holds from other inputs "
+                                            "(other prompts or settings) instead of refusing it.")] = False,
 ) -> None:
     """Run the main job: check, evaluate, distil, export, report.
 
     check → evaluate → dump → distill → evaluate again → export → report; a re-run resumes, skipping finished
     stages."""
     from specdraft.pipeline import make_config, run_pipeline
-    from specdraft.report import answers, slowdown_notes, slower_note, summary_sections
+    from specdraft.report import SUMMARY_LEGEND, answers, slowdown_notes, slower_note
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
                       ood_prompts=ood_data, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
@@ -1311,16 +1313,12 @@ def run_cmd(
     load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
     for ref in (target, draft):
         _resolve_with_progress(ref)
-    report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False))
+    report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False), overwrite=overwrite)
     console.print(f"[bold]specdraft run — {escape(target)} ← {escape(draft)}[/]")
     for q, a in answers(report):
         console.print(f"[bold]{escape(q)}[/] {escape(a)}")
-    for title, rows in summary_sections(report):
-        table = Table(title=title, title_justify="left")
-        for col in ("measure", "before distillation", "after distillation"):
-            table.add_column(col, justify="left" if col == "measure" else "right")
-        for row in rows:
-            table.add_row(*row)
+    console.print(SUMMARY_LEGEND, highlight=False)
+    for table in summary_tables(report):
         console.print(table)
     if (note := slower_note(report)) is not None:
         console.print(f"[yellow]note:[/] {escape(note)}")
@@ -1332,6 +1330,22 @@ def run_cmd(
     console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
                   f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
                   markup=False, soft_wrap=True)
+
+
+def summary_tables(report: dict) -> list[Table]:
+    """The run summary's sections (:func:`specdraft.report.summary_sections`) as rich tables: one row per figure,
+    the set named in each table's title."""
+    from specdraft.report import summary_sections
+
+    tables = []
+    for title, rows in summary_sections(report):
+        table = Table(title=escape(title), title_justify="left")
+        for col in ("measure", "before distillation", "after distillation"):
+            table.add_column(col, justify="left" if col == "measure" else "right")
+        for row in rows:
+            table.add_row(*(escape(str(x)) for x in row))
+        tables.append(table)
+    return tables
 
 
 # ------------------------------------------------------------------------------------------ headroom

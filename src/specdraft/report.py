@@ -51,29 +51,36 @@ def _with_ci(value: float | None, ci: list[float] | None, spec: str = "{:.3f}") 
     return "—" if value is None else f"{spec.format(value)} {_fmt_ci(ci, spec)}" if ci else spec.format(value)
 
 
+#: Said once above the summary tables (terminal and report.md) instead of in every row's label.
+SUMMARY_LEGEND = ("Intervals in brackets are 95% bootstrap CIs over prompts; gains and speed-ups are paired "
+                  "(the same prompts before and after).")
+
+
 def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
     """The summary as sections: ``[(title, [(measure, before distillation, after distillation), …]), …]`` — per
     evaluation set the greedy acceptance with its interval, the paired gain, the drafted tokens it rests on and α at
-    the serving settings; then per timed set the interleaved speed run. Labels are short (a section names the set),
-    so the terminal table fits 80 columns."""
+    the serving settings with its paired gain; then per timed set the interleaved speed run. Labels are short (a
+    section names the set, :data:`SUMMARY_LEGEND` says what the brackets hold, one figure per row), so each row
+    of the terminal table stays on one line at 80 columns."""
     sections: list[tuple[str, list[tuple[str, str, str]]]] = []
     for name in _sets(report):
         b, a = report["eval_before"]["sets"][name], report["eval_after"]["sets"][name]
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
         rows = [
-            ("greedy acceptance, 95% CI", _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
+            ("greedy acceptance", _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
              _with_ci(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
-            ("acceptance gain, paired 95% CI", "—",
-             "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
+            ("gain (paired)", "—", "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
             ("drafted tokens", f"{b['drafted']:,}", f"{a['drafted']:,}"),
             ("tokens / target pass", _fmt(b["mean_accepted_length"], "{:.2f}"), _fmt(a["mean_accepted_length"], "{:.2f}")),
-            ("α at serving settings, 95% CI", _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95")),
-             _with_ci(a.get("alpha_sampled"), a.get("alpha_sampled_ci95"))
-             + ("" if sgain is None else f"; gain {sgain.value:+.3f} {_fmt_ci(sgain.interval, '{:+.3f}')}")),
+            ("α at serving settings", _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95")),
+             _with_ci(a.get("alpha_sampled"), a.get("alpha_sampled_ci95"))),
         ]
+        if sgain is not None:
+            rows.append(("α gain (paired)", "—", _with_ci(sgain.value, sgain.interval, "{:+.3f}")))
         if b.get("replay_check"):
-            rows.append(("replayed = decoded (prompts); decoded acceptance",
-                         f"{b['replay_check']}; {_fmt(b.get('decoded_acceptance_rate'))}", "—"))
+            # The after figures replay the target's answers written before; this says replay reproduces decoding.
+            rows += [("replayed = decoded", f"{b['replay_check']} prompts", "—"),
+                     ("decoded acceptance", _fmt(b.get("decoded_acceptance_rate")), "—")]
         sections.append((f"{SET_LABELS.get(name, name)} set, {b['prompts']} prompts: acceptance", rows))
     for name, sp in speed_sets(report).items():
         c = sp["contenders"]
@@ -81,18 +88,18 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         t = c["target"]
         hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
         rows = [
-            ("target alone (tokens/s)", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"), "(same run)"),
-            ("speculative (tokens/s)", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
+            ("target alone, tokens/s", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"), "(same run)"),
+            ("speculative, tokens/s", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
              _with_ci(d.get("tokens_per_s"), d.get("tokens_per_s_ci95"), "{:.2f}")),
-            ("speed-up vs target alone, paired 95% CI", _with_ci(o.get("speedup"), o.get("speedup_ci95"), "{:.2f}"),
+            ("speed-up (paired)", _with_ci(o.get("speedup"), o.get("speedup_ci95"), "{:.2f}"),
              _with_ci(d.get("speedup"), d.get("speedup_ci95"), "{:.2f}")),
-            ("transformers assisted (tokens/s)",
+            ("HF assisted, tokens/s",
              "—" if hf is None else _with_ci(hf["tokens_per_s"], hf["tokens_per_s_ci95"], "{:.2f}"), "—"),
             ("speed-up vs assisted", "—" if hf is None or not hf["tokens_per_s"] or not o.get("tokens_per_s") else
              f"{o['tokens_per_s'] / hf['tokens_per_s']:.2f}x",
              "—" if hf is None or not hf["tokens_per_s"] or not d.get("tokens_per_s") else
              f"{d['tokens_per_s'] / hf['tokens_per_s']:.2f}x"),
-            ("greedy output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
+            ("output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
         ]
         busy = " (busy machine)" if sp.get("busy_machine") else ""
         sections.append((f"{SET_LABELS.get(name, name)} set, {sp['prompts']} prompts: speed, interleaved{busy}", rows))
@@ -125,18 +132,18 @@ def configuration_line(report: dict[str, Any]) -> str | None:
 
 
 def slowdown_notes(report: dict[str, Any]) -> list[str]:
-    """One sentence per timed set where speculative decoding with the original draft was not faster than the target
-    alone (its paired interval's upper end ≤ 1, or the point estimate < 1)."""
+    """One sentence per timed set where speculative decoding was slower than the target alone (point estimate
+    < 1), naming each draft that was, with its paired interval."""
     notes = []
     for name, sp in speed_sets(report).items():
-        for who in ("original", "distilled"):
-            o = sp["contenders"].get(f"speculative:{who}")
-            if not o or o.get("speedup") is None:
-                continue
-            if o["speedup"] < 1.0:
-                notes.append(f"on the {SET_LABELS.get(name, name)} set the {who} draft decoded at {o['speedup']:.2f}x "
-                             f"the target alone {_fmt_ci(o.get('speedup_ci95'), '{:.2f}')}: this pair cannot win there "
-                             "at this acceptance and draft cost (adaptive γ drafts less where it predicts no gain)")
+        slow = [f"the {who} draft {o['speedup']:.2f}x {_fmt_ci(o.get('speedup_ci95'), '{:.2f}')}"
+                for who in ("original", "distilled")
+                if (o := sp["contenders"].get(f"speculative:{who}")) and o.get("speedup") is not None
+                and o["speedup"] < 1.0]
+        if slow:
+            notes.append(f"on the {SET_LABELS.get(name, name)} set speculative decoding was slower than the target "
+                         f"alone ({', '.join(slow)}): this pair cannot win there at this acceptance and draft cost "
+                         "(adaptive γ drafts less where it predicts no gain)")
     return notes
 
 
@@ -311,6 +318,8 @@ def render_markdown(r: dict[str, Any]) -> str:
              f"target's tokenizer ({sw['copied']:,} rows copied from a twin, {sw['from_pieces']:,} set to the mean "
              f"of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} to the mean row) and distilled, so "
              "*after* decodes without a mapping."), ""]),
+        SUMMARY_LEGEND,
+        "",
         "| measure | before distillation | after distillation |",
         "| --- | ---: | ---: |",
         *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in summary_rows(r)],
