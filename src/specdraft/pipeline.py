@@ -1,7 +1,8 @@
 """The main job, ``specdraft run``: from two checkpoints to a shipped, measured speculator.
 
 Stages, each a library call writing into ``OUT/<stage>/`` and finished by a ``stage.json`` holding the key of
-its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped):
+its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped; a finished stage
+whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``):
 
 1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
 2. ``eval_before`` greedy acceptance of the original draft per held-out set, decoded (the target's answers
@@ -186,13 +187,35 @@ def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class Runner:
-    """Runs stages with skip-if-done, timing and clear failure messages."""
+def changed_inputs(old: Any, new: Any, path: str = "") -> list[str]:
+    """What differs between a stage's recorded inputs and today's, one ``path: before → after`` per leaf (dicts by
+    key; a list by its items: how many were added and removed)."""
+    new = json.loads(json.dumps(new, sort_keys=True, default=str))  # as recorded in stage.json
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in sorted(set(old) | set(new), key=str)
+                for c in changed_inputs(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))]
+    if old == new:
+        return []
+    if isinstance(old, list) and isinstance(new, list):
+        added = sum(1 for x in new if x not in old)
+        removed = sum(1 for x in old if x not in new)
+        return [f"{path or 'inputs'}: {len(old)} → {len(new)} items ({added} new, {removed} gone)"]
+    short = lambda v: (s if len(s := json.dumps(v, default=str)) <= 40 else s[:37] + "...")
+    return [f"{path or 'inputs'}: {short(old)} → {short(new)}"]
 
-    def __init__(self, out: Path, command: str, log: Callable[[str], None] = _LOG.info):
+
+class Runner:
+    """Runs stages with skip-if-done, timing and clear failure messages.
+
+    A stage already finished in ``out`` with other inputs is refused (naming what changed), or redone from an
+    emptied directory with ``overwrite``: two runs' files never mix in one stage directory (a dump of other prompts
+    would otherwise meet the old one's shards)."""
+
+    def __init__(self, out: Path, command: str, log: Callable[[str], None] = _LOG.info, overwrite: bool = False):
         self.out = out
         self.command = command
         self.log = log
+        self.overwrite = overwrite
         self.timings: dict[str, dict[str, Any]] = {}
 
     def stage(self, name: str, inputs: Any, fn: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
@@ -205,6 +228,14 @@ class Runner:
                 self.timings[name] = {"seconds": saved.get("seconds", 0.0), "skipped": True}
                 self.log(f"[{name}] done earlier with the same inputs — skipped")
                 return saved["result"]
+            changes = changed_inputs(saved.get("inputs"), inputs) or ["the stage's key (inputs not recorded)"]
+            what = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+            if not self.overwrite:
+                raise PipelineError(f"{self.out} holds a finished '{name}' stage made from other inputs ({what}). "
+                                    f"Pass --overwrite to redo '{name}' and the stages after it there, or choose a "
+                                    "new --out.")
+            self.log(f"[{name}] inputs changed ({what}) — --overwrite: redoing it")
+            shutil.rmtree(d)
         d.mkdir(parents=True, exist_ok=True)
         self.log(f"[{name}] running…")
         t0 = time.time()
@@ -450,7 +481,7 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
 
 def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = None,
                  log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None,
-                 ood_examples=None) -> dict[str, Any]:
+                 ood_examples=None, overwrite: bool = False) -> dict[str, Any]:
     """Run every stage (skipping those already done with the same inputs) and write the report.
 
     Args:
@@ -459,19 +490,22 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         command: how to resume (shown on failure); default ``sys.argv``.
         log: where progress lines go (the CLI prints them; default: the ``specdraft`` logger at INFO).
         eval_examples / train_examples / ood_examples: explicit example lists (override the prompt sources).
+        overwrite: redo a stage finished in ``out`` with other inputs (its directory emptied first) instead of
+            refusing it.
 
     Returns:
         The ``report.json`` payload.
 
     Raises:
-        PipelineError: a stage failed (names it and the resume command), overlap refused, too little disk.
+        PipelineError: a stage failed (names it and the resume command), a stage finished in ``out`` with other
+            inputs (names the stage and what changed; without ``overwrite``), overlap refused, too little disk.
     """
     from specdraft.report import write_pipeline_report
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     command = command or " ".join(["specdraft"] + sys.argv[1:])
-    runner = Runner(out, command, log)
+    runner = Runner(out, command, log, overwrite)
     t_all = time.time()
     plan = _preflight(cfg, out, log, eval_examples, train_examples, ood_examples)
     fingerprint = {"target": cfg.target, "draft": cfg.draft}
