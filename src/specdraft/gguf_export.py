@@ -19,7 +19,8 @@ tree), never by hand, in five steps:
    add-BOS flag and BOS id (when added), same add-EOS flag and EOS id (when added), sizes within
    :data:`SPEC_VOCAB_MAX_SIZE_DIFFERENCE`, the same text for every token from id :data:`SPEC_VOCAB_CHECK_START`
    on. A pair llama.cpp would refuse ("the target and draft vocabs are not compatible") is refused here, naming
-   the first difference, before the draft is converted.
+   the first difference, before the draft is converted. Steps 2-4 run in one subprocess (:func:`run_converter`:
+   torch and transformers are imported once), the check between the ``--vocab-only`` jobs and the conversion.
 4. **Convert the draft** (f16, bf16, f32 or q8_0 straight from the converter; q4_k_m: a lossless f32/bf16
    GGUF first, then llama.cpp's ``llama-quantize`` binary, which must be given or on ``PATH``).
 5. The written file is read back and checked again (step 3), then renamed into place
@@ -313,12 +314,24 @@ def _converter_env(llama: LlamaCpp) -> dict[str, str]:
     return env
 
 
-# One interpreter for several conversions (torch and transformers are imported once): each job is the
-# converter's own command line, run as its __main__.
+#: The runner's exit status when the pair check between its jobs refuses the pair (reasons in the check's file).
+REFUSED_EXIT = 86
+
+# One interpreter for the whole export (torch and transformers are imported once): each job is the converter's own
+# command line, run as its __main__, or the pair check (llama_cpp_mismatches) between the --vocab-only jobs and the
+# conversion, so that a refused pair stops before any tensor is written.
 _RUNNER = """
 import json, runpy, sys
 script, jobs = sys.argv[1], json.loads(sys.argv[2])
 for i, argv in enumerate(jobs):
+    if isinstance(argv, dict):
+        from specdraft.gguf_export import REFUSED_EXIT, llama_cpp_mismatches, read_gguf_vocab
+        reasons = llama_cpp_mismatches(read_gguf_vocab(argv["draft"]), read_gguf_vocab(argv["target"]))
+        if reasons:
+            with open(argv["reasons"], "w") as f:
+                json.dump(reasons, f)
+            sys.exit(REFUSED_EXIT)
+        continue
     sys.argv = [script, *argv]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -329,19 +342,43 @@ for i, argv in enumerate(jobs):
 """
 
 
-def run_converter(llama: LlamaCpp, jobs: list[tuple[Path, Path, str, bool]], what: str) -> None:
-    """Run llama.cpp's converter on each ``(model_dir, outfile, outtype, vocab_only)``, in one subprocess of this
-    Python (its gguf-py first on ``sys.path``, as the script arranges itself).
+@dataclass(frozen=True)
+class PairCheck:
+    """A job of :func:`run_converter`: :func:`llama_cpp_mismatches` of two GGUFs written (or given) before it; the
+    reasons of a refusal are written to ``reasons`` (JSON) and the jobs after it are not run."""
+
+    draft: Path
+    target: Path
+    reasons: Path
+
+
+class PairRefused(GgufExportError):
+    """:class:`PairCheck` refused the pair; ``reasons`` are :func:`llama_cpp_mismatches`'s."""
+
+    def __init__(self, reasons: list[str]):
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+def run_converter(llama: LlamaCpp, jobs: list[tuple[Path, Path, str, bool] | PairCheck], what: str) -> None:
+    """Run llama.cpp's converter on each ``(model_dir, outfile, outtype, vocab_only)`` (and each :class:`PairCheck`),
+    in order, in one subprocess of this Python (its gguf-py first on ``sys.path``, as the script arranges itself).
 
     Raises:
+        PairRefused: a :class:`PairCheck` refused the pair (the later jobs did not run).
         GgufExportError: the converter failed: the model or tokenizer it does not know is named (e.g. a BPE
             pre-tokenizer it does not recognise) with the last lines of its log.
     """
-    argv = [[str(d), "--outfile", str(o), "--outtype", t, *(["--vocab-only"] if v else [])] for d, o, t, v in jobs]
+    argv = [{"draft": str(j.draft), "target": str(j.target), "reasons": str(j.reasons)} if isinstance(j, PairCheck)
+            else [str(j[0]), "--outfile", str(j[1]), "--outtype", j[2], *(["--vocab-only"] if j[3] else [])]
+            for j in jobs]
     proc = _run([sys.executable, "-c", _RUNNER, str(llama.script), json.dumps(argv)], env=_converter_env(llama),
                 cwd=llama.root)
     if proc.returncode == 0:
         return
+    checks = [j for j in jobs if isinstance(j, PairCheck)]
+    if proc.returncode == REFUSED_EXIT and checks and checks[0].reasons.is_file():
+        raise PairRefused(json.loads(checks[0].reasons.read_text()))
     log = (proc.stdout + proc.stderr).strip().splitlines()
     tail = " | ".join(line.strip() for line in log[-4:])
     text = "\n".join(log)
@@ -477,18 +514,23 @@ def llama_cpp_mismatches(draft: GgufVocab, target: GgufVocab) -> list[str]:
     return out
 
 
+def refusal(reasons: list[str], draft_ref: str, target_ref: str) -> GgufExportError:
+    """The error of a pair llama.cpp would refuse ("the target and draft vocabs are not compatible")."""
+    return GgufExportError(
+        f"llama.cpp would refuse {draft_ref} as the draft of {target_ref} (its vocabulary check: "
+        f"{'; '.join(reasons)}). Export a draft that shares the target's tokenizer: a vocab-swapped draft "
+        "(specdraft vocab-swap) carries it.")
+
+
 def check_pair(draft: GgufVocab, target: GgufVocab, draft_ref: str, target_ref: str) -> str:
     """:func:`llama_cpp_mismatches`, raised; returns the one-line verdict of an accepted pair.
 
     Raises:
-        GgufExportError: llama.cpp would refuse the pair ("the target and draft vocabs are not compatible").
+        GgufExportError: llama.cpp would refuse the pair (:func:`refusal`).
     """
     reasons = llama_cpp_mismatches(draft, target)
     if reasons:
-        raise GgufExportError(
-            f"llama.cpp would refuse {draft_ref} as the draft of {target_ref} (its vocabulary check: "
-            f"{'; '.join(reasons)}). Export a draft that shares the target's tokenizer: a vocab-swapped draft "
-            "(specdraft vocab-swap) carries it.")
+        raise refusal(reasons, draft_ref, target_ref)
     e = target.effective()
     bos = f"BOS {e['bos_id']} added" if e["add_bos"] else "no BOS added"
     return (f"llama.cpp accepts the pair: vocab type {e['vocab_type']}, {bos}, EOS {e['eos_id']}, "
@@ -515,7 +557,7 @@ class GgufResult:
         command: how llama.cpp serves the pair (:func:`specdraft.speed.llama_cpp_command`: ``llama-server -m
             TARGET --spec-type draft-simple -md DRAFT --spec-draft-n-max γ``); ``TARGET.gguf`` stands for a target
             given as an HF directory.
-        seconds / timings: wall time, seconds (``vocab_s``, ``convert_s``, ``quantize_s``).
+        seconds / timings: wall time, seconds (``convert_s``: vocabularies, check and conversion; ``quantize_s``).
     """
 
     out: Path
@@ -564,9 +606,9 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
     """Write ``draft`` as one GGUF file ``out`` that llama.cpp loads with ``-md`` beside ``verifier``'s GGUF.
 
     Order (module docstring): refuse an existing ``out`` (unless ``overwrite``) → find llama-quantize (q4_k_m) →
-    resolve the draft and check it has a config and a tokenizer → find (or fetch) the converter → both
-    vocabularies (``--vocab-only``, one subprocess) → llama.cpp's compatibility check → convert → (quantize) →
-    read back and check again → rename into place.
+    resolve the draft and check it has a config and a tokenizer → find (or fetch) the converter → in one
+    subprocess: both vocabularies (``--vocab-only``), llama.cpp's compatibility check, the conversion → (quantize)
+    → read back and check again → rename into place.
 
     Args:
         draft: a model reference (embedded name, HF directory — a speculator directory too —, cached hub id).
@@ -610,35 +652,34 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
     llama = find_llama_cpp(llama_cpp, progress=say)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".tmp-{out.name}-", dir=out.parent) as work:
+    with tempfile.TemporaryDirectory(prefix=f".tmp-{out.name}-", dir=out.parent) as work, \
+            atomic_path(out) as tmp_out:
         work = Path(work)
-        t = time.perf_counter()
-        say("reading both vocabularies with llama.cpp's converter (--vocab-only)")
-        jobs = [(draft_dir, work / "draft-vocab.gguf", "f16", True)]
+        target_vocab_file = target_gguf or work / "target-vocab.gguf"
+        # Both vocabularies (--vocab-only), the pair check, then the conversion: one subprocess, and a pair
+        # llama.cpp would refuse stops before any tensor is written.
+        jobs: list = [(draft_dir, work / "draft-vocab.gguf", "f16", True)]
         if target_dir is not None:
-            jobs.append((target_dir, work / "target-vocab.gguf", "f16", True))
-        run_converter(llama, jobs, what=f"{draft} / {verifier}")
-        target_vocab = read_gguf_vocab(target_gguf or work / "target-vocab.gguf")
-        check_pair(read_gguf_vocab(work / "draft-vocab.gguf"), target_vocab, str(draft), str(verifier))
-        timings["vocab_s"] = time.perf_counter() - t
-
-        with atomic_path(out) as tmp_out:
+            jobs.append((target_dir, target_vocab_file, "f16", True))
+        jobs.append(PairCheck(work / "draft-vocab.gguf", target_vocab_file, work / "refused.json"))
+        dense = tmp_out if quantize is None else work / "draft-dense.gguf"
+        jobs.append((draft_dir, dense, CONVERTER_OUTTYPES.get(gguf_type) or checkpoint_float_type(draft_dir), False))
+        t = time.perf_counter()
+        say(f"checking the pair and converting the draft to {gguf_type} with llama.cpp's converter")
+        try:
+            run_converter(llama, jobs, what=f"{draft} / {verifier}" if target_dir is not None else str(draft))
+        except PairRefused as exc:
+            raise refusal(exc.reasons, str(draft), str(verifier)) from None
+        timings["convert_s"] = time.perf_counter() - t
+        if quantize is not None:
             t = time.perf_counter()
-            say(f"converting the draft to {gguf_type} with llama.cpp's converter")
-            if quantize is None:
-                run_converter(llama, [(draft_dir, tmp_out, CONVERTER_OUTTYPES[gguf_type], False)], what=str(draft))
-            else:
-                dense = work / "draft-dense.gguf"
-                run_converter(llama, [(draft_dir, dense, checkpoint_float_type(draft_dir), False)], what=str(draft))
-                timings["convert_s"] = time.perf_counter() - t
-                t = time.perf_counter()
-                say(f"quantizing to {QUANTIZE_TYPES[gguf_type]} with {quantize}")
-                proc = _run([str(quantize), str(dense), str(tmp_out), QUANTIZE_TYPES[gguf_type]])
-                if proc.returncode != 0 or tmp_out.stat().st_size == 0:
-                    raise GgufExportError(f"{quantize} failed (exit {proc.returncode}): {_tail(proc)}")
-                timings["quantize_s"] = time.perf_counter() - t
-            timings.setdefault("convert_s", time.perf_counter() - t)
-            verdict = check_pair(read_gguf_vocab(tmp_out), target_vocab, str(draft), str(verifier))
+            say(f"quantizing to {QUANTIZE_TYPES[gguf_type]} with {quantize}")
+            proc = _run([str(quantize), str(dense), str(tmp_out), QUANTIZE_TYPES[gguf_type]])
+            if proc.returncode != 0 or tmp_out.stat().st_size == 0:
+                raise GgufExportError(f"{quantize} failed (exit {proc.returncode}): {_tail(proc)}")
+            timings["quantize_s"] = time.perf_counter() - t
+        # What was written, read back by this process's gguf package and checked again before it is renamed.
+        verdict = check_pair(read_gguf_vocab(tmp_out), read_gguf_vocab(target_vocab_file), str(draft), str(verifier))
 
     notes = []
     if target_gguf is None:

