@@ -401,7 +401,7 @@ def test_usage_names_arguments_and_switches_take_one_flag():
     r = CliRunner().invoke(app, ["rank", "--help"], prog_name="specdraft")
     assert r.output.splitlines()[0] == "Usage: specdraft rank [OPTIONS] DRAFTS..."
     off_switches = [(path, p) for path, p in _options() if getattr(p, "is_flag", False) and p.default is False]
-    assert {path for path, p in off_switches if p.name == "overwrite"} == {"convert", "vocab-swap"}
+    assert {path for path, p in off_switches if p.name == "overwrite"} == {"convert", "vocab-swap", "run"}
     for path, p in off_switches:
         assert not p.secondary_opts, (path, p.opts, p.secondary_opts)
     assert "<bool>" not in CliRunner().invoke(app, ["vocab-swap", "--help"]).output
