@@ -525,12 +525,12 @@ def convert(
         "--llama-quantize", metavar="PATH", help="llama.cpp's llama-quantize binary (--gguf-type q4_k_m); default "
         "$SPECDRAFT_LLAMA_QUANTIZE, else llama-quantize on PATH.")] = None,
 ) -> None:
-    """Package a draft as a speculator checkpoint for a verifier (or, --format gguf, a llama.cpp GGUF).
+    """Package a draft as a speculator checkpoint or llama.cpp GGUF.
 
-    Same weights (byte-identical
-    unless --dtype casts them), config.json plus three speculators_* keys, the draft's tokenizer files. Prints
-    the config diff and the vLLM commands. --format gguf writes one GGUF with llama.cpp's converter, refuses a pair
-    llama.cpp would refuse, and prints the llama-server command."""
+    A speculator: the same weights (byte-identical unless --dtype casts them), config.json plus three
+    speculators_* keys naming the verifier, the draft's tokenizer files; prints the config diff and the vLLM
+    commands. --format gguf: one GGUF written by llama.cpp's own converter, refused where llama.cpp would refuse
+    the pair; prints the llama-server command."""
     from specdraft.export import convert as convert_speculator
     from specdraft.speculator import MISSING
 
