@@ -171,8 +171,11 @@ def test_hf_generation_config_is_complete_and_explicit():
     assert gc.do_sample is True and gc.temperature == 0.7 and gc.top_k == 0 and gc.top_p == 0.9
     assert gc.repetition_penalty == 1.0 and gc.assistant_confidence_threshold == 0.0
     for key in ("repetition_penalty", "temperature", "top_k", "top_p", "no_repeat_ngram_size", "num_beams",
-                "typical_p", "epsilon_cutoff", "min_length"):
+                "typical_p", "epsilon_cutoff"):
         assert getattr(gc, key) is not None, key  # a None would be filled from a model's generation_config
+    # The length is max_new_tokens alone (a max_length beside it warns on every call); _models_generation_config
+    # stands this config in for both models', so no checkpoint's max_length / min_length can fill the None.
+    assert gc.max_new_tokens == 8 and gc.max_length is None and gc.min_length is None
 
 
 def test_run_eval_with_a_cheaper_draft_and_adaptive_gamma_is_lossless_and_predicts_its_speed():
@@ -433,3 +436,57 @@ def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_v
     assert "sampling certificate: 400 first-token draws" in r.output and "passed" in r.output
     saved = json.loads((tmp_path / "out" / "report.json").read_text())["summary"]["sampling_certificate"]
     assert saved["draws"] == 400 and 0 <= saved["p_value"] <= 1
+
+
+# The transformers notices specdraft's own assisted-generation calls caused (one per drafting round).
+OWN_NOTICES = ("seem to have been set", "generation-related arguments", "generation_config")
+
+
+@pytest.fixture
+def transformers_records():
+    """Every record transformers logs at WARNING or above while the test runs (its loggers do not propagate to
+    pytest's caplog), with warning_once's memory cleared so that a notice shown earlier in the session counts."""
+    import logging
+
+    import transformers
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    logging.Logger.warning_once.cache_clear()
+    root.addHandler(handler)
+    yield records
+    root.removeHandler(handler)
+    transformers.logging.set_verbosity(verbosity)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_compare_hf_emits_no_transformers_warnings_of_its_own(temperature, transformers_records, recwarn):
+    """eval --compare-hf printed "Both `max_new_tokens` and `max_length` seem to have been set" once per drafting
+    round and "Passing `generation_config` together with generation-related arguments is deprecated": the
+    generation config now is complete (no max_length / min_length beside the *_new_tokens)."""
+    import logging
+
+    tok = tiny_tokenizer(64)
+    target = tiny_model("llama", 64, seed=0, layers=2)
+    draft = perturbed(target, 0.05)
+    res = run_eval(target, draft, tok, [[5, 6, 7, 8], [9, 10, 11]],
+                   config=EvalConfig(num_speculative_tokens=3, max_new_tokens=10, compare_hf=True,
+                                     sampling=SamplingConfig(temperature=temperature), dtype="float32"))
+    assert res.hf_tokens > 0  # assisted generation ran
+    said = [r.getMessage() for r in transformers_records] + [str(w.message) for w in recwarn]
+    assert not [m for m in said if any(n in m for n in OWN_NOTICES)], said
+    # Nothing is hidden past the call, and within it only transformers' note about its own drafting call is: the
+    # same text from elsewhere and any other warning still reach the user.
+    log = logging.getLogger("transformers.generation.utils")
+    assert log.filters == []
+    from specdraft.evaluate import _INTERNAL_NOTICE, _models_generation_config
+
+    with _models_generation_config(target.generation_config, target, draft):
+        log.warning(f"{_INTERNAL_NOTICE}=({{'max_new_tokens'}}) is deprecated (a caller's own call)")
+        log.warning("a warning a user must see")
+    assert [r.getMessage() for r in transformers_records[-2:]] == [
+        f"{_INTERNAL_NOTICE}=({{'max_new_tokens'}}) is deprecated (a caller's own call)", "a warning a user must see"]

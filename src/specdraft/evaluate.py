@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -583,9 +585,12 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
     from transformers import GenerationConfig
 
     # transformers' own table of the values it falls back to (5.x); the deprecated beam-group keys warn when set.
+    # The length is max_new_tokens alone: a max_length / min_length beside it (the table's 20 and 0) makes every
+    # generate call — the target's and each drafting round of the assistant's — warn "Both `max_new_tokens` and
+    # `max_length` seem to have been set"; left None, transformers derives both from the *_new_tokens it is given.
     defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
-    for deprecated in ("num_beam_groups", "diversity_penalty"):
-        defaults.pop(deprecated, None)
+    for deprecated_or_length in ("num_beam_groups", "diversity_penalty", "max_length", "min_length"):
+        defaults.pop(deprecated_or_length, None)
     gc = GenerationConfig(**defaults)
     gc.update(do_sample=not sampling.greedy, max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_id),
               pad_token_id=pad_token_id, num_assistant_tokens=num_speculative_tokens,
@@ -595,6 +600,29 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
     return gc
 
 
+#: The one notice transformers logs about its own assisted-generation internals (5.x): its candidate generator calls
+#: ``assistant_model.generate(generation_config=..., max_new_tokens=..., min_new_tokens=...)`` each drafting round,
+#: which its deprecation check reports however the caller configured generation. Nothing a user can change.
+_INTERNAL_NOTICE = "Passing `generation_config` together with generation-related arguments"
+_CANDIDATE_GENERATOR = os.path.join("transformers", "generation", "candidate_generator.py")
+
+
+class _CandidateGeneratorNotice(logging.Filter):
+    """Drops :data:`_INTERNAL_NOTICE` when, and only when, transformers' candidate generator is on the stack that
+    logs it (its own call to the assistant); every other record — that notice from a caller's own ``generate``
+    call included — passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(_INTERNAL_NOTICE):
+            return True
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename.endswith(_CANDIDATE_GENERATOR):
+                return False
+            frame = frame.f_back
+        return True
+
+
 @contextlib.contextmanager
 def _models_generation_config(gc, target, draft):
     """Stand ``gc`` in for both models' ``generation_config`` during a ``generate`` call, then put theirs back.
@@ -602,8 +630,13 @@ def _models_generation_config(gc, target, draft):
     transformers fills every field a call leaves at ``None`` from ``self.generation_config`` and builds the
     assistant's settings from ``assistant_model.generation_config``; with ``gc`` in both places nothing of the
     checkpoints' own generation settings is used. The draft keeps its own special-token ids (another tokenizer).
+    With a complete ``gc`` (:func:`hf_generation_config`) the call itself warns of nothing; the one notice about
+    transformers' own drafting call is dropped for the call's duration (:class:`_CandidateGeneratorNotice`).
     """
     saved = [(m, m.generation_config) for m in (target, draft)]
+    notice = _CandidateGeneratorNotice()
+    log = logging.getLogger("transformers.generation.utils")
+    log.addFilter(notice)
     try:
         if draft is not target:
             dgc = copy.deepcopy(gc)
@@ -614,6 +647,7 @@ def _models_generation_config(gc, target, draft):
         target.generation_config = gc
         yield
     finally:
+        log.removeFilter(notice)
         for m, own in reversed(saved):
             m.generation_config = own
 
