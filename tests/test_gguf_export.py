@@ -260,3 +260,24 @@ def test_unrecognised_bpe_pre_tokenizer_is_named(llama_cpp, tmp_path):
     with pytest.raises(GgufExportError, match=r"does not recognise the BPE pre-tokenizer of .* \(chkhsh [0-9a-f]{64}\)"):
         export_gguf(draft, target, tmp_path / "draft.gguf", llama_cpp=llama_cpp.root)
     assert not (tmp_path / "draft.gguf").exists()
+
+
+def test_pipeline_export_writes_the_distilled_draft_as_gguf_when_asked(tmp_path, pair):
+    import json
+
+    from specdraft.data import Example
+    from specdraft.pipeline import make_config, run_pipeline
+
+    target, draft, _ = pair
+    ex = lambda words, tag: [Example(f"{tag}{i}", [{"role": "user", "content": f"a b {w}"}]) for i, w in
+                             enumerate(words)]
+    cfg = make_config("tiny", target=str(target), draft=str(draft), export_gguf="f16", speed_prompts=0)
+    report = run_pipeline(cfg, tmp_path / "run", eval_examples=ex("klm", "e"), train_examples=ex("cdefgh", "t"))
+    g = report["export"]["gguf"]
+    path = Path(g["path"])
+    assert path == (tmp_path / "run" / "export" / "draft-f16.gguf").resolve() and g["gguf_type"] == "f16"
+    assert path.stat().st_size == g["bytes"] and "-md" in g["llama_cpp_command"]
+    # The GGUF holds the exported (distilled, bf16) speculator's weights and the target's vocabulary.
+    assert_weights(path, str(tmp_path / "run" / "export" / "speculator"), torch.float16, atol=1e-2)
+    assert read_gguf_vocab(path).tokens == read_gguf_vocab(pair[2]).tokens
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["export"]["gguf"]["path"] == str(path)

@@ -1289,6 +1289,9 @@ def run_cmd(
     export_dtype: Annotated[ExportDtype | None, typer.Option(
         help="Weights dtype of the exported speculator (keep = the training dtype). Default: the preset's "
         "(bfloat16, what vLLM serves).")] = None,
+    export_gguf: Annotated[GgufType | None, typer.Option(
+        help="Also write the distilled draft as a llama.cpp GGUF of this type (export/draft-TYPE.gguf), checked "
+        "against the target's vocabulary as llama.cpp checks a -md draft.")] = None,
     draft_quantization: QuantOpt = None,
     draft_head_tokens: HeadTokensOpt = None,
     gamma_policy: Annotated[GammaPolicy | None, typer.Option(
@@ -1305,7 +1308,7 @@ def run_cmd(
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
                       ood_prompts=ood_data, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
-                      eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
+                      export_gguf=export_gguf, eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
                             "gamma_policy": gamma_policy})
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
     from specdraft.pipeline import load_sources
@@ -1330,6 +1333,9 @@ def run_cmd(
     console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
                   f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
                   markup=False, soft_wrap=True)
+    if exp.get("gguf"):
+        console.print(f"llama.cpp draft: {exp['gguf']['path']}\n  {exp['gguf']['llama_cpp_command']}",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 def summary_tables(report: dict) -> list[Table]:

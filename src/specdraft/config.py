@@ -339,6 +339,9 @@ class PipelineConfig(BaseModel):
     export_dtype: ExportDtype = Field(
         "bfloat16", description="Weights dtype of the exported speculator: bfloat16 (default) is what vLLM serves "
         "and what the real-weight presets evaluate in; 'keep' writes the distilled draft's training dtype.")
+    export_gguf: GgufType | None = Field(
+        None, description="Also write the distilled draft as a llama.cpp GGUF of this type beside the speculator "
+        "(export/draft-TYPE.gguf; specdraft.gguf_export.export_gguf, llama.cpp's own converter); None = no GGUF.")
     needs: str = Field("", description="What the preset needs (hardware, time).")
 
     @model_validator(mode="after")

@@ -474,7 +474,16 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
         ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
         path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} target-"
                                 "written answer tokens) + the embedded training prompts")
-        return res | {"head_tokens_file": str(path.resolve())}
+        res = res | {"head_tokens_file": str(path.resolve())}
+        if cfg.export_gguf is not None:  # the same draft for llama.cpp's -md, checked against the target's vocabulary
+            from specdraft.gguf_export import export_gguf
+
+            g = export_gguf(d / "speculator", plan.target.path, d / f"draft-{cfg.export_gguf}.gguf",
+                            gguf_type=cfg.export_gguf, num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                            overwrite=True)
+            res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
+                           "llama_cpp_command": g.command}
+        return res
 
     return run
 
@@ -537,7 +546,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         if not speed["lossless"]:
             raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
                                 f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
-    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": 1},
+    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": 1,
+                                                      **({"gguf": cfg.export_gguf} if cfg.export_gguf else {})},
                           _export_stage(cfg, plan, distilled["speculator"], out / "dump"))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
