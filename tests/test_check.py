@@ -663,8 +663,8 @@ def test_chat_templates_are_compared_by_what_they_render():
     print_report(r, console)
     text = " ".join(console.export_text().split())
     assert "chat template │ renders the same" in text
-    assert ("chat templates: both chat templates render the 4 probe conversations identically; the dump, the "
-            "evaluation and the export use the target's chat template") in text
+    assert ("chat templates: the 4 probe conversations render identically with both; the dump, the evaluation "
+            "and the export use the target's chat template") in text
 
 
 def test_eval_renders_prompts_with_the_targets_template(tmp_path, monkeypatch):

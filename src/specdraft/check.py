@@ -109,7 +109,7 @@ def template_difference(chat: dict[str, Any]) -> str:
     if chat["equal"] is None:
         return "neither tokenizer has a chat template"
     if chat["equal"]:
-        return f"both chat templates render the {len(chat['conversations'])} probe conversations identically"
+        return f"the {len(chat['conversations'])} probe conversations render identically with both"
     if not chat["draft_has_template"]:
         return "only the target has a chat template"
     if not chat["target_has_template"]:
