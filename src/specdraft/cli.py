@@ -1264,10 +1264,16 @@ def distill(
 # -------------------------------------------------------------------------------------------- run
 
 
+RunTargetOpt = Annotated[str | None, typer.Option("--target", "-t", help="Target (verifier): embedded name, local "
+                                                  "HF directory or cached hub id. Default: the preset's.")]
+RunDraftOpt = Annotated[str | None, typer.Option("--draft", "-d", help="Draft model: embedded name, local HF "
+                                                 "directory or cached hub id. Default: the preset's.")]
+
+
 @app.command("run", cls=_Command)
 def run_cmd(
-    target: TargetOpt = DEFAULT_TARGET,
-    draft: DraftOpt = DEFAULT_DRAFT,
+    target: RunTargetOpt = None,
+    draft: RunDraftOpt = None,
     train_data: Annotated[list[str] | None, typer.Option(
         help="Training prompt source name[:offset[:limit[:stride]]] (repeatable): " + SOURCES_HELP +
         " Default: the preset's.")] = None,
@@ -1283,9 +1289,10 @@ def run_cmd(
                                                      "hours), tiny (random models, tests).")] = "default",
     refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
                                                  help="Refuse when train and eval prompts overlap.")] = False,
-    vocab_swap: Annotated[bool, typer.Option(
+    vocab_swap: Annotated[bool | None, typer.Option(
         "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
-        "into the target's tokenizer, distil that (see specdraft vocab-swap).")] = False,
+        "into the target's tokenizer, distil that (see specdraft vocab-swap). Default: the preset's.",
+        show_default=False)] = None,
     export_dtype: Annotated[ExportDtype | None, typer.Option(
         help="Weights dtype of the exported speculator (keep = the training dtype). Default: the preset's "
         "(bfloat16, what vLLM serves).")] = None,
@@ -1314,6 +1321,7 @@ def run_cmd(
     from specdraft.pipeline import load_sources
 
     load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
+    target, draft = cfg.target, cfg.draft
     for ref in (target, draft):
         _resolve_with_progress(ref)
     report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False), overwrite=overwrite)

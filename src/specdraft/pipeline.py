@@ -128,7 +128,8 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    base = json.loads(json.dumps(PRESETS[preset])) | {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
+    # A preset may name its own pair (target, draft, vocab_swap); the embedded default pair otherwise.
+    base = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT} | json.loads(json.dumps(PRESETS[preset]))
     if isinstance(overrides.get("eval"), dict):
         base["eval"] |= {k: v for k, v in overrides.pop("eval").items() if v is not None}
     base.update({k: v for k, v in overrides.items() if v is not None})
