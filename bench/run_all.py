@@ -38,6 +38,7 @@ RUNS = [
     ["bench_loss_memory.py", "--seq", "2048", "--top-k", "20", "--repeats", "2"],
     ["bench_dump.py", "--num-examples", "24"],
     ["bench_distill.py", "--loss", "tvd"],
+    ["bench_distill_throughput.py"],
     ["bench_distill_gain.py", "--train", "mt-bench:1:20:3", "mt-bench:2:20:3", "--on-policy-fraction", "0", "0.5"],
 ]
 
@@ -176,9 +177,11 @@ def render() -> str:
                   f"| plain causal-LM fine-tuning | {t['plain']:.1f} |",
                   f"| specdraft distillation ({loss}, hidden teacher) | {t['distill']:.1f} |", "",
                   f"Loss overhead {r['overhead']:.1%}; target ≤ 15%: {_mark(r['overhead'] <= 0.15)}.", ""]
+    lines += _render_distill_throughput()
     lines += _render_distill_gain()
     lines += _render_distill_curve("distill-curve.json", "the embedded pair")
     lines += _render_distill_curve("distill-curve-smollm2.json", "SmolLM2-135M vocab-swapped into the target's tokenizer")
+    lines += _render_distill_routes()
     return "\n".join(lines)
 
 
@@ -223,6 +226,106 @@ def _render_distill_curve(name: str, what: str) -> list[str]:
         lines += ["", ("Sampled acceptance after the last step (α = Σ min(p̃, q̃) at the serving settings, temperature "
                        f"{r['settings']['temperature']}, teacher-forced over the same held-out answers; the bootstrap "
                        f"is paired per prompt): {sampled}.")]
+    return lines + [""]
+
+
+def _render_distill_routes() -> list[str]:
+    """Issue 21's demonstration: SmolLM2-135M vocab-swapped, distilled on mixed data; every route tried, its figures
+    and command (``bench/distill_routes.py`` collects them into distill-gain-smollm2.json)."""
+    r = _load("distill-gain-smollm2.json")
+    if not r:
+        return []
+    first = r["routes"][0]
+    fig = lambda s: (f"{s['acceptance_before']:.3f} → {s['acceptance_after']:.3f}, {s['gain']:+.3f} "
+                     f"{_ci(s['gain_ci95'])}") if s else "—"
+    lines = ["## Distillation where a gap exists — SmolLM2-135M vocab-swapped, mixed data (issue 21)", "",
+             (f"{first['date']}, {first['machine']}; {r['note']} Held-out chat: {first['sets']['chat']['prompts']} "
+              f"MT-Bench prompts (mt-bench:0:27:3), held-out code: {first['sets']['code']['prompts']} HumanEval "
+              "problems (humaneval:100:16:4); the target's greedy answers decoded once, every draft replayed on them "
+              "(exact greedy counts), gains paired per prompt with 95% bootstrap intervals. Minutes = this run's "
+              "dumps (a dump reused from `--work` counts 0 here; its own minutes are in the route's file) + training "
+              "(held-out replays of the curve included). Goal: " + r["goal"] + "."), "",
+             ("| route | data (sequences) | minutes (dump + train) | chat greedy acceptance, gain | code greedy "
+              "acceptance, gain |"), "| --- | --- | ---: | --- | --- |"]
+    for rt in r["routes"]:
+        data = ", ".join(f"{k} {v['sequences']}" + (f" ×{v['weight']}" if v.get("weight", 1) != 1 else "")
+                         for k, v in (rt["dumps"] or {}).items())
+        lines.append(f"| {rt['label']} | {data} | {rt['dump_minutes']:.1f} + {rt['train_minutes']:.1f} | "
+                     f"{fig(rt['sets']['chat'])} | {fig(rt['sets'].get('code'))} |")
+    lines += ["", "Commands:", ""] + [f"- {rt['label']}: `{rt['command']}`" for rt in r["routes"]]
+    code = r.get("code")
+    lines += ["", (f"Headline ({r['headline_route']}): chat {fig({**r, 'acceptance_before': r['acceptance_before']})}"
+                   f"; code {fig(code)}; {r['minutes']:.1f} minutes; goal {_mark(r['goal_met'])}. Distance left on "
+                   f"code to the {r['mapped_code_acceptance']} the same SmolLM2 reaches through the vocabulary "
+                   f"mapping: {r['code_distance_to_mapped']:.3f}.")]
+    if r.get("curve"):
+        lines += ["", "Learning curve of the headline route (held-out greedy acceptance, replayed during training):",
+                  "", "| step | chat acceptance | chat gain | code acceptance | code gain |",
+                  "| ---: | ---: | --- | ---: | --- |"]
+        cell = lambda v: f"{v['acceptance']:.3f} | {v['gain']:+.3f} {_ci(v['gain_ci95'])}" if v else "— | —"
+        lines += [f"| {p['step']} | {cell(p['chat'])} | {cell(p.get('code'))} |" for p in r["curve"]]
+    return lines + [""]
+
+
+def _render_distill_throughput(name: str = "distill-throughput.json") -> list[str]:
+    """Issue 21 item 3: trained tokens per minute of a distillation step, float32 against bf16 autocast and the
+    topk teacher; the loss of a short run on each; teacher tokens per minute, teacher-forced against generated."""
+    r = _load(name)
+    if not r:
+        return []
+    s, words = r["settings"], {"float32": "float32", "bf16-autocast": "bf16 autocast"}
+    label = lambda n: (f"{words[r['contenders'][n]['precision']]}, {r['contenders'][n]['teacher']} teacher"
+                       + (f" (top {s['top_k']})" if r["contenders"][n]["teacher"] == "topk" else ""))
+    fast, ref = r["fast_path"], r["reference"]
+    lines = ["## Distillation throughput — float32 against the fast path (issue 21)", "",
+             (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['torch']}. Target {r['target']} ← draft "
+              f"{r['draft']}; {s['batches']} fixed batches of {s['batch']} × {s['seq']} tokens cut from `{s['text']}` "
+              f"(chat template), loss `{s['loss']}`, all draft parameters, float32 master weights; teacher signal "
+              f"from the target in {s['dtype']} through the dump's own code.")]
+    st = r.get("step")
+    if st:
+        lines += ["", (f"Training step = `DistillModel` forward (draft + teacher + loss), backward, clipping and the "
+                       f"Trainer's optimizer ({st['optimizer']}); contenders interleaved batch by batch, median of "
+                       f"{s['repeats']} repeats."), "",
+                  "| training step | trained tokens / min | vs float32 |", "| --- | ---: | ---: |"]
+        lines += [f"| {label(n)} | {v:,.0f} | {st['speedup_vs_float32'][n]:.2f}x |"
+                  for n, v in st["tokens_per_minute"].items()]
+    cv = r.get("curve")
+    if cv:
+        lines += ["", (f"Loss of a {cv['steps']}-step run (`specdraft.distill.train`, lr {s['lr']}, cosine, seed 0, the "
+                       "same batches in the same order). |Δ| is against float32 step by step; noise = the float32 "
+                       f"curve's step-to-step scatter ({cv['noise']:.4f}). The topk run's logged loss is against the "
+                       "top-k teacher; the last column scores every trained draft against the exact teacher."), "",
+                  ("| run | final loss | max abs Δ | mean abs Δ | within noise | loss vs exact teacher after | "
+                   "its Δ within noise |"),
+                  "| --- | ---: | ---: | ---: | --- | ---: | --- |"]
+        for n, v in cv["final_loss"].items():
+            d = (f"{cv['max_abs_delta'][n]:.4f} | {cv['mean_abs_delta'][n]:.4f} | {cv['within_noise'][n]}"
+                 if n in cv["max_abs_delta"] else "— | — | —")
+            lines.append(f"| {label(n)} | {v:.4f} | {d} | {cv['exact_final_loss'][n]:.4f} | "
+                         f"{cv['exact_within_noise'].get(n, '—')} |")
+        lm = cv["topk_leftover_mass"]
+        lines += ["", (f"Teacher mass outside the top {s['top_k']} (the per-position bound on the topk loss's error): "
+                       f"mean {lm['mean']:.4f}, max {lm['max']:.4f}.")]
+    if st and cv:
+        x = st["speedup_vs_float32"][fast]
+        same = cv["exact_within_noise"][fast]
+        lines += ["", (f"Issue 21's goal, training throughput ×3 at equal quality ({label(fast)} against "
+                       f"{label(ref)}; quality = the loss against the exact teacher after the run, within the float32 "
+                       f"curve's noise): {_mark(x >= 3 and same)} ({x:.2f}x; equal quality {same}).")]
+    dp = r.get("dump")
+    if dp:
+        t = dp["tokens_per_minute"]
+        lines += ["", (f"Teacher signal (`run_dump`, format {s['dump_format']}, batch {s['dump_batch']}, target in "
+                       f"{s['dtype']}): the target answers `{s['prompts']}` with up to {s['generate']} tokens "
+                       "(`--generate`), and the same answers are then scored as existing text (teacher-forced: one "
+                       f"prefill per batch); median of {s['repeats']} interleaved repeats, loading excluded."), "",
+                  "| teacher signal | answer tokens | answer tokens / min |", "| --- | ---: | ---: |",
+                  (f"| target-written (`--generate {s['generate']}`) | {dp['answer_tokens']['generated']:,} | "
+                   f"{t['generated']:,.0f} |"),
+                  (f"| teacher-forced existing text | {dp['answer_tokens']['teacher_forced']:,} | "
+                   f"{t['teacher_forced']:,.0f} |"), "",
+                  f"Teacher-forced / target-written: {dp['speedup']:.1f}x answer tokens per minute."]
     return lines + [""]
 
 
