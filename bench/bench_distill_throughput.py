@@ -311,16 +311,22 @@ def leftover_mass(sig: dict) -> dict:
     return {"mean": float(mass.mean()), "max": float(mass.max())}
 
 
-def bench_dump(args: argparse.Namespace, work: Path) -> dict:
+def load_prompts(spec: str) -> list:
+    """The prompt messages of ``spec``'s examples (their replies dropped: the target writes its own)."""
+    from specdraft.data import Example
+    from specdraft.pipeline import load_sources
+
+    return [Example(e.id, e.prompt_messages) for e in load_sources([spec])]
+
+
+def bench_dump(args: argparse.Namespace, prompts: list, work: Path) -> dict:
     """Part 3: answer tokens per minute of ``run_dump --generate`` against teacher-forced ``run_dump`` of the same
     answers, interleaved (the forced run's text is the first generated run's answers)."""
     from specdraft.config import DumpConfig
     from specdraft.data import Example
     from specdraft.dump import TeacherDataset, run_dump
     from specdraft.models import load_tokenizer
-    from specdraft.pipeline import load_sources
 
-    prompts = [Example(e.id, e.prompt_messages) for e in load_sources([args.prompts])]
     common = {"format": args.dump_format, "top_k": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
               "dtype": args.dtype}
     cfgs = {"generated": DumpConfig(generate=args.generate, **common), "teacher_forced": DumpConfig(**common)}
@@ -392,6 +398,8 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the parts asked for and write ``--out/NAME.json``; bad input: one ``error:`` line, exit 2."""
+    from specdraft.data import DataError
+
     args = parse_args(argv)
     try:
         check_args(args)
@@ -409,7 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "needs one vocabulary (vocab-swap the draft first: specdraft.vocab.vocab_swap)")
         rows = fixed_rows(tok, args.text, args.batches * args.batch, args.seq) if {"step", "curve"} & set(
             args.parts) else []
-    except BenchError as exc:
+        prompts = load_prompts(args.prompts) if "dump" in args.parts else []
+    except (BenchError, DataError) as exc:  # DataError: a source that is not installed or gives nothing
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -437,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "dump" in args.parts:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="specdraft-bench-dump-") as work:
-            result["dump"] = bench_dump(args, Path(work))
+            result["dump"] = bench_dump(args, prompts, Path(work))
         result["phase_seconds"]["dump"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / f"{args.name}.json", json.dumps(result, indent=2))

@@ -79,15 +79,19 @@ def test_quick_run_on_a_tiny_pair_writes_every_part(tmp_path):
     (["--steps", "1"], "--steps 1"),
     (["--seq", "1"], "--seq 1"),
     (["--target", "/nonexistent/model-dir"], "--target /nonexistent/model-dir"),
+    (["--prompts", "no-such-source:0:4"], "no-such-source"),
+    (["--text", "mt-bench:0:1", "--seq", "4096"], "--text mt-bench:0:1 gives"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, argv, says):
     bench = _bench()
+    target, draft = save_tiny_pair(tmp_path / "pair")
+    out = tmp_path / "results"
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--quick", "--out", str(tmp_path), *argv])
+        bench.main(["--quick", "--target", target, "--draft", draft, "--out", str(out), *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0]
-    assert not list(tmp_path.iterdir())  # nothing written
+    assert not out.exists()  # nothing written
 
 
 def test_run_all_renders_the_throughput_section(tmp_path, monkeypatch):
@@ -124,3 +128,15 @@ def test_run_all_renders_the_throughput_section(tmp_path, monkeypatch):
     assert "×3 at equal quality" in text and ": met (3.30x; equal quality True)" in text
     assert "| teacher-forced existing text | 1,020 | 4,500 |" in text and "5.0x" in text
     assert run_all._render_distill_throughput("absent.json") == []
+
+
+def test_a_draft_of_another_tokenizer_is_refused_before_any_model_loads(tmp_path, capsys):
+    from specdraft.testing import tiny_tokenizer
+
+    bench = _bench()
+    target, _ = save_tiny_pair(tmp_path / "a")
+    _, other = save_tiny_pair(tmp_path / "b", tokenizer=tiny_tokenizer(128, swap=(10, 11)))
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--target", target, "--draft", other, "--out", str(tmp_path / "results")])
+    assert exc.value.code == 2
+    assert "has another tokenizer than --target" in capsys.readouterr().err
