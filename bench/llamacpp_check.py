@@ -46,11 +46,15 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 VOCAB = 300
 GAMMA = 3
 NUM_PROMPTS = 8
-MAX_NEW_TOKENS = 48  # llama-speculative-simple -n N prints N + 1 tokens; the others are asked for N + 1
+MAX_NEW_TOKENS = 48  # llama-speculative-simple -n N prints N + 1 .. N + γ + 1 tokens; plain runs are asked for the most
 TOLERANCE = 0.05
-NOISE = 0.02  # draft = target + N(0, NOISE²) on every weight (weights ~ N(0, 0.3²))
-THREADS = 2
+NOISE = 0.003  # draft = target + N(0, NOISE²) on every weight (weights ~ N(0, 0.3²))
+THREADS = 1  # one thread: OpenMP threads spin at barriers, and the machine may be shared
 TINY_CTX = 256  # the tiny models' max_position_embeddings
+# float32 throughout, so that llama.cpp computes the function specdraft does: its default f16 KV cache rounds K and
+# V, and flash attention (auto → on for CPU) rounds Q to f16 — enough to flip near-tied argmaxes of tiny random
+# models (logit gaps of 0.1 after a few dozen tokens).
+KV_TYPE, FLASH_ATTN = "f32", "off"
 TINY_DRAFT_TYPES = ("f32", "f16", "q4_k_m")  # f32: the cross-engine comparison; the others: load and stay lossless
 DOC = ROOT.parent / "docs" / "serving.md"
 RESULT = ROOT / "results" / "llamacpp-embedded.json"
@@ -58,11 +62,6 @@ START, END = "<!-- llamacpp-bench:start -->", "<!-- llamacpp-bench:end -->"
 
 
 # ------------------------------------------------------------------------------------------- shared
-
-
-def eog_tokens(log: str) -> dict[int, str]:
-    """llama.cpp's end-of-generation tokens as its model loader logs them (``print_info: EOG token = 4 '<eos>'``)."""
-    return {int(i): t for i, t in re.findall(r"EOG token\s*=\s*(\d+) '(.*)'", log)}
 
 
 def versions(tools) -> dict:
@@ -123,8 +122,8 @@ def draft_types() -> tuple[str, ...]:
 
 
 def specdraft_side(target, draft, tok, prompt_ids: list[list[int]], eog: list[int]) -> dict:
-    """specdraft's greedy decoding of each prompt (batch 1), target alone and speculative at γ = GAMMA, MAX + 1 new
-    tokens (llama.cpp's count), stopping at llama.cpp's end-of-generation tokens."""
+    """specdraft's greedy decoding of each prompt (batch 1), target alone and speculative at γ = GAMMA, stopping at
+    llama.cpp's end-of-generation tokens."""
     import torch
 
     from specdraft.decode import speculative_generate
@@ -132,10 +131,12 @@ def specdraft_side(target, draft, tok, prompt_ids: list[list[int]], eog: list[in
     alone_all, counts_all, same = [], None, 0
     for ids in prompt_ids:
         x = torch.tensor([ids])
-        kw = {"max_new_tokens": MAX_NEW_TOKENS + 1, "real_vocab": len(tok), "eos_token_id": eog}
-        alone, _ = speculative_generate(target, None, x, **kw)
-        spec, counts = speculative_generate(target, draft, x, num_speculative_tokens=GAMMA, **kw)
-        same += spec == alone
+        kw = {"real_vocab": len(tok), "eos_token_id": eog}
+        # The target alone as far as llama.cpp's plain run goes; speculative as far as its speculative run must.
+        alone, _ = speculative_generate(target, None, x, max_new_tokens=MAX_NEW_TOKENS + GAMMA + 1, **kw)
+        spec, counts = speculative_generate(target, draft, x, num_speculative_tokens=GAMMA,
+                                            max_new_tokens=MAX_NEW_TOKENS + 1, **kw)
+        same += spec[0] == alone[0][:len(spec[0])]
         alone_all.append(alone[0])
         counts_all = counts if counts_all is None else counts_all.merge(counts)
     return {"target_alone": alone_all, "lossless": same, "acceptance_rate": counts_all.acceptance_rate,
@@ -144,19 +145,27 @@ def specdraft_side(target, draft, tok, prompt_ids: list[list[int]], eog: list[in
 
 def pieces(tok, ids: list[int], eog: set[int]) -> bytes:
     """What llama.cpp prints for ``ids`` of the tiny SPM vocabulary (``common_token_to_piece``, specials as text):
-    ``▁`` as a space, ``<0xXX>`` as that byte; an end-of-generation token ends the text unprinted."""
+    ``▁`` as a space, ``<0xXX>`` as that byte (``<0x00>`` as nothing: it is printed with ``%s``, a C string); an
+    end-of-generation token ends the text unprinted."""
     out = b""
     for t in ids:
         if t in eog:
             break
         s = tok.convert_ids_to_tokens(t)
         m = re.fullmatch(r"<0x([0-9A-F]{2})>", s)
-        out += bytes([int(m.group(1), 16)]) if m else s.replace("▁", " ").encode()
+        out += (bytes([int(m.group(1), 16)]) if m else s.replace("▁", " ").encode()).replace(b"\0", b"")
     return out
 
 
 def run_tiny(args, tools) -> int:
-    from specdraft.llama_cpp import completion_command, first_difference, run_llama, speculative_command
+    from specdraft.llama_cpp import (
+        completion_command,
+        eog_tokens,
+        first_difference,
+        run_llama,
+        speculative_command,
+        speculative_matches_plain,
+    )
     from specdraft.testing import tiny_corpus
 
     out = args.out.absolute()
@@ -168,20 +177,21 @@ def run_tiny(args, tools) -> int:
     texts = [" ".join(line.split()[:8]) for line in tiny_corpus(NUM_PROMPTS, seed=7)]
     checks: list[dict] = []
     runs: list[dict] = []
-    plain_runs, eog = [], {}
+    plain_runs = []
+    eog = eog_tokens(tools, built["ggufs"]["target"])
+    record_check(checks, "llama.cpp's end-of-generation tokens are the tokenizer's EOS and <|im_end|>",
+                 sorted(eog) == sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}), str(eog))
     for k, text in enumerate(texts):
-        plain = run_llama(completion_command(tools, built["ggufs"]["target"], text, MAX_NEW_TOKENS + 1,
-                                             threads=THREADS, ctx_size=TINY_CTX),
+        plain = run_llama(completion_command(tools, built["ggufs"]["target"], text, MAX_NEW_TOKENS + GAMMA + 1,
+                                             threads=THREADS, ctx_size=TINY_CTX, kv_type=KV_TYPE,
+                                             flash_attn=FLASH_ATTN),
                           eog_pieces=tuple(p.encode() for p in eog.values()))
-        if not eog:
-            eog = eog_tokens(plain.log)
-            if eog:  # the first prompt's output is read again knowing the end-of-generation pieces
-                plain = run_llama(plain.command, eog_pieces=tuple(p.encode() for p in eog.values()))
         plain_runs.append(plain)
         if plain.returncode != 0 or plain.prompt_ids is None:
             record_check(checks, f"prompt {k}: llama-completion runs the target GGUF", False,
-                         f"exit {plain.returncode}; {plain.log.strip().splitlines()[-1:] or ''}")
-            return finish_tiny(out, built, checks, runs, None, t0)
+                         f"exit {plain.returncode} after {plain.attempts} attempt(s); "
+                         f"{plain.log.strip().splitlines()[-1:] or ''}")
+            return finish_tiny(out, built, checks, runs, None, t0, tools)
     prompt_ids = [p.prompt_ids for p in plain_runs]
     hf_ids = [tok(t)["input_ids"] for t in texts]
     record_check(checks, "llama.cpp tokenizes the prompts as the HF tokenizer does", None,
@@ -208,14 +218,16 @@ def run_tiny(args, tools) -> int:
         diffs = []
         for k, text in enumerate(texts):
             spec = run_llama(speculative_command(tools, built["ggufs"]["target"], built["ggufs"][name], text,
-                                                 MAX_NEW_TOKENS, n_max=GAMMA, threads=THREADS, ctx_size=TINY_CTX))
+                                                 MAX_NEW_TOKENS, n_max=GAMMA, threads=THREADS, ctx_size=TINY_CTX,
+                                                 kv_type=KV_TYPE, flash_attn=FLASH_ATTN))
             ok = spec.returncode == 0 and spec.speculative is not None
             loaded += ok
-            row = {"prompt": k, "config": name, "returncode": spec.returncode, "command": shlex.join(spec.command)}
+            row = {"prompt": k, "config": name, "returncode": spec.returncode, "attempts": spec.attempts,
+                   "command": shlex.join(spec.command)}
             if ok:
                 drafted += spec.speculative.n_drafted
                 accepted += spec.speculative.n_accept
-                pos = first_difference(spec.output, plain_runs[k].output)
+                pos = speculative_matches_plain(spec.output, plain_runs[k].output)
                 equal += pos is None
                 if pos is not None:
                     echo = len(plain_runs[k].prompt_echo or b"")
@@ -303,10 +315,11 @@ def run_embedded(args, tools) -> int:
     from specdraft.data import load_examples, render_prompt
     from specdraft.llama_cpp import (
         completion_command,
-        first_difference,
+        eog_tokens,
         llama_bench,
         run_llama,
         speculative_command,
+        speculative_matches_plain,
     )
     from specdraft.models import embedded_gguf
 
@@ -323,19 +336,22 @@ def run_embedded(args, tools) -> int:
     tok = chat_tokenizer(args.target, target_gguf)
     examples = load_examples("humaneval", limit=args.num_prompts, offset=args.offset)
     prompts = [render_prompt(tok, ex) for ex in examples]
+    eog = tuple(t.encode() for t in eog_tokens(tools, target_gguf).values())
     configs = [("plain", None, 0)] + [(name, path, n) for name, path in drafts.items() for n in args.n_max]
     rows: dict[str, list[dict]] = {label(c): [] for c in configs}
+    # As many tokens as the longest speculative run can print (speculative_command), so each compares with a prefix.
+    plain_n = args.max_new_tokens + max(args.n_max) + 1
     for k, (ex, prompt) in enumerate(zip(examples, prompts, strict=True)):
         plain_out = None
         for cfg in configs:
             name, path, n = cfg
             if path is None:
-                cmd = completion_command(tools, target_gguf, prompt, args.max_new_tokens + 1, threads=args.threads,
+                cmd = completion_command(tools, target_gguf, prompt, plain_n, threads=args.threads,
                                          ctx_size=args.ctx_size)
             else:
                 cmd = speculative_command(tools, target_gguf, path, prompt, args.max_new_tokens, n_max=n,
                                           threads=args.threads, ctx_size=args.ctx_size)
-            run = run_llama(cmd, eog_pieces=(b"<|im_end|>", b"<|endoftext|>"))
+            run = run_llama(cmd, eog_pieces=eog)
             row = {"prompt": ex.id, "returncode": run.returncode, "wall_s": run.seconds,
                    "decode_tokens": run.decode_tokens, "decode_s": run.decode_s}
             if run.returncode != 0:
@@ -344,7 +360,7 @@ def run_embedded(args, tools) -> int:
                 plain_out = run.output
                 row["prompt_tokens"] = len(run.prompt_ids or [])
             else:
-                pos = first_difference(run.output, plain_out) if plain_out is not None else None
+                pos = speculative_matches_plain(run.output, plain_out) if plain_out is not None else None
                 row["equal_to_plain"] = pos is None
                 if pos is not None:
                     row["first_difference"] = {"byte": pos, "plain": plain_out[pos:pos + 32].decode("utf-8", "replace"),
@@ -362,7 +378,7 @@ def run_embedded(args, tools) -> int:
             bench[name] = llama_bench(tools, path, prompt_widths=tuple(range(2, 10)), n_gen=args.bench_n_gen,
                                       threads=args.threads, repetitions=args.bench_repetitions)
     commands = {label(c): shlex.join(
-        completion_command(tools, target_gguf, "PROMPT", args.max_new_tokens + 1, args.threads, args.ctx_size)
+        completion_command(tools, target_gguf, "PROMPT", plain_n, args.threads, args.ctx_size)
         if c[1] is None else
         speculative_command(tools, target_gguf, c[1], "PROMPT", args.max_new_tokens, c[2], args.threads,
                             args.ctx_size)).replace(str(tools.bin_dir) + "/", "") for c in configs}

@@ -77,6 +77,19 @@ def test_join_verifies_sha256_and_removes_partial_file(tmp_path):
     assert "sdpartsok-dist1==1.0" in str(e.value)
 
 
+def test_embedded_gguf_joins_the_parts_once_into_the_cache_and_rejoins_a_truncated_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    m = _fake_parts(tmp_path, [b"abc" * 1000, b"defg" * 500], "sdggufjoin")
+    monkeypatch.setitem(EMBEDDED, m.name, m)
+    path = models.embedded_gguf(m.name)
+    assert path == tmp_path / "cache" / "gguf" / "fake.gguf" and path.read_bytes() == b"abc" * 1000 + b"defg" * 500
+    assert [p.name for p in path.parent.iterdir() if not p.name.startswith(".")] == ["fake.gguf"]
+    path.write_bytes(b"abc")  # a truncated file (not what a checked join leaves) is joined again
+    assert models.embedded_gguf(m.name).read_bytes() == b"abc" * 1000 + b"defg" * 500
+    with pytest.raises(ModelResolutionError, match="Unknown embedded model"):
+        models.embedded_gguf("no-such-model")
+
+
 def test_killed_conversion_leaves_no_cache_entry_and_one_build_for_two_callers(tmp_path, monkeypatch):
     """A failing conversion leaves nothing usable; two concurrent callers build the entry once."""
     from specdraft.testing import tiny_model, tiny_tokenizer

@@ -368,7 +368,7 @@ class LlamaRun:
         prompt_ids: the prompt as llama.cpp tokenized it (``--verbose-prompt``, ``llama-completion`` only).
         prompt_echo: the bytes of the prompt's pieces (the start of ``output``) where known.
         speculative: :func:`parse_speculative_simple`'s counters (``llama-speculative-simple`` only).
-        returncode: the exit status.
+        returncode: the exit status; ``attempts``: runs it took (:func:`run_llama`).
     """
 
     command: list[str]
@@ -381,6 +381,14 @@ class LlamaRun:
     prompt_ids: list[int] | None = None
     prompt_echo: bytes | None = None
     speculative: SpeculativeStats | None = None
+    attempts: int = 1
+
+    @property
+    def complete(self) -> bool:
+        """Its closing figures were printed (a speculative run's counters; a plain run's prompt and timings)."""
+        if Path(self.command[0]).name == "llama-speculative-simple":
+            return self.speculative is not None
+        return self.prompt_ids is not None and self.decode_s is not None
 
     @property
     def decode_tps(self) -> float | None:
@@ -396,36 +404,72 @@ class LlamaRun:
 
 
 def completion_command(tools: LlamaCppTools, model: str | os.PathLike, prompt: str, n_predict: int,
-                       threads: int = 2, ctx_size: int = 2048) -> list[str]:
+                       threads: int = 2, ctx_size: int = 2048, kv_type: str | None = None,
+                       flash_attn: str | None = None) -> list[str]:
     """``llama-completion`` decoding ``prompt`` greedily (``--temp 0``) for ``n_predict`` tokens, ``prompt`` taken as
     given (no chat template of llama.cpp's: ``-no-cnv``; no escape processing), special tokens printed as text
-    (``--special``, as ``llama-speculative-simple`` prints them) and the prompt's ids logged (``--verbose-prompt``)."""
+    (``--special``, as ``llama-speculative-simple`` prints them) and the prompt's ids logged (``--verbose-prompt``).
+    ``kv_type``: the KV cache's type (``-ctk``/``-ctv``; llama.cpp's default f16 when ``None``); ``flash_attn``:
+    ``-fa on|off|auto`` (default auto, which on CPU turns it on — and its kernel rounds Q to f16)."""
     return [str(tools["llama-completion"]), "-m", str(model), "-p", prompt, "--no-escape", "-no-cnv", "--special",
-            "--verbose-prompt", "-n", str(n_predict), "--temp", "0", "-t", str(threads), "-c", str(ctx_size),
-            "--no-warmup"]
+            "--verbose-prompt", "-n", str(n_predict), "--temp", "0", "-t", str(threads), "-c", str(ctx_size)] + (
+        ["-ctk", kv_type, "-ctv", kv_type] if kv_type else []) + (["-fa", flash_attn] if flash_attn else [])
 
 
 def speculative_command(tools: LlamaCppTools, target: str | os.PathLike, draft: str | os.PathLike, prompt: str,
                         n_predict: int, n_max: int = 3, threads: int = 2, ctx_size: int = 2048,
-                        p_min: float | None = None) -> list[str]:
+                        p_min: float | None = None, kv_type: str | None = None,
+                        flash_attn: str | None = None) -> list[str]:
     """``llama-speculative-simple`` with ``draft`` as its ``-md`` draft (``--spec-type draft-simple``), greedy, at most
     ``n_max`` drafts per round (``--spec-draft-n-max``; ``p_min``: ``--spec-draft-p-min``, llama.cpp's default 0 when
-    ``None``).
+    ``None``); ``kv_type``: both models' KV cache type (``-ctk/-ctv/-ctkd/-ctvd``; f16 when ``None``);
+    ``flash_attn``: ``-fa`` (see :func:`completion_command`).
 
-    It prints ``n_predict + 1`` tokens for ``-n n_predict`` (pinned version: its budget check stops only once more
-    than ``n_predict`` were emitted, the last round drafting nothing): compare it with ``llama-completion -n
-    n_predict + 1``."""
+    It prints from ``n_predict + 1`` to ``n_predict + n_max + 1`` tokens for ``-n n_predict`` (pinned version,
+    examples/speculative-simple: it stops once more than ``n_predict`` were emitted, and a round whose budget is
+    used up drafts a full ``n_max`` — the draft's limit 0 means none): compare its output with a prefix of
+    ``llama-completion -n n_predict + n_max + 1`` (:func:`speculative_matches_plain`)."""
     cmd = [str(tools["llama-speculative-simple"]), "-m", str(target), "--spec-type", "draft-simple", "-md",
            str(draft), "--spec-draft-n-max", str(n_max), "-p", prompt, "--no-escape", "-n", str(n_predict),
-           "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", str(ctx_size), "--no-warmup"]
-    return cmd + (["--spec-draft-p-min", str(p_min)] if p_min is not None else [])
+           "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", str(ctx_size)]
+    cmd += ["--spec-draft-p-min", str(p_min)] if p_min is not None else []
+    cmd += ["-fa", flash_attn] if flash_attn else []
+    return cmd + (["-ctk", kv_type, "-ctv", kv_type, "-ctkd", kv_type, "-ctvd", kv_type] if kv_type else [])
 
 
 _ENTRY = re.compile(r"[ \t]*(\d+) -> '")
 _ENTRY_END_NEXT = re.compile(r"'\n(?=[ \t]*\d+ -> ')")
 _ENTRY_END = re.compile(r"'\n")
-_EVAL = re.compile(r"llama_perf_context_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+_EVAL = re.compile(r"(?:common_perf_print|llama_perf_context_print):\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+# Each log line starts with the time since start and the level ("0.04.487.016 I "); continuation lines do not.
+_LOG_PREFIX = re.compile(r"(?m)^\d+\.\d+\.\d+\.\d+ [A-Z] ")
 END_OF_TEXT = b" [end of text]\n"
+
+
+def strip_log_prefixes(log: str) -> str:
+    """llama.cpp's log (stderr) without the ``0.04.487.016 I `` time-and-level prefix of each line."""
+    return _LOG_PREFIX.sub("", log)
+
+
+def parse_eog_tokens(log: str) -> dict[int, str]:
+    """The end-of-generation tokens the model loader lists (``print_info: EOG token = 4 '<eos>'``, logged at
+    verbosity 4): id → text."""
+    return {int(i): t for i, t in re.findall(r"EOG token\s*=\s*(\d+) '(.*)'", strip_log_prefixes(log))}
+
+
+def eog_tokens(tools: LlamaCppTools, gguf: str | os.PathLike) -> dict[int, str]:
+    """llama.cpp's end-of-generation tokens of ``gguf`` (:func:`parse_eog_tokens` of a one-token
+    ``llama-completion -lv 4``): what ends a generation in both programs, and what ``llama-completion --special``
+    prints before ``[end of text]``.
+
+    Raises:
+        LlamaCppError: the run failed.
+    """
+    proc = _run([str(tools["llama-completion"]), "-m", str(gguf), "-p", "a", "-n", "1", "-no-cnv", "--temp", "0",
+                 "-c", "64", "-t", "1", "-lv", "4", "--no-warmup"], errors="replace")
+    if proc.returncode != 0:
+        raise LlamaCppError(f"llama-completion could not load {gguf} (exit {proc.returncode}): {_tail(proc)}")
+    return parse_eog_tokens(proc.stderr)
 
 
 def parse_verbose_prompt(log: str) -> tuple[list[int], bytes] | None:
@@ -449,29 +493,29 @@ def parse_verbose_prompt(log: str) -> tuple[list[int], bytes] | None:
     return ids, "".join(pieces).encode("utf-8", "surrogateescape")
 
 
-def run_llama(cmd: list[str], timeout_s: float = 600, eog_pieces: tuple[bytes, ...] = ()) -> LlamaRun:
-    """Run a ``completion_command`` or ``speculative_command``; returns the :class:`LlamaRun` (also when it
-    failed: read ``returncode``). ``eog_pieces``: the texts of the end-of-generation tokens, removed from the end of
-    ``llama-completion``'s output together with its ``[end of text]`` (``llama-speculative-simple`` prints neither).
-    """
-    import time
-
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, capture_output=True, timeout=timeout_s)
-    seconds = time.perf_counter() - t0
+def parse_run(cmd: list[str], stdout: bytes, stderr: bytes, returncode: int, seconds: float = 0.0,
+              eog_pieces: tuple[bytes, ...] = ()) -> LlamaRun:
+    """A :class:`LlamaRun` from what ``llama-completion`` or ``llama-speculative-simple`` (told apart by
+    ``cmd[0]``'s name) printed. ``eog_pieces``: the texts of the end-of-generation tokens, removed from the end of
+    ``llama-completion``'s output together with its ``[end of text]`` (``llama-speculative-simple`` prints neither)."""
     # surrogateescape: the prompt's pieces in the log are byte fragments too (byte-fallback tokens); they must
     # encode back to the very bytes of stdout.
-    out, log = proc.stdout, proc.stderr.decode("utf-8", "surrogateescape")
-    run = LlamaRun(command=cmd, output=out, log=log, seconds=seconds, returncode=proc.returncode)
+    out, log = stdout, strip_log_prefixes(stderr.decode("utf-8", "surrogateescape"))
+    run = LlamaRun(command=cmd, output=out, log=log, seconds=seconds, returncode=returncode)
     if Path(cmd[0]).name == "llama-speculative-simple":
-        # stdout: "\n\n", the prompt's pieces, the generated pieces, "\n\n".
-        run.output = out.removeprefix(b"\n\n").removesuffix(b"\n\n")
+        # stdout: "\n\n", the prompt's pieces, the generated pieces, "\n\n" before the statistics and "\n\n" at exit.
+        # The last may be lost (see run_llama): a lost one leaves the output shorter by a generated "\n\n" at worst.
+        out = out.removeprefix(b"\n\n")
+        run.output = out.removesuffix(b"\n\n\n\n") if out.endswith(b"\n\n\n\n") else out.removesuffix(b"\n\n")
         try:
             run.speculative = parse_speculative_simple(log)
             run.decode_tokens, run.decode_s = run.speculative.decoded, run.speculative.decode_s
         except LlamaCppError:
             pass
     else:
+        # stdout: the prompt's pieces, the generated ones (an end-of-generation token's text and " [end of text]\n"
+        # when one came), "\n\n" — printed before the timings, so present whenever they are.
+        out = out.removesuffix(b"\n\n")
         if out.endswith(END_OF_TEXT):
             out = out.removesuffix(END_OF_TEXT)
             out = next((out.removesuffix(p) for p in eog_pieces if p and out.endswith(p)), out)
@@ -484,6 +528,38 @@ def run_llama(cmd: list[str], timeout_s: float = 600, eog_pieces: tuple[bytes, .
         if prompt is not None:
             run.prompt_ids, run.prompt_echo = prompt
     return run
+
+
+def run_llama(cmd: list[str], timeout_s: float = 600, eog_pieces: tuple[bytes, ...] = (),
+              attempts: int = 3) -> LlamaRun:
+    """Run a ``completion_command`` or ``speculative_command`` (:func:`parse_run`); returns the :class:`LlamaRun`,
+    also when it failed (read ``returncode`` and ``complete``).
+
+    llama.cpp's tools print through a logging thread that is not flushed at exit (common/log.cpp, pinned version:
+    "this design may cause logs to be lost if not flushed before the program exits"); on a busy machine the end of
+    a run's output is sometimes missing although it exited 0. A run whose closing figures are missing is run again,
+    up to ``attempts`` times in all (``LlamaRun.attempts``). Everything before the figures went through the same
+    queue before them, so a run with its figures has its whole output.
+    """
+    import time
+
+    for attempt in range(1, attempts + 1):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, check=False, capture_output=True, timeout=timeout_s)
+        run = parse_run(cmd, proc.stdout, proc.stderr, proc.returncode, time.perf_counter() - t0, eog_pieces)
+        run.attempts = attempt
+        if run.returncode != 0 or run.complete:
+            return run
+    return run
+
+
+def speculative_matches_plain(speculative: bytes, plain: bytes) -> int | None:
+    """Where a speculative run's output first differs from the plain run's (both :attr:`LlamaRun.output`, the
+    plain one asked for at least as many tokens, see :func:`speculative_command`); ``None`` when it is a prefix of
+    the plain output — that is, equal up to where it stopped."""
+    if plain.startswith(speculative):
+        return None
+    return first_difference(speculative, plain)
 
 
 def first_difference(a: bytes, b: bytes) -> int | None:
