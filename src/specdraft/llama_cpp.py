@@ -259,7 +259,7 @@ class SpeculativeStats:
     """The statistics ``llama-speculative-simple`` prints when it finishes (pinned version).
 
     Attributes:
-        n_input: prompt tokens; ``n_predict``: tokens generated (target's, the first included).
+        n_input: prompt tokens (``encoded N tokens``); ``n_predict``: tokens generated (the first included).
         n_drafted: draft tokens proposed; ``n_accept``: of them accepted.
         decode_tps: the ``decoded N tokens in S seconds, speed: X t/s`` figure (tokens/s; ``None`` when absent).
     """
@@ -284,8 +284,9 @@ def _last_int(pattern: str, text: str) -> int | None:
 
 
 def parse_speculative_simple(text: str) -> SpeculativeStats:
-    """:class:`SpeculativeStats` from ``llama-speculative-simple``'s output (stdout and stderr together), e.g.::
+    """:class:`SpeculativeStats` from ``llama-speculative-simple``'s log (stderr, prefixes stripped), e.g.::
 
+        encoded   10 tokens in    0.009 seconds, speed: 1055.520 t/s
         decoded  47 tokens in   0.254 seconds, speed:  185.073 t/s
         n_draft   = 3
         n_predict = 48
@@ -304,7 +305,7 @@ def parse_speculative_simple(text: str) -> SpeculativeStats:
                             "log) or nothing was drafted (--spec-type draft-simple missing?)")
     speed = re.findall(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+)\s+t/s", text)
     decoded, secs, tps = (int(speed[-1][0]), float(speed[-1][1]), float(speed[-1][2])) if speed else (None,) * 3
-    return SpeculativeStats(n_input=_last_int(r"n_input\s*=\s*(\d+)", text),
+    return SpeculativeStats(n_input=_last_int(r"encoded\s+(\d+)\s+tokens in", text),
                             n_predict=_last_int(r"n_predict\s*=\s*(\d+)", text), n_drafted=drafted,
                             n_accept=accepted, decode_tps=tps, decoded=decoded, decode_s=secs)
 
