@@ -333,8 +333,8 @@ def run_embedded(args, tools) -> int:
         if not path.is_file():
             print(f"error: {name} GGUF {path} does not exist", file=sys.stderr)
             return 2
-    tok = chat_tokenizer(args.target, target_gguf)
-    examples = load_examples("humaneval", limit=args.num_prompts, offset=args.offset)
+    tok = chat_tokenizer(args.tokenizer or args.target, target_gguf)
+    examples = load_examples(args.prompts, limit=args.num_prompts, offset=args.offset)
     prompts = [render_prompt(tok, ex) for ex in examples]
     eog = tuple(t.encode() for t in eog_tokens(tools, target_gguf).values())
     configs = [("plain", None, 0)] + [(name, path, n) for name, path in drafts.items() for n in args.n_max]
@@ -413,10 +413,12 @@ def chat_tokenizer(target: str, gguf: Path):
     transformers' reading of the GGUF's tokenizer (metadata only, no weights)."""
     from transformers import AutoTokenizer
 
-    from specdraft.models import cache_dir, is_cached
+    from specdraft.models import EMBEDDED, cache_dir, is_cached
 
-    if is_cached(target):
+    if target in EMBEDDED and is_cached(target):
         return AutoTokenizer.from_pretrained(str(cache_dir(target)))
+    if Path(target).is_dir():
+        return AutoTokenizer.from_pretrained(target)
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
@@ -466,7 +468,7 @@ def embedded_markdown(result: dict) -> str:
              (f"Measured {result['date']} by `{result['command'].split(' ', 1)[1]}` ({result['seconds'] / 60:.0f} min): "
              f"llama.cpp {v['llama.cpp']} ({v.get('llama.cpp build')}), built by `make test-llamacpp` with "
              f"`{' '.join(f for f in (v.get('cmake flags') or []) if 'GGML' in f and f.endswith('=ON'))}`; "
-             f"specdraft {v['specdraft']}; {v['machine']}. HumanEval {a['offset']}–{a['offset'] + a['num_prompts'] - 1} "
+             f"specdraft {v['specdraft']}; {v['machine']}. {prompt_label(a)} "
              f"through the target's chat template, greedy, {a['max_new_tokens']} new tokens, {a['threads']} threads, "
              "configurations interleaved per prompt. tokens/s: llama.cpp's own decode figures (prompt processing "
              "excluded); speed-up: paired bootstrap over prompts, 95% interval."), "",
@@ -510,6 +512,12 @@ def embedded_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def prompt_label(a: dict) -> str:
+    """``HumanEval 100–107`` (or the source and its range)."""
+    name = "HumanEval" if a["prompts"] == "humaneval" else f"`{a['prompts']}`"
+    return f"{name} {a['offset']}–{a['offset'] + a['num_prompts'] - 1}"
+
+
 def write_docs(doc: Path, md: str) -> None:
     """Replace the marked block of ``doc`` with ``md`` (appended under a heading when absent)."""
     from specdraft.io import atomic_write_text
@@ -541,6 +549,8 @@ def main() -> int:
                    help="A specdraft-made draft GGUF to bench too (repeatable).")
     e.add_argument("--n-max", type=lambda s: [int(x) for x in s.split(",")], default=[3],
                    help="--spec-draft-n-max values, comma-separated (default 3, llama.cpp's default).")
+    e.add_argument("--prompts", default="humaneval", help="Prompt source (specdraft's: humaneval, a .jsonl, ...).")
+    e.add_argument("--tokenizer", help="Where the chat template comes from: a model reference (default --target).")
     e.add_argument("--num-prompts", type=int, default=8)
     e.add_argument("--offset", type=int, default=100)
     e.add_argument("--max-new-tokens", type=int, default=128)
