@@ -231,7 +231,7 @@ def test_run_takes_the_draft_options_into_both_evaluations():
     assert cfg.eval.draft_quantization == "int8" and cfg.eval.gamma_policy == "adaptive"
     assert cfg.eval.max_new_tokens == 64 and cfg.eval.compare_hf  # the preset's other settings are kept
     default = make_config("default").eval  # the fastest lossless configuration unless asked otherwise
-    assert (default.draft_quantization, default.gamma_policy, default.num_speculative_tokens) == ("auto", "adaptive", 8)
+    assert (default.draft_quantization, default.gamma_policy, default.num_speculative_tokens) == ("auto", "adaptive", 5)
     with pytest.raises(pydantic.ValidationError, match="draft_quantization"):
         make_config("default", eval={"draft_quantization": "int2"})
     with pytest.raises(pydantic.ValidationError, match="vocab-swap"):
