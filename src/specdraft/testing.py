@@ -226,8 +226,7 @@ def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = False):
     The 5 special tokens of :data:`SPECIAL_TOKENS` come first (then ``"<bos>"`` with ``bos``: it is put before
     every encoded text, as Gemma's and Llama's tokenizers do), then the 256 byte tokens, then merges.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -236,6 +235,15 @@ def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = False):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(tiny_corpus(seed=seed), trainer=trainer)
+    return _tiny_fast_tokenizer(tok, bos)
+
+
+def _tiny_fast_tokenizer(tok, bos: bool):
+    """A trained ``tokenizers.Tokenizer`` as the tiny tokenizers' ``PreTrainedTokenizerFast``: ``<bos>`` put before
+    every text with ``bos``, the :data:`SPECIAL_TOKENS` roles, the tiny chat template."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
                                                            special_tokens=[("<bos>", len(SPECIAL_TOKENS))])
@@ -258,8 +266,7 @@ def tiny_llama_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = True)
     """
     import json
 
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
     specials = SPECIAL_TOKENS + (["<bos>"] if bos else [])
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
@@ -282,11 +289,4 @@ def tiny_llama_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = True)
     tok.normalizer = normalizer
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                           special_tokens=[("<bos>", len(SPECIAL_TOKENS))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
-                                   bos_token="<bos>" if bos else None,
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    fast.chat_template = TINY_CHAT_TEMPLATE
-    return fast
+    return _tiny_fast_tokenizer(tok, bos)
