@@ -275,3 +275,157 @@ def test_embedded_summary_pairs_prompts_predicts_from_llama_bench_and_renders_be
     text = doc.read_text()
     assert "old table" not in text and text.startswith("# Serving\n\nbefore\n\n") and text.endswith("\n\nafter\n")
     assert text.count(mod.START) == 1 and md in text
+
+
+# ------------------------------------------------------------------------------------------- rank --engine llama.cpp
+
+
+def vocab_gguf(path: Path, prefix: str = "t", n: int = 20) -> Path:
+    """A GGUF holding only a tokenizer (what the pair check reads), ``n`` tokens ``{prefix}{id}``."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"{prefix}{i}" for i in range(n)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def bench_file(path: Path, tg_ts: float, pp: dict[int, float] | None = None) -> Path:
+    """A saved ``llama-bench -o json`` output: a tg test at ``tg_ts`` tokens/s, a pp test per ``{width: seconds}``,
+    after a log line as llama-bench prints one."""
+    import json
+
+    tests = [{"n_prompt": 0, "n_gen": 32, "avg_ts": tg_ts}] + [
+        {"n_prompt": k, "n_gen": 0, "avg_ts": k / s} for k, s in (pp or {}).items()]
+    path.write_text("load_backend: loaded CPU backend\n" + json.dumps(tests))
+    return path
+
+
+PP = {k: 0.1 + 0.02 * (k - 1) for k in range(2, 6)}  # t(1) = 100 ms from tg 10 tok/s, +20 ms per verified token
+
+
+def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
+    from specdraft.gguf_export import GgufExportError
+    from specdraft.llama_cpp import rank_inputs
+
+    t, d = vocab_gguf(tmp_path / "t.gguf"), vocab_gguf(tmp_path / "d.gguf")
+    tb, db = bench_file(tmp_path / "t.json", 10.0, PP), bench_file(tmp_path / "d.json", 200.0)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    # A target that is not embedded has no packaged GGUF: the message says how to write one.
+    with pytest.raises(LlamaCppError, match=r"needs a GGUF of /x/t .*--target-gguf PATH; write one with `specdraft "
+                                            r"convert --draft /x/t --verifier /x/t --format gguf --out target.gguf`"):
+        rank_inputs("/x/t", ["/x/d"])
+    with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=PATH; write one with `specdraft convert --draft /x/d "
+                                            r"--verifier /x/t --format gguf"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t)
+    with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=.*nope.gguf: no such GGUF file"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": tmp_path / "nope.gguf"})
+    with pytest.raises(LlamaCppError, match=r"--draft-bench /x/e=…: '/x/e' is not one of the drafts ranked \(/x/d\)"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, draft_benches={"/x/e": db})
+    # A draft llama.cpp would refuse beside the target is refused before anything is timed.
+    with pytest.raises(GgufExportError, match="llama.cpp would refuse /x/d as the draft of /x/t"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": vocab_gguf(tmp_path / "x.gguf", "x")})
+    # No saved timings and no llama-bench: how to build the tools, or what to give instead.
+    with pytest.raises(LlamaCppError, match=r"no executable llama-bench there.*make test-llamacpp.*--target-bench FILE"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, llama_cpp_bin=empty)
+    # Saved timings are enough (no tools looked for), but the target's must price a verification (a pp test).
+    with pytest.raises(LlamaCppError, match=r"no pp test .* \(target: .*d.json; draft /x/d: .*d.json\)"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=db,
+                    draft_benches={"/x/d": db}, llama_cpp_bin=empty)
+    (tmp_path / "log.json").write_text("error: failed to load model\n")
+    with pytest.raises(LlamaCppError, match=r"--target-bench .*log.json: llama-bench printed no JSON"):
+        rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=tmp_path / "log.json")
+
+    inputs = rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=tb,
+                         draft_benches={"/x/d": db}, llama_cpp_bin=empty, threads=4)
+    (row,) = inputs.rank({"/x/d": 0.75})
+    assert (row["n_max"], row["gguf"], row["bench_source"]) == (3, str(d), str(db))  # n = 3: tests/test_speed.py
+    assert row["predicted_speedup"] == pytest.approx(1.5625)
+    assert row["command"] == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 -t 4 -td 4")
+
+
+def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_winners_command(tmp_path, monkeypatch):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from typer.testing import CliRunner
+
+    import specdraft.models
+    from specdraft.cli import app
+    from specdraft.speed import rank_llama_cpp
+    from specdraft.testing import perturbed, save_tiny_pair
+
+    tdir, _ = save_tiny_pair(tmp_path, 96)
+    near = str(tmp_path / "near")  # the target with a little noise: accepts often, not always
+    perturbed(AutoModelForCausalLM.from_pretrained(tdir), 0.02).save_pretrained(near)
+    AutoTokenizer.from_pretrained(tdir).save_pretrained(near)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
+    t, d = vocab_gguf(tmp_path / "t.gguf"), vocab_gguf(tmp_path / "d.gguf")
+    saved = {"target": (10.0, PP), "fast": (1000.0, None), "slow": (14.0, None)}  # tg tokens/s, pp {width: s}
+    files = {k: bench_file(tmp_path / f"{k}.json", ts, pp) for k, (ts, pp) in saved.items()}
+    # The target as its own draft accepts everything (α = 1) at 71 ms a step; near accepts less at 1 ms a step.
+    base = ["rank", near, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
+            "--max-new-tokens", "8", "--gamma", "3", "--dtype", "float32", "--draft-quantization", "none",
+            "--engine", "llama.cpp", "--target-gguf", str(t), "--draft-gguf", f"{near}={d}", "--draft-gguf",
+            f"{tdir}={t}", "--llama-cpp-bin", str(tmp_path / "no-bin"), "--out", str(tmp_path / "rank")]
+    r = CliRunner().invoke(app, [*base, "--target-bench", str(files["target"]), "--draft-bench",
+                                 f"{near}={files['fast']}", "--draft-bench", f"{tdir}={files['slow']}"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "rank" / "rank.json").read_text())
+    ranking = report["ranking"]
+    alphas = {x["draft"]: x["alpha"] for x in report["specdraft_calibration"]}
+    assert alphas[tdir] == 1.0 and 0.3 < alphas[near] < 1.0, alphas  # 0.5 on these prompts
+    # By hand at α = 1, d = 1/14 s: S(n) = (n + 1) t(1) / (n d + t(n+1)) rises to n = 4 (the widest pp), 1.074.
+    by = {x["draft"]: x for x in ranking}
+    assert by[tdir]["n_max"] == 4 and by[tdir]["predicted_speedup"] == pytest.approx(0.5 / (4 / 14 + PP[5]))
+    # The cheaper draft with the lower α ranks first (α 0.3 already predicts 1.3 · 0.1 / 0.121 = 1.074 at n = 1);
+    # every value is rank_llama_cpp's at the measured α.
+    assert report["engine"] == "llama.cpp" and [x["draft"] for x in ranking] == [near, tdir]
+
+    def tests(name: str) -> list[dict]:
+        return parse_llama_bench(files[name].read_text())
+
+    expect = rank_llama_cpp(alphas, tests("target"), {near: tests("fast"), tdir: tests("slow")})
+    assert [(x["draft"], x["n_max"], x["predicted_speedup"]) for x in ranking] == [
+        (x["draft"], x["n_max"], pytest.approx(x["predicted_speedup"])) for x in expect]
+    assert report["llama_cpp_command"] == ranking[0]["command"] and f"-md {d} " in ranking[0]["command"]
+    assert ranking[0]["command"] in " ".join(r.output.split())
+    assert "confirmation" not in report and not (tmp_path / "rank" / "confirm").exists()
+
+    def no_loading(*_a, **_k):
+        raise AssertionError("a model was loaded before llama.cpp's inputs were checked")
+
+    monkeypatch.setattr(specdraft.models, "load_model", no_loading)
+    # The tools missing (no saved timings): exit 2, one error line naming make test-llamacpp.
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "make test-llamacpp" in r.output, r.output
+    # A draft GGUF missing: how to write one.
+    r = CliRunner().invoke(app, [*base[:base.index("--draft-gguf")], "--out", str(tmp_path / "r2")])
+    assert r.exit_code == 2 and "specdraft convert --draft" in r.output and "--format gguf" in r.output, r.output
+    # llama.cpp's flags without --engine llama.cpp, and --confirm with it, are refused, not ignored.
+    r = CliRunner().invoke(app, ["rank", near, "--target", tdir, "--target-gguf", str(t)])
+    assert r.exit_code == 2 and "--target-gguf needs --engine llama.cpp" in r.output, r.output
+    r = CliRunner().invoke(app, [*base, "--confirm"])
+    assert r.exit_code == 2 and "--confirm measures specdraft's decoding" in r.output, r.output
+    r = CliRunner().invoke(app, [*base, "--draft-gguf", "no-equals-sign"])
+    assert r.exit_code == 2 and "--draft-gguf no-equals-sign: give NAME=PATH" in r.output, r.output
+
+
+def test_rank_help_names_the_engines():
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    r = CliRunner().invoke(app, ["rank", "--help"], terminal_width=100)
+    assert r.exit_code == 0
+    text = " ".join(r.output.split())
+    assert "--engine <specdraft|llama.cpp>" in text and "--spec-draft-n-max" in text
+    for flag in ("--target-gguf", "--draft-gguf NAME=PATH", "--target-bench FILE", "--draft-bench NAME=FILE",
+                 "--llama-cpp-bin DIR", "--threads"):
+        assert flag in text, flag

@@ -186,3 +186,40 @@ def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verificat
         llama_bench_speed_model(target[:1], draft)
     with pytest.raises(ValueError, match="no tg test"):
         llama_bench_speed_model(target, [])
+
+
+def llama_bench_json(tg_ts: float, pp: dict[int, float] | None = None) -> list[dict]:
+    """Made-up ``llama-bench -o json`` tests: one tg test at ``tg_ts`` tokens/s, a pp test per ``{width: seconds}``."""
+    return [{"n_prompt": 0, "n_gen": 32, "avg_ts": tg_ts}] + [
+        {"n_prompt": k, "n_gen": 0, "avg_ts": k / s} for k, s in (pp or {}).items()]
+
+
+def test_rank_llama_cpp_lets_a_cheaper_draft_with_a_lower_alpha_win():
+    """llama.cpp's CPU verification is compute-bound (t(k) grows with k): the draft step weighs as much as α. A 10x
+    cheaper draft at α 0.75 beats one at α 0.9, each at its own --spec-draft-n-max."""
+    from specdraft.speed import rank_llama_cpp
+
+    t = {k: 0.1 + 0.02 * (k - 1) for k in range(2, 6)}  # exactly a line: the fit is the measurement
+    target = llama_bench_json(10.0, t)  # t(1) = 100 ms
+    drafts = {"big": llama_bench_json(20.0), "small": llama_bench_json(200.0), "poor": llama_bench_json(20.0)}
+    rows = rank_llama_cpp({"big": 0.9, "small": 0.75, "poor": 0.2}, target, drafts)
+    assert [r["draft"] for r in rows] == ["small", "big", "poor"]
+    by = {r["draft"]: r for r in rows}
+
+    def by_hand(alpha: float, d: float, n: int) -> float:  # S = E(α, n) t(1) / (n d + t(n+1)), t(1) = 0.1
+        return (1 - alpha ** (n + 1)) / (1 - alpha) * 0.1 / (n * d + (0.1 if n == 0 else t[n + 1]))
+
+    # small: S = 1.40, 1.542, 1.5625, 1.525 for n = 1..4 → n_max 3; big: 1.118, 1.129, 1.109, 1.078 → n_max 2.
+    assert by["small"]["n_max"] == 3 and by["small"]["predicted_speedup"] == pytest.approx(by_hand(0.75, 0.005, 3))
+    assert by["small"]["predicted_speedup"] == pytest.approx(1.5625)
+    assert by["big"]["n_max"] == 2 and by["big"]["predicted_speedup"] == pytest.approx(by_hand(0.9, 0.05, 2))
+    assert by["big"]["by_n"][4] == pytest.approx(by_hand(0.9, 0.05, 4))
+    # A poor draft predicts no gain at any n: llama.cpp should serve the target alone.
+    assert by["poor"]["n_max"] == 0 and by["poor"]["predicted_speedup"] == pytest.approx(1.0)
+    assert by["small"]["draft_step_ms"] == pytest.approx(5.0) and by["small"]["target_step_ms"] == pytest.approx(100)
+    assert by["small"]["cost_ratio_c"] == pytest.approx(0.05)
+    # max_n caps the choice (n_max 1 for both), and the ranking follows.
+    capped = {r["draft"]: r for r in rank_llama_cpp({"big": 0.9, "small": 0.75}, target, drafts, max_n=1)}
+    assert capped["small"]["n_max"] == 1 and capped["small"]["predicted_speedup"] == pytest.approx(1.4)
+    with pytest.raises(ValueError, match="no llama-bench results for draft other"):
+        rank_llama_cpp({"other": 0.9}, target, drafts)

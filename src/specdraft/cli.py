@@ -39,6 +39,7 @@ from specdraft.config import (
     Precision,
     PresetName,
     ProposalMode,
+    RankEngine,
     Scheduler,
     TrainWhat,
 )
@@ -1020,15 +1021,39 @@ def rank(
     dtype: dtype_opt("bfloat16") = "bfloat16",
     draft_quantization: QuantOpt = "auto",
     draft_head_tokens: HeadTokensOpt = None,
-    confirm: Annotated[bool, typer.Option(help="Then measure the top draft against the target alone (specdraft "
-                                          "eval on the same prompts, at its recommended γ).")] = True,
+    confirm: Annotated[bool | None, typer.Option(
+        help="Then measure the top draft against the target alone (specdraft eval on the same prompts, at its "
+        "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
+        "command).", show_default=False)] = None,
     out: Annotated[Path, typer.Option(help="Directory for rank.json (and the confirmation's report).")]
         = Path("runs/rank"),
+    engine: Annotated[RankEngine, typer.Option(
+        help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "
+        "(each GGUF's llama-bench timings and the α measured here; picks --spec-draft-n-max and prints the "
+        "llama-server command of the best draft).")] = "specdraft",
+    target_gguf: Annotated[Path | None, typer.Option(
+        help="--engine llama.cpp: the target's GGUF. Default: an embedded target's packaged GGUF.")] = None,
+    draft_gguf: Annotated[list[str] | None, typer.Option(
+        metavar="NAME=PATH", help="--engine llama.cpp: a draft's GGUF, NAME as given in DRAFTS (repeat per draft). "
+        "Default: an embedded draft's packaged GGUF; write one with specdraft convert --format gguf.")] = None,
+    target_bench: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="--engine llama.cpp: the target's saved llama-bench -o json output (tg and pp 2..9). "
+        "Default: llama-bench is run on the GGUF.")] = None,
+    draft_bench: Annotated[list[str] | None, typer.Option(
+        metavar="NAME=FILE", help="--engine llama.cpp: a draft's saved llama-bench -o json output (repeat per "
+        "draft). Default: llama-bench is run on the GGUF.")] = None,
+    llama_cpp_bin: Annotated[Path | None, typer.Option(
+        metavar="DIR", help="--engine llama.cpp: llama.cpp's build/bin holding llama-bench. Default "
+        "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (make test-llamacpp), else PATH.")] = None,
+    threads: Annotated[int, typer.Option(
+        min=1, help="--engine llama.cpp: llama.cpp threads, of llama-bench and of the printed command.")] = 2,
 ) -> None:
     """Rank candidate drafts by predicted speed-up, best first.
 
     Which draft should I use? Measures each candidate's acceptance and step cost on a short calibration set, prints
     the predicted speed-up of each (the measured speed model), best first, then confirms the top one by measurement.
+    --engine llama.cpp: predicts llama.cpp's speed-up instead, from llama-bench timings of each GGUF and the α
+    measured here, with the best --spec-draft-n-max of each; prints the llama.cpp command of the best.
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
     from specdraft.check import check_compatible
@@ -1042,9 +1067,27 @@ def rank(
     sampling = _sampling(temperature, top_k, top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, dtype=dtype,
                         draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens)
+    llama_flags = {"--target-gguf": target_gguf, "--draft-gguf": draft_gguf, "--target-bench": target_bench,
+                   "--draft-bench": draft_bench, "--llama-cpp-bin": llama_cpp_bin}
+    if engine == "specdraft":
+        given = [flag for flag, v in llama_flags.items() if v]
+        if given:
+            fail(f"{given[0]} needs --engine llama.cpp (--engine specdraft serves no GGUF and runs no llama-bench)")
+    elif confirm:
+        fail("--confirm measures specdraft's decoding; --engine llama.cpp prints the llama.cpp command of the best "
+             "draft to measure instead")
+    confirm = engine == "specdraft" if confirm is None else confirm
     examples = load_examples(prompts, limit=num_prompts, offset=held_out_offset(prompts))
     tpath = _resolve_with_progress(target)
     paths = {d: _resolve_with_progress(d) for d in drafts}
+    llama = None
+    if engine == "llama.cpp":
+        from specdraft.llama_cpp import rank_inputs
+
+        with console.status("llama.cpp: GGUFs and llama-bench timings…") as status:
+            llama = rank_inputs(target, drafts, target_gguf, _named_paths(draft_gguf, "--draft-gguf"),
+                                target_bench, _named_paths(draft_bench, "--draft-bench"), llama_cpp_bin, threads,
+                                progress=lambda line: status.update(f"{line}…"))
     with console.status("loading the target…"):
         t, tok = load_model(tpath, dtype=dtype)
     ids = encode_prompts(tok, examples)
@@ -1060,6 +1103,9 @@ def rank(
     with console.status("calibrating…") as status:
         rows = rank_drafts(t, tok, ids, [(d, loader(d)) for d in drafts], config,
                            progress=lambda name: status.update(f"calibrating {name}…"))
+    if llama is not None:
+        _print_llama_cpp_ranking(llama, rows, target, out)
+        return
     gamma = config.num_speculative_tokens
     table = Table(title=f"Drafts for {target}, best first ({len(ids)} {prompts} prompts × {max_new_tokens} tokens)")
     for col in ("draft", "acceptance", "α", "draft step (ms)", "c", "best γ", "predicted speed-up",
@@ -1088,6 +1134,48 @@ def rank(
         same = f"; greedy outputs equal to the target's: {'yes' if s['lossless'] else 'NO'}" if sampling.greedy else ""
         console.print(f"confirmed {top['draft']} at γ = {cfg.num_speculative_tokens}: measured {s['speedup']:.2f}x the "
                       f"target alone (predicted {top['predicted_speedup']:.2f}x){same}", highlight=False)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "rank.json", json.dumps(report, indent=2, default=str))
+    console.print(f"report: {out / 'rank.json'}")
+
+
+def _named_paths(values: list[str] | None, flag: str) -> dict[str, str]:
+    """``NAME=PATH`` values of a repeated option → ``{NAME: PATH}`` (the last ``=`` splits: a name may hold one)."""
+    out = {}
+    for v in values or ():
+        name, sep, path = v.rpartition("=")
+        if not sep or not name or not path:
+            fail(f"{flag} {v}: give NAME=PATH (NAME: the draft as given in DRAFTS)")
+        out[name] = path
+    return out
+
+
+def _print_llama_cpp_ranking(llama, rows: list[dict], target: str, out: Path) -> None:
+    """``rank --engine llama.cpp``: the drafts ranked by llama.cpp's predicted speed-up (at the α of ``rows``,
+    :func:`specdraft.evaluate.rank_drafts`), the command serving the best, and rank.json."""
+    from specdraft.io import atomic_write_text
+
+    ranked = llama.rank({r["draft"]: r["alpha"] for r in rows})
+    table = Table(title=f"Drafts for {escape(target)} in llama.cpp, best first (α measured here; llama-bench timings, "
+                  f"{llama.threads} threads)")
+    for col in ("draft", "α", "draft step (ms)", "c", "best n_max", "predicted speed-up"):
+        table.add_column(col, justify="left" if col == "draft" else "right",
+                         overflow="fold" if col == "draft" else "ellipsis")
+    for r in ranked:
+        table.add_row(escape(r["draft"]), f"{r['alpha']:.3f}", f"{r['draft_step_ms']:.1f}", f"{r['cost_ratio_c']:.3f}",
+                      str(r["n_max"]), f"{r['predicted_speedup']:.2f}x")
+    console.print(table)
+    best = ranked[0]
+    if best["n_max"] == 0:
+        console.print(f"no draft is predicted faster than the target alone in llama.cpp (target step "
+                      f"{best['target_step_ms']:.1f} ms); serve it alone:", highlight=False)
+    else:
+        console.print(f"serve {escape(best['draft'])} with llama.cpp (--spec-draft-n-max {best['n_max']}, predicted "
+                      f"{best['predicted_speedup']:.2f}x the target alone):", highlight=False)
+    console.print(best["command"], markup=False, highlight=False, soft_wrap=True)
+    report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),
+              "target_bench": llama.target_bench_source, "ranking": ranked, "llama_cpp_command": best["command"],
+              "specdraft_calibration": rows, "command": " ".join(sys.argv)}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "rank.json", json.dumps(report, indent=2, default=str))
     console.print(f"report: {out / 'rank.json'}")

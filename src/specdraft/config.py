@@ -69,6 +69,9 @@ PresetName = Literal["default", "ci", "tiny", "large"]
 DraftQuantization = Literal["auto", "none", "int8", "int4"]
 #: How many tokens a row drafts per round: always γ, or what its running acceptance predicts fastest (:mod:`specdraft.speed`).
 GammaPolicy = Literal["fixed", "adaptive"]
+#: Whose decoding ``specdraft rank`` predicts: specdraft's own (its measured speed model), or llama.cpp's
+#: (``llama-bench`` timings of the GGUFs, :func:`specdraft.speed.rank_llama_cpp`).
+RankEngine = Literal["specdraft", "llama.cpp"]
 
 
 class SamplingConfig(BaseModel):

@@ -17,7 +17,8 @@ hypervisor does not let a process use. :func:`find_tools` finds built (or given)
 
 The parsers read llama.cpp's output as the pinned version prints it: :func:`parse_speculative_simple` the
 ``n_drafted`` / ``n_accept`` block ``llama-speculative-simple`` prints at the end, :func:`parse_llama_bench` the
-JSON array of ``llama-bench -o json``.
+JSON array of ``llama-bench -o json``. :func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices
+its candidate drafts with (their GGUFs, checked as llama.cpp pairs them, and llama-bench timings, saved or run).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,6 +308,10 @@ def parse_llama_bench(text: str) -> list[dict]:
     raise LlamaCppError("llama-bench printed no JSON results (run it with -o json)")
 
 
+#: A llama-bench run whose JSON the speed model reads (what :func:`llama_bench` runs, by default).
+BENCH_COMMAND = "llama-bench -m MODEL.gguf -p 2,3,4,5,6,7,8,9 -n 32 -t 2 -r 3 -o json"
+
+
 def llama_bench(tools: LlamaCppTools, gguf: str | os.PathLike, prompt_widths: tuple[int, ...] = tuple(range(2, 10)),
                 n_gen: int = 32, threads: int = 2, repetitions: int = 3) -> list[dict]:
     """``llama-bench -o json`` of one GGUF: a ``tg`` test of ``n_gen`` tokens and a ``pp`` test per width (the
@@ -556,6 +561,158 @@ def tool_version(tools: LlamaCppTools) -> str | None:
         return None
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     return next((ln.strip() for ln in lines if "version" in ln), lines[0].strip() if lines else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ranking drafts for llama.cpp (specdraft rank --engine llama.cpp)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaCppRankInputs:
+    """What ranking drafts for llama.cpp takes beside each draft's α (:func:`rank_inputs`).
+
+    Attributes:
+        target / target_gguf: the target as given, and the GGUF llama.cpp serves it from.
+        draft_ggufs: draft name (as given) → its GGUF, each checked against the target's as llama.cpp's ``-md``.
+        target_bench / draft_benches: their ``llama-bench -o json`` tests (``avg_ts`` tokens/s).
+        target_bench_source / draft_bench_sources: where each came from (a JSON file, or the llama-bench run).
+        threads: llama.cpp threads, of the llama-bench runs and of the printed commands.
+    """
+
+    target: str
+    target_gguf: Path
+    draft_ggufs: dict[str, Path]
+    target_bench: list[dict]
+    draft_benches: dict[str, list[dict]]
+    target_bench_source: str
+    draft_bench_sources: dict[str, str]
+    threads: int = 2
+
+    def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[dict]:
+        """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α), best first; each row
+        also holds its ``gguf`` and the llama.cpp ``command`` serving the pair at its ``n_max``
+        (:func:`specdraft.speed.llama_cpp_command`, ``llama-server``)."""
+        import shlex
+
+        from specdraft.speed import llama_cpp_command, rank_llama_cpp
+
+        rows = rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n)
+        for r in rows:
+            gguf = self.draft_ggufs[r["draft"]]
+            r |= {"gguf": str(gguf), "bench_source": self.draft_bench_sources[r["draft"]],
+                  "command": llama_cpp_command(shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)),
+                                               r["n_max"], threads=self.threads, server=True)}
+        return rows
+
+
+def read_llama_bench_json(path: str | os.PathLike, what: str | None = None) -> list[dict]:
+    """The tests of a saved ``llama-bench -o json`` output (:func:`parse_llama_bench`); ``what``: how the file was
+    given, for messages (``--target-bench FILE``; default the path).
+
+    Raises:
+        LlamaCppError: the file cannot be read or holds no llama-bench JSON.
+    """
+    what = what or str(path)
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise LlamaCppError(f"{what}: cannot be read ({exc.strerror or exc}); give the output of "
+                            f"`{BENCH_COMMAND}`.") from exc
+    try:
+        return parse_llama_bench(text)
+    except LlamaCppError as exc:
+        raise LlamaCppError(f"{what}: {exc}; give the output of `{BENCH_COMMAND}`.") from None
+
+
+def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLike | None = None,
+                draft_ggufs: Mapping[str, str | os.PathLike] | None = None,
+                target_bench: str | os.PathLike | None = None,
+                draft_benches: Mapping[str, str | os.PathLike] | None = None,
+                llama_cpp_bin: str | os.PathLike | None = None, threads: int = 2,
+                progress: Callable[[str], None] | None = None) -> LlamaCppRankInputs:
+    """The GGUFs and llama-bench timings of a target and its candidate drafts, checked before any model is loaded
+    (``specdraft rank --engine llama.cpp``; α comes from :func:`specdraft.evaluate.rank_drafts`).
+
+    GGUFs: ``target_gguf`` / ``draft_ggufs[name]`` where given, else an embedded model's packaged GGUF
+    (:func:`specdraft.models.embedded_gguf`); each draft's vocabulary is checked against the target's as llama.cpp
+    checks a ``-md`` draft (:func:`specdraft.gguf_export.check_pair`). Timings: the saved ``llama-bench -o json``
+    files ``target_bench`` / ``draft_benches[name]`` where given, else llama-bench run on the GGUF
+    (:func:`llama_bench`: tg 32, pp 2..9, ``threads`` threads, 3 repetitions each) — llama.cpp's tools are looked
+    for (:func:`find_tools`, ``llama_cpp_bin``) only then.
+
+    Args:
+        target / drafts: the model references as given (``drafts`` name the keys of the two mappings).
+
+    Raises:
+        LlamaCppError: a mapping names no draft of ``drafts``; a GGUF not given for a model that is not embedded, or
+            given but absent (says how to write one: ``specdraft convert --format gguf``); llama-bench results
+            missing and llama.cpp's tools not found (says how to build them: ``make test-llamacpp``), or a run or
+            a saved file without the tests the speed model needs.
+        specdraft.gguf_export.GgufExportError: llama.cpp would refuse a draft beside the target.
+        specdraft.models.ModelResolutionError: an embedded model's weight package is missing.
+    """
+    import shlex
+
+    from specdraft.gguf_export import check_pair, read_gguf_vocab
+    from specdraft.models import EMBEDDED, embedded_gguf
+    from specdraft.speed import llama_bench_speed_model
+
+    say = progress or (lambda _msg: None)
+    draft_ggufs, draft_benches = dict(draft_ggufs or {}), dict(draft_benches or {})
+    for flag, given in (("--draft-gguf", draft_ggufs), ("--draft-bench", draft_benches)):
+        unknown = [n for n in given if n not in drafts]
+        if unknown:
+            raise LlamaCppError(f"{flag} {unknown[0]}=…: {unknown[0]!r} is not one of the drafts ranked "
+                                f"({', '.join(drafts)}); name each as it is given on the command line.")
+
+    def gguf_of(ref: str, given, flag: str, convert: str) -> Path:
+        fix = f"write one with `{convert}`"
+        if given is not None:
+            path = Path(given).expanduser()
+            if not path.is_file():
+                raise LlamaCppError(f"{flag}{given}: no such GGUF file; {fix}.")
+            return path.absolute()
+        if ref in EMBEDDED:
+            return embedded_gguf(ref)
+        raise LlamaCppError(f"--engine llama.cpp needs a GGUF of {ref} (not an embedded model, so none is packaged): "
+                            f"give {flag}PATH; {fix}.")
+
+    q = shlex.quote
+    t_gguf = gguf_of(target, target_gguf, "--target-gguf ",
+                     f"specdraft convert --draft {q(target)} --verifier {q(target)} --format gguf --out target.gguf")
+    d_ggufs = {d: gguf_of(d, draft_ggufs.get(d), f"--draft-gguf {d}=",
+                          f"specdraft convert --draft {q(d)} --verifier {q(target)} --format gguf --out draft.gguf")
+               for d in drafts}
+    target_vocab = read_gguf_vocab(t_gguf)
+    for d, path in d_ggufs.items():
+        check_pair(read_gguf_vocab(path), target_vocab, d, target)
+
+    tools = None
+
+    def timings(who: str, given, flag: str, gguf: Path) -> tuple[list[dict], str]:
+        nonlocal tools
+        if given is not None:
+            return read_llama_bench_json(given, f"{flag}{given}"), str(given)
+        if tools is None:
+            try:
+                tools = find_tools(llama_cpp_bin, need=("llama-bench",))
+            except LlamaCppError as exc:
+                raise LlamaCppError(f"{exc} Or give saved llama-bench results (--target-bench FILE, --draft-bench "
+                                    f"NAME=FILE: the output of `{BENCH_COMMAND}`).") from None
+        say(f"llama-bench {who} ({gguf.name})")
+        return llama_bench(tools, gguf, threads=threads), f"llama-bench ({tools.source})"
+
+    t_bench, t_source = timings("target", target_bench, "--target-bench ", t_gguf)
+    d_timings = {d: timings(f"draft {d}", draft_benches.get(d), f"--draft-bench {d}=", d_ggufs[d]) for d in drafts}
+    for d, (bench, source) in d_timings.items():  # what the speed model needs, checked before any α is measured
+        try:
+            llama_bench_speed_model(t_bench, bench)
+        except ValueError as exc:
+            raise LlamaCppError(f"{exc} (target: {t_source}; draft {d}: {source})") from None
+    return LlamaCppRankInputs(target=target, target_gguf=t_gguf, draft_ggufs=d_ggufs, target_bench=t_bench,
+                              draft_benches={d: b for d, (b, _) in d_timings.items()}, target_bench_source=t_source,
+                              draft_bench_sources={d: src for d, (_, src) in d_timings.items()}, threads=threads)
 
 
 if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--jobs N]`: build the tools

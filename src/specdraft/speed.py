@@ -26,6 +26,7 @@ follows p exactly (sampled).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from specdraft.acceptance import expected_tokens_per_pass
@@ -258,3 +259,42 @@ def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: in
         return f"{'llama-server' if server else 'llama-completion'} -m {target_gguf} -t {threads}"
     return (f"{exe} -m {target_gguf} --spec-type draft-simple -md {draft_gguf} --spec-draft-n-max {n_max} "
             f"-t {threads} -td {threads}")
+
+
+def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
+                   max_n: int | None = None) -> list[dict]:
+    """Candidate drafts ranked by the speed-up llama.cpp is predicted to reach with each, best first
+    (``specdraft rank --engine llama.cpp``).
+
+    Per draft: its :class:`SpeedModel` from llama.cpp's own timings (:func:`llama_bench_speed_model` of the
+    target's and its ``llama-bench`` results), then :func:`llama_cpp_plan` at its α. A cheaper draft with a lower α
+    can win: with llama.cpp's compute-bound CPU verification the draft step d and t(n+1) weigh as much as α.
+
+    Args:
+        alphas: draft name → α (per-token acceptance probability, accepted / reached, as specdraft measures it).
+        target_bench / draft_benches: ``llama-bench -o json`` tests of the target and of each draft (same names as
+            ``alphas``).
+        max_n: the largest ``--spec-draft-n-max`` considered (default: the widest ``pp`` test of the target − 1).
+
+    Returns:
+        one dict per draft: ``draft``, ``alpha``, ``n_max`` (0: serve the target alone), ``predicted_speedup``
+        (tokens/s relative to llama.cpp's target alone, at ``n_max``), ``by_n`` (n → speed-up), ``draft_step_ms``
+        (d), ``target_step_ms`` (t(1)), ``cost_ratio_c`` (d / t(1)), ``speed_model``; sorted by
+        ``predicted_speedup``, highest first (ties keep the order of ``alphas``).
+
+    Raises:
+        ValueError: a draft without results in ``draft_benches``; results without the tests
+            :func:`llama_bench_speed_model` needs.
+    """
+    missing = [name for name in alphas if name not in draft_benches]
+    if missing:
+        raise ValueError(f"no llama-bench results for draft {', '.join(missing)}")
+    rows = []
+    for name, alpha in alphas.items():
+        speed = llama_bench_speed_model(target_bench, draft_benches[name])
+        plan = llama_cpp_plan(speed, alpha, max_n)
+        rows.append({"draft": name, "alpha": alpha, "n_max": plan["n_max"],
+                     "predicted_speedup": plan["predicted_speedup"], "by_n": plan["by_n"],
+                     "draft_step_ms": 1e3 * speed.draft_s, "target_step_ms": 1e3 * speed.target_s[0],
+                     "cost_ratio_c": speed.cost_ratio, "speed_model": speed.to_dict()})
+    return sorted(rows, key=lambda r: -r["predicted_speedup"])
