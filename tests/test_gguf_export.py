@@ -155,7 +155,8 @@ def test_cli_writes_f16_gguf_of_the_draft_with_the_targets_vocabulary(pair, llam
     target, draft, target_gguf = pair
     monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(llama_cpp.root))
     out = tmp_path / "draft-f16.gguf"
-    res = CliRunner().invoke(app, ["convert", "-d", draft, "-t", str(target_gguf), "-o", str(out),
+    monkeypatch.chdir(Path(draft).parent)  # a relative --draft, as typed in a shell (the converter runs elsewhere)
+    res = CliRunner().invoke(app, ["convert", "-d", Path(draft).name, "-t", str(target_gguf), "-o", str(out),
                                    "--format", "gguf", "--gamma", "3"])
     assert res.exit_code == 0, res.output
     assert "llama.cpp accepts the pair: vocab type spm, BOS 5 added" in " ".join(res.output.split())

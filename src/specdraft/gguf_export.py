@@ -668,7 +668,8 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
         raise GgufExportError(f"--out {out} exists; pass --overwrite to replace it.")
     quantize = find_quantize(llama_quantize) if gguf_type in QUANTIZE_TYPES else None
 
-    draft_dir = Path(resolve(draft))
+    # Absolute: the converter runs in llama.cpp's tree (cwd), where a relative path means something else.
+    draft_dir = Path(resolve(draft)).absolute()
     if not (draft_dir / "config.json").is_file():
         raise GgufExportError(f"--draft {draft}: {draft_dir} has no config.json.")
     if not any((draft_dir / f).is_file() for f in TOKENIZER_FILE_NAMES):
@@ -676,7 +677,7 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
                               "); the GGUF carries the draft's tokenizer (a vocab-swapped draft carries the "
                               "target's).")
     target_gguf = target_gguf_path(str(verifier))
-    target_dir = None if target_gguf is not None else Path(resolve(verifier))
+    target_dir = None if target_gguf is not None else Path(resolve(verifier)).absolute()
     llama = find_llama_cpp(llama_cpp, progress=say)
 
     out.parent.mkdir(parents=True, exist_ok=True)
