@@ -31,7 +31,7 @@ def route(name: str, label: str) -> dict:
             "dumps": r.get("dumps"), "dump_minutes": r["dump_minutes"], "train_minutes": train_minutes,
             "minutes": r["dump_minutes"] + train_minutes, "steps": run["distill"]["steps"],
             "train_sequences": run["distill"]["train_sequences"], "precision": run["distill"].get("precision"),
-            "settings": {k: run["settings"][k] for k in ("lr", "batch_size", "gradient_accumulation_steps", "train",
+            "settings": {k: run["settings"].get(k) for k in ("lr", "batch_size", "gradient_accumulation_steps", "train",
                                                         "loss", "precision", "warmup_ratio")},
             "sets": sets, "curve": run.get("acceptance_curve"), "date": r["date"], "machine": r["machine"]}
 
