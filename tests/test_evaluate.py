@@ -344,6 +344,15 @@ def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tm
     entry.write_text(json.dumps(saved))
     speed, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
     assert src == "measured" and speed.draft_s != 123.0
+    # A hit whose costs no longer hold on this machine (a slower day: t(1) 10 s cached) is spot-checked, re-measured
+    # and replaced.
+    saved = json.loads(entry.read_text())
+    saved["speed_model"]["target_s"] = [10.0 * (i + 1) for i in range(len(saved["speed_model"]["target_s"]))]
+    entry.write_text(json.dumps(saved))
+    speed, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
+    assert src.startswith("measured (the cached costs were stale: t(1)") and "10000.0 ms cached" in src
+    assert speed.target_s[0] < 1.0 and json.loads(entry.read_text())["speed_model"]["target_s"][0] < 1.0
+    assert cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)[1] == "cache"
 
 
 def test_rank_names_prompt_ids_past_a_drafts_width_before_timing_it(monkeypatch):

@@ -376,10 +376,13 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     calibration context (``context`` of the first call).
 
     A calibration measured while other processes held more than :data:`BUSY_SHARE` of the CPU
-    (:class:`LoadMonitor`) is returned but not cached.
+    (:class:`LoadMonitor`) is returned but not cached. A hit is spot-checked first (:func:`_stale_costs`: t(1) and d
+    timed now): the same machine kind can run at half the speed on another day, so a hit whose costs no longer hold
+    is re-measured and replaced.
 
     Returns:
-        ``(speed_model, source)``: source ``"cache"``, ``"measured"`` or ``"measured on a busy machine (…)"``.
+        ``(speed_model, source)``: source ``"cache"``, ``"measured"``, ``"measured (the cached costs were stale: …)"``
+        or ``"measured on a busy machine (…)"``.
     """
     import hashlib
 
@@ -389,11 +392,17 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     key = speed_cache_key(target, draft, max_gamma)
     root = Path(cache_dir or os.environ.get("SPECDRAFT_SPEED_CACHE") or cache_root() / "speed")
     path = root / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32] + ".json")
+    refresh_reason = None
     if not refresh and path.is_file():
+        cached = None
         with contextlib.suppress(ValueError, KeyError, TypeError):
             saved = json.loads(path.read_text())
             if json.loads(json.dumps(key, default=str)) == saved["key"]:
-                return SpeedModel.from_dict(saved["speed_model"]), "cache"
+                cached = SpeedModel.from_dict(saved["speed_model"])
+        if cached is not None:
+            refresh_reason = _stale_costs(cached, target, draft, context, draft_context)
+            if refresh_reason is None:
+                return cached, "cache"
     with LoadMonitor() as load:
         speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
                                     draft_context=draft_context)
@@ -402,7 +411,31 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "speed_model": speed.to_dict(),
                                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, default=str, indent=1))
-    return speed, "measured"
+    return speed, (f"measured ({refresh_reason})" if refresh_reason else "measured")
+
+
+#: A cached calibration is re-measured when a spot check of t(1) or d differs from it by more than this factor and by
+#: more than :data:`STALE_ABS_S` (the same VM kind ran the 1.5B bf16 target's step at 135 ms one day and 290 ms the
+#: next: a key of models, machine, torch and threads cannot see that; a prediction off by +97% did).
+STALE_FACTOR = 1.5
+STALE_ABS_S = 0.02
+
+
+def _stale_costs(cached: SpeedModel, target, draft, context: Sequence[int],
+                 draft_context: Sequence[int] | None) -> str | None:
+    """Spot-check a cached calibration: time t(1) and d now (2 repeats each, about one prefill and a few passes) and
+    say why the cache is stale (both of two checks in a row), or ``None`` when t(1) and d agree with it within
+    :data:`STALE_FACTOR` or :data:`STALE_ABS_S`."""
+    def check() -> str | None:
+        t, _ = pass_seconds(target, context, [1], repeats=2)
+        d, _ = pass_seconds(draft, draft_context or context, [1], repeats=2, last_only=True)
+        for name, now, then in (("t(1)", t[1], cached.target_s[0]), ("d", d[1], cached.draft_s)):
+            if abs(now - then) > STALE_ABS_S and not (1 / STALE_FACTOR <= now / max(then, 1e-12) <= STALE_FACTOR):
+                return f"the cached costs were stale: {name} {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms cached"
+        return None
+
+    # Stale only when two spot checks in a row say so: one pass caught by a hiccup of the machine is not a new day.
+    return check() and check()
 
 
 @dataclass
