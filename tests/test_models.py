@@ -161,6 +161,44 @@ def test_embedded_pair_hashes_and_cached_logits_equal_gguf(name, tmp_path):
     assert torch.equal(cached_logits, _logits(gguf_model, gguf_tok))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_a_cast_on_load_reads_by_pread_to_the_weights_of_a_mapped_read(arch, tmp_path, monkeypatch):
+    """float32 weights loaded in bfloat16 are read with pread, not through a memory map that would keep the whole
+    file resident beside the cast copy (issue 23: 10.6 GB for the 1.5B target); the model equals transformers' own
+    mapped read and cast, parameters and buffers bit for bit. A load without a cast still maps the file."""
+    import transformers.modeling_utils as hf_modeling
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.testing import tiny_model
+
+    d = tmp_path / "m"
+    tiny_model(arch, 64).save_pretrained(d)  # float32
+    backends: list[str | None] = []
+    opener = hf_modeling.safe_open
+
+    def spy(*args, **kwargs):
+        backends.append(kwargs.get("backend"))
+        return opener(*args, **kwargs)
+
+    monkeypatch.setattr(hf_modeling, "safe_open", spy)
+    cast, _ = models.load_causal_lm(d, dtype=torch.bfloat16)
+    assert backends and set(backends) == {"pread"}
+    assert hf_modeling.safe_open is spy  # put back
+    backends.clear()
+    mapped = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    assert "mmap" in backends
+    ours, theirs = cast.state_dict(), mapped.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+    ours, theirs = dict(cast.named_buffers()), dict(mapped.named_buffers())
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    assert cast.dtype == torch.bfloat16
+    backends.clear()
+    models.load_causal_lm(d, dtype=torch.float32)  # the checkpoint's dtype: parameters are views of the map
+    assert "pread" not in backends
+
+
 # ------------------------------------------------------------------ weights never filled in (issue 17, item 3)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdraft.config import EvalConfig
 from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -12,25 +13,32 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture
 def real_pair(real_model):
-    target, tok = real_model(DEFAULT_TARGET)
-    draft, _ = real_model(DEFAULT_DRAFT)
+    # bfloat16, the dtype the pipeline evaluates in: the pair's weights are 4.8 GB, against 9.6 GB in float32
+    # (issue 23: `make test` under 12 GB; this test peaked at 10.9 GB RSS in float32, 7.7 GB in bfloat16). The float32 exactness of decoding is the tiny-model tests' and the
+    # vocabulary-mapping tests' below.
+    target, tok = real_model(DEFAULT_TARGET, "bfloat16")
+    draft, _ = real_model(DEFAULT_DRAFT, "bfloat16")
     return target, draft, tok
 
 
 def test_greedy_speculative_equals_target_on_real_pair(real_pair):
     from specdraft.data import encode_prompts, load_examples
-    from specdraft.evaluate import run_eval
+    from specdraft.evaluate import ROUNDING_TOLERANCE, run_eval
 
     target, draft, tok = real_pair
     examples = load_examples("humaneval", limit=2, offset=100) + load_examples("mt-bench", limit=1)
     ids = encode_prompts(tok, examples)
     res = run_eval(target, draft, tok, ids, [e.id for e in examples],
-                   EvalConfig(num_speculative_tokens=4, max_new_tokens=24))
+                   EvalConfig(num_speculative_tokens=4, max_new_tokens=24, dtype="bfloat16"))
     s = res.summary()
-    # fp32: a multi-token pass may differ from a one-token pass only in the last bits; any divergence must be
-    # a near-tie within the fp32 tolerance, and none is expected.
+    # bf16: the target's γ+1-token verify pass and its one-token steps round differently, so an output may part
+    # from the target alone's only where the target's top-2 logits nearly tie. Equal, or every divergence is such
+    # a near-tie (top-2 margin within bf16's rounding tolerance, 0.5 logit); a bug in verify or roll-back parts
+    # outputs at confident positions, and at most one of the three prompts may part.
+    tol = ROUNDING_TOLERANCE[torch.bfloat16]
     assert s["divergences_beyond_tolerance"] == 0, res.divergences
-    assert s["divergences"] == 0, [(d.prompt_id, d.margin) for d in res.divergences]
+    assert all(d.margin <= tol for d in res.divergences), [(d.prompt_id, d.margin) for d in res.divergences]
+    assert s["divergences"] <= 1, [(d.prompt_id, d.position, d.margin) for d in res.divergences]
     assert res.spec_tokens == res.target_tokens == 3 * 24
     # A same-family 0.5B draft agrees with its 1.5B sibling most of the time on code.
     assert s["acceptance_rate"] > 0.5
