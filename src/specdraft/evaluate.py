@@ -995,6 +995,8 @@ def acceptance_eval(
     *,
     answers: Sequence[Sequence[int]] | None = None,
     vocab_mapping=None,
+    decoder=None,
+    speed_model: SpeedModel | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Greedy acceptance of ``draft`` on held-out prompts, per prompt, plus the teacher-forced α at the serving
@@ -1009,6 +1011,13 @@ def acceptance_eval(
     second draft is compared on the very same target answers (a paired comparison) in one draft pass per
     prompt.
 
+    ``decoder`` (e.g. :func:`prepared_draft`'s int4 + trimmed-head copy of ``draft``) writes the answers instead of
+    ``draft``, with the adaptive γ ≤ ``config.num_speculative_tokens`` when ``speed_model`` is given: greedy
+    speculative decoding outputs the target's greedy answer whichever draft proposes (lossless; bfloat16 near-ties
+    aside), so the fastest lossless decoder writes them and ``draft`` — the model that is exported — is still
+    counted by replay at fixed γ. ``decoded_acceptance_rate`` is then the decoder's (``decoder_label`` names it) and
+    ``replay_check`` is None (the decoder's rounds are not the draft's).
+
     Sampled acceptance: ``alpha_sampled`` is Σ min(p̃, q̃) under ``serving`` (the serving temperature / top-k /
     top-p), teacher-forced over the target's answers — the per-token acceptance probability of speculative
     sampling at those contexts (Leviathan et al. 2023, §3.1), not a decoded count.
@@ -1019,21 +1028,27 @@ def acceptance_eval(
         prompt_ids / prompt_names: the prompts (chat template applied) and their ids.
         config: γ and max new tokens (greedy; its ``sampling`` must be greedy).
         serving: the filter of the sampled α.
+        decoder: the model that decodes the answers (default ``draft``); not with ``answers`` or ``vocab_mapping``.
+        speed_model: the decoder's measured costs (:func:`cached_speed_model`): adaptive γ; None: fixed γ.
 
     Returns:
         ``{"method": "decoded" | "replayed", "prompts", "rows": [{"id", "accepted", "proposed", "reached",
         "alpha_sum", "positions"}], "answers": [[ids]], "counts": AcceptanceCounts dict, "acceptance_rate",
         "acceptance_rate_ci95", "alpha", "alpha_ci95", "drafted", "mean_accepted_length", "alpha_per_position",
-        "alpha_sampled", "alpha_sampled_ci95", "replay_check", "decoded_acceptance_rate", "seconds"}`` (intervals:
-        bootstrap over prompts).
+        "alpha_sampled", "alpha_sampled_ci95", "replay_check", "decoded_acceptance_rate", "decoder_label",
+        "decode_seconds", "decoded_tokens", "seconds"}`` (intervals: bootstrap over prompts; seconds: wall clock).
 
     Raises:
-        ValueError: a sampled ``config``, or ``answers`` with a draft of another tokenizer.
+        ValueError: a sampled ``config``, ``answers`` with a draft of another tokenizer, or a ``decoder`` with
+            ``answers`` or ``vocab_mapping``.
     """
     if not config.sampling.greedy:
         raise ValueError("acceptance_eval measures greedy acceptance; the sampled figure is alpha_sampled")
     if answers is not None and vocab_mapping is not None:
         raise ValueError("a draft of another tokenizer cannot be replayed: decode it (answers=None)")
+    if decoder is not None and (answers is not None or vocab_mapping is not None):
+        raise ValueError("a decoder writes the target's answers: give it without answers and without a vocab_mapping")
+    decoder = draft if decoder is None else decoder
     t0 = time.perf_counter()
     gamma, max_new = config.num_speculative_tokens, config.max_new_tokens
     eos = eos_ids(target)
@@ -1041,15 +1056,18 @@ def acceptance_eval(
     real_vocab = len(tokenizer)
     device = next(target.parameters()).device
     decoded: list[AcceptanceCounts] | None = None
+    decode_seconds = 0.0
     if answers is None:
         answers, decoded = [], []
         for k, ids in enumerate(prompt_ids):
             inp, mask = left_pad([ids], pad, device)
-            out, c = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
+            out, c = speculative_generate(target, decoder, inp, mask, num_speculative_tokens=gamma,
                                           max_new_tokens=max_new, eos_token_id=eos, real_vocab=real_vocab,
-                                          vocab_mapping=vocab_mapping, mapped_proposals=config.mapped_proposals)
+                                          vocab_mapping=vocab_mapping, mapped_proposals=config.mapped_proposals,
+                                          speed_model=speed_model)
             answers.append(out[0])
             decoded.append(c)
+            decode_seconds += c.time_total
             if progress:
                 progress(k + 1, len(prompt_ids))
     answers = [list(a) for a in answers]
@@ -1066,7 +1084,7 @@ def acceptance_eval(
         for c in decoded:
             merged = merged.merge(c)
         decoded_rate = merged.acceptance_rate
-    if decoded is not None and replayed is not None:
+    if decoded is not None and replayed is not None and decoder is draft and speed_model is None:
         same = sum(all(getattr(d, k) == getattr(r, k) for k in keys) for d, r in zip(decoded, replayed))
         check = f"{same}/{len(decoded)}"
     sampled = None
@@ -1094,8 +1112,17 @@ def acceptance_eval(
         "alpha_sampled": sampled["alpha"] if sampled else None,
         "alpha_sampled_ci95": ci("alpha_sum", "positions") if sampled else None,
         "serving": serving.model_dump(), "replay_check": check, "decoded_acceptance_rate": decoded_rate,
+        "decoder_label": _decoder_label(draft, decoder, speed_model, gamma) if decoded is not None else None,
+        "decode_seconds": decode_seconds if decoded is not None else None,
+        "decoded_tokens": sum(len(a) for a in answers) if decoded is not None else None,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _decoder_label(draft, decoder, speed_model: SpeedModel | None, gamma: int) -> str:
+    """What wrote :func:`acceptance_eval`'s answers, in a report's words."""
+    label = "the draft as given" if decoder is draft else "draft " + draft_configuration(decoder)["label"]
+    return label + (f", adaptive γ ≤ {gamma}" if speed_model is not None else f", fixed γ {gamma}")
 
 
 def interleaved_speed(

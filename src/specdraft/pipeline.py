@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import shutil
@@ -332,12 +333,17 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
                 before: dict[str, Any] | None = None) -> Callable[[Path], dict[str, Any]]:
     """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`): ``before`` is None for
     the original draft (decoded: the target's answers are written here), else the distilled draft is replayed on
-    the answers ``before`` holds (the same target answers: a paired comparison)."""
+    the answers ``before`` holds (the same target answers: a paired comparison).
+
+    The answers are written by the fastest lossless decoder (issue 22): the evaluation's draft preparation
+    (:func:`specdraft.evaluate.prepared_draft`: ``draft_quantization`` auto = int4 + trimmed head on CPU) with its γ
+    policy (adaptive: the pair's costs from the calibration cache the speed stage shares). The acceptance counted is
+    still the draft's as exported (bf16, fixed γ, by replay). A draft of another tokenizer decodes as loaded."""
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.evaluate import acceptance_eval
+        from specdraft.evaluate import acceptance_eval, cached_speed_model, prepared_draft
         from specdraft.models import load_model
         from specdraft.vocab import build_vocab_mapping
 
@@ -345,14 +351,25 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
         draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
         mapping = build_vocab_mapping(plan.target.path, draft_path) if map_vocab else None
         serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
+        encoded = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
+        decoder, speed = None, None
+        if before is None and mapping is None:
+            decoder = prepared_draft(draft, tok, cfg.eval)
+            if cfg.eval.gamma_policy == "adaptive":
+                every = sorted((ids for ids in itertools.chain(*encoded.values()) if len(ids) >= 2), key=len)
+                if every:
+                    speed, _ = cached_speed_model(
+                        target, decoder, every[len(every) // 2], max_gamma=max(cfg.eval.num_speculative_tokens, 8),
+                        cache_dir=cfg.eval.speed_cache_dir, refresh=not cfg.eval.speed_cache)
         sets = {}
         for name, examples in plan.sets.items():
             answers = before["sets"][name]["answers"] if before is not None else None
-            sets[name] = acceptance_eval(target, draft, tok, encode_prompts(tok, examples), [e.id for e in examples],
-                                         cfg.eval, serving, answers=answers, vocab_mapping=mapping)
+            sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
+                                         cfg.eval, serving, answers=answers, vocab_mapping=mapping,
+                                         decoder=decoder, speed_model=speed)
             sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
         atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
-        del target, draft  # free both models before the next stage loads its own
+        del target, draft, decoder  # free the models before the next stage loads its own
         gc.collect()
         return {"draft": str(draft_path), "sets": sets}
 

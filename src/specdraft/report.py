@@ -288,6 +288,18 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _answers_writer(sets: dict[str, Any]) -> str:
+    """The sentence naming the decoder that wrote the target's answers before distillation (empty when unknown)."""
+    labels = {v.get("decoder_label") for v in sets.values()} - {None}
+    if not labels:
+        return ""
+    secs = sum(v.get("decode_seconds") or 0.0 for v in sets.values())
+    toks = sum(v.get("decoded_tokens") or 0 for v in sets.values())
+    rate = f", {toks / secs:.2f} tokens/s" if secs > 0 else ""
+    return (f" The answers were written by greedy speculative decoding with the {'; '.join(sorted(labels))}{rate} "
+            "(lossless: the target's own greedy answers); the figures count the draft as exported, by replay.")
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
     dist, exp, cfg = r["distill"], r["export"], r["config"]
@@ -305,7 +317,8 @@ def render_markdown(r: dict[str, Any]) -> str:
          + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
                      f"{v['drafted']:,} drafted tokens" for n, v in sets.items())
          + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
-         "gain); the sampled figure is α = Σ min(p̃, q̃) at the serving settings, teacher-forced on those answers."),
+         "gain); the sampled figure is α = Σ min(p̃, q̃) at the serving settings, teacher-forced on those answers."
+         + _answers_writer(sets)),
         "",
         *([] if not (h := r.get("headroom")) else [
             (f"Forecast before training (`specdraft headroom` on the held-out answers): {h['verdict']}; greedy "
