@@ -349,6 +349,15 @@ def _render_distill_throughput(name: str = "distill-throughput.json") -> list[st
                   (f"| teacher-forced existing text | {dp['answer_tokens']['teacher_forced']:,} | "
                    f"{t['teacher_forced']:,.0f} |"), "",
                   f"Teacher-forced / target-written: {dp['speedup']:.1f}x answer tokens per minute."]
+    if st and dp:
+        # Minutes per 1,000 trained answer tokens of the whole road (teacher signal once, then E epochs of training).
+        tt, tm = dp["tokens_per_minute"], st["tokens_per_minute"]
+        road = lambda teacher, train, epochs: 1000 / tt[teacher] + epochs * 1000 / tm[train]
+        rows = [(e, road("generated", ref, e), road("teacher_forced", fast, e)) for e in (1, 3)]
+        lines += ["", ("Both together, minutes per 1,000 trained answer tokens (teacher signal once, then E epochs): "
+                       "round 2's road (target-written answers, " + label(ref) + ") against the fast one "
+                       "(teacher-forced existing text, " + label(fast) + "): "
+                       + "; ".join(f"E = {e}: {a:.2f} → {b:.2f} min, {a / b:.2f}x" for e, a, b in rows) + ".")]
     return lines + [""]
 
 
