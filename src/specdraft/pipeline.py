@@ -77,8 +77,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 4, "lr": 3e-5, "max_steps": 30,
                     "batch_size": 2, "held_out_fraction": 0.125, "scheduler": "cosine", "warmup_ratio": 0.1,
                     "save_steps": 10, "on_policy_fraction": 0.0, "on_policy_every": 10},
-        "needs": "2 CPU cores, ~14 GB RAM, ~2 GB disk; 15-35 min with the models cached (15.2 min on 2026-11-30; "
-                 "on 2026-12-01 its stages ran 2.3-2.8x slower: eval 17 min, dump 5 min)",
+        "needs": "2 CPU cores, ~13 GB RAM (12.4 GB peak measured), ~2 GB disk; 15-31 min with the models cached "
+                 "(15.2 min on 2026-11-30; 31.1 min on 2026-12-01, when the target alone ran 2.5 instead of 7.4 tok/s)",
     },
     # The smallest run that exercises every stage on real weights (CI), on-policy data included.
     "ci": {
