@@ -29,6 +29,16 @@ def test_predicted_alpha_identical_models_is_one_and_differs_otherwise():
             q = other(torch.tensor([s])).logits[0, :-1].softmax(-1)
             ref += torch.minimum(p, q).sum(-1).tolist()
     assert a["alpha"] == pytest.approx(sum(ref) / len(ref), rel=1e-4)
+    # Masks over answers: only the counted positions (the heads run over the batch's tail only), the draft's argmax
+    # at each of them in order.
+    masked = predicted_alpha(target, other, seqs, [[0, 0, 1, 1, 1, 0], [0, 1, 0]],
+                             sampling=SamplingConfig(temperature=1.0))
+    assert masked["positions"] == 4 and masked["per_sequence"][1][1] == 1
+    assert masked["alpha"] == pytest.approx((ref[2] + ref[3] + ref[4] + ref[6]) / 4, rel=1e-4)
+    with torch.no_grad():
+        want = [other(torch.tensor([seqs[0]])).logits[0, 2:5].argmax(-1).tolist(),
+                other(torch.tensor([seqs[1]])).logits[0, 1:2].argmax(-1).tolist()]
+    assert masked["draft_top1"] == want
     greedy = predicted_alpha(target, other, seqs)
     assert greedy["alpha"] == pytest.approx(greedy["top1_agreement"])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import os
@@ -63,6 +64,15 @@ ROUNDING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0
 
 
 @torch.no_grad()
+def _tail_logits(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
+    """``[B, keep, V]`` logits of the last ``keep`` positions of a left-padded batch. The output head runs only
+    there (transformers' ``logits_to_keep``: the head is applied to ``hidden_states[:, -keep:]``) when the model's
+    forward takes it; otherwise every position is scored and the tail is sliced (same values)."""
+    if 0 < keep < ids.shape[1] and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
+
+
 def predicted_alpha(
     target,
     draft,
@@ -87,12 +97,18 @@ def predicted_alpha(
 
     Returns:
         ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float, "per_sequence":
-        [[alpha_sum, positions], …]}`` (counts first: sums and positions merge across calls and sequences).
+        [[alpha_sum, positions], …], "draft_top1": [[id, …], …]}`` (counts first: sums and positions merge across
+        calls and sequences; ``draft_top1``: per sequence the draft's argmax over the real vocabulary at each
+        counted position, in order — what :func:`replay_greedy` compares with the target's answer).
+
+    Both heads run only over the tail of each batch that holds counted positions (``logits_to_keep``): with masks
+    over answers, the prompt positions are not scored.
     """
     sampling = sampling or SamplingConfig()
     width = output_width(target)
     total, n, agree = 0.0, 0, 0
     per_sequence: list[list[float]] = []
+    draft_top1: list[list[int]] = []
     device = next(target.parameters()).device
     for start in range(0, len(sequences), batch_size):
         chunk = [list(s) for s in sequences[start:start + batch_size]]
@@ -104,8 +120,11 @@ def predicted_alpha(
                 raise ValueError(f"mask {start + i} has length {len(m)}, sequence has {len(s)}")
             cm[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
-        p_logits = align_logits(target(input_ids=ids, attention_mask=attn, position_ids=pos).logits, width, real_vocab)
-        q_logits = align_logits(draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits, width, real_vocab)
+        counted = cm.any(0).nonzero()
+        keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the tail holding every counted position
+        cm = cm[:, -keep:]
+        p_logits = align_logits(_tail_logits(target, ids, attn, pos, keep), width, real_vocab)
+        q_logits = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab)
         sel = cm.bool()
         p_l, q_l = p_logits[sel], q_logits[sel]  # [N, V]
         if sampling.greedy:
@@ -117,12 +136,14 @@ def predicted_alpha(
         row = sel.nonzero()[:, 0]  # the sequence of each selected position
         sums = torch.zeros(len(chunk), dtype=torch.float64, device=a.device).index_add_(0, row, a)
         per_sequence += [[float(x), int(c)] for x, c in zip(sums.tolist(), sel.sum(1).tolist())]
+        q_top1 = q_l.argmax(-1)
+        draft_top1 += [q_top1[row == i].tolist() for i in range(len(chunk))]
         total += float(a.sum())
-        agree += int((p_l.argmax(-1) == q_l.argmax(-1)).sum())
+        agree += int((p_l.argmax(-1) == q_top1).sum())
         n += int(sel.sum())
     # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
     return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
-            "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence}
+            "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence, "draft_top1": draft_top1}
 
 
 @torch.no_grad()
@@ -168,11 +189,10 @@ def replay_greedy(
                                                     responses[start:start + batch_size], strict=True)]
         ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
-        logits = draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-        guess = align_logits(logits, width, real_vocab).argmax(-1)  # [b, S]
+        keep = max(len(r) for _, r in chunk) + 1  # the head scores only the answers' predicting positions
+        guess = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
         for i, (p, y) in enumerate(chunk):
-            S = ids.shape[1]
-            first = S - len(y) - 1  # left padding: the last prompt position predicts y[0]
+            first = keep - len(y) - 1  # left padding: the last prompt position predicts y[0]
             match = [int(g) == t for g, t in zip(guess[i, first:first + len(y)].tolist(), y)]
             out.append(_replay_rounds(match, y, num_speculative_tokens, max_new_tokens, eos))
     return out
@@ -1071,8 +1091,16 @@ def acceptance_eval(
             if progress:
                 progress(k + 1, len(prompt_ids))
     answers = [list(a) for a in answers]
-    replayed = None if vocab_mapping is not None else replay_greedy(
-        draft, prompt_ids, answers, gamma, max_new, eos, real_vocab=real_vocab, pad_id=pad)
+    sampled, replayed = None, None
+    if vocab_mapping is None:
+        # One teacher-forced pass of each model over prompt + answer gives both the sampled α and the draft's argmax
+        # at every answer position, from which the greedy rounds are replayed (replay_greedy's method, one draft
+        # pass fewer).
+        seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
+        masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
+        sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
+        replayed = [_replay_rounds([int(g) == t for g, t in zip(top1, y)], y, gamma, max_new, set(eos))
+                    for top1, y in zip(sampled["draft_top1"], answers, strict=True)]
     # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between
     # two drafts then compares one method with itself (decoded vs replayed differ only by bfloat16 near-ties,
     # reported as replay_check and decoded_acceptance_rate).
@@ -1087,11 +1115,6 @@ def acceptance_eval(
     if decoded is not None and replayed is not None and decoder is draft and speed_model is None:
         same = sum(all(getattr(d, k) == getattr(r, k) for k in keys) for d, r in zip(decoded, replayed))
         check = f"{same}/{len(decoded)}"
-    sampled = None
-    if vocab_mapping is None:
-        seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
-        masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
-        sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
     rows = []
     for k, c in enumerate(counts_per_prompt):
         row = {"id": prompt_names[k], "accepted": sum(c.accepted), "proposed": sum(c.proposed),
