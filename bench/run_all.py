@@ -275,6 +275,12 @@ def _render_distill_routes() -> list[str]:
                          for k, v in (rt["dumps"] or {}).items())
         lines.append(f"| {rt['label']} | {data} | {rt['dump_minutes']:.1f} + {rt['train_minutes']:.1f} | "
                      f"{fig(rt['sets']['chat'])} | {fig(rt['sets'].get('code'))} |")
+    per_min = lambda rt, k: (f"{rt['sets'][k]['gain'] / rt['minutes']:+.4f}" if rt["sets"].get(k) and rt["minutes"]
+                             else "—")
+    lines += ["", ("Gain per minute of dump + training (issue 21 item 2's measure of a mix), chat / code: "
+                   + "; ".join(f"{rt['label'].split(':')[0]} {per_min(rt, 'chat')} / {per_min(rt, 'code')}"
+                               + (" (its dump reused, not counted)" if not rt["dump_minutes"] else "")
+                               for rt in r["routes"]) + ".")]
     lines += ["", "Commands:", ""] + [f"- {rt['label']}: `{rt['command']}`" for rt in r["routes"]]
     code = r.get("code")
     lines += ["", (f"Headline ({r['headline_route']}): chat {fig({**r, 'acceptance_before': r['acceptance_before']})}"
