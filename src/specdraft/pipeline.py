@@ -69,9 +69,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ood_prompts": ["humaneval:100:16:4"],
         "train_prompts": ["mt-bench:1:20:3", "mt-bench:2:20:3"],
         "speed_prompts": 3,
-        # γ 5: the acceptance evaluations decode with the draft as exported (bf16, fixed γ: before/after are replayed
-        # on the same rounds); at γ 8 the bf16 draft's wasted steps on chat (acceptance ≈ 0.5) made eval_before 3x
-        # longer. The speed stage runs auto + adaptive γ ≤ 5.
+        # γ 5: the acceptance evaluations count the draft as exported (bf16) at fixed γ 5, replayed on the target's
+        # answers (before and after on the same rounds); eval_before writes those answers with the prepared draft
+        # (auto: int4 + trimmed head) and adaptive γ ≤ 5, as the speed stage decodes.
         "eval": {"max_new_tokens": 64, "compare_hf": True, "num_speculative_tokens": 5},
         "dump": _DUMP | {"generate": 48, "max_length": 512, "batch_size": 8},
         "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 4, "lr": 3e-5, "max_steps": 30,
