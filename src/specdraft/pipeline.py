@@ -5,8 +5,9 @@ its inputs (a re-run skips a stage whose key matches, so a killed run continues 
 whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``):
 
 1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
-2. ``eval_before`` greedy acceptance of the original draft per held-out set, decoded (the target's answers
-                   are kept), + α at the serving settings (:func:`specdraft.evaluate.acceptance_eval`)
+2. ``eval_before`` the target's greedy answers per held-out set, written by the fastest lossless decoder (the
+                   prepared draft, adaptive γ), then the original draft's greedy acceptance replayed on them, + α
+                   at the serving settings (:func:`specdraft.evaluate.acceptance_eval`)
 3. ``vocab_swap``  only for a draft of another tokenizer: re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`)
    ``headroom``    the forecast before training, on the held-out answers ``eval_before`` wrote (the positions
                    ``eval_after`` replays) for the draft that is trained: what distillation can add, and its verdict
@@ -23,10 +24,12 @@ whose inputs changed is refused, naming what changed, or redone from scratch wit
 **Evaluation design.** Acceptance is measured on held-out prompts in two sets, reported separately:
 ``eval_prompts`` (the domain the preset trains for: the headline gain) and ``ood_prompts`` (a second domain
 that must not get worse). Before distillation every prompt is decoded by greedy speculative decoding, which
-writes the target's greedy answer; after it, the distilled draft's counts are replayed on those very answers
-(:func:`specdraft.evaluate.replay_greedy`; exact for greedy verification, and checked against the decoded counts
-of the original draft on every prompt), so the gain is paired prompt by prompt and costs one draft pass per
-prompt instead of a second decoding. Speed is measured once, interleaved, on a few prompts.
+writes the target's greedy answer (with the evaluation's draft preparation, int4 + trimmed head by default: any
+draft gives the same answer); the original and later the distilled draft are both counted by replaying their
+greedy rounds on those very answers (:func:`specdraft.evaluate.replay_greedy`'s method: exact for greedy
+verification up to bf16 near-ties; tested against decoded counts), so the gain is paired prompt by prompt and
+costs one teacher-forced pass per model and prompt instead of a second decoding. Speed is measured once,
+interleaved, on a few prompts.
 
 Evaluation prompts never enter training: overlaps between the two prompt sets are counted and warned about
 (or refused with ``refuse_overlap``). Everything that can be checked is checked before the first stage runs.
