@@ -54,7 +54,8 @@ def main() -> dict:
                              top_p=run_cfg["distill"]["top_p"])
     eos, real_vocab = ev.eos_ids(target), len(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    full = lambda model, ids, attn, pos, keep: model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    # The old cost: the head over every position (then the counted tail is kept, as the old code selected it).
+    full = lambda model, ids, attn, pos, keep: model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
 
     def old(prompts, answers):
         with mock.patch.object(ev, "_tail_logits", full):
