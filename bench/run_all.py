@@ -181,6 +181,10 @@ def render() -> str:
     lines += _render_distill_gain()
     lines += _render_distill_curve("distill-curve.json", "the embedded pair")
     lines += _render_distill_curve("distill-curve-smollm2.json", "SmolLM2-135M vocab-swapped into the target's tokenizer")
+    lines += _render_distill_curve("distill-samefamily-sharegpt.json", "the embedded pair on ShareGPT-scale data "
+                                   "(issue 21, item 6; forecast +0.08 [+0.062, +0.094])",
+                                   data="ShareGPT first turns, teacher-forced (their existing replies scored by the "
+                                   "target)")
     lines += _render_distill_routes()
     lines += _render_headroom_calibration()
     return "\n".join(lines)
@@ -190,8 +194,9 @@ def _ci(ci, spec="{:+.3f}") -> str:
     return f"[{spec.format(ci[0])}, {spec.format(ci[1])}]" if ci else ""
 
 
-def _render_distill_curve(name: str, what: str) -> list[str]:
-    """The learning curve in measured acceptance (held-out chat and code, replayed every K steps)."""
+def _render_distill_curve(name: str, what: str, data: str = "target-written answers") -> list[str]:
+    """The learning curve in measured acceptance (held-out chat and code, replayed every K steps); ``data`` names
+    what the training sequences are."""
     r = _load(name)
     if not r or not r["runs"] or not r["runs"][0].get("acceptance_curve"):
         return []
@@ -200,7 +205,7 @@ def _render_distill_curve(name: str, what: str) -> list[str]:
     b = r["before"]
     lines = [f"## Distillation — a learning curve in measured acceptance, {what}", "",
              (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['torch']}. Training: {r['dump_sequences']} "
-              f"target-written answers ({r['dump_tokens']:,} tokens, prompts disjoint from the held-out sets), "
+              f"{data} ({r['dump_tokens']:,} tokens, prompts disjoint from the held-out sets), "
               f"`{st['loss']}`, train = {st['train']}, lr {st['lr']}, {st['batch_size']} × "
               f"{st['gradient_accumulation_steps']} sequences per step, {st['scheduler']}. Every "
               f"{r['settings']['curve_every']} steps a bfloat16 copy of the draft is replayed on the same held-out "
