@@ -528,3 +528,19 @@ def test_inspect_refuses_a_checkpoint_of_two_weight_layouts_naming_the_files(tmp
     r = CliRunner().invoke(app, ["inspect", str(spec)], terminal_width=300)
     line = _one_error_line(r)
     assert r.exit_code == 2 and "a model.safetensors lies beside the sharded index model.safetensors.index.json" in line
+
+
+def test_generate_summary_names_the_policy_that_drafted_fewer_and_how_the_answer_ended():
+    """A new user read "… (adaptive γ, --draft-confidence-threshold or a mapped draft), and the answer ended" as a
+    line cut short: it now names the one policy that ran and says the answer ended at EOS."""
+    from specdraft.acceptance import AcceptanceCounts
+    from specdraft.cli import generate_summary
+
+    counts = AcceptanceCounts(8)
+    counts.record_round(2, n_proposed=3, bonus=True)
+    counts.record_round(0, n_proposed=1, bonus=True)
+    line = generate_summary(counts, 512, False, ["adaptive γ"])
+    assert line.endswith("4 drafts over 2 passes, not 16: each pass drafts up to γ = 8 and drafts fewer where "
+                         "adaptive γ says so; the last pass stops where the answer ended at EOS")
+    assert generate_summary(counts, counts.emitted, False, ["adaptive γ"]).endswith(
+        f"--max-new-tokens {counts.emitted} was reached")

@@ -239,6 +239,7 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
     opts = report["config"]["draft_options"]
     assert (opts["quantization"], opts["head_tokens"]) == ("int8", 50)
     assert "configuration: draft int8" in r.output and "why: as requested" in r.output
+    assert "Speculative decoding (adaptive γ ≤ 2)" in r.output  # the table's title names the policy that ran
     g = CliRunner().invoke(app, ["generate", "a b", "--target", tdir, "--draft", ddir, "--max-new-tokens", "5",
                                  "--dtype", "float32", "--draft-quantization", "int8", "--gamma-policy", "adaptive"])
     assert g.exit_code == 0, g.output

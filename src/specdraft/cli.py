@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -265,7 +266,7 @@ DraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model: embed
 
 
 #: What ``auto`` means, said the same way by every --dtype that offers it (specdraft.models.resolve_dtype).
-AUTO_DTYPE = "auto = float32 on CPU, bfloat16 on CUDA"
+AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 #: The start of every γ option's help, in every command that takes γ (each also accepts --gamma).
 GAMMA_HELP = f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS})"
 
@@ -834,7 +835,8 @@ def eval_cmd(
                        record={"target": target, "draft": draft, "prompts": prompts, "prompt_offset": offset,
                                "command": " ".join(sys.argv)})
     paths = write_report(res, out)
-    print_eval_summary(res.summary(), config.num_speculative_tokens, greedy=sampling.greedy)
+    print_eval_summary(res.summary(), config.num_speculative_tokens, greedy=sampling.greedy,
+                       adaptive=config.gamma_policy == "adaptive")
     print_configuration(res.config)
     busy_warning(res.summary().get("machine_load"))
     if (cert := res.certificate) is not None:
@@ -876,9 +878,10 @@ def print_configuration(config: dict) -> None:
                   "decoder's own", highlight=False)
 
 
-def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding", greedy: bool = True) -> None:
-    """A rich table of the eval summary (units in the row names)."""
-    table = Table(title=f"{title} (γ = {gamma})")
+def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding", greedy: bool = True,
+                       adaptive: bool = False) -> None:
+    """A rich table of the eval summary (units in the row names); the title names the γ policy that ran."""
+    table = Table(title=f"{title} ({'adaptive γ ≤' if adaptive else 'γ ='} {gamma})")
     table.add_column("measure")
     table.add_column("value", justify="right")
     fmt = lambda v, f="{:.3f}": "—" if v is None else f.format(v)
@@ -977,10 +980,13 @@ def generate(
                                      mapped_proposals=mapped_proposals, speed_model=speed)
     console.print()
     fixed = gamma_policy == "fixed" and draft_confidence_threshold is None and mapping is None
-    console.print(f"[dim]{escape(generate_summary(counts, max_new_tokens, fixed))}[/]", soft_wrap=True)
+    why = [w for w, on in (("adaptive γ", gamma_policy == "adaptive"),
+                           ("--draft-confidence-threshold", draft_confidence_threshold is not None),
+                           ("the mapped draft", mapping is not None)) if on]
+    console.print(f"[dim]{escape(generate_summary(counts, max_new_tokens, fixed, why))}[/]", soft_wrap=True)
 
 
-def generate_summary(counts, max_new_tokens: int, fixed: bool) -> str:
+def generate_summary(counts, max_new_tokens: int, fixed: bool, why: Sequence[str] = ()) -> str:
     """``generate``'s closing line, whose figures add up: accepted of proposed drafts over the target passes, and
     why fewer than passes × γ were proposed (the last round is cut at --max-new-tokens or EOS; with ``fixed`` off,
     adaptive γ or the confidence threshold also draft fewer)."""
@@ -993,12 +999,14 @@ def generate_summary(counts, max_new_tokens: int, fixed: bool) -> str:
     short = counts.rounds * g - proposed
     if short <= 0:
         return line
-    end = (f"--max-new-tokens {max_new_tokens} was reached" if counts.emitted >= max_new_tokens else "the answer ended")
+    end = (f"--max-new-tokens {max_new_tokens} was reached" if counts.emitted >= max_new_tokens
+           else "the answer ended at EOS")
     if fixed:  # only the last round can draft fewer than γ: the answer's end cut it
         n = g - short
         return f"{line}; the last pass checked {n} draft{'' if n == 1 else 's'} instead of γ = {g}: {end}"
     return (f"{line}; {proposed} drafts over {counts.rounds} passes, not {counts.rounds * g}: each pass drafts up to "
-            f"γ = {g} (adaptive γ, --draft-confidence-threshold or a mapped draft), and {end}")
+            f"γ = {g} and drafts fewer where {' and '.join(why) or 'adaptive γ, --draft-confidence-threshold or a mapped draft'}"
+            f" says so; the last pass stops where {end}")
 
 
 # ------------------------------------------------------------------------------------------- rank
