@@ -333,6 +333,9 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     # No saved timings and no llama-bench: how to build the tools, or what to give instead.
     with pytest.raises(LlamaCppError, match=r"no executable llama-bench there.*make test-llamacpp.*--target-bench FILE"):
         rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, llama_cpp_bin=empty)
+    # A --llama-cpp-bin that llama-bench would run from is checked first: before any GGUF is looked for or read.
+    with pytest.raises(LlamaCppError, match=r"--llama-cpp-bin .*bin: no executable llama-bench there"):
+        rank_inputs("/x/t", ["/x/d"], llama_cpp_bin=empty)
     # Saved timings are enough (no tools looked for), but the target's must price a verification (a pp test).
     with pytest.raises(LlamaCppError, match=r"no pp test .* \(target: .*d.json; draft /x/d: .*d.json\)"):
         rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=db,

@@ -666,6 +666,17 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
             raise LlamaCppError(f"{flag} {unknown[0]}=…: {unknown[0]!r} is not one of the drafts ranked "
                                 f"({', '.join(drafts)}); name each as it is given on the command line.")
 
+    def bench_tools() -> LlamaCppTools:
+        try:
+            return find_tools(llama_cpp_bin, need=("llama-bench",))
+        except LlamaCppError as exc:
+            raise LlamaCppError(f"{exc} Or give saved llama-bench results (--target-bench FILE, --draft-bench "
+                                f"NAME=FILE: the output of `{BENCH_COMMAND}`).") from None
+
+    # A --llama-cpp-bin that llama-bench will be run from is checked first, before any GGUF is unpacked or read.
+    needs_bench = target_bench is None or any(d not in draft_benches for d in drafts)
+    tools = bench_tools() if llama_cpp_bin is not None and needs_bench else None
+
     def gguf_of(ref: str, given, flag: str, convert: str) -> Path:
         fix = f"write one with `{convert}`"
         if given is not None:
@@ -688,18 +699,12 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     for d, path in d_ggufs.items():
         check_pair(read_gguf_vocab(path), target_vocab, d, target)
 
-    tools = None
-
     def timings(who: str, given, flag: str, gguf: Path) -> tuple[list[dict], str]:
         nonlocal tools
         if given is not None:
             return read_llama_bench_json(given, f"{flag}{given}"), str(given)
         if tools is None:
-            try:
-                tools = find_tools(llama_cpp_bin, need=("llama-bench",))
-            except LlamaCppError as exc:
-                raise LlamaCppError(f"{exc} Or give saved llama-bench results (--target-bench FILE, --draft-bench "
-                                    f"NAME=FILE: the output of `{BENCH_COMMAND}`).") from None
+            tools = bench_tools()
         say(f"llama-bench {who} ({gguf.name})")
         return llama_bench(tools, gguf, threads=threads), f"llama-bench ({tools.source})"
 
