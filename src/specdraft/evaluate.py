@@ -384,6 +384,12 @@ def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "dtype": str(next(target.parameters()).dtype)} | machine_info()
 
 
+def calibration_context(prompt_ids: Sequence[Sequence[int]]) -> list[int]:
+    """The prompt the pair's costs are measured on (:func:`measure_speed_model`): the one of median length among
+    ``prompt_ids`` (``[n]`` token id lists; ties broken by order), ``[]`` when there is none."""
+    return list(sorted(prompt_ids, key=len)[len(prompt_ids) // 2]) if prompt_ids else []
+
+
 def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
                        draft_context: Sequence[int] | None = None, cache_dir: str | Path | None = None,
                        refresh: bool = False) -> tuple[SpeedModel, str]:
@@ -897,7 +903,7 @@ def run_eval(
     res.config["draft_options"] = draft_configuration(spec_draft)
     # The pair's costs, measured once on a prompt of median length (the speed model: predicted speed-up, best γ,
     # and the adaptive policy's costs).
-    calib = sorted(prompt_ids, key=len)[len(prompt_ids) // 2] if prompt_ids else []
+    calib = calibration_context(prompt_ids)
     if len(calib) >= 2:
         d_calib = vocab_mapping.reencode_batch_for_draft([list(calib)])[0] if vocab_mapping is not None else None
         speed, source = cached_speed_model(target, spec_draft, calib, max_gamma=max(gamma, 8),
@@ -1191,7 +1197,7 @@ def interleaved_speed(
     speeds: dict[str, SpeedModel] = {}
     speed_sources: dict[str, str] = {}
     if config.gamma_policy == "adaptive" and prompt_ids:
-        calib = list(sorted(prompt_ids, key=len)[len(prompt_ids) // 2])
+        calib = calibration_context(prompt_ids)
         for n, m in prepared.items():
             mapping = vocab_mappings.get(n)
             d_calib = mapping.reencode_batch_for_draft([calib])[0] if mapping is not None else None
@@ -1291,7 +1297,7 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
     gamma, sampling = config.num_speculative_tokens, config.sampling
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(target.parameters()).device
-    calib = sorted(prompt_ids, key=len)[len(prompt_ids) // 2]
+    calib = calibration_context(prompt_ids)
     max_k = max(gamma, 8) + 1
     t_k, t_prefill = pass_seconds(target, calib, range(1, max_k + 1))
     eos = eos_ids(target)

@@ -346,7 +346,12 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     def run(d: Path) -> dict[str, Any]:
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.evaluate import acceptance_eval, cached_speed_model, prepared_draft
+        from specdraft.evaluate import (
+            acceptance_eval,
+            cached_speed_model,
+            calibration_context,
+            prepared_draft,
+        )
         from specdraft.models import load_model
         from specdraft.vocab import build_vocab_mapping
 
@@ -359,10 +364,10 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
         if before is None and mapping is None:
             decoder = prepared_draft(draft, tok, cfg.eval)
             if cfg.eval.gamma_policy == "adaptive":
-                every = sorted((ids for ids in itertools.chain(*encoded.values()) if len(ids) >= 2), key=len)
-                if every:
+                calib = calibration_context([ids for ids in itertools.chain(*encoded.values()) if len(ids) >= 2])
+                if calib:
                     speed, _ = cached_speed_model(
-                        target, decoder, every[len(every) // 2], max_gamma=max(cfg.eval.num_speculative_tokens, 8),
+                        target, decoder, calib, max_gamma=max(cfg.eval.num_speculative_tokens, 8),
                         cache_dir=cfg.eval.speed_cache_dir, refresh=not cfg.eval.speed_cache)
         sets = {}
         for name, examples in plan.sets.items():
