@@ -252,8 +252,9 @@ def _render_headroom_calibration() -> list[str]:
                                          for p in r["pairs"]) + ".", "",
               ("The forecast orders the pairs rightly (the swapped draft has far more to learn) but it is a ceiling "
                "of what the draft could fix where the target is sure, not what a 20-minute CPU budget fixes: it "
-               "overestimated the measured gains by +0.09 on the same-family pair and by about +0.26 on the swapped "
-               "SmolLM2 (whose curve was still rising slowly when stopped)."), ""]
+               "overestimated the measured gains (mean of chat and code) by "
+               + "; ".join(f"{(p['error']['chat'] + p['error']['code']) / 2:+.2f} on {p['pair']}" for p in r["pairs"])
+               + "."), ""]
     return lines
 
 
