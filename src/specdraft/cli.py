@@ -1381,7 +1381,9 @@ def run_cmd(
         "Default: the preset's.")] = None,
     out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
         = Path("runs/default"),
-    preset: Annotated[PresetName, typer.Option(help="default (2-core CPU, ~15 min), ci (minutes), large (GPU, "
+    preset: Annotated[PresetName, typer.Option(help="default (the embedded same-family pair, 2-core CPU, 15-31 "
+                                                     "min), swapped (SmolLM2-135M of another tokenizer: mapped, "
+                                                     "re-indexed, distilled; ~40 min), ci (minutes), large (GPU, "
                                                      "hours), tiny (random models, tests).")] = "default",
     refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
                                                  help="Refuse when train and eval prompts overlap.")] = False,

@@ -30,17 +30,26 @@ def _sets(report: dict[str, Any]) -> list[str]:
     return list(report["eval_before"]["sets"])
 
 
+def baseline_sets(report: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation sets of the draft *before distillation* as it was trained: for a draft of another tokenizer
+    the re-indexed draft, counted by replay in the ``vocab_swap`` stage (``eval_before`` holds the draft as given,
+    decoded through the vocabulary mapping: the swap's cost is the difference); ``eval_before``'s sets otherwise."""
+    swap = report.get("vocab_swap") or {}
+    return swap.get("sets") or report["eval_before"]["sets"]
+
+
 def acceptance_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
     """After − before greedy acceptance on the same prompts (and the same target answers) with a paired 95%
-    bootstrap interval (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when a set has no rows."""
-    b = report["eval_before"]["sets"].get(name, {}).get("rows")
+    bootstrap interval (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when a set has no rows. *Before*
+    is the draft that was trained (:func:`baseline_sets`): the gain is distillation's alone."""
+    b = baseline_sets(report).get(name, {}).get("rows")
     a = report["eval_after"]["sets"].get(name, {}).get("rows")
     return paired_gain_from_rows(b, a) if b and a else None
 
 
 def sampled_alpha_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
     """After − before teacher-forced α at the serving settings, paired over prompts; ``None`` without it."""
-    b = report["eval_before"]["sets"].get(name, {}).get("rows")
+    b = baseline_sets(report).get(name, {}).get("rows")
     a = report["eval_after"]["sets"].get(name, {}).get("rows")
     if not b or not a or any("alpha_sum" not in r for r in (*b, *a)):
         return None
@@ -63,10 +72,17 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
     section names the set, :data:`SUMMARY_LEGEND` says what the brackets hold, one figure per row), so each row
     of the terminal table stays on one line at 80 columns."""
     sections: list[tuple[str, list[tuple[str, str, str]]]] = []
+    swapped = bool((report.get("vocab_swap") or {}).get("sets"))
     for name in _sets(report):
-        b, a = report["eval_before"]["sets"][name], report["eval_after"]["sets"][name]
+        b, a = baseline_sets(report)[name], report["eval_after"]["sets"][name]
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
-        rows = [
+        mapped = report["eval_before"]["sets"][name]
+        rows = [] if not swapped else [
+            # The draft as given, decoded through the vocabulary mapping; the columns below are the re-indexed draft.
+            ("as given, mapped: acceptance", _with_ci(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
+             "—"),
+        ]
+        rows += [
             ("greedy acceptance", _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
              _with_ci(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
             ("gain (paired)", "—", "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
@@ -170,7 +186,7 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = _sets(report)
-    B, A = report["eval_before"]["sets"], report["eval_after"]["sets"]
+    B, A = baseline_sets(report), report["eval_after"]["sets"]
     curve = (report.get("distill") or {}).get("curve") or []
     sp = report.get("speed")
     panels = 2 + bool(sp) + bool(curve)
@@ -266,6 +282,11 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     learn = []
     if h:
         learn.append(f"forecast: {h['verdict']}")
+    sw = (r.get("vocab_swap") or {}).get("sets", {}).get("held_out")
+    if sw:
+        m = r["eval_before"]["sets"]["held_out"]
+        learn.append(f"the vocabulary swap: held-out greedy acceptance {m['acceptance_rate']:.3f} as given through "
+                     f"the mapping → {sw['acceptance_rate']:.3f} re-indexed, before training")
     if gain is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
@@ -326,11 +347,14 @@ def render_markdown(r: dict[str, Any]) -> str:
              f"[{h['gain_ci95'][0]:+.3f}, {h['gain_ci95'][1]:+.3f}]; the target is sure, max p ≥ {h['sure_threshold']}, "
              f"at {h['sure_share']:.0%} of {h['positions']:,} positions). The measured gain is in the table below."), ""]),
         *([] if not (sw := r.get("vocab_swap")) else [
-            (f"The draft speaks another tokenizer: *before* decodes it through a vocabulary mapping "
-             f"({sw['target_coverage']:.1%} of the target vocabulary reachable); it was then re-indexed into the "
-             f"target's tokenizer ({sw['copied']:,} rows copied from a twin, {sw['from_pieces']:,} set to the mean "
-             f"of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} to the mean row) and distilled, so "
-             "*after* decodes without a mapping."), ""]),
+            (f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
+             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *as given, mapped*); "
+             f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
+             f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
+             "to the mean row) and distilled, so *after* decodes without a mapping"
+             + ("; *before distillation* is the re-indexed draft, replayed on the same answers, so the gain is "
+                "distillation's alone and the swap's own cost is the difference from the mapped row."
+                if sw.get("sets") else ".")), ""]),
         SUMMARY_LEGEND,
         "",
         "| measure | before distillation | after distillation |",
