@@ -399,15 +399,22 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
         (x["draft"], x["n_max"], pytest.approx(x["predicted_speedup"])) for x in expect]
     assert report["llama_cpp_command"] == ranking[0]["command"] and f"-md {d} " in ranking[0]["command"]
     assert ranking[0]["command"] in " ".join(r.output.split())
+    # The same pair and flags for the binary the pinned build makes (it makes no llama-server).
+    assert ranking[0]["local_command"] == ranking[0]["command"].replace("llama-server", "llama-speculative-simple", 1)
+    # No terminal here (the spinner draws nothing): each calibration step is a line, never a silent wait.
+    assert f"calibrating {near}…" in r.output and f"calibrating {tdir}…" in r.output, r.output
     assert "confirmation" not in report and not (tmp_path / "rank" / "confirm").exists()
 
     def no_loading(*_a, **_k):
         raise AssertionError("a model was loaded before llama.cpp's inputs were checked")
 
     monkeypatch.setattr(specdraft.models, "load_model", no_loading)
-    # The tools missing (no saved timings): exit 2, one error line naming make test-llamacpp.
+    # The tools missing (no saved timings): exit 2, one error line naming how to build them, from a pip install
+    # (python -m specdraft.llama_cpp) and from a checkout (make test-llamacpp).
     r = CliRunner().invoke(app, base)
-    assert r.exit_code == 2 and r.output.startswith("error: ") and "make test-llamacpp" in r.output, r.output
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "make test-llamacpp" in flat, r.output
+    assert "python -m specdraft.llama_cpp" in flat, r.output
     # A draft GGUF missing: how to write one.
     r = CliRunner().invoke(app, [*base[:base.index("--draft-gguf")], "--out", str(tmp_path / "r2")])
     assert r.exit_code == 2 and "specdraft convert --draft" in r.output and "--format gguf" in r.output, r.output
@@ -432,3 +439,24 @@ def test_rank_help_names_the_engines():
     for flag in ("--target-gguf", "--draft-gguf NAME=PATH", "--target-bench FILE", "--draft-bench NAME=FILE",
                  "--llama-cpp-bin DIR", "--threads"):
         assert flag in text, flag
+
+
+def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from specdraft import cli
+    from specdraft.llama_cpp import LlamaCppTools
+
+    row = {"draft": "d", "alpha": 0.7, "draft_step_ms": 5.0, "cost_ratio_c": 0.1, "n_max": 3,
+           "predicted_speedup": 1.4, "target_step_ms": 50.0,
+           "command": "llama-server -m t.gguf --spec-type draft-simple -md d.gguf --spec-draft-n-max 3 -t 2 -td 2",
+           "local_command": "llama-speculative-simple -m t.gguf --spec-type draft-simple -md d.gguf "
+                            "--spec-draft-n-max 3 -t 2 -td 2"}
+    for paths, shown in (({"llama-bench": tmp_path / "llama-bench"}, True),
+                         ({"llama-bench": tmp_path / "b", "llama-server": tmp_path / "s"}, False)):
+        llama = SimpleNamespace(rank=lambda alphas: [dict(row)], threads=2, target_gguf="t.gguf",
+                                target_bench_source="x", tools=LlamaCppTools(tmp_path, "test", paths))
+        cli._print_llama_cpp_ranking(llama, [{"draft": "d", "alpha": 0.7}], "target", tmp_path / "out")
+        text = " ".join(capsys.readouterr().out.split())
+        assert row["command"] in text
+        assert ("makes no llama-server" in text and row["local_command"] + " -p PROMPT" in text) == shown, text

@@ -209,6 +209,23 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert report["eval_before"]["sets"]["held_out"]["replay_check"] is None  # decoded through the mapping only
     swap = report["vocab_swap"]
     assert swap["width"] == 300 and swap["copied"] + swap["initialised"] == 300
+    # The re-indexed draft is counted before training on the very answers eval_before wrote (replayed, paired):
+    # the distillation gain's baseline is the draft that was trained, not the mapped one.
+    from specdraft.report import acceptance_gain, summary_sections
+    from specdraft.stats import paired_gain_from_rows
+
+    base = swap["sets"]["held_out"]
+    assert base["method"] == "replayed" and base["answers"] == report["eval_before"]["sets"]["held_out"]["answers"]
+    assert [r["id"] for r in base["rows"]] == [e.id for e in ev]
+    gain = acceptance_gain(report)
+    assert gain.value == paired_gain_from_rows(base["rows"], report["eval_after"]["sets"]["held_out"]["rows"]).value
+    first = summary_sections(report)[0][1][0]
+    assert first[0] == "as given, mapped: acceptance"
+    assert first[1].startswith(f"{report['eval_before']['sets']['held_out']['acceptance_rate']:.3f}")
+    from specdraft.report import answers
+
+    agree = dict(answers(report))["Can the draft agree more?"]
+    assert f"as given through the mapping → {base['acceptance_rate']:.3f} re-indexed" in agree
     # The forecast compares p and q id by id: it ran on the re-indexed draft, the one that is trained.
     assert report["headroom"]["draft"] == swap["path"] and report["headroom"]["positions"] > 0
     spec = tmp_path / "run" / "export" / "speculator"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -314,7 +314,8 @@ def _resolve_with_progress(ref: str) -> str:
 
     if ref in EMBEDDED and not is_cached(ref):
         console.print(f"Preparing [bold]{ref}[/] (first use: join → sha256 → GGUF load → safetensors cache)…")
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as pg:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=err_console) as pg:
             return resolve(ref, _progress_callback(pg, {}))
     return resolve(ref)
 
@@ -828,7 +829,7 @@ def eval_cmd(
     t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     ids = encode_prompts(tok, examples)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as pg:
+                  console=err_console) as pg:  # progress on stderr: stdout holds the results
         task = pg.add_task("decode", total=len(ids))
         res = run_eval(t, d, tok, ids, [e.id for e in examples], config, vocab_mapping=mapping,
                        progress=lambda k, n: pg.update(task, completed=k),
@@ -916,6 +917,17 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
+    console.print(EVAL_LEGEND, highlight=False)
+
+
+#: Printed under the eval table: what its three predictions and the divergence count mean.
+EVAL_LEGEND = (
+    "predicted α: Σ min(p, q) teacher-forced, no decoding (over the prompts' own tokens, and over the target's "
+    "answers, which decoding meets). Three speed predictions: analytic = Leviathan et al. (2023), Theorem 3.8, from α and c "
+    "alone; predicted = the speed model (each verification width k timed, t(k), and the draft step d; prefill "
+    "included), whose error is the prediction error; recommended γ = each model's best. Greedy divergences: "
+    "prompts whose output differs from the target alone's; in brackets those beyond the bf16 near-tie tolerance "
+    "(a bug: please report it).")
 
 
 @app.command(cls=_Command)
@@ -1052,7 +1064,7 @@ def rank(
         "draft). Default: llama-bench is run on the GGUF.")] = None,
     llama_cpp_bin: Annotated[Path | None, typer.Option(
         metavar="DIR", help="--engine llama.cpp: llama.cpp's build/bin holding llama-bench. Default "
-        "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (make test-llamacpp), else PATH.")] = None,
+        "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (python -m specdraft.llama_cpp), else PATH.")] = None,
     threads: Annotated[int, typer.Option(
         min=1, help="--engine llama.cpp: llama.cpp threads, of llama-bench and of the printed command.")] = 2,
 ) -> None:
@@ -1095,7 +1107,7 @@ def rank(
         with console.status("llama.cpp: GGUFs and llama-bench timings…") as status:
             llama = rank_inputs(target, drafts, target_gguf, _named_paths(draft_gguf, "--draft-gguf"),
                                 target_bench, _named_paths(draft_bench, "--draft-bench"), llama_cpp_bin, threads,
-                                progress=lambda line: status.update(f"{line}…"))
+                                progress=_status_lines(status))
     with console.status("loading the target…"):
         t, tok = load_model(tpath, dtype=dtype)
     ids = encode_prompts(tok, examples)
@@ -1109,8 +1121,9 @@ def rank(
         return load
 
     with console.status("calibrating…") as status:
+        say = _status_lines(status)
         rows = rank_drafts(t, tok, ids, [(d, loader(d)) for d in drafts], config,
-                           progress=lambda name: status.update(f"calibrating {name}…"))
+                           progress=lambda name: say(f"calibrating {name}"))
     if llama is not None:
         _print_llama_cpp_ranking(llama, rows, target, out)
         return
@@ -1147,6 +1160,19 @@ def rank(
     console.print(f"report: {out / 'rank.json'}")
 
 
+def _status_lines(status) -> Callable[[str], None]:
+    """A progress callback for a rich ``console.status``: updates the spinner and, where stdout is no terminal (a
+    pipe, a log file: the spinner draws nothing there), writes each step as a line to stderr, so a long
+    measurement never runs silent."""
+
+    def say(line: str) -> None:
+        status.update(f"{line}…")
+        if not console.is_terminal:
+            err_console.print(f"{line}…", highlight=False, markup=False)
+
+    return say
+
+
 def _named_paths(values: list[str] | None, flag: str) -> dict[str, str]:
     """``NAME=PATH`` values of a repeated option → ``{NAME: PATH}`` (the last ``=`` splits: a name may hold one)."""
     out = {}
@@ -1181,6 +1207,10 @@ def _print_llama_cpp_ranking(llama, rows: list[dict], target: str, out: Path) ->
         console.print(f"serve {escape(best['draft'])} with llama.cpp (--spec-draft-n-max {best['n_max']}, predicted "
                       f"{best['predicted_speedup']:.2f}x the target alone):", highlight=False)
     console.print(best["command"], markup=False, highlight=False, soft_wrap=True)
+    if llama.tools is not None and "llama-server" not in llama.tools.paths:
+        console.print(f"(this llama.cpp build, {llama.tools.bin_dir}, makes no llama-server; the same pair and flags "
+                      "run here as:)", markup=False, highlight=False)
+        console.print(best["local_command"] + " -p PROMPT", markup=False, highlight=False, soft_wrap=True)
     report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),
               "target_bench": llama.target_bench_source, "ranking": ranked, "llama_cpp_command": best["command"],
               "specdraft_calibration": rows, "command": " ".join(sys.argv)}
@@ -1246,7 +1276,7 @@ def dump(
     load_examples(data, limit=num_examples, offset=offset)  # every line checked before a model is prepared
     _resolve_with_progress(target)
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as pg:
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
         task = pg.add_task("dump", total=None, tps="")
         clock: dict[str, float] = {}
 

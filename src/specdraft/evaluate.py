@@ -407,7 +407,8 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     is re-measured and replaced.
 
     Returns:
-        ``(speed_model, source)``: source ``"cache"``, ``"measured"``, ``"measured (the cached costs were stale: …)"``
+        ``(speed_model, source)``: source ``"cache, measured <ISO time>: <path of the entry>"``, ``"measured"``,
+        ``"measured (the cached costs were stale: …)"``
         or ``"measured on a busy machine (…)"``.
     """
     import hashlib
@@ -428,7 +429,7 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
         if cached is not None:
             refresh_reason = _stale_costs(cached, target, draft, context, draft_context)
             if refresh_reason is None:
-                return cached, "cache"
+                return cached, f"cache, measured {saved.get('measured_at', 'at an unrecorded time')}: {path}"
     with LoadMonitor() as load:
         speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
                                     draft_context=draft_context)

@@ -116,7 +116,8 @@ class LlamaCppTools:
 
     def __getitem__(self, name: str) -> Path:
         if name not in self.paths:
-            raise LlamaCppError(f"{self.source}: no {name} in {self.bin_dir}; build it with `make test-llamacpp` "
+            raise LlamaCppError(f"{self.source}: no {name} in {self.bin_dir}; build it with `python -m "
+                                "specdraft.llama_cpp` (`make test-llamacpp` in a checkout) "
                                 f"(or cmake --build BUILD --target {name}).")
         return self.paths[name]
 
@@ -140,7 +141,8 @@ def find_tools(bin_dir: str | os.PathLike | None = None, need: tuple[str, ...] =
         missing = [n for n in need if n not in tools.paths]
         if missing:
             raise LlamaCppError(f"{source} {path}: no executable {', '.join(missing)} there; give llama.cpp's "
-                                "build/bin directory (make test-llamacpp builds one).")
+                                "build/bin directory (python -m specdraft.llama_cpp builds one; make test-llamacpp in "
+                                "a checkout).")
         return tools
     candidates = [(build_cache() / "build" / "bin", f"the build cache {build_cache()}")]
     on_path = shutil.which(need[0]) if need else None
@@ -151,8 +153,8 @@ def find_tools(bin_dir: str | os.PathLike | None = None, need: tuple[str, ...] =
         if all(n in tools.paths for n in need):
             return tools
     raise LlamaCppError(f"llama.cpp's {', '.join(need)} not found (no --llama-cpp-bin, no $SPECDRAFT_LLAMA_CPP_BIN, "
-                        f"none in {build_cache() / 'build' / 'bin'} or on PATH): build them with `make test-llamacpp` "
-                        "or pass --llama-cpp-bin DIR.")
+                        f"none in {build_cache() / 'build' / 'bin'} or on PATH): build them with `python -m "
+                        "specdraft.llama_cpp` (`make test-llamacpp` in a checkout) or pass --llama-cpp-bin DIR.")
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -578,6 +580,7 @@ class LlamaCppRankInputs:
         target_bench / draft_benches: their ``llama-bench -o json`` tests (``avg_ts`` tokens/s).
         target_bench_source / draft_bench_sources: where each came from (a JSON file, or the llama-bench run).
         threads: llama.cpp threads, of the llama-bench runs and of the printed commands.
+        tools: the llama.cpp binaries llama-bench ran from (None when every timing was given as a file).
     """
 
     target: str
@@ -588,11 +591,13 @@ class LlamaCppRankInputs:
     target_bench_source: str
     draft_bench_sources: dict[str, str]
     threads: int = 2
+    tools: LlamaCppTools | None = None
 
     def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[dict]:
         """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α), best first; each row
-        also holds its ``gguf`` and the llama.cpp ``command`` serving the pair at its ``n_max``
-        (:func:`specdraft.speed.llama_cpp_command`, ``llama-server``)."""
+        also holds its ``gguf``, the llama.cpp ``command`` serving the pair at its ``n_max``
+        (:func:`specdraft.speed.llama_cpp_command`, ``llama-server``) and ``local_command``, the same pair and flags
+        for ``llama-speculative-simple`` (the pinned build that ``make llama-cpp`` makes has no ``llama-server``)."""
         import shlex
 
         from specdraft.speed import llama_cpp_command, rank_llama_cpp
@@ -602,7 +607,9 @@ class LlamaCppRankInputs:
             gguf = self.draft_ggufs[r["draft"]]
             r |= {"gguf": str(gguf), "bench_source": self.draft_bench_sources[r["draft"]],
                   "command": llama_cpp_command(shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)),
-                                               r["n_max"], threads=self.threads, server=True)}
+                                               r["n_max"], threads=self.threads, server=True),
+                  "local_command": llama_cpp_command(shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)),
+                                                     r["n_max"], threads=self.threads, server=False)}
         return rows
 
 
@@ -647,7 +654,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     Raises:
         LlamaCppError: a mapping names no draft of ``drafts``; a GGUF not given for a model that is not embedded, or
             given but absent (says how to write one: ``specdraft convert --format gguf``); llama-bench results
-            missing and llama.cpp's tools not found (says how to build them: ``make test-llamacpp``), or a run or
+            missing and llama.cpp's tools not found (says how to build them: ``python -m specdraft.llama_cpp``), or a run or
             a saved file without the tests the speed model needs.
         specdraft.gguf_export.GgufExportError: llama.cpp would refuse a draft beside the target.
         specdraft.models.ModelResolutionError: an embedded model's weight package is missing.
@@ -717,7 +724,8 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
             raise LlamaCppError(f"{exc} (target: {t_source}; draft {d}: {source})") from None
     return LlamaCppRankInputs(target=target, target_gguf=t_gguf, draft_ggufs=d_ggufs, target_bench=t_bench,
                               draft_benches={d: b for d, (b, _) in d_timings.items()}, target_bench_source=t_source,
-                              draft_bench_sources={d: src for d, (_, src) in d_timings.items()}, threads=threads)
+                              draft_bench_sources={d: src for d, (_, src) in d_timings.items()}, threads=threads,
+                              tools=tools)
 
 
 if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--jobs N]`: build the tools
