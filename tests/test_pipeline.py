@@ -185,6 +185,8 @@ def test_run_cli_on_tiny_pair(tmp_path):
     assert "vllm serve" in r.output and (tmp_path / "run" / "report.md").is_file()
     r2 = CliRunner().invoke(app, args)
     assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 8
+    # A resumed run's report names its own time and the stages' recorded total (not a misleading "0.0 min").
+    assert "every stage's own time sums to" in (tmp_path / "run" / "report.md").read_text()
     bad = CliRunner().invoke(app, [*args[:-2], "--out", str(tmp_path / "run2"), "--preset", "nope"])
     assert bad.exit_code != 0 and "--preset" in bad.output
 
@@ -237,7 +239,11 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
         r = json.loads(json.dumps(report, default=str))
         c = r["speed"]["contenders"]
         c["speculative:original"]["speedup"], c["speculative:distilled"]["speedup"] = before, after
-        assert ("decoded slower than the original in the interleaved run (0.50x vs 1.50x" in render_markdown(r)) == warned
+        md = render_markdown(r)
+        assert ("decoded slower than the original in the interleaved run (0.50x vs 1.50x" in md) == warned
+        # The original here decodes only through the mapping: the advice is not to keep it for serving.
+        assert ("vLLM and llama.cpp need a draft of the target's tokenizer" in md) == warned
+        assert "keep the original draft" not in md
 
 
 def test_every_preset_validates_and_exports_the_evaluated_gamma():
@@ -249,10 +255,15 @@ def test_every_preset_validates_and_exports_the_evaluated_gamma():
         cfg = make_config(name)
         assert cfg.preset == name and cfg.dump.answer_only
         assert "num_speculative_tokens" not in cfg.distill.model_dump()  # training holds no serving γ
+    # The default is the whole road (issue 22): a draft of another tokenizer, mapped, re-indexed, distilled; the
+    # same-family pair keeps its own preset.
+    default, same = make_config("default"), make_config("same-family")
+    assert default.vocab_swap and default.draft == "smollm2-135m-instruct" and default.distill.train == "all"
+    assert not same.vocab_swap and same.draft == "qwen2.5-coder-0.5b-instruct"
 
 
 def test_topk_dump_estimate_uses_the_dumps_own_top_k():
-    cfg = make_config("default")
+    cfg = make_config("same-family")
     topk = cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"format": "topk", "top_k": 64})})
     # 64 log-probs (fp16) + 64 ids (int32) + leftover mass, + id and mask: not the serving top_k (0)
     assert estimate_dump_bytes(topk, 10, 100, 1536) == 10 * (100 + 48) * (64 * 6 + 4 + 5)

@@ -1411,10 +1411,10 @@ def run_cmd(
         "Default: the preset's.")] = None,
     out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
         = Path("runs/default"),
-    preset: Annotated[PresetName, typer.Option(help="default (the embedded same-family pair, 2-core CPU, 15-31 "
-                                                     "min), swapped (SmolLM2-135M of another tokenizer: mapped, "
-                                                     "re-indexed, distilled; ~40 min), ci (minutes), large (GPU, "
-                                                     "hours), tiny (random models, tests).")] = "default",
+    preset: Annotated[PresetName, typer.Option(help="default (the whole road: SmolLM2-135M, another tokenizer, "
+                                                     "mapped, re-indexed, distilled; 2-core CPU, ~37 min), "
+                                                     "same-family (the Qwen 0.5B draft, 15-31 min), ci (minutes), "
+                                                     "large (GPU, hours), tiny (random models, tests).")] = "default",
     refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
                                                  help="Refuse when train and eval prompts overlap.")] = False,
     vocab_swap: Annotated[bool | None, typer.Option(

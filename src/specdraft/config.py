@@ -63,7 +63,7 @@ Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 Precision = Literal["float32", "bf16-autocast", "auto"]
 #: How a draft of another tokenizer proposes (see :mod:`specdraft.decode`).
 ProposalMode = Literal["text", "tokens"]
-PresetName = Literal["default", "swapped", "ci", "tiny", "large"]
+PresetName = Literal["default", "same-family", "ci", "tiny", "large"]
 #: How the draft's linear layers are stored (see :mod:`specdraft.draft_model`); only q changes, so decoding stays exact.
 #: ``auto`` chooses (:func:`specdraft.draft_model.choose_draft_options`), ``none`` keeps the draft as loaded.
 DraftQuantization = Literal["auto", "none", "int8", "int4"]

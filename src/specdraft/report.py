@@ -171,10 +171,17 @@ def slower_note(report: dict[str, Any]) -> str | None:
     o, d = sp["contenders"].get("speculative:original"), sp["contenders"].get("speculative:distilled")
     if not o or not d or d["speedup"] >= o["speedup"]:
         return None
-    return (f"the distilled draft decoded slower than the original in the interleaved run ({d['speedup']:.2f}x vs "
+    said = (f"the distilled draft decoded slower than the original in the interleaved run ({d['speedup']:.2f}x vs "
             f"{o['speedup']:.2f}x the target alone on {sp['prompts']} prompt(s); intervals "
-            f"{_fmt_ci(d['speedup_ci95'], '{:.2f}')} vs {_fmt_ci(o['speedup_ci95'], '{:.2f}')}); keep the original "
-            "draft unless its acceptance gain holds, or distil longer (more data, more steps, the `large` preset).")
+            f"{_fmt_ci(d['speedup_ci95'], '{:.2f}')} vs {_fmt_ci(o['speedup_ci95'], '{:.2f}')}); ")
+    if (report.get("vocab_swap") or {}).get("sets"):
+        # The original speaks another tokenizer: only specdraft's decoder and transformers can use it.
+        return said + ("the original decodes only through a vocabulary mapping (specdraft's decoder, transformers' "
+                       "assisted generation); vLLM and llama.cpp need a draft of the target's tokenizer, which the "
+                       "exported, distilled one is. Distil longer (more data, more steps, the `large` preset) to "
+                       "win back more of what the swap cost.")
+    return said + ("keep the original draft unless its acceptance gain holds, or distil longer (more data, more "
+                   "steps, the `large` preset).")
 
 
 def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
@@ -298,7 +305,8 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     if speed_sets(r):
         same = ", ".join(f"{SET_LABELS.get(n, n)} {sp['contenders'][k].get('matches_target', '—')}"
                          for n, sp in speed_sets(r).items() for k in sp["contenders"] if k == "speculative:original")
-        detail = "; ".join(f"{d['prompt_id']} token {d['position']}: top-2 margin {d['margin']:.4f} "
+        detail = "; ".join(f"{d['prompt_id']} token {d['position']} ({str(d.get('contender', '?')).split(':', 1)[-1]} "
+                           f"draft): top-2 margin {d['margin']:.4f} "
                            f"({'a bf16 near-tie, within' if d.get('is_numerics') else 'BEYOND'} the {d['tolerance']} "
                            "tolerance)" for d in divs)
         out.append(("Is it lossless on this pair?", f"greedy outputs equal to the target alone's: {same}"
@@ -307,6 +315,15 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                 f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`."
                 if exp else "no export was written."))
     return out
+
+
+def _resumed_total(r: dict[str, Any]) -> str:
+    """For a run that skipped stages done earlier: the sum of every stage's own recorded seconds (empty otherwise)."""
+    timings = r.get("timings") or {}
+    if not any(t.get("skipped") for t in timings.values()):
+        return ""
+    total = sum(t.get("seconds") or 0.0 for t in timings.values())
+    return f" (this invocation; stages done earlier were skipped, every stage's own time sums to {total / 60:.1f} min)"
 
 
 def _answers_writer(sets: dict[str, Any]) -> str:
@@ -331,7 +348,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         "",
         *[f"**{q}** {a}\n" for q, a in answers(r)],
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
-         f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min."),
+         f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min"
+         + _resumed_total(r) + "."),
         "",
         ("Evaluation: greedy speculative decoding, γ = "
          f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
