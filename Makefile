@@ -18,7 +18,7 @@ setup: $(BIN)/python
 setup-dev: setup
 	$(BIN)/pip install -q -e '.[dev]'
 
-# The main job on the embedded default pair.
+# The main job: the default preset (the whole road, SmolLM2-135M → the Qwen target).
 run: setup
 	$(BIN)/specdraft run
 

@@ -177,6 +177,7 @@ def render() -> str:
                   f"| plain causal-LM fine-tuning | {t['plain']:.1f} |",
                   f"| specdraft distillation ({loss}, hidden teacher) | {t['distill']:.1f} |", "",
                   f"Loss overhead {r['overhead']:.1%}; target ≤ 15%: {_mark(r['overhead'] <= 0.15)}.", ""]
+    lines += _render_main_job()
     lines += _render_distill_throughput()
     lines += _render_distill_gain()
     lines += _render_distill_curve("distill-curve.json", "the embedded pair")
@@ -233,6 +234,47 @@ def _render_distill_curve(name: str, what: str, data: str = "target-written answ
                        f"{r['settings']['temperature']}, teacher-forced over the same held-out answers; the bootstrap "
                        f"is paired per prompt): {sampled}.")]
     return lines + [""]
+
+
+SET_WORDS = {"held_out": "held-out", "ood": "out-of-domain"}
+
+
+def _render_main_job(name: str = "run-default.json") -> list[str]:
+    """Issue 22: the main job as ``make run`` runs it, every stage's figure (bench/run_summary.py's result)."""
+    r = _load(name)
+    if not r:
+        return []
+    lines = [f"## The main job — `specdraft run`, preset {r['preset']}", "",
+             (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['torch']}. {r['target']} ← {r['draft']}"
+              + (" (another tokenizer: evaluated as given through a vocabulary mapping, then re-indexed into the "
+                 "target's and distilled)" if r["vocab_swap"] else "") + f". {r.get('note', '')}"), "",
+             "| set | prompts | as given (mapped) | before distillation | after | gain, paired 95% CI | "
+             "speed-up original | speed-up distilled | vs HF assisted (orig. / dist.) | outputs = target |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
+    for n, v in r["sets"].items():
+        sp = v.get("speed") or {}
+        o, d = sp.get("original", {}), sp.get("distilled", {})
+        sx = lambda c: f"{c['speedup']:.2f}x {_ci(c['speedup_ci95'], '{:.2f}')}" if c else "—"
+        lines.append(f"| {SET_WORDS.get(n, n)} ({', '.join(v['sources'] or [])}) | {v['prompts']} | "
+                     f"{'—' if v['as_given_mapped'] is None else format(v['as_given_mapped'], '.3f')} | "
+                     f"{v['before']:.3f} | {v['after']:.3f} | {v['gain']:+.3f} {_ci(v['gain_ci95'])} | {sx(o)} | "
+                     f"{sx(d)} | {o.get('vs_hf') or float('nan'):.2f}x / {d.get('vs_hf') or float('nan'):.2f}x | "
+                     f"{o.get('matches_target', '—')} / {d.get('matches_target', '—')} |")
+    divs = [f"{x['prompt_id']} token {x['position']} ({x['contender'].split(':', 1)[-1]}, top-2 margin "
+            f"{x['margin']:.4f})" for v in r["sets"].values() for x in (v.get("speed") or {}).get("divergences", [])]
+    sp0 = next(iter(r["sets"].values())).get("speed") or {}
+    conf = "; ".join(f"{k}: {v}" for k, v in (r.get("configuration") or {}).items())
+    lines += ["", (f"Acceptance: greedy at fixed γ, replayed on the target's greedy answers to every prompt of the set "
+                   f"(before and after on the same answers, paired per prompt). Speed: "
+                   f"{sp0.get('prompts')} prompts × {sp0.get('max_new_tokens')} tokens per set, interleaved, "
+                   f"adaptive γ, draft preparation {conf}. Forecast before training {r['forecast']:+.3f} "
+                   f"{_ci(r['forecast_ci95'])}. Divergences from the target alone: "
+                   + ("; ".join(divs) if divs else "none") + " (each a bf16 near-tie within the 0.5 tolerance). "
+                   f"Distillation {r['distill']['steps']} steps on {r['distill']['train_sequences']} sequences."),
+              "", (f"Wall clock {r['wall_seconds'] / 60:.1f} min, peak RSS {r['peak_rss_gb']:.1f} GB; stages (s): "
+                   + ", ".join(f"{k} {v:.0f}" for k, v in r["stages"].items()) + "."
+                   if "wall_seconds" in r else ""), ""]
+    return lines
 
 
 def _render_headroom_calibration() -> list[str]:
@@ -677,6 +719,16 @@ def render_readme_table() -> str:
                     f"{r['minutes']:.0f} min) | {r['acceptance_before']:.3f} → {r['acceptance_after']:.3f}, gain "
                     f"{r['gain']:+.3f} {_ci(r['gain_ci95'])} | ≥ +0.05, interval > 0: "
                     f"{_mark(r['gain'] >= 0.05 and r['gain_ci95'][0] > 0)} |")
+    r = _load("run-default.json")
+    if r and "wall_seconds" in r:
+        h = r["sets"]["held_out"]
+        d = h["speed"]["distilled"]
+        rows.append(f"| `specdraft run` (default preset: {r['draft']}, another tokenizer, the whole road), held-out "
+                    f"{', '.join(h['sources'])} | distillation gain {h['gain']:+.3f} {_ci(h['gain_ci95'])}; distilled "
+                    f"{d['speedup']:.2f}x target alone on the same set; {r['wall_seconds'] / 60:.1f} min, "
+                    f"{r['peak_rss_gb']:.1f} GB | gain interval > 0 and speed-up > 1: "
+                    f"{_mark(h['gain_ci95'][0] > 0 and d['speedup_ci95'][0] > 1)}; ≤ 20 min: "
+                    f"{_mark(r['wall_seconds'] <= 1200)} |")
     r = _load("distill-tvd.json")
     if r:
         rows.append(f"| distillation step overhead vs plain fine-tuning (tvd) | {r['overhead']:.1%} | ≤ 15%: "

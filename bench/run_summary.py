@@ -1,0 +1,93 @@
+"""The figures of one finished ``specdraft run`` as a benchmark result (bench/results/run-<name>.json), which
+``bench/run_all.py --render-only`` turns into docs/benchmarks.md's "main job" section.
+
+    /usr/bin/time -v specdraft run --out runs/default > runs/default.log 2>&1
+    python bench/run_summary.py --run runs/default --time-log runs/default.log --name default
+
+It reads ``report.json`` (per held-out set: greedy acceptance of the draft as given and before / after
+distillation with the paired gain, the interleaved speed run against the target alone and transformers' assisted
+generation; the forecast; each stage's seconds) and, from ``/usr/bin/time -v``'s log, the wall clock and peak RSS.
+Nothing is re-measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+
+def _time_log(path: Path | None) -> dict:
+    """Wall clock (s) and peak RSS (GB) from a ``/usr/bin/time -v`` log; ``{}`` without one."""
+    if path is None:
+        return {}
+    text = path.read_text(errors="replace")
+    out = {}
+    if m := re.search(r"Maximum resident set size \(kbytes\): (\d+)", text):
+        out["peak_rss_gb"] = int(m.group(1)) * 1024 / 1e9
+    if m := re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text):
+        parts = [float(x) for x in m.group(1).split(":")]
+        out["wall_seconds"] = sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+    if m := re.search(r'Command being timed: "(.+)"', text):
+        out["timed_command"] = m.group(1)
+    return out
+
+
+def summarise(run: Path, time_log: Path | None = None) -> dict:
+    """The run's headline figures (see the module docstring)."""
+    from specdraft.report import acceptance_gain, baseline_sets, speed_sets
+
+    r = json.loads((run / "report.json").read_text())
+    base, after = baseline_sets(r), r["eval_after"]["sets"]
+    sets = {}
+    for name, b in base.items():
+        g = acceptance_gain(r, name)
+        mapped = r["eval_before"]["sets"][name] if r.get("vocab_swap") else None
+        sets[name] = {"prompts": b["prompts"], "sources": r["eval_before"]["sets"][name].get("sources"),
+                      "as_given_mapped": mapped["acceptance_rate"] if mapped else None,
+                      "before": b["acceptance_rate"], "after": after[name]["acceptance_rate"],
+                      "gain": g.value, "gain_ci95": list(g.interval), "drafted_after": after[name]["drafted"]}
+    for name, sp in speed_sets(r).items():
+        c = sp["contenders"]
+        hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
+        sets[name]["speed"] = {
+            "prompts": sp["prompts"], "max_new_tokens": sp.get("max_new_tokens"),
+            "target_tokens_per_s": c["target"]["tokens_per_s"],
+            **{who: {"speedup": c[f"speculative:{who}"]["speedup"], "speedup_ci95": c[f"speculative:{who}"]["speedup_ci95"],
+                     "vs_hf": c[f"speculative:{who}"]["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
+                     "matches_target": c[f"speculative:{who}"].get("matches_target")}
+               for who in ("original", "distilled") if f"speculative:{who}" in c},
+            "divergences": [{k: d[k] for k in ("prompt_id", "contender", "position", "margin")}
+                            for d in sp.get("divergences", []) if not d["contender"].startswith("hf_assisted")]}
+    h = r.get("headroom") or {}
+    return {"command": _time_log(time_log).get("timed_command") or r["command"], "date": r["date"],
+            "machine": r["versions"]["machine"], "torch": r["versions"]["torch"], "preset": r["config"]["preset"],
+            "target": r["config"]["target"], "draft": r["config"]["draft"], "vocab_swap": bool(r.get("vocab_swap")),
+            "forecast": h.get("gain"), "forecast_ci95": h.get("gain_ci95"), "sets": sets,
+            "stages": {k: v["seconds"] for k, v in r["timings"].items() if k != "report"},
+            "configuration": {k: v.get("label") for k, v in ((r["speed"] or {}).get("draft_configuration") or {}).items()},
+            "distill": {k: r["distill"].get(k) for k in ("steps", "train_sequences")},
+            **{k: v for k, v in _time_log(time_log).items() if k != "timed_command"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, required=True, help="A finished specdraft run's --out directory.")
+    ap.add_argument("--time-log", type=Path, help="The run's /usr/bin/time -v output (wall clock, peak RSS).")
+    ap.add_argument("--name", required=True, help="Result name: bench/results/run-NAME.json.")
+    ap.add_argument("--note", default="", help="A sentence the rendered section carries (how the run was made).")
+    a = ap.parse_args()
+    from specdraft.io import atomic_write_text
+
+    res = summarise(a.run, a.time_log) | {"note": a.note}
+    atomic_write_text(ROOT / "results" / f"run-{a.name}.json", json.dumps(res, indent=1, default=str))
+    print(json.dumps(res, indent=1, default=str)[:3000])
+
+
+if __name__ == "__main__":
+    main()
