@@ -330,8 +330,7 @@ class Teacher:
     """
 
     def __init__(self, model, real_vocab: int):
-        import inspect
-
+        from specdraft.models import takes_logits_to_keep
         from specdraft.sampling import final_logit_ops
 
         self.model = model
@@ -344,7 +343,7 @@ class Teacher:
         self.norm = None  # the final norm, when specdraft has to apply it
         self.final_norm = "model"  # "model": captured states are the head's input; "applied": norm applied here
         self.checked = False  # set once a batch has confirmed that the recorded teacher equals the logits
-        self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.keep_arg = takes_logits_to_keep(model)
         self.device = next(model.parameters()).device
 
     def logits(self, h):

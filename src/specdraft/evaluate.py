@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import json
 import logging
 import os
@@ -53,6 +52,7 @@ from specdraft.draft_model import (
     prepare_draft,
 )
 from specdraft.losses import sum_min
+from specdraft.models import takes_logits_to_keep
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, greedy_probs, output_width
 from specdraft.speed import SpeedModel
 from specdraft.stats import ratio_ci
@@ -68,7 +68,7 @@ def _tail_logits(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor
     """``[B, keep, V]`` logits of the last ``keep`` positions of a left-padded batch. The output head runs only
     there (transformers' ``logits_to_keep``: the head is applied to ``hidden_states[:, -keep:]``) when the model's
     forward takes it; otherwise every position is scored and the tail is sliced (same values)."""
-    if 0 < keep < ids.shape[1] and "logits_to_keep" in inspect.signature(model.forward).parameters:
+    if 0 < keep < ids.shape[1] and takes_logits_to_keep(model):
         return model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits
     return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
 
@@ -193,9 +193,16 @@ def replay_greedy(
         guess = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
         for i, (p, y) in enumerate(chunk):
             first = keep - len(y) - 1  # left padding: the last prompt position predicts y[0]
-            match = [int(g) == t for g, t in zip(guess[i, first:first + len(y)].tolist(), y)]
-            out.append(_replay_rounds(match, y, num_speculative_tokens, max_new_tokens, eos))
+            out.append(_replay_answer(guess[i, first:first + len(y)].tolist(), y, num_speculative_tokens,
+                                      max_new_tokens, eos))
     return out
+
+
+def _replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_tokens: int,
+                   eos: set[int]) -> AcceptanceCounts:
+    """:func:`_replay_rounds` from the draft's teacher-forced argmax at each answer position (``draft_top1[j]``
+    predicts ``y[j]``): the one place a replay turns argmaxes into matches."""
+    return _replay_rounds([int(g) == t for g, t in zip(draft_top1, y)], y, gamma, max_new_tokens, eos)
 
 
 def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
@@ -1106,7 +1113,7 @@ def acceptance_eval(
         seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
         masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
         sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
-        replayed = [_replay_rounds([int(g) == t for g, t in zip(top1, y)], y, gamma, max_new, set(eos))
+        replayed = [_replay_answer(top1, y, gamma, max_new, set(eos))
                     for top1, y in zip(sampled["draft_top1"], answers, strict=True)]
     # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between
     # two drafts then compares one method with itself (decoded vs replayed differ only by bfloat16 near-ties,

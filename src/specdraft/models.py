@@ -157,6 +157,14 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 }
 
 
+def takes_logits_to_keep(model) -> bool:
+    """Whether ``model.forward`` takes transformers' ``logits_to_keep`` (the head applied to
+    ``hidden_states[:, -k:]`` only; transformers >= 4.50 causal LMs). Older or custom models score every position."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def cache_root() -> Path:
     """Root of specdraft's cache: ``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``."""
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")).expanduser()
