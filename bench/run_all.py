@@ -248,8 +248,8 @@ def _render_main_job(name: str = "run-default.json") -> list[str]:
              (f"`{r['command']}` — {r['date']}, {r['machine']}, torch {r['torch']}. {r['target']} ← {r['draft']}"
               + (" (another tokenizer: evaluated as given through a vocabulary mapping, then re-indexed into the "
                  "target's and distilled)" if r["vocab_swap"] else "") + f". {r.get('note', '')}"), "",
-             "| set | prompts | as given (mapped) | before distillation | after | gain, paired 95% CI | "
-             "speed-up original | speed-up distilled | vs HF assisted (orig. / dist.) | outputs = target |",
+             ("| set | prompts | as given (mapped) | before distillation | after | gain, paired 95% CI | "
+              "speed-up original | speed-up distilled | vs HF assisted (orig. / dist.) | outputs = target |"),
              "| --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
     for n, v in r["sets"].items():
         sp = v.get("speed") or {}

@@ -226,8 +226,15 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert first[1].startswith(f"{report['eval_before']['sets']['held_out']['acceptance_rate']:.3f}")
     from specdraft.report import answers
 
-    agree = dict(answers(report))["Can the draft agree more?"]
+    said = dict(answers(report))
+    agree = said["Can the draft agree more?"]
     assert f"as given through the mapping → {base['acceptance_rate']:.3f} re-indexed" in agree
+    # The mapped original cannot be served by vLLM: the speed answer leads with the distilled (exported) draft, and
+    # the speed tables say which draft their "before" column is.
+    assert "with the distilled draft" in said["How much faster will it be?"]
+    assert "yes after the vocabulary swap" in said["Can these two work together?"]
+    titles = [t for t, _ in summary_sections(report) if "speed" in t]
+    assert titles and all(t.endswith("before = the draft as given, mapped") for t in titles)
     # The forecast compares p and q id by id: it ran on the re-indexed draft, the one that is trained.
     assert report["headroom"]["draft"] == swap["path"] and report["headroom"]["positions"] > 0
     spec = tmp_path / "run" / "export" / "speculator"

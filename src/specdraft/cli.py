@@ -1418,8 +1418,9 @@ def run_cmd(
     refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
                                                  help="Refuse when train and eval prompts overlap.")] = False,
     vocab_swap: Annotated[bool | None, typer.Option(
-        "--vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary mapping, re-index it "
-        "into the target's tokenizer, distil that (see specdraft vocab-swap). Default: the preset's.",
+        "--vocab-swap/--no-vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary "
+        "mapping, re-index it into the target's tokenizer, distil that (see specdraft vocab-swap). Default: the "
+        "preset's (on in the default preset).",
         show_default=False)] = None,
     export_dtype: Annotated[ExportDtype | None, typer.Option(
         help="Weights dtype of the exported speculator (keep = the training dtype). Default: the preset's "
@@ -1436,8 +1437,8 @@ def run_cmd(
 ) -> None:
     """Run the main job: check, evaluate, distil, export, report.
 
-    check → evaluate → dump → distill → evaluate again → export → report; a re-run resumes, skipping finished
-    stages."""
+    check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
+    report; a re-run resumes, skipping finished stages."""
     from specdraft.pipeline import make_config, run_pipeline
     from specdraft.report import SUMMARY_LEGEND, answers, slowdown_notes, slower_note
 

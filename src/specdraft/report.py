@@ -111,14 +111,16 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
              _with_ci(d.get("speedup"), d.get("speedup_ci95"), "{:.2f}")),
             ("HF assisted, tokens/s",
              "—" if hf is None else _with_ci(hf["tokens_per_s"], hf["tokens_per_s_ci95"], "{:.2f}"), "—"),
-            ("speed-up vs assisted", "—" if hf is None or not hf["tokens_per_s"] or not o.get("tokens_per_s") else
+            ("vs assisted (orig.)", "—" if hf is None or not hf["tokens_per_s"] or not o.get("tokens_per_s") else
              f"{o['tokens_per_s'] / hf['tokens_per_s']:.2f}x",
              "—" if hf is None or not hf["tokens_per_s"] or not d.get("tokens_per_s") else
              f"{d['tokens_per_s'] / hf['tokens_per_s']:.2f}x"),
             ("output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
         ]
         busy = " (busy machine)" if sp.get("busy_machine") else ""
-        sections.append((f"{SET_LABELS.get(name, name)} set, {sp['prompts']} prompts: speed, interleaved{busy}", rows))
+        before = "; before = the draft as given, mapped" if swapped else ""
+        sections.append((f"{SET_LABELS.get(name, name)} set, {sp['prompts']} prompts: speed, interleaved{busy}{before}",
+                         rows))
     return sections
 
 
@@ -140,11 +142,16 @@ def configuration_line(report: dict[str, Any]) -> str | None:
     sp = report.get("speed")
     if not sp:
         return None
-    conf = (sp.get("draft_configuration") or {}).get("original") or {}
+    confs = sp.get("draft_configuration") or {}
+    conf = confs.get("original") or {}
     policy, gamma = sp.get("gamma_policy", "fixed"), sp.get("num_speculative_tokens")
     how = f"adaptive γ ≤ {gamma}" if policy == "adaptive" else f"fixed γ = {gamma}"
-    return (f"draft {conf.get('label', 'as given')}, {how}; why: {conf.get('reason', 'the draft as given')}. The "
-            "exported speculator stays the dense draft (what vLLM serves); the prepared copy is the decoder's own.")
+    dist = confs.get("distilled") or {}
+    other = (f"; the distilled draft: {dist['label']} ({dist.get('reason', '')})"
+             if dist.get("label") and dist.get("label") != conf.get("label") else "")
+    return (f"draft {conf.get('label', 'as given')}, {how}; why: {conf.get('reason', 'the draft as given')}{other}. "
+            "The exported speculator stays the dense draft (what vLLM serves); the prepared copy is the decoder's "
+            "own.")
 
 
 def slowdown_notes(report: dict[str, Any]) -> list[str]:
@@ -262,13 +269,16 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
              "identical-up-to-padding": "yes: identical tokenizers; the output widths differ only by padding rows",
              "mismatch": "not as they are: the tokenizers differ"}.get(verdict, f"verdict {verdict}")
     if verdict == "mismatch" and r.get("vocab_swap"):
-        works += (f"; through a vocabulary mapping ({r['vocab_swap']['target_coverage']:.1%} of the target vocabulary "
-                  "reachable) and, after the vocabulary swap, as a draft of the target's own tokenizer")
+        works += (f"; yes through a vocabulary mapping ({r['vocab_swap']['target_coverage']:.1%} of the target "
+                  "vocabulary reachable; specdraft's decoder and transformers only), and yes after the vocabulary "
+                  "swap, as a draft of the target's own tokenizer (what vLLM and llama.cpp serve)")
     out = [("Can these two work together?", works + ".")]
     faster = []
     for name, sp in speed_sets(r).items():
         c = sp["contenders"]
         best = max((k for k in c if k.startswith("speculative:")), key=lambda k: c[k].get("speedup") or 0, default=None)
+        if (r.get("vocab_swap") or {}).get("sets") and "speculative:distilled" in c:
+            best = "speculative:distilled"  # the original speaks another tokenizer: the shippable draft leads
         if best is None:
             continue
         b = c[best]
@@ -298,7 +308,12 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
                      f"[{gain.low:+.3f}, {gain.high:+.3f}] (paired, {gain.prompts} prompts)")
-    out.append(("Can the draft agree more?", "; ".join(learn) or "not measured."))
+        ood = acceptance_gain(r, "ood") if "ood" in r["eval_after"]["sets"] else None
+        if ood is not None:
+            ood_word = "better" if ood.low > 0 else "worse" if ood.high < 0 else "no measurable change"
+            learn.append(f"out-of-domain {ood.value:+.3f} [{ood.low:+.3f}, {ood.high:+.3f}] ({ood.prompts} prompts; "
+                         f"{ood_word})")
+    out.append(("Can the draft agree more?", ("; ".join(learn) + ".") if learn else "not measured."))
     exp = r.get("export") or {}
     divs = [d for sp in speed_sets(r).values() for d in sp.get("divergences", [])
             if not str(d.get("contender", "")).startswith("hf_assisted")]
@@ -356,12 +371,15 @@ def render_markdown(r: dict[str, Any]) -> str:
          + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
                      f"{v['drafted']:,} drafted tokens" for n, v in sets.items())
          + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
-         "gain); the sampled figure is α = Σ min(p̃, q̃) at the serving settings, teacher-forced on those answers."
+         "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities after "
+         f"the serving settings (temperature {cfg['distill']['temperature']}, top-k {cfg['distill']['top_k']}, top-p "
+         f"{cfg['distill']['top_p']}), teacher-forced on those answers."
          + _answers_writer(sets)),
         "",
         *([] if not (h := r.get("headroom")) else [
-            (f"Forecast before training (`specdraft headroom` on the held-out answers): {h['verdict']}; greedy "
-             f"acceptance {h['greedy']:.3f} per position, ceiling {h['greedy_ceiling']:.3f} (95% CI of the gain "
+            (f"Forecast before training (`specdraft headroom` on the held-out answers): {h['verdict']}; top-1 "
+             f"agreement {h['greedy']:.3f} per position (not the table's accepted / proposed, which counts whole "
+             f"rounds and is lower), ceiling {h['greedy_ceiling']:.3f} (95% CI of the gain "
              f"[{h['gain_ci95'][0]:+.3f}, {h['gain_ci95'][1]:+.3f}]; the target is sure, max p ≥ {h['sure_threshold']}, "
              f"at {h['sure_share']:.0%} of {h['positions']:,} positions). The measured gain is in the table below."), ""]),
         *([] if not (sw := r.get("vocab_swap")) else [
@@ -369,7 +387,7 @@ def render_markdown(r: dict[str, Any]) -> str:
              f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *as given, mapped*); "
              f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
              f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
-             "to the mean row) and distilled, so *after* decodes without a mapping"
+             "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
              + ("; *before distillation* is the re-indexed draft, replayed on the same answers, so the gain is "
                 "distillation's alone and the swap's own cost is the difference from the mapped row."
                 if sw.get("sets") else ".")), ""]),
