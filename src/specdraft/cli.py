@@ -1412,7 +1412,7 @@ def run_cmd(
     out: Annotated[Path, typer.Option(help="Run directory; a re-run resumes, skipping finished stages.")]
         = Path("runs/default"),
     preset: Annotated[PresetName, typer.Option(help="default (the whole road: SmolLM2-135M, another tokenizer, "
-                                                     "mapped, re-indexed, distilled; 2-core CPU, ~37 min), "
+                                                     "mapped, re-indexed, distilled; 2-core CPU, 37-49 min), "
                                                      "same-family (the Qwen 0.5B draft, 15-31 min), ci (minutes), "
                                                      "large (GPU, hours), tiny (random models, tests).")] = "default",
     refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",

@@ -68,10 +68,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # re-indexed into the target's tokenizer → forecast → distilled on target-written code answers → evaluated →
     # exported. Code is the headline: the re-indexed draft gained there in every measured route (+0.047 [+0.031,
     # +0.067] after 40 steps on chat data, bench/results/distill-curve-smollm2.json), and decodes it faster than the
-    # target alone. Measured
-    # (2026-12-01, target alone 2.6 tok/s): held-out code +0.064 [+0.040, +0.104] greedy acceptance, 2.29x the
-    # target alone distilled; chat 1.47x; 37.4 min, peak RSS 12.1 GB. The vLLM-servable speculator must speak the
-    # target's tokenizer: the swap makes it one, distillation wins back part of what the swap cost.
+    # target alone. Measured (2026-12-01, target alone 2.6 tok/s): held-out code +0.064 [+0.040, +0.104] greedy
+    # acceptance, 2.29x the target alone distilled; chat 1.47x; 37.4 min, peak RSS 12.1 GB (a fresh clone's make run:
+    # 2.45x, 1.13x, 48.5 min on a slower hour). The vLLM-servable speculator must speak the target's tokenizer: the
+    # swap makes it one, distillation wins back part of what the swap cost.
     "default": {
         "draft": "smollm2-135m-instruct",
         "vocab_swap": True,
@@ -84,8 +84,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "distill": {"loss": "tvd", "train": "all", "lr": 1e-4, "max_steps": 20, "batch_size": 2,
                     "gradient_accumulation_steps": 4, "held_out_fraction": 0.125, "scheduler": "cosine",
                     "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto", "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~12 GB RAM (12.1 GB peak measured), ~2 GB disk; 37 min with the models cached on "
-                 "2026-12-01, when the target alone ran 2.6 tok/s",
+        "needs": "2 CPU cores, ~12 GB RAM (12.1 GB peak measured), ~2 GB disk; 37-49 min with the models cached "
+                 "on 2026-12-01, when the target alone ran 1.3-2.9 tok/s (7.4 on 2026-11-30)",
     },
     # The embedded same-family pair (the default until 2026-12-01). 2-core CPU, models cached. Chat is where this
     # coder pair has headroom (code is near saturation), so the preset trains on target-written answers to MT-Bench
