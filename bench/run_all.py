@@ -236,11 +236,10 @@ def _render_distill_curve(name: str, what: str, data: str = "target-written answ
     return lines + [""]
 
 
-SET_WORDS = {"held_out": "held-out", "ood": "out-of-domain"}
-
-
 def _render_main_job(name: str = "run-default.json") -> list[str]:
     """Issue 22: the main job as ``make run`` runs it, every stage's figure (bench/run_summary.py's result)."""
+    from specdraft.report import SET_LABELS
+
     r = _load(name)
     if not r:
         return []
@@ -255,7 +254,7 @@ def _render_main_job(name: str = "run-default.json") -> list[str]:
         sp = v.get("speed") or {}
         o, d = sp.get("original", {}), sp.get("distilled", {})
         sx = lambda c: f"{c['speedup']:.2f}x {_ci(c['speedup_ci95'], '{:.2f}')}" if c else "—"
-        lines.append(f"| {SET_WORDS.get(n, n)} ({', '.join(v['sources'] or [])}) | {v['prompts']} | "
+        lines.append(f"| {SET_LABELS.get(n, n)} ({', '.join(v['sources'] or [])}) | {v['prompts']} | "
                      f"{'—' if v['as_given_mapped'] is None else format(v['as_given_mapped'], '.3f')} | "
                      f"{v['before']:.3f} | {v['after']:.3f} | {v['gain']:+.3f} {_ci(v['gain_ci95'])} | {sx(o)} | "
                      f"{sx(d)} | {o.get('vs_hf') or float('nan'):.2f}x / {d.get('vs_hf') or float('nan'):.2f}x | "

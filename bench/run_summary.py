@@ -43,6 +43,7 @@ def summarise(run: Path, time_log: Path | None = None) -> dict:
     from specdraft.report import acceptance_gain, baseline_sets, speed_sets
 
     r = json.loads((run / "report.json").read_text())
+    timed = _time_log(time_log)
     base, after = baseline_sets(r), r["eval_after"]["sets"]
     sets = {}
     for name, b in base.items():
@@ -65,14 +66,14 @@ def summarise(run: Path, time_log: Path | None = None) -> dict:
             "divergences": [{k: d[k] for k in ("prompt_id", "contender", "position", "margin")}
                             for d in sp.get("divergences", []) if not d["contender"].startswith("hf_assisted")]}
     h = r.get("headroom") or {}
-    return {"command": _time_log(time_log).get("timed_command") or r["command"], "date": r["date"],
+    return {"command": timed.get("timed_command") or r["command"], "date": r["date"],
             "machine": r["versions"]["machine"], "torch": r["versions"]["torch"], "preset": r["config"]["preset"],
             "target": r["config"]["target"], "draft": r["config"]["draft"], "vocab_swap": bool(r.get("vocab_swap")),
             "forecast": h.get("gain"), "forecast_ci95": h.get("gain_ci95"), "sets": sets,
             "stages": {k: v["seconds"] for k, v in r["timings"].items() if k != "report"},
             "configuration": {k: v.get("label") for k, v in ((r["speed"] or {}).get("draft_configuration") or {}).items()},
             "distill": {k: r["distill"].get(k) for k in ("steps", "train_sequences")},
-            **{k: v for k, v in _time_log(time_log).items() if k != "timed_command"}}
+            **{k: v for k, v in timed.items() if k != "timed_command"}}
 
 
 def main() -> None:

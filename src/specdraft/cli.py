@@ -923,8 +923,8 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
 #: Printed under the eval table: what its three predictions and the divergence count mean.
 EVAL_LEGEND = (
     "predicted α: Σ min(p, q) teacher-forced, no decoding (over the prompts' own tokens, and over the target's "
-    "answers, which decoding meets). Three speed predictions: analytic = Leviathan et al. (2023), Theorem 3.8, from α and c "
-    "alone; predicted = the speed model (each verification width k timed, t(k), and the draft step d; prefill "
+    "answers, which decoding meets). Three speed predictions: analytic = Leviathan et al. (2023), Theorem 3.8, "
+    "from α and c alone; predicted = the speed model (each verification width k timed, t(k), and the draft step d; prefill "
     "included), whose error is the prediction error; recommended γ = each model's best. Greedy divergences: "
     "prompts whose output differs from the target alone's; in brackets those beyond the bf16 near-tie tolerance "
     "(a bug: please report it).")

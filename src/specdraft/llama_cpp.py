@@ -605,11 +605,10 @@ class LlamaCppRankInputs:
         rows = rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n)
         for r in rows:
             gguf = self.draft_ggufs[r["draft"]]
+            pair = (shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)), r["n_max"])
             r |= {"gguf": str(gguf), "bench_source": self.draft_bench_sources[r["draft"]],
-                  "command": llama_cpp_command(shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)),
-                                               r["n_max"], threads=self.threads, server=True),
-                  "local_command": llama_cpp_command(shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)),
-                                                     r["n_max"], threads=self.threads, server=False)}
+                  "command": llama_cpp_command(*pair, threads=self.threads, server=True),
+                  "local_command": llama_cpp_command(*pair, threads=self.threads, server=False)}
         return rows
 
 

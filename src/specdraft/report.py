@@ -30,12 +30,17 @@ def _sets(report: dict[str, Any]) -> list[str]:
     return list(report["eval_before"]["sets"])
 
 
+def swap_baseline(report: dict[str, Any]) -> dict[str, Any] | None:
+    """For a draft of another tokenizer, the re-indexed draft's evaluation sets before distillation (counted by
+    replay in the ``vocab_swap`` stage; ``eval_before`` then holds the draft as given, decoded through the
+    vocabulary mapping); ``None`` for a draft of the target's tokenizer (or a report from before the swap counted)."""
+    return (report.get("vocab_swap") or {}).get("sets") or None
+
+
 def baseline_sets(report: dict[str, Any]) -> dict[str, Any]:
-    """The evaluation sets of the draft *before distillation* as it was trained: for a draft of another tokenizer
-    the re-indexed draft, counted by replay in the ``vocab_swap`` stage (``eval_before`` holds the draft as given,
-    decoded through the vocabulary mapping: the swap's cost is the difference); ``eval_before``'s sets otherwise."""
-    swap = report.get("vocab_swap") or {}
-    return swap.get("sets") or report["eval_before"]["sets"]
+    """The evaluation sets of the draft *before distillation* as it was trained: :func:`swap_baseline` when there is
+    one (the swap's cost is its difference from ``eval_before``), ``eval_before``'s sets otherwise."""
+    return swap_baseline(report) or report["eval_before"]["sets"]
 
 
 def acceptance_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
@@ -72,7 +77,7 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
     section names the set, :data:`SUMMARY_LEGEND` says what the brackets hold, one figure per row), so each row
     of the terminal table stays on one line at 80 columns."""
     sections: list[tuple[str, list[tuple[str, str, str]]]] = []
-    swapped = bool((report.get("vocab_swap") or {}).get("sets"))
+    swapped = swap_baseline(report) is not None
     for name in _sets(report):
         b, a = baseline_sets(report)[name], report["eval_after"]["sets"][name]
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
@@ -181,7 +186,7 @@ def slower_note(report: dict[str, Any]) -> str | None:
     said = (f"the distilled draft decoded slower than the original in the interleaved run ({d['speedup']:.2f}x vs "
             f"{o['speedup']:.2f}x the target alone on {sp['prompts']} prompt(s); intervals "
             f"{_fmt_ci(d['speedup_ci95'], '{:.2f}')} vs {_fmt_ci(o['speedup_ci95'], '{:.2f}')}); ")
-    if (report.get("vocab_swap") or {}).get("sets"):
+    if swap_baseline(report) is not None:
         # The original speaks another tokenizer: only specdraft's decoder and transformers can use it.
         return said + ("the original decodes only through a vocabulary mapping (specdraft's decoder, transformers' "
                        "assisted generation); vLLM and llama.cpp need a draft of the target's tokenizer, which the "
@@ -277,7 +282,7 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     for name, sp in speed_sets(r).items():
         c = sp["contenders"]
         best = max((k for k in c if k.startswith("speculative:")), key=lambda k: c[k].get("speedup") or 0, default=None)
-        if (r.get("vocab_swap") or {}).get("sets") and "speculative:distilled" in c:
+        if swap_baseline(r) is not None and "speculative:distilled" in c:
             best = "speculative:distilled"  # the original speaks another tokenizer: the shippable draft leads
         if best is None:
             continue
@@ -299,7 +304,7 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     learn = []
     if h:
         learn.append(f"forecast: {h['verdict']}")
-    sw = (r.get("vocab_swap") or {}).get("sets", {}).get("held_out")
+    sw = (swap_baseline(r) or {}).get("held_out")
     if sw:
         m = r["eval_before"]["sets"]["held_out"]
         learn.append(f"the vocabulary swap: held-out greedy acceptance {m['acceptance_rate']:.3f} as given through "
@@ -308,7 +313,7 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
                      f"[{gain.low:+.3f}, {gain.high:+.3f}] (paired, {gain.prompts} prompts)")
-        ood = acceptance_gain(r, "ood") if "ood" in r["eval_after"]["sets"] else None
+        ood = acceptance_gain(r, "ood")
         if ood is not None:
             ood_word = "better" if ood.low > 0 else "worse" if ood.high < 0 else "no measurable change"
             learn.append(f"out-of-domain {ood.value:+.3f} [{ood.low:+.3f}, {ood.high:+.3f}] ({ood.prompts} prompts; "
@@ -390,7 +395,7 @@ def render_markdown(r: dict[str, Any]) -> str:
              "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
              + ("; *before distillation* is the re-indexed draft, replayed on the same answers, so the gain is "
                 "distillation's alone and the swap's own cost is the difference from the mapped row."
-                if sw.get("sets") else ".")), ""]),
+                if swap_baseline(r) is not None else ".")), ""]),
         SUMMARY_LEGEND,
         "",
         "| measure | before distillation | after distillation |",
