@@ -96,7 +96,7 @@ def test_tvd_deploy_is_one_minus_filtered_overlap():
     got = tvd_deploy(d_logits, None, teacher_logits=t_logits, **kw)
     overlap = sum_min(filtered_probs(t_logits, **kw), filtered_probs(d_logits, **kw))
     torch.testing.assert_close(got, 1 - overlap)
-    assert set(LOSSES) == {"soft_ce", "tvd", "tvd_deploy"}
+    assert set(LOSSES) == {"soft_ce", "tvd", "tvd_deploy", "ce", "nla", "lk_hybrid"}
 
 
 def test_masked_mean_ignores_padding_and_nan():
@@ -206,3 +206,34 @@ def test_sample_follows_probs_and_never_draws_zero_mass():
     # Reproducible from a seed; a one-hot row always gives its id.
     assert torch.equal(sample(probs[:5], torch.Generator().manual_seed(9)), sample(probs[:5], torch.Generator().manual_seed(9)))
     assert sample(torch.tensor([[0.0, 0.0, 1.0]])).item() == 2
+
+
+def test_ce_nla_and_lk_hybrid_equal_hand_computed_values():
+    # p = (0.6, 0.4, 0, 0), q = (0.1, 0.2, 0.3, 0.4): α = 0.1 + 0.2 = 0.3, TV = 0.7,
+    # KL(p‖q) = 0.6 ln 6 + 0.4 ln 2 = 1.352314, λ = exp(−0.9) = 0.406570.
+    p = torch.tensor([[[0.6, 0.4, 0.0, 0.0]]])
+    q_logits = torch.tensor([[[0.1, 0.2, 0.3, 0.4]]]).log()
+    assert LOSSES["ce"](q_logits, p).item() == pytest.approx(2.302585, rel=1e-5)  # −ln q(argmax p) = −ln 0.1
+    assert LOSSES["nla"](q_logits, p).item() == pytest.approx(1.203973, rel=1e-5)  # −ln 0.3
+    assert LOSSES["lk_hybrid"](q_logits, p).item() == pytest.approx(0.965213, rel=1e-5)  # λ·1.352314 + (1 − λ)·0.7
+
+
+def test_nla_gradient_is_tvds_scaled_by_one_over_alpha():
+    # d(−log α) = −dα / α and d(TVD) = −dα: at low overlap nla's gradient is TVD's times 1/α (it does not vanish).
+    g = torch.Generator().manual_seed(3)
+    p = torch.randn(1, 2, 12, generator=g).mul(4).softmax(-1)
+    logits = torch.randn(1, 2, 12, generator=g).mul(4)
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    LOSSES["nla"](a, p).sum().backward()
+    LOSSES["tvd"](b, p).sum().backward()
+    alpha = sum_min(p, logits.softmax(-1))  # [1, 2]
+    torch.testing.assert_close(a.grad, b.grad / alpha[..., None], rtol=1e-4, atol=1e-7)
+
+
+def test_lk_hybrid_is_kl_at_zero_overlap_and_tvd_at_full_overlap():
+    p = torch.tensor([[[1.0, 0.0, 0.0]]])
+    far = torch.tensor([[[-30.0, 0.0, 0.0]]])  # α ≈ 0 → λ ≈ 1: forward KL = −log q(0)
+    assert LOSSES["lk_hybrid"](far, p).item() == pytest.approx(-far.log_softmax(-1)[0, 0, 0].item(), rel=1e-4)
+    near = torch.tensor([[[30.0, 0.0, 0.0]]])  # α ≈ 1: both terms ≈ 0
+    assert LOSSES["lk_hybrid"](near, p).item() == pytest.approx(0.0, abs=1e-6)

@@ -55,7 +55,7 @@ ExportFormat = Literal["speculator", "gguf"]
 GgufType = Literal["f16", "bf16", "f32", "q8_0", "q4_k_m"]
 DumpFormat = Literal["hidden", "topk"]
 HiddenDtype = Literal["bfloat16", "float16", "float32"]
-LossName = Literal["soft_ce", "tvd", "tvd_deploy"]
+LossName = Literal["soft_ce", "tvd", "tvd_deploy", "ce", "nla", "lk_hybrid"]
 TrainWhat = Literal["all", "last_layers", "lora"]
 Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 #: How the draft computes while it trains (:func:`specdraft.distill.resolve_precision`): float32 throughout, or its
@@ -206,7 +206,8 @@ class DistillConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     loss: LossName = Field("tvd", description="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
-                           "serving filter (1 − it is the deployed acceptance).")
+                           "serving filter (1 − it is the deployed acceptance); ce: −log q(argmax p); nla: −log Σ "
+                           "min(p, q); lk_hybrid: λ·KL(p‖q) + (1 − λ)·TVD, λ = exp(−3α).")
     temperature: float = Field(1.0, gt=0.0, description="Serving temperature (tvd_deploy and α).")
     top_k: int = Field(0, ge=0, description="Serving top-k (tvd_deploy and α); 0 = off.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving top-p (tvd_deploy and α); 1 = off.")

@@ -1,8 +1,7 @@
-"""The serving filter and the distillation losses.
+"""The distillation losses.
 
-One filter serves decoding, α and the ``tvd_deploy`` loss: temperature → top-k → renormalise → top-p
-(the order of vLLM's and transformers' samplers). It always keeps the argmax, its output sums to 1, and with
-both filters off it equals the plain softmax at that temperature.
+The serving filter they share with decoding and α lives in :mod:`specdraft.sampling` (temperature → top-k →
+renormalise → top-p, the order of vLLM's and transformers' samplers); ``tvd_deploy`` applies it to p and q.
 
 Losses are pure per-position functions ``(draft_logits [B, S, V], teacher) -> [B, S] float32`` and live in
 :data:`LOSSES`; masking and averaging happen once, in :func:`masked_mean`.
@@ -70,6 +69,48 @@ def tvd_deploy(draft_logits: torch.Tensor, p: torch.Tensor, *, teacher_logits: t
     return 0.5 * (p_f - q).abs().sum(dim=-1)
 
 
+def ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
+    """Cross-entropy on the teacher's argmax: −log q(argmax p), ``[B, S] float32`` nats.
+
+    Hard labels: the loss of greedy acceptance's own event (the draft's argmax must be the target's). Its
+    gradient does not vanish where q gives the target's token ~0 mass, so it trains a cold draft (speculators'
+    ``ce`` loss; the argmax is the token itself on target-greedy answers).
+    """
+    logq = draft_logits.float().log_softmax(dim=-1)
+    return -logq.gather(-1, p.argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def nla(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
+    """Negative log-acceptance −log α, α = Σ_x min(p(x), q(x)): ``[B, S] float32`` nats, ≥ 0.
+
+    TVD's target (α = 1 − TVD) with its gradient scaled by 1/α, so it keeps learning where the overlap is small
+    (Samarin et al. 2026, "LK losses", arXiv 2602.23881; speculators' ``nla``). α is clamped at 1e-12: a
+    position with no overlap at all has a finite loss.
+    """
+    q = draft_logits.float().softmax(dim=-1)
+    return -sum_min(p, q).clamp(min=1e-12).log()
+
+
+#: λ = exp(−LK_ETA · α) in :func:`lk_hybrid` (the paper's and speculators' default decay).
+LK_ETA = 3.0
+
+
+def lk_hybrid(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
+    """λ·KL(p‖q) + (1 − λ)·TVD(p, q) with λ = exp(−3α) held constant (no gradient through λ), ``[B, S] float32``.
+
+    Forward KL pulls mass where the overlap is low (λ → 1 as α → 0); TVD, whose complement is the acceptance,
+    takes over as α grows (Samarin et al. 2026, arXiv 2602.23881, §4.2; speculators' ``lk_hybrid``). λ is per
+    position here (ModelOpt's ``masked_lk_lambda_loss`` uses one λ per call from the batch's mean α).
+    """
+    logq = draft_logits.float().log_softmax(dim=-1)
+    q = logq.exp()
+    logp = p.clamp(min=1e-30).log()
+    kl = (p * (logp - logq)).masked_fill(p == 0, 0.0).sum(dim=-1)
+    tv = 0.5 * (p - q).abs().sum(dim=-1)
+    lam = torch.exp(-LK_ETA * (1.0 - tv)).detach()
+    return lam * kl + (1.0 - lam) * tv
+
+
 # Above this k the k×k id comparison of the sparse path costs more than the dense path saves.
 SPARSE_TOP_K_MAX = 64
 
@@ -109,7 +150,8 @@ def _tvd_deploy_sparse(draft_logits, teacher_logits, temperature, top_k, top_p):
 
 
 LossFn = Callable[..., torch.Tensor]
-LOSSES: dict[str, LossFn] = {"soft_ce": soft_ce, "tvd": tvd, "tvd_deploy": tvd_deploy}
+LOSSES: dict[str, LossFn] = {"soft_ce": soft_ce, "tvd": tvd, "tvd_deploy": tvd_deploy, "ce": ce, "nla": nla,
+                             "lk_hybrid": lk_hybrid}
 
 
 def masked_mean(per_position: torch.Tensor, mask: torch.Tensor,
