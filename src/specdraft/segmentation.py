@@ -1,0 +1,146 @@
+"""Where a vocabulary swap loses agreement: target tokens without a draft twin, and the swapped draft's
+disagreements with the target split by kind.
+
+A draft re-indexed into the target's tokenizer (:func:`specdraft.vocab.vocab_swap`) must write the target's
+segmentation, which differs from its own where the two pre-tokenizers cut text differently (Qwen2's lets a
+punctuation run absorb the newline after it, ``):\\n``; GPT-2-style ones attach the newline to the next line's
+indentation). Over the target's own answers, teacher-forced, each position where the draft's argmax is not the
+target's token falls in the first of these kinds that holds:
+
+1. ``merged``: the target's token has no draft twin and the draft chose a proper string prefix of it (it proposes
+   ``):`` where the target writes ``):\\n`` — OmniDraft's "false rejection", arXiv 2507.02659);
+2. ``non_canonical``: the draft chose a token the target's tokenizer never produces for that token's own text
+   (encoding the chosen token's string alone does not give that token back);
+3. ``after_non_twin_input``: the token the draft just read has no twin in its original vocabulary (its input row
+   is an initialisation, not a trained row);
+4. ``other``: the disagreement is not about segmentation.
+
+The first two are output-side (the head's rows), the third input-side (the embedding's rows); ``other`` is what
+distillation on the target's distribution addresses. :func:`diagnose` counts them; :func:`verdict` names the kind
+that dominates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: The disagreement kinds, in the order a disagreement is assigned to the first one that holds.
+KINDS = ("merged", "non_canonical", "after_non_twin_input", "other")
+#: Kinds fixed by the rows of the head (output side) and of the embedding (input side).
+OUTPUT_SIDE = ("merged", "non_canonical")
+INPUT_SIDE = ("after_non_twin_input",)
+
+
+@dataclass
+class SegmentationReport:
+    """What :func:`diagnose` counted over the target's answers (counts first; shares derived).
+
+    ``positions``: answer tokens scored; ``without_twin``: of those, target tokens with no draft twin;
+    ``disagreements``: positions where the draft's argmax is not the target's token, ``kinds`` splitting them
+    (sums to ``disagreements``); ``top_without_twin``: the most frequent twin-less target tokens as
+    ``[text, count]``, most frequent first."""
+
+    positions: int = 0
+    without_twin: int = 0
+    disagreements: int = 0
+    kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    top_without_twin: list[list[Any]] = field(default_factory=list)
+
+    @property
+    def without_twin_share(self) -> float | None:
+        """Share of the target's answer tokens that have no draft twin; None when nothing was scored."""
+        return self.without_twin / self.positions if self.positions else None
+
+    @property
+    def agreement(self) -> float | None:
+        """Teacher-forced argmax agreement of the draft with the target's answers."""
+        return 1 - self.disagreements / self.positions if self.positions else None
+
+    def share(self, kind: str) -> float | None:
+        """Share of the disagreements of one kind (``KINDS``); None when there are none."""
+        return self.kinds[kind] / self.disagreements if self.disagreements else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict: the counts, the derived shares and the verdict."""
+        return asdict(self) | {"without_twin_share": self.without_twin_share, "agreement": self.agreement,
+                               "shares": {k: self.share(k) for k in KINDS}, "verdict": verdict(self)}
+
+
+def _text(tok, i: int) -> str:
+    return tok.decode([i], clean_up_tokenization_spaces=False)
+
+
+def diagnose(target_tokenizer, has_twin: Sequence[bool], answers: Sequence[Sequence[int]],
+             draft_top1: Sequence[Sequence[int]], last_prompt_ids: Sequence[int], top: int = 50) -> SegmentationReport:
+    """Count the twin-less target tokens and split the draft's disagreements by kind (see the module docstring).
+
+    Args:
+        target_tokenizer: the tokenizer both models now speak (the target's).
+        has_twin: ``[V]`` per target id, whether the draft's original vocabulary holds a string-identical twin
+            (``VocabMapping.target_to_draft >= 0``).
+        answers: per sequence the target's answer ids ``y``.
+        draft_top1: per sequence the swapped draft's teacher-forced argmax at each answer position
+            (``draft_top1[s][j]`` predicts ``answers[s][j]``, as :func:`specdraft.evaluate.predicted_alpha`'s
+            ``draft_top1``).
+        last_prompt_ids: per sequence the last prompt token (what the draft read before ``y[0]``).
+        top: how many twin-less tokens to list.
+
+    Returns:
+        A :class:`SegmentationReport`.
+
+    Raises:
+        ValueError: ``draft_top1`` and ``answers`` differ in shape.
+    """
+    rep = SegmentationReport()
+    missing: Counter[int] = Counter()
+    canonical: dict[int, bool] = {}
+
+    def is_canonical(i: int) -> bool:
+        if i not in canonical:
+            canonical[i] = target_tokenizer.encode(_text(target_tokenizer, i), add_special_tokens=False) == [i]
+        return canonical[i]
+
+    def twin(i: int) -> bool:
+        return 0 <= i < len(has_twin) and bool(has_twin[i])
+
+    for s, (y, guess) in enumerate(zip(answers, draft_top1, strict=True)):
+        if len(y) != len(guess):
+            raise ValueError(f"sequence {s}: {len(guess)} draft argmaxes for {len(y)} answer tokens")
+        for j, (t, g) in enumerate(zip(y, guess)):
+            rep.positions += 1
+            if not twin(t):
+                rep.without_twin += 1
+                missing[t] += 1
+            if g == t:
+                continue
+            rep.disagreements += 1
+            read = y[j - 1] if j else last_prompt_ids[s]
+            if not twin(t) and (tt := _text(target_tokenizer, t)).startswith(gt := _text(target_tokenizer, g)) \
+                    and len(gt) < len(tt):
+                kind = "merged"
+            elif not is_canonical(g):
+                kind = "non_canonical"
+            elif not twin(read):
+                kind = "after_non_twin_input"
+            else:
+                kind = "other"
+            rep.kinds[kind] += 1
+    rep.top_without_twin = [[_text(target_tokenizer, i), c] for i, c in missing.most_common(top)]
+    return rep
+
+
+def verdict(rep: SegmentationReport) -> str:
+    """One sentence naming the dominant kind of disagreement and the fix it points to."""
+    if not rep.disagreements:
+        return "the draft agrees with the target at every scored position"
+    kind = max(KINDS, key=lambda k: rep.kinds[k])
+    out = sum(rep.kinds[k] for k in OUTPUT_SIDE) / rep.disagreements
+    fix = {"merged": "train the head's rows for merged target tokens (output side)",
+           "non_canonical": "train the head's rows away from tokens the target never writes (output side)",
+           "after_non_twin_input": "train the embedding rows of twin-less input tokens (input side)",
+           "other": "distil on the target's distribution (not a segmentation problem)"}[kind]
+    return (f"{kind} dominates ({rep.kinds[kind] / rep.disagreements:.0%} of {rep.disagreements} disagreements; "
+            f"output-side kinds {out:.0%}): {fix}")
