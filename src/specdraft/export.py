@@ -264,7 +264,8 @@ def carry_chat_template(speculator_dir: str | os.PathLike, verifier) -> dict[str
     directory = Path(speculator_dir)
     target_tok = verifier
     if isinstance(verifier, (str, os.PathLike)):
-        from specdraft.models import ModelResolutionError, load_tokenizer
+        from specdraft.embedded import ModelResolutionError
+        from specdraft.models import load_tokenizer
 
         try:
             target_tok = load_tokenizer(verifier)
@@ -473,7 +474,8 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
     """
     import shlex
 
-    from specdraft.models import EMBEDDED, ModelResolutionError, embedded_for_hub_id, serving_path
+    from specdraft.embedded import EMBEDDED, ModelResolutionError
+    from specdraft.models import embedded_for_hub_id, serving_path
 
     spec_dir = os.path.abspath(speculator_dir)
     d = read_config_json(spec_dir, role="speculator")
@@ -519,8 +521,8 @@ def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: s
         specdraft.models.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
             buffers of a prepared draft saved as they are); checked from the file headers, nothing written.
     """
-    from specdraft.models import check_checkpoint_weights
     from specdraft.speculator import load_speculator_config
+    from specdraft.weights import check_checkpoint_weights
 
     check_checkpoint_weights(src)  # a copy must reload as the source was evaluated: refuse before writing
     dest = Path(dest)

@@ -1,4 +1,4 @@
-"""The serving filter and the distillation losses.
+"""The distillation losses; the serving filter they apply is :func:`specdraft.sampling.filtered_probs`.
 
 One filter serves decoding, α and the ``tvd_deploy`` loss: temperature → top-k → renormalise → top-p
 (the order of vLLM's and transformers' samplers). It always keeps the argmax, its output sums to 1, and with

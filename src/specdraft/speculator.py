@@ -546,7 +546,7 @@ class IndependentSpeculator:
             ``None`` when none ran.
         corrections: ``{config key: (before, after)}`` for draft config values set to match its tensors (a
             ``tie_word_embeddings: true`` next to an untied output head becomes false:
-            :func:`specdraft.models.match_tie_flag`), on loading or saving; the saved ``config.json`` then differs
+            :func:`specdraft.weights.match_tie_flag`), on loading or saving; the saved ``config.json`` then differs
             from the draft's own in those keys.
     """
 
@@ -806,7 +806,7 @@ class IndependentSpeculator:
             raise SpeculatorError("push_to_hub is not supported: save locally, then upload the directory.")
         self.speculator_config.speculators_config  # noqa: B018 - raises before any file is written
         from specdraft.draft_model import dense_draft
-        from specdraft.models import check_model_weights, match_tie_flag
+        from specdraft.weights import check_model_weights, match_tie_flag
 
         # A draft prepared for decoding (int8/int4 layers, a trimmed head) is written as its dense equivalent: its
         # own buffers are not weights its class loads, and transformers would initialise those layers at random.
