@@ -533,13 +533,14 @@ def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_th
                         draft_head_tokens=100, gamma_policy="adaptive")
     serving = SamplingConfig(temperature=1.0)
     plain = acceptance_eval(target, draft, tok, prompts, names, config, serving)
-    assert plain["replay_check"] == "3/3" and plain["decoder_label"] == "the draft as given, fixed γ 3"
+    assert plain.replay_check == "3/3" and plain.decoder_label == "the draft as given, fixed γ 3"
+    assert json.loads(json.dumps(plain.to_dict()))["rows"] == plain.rows and len(plain.to_dict()) == 21  # to disk
     decoder = apply_draft_options(draft, tok, config)
     speed = measure_speed_model(target, decoder, prompts[2], max_gamma=4, repeats=1)
     fast = acceptance_eval(target, draft, tok, prompts, names, config, serving, decoder=decoder, speed_model=speed)
-    assert fast["answers"] == plain["answers"]  # lossless: the target's greedy answers whichever draft proposes
-    assert fast["rows"] == plain["rows"] and fast["counts"] == plain["counts"]  # the draft as given, replayed
-    assert fast["replay_check"] is None and fast["decoder_label"].startswith("draft int8")
-    assert fast["decoder_label"].endswith("adaptive γ ≤ 3") and fast["decoded_tokens"] == sum(map(len, fast["answers"]))
+    assert fast.answers == plain.answers  # lossless: the target's greedy answers whichever draft proposes
+    assert fast.rows == plain.rows and fast.counts == plain.counts  # the draft as given, replayed
+    assert fast.replay_check is None and fast.decoder_label.startswith("draft int8")
+    assert fast.decoder_label.endswith("adaptive γ ≤ 3") and fast.decoded_tokens == sum(map(len, fast.answers))
     with pytest.raises(ValueError, match="without answers"):
-        acceptance_eval(target, draft, tok, prompts, names, config, serving, answers=plain["answers"], decoder=decoder)
+        acceptance_eval(target, draft, tok, prompts, names, config, serving, answers=plain.answers, decoder=decoder)

@@ -802,7 +802,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
         the learning curve (held-out teacher-forced α and loss by step, :func:`learning_curve`).
 
     Raises:
-        DistillError / specdraft.dump.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
+        DistillError / specdraft.dump_reader.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
             a non-finite loss.
         specdraft.sampling.TokenWidthError: the dump holds token ids past the draft's embedding or head (named).
     """

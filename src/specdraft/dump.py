@@ -412,7 +412,6 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
             rows (named, before the target is loaded).
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
-    from specdraft.config import SamplingConfig
     from specdraft.models import load_model, load_tokenizer, resolve
     from specdraft.vocab import tokenizer_fingerprint
 
@@ -454,98 +453,127 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     if rank == 0 and config.format == "hidden":
         header["head"] = _write_head(out, model)
 
-    # ---- resume: trust only verified shards ---------------------------------------------------------------
-    state = _load_rank_state(out, rank, plan)
-    if state and state["header"].get("final_norm"):
-        header["final_norm"] = state["header"]["final_norm"]
-        header["final_norm_applied"] = state["header"]["final_norm_applied"]
-    records: list[dict[str, Any]] = list(state["shards"]) if state else []
-    bad = []
-    for rec in records:
-        if problem := shard_problem(out, rec):
-            warnings.warn(f"specdraft dump: {problem}; redoing it", stacklevel=2)
-            bad.append(rec)
-    stale = [*out.glob(f".tmp-shard-r{rank:05d}-*"), *out.glob(f".tmp-rank-{rank:05d}*")]
-    if rank == 0:
-        stale += [*out.glob(f".tmp-{MANIFEST}-*"), *out.glob(f".tmp-{HEAD_FILE}-*")]
-    for tmp in stale:
-        tmp.unlink(missing_ok=True)  # left by a killed writer; never read
-    next_item = max((r["end"] for r in records), default=0)
-    next_index = max((r["index"] + 1 for r in records), default=0)
-    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": header["command"], "tokens": 0,
-           "forward_seconds": 0.0, "generated_tokens": 0, "generate_seconds": 0.0, "shards_written": 0, "shards_skipped": len(records) - len(bad), "shards_redone": len(bad)}
-    runs = (state.get("runs", []) if state else []) + [run]
-    done = sum(r["end"] - r["start"] for r in records if r not in bad)
+    # ---- resume, write, save, finish ---------------------------------------------------------------------------
+    writer = _RankWriter(out, rank, world, plan, identity, header, config, items, mine, dropped_before_split,
+                         model, tokenizer, teacher, progress)
+    writer.resume()
+    t_work = time.time()
+    writer.report()
+    for rec in writer.bad:
+        writer.records.remove(rec)
+        writer.write_range(rec["start"], rec["end"], rec["index"], one_shard=True)
+    if writer.next_item < n_mine:
+        writer.write_range(writer.next_item, n_mine, writer.next_index, one_shard=False)
+    writer.run["seconds"] = round(time.time() - t_work, 3)
+    writer.save_state("complete")
+    return writer.finish(barrier, t_start)
 
-    def save_state(status: str) -> None:
-        if teacher.checked:
-            header["final_norm"], header["final_norm_applied"] = teacher.final_norm, True
-        body = {"kind": "specdraft-teacher-dump-rank", "rank": rank, "world_size": world, "plan": plan,
-                "status": status, "identity": identity, "header": header, "items": n_mine,
-                "dropped_before_split": dropped_before_split if rank == 0 else 0,
-                "shards": sorted(records, key=lambda r: r["start"]), "runs": runs}
-        atomic_write_text(out / _rank_file(rank), json.dumps(body, indent=1))
 
-    def report() -> None:
-        if progress is not None:
-            progress(done, n_mine, run["tokens"])
+class _RankWriter:
+    """One rank's shards and state file: :meth:`resume` (trust only verified shards), :meth:`write_range` (items
+    → shards), :meth:`save_state` (``rank-*.json``), :meth:`finish` (rank 0 merges the manifest)."""
 
-    sampling = SamplingConfig(temperature=config.temperature)
-    limit = config.shard_size_mb * 1e6
+    def __init__(self, out: Path, rank: int, world: int, plan: str, identity: dict[str, Any], header: dict[str, Any],
+                 config: DumpConfig, items: list, mine: range, dropped_before_split: int, model, tokenizer,
+                 teacher: Teacher, progress: ProgressFn | None):
+        from specdraft.config import SamplingConfig
 
-    def dump_range(start: int, end: int, index: int, one_shard: bool) -> None:
+        self.out, self.rank, self.world, self.plan = out, rank, world, plan
+        self.identity, self.header, self.config = identity, header, config
+        self.items, self.mine, self.n_mine, self.dropped_before_split = items, mine, len(mine), dropped_before_split
+        self.model, self.tokenizer, self.teacher, self.progress = model, tokenizer, teacher, progress
+        self.sampling = SamplingConfig(temperature=config.temperature)
+        self.limit = config.shard_size_mb * 1e6
+
+    def resume(self) -> None:
+        """Read this rank's state: shards that verify are kept, the others are to be redone (:attr:`bad`); temporary
+        files of a killed writer are removed; this run's record is started."""
+        out, rank, header = self.out, self.rank, self.header
+        state = _load_rank_state(out, rank, self.plan)
+        if state and state["header"].get("final_norm"):
+            header["final_norm"] = state["header"]["final_norm"]
+            header["final_norm_applied"] = state["header"]["final_norm_applied"]
+        records: list[dict[str, Any]] = list(state["shards"]) if state else []
+        bad = []
+        for rec in records:
+            if problem := shard_problem(out, rec):
+                warnings.warn(f"specdraft dump: {problem}; redoing it", stacklevel=3)
+                bad.append(rec)
+        stale = [*out.glob(f".tmp-shard-r{rank:05d}-*"), *out.glob(f".tmp-rank-{rank:05d}*")]
+        if rank == 0:
+            stale += [*out.glob(f".tmp-{MANIFEST}-*"), *out.glob(f".tmp-{HEAD_FILE}-*")]
+        for tmp in stale:
+            tmp.unlink(missing_ok=True)  # left by a killed writer; never read
+        self.records, self.bad = records, bad
+        self.next_item = max((r["end"] for r in records), default=0)
+        self.next_index = max((r["index"] + 1 for r in records), default=0)
+        self.run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": header["command"], "tokens": 0,
+                    "forward_seconds": 0.0, "generated_tokens": 0, "generate_seconds": 0.0, "shards_written": 0,
+                    "shards_skipped": len(records) - len(bad), "shards_redone": len(bad)}
+        self.runs = (state.get("runs", []) if state else []) + [self.run]
+        self.done = sum(r["end"] - r["start"] for r in records if r not in bad)
+
+    def save_state(self, status: str) -> None:
+        header = self.header
+        if self.teacher.checked:
+            header["final_norm"], header["final_norm_applied"] = self.teacher.final_norm, True
+        body = {"kind": "specdraft-teacher-dump-rank", "rank": self.rank, "world_size": self.world, "plan": self.plan,
+                "status": status, "identity": self.identity, "header": header, "items": self.n_mine,
+                "dropped_before_split": self.dropped_before_split if self.rank == 0 else 0,
+                "shards": sorted(self.records, key=lambda r: r["start"]), "runs": self.runs}
+        atomic_write_text(self.out / _rank_file(self.rank), json.dumps(body, indent=1))
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.n_mine, self.run["tokens"])
+
+    def write_range(self, start: int, end: int, index: int, one_shard: bool) -> None:
         """This rank's items [start, end) → shards numbered from ``index`` (exactly one when redoing)."""
-        nonlocal done
+        config, run, teacher = self.config, self.run, self.teacher
         buf: list[_Row] = []
         buf_start, dropped = start, 0
         for s in range(start, end, config.batch_size):
             stop = min(s + config.batch_size, end)
-            batch = [items[mine[i]] for i in range(s, stop)]
+            batch = [self.items[self.mine[i]] for i in range(s, stop)]
             t0 = time.perf_counter()
             if config.generate is None:
                 seqs = batch
             else:
-                seqs, n_drop, n_new = _generated(model, tokenizer, batch, config, sampling, mine[s],
-                                                 teacher.real_vocab)
+                seqs, n_drop, n_new = _generated(self.model, self.tokenizer, batch, config, self.sampling,
+                                                 self.mine[s], teacher.real_vocab)
                 dropped += n_drop
                 run["generated_tokens"] += n_new
                 run["generate_seconds"] += time.perf_counter() - t0
             t1 = time.perf_counter()
             buf.extend(_rows(teacher, seqs, config))
             run["forward_seconds"] += time.perf_counter() - t1
-            done += len(batch)
+            self.done += len(batch)
             run["tokens"] += sum(len(q.ids) for q in seqs)
-            if stop == end or (not one_shard and sum(r.nbytes for r in buf) >= limit):
-                records.append(_flush(out, rank, index, buf, buf_start, stop, dropped, config))
+            if stop == end or (not one_shard and sum(r.nbytes for r in buf) >= self.limit):
+                self.records.append(_flush(self.out, self.rank, index, buf, buf_start, stop, dropped, config))
                 run["shards_written"] += bool(buf)
                 buf, buf_start, index, dropped = [], stop, index + 1, 0
-                save_state("running")
-            report()
+                self.save_state("running")
+            self.report()
 
-    t_work = time.time()
-    report()
-    for rec in bad:
-        records.remove(rec)
-        dump_range(rec["start"], rec["end"], rec["index"], one_shard=True)
-    if next_item < n_mine:
-        dump_range(next_item, n_mine, next_index, one_shard=False)
-    run["seconds"] = round(time.time() - t_work, 3)
-    save_state("complete")
-
-    barrier()
-    if rank == 0 and (run["shards_written"] or not (out / MANIFEST).is_file()):
-        states = [json.loads((out / _rank_file(r)).read_text()) for r in range(world)]
-        atomic_write_text(out / MANIFEST, json.dumps(merge_manifests(states), indent=1))
-    barrier()
-    manifest = load_manifest(out)
-    fwd, gen = run["forward_seconds"], run["generate_seconds"]
-    manifest["this_run"] = {
-        "seconds": time.time() - t_start, "work_seconds": run["seconds"], "tokens": run["tokens"],
-        "tokens_per_s": run["tokens"] / fwd if fwd else None,  # teacher forward passes only
-        "generated_tokens": run["generated_tokens"],
-        "generate_tokens_per_s": run["generated_tokens"] / gen if gen else None,
-        **{k: run[k] for k in ("shards_written", "shards_skipped", "shards_redone")}}
-    return manifest
+    def finish(self, barrier: Callable[[], None], t_start: float) -> dict[str, Any]:
+        """After every rank: rank 0 merges the manifest (when a shard was written or none exists); all read it back,
+        with ``this_run`` of this process added."""
+        out, run = self.out, self.run
+        barrier()
+        if self.rank == 0 and (run["shards_written"] or not (out / MANIFEST).is_file()):
+            states = [json.loads((out / _rank_file(r)).read_text()) for r in range(self.world)]
+            atomic_write_text(out / MANIFEST, json.dumps(merge_manifests(states), indent=1))
+        barrier()
+        manifest = load_manifest(out)
+        fwd, gen = run["forward_seconds"], run["generate_seconds"]
+        manifest["this_run"] = {
+            "seconds": time.time() - t_start, "work_seconds": run["seconds"], "tokens": run["tokens"],
+            "tokens_per_s": run["tokens"] / fwd if fwd else None,  # teacher forward passes only
+            "generated_tokens": run["generated_tokens"],
+            "generate_tokens_per_s": run["generated_tokens"] / gen if gen else None,
+            **{k: run[k] for k in ("shards_written", "shards_skipped", "shards_redone")}}
+        return manifest
 
 
 def _examples(data, config: DumpConfig) -> tuple[list, str]:
@@ -729,15 +757,13 @@ def _generated(model, tokenizer, batch: list[Example], config: DumpConfig, sampl
 def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[_Row]:
     """One right-padded forward over ``seqs`` → per-row teacher signal in storage dtypes, on the CPU."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
     if not seqs:
         return []
-    S = max(len(q.ids) for q in seqs)
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    attn = torch.zeros(len(seqs), S, dtype=torch.long)
-    for i, q in enumerate(seqs):
-        ids[i, : len(q.ids)] = torch.tensor(q.ids)
-        attn[i, : len(q.ids)] = 1
+    ids = pad_sequence([torch.tensor(q.ids, dtype=torch.long) for q in seqs], batch_first=True, padding_side="right")
+    attn = pad_sequence([torch.ones(len(q.ids), dtype=torch.long) for q in seqs], batch_first=True,
+                        padding_side="right")
     # Right padding: each real position attends only to the real tokens before it, at its own position id,
     # so a row's values do not depend on what else is in the batch.
     h = teacher.hidden(ids.to(teacher.device), attn.to(teacher.device))  # [B, S, H]

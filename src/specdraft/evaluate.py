@@ -10,8 +10,13 @@ Like with like: every contender gets the same explicit settings — sampling, ma
 nothing else. transformers would otherwise fill every field a call leaves unset from the model's own
 ``generation_config`` (a checkpoint's ``repetition_penalty``, ``top_k``, ``do_sample``…), which specdraft never
 applies; so assisted generation runs with a complete :class:`~transformers.GenerationConfig`
-(:func:`hf_generation_config`) standing in for both models' own during the call. Each contender's effective
-settings are recorded in ``config["contenders"]`` (``report.json``).
+(:func:`specdraft.assisted.hf_generation_config`) standing in for both models' own during the call. Each
+contender's effective settings are recorded in ``config["contenders"]`` (``report.json``).
+
+This module holds the entry points (:func:`run_eval`, :func:`acceptance_eval`, :func:`interleaved_speed`,
+:func:`rank_drafts`, :func:`certify_sampling`, :func:`write_report`); teacher-forced α and replay are
+:mod:`specdraft.replay`, the pair's measured costs :mod:`specdraft.calibration`, the assisted-generation harness
+:mod:`specdraft.assisted`, and the draft's preparation :func:`specdraft.draft_model.apply_draft_options`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import copy
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -447,6 +452,39 @@ def run_eval(
     return res
 
 
+@dataclass
+class AcceptanceEval:
+    """What :func:`acceptance_eval` measured on one set of prompts; :meth:`to_dict` is what the pipeline writes.
+
+    Intervals are bootstrap intervals over prompts (95%, ``None`` without prompts); seconds are wall clock.
+    """
+
+    method: str  # "decoded" (the answers were decoded here) or "replayed" (given answers, counts replayed)
+    prompts: int
+    rows: list[dict[str, Any]]  # per prompt: id, accepted, proposed, reached, answer_tokens (+ alpha_sum, positions)
+    answers: list[list[int]]  # the target's greedy answers, token ids
+    counts: dict[str, Any]  # the merged AcceptanceCounts (to_dict)
+    acceptance_rate: float
+    acceptance_rate_ci95: tuple[float, float] | None
+    alpha: float
+    alpha_ci95: tuple[float, float] | None
+    drafted: int  # tokens proposed
+    mean_accepted_length: float
+    alpha_per_position: list[float]
+    alpha_sampled: float | None  # teacher-forced Σ min(p̃, q̃) under the serving filter; None for a decoded-only draft
+    alpha_sampled_ci95: tuple[float, float] | None
+    serving: dict[str, Any]  # the serving filter (SamplingConfig.model_dump)
+    replay_check: str | None  # "<prompts where replayed == decoded>/<prompts>", or None
+    decoded_acceptance_rate: float | None
+    decoder_label: str | None  # what decoded the answers, in a report's words
+    decode_seconds: float | None
+    decoded_tokens: int | None
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def acceptance_eval(
     target,
     draft,
@@ -461,12 +499,12 @@ def acceptance_eval(
     decoder=None,
     speed_model: SpeedModel | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
+) -> AcceptanceEval:
     """Greedy acceptance of ``draft`` on held-out prompts, per prompt, plus the teacher-forced α at the serving
     settings: the measure :func:`specdraft.pipeline.run_pipeline` compares before and after distillation.
 
     Without ``answers`` every prompt is decoded by greedy speculative decoding (batch 1; its output is the
-    target's greedy answer); the counts are then replayed (:func:`replay_greedy`) on those answers, the number of
+    target's greedy answer); the counts are then replayed (:func:`~specdraft.replay.replay_greedy`) on those answers, the number of
     prompts where replayed and decoded counts agree is reported (``replay_check``, and the decoded rate as
     ``decoded_acceptance_rate``), and the rows hold the replayed counts, so that every draft compared on these
     answers is counted by one method (a draft of another tokenizer cannot be replayed: its rows are decoded). With
@@ -474,7 +512,7 @@ def acceptance_eval(
     second draft is compared on the very same target answers (a paired comparison) in one draft pass per
     prompt.
 
-    ``decoder`` (e.g. :func:`prepared_draft`'s int4 + trimmed-head copy of ``draft``) writes the answers instead of
+    ``decoder`` (e.g. :func:`~specdraft.draft_model.apply_draft_options`'s int4 + trimmed-head copy of ``draft``) writes the answers instead of
     ``draft``, with the adaptive γ ≤ ``config.num_speculative_tokens`` when ``speed_model`` is given: greedy
     speculative decoding outputs the target's greedy answer whichever draft proposes (lossless; bfloat16 near-ties
     aside), so the fastest lossless decoder writes them and ``draft`` — the model that is exported — is still
@@ -492,14 +530,10 @@ def acceptance_eval(
         config: γ and max new tokens (greedy; its ``sampling`` must be greedy).
         serving: the filter of the sampled α.
         decoder: the model that decodes the answers (default ``draft``); not with ``answers`` or ``vocab_mapping``.
-        speed_model: the decoder's measured costs (:func:`cached_speed_model`): adaptive γ; None: fixed γ.
+        speed_model: the decoder's measured costs (:func:`~specdraft.calibration.calibrate`): adaptive γ; None: fixed γ.
 
     Returns:
-        ``{"method": "decoded" | "replayed", "prompts", "rows": [{"id", "accepted", "proposed", "reached",
-        "alpha_sum", "positions"}], "answers": [[ids]], "counts": AcceptanceCounts dict, "acceptance_rate",
-        "acceptance_rate_ci95", "alpha", "alpha_ci95", "drafted", "mean_accepted_length", "alpha_per_position",
-        "alpha_sampled", "alpha_sampled_ci95", "replay_check", "decoded_acceptance_rate", "decoder_label",
-        "decode_seconds", "decoded_tokens", "seconds"}`` (intervals: bootstrap over prompts; seconds: wall clock).
+        an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α).
 
     Raises:
         ValueError: a sampled ``config``, ``answers`` with a draft of another tokenizer, or a ``decoder`` with
@@ -569,20 +603,20 @@ def acceptance_eval(
     for c in counts_per_prompt:
         total = total.merge(c)
     ci = lambda num, den: ratio_ci([r[num] for r in rows], [r[den] for r in rows]).interval if rows else None
-    return {
-        "method": "decoded" if decoded is not None else "replayed", "prompts": len(rows), "rows": rows,
-        "answers": answers, "counts": total.to_dict(), "acceptance_rate": total.acceptance_rate,
-        "acceptance_rate_ci95": ci("accepted", "proposed"), "alpha": total.alpha, "alpha_ci95": ci("accepted", "reached"),
-        "drafted": sum(total.proposed), "mean_accepted_length": total.mean_accepted_length,
-        "alpha_per_position": total.alpha_per_position,
-        "alpha_sampled": sampled["alpha"] if sampled else None,
-        "alpha_sampled_ci95": ci("alpha_sum", "positions") if sampled else None,
-        "serving": serving.model_dump(), "replay_check": check, "decoded_acceptance_rate": decoded_rate,
-        "decoder_label": _decoder_label(draft, decoder, speed_model, gamma) if decoded is not None else None,
-        "decode_seconds": decode_seconds if decoded is not None else None,
-        "decoded_tokens": sum(len(a) for a in answers) if decoded is not None else None,
-        "seconds": time.perf_counter() - t0,
-    }
+    return AcceptanceEval(
+        method="decoded" if decoded is not None else "replayed", prompts=len(rows), rows=rows,
+        answers=answers, counts=total.to_dict(), acceptance_rate=total.acceptance_rate,
+        acceptance_rate_ci95=ci("accepted", "proposed"), alpha=total.alpha, alpha_ci95=ci("accepted", "reached"),
+        drafted=sum(total.proposed), mean_accepted_length=total.mean_accepted_length,
+        alpha_per_position=total.alpha_per_position,
+        alpha_sampled=sampled["alpha"] if sampled else None,
+        alpha_sampled_ci95=ci("alpha_sum", "positions") if sampled else None,
+        serving=serving.model_dump(), replay_check=check, decoded_acceptance_rate=decoded_rate,
+        decoder_label=_decoder_label(draft, decoder, speed_model, gamma) if decoded is not None else None,
+        decode_seconds=decode_seconds if decoded is not None else None,
+        decoded_tokens=sum(len(a) for a in answers) if decoded is not None else None,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _decoder_label(draft, decoder, speed_model: SpeedModel | None, gamma: int) -> str:

@@ -161,8 +161,8 @@ def convert(
         SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``,
             ``--dtype``); ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable
             verifier; a draft that is not a causal LM (names its architecture); tokenizer mismatch.
-        specdraft.models.ModelResolutionError: a reference cannot be resolved (before anything is written).
-        specdraft.models.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
+        specdraft.embedded.ModelResolutionError: a reference cannot be resolved (before anything is written).
+        specdraft.weights.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
             untied ``lm_head.weight``) or holds ones it does not use; named, nothing written.
     """
     t0 = time.perf_counter()
@@ -343,7 +343,7 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
     Raises:
         SpeculatorError: the verifier reference cannot be read, or ``out`` exists without ``overwrite``
             (nothing is written).
-        specdraft.models.CheckpointWeightsError: the draft holds tensors its class would not reload (named;
+        specdraft.weights.CheckpointWeightsError: the draft holds tensors its class would not reload (named;
             nothing is written).
     """
     out = Path(out)
@@ -518,7 +518,7 @@ def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: s
         verifier: the verifier reference as given to the run, for the command (default: the recorded one).
 
     Raises:
-        specdraft.models.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
+        specdraft.weights.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
             buffers of a prepared draft saved as they are); checked from the file headers, nothing written.
     """
     from specdraft.speculator import load_speculator_config

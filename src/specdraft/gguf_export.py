@@ -650,7 +650,7 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
     Raises:
         GgufExportError: ``out`` exists (without ``overwrite``) or is a directory; the quantizer or converter is
             missing; the converter refuses the model or its tokenizer; llama.cpp would refuse the pair.
-        specdraft.models.ModelResolutionError: a reference cannot be resolved.
+        specdraft.embedded.ModelResolutionError: a reference cannot be resolved.
     """
     import shlex
 

@@ -656,7 +656,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
             missing and llama.cpp's tools not found (says how to build them: ``python -m specdraft.llama_cpp``), or a run or
             a saved file without the tests the speed model needs.
         specdraft.gguf_export.GgufExportError: llama.cpp would refuse a draft beside the target.
-        specdraft.models.ModelResolutionError: an embedded model's weight package is missing.
+        specdraft.embedded.ModelResolutionError: an embedded model's weight package is missing.
     """
     import shlex
 

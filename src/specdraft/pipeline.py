@@ -397,7 +397,7 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
             answers = before["sets"][name]["answers"] if before is not None else None
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
                                          cfg.eval, serving, answers=answers, vocab_mapping=mapping,
-                                         decoder=decoder, speed_model=speed)
+                                         decoder=decoder, speed_model=speed).to_dict()
             sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
         atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
         del target, draft, decoder  # free the models before the next stage loads its own

@@ -275,7 +275,7 @@ class IndependentSpeculatorConfig(BaseModel):
 
         Raises:
             SpeculatorError: invalid speculator keys, a non-causal-LM config, γ < 1.
-            specdraft.models.ModelResolutionError: the reference cannot be resolved.
+            specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
         """
         if isinstance(config, IndependentSpeculatorConfig):
             d = None
@@ -382,7 +382,7 @@ def load_speculator_config(
         NotASpeculatorError: a plain model config ("not a speculator checkpoint — convert it with
             `specdraft convert`").
         SpeculatorError: an unknown ``speculators_model_type`` or an invalid ``speculators_config``.
-        specdraft.models.ModelResolutionError: the reference cannot be resolved.
+        specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
     """
     if isinstance(config, IndependentSpeculatorConfig):
         return config.model_copy(deep=True)
@@ -433,7 +433,7 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
 
     Raises:
         SpeculatorError: the reference's config.json is unreadable, or no name / architecture can be found.
-        specdraft.models.ModelResolutionError: the reference cannot be resolved.
+        specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
     """
     if isinstance(verifier, VerifierConfig):
         return verifier if name_or_path is None else verifier.model_copy(update={"name_or_path": name_or_path})
@@ -797,7 +797,7 @@ class IndependentSpeculator:
 
         Raises:
             SpeculatorError: no verifier named (nothing is written), or ``push_to_hub=True``.
-            specdraft.models.CheckpointWeightsError: the draft's state dict is not what its class loads back
+            specdraft.weights.CheckpointWeightsError: the draft's state dict is not what its class loads back
                 (names the tensors; nothing is written).
         """
         from specdraft.io import atomic_path
@@ -853,8 +853,8 @@ class IndependentSpeculator:
         Raises:
             SpeculatorError: not a causal LM (names its architecture), invalid speculator keys, γ < 1, a
                 non-detached mode with no verifier recorded or given.
-            specdraft.models.ModelResolutionError: the reference cannot be resolved.
-            specdraft.models.CheckpointWeightsError: weights missing from or left over in the checkpoint (named),
+            specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
+            specdraft.weights.CheckpointWeightsError: weights missing from or left over in the checkpoint (named),
                 never filled in at random (:func:`specdraft.models.load_causal_lm`).
         """
         import torch
