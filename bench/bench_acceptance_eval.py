@@ -1,8 +1,8 @@
 """How long the pipeline's acceptance evaluation takes on answers already written (``eval_after``, and the replay half
 of ``eval_before``): :func:`specdraft.evaluate.acceptance_eval` with ``answers`` (one teacher-forced pass per model,
 heads over the answers' positions only) against the round-2 method it replaced (a full-position pass of the draft
-for the greedy replay, :func:`~specdraft.evaluate.replay_greedy`, then full-position passes of both models for α,
-:func:`~specdraft.evaluate.predicted_alpha`). Both count the same rounds; the counts are compared.
+for the greedy replay, :func:`~specdraft.replay.replay_greedy`, then full-position passes of both models for α,
+:func:`~specdraft.replay.predicted_alpha`). Both count the same rounds; the counts are compared.
 
 The answers are a finished run's (``RUN/eval_before/report.json``: the target's greedy answers per held-out set), so
 nothing is decoded. Contenders interleaved per set, ``--repeats`` times; wall seconds, median.
@@ -38,6 +38,7 @@ def main() -> dict:
     import torch
 
     from specdraft import evaluate as ev
+    from specdraft import replay
     from specdraft.config import EvalConfig, SamplingConfig
     from specdraft.data import encode_prompts
     from specdraft.models import load_model
@@ -58,18 +59,18 @@ def main() -> dict:
     full = lambda model, ids, attn, pos, keep: model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
 
     def old(prompts, answers):
-        with mock.patch.object(ev, "_tail_logits", full):
-            counts = ev.replay_greedy(draft, prompts, answers, config.num_speculative_tokens, config.max_new_tokens,
+        with mock.patch.object(replay, "_tail_logits", full):
+            counts = replay.replay_greedy(draft, prompts, answers, config.num_speculative_tokens, config.max_new_tokens,
                                       eos, real_vocab=real_vocab, pad_id=pad)
             seqs = [list(p) + list(a) for p, a in zip(prompts, answers)]
             masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompts, answers)]
-            ev.predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
+            replay.predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
         return [sum(c.accepted) for c in counts]
 
     def new(prompts, answers):
         res = ev.acceptance_eval(target, draft, tok, prompts, [str(i) for i in range(len(prompts))], config, serving,
                                  answers=answers)
-        return [r["accepted"] for r in res["rows"]]
+        return [r["accepted"] for r in res.rows]
 
     out = {"command": "python bench/bench_acceptance_eval.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
            "machine": ev.machine_line(), "run": str(args.run), "repeats": args.repeats, "sets": {}}

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup
+from specdraft.calibration import machine_line, pass_seconds
 from specdraft.config import SamplingConfig
 from specdraft.data import encode_prompts, held_out_offset, load_examples
 from specdraft.decode import left_pad, speculative_generate, target_generate
@@ -52,8 +53,9 @@ from specdraft.draft_model import (
     quantize_int4,
     quantize_int8,
 )
-from specdraft.evaluate import _first_difference, machine_line, pass_seconds, top2_margin
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.evaluate import _first_difference, top2_margin
+from specdraft.models import load_model
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
 

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DistillConfig
 from specdraft.distill import DistillModel
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.models import load_model
 
 
 def main() -> dict:

@@ -42,8 +42,9 @@ from specdraft.config import DistillConfig, DumpConfig, EvalConfig, SamplingConf
 from specdraft.data import encode_prompts
 from specdraft.distill import run_distill
 from specdraft.dump import run_dump
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.evaluate import acceptance_eval, eos_ids
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from specdraft.models import load_model
 from specdraft.pipeline import load_sources
 from specdraft.stats import paired_gain_from_rows
 
@@ -64,7 +65,7 @@ def _cached(path: Path, inputs: dict, make):
 
 class AcceptanceCurve:
     """A TrainerCallback: every ``every`` steps, a bfloat16 copy of the draft being trained is replayed on the
-    held-out answers (:func:`specdraft.evaluate.replay_greedy`: the same greedy counts as the final evaluation,
+    held-out answers (:func:`specdraft.replay.replay_greedy`: the same greedy counts as the final evaluation,
     without the target, which is not held in memory during training) and the paired gain per set is appended to
     ``path`` (rewritten atomically each time, so a killed run keeps its curve). Its seconds are inside the
     training minutes."""
@@ -87,7 +88,7 @@ class AcceptanceCurve:
     def measure(self, step: int, model) -> None:
         import copy
 
-        from specdraft.evaluate import replay_greedy
+        from specdraft.replay import replay_greedy
 
         t0 = time.time()
         draft = copy.deepcopy(model.draft).to(torch.bfloat16).eval()
@@ -190,7 +191,7 @@ def main() -> dict:
         suffix = "" if args.draft == DEFAULT_DRAFT and not args.answers_from else f"-{_key(inputs)}"
         before[name] = _cached(args.work / f"answers-{name}{suffix}.json", inputs,
                                lambda ex=examples, given=given: acceptance_eval(
-            target, draft, tok, encode_prompts(tok, ex), [e.id for e in ex], eval_cfg, serving, answers=given))
+            target, draft, tok, encode_prompts(tok, ex), [e.id for e in ex], eval_cfg, serving, answers=given).to_dict())
         b = before[name]
         print(f"[before] {name}: acceptance {b['acceptance_rate']:.3f} on {b['prompts']} prompts, {b['drafted']} "
               f"drafted; replay = decoded on {b['replay_check']}", flush=True)
@@ -276,7 +277,7 @@ def main() -> dict:
                                         "eval_after", "curve", "on_policy", "seconds", "precision")}, "sets": {}}
         for name, examples in sets.items():
             after = acceptance_eval(target, trained, tok, encode_prompts(tok, examples), [e.id for e in examples],
-                                    eval_cfg, serving, answers=before[name]["answers"])
+                                    eval_cfg, serving, answers=before[name]["answers"]).to_dict()
             gain = paired_gain_from_rows(before[name]["rows"], after["rows"])
             alpha_gain = paired_gain_from_rows(before[name]["rows"], after["rows"], numerator="alpha_sum",
                                                denominator="positions")

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DumpFormat, LossName, ModelDtype
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 #: name → (DistillConfig.precision, teacher format); the first is the reference, the last the fast path.
 CONTENDERS = {"float32_hidden": ("float32", "hidden"), "bf16_hidden": ("bf16-autocast", "hidden"),
@@ -324,7 +324,8 @@ def bench_dump(args: argparse.Namespace, prompts: list, work: Path) -> dict:
     answers, interleaved (the forced run's text is the first generated run's answers)."""
     from specdraft.config import DumpConfig
     from specdraft.data import Example
-    from specdraft.dump import TeacherDataset, run_dump
+    from specdraft.dump import run_dump
+    from specdraft.dump_reader import TeacherDataset
     from specdraft.models import load_tokenizer
 
     common = {"format": args.dump_format, "top_k": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_args(args)
         import torch
 
-        from specdraft.evaluate import machine_line
+        from specdraft.calibration import machine_line
         from specdraft.io import atomic_write_text, versions
         from specdraft.models import load_tokenizer
         from specdraft.vocab import tokenizer_fingerprint

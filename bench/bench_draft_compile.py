@@ -28,10 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
+from specdraft.calibration import machine_line
 from specdraft.data import encode_prompts, load_examples
 from specdraft.draft_model import default_head_corpus, frequent_tokens, prepare_draft
-from specdraft.evaluate import machine_line
-from specdraft.models import DEFAULT_DRAFT, load_model
+from specdraft.embedded import DEFAULT_DRAFT
+from specdraft.models import load_model
 
 
 class Stepper:

@@ -1,7 +1,7 @@
 """Per-step cost of the draft with each int8 / int4 kernel candidate (issue 15, item 1), interleaved.
 
 One-token steps of the draft after a 64-token prefill (batch 1, the decode loop's own cache code:
-:func:`specdraft.evaluate.pass_seconds`), each candidate timed in turn within every repeat so machine noise hits
+:func:`specdraft.calibration.pass_seconds`), each candidate timed in turn within every repeat so machine noise hits
 all alike; then each candidate's teacher-forced top-1 agreement with the target (greedy α, over prompts) as a
 check on what the rounding costs. Writes ``bench/results/draft-kernels.json``.
 
@@ -32,10 +32,12 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
+from specdraft.calibration import machine_line, pass_seconds
 from specdraft.data import encode_prompts, load_examples
 from specdraft.draft_model import default_head_corpus, frequent_tokens, prepare_draft
-from specdraft.evaluate import machine_line, pass_seconds, predicted_alpha
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.models import load_model
+from specdraft.replay import predicted_alpha
 
 
 def fbgemm_dynamic(bf16_model, per_channel: bool):

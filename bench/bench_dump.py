@@ -26,8 +26,10 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DumpConfig
 from specdraft.data import build_sequences, load_examples
-from specdraft.dump import pad_collate, run_dump
-from specdraft.models import DEFAULT_TARGET, load_model
+from specdraft.dump import run_dump
+from specdraft.dump_reader import pad_collate
+from specdraft.embedded import DEFAULT_TARGET
+from specdraft.models import load_model
 
 
 def main() -> dict:

@@ -313,6 +313,7 @@ def run_embedded(args, tools) -> int:
     """The side-by-side bench (module docstring). Configurations: plain, then (draft, n_max) for the stock draft
     and each --draft, for each --n-max; each prompt runs every configuration before the next prompt."""
     from specdraft.data import load_examples, render_prompt
+    from specdraft.embedded import embedded_gguf
     from specdraft.llama_cpp import (
         completion_command,
         eog_tokens,
@@ -321,7 +322,6 @@ def run_embedded(args, tools) -> int:
         speculative_command,
         speculative_matches_plain,
     )
-    from specdraft.models import embedded_gguf
 
     t0 = time.time()
     target_gguf = Path(args.target_gguf) if args.target_gguf else embedded_gguf(args.target)
@@ -413,7 +413,7 @@ def chat_tokenizer(target: str, gguf: Path):
     transformers' reading of the GGUF's tokenizer (metadata only, no weights)."""
     from transformers import AutoTokenizer
 
-    from specdraft.models import EMBEDDED, cache_dir, is_cached
+    from specdraft.embedded import EMBEDDED, cache_dir, is_cached
 
     if target in EMBEDDED and is_cached(target):
         return AutoTokenizer.from_pretrained(str(cache_dir(target)))

@@ -62,7 +62,8 @@ def gemv_bandwidth(dtype: torch.dtype, rows: int = 8960, cols: int = 1536, reps:
 
 
 def target_step(tokens: int = 32) -> float:
-    from specdraft.models import DEFAULT_TARGET, load_model
+    from specdraft.embedded import DEFAULT_TARGET
+    from specdraft.models import load_model
 
     model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16")
     ids = torch.randint(100, 1000, (1, 200))

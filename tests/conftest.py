@@ -61,7 +61,7 @@ def _release_after_real_weights(request):
 @pytest.fixture(autouse=True, scope="session")
 def _speed_cache(tmp_path_factory):
     """Calibrations measured by the tests go to a session directory, never the user's cache
-    (:func:`specdraft.evaluate.cached_speed_model`)."""
+    (:func:`specdraft.calibration.cached_speed_model`)."""
     import os
 
     old = os.environ.get("SPECDRAFT_SPEED_CACHE")

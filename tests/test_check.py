@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdraft.check import VERDICTS, check_compatible, print_report, require_compatible
-from specdraft.models import ModelResolutionError
+from specdraft.embedded import ModelResolutionError
 from specdraft.sampling import align_logits
 from specdraft.testing import (
     SPECIAL_TOKENS,

@@ -215,7 +215,7 @@ def test_held_out_offsets_belong_to_the_embedded_datasets():
 
 @pytest.mark.parametrize("width", [80, 50])
 def test_models_list_never_truncates_names(width):
-    from specdraft.models import EMBEDDED
+    from specdraft.embedded import EMBEDDED
 
     r = CliRunner().invoke(app, ["models"], terminal_width=width, env={"COLUMNS": str(width)})
     assert r.exit_code == 0, r.output
@@ -225,7 +225,7 @@ def test_models_list_never_truncates_names(width):
 
 
 def test_models_json_lists_every_embedded_model():
-    from specdraft.models import EMBEDDED, cache_dir
+    from specdraft.embedded import EMBEDDED, cache_dir
 
     r = CliRunner().invoke(app, ["models", "--json"], env={"COLUMNS": "40"})
     assert r.exit_code == 0, r.output
@@ -238,7 +238,7 @@ def test_models_json_lists_every_embedded_model():
 
 
 def test_errors_of_subcommand_groups_are_handled_too():
-    from specdraft.models import EMBEDDED
+    from specdraft.embedded import EMBEDDED
 
     r = CliRunner().invoke(app, ["models", "prepare", "no-such-model"])
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
@@ -491,7 +491,7 @@ def test_reconverting_a_speculator_says_which_keys_changed(tmp_path):
 
 def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypatch):
     """`specdraft models` gave no size for the cache (6.7 GB for the target) and split descriptions mid-word."""
-    from specdraft.models import EMBEDDED, cache_dir
+    from specdraft.embedded import EMBEDDED, cache_dir
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     name = next(iter(EMBEDDED))

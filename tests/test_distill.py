@@ -125,7 +125,7 @@ def test_weights_made_non_finite_by_a_step_are_never_checkpointed_or_exported(se
     from transformers import TrainerCallback
 
     from specdraft.export import export_speculator
-    from specdraft.models import CheckpointWeightsError
+    from specdraft.weights import CheckpointWeightsError
 
     target, rows = setup
 
@@ -163,7 +163,8 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
 
     from specdraft.config import DumpConfig
     from specdraft.distill import run_distill
-    from specdraft.dump import DumpError, run_dump
+    from specdraft.dump import run_dump
+    from specdraft.dump_reader import DumpError
     from specdraft.testing import save_tiny_pair, tiny_tokenizer
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
@@ -200,7 +201,7 @@ def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
     from specdraft.config import DumpConfig
     from specdraft.distill import run_distill
     from specdraft.dump import run_dump
-    from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
     run_dump(DEFAULT_TARGET, "humaneval", tmp_path / "dump",
              DumpConfig(num_examples=8, max_length=192, answer_only=True, batch_size=4, dtype="bfloat16"))
@@ -343,7 +344,8 @@ def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
 def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forward():
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill import DraftWriter
-    from specdraft.dump import Teacher, generate_from_ids
+    from specdraft.dump import Teacher
+    from specdraft.responses import generate_from_ids
     from specdraft.testing import tiny_tokenizer
 
     tok = tiny_tokenizer(V)
@@ -500,7 +502,8 @@ def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(t
 
     from specdraft.config import DumpConfig
     from specdraft.distill import run_distill
-    from specdraft.dump import DumpError, TeacherDataset, TeacherMix, run_dump
+    from specdraft.dump import run_dump
+    from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix
     from specdraft.testing import save_tiny_pair
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)

@@ -219,7 +219,7 @@ def test_frequent_tokens_ranks_by_count_then_id_and_keeps_special_tokens():
 
 def test_a_saved_token_ranking_is_reused_beside_its_speculator(tmp_path):
     from specdraft.config import EvalConfig
-    from specdraft.evaluate import prepared_draft
+    from specdraft.draft_model import apply_draft_options
 
     tok = tiny_tokenizer(64)
     ranked = rank_tokens(tok, token_lists=[[60, 60, 60, 61, 61, 62]])
@@ -230,7 +230,7 @@ def test_a_saved_token_ranking_is_reused_beside_its_speculator(tmp_path):
     # A draft loaded from that directory keeps the saved tokens; elsewhere the embedded prompts are counted.
     draft = tiny_model("llama", 64, seed=1)
     draft.config._name_or_path = str(tmp_path)
-    trimmed = prepared_draft(draft, tok, EvalConfig(draft_head_tokens=7, dtype="float32"))
+    trimmed = apply_draft_options(draft, tok, EvalConfig(draft_head_tokens=7, dtype="float32"))
     assert trimmed.get_output_embeddings().token_ids.tolist() == [0, 1, 2, 3, 4, 60, 61]
     # Counted with another tokenizer: refused, naming the file.
     other = tiny_tokenizer(80)

@@ -21,15 +21,13 @@ from specdraft import dump as dump_mod
 from specdraft.config import DumpConfig
 from specdraft.data import DataError, Example, build_sequences, encode_prompts
 from specdraft.decode import left_pad, target_generate
-from specdraft.dump import (
+from specdraft.dump import merge_manifests, run_dump, split_work
+from specdraft.dump_reader import (
     DumpError,
     TeacherDataset,
     head_fingerprint,
     load_manifest,
-    merge_manifests,
     pad_collate,
-    run_dump,
-    split_work,
     teacher_logits_from_hidden,
     teacher_probs_from_topk,
     verify_dump,
@@ -110,7 +108,7 @@ def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, mo
         logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"])
         torch.testing.assert_close(logits[:, :VOCAB], plain_logits(model, item["input_ids"])[:, :VOCAB],
                                    atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(dump_mod, "_find_final_norm", lambda m: None)
+    monkeypatch.setattr(dump_mod, "find_final_norm", lambda m: None)
     with pytest.raises(DumpError, match="pre-norm capture"):
         run_dump(pair["target"], examples, tmp_path / "refused", fp32())
     assert not (tmp_path / "refused" / "manifest.json").exists()
@@ -620,7 +618,8 @@ def test_real_target_dump_matches_a_plain_forward_pass(tmp_path, real_model):
     """HumanEval prompts plus canonical solutions through the 1.5B target in bfloat16, in one right-padded
     batch: the stored teacher (both formats) gives the target's own distribution of a lone forward pass."""
     from specdraft.data import load_examples
-    from specdraft.models import DEFAULT_TARGET, load_tokenizer
+    from specdraft.embedded import DEFAULT_TARGET
+    from specdraft.models import load_tokenizer
 
     # The three shortest of the first 40 problems, so that prompt and solution fit in 160 tokens.
     candidates = load_examples("humaneval", limit=40)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specdraft.config import EvalConfig, SamplingConfig
-from specdraft.evaluate import predicted_alpha, run_eval, write_report
+from specdraft.evaluate import run_eval, write_report
+from specdraft.replay import predicted_alpha
 from specdraft.testing import perturbed, save_tiny_pair, tiny_model, tiny_tokenizer
 
 
@@ -170,13 +171,13 @@ def test_hf_assisted_generation_ignores_the_targets_generation_config():
     report = json.loads(json.dumps(res.to_dict()))  # the report is JSON
     assert report["machine"]["cpu_threads"] == torch.get_num_threads() >= 1
     assert report["machine"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "unset")
-    from specdraft.evaluate import machine_line
+    from specdraft.calibration import machine_line
 
     assert f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={report['machine']['omp_wait_policy']}" in machine_line()
 
 
 def test_hf_generation_config_is_complete_and_explicit():
-    from specdraft.evaluate import hf_generation_config
+    from specdraft.assisted import hf_generation_config
 
     gc = hf_generation_config(SamplingConfig(temperature=0.7, top_k=0, top_p=0.9), 8, [4], 0, 5, None)
     assert gc.do_sample is True and gc.temperature == 0.7 and gc.top_k == 0 and gc.top_p == 0.9
@@ -214,11 +215,11 @@ def test_run_eval_with_a_cheaper_draft_and_adaptive_gamma_is_lossless_and_predic
 
 def test_trimmed_head_needs_a_draft_of_the_targets_tokenizer():
     from specdraft.decode import DecodeError
-    from specdraft.evaluate import prepared_draft
+    from specdraft.draft_model import apply_draft_options
 
     target = tiny_model("llama", 64, seed=0, layers=1)
     with pytest.raises(DecodeError, match="target's tokenizer"):
-        prepared_draft(target, tiny_tokenizer(64), EvalConfig(draft_head_tokens=10), vocab_mapping=object())
+        apply_draft_options(target, tiny_tokenizer(64), EvalConfig(draft_head_tokens=10), vocab_mapping=object())
 
 
 def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
@@ -261,7 +262,7 @@ def test_replay_greedy_equals_decoded_counts(scale, gamma, max_new):
     from dataclasses import asdict
 
     from specdraft.decode import speculative_generate, target_generate
-    from specdraft.evaluate import replay_greedy
+    from specdraft.replay import replay_greedy
 
     target = tiny_model("llama", 64, seed=0, layers=3)
     draft = perturbed(target, scale, seed=11)
@@ -325,9 +326,9 @@ def test_interleaved_speed_times_every_contender_on_the_same_prompts():
 
 
 def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tmp_path, monkeypatch):
-    import specdraft.evaluate as ev
+    import specdraft.calibration as ev
+    from specdraft.calibration import cached_speed_model, speed_cache_key
     from specdraft.draft_model import prepare_draft
-    from specdraft.evaluate import cached_speed_model, speed_cache_key
 
     monkeypatch.setattr(ev, "BUSY_SHARE", 2.0)  # the test machine may be busy: caching is what is tested here
 
@@ -375,19 +376,19 @@ def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tm
 def test_rank_names_prompt_ids_past_a_drafts_width_before_timing_it(monkeypatch):
     """`rank` with a candidate of 80 rows beside a 96-id tokenizer: the calibration prompts' ids past it are named
     when it is loaded, before it is timed (was an IndexError inside the draft); ids past the target, at once."""
-    from specdraft import evaluate
+    from specdraft import calibration
     from specdraft.evaluate import rank_drafts
     from specdraft.sampling import TokenWidthError
 
     target, tok = tiny_model("llama", 96, seed=0, layers=2), tiny_tokenizer(96)
     narrow = tiny_model("llama", 80, seed=1, layers=1)
-    real_pass_seconds = evaluate.pass_seconds
+    real_pass_seconds = calibration.pass_seconds
 
     def timed(model, *a, **k):
         assert model is target, "the narrow draft was timed"
         return real_pass_seconds(model, *a, **k)
 
-    monkeypatch.setattr(evaluate, "pass_seconds", timed)
+    monkeypatch.setattr(calibration, "pass_seconds", timed)
     prompts = [[5, 6, 85, 7], [8, 9, 10]]
     cfg = EvalConfig(max_new_tokens=3, num_speculative_tokens=2, dtype="float32")
     with pytest.raises(TokenWidthError, match=r"draft narrow cannot read or score: 85 \(its input embedding has 80"):
@@ -401,7 +402,7 @@ def test_load_monitor_sees_another_process_hold_the_cpu_and_a_busy_calibration_i
     import sys
     import time
 
-    import specdraft.evaluate as ev
+    import specdraft.calibration as ev
 
     # A child process spinning for ~1.5 s while this one sleeps: others' share of the CPU is well above zero.
     with ev.LoadMonitor() as load:
@@ -509,7 +510,7 @@ def test_compare_hf_emits_no_transformers_warnings_of_its_own(temperature, trans
     # same text from elsewhere and any other warning still reach the user.
     log = logging.getLogger("transformers.generation.utils")
     assert log.filters == []
-    from specdraft.evaluate import _INTERNAL_NOTICE, _models_generation_config
+    from specdraft.assisted import _INTERNAL_NOTICE, _models_generation_config
 
     with _models_generation_config(target.generation_config, target, draft):
         log.warning(f"{_INTERNAL_NOTICE}=({{'max_new_tokens'}}) is deprecated (a caller's own call)")
@@ -519,7 +520,9 @@ def test_compare_hf_emits_no_transformers_warnings_of_its_own(temperature, trans
 def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_the_draft_as_given():
     """The pipeline's eval_before (issue 22): a prepared copy (int8 + trimmed head, adaptive γ) writes the target's
     answers, and the counts are those of the draft as given — the same as when the draft itself decodes."""
-    from specdraft.evaluate import acceptance_eval, measure_speed_model, prepared_draft
+    from specdraft.calibration import measure_speed_model
+    from specdraft.draft_model import apply_draft_options
+    from specdraft.evaluate import acceptance_eval
 
     tok = tiny_tokenizer(128)
     target = tiny_model("llama", 128, seed=0, layers=3)
@@ -530,13 +533,14 @@ def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_th
                         draft_head_tokens=100, gamma_policy="adaptive")
     serving = SamplingConfig(temperature=1.0)
     plain = acceptance_eval(target, draft, tok, prompts, names, config, serving)
-    assert plain["replay_check"] == "3/3" and plain["decoder_label"] == "the draft as given, fixed γ 3"
-    decoder = prepared_draft(draft, tok, config)
+    assert plain.replay_check == "3/3" and plain.decoder_label == "the draft as given, fixed γ 3"
+    assert json.loads(json.dumps(plain.to_dict()))["rows"] == plain.rows and len(plain.to_dict()) == 21  # to disk
+    decoder = apply_draft_options(draft, tok, config)
     speed = measure_speed_model(target, decoder, prompts[2], max_gamma=4, repeats=1)
     fast = acceptance_eval(target, draft, tok, prompts, names, config, serving, decoder=decoder, speed_model=speed)
-    assert fast["answers"] == plain["answers"]  # lossless: the target's greedy answers whichever draft proposes
-    assert fast["rows"] == plain["rows"] and fast["counts"] == plain["counts"]  # the draft as given, replayed
-    assert fast["replay_check"] is None and fast["decoder_label"].startswith("draft int8")
-    assert fast["decoder_label"].endswith("adaptive γ ≤ 3") and fast["decoded_tokens"] == sum(map(len, fast["answers"]))
+    assert fast.answers == plain.answers  # lossless: the target's greedy answers whichever draft proposes
+    assert fast.rows == plain.rows and fast.counts == plain.counts  # the draft as given, replayed
+    assert fast.replay_check is None and fast.decoder_label.startswith("draft int8")
+    assert fast.decoder_label.endswith("adaptive γ ≤ 3") and fast.decoded_tokens == sum(map(len, fast.answers))
     with pytest.raises(ValueError, match="without answers"):
-        acceptance_eval(target, draft, tok, prompts, names, config, serving, answers=plain["answers"], decoder=decoder)
+        acceptance_eval(target, draft, tok, prompts, names, config, serving, answers=plain.answers, decoder=decoder)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from specdraft.cli import app
+from specdraft.embedded import DEFAULT_TARGET, EMBEDDED, cache_dir
 from specdraft.export import (
     VLLM_TESTED_VERSION,
     convert,
@@ -24,18 +25,10 @@ from specdraft.export import (
     vllm_serve,
     vllm_speculative_config,
 )
-from specdraft.models import (
-    DEFAULT_TARGET,
-    EMBEDDED,
-    CheckpointWeightsError,
-    cache_dir,
-    embedded_for_hub_id,
-    local_reference,
-    portable_reference,
-    serving_path,
-)
+from specdraft.models import embedded_for_hub_id, local_reference, portable_reference, serving_path
 from specdraft.speculator import NotASpeculatorError, SpeculatorError
 from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
+from specdraft.weights import CheckpointWeightsError
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 

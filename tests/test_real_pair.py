@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdraft.config import EvalConfig
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 pytestmark = pytest.mark.real
 

@@ -24,7 +24,8 @@ import torch
 import specdraft
 from specdraft.config import DistillConfig, DumpConfig
 from specdraft.distill import run_distill
-from specdraft.dump import TeacherDataset, run_dump
+from specdraft.dump import run_dump
+from specdraft.dump_reader import TeacherDataset
 from specdraft.testing import save_tiny_pair
 
 # Sampled answers (temperature 1) and an odd count with batch 2: a split that ignored batch boundaries would

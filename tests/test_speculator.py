@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from specdraft import __version__
 from specdraft.cli import app
+from specdraft.embedded import ModelResolutionError
 from specdraft.export import convert
-from specdraft.models import ModelResolutionError
 from specdraft.speculator import (
     MISSING,
     NUM_SPECULATIVE_TOKENS,
@@ -530,7 +530,8 @@ def test_cli_convert_and_inspect(tmp_path, pair):
 
 @pytest.mark.real
 def test_real_qwen_draft_converts_and_reloads_with_identical_logits(tmp_path):
-    from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED, load_tokenizer, resolve
+    from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED
+    from specdraft.models import load_tokenizer, resolve
 
     out = tmp_path / "spec"
     res = convert(DEFAULT_DRAFT, DEFAULT_TARGET, out)  # the verifier's config and tokenizer only

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdraft.acceptance import expected_speedup
+from specdraft.calibration import measure_speed_model
 from specdraft.config import SamplingConfig
 from specdraft.decode import left_pad, speculative_generate, target_generate, verify_sampled
-from specdraft.evaluate import measure_speed_model
 from specdraft.speed import AdaptiveGamma, SpeedModel
 from specdraft.testing import chi2_goodness_of_fit, exact_two_token_law, perturbed, tiny_model
 

@@ -380,7 +380,7 @@ def print_report(report: CompatReport, console) -> None:
         return escape(repr(x) if isinstance(x, str) else str(x))
 
     def short(name: str) -> str:  # embedded models resolve to their cache entry: show the name
-        from specdraft.models import cache_root
+        from specdraft.embedded import cache_root
 
         p = os.path.abspath(name)
         return os.path.basename(p) if p.startswith(str(cache_root().resolve() / "models") + os.sep) else name
@@ -455,7 +455,7 @@ def parameter_note(report: dict[str, Any]) -> str | None:
     head (V × H), which a checkpoint that ties it to the input embeddings — as published sizes of such models count
     it — does not hold. The embedded models are GGUF builds that store the head separately. None when both heads
     are tied (or the models were not loaded)."""
-    from specdraft.models import EMBEDDED
+    from specdraft.embedded import EMBEDDED
 
     heads = {role: report.get(role, {}).get("output_head_parameters", 0) for role in ("target", "draft")}
     if not any(heads.values()):

@@ -45,7 +45,7 @@ from specdraft.config import (
     TrainWhat,
 )
 from specdraft.data import DATASETS  # json/gzip only, like config
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 #: The prompt sources a data option takes (the names come from specdraft.data's registry).
 SOURCES_HELP = " | ".join(DATASETS) + " | a .jsonl | a saved dataset."
@@ -310,7 +310,8 @@ def _resolve_with_progress(ref: str) -> str:
     """Resolve a reference, showing a progress bar while an embedded model's cache is built."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdraft.models import EMBEDDED, is_cached, resolve
+    from specdraft.embedded import EMBEDDED, is_cached
+    from specdraft.models import resolve
 
     if ref in EMBEDDED and not is_cached(ref):
         console.print(f"Preparing [bold]{ref}[/] (first use: join → sha256 → GGUF load → safetensors cache)…")
@@ -332,7 +333,7 @@ def models_list(
     """List embedded models with their installed / cached state and sizes (names always in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from specdraft.models import EMBEDDED, cache_bytes, cache_dir, cache_root, installed_state, is_cached
+    from specdraft.embedded import EMBEDDED, cache_bytes, cache_dir, cache_root, installed_state, is_cached
 
     rows = [{"name": m.name, "description": m.description, "gguf_file": m.gguf_filename, "size_bytes": m.size_bytes,
              "installed": installed_state(m), "cached": is_cached(m.name), "cache_path": str(cache_dir(m.name)),
@@ -374,7 +375,7 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
     Joins its parts, verifies their sha256 and converts the GGUF file to safetensors."""
     import time
 
-    from specdraft.models import EMBEDDED, unknown_embedded_error
+    from specdraft.embedded import EMBEDDED, unknown_embedded_error
 
     if name not in EMBEDDED:  # embedded names only: a directory or hub id has nothing to prepare
         raise unknown_embedded_error(name)
@@ -625,8 +626,9 @@ def inspect_speculator(
     The verifier, γ, proposal methods, draft architecture and weight files, as a table; then the vLLM commands.
     Exits 2 when the checkpoint holds no weights."""
     from specdraft.export import vllm_serve
-    from specdraft.models import embedded_for_hub_id, resolve, weight_files
+    from specdraft.models import embedded_for_hub_id, resolve
     from specdraft.speculator import load_speculator_config
+    from specdraft.weights import weight_files
 
     path = Path(resolve(speculator))
     cfg = load_speculator_config(path)
@@ -666,7 +668,8 @@ def _head_ranking_line(path: Path) -> str:
     """inspect's line on the trimmed head's token ranking beside a speculator (head_tokens.json): its size, what
     it was counted over, and whether it was counted with this speculator's tokenizer."""
     from specdraft.draft_model import HEAD_TOKENS_FILE, head_tokens_info
-    from specdraft.models import ModelResolutionError, load_tokenizer
+    from specdraft.embedded import ModelResolutionError
+    from specdraft.models import load_tokenizer
 
     try:
         tok = load_tokenizer(path)
@@ -952,10 +955,12 @@ def generate(
     """Stream one speculative answer and print its acceptance counts."""
     import torch
 
+    from specdraft.calibration import calibrate
     from specdraft.config import EvalConfig
-    from specdraft.data import Example, encode_prompts
+    from specdraft.data import Example, encode_prompts, tokenizer_pad_id
     from specdraft.decode import left_pad, speculative_generate
-    from specdraft.evaluate import cached_speed_model, draft_configuration, eos_ids, prepared_draft
+    from specdraft.draft_model import apply_draft_options, draft_configuration
+    from specdraft.evaluate import eos_ids
 
     sampling = _sampling(temperature, top_k, top_p)
     mode = _check_proposals(mapped_proposals, sampling)
@@ -965,14 +970,13 @@ def generate(
                         gamma_policy=gamma_policy)
     t, d, tok, mapping = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, mode)
     ids = encode_prompts(tok, [Example("cli", [{"role": "user", "content": prompt}])])[0]
-    inp, mask = left_pad([ids], tok.pad_token_id or 0, t.device)
+    inp, mask = left_pad([ids], tokenizer_pad_id(tok), t.device)
     gamma = config.num_speculative_tokens
-    d = prepared_draft(d, tok, config, mapping, copy_model=False)
+    d = apply_draft_options(d, tok, config, mapping, copy_model=False)
     speed, source = None, ""
     if gamma_policy == "adaptive":
         with console.status("the pair's costs (the speed model: measured once per pair and machine, then cached)…"):
-            d_ids = mapping.reencode_batch_for_draft([ids])[0] if mapping is not None else None
-            speed, source = cached_speed_model(t, d, ids, max_gamma=max(gamma, 8), draft_context=d_ids)
+            speed, source = calibrate(t, d, [ids], config, mapping) or (None, "")
     print_configuration({"draft_options": draft_configuration(d), "gamma_policy": gamma_policy,
                          "num_speculative_tokens": gamma, "speed_model_source": source})
     emitted: list[int] = []
@@ -1440,7 +1444,7 @@ def run_cmd(
     check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
     report; a re-run resumes, skipping finished stages."""
     from specdraft.pipeline import make_config, run_pipeline
-    from specdraft.report import SUMMARY_LEGEND, answers, slowdown_notes, slower_note
+    from specdraft.report import SUMMARY_LEGEND, questions_and_answers, slowdown_notes, slower_note
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_data, eval_prompts=eval_data,
                       ood_prompts=ood_data, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap, export_dtype=export_dtype,
@@ -1455,7 +1459,7 @@ def run_cmd(
         _resolve_with_progress(ref)
     report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False), overwrite=overwrite)
     console.print(f"[bold]specdraft run — {escape(target)} ← {escape(draft)}[/]")
-    for q, a in answers(report):
+    for q, a in questions_and_answers(report):
         console.print(f"[bold]{escape(q)}[/] {escape(a)}")
     console.print(SUMMARY_LEGEND, highlight=False)
     for table in summary_tables(report):

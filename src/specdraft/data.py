@@ -70,6 +70,12 @@ ROW_FORMAT = ("Each line must be a JSON object with a 'prompt' string or a 'mess
               f"objects (roles: {', '.join(ROLES)}).")
 
 
+
+def tokenizer_pad_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad id, else 0 (padded positions are masked out of attention
+    and never scored, so any id inside the vocabulary serves)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
 @dataclass
 class Example:
     """One prompt or conversation.
@@ -401,8 +407,8 @@ def sharegpt_index(path: str | Path | None = None) -> dict[str, Any]:
     import hashlib
     import logging
 
+    from specdraft.embedded import cache_root
     from specdraft.io import atomic_write_text
-    from specdraft.models import cache_root
 
     path = Path(path) if path is not None else data_file("sharegpt")
     st = path.stat()

@@ -822,11 +822,9 @@ def target_generate(target, input_ids, attention_mask=None, **kwargs) -> tuple[l
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``(input_ids [B, P] int64, attention_mask [B, P] int64)``."""
-    P = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), P), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if len(s):
-            ids[i, P - len(s):] = torch.tensor(list(s), dtype=torch.long)
-            mask[i, P - len(s):] = 1
+    from torch.nn.utils.rnn import pad_sequence
+
+    rows = [torch.tensor(list(s), dtype=torch.long) for s in sequences]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
+    mask = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True, padding_side="left")
     return ids.to(device), mask.to(device)

@@ -35,7 +35,7 @@ computed as the target computed it, and the softmax over the vocabulary stays fl
 Teacher signal per position (from :mod:`specdraft.dump`):
 
 * ``hidden`` dump: teacher logits = ``lm_head(h)`` with h the target's post-norm final hidden state;
-* ``topk`` dump: a sparse teacher (see :func:`specdraft.dump.teacher_probs_from_topk` for the leftover rule).
+* ``topk`` dump: a sparse teacher (see :func:`specdraft.dump_reader.teacher_probs_from_topk` for the leftover rule).
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
@@ -202,14 +202,14 @@ class DistillModel(nn.Module):
         if hidden is not None:
             if self.head_weight is None:
                 raise DistillError("a hidden-state teacher needs the target's output head")
-            from specdraft.dump import teacher_logits_from_hidden
+            from specdraft.dump_reader import teacher_logits_from_hidden
 
             # In the head's own dtype, as the target computed its logits (bf16 matmul is also ~2x cheaper on CPU).
             logits = teacher_logits_from_hidden(hidden, self.head_weight, self.head_bias,
                                                 logit_ops=self.logit_ops)  # [B, S, V_t] float32
             logits = align_logits(logits, self.width, self.real_vocab)
             return logits.softmax(-1), logits
-        from specdraft.dump import teacher_probs_from_topk
+        from specdraft.dump_reader import teacher_probs_from_topk
 
         p = teacher_probs_from_topk(topk_logprobs, topk_ids, leftover_logmass, self.width, self.real_vocab)
         return p, None
@@ -290,10 +290,10 @@ def _decoder_layers(model):
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad per-sequence dicts into a batch with ``attention_mask`` (:func:`specdraft.dump.pad_collate`),
+    """Right-pad per-sequence dicts into a batch with ``attention_mask`` (:func:`specdraft.dump_reader.pad_collate`),
     keeping tensors only, as the Trainer feeds them to ``forward``. Padding has loss_mask 0, so it never
     changes the token-weighted loss."""
-    from specdraft.dump import pad_collate
+    from specdraft.dump_reader import pad_collate
 
     out = pad_collate(rows)
     out.pop("ids", None)
@@ -312,7 +312,7 @@ def split_held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[
 
 def mixed_split(lengths: list[int], weights: list[int] | None, fraction: float,
                 seed: int) -> tuple[list[int], list[int]]:
-    """(train, held-out) indices into a :class:`specdraft.dump.TeacherMix` of dumps of ``lengths`` sequences.
+    """(train, held-out) indices into a :class:`specdraft.dump_reader.TeacherMix` of dumps of ``lengths`` sequences.
 
     Each dump is split on its own (:func:`split_held_out`, so every source keeps its held-out share and one dump
     splits exactly as before); a training sequence of dump k is listed ``weights[k]`` times (its weight in the
@@ -377,7 +377,7 @@ class DraftWriter:
         sampling: the serving filter the draft samples with (``temperature`` > 0, ``top_k``, ``top_p``).
         max_new_tokens: length bound of an answer.
 
-    Calling ``writer(draft, [(id, prompt ids)], seed)`` returns :class:`~specdraft.dump.TeacherDataset`-like items
+    Calling ``writer(draft, [(id, prompt ids)], seed)`` returns :class:`~specdraft.dump_reader.TeacherDataset`-like items
     (``id`` prefixed ``on-policy/``; only the answer is trained) and adds to :attr:`stats`: ``sequences``,
     ``generated_tokens``, ``generate_seconds`` (the draft's sampling), ``teacher_tokens``, ``teacher_seconds``
     (the target's forward pass over prompt + answer), ``dropped`` (answers truncation emptied).
@@ -394,7 +394,8 @@ class DraftWriter:
 
     def __call__(self, draft, prompts: list[tuple[str, list[int]]], seed: int) -> list[dict[str, Any]]:
         from specdraft.data import sequences_from_responses
-        from specdraft.dump import generate_from_ids, teacher_items
+        from specdraft.dump import teacher_items
+        from specdraft.responses import generate_from_ids
 
         if not prompts:
             return []
@@ -759,7 +760,8 @@ def _draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, config: 
     """The target the dump was made with (same dtype, same output head: checked by fingerprint) wrapped as the
     scorer of the draft's answers, for λ > 0."""
     from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.dump import Teacher, head_fingerprint
+    from specdraft.dump import Teacher
+    from specdraft.dump_reader import head_fingerprint
     from specdraft.models import load_model
 
     dump_cfg = DumpConfig.model_validate(manifest["config"])
@@ -782,7 +784,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                 callbacks: list | None = None, dump_weights: list[int] | None = None) -> dict[str, Any]:
     """Distil ``draft_ref`` against the teacher dump in ``dump_dir`` and export it as a speculator.
 
-    ``dump_dir`` may be a list of dumps of the same teacher (:class:`specdraft.dump.TeacherMix`: e.g. teacher-forced
+    ``dump_dir`` may be a list of dumps of the same teacher (:class:`specdraft.dump_reader.TeacherMix`: e.g. teacher-forced
     ShareGPT replies and target-written answers); ``dump_weights`` repeats each dump's training sequences that
     many times per epoch (:func:`mixed_split`; default 1 each).
 
@@ -800,13 +802,13 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
         the learning curve (held-out teacher-forced α and loss by step, :func:`learning_curve`).
 
     Raises:
-        DistillError / specdraft.dump.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
+        DistillError / specdraft.dump_reader.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
             a non-finite loss.
         specdraft.sampling.TokenWidthError: the dump holds token ids past the draft's embedding or head (named).
     """
     from torch.utils.data import Subset
 
-    from specdraft.dump import TeacherDataset, TeacherMix
+    from specdraft.dump_reader import TeacherDataset, TeacherMix
     from specdraft.models import load_model, load_tokenizer
 
     config = config or DistillConfig()

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.config import EvalConfig
 from specdraft.sampling import NEG_INF
 
 #: FR-Spec's default number of kept head rows.
@@ -57,6 +58,9 @@ AUTO_HEAD_MIN_ROWS = 2 * HEAD_TOKENS
 
 #: The optional token-set file beside an exported speculator (:func:`save_head_tokens`).
 HEAD_TOKENS_FILE = "head_tokens.json"
+#: Version of that file's layout, written into it and into the export stage's inputs (a new layout re-runs the
+#: pipeline's export, which writes the file).
+HEAD_TOKENS_FORMAT = 1
 
 #: A quantised layer that kept its dense weight (``dense=True``) uses it for inputs of at least this many rows (a
 #: prompt prefill): the weight-only kernels are built for one-token steps and are slower than a dense product on
@@ -273,7 +277,7 @@ def save_head_tokens(directory: str | Path, ranked: Sequence[int], tokenizer, co
     from specdraft.vocab import tokenizer_fingerprint
 
     path = Path(directory) / HEAD_TOKENS_FILE
-    atomic_write_text(path, json.dumps({"format": 1, "ranked_token_ids": [int(i) for i in ranked],
+    atomic_write_text(path, json.dumps({"format": HEAD_TOKENS_FORMAT, "ranked_token_ids": [int(i) for i in ranked],
                                         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                                         "counted_over": counted_over}))
     return path
@@ -683,3 +687,56 @@ def draft_label(info: dict[str, Any]) -> str:
     if info.get("head_tokens"):
         parts.append(f"head {info['head_tokens']:,}")
     return " + ".join(parts) or "as loaded (dense)"
+
+
+def apply_draft_options(draft, tokenizer, config: EvalConfig, vocab_mapping=None, copy_model: bool = True):
+    """The draft with ``config``'s draft options applied (:func:`choose_draft_options` decides
+    what ``draft_quantization="auto"`` means, :func:`prepare_draft` applies it; on a copy
+    unless ``copy_model=False``); ``draft`` itself when there are none. The plan is kept on the returned model as
+    ``specdraft_plan`` (a :class:`DraftPlan`), and :func:`describe_draft` reports it.
+
+    The trimmed head's tokens come from the draft's directory when it holds a saved ranking
+    (:data:`HEAD_TOKENS_FILE`, written by the pipeline's export), else from the embedded
+    training prompts; where they came from is ``describe_draft(...)["head_tokens_source"]``.
+
+    The prepared copy is what specdraft's decoder runs; an exported speculator stays the dense draft (vLLM serves
+    dense weights; :mod:`specdraft.export`).
+
+    Raises:
+        DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
+        ValueError: a saved ranking counted with another tokenizer.
+    """
+    # The decoder's error for a pair it cannot run (decode imports nothing of this module: no cycle).
+    from specdraft.decode import DecodeError
+
+    if config.draft_head_tokens and vocab_mapping is not None:
+        raise DecodeError("--draft-head-tokens keeps the most frequent *target* tokens in the draft's head: it needs "
+                          "a draft of the target's tokenizer (not --map-vocab)")
+    plan = choose_draft_options(draft, config.draft_quantization, config.draft_head_tokens,
+                                same_tokenizer=vocab_mapping is None)
+    head_ids, source = None, None
+    if plan.head_tokens is not None:
+        # A speculator exported with its token ranking (head_tokens.json) keeps the tokens counted where it was made.
+        path = getattr(draft.config, "_name_or_path", "") or ""
+        head_ids = load_head_tokens(path, plan.head_tokens, tokenizer) if Path(path).is_dir() else None
+        source = f"{Path(path) / HEAD_TOKENS_FILE}" if head_ids is not None else None
+        if head_ids is None:
+            corpus = default_head_corpus(tokenizer)
+            head_ids = frequent_tokens(tokenizer, n=plan.head_tokens, token_lists=corpus)
+            source = f"embedded training prompts (conversations + humaneval:0:100, {len(corpus)} prompts)"
+    model = prepare_draft(draft, plan.quantization, head_ids, copy_model=copy_model)
+    head = model.get_output_embeddings()
+    if source is not None and hasattr(head, "token_ids"):
+        head.source = source
+    if model is not draft or not copy_model:
+        model.specdraft_plan = plan
+    return model
+
+
+def draft_configuration(draft) -> dict[str, Any]:
+    """The configuration a report names: :func:`describe_draft` of the model that ran, plus the plan's reason
+    (``"reason"``) and its short label (``"label"``)."""
+    info = describe_draft(draft)
+    plan = getattr(draft, "specdraft_plan", None)
+    return info | {"label": draft_label(info), "requested": plan.requested if plan else None,
+                   "reason": plan.reason if plan else "the draft as given"}

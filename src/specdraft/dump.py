@@ -5,7 +5,7 @@ Notation: p = target (teacher) distribution, q = draft (student) distribution.
 
 **Sequences** come from :func:`specdraft.data.build_sequences` (conversations through the chat template;
 prompts with a reference answer get it as the assistant turn) or, with ``generate``, from prompts the
-target answers itself (:func:`generate_responses`, greedy or sampled — the on-policy-style data
+target answers itself (:func:`specdraft.responses.generate_responses`, greedy or sampled — the on-policy-style data
 DistillSpec found best) and :func:`specdraft.data.sequences_from_responses`.
 
 **Position convention.** Row position j holds the teacher signal of p(· | ids[0..j]), the distribution of
@@ -70,7 +70,6 @@ reaches ``shard_size_mb``), never the dataset; the work list keeps only token id
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -83,7 +82,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdraft.config import DumpConfig
+from specdraft.dump_reader import (
+    FORMAT_VERSION,
+    HEAD_FILE,
+    MANIFEST,
+    DumpError,
+    find_final_norm,
+    head_fingerprint,
+    head_tensors,
+    load_manifest,
+    sha256_file,
+    shard_problem,
+)
 from specdraft.io import atomic_path, atomic_write_text, versions
+from specdraft.responses import generate_responses
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -91,140 +103,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from specdraft.data import Example, TokenSequence
 
 
-# 2: the manifest records "logit_transform" (the target's final-logit transforms); 1 had none.
-FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
-HEAD_FILE = "head.safetensors"
 LOSS_MASK_CONVENTION = "loss_mask[j]: the prediction made at position j (of token j+1) is trained"
 # Bytes of float32 logits materialised at once when computing top-k (positions per chunk = this / V).
 _LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
-# Names of the final norm module on a base model, tried in order when captured states are pre-norm.
-_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")
-
-
-class DumpError(ValueError):
-    """A dump cannot be written, resumed or read (bad input, mismatched partner, corrupt shard)."""
-
-
-# ------------------------------------------------------------------------------------ reading signals
-
-
-def teacher_logits_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               real_vocab: int | None = None, logit_ops=None) -> torch.Tensor:
-    """Teacher logits from stored hidden states: ``lm_head(h)`` then the target's final-logit transforms, computed
-    in the head's dtype like the target.
-
-    Args:
-        hidden: ``[..., H]`` stored hidden states (any float dtype; cast to ``weight.dtype``).
-        weight: ``[V, H]`` output-head weight (``TeacherDataset.head()["lm_head.weight"]``).
-        bias: ``[V]`` or None.
-        real_vocab: ids ``>= real_vocab`` are padding rows and get ``-inf`` (manifest ``real_vocab``).
-        logit_ops: the manifest's ``logit_transform`` (:attr:`TeacherDataset.logit_ops`): soft-capping or
-            scaling the target applies after its head (:func:`specdraft.sampling.final_logit_ops`).
-
-    Returns:
-        ``[..., V] float32`` logits; softmax gives p.
-    """
-    import torch.nn.functional as F
-
-    from specdraft.sampling import apply_final_logit_ops
-
-    logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
-    logits = apply_final_logit_ops(logits, logit_ops).float()
-    if real_vocab is not None and real_vocab < logits.shape[-1]:
-        logits[..., real_vocab:] = float("-inf")
-    return logits
-
-
-def teacher_probs_from_topk(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, leftover_logmass: torch.Tensor,
-                            vocab_width: int, real_vocab: int | None = None) -> torch.Tensor:
-    """A full teacher distribution p̂ from the top-k signal: the leftover mass spread uniformly.
-
-    p̂(x) = p(x) on the k stored ids; every other real-vocabulary id gets ``exp(leftover) / (real_vocab − k)``;
-    padding rows (ids ≥ ``real_vocab``) get 0. The result is renormalised to sum to 1, which only absorbs
-    the float16 rounding of the stored log-probs (≈1e-3 relative). Why uniform: it is the completion that
-    assumes nothing about the tail, keeps the total mass 1, and moves TV(·, q) and α = Σ min(p̂, q) by at
-    most the leftover mass relative to the true p.
-
-    Args:
-        topk_logprobs: ``[..., k]`` float16/float32 log-probabilities, nats.
-        topk_ids: ``[..., k]`` int ids.
-        leftover_logmass: ``[...]`` log of the mass outside the top-k (``-inf`` when there is none).
-        vocab_width: V, the width of the distribution returned (the draft's logits width after alignment).
-        real_vocab: ids at or past it are padding (default ``vocab_width``).
-
-    Returns:
-        ``[..., V] float32`` probabilities summing to 1.
-    """
-    import torch
-
-    real = vocab_width if real_vocab is None else min(real_vocab, vocab_width)
-    k = topk_ids.shape[-1]
-    rest = max(real - k, 0)
-    fill = leftover_logmass.float().exp() / rest if rest else torch.zeros_like(leftover_logmass, dtype=torch.float32)
-    p = fill[..., None].expand(*fill.shape, vocab_width).clone()  # [..., V]
-    if real < vocab_width:
-        p[..., real:] = 0.0
-    p.scatter_(-1, topk_ids.long(), topk_logprobs.float().exp())
-    return p / p.sum(dim=-1, keepdim=True)
 
 
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def _sha256_file(path: Path) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * 1024 * 1024):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
-
-
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _find_final_norm(model):
-    base = model.base_model
-    for name in _FINAL_NORM_NAMES:
-        mod = getattr(base, name, None)
-        if mod is not None and getattr(mod, "weight", None) is not None:
-            return mod
-    return None
-
-
-def _head_tensors(model) -> dict[str, torch.Tensor]:
-    """What turns the base model's last hidden state into logits: lm_head weight (+ bias), final norm weight."""
-    head = model.get_output_embeddings()
-    out = {"lm_head.weight": head.weight}
-    if getattr(head, "bias", None) is not None:
-        out["lm_head.bias"] = head.bias
-    norm = _find_final_norm(model)
-    if norm is not None:
-        out["final_norm.weight"] = norm.weight
-    return {k: v.detach() for k, v in out.items()}
-
-
-def head_fingerprint(tensors_or_model) -> str:
-    """sha256 (hex) of the output head: ``lm_head.weight`` (+ ``lm_head.bias``) and ``final_norm.weight`` —
-    names, dtypes, shapes and raw bytes, in that order. Depends on the dtype the target was loaded in (the
-    manifest records it), so distillation can check that it uses the very head the dump was made with.
-
-    Args:
-        tensors_or_model: a causal LM, or the dict :meth:`TeacherDataset.head` returns.
-    """
-    import torch
-
-    tensors = tensors_or_model if isinstance(tensors_or_model, dict) else _head_tensors(tensors_or_model)
-    digest = hashlib.sha256()
-    for name in ("lm_head.weight", "lm_head.bias", "final_norm.weight"):
-        if name not in tensors:
-            continue
-        t = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)};".encode())
-        digest.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _real_vocab(tokenizer) -> int:
@@ -408,7 +296,7 @@ class Teacher:
                 h = self.norm(h)
             err = self._difference(h, ref)
             if err is not None and not self.checked:  # first batch: perhaps the capture is before the final norm
-                norm = _find_final_norm(self.model)
+                norm = find_final_norm(self.model)
                 if norm is None:
                     raise DumpError(
                         f"the captured hidden states do not reproduce the target's logits (max relative difference "
@@ -442,76 +330,6 @@ class Teacher:
                 if not bool(torch.isfinite(lps[-1]).all()) or bool(torch.isnan(left[-1]).any()):
                     raise self._non_finite("logits")  # a logit of inf (head overflow) makes every log-prob NaN
         return torch.cat(lps), torch.cat(ids), torch.cat(left)
-
-
-def generate_responses(target, tokenizer, examples: list[Example], max_new_tokens: int, sampling=None,
-                       seed: int = 0, real_vocab: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
-    """The target answers each example's prompt (chat template, generation prompt), in one left-padded batch.
-
-    Args:
-        target: causal LM (eval mode).
-        tokenizer: its tokenizer.
-        examples: prompts (messages up to the first assistant turn are used).
-        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
-        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
-        seed: seed of the sampling generator.
-        real_vocab: ids at or past it are padding rows and never generated.
-
-    Returns:
-        ``(prompts, responses)``: per example the prompt ids and the generated ids.
-    """
-    from specdraft.data import encode_prompts
-
-    prompts = encode_prompts(tokenizer, examples)
-    return prompts, generate_from_ids(target, tokenizer, prompts, max_new_tokens, sampling, seed, real_vocab)
-
-
-def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
-                      real_vocab: int | None = None) -> list[list[int]]:
-    """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
-    the draft for on-policy distillation (:class:`specdraft.distill.DraftWriter`).
-
-    Args:
-        model: causal LM (in eval mode for the call; its training mode is restored after).
-        tokenizer: the shared tokenizer (pad id; its EOS joins the model's ``generation_config`` EOS ids).
-        prompts: ``[n]`` token-id lists (chat template already applied).
-        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
-        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
-        seed: seed of the sampling generator.
-        real_vocab: ids at or past it are padding rows and never generated.
-
-    Returns:
-        ``[n]`` generated id lists (prompt excluded, EOS included).
-
-    Raises:
-        DumpError: bad generation settings (a prompt plus N beyond the context window).
-    """
-    import torch
-
-    from specdraft.config import SamplingConfig
-    from specdraft.decode import DecodeError, left_pad, target_generate
-
-    sampling = sampling or SamplingConfig()
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids, mask = left_pad(prompts, pad, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            responses, _ = target_generate(model, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
-                                           eos_token_id=sorted(eos_ids) or None, real_vocab=real_vocab,
-                                           generator=gen)
-    except DecodeError as exc:
-        raise DumpError(f"--generate: {exc}") from exc
-    finally:
-        model.train(was_training)
-    return responses
 
 
 # ------------------------------------------------------------------------------------------ the writer
@@ -552,24 +370,8 @@ def _write_shard(path: Path, rows: list[_Row], meta: dict[str, Any]) -> tuple[st
     meta = {"specdraft": json.dumps(dict(meta, ids=[r.seq.id for r in rows]), sort_keys=True)}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
-        sha, size = _sha256_file(tmp)
+        sha, size = sha256_file(tmp)
     return sha, size
-
-
-def _shard_problem(out: Path, rec: dict[str, Any]) -> str | None:
-    """Why a recorded shard cannot be trusted (missing, size, sha256), or None."""
-    if rec["file"] is None:  # a range whose rows truncation emptied: nothing was written
-        return None
-    path = out / rec["file"]
-    if not path.is_file():
-        return f"{rec['file']} is missing"
-    size = path.stat().st_size
-    if size != rec["bytes"]:
-        return f"{rec['file']} has {size} bytes, the record says {rec['bytes']}"
-    sha, _ = _sha256_file(path)
-    if sha != rec["sha256"]:
-        return f"{rec['file']} is corrupt: sha256 {sha[:16]}…, the record says {rec['sha256'][:16]}…"
-    return None
 
 
 def _own_file(name: str) -> bool:
@@ -579,43 +381,6 @@ def _own_file(name: str) -> bool:
 def _identity_problems(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k}: the directory holds {old.get(k)!r}, this run has {new.get(k)!r}"
             for k in new if old.get(k) != new.get(k)]
-
-
-def load_manifest(dump_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read ``DIR/manifest.json`` of a finished dump.
-
-    Raises:
-        DumpError: no manifest (not a dump, or a run that has not finished: resume it with the same command).
-    """
-    path = Path(dump_dir) / MANIFEST
-    if not path.is_file():
-        partial = sorted(p.name for p in Path(dump_dir).glob("rank-*.json")) if Path(dump_dir).is_dir() else []
-        hint = (f" It holds {', '.join(partial)}: an unfinished run — rerun the same command to resume it."
-                if partial else "")
-        raise DumpError(f"{dump_dir} holds no {MANIFEST}: not a finished teacher dump.{hint}")
-    manifest = json.loads(path.read_text())
-    if manifest.get("kind") != "specdraft-teacher-dump":
-        raise DumpError(f"{path} is not a specdraft teacher-dump manifest")
-    return manifest
-
-
-def verify_dump(dump_dir: str | os.PathLike) -> dict[str, Any]:
-    """Check every shard (and the head file) of a finished dump against the manifest's sizes and sha256.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        DumpError: naming every missing or corrupt file.
-    """
-    out = Path(dump_dir)
-    manifest = load_manifest(out)
-    records = list(manifest["shards"]) + ([manifest["head"]] if manifest.get("head") else [])
-    problems = [p for rec in records if (p := _shard_problem(out, rec))]
-    if problems:
-        raise DumpError(f"{out}: {len(problems)} of {len(records)} files cannot be trusted: " + "; ".join(problems)
-                        + ". Rerun the dump command to redo them.")
-    return manifest
 
 
 ProgressFn = Callable[[int, int, int], None]
@@ -647,7 +412,6 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
             rows (named, before the target is loaded).
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
-    from specdraft.config import SamplingConfig
     from specdraft.models import load_model, load_tokenizer, resolve
     from specdraft.vocab import tokenizer_fingerprint
 
@@ -689,98 +453,127 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     if rank == 0 and config.format == "hidden":
         header["head"] = _write_head(out, model)
 
-    # ---- resume: trust only verified shards ---------------------------------------------------------------
-    state = _load_rank_state(out, rank, plan)
-    if state and state["header"].get("final_norm"):
-        header["final_norm"] = state["header"]["final_norm"]
-        header["final_norm_applied"] = state["header"]["final_norm_applied"]
-    records: list[dict[str, Any]] = list(state["shards"]) if state else []
-    bad = []
-    for rec in records:
-        if problem := _shard_problem(out, rec):
-            warnings.warn(f"specdraft dump: {problem}; redoing it", stacklevel=2)
-            bad.append(rec)
-    stale = [*out.glob(f".tmp-shard-r{rank:05d}-*"), *out.glob(f".tmp-rank-{rank:05d}*")]
-    if rank == 0:
-        stale += [*out.glob(f".tmp-{MANIFEST}-*"), *out.glob(f".tmp-{HEAD_FILE}-*")]
-    for tmp in stale:
-        tmp.unlink(missing_ok=True)  # left by a killed writer; never read
-    next_item = max((r["end"] for r in records), default=0)
-    next_index = max((r["index"] + 1 for r in records), default=0)
-    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": header["command"], "tokens": 0,
-           "forward_seconds": 0.0, "generated_tokens": 0, "generate_seconds": 0.0, "shards_written": 0, "shards_skipped": len(records) - len(bad), "shards_redone": len(bad)}
-    runs = (state.get("runs", []) if state else []) + [run]
-    done = sum(r["end"] - r["start"] for r in records if r not in bad)
+    # ---- resume, write, save, finish ---------------------------------------------------------------------------
+    writer = _RankWriter(out, rank, world, plan, identity, header, config, items, mine, dropped_before_split,
+                         model, tokenizer, teacher, progress)
+    writer.resume()
+    t_work = time.time()
+    writer.report()
+    for rec in writer.bad:
+        writer.records.remove(rec)
+        writer.write_range(rec["start"], rec["end"], rec["index"], one_shard=True)
+    if writer.next_item < n_mine:
+        writer.write_range(writer.next_item, n_mine, writer.next_index, one_shard=False)
+    writer.run["seconds"] = round(time.time() - t_work, 3)
+    writer.save_state("complete")
+    return writer.finish(barrier, t_start)
 
-    def save_state(status: str) -> None:
-        if teacher.checked:
-            header["final_norm"], header["final_norm_applied"] = teacher.final_norm, True
-        body = {"kind": "specdraft-teacher-dump-rank", "rank": rank, "world_size": world, "plan": plan,
-                "status": status, "identity": identity, "header": header, "items": n_mine,
-                "dropped_before_split": dropped_before_split if rank == 0 else 0,
-                "shards": sorted(records, key=lambda r: r["start"]), "runs": runs}
-        atomic_write_text(out / _rank_file(rank), json.dumps(body, indent=1))
 
-    def report() -> None:
-        if progress is not None:
-            progress(done, n_mine, run["tokens"])
+class _RankWriter:
+    """One rank's shards and state file: :meth:`resume` (trust only verified shards), :meth:`write_range` (items
+    → shards), :meth:`save_state` (``rank-*.json``), :meth:`finish` (rank 0 merges the manifest)."""
 
-    sampling = SamplingConfig(temperature=config.temperature)
-    limit = config.shard_size_mb * 1e6
+    def __init__(self, out: Path, rank: int, world: int, plan: str, identity: dict[str, Any], header: dict[str, Any],
+                 config: DumpConfig, items: list, mine: range, dropped_before_split: int, model, tokenizer,
+                 teacher: Teacher, progress: ProgressFn | None):
+        from specdraft.config import SamplingConfig
 
-    def dump_range(start: int, end: int, index: int, one_shard: bool) -> None:
+        self.out, self.rank, self.world, self.plan = out, rank, world, plan
+        self.identity, self.header, self.config = identity, header, config
+        self.items, self.mine, self.n_mine, self.dropped_before_split = items, mine, len(mine), dropped_before_split
+        self.model, self.tokenizer, self.teacher, self.progress = model, tokenizer, teacher, progress
+        self.sampling = SamplingConfig(temperature=config.temperature)
+        self.limit = config.shard_size_mb * 1e6
+
+    def resume(self) -> None:
+        """Read this rank's state: shards that verify are kept, the others are to be redone (:attr:`bad`); temporary
+        files of a killed writer are removed; this run's record is started."""
+        out, rank, header = self.out, self.rank, self.header
+        state = _load_rank_state(out, rank, self.plan)
+        if state and state["header"].get("final_norm"):
+            header["final_norm"] = state["header"]["final_norm"]
+            header["final_norm_applied"] = state["header"]["final_norm_applied"]
+        records: list[dict[str, Any]] = list(state["shards"]) if state else []
+        bad = []
+        for rec in records:
+            if problem := shard_problem(out, rec):
+                warnings.warn(f"specdraft dump: {problem}; redoing it", stacklevel=3)
+                bad.append(rec)
+        stale = [*out.glob(f".tmp-shard-r{rank:05d}-*"), *out.glob(f".tmp-rank-{rank:05d}*")]
+        if rank == 0:
+            stale += [*out.glob(f".tmp-{MANIFEST}-*"), *out.glob(f".tmp-{HEAD_FILE}-*")]
+        for tmp in stale:
+            tmp.unlink(missing_ok=True)  # left by a killed writer; never read
+        self.records, self.bad = records, bad
+        self.next_item = max((r["end"] for r in records), default=0)
+        self.next_index = max((r["index"] + 1 for r in records), default=0)
+        self.run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": header["command"], "tokens": 0,
+                    "forward_seconds": 0.0, "generated_tokens": 0, "generate_seconds": 0.0, "shards_written": 0,
+                    "shards_skipped": len(records) - len(bad), "shards_redone": len(bad)}
+        self.runs = (state.get("runs", []) if state else []) + [self.run]
+        self.done = sum(r["end"] - r["start"] for r in records if r not in bad)
+
+    def save_state(self, status: str) -> None:
+        header = self.header
+        if self.teacher.checked:
+            header["final_norm"], header["final_norm_applied"] = self.teacher.final_norm, True
+        body = {"kind": "specdraft-teacher-dump-rank", "rank": self.rank, "world_size": self.world, "plan": self.plan,
+                "status": status, "identity": self.identity, "header": header, "items": self.n_mine,
+                "dropped_before_split": self.dropped_before_split if self.rank == 0 else 0,
+                "shards": sorted(self.records, key=lambda r: r["start"]), "runs": self.runs}
+        atomic_write_text(self.out / _rank_file(self.rank), json.dumps(body, indent=1))
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.n_mine, self.run["tokens"])
+
+    def write_range(self, start: int, end: int, index: int, one_shard: bool) -> None:
         """This rank's items [start, end) → shards numbered from ``index`` (exactly one when redoing)."""
-        nonlocal done
+        config, run, teacher = self.config, self.run, self.teacher
         buf: list[_Row] = []
         buf_start, dropped = start, 0
         for s in range(start, end, config.batch_size):
             stop = min(s + config.batch_size, end)
-            batch = [items[mine[i]] for i in range(s, stop)]
+            batch = [self.items[self.mine[i]] for i in range(s, stop)]
             t0 = time.perf_counter()
             if config.generate is None:
                 seqs = batch
             else:
-                seqs, n_drop, n_new = _generated(model, tokenizer, batch, config, sampling, mine[s],
-                                                 teacher.real_vocab)
+                seqs, n_drop, n_new = _generated(self.model, self.tokenizer, batch, config, self.sampling,
+                                                 self.mine[s], teacher.real_vocab)
                 dropped += n_drop
                 run["generated_tokens"] += n_new
                 run["generate_seconds"] += time.perf_counter() - t0
             t1 = time.perf_counter()
             buf.extend(_rows(teacher, seqs, config))
             run["forward_seconds"] += time.perf_counter() - t1
-            done += len(batch)
+            self.done += len(batch)
             run["tokens"] += sum(len(q.ids) for q in seqs)
-            if stop == end or (not one_shard and sum(r.nbytes for r in buf) >= limit):
-                records.append(_flush(out, rank, index, buf, buf_start, stop, dropped, config))
+            if stop == end or (not one_shard and sum(r.nbytes for r in buf) >= self.limit):
+                self.records.append(_flush(self.out, self.rank, index, buf, buf_start, stop, dropped, config))
                 run["shards_written"] += bool(buf)
                 buf, buf_start, index, dropped = [], stop, index + 1, 0
-                save_state("running")
-            report()
+                self.save_state("running")
+            self.report()
 
-    t_work = time.time()
-    report()
-    for rec in bad:
-        records.remove(rec)
-        dump_range(rec["start"], rec["end"], rec["index"], one_shard=True)
-    if next_item < n_mine:
-        dump_range(next_item, n_mine, next_index, one_shard=False)
-    run["seconds"] = round(time.time() - t_work, 3)
-    save_state("complete")
-
-    barrier()
-    if rank == 0 and (run["shards_written"] or not (out / MANIFEST).is_file()):
-        states = [json.loads((out / _rank_file(r)).read_text()) for r in range(world)]
-        atomic_write_text(out / MANIFEST, json.dumps(merge_manifests(states), indent=1))
-    barrier()
-    manifest = load_manifest(out)
-    fwd, gen = run["forward_seconds"], run["generate_seconds"]
-    manifest["this_run"] = {
-        "seconds": time.time() - t_start, "work_seconds": run["seconds"], "tokens": run["tokens"],
-        "tokens_per_s": run["tokens"] / fwd if fwd else None,  # teacher forward passes only
-        "generated_tokens": run["generated_tokens"],
-        "generate_tokens_per_s": run["generated_tokens"] / gen if gen else None,
-        **{k: run[k] for k in ("shards_written", "shards_skipped", "shards_redone")}}
-    return manifest
+    def finish(self, barrier: Callable[[], None], t_start: float) -> dict[str, Any]:
+        """After every rank: rank 0 merges the manifest (when a shard was written or none exists); all read it back,
+        with ``this_run`` of this process added."""
+        out, run = self.out, self.run
+        barrier()
+        if self.rank == 0 and (run["shards_written"] or not (out / MANIFEST).is_file()):
+            states = [json.loads((out / _rank_file(r)).read_text()) for r in range(self.world)]
+            atomic_write_text(out / MANIFEST, json.dumps(merge_manifests(states), indent=1))
+        barrier()
+        manifest = load_manifest(out)
+        fwd, gen = run["forward_seconds"], run["generate_seconds"]
+        manifest["this_run"] = {
+            "seconds": time.time() - t_start, "work_seconds": run["seconds"], "tokens": run["tokens"],
+            "tokens_per_s": run["tokens"] / fwd if fwd else None,  # teacher forward passes only
+            "generated_tokens": run["generated_tokens"],
+            "generate_tokens_per_s": run["generated_tokens"] / gen if gen else None,
+            **{k: run[k] for k in ("shards_written", "shards_skipped", "shards_redone")}}
+        return manifest
 
 
 def _examples(data, config: DumpConfig) -> tuple[list, str]:
@@ -921,7 +714,7 @@ def _write_head(out: Path, model) -> dict[str, Any]:
     """Save the output head (and final norm weight) beside the shards so the dump needs no target to read."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.cpu().contiguous() for k, v in _head_tensors(model).items()}
+    tensors = {k: v.cpu().contiguous() for k, v in head_tensors(model).items()}
     path = out / HEAD_FILE
     if path.is_file():
         from safetensors.torch import load_file
@@ -929,11 +722,11 @@ def _write_head(out: Path, model) -> dict[str, Any]:
         if head_fingerprint(load_file(str(path))) != head_fingerprint(tensors):
             raise DumpError(f"--out {out} holds the output head of another target ({HEAD_FILE}); choose another "
                             "--out. Nothing was changed.")
-        sha, size = _sha256_file(path)
+        sha, size = sha256_file(path)
         return {"file": HEAD_FILE, "sha256": sha, "bytes": size}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
-        sha, size = _sha256_file(tmp)
+        sha, size = sha256_file(tmp)
     return {"file": HEAD_FILE, "sha256": sha, "bytes": size}
 
 
@@ -964,15 +757,13 @@ def _generated(model, tokenizer, batch: list[Example], config: DumpConfig, sampl
 def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[_Row]:
     """One right-padded forward over ``seqs`` → per-row teacher signal in storage dtypes, on the CPU."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
     if not seqs:
         return []
-    S = max(len(q.ids) for q in seqs)
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    attn = torch.zeros(len(seqs), S, dtype=torch.long)
-    for i, q in enumerate(seqs):
-        ids[i, : len(q.ids)] = torch.tensor(q.ids)
-        attn[i, : len(q.ids)] = 1
+    ids = pad_sequence([torch.tensor(q.ids, dtype=torch.long) for q in seqs], batch_first=True, padding_side="right")
+    attn = pad_sequence([torch.ones(len(q.ids), dtype=torch.long) for q in seqs], batch_first=True,
+                        padding_side="right")
     # Right padding: each real position attends only to the real tokens before it, at its own position id,
     # so a row's values do not depend on what else is in the batch.
     h = teacher.hidden(ids.to(teacher.device), attn.to(teacher.device))  # [B, S, H]
@@ -1030,254 +821,3 @@ def _flush(out: Path, rank: int, index: int, rows: list[_Row], start: int, end: 
             "trained_tokens": sum(sum(r.seq.loss_mask) for r in rows),
             "truncated": sum(r.seq.truncated for r in rows), "dropped": dropped}
 
-
-# ------------------------------------------------------------------------------------------ the reader
-
-
-class TeacherDataset:
-    """A map-style torch dataset over a finished dump, one sequence per item, memory-mapped shard by shard.
-
-    ``dataset[i]`` is a dict: ``id`` (str), ``input_ids [S] int64``, ``loss_mask [S] bool`` and either
-    ``hidden [S, H]`` (the stored dtype, bfloat16 by default) or ``topk_logprobs [S, k] float16``,
-    ``topk_ids [S, k] int32``, ``leftover_logmass [S] float32``. Only the requested rows are read
-    (``safe_open`` slices); nothing loads the whole dump. Works with ``torch.utils.data.DataLoader``
-    (``collate_fn=pad_collate``), also with worker processes (file handles are reopened per process).
-
-    Args:
-        dump_dir: the dump directory.
-        draft_tokenizer: the draft's tokenizer (object or model reference); a fingerprint other than the
-            manifest's is refused unless ``vocab_mapping`` is given.
-        vocab_mapping: a :class:`specdraft.vocab.VocabMapping` from the target to the draft; kept as
-            ``self.vocab_mapping`` for the trainer (map draft logits to target ids with it).
-        verify: check every shard's sha256 now (:func:`verify_dump`); sizes are always checked.
-
-    Raises:
-        DumpError: no finished dump, a missing or truncated shard (named), a mismatched draft tokenizer
-            (both fingerprints printed).
-    """
-
-    def __init__(self, dump_dir: str | os.PathLike, draft_tokenizer=None, vocab_mapping=None, verify: bool = False):
-        self.dir = Path(dump_dir)
-        self.manifest = verify_dump(self.dir) if verify else load_manifest(self.dir)
-        self.shards = [s for s in self.manifest["shards"] if s["file"]]
-        for s in self.shards:
-            path = self.dir / s["file"]
-            if not path.is_file() or path.stat().st_size != s["bytes"]:
-                raise DumpError(f"{self.dir}: shard {s['file']} is "
-                                f"{'missing' if not path.is_file() else 'truncated or altered (size differs)'}; "
-                                "rerun the dump command to redo it.")
-        self.vocab_mapping = vocab_mapping
-        if draft_tokenizer is not None:
-            if isinstance(draft_tokenizer, (str, os.PathLike)):
-                from specdraft.models import load_tokenizer
-
-                draft_tokenizer = load_tokenizer(draft_tokenizer)
-            from specdraft.vocab import tokenizer_fingerprint
-
-            fp = tokenizer_fingerprint(draft_tokenizer)
-            if fp != self.manifest["tokenizer_fingerprint"] and vocab_mapping is None:
-                raise DumpError(
-                    f"the draft's tokenizer differs from the target's this dump was made with: draft fingerprint {fp}, "
-                    f"dump fingerprint {self.manifest['tokenizer_fingerprint']} (target "
-                    f"{self.manifest['target']['ref']}). Ids would mean other strings to the draft; pass a "
-                    "vocab_mapping (specdraft.vocab.build_vocab_mapping) to train across vocabularies.")
-        self._starts = [0]
-        for s in self.shards:
-            self._starts.append(self._starts[-1] + s["sequences"])
-        self._handles: dict[int, Any] = {}
-        self._offsets: dict[int, list[int]] = {}
-        self._ids: dict[int, list[str]] = {}
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _handles={})  # safe_open handles do not pickle: reopen in each worker
-
-    def _open(self, si: int):
-        if si not in self._handles:
-            from safetensors import safe_open
-
-            f = safe_open(str(self.dir / self.shards[si]["file"]), framework="pt")
-            self._handles[si] = f
-            self._offsets[si] = f.get_tensor("offsets").tolist()
-            self._ids[si] = json.loads(f.metadata()["specdraft"])["ids"]
-        return self._handles[si]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        item, (f, a, b) = self._tokens(i)
-        for name in self.manifest["dtype"]:
-            item[name] = f.get_slice(name)[a:b]
-        return item
-
-    def tokens(self, i: int) -> dict[str, Any]:
-        """``self[i]`` without the teacher signal: ``id``, ``input_ids [S] int64``, ``loss_mask [S] bool`` (reads
-        no hidden state: what on-policy distillation needs to find the prompts)."""
-        return self._tokens(i)[0]
-
-    def _tokens(self, i: int):
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sequence {i} outside [0, {len(self)})")
-        si = bisect.bisect_right(self._starts, i) - 1
-        j = i - self._starts[si]
-        f = self._open(si)
-        a, b = self._offsets[si][j], self._offsets[si][j + 1]
-        item: dict[str, Any] = {"id": self._ids[si][j],
-                                "input_ids": f.get_slice("input_ids")[a:b].long(),
-                                "loss_mask": f.get_slice("loss_mask")[a:b]}
-        return item, (f, a, b)
-
-    def token_ids_from(self, limit: int) -> list[int]:
-        """The distinct token ids ≥ ``limit`` in the dump's sequences, ascending (reads each shard's ``input_ids``
-        only): what a model of ``limit`` embedding rows could not read."""
-        import torch
-
-        found: set[int] = set()
-        for si in range(len(self.shards)):
-            ids = self._open(si).get_tensor("input_ids")
-            found.update(torch.unique(ids[ids >= limit]).tolist())
-        return sorted(found)
-
-    @property
-    def logit_ops(self) -> list[dict[str, Any]]:
-        """The target's final-logit transforms (manifest ``logit_transform``), to apply after the head
-        (:func:`teacher_logits_from_hidden`); a format-1 dump predates the field and recorded none."""
-        return list(self.manifest.get("logit_transform") or [])
-
-    def head(self) -> dict[str, torch.Tensor]:
-        """The target's output head saved with a ``hidden`` dump: ``lm_head.weight [V, H]`` (+ ``lm_head.bias``)
-        and ``final_norm.weight``, checked against the manifest's head fingerprint.
-
-        Raises:
-            DumpError: a ``topk`` dump (no head needed), or a head file that does not match the fingerprint.
-        """
-        from safetensors.torch import load_file
-
-        if self.manifest["format"] != "hidden":
-            raise DumpError("only hidden dumps carry the output head (top-k dumps store probabilities).")
-        tensors = load_file(str(self.dir / HEAD_FILE))
-        if head_fingerprint(tensors) != self.manifest["head_fingerprint"]:
-            raise DumpError(f"{self.dir / HEAD_FILE} does not match the manifest's head fingerprint.")
-        return tensors
-
-    def teacher_probs(self, item: dict[str, Any], head: dict[str, torch.Tensor] | None = None,
-                      vocab_width: int | None = None) -> torch.Tensor:
-        """p for one item: ``[S, V] float32`` (softmax of ``lm_head(h)``, or the top-k completion).
-
-        Args:
-            item: ``self[i]``.
-            head: ``self.head()`` (loaded once by the caller; loaded here when None).
-            vocab_width: V of the result (default the target's logits width).
-        """
-        t = self.manifest["target"]
-        width = vocab_width or t["vocab_width"]
-        if self.manifest["format"] == "hidden":
-            head = head if head is not None else self.head()
-            logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"], head.get("lm_head.bias"),
-                                                t["real_vocab"], self.logit_ops)
-            from specdraft.sampling import align_logits
-
-            return align_logits(logits, width).softmax(dim=-1)
-        return teacher_probs_from_topk(item["topk_logprobs"], item["topk_ids"], item["leftover_logmass"], width,
-                                       t["real_vocab"])
-
-
-#: What every dump of a mix must share with the first: the same teacher (tokenizer, head, final-logit transform,
-#: widths) in the same format, so one head and one loss read every sequence.
-MIX_KEYS = ("tokenizer_fingerprint", "head_fingerprint", "format", "logit_transform")
-
-
-class TeacherMix:
-    """Several finished dumps of one teacher read as one dataset: item ``i`` of dump k is ``mix[starts[k] + i]``.
-
-    A mix is how teacher-forced sequences (existing text scored by the target, one prefill each) and
-    target-written ones (``--generate``) train together; per-dump weights are applied by
-    :func:`specdraft.distill.mixed_split` (repeats), not here. Offers what distillation reads from a
-    :class:`TeacherDataset`: ``manifest`` (the first dump's), ``tokens``, ``token_ids_from``, ``logit_ops``,
-    ``head``, ``teacher_probs``; ``lengths`` gives each dump's sequence count.
-
-    Raises:
-        DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:
-            tokenizer / head fingerprint, format, logit transform, top_k, real vocabulary or logits width).
-    """
-
-    def __init__(self, datasets: list[TeacherDataset]):
-        if not datasets:
-            raise DumpError("a mix needs at least one dump")
-        first = datasets[0].manifest
-        for ds in datasets[1:]:
-            m = ds.manifest
-            facts = [(k, first.get(k), m.get(k)) for k in MIX_KEYS]
-            facts += [(f"target.{k}", first["target"].get(k), m["target"].get(k)) for k in ("real_vocab", "vocab_width")]
-            if first["format"] == "topk":
-                facts.append(("top_k", first["config"].get("top_k"), m["config"].get("top_k")))
-            for name, a, b in facts:
-                if a != b:
-                    raise DumpError(f"{ds.dir} cannot be mixed with {datasets[0].dir}: their {name} differ ({b!r} vs "
-                                    f"{a!r}); dump both with the same target and --format")
-        self.datasets = datasets
-        self.manifest = first
-        self.vocab_mapping = datasets[0].vocab_mapping
-        self._starts = [0]
-        for ds in datasets:
-            self._starts.append(self._starts[-1] + len(ds))
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(ds) for ds in self.datasets]
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def _locate(self, i: int) -> tuple[TeacherDataset, int]:
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sequence {i} outside [0, {len(self)})")
-        k = bisect.bisect_right(self._starts, i) - 1
-        return self.datasets[k], i - self._starts[k]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        ds, j = self._locate(i)
-        return ds[j]
-
-    def tokens(self, i: int) -> dict[str, Any]:
-        ds, j = self._locate(i)
-        return ds.tokens(j)
-
-    def token_ids_from(self, limit: int) -> list[int]:
-        return sorted({t for ds in self.datasets for t in ds.token_ids_from(limit)})
-
-    @property
-    def logit_ops(self) -> list[dict[str, Any]]:
-        return self.datasets[0].logit_ops
-
-    def head(self) -> dict[str, torch.Tensor]:
-        return self.datasets[0].head()  # one head fingerprint for all (checked at construction)
-
-    def teacher_probs(self, item: dict[str, Any], head: dict[str, torch.Tensor] | None = None,
-                      vocab_width: int | None = None) -> torch.Tensor:
-        return self.datasets[0].teacher_probs(item, head, vocab_width)
-
-
-def pad_collate(batch: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
-    """Right-pad dataset items into a batch: every tensor gets a leading ``[B]`` and is padded to ``S_max``
-    along its first dimension (``loss_mask`` with False, ``input_ids`` with ``pad_id``, signals with 0), plus
-    ``attention_mask [B, S] int64`` and ``ids`` (list of str, when the items carry an ``id``)."""
-    import torch
-
-    S = max(len(x["input_ids"]) for x in batch)
-    out: dict[str, Any] = {"ids": [x["id"] for x in batch]} if "id" in batch[0] else {}
-    for name in [k for k in batch[0] if k != "id"]:
-        first = batch[0][name]
-        fill = pad_id if name == "input_ids" else 0
-        t = torch.full((len(batch), S, *first.shape[1:]), fill, dtype=first.dtype)
-        for i, x in enumerate(batch):
-            t[i, : len(x[name])] = x[name]
-        out[name] = t
-    out["attention_mask"] = torch.zeros(len(batch), S, dtype=torch.long)
-    for i, x in enumerate(batch):
-        out["attention_mask"][i, : len(x["input_ids"])] = 1
-    return out

@@ -161,8 +161,8 @@ def convert(
         SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``,
             ``--dtype``); ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable
             verifier; a draft that is not a causal LM (names its architecture); tokenizer mismatch.
-        specdraft.models.ModelResolutionError: a reference cannot be resolved (before anything is written).
-        specdraft.models.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
+        specdraft.embedded.ModelResolutionError: a reference cannot be resolved (before anything is written).
+        specdraft.weights.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
             untied ``lm_head.weight``) or holds ones it does not use; named, nothing written.
     """
     t0 = time.perf_counter()
@@ -264,7 +264,8 @@ def carry_chat_template(speculator_dir: str | os.PathLike, verifier) -> dict[str
     directory = Path(speculator_dir)
     target_tok = verifier
     if isinstance(verifier, (str, os.PathLike)):
-        from specdraft.models import ModelResolutionError, load_tokenizer
+        from specdraft.embedded import ModelResolutionError
+        from specdraft.models import load_tokenizer
 
         try:
             target_tok = load_tokenizer(verifier)
@@ -342,7 +343,7 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
     Raises:
         SpeculatorError: the verifier reference cannot be read, or ``out`` exists without ``overwrite``
             (nothing is written).
-        specdraft.models.CheckpointWeightsError: the draft holds tensors its class would not reload (named;
+        specdraft.weights.CheckpointWeightsError: the draft holds tensors its class would not reload (named;
             nothing is written).
     """
     out = Path(out)
@@ -473,7 +474,8 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
     """
     import shlex
 
-    from specdraft.models import EMBEDDED, ModelResolutionError, embedded_for_hub_id, serving_path
+    from specdraft.embedded import EMBEDDED, ModelResolutionError
+    from specdraft.models import embedded_for_hub_id, serving_path
 
     spec_dir = os.path.abspath(speculator_dir)
     d = read_config_json(spec_dir, role="speculator")
@@ -516,11 +518,11 @@ def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: s
         verifier: the verifier reference as given to the run, for the command (default: the recorded one).
 
     Raises:
-        specdraft.models.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
+        specdraft.weights.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
             buffers of a prepared draft saved as they are); checked from the file headers, nothing written.
     """
-    from specdraft.models import check_checkpoint_weights
     from specdraft.speculator import load_speculator_config
+    from specdraft.weights import check_checkpoint_weights
 
     check_checkpoint_weights(src)  # a copy must reload as the source was evaluated: refuse before writing
     dest = Path(dest)

@@ -107,7 +107,7 @@ class LlamaCpp:
 def llama_cpp_cache() -> Path:
     """Where the pinned converter is unpacked: ``$SPECDRAFT_CACHE/llama.cpp-VERSION`` (default
     ``~/.cache/specdraft/llama.cpp-VERSION``)."""
-    from specdraft.models import cache_root
+    from specdraft.embedded import cache_root
 
     return cache_root() / f"llama.cpp-{LLAMA_CPP_VERSION}"
 
@@ -609,7 +609,7 @@ def target_gguf_path(verifier: str) -> Path | None:
         if not path.is_file():
             raise GgufExportError(f"--verifier {verifier}: no such GGUF file.")
         return path.absolute()
-    from specdraft.models import EMBEDDED, ModelResolutionError, part_paths
+    from specdraft.embedded import EMBEDDED, ModelResolutionError, part_paths
 
     emb = EMBEDDED.get(verifier)
     if emb is not None and emb.kind == "file":
@@ -650,7 +650,7 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
     Raises:
         GgufExportError: ``out`` exists (without ``overwrite``) or is a directory; the quantizer or converter is
             missing; the converter refuses the model or its tokenizer; llama.cpp would refuse the pair.
-        specdraft.models.ModelResolutionError: a reference cannot be resolved.
+        specdraft.embedded.ModelResolutionError: a reference cannot be resolved.
     """
     import shlex
 

@@ -242,7 +242,7 @@ def headroom_sequences(target, tokenizer, examples: list[Example], config: Headr
     Without ``config.generate`` each example's existing reply (an assistant turn, or HumanEval's reference) is
     teacher-forced and only predictions of reply tokens count (:func:`specdraft.data.build_sequences` with
     ``answer_only``); with it, the target answers each prompt greedily with up to N tokens and the answers count
-    (:func:`specdraft.dump.generate_responses`). Sequences are cut to ``config.max_length``.
+    (:func:`specdraft.responses.generate_responses`). Sequences are cut to ``config.max_length``.
 
     Raises:
         specdraft.data.DataError: an example with no reply while ``generate`` is not set (names it and the fix).
@@ -257,7 +257,7 @@ def headroom_sequences(target, tokenizer, examples: list[Example], config: Headr
                             "humaneval).")
         seqs = build_sequences(tokenizer, examples, answer_only=True, max_length=config.max_length)
     else:
-        from specdraft.dump import generate_responses
+        from specdraft.responses import generate_responses
 
         prompts, responses = generate_responses(target, tokenizer, examples, config.generate,
                                                 real_vocab=len(tokenizer))
@@ -284,6 +284,7 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
         specdraft.data.DataError: see :func:`headroom_sequences`.
     """
     from specdraft.check import check_compatible
+    from specdraft.data import tokenizer_pad_id
     from specdraft.models import load_model
     from specdraft.vocab import CompatibilityError
 
@@ -296,7 +297,7 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
     target, tok = load_model(target_ref, dtype=config.dtype)
     names, seqs, masks = headroom_sequences(target, tok, examples, config)
     draft, _ = load_model(draft_ref, dtype=config.dtype)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    pad = tokenizer_pad_id(tok)
     res = forecast_headroom(target, draft, seqs, masks, config, names=names, real_vocab=len(tok), pad_id=pad,
                             progress=progress)
     return res | {"target": str(target_ref), "draft": str(draft_ref), "config": config.model_dump(),

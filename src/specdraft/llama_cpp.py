@@ -72,7 +72,7 @@ class LlamaCppError(GgufExportError):
 def build_cache() -> Path:
     """Where :func:`build_llama_cpp` builds: ``$SPECDRAFT_CACHE/llama.cpp-build-VERSION`` (``source/``, ``build/``,
     the binaries in ``build/bin``)."""
-    from specdraft.models import cache_root
+    from specdraft.embedded import cache_root
 
     return cache_root() / f"llama.cpp-build-{LLAMA_CPP_VERSION}"
 
@@ -641,7 +641,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     (``specdraft rank --engine llama.cpp``; α comes from :func:`specdraft.evaluate.rank_drafts`).
 
     GGUFs: ``target_gguf`` / ``draft_ggufs[name]`` where given, else an embedded model's packaged GGUF
-    (:func:`specdraft.models.embedded_gguf`); each draft's vocabulary is checked against the target's as llama.cpp
+    (:func:`specdraft.embedded.embedded_gguf`); each draft's vocabulary is checked against the target's as llama.cpp
     checks a ``-md`` draft (:func:`specdraft.gguf_export.check_pair`). Timings: the saved ``llama-bench -o json``
     files ``target_bench`` / ``draft_benches[name]`` where given, else llama-bench run on the GGUF
     (:func:`llama_bench`: tg 32, pp 2..9, ``threads`` threads, 3 repetitions each) — llama.cpp's tools are looked
@@ -656,12 +656,12 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
             missing and llama.cpp's tools not found (says how to build them: ``python -m specdraft.llama_cpp``), or a run or
             a saved file without the tests the speed model needs.
         specdraft.gguf_export.GgufExportError: llama.cpp would refuse a draft beside the target.
-        specdraft.models.ModelResolutionError: an embedded model's weight package is missing.
+        specdraft.embedded.ModelResolutionError: an embedded model's weight package is missing.
     """
     import shlex
 
+    from specdraft.embedded import EMBEDDED, embedded_gguf
     from specdraft.gguf_export import check_pair, read_gguf_vocab
-    from specdraft.models import EMBEDDED, embedded_gguf
     from specdraft.speed import llama_bench_speed_model
 
     say = progress or (lambda _msg: None)

@@ -27,7 +27,7 @@ whose inputs changed is refused, naming what changed, or redone from scratch wit
 that must not get worse). Before distillation every prompt is decoded by greedy speculative decoding, which
 writes the target's greedy answer (with the evaluation's draft preparation, int4 + trimmed head by default: any
 draft gives the same answer); the original and later the distilled draft are both counted by replaying their
-greedy rounds on those very answers (:func:`specdraft.evaluate.replay_greedy`'s method: exact for greedy
+greedy rounds on those very answers (:func:`specdraft.replay.replay_greedy`'s method: exact for greedy
 verification up to bf16 near-ties; tested against decoded counts), so the gain is paired prompt by prompt and
 costs one teacher-forced pass per model and prompt instead of a second decoding. Speed is measured once,
 interleaved, on a few prompts.
@@ -52,8 +52,10 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.config import PipelineConfig
+from specdraft.draft_model import HEAD_TOKENS_FORMAT
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.io import atomic_write_text, versions
-from specdraft.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelRef
+from specdraft.models import ModelRef
 
 _LOG = logging.getLogger("specdraft")
 
@@ -365,19 +367,16 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     the answers ``before`` holds (the same target answers: a paired comparison).
 
     The answers are written by the fastest lossless decoder (issue 22): the evaluation's draft preparation
-    (:func:`specdraft.evaluate.prepared_draft`: ``draft_quantization`` auto = int4 + trimmed head on CPU) with its γ
+    (:func:`specdraft.draft_model.apply_draft_options`: ``draft_quantization`` auto = int4 + trimmed head on CPU) with its γ
     policy (adaptive: the pair's costs from the calibration cache the speed stage shares). The acceptance counted is
     still the draft's as exported (bf16, fixed γ, by replay). A draft of another tokenizer decodes as loaded."""
 
     def run(d: Path) -> dict[str, Any]:
+        from specdraft.calibration import calibrate
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.evaluate import (
-            acceptance_eval,
-            cached_speed_model,
-            calibration_context,
-            prepared_draft,
-        )
+        from specdraft.draft_model import apply_draft_options
+        from specdraft.evaluate import acceptance_eval
         from specdraft.models import load_model
         from specdraft.vocab import build_vocab_mapping
 
@@ -388,19 +387,17 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
         encoded = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
         decoder, speed = None, None
         if before is None and mapping is None:
-            decoder = prepared_draft(draft, tok, cfg.eval)
+            decoder = apply_draft_options(draft, tok, cfg.eval)
             if cfg.eval.gamma_policy == "adaptive":
-                calib = calibration_context([ids for ids in itertools.chain(*encoded.values()) if len(ids) >= 2])
-                if calib:
-                    speed, _ = cached_speed_model(
-                        target, decoder, calib, max_gamma=max(cfg.eval.num_speculative_tokens, 8),
-                        cache_dir=cfg.eval.speed_cache_dir, refresh=not cfg.eval.speed_cache)
+                calibrated = calibrate(target, decoder, [ids for ids in itertools.chain(*encoded.values())
+                                                         if len(ids) >= 2], cfg.eval)
+                speed = calibrated[0] if calibrated is not None else None
         sets = {}
         for name, examples in plan.sets.items():
             answers = before["sets"][name]["answers"] if before is not None else None
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
                                          cfg.eval, serving, answers=answers, vocab_mapping=mapping,
-                                         decoder=decoder, speed_model=speed)
+                                         decoder=decoder, speed_model=speed).to_dict()
             sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
         atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
         del target, draft, decoder  # free the models before the next stage loads its own
@@ -468,7 +465,7 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.config import SamplingConfig
-        from specdraft.data import encode_prompts
+        from specdraft.data import encode_prompts, tokenizer_pad_id
         from specdraft.headroom import forecast_headroom
         from specdraft.models import load_model
 
@@ -482,7 +479,7 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
         serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
         res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
                                 serving=serving, real_vocab=len(tok),
-                                pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+                                pad_id=tokenizer_pad_id(tok))
         atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
         del target, draft
         gc.collect()
@@ -521,7 +518,7 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
-        from specdraft.dump import TeacherDataset
+        from specdraft.dump_reader import TeacherDataset
         from specdraft.export import copy_speculator
         from specdraft.models import load_tokenizer
 
@@ -607,7 +604,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         if not speed["lossless"]:
             raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
                                 f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
-    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": 1,
+    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": HEAD_TOKENS_FORMAT,
                                                       **({"gguf": cfg.export_gguf} if cfg.export_gguf else {})},
                           _export_stage(cfg, plan, distilled["speculator"], out / "dump"))
 

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.io import atomic_path, atomic_write_text
+from specdraft.speed import Contender
 from specdraft.stats import Estimate, paired_gain_from_rows
+
+
+def _draft_of(contender: str) -> str:
+    """The draft a divergence's contender decoded with (its kind for a contender without one)."""
+    c = Contender.from_name(contender)
+    return c.draft or c.kind
 
 
 def _fmt(v: Any, spec: str = "{:.3f}") -> str:
@@ -107,7 +114,7 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         c = sp["contenders"]
         o, d = c.get("speculative:original", {}), c.get("speculative:distilled", {})
         t = c["target"]
-        hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
+        hf = next((v for k, v in c.items() if Contender.from_name(k).kind == "hf_assisted"), None)
         rows = [
             ("target alone, tokens/s", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"), "(same run)"),
             ("speculative, tokens/s", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
@@ -265,7 +272,7 @@ def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str,
     ax.legend(fontsize=7)
 
 
-def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
+def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The four questions a user asks of a pair, answered from a ``specdraft run`` report, figures after words:
     ``[(question, answer), …]`` — the terminal summary and ``report.md`` lead with these."""
     check = r.get("check") or {}
@@ -281,13 +288,14 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     faster = []
     for name, sp in speed_sets(r).items():
         c = sp["contenders"]
-        best = max((k for k in c if k.startswith("speculative:")), key=lambda k: c[k].get("speedup") or 0, default=None)
+        best = max((k for k in c if Contender.from_name(k).kind == "speculative"), key=lambda k: c[k].get("speedup") or 0,
+                   default=None)
         if swap_baseline(r) is not None and "speculative:distilled" in c:
             best = "speculative:distilled"  # the original speaks another tokenizer: the shippable draft leads
         if best is None:
             continue
         b = c[best]
-        hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
+        hf = next((v for k, v in c.items() if Contender.from_name(k).kind == "hf_assisted"), None)
         vs_hf = f", {b['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers' assisted generation" if hf and \
             hf.get("tokens_per_s") else ""
         word = "faster" if (b.get("speedup_ci95") or [0])[0] > 1 else "not faster" if (b.get("speedup") or 0) < 1 \
@@ -321,11 +329,11 @@ def answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("Can the draft agree more?", ("; ".join(learn) + ".") if learn else "not measured."))
     exp = r.get("export") or {}
     divs = [d for sp in speed_sets(r).values() for d in sp.get("divergences", [])
-            if not str(d.get("contender", "")).startswith("hf_assisted")]
+            if Contender.from_name(str(d.get("contender", ""))).kind != "hf_assisted"]
     if speed_sets(r):
         same = ", ".join(f"{SET_LABELS.get(n, n)} {sp['contenders'][k].get('matches_target', '—')}"
                          for n, sp in speed_sets(r).items() for k in sp["contenders"] if k == "speculative:original")
-        detail = "; ".join(f"{d['prompt_id']} token {d['position']} ({str(d.get('contender', '?')).split(':', 1)[-1]} "
+        detail = "; ".join(f"{d['prompt_id']} token {d['position']} ({_draft_of(str(d.get('contender', '?')))} "
                            f"draft): top-2 margin {d['margin']:.4f} "
                            f"({'a bf16 near-tie, within' if d.get('is_numerics') else 'BEYOND'} the {d['tolerance']} "
                            "tolerance)" for d in divs)
@@ -366,7 +374,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# specdraft run — {cfg['target']} ← {cfg['draft']}",
         "",
-        *[f"**{q}** {a}\n" for q, a in answers(r)],
+        *[f"**{q}** {a}\n" for q, a in questions_and_answers(r)],
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
          f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min"
          + _resumed_total(r) + "."),

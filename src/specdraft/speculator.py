@@ -275,7 +275,7 @@ class IndependentSpeculatorConfig(BaseModel):
 
         Raises:
             SpeculatorError: invalid speculator keys, a non-causal-LM config, γ < 1.
-            specdraft.models.ModelResolutionError: the reference cannot be resolved.
+            specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
         """
         if isinstance(config, IndependentSpeculatorConfig):
             d = None
@@ -382,7 +382,7 @@ def load_speculator_config(
         NotASpeculatorError: a plain model config ("not a speculator checkpoint — convert it with
             `specdraft convert`").
         SpeculatorError: an unknown ``speculators_model_type`` or an invalid ``speculators_config``.
-        specdraft.models.ModelResolutionError: the reference cannot be resolved.
+        specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
     """
     if isinstance(config, IndependentSpeculatorConfig):
         return config.model_copy(deep=True)
@@ -433,7 +433,7 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
 
     Raises:
         SpeculatorError: the reference's config.json is unreadable, or no name / architecture can be found.
-        specdraft.models.ModelResolutionError: the reference cannot be resolved.
+        specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
     """
     if isinstance(verifier, VerifierConfig):
         return verifier if name_or_path is None else verifier.model_copy(update={"name_or_path": name_or_path})
@@ -546,7 +546,7 @@ class IndependentSpeculator:
             ``None`` when none ran.
         corrections: ``{config key: (before, after)}`` for draft config values set to match its tensors (a
             ``tie_word_embeddings: true`` next to an untied output head becomes false:
-            :func:`specdraft.models.match_tie_flag`), on loading or saving; the saved ``config.json`` then differs
+            :func:`specdraft.weights.match_tie_flag`), on loading or saving; the saved ``config.json`` then differs
             from the draft's own in those keys.
     """
 
@@ -797,7 +797,7 @@ class IndependentSpeculator:
 
         Raises:
             SpeculatorError: no verifier named (nothing is written), or ``push_to_hub=True``.
-            specdraft.models.CheckpointWeightsError: the draft's state dict is not what its class loads back
+            specdraft.weights.CheckpointWeightsError: the draft's state dict is not what its class loads back
                 (names the tensors; nothing is written).
         """
         from specdraft.io import atomic_path
@@ -806,7 +806,7 @@ class IndependentSpeculator:
             raise SpeculatorError("push_to_hub is not supported: save locally, then upload the directory.")
         self.speculator_config.speculators_config  # noqa: B018 - raises before any file is written
         from specdraft.draft_model import dense_draft
-        from specdraft.models import check_model_weights, match_tie_flag
+        from specdraft.weights import check_model_weights, match_tie_flag
 
         # A draft prepared for decoding (int8/int4 layers, a trimmed head) is written as its dense equivalent: its
         # own buffers are not weights its class loads, and transformers would initialise those layers at random.
@@ -853,8 +853,8 @@ class IndependentSpeculator:
         Raises:
             SpeculatorError: not a causal LM (names its architecture), invalid speculator keys, γ < 1, a
                 non-detached mode with no verifier recorded or given.
-            specdraft.models.ModelResolutionError: the reference cannot be resolved.
-            specdraft.models.CheckpointWeightsError: weights missing from or left over in the checkpoint (named),
+            specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
+            specdraft.weights.CheckpointWeightsError: weights missing from or left over in the checkpoint (named),
                 never filled in at random (:func:`specdraft.models.load_causal_lm`).
         """
         import torch

@@ -2,7 +2,7 @@
 
 Leviathan et al. (2023, Theorem 3.8) price a round of γ drafts at γ·c + 1 target passes, assuming a target pass
 over γ+1 tokens costs what a one-token pass costs. On CPU it does not (verifying 6 tokens costs the 1.5B Qwen
-target more than generating one), so the model here takes measured costs (:func:`specdraft.evaluate.measure_speed_model`,
+target more than generating one), so the model here takes measured costs (:func:`specdraft.calibration.measure_speed_model`,
 once per pair):
 
 * t(k): seconds of one target pass over k new tokens, k = 1..γ+1 (the target alone runs t(1) per token);
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Literal
 
 from specdraft.acceptance import expected_tokens_per_pass
 
@@ -298,3 +299,24 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
                      "draft_step_ms": 1e3 * speed.draft_s, "target_step_ms": 1e3 * speed.target_s[0],
                      "cost_ratio_c": speed.cost_ratio, "speed_model": speed.to_dict()})
     return sorted(rows, key=lambda r: -r["predicted_speedup"])
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One decoder the speed stage times (:func:`specdraft.evaluate.interleaved_speed`): the target alone,
+    specdraft's speculative decoding with a named draft, or transformers' assisted generation with one. Its
+    :attr:`name` keys the result's ``contenders`` and ``rows``: ``target``, ``speculative:<draft>``,
+    ``hf_assisted:<draft>``."""
+
+    kind: Literal["target", "speculative", "hf_assisted"]
+    draft: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.draft is None else f"{self.kind}:{self.draft}"
+
+    @classmethod
+    def from_name(cls, name: str) -> Contender:
+        """The contender a result's key names (the inverse of :attr:`name`)."""
+        kind, _, draft = name.partition(":")
+        return cls(kind, draft or None)  # type: ignore[arg-type]

@@ -64,8 +64,9 @@ def plan_independent(config: dict[str, Any], model: str,
     Raises:
         specdraft.speculator.SpeculatorError: the config is not a valid independent speculator.
     """
+    from specdraft.embedded import ModelResolutionError
     from specdraft.export import vllm_speculative_config, vocab_width
-    from specdraft.models import ModelResolutionError, serving_path
+    from specdraft.models import serving_path
     from specdraft.speculator import IndependentSpeculatorConfig, SpeculatorError, read_config_json
 
     recorded = IndependentSpeculatorConfig.from_speculator_dict(config).speculators_config.verifier.name_or_path

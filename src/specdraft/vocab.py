@@ -169,7 +169,8 @@ def load_tokenizer_view(ref, config, role: str) -> TokenizerView:
         return tokenizer_view(ref, config=config)
     from transformers import AutoConfig, AutoTokenizer
 
-    from specdraft.models import ModelResolutionError, resolve
+    from specdraft.embedded import ModelResolutionError
+    from specdraft.models import resolve
 
     path = resolve(ref)
     try:

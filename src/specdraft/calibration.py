@@ -1,0 +1,289 @@
+"""Calibration: the pair's measured costs (the speed model), their cache, and the machine-load monitor.
+
+:func:`calibrate` is the one rule every stage uses (eval, the speed stage, rank, generate, the pipeline): the
+pair's costs measured on the prompt of median length (:func:`calibration_context`; the draft's context re-encoded
+for a draft of another tokenizer), γ's bound ``max(γ, 8)``, read from and written to the calibration cache as the
+configuration says (:func:`cached_speed_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdraft.config import EvalConfig
+from specdraft.decode import _Stream
+from specdraft.draft_model import describe_draft
+from specdraft.sampling import output_width
+from specdraft.speed import SpeedModel
+
+
+@torch.no_grad()
+def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: int = 3, warmup: int = 1,
+                 last_only: bool = False) -> tuple[dict[int, float], float]:
+    """Wall-clock cost of one forward pass over k new tokens after reading ``context``, batch 1, for each k.
+
+    The pass runs as decoding runs it (:class:`~specdraft.decode._Stream`: the same cache, masks and logits); the
+    k new tokens are rolled back after each pass, so every pass sees the same ``len(context)`` cached tokens. The
+    widths are interleaved within each repeat, so machine noise hits them alike.
+
+    Args:
+        model: a causal LM.
+        context: token ids read first (≥ 2).
+        widths: the k to time.
+        repeats / warmup: timed / untimed rounds over all widths; the median of the timed ones is returned.
+        last_only: score only the last position (a draft step) instead of all k (a verification pass).
+
+    Returns:
+        ``({k: seconds}, prefill_seconds)``: the median pass time per k, and the faster of two reads of
+        ``context[:-1]`` (the prompt prefill decoding does).
+    """
+    device = next(model.parameters()).device
+    width = output_width(model)
+    stream = _Stream(model, 1, width, width, device)
+    ids = torch.tensor([list(context)], device=device)
+    prefill = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        stream.forward(ids[:, :-1], torch.ones_like(ids[:, :-1]), logits_to_keep=1)
+        prefill.append(time.perf_counter() - t0)
+        if len(prefill) < 2:
+            stream.keep(0, torch.zeros(1, dtype=torch.long, device=device))
+    start = stream.length
+    new = ids[:, -1:].repeat(1, max(widths))  # the content of the tokens does not change the cost
+    samples: dict[int, list[float]] = {k: [] for k in widths}
+    for r in range(warmup + repeats):
+        for k in widths:
+            t0 = time.perf_counter()
+            stream.forward(new[:, :k], torch.ones_like(new[:, :k]), logits_to_keep=1 if last_only else 0)
+            if r >= warmup:
+                samples[k].append(time.perf_counter() - t0)
+            stream.keep(start, torch.zeros(1, dtype=torch.long, device=device))
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}, min(prefill)
+
+
+def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
+                        draft_context: Sequence[int] | None = None) -> SpeedModel:
+    """The pair's :class:`~specdraft.speed.SpeedModel`: t(k) for k = 1..max_gamma+1 (target, all k positions
+    scored, as verification does; the least-squares line through the timings, :meth:`SpeedModel.from_measurements`),
+    d (draft, one token, last position scored), and both prompt prefills, measured after reading ``context``
+    (``draft_context`` for a draft of another tokenizer: the context in its ids).
+
+    Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes (about 10 s for the 1.5B Qwen target on 2 CPU
+    threads); speeds are those of the machine at the time, so measure on the machine that decodes.
+    """
+    t, t_prefill = pass_seconds(target, context, range(1, max_gamma + 2), repeats=repeats)
+    d, d_prefill = pass_seconds(draft, draft_context or context, [1], repeats=repeats + 2, last_only=True)
+    return SpeedModel.from_measurements(t, d[1], target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
+                                        context=len(context))
+
+
+#: Other processes' share of the machine's CPU time (0..1) above which timings are marked as taken on a busy machine
+#: (two low-priority jobs beside `make run` on 2 cores halved the target's tokens/s: 4.06 instead of ~7.4).
+BUSY_SHARE = 0.2
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """``(busy, total)`` jiffies of all CPUs since boot (``/proc/stat``), or ``None`` where it cannot be read."""
+    try:
+        fields_ = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields_[3] + (fields_[4] if len(fields_) > 4 else 0)  # idle + iowait
+    return sum(fields_[:8]) - idle, sum(fields_[:8])
+
+
+class LoadMonitor:
+    """How busy the machine was, from the outside, while a timed stage ran: other processes' share of all CPU time.
+
+    ``with LoadMonitor() as load: ...`` then ``load.others_share`` (0..1: CPU time of every other process over the
+    machine's CPU time in the interval, from ``/proc/stat`` less this process's own ``os.times()``) and ``load.busy``
+    (share > :data:`BUSY_SHARE`). ``None`` / False where ``/proc/stat`` does not exist.
+    """
+
+    def __enter__(self) -> LoadMonitor:  # noqa: PYI034
+        self._start, self._own = _cpu_jiffies(), sum(os.times()[:2])
+        self._t0 = time.perf_counter()
+        self.others_share: float | None = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = _cpu_jiffies()
+        if self._start is None or end is None:
+            return
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        busy, total = end[0] - self._start[0], end[1] - self._start[1]
+        own = (sum(os.times()[:2]) - self._own) * hz
+        if total > 0:
+            self.others_share = max(0.0, min(1.0, (busy - own) / total))
+
+    @property
+    def busy(self) -> bool:
+        return self.others_share is not None and self.others_share > BUSY_SHARE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"others_cpu_share": self.others_share, "busy": self.busy, "threshold": BUSY_SHARE}
+
+
+#: Version of the calibration cache's key and file layout (:func:`cached_speed_model`); a change misses every entry.
+SPEED_CACHE_FORMAT = 1
+
+
+@torch.no_grad()
+def model_fingerprint(model) -> str:
+    """A sha256 of what a model computes with, cheap enough to take before every evaluation: its class, config
+    (without ``_name_or_path``), every parameter's and buffer's name, shape, dtype and device type, and up to 64 values
+    read at a stride through each tensor (a changed weight, a distilled draft, a new quantisation all change it)."""
+    import hashlib
+
+    h = hashlib.sha256(type(model).__name__.encode())
+    cfg = model.config.to_dict() if hasattr(model, "config") else {}
+    cfg.pop("_name_or_path", None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            sample = flat[:: max(1, flat.numel() // 64)][:64]
+            h.update(sample.to(torch.float32).cpu().numpy().tobytes() if sample.is_floating_point() or
+                     sample.dtype == torch.bfloat16 else sample.to(torch.int64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
+    """What a calibration depends on: both models (:func:`model_fingerprint`, the draft as prepared), the draft's
+    preparation, γ's bound, the device, the machine (CPU model, cores), torch's version and threads, OpenMP's wait
+    policy. Two calibrations with equal keys would measure the same costs up to machine noise."""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    device = next(target.parameters()).device
+    return {"format": SPEED_CACHE_FORMAT, "target": model_fingerprint(target), "draft": model_fingerprint(draft),
+            "preparation": describe_draft(draft), "max_gamma": max_gamma, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+            "cpu_count": os.cpu_count(), "dtype": str(next(target.parameters()).dtype)} | machine_info()
+
+
+def calibration_context(prompt_ids: Sequence[Sequence[int]]) -> list[int]:
+    """The prompt the pair's costs are measured on (:func:`measure_speed_model`): the one of median length among
+    ``prompt_ids`` (``[n]`` token id lists; ties broken by order), ``[]`` when there is none."""
+    return list(sorted(prompt_ids, key=len)[len(prompt_ids) // 2]) if prompt_ids else []
+
+
+def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
+                       draft_context: Sequence[int] | None = None, cache_dir: str | Path | None = None,
+                       refresh: bool = False) -> tuple[SpeedModel, str]:
+    """:func:`measure_speed_model`, measured once per :func:`speed_cache_key` and then read back.
+
+    Entries live in ``cache_dir`` (default ``$SPECDRAFT_SPEED_CACHE``, else ``$SPECDRAFT_CACHE/speed``), one JSON file per key, named by the key's
+    sha256 and holding the key itself: an entry is used only when its stored key equals this call's key in every
+    field (a file renamed or written for other models, another preparation, thread count, torch or machine is a
+    miss, never a hit), and is replaced atomically after a new measurement. The cached costs are those of the
+    calibration context (``context`` of the first call).
+
+    A calibration measured while other processes held more than :data:`BUSY_SHARE` of the CPU
+    (:class:`LoadMonitor`) is returned but not cached. A hit is spot-checked first (:func:`_stale_costs`: t(1) and d
+    timed now): the same machine kind can run at half the speed on another day, so a hit whose costs no longer hold
+    is re-measured and replaced.
+
+    Returns:
+        ``(speed_model, source)``: source ``"cache, measured <ISO time>: <path of the entry>"``, ``"measured"``,
+        ``"measured (the cached costs were stale: …)"``
+        or ``"measured on a busy machine (…)"``.
+    """
+    import hashlib
+
+    from specdraft.embedded import cache_root
+    from specdraft.io import atomic_write_text
+
+    key = speed_cache_key(target, draft, max_gamma)
+    root = Path(cache_dir or os.environ.get("SPECDRAFT_SPEED_CACHE") or cache_root() / "speed")
+    path = root / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32] + ".json")
+    refresh_reason = None
+    if not refresh and path.is_file():
+        cached = None
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            saved = json.loads(path.read_text())
+            if json.loads(json.dumps(key, default=str)) == saved["key"]:
+                cached = SpeedModel.from_dict(saved["speed_model"])
+        if cached is not None:
+            refresh_reason = _stale_costs(cached, target, draft, context, draft_context)
+            if refresh_reason is None:
+                return cached, f"cache, measured {saved.get('measured_at', 'at an unrecorded time')}: {path}"
+    with LoadMonitor() as load:
+        speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
+                                    draft_context=draft_context)
+    if load.busy:  # costs measured beside other work would price every later run wrongly: not cached
+        return speed, f"measured on a busy machine (other processes held {load.others_share:.0%} of the CPU; not cached)"
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"key": key, "speed_model": speed.to_dict(),
+                                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, default=str, indent=1))
+    return speed, (f"measured ({refresh_reason})" if refresh_reason else "measured")
+
+
+#: A cached calibration is re-measured when a spot check of t(1) or d differs from it by more than this factor and by
+#: more than :data:`STALE_ABS_S` (the same VM kind ran the 1.5B bf16 target's step at 135 ms one day and 290 ms the
+#: next: a key of models, machine, torch and threads cannot see that; a prediction off by +97% did).
+STALE_FACTOR = 1.5
+STALE_ABS_S = 0.02
+
+
+def _stale_costs(cached: SpeedModel, target, draft, context: Sequence[int],
+                 draft_context: Sequence[int] | None) -> str | None:
+    """Spot-check a cached calibration: time t(1) and d now (2 repeats each, about one prefill and a few passes) and
+    say why the cache is stale (both of two checks in a row), or ``None`` when t(1) and d agree with it within
+    :data:`STALE_FACTOR` or :data:`STALE_ABS_S`."""
+    def check() -> str | None:
+        t, _ = pass_seconds(target, context, [1], repeats=2)
+        d, _ = pass_seconds(draft, draft_context or context, [1], repeats=2, last_only=True)
+        for name, now, then in (("t(1)", t[1], cached.target_s[0]), ("d", d[1], cached.draft_s)):
+            if abs(now - then) > STALE_ABS_S and not (1 / STALE_FACTOR <= now / max(then, 1e-12) <= STALE_FACTOR):
+                return f"the cached costs were stale: {name} {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms cached"
+        return None
+
+    # Stale only when two spot checks in a row say so: one pass caught by a hiccup of the machine is not a new day.
+    return check() and check()
+
+
+def machine_info() -> dict[str, Any]:
+    """What the speeds depend on besides the models: torch's intra-op threads, OpenMP's wait policy (``"unset"`` =
+    libgomp's default, which spins briefly between parallel regions; ``PASSIVE`` makes each of a CPU draft step's
+    ~200 small operations wake a sleeping thread: the 0.5B int4 draft step 29-34 ms against 16-19 ms unset or
+    ``ACTIVE``, 2 cores), the CPU architecture and torch's version."""
+    return {"cpu_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "machine": platform.machine(), "torch": torch.__version__}
+
+
+def machine_line() -> str:
+    """:func:`machine_info` as the one line the benchmark results carry: ``"x86_64, 2 threads, OMP_WAIT_POLICY=…"``."""
+    m = machine_info()
+    return f"{m['machine']}, {m['cpu_threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}"
+
+
+def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalConfig,
+              vocab_mapping=None) -> tuple[SpeedModel, str] | None:
+    """The pair's :class:`~specdraft.speed.SpeedModel` and where it came from, or ``None`` without a prompt of 2+ tokens.
+
+    Measured on :func:`calibration_context` of ``prompt_ids`` (``[n]`` token id lists); for a draft of another
+    tokenizer (``vocab_mapping``) the draft reads that prompt re-encoded in its ids (when that is 2+ tokens). γ's
+    bound is ``max(config.num_speculative_tokens, 8)``; the cache is ``config.speed_cache_dir``, read unless
+    ``config.speed_cache`` is False (:func:`cached_speed_model`).
+    """
+    calib = calibration_context(prompt_ids)
+    if len(calib) < 2:
+        return None
+    d_calib = vocab_mapping.reencode_batch_for_draft([list(calib)])[0] if vocab_mapping is not None else None
+    return cached_speed_model(target, draft, calib, max_gamma=max(config.num_speculative_tokens, 8),
+                              draft_context=d_calib if d_calib and len(d_calib) >= 2 else None,
+                              cache_dir=config.speed_cache_dir, refresh=not config.speed_cache)

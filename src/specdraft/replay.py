@@ -1,0 +1,191 @@
+"""Teacher-forced α and greedy replay: how far a draft agrees with the target, with no decoding.
+
+:func:`predicted_alpha` scores sequences with both models once (α = Σ min(p, q) per counted position, p = target,
+q = draft, after the serving filter); :func:`replay_greedy` turns the draft's teacher-forced argmax over the target's
+own greedy answers into the rounds greedy speculative decoding would run (exact for greedy, batch 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specdraft.acceptance import AcceptanceCounts
+from specdraft.config import SamplingConfig
+from specdraft.decode import left_pad
+from specdraft.losses import sum_min
+from specdraft.models import takes_logits_to_keep
+from specdraft.sampling import align_logits, filtered_probs, greedy_probs, output_width
+
+
+@torch.no_grad()
+def _tail_logits(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
+    """``[B, keep, V]`` logits of the last ``keep`` positions of a left-padded batch. The output head runs only
+    there (transformers' ``logits_to_keep``: the head is applied to ``hidden_states[:, -keep:]``) when the model's
+    forward takes it; otherwise every position is scored and the tail is sliced (same values)."""
+    if 0 < keep < ids.shape[1] and takes_logits_to_keep(model):
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
+
+
+def predicted_alpha(
+    target,
+    draft,
+    sequences: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]] | None = None,
+    sampling: SamplingConfig | None = None,
+    real_vocab: int | None = None,
+    batch_size: int = 4,
+    pad_id: int = 0,
+) -> dict[str, Any]:
+    """Teacher-forced α (mean over positions of Σ_x min(p(x), q(x)), no decoding), and the draft's argmax at each
+    counted position: what a replay (:func:`replay_answer`, :func:`replay_greedy`) needs, from the same passes.
+
+    Both models score each sequence once; at every position where ``masks`` is 1 (default: every position
+    but the last) α = Σ min(p, q) with p and q after the serving filter (greedy: one-hot argmax, so α is the
+    argmax agreement).
+
+    Args:
+        sequences: token id lists (a prompt, or a prompt plus a response).
+        masks: per sequence, 1 where the next-token distribution counts (same length as the sequence).
+        sampling: the serving filter; greedy by default.
+        real_vocab: ``len(tokenizer)``: ids past it are padding rows with zero probability.
+
+    Returns:
+        ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float, "per_sequence":
+        [[alpha_sum, positions], …], "draft_top1": [[id, …], …]}`` (counts first: sums and positions merge across
+        calls and sequences; ``draft_top1``: per sequence the draft's argmax over the real vocabulary at each
+        counted position, in order — what :func:`replay_greedy` compares with the target's answer).
+
+    Both heads run only over the tail of each batch that holds counted positions (``logits_to_keep``): with masks
+    over answers, the prompt positions are not scored.
+    """
+    sampling = sampling or SamplingConfig()
+    width = output_width(target)
+    total, n, agree = 0.0, 0, 0
+    per_sequence: list[list[float]] = []
+    draft_top1: list[list[int]] = []
+    device = next(target.parameters()).device
+    for start in range(0, len(sequences), batch_size):
+        chunk = [list(s) for s in sequences[start:start + batch_size]]
+        ids, attn = left_pad(chunk, pad_id, device)
+        cm = torch.zeros_like(attn)
+        for i, s in enumerate(chunk):
+            m = list(masks[start + i]) if masks is not None else [1] * (len(s) - 1) + [0]
+            if len(m) != len(s):
+                raise ValueError(f"mask {start + i} has length {len(m)}, sequence has {len(s)}")
+            cm[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        counted = cm.any(0).nonzero()
+        keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the tail holding every counted position
+        cm = cm[:, -keep:]
+        p_logits = align_logits(_tail_logits(target, ids, attn, pos, keep), width, real_vocab)
+        q_logits = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab)
+        sel = cm.bool()
+        p_l, q_l = p_logits[sel], q_logits[sel]  # [N, V]
+        if sampling.greedy:
+            p, q = greedy_probs(p_l), greedy_probs(q_l)
+        else:
+            p = filtered_probs(p_l, sampling.temperature, sampling.top_k, sampling.top_p)
+            q = filtered_probs(q_l, sampling.temperature, sampling.top_k, sampling.top_p)
+        a = sum_min(p, q).double()  # [N]
+        row = sel.nonzero()[:, 0]  # the sequence of each selected position
+        sums = torch.zeros(len(chunk), dtype=torch.float64, device=a.device).index_add_(0, row, a)
+        per_sequence += [[float(x), int(c)] for x, c in zip(sums.tolist(), sel.sum(1).tolist())]
+        q_top1 = q_l.argmax(-1)
+        draft_top1 += [q_top1[row == i].tolist() for i in range(len(chunk))]
+        total += float(a.sum())
+        agree += int((p_l.argmax(-1) == q_top1).sum())
+        n += int(sel.sum())
+    # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
+    return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
+            "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence, "draft_top1": draft_top1}
+
+
+@torch.no_grad()
+def replay_greedy(
+    draft,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_id: Sequence[int] = (),
+    real_vocab: int | None = None,
+    batch_size: int = 4,
+    pad_id: int = 0,
+) -> list[AcceptanceCounts]:
+    """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt.
+
+    Greedy verification accepts a drafted token iff it equals the target's argmax, and the output is the
+    target's greedy response y. So inside a round that starts after y[:n], the draft's i-th proposal is read in
+    the context y[:n + i] as long as the earlier ones were accepted: the round accepts exactly the run of
+    positions n, n+1, … (at most k) where the draft's teacher-forced argmax equals y, and the target then emits
+    y[n + accepted]. Replaying :func:`~specdraft.decode.speculative_generate`'s rounds (batch 1: k = min(γ,
+    what the row can still emit − 1), an EOS or the length bound ending a row, a row ending inside the accepted
+    block) over that agreement vector gives its counts without decoding; only rounding differs (a full-sequence
+    pass vs cached steps can flip a near-tie argmax in bfloat16), which :func:`run_eval` can check against
+    decoded counts. One target answer serves every draft compared on it (before/after distillation, paired).
+
+    Args:
+        draft: causal LM sharing the target's tokenizer.
+        prompts: ``[n]`` prompt id lists; ``responses``: ``[n]`` the target's greedy answers (EOS included).
+        num_speculative_tokens: γ; ``max_new_tokens``: the bound the answers were generated with.
+        eos_token_id: ids that end a row (as given to the decoding).
+        real_vocab: ids at or past it are padding rows (never proposed).
+
+    Returns:
+        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
+    """
+    eos = set(eos_token_id)
+    width = draft.get_output_embeddings().weight.shape[0]
+    device = next(draft.parameters()).device
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [(list(p), list(r)) for p, r in zip(prompts[start:start + batch_size],
+                                                    responses[start:start + batch_size], strict=True)]
+        ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        keep = max(len(r) for _, r in chunk) + 1  # the head scores only the answers' predicting positions
+        guess = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
+        for i, (p, y) in enumerate(chunk):
+            first = keep - len(y) - 1  # left padding: the last prompt position predicts y[0]
+            out.append(replay_answer(guess[i, first:first + len(y)].tolist(), y, num_speculative_tokens,
+                                      max_new_tokens, eos))
+    return out
+
+
+def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_tokens: int,
+                   eos: set[int]) -> AcceptanceCounts:
+    """:func:`_replay_rounds` from the draft's teacher-forced argmax at each answer position (``draft_top1[j]``
+    predicts ``y[j]``): the one place a replay turns argmaxes into matches."""
+    return _replay_rounds([int(g) == t for g, t in zip(draft_top1, y)], y, gamma, max_new_tokens, eos)
+
+
+def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
+    """The rounds of greedy speculative decoding (batch 1) over the agreement vector ``match`` (see
+    :func:`replay_greedy`), recorded as :meth:`AcceptanceCounts.record_round` is by the decoder."""
+    counts = AcceptanceCounts(gamma)
+    n = 0
+    while n < len(y):
+        k = max(0, min(gamma, max_new_tokens - n - 1))
+        acc = 0
+        while acc < k and n + acc < len(y) and match[n + acc]:
+            acc += 1
+        kept, ended = 0, False
+        for t in range(acc + 1):  # the accepted drafts, then the target's own token
+            if n + t >= len(y):
+                break
+            kept += 1
+            ended = y[n + t] in eos or n + t + 1 >= max_new_tokens
+            if ended:
+                break
+        if ended and kept <= acc:  # ended inside the accepted block: no target token
+            counts.record_round(kept, n_proposed=kept, bonus=False)
+        else:
+            counts.record_round(acc, n_proposed=k, bonus=True)
+        n += kept
+        if ended:
+            break
+    return counts

@@ -1,0 +1,85 @@
+"""The model answers prompts: responses generated with the decoder's target-only loop, for dumps and distillation.
+
+Beside :mod:`specdraft.decode` (whose :func:`~specdraft.decode.target_generate` runs them): a dump's responses are
+the target's own answers (:func:`generate_responses`, ``specdraft dump --generate`` and the headroom forecast), and
+on-policy distillation has the draft answer (:func:`generate_from_ids`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from specdraft.data import Example
+
+
+def generate_responses(target, tokenizer, examples: list[Example], max_new_tokens: int, sampling=None,
+                       seed: int = 0, real_vocab: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """The target answers each example's prompt (chat template, generation prompt), in one left-padded batch.
+
+    Args:
+        target: causal LM (eval mode).
+        tokenizer: its tokenizer.
+        examples: prompts (messages up to the first assistant turn are used).
+        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
+        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
+        seed: seed of the sampling generator.
+        real_vocab: ids at or past it are padding rows and never generated.
+
+    Returns:
+        ``(prompts, responses)``: per example the prompt ids and the generated ids.
+    """
+    from specdraft.data import encode_prompts
+
+    prompts = encode_prompts(tokenizer, examples)
+    return prompts, generate_from_ids(target, tokenizer, prompts, max_new_tokens, sampling, seed, real_vocab)
+
+
+def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
+                      real_vocab: int | None = None) -> list[list[int]]:
+    """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
+    the draft for on-policy distillation (:class:`specdraft.distill.DraftWriter`).
+
+    Args:
+        model: causal LM (in eval mode for the call; its training mode is restored after).
+        tokenizer: the shared tokenizer (pad id; its EOS joins the model's ``generation_config`` EOS ids).
+        prompts: ``[n]`` token-id lists (chat template already applied).
+        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
+        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
+        seed: seed of the sampling generator.
+        real_vocab: ids at or past it are padding rows and never generated.
+
+    Returns:
+        ``[n]`` generated id lists (prompt excluded, EOS included).
+
+    Raises:
+        DumpError: bad generation settings (a prompt plus N beyond the context window).
+    """
+    import torch
+
+    from specdraft.config import SamplingConfig
+    from specdraft.data import tokenizer_pad_id
+    from specdraft.decode import DecodeError, left_pad, target_generate
+    from specdraft.dump_reader import DumpError
+
+    sampling = sampling or SamplingConfig()
+    device = next(model.parameters()).device
+    pad = tokenizer_pad_id(tokenizer)
+    ids, mask = left_pad(prompts, pad, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            responses, _ = target_generate(model, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
+                                           eos_token_id=sorted(eos_ids) or None, real_vocab=real_vocab,
+                                           generator=gen)
+    except DecodeError as exc:
+        raise DumpError(f"--generate: {exc}") from exc
+    finally:
+        model.train(was_training)
+    return responses
