@@ -169,7 +169,9 @@ def legacy_args(cmd, args: list[str]) -> list[str]:
             break
         name, eq, value = a.partition("=")
         if name in RENAMED and RENAMED[name] in opts and name not in opts:
-            out.append(RENAMED[name] + eq + value)
+            out += [RENAMED[name], value] if eq else [RENAMED[name]]
+        elif name == "--prompts" and eq:  # `--prompts=SPEC`: two tokens, so a count below can find its spec
+            out += [name, value]
         elif name in SOURCE_PARTS and "--prompts" in opts and name not in opts:
             value = value if eq else next(it, "")
             part, least = SOURCE_PARTS[name]
