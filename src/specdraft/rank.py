@@ -99,7 +99,7 @@ def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, conf
     A draft of another tokenizer is calibrated through a vocabulary mapping. Under ``engine="llama.cpp"`` the GGUFs
     and llama-bench timings are found first (``llama``: ``target_gguf``, ``draft_ggufs``, ``target_bench``,
     ``draft_benches``, ``llama_cpp_bin``; :func:`specdraft.llama_cpp.rank_inputs`), before any model loads.
-    ``progress(step)`` names each step.
+    ``progress(step)`` names each llama.cpp step and each draft's calibration.
 
     Raises:
         ModelResolutionError: a reference that names no model.
@@ -117,12 +117,10 @@ def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, conf
     if engine == "llama.cpp":
         from specdraft.llama_cpp import rank_inputs
 
-        say("llama.cpp: GGUFs and llama-bench timings")
         llama = dict(llama or {})
         inputs = rank_inputs(target, drafts, llama.get("target_gguf"), llama.get("draft_ggufs"),
                              llama.get("target_bench"), llama.get("draft_benches"), llama.get("llama_cpp_bin"),
                              threads, progress=say)
-    say("loading the target")
     t, tok = load_model(tpath, dtype=config.dtype)
     ids = encode_prompts(tok, examples)
 

@@ -75,7 +75,7 @@ def status_lines(status) -> Callable[[str], None]:
     def say(line: str) -> None:
         status.update(f"{line}…")
         if not console.is_terminal:
-            err_console.print(f"{line}…", highlight=False, markup=False)
+            err_console.print(f"{line}…", highlight=False, markup=False, soft_wrap=True)
 
     return say
 
