@@ -13,7 +13,14 @@ import typer.main
 from typer.testing import CliRunner
 
 from specdraft.cli import COMMANDS, app
-from specdraft.config import DistillConfig, DumpConfig, EvalConfig, ExportConfig, HeadroomConfig, SamplingConfig
+from specdraft.config import (
+    DistillConfig,
+    DumpConfig,
+    EvalConfig,
+    ExportConfig,
+    HeadroomConfig,
+    SamplingConfig,
+)
 
 
 def _commands():

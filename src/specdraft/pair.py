@@ -76,8 +76,8 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
     report = check_compatible(tpath, dpath)
     notes, mapping = [], None
     if report.verdict != "mismatch" and (map_vocab or mapped_proposals):
-        notes.append(("note", f"the tokenizers are {report.verdict}: no vocabulary mapping is needed, "
-                      "--map-vocab / --mapped-proposals have no effect."))
+        notes.append(("note", (f"the tokenizers are {report.verdict}: no vocabulary mapping is needed, "
+                               "--map-vocab / --mapped-proposals have no effect.")))
     if report.verdict == "mismatch":
         if not map_vocab:
             hint = (" Pass --map-vocab to decode through a vocabulary mapping of string-identical tokens (lossless; "
@@ -87,10 +87,10 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
         mapping = build_vocab_mapping(tpath, dpath)
         how = ("proposes text, encoded with the target's tokenizer" if mode == "text" else
                "proposes only tokens with a target twin")
-        notes.append(("tokenizers differ", f"decoding through a vocabulary mapping of {mapping.n_mapped:,} "
-                      f"string-identical tokens ({mapping.target_coverage:.1%} of the target vocabulary reachable, "
-                      f"{mapping.draft_coverage:.1%} of the draft's mapped); the draft re-reads the context as text "
-                      f"and {how} (--mapped-proposals {mode})."))
+        notes.append(("tokenizers differ", (
+            f"decoding through a vocabulary mapping of {mapping.n_mapped:,} string-identical tokens "
+            f"({mapping.target_coverage:.1%} of the target vocabulary reachable, {mapping.draft_coverage:.1%} of the "
+            f"draft's mapped); the draft re-reads the context as text and {how} (--mapped-proposals {mode}).")))
     t, tok = load_model(tpath, dtype=dtype)
     d, _ = load_model(dpath, dtype=dtype)
     return Pair(t, d, tok, mapping, mode, notes)

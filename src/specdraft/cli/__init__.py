@@ -19,7 +19,6 @@ No torch/transformers import at module top: ``specdraft --help`` answers instant
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer

@@ -29,6 +29,7 @@ from specdraft.cli.options import (
     target_option,
 )
 from specdraft.cli.render import (
+    TextStream,
     console,
     decode_progress,
     print_check,
@@ -41,7 +42,6 @@ from specdraft.cli.render import (
     print_ranking,
     resolve_with_progress,
     status_lines,
-    TextStream,
 )
 from specdraft.config import EvalConfig, ModelDtype, RankEngine, SamplingConfig
 
@@ -236,7 +236,14 @@ def rank(
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
     from specdraft.prompts import resolve_source
-    from specdraft.rank import LLAMA_CPP_FLAGS, check_engine, confirm_top, named_paths, rank_candidates, write_rank
+    from specdraft.rank import (
+        LLAMA_CPP_FLAGS,
+        check_engine,
+        confirm_top,
+        named_paths,
+        rank_candidates,
+        write_rank,
+    )
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, dtype=dtype,

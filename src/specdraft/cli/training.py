@@ -116,7 +116,14 @@ def dump(
     resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
     import time
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from specdraft.cli.errors import err_console
     from specdraft.dump import run_dump
