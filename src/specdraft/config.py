@@ -41,10 +41,26 @@ SpeculativeTokens = Annotated[
     Field(
         ge=1,
         le=MAX_SPECULATIVE_TOKENS,
-        description="γ: tokens the draft proposes per round; the verifier checks them in one forward pass. "
-        "Larger γ raises the possible accepted length and the cost of each round.",
+        description=f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS}); the verifier checks "
+        "them in one forward pass. Larger γ raises the possible accepted length and the cost of each round.",
     ),
 ]
+
+
+def speculative_tokens(gamma: int | None, policy: GammaPolicy = "fixed") -> int:
+    """γ as given, else the default of ``policy``: :data:`ADAPTIVE_MAX_SPECULATIVE_TOKENS` under adaptive γ (a bound:
+    a larger one costs nothing where it cannot win), :data:`NUM_SPECULATIVE_TOKENS` otherwise (and in an export)."""
+    if gamma is not None:
+        return gamma
+    return ADAPTIVE_MAX_SPECULATIVE_TOKENS if policy == "adaptive" else NUM_SPECULATIVE_TOKENS
+
+
+#: Whether a command replaces what its output already holds (a field type: one wording for every command).
+Overwrite = Annotated[bool, Field(description="Replace what --out holds instead of refusing it: a non-empty "
+                                  "directory, or a stage of a run made from other inputs (other prompts or settings).")]
+
+#: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
+AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
@@ -140,9 +156,7 @@ class EvalConfig(BaseModel):
     def _default_gamma(cls, data: Any) -> Any:
         # γ's default depends on the policy: adaptive γ is a bound (a larger one costs nothing where it cannot win).
         if isinstance(data, dict) and data.get("num_speculative_tokens") is None:
-            policy = data.get("gamma_policy", "adaptive")
-            data = data | {"num_speculative_tokens": ADAPTIVE_MAX_SPECULATIVE_TOKENS if policy == "adaptive"
-                           else NUM_SPECULATIVE_TOKENS}
+            data = data | {"num_speculative_tokens": speculative_tokens(None, data.get("gamma_policy", "adaptive"))}
         return data
 
     @model_validator(mode="after")
@@ -174,7 +188,7 @@ class DumpConfig(BaseModel):
     offset: int = Field(0, ge=0, description="Skip this many examples first.")
     batch_size: int = Field(8, ge=1, description="Sequences per target forward pass (right-padded).")
     shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
-    dtype: ModelDtype = Field("auto", description="Target weights dtype (auto: bfloat16 on CUDA, else float32).")
+    dtype: ModelDtype = Field("auto", description="Target weights dtype.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> DumpConfig:
@@ -262,7 +276,7 @@ class ExportConfig(BaseModel):
     out: Path = Field(description="Output directory (--format gguf: the .gguf file); must not exist or be "
                      "empty unless overwrite.")
     num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
-    overwrite: bool = Field(default=False, description="Replace a non-empty output directory.")
+    overwrite: Overwrite = False
     dtype: ExportDtype = Field(
         default="keep", description="Weights dtype of the speculator: 'keep' writes the draft's tensors "
         "byte-identical; bfloat16 is what vLLM serves (half the size of a float32 cache). A cast is the one "
@@ -309,8 +323,7 @@ class HeadroomConfig(BaseModel):
                                  "examples' existing replies, teacher-forced (one prefill each).")
     max_length: int = Field(1024, ge=2, description="Tokens kept per sequence (longer ones are cut).")
     batch_size: int = Field(4, ge=1, description="Sequences per forward pass.")
-    dtype: ModelDtype = Field("auto", description="Weights dtype of both models (auto: bfloat16 on CUDA, else "
-                              "float32).")
+    dtype: ModelDtype = Field("auto", description="Weights dtype of both models.")
 
 
 class WarmupConfig(BaseModel):

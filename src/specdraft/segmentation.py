@@ -144,3 +144,27 @@ def verdict(rep: SegmentationReport) -> str:
            "other": "distil on the target's distribution (not a segmentation problem)"}[kind]
     return (f"{kind} dominates ({rep.kinds[kind] / rep.disagreements:.0%} of {rep.disagreements} disagreements; "
             f"output-side kinds {out:.0%}): {fix}")
+
+
+def draft_answer_top1(draft, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The draft's teacher-forced argmax at each answer position: ``[n][len(answer)]`` ids, entry ``j`` predicting
+    ``answers[i][j]`` (one forward pass per sequence over prompt + answer; the real vocabulary only when the head
+    has padding rows is the caller's concern — padding rows of a swapped draft are mean rows that never win)."""
+    import torch
+
+    device = next(draft.parameters()).device
+    out = []
+    with torch.no_grad():
+        for p, y in zip(prompts, answers, strict=True):
+            ids = torch.tensor([list(p) + list(y)], device=device)
+            logits = draft(input_ids=ids).logits[0, len(p) - 1:len(p) - 1 + len(y)]  # [len(y), V]
+            out.append(logits.argmax(-1).tolist())
+    return out
+
+
+def swap_diagnostic(draft, target_tokenizer, has_twin: Sequence[bool], prompts: Sequence[Sequence[int]],
+                    answers: Sequence[Sequence[int]], top: int = 50) -> SegmentationReport:
+    """:func:`diagnose` of a swapped ``draft`` over the target's ``answers`` to ``prompts`` (ids of the target's
+    tokenizer), its argmaxes from :func:`draft_answer_top1`."""
+    top1 = draft_answer_top1(draft, prompts, answers)
+    return diagnose(target_tokenizer, has_twin, answers, top1, [p[-1] for p in prompts], top=top)

@@ -1,0 +1,5 @@
+"""``python -m specdraft``: the ``specdraft`` command."""
+
+from specdraft.cli import main
+
+main()

