@@ -1002,9 +1002,11 @@ def generate_summary(counts, max_new_tokens: int, fixed: bool, why: Sequence[str
     """``generate``'s closing line, whose figures add up: accepted of proposed drafts over the target passes, and
     why fewer than passes × γ were proposed (the last round is cut at --max-new-tokens or EOS; with ``fixed`` off,
     adaptive γ or the confidence threshold also draft fewer)."""
+    from .acceptance import format_rate
+
     g, proposed, accepted = counts.gamma, sum(counts.proposed), sum(counts.accepted)
     line = (f"{counts.emitted} tokens in {counts.time_total:.2f} s ({counts.emitted / max(counts.time_total, 1e-9):.2f} "
-            f"tokens/s); {accepted} of {proposed} drafted tokens accepted (acceptance rate {counts.acceptance_rate:.3f}) "
+            f"tokens/s); {accepted} of {proposed} drafted tokens accepted (acceptance rate {format_rate(counts.acceptance_rate)}) "
             f"in {counts.rounds} target pass{'' if counts.rounds == 1 else 'es'}, {counts.mean_accepted_length:.2f} "
             f"tokens per pass; accepted-length "
             f"histogram {counts.accepted_hist} (passes that accepted 0..{g} drafts)")
@@ -1076,6 +1078,7 @@ def rank(
     measured here, with the best --spec-draft-n-max of each; prints the llama.cpp command of the best.
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
+    from specdraft.acceptance import format_rate
     from specdraft.check import check_compatible
     from specdraft.config import EvalConfig
     from specdraft.data import encode_prompts, held_out_offset, load_examples
@@ -1133,7 +1136,7 @@ def rank(
                 f"at γ = {gamma}"):
         table.add_column(col, justify="left" if col == "draft" else "right")
     for r in rows:
-        table.add_row(r["draft"] + (" (mapped)" if r["mapped"] else ""), f"{r['acceptance_rate']:.3f}",
+        table.add_row(r["draft"] + (" (mapped)" if r["mapped"] else ""), format_rate(r["acceptance_rate"]),
                       f"{r['alpha']:.3f}", f"{r['draft_step_ms']:.1f}", f"{r['cost_ratio_c']:.3f}", str(r["best_gamma"]),
                       f"{r['predicted_speedup']:.2f}x", f"{r['predicted_speedup_at_gamma']:.2f}x")
     console.print(table)
