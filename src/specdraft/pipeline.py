@@ -271,8 +271,12 @@ class Runner:
                                     "new --out.")
             self.log(f"[{name}] inputs changed ({what}) — --overwrite: redoing it")
             shutil.rmtree(d)
+        left = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
         d.mkdir(parents=True, exist_ok=True)
-        self.log(f"[{name}] running…")
+        # A stage killed before its marker was written left its files: the stage continues from them (distill
+        # resumes its newest checkpoint, dump keeps its verified shards), so the line says so.
+        self.log(f"[{name}] resuming: an unfinished run left files in {d} ({', '.join(left[:3])}"
+                 f"{' …' if len(left) > 3 else ''})" if left else f"[{name}] running…")
         t0 = time.time()
         try:
             result = fn(d)
