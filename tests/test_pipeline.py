@@ -348,3 +348,20 @@ def test_a_stage_that_resumes_or_is_skipped_says_so_in_its_progress_line(tmp_pat
     logs.clear()
     runner.stage("distill", {"steps": 4}, lambda d: {"steps": 0})
     assert logs == ["[distill] done earlier with the same inputs — skipped"]
+
+
+def test_the_pipelines_long_stages_write_progress_lines_to_its_log(tmp_path, monkeypatch):
+    """The pipeline's log is all a CI job shows: the evaluation and the dump say how far they are."""
+    import specdraft.distill as distill_mod
+
+    def stop(*a, **k):
+        raise RuntimeError("stopped after the dump")
+
+    monkeypatch.setattr(distill_mod, "run_distill", stop)
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    logs: list[str] = []
+    with pytest.raises(PipelineError, match="stage 'distill' failed"):
+        run_pipeline(make_config("tiny", target=tdir, draft=ddir), tmp_path / "run", log=logs.append,
+                     eval_examples=_examples("klm", "e"), train_examples=_examples("cdefghij", "t"))
+    assert "[eval_before] held_out: 3/3 prompts" in "\n".join(logs)
+    assert "[dump] teacher: 8/8 sequences" in "\n".join(logs)
