@@ -486,6 +486,10 @@ def vocab_swap_cmd(
     console.print(table)
     if report.initialised_examples:
         console.print("first target tokens without a twin: " + escape(", ".join(map(repr, report.initialised_examples))))
+    if report.token_ids_rewritten:
+        console.print("token ids rewritten into the target's: " + ", ".join(report.token_ids_rewritten), highlight=False)
+    for field_name, lost in report.token_ids_dropped.items():
+        console.print(f"dropped {field_name}: draft ids {lost} have no twin in the target's tokenizer", highlight=False)
     console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}")
 
 
