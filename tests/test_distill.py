@@ -527,3 +527,31 @@ def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(t
     run_dump(other, str(data), tmp_path / "other", DumpConfig(answer_only=True, dtype="float32"))
     with pytest.raises(DumpError, match="head_fingerprint differ"):
         TeacherMix([TeacherDataset(tmp_path / "forced"), TeacherDataset(tmp_path / "other")])
+
+
+def test_a_resume_into_checkpoints_of_another_loss_or_geometry_is_refused_naming_what_changed(setup, tmp_path):
+    """Checkpoints in --out made with another loss, batch × accumulation, draft or dump would be resumed into a run
+    they were not made for (the optimizer's moments, the sampler's position, a model of other weights): refused
+    before training, naming the change; start over (resume=False) clears them and trains from step 0."""
+    target, rows = setup
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=1, scheduler="constant", seed=0)
+    train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path,
+          origin={"dump": ["dump-a"], "draft": "draft-a"})
+    longer = cfg.model_copy(update={"max_steps": 3})  # more steps of the same run: resumes
+    for change, origin, needle in (
+            ({"loss": "soft_ce"}, {"dump": ["dump-a"], "draft": "draft-a"}, "loss: 'tvd' → 'soft_ce'"),
+            ({"batch_size": 1, "gradient_accumulation_steps": 2}, {"dump": ["dump-a"], "draft": "draft-a"},
+             "batch_size: 2 → 1"),
+            ({}, {"dump": ["dump-b"], "draft": "draft-a"}, "dump: ['dump-a'] → ['dump-b']"),
+            ({}, {"dump": ["dump-a"], "draft": "draft-b"}, "draft: 'draft-a' → 'draft-b'")):
+        with pytest.raises(DistillError) as e:
+            train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
+                  longer.model_copy(update=change), tmp_path, origin=origin)
+        assert needle in str(e.value) and "--no-resume" in str(e.value)
+    again = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], longer, tmp_path,
+                  origin={"dump": ["dump-a"], "draft": "draft-a"})
+    assert again["resumed_from"].endswith("checkpoint-2") and again["steps"] == 3
+    fresh = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
+                  longer.model_copy(update={"loss": "soft_ce"}), tmp_path, resume=False,
+                  origin={"dump": ["dump-a"], "draft": "draft-a"})
+    assert fresh["resumed_from"] is None and fresh["steps"] == 3

@@ -44,8 +44,11 @@ teacher mass. Widths below the real vocabulary are refused at construction.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +61,7 @@ from transformers.utils import ModelOutput
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
 from specdraft.export import export_speculator, write_training_json
+from specdraft.io import atomic_write_text
 from specdraft.losses import LOSSES, masked_mean, sum_min
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, input_width, output_width
 
@@ -621,6 +625,53 @@ def learning_curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [points[s] for s in sorted(points)]
 
 
+def distill_origin(parts, draft_ref, dump_weights: list[int] | None) -> dict[str, Any]:
+    """The data and draft of a distillation (for :func:`resume_origin`): each dump's plan (what it was made from:
+    target, prompts, settings) by sha256, their weights, and the draft reference."""
+    plans = [hashlib.sha256(json.dumps(p.manifest.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
+             for p in parts]
+    return {"dump": plans, "dump_weights": dump_weights, "draft": str(draft_ref)}
+
+
+def resume_origin(draft, config: DistillConfig, processes: int, origin: dict[str, Any] | None) -> dict[str, Any]:
+    """What a checkpoint belongs to: the data and draft (``origin``), the loss and its settings, the batch
+    geometry (per-rank batch × accumulation × ranks: a resumed sampler and schedule count steps of it) and the
+    draft's parameter names and shapes. ``max_steps`` and the learning rate are left out: a longer run resumes."""
+    shapes = hashlib.sha256(json.dumps(sorted((n, list(p.shape)) for n, p in draft.state_dict().items())).encode())
+    return {**(origin or {}), "loss": config.loss, "temperature": config.temperature, "top_k": config.top_k,
+            "top_p": config.top_p, "train": config.train, "batch_size": config.batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps, "processes": processes,
+            "draft_parameters": shapes.hexdigest()[:16]}
+
+
+def check_resume_origin(checkpoint_dir: Path, origin: dict[str, Any], resume: bool, write: bool = True) -> None:
+    """Refuse to resume checkpoints made for another run (naming each field that changed), before any training;
+    without ``resume`` delete them (start over). Then record ``origin`` beside the checkpoints.
+
+    Raises:
+        DistillError: ``checkpoint_dir`` holds a checkpoint and an ``origin.json`` that differs from ``origin`` (or
+            none: checkpoints of unknown origin).
+    """
+    path = checkpoint_dir / "origin.json"
+    origin = json.loads(json.dumps(origin, default=str))
+    if last_checkpoint(checkpoint_dir) is not None:
+        if not resume:
+            if write:
+                shutil.rmtree(checkpoint_dir)
+        else:
+            saved = json.loads(path.read_text()) if path.is_file() else None
+            if saved != origin:
+                changed = ["no origin.json (checkpoints of unknown origin)"] if saved is None else [
+                    f"{k}: {saved.get(k)!r} → {origin.get(k)!r}" for k in sorted(set(saved) | set(origin))
+                    if saved.get(k) != origin.get(k)]
+                raise DistillError(f"{checkpoint_dir} holds checkpoints of another training run ({'; '.join(changed)}); "
+                                   "resuming them would continue that run into this one. Pass --no-resume to delete "
+                                   "them and start over, or choose a new --out.")
+    if write:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(origin, indent=1, default=str))
+
+
 def last_checkpoint(checkpoint_dir: Path) -> str | None:
     """The newest complete ``checkpoint-N`` directory (one with trainer_state.json), or None."""
     if not checkpoint_dir.is_dir():
@@ -646,6 +697,7 @@ def train(
     logit_ops=None,
     callbacks: list | None = None,
     writer=None,
+    origin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
 
@@ -654,6 +706,10 @@ def train(
     ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. to watch gradients in a test).
     ``writer``: a :class:`DraftWriter` (needed when ``config.on_policy_fraction`` > 0): the draft writes that share
     of the training sequences (:class:`OnPolicyStream`); λ = 0 trains on ``train_dataset`` alone, as before.
+    ``origin``: what the training data and draft are (:func:`run_distill` passes the dumps' fingerprints and the
+    draft reference); with the loss, the batch geometry and the draft's parameter shapes it is the run's identity
+    (:func:`check_resume_origin`): checkpoints of another identity are refused, never resumed; ``resume=False``
+    deletes them and starts over.
 
     Returns:
         ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
@@ -705,6 +761,8 @@ def train(
         disable_tqdm=False,
         save_only_model=False,
     )
+    check_resume_origin(ckpt_dir, resume_origin(draft, config, args.world_size, origin), resume,
+                        write=args.process_index == 0)
     stream = None
     if config.on_policy_fraction > 0:
         if writer is None:
@@ -834,7 +892,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     writer = _draft_writer(target_ref, manifest, draft_tok, config, device) if config.on_policy_fraction > 0 else None
     result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
                    teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer,
-                   callbacks=callbacks)
+                   callbacks=callbacks, origin=distill_origin(parts, draft_ref, dump_weights))
     del writer  # frees the target
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
