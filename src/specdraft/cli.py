@@ -958,7 +958,7 @@ def generate(
 
     from specdraft.config import EvalConfig
     from specdraft.data import Example, encode_prompts
-    from specdraft.decode import left_pad, speculative_generate
+    from specdraft.decode import IncrementalDetokenizer, left_pad, speculative_generate
     from specdraft.evaluate import cached_speed_model, draft_configuration, eos_ids, prepared_draft
 
     sampling = _sampling(temperature, top_k, top_p)
@@ -979,14 +979,10 @@ def generate(
             speed, source = cached_speed_model(t, d, ids, max_gamma=max(gamma, 8), draft_context=d_ids)
     print_configuration({"draft_options": draft_configuration(d), "gamma_policy": gamma_policy,
                          "num_speculative_tokens": gamma, "speed_model_source": source})
-    emitted: list[int] = []
-    printed = [0]
+    detok = IncrementalDetokenizer(tok)  # holds back a character split across two chunks
 
     def stream(_row: int, new: list[int]) -> None:
-        emitted.extend(new)
-        text = tok.decode(emitted, skip_special_tokens=True)
-        console.out(text[printed[0]:], end="", highlight=False)
-        printed[0] = len(text)
+        console.out(detok.push(new), end="", highlight=False)
 
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
@@ -994,6 +990,7 @@ def generate(
                                      eos_token_id=eos_ids(t),
                                      draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
                                      mapped_proposals=mapped_proposals, speed_model=speed)
+    console.out(detok.flush(), end="", highlight=False)
     console.print()
     fixed = gamma_policy == "fixed" and draft_confidence_threshold is None and mapping is None
     why = [w for w, on in (("adaptive γ", gamma_policy == "adaptive"),

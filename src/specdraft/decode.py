@@ -830,3 +830,42 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tu
             ids[i, P - len(s):] = torch.tensor(list(s), dtype=torch.long)
             mask[i, P - len(s):] = 1
     return ids.to(device), mask.to(device)
+
+
+# ----------------------------------------------------------------------------------------- streaming text
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, handed out in pieces whose concatenation is the final decode.
+
+    Byte-level BPE and byte-fallback sentencepiece tokenizers spell many characters (CJK, emoji) in several
+    tokens, so a chunk of new tokens can end inside a character; decoding there gives U+FFFD for the unfinished
+    bytes. :meth:`push` holds such a tail back until the character completes (or :meth:`flush` hands it out as the
+    final decode has it), so a stream never shows a replacement character the answer lacks, nor drops a character
+    split across two chunks. Each push decodes the whole sequence (answers are short; it is what the final
+    decode does, so spacing rules of the tokenizer hold as well).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add ``new_ids``; returns the new text that is final (possibly "")."""
+        self.ids.extend(int(i) for i in new_ids)
+        stable = self._text().rstrip("\ufffd")  # an unfinished character decodes to trailing U+FFFD
+        if not stable.startswith(self.printed) or len(stable) <= len(self.printed):
+            return ""  # nothing final beyond what was handed out
+        piece, self.printed = stable[len(self.printed):], stable
+        return piece
+
+    def flush(self) -> str:
+        """The rest of the final decode (a character left unfinished at the end shows as the decode shows it)."""
+        text = self._text()
+        piece = text[len(self.printed):] if text.startswith(self.printed) else ""
+        self.printed = text
+        return piece
