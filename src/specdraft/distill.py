@@ -342,6 +342,53 @@ def mixed_split(lengths: list[int], weights: list[int] | None, fraction: float,
     return train_idx, held_idx
 
 
+def prompt_keyed_split(parts: list, weights: list[int] | None, fraction: float,
+                       seed: int) -> tuple[list[int], list[int], dict[str, Any]]:
+    """(train, held-out) indices into the concatenation of ``parts`` (the dumps of a mix), split by prompt.
+
+    The same prompt can sit in several rows: a prompt file with a repeated line, two dumps of the same prompts
+    (teacher-forced and target-written), a row one dump lost to truncation. Splitting rows would put one answer
+    of a prompt in training and another in the held-out set, which then measures memory of the prompt. So the
+    distinct prompts (:func:`prompt_of`'s ids; a row without a prompt is keyed by its id) are split with
+    :func:`split_held_out` in first-seen order, and every row goes where its prompt went; a training row of dump k
+    is listed ``weights[k]`` times (as :func:`mixed_split`).
+
+    Returns:
+        ``(train, held, counts)``; ``counts`` (for training.json): ``keyed_by``, ``prompts``, ``held_out_prompts``,
+        ``rows_sharing_a_prompt`` (rows whose prompt is another row's too) and ``train_held_overlap`` (prompts on
+        both sides: 0).
+    """
+    weights = [1] * len(parts) if weights is None else list(weights)
+    mixed_split([len(p) for p in parts], weights, fraction, seed)  # the weights' checks, one place
+    keys: list[tuple] = []
+    for p in parts:
+        read = getattr(p, "tokens", p.__getitem__)
+        for i in range(len(p)):
+            item = read(i)
+            prompt = prompt_of(item)
+            keys.append(("prompt", *prompt) if prompt is not None else ("id", str(item.get("id", i))))
+    distinct = list(dict.fromkeys(keys))
+    _, held_k = split_held_out(len(distinct), fraction, seed)
+    held_keys = {distinct[k] for k in held_k}
+    rows_of: dict[tuple, int] = {}
+    for k in keys:
+        rows_of[k] = rows_of.get(k, 0) + 1
+    train_idx: list[int] = []
+    held_idx: list[int] = []
+    start = 0
+    for p, w in zip(parts, weights):
+        for i in range(start, start + len(p)):
+            if keys[i] in held_keys:
+                held_idx.append(i)
+            else:
+                train_idx += [i] * int(w)
+        start += len(p)
+    overlap = len(held_keys & {keys[i] for i in train_idx})
+    counts = {"keyed_by": "prompt", "prompts": len(distinct), "held_out_prompts": len(held_keys),
+              "rows_sharing_a_prompt": sum(1 for k in keys if rows_of[k] > 1), "train_held_overlap": overlap}
+    return train_idx, held_idx, counts
+
+
 def prompt_of(item: dict[str, Any]) -> list[int] | None:
     """The prompt of a dump sequence: its ids up to and including the first trained position (that position
     predicts the first answer token), or ``None`` when the very first position is trained (no prompt to answer)."""
@@ -886,7 +933,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     widths = (input_width(draft), output_width(draft))
     if beyond := dataset.token_ids_from(min(widths)):  # an IndexError inside the draft at its first batch otherwise
         check_token_ids(torch.tensor(beyond), [("draft", widths)], what=f"the dump's sequences ({dump_dir})")
-    train_idx, held_idx = mixed_split([len(p) for p in parts], dump_weights, config.held_out_fraction, config.seed)
+    train_idx, held_idx, split_counts = prompt_keyed_split(parts, dump_weights, config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
     writer = _draft_writer(target_ref, manifest, draft_tok, config, device) if config.on_policy_fraction > 0 else None
@@ -898,7 +945,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
-               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
+               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx), "held_out_split": split_counts,
                "processes": result["processes"],
                "precision": result["precision"], "precision_reason": result["precision_reason"],
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
