@@ -670,3 +670,36 @@ def test_incremental_detokenizer_holds_back_an_unfinished_character_and_flushes_
     cut = tok.encode("🙂", add_special_tokens=False)[:2]  # an emoji cut short: its replacement shows at the flush
     rest = IncrementalDetokenizer(tok)
     assert rest.push(cut) == "" and rest.flush() == tok.decode(cut) and "\ufffd" in tok.decode(cut)
+
+
+def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_configs_eos_list():
+    """A row ends at any id of one set, whoever asks (decode, generate, eval, the dump's generation): the
+    generation config's EOS list (the chat turn's end) together with the tokenizer's EOS, as vLLM serves."""
+    from transformers import GenerationConfig
+
+    import specdraft.dump as dump_mod
+    from specdraft.decode import stop_ids
+    from specdraft.evaluate import eos_ids
+    from specdraft.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(64)  # eos "<eos>" = 4, "<|im_end|>" = 3
+    model = tiny_model("llama", 64, eos_token_id=4)
+    model.generation_config = GenerationConfig(eos_token_id=[3])
+    assert stop_ids(model, tok) == [3, 4]
+    assert eos_ids(model, tok) == [3, 4]
+    assert stop_ids(model) == [3]  # without a tokenizer: the generation config's list
+    seen = {}
+
+    def fake_target_generate(model, ids, mask, eos_token_id=None, **kw):  # what the dump's generation stops at
+        seen["eos"] = eos_token_id
+        return [[3]], None
+
+    import specdraft.decode as decode_mod
+
+    real = decode_mod.target_generate
+    decode_mod.target_generate = fake_target_generate
+    try:
+        dump_mod.generate_from_ids(model, tok, [[5, 6]], 4)
+    finally:
+        decode_mod.target_generate = real
+    assert seen["eos"] == [3, 4]

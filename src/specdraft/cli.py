@@ -987,7 +987,7 @@ def generate(
     _, counts = speculative_generate(t, d, inp, mask, num_speculative_tokens=gamma, sampling=sampling,
                                      max_new_tokens=max_new_tokens, real_vocab=len(tok),
                                      generator=torch.Generator(device=t.device).manual_seed(seed), on_tokens=stream,
-                                     eos_token_id=eos_ids(t),
+                                     eos_token_id=eos_ids(t, tok),
                                      draft_confidence_threshold=draft_confidence_threshold, vocab_mapping=mapping,
                                      mapped_proposals=mapped_proposals, speed_model=speed)
     console.out(detok.flush(), end="", highlight=False)

@@ -590,13 +590,23 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
                               "time (batch 1).")
 
 
+def stop_ids(model, tokenizer=None) -> list[int]:
+    """The one rule for when a row ends: the ids of the model's generation config's EOS list (else its config's
+    EOS, as transformers falls back) together with the tokenizer's EOS, sorted — what vLLM stops at. Decode,
+    generate, eval, replay and the dump's generation all ask here, so answers of one prompt end at one token."""
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    ids = {eos} if isinstance(eos, int) else set(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
 def _eos_ids(target, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        gc = getattr(target, "generation_config", None)
-        eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
-        if eos_token_id is None:
-            eos_token_id = target.config.eos_token_id
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+    return set(stop_ids(target)) if eos_token_id is None else \
+        ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
 
 
 def _check_target_logits(t_logits: torch.Tensor, target) -> None:
