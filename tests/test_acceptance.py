@@ -77,3 +77,19 @@ def test_alpha_is_accepted_over_reached():
         g.record_round(n)
     assert g.alpha == pytest.approx(0.8, abs=0.01)
     assert g.mean_accepted_length == pytest.approx(expected_tokens_per_pass(0.8, 5), rel=0.02)
+
+
+def test_acceptance_rate_of_no_proposals_is_undefined_and_prints_as_a_dash():
+    """0 proposals give no rate: None (JSON null), shown as "—", never a 0.0 that reads as 'all rejected'."""
+    from specdraft.cli import generate_summary
+
+    empty = AcceptanceCounts(3)
+    assert empty.acceptance_rate is None
+    assert empty.to_dict()["derived"]["acceptance_rate"] is None
+    from specdraft.acceptance import format_rate
+
+    assert format_rate(empty.acceptance_rate) == "—" and format_rate(0.25) == "0.250"
+    assert "(acceptance rate —)" in generate_summary(empty, 8, True)
+    rejected = AcceptanceCounts(3)
+    rejected.record_round(0)
+    assert rejected.acceptance_rate == 0.0  # proposed and all rejected is a real 0

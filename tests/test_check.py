@@ -508,6 +508,8 @@ def test_cli_vocab_swap_writes_a_draft_that_speaks_the_target_tokenizer(tmp_path
     m = build_vocab_mapping(t_tok, d_tok)
     assert report["width"] == 304 and report["padding_rows"] == 4
     assert report["copied"] == m.n_mapped and report["initialised"] == 300 - m.n_mapped
+    assert "config.eos_token_id" in report["token_ids_rewritten"]  # the swap's report names the ids it rewrote
+    assert "token ids rewritten into the target's: " in r.output and "config.eos_token_id" in r.output
     swapped = AutoModelForCausalLM.from_pretrained(out)
     draft = AutoModelForCausalLM.from_pretrained(ddir)
     twin_t = (m.target_to_draft >= 0).nonzero().squeeze(-1)
@@ -694,3 +696,37 @@ def test_eval_renders_prompts_with_the_targets_template(tmp_path, monkeypatch):
     ex = [Example("p", [{"role": "user", "content": "a b"}])]
     targets, drafts = encode_prompts(AutoTokenizer.from_pretrained(tdir), ex), encode_prompts(load_tokenizer(ddir), ex)
     assert targets != drafts and seen == [targets]
+
+
+def test_vocab_swap_rewrites_every_token_id_field_of_the_configs_or_drops_it_and_says_which():
+    """Every token id in the draft's config and generation config is a draft id: after the swap each is the
+    target id of the same string (a list stays a list), or, without a twin, dropped with a warning; the report
+    names both."""
+    import warnings
+
+    from transformers import GenerationConfig
+
+    draft_tok = tiny_tokenizer(64)
+    words = tiny_words(59)
+    target_words = words[::-1][:40] + [f"neu{i}" for i in range(10)]
+    target_tok = word_tokenizer(target_words, eos="<|im_end|>")
+    kept, gone = words[50], words[5]  # the target shares words[19:] only
+    assert kept in target_words and gone not in target_words
+    d_kept, d_gone, d_end = ids(draft_tok, [kept, gone, "<|im_end|>"])
+    draft = tiny_model(vocab_size=64)
+    draft.config.eos_token_id = [draft_tok.eos_token_id, d_end]  # a list: the chat turn's end too
+    draft.generation_config = GenerationConfig(eos_token_id=[draft_tok.eos_token_id, d_end], suppress_tokens=[d_kept, d_gone],
+                                               begin_suppress_tokens=[d_gone], decoder_start_token_id=d_kept)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, rep = vocab_swap(draft, draft_tok, target_tok)
+    t_kept, t_end = ids(target_tok, [kept, "<|im_end|>"])
+    gen = model.generation_config
+    assert model.config.eos_token_id == [t_end]  # "<eos>" has no twin in the target; a list stays a list
+    assert gen.eos_token_id == [t_end] and gen.suppress_tokens == [t_kept] and gen.decoder_start_token_id == t_kept
+    assert gen.begin_suppress_tokens is None
+    assert "generation_config.suppress_tokens" in rep.token_ids_rewritten
+    assert "config.eos_token_id" in rep.token_ids_rewritten
+    assert rep.token_ids_dropped["generation_config.begin_suppress_tokens"] == [d_gone]
+    assert rep.token_ids_dropped["generation_config.suppress_tokens"] == [d_gone]
+    assert any("begin_suppress_tokens" in str(w.message) for w in caught)

@@ -226,3 +226,21 @@ def test_an_offset_past_the_end_says_how_many_prompts_there_are(tmp_path):
     path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in "abc"))
     with pytest.raises(DataError, match=r"has 3 prompt\(s\): an offset of 3 skips them all \(use an offset below 3\)"):
         load_examples(path, offset=3)
+
+
+def test_an_empty_think_block_the_template_inserts_is_not_trained_as_assistant_output():
+    """A Qwen3-style template writes ``<think>\\n\\n</think>`` into an assistant turn by itself: the model did not
+    write those tokens for this answer, so with answer_only they are not trained; the reply and its end are."""
+    from specdraft.data import encode_conversation
+    from specdraft.testing import tiny_tokenizer
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{% if m['role'] == 'assistant' %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = tiny_tokenizer(chat_template=template)
+    w = tok.convert_ids_to_tokens([10, 11, 12])
+    ids, assistant = encode_conversation(tok, [{"role": "user", "content": w[0]},
+                                               {"role": "assistant", "content": f"{w[1]} {w[2]}"}])
+    trained = tok.convert_ids_to_tokens([i for i, a in zip(ids, assistant) if a])
+    assert trained == [w[1], w[2], "<|im_end|>"]
+    assert tok.unk_token_id in ids  # the think tags are in the sequence (unknown words here), just not trained

@@ -625,3 +625,81 @@ def test_a_rows_sampled_tokens_do_not_change_when_rows_join_its_batch(pair, with
     assert len({tuple(r) for r in run([PROMPTS[0]] * 4)}) > 1  # each row its own stream, even for one prompt
     g = torch.Generator().manual_seed(11)
     assert run(PROMPTS[:1], gen=g) == alone and run(PROMPTS[:1], gen=g) != alone  # a reused generator moves on
+
+
+def test_generates_stream_prints_exactly_the_final_decode_when_characters_split_across_chunks(tmp_path, monkeypatch):
+    """A byte-level BPE tokenizer spells each CJK character and emoji in 3-4 byte tokens; chunks of new tokens end
+    inside a character. The stream holds an unfinished character back (no replacement character the final decode
+    lacks, no character dropped) and flushes at the end: what it printed is the final decode."""
+    from typer.testing import CliRunner
+
+    import specdraft.decode as decode_mod
+    from specdraft.cli import app
+    from specdraft.testing import save_tiny_pair, tiny_bpe_tokenizer
+
+    tok = tiny_bpe_tokenizer(300)
+    text = "数据 🙂 print(世界)"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) and tok.decode(ids) == text  # byte tokens: characters span several ids
+    tdir, ddir = save_tiny_pair(tmp_path, tokenizer=tok)
+
+    def fake_generate(target, draft, inp, mask, on_tokens=None, **kw):  # the decode's chunks of new tokens
+        from specdraft.acceptance import AcceptanceCounts
+
+        for a in range(0, len(ids), 2):
+            on_tokens(0, ids[a:a + 2])
+        return torch.tensor([ids]), AcceptanceCounts(2)
+
+    monkeypatch.setattr(decode_mod, "speculative_generate", fake_generate)
+    r = CliRunner().invoke(app, ["generate", "x", "--target", tdir, "--draft", ddir, "--gamma", "2",
+                                 "--gamma-policy", "fixed", "--dtype", "float32", "--max-new-tokens", "30"])
+    assert r.exit_code == 0, r.output
+    assert "\ufffd" not in r.output and text in r.output
+
+
+def test_incremental_detokenizer_holds_back_an_unfinished_character_and_flushes_at_the_end():
+    from specdraft.decode import IncrementalDetokenizer
+    from specdraft.testing import tiny_bpe_tokenizer
+
+    tok = tiny_bpe_tokenizer(300)
+    ids = tok.encode("数据 🙂 x\xff", add_special_tokens=False) + tok.convert_tokens_to_ids(["<eos>"])
+    detok = IncrementalDetokenizer(tok)
+    chunks = [detok.push([i]) for i in ids]
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) + detok.flush() == tok.decode(ids, skip_special_tokens=True)
+    cut = tok.encode("🙂", add_special_tokens=False)[:2]  # an emoji cut short: its replacement shows at the flush
+    rest = IncrementalDetokenizer(tok)
+    assert rest.push(cut) == "" and rest.flush() == tok.decode(cut) and "\ufffd" in tok.decode(cut)
+
+
+def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_configs_eos_list():
+    """A row ends at any id of one set, whoever asks (decode, generate, eval, the dump's generation): the
+    generation config's EOS list (the chat turn's end) together with the tokenizer's EOS, as vLLM serves."""
+    from transformers import GenerationConfig
+
+    import specdraft.dump as dump_mod
+    from specdraft.decode import stop_ids
+    from specdraft.evaluate import eos_ids
+    from specdraft.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(64)  # eos "<eos>" = 4, "<|im_end|>" = 3
+    model = tiny_model("llama", 64, eos_token_id=4)
+    model.generation_config = GenerationConfig(eos_token_id=[3])
+    assert stop_ids(model, tok) == [3, 4]
+    assert eos_ids(model, tok) == [3, 4]
+    assert stop_ids(model) == [3]  # without a tokenizer: the generation config's list
+    seen = {}
+
+    def fake_target_generate(model, ids, mask, eos_token_id=None, **kw):  # what the dump's generation stops at
+        seen["eos"] = eos_token_id
+        return [[3]], None
+
+    import specdraft.decode as decode_mod
+
+    real = decode_mod.target_generate
+    decode_mod.target_generate = fake_target_generate
+    try:
+        dump_mod.generate_from_ids(model, tok, [[5, 6]], 4)
+    finally:
+        decode_mod.target_generate = real
+    assert seen["eos"] == [3, 4]

@@ -181,6 +181,8 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
     assert (spec_dir / "training.json").is_file()
+    split = json.loads((tmp_path / "out" / "training.json").read_text())["metrics"]["held_out_split"]
+    assert split["keyed_by"] == "prompt" and split["train_held_overlap"] == 0  # the split is counted on disk
     reloaded = AutoModelForCausalLM.from_pretrained(spec_dir).eval()
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -530,3 +532,60 @@ def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(t
     run_dump(other, str(data), tmp_path / "other", DumpConfig(answer_only=True, dtype="float32"))
     with pytest.raises(DumpError, match="head_fingerprint differ"):
         TeacherMix([TeacherDataset(tmp_path / "forced"), TeacherDataset(tmp_path / "other")])
+
+
+def test_a_resume_into_checkpoints_of_another_loss_or_geometry_is_refused_naming_what_changed(setup, tmp_path):
+    """Checkpoints in --out made with another loss, batch × accumulation, draft or dump would be resumed into a run
+    they were not made for (the optimizer's moments, the sampler's position, a model of other weights): refused
+    before training, naming the change; start over (resume=False) clears them and trains from step 0."""
+    target, rows = setup
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=1, scheduler="constant", seed=0)
+    train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path,
+          origin={"dump": ["dump-a"], "draft": "draft-a"})
+    longer = cfg.model_copy(update={"max_steps": 3})  # more steps of the same run: resumes
+    for change, origin, needle in (
+            ({"loss": "soft_ce"}, {"dump": ["dump-a"], "draft": "draft-a"}, "loss: 'tvd' → 'soft_ce'"),
+            ({"batch_size": 1, "gradient_accumulation_steps": 2}, {"dump": ["dump-a"], "draft": "draft-a"},
+             "batch_size: 2 → 1"),
+            ({}, {"dump": ["dump-b"], "draft": "draft-a"}, "dump: ['dump-a'] → ['dump-b']"),
+            ({}, {"dump": ["dump-a"], "draft": "draft-b"}, "draft: 'draft-a' → 'draft-b'")):
+        with pytest.raises(DistillError) as e:
+            train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
+                  longer.model_copy(update=change), tmp_path, origin=origin)
+        assert needle in str(e.value) and "--no-resume" in str(e.value)
+    again = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], longer, tmp_path,
+                  origin={"dump": ["dump-a"], "draft": "draft-a"})
+    assert again["resumed_from"].endswith("checkpoint-2") and again["steps"] == 3
+    fresh = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
+                  longer.model_copy(update={"loss": "soft_ce"}), tmp_path, resume=False,
+                  origin={"dump": ["dump-a"], "draft": "draft-a"})
+    assert fresh["resumed_from"] is None and fresh["steps"] == 3
+
+
+def test_the_held_out_split_keeps_every_prompt_on_one_side_across_the_dumps_of_a_mix():
+    """Two dumps of the same prompts (teacher-forced and target-written), a prompt repeated in the file, a row one
+    dump lost to truncation: no held-out sequence shares its prompt with a training one, and the counts say so."""
+    from specdraft.distill import prompt_keyed_split
+
+    def row(i, prompt, answer):
+        ids = torch.tensor(prompt + answer)
+        mask = torch.tensor([False] * (len(prompt) - 1) + [True] * len(answer) + [False])
+        return {"id": f"p{i}", "input_ids": ids, "loss_mask": mask}
+
+    prompts = [[5 + i, 6 + i, 7] for i in range(12)]
+    forced = [row(i, p, [40, 41]) for i, p in enumerate(prompts)] + [row(99, prompts[3], [42, 43])]  # a repeat
+    written = [row(i, p, [50 + i, 51]) for i, p in enumerate(prompts) if i != 7]  # row 7 truncated away
+    train_idx, held_idx, counts = prompt_keyed_split([forced, written], [1, 2], 0.25, 0)
+    items = forced + written
+
+    def key(i):
+        m = items[i]["loss_mask"]
+        return tuple(items[i]["input_ids"][: int(m.nonzero()[0, 0]) + 1].tolist())
+
+    held, trained = {key(i) for i in held_idx}, {key(i) for i in train_idx}
+    assert held and trained and not held & trained
+    assert counts == {"keyed_by": "prompt", "prompts": 12, "held_out_prompts": 3, "rows_sharing_a_prompt": 23,
+                      "train_held_overlap": 0}
+    assert len(held_idx) == sum(key(i) in held for i in range(len(items)))  # every row of a held prompt is held
+    assert sorted(set(train_idx)) == [i for i in range(len(items)) if key(i) not in held]
+    assert train_idx.count(len(forced)) == (2 if key(len(forced)) in trained else 0)  # dump weights still repeat

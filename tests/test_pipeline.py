@@ -327,3 +327,42 @@ def test_a_rerun_with_other_training_prompts_names_the_stage_and_offers_overwrit
     redone = json.loads((out / "dump" / "stage.json").read_text())
     assert redone["inputs"]["prompts"] == [f"t-{w}" for w in "cdefgx"] and redone["result"]["sequences"] == 6
     assert "--overwrite" in CliRunner().invoke(app, ["run", "--help"], terminal_width=200).output
+
+
+def test_a_stage_that_resumes_or_is_skipped_says_so_in_its_progress_line(tmp_path):
+    """A killed stage leaves its files; the rerun continues from them (a distill resumes its checkpoint), and its
+    progress line says it resumes, not a plain "running" that reads as starting over."""
+    from specdraft.pipeline import Runner
+
+    def killed(d):
+        (d / "checkpoint-2").mkdir()
+        raise RuntimeError("killed")
+
+    logs: list[str] = []
+    runner = Runner(tmp_path, "specdraft run", log=logs.append)
+    with pytest.raises(PipelineError):
+        runner.stage("distill", {"steps": 4}, killed)
+    assert logs == ["[distill] running…"]
+    logs.clear()
+    assert runner.stage("distill", {"steps": 4}, lambda d: {"steps": 4}) == {"steps": 4}
+    assert logs[0] == f"[distill] resuming: an unfinished run left files in {tmp_path / 'distill'} (checkpoint-2)"
+    logs.clear()
+    runner.stage("distill", {"steps": 4}, lambda d: {"steps": 0})
+    assert logs == ["[distill] done earlier with the same inputs — skipped"]
+
+
+def test_the_pipelines_long_stages_write_progress_lines_to_its_log(tmp_path, monkeypatch):
+    """The pipeline's log is all a CI job shows: the evaluation and the dump say how far they are."""
+    import specdraft.distill as distill_mod
+
+    def stop(*a, **k):
+        raise RuntimeError("stopped after the dump")
+
+    monkeypatch.setattr(distill_mod, "run_distill", stop)
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    logs: list[str] = []
+    with pytest.raises(PipelineError, match="stage 'distill' failed"):
+        run_pipeline(make_config("tiny", target=tdir, draft=ddir), tmp_path / "run", log=logs.append,
+                     eval_examples=_examples("klm", "e"), train_examples=_examples("cdefghij", "t"))
+    assert "[eval_before] held_out: 3/3 prompts" in "\n".join(logs)
+    assert "[dump] teacher: 8/8 sequences" in "\n".join(logs)

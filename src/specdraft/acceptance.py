@@ -86,10 +86,14 @@ class AcceptanceCounts:
 
     # ---- derived ---------------------------------------------------------------------------------------
     @property
-    def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens ∈ [0, 1] (bonus tokens excluded). 0 when nothing was proposed."""
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens ∈ [0, 1] (bonus tokens excluded).
+
+        None when nothing was proposed: the ratio is undefined there, and a 0.0 would read as "every draft
+        rejected" (print it with :func:`format_rate`, which shows "—").
+        """
         p = sum(self.proposed)
-        return sum(self.accepted) / p if p else 0.0
+        return sum(self.accepted) / p if p else None
 
     @property
     def alpha(self) -> float:
@@ -134,6 +138,11 @@ class AcceptanceCounts:
     def from_dict(cls, d: dict) -> AcceptanceCounts:
         d = {k: v for k, v in d.items() if k != "derived"}
         return cls(**d)
+
+
+def format_rate(value: float | None, spec: str = "{:.3f}") -> str:
+    """A ratio for print: "—" where it is undefined (None, e.g. an acceptance rate of 0 proposals)."""
+    return "—" if value is None else spec.format(value)
 
 
 # ----------------------------------------------------------------------------------- the analytic model

@@ -492,7 +492,8 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], example_id: s
     for assistant turn i, ``render(messages[:i], add_generation_prompt=True)`` ends where the turn's
     content begins and ``render(messages[:i + 1])`` ends where the turn ends. Whitespace the template
     writes after the turn (Qwen: the ``\\n`` after ``<|im_end|>``) is left out — the model never generates
-    it — while the end-of-turn token is kept, so the draft learns to stop. A token is an assistant token
+    it — while the end-of-turn token is kept, so the draft learns to stop; so is text the template inserts before
+    the turn's content by itself (an empty think block). A token is an assistant token
     when its character span (fast tokenizer offsets) overlaps an assistant span.
 
     Args:
@@ -529,7 +530,11 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], example_id: s
             raise DataError(f"{example_id}: the chat template is not prefix-stable at assistant turn {i}: rendering "
                             "the conversation up to that turn is not a prefix of rendering all of it, so the "
                             "turn's tokens cannot be located.")
-        spans.append((len(before), len(after.rstrip())))
+        # Text the template writes into the turn by itself, before the content (Qwen3's empty
+        # "<think>\n\n</think>\n\n"), was not written by the model for this answer: the span starts at the content.
+        content = m["content"].strip()
+        start = after.find(content, len(before)) if content else -1
+        spans.append((start if start >= 0 else len(before), len(after.rstrip())))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     assistant = [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]

@@ -44,8 +44,11 @@ teacher mass. Widths below the real vocabulary are refused at construction.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +61,7 @@ from transformers.utils import ModelOutput
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
 from specdraft.export import export_speculator, write_training_json
+from specdraft.io import atomic_write_text
 from specdraft.losses import LOSSES, masked_mean, sum_min
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, input_width, output_width
 
@@ -336,6 +340,53 @@ def mixed_split(lengths: list[int], weights: list[int] | None, fraction: float,
         held_idx += [start + i for i in he]
         start += n
     return train_idx, held_idx
+
+
+def prompt_keyed_split(parts: list, weights: list[int] | None, fraction: float,
+                       seed: int) -> tuple[list[int], list[int], dict[str, Any]]:
+    """(train, held-out) indices into the concatenation of ``parts`` (the dumps of a mix), split by prompt.
+
+    The same prompt can sit in several rows: a prompt file with a repeated line, two dumps of the same prompts
+    (teacher-forced and target-written), a row one dump lost to truncation. Splitting rows would put one answer
+    of a prompt in training and another in the held-out set, which then measures memory of the prompt. So the
+    distinct prompts (:func:`prompt_of`'s ids; a row without a prompt is keyed by its id) are split with
+    :func:`split_held_out` in first-seen order, and every row goes where its prompt went; a training row of dump k
+    is listed ``weights[k]`` times (as :func:`mixed_split`).
+
+    Returns:
+        ``(train, held, counts)``; ``counts`` (for training.json): ``keyed_by``, ``prompts``, ``held_out_prompts``,
+        ``rows_sharing_a_prompt`` (rows whose prompt is another row's too) and ``train_held_overlap`` (prompts on
+        both sides: 0).
+    """
+    weights = [1] * len(parts) if weights is None else list(weights)
+    mixed_split([len(p) for p in parts], weights, fraction, seed)  # the weights' checks, one place
+    keys: list[tuple] = []
+    for p in parts:
+        read = getattr(p, "tokens", p.__getitem__)
+        for i in range(len(p)):
+            item = read(i)
+            prompt = prompt_of(item)
+            keys.append(("prompt", *prompt) if prompt is not None else ("id", str(item.get("id", i))))
+    distinct = list(dict.fromkeys(keys))
+    _, held_k = split_held_out(len(distinct), fraction, seed)
+    held_keys = {distinct[k] for k in held_k}
+    rows_of: dict[tuple, int] = {}
+    for k in keys:
+        rows_of[k] = rows_of.get(k, 0) + 1
+    train_idx: list[int] = []
+    held_idx: list[int] = []
+    start = 0
+    for p, w in zip(parts, weights):
+        for i in range(start, start + len(p)):
+            if keys[i] in held_keys:
+                held_idx.append(i)
+            else:
+                train_idx += [i] * int(w)
+        start += len(p)
+    overlap = len(held_keys & {keys[i] for i in train_idx})
+    counts = {"keyed_by": "prompt", "prompts": len(distinct), "held_out_prompts": len(held_keys),
+              "rows_sharing_a_prompt": sum(1 for k in keys if rows_of[k] > 1), "train_held_overlap": overlap}
+    return train_idx, held_idx, counts
 
 
 def prompt_of(item: dict[str, Any]) -> list[int] | None:
@@ -622,6 +673,53 @@ def learning_curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [points[s] for s in sorted(points)]
 
 
+def distill_origin(parts, draft_ref, dump_weights: list[int] | None) -> dict[str, Any]:
+    """The data and draft of a distillation (for :func:`resume_origin`): each dump's plan (what it was made from:
+    target, prompts, settings) by sha256, their weights, and the draft reference."""
+    plans = [hashlib.sha256(json.dumps(p.manifest.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
+             for p in parts]
+    return {"dump": plans, "dump_weights": dump_weights, "draft": str(draft_ref)}
+
+
+def resume_origin(draft, config: DistillConfig, processes: int, origin: dict[str, Any] | None) -> dict[str, Any]:
+    """What a checkpoint belongs to: the data and draft (``origin``), the loss and its settings, the batch
+    geometry (per-rank batch × accumulation × ranks: a resumed sampler and schedule count steps of it) and the
+    draft's parameter names and shapes. ``max_steps`` and the learning rate are left out: a longer run resumes."""
+    shapes = hashlib.sha256(json.dumps(sorted((n, list(p.shape)) for n, p in draft.state_dict().items())).encode())
+    return {**(origin or {}), "loss": config.loss, "temperature": config.temperature, "top_k": config.top_k,
+            "top_p": config.top_p, "train": config.train, "batch_size": config.batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps, "processes": processes,
+            "draft_parameters": shapes.hexdigest()[:16]}
+
+
+def check_resume_origin(checkpoint_dir: Path, origin: dict[str, Any], resume: bool, write: bool = True) -> None:
+    """Refuse to resume checkpoints made for another run (naming each field that changed), before any training;
+    without ``resume`` delete them (start over). Then record ``origin`` beside the checkpoints.
+
+    Raises:
+        DistillError: ``checkpoint_dir`` holds a checkpoint and an ``origin.json`` that differs from ``origin`` (or
+            none: checkpoints of unknown origin).
+    """
+    path = checkpoint_dir / "origin.json"
+    origin = json.loads(json.dumps(origin, default=str))
+    if last_checkpoint(checkpoint_dir) is not None:
+        if not resume:
+            if write:
+                shutil.rmtree(checkpoint_dir)
+        else:
+            saved = json.loads(path.read_text()) if path.is_file() else None
+            if saved != origin:
+                changed = ["no origin.json (checkpoints of unknown origin)"] if saved is None else [
+                    f"{k}: {saved.get(k)!r} → {origin.get(k)!r}" for k in sorted(set(saved) | set(origin))
+                    if saved.get(k) != origin.get(k)]
+                raise DistillError(f"{checkpoint_dir} holds checkpoints of another training run ({'; '.join(changed)}); "
+                                   "resuming them would continue that run into this one. Pass --no-resume to delete "
+                                   "them and start over, or choose a new --out.")
+    if write:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(origin, indent=1, default=str))
+
+
 def last_checkpoint(checkpoint_dir: Path) -> str | None:
     """The newest complete ``checkpoint-N`` directory (one with trainer_state.json), or None."""
     if not checkpoint_dir.is_dir():
@@ -647,6 +745,7 @@ def train(
     logit_ops=None,
     callbacks: list | None = None,
     writer=None,
+    origin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
 
@@ -655,6 +754,10 @@ def train(
     ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. to watch gradients in a test).
     ``writer``: a :class:`DraftWriter` (needed when ``config.on_policy_fraction`` > 0): the draft writes that share
     of the training sequences (:class:`OnPolicyStream`); λ = 0 trains on ``train_dataset`` alone, as before.
+    ``origin``: what the training data and draft are (:func:`run_distill` passes the dumps' fingerprints and the
+    draft reference); with the loss, the batch geometry and the draft's parameter shapes it is the run's identity
+    (:func:`check_resume_origin`): checkpoints of another identity are refused, never resumed; ``resume=False``
+    deletes them and starts over.
 
     Returns:
         ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
@@ -706,6 +809,8 @@ def train(
         disable_tqdm=False,
         save_only_model=False,
     )
+    check_resume_origin(ckpt_dir, resume_origin(draft, config, args.world_size, origin), resume,
+                        write=args.process_index == 0)
     stream = None
     if config.on_policy_fraction > 0:
         if writer is None:
@@ -830,19 +935,19 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     widths = (input_width(draft), output_width(draft))
     if beyond := dataset.token_ids_from(min(widths)):  # an IndexError inside the draft at its first batch otherwise
         check_token_ids(torch.tensor(beyond), [("draft", widths)], what=f"the dump's sequences ({dump_dir})")
-    train_idx, held_idx = mixed_split([len(p) for p in parts], dump_weights, config.held_out_fraction, config.seed)
+    train_idx, held_idx, split_counts = prompt_keyed_split(parts, dump_weights, config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
     writer = _draft_writer(target_ref, manifest, draft_tok, config, device) if config.on_policy_fraction > 0 else None
     result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
                    teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer,
-                   callbacks=callbacks)
+                   callbacks=callbacks, origin=distill_origin(parts, draft_ref, dump_weights))
     del writer  # frees the target
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
-               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
+               "train_sequences": len(train_idx), "held_out_sequences": len(held_idx), "held_out_split": split_counts,
                "processes": result["processes"],
                "precision": result["precision"], "precision_reason": result["precision_reason"],
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],

@@ -200,14 +200,11 @@ class EvalResult:
         }
 
 
-def eos_ids(model) -> list[int]:
-    """The ids that end a row: the model's ``generation_config`` EOS, else its config's (as
-    :func:`~specdraft.decode.speculative_generate` defaults), as a list."""
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    return [eos] if isinstance(eos, int) else list(eos or [])
+def eos_ids(model, tokenizer=None) -> list[int]:
+    """The ids that end a row: :func:`specdraft.decode.stop_ids` (the one stop set)."""
+    from specdraft.decode import stop_ids
+
+    return stop_ids(model, tokenizer)
 
 
 def _specdraft_settings(config: EvalConfig, eos: list[int]) -> dict[str, Any]:
@@ -359,7 +356,7 @@ def run_eval(
         res.config["speed_model_source"] = source
     elif config.gamma_policy == "adaptive":
         raise ValueError("--gamma-policy adaptive measures the pair's costs on a prompt of at least 2 tokens")
-    eos = eos_ids(target)
+    eos = eos_ids(target, tokenizer)
     common_settings = _specdraft_settings(config, eos)
     contenders: dict[str, Any] = {
         "target": common_settings | {"decoder": "specdraft.decode.target_generate"},
@@ -548,7 +545,7 @@ def acceptance_eval(
     decoder = draft if decoder is None else decoder
     t0 = time.perf_counter()
     gamma, max_new = config.num_speculative_tokens, config.max_new_tokens
-    eos = eos_ids(target)
+    eos = eos_ids(target, tokenizer)
     pad = tokenizer_pad_id(tokenizer)
     real_vocab = len(tokenizer)
     device = next(target.parameters()).device
@@ -656,7 +653,7 @@ def interleaved_speed(
 
     sampling, gamma, max_new = config.sampling, config.num_speculative_tokens, config.max_new_tokens
     vocab_mappings = vocab_mappings or {}
-    eos = eos_ids(target)
+    eos = eos_ids(target, tokenizer)
     pad = tokenizer_pad_id(tokenizer)
     real_vocab = len(tokenizer)
     device = next(target.parameters()).device
@@ -766,7 +763,7 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
     gamma, sampling = config.num_speculative_tokens, config.sampling
     pad = tokenizer_pad_id(tokenizer)
     device = next(target.parameters()).device
-    eos = eos_ids(target)
+    eos = eos_ids(target, tokenizer)
     rows = []
     for name, load in drafts:
         if progress:

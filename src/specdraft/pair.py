@@ -118,8 +118,8 @@ class Generation:
         """
         import torch
 
-        from specdraft.decode import left_pad, speculative_generate
         from specdraft.data import tokenizer_pad_id
+        from specdraft.decode import left_pad, speculative_generate
         from specdraft.evaluate import eos_ids
 
         p, c = self.pair, self.config
@@ -128,7 +128,7 @@ class Generation:
             p.target, p.draft, inp, mask, num_speculative_tokens=c.num_speculative_tokens, sampling=c.sampling,
             max_new_tokens=c.max_new_tokens, real_vocab=len(p.tokenizer),
             generator=torch.Generator(device=p.target.device).manual_seed(c.seed), on_tokens=on_tokens,
-            eos_token_id=eos_ids(p.target), draft_confidence_threshold=c.draft_confidence_threshold,
+            eos_token_id=eos_ids(p.target, p.tokenizer), draft_confidence_threshold=c.draft_confidence_threshold,
             vocab_mapping=p.mapping, mapped_proposals=c.mapped_proposals, speed_model=self.speed_model)
         return counts
 
@@ -145,8 +145,8 @@ def prepare_generation(pair: Pair, prompt: str, config: EvalConfig) -> Generatio
     """The user message ``prompt`` under the target's chat template, the draft prepared in place as ``config``
     asks (:func:`specdraft.draft_model.apply_draft_options`), and under adaptive γ the pair's speed model, measured
     once per pair and machine and then read from the calibration cache (:func:`specdraft.calibration.calibrate`)."""
-    from specdraft.data import Example, encode_prompts
     from specdraft.calibration import calibrate
+    from specdraft.data import Example, encode_prompts
     from specdraft.draft_model import apply_draft_options, draft_configuration
 
     ids = encode_prompts(pair.tokenizer, [Example("cli", [{"role": "user", "content": prompt}])])[0]

@@ -56,6 +56,7 @@ from specdraft.draft_model import HEAD_TOKENS_FORMAT
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.io import atomic_write_text, versions
 from specdraft.models import ModelRef
+from specdraft.progress import progress_lines
 
 _LOG = logging.getLogger("specdraft")
 
@@ -273,8 +274,12 @@ class Runner:
                                     "new --out.")
             self.log(f"[{name}] inputs changed ({what}) — --overwrite: redoing it")
             shutil.rmtree(d)
+        left = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
         d.mkdir(parents=True, exist_ok=True)
-        self.log(f"[{name}] running…")
+        # A stage killed before its marker was written left its files: the stage continues from them (distill
+        # resumes its newest checkpoint, dump keeps its verified shards), so the line says so.
+        self.log(f"[{name}] resuming: an unfinished run left files in {d} ({', '.join(left[:3])}"
+                 f"{' …' if len(left) > 3 else ''})" if left else f"[{name}] running…")
         t0 = time.time()
         try:
             result = fn(d)
@@ -361,7 +366,8 @@ def _check_stage(cfg: PipelineConfig, plan: _Plan) -> Callable[[Path], dict[str,
 
 
 def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bool = False,
-                before: dict[str, Any] | None = None) -> Callable[[Path], dict[str, Any]]:
+                before: dict[str, Any] | None = None, log: Callable[[str], None] | None = None,
+                stage: str = "eval") -> Callable[[Path], dict[str, Any]]:
     """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`): ``before`` is None for
     the original draft (decoded: the target's answers are written here), else the distilled draft is replayed on
     the answers ``before`` holds (the same target answers: a paired comparison).
@@ -397,7 +403,8 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
             answers = before["sets"][name]["answers"] if before is not None else None
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
                                          cfg.eval, serving, answers=answers, vocab_mapping=mapping,
-                                         decoder=decoder, speed_model=speed).to_dict()
+                                         decoder=decoder, speed_model=speed,
+                                         progress=progress_lines(log, f"[{stage}] {name}") if log else None).to_dict()
             sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
         atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
         del target, draft, decoder  # free the models before the next stage loads its own
@@ -488,11 +495,13 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
     return run
 
 
-def _dump_stage(cfg: PipelineConfig, plan: _Plan, command: str) -> Callable[[Path], dict[str, Any]]:
+def _dump_stage(cfg: PipelineConfig, plan: _Plan, command: str,
+                log: Callable[[str], None] | None = None) -> Callable[[Path], dict[str, Any]]:
     def run(d: Path) -> dict[str, Any]:
         from specdraft.dump import run_dump
 
-        man = run_dump(plan.target, plan.trains, d, cfg.dump, command=command)
+        man = run_dump(plan.target, plan.trains, d, cfg.dump, command=command,
+                       progress=progress_lines(log, "[dump] teacher", "sequences") if log else None)
         this = man.get("this_run", {})
         return {"sequences": man.get("sequences"), "tokens": man.get("tokens"), "bytes": man.get("bytes"),
                 "tokens_per_s": this.get("tokens_per_s"), "generate_tokens_per_s": this.get("generate_tokens_per_s")}
@@ -582,7 +591,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
-    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped))
+    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped, log=log,
+                                                                stage="eval_before"))
     swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype}, _swap_stage(cfg, plan, before)) \
         if mapped else None
     train_draft = swap["path"] if swap else plan.draft.path
@@ -591,12 +601,13 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                             _headroom_stage(cfg, plan, train_draft, before))
     log(f"[headroom] {headroom['verdict']} (95% CI [{headroom['gain_ci95'][0]:+.3f}, {headroom['gain_ci95'][1]:+.3f}])")
     dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
-    dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command))
+    dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command, log))
     distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, "distill": cfg.distill.model_dump(),
                       "gamma": cfg.eval.num_speculative_tokens, "vocab_swap": mapped}
     distilled = runner.stage("distill", distill_inputs, _distill_stage(cfg, plan, train_draft, out / "dump"))
     after = runner.stage("eval_after", eval_inputs | {"distill": distill_inputs},
-                         _eval_stage(cfg, plan, distilled["speculator"], False, before=before))
+                         _eval_stage(cfg, plan, distilled["speculator"], False, before=before, log=log,
+                                     stage="eval_after"))
     speed = None
     if cfg.speed_prompts:
         speed = runner.stage("speed", eval_inputs | {"distill": distill_inputs, "speed_prompts": cfg.speed_prompts},

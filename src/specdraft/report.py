@@ -315,8 +315,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     sw = (swap_baseline(r) or {}).get("held_out")
     if sw:
         m = r["eval_before"]["sets"]["held_out"]
-        learn.append(f"the vocabulary swap: held-out greedy acceptance {m['acceptance_rate']:.3f} as given through "
-                     f"the mapping → {sw['acceptance_rate']:.3f} re-indexed, before training")
+        learn.append(f"the vocabulary swap: held-out greedy acceptance {_fmt(m['acceptance_rate'])} as given through "
+                     f"the mapping → {_fmt(sw['acceptance_rate'])} re-indexed, before training")
     if gain is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "

@@ -59,7 +59,7 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
 
     from specdraft.config import SamplingConfig
     from specdraft.data import tokenizer_pad_id
-    from specdraft.decode import DecodeError, left_pad, target_generate
+    from specdraft.decode import DecodeError, left_pad, stop_ids, target_generate
     from specdraft.dump_reader import DumpError
 
     sampling = sampling or SamplingConfig()
@@ -67,16 +67,13 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
     pad = tokenizer_pad_id(tokenizer)
     ids, mask = left_pad(prompts, pad, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
+    eos_ids = stop_ids(model, tokenizer)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             responses, _ = target_generate(model, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
-                                           eos_token_id=sorted(eos_ids) or None, real_vocab=real_vocab,
+                                           eos_token_id=eos_ids or None, real_vocab=real_vocab,
                                            generator=gen)
     except DecodeError as exc:
         raise DumpError(f"--generate: {exc}") from exc

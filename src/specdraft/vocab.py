@@ -565,10 +565,74 @@ class VocabSwapReport:
     draft_coverage: float
     initialised_examples: list[str]  # first target strings without a draft twin
     target_fingerprint: str  # the tokenizer the swapped model now speaks
+    token_ids_rewritten: list[str] = field(default_factory=list)  # "config.eos_token_id", … now in target ids
+    token_ids_dropped: dict[str, list[int]] = field(default_factory=dict)  # field → draft ids without a target twin
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict of every field."""
         return asdict(self)
+
+
+#: Config fields holding lists of token ids that are not named ``*_token_id(s)``.
+TOKEN_LIST_FIELDS = ("suppress_tokens", "begin_suppress_tokens")
+#: Config fields holding nested ids (id sequences, (position, id) pairs): dropped by a swap, never carried over.
+NESTED_TOKEN_FIELDS = ("bad_words_ids", "forced_decoder_ids", "sequence_bias")
+
+
+def swap_config_token_ids(configs: dict[str, Any], t: TokenizerView, d: TokenizerView,
+                          draft_to_target: list[int]) -> tuple[list[str], dict[str, list[int]]]:
+    """Rewrite every token-id field of ``configs`` (``{"config": …, "generation_config": …}``) from draft into
+    target ids, in place: a role's id (bos/eos/pad/unk) becomes the target's id of that role, any other id the
+    target id of the same string; an id without either is dropped with a warning (a list keeps its other ids and
+    stays a list; a field left empty becomes None). Nested id fields (:data:`NESTED_TOKEN_FIELDS`) are dropped.
+
+    Returns:
+        ``(rewritten, dropped)``: the ``"config.eos_token_id"``-style names rewritten, and per field the draft ids
+        dropped (a nested field: ``[]``).
+    """
+    import warnings
+
+    roles = {d.roles[r][1]: t.roles[r][1] for r in ("bos", "eos", "pad", "unk")
+             if d.roles[r][1] is not None and t.roles[r][1] is not None}
+
+    def to_target(i: int) -> int | None:
+        if i in roles:
+            return roles[i]
+        j = draft_to_target[i] if 0 <= i < len(draft_to_target) else -1
+        return j if j >= 0 else None
+
+    rewritten, dropped = [], {}
+    for prefix, cfg in configs.items():
+        if cfg is None:
+            continue
+        for name in sorted(cfg.to_dict()):
+            value, key = getattr(cfg, name, None), f"{prefix}.{name}"
+            if name in NESTED_TOKEN_FIELDS and value:
+                setattr(cfg, name, None)
+                dropped[key] = []
+                warnings.warn(f"vocabulary swap: {key} holds draft token ids in a nested form; dropped", stacklevel=3)
+                continue
+            if not (name.endswith(("_token_id", "_token_ids")) or name in TOKEN_LIST_FIELDS):
+                continue
+            role = name[: -len("_token_id")]
+            if value is None:
+                if role in ("bos", "eos", "pad", "unk") and t.roles[role][1] is not None:
+                    setattr(cfg, name, t.roles[role][1])  # the draft set none: the target's own role id
+                    rewritten.append(key)
+                continue
+            ids = list(value) if isinstance(value, (list, tuple)) else [value]
+            if not all(isinstance(i, int) for i in ids):
+                continue
+            mapped = [to_target(i) for i in ids]
+            lost = [i for i, j in zip(ids, mapped) if j is None]
+            kept = list(dict.fromkeys(j for j in mapped if j is not None))
+            setattr(cfg, name, (kept or None) if isinstance(value, (list, tuple)) else (kept[0] if kept else None))
+            rewritten.append(key)
+            if lost:
+                dropped[key] = lost
+                warnings.warn(f"vocabulary swap: {key} draft ids {lost} have no twin in the target's tokenizer; "
+                              "dropped", stacklevel=3)
+    return rewritten, dropped
 
 
 def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | None = None,
@@ -658,11 +722,9 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
         if old_bias is not None:
             new_head.bias.copy_(remap(old_bias))
 
-    cfgs = [draft_model.config, getattr(draft_model, "generation_config", None)]
-    for role in ("bos", "eos", "pad", "unk"):
-        for cfg in cfgs:
-            if cfg is not None and hasattr(cfg, f"{role}_token_id"):
-                setattr(cfg, f"{role}_token_id", t.roles[role][1])
+    rewritten, dropped = swap_config_token_ids(
+        {"config": draft_model.config, "generation_config": getattr(draft_model, "generation_config", None)},
+        t, d, mapping.draft_to_target.tolist())
 
     report = VocabSwapReport(
         width=width, target_real=t.real, draft_real=d.real,
@@ -671,6 +733,7 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
         target_coverage=mapping.target_coverage, draft_coverage=mapping.draft_coverage,
         initialised_examples=[t.tokens[i] for i in missing[:MAX_EXAMPLES].tolist()],
         target_fingerprint=view_fingerprint(t),
+        token_ids_rewritten=rewritten, token_ids_dropped=dropped,
     )
     return draft_model, report
 

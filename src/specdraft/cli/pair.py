@@ -183,7 +183,9 @@ def generate(
                         if gamma_policy == "adaptive" else "preparing the draft…"):
         gen = prepare_generation(pair, prompt, config)
     print_configuration(gen.configuration)
-    counts = gen.run(TextStream(pair.tokenizer))
+    stream = TextStream(pair.tokenizer)
+    counts = gen.run(stream)
+    stream.flush()
     print_generation_end(gen, counts)
 
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specdraft.acceptance import format_rate
 from specdraft.cli.errors import err_console
 
 console = Console()
@@ -254,17 +255,20 @@ EVAL_LEGEND = (
 
 
 class TextStream:
-    """``on_tokens`` of a streamed answer: prints the text as tokens arrive (decoded whole each time, so a
-    multi-token character prints once it is complete)."""
+    """``on_tokens`` of a streamed answer: prints the text as tokens arrive through
+    :class:`specdraft.decode.IncrementalDetokenizer`, which holds back a character split across two chunks;
+    :meth:`flush` prints what it still holds at the end."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.emitted, self.printed = tokenizer, [], 0
+        from specdraft.decode import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer)
 
     def __call__(self, _row: int, new: list[int]) -> None:
-        self.emitted.extend(new)
-        text = self.tokenizer.decode(self.emitted, skip_special_tokens=True)
-        console.out(text[self.printed:], end="", highlight=False)
-        self.printed = len(text)
+        console.out(self.detok.push(new), end="", highlight=False)
+
+    def flush(self) -> None:
+        console.out(self.detok.flush(), end="", highlight=False)
 
 
 def print_generation_end(gen, counts) -> None:
@@ -281,7 +285,7 @@ def generate_summary(counts, max_new_tokens: int, fixed: bool, why: Sequence[str
     adaptive γ or the confidence threshold also draft fewer)."""
     g, proposed, accepted = counts.gamma, sum(counts.proposed), sum(counts.accepted)
     line = (f"{counts.emitted} tokens in {counts.time_total:.2f} s ({counts.emitted / max(counts.time_total, 1e-9):.2f} "
-            f"tokens/s); {accepted} of {proposed} drafted tokens accepted (acceptance rate {counts.acceptance_rate:.3f}) "
+            f"tokens/s); {accepted} of {proposed} drafted tokens accepted (acceptance rate {format_rate(counts.acceptance_rate)}) "
             f"in {counts.rounds} target pass{'' if counts.rounds == 1 else 'es'}, {counts.mean_accepted_length:.2f} "
             f"tokens per pass; accepted-length "
             f"histogram {counts.accepted_hist} (passes that accepted 0..{g} drafts)")
@@ -307,7 +311,7 @@ def print_ranking(ranking, max_new_tokens: int) -> None:
                 f"at γ = {gamma}"):
         table.add_column(col, justify="left" if col == "draft" else "right")
     for r in rows:
-        table.add_row(r["draft"] + (" (mapped)" if r["mapped"] else ""), f"{r['acceptance_rate']:.3f}",
+        table.add_row(r["draft"] + (" (mapped)" if r["mapped"] else ""), format_rate(r["acceptance_rate"]),
                       f"{r['alpha']:.3f}", f"{r['draft_step_ms']:.1f}", f"{r['cost_ratio_c']:.3f}", str(r["best_gamma"]),
                       f"{r['predicted_speedup']:.2f}x", f"{r['predicted_speedup_at_gamma']:.2f}x")
     console.print(table)
@@ -367,6 +371,10 @@ def print_vocab_swap(report, draft: str, target: str, out: Path) -> None:
         ("draft vocabulary mapped", f"{report.draft_coverage:.1%}"),
         ("tied embeddings", str(report.tied)),
     )))
+    if report.token_ids_rewritten:
+        console.print("token ids rewritten into the target's: " + ", ".join(report.token_ids_rewritten), highlight=False)
+    for field_name, lost in report.token_ids_dropped.items():
+        console.print(f"dropped {field_name}: draft ids {lost} have no twin in the target's tokenizer", highlight=False)
     if report.initialised_examples:
         console.print("first target tokens without a twin: " + escape(", ".join(map(repr, report.initialised_examples))))
     console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}")

@@ -79,8 +79,8 @@ def inspect_speculator(
     The verifier, γ, proposal methods, draft architecture and weight files, as a table; then the vLLM commands.
     Exits 2 when the checkpoint holds no weights."""
     from specdraft.models import resolve
-    from specdraft.weights import weight_files
     from specdraft.speculator import load_speculator_config
+    from specdraft.weights import weight_files
 
     path = Path(resolve(speculator))
     cfg = load_speculator_config(path)
