@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 
-#: "issue 21", "Issue 15's", "round 2", "rounds 3": where a change came from, not what the code does.
-HISTORY = re.compile(r"\b(issue|round)s? [0-9]+\b", re.IGNORECASE)
-#: ISO dates (2026-12-01).
+#: "issue N", "Issue N's", "round N" (N a number): where a change came from, not what the code does.
+HISTORY = re.compile(r"(?<![-\w])(issue|round)s? [0-9]+\b", re.IGNORECASE)
+#: ISO dates (YYYY-MM-DD, digits).
 DATE = re.compile(r"\b(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]\b")
 #: A machine's own absolute paths: a reader's machine has other ones (docs use placeholders such as DIR, ~/.cache).
-MACHINE_PATH = re.compile(r"(?<![\w.~$<>-])/(work|root|home|tmp|mnt|opt|Users)/[^\s`'\")\]]*")
+MACHINE_PATH = re.compile(r"(?<![\w.~$<>-])/(work|root|home|tmp|mnt|opt|Users)/[^\s`'\")\],;]*")
 
 
 def history_hits(text: str) -> list[str]:
@@ -37,8 +37,8 @@ def placeholders(text: str) -> str:
 
 
 def without_history(text: str) -> str:
-    """``text`` without the history that result files' free-text fields carry (a label's "(round 2)", a note's
-    "issue 21 item 4: ", a source's ", 2026-12-01 morning"): the data keep it, the docs do not."""
+    """``text`` without the history that result files' free-text fields carry (a label's "(round N)", a note's
+    "issue N item M: ", a source's ", YYYY-MM-DD morning"; N, M numbers): the data keep it, the docs do not."""
     text = re.sub(r"\s*\((issue|round)s? [0-9]+[^)]*\)", "", text, flags=re.IGNORECASE)
     text = re.sub(r"\b(issue|round)s? [0-9]+( item [0-9]+)?('s)?:?\s*", "", text, flags=re.IGNORECASE)
     text = re.sub(r",?\s*(on |measured )?" + DATE.pattern + r"( (morning|afternoon|evening|night))?", "", text)

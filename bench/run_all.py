@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 sys.path.insert(0, str(ROOT))
 
-from doctext import placeholders, without_history  # noqa: E402
+from doctext import placeholders, without_history
+
 RESULTS = ROOT / "results"
 DOC = ROOT.parent / "docs" / "benchmarks.md"
 
@@ -822,13 +823,12 @@ def _quickstart() -> str:
     note = (f"# the default preset on 2 CPU cores: check {cost('check')}, its first evaluation "
             f"{cost('eval_before')}, the whole run {r['wall_seconds'] / 60:.0f} min, peak RSS "
             f"{r['peak_rss_gb']:.1f} GB") if r.get("wall_seconds") else ""
+    pair = "--target TARGET_DIR --draft DRAFT_DIR"
     return "\n".join(["```bash", "pip install -e .   # or make setup: a .venv with exact pins",
-                      "specdraft check --target TARGET_DIR --draft DRAFT_DIR   # can they work together? (exit 1: "
-                      "the tokenizers differ)",
-                      "specdraft eval  --target TARGET_DIR --draft DRAFT_DIR --num-prompts 16 --out runs/eval   # "
-                      "how much faster?",
-                      "specdraft run   --target TARGET_DIR --draft DRAFT_DIR --out runs/mine   # the whole road: "
-                      "eval, distil, eval, export", *([note] if note else []), "```"])
+                      f"specdraft check {pair}   # can they work together? (exit 1: the tokenizers differ)",
+                      f"specdraft eval  {pair} --num-prompts 16 --out runs/eval   # how much faster?",
+                      f"specdraft run   {pair} --out runs/mine   # the whole road: eval, distil, eval, export",
+                      *([note] if note else []), "```"])
 
 
 def render_transcript(name: str = "run-default.json") -> str:
@@ -889,7 +889,9 @@ def readme_text(text: str) -> str:
 
 def serving_text(text: str) -> str:
     """docs/serving.md with its llama.cpp block re-rendered from bench/results/llamacpp-embedded.json."""
-    from llamacpp_check import END as LEND, START as LSTART, embedded_markdown
+    from llamacpp_check import END as LEND
+    from llamacpp_check import START as LSTART
+    from llamacpp_check import embedded_markdown
 
     r = _load("llamacpp-embedded.json")
     if not r or LSTART not in text or LEND not in text:
