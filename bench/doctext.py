@@ -41,5 +41,6 @@ def without_history(text: str) -> str:
     "issue N item M: ", a source's ", YYYY-MM-DD morning"; N, M numbers): the data keep it, the docs do not."""
     text = re.sub(r"\s*\((issue|round)s? [0-9]+[^)]*\)", "", text, flags=re.IGNORECASE)
     text = re.sub(r"\b(issue|round)s? [0-9]+( item [0-9]+)?('s)?:?\s*", "", text, flags=re.IGNORECASE)
+    text = re.sub(r"\(\s*" + DATE.pattern + r"[^;)]*;\s*", "(", text)
     text = re.sub(r",?\s*(on |measured )?" + DATE.pattern + r"( (morning|afternoon|evening|night))?", "", text)
     return text

@@ -332,8 +332,8 @@ def _render_headroom_calibration() -> list[str]:
         lines.append(f"| {p['pair']} | {p['forecast']:+.3f} {_ci(p['forecast_ci95'])} | {m['chat']:+.3f} "
                      f"{_ci(m['chat_ci95'])} | {m['code']:+.3f} {_ci(m['code_ci95'])} | {p['error']['chat']:+.3f} / "
                      f"{p['error']['code']:+.3f} |")
-    lines += ["", "Sources: " + "; ".join(f"{p['pair']}: forecast {p['forecast_source']}, measured {p['measured_source']}"
-                                         for p in r["pairs"]) + ".", "",
+    src = "; ".join(f"{p['pair']}: forecast {p['forecast_source']}, measured {p['measured_source']}" for p in r["pairs"])
+    lines += ["", "Sources: " + src.replace(", then named default", "") + ".", "",
               ("The forecast orders the pairs rightly (the swapped draft has far more to learn) but it is a ceiling "
                "of what the draft could fix where the target is sure, not what a 20-minute CPU budget fixes: it "
                "overestimated the measured gains (mean of chat and code) by "

@@ -129,6 +129,7 @@ def test_the_history_patterns_find_issue_numbers_rounds_and_dates_and_not_flags(
     assert doctext.placeholders("/work/main/.venv/bin/python bench/x.py -m /root/.cache/specdraft/gguf/t.gguf") == (
         "python bench/x.py -m ~/.cache/specdraft/gguf/t.gguf")
     assert doctext.without_history("a (round 2): x, measured 2026-12-01 morning; issue 21 item 4: y") == "a: x; y"
+    assert doctext.without_history("forecast (2026-12-01; 32 sequences)") == "forecast (32 sequences)"
 
 
 @pytest.mark.parametrize("root", ["README.md", "docs", "bench"])
