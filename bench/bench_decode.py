@@ -11,7 +11,7 @@ markdown table; ``bench/run_all.py`` puts it into docs/benchmarks.md.
 With ``--map-vocab`` (a draft of another tokenizer) the result goes to ``decode-<mode>-<draft>.json`` and
 transformers runs its universal assisted generation (``tokenizer`` + ``assistant_tokenizer``, greedy only).
 
-A cheaper draft (issue 15): ``--variants int8 int4 head int8+head int4+head`` adds one contender per draft option
+A cheaper draft: ``--variants int8 int4 head int8+head int4+head`` adds one contender per draft option
 (:mod:`specdraft.draft_model`; ``head`` = the 32,768 most frequent target tokens, ``--head-tokens``), and
 ``--adaptive-gamma plain int4+head`` one more per listed variant with the adaptive γ policy (:mod:`specdraft.speed`).
 Before decoding, the speed model is measured once: the target's t(k) for k = 1..max(γ, 8)+1 and each variant's

@@ -1,4 +1,4 @@
-"""Distillation throughput benchmark (issue 21, item 3): float32 training against the fast path, and the two
+"""Distillation throughput benchmark: float32 training against the fast path, and the two
 ways of making teacher signal.
 
 1. **step** — trained tokens per minute of one full distillation step, the step ``run_distill`` takes:
@@ -19,7 +19,7 @@ ways of making teacher signal.
    leftover mass, reported); the bf16_hidden one holds only autocast's rounding. Every trained draft is then also
    scored against the exact teacher (hidden states through the head, float32) on all the batches:
    ``exact_final_loss``, the like-for-like comparison of what the runs learned; ``exact_within_noise`` is its
-   difference to float32's ≤ the noise above (the "equal quality" of issue 21's goal).
+   difference to float32's ≤ the noise above (the goal's "equal quality").
 
 3. **dump** — teacher tokens per minute: ``run_dump --generate N`` (the target writes its answers, batch
    ``--dump-batch`` 8) against ``run_dump`` of those very answers as existing text (teacher-forced scoring: one

@@ -1,4 +1,4 @@
-"""Does a static KV cache and ``torch.compile`` make the draft's one-token steps cheaper on CPU? (issue 15, item 3)
+"""Does a static KV cache and ``torch.compile`` make the draft's one-token steps cheaper on CPU?
 
 One-token steps of the draft after a ``--context``-token prefill (batch 1), each variant timed in turn within
 every round so machine noise hits all alike (median over rounds of the mean of ``--steps`` steps):

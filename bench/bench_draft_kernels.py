@@ -1,4 +1,4 @@
-"""Per-step cost of the draft with each int8 / int4 kernel candidate (issue 15, item 1), interleaved.
+"""Per-step cost of the draft with each int8 / int4 kernel candidate, interleaved.
 
 One-token steps of the draft after a 64-token prefill (batch 1, the decode loop's own cache code:
 :func:`specdraft.calibration.pass_seconds`), each candidate timed in turn within every repeat so machine noise hits
@@ -106,7 +106,7 @@ def main() -> dict:
     for r in range(args.repeats + 1):
         for name, m in cands.items():
             t, _ = pass_seconds(m, context, [1], repeats=10, warmup=1, last_only=True)
-            if r:  # round 0 warms every candidate up
+            if r:  # the first round warms every candidate up
                 samples[name].append(t[1])
         print(f"round {r}: " + ", ".join(f"{n} {v[-1] * 1e3:.1f} ms" for n, v in samples.items() if v), flush=True)
     step_ms = {n: sorted(v)[len(v) // 2] * 1e3 for n, v in samples.items()}

@@ -1,4 +1,4 @@
-"""Collect the routes tried for the SmolLM2-swapped distillation demonstration (issue 21, item 5) into one headline
+"""Collect the routes tried for the SmolLM2-swapped distillation demonstration into one headline
 file, ``bench/results/distill-gain-smollm2.json``.
 
 Each route is one ``bench_distill_gain.py`` run written as ``bench/results/<name>.json`` (its ``--result-name``);

@@ -465,7 +465,7 @@ def summarize(result: dict) -> dict:
 def embedded_markdown(result: dict) -> str:
     a, v, s = result["args"], result["versions"], result["summary"]
     lines = [START, "",
-             (f"Measured {result['date']} by `{result['command'].split(' ', 1)[1]}` ({result['seconds'] / 60:.0f} min): "
+             (f"Measured by `{result['command'].split(' ', 1)[1]}` ({result['seconds'] / 60:.0f} min): "
              f"llama.cpp {v['llama.cpp']} ({v.get('llama.cpp build')}), built by `make test-llamacpp` with "
              f"`{' '.join(f for f in (v.get('cmake flags') or []) if 'GGML' in f and f.endswith('=ON'))}`; "
              f"specdraft {v['specdraft']}; {v['machine']}. {prompt_label(a)} "

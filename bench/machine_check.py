@@ -1,8 +1,8 @@
-"""What this machine gives a decoder today: memory bandwidth, bf16/fp32 matrix-vector throughput, steal time.
+"""What this machine gives a decoder now: memory bandwidth, bf16/fp32 matrix-vector throughput, steal time.
 
 Every tokens/s figure in this project rests on the machine it was measured on, and machines "like this one" differ
-from day to day (the same 2-core VM kind ran the 1.5B bfloat16 target alone at 7.4 tok/s on 2026-11-30 and at
-3.0 tok/s on 2026-12-01, bench/results/machine.json). One batch-1 decoding step reads every weight once, so it is bounded by how fast the
+from day to day (the same 2-core VM kind has run the 1.5B bfloat16 target alone anywhere from 3 to 7.4 tok/s;
+bench/results/machine.json holds the last measurement). One batch-1 decoding step reads every weight once, so it is bounded by how fast the
 weights stream from memory; this measures that bound with the shapes of the embedded target (Qwen2.5-Coder-1.5B:
 an MLP projection of 8,960 × 1,536) and prints it beside the target's measured one-token step.
 

@@ -518,7 +518,7 @@ def test_compare_hf_emits_no_transformers_warnings_of_its_own(temperature, trans
     assert [r.getMessage() for r in transformers_records[-2:]] == [
         f"{_INTERNAL_NOTICE}=({{'max_new_tokens'}}) is deprecated (a caller's own call)", "a warning a user must see"]
 def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_the_draft_as_given():
-    """The pipeline's eval_before (issue 22): a prepared copy (int8 + trimmed head, adaptive γ) writes the target's
+    """The pipeline's eval_before: a prepared copy (int8 + trimmed head, adaptive γ) writes the target's
     answers, and the counts are those of the draft as given — the same as when the draft itself decodes."""
     from specdraft.calibration import measure_speed_model
     from specdraft.draft_model import apply_draft_options

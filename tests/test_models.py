@@ -164,7 +164,7 @@ def test_embedded_pair_hashes_and_cached_logits_equal_gguf(name, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_cast_on_load_reads_by_pread_to_the_weights_of_a_mapped_read(arch, tmp_path, monkeypatch):
     """float32 weights loaded in bfloat16 are read with pread, not through a memory map that would keep the whole
-    file resident beside the cast copy (issue 23: 10.6 GB for the 1.5B target); the model equals transformers' own
+    file resident beside the cast copy (10.6 GB for the 1.5B target); the model equals transformers' own
     mapped read and cast, parameters and buffers bit for bit. A load without a cast still maps the file."""
     import transformers.modeling_utils as hf_modeling
     from transformers import AutoModelForCausalLM
@@ -199,7 +199,7 @@ def test_a_cast_on_load_reads_by_pread_to_the_weights_of_a_mapped_read(arch, tmp
     assert "pread" not in backends
 
 
-# ------------------------------------------------------------------ weights never filled in (issue 17, item 3)
+# ------------------------------------------------------------------ weights never filled in
 
 
 def _save_edited(model, directory: Path, drop=(), add=None, config=None) -> Path:

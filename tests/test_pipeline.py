@@ -263,7 +263,7 @@ def test_every_preset_validates_and_exports_the_evaluated_gamma():
         cfg = make_config(name)
         assert cfg.preset == name and cfg.dump.answer_only
         assert "num_speculative_tokens" not in cfg.distill.model_dump()  # training holds no serving γ
-    # The default is the whole road (issue 22): a draft of another tokenizer, mapped, re-indexed, distilled; the
+    # The default is the whole road: a draft of another tokenizer, mapped, re-indexed, distilled; the
     # same-family pair keeps its own preset.
     default, same = make_config("default"), make_config("same-family")
     assert default.vocab_swap and default.draft == "smollm2-135m-instruct" and default.distill.train == "all"

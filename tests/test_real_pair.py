@@ -14,7 +14,7 @@ pytestmark = pytest.mark.real
 @pytest.fixture
 def real_pair(real_model):
     # bfloat16, the dtype the pipeline evaluates in: the pair's weights are 4.8 GB, against 9.6 GB in float32
-    # (issue 23: `make test` under 12 GB; this test peaked at 10.9 GB RSS in float32, 7.7 GB in bfloat16). The float32 exactness of decoding is the tiny-model tests' and the
+    # (`make test` stays under 12 GB; this test peaked at 10.9 GB RSS in float32, 7.7 GB in bfloat16). The float32 exactness of decoding is the tiny-model tests' and the
     # vocabulary-mapping tests' below.
     target, tok = real_model(DEFAULT_TARGET, "bfloat16")
     draft, _ = real_model(DEFAULT_DRAFT, "bfloat16")

@@ -161,7 +161,7 @@ def test_target_costs_are_the_line_through_the_timings():
 def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verification():
     from specdraft.speed import llama_bench_speed_model, llama_cpp_command, llama_cpp_plan
 
-    # The embedded pair's Q4_K_M GGUFs on this 2-core machine (issue 24): tg 11.65 / 26.0 tok/s, pp4 32.0, pp8 34.7.
+    # The embedded pair's Q4_K_M GGUFs on a 2-core machine: tg 11.65 / 26.0 tok/s, pp4 32.0, pp8 34.7.
     target = [{"n_prompt": 0, "n_gen": 32, "avg_ts": 11.65}, {"n_prompt": 4, "n_gen": 0, "avg_ts": 32.0},
               {"n_prompt": 8, "n_gen": 0, "avg_ts": 34.7}]
     draft = [{"n_prompt": 0, "n_gen": 32, "avg_ts": 26.0}]

@@ -66,15 +66,13 @@ STAGES = ("check", "eval_before", "vocab_swap", "headroom", "dump", "distill", "
 _DUMP = {"answer_only": True, "dtype": "bfloat16"}
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The whole road, where every stage pays (issue 22): SmolLM2-135M-Instruct, a draft of another tokenizer
-    # (49,152-token BPE), for the Qwen coder. check (mismatch) → the draft as given through a vocabulary mapping →
-    # re-indexed into the target's tokenizer → forecast → distilled on target-written code answers → evaluated →
-    # exported. Code is the headline: the re-indexed draft gained there in every measured route (+0.047 [+0.031,
-    # +0.067] after 40 steps on chat data, bench/results/distill-curve-smollm2.json), and decodes it faster than the
-    # target alone. Measured (2026-12-01, target alone 2.6 tok/s): held-out code +0.064 [+0.040, +0.104] greedy
-    # acceptance, 2.29x the target alone distilled; chat 1.47x; 37.4 min, peak RSS 12.1 GB (a fresh clone's make run:
-    # 2.45x, 1.13x, 48.5 min on a slower hour). The vLLM-servable speculator must speak the target's tokenizer: the
-    # swap makes it one, distillation wins back part of what the swap cost.
+    # The whole road, where every stage pays: SmolLM2-135M-Instruct, a draft of another tokenizer (49,152-token
+    # BPE), for the Qwen coder. check (mismatch) → the draft as given through a vocabulary mapping → re-indexed into
+    # the target's tokenizer → forecast → distilled on target-written code answers → evaluated → exported. Code is
+    # the headline: the re-indexed draft gained there in every measured route, and the distilled draft decodes it
+    # faster than the target alone (docs/benchmarks.md, "The main job" and "Distillation where a gap exists"). The
+    # vLLM-servable speculator must speak the target's tokenizer: the swap makes it one, distillation wins back part
+    # of what the swap cost.
     "default": {
         "draft": "smollm2-135m-instruct",
         "vocab_swap": True,
@@ -87,15 +85,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "distill": {"loss": "tvd", "train": "all", "lr": 1e-4, "max_steps": 20, "batch_size": 2,
                     "gradient_accumulation_steps": 4, "held_out_fraction": 0.125, "scheduler": "cosine",
                     "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto", "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~12 GB RAM (12.1 GB peak measured), ~2 GB disk; 37-49 min with the models cached "
-                 "on 2026-12-01, when the target alone ran 1.3-2.9 tok/s (7.4 on 2026-11-30)",
+        "needs": "2 CPU cores, ~12 GB RAM, ~2 GB disk, ~50 min with the models cached",
     },
-    # The embedded same-family pair (the default until 2026-12-01). 2-core CPU, models cached. Chat is where this
-    # coder pair has headroom (code is near saturation), so the preset trains on target-written answers to MT-Bench
-    # questions and measures on *other* MT-Bench questions (every third one: all 8 categories, never trained on),
-    # with held-out HumanEval reported beside it. Its distillation gain is a measured null (docs/benchmarks.md).
-    # λ = 0: at this budget on-policy data (λ = 0.5) lowered held-out code acceptance (−0.024, 95% CI
-    # [−0.043, −0.007]) and did not raise chat (bench/results/distill-gain.json, docs/benchmarks.md).
+    # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
+    # preset trains on target-written answers to MT-Bench questions and measures on *other* MT-Bench questions (every
+    # third one: all 8 categories, never trained on), with held-out HumanEval reported beside it. Its distillation
+    # gain is a measured null (docs/benchmarks.md, "Headroom forecast against measured gains"). λ = 0: at this budget
+    # on-policy data (λ = 0.5) lowered held-out code acceptance and did not raise chat (docs/benchmarks.md,
+    # "Distillation gain — dump-only vs on-policy").
     "same-family": {
         "eval_prompts": ["mt-bench:0:27:3"],
         "ood_prompts": ["humaneval:100:16:4"],
@@ -109,8 +106,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 4, "lr": 3e-5, "max_steps": 30,
                     "batch_size": 2, "held_out_fraction": 0.125, "scheduler": "cosine", "warmup_ratio": 0.1,
                     "save_steps": 10, "on_policy_fraction": 0.0, "on_policy_every": 10},
-        "needs": "2 CPU cores, ~13 GB RAM (12.4 GB peak measured), ~2 GB disk; 15-31 min with the models cached "
-                 "(15.2 min on 2026-11-30; 31.1 min on 2026-12-01, when the target alone ran 2.5 instead of 7.4 tok/s)",
+        "needs": "2 CPU cores, ~13 GB RAM, ~2 GB disk, ~30 min with the models cached",
     },
     # The smallest run that exercises every stage on real weights (CI), on-policy data included.
     "ci": {
@@ -372,8 +368,9 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     the original draft (decoded: the target's answers are written here), else the distilled draft is replayed on
     the answers ``before`` holds (the same target answers: a paired comparison).
 
-    The answers are written by the fastest lossless decoder (issue 22): the evaluation's draft preparation
-    (:func:`specdraft.draft_model.apply_draft_options`: ``draft_quantization`` auto = int4 + trimmed head on CPU) with its γ
+    The answers are written by the fastest lossless decoder: the evaluation's draft preparation
+    (:func:`specdraft.draft_model.apply_draft_options`: ``draft_quantization`` auto = int4 + trimmed head on CPU)
+    with its γ
     policy (adaptive: the pair's costs from the calibration cache the speed stage shares). The acceptance counted is
     still the draft's as exported (bf16, fixed γ, by replay). A draft of another tokenizer decodes as loaded."""
 

@@ -16,7 +16,7 @@ A round of k drafts takes k·d + t(k+1) seconds and emits E(α, k) = (1 − α^(
 times as fast as the target alone (k = 0: S = 1). With t(k) = t(1) this is Theorem 3.8 with c = d / t(1).
 :meth:`SpeedModel.predict` adds both models' prompt prefill to compare with measured wall-clock figures.
 
-:class:`AdaptiveGamma` uses S per row and round (issue 15 item 7): a row drafts the k that maximises S at its running
+:class:`AdaptiveGamma` uses S per row and round: a row drafts the k that maximises S at its running
 α, or nothing when no k predicts a gain, probing again with one draft after a wait that doubles (up to 32 rounds)
 while the prediction stays below 1 — so where no γ predicts a gain it costs about one probe draft per 32 target
 steps, not nothing. Proposal lengths depend only on counts of past rounds, never on the round being verified, so

@@ -1,0 +1,142 @@
+"""The README and docs/ say what the result files and src/ say: their generated parts equal what bench/run_all.py and
+bench/module_map.py render now, and no text carries history (issue numbers, rounds, dates) or a machine's own
+paths. Fast: no models, only the JSON under bench/results and the source files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import doctext
+import module_map
+import run_all
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+STALE = "stale: run `python bench/run_all.py --render-only`"
+
+
+def test_the_readme_is_at_most_10_kb_and_keeps_the_commands_ci_relies_on():
+    text = README.read_text()
+    assert len(text.encode()) <= 10_240, len(text.encode())
+    assert "make run" in text and "make test" in text  # .ci/run calls `make test`; the main job is `make run`
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_readmes_generated_blocks_equal_what_the_result_files_render():
+    text = README.read_text()
+    for name in run_all.README_BLOCKS:
+        start, end = run_all._block(name)
+        assert text.count(start) == 1 and text.count(end) == 1, name
+        assert text.split(start, 1)[1].split(end, 1)[0].strip(), f"the {name} block is empty"
+    assert run_all.readme_text(text) == text, STALE
+
+
+def test_the_results_table_has_one_row_per_claim_with_the_result_files_figures():
+    table = run_all.render_results_table()
+    rows = [r for r in table.splitlines()[2:]]
+    assert len(rows) == len(run_all.results_rows()) == 6
+    # figures that the result files hold, rounded as rendered
+    goal16 = run_all._load("decode-greedy-goal16.json")
+    assert f"{goal16['speedup_vs_target']['specdraft_int4_head_adaptive_gamma']:.2f}x [" in rows[0]
+    run = run_all._load("run-default.json")["sets"]["held_out"]
+    assert f"{run['speed']['distilled']['speedup']:.2f}x" in rows[3] and f"{run['gain']:+.3f}" in rows[3]
+    assert "no draft pays in llama.cpp yet" in rows[-1]
+    for word in ("met", "missed", "goal"):
+        assert word not in table.lower().split(), word
+
+
+def test_the_transcript_is_rendered_from_the_main_jobs_result():
+    r = run_all._load("run-default.json")
+    t = run_all.render_transcript()
+    assert t.startswith("```text") and t.endswith("```")
+    assert f"specdraft run — {r['target']} ← {r['draft']}" in t
+    for stage, seconds in r["stages"].items():
+        assert f"  {stage:<12} {seconds:7.1f} s" in t
+    assert run_all.render_transcript("absent.json") == ""
+
+
+def test_docs_benchmarks_md_equals_what_the_result_files_render():
+    text = (DOCS / "benchmarks.md").read_text()
+    assert run_all.render() == text, STALE
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads[:2] == ["## Summary", "## Method"]
+    assert run_all.render_results_table() in text
+
+
+def test_the_llama_cpp_block_of_docs_serving_md_equals_its_result():
+    text = (DOCS / "serving.md").read_text()
+    assert run_all.serving_text(text) == text, STALE
+    assert text.splitlines()[0] == "# Serving a speculator: vLLM and llama.cpp"
+
+
+def test_the_module_map_in_docs_architecture_md_matches_src():
+    text = (DOCS / "architecture.md").read_text()
+    assert module_map.architecture_text(text) == text, "stale: run `python bench/module_map.py`"
+    assert module_map.main(["--check"]) == 0
+    for path in (ROOT / "src" / "specdraft").rglob("*.py"):
+        name = path.name if path.name != "__init__.py" or path.parent.name == "specdraft" else path.parent.name + "/"
+        assert f"| `{name}` |" in text or f"`{path.relative_to(ROOT / 'src' / 'specdraft')}`" in text, path
+
+
+def test_the_module_map_names_every_module_with_its_lines_and_first_sentence(tmp_path):
+    pkg = tmp_path / "specdraft"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""The package. More text."""\n')
+    (pkg / "cli" / "__init__.py").write_text('"""The typer app: one command per stage.\n\nDetails."""\nx = 1\n')
+    (pkg / "a.py").write_text('"""Counts first, e.g. accepted / proposed. Then ratios."""\n\n\ny = 2\n')
+    (pkg / "b.py").write_text("z = 3\n")
+    assert module_map.modules(pkg) == [("__init__.py", 1, "The package."),
+                                       ("a.py", 4, "Counts first, e.g. accepted / proposed."), ("b.py", 1, "—"),
+                                       ("cli/", 4, "The typer app: one command per stage.")]
+    assert "4 modules, 10 lines." in module_map.render_map(pkg)
+
+
+# ----------------------------------------------------------------------------------------- no history, no machines
+
+def _texts(*roots: str) -> list[Path]:
+    out = []
+    for root in roots:
+        p = ROOT / root
+        out += [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.suffix in (".py", ".md")
+                                              and "__pycache__" not in x.parts)
+    return out
+
+
+def _hits(paths: list[Path], find) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{i}: {hit}" for p in paths for i, line in enumerate(p.read_text().splitlines(), 1)
+            for hit in find(line)]
+
+
+def _history(line: str) -> list[str]:
+    # A result record's "date" field (a fixture shaped like bench/results/*.json) is data, not history.
+    if '"date":' in line:
+        return []
+    return doctext.history_hits(line)
+
+
+def test_the_history_patterns_find_issue_numbers_rounds_and_dates_and_not_flags():
+    n, day = 21, f"{2026}-{12}-0{1}"  # built, so that this file's own scan does not find them
+    assert doctext.history_hits(f"as issue {n} said; Round {n}'s road; measured {day}") == [f"issue {n}",
+                                                                                           f"Round {n}", day]
+    assert doctext.history_hits("--rounds 5, every round, 12 rounds of 5") == []
+    assert doctext.machine_paths("run `/root/.cache/x` or /work/main/.venv/bin/python, not ~/.cache or DIR/x") == [
+        "/root/.cache/x", "/work/main/.venv/bin/python"]
+    assert doctext.placeholders("/work/main/.venv/bin/python bench/x.py -m /root/.cache/specdraft/gguf/t.gguf") == (
+        "python bench/x.py -m ~/.cache/specdraft/gguf/t.gguf")
+    assert doctext.without_history(f"a (round {n}): x, measured {day} morning; issue {n} item 4: y") == "a: x; y"
+    assert doctext.without_history(f"forecast ({day}; 32 sequences)") == "forecast (32 sequences)"
+
+
+@pytest.mark.parametrize("root", ["README.md", "docs", "bench", "src", "tests"])
+def test_no_issue_number_round_or_date_in_code_tests_bench_or_docs(root):
+    assert _hits(_texts(root), _history) == []
+
+
+def test_no_machines_own_absolute_path_in_the_readme_or_docs():
+    assert _hits(_texts("README.md", "docs"), doctext.machine_paths) == []
