@@ -677,7 +677,7 @@ def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_conf
     generation config's EOS list (the chat turn's end) together with the tokenizer's EOS, as vLLM serves."""
     from transformers import GenerationConfig
 
-    import specdraft.dump as dump_mod
+    import specdraft.responses as responses_mod
     from specdraft.decode import stop_ids
     from specdraft.evaluate import eos_ids
     from specdraft.testing import tiny_tokenizer
@@ -699,7 +699,7 @@ def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_conf
     real = decode_mod.target_generate
     decode_mod.target_generate = fake_target_generate
     try:
-        dump_mod.generate_from_ids(model, tok, [[5, 6]], 4)
+        responses_mod.generate_from_ids(model, tok, [[5, 6]], 4)
     finally:
         decode_mod.target_generate = real
     assert seen["eos"] == [3, 4]
