@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from specdraft.check import VERDICTS, check_compatible, print_report, require_compatible
+from specdraft.check import VERDICTS, CompatReport, check_compatible, print_report, require_compatible
 from specdraft.embedded import ModelResolutionError
 from specdraft.sampling import align_logits
 from specdraft.testing import (
@@ -730,3 +730,19 @@ def test_vocab_swap_rewrites_every_token_id_field_of_the_configs_or_drops_it_and
     assert rep.token_ids_dropped["generation_config.begin_suppress_tokens"] == [d_gone]
     assert rep.token_ids_dropped["generation_config.suppress_tokens"] == [d_gone]
     assert any("begin_suppress_tokens" in str(w.message) for w in caught)
+
+
+def test_differing_strings_are_split_so_the_union_count_reads_right():
+    # Target and draft share 40 words (10 of them under other ids) and hold 20 words each the other lacks: the
+    # differing strings count the union, more than either side's distinct words, so the split is printed with it.
+    words = tiny_words(80)
+    shared, only_t, only_d = words[:40], words[40:60], words[60:80]
+    moved = shared[:10][::-1] + shared[10:]  # the first 10 shared words reversed: 10 ids move
+    t = word_tokenizer(shared + only_t)
+    d = word_tokenizer(moved + only_d)
+    r = check_compatible(t, d)
+    assert r.verdict == "mismatch"
+    assert (r.n_strings_target_only, r.n_strings_draft_only, r.n_strings_moved) == (20, 20, 10)
+    assert r.n_diff_strings == 50
+    assert "20 only in the target's, 20 only in the draft's, 10 in both under different ids" in r.detail()
+    assert CompatReport.from_dict(r.to_dict()).n_strings_moved == 10

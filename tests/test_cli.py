@@ -545,3 +545,11 @@ def test_generate_summary_names_the_policy_that_drafted_fewer_and_how_the_answer
                          "adaptive γ says so; the last pass stops where the answer ended at EOS")
     assert generate_summary(counts, counts.emitted, False, ["adaptive γ"]).endswith(
         f"--max-new-tokens {counts.emitted} was reached")
+
+
+def test_check_ends_with_the_next_command_for_the_pair(tmp_path):
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--max-new-tokens", "2"],
+                           env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1].startswith(f"next: specdraft eval --target {tdir} --draft {ddir}")

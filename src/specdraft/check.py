@@ -191,6 +191,10 @@ class CompatReport:
     chat_template: dict[str, Any] | None = None  # compare_chat_templates(target, draft): per conversation, first diff
     template_use: str = TEMPLATE_USE  # which template the dump, the evaluation and the export use
     seconds: float = 0.0  # wall time of the check, loading included
+    # n_diff_strings split three ways: it counts the union of both vocabularies, so it can exceed either one's size
+    n_strings_target_only: int = 0
+    n_strings_draft_only: int = 0
+    n_strings_moved: int = 0  # in both vocabularies under different ids
 
     @property
     def compatible(self) -> bool:
@@ -207,8 +211,11 @@ class CompatReport:
         first = "; ".join(f"id {d.id}: target {d.target!r} vs draft {d.draft!r}" for d in self.differences[:3])
         # Ids are compared over the larger real vocabulary, whichever side holds it: both sizes are named.
         n = max(self.target_real_vocab, self.draft_real_vocab)
+        strings = (f"{self.n_diff_strings:,} strings of the two vocabularies' union differ "
+                   f"({self.n_strings_target_only:,} only in the target's, {self.n_strings_draft_only:,} only in the "
+                   f"draft's, {self.n_strings_moved:,} in both under different ids)")
         return (f"{self.n_diff_ids:,} of the {n:,} ids below the larger real vocabulary (target {self.target_real_vocab:,}, "
-                f"draft {self.draft_real_vocab:,}) and {self.n_diff_strings:,} strings differ (first: {first})")
+                f"draft {self.draft_real_vocab:,}) and {strings} (first: {first})")
 
     def summary(self) -> str:
         """One line: the verdict and :meth:`detail`."""
@@ -287,6 +294,8 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
     string_differences = [{"string": s, "target": tv.get(s), "draft": dv.get(s)}
                           for s in first_strings]
     vocab_equal = not diff_ids and not diff_strings
+    n_target_only = sum(1 for s in diff_strings if s not in dv)
+    n_draft_only = sum(1 for s in diff_strings if s not in tv)
 
     warnings: list[str] = []
     special = {}
@@ -353,6 +362,8 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
         target_width=t.width, draft_width=d.width,
         real_vocab=t.real if vocab_equal else None,
         n_diff_ids=len(diff_ids), n_diff_strings=len(diff_strings),
+        n_strings_target_only=n_target_only, n_strings_draft_only=n_draft_only,
+        n_strings_moved=len(diff_strings) - n_target_only - n_draft_only,
         differences=differences, string_differences=string_differences,
         special_tokens=special, special_tokens_equal=special_equal,
         probe_equal=probe_equal, probe_detail=probe_detail, chat_template_equal=chat_equal,

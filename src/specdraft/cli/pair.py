@@ -95,8 +95,14 @@ def check(
 
         atomic_write_text(json_out, json.dumps(report, indent=2, default=str))
         console.print(f"report written to {json_out}")
-    if report.get("compat", {}).get("verdict") == "mismatch":
-        raise typer.Exit(1)
+    names = f"--target {target} --draft {draft}"
+    compat = report.get("compat", {})
+    if compat.get("verdict") != "mismatch":
+        console.print(f"next: specdraft eval {names}  (acceptance, speed-up and the best γ)")
+        return
+    if (compat.get("mapping") or {}).get("usable"):
+        console.print(f"next: specdraft run {names}  (the whole road for a draft of another tokenizer)")
+    raise typer.Exit(1)
 
 
 def eval_cmd(
