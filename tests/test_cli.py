@@ -553,3 +553,31 @@ def test_check_ends_with_the_next_command_for_the_pair(tmp_path):
                            env={"COLUMNS": "400"})
     assert r.exit_code == 0, r.output
     assert r.output.strip().splitlines()[-1].startswith(f"next: specdraft eval --target {tdir} --draft {ddir}")
+
+
+def test_eval_table_caveats_a_few_prompt_interval_and_says_the_recommended_gamma_leaves_out_prefill(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from specdraft.cli import render
+
+    keys = ["acceptance_rate", "alpha", "mean_accepted_length", "predicted_alpha_prompt", "predicted_alpha_response",
+            "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "hf_assisted_tokens_per_s",
+            "speedup_vs_hf_assisted", "hf_assisted_matches_target", "cost_ratio_c", "analytic_speedup",
+            "share_of_analytic", "predicted_speedup", "prediction_error"]
+
+    def table(prompts):
+        s = dict.fromkeys(keys, None) | {
+            "prompts": prompts, "acceptance_rate_ci95": [0.4, 0.6], "recommended_gamma": 8,
+            "predicted_speedup_at_recommended_gamma": 4.12, "analytic_recommended_gamma": 7,
+            "analytic_speedup_at_recommended_gamma": 4.5, "divergences": 0, "divergences_beyond_tolerance": 0}
+        out = io.StringIO()
+        monkeypatch.setattr(render, "console", Console(file=out, width=240))
+        render.print_eval_summary(s, 5)
+        return out.getvalue()
+
+    few, many = table(2), table(16)
+    assert "[0.400, 0.600] (2 prompts: a rough interval)" in few
+    assert "rough interval" not in many and "[0.400, 0.600]" in many
+    assert "recommended γ (speed model; decoding rounds only, prefill left out)" in few

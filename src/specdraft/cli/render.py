@@ -202,6 +202,16 @@ def print_configuration(config: dict) -> None:
                   "decoder's own", highlight=False)
 
 
+#: Below this many prompts a bootstrap interval over prompts is printed with a caveat: it rests on too few
+#: resamples of too few values to hold its nominal 95% coverage.
+FEW_PROMPTS = 10
+
+
+def few_prompts_caveat(prompts: int) -> str:
+    """``" (N prompts: a rough interval)"`` below :data:`FEW_PROMPTS` prompts, else ``""``."""
+    return f" ({prompts} prompts: a rough interval)" if prompts < FEW_PROMPTS else ""
+
+
 def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding", greedy: bool = True,
                        adaptive: bool = False) -> None:
     """A rich table of the eval summary (units in the row names); the title names the γ policy that ran."""
@@ -214,7 +224,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
         ("acceptance rate 95% CI (bootstrap over prompts)",
          "— (one prompt gives no interval)" if s["prompts"] < 2 else "—" if not s.get("acceptance_rate_ci95")
-         else "[{:.3f}, {:.3f}]".format(*s["acceptance_rate_ci95"])),
+         else "[{:.3f}, {:.3f}]".format(*s["acceptance_rate_ci95"]) + few_prompts_caveat(s["prompts"])),
         ("α (accepted / reached, the analytic model's)", fmt(s["alpha"])),
         ("mean accepted length (tokens / target pass)", fmt(s["mean_accepted_length"], "{:.2f}")),
         ("predicted α, teacher-forced over prompts", fmt(s["predicted_alpha_prompt"])),
@@ -230,9 +240,9 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("measured / analytic", fmt(s["share_of_analytic"], "{:.0%}")),
         ("predicted speed-up (measured t(k), d; prefill included)", fmt(s.get("predicted_speedup"), "{:.2f}x")),
         ("prediction error (predicted / measured − 1)", fmt(s.get("prediction_error"), "{:+.1%}")),
-        ("recommended γ (speed model)",
+        ("recommended γ (speed model; decoding rounds only, prefill left out)",
          f"{s['recommended_gamma']} ({s['predicted_speedup_at_recommended_gamma']:.2f}x)"),
-        ("recommended γ (analytic)",
+        ("recommended γ (analytic; prefill left out)",
          f"{s['analytic_recommended_gamma']} ({s['analytic_speedup_at_recommended_gamma']:.2f}x)"),
         ("greedy divergences (beyond tolerance)", f"{s['divergences']} ({s['divergences_beyond_tolerance']})"
          if greedy else "— (sampled: the χ² tests cover the law)"),
@@ -248,7 +258,8 @@ EVAL_LEGEND = (
     "predicted α: Σ min(p, q) teacher-forced, no decoding (over the prompts' own tokens, and over the target's "
     "answers, which decoding meets). Three speed predictions: analytic = Leviathan et al. (2023), Theorem 3.8, "
     "from α and c alone; predicted = the speed model (each verification width k timed, t(k), and the draft step d; prefill "
-    "included), whose error is the prediction error; recommended γ = each model's best. Greedy divergences: "
+    "included), whose error is the prediction error; recommended γ = each model's best over decoding rounds, prefill left "
+    "out, so its speed-up exceeds the predicted one when prompts are long. Greedy divergences: "
     "prompts whose output differs from the target alone's; in brackets those beyond the bf16 near-tie tolerance "
     "(a bug: please report it).")
 
