@@ -4,6 +4,7 @@ prompt file read from its first line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -56,7 +57,7 @@ def test_data_and_model_errors_are_exit_2(tmp_path):
     assert r.exit_code == 2 and _error_lines(r.output) == [f"error: no such file: {tmp_path / 'none.txt'}"]
     r = CliRunner().invoke(app, ["check", "--target", str(tmp_path / "nowhere"), "--draft", ddir])
     assert r.exit_code == 2 and "Traceback" not in r.output
-    assert _error_lines(r.output) == [f"error: {tmp_path / 'nowhere'} does not exist"]
+    assert _error_lines(r.output) == [f"error: --target {tmp_path / 'nowhere'} does not exist"]
 
 
 def test_expected_error_is_one_line_however_long(tmp_path):
@@ -581,3 +582,21 @@ def test_eval_table_caveats_a_few_prompt_interval_and_says_the_recommended_gamma
     assert "[0.400, 0.600] (2 prompts: a rough interval)" in few
     assert "rough interval" not in many and "[0.400, 0.600]" in many
     assert "recommended γ (speed model; decoding rounds only, prefill left out)" in few
+
+
+def test_a_truncated_config_json_is_named_with_its_line_not_reported_as_a_tokenizer_failure(tmp_path):
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    cfg = Path(ddir) / "config.json"
+    text = cfg.read_text()
+    cfg.write_text(text[: len(text) // 2])  # a copy cut short
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir], env={"COLUMNS": "400"})
+    line = _one_error_line(r)
+    assert line.startswith(f"error: --draft {ddir}: {cfg} is not valid JSON (line ")
+    assert "tokenizer" not in line and r.exit_code == 2
+
+
+def test_a_missing_model_directory_is_named_with_its_flag(tmp_path):
+    tdir, _ = save_tiny_pair(tmp_path, 64)
+    missing = tmp_path / "nowhere"
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", str(missing)], env={"COLUMNS": "400"})
+    assert _one_error_line(r) == f"error: --draft {missing} does not exist"

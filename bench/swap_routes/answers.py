@@ -1,11 +1,19 @@
 # Target greedy answers to the default preset's held-out sets and train prompts (decoded with the 0.5B same-tokenizer draft).
-import json, os, sys, time, torch
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src"))
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import encode_prompts
 from specdraft.evaluate import acceptance_eval
 from specdraft.models import load_model
 from specdraft.pipeline import load_sources
+
 torch.set_num_threads(2)
 W = os.environ.get("SWAP_ROUTES_WORK", "runs/swap-routes")
 os.makedirs(W, exist_ok=True)
@@ -17,5 +25,5 @@ for name, spec in [("code", ["humaneval:100:16:4"]), ("chat", ["mt-bench:0:27:3"
     ids = encode_prompts(tok, ex)
     t0 = time.time()
     r = acceptance_eval(target, draft, tok, ids, [e.id for e in ex], cfg, SamplingConfig())
-    json.dump({"prompts": [e.id for e in ex], "prompt_ids": ids, "answers": r["answers"]}, open(f"{W}/answers-{name}.json", "w"))
+    Path(f"{W}/answers-{name}.json").write_text(json.dumps({"prompts": [e.id for e in ex], "prompt_ids": ids, "answers": r["answers"]}))
     print(name, len(ex), "prompts", time.time() - t0, "s", r["acceptance_rate"], flush=True)

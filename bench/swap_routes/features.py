@@ -1,7 +1,15 @@
-import glob, json, random, time, torch
-from lib import *
-from specdraft.data import encode_conversation, load_examples
+import glob
+import json
+import random
 import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from lib import *
+
+from specdraft.data import encode_conversation, load_examples
+
 
 def corpus(ttok, n_sharegpt=600, n_stdlib_tokens=120_000, chunk=256, seed=0, train_answers=True):
     """[(ids, mask)] Qwen-tokenised sequences: ShareGPT first turns (assistant tokens), stdlib sources, target answers."""
@@ -16,13 +24,13 @@ def corpus(ttok, n_sharegpt=600, n_stdlib_tokens=120_000, chunk=256, seed=0, tra
     got = 0
     for f in files:
         if got >= n_stdlib_tokens: break
-        ids = ttok(open(f, encoding="utf-8", errors="replace").read(), add_special_tokens=False)["input_ids"]
+        ids = ttok(Path(f).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
         for s in range(0, min(len(ids), 4 * chunk), chunk):  # at most 4 chunks per file: variety
             c = ids[s:s + chunk]
             if len(c) < 32: continue
             seqs.append((c, [True] * (len(c) - 1) + [False])); got += len(c)
     if train_answers:
-        d = json.load(open(f"{W}/answers-train.json"))
+        d = json.loads(Path(f"{W}/answers-train.json").read_text())
         for p, a in zip(d["prompt_ids"], d["answers"]):
             seqs.append((p + a, [False] * (len(p) - 1) + [True] * len(a) + [False]))
     return seqs

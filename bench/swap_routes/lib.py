@@ -1,8 +1,15 @@
-import json, sys, time, glob, os, math, torch
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src"))
-from specdraft.models import load_model, resolve
-from specdraft.vocab import vocab_swap
+from specdraft.models import resolve
 from specdraft.replay import replay_greedy
+from specdraft.vocab import vocab_swap
+
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"
 W = os.environ.get("SWAP_ROUTES_WORK", "runs/swap-routes")
 
@@ -13,7 +20,7 @@ def swapped():
     return m.eval(), ttok, rep
 
 def answers(name):
-    d = json.load(open(f"{W}/answers-{name}.json"))
+    d = json.loads(Path(f"{W}/answers-{name}.json").read_text())
     return d["prompt_ids"], d["answers"]
 
 EOS = [151645, 151643]
@@ -34,7 +41,7 @@ def paired(before, after, n=2000, seed=0):
     return float(a[:, 0].sum() / a[:, 1].sum() - b[:, 0].sum() / b[:, 1].sum()), [float(np.quantile(g, .025)), float(np.quantile(g, .975))]
 
 def untie(model):
-    import torch.nn as nn
+    from torch import nn
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     if head.weight.data_ptr() == emb.weight.data_ptr():

@@ -1,7 +1,13 @@
-import argparse, json, time, torch
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from features import corpus, features, train_head
 from lib import *
 from routes import seg_init
-from features import corpus, features, train_head
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--input", default="mean"); ap.add_argument("--output", default="first")
 ap.add_argument("--sharegpt", type=int, default=600); ap.add_argument("--stdlib", type=int, default=120000)
@@ -21,6 +27,6 @@ res = {"args": vars(a), "positions": len(Y), "features_s": tf, "head_s": th, "to
 for name in [n for n in ("code", "chat") if os.path.exists(f"{W}/answers-{n}.json")]:
     r, rows = acceptance(m, name); res[name] = {"acceptance": r, "rows": rows}
     print(name, round(r, 4), flush=True)
-json.dump(res, open(f"{W}/route-{a.name}.json", "w"))
+Path(f"{W}/route-{a.name}.json").write_text(json.dumps(res))
 if a.save:
     m.save_pretrained(a.save); ttok.save_pretrained(a.save)

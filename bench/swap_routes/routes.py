@@ -1,6 +1,13 @@
-import argparse, json, time, torch, glob, random
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
 from lib import *
-from specdraft.vocab import load_tokenizer_view, mapping_from_views, _draft_pieces
+
+from specdraft.vocab import _draft_pieces, load_tokenizer_view, mapping_from_views
+
 
 def seg_init(model, ttok, input_mode="mean", output_mode="first"):
     """Untie; non-twin target rows: input from pieces (mean|last), output from pieces (first|mean)."""
@@ -35,4 +42,4 @@ if __name__ == "__main__":
     for name in [n for n in ("code", "chat") if os.path.exists(f"{W}/answers-{n}.json")]:
         t0 = time.time(); r, rows = acceptance(m, name); res[name] = {"acceptance": r, "rows": rows, "s": time.time() - t0}
         print(a, name, round(r, 4), round(time.time() - t0, 1), "s", flush=True)
-    json.dump(res, open(f"{W}/init-{a.input}-{a.output}.json", "w"))
+    Path(f"{W}/init-{a.input}-{a.output}.json").write_text(json.dumps(res))

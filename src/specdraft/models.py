@@ -17,6 +17,7 @@ Heavy imports (torch, transformers) happen inside functions so that the CLI's ``
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -101,6 +102,32 @@ def resolve_ref(ref: str | os.PathLike | ModelRef, progress: Callable[[str, floa
     return ModelRef(str(ref), resolve(ref, progress))
 
 
+#: The small JSON files of a checkpoint that transformers reads before anything else: a broken one makes every
+#: loader fail with a message about something else (a truncated config.json surfaces as "could not load the
+#: tokenizer", since AutoTokenizer reads the config to learn the model type).
+CHECKPOINT_JSON = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_json_files(directory: str | os.PathLike) -> None:
+    """Parse each of :data:`CHECKPOINT_JSON` present in ``directory``.
+
+    Raises:
+        ModelResolutionError: one is not valid JSON; the message names the file, the line and column, and the fix.
+    """
+    for name in CHECKPOINT_JSON:
+        f = Path(directory) / name
+        if not f.is_file():
+            continue
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ModelResolutionError(f"{f} is not UTF-8 text ({exc}): copy or download the checkpoint again") from exc
+        except json.JSONDecodeError as exc:
+            raise ModelResolutionError(
+                f"{f} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); it may be truncated: "
+                "copy or download the checkpoint again, or fix the file") from exc
+
+
 def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | None = None) -> str:
     """Turn a reference into something ``from_pretrained`` can open offline.
 
@@ -124,6 +151,7 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
                 f"{p} is a directory but holds no config.json: it is not a Hugging Face checkpoint. "
                 "Point at the directory written by `save_pretrained`."
             )
+        check_json_files(p)
         return str(p)
     if p.exists():
         raise ModelResolutionError(f"{p} is a file, not a checkpoint directory.")

@@ -53,7 +53,7 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_prop
     the models load, and the pair's notes printed."""
     from specdraft.pair import load_pair
 
-    resolve_with_progress(target), resolve_with_progress(draft)
+    resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("loading models…"):
         pair = load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     print_notes(pair.notes)
@@ -84,8 +84,8 @@ def check(
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
     output_file(json_out, "--json")
 
-    tpath = resolve_with_progress(target)
-    dpath = resolve_with_progress(draft)
+    tpath = resolve_with_progress(target, "--target")
+    dpath = resolve_with_progress(draft, "--draft")
     with console.status("comparing tokenizers, then loading both models…"):
         report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
                            target_name=target, draft_name=draft)
@@ -263,8 +263,9 @@ def rank(
              "llama_cpp_bin": llama_cpp_bin}
     source = resolve_source(prompts, held_out=True)
     examples = source.load()
-    for ref in (target, *drafts):
-        resolve_with_progress(ref)
+    resolve_with_progress(target, "--target")
+    for ref in drafts:
+        resolve_with_progress(ref, "candidate draft")
     with console.status("calibrating…") as status:
         ranking = rank_candidates(target, drafts, examples, config, prompts=source.name, engine=engine, llama=llama,
                                   threads=threads, progress=status_lines(status))

@@ -54,19 +54,30 @@ def _progress_callback(progress, task_ids: dict):
     return cb
 
 
-def resolve_with_progress(ref: str) -> str:
-    """Resolve a reference, showing a progress bar while an embedded model's cache is built."""
+def resolve_with_progress(ref: str, flag: str | None = None) -> str:
+    """Resolve a reference, showing a progress bar while an embedded model's cache is built.
+
+    Raises:
+        ModelResolutionError: see :func:`specdraft.models.resolve`; with ``flag``, the message starts with the
+            flag and the reference as typed (``--draft ./x: ./x does not exist``), so the user knows which to fix.
+    """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdraft.embedded import EMBEDDED, is_cached
+    from specdraft.embedded import EMBEDDED, ModelResolutionError, is_cached
     from specdraft.models import resolve
 
-    if ref in EMBEDDED and not is_cached(ref):
-        console.print(f"Preparing [bold]{ref}[/] (first use: join → sha256 → GGUF load → safetensors cache)…")
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      console=err_console) as pg:
-            return resolve(ref, _progress_callback(pg, {}))
-    return resolve(ref)
+    try:
+        if ref in EMBEDDED and not is_cached(ref):
+            console.print(f"Preparing [bold]{ref}[/] (first use: join → sha256 → GGUF load → safetensors cache)…")
+            with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                          console=err_console) as pg:
+                return resolve(ref, _progress_callback(pg, {}))
+        return resolve(ref)
+    except ModelResolutionError as exc:
+        if flag is None:
+            raise
+        msg = str(exc)  # "PATH does not exist" reads "--draft PATH does not exist"; others get "--draft REF: …"
+        raise ModelResolutionError(f"{flag} {msg}" if msg.startswith(f"{ref} ") else f"{flag} {ref}: {msg}") from exc
 
 
 def status_lines(status) -> Callable[[str], None]:

@@ -68,8 +68,8 @@ def run(
                             "gamma_policy": gamma_policy})
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
     load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
-    for ref in (cfg.target, cfg.draft):
-        resolve_with_progress(ref)
+    for ref, flag in ((cfg.target, "--target"), (cfg.draft, "--draft")):
+        resolve_with_progress(ref, flag)
     report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False), overwrite=overwrite)
     print_run(report, out, cfg.target, cfg.draft)
 

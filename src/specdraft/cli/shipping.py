@@ -61,7 +61,7 @@ def convert(
         # Refuse a misplaced flag before an embedded draft's cache is built (convert checks the same again).
         ExportConfig(draft=draft, verifier=target, out=out, dtype=dtype, format=format,
                      **{k: v for k, v in gguf.items() if v is not None})
-    resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
+    resolve_with_progress(draft, "--draft")  # builds an embedded model's cache with a progress bar on first use
     res = convert_speculator(draft, target, out, num_speculative_tokens=speculative_tokens(gamma),
                              overwrite=overwrite, dtype=dtype, format=format, **gguf,
                              progress=lambda line: console.print(f"[dim]{escape(line)}…[/]"))

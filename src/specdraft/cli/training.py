@@ -139,7 +139,7 @@ def dump(
     quiet_transformers()
     t0 = time.time()
     source.load()  # every line checked before a model is prepared
-    resolve_with_progress(target)
+    resolve_with_progress(target, "--target")
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
         m = run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
@@ -221,7 +221,7 @@ def vocab_swap(
     to 152k rows for Qwen); distil it next (specdraft run --draft OUT)."""
     from specdraft.vocab import save_vocab_swap
 
-    tpath, dpath = resolve_with_progress(target), resolve_with_progress(draft)
+    tpath, dpath = resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("re-indexing the draft's rows…"):
         report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite)
     print_vocab_swap(report, draft, target, out)
