@@ -66,6 +66,44 @@ def test_forward_returns_loss_by_key_and_ignores_padding(setup, loss):
     assert 0.0 <= float(out["alpha"]) <= 1.0
 
 
+@pytest.mark.parametrize("loss", ["soft_ce", "tvd"])
+def test_topk_teacher_takes_the_sparse_loss_equal_to_the_dense_path_where_its_mass_is_all_in_the_top_k(setup, loss):
+    """A top-k teacher trains soft_ce / tvd without its full-width p; where the teacher's mass is all in its top k
+    the loss, its gradient and the metrics equal the dense path's (the teacher densified, LOSSES applied)."""
+    from specdraft.dump_reader import teacher_probs_from_topk
+    from specdraft.losses import LOSSES, masked_mean
+    from specdraft.sampling import align_logits
+
+    target, rows = setup
+    k = 6
+    with torch.no_grad():
+        t_logits = target(collate(rows[:2])["input_ids"]).logits.float()  # [B, S, V]
+    keep = torch.topk(t_logits, k).indices
+    logprobs = t_logits.gather(-1, keep).log_softmax(-1)  # all of the teacher's mass on its k ids
+    batch = collate(rows[:2])
+    batch.pop("hidden")
+    batch |= {"topk_logprobs": logprobs, "topk_ids": keep.to(torch.int32),
+              "leftover_logmass": torch.full(keep.shape[:-1], float("-inf"))}
+    draft = perturbed(target, 0.1)
+    m = DistillModel(draft, None, None, V, DistillConfig(loss=loss), teacher_width=V)
+    out = m(**batch)
+    (g_sparse,) = torch.autograd.grad(out["loss"], draft.lm_head.weight)
+    d_logits = align_logits(draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                            V, V).float()
+    p = teacher_probs_from_topk(logprobs, keep, batch["leftover_logmass"], V, V)
+    mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    dense = masked_mean(LOSSES[loss](d_logits, p), mask)
+    (g_dense,) = torch.autograd.grad(dense, draft.lm_head.weight)
+    assert float(dense.detach()) > 0.01
+    torch.testing.assert_close(out["loss"], dense)
+    torch.testing.assert_close(g_sparse, g_dense)
+    with torch.no_grad():
+        tv = 0.5 * (p - d_logits.softmax(-1)).abs().sum(-1)
+        torch.testing.assert_close(out["tvd"], masked_mean(tv, mask))
+        torch.testing.assert_close(out["alpha"], masked_mean(1 - tv, mask))
+        torch.testing.assert_close(out["train_acc"], masked_mean((d_logits.argmax(-1) == p.argmax(-1)).float(), mask))
+
+
 def test_padding_rows_and_bad_widths(setup):
     target, rows = setup
     wide = tiny_model("llama", V + 32, seed=1, layers=1)  # same tokenizer, padded matrix

@@ -237,3 +237,78 @@ def test_lk_hybrid_is_kl_at_zero_overlap_and_tvd_at_full_overlap():
     assert LOSSES["lk_hybrid"](far, p).item() == pytest.approx(-far.log_softmax(-1)[0, 0, 0].item(), rel=1e-4)
     near = torch.tensor([[[30.0, 0.0, 0.0]]])  # α ≈ 1: both terms ≈ 0
     assert LOSSES["lk_hybrid"](near, p).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def _topk_teacher(k: int, tail: bool, seed: int = 5, shape=(2, 5), width: int = 50, real: int = 45):
+    """A teacher over ``real`` ids of a ``width``-wide vocabulary (padding rows past it), and its top-k signal as a
+    dump stores it: ``(p [..., width], ids, probs [..., k], leftover_logmass [...])``. Without ``tail`` the teacher
+    puts all its mass on k ids."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, width, generator=g) * 2
+    logits[..., real:] = float("-inf")
+    if not tail:
+        keep = torch.topk(logits, k).indices
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, keep, logits.gather(-1, keep))
+    p = logits.softmax(-1)
+    probs, ids = torch.topk(p, k)
+    if not tail:  # a dump stores −inf where nothing is left (not the rounding of 1 − Σ p_k)
+        return p, ids, probs, torch.full(shape, float("-inf"))
+    return p, ids, probs, (1 - probs.sum(-1)).log()
+
+
+def _draft_logits(seed: int = 6, shape=(2, 5), width: int = 50, real: int = 45) -> torch.Tensor:
+    x = torch.randn(*shape, width, generator=torch.Generator().manual_seed(seed)) * 2
+    x[..., real:] = float("-inf")  # padding rows, as align_logits leaves them
+    return x.requires_grad_(True)
+
+
+@pytest.mark.parametrize("name", ["soft_ce", "tvd"])
+def test_sparse_teacher_loss_equals_dense_where_the_teacher_mass_is_all_in_its_top_k(name):
+    from specdraft.losses import TOPK_LOSSES
+
+    p, ids, probs, leftover = _topk_teacher(k=8, tail=False)
+    assert torch.isinf(leftover).all() and float(p.gather(-1, ids).sum(-1).min()) > 1 - 1e-6
+    d = _draft_logits()
+    sparse = TOPK_LOSSES[name](d, ids, probs, tail=leftover.exp(), real_vocab=45)
+    (g_sparse,) = torch.autograd.grad(sparse.sum(), d)
+    dense = LOSSES[name](d, p)
+    (g_dense,) = torch.autograd.grad(dense.sum(), d)
+    assert float(dense.detach().min()) > 0.05  # the draft is far from the teacher: the comparison is not of zeros
+    torch.testing.assert_close(sparse, dense)
+    torch.testing.assert_close(g_sparse, g_dense)
+    assert torch.isfinite(g_sparse).all()
+
+
+def test_sparse_soft_ce_equals_the_dense_completion_at_any_tail():
+    from specdraft.dump_reader import teacher_probs_from_topk
+    from specdraft.losses import soft_ce_topk
+
+    _p, ids, probs, leftover = _topk_teacher(k=8, tail=True)
+    assert float(leftover.exp().min()) > 0.05  # a real tail
+    d = _draft_logits()
+    dense_p = teacher_probs_from_topk(probs.log(), ids, leftover, 50, 45)
+    sparse = soft_ce_topk(d, ids, probs, tail=leftover.exp(), real_vocab=45)
+    (g_sparse,) = torch.autograd.grad(sparse.sum(), d)
+    dense = soft_ce(d, dense_p)
+    (g_dense,) = torch.autograd.grad(dense.sum(), d)
+    torch.testing.assert_close(sparse, dense)
+    torch.testing.assert_close(g_sparse, g_dense)
+
+
+def test_sparse_tvd_is_an_upper_bound_within_the_tail():
+    """0 ≤ tvd_topk − TVD(p, q) ≤ min(tail, 1 − Σ_K q) ≤ tail, for the true teacher and the uniform completion."""
+    from specdraft.dump_reader import teacher_probs_from_topk
+    from specdraft.losses import tvd_topk
+
+    p_true, ids, probs, leftover = _topk_teacher(k=8, tail=True)
+    tail = leftover.exp()
+    d = _draft_logits()
+    with torch.no_grad():
+        sparse = tvd_topk(d, ids, probs, tail=tail, real_vocab=45)
+        q_out = 1 - d.softmax(-1).gather(-1, ids).sum(-1)
+        for p in (p_true, teacher_probs_from_topk(probs.log(), ids, leftover, 50, 45)):
+            gap = sparse - tvd(d, p)
+            assert float(gap.min()) >= -1e-6
+            assert bool((gap <= torch.minimum(tail, q_out) + 1e-6).all())
+            assert float(gap.max()) > 1e-3  # the bound is not met with equality everywhere: the tail is not exact
+    assert bool((sparse <= 1 + 1e-6).all())

@@ -238,6 +238,10 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert titles and all(t.endswith("before = the draft as given, mapped") for t in titles)
     # The forecast compares p and q id by id: it ran on the re-indexed draft, the one that is trained.
     assert report["headroom"]["draft"] == swap["path"] and report["headroom"]["positions"] > 0
+    # Its pass also gives the swap diagnostic over the same held-out answers; its verdict names the dominant kind.
+    seg = report["headroom"]["segmentation"]
+    assert seg["positions"] == report["headroom"]["positions"] and sum(seg["kinds"].values()) == seg["disagreements"]
+    assert report["headroom"]["verdict"].endswith(f"; vocabulary swap: {seg['verdict']}")
     spec = tmp_path / "run" / "export" / "speculator"
     assert check_compatible(str(tdir), str(spec)).verdict == "identical"  # it now speaks the target's tokenizer
     assert "re-indexed into the target's tokenizer" in (tmp_path / "run" / "report.md").read_text()

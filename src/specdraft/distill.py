@@ -35,7 +35,10 @@ computed as the target computed it, and the softmax over the vocabulary stays fl
 Teacher signal per position (from :mod:`specdraft.dump`):
 
 * ``hidden`` dump: teacher logits = ``lm_head(h)`` with h the target's post-norm final hidden state;
-* ``topk`` dump: a sparse teacher (see :func:`specdraft.dump_reader.teacher_probs_from_topk` for the leftover rule).
+* ``topk`` dump: a sparse teacher. ``soft_ce`` and ``tvd`` read it as stored (:data:`specdraft.losses.TOPK_LOSSES`,
+  no full-width p: soft_ce exact against the uniform tail completion, tvd exact where the tail is 0 and an upper
+  bound by at most the tail elsewhere); the other losses densify it (see
+  :func:`specdraft.dump_reader.teacher_probs_from_topk` for the leftover rule).
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
@@ -62,7 +65,7 @@ from transformers.utils import ModelOutput
 from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
 from specdraft.export import export_speculator, write_training_json
 from specdraft.io import atomic_write_text
-from specdraft.losses import LOSSES, masked_mean, sum_min
+from specdraft.losses import LOSSES, TOPK_LOSSES, masked_mean, sum_min, tvd_topk
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, input_width, output_width
 
 
@@ -231,9 +234,11 @@ class DistillModel(nn.Module):
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S, V]
+        mask = trained_mask(input_ids, attention_mask, loss_mask)  # [B, S] bool
+        if hidden is None and cfg.loss in TOPK_LOSSES:
+            return self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
         with torch.no_grad():
             p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
-        mask = trained_mask(input_ids, attention_mask, loss_mask)  # [B, S] bool
         if cfg.loss == "tvd_deploy" and t_logits is None:
             # A sparse teacher has no logits: filter its probabilities through their logs.
             t_logits = p.clamp(min=1e-30).log()
@@ -255,6 +260,26 @@ class DistillModel(nn.Module):
                 alpha = sum_min(pf, qf)
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
                              alpha=masked_mean(alpha, mask), tokens=mask.sum())
+
+    def _forward_topk(self, d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch):
+        """The loss and metrics against a top-k teacher, never building its full-width p
+        (:data:`specdraft.losses.TOPK_LOSSES`). soft_ce equals the dense completion's; the tvd loss and the tvd /
+        α metrics are :func:`~specdraft.losses.tvd_topk`: exact where the teacher's tail is 0, else an upper bound
+        of the TVD by at most the tail (α a lower bound). The teacher's argmax is its top-1 stored id."""
+        cfg = self.config_
+        with torch.no_grad():
+            probs = topk_logprobs.float().exp()  # [B, S, k]
+            tail = leftover_logmass.float().exp()  # [B, S]; exp(−inf) = 0 where nothing is left
+            teacher_top1 = topk_ids.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1)  # [B, S]
+        per_pos = TOPK_LOSSES[cfg.loss](d_logits, topk_ids, probs, tail=tail, real_vocab=self.real_vocab)
+        loss = masked_mean(per_pos, mask, num_items_in_batch)
+        with torch.no_grad():
+            acc = (d_logits.argmax(-1) == teacher_top1).float()
+            tvd_k = per_pos.detach() if cfg.loss == "tvd" else tvd_topk(d_logits, topk_ids, probs, tail=tail,
+                                                                         real_vocab=self.real_vocab)
+        # α = 1 − TVD at T = 1: a top-k teacher has no logits for a serving filter (as the dense path's α).
+        return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_k, mask),
+                             alpha=masked_mean(1 - tvd_k, mask), tokens=mask.sum())
 
 
 def select_trainable(draft, config: DistillConfig):

@@ -170,6 +170,8 @@ def forecast_headroom(
     real_vocab: int | None = None,
     pad_id: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    twins: Sequence[bool] | None = None,
+    tokenizer=None,
 ) -> dict[str, Any]:
     """The forecast over the masked positions of ``sequences`` (teacher-forced; both models run once per batch).
 
@@ -183,14 +185,20 @@ def forecast_headroom(
         serving: the filter of the sampled α (default: plain T = 1).
         real_vocab: ``len(tokenizer)``; ids past it are padding with zero probability.
         progress: called as ``progress(done, total)`` after each batch.
+        twins / tokenizer: for a draft re-indexed from another tokenizer (:func:`specdraft.vocab.vocab_swap`):
+            ``[V]`` per target id whether the original draft has a twin, and the target's tokenizer. Given, the
+            draft's argmaxes of this same pass are split by kind of disagreement with the sequences' tokens
+            (:func:`specdraft.segmentation.diagnose_masked`) and the verdict names the kind that dominates.
 
     Returns:
         ``{**HeadroomCounts.to_dict(), "gain", "gain_ci95": [low, high], "verdict", "sequences", "sure_threshold",
-        "per_sequence": [{"id", **counts}]}``; ``gain`` is ``greedy_learnable`` and its interval a bootstrap over
-        sequences (:func:`specdraft.stats.ratio_ci`).
+        "per_sequence": [{"id", **counts}]}`` plus, with ``twins``, ``"segmentation"``
+        (:meth:`~specdraft.segmentation.SegmentationReport.to_dict`); ``gain`` is ``greedy_learnable`` and its
+        interval a bootstrap over sequences (:func:`specdraft.stats.ratio_ci`).
 
     Raises:
-        ValueError: a mask whose length differs from its sequence's, or no masked position at all.
+        ValueError: a mask whose length differs from its sequence's, or no masked position at all; ``twins``
+            without ``tokenizer``.
     """
     import torch
 
@@ -199,7 +207,10 @@ def forecast_headroom(
     from specdraft.stats import ratio_ci
 
     config = config or HeadroomConfig()
+    if twins is not None and tokenizer is None:
+        raise ValueError("the swap diagnostic (twins) needs the target's tokenizer")
     width = output_width(target)
+    draft_top1: list[list[int]] = []  # per sequence the draft's argmax at each masked position (swap diagnostic)
     device = next(target.parameters()).device
     per_sequence: list[HeadroomCounts] = []
     bs = config.batch_size
@@ -220,6 +231,8 @@ def forecast_headroom(
             p_l = align_logits(p_logits[i][sel[i]], width, real_vocab)  # [N_i, V]
             q_l = align_logits(q_logits[i][sel[i]], width, real_vocab)
             per_sequence.append(counts_from_positions(*position_headroom(p_l, q_l, config.sure, serving)))
+            if twins is not None:
+                draft_top1.append(q_l.argmax(-1).tolist())
         del p_logits, q_logits
         if progress:
             progress(min(start + bs, len(sequences)), len(sequences))
@@ -228,11 +241,17 @@ def forecast_headroom(
         raise ValueError("no masked position to forecast over (every mask is empty)")
     ci = ratio_ci([c.sure - c.agree_sure for c in per_sequence], [c.positions for c in per_sequence])
     names = list(names) if names is not None else [str(i) for i in range(len(per_sequence))]
+    line, extra = verdict(total, config.min_gain), {}
+    if twins is not None:
+        from specdraft.segmentation import diagnose_masked
+
+        seg = diagnose_masked(tokenizer, twins, sequences, masks, draft_top1)
+        line, extra = f"{line}; vocabulary swap: {seg.to_dict()['verdict']}", {"segmentation": seg.to_dict()}
     return total.to_dict() | {
-        "gain": total.greedy_learnable, "gain_ci95": [ci.low, ci.high], "verdict": verdict(total, config.min_gain),
+        "gain": total.greedy_learnable, "gain_ci95": [ci.low, ci.high], "verdict": line,
         "sequences": len(per_sequence), "sure_threshold": config.sure,
         "per_sequence": [{"id": n} | asdict(c) for n, c in zip(names, per_sequence, strict=True)],
-    }
+    } | extra
 
 
 def headroom_sequences(target, tokenizer, examples: list[Example], config: HeadroomConfig,
@@ -275,6 +294,10 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
         examples: prompts with replies (or any prompts with ``config.generate``).
         config: :class:`~specdraft.config.HeadroomConfig`.
 
+    A draft written by ``specdraft vocab-swap`` (its ``vocab_swap.json`` names the original draft) gets the swap
+    diagnostic from the same pass (:func:`specdraft.segmentation.swapped_draft_twins`; ``forecast_headroom``'s
+    ``twins``).
+
     Returns:
         :func:`forecast_headroom`'s result plus ``target``, ``draft``, ``config`` and ``examples``.
 
@@ -285,7 +308,8 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
     """
     from specdraft.check import check_compatible
     from specdraft.data import tokenizer_pad_id
-    from specdraft.models import load_model
+    from specdraft.models import load_model, resolve
+    from specdraft.segmentation import swapped_draft_twins
     from specdraft.vocab import CompatibilityError
 
     config = config or HeadroomConfig()
@@ -294,11 +318,12 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
         raise CompatibilityError(f"the forecast compares p and q id by id, but the tokenizers differ ({rep.summary()}): "
                                  "re-index the draft into the target's tokenizer first (specdraft vocab-swap) and "
                                  "forecast the swapped draft.")
+    twins = swapped_draft_twins(resolve(draft_ref), resolve(target_ref))
     target, tok = load_model(target_ref, dtype=config.dtype)
     names, seqs, masks = headroom_sequences(target, tok, examples, config)
     draft, _ = load_model(draft_ref, dtype=config.dtype)
     pad = tokenizer_pad_id(tok)
     res = forecast_headroom(target, draft, seqs, masks, config, names=names, real_vocab=len(tok), pad_id=pad,
-                            progress=progress)
+                            progress=progress, twins=twins, tokenizer=tok if twins is not None else None)
     return res | {"target": str(target_ref), "draft": str(draft_ref), "config": config.model_dump(),
                   "examples": len(examples)}

@@ -4,7 +4,8 @@ The serving filter they share with decoding and α lives in :mod:`specdraft.samp
 renormalise → top-p, the order of vLLM's and transformers' samplers); ``tvd_deploy`` applies it to p and q.
 
 Losses are pure per-position functions ``(draft_logits [B, S, V], teacher) -> [B, S] float32`` and live in
-:data:`LOSSES`; masking and averaging happen once, in :func:`masked_mean`.
+:data:`LOSSES`; masking and averaging happen once, in :func:`masked_mean`. Against a top-k teacher (ids, probs,
+tail), :data:`TOPK_LOSSES` hold the forms that never build the full-width p.
 
 Notation: p = target (teacher) distribution, q = draft distribution. Under speculative sampling a drafted
 token is accepted with probability Σ_x min(p(x), q(x)) = 1 − TVD(p, q) (Leviathan et al. 2023, §3.1;
@@ -109,6 +110,87 @@ def lk_hybrid(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch
     tv = 0.5 * (p - q).abs().sum(dim=-1)
     lam = torch.exp(-LK_ETA * (1.0 - tv)).detach()
     return lam * kl + (1.0 - lam) * tv
+
+
+# ------------------------------------------------------------------------------ sparse (top-k) teacher
+#
+# A top-k dump stores the teacher's k largest probabilities, their ids and the mass left outside them (the
+# tail). These losses read that signal as it is and never build the [B, S, V] teacher p (nor p − q): only the
+# draft side is vocabulary-wide. The draft's head is *not* restricted to the k ids: both losses need q's
+# normaliser over every row (log Z_q), so a head restricted to the teacher's top-k would be neither exact nor
+# bounded; what the sparse path saves is the teacher's full-width tensors and their elementwise ops.
+
+
+def _sparse_teacher(topk_probs: torch.Tensor, tail: torch.Tensor | None, rest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p_k [..., k], tail [...])`` float32, renormalised to sum to 1 together, as
+    :func:`specdraft.dump_reader.teacher_probs_from_topk` renormalises its completion (absorbing the stored
+    log-probs' rounding). ``tail`` defaults to ``1 − Σ p_k`` (clamped at 0); with no id left outside the top-k
+    (``rest == 0``) it is 0."""
+    p = topk_probs.float()
+    t = (1.0 - p.sum(dim=-1)).clamp(min=0.0) if tail is None else tail.float()
+    if rest <= 0:
+        t = torch.zeros_like(t)
+    z = p.sum(dim=-1) + t
+    return p / z[..., None], t / z
+
+
+def soft_ce_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                 tail: torch.Tensor | None = None, real_vocab: int | None = None) -> torch.Tensor:
+    """:func:`soft_ce` against a top-k teacher whose tail is spread uniformly over the other real ids (the dense
+    completion of :func:`specdraft.dump_reader.teacher_probs_from_topk`), without building it.
+
+    ``−Σ_x p̂(x) log q(x) = −Σ_{i∈K} p_i log q_i − (tail / (R − k)) · (Σ_{x<R} log q_x − Σ_{i∈K} log q_i)``.
+
+    Exactness: equal to :func:`soft_ce` on the dense completion at any tail (the same sum, regrouped). Against
+    the teacher's true, unknown tail it is exact when the tail is 0; otherwise it differs by the tail's cross-entropy
+    term, which no bound independent of q limits (−log q is unbounded), so only the completion is claimed.
+
+    Args:
+        draft_logits: ``[B, S, V]`` draft logits (ids ≥ ``real_vocab`` are padding at ``-inf``).
+        topk_ids: ``[B, S, k] int64`` the teacher's top-k ids (distinct, below ``real_vocab``).
+        topk_probs: ``[B, S, k] float`` their probabilities.
+        tail: ``[B, S]`` teacher mass outside the top-k (default ``1 − Σ topk_probs``).
+        real_vocab: R, ``len(tokenizer)`` (default V).
+
+    Returns:
+        ``[B, S] float32`` nats.
+    """
+    real = draft_logits.shape[-1] if real_vocab is None else min(real_vocab, draft_logits.shape[-1])
+    rest = real - topk_ids.shape[-1]
+    p, t = _sparse_teacher(topk_probs, tail, rest)
+    logq = draft_logits.float().log_softmax(dim=-1)  # [B, S, V]
+    logq_k = logq.gather(-1, topk_ids.long())  # [B, S, k]
+    head = -(p * logq_k.masked_fill(p == 0, 0.0)).sum(dim=-1)
+    if rest <= 0:
+        return head
+    others = logq[..., :real].sum(dim=-1) - logq_k.sum(dim=-1)  # Σ log q over the real ids outside K
+    # A zero tail contributes nothing even where some log q is −inf: where, not 0 · (−inf).
+    return head - torch.where(t > 0, t / rest * others, torch.zeros_like(t))
+
+
+def tvd_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+             tail: torch.Tensor | None = None, real_vocab: int | None = None) -> torch.Tensor:
+    """:func:`tvd` against a top-k teacher, the tail taken as disjoint from q's mass outside K, ``[B, S] float32``.
+
+    ``½ (Σ_{i∈K} |p_i − q_i| + (1 − Σ_{i∈K} q_i) + tail)``: outside K, ``|p_x − q_x| ≤ p_x + q_x``.
+
+    Exactness and bound: for *every* teacher with these top-k values and this tail (the true one, or the uniform
+    completion :func:`tvd` sees in the dense path), ``0 ≤ tvd_topk − TVD(p, q) = Σ_{x∉K} min(p_x, q_x)
+    ≤ min(tail, 1 − Σ_K q) ≤ tail``. It is exact when the tail is 0, and always an upper bound of the TVD (so
+    ``1 − tvd_topk`` is a lower bound of α = Σ min(p, q)). Padding rows (ids ≥ ``real_vocab``) carry q = 0; with
+    no real id outside K the tail is 0.
+
+    Args: as :func:`soft_ce_topk`.
+    """
+    real = draft_logits.shape[-1] if real_vocab is None else min(real_vocab, draft_logits.shape[-1])
+    p, t = _sparse_teacher(topk_probs, tail, real - topk_ids.shape[-1])
+    q_k = draft_logits.float().softmax(dim=-1).gather(-1, topk_ids.long())  # [B, S, k]
+    return 0.5 * ((p - q_k).abs().sum(dim=-1) + (1.0 - q_k.sum(dim=-1)) + t)
+
+
+#: Losses with a sparse (top-k teacher) form, by the name of their dense form in :data:`LOSSES`; the others
+#: (ce, nla, lk_hybrid, tvd_deploy) densify a top-k teacher.
+TOPK_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"soft_ce": soft_ce_topk, "tvd": tvd_topk}
 
 
 # Above this k the k×k id comparison of the sparse path costs more than the dense path saves.

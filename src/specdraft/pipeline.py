@@ -465,14 +465,17 @@ def _swap_stage(cfg: PipelineConfig, plan: _Plan, before: dict[str, Any]) -> Cal
 def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
                     before: dict[str, Any]) -> Callable[[Path], dict[str, Any]]:
     """The forecast (:func:`specdraft.headroom.forecast_headroom`) over the target's held-out answers from
-    ``eval_before``, teacher-forced, with the serving filter of the sampled α."""
+    ``eval_before``, teacher-forced, with the serving filter of the sampled α. For the swapped draft its
+    argmaxes of the same pass give the swap diagnostic (``segmentation``; the verdict names the dominant kind)."""
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts, tokenizer_pad_id
         from specdraft.headroom import forecast_headroom
         from specdraft.models import load_model
+        from specdraft.segmentation import swapped_draft_twins
 
+        twins = swapped_draft_twins(draft_path, plan.target.path)  # None unless the vocab_swap stage wrote it
         target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
         draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
         prompts = encode_prompts(tok, plan.evals)
@@ -483,7 +486,7 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
         serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
         res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
                                 serving=serving, real_vocab=len(tok),
-                                pad_id=tokenizer_pad_id(tok))
+                                pad_id=tokenizer_pad_id(tok), twins=twins, tokenizer=tok)
         atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
         del target, draft
         gc.collect()

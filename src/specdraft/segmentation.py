@@ -17,7 +17,8 @@ target's token falls in the first of these kinds that holds:
 
 The first two are output-side (the head's rows), the third input-side (the embedding's rows); ``other`` is what
 distillation on the target's distribution addresses. :func:`diagnose` counts them; :func:`verdict` names the kind
-that dominates.
+that dominates. :func:`diagnose_masked` counts them at the masked positions of sequences (the argmaxes of a pass
+made for something else: ``headroom``'s), :func:`swapped_draft_twins` finds the original draft of a swapped one.
 """
 
 from __future__ import annotations
@@ -168,3 +169,96 @@ def swap_diagnostic(draft, target_tokenizer, has_twin: Sequence[bool], prompts: 
     tokenizer), its argmaxes from :func:`draft_answer_top1`."""
     top1 = draft_answer_top1(draft, prompts, answers)
     return diagnose(target_tokenizer, has_twin, answers, top1, [p[-1] for p in prompts], top=top)
+
+
+def answer_runs(sequence: Sequence[int], mask: Sequence[bool | int]) -> list[tuple[int, list[int]]]:
+    """The masked positions of one sequence as runs of consecutive predictions: ``[(read, answer)]``, ``answer``
+    the tokens predicted (position j predicts ``sequence[j + 1]``, the dump's ``loss_mask`` convention) and ``read``
+    the token before the run's first (what the draft read before ``answer[0]``). A mask on the last position, which
+    predicts nothing, is ignored."""
+    runs: list[tuple[int, list[int]]] = []
+    prev = -2
+    for j, m in enumerate(mask):
+        if not m or j + 1 >= len(sequence):
+            continue
+        if j != prev + 1:
+            runs.append((int(sequence[j]), []))
+        runs[-1][1].append(int(sequence[j + 1]))
+        prev = j
+    return runs
+
+
+def diagnose_masked(target_tokenizer, has_twin: Sequence[bool], sequences: Sequence[Sequence[int]],
+                    masks: Sequence[Sequence[bool | int]], draft_top1: Sequence[Sequence[int]],
+                    top: int = 50) -> SegmentationReport:
+    """:func:`diagnose` at the masked positions of ``sequences`` (target ids), from the draft's argmax at each
+    masked position, in order (``draft_top1[s][i]`` predicts the token after the ``i``-th masked position of
+    sequence ``s``; a trailing masked last position has no token and no entry counted).
+
+    Raises:
+        ValueError: ``draft_top1[s]`` shorter than the masked positions of sequence ``s``.
+    """
+    answers, guesses, read = [], [], []
+    for s, (seq, mask, top1) in enumerate(zip(sequences, masks, draft_top1, strict=True)):
+        runs = answer_runs(seq, mask)
+        if sum(len(a) for _, a in runs) > len(top1):
+            raise ValueError(f"sequence {s}: {len(top1)} draft argmaxes for {sum(len(a) for _, a in runs)} answer "
+                             "tokens")
+        at = 0
+        for r, a in runs:
+            answers.append(a)
+            guesses.append(list(top1[at:at + len(a)]))
+            read.append(r)
+            at += len(a)
+    return diagnose(target_tokenizer, has_twin, answers, guesses, read, top=top)
+
+
+def masked_swap_diagnostic(draft, target_tokenizer, has_twin: Sequence[bool], sequences: Sequence[Sequence[int]],
+                           masks: Sequence[Sequence[bool | int]], top: int = 50) -> SegmentationReport:
+    """:func:`diagnose_masked` of a swapped ``draft`` over ``sequences`` (target ids), one forward pass each; the
+    argmax is taken over the real vocabulary (``len(target_tokenizer)``), as decoding's."""
+    import torch
+
+    device = next(draft.parameters()).device
+    real = len(target_tokenizer)
+    top1 = []
+    with torch.no_grad():
+        for seq, mask in zip(sequences, masks, strict=True):
+            logits = draft(input_ids=torch.tensor([list(seq)], device=device)).logits[0, :, :real]  # [S, V]
+            top1.append(logits[torch.tensor([bool(m) for m in mask], device=device)].argmax(-1).tolist())
+    return diagnose_masked(target_tokenizer, has_twin, sequences, masks, top1, top=top)
+
+
+#: The report :func:`specdraft.vocab.save_vocab_swap` writes beside a swapped draft.
+SWAP_REPORT = "vocab_swap.json"
+
+
+def swapped_draft_twins(draft_path, target_path) -> list[bool] | None:
+    """Per target id whether the *original* draft of a swapped one has a string-identical twin, or None when
+    ``draft_path`` is not a swapped draft (no :data:`SWAP_REPORT` in it).
+
+    The original is found by the path the swap resolved (``draft_path`` in the report), else by the reference as
+    typed (``draft``); only its tokenizer is read.
+
+    Raises:
+        specdraft.models.ModelResolutionError: the original draft cannot be found any more (names it).
+    """
+    import json
+    from pathlib import Path
+
+    from specdraft.models import ModelResolutionError, resolve
+    from specdraft.vocab import build_vocab_mapping
+
+    report = Path(draft_path) / SWAP_REPORT
+    if not report.is_file():
+        return None
+    info = json.loads(report.read_text(encoding="utf-8"))
+    refs = [r for r in (info.get("draft_path"), info.get("draft")) if r]
+    for ref in refs:
+        try:
+            original = resolve(ref)
+        except (ModelResolutionError, OSError):
+            continue
+        return (build_vocab_mapping(target_path, original).target_to_draft >= 0).tolist()
+    raise ModelResolutionError(f"{report} names the original draft {' / '.join(map(str, refs)) or '(none)'}, which "
+                               "cannot be found: the swap diagnostic needs its tokenizer")

@@ -567,6 +567,9 @@ class VocabSwapReport:
     target_fingerprint: str  # the tokenizer the swapped model now speaks
     token_ids_rewritten: list[str] = field(default_factory=list)  # "config.eos_token_id", … now in target ids
     token_ids_dropped: dict[str, list[int]] = field(default_factory=dict)  # field → draft ids without a target twin
+    # The swap diagnostic over replies teacher-forced through the swapped draft (SegmentationReport.to_dict);
+    # None when no prompts were given (specdraft.segmentation).
+    segmentation: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict of every field."""
@@ -771,13 +774,19 @@ def _draft_pieces(t: TokenizerView, d: TokenizerView, target_ids: list[int], d_r
 
 
 def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                    min_coverage: float = MIN_COVERAGE, overwrite: bool = False) -> VocabSwapReport:
+                    min_coverage: float = MIN_COVERAGE, overwrite: bool = False, examples=None,
+                    max_length: int = 1024) -> VocabSwapReport:
     """Write the draft re-indexed into the target's tokenizer (:func:`vocab_swap`) as a plain HF checkpoint.
 
     ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's, so the pair is ``identical`` or
     ``identical-up-to-padding`` for :func:`specdraft.check.check_compatible`), the target's tokenizer files and
-    ``vocab_swap.json`` (the :class:`VocabSwapReport` plus both references). Distil it next
-    (``specdraft run --draft OUT``): rows built from pieces or the mean start untrained.
+    ``vocab_swap.json`` (the :class:`VocabSwapReport` plus both references, and the original draft's resolved path:
+    ``specdraft headroom`` reads its tokenizer for the swap diagnostic). Distil it next (``specdraft run --draft
+    OUT``): rows built from pieces or the mean start untrained.
+
+    With ``examples`` (conversations with replies), the replies, encoded with the target's tokenizer, are
+    teacher-forced through the swapped draft and its disagreements split by kind
+    (:func:`specdraft.segmentation.masked_swap_diagnostic`; ``VocabSwapReport.segmentation``).
 
     Args:
         draft / target: references (embedded name, local directory, cached hub id).
@@ -785,6 +794,8 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
         dtype: dtype the draft is loaded and saved in.
         min_coverage: see :func:`build_vocab_mapping`.
         overwrite: replace a non-empty ``out_dir``.
+        examples: :class:`specdraft.data.Example` s whose replies the diagnostic runs on; None: no diagnostic.
+        max_length: tokens kept per diagnostic sequence.
 
     Returns:
         The :class:`VocabSwapReport`.
@@ -794,6 +805,7 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
         CompatibilityError: the tokenizers are already compatible (nothing to swap), or no usable overlap (before
             the draft's weights are read).
         ModelResolutionError: a reference cannot be resolved.
+        specdraft.data.DataError: ``examples`` without replies, or a tokenizer without a chat template.
     """
     from pathlib import Path
 
@@ -815,9 +827,19 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     width = getattr(t_cfg.get_text_config(), "vocab_size", None)
     model, report = vocab_swap(dpath, None, tpath, width=width, min_coverage=min_coverage, dtype=dtype)
     target_tok = AutoTokenizer.from_pretrained(tpath)
+    if examples is not None:
+        from specdraft.data import build_sequences
+        from specdraft.segmentation import masked_swap_diagnostic
+
+        twins = (build_vocab_mapping(tpath, dpath, min_coverage=min_coverage).target_to_draft >= 0).tolist()
+        seqs = build_sequences(target_tok, examples, answer_only=True, max_length=max_length)
+        model.eval()
+        report.segmentation = masked_swap_diagnostic(model, target_tok, twins, [q.ids for q in seqs],
+                                                     [q.loss_mask for q in seqs]).to_dict()
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
         target_tok.save_pretrained(tmp)
-        info = report.to_dict() | {"draft": str(draft), "target": str(target), "dtype": dtype}
+        info = report.to_dict() | {"draft": str(draft), "draft_path": str(Path(dpath).resolve()),
+                                   "target": str(target), "dtype": dtype}
         (tmp / "vocab_swap.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
     return report

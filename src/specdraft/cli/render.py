@@ -399,7 +399,35 @@ def print_vocab_swap(report, draft: str, target: str, out: Path) -> None:
         console.print(f"dropped {field_name}: draft ids {lost} have no twin in the target's tokenizer", highlight=False)
     if report.initialised_examples:
         console.print("first target tokens without a twin: " + escape(", ".join(map(repr, report.initialised_examples))))
+    if report.segmentation is not None:
+        print_segmentation(report.segmentation)
+    else:
+        console.print("swap diagnostic: pass --prompts (replies to teacher-force), or run specdraft headroom on the "
+                      "swapped draft", highlight=False)
     console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}")
+
+
+#: Twin-less target tokens printed (the JSON keeps the report's whole list).
+SHOWN_WITHOUT_TWIN = 10
+
+
+def print_segmentation(seg: dict) -> None:
+    """The swap diagnostic (:meth:`specdraft.segmentation.SegmentationReport.to_dict`): twin-less share, the
+    disagreements by kind, the most frequent twin-less tokens and the verdict."""
+    from specdraft.segmentation import KINDS
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    rows = [("answer tokens scored", f"{seg['positions']:,}"),
+            ("… without a draft twin", f"{seg['without_twin']:,} ({share(seg['without_twin_share'])})"),
+            ("draft argmax disagreements", f"{seg['disagreements']:,}")]
+    rows += [(f"… {k}", f"{seg['kinds'][k]:,} ({share(seg['shares'][k])})") for k in KINDS]
+    console.print(measure_table("swap diagnostic (draft argmax vs answers)", rows))
+    if seg["top_without_twin"]:
+        shown = ", ".join(f"{t!r} ×{c}" for t, c in seg["top_without_twin"][:SHOWN_WITHOUT_TWIN])
+        console.print("most frequent target tokens without a twin: " + escape(shown), highlight=False)
+    console.print(f"swap verdict: {seg['verdict']}", highlight=False)
 
 
 def dump_progress(pg, task) -> Callable[[int, int, int], None]:
@@ -469,7 +497,12 @@ def print_headroom(r: dict, sure: float, out: Path | None) -> None:
         table.add_row(kind, *(f"{r[kind + s]:.3f}" for s in ("", "_learnable", "_uncertain", "_ceiling")))
     console.print(table)
     lo, hi = r["gain_ci95"]
-    console.print(f"{r['verdict']} (95% CI [{lo:+.3f}, {hi:+.3f}] over sequences)", highlight=False)
+    seg = r.get("segmentation")
+    # The interval belongs to the gain: print it after the forecast's part; the swap's part closes its own table.
+    line = r["verdict"] if seg is None else r["verdict"].removesuffix(f"; vocabulary swap: {seg['verdict']}")
+    console.print(f"{line} (95% CI [{lo:+.3f}, {hi:+.3f}] over sequences)", highlight=False)
+    if seg is not None:
+        print_segmentation(seg)
     if out is not None:
         console.print(f"forecast: {out}")
 

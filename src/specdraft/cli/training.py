@@ -211,6 +211,10 @@ def vocab_swap(
     target: str = target_option(),
     dtype: ModelDtype = dtype_option(EvalConfig, " The swapped draft is written in it.", default="float32"),
     overwrite: OverwriteOpt = False,
+    prompts: list[str] | None = prompts_option(None, "Conversations whose replies (in the target's tokenizer) are "
+                                               "teacher-forced through the swapped draft for the swap diagnostic",
+                                               " (default: none; specdraft headroom on the swapped draft runs it "
+                                               "too)."),
 ) -> None:
     """Re-index a draft of another tokenizer into the target's.
 
@@ -218,10 +222,14 @@ def vocab_swap(
     the target ids of their string-identical twins; a target token it lacks starts from the mean of the rows of
     the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows
-    to 152k rows for Qwen); distil it next (specdraft run --draft OUT)."""
+    to 152k rows for Qwen); distil it next (specdraft run --draft OUT). With --prompts, the swap diagnostic: the
+    share of reply tokens without a draft twin and the swapped draft's argmax disagreements by kind
+    (specdraft.segmentation)."""
+    from specdraft.prompts import load_prompts
     from specdraft.vocab import save_vocab_swap
 
+    examples = load_prompts(prompts) if prompts else None
     tpath, dpath = resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("re-indexing the draft's rows…"):
-        report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite)
+        report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite, examples=examples)
     print_vocab_swap(report, draft, target, out)
