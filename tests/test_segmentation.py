@@ -63,10 +63,10 @@ def test_shapes_must_agree():
 
 # ------------------------------------------------------------------ wired: headroom's pass, vocab-swap, headroom
 
-import json  # noqa: E402
+import json
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 REPLIES = ["def total(items):\n    return sum(items)", "for x in range(count):\n    print(hello world)",
            "value = lambda index: index + total", "return items", "print(value)\n    return total(items)"]
