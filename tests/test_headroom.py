@@ -148,6 +148,20 @@ def test_a_real_tiny_draft_splits_its_gap_exactly(target):
 # ------------------------------------------------------------------------------------------ the command
 
 
+def test_a_sequence_past_the_drafts_window_is_refused_before_any_pass():
+    """A GPT-2 draft of 16 absolute positions and a 20-token sequence: named with both lengths before a forward
+    pass (was an IndexError inside the draft's position table)."""
+    target = tiny_model("llama", VOCAB, seed=0, layers=1)
+    draft = tiny_model("gpt2", VOCAB, seed=1, layers=1, n_positions=16)
+    seqs = [list(range(5, 15)), list(range(5, 25))]
+    masks = [[1] * (len(s) - 1) + [0] for s in seqs]
+    with pytest.raises(ValueError, match=r"sequence 'long' \(20 tokens\) exceeds the draft's context window \(16\)"
+                       ) as err:
+        forecast_headroom(target, draft, seqs, masks, names=["short", "long"])
+    assert type(err.value).__name__ == "ContextWindowError"
+    assert forecast_headroom(target, draft, seqs[:1], masks[:1])["positions"] == 9  # within the window: scored
+
+
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory):
     from specdraft.testing import save_tiny_pair, tiny_words
