@@ -226,6 +226,10 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, res["model"].eval()(ids).logits)
     assert res["metrics"]["eval_after"]["eval_loss"] != res["metrics"]["eval_before"]["eval_loss"]
+    # The logged α says what it is, and how far a top-k teacher's unknown tail can move it (0 for full logits).
+    assert res["metrics"]["alpha_definition"].startswith("Σ min(p, q) at temperature 1, no filter")
+    bound = res["metrics"]["eval_after"]["eval_alpha_bound"]
+    assert bound > 0 if fmt == "topk" else bound == 0
     # A draft speaking another tokenizer is refused before any training.
     other = tmp_path / "other"
     tiny_model("llama", 96, seed=3, layers=1).save_pretrained(other)
@@ -406,6 +410,29 @@ def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forw
     assert writer.stats["sequences"] == 2 and writer.stats["teacher_tokens"] == sum(len(p) + len(a)
                                                                                    for (_, p), a in zip(prompts, answers))
     assert writer.stats["teacher_seconds"] > 0 and writer.stats["generate_seconds"] > 0
+
+
+def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_the_stream_starts():
+    """The draft decodes up to N tokens after each prompt (prompt + N + 1 positions, decoding's rule): a GPT-2 draft
+    of 16 positions and a 10-token prompt with N = 8 is refused when the stream is built, naming both lengths — not
+    at the first refresh, inside training."""
+    from specdraft.config import DumpConfig, SamplingConfig
+    from specdraft.distill import DraftWriter, OnPolicyStream
+    from specdraft.dump import Teacher
+    from specdraft.testing import tiny_tokenizer
+
+    target = tiny_model("llama", V, seed=0, layers=1)
+    draft = tiny_model("gpt2", V, seed=1, layers=1, n_positions=16)
+    cfg = DumpConfig(answer_only=True, generate=8, max_length=64)
+    prompts = [("short", [2, 10, 11]), ("long", list(range(10, 20)))]
+    def stream(n):
+        writer = DraftWriter(Teacher(target, V), tiny_tokenizer(V), cfg, SamplingConfig(temperature=1.0), n)
+        return OnPolicyStream([{"id": "d"}], prompts, writer, draft, 0.5, 1, 2, 0, max_steps=1)
+
+    with pytest.raises(DistillError, match=r"prompt 'long' \(10 tokens\) \+ the draft's answer \(8\) \+ 1 = 19 "
+                       r"exceeds the draft's context window \(16\)"):
+        stream(8)
+    assert stream(5).prompts == prompts  # 10 + 5 + 1 = 16 positions: fits
 
 
 def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_path):
@@ -627,3 +654,139 @@ def test_the_held_out_split_keeps_every_prompt_on_one_side_across_the_dumps_of_a
     assert len(held_idx) == sum(key(i) in held for i in range(len(items)))  # every row of a held prompt is held
     assert sorted(set(train_idx)) == [i for i in range(len(items)) if key(i) not in held]
     assert train_idx.count(len(forced)) == (2 if key(len(forced)) in trained else 0)  # dump weights still repeat
+
+
+# ------------------------------------------------------------------------------ a sparse teacher's limits
+
+
+def topk_rows(target, rows, k: int = 8):
+    """The rows' teacher signal as a top-k dump stores it, from the dump's own code (float16 log-probs)."""
+    from specdraft.config import DumpConfig
+    from specdraft.data import TokenSequence
+    from specdraft.dump import Teacher, teacher_items
+
+    seqs = [TokenSequence(f"r{i}", r["input_ids"].tolist(), r["loss_mask"].tolist(), False) for i, r in enumerate(rows)]
+    items = teacher_items(Teacher(target, V), seqs, DumpConfig(format="topk", top_k=k, dtype="float32"))
+    return [{k2: v for k2, v in it.items() if k2 != "id"} for it in items]
+
+
+def full_alpha(target, draft, batch, serving=None):
+    """Σ min(p̃, q̃) from the target's full logits (the value a sparse teacher should give), token-weighted."""
+    from specdraft.sampling import filtered_probs
+
+    with torch.no_grad():
+        t = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        d = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    p, q = (filtered_probs(x, *serving) if serving else x.softmax(-1) for x in (t, d))
+    mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    return float(torch.minimum(p, q).sum(-1)[mask].mean())
+
+
+def test_a_topk_teacher_logs_the_filtered_alpha_at_the_serving_settings(setup):
+    """With a serving filter inside the stored k (top_k 4 ≤ k = 8, temperature 0.8, top-p 0.9) the logged α is
+    Σ min(p̃, q̃) of both filtered distributions, equal to the full teacher's (exact but for the float16 storage),
+    and its bound is 0 — not the unfiltered Σ min(p̂, q) it used to log under that name."""
+    from specdraft.distill import alpha_definition
+
+    target, rows = setup
+    draft = perturbed(target, 0.05)
+    batch = collate(topk_rows(target, rows[:3]))
+    serving = (0.8, 4, 0.9)
+    m = DistillModel(draft, None, None, V, DistillConfig(loss="soft_ce", temperature=0.8, top_k=4, top_p=0.9),
+                     teacher_width=V)
+    with torch.no_grad():
+        out = m(**batch)
+    filtered, unfiltered = full_alpha(target, draft, batch, serving), full_alpha(target, draft, batch)
+    assert abs(filtered - unfiltered) > 0.05  # the two definitions are far apart here: the test can tell them
+    assert float(out["alpha"]) == pytest.approx(filtered, abs=2e-3)
+    assert float(out["alpha_bound"]) == 0.0
+    assert alpha_definition(m.config_, "topk").startswith("Σ min(p̃, q̃), p̃ and q̃ after the serving filter "
+                                                          "(temperature 0.8, top-k 4, top-p 0.9), renormalised")
+    # tvd_deploy reads the same filtered teacher: its 1 − loss is that α too.
+    deploy = DistillModel(draft, None, None, V, DistillConfig(loss="tvd_deploy", temperature=0.8, top_k=4, top_p=0.9),
+                          teacher_width=V)
+    with torch.no_grad():
+        assert 1 - float(deploy(**batch)["loss"]) == pytest.approx(filtered, abs=2e-3)
+
+
+def test_a_topk_teacher_under_plain_serving_states_the_bound_of_its_alpha(setup):
+    """At temperature 1 with no filter the tail is completed uniformly: the logged α is within the logged bound
+    (the mean leftover mass) of the full teacher's α, and that bound is the stored leftover mass."""
+    target, rows = setup
+    draft = perturbed(target, 0.05)
+    items = topk_rows(target, rows[:3], k=4)
+    batch = collate(items)
+    with torch.no_grad():
+        out = DistillModel(draft, None, None, V, DistillConfig(loss="soft_ce"), teacher_width=V)(**batch)
+    mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    leftover = float(batch["leftover_logmass"].exp()[mask].mean())
+    assert leftover > 0.01  # a tail worth bounding
+    assert float(out["alpha_bound"]) == pytest.approx(leftover, rel=1e-5)
+    assert abs(float(out["alpha"]) - full_alpha(target, draft, batch)) <= float(out["alpha_bound"])
+
+
+@pytest.mark.parametrize("serving", [{"temperature": 0.7}, {"top_k": 16}, {"top_p": 0.9},
+                                     {"temperature": 0.7, "top_p": 0.9}])
+def test_a_topk_teacher_refuses_serving_settings_it_cannot_compute(setup, serving):
+    """A temperature ≠ 1 or a top-p over the whole vocabulary re-tempers or cuts into the unknown tail, a top-k past
+    the stored k needs ids it does not hold: refused, naming the dump's k, the settings and the fixes."""
+    target, rows = setup
+    batch = collate(topk_rows(target, rows[:2]))
+    cfg = DistillConfig(loss="soft_ce", **serving)
+    with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--top-k between 1 and 8.*--format hidden"):
+        DistillModel(perturbed(target, 0.1), None, None, V, cfg, teacher_width=V)(**batch)
+    assert f"temperature {cfg.temperature}, top-k {cfg.top_k}, top-p {cfg.top_p}" in cfg.sparse_teacher_problem(8)
+    # The same temperature and top-p become exact once a top-k inside the stored k bounds the support.
+    assert DistillConfig(**{**serving, "top_k": 8}).sparse_teacher_problem(8) is None
+
+
+def test_run_distill_refuses_a_topk_dump_it_cannot_serve_before_loading_the_draft(tmp_path, monkeypatch):
+    """run_distill reads the dump's manifest first: temperature 0.7 on a top-k dump stops before any weight loads,
+    and a pipeline config pairing a top-k dump with such settings is refused at construction."""
+    import json
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.pipeline import make_config
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d"}]})
+                              for w in "fgh") + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(DistillError, match=r"k = 8\).*temperature 0\.7.*--format hidden"):
+        run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(temperature=0.7, max_steps=1))
+    with pytest.raises(ValueError, match=r"k = 8\).*temperature 0\.7"):
+        make_config("tiny", dump={"format": "topk", "top_k": 8}, distill={"temperature": 0.7})
+
+
+def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_training(tmp_path, monkeypatch):
+    """A draft of 16 positions (rotary: past them it would train silently on positions it never saw) and a dump
+    whose longest sequence is longer: refused before training, naming the sequence, its length and the window."""
+    import json
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.dump_reader import TeacherDataset
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg_path = tmp_path / "models" / "draft" / "config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"max_position_embeddings": 16}))
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "a b " * n},
+                                                       {"role": "assistant", "content": "c d"}]})
+                              for n in (1, 12)) + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    ds = TeacherDataset(tmp_path / "dump")
+    longest = max(len(ds.tokens(i)["input_ids"]) for i in range(len(ds)))
+    monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(DistillError, match=r"longest sequence '[\w-]+' \((\d+) tokens\) exceeds the draft's context "
+                                           r"window \(16\)") as err:
+        run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
+    assert int(err.value.args[0].split("(")[1].split(" ")[0]) == longest > 16

@@ -709,6 +709,26 @@ def test_ids_past_the_targets_width_are_named_before_it_is_loaded(tmp_path, monk
             run_dump(str(d), examples, tmp_path / f"out{generate}", fp32(generate=generate, answer_only=True))
 
 
+def test_sequences_past_the_targets_window_are_named_before_it_is_loaded(tmp_path, monkeypatch):
+    """A GPT-2 target of 16 absolute positions (its position table would raise an IndexError in the forward): the
+    dump names the longest sequence, its length and the window before any weight is loaded — teacher-forced, and
+    with --generate, where the target's own decoding needs prompt + N + 1 positions (decoding's rule)."""
+    d = tmp_path / "short"
+    tiny_model("gpt2", vocab_size=VOCAB, seed=0, layers=1, n_positions=16).save_pretrained(d)
+    tiny_tokenizer(VOCAB).save_pretrained(d)
+    examples = [chat(0), chat(1, n_user=12, n_answer=8)]
+    lengths = [len(q.ids) for q in build_sequences(tiny_tokenizer(VOCAB), examples, max_length=64)]
+    prompt = len(encode_prompts(tiny_tokenizer(VOCAB), examples[:1])[0])
+    assert lengths[1] > 16 and lengths[0] <= 16 and prompt + 1 <= 16 < prompt + 8 + 1
+    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(DumpError, match=rf"sequence 'ex1' \({lengths[1]} tokens\) exceeds the target's context "
+                       r"window \(16\); lower --max-length \(now 64\)"):
+        run_dump(str(d), examples, tmp_path / "forced", fp32(max_length=64))
+    with pytest.raises(DumpError, match=rf"prompt 'ex0' \({prompt} tokens\) \+ --generate \(8\) \+ 1 = {prompt + 9} "
+                       r"exceeds the target's context window \(16\)"):
+        run_dump(str(d), examples[:1], tmp_path / "generated", fp32(max_length=64, generate=8, answer_only=True))
+
+
 @pytest.mark.parametrize("fmt", ["hidden", "topk"])
 def test_a_target_with_non_finite_logits_is_refused_and_nothing_is_stored(tmp_path, fmt):
     """NaN in the target's head (as an overflow gives): the dump names the target and its dtype and writes no

@@ -45,6 +45,24 @@ def test_predicted_alpha_identical_models_is_one_and_differs_otherwise():
     assert greedy["alpha"] == pytest.approx(greedy["top1_agreement"])
 
 
+def test_replay_refuses_a_sequence_past_a_models_window_before_any_pass():
+    """Teacher-forced α and the greedy replay read prompt + answer in one pass: past a GPT-2 draft's 16 positions
+    they name the sequence, its length and the window (was an IndexError inside the draft's position table)."""
+    from specdraft.replay import replay_greedy
+
+    target = tiny_model("llama", 64, seed=0, layers=1)
+    draft = tiny_model("gpt2", 64, seed=1, layers=1, n_positions=16)
+    prompts, answers = [[5, 6, 7], list(range(5, 17))], [[8, 9], [20, 21, 22, 23, 24, 25]]
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    with pytest.raises(ValueError, match=r"sequence 1 \(18 tokens\) exceeds the draft's context window \(16\)") as err:
+        predicted_alpha(target, draft, seqs)
+    assert type(err.value).__name__ == "ContextWindowError"
+    with pytest.raises(ValueError, match=r"sequence 1 \(18 tokens\) exceeds the draft's context window \(16\)"):
+        replay_greedy(draft, prompts, answers, num_speculative_tokens=3, max_new_tokens=8)
+    assert predicted_alpha(target, draft, seqs[:1])["positions"] == 4  # within the window: scored
+    assert len(replay_greedy(draft, prompts[:1], answers[:1], num_speculative_tokens=3, max_new_tokens=8)) == 1
+
+
 def test_run_eval_greedy_is_lossless_and_report_is_written(tmp_path):
     tok = tiny_tokenizer(128)
     target = tiny_model("llama", 128, seed=0, layers=3)

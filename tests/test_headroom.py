@@ -4,6 +4,7 @@ target is sure, where it is unsure, or nowhere (a copy)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -148,6 +149,20 @@ def test_a_real_tiny_draft_splits_its_gap_exactly(target):
 # ------------------------------------------------------------------------------------------ the command
 
 
+def test_a_sequence_past_the_drafts_window_is_refused_before_any_pass():
+    """A GPT-2 draft of 16 absolute positions and a 20-token sequence: named with both lengths before a forward
+    pass (was an IndexError inside the draft's position table)."""
+    target = tiny_model("llama", VOCAB, seed=0, layers=1)
+    draft = tiny_model("gpt2", VOCAB, seed=1, layers=1, n_positions=16)
+    seqs = [list(range(5, 15)), list(range(5, 25))]
+    masks = [[1] * (len(s) - 1) + [0] for s in seqs]
+    with pytest.raises(ValueError, match=r"sequence 'long' \(20 tokens\) exceeds the draft's context window \(16\)"
+                       ) as err:
+        forecast_headroom(target, draft, seqs, masks, names=["short", "long"])
+    assert type(err.value).__name__ == "ContextWindowError"
+    assert forecast_headroom(target, draft, seqs[:1], masks[:1])["positions"] == 9  # within the window: scored
+
+
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory):
     from specdraft.testing import save_tiny_pair, tiny_words
@@ -206,3 +221,25 @@ def test_headroom_command_bad_input_is_one_line_and_exit_2(saved_pair, tmp_path)
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", str(other),
                                  "--data", saved_pair["data"]])
     assert r.exit_code == 2 and "vocab-swap" in r.output
+
+
+def test_answers_that_cannot_fit_the_drafts_window_are_refused_before_the_target_writes_them(saved_pair, tmp_path,
+                                                                                              monkeypatch):
+    """--generate N: prompt + N (cut to --max-length) must fit both windows; a draft of 16 positions is named before
+    the target answers a prompt (one error line, exit 2), not after every answer is written."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    short = tmp_path / "short-draft"
+    shutil.copytree(saved_pair["draft"], short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 16}))
+    monkeypatch.setattr("specdraft.responses.generate_responses", lambda *a, **k: pytest.fail("the target answered"))
+    r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", str(short),
+                                 "--data", saved_pair["prompts"], "--generate", "12", "--out", str(tmp_path / "h.json")])
+    assert r.exit_code == 2, r.output
+    assert re.search(r"sequence '[^']+' \(\d+ tokens\) exceeds the draft's context window \(16\)",
+                     " ".join(r.output.split()))

@@ -265,6 +265,34 @@ class DistillConfig(BaseModel):
                              "use it with --dtype float32 (or keep --dtype bfloat16 with --precision float32)")
         return self
 
+    @property
+    def serving_is_plain(self) -> bool:
+        """Temperature 1 and no filter: the serving distribution is the model's own softmax."""
+        return self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
+
+    def sparse_teacher_problem(self, stored_k: int) -> str | None:
+        """Why this serving filter cannot be computed from a top-k teacher of ``stored_k`` ids, or ``None``.
+
+        A top-k dump stores the k largest p(x) and the tail's total mass, not the tail. Computable: the plain
+        distribution (T = 1, no filter: the tail completed uniformly, off by at most the leftover mass per position,
+        logged as ``alpha_bound``) and every filter with 0 < top_k ≤ k (top-k keeps only stored ids; temperature and
+        top-p then act on their values alone: exact). Not computable: a temperature ≠ 1 or a top-p over a support
+        wider than k (top_k 0 or > k), which re-tempers or cuts into the unknown tail, and a top_k > k.
+        """
+        if self.serving_is_plain or 0 < self.top_k <= stored_k:
+            return None
+        if self.top_k > stored_k:
+            why = f"top-k {self.top_k} keeps {self.top_k - stored_k} ids past the {stored_k} stored"
+        elif self.temperature != 1.0:
+            why = f"temperature {self.temperature} over the whole vocabulary re-tempers the unknown tail"
+        else:
+            why = f"top-p {self.top_p} over the whole vocabulary may need ids past the {stored_k} stored"
+        return (f"the teacher is a top-k dump (k = {stored_k}): it holds the {stored_k} largest target probabilities "
+                f"and the mass of the rest, not the rest, so tvd_deploy and the logged α at the serving settings "
+                f"(temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}) cannot be computed: {why}. "
+                f"Serve with --top-k between 1 and {stored_k} (temperature and top-p are then exact), or at "
+                "--temperature 1 with no filter, or dump the teacher with --format hidden (full logits).")
+
 
 class ExportConfig(BaseModel):
     """Options of ``specdraft convert`` / the pipeline's export; field names are the CLI flags."""
@@ -382,6 +410,8 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
+        if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_k)):
+            raise ValueError(problem)  # before the dump is made, not once distillation reads it
         if self.vocab_swap and self.eval.draft_head_tokens is not None:
             raise ValueError("--draft-head-tokens keeps the most frequent target tokens in the draft's head; with "
                              "--vocab-swap the first evaluation reads the draft through a vocabulary mapping, whose "

@@ -64,7 +64,16 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
-from specdraft.sampling import align_logits, check_token_ids, filter_logits, input_width, output_width, sample
+from specdraft.sampling import (
+    align_logits,
+    check_context,
+    check_token_ids,
+    context_window,
+    filter_logits,
+    input_width,
+    output_width,
+    sample,
+)
 from specdraft.speed import AdaptiveGamma, SpeedModel
 
 
@@ -272,11 +281,6 @@ class _Stream:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
         self.n_real = self.n_real[rows]
-
-
-def _context_limit(model) -> int | None:
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
 def _sliding_window(model) -> int | None:
@@ -496,7 +500,7 @@ class MappedDrafter(Drafter):
             self.stream = _Stream(model, batch, d_width, min(mapping.draft_real, d_width), device)
         else:
             self.stream = _Stream(model, batch, width, real_vocab, device, mapping)
-        self.limit, self.device = _context_limit(model), device
+        self.limit, self.device = context_window(model), device
         self.draft_ids: list[list[int]] = [[] for _ in range(batch)]  # each row's real cache, in draft ids
         self.outgrown = False
 
@@ -575,13 +579,10 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
                               "them, or decode with a draft of this tokenizer.")
     longest = int(attention_mask.sum(dim=1).max())
     # A mapped draft counts positions in its own tokens: its window is checked each round instead.
-    for name, m in (("target", target), ("draft", None if mapped else draft)):
-        limit = _context_limit(m) if m is not None else None
-        need = longest + max_new_tokens + gamma + 1
-        if limit is not None and need > limit:
-            raise DecodeError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need} "
-                              f"exceeds the {name}'s context window ({limit}); shorten the prompt or lower "
-                              "--max-new-tokens.")
+    need = longest + max_new_tokens + gamma + 1
+    check_context(need, [("target", target), ("draft", None if mapped else draft)],
+                  f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need}",
+                  "shorten the prompt or lower --max-new-tokens.", error=DecodeError)
     for name, m in (("target", target), ("draft", draft)):
         w = _sliding_window(m) if m is not None else None
         if w is not None and input_ids.shape[0] > 1 and input_ids.shape[1] + max_new_tokens + gamma + 1 > w:

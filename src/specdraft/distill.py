@@ -35,10 +35,13 @@ computed as the target computed it, and the softmax over the vocabulary stays fl
 Teacher signal per position (from :mod:`specdraft.dump`):
 
 * ``hidden`` dump: teacher logits = ``lm_head(h)`` with h the target's post-norm final hidden state;
-* ``topk`` dump: a sparse teacher. ``soft_ce`` and ``tvd`` read it as stored (:data:`specdraft.losses.TOPK_LOSSES`,
-  no full-width p: soft_ce exact against the uniform tail completion, tvd exact where the tail is 0 and an upper
-  bound by at most the tail elsewhere); the other losses densify it (see
-  :func:`specdraft.dump_reader.teacher_probs_from_topk` for the leftover rule).
+* ``topk`` dump: a sparse teacher. Under plain serving ``soft_ce`` and ``tvd`` read it as stored
+  (:data:`specdraft.losses.TOPK_LOSSES`, no full-width p: soft_ce exact against the uniform tail completion, tvd
+  exact where the tail is 0 and an upper bound by at most the tail elsewhere); the other losses densify it (see
+  :func:`specdraft.dump_reader.teacher_probs_from_topk` for the leftover rule). It says what it cannot compute:
+  serving settings that re-temper or filter wider than the stored k are refused before training
+  (:meth:`~specdraft.config.DistillConfig.sparse_teacher_problem`); a filter with top_k ≤ k is exact
+  (:func:`stored_logits`); plain serving logs ``alpha_bound``, the leftover mass that bounds α's error.
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
@@ -66,7 +69,14 @@ from specdraft.config import NUM_SPECULATIVE_TOKENS, DistillConfig
 from specdraft.export import export_speculator, write_training_json
 from specdraft.io import atomic_write_text
 from specdraft.losses import LOSSES, TOPK_LOSSES, masked_mean, sum_min, tvd_topk
-from specdraft.sampling import align_logits, check_token_ids, filtered_probs, input_width, output_width
+from specdraft.sampling import (
+    align_logits,
+    check_context,
+    check_token_ids,
+    filtered_probs,
+    input_width,
+    output_width,
+)
 
 
 class DistillError(RuntimeError):
@@ -114,14 +124,53 @@ def resolve_precision(precision: str, device_type: str, cpuinfo: str | None = No
 
 @dataclass
 class DistillOutput(ModelOutput):
-    """Forward output: ``loss`` (0-dim), ``train_acc`` (top-1 agreement), ``tvd`` and ``alpha`` (deployed
-    Σmin(p̃, q̃) under the serving filter), each a token-weighted mean over the loss mask."""
+    """Forward output, each a token-weighted mean over the loss mask: ``loss`` (0-dim), ``train_acc`` (top-1
+    agreement), ``tvd`` (½Σ|p − q| at temperature 1, no filter), ``alpha`` (the α at the serving settings:
+    Σ min(p̃, q̃) with p̃, q̃ both after the serving filter and renormalised; Σ min(p, q) when serving is plain; see
+    :func:`alpha_definition`) and ``alpha_bound``, the most ``alpha`` and ``tvd`` can differ from their values under
+    the true p because a top-k teacher's tail is unknown (its leftover mass, with plain serving; 0 for a hidden
+    teacher and for a filter that keeps stored ids only)."""
 
     loss: torch.Tensor | None = None
     train_acc: torch.Tensor | None = None
     tvd: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    alpha_bound: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+
+
+#: The per-token metrics the trainer logs beside the loss (``eval_`` + each for the held-out set; ``acc`` for
+#: ``train_acc``).
+METRICS = ("train_acc", "tvd", "alpha", "alpha_bound")
+
+
+def alpha_definition(config: DistillConfig, teacher_format: str = "hidden") -> str:
+    """What the logged ``alpha`` / ``eval_alpha`` is under ``config``'s serving settings, in words (recorded in
+    ``training.json`` as ``metrics["alpha_definition"]``)."""
+    if config.serving_is_plain:
+        text = "Σ min(p, q) at temperature 1, no filter"
+        if teacher_format == "topk":
+            text += (" (p: the dump's top-k, its leftover mass spread uniformly over the other ids; within "
+                     "±alpha_bound, the mean leftover mass, of the value under the full p)")
+        return text
+    text = (f"Σ min(p̃, q̃), p̃ and q̃ after the serving filter (temperature {config.temperature}, top-k "
+            f"{config.top_k}, top-p {config.top_p}), renormalised")
+    if teacher_format == "topk":
+        text += " (exact from the dump's top-k: the filter keeps stored ids only)"
+    return text
+
+
+def stored_logits(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """A top-k teacher as logits: its stored log-probs on its stored ids, ``-inf`` elsewhere, ``[..., V] float32``.
+
+    Any serving filter with 0 < top_k ≤ k keeps stored ids only, and its temperature and top-p act on their values
+    alone (the renormalisation cancels the shared log-normaliser), so ``filtered_probs`` of these logits is exactly
+    the filtered p (up to the float16 storage of the values); without such a top-k it is not
+    (:meth:`DistillConfig.sparse_teacher_problem`).
+    """
+    shape = (*topk_ids.shape[:-1], width)
+    return torch.full(shape, float("-inf"), device=topk_logprobs.device).scatter_(
+        -1, topk_ids.long(), topk_logprobs.float())
 
 
 def trained_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -205,7 +254,8 @@ class DistillModel(nn.Module):
 
     def teacher_probs(self, hidden=None, topk_logprobs=None, topk_ids=None, leftover_logmass=None):
         """Teacher distribution p ``[B, S, V] float32`` (zero on padding rows) and, for a hidden teacher, its
-        logits (for tvd_deploy's filter)."""
+        logits (for tvd_deploy's filter); a top-k teacher's p completes its tail uniformly and has no logits
+        (:func:`stored_logits` gives what a filter with top_k ≤ k reads)."""
         if hidden is not None:
             if self.head_weight is None:
                 raise DistillError("a hidden-state teacher needs the target's output head")
@@ -231,17 +281,21 @@ class DistillModel(nn.Module):
         given, ``loss`` is this batch's sum divided by it (its share of the step's per-token mean), else the
         per-token mean of this batch. The metrics are always per-token means of this batch."""
         cfg = self.config_
+        sparse = hidden is None
+        if sparse and (problem := cfg.sparse_teacher_problem(int(topk_ids.shape[-1]))):
+            raise DistillError(problem)  # run_distill refuses it before loading the draft
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S, V]
         mask = trained_mask(input_ids, attention_mask, loss_mask)  # [B, S] bool
-        if hidden is None and cfg.loss in TOPK_LOSSES:
+        if sparse and cfg.serving_is_plain and cfg.loss in TOPK_LOSSES:
             return self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
         with torch.no_grad():
             p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
-        if cfg.loss == "tvd_deploy" and t_logits is None:
-            # A sparse teacher has no logits: filter its probabilities through their logs.
-            t_logits = p.clamp(min=1e-30).log()
+            if sparse and not cfg.serving_is_plain:
+                # 0 < top_k ≤ k (checked above): the filter reads the stored values alone, never the completed tail.
+                t_logits = stored_logits(topk_logprobs, topk_ids, self.width)
+        # A sparse teacher under plain serving has no logits: tvd_deploy then takes p as it is (= tvd).
         per_pos = LOSSES[cfg.loss](d_logits, p, teacher_logits=t_logits, temperature=cfg.temperature,
                                    top_k=cfg.top_k, top_p=cfg.top_p)
         loss = masked_mean(per_pos, mask, num_items_in_batch)
@@ -249,17 +303,18 @@ class DistillModel(nn.Module):
             # Metrics reuse the loss where it already is the metric (no second vocabulary-wide pass).
             acc = (d_logits.argmax(-1) == p.argmax(-1)).float()
             tvd_full = per_pos.detach() if cfg.loss == "tvd" else 0.5 * (p - d_logits.softmax(-1)).abs().sum(-1)
-            serving_is_plain = cfg.temperature == 1.0 and cfg.top_k == 0 and cfg.top_p == 1.0
             if cfg.loss == "tvd_deploy":
                 alpha = 1 - per_pos.detach()
-            elif serving_is_plain or t_logits is None:
+            elif cfg.serving_is_plain:
                 alpha = 1 - tvd_full
-            else:
+            else:  # the α at the serving settings: both distributions filtered, never the unfiltered one
                 pf = filtered_probs(t_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 qf = filtered_probs(d_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 alpha = sum_min(pf, qf)
+            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py).
+            bound = (leftover_logmass.float().exp() if sparse and cfg.serving_is_plain else torch.zeros_like(alpha))
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
-                             alpha=masked_mean(alpha, mask), tokens=mask.sum())
+                             alpha=masked_mean(alpha, mask), alpha_bound=masked_mean(bound, mask), tokens=mask.sum())
 
     def _forward_topk(self, d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch):
         """The loss and metrics against a top-k teacher, never building its full-width p
@@ -277,9 +332,10 @@ class DistillModel(nn.Module):
             acc = (d_logits.argmax(-1) == teacher_top1).float()
             tvd_k = per_pos.detach() if cfg.loss == "tvd" else tvd_topk(d_logits, topk_ids, probs, tail=tail,
                                                                          real_vocab=self.real_vocab)
-        # α = 1 − TVD at T = 1: a top-k teacher has no logits for a serving filter (as the dense path's α).
+        # α = 1 − TVD under plain serving (the only serving this path takes), a lower bound by at most the tail.
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_k, mask),
-                             alpha=masked_mean(1 - tvd_k, mask), tokens=mask.sum())
+                             alpha=masked_mean(1 - tvd_k, mask), alpha_bound=masked_mean(tail, mask),
+                             tokens=mask.sum())
 
 
 def select_trainable(draft, config: DistillConfig):
@@ -468,6 +524,22 @@ class DraftWriter:
         self.stats = {"refreshes": 0, "sequences": 0, "generated_tokens": 0, "generate_seconds": 0.0,
                       "teacher_tokens": 0, "teacher_seconds": 0.0, "dropped": 0}
 
+    def check_windows(self, draft, prompts: list[tuple[str, list[int]]]) -> None:
+        """Refuse, before training, prompts whose answers cannot fit a window (the rule of
+        :func:`specdraft.sampling.check_context`): the draft decodes up to ``max_new_tokens`` after the longest
+        prompt (prompt + N + 1 positions, as decoding counts them) and the target scores prompt + answer cut to
+        the dump's ``max_length``."""
+        if not prompts:
+            return
+        pid, ids = max(prompts, key=lambda x: len(x[1]))
+        n, new = len(ids), self.max_new_tokens
+        fix = "lower --on-policy-max-new-tokens (or shorten the dump's prompts)."
+        check_context(n + new + 1, [("draft", draft)], f"prompt {pid!r} ({n} tokens) + the draft's answer ({new}) + 1 "
+                      f"= {n + new + 1}", fix, error=DistillError)
+        scored = min(n + new, self.dump_config.max_length)
+        check_context(scored, [("target", self.teacher.model)], f"prompt {pid!r} + its answer ({scored} tokens)", fix,
+                      error=DistillError)
+
     def __call__(self, draft, prompts: list[tuple[str, list[int]]], seed: int) -> list[dict[str, Any]]:
         from specdraft.data import sequences_from_responses
         from specdraft.dump import teacher_items
@@ -522,6 +594,8 @@ class OnPolicyStream(IterableDataset):
                                "from its first position (make the dump with --answer-only, as specdraft run does)")
         if fraction < 1 and len(dataset) == 0:
             raise DistillError("no dump sequences to train on")
+        if fraction > 0 and hasattr(writer, "check_windows"):
+            writer.check_windows(draft, prompts)
         self.dataset, self.prompts, self.writer, self.draft = dataset, prompts, writer, draft
         self.fraction, self.every, self.per_step, self.seed = fraction, every, per_step, seed
         self.max_steps = max_steps
@@ -572,8 +646,9 @@ def _make_trainer_class():
 
     class DistillTrainer(Trainer):
         """Trainer that weighs every trained token of a step equally (see the module docstring), logs
-        train_acc/tvd/α beside the loss, stops on a non-finite loss, evaluates held-out α (sharded over ranks),
-        and checkpoints the draft alone with ``save_pretrained`` (tied weights handled; teacher head out)."""
+        :data:`METRICS` (train_acc, tvd, α, α's bound) beside the loss, stops on a non-finite loss, evaluates
+        held-out α (sharded over ranks), and checkpoints the draft alone with ``save_pretrained`` (tied weights
+        handled; teacher head out)."""
 
         _sums: dict[str, float]
         # compute_loss already divides by the step's token count: the Trainer must not divide again by the
@@ -604,9 +679,9 @@ def _make_trainer_class():
                     f"non-finite loss ({loss.item()}) at step {self.state.global_step}; the run stops here. The "
                     f"last good checkpoint is kept under {self.args.output_dir}; lower --lr or check the data, "
                     "then rerun the same command to resume from it.")
-            sums = getattr(self, "_sums", None) or {"train_acc": 0.0, "tvd": 0.0, "alpha": 0.0, "n": 0.0}
+            sums = getattr(self, "_sums", None) or {**dict.fromkeys(METRICS, 0.0), "n": 0.0}
             tok = float(outputs["tokens"])
-            for k in ("train_acc", "tvd", "alpha"):
+            for k in METRICS:
                 sums[k] += float(outputs[k]) * tok
             sums["n"] += tok
             self._sums = sums
@@ -623,15 +698,14 @@ def _make_trainer_class():
             # Every rank logs at the same steps with sums gathered since the last log, so the reduction below
             # is entered by all of them or by none.
             if "loss" in logs and sums:
-                keys = ("train_acc", "tvd", "alpha")
-                *vals, n = self._sum_over_ranks([sums[k] for k in keys] + [sums["n"]])
+                *vals, n = self._sum_over_ranks([sums[k] for k in METRICS] + [sums["n"]])
                 if n:
-                    logs.update({k: v / n for k, v in zip(keys, vals)})
+                    logs.update({k: v / n for k, v in zip(METRICS, vals)})
                 self._sums = {}
             super().log(logs, *args, **kwargs)
 
         def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-            """Token-weighted held-out loss, top-1 agreement, TVD and α; rank r scores sequences r, r+W, …
+            """Token-weighted held-out loss and :data:`METRICS`; rank r scores sequences r, r+W, …
             and the sums are added over ranks (no sequence scored twice, unlike a padded distributed loader)."""
             from torch.utils.data import DataLoader, Subset
 
@@ -641,7 +715,7 @@ def _make_trainer_class():
             model = self.model
             was_training = model.training
             model.eval()
-            keys = ("loss", "train_acc", "tvd", "alpha")
+            keys = ("loss", *METRICS)
             totals = [0.0] * (len(keys) + 1)  # per-key sums weighted by tokens, then tokens
             mine = Subset(ds, range(self.args.process_index, len(ds), self.args.world_size))
             loader = DataLoader(mine, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
@@ -933,18 +1007,24 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
 
     Raises:
         DistillError / specdraft.dump_reader.DumpError: a dump of another tokenizer, a corrupt dump, bad widths,
+            a top-k dump with serving settings it cannot compute (:meth:`DistillConfig.sparse_teacher_problem`,
+            before the draft loads), a dump sequence longer than the draft's context window (both lengths named),
             a non-finite loss.
         specdraft.sampling.TokenWidthError: the dump holds token ids past the draft's embedding or head (named).
     """
     from torch.utils.data import Subset
 
-    from specdraft.dump_reader import TeacherDataset, TeacherMix
+    from specdraft.dump_reader import TeacherDataset, TeacherMix, load_manifest
     from specdraft.models import load_model, load_tokenizer
 
     config = config or DistillConfig()
     out = Path(out)
     draft_tok = load_tokenizer(draft_ref)
     dirs = list(dump_dir) if isinstance(dump_dir, (list, tuple)) else [dump_dir]
+    for d in dirs:  # from the manifests alone: before any shard is hashed or weight loaded
+        m = load_manifest(d)
+        if m["format"] == "topk" and (problem := config.sparse_teacher_problem(int(m["top_k"]))):
+            raise DistillError(f"{d}: {problem}")
     parts = [TeacherDataset(d, draft_tokenizer=draft_tok, verify=True) for d in dirs]  # refuses a mismatch
     dataset = parts[0] if len(parts) == 1 else TeacherMix(parts)  # refuses dumps of different teachers
     manifest = dataset.manifest
@@ -960,6 +1040,10 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     widths = (input_width(draft), output_width(draft))
     if beyond := dataset.token_ids_from(min(widths)):  # an IndexError inside the draft at its first batch otherwise
         check_token_ids(torch.tensor(beyond), [("draft", widths)], what=f"the dump's sequences ({dump_dir})")
+    longest_id, longest = dataset.longest()  # past the draft's window: an IndexError at step N, or silent training
+    check_context(longest, [("draft", draft)], f"the dump's longest sequence {longest_id!r} ({longest} tokens)",
+                  "dump with a --max-length the draft's window holds, or distil a draft with a longer window.",
+                  error=DistillError)
     train_idx, held_idx, split_counts = prompt_keyed_split(parts, dump_weights, config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
@@ -976,7 +1060,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                "processes": result["processes"],
                "precision": result["precision"], "precision_reason": result["precision_reason"],
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
-               "on_policy": result["on_policy"]}
+               "on_policy": result["on_policy"], "alpha_definition": alpha_definition(config, manifest["format"])}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs],
                          "weights": dump_weights, "sequences_per_dump": [len(p) for p in parts],

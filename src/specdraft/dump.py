@@ -409,7 +409,8 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     Raises:
         DumpError: empty data, a directory holding another dump (nothing in it is touched), a model whose
             head input cannot be captured, bad generation settings, token ids past the target's embedding or head
-            rows (named, before the target is loaded).
+            rows, a sequence (or prompt + ``generate``) past the target's context window (each named, before the
+            target is loaded).
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
     from specdraft.models import load_model, load_tokenizer, resolve
@@ -430,6 +431,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
                         "hidden to keep whole distributions.")
     items, dropped_before_split = _work_items(tokenizer, examples, config)
     _check_token_widths(resolved, tokenizer, items, config)  # from the config: before any weight is loaded
+    _check_windows(resolved, tokenizer, items, config)
     mine = split_work(len(items), rank, world, config.batch_size)
     n_mine = len(mine)
 
@@ -622,6 +624,27 @@ def _check_token_widths(resolved: str, tokenizer, items: list, config: DumpConfi
         return
     ids = [q.ids for q in items] if config.generate is None else encode_prompts(tokenizer, items)
     check_token_ids(ids, [("target", (int(width), int(width)))], what="the sequences to dump", error=DumpError)
+
+
+def _check_windows(resolved: str, tokenizer, items: list, config: DumpConfig) -> None:
+    """Refuse sequences past the target's context window (:func:`specdraft.sampling.check_context`, the rule decoding
+    applies): the longest named with both lengths, before loading it. With ``generate`` the target's own decoding
+    needs each prompt + N + 1 positions."""
+    from transformers import AutoConfig
+
+    from specdraft.data import encode_prompts
+    from specdraft.sampling import check_context, check_windows
+
+    tcfg = AutoConfig.from_pretrained(resolved)
+    if config.generate is None:
+        check_windows([q.ids for q in items], [("target", tcfg)], f"lower --max-length (now {config.max_length}) to "
+                      "fit it.", names=[q.id for q in items], error=DumpError)
+        return
+    prompts = encode_prompts(tokenizer, items)
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    need = len(prompts[i]) + config.generate + 1
+    check_context(need, [("target", tcfg)], f"prompt {items[i].id!r} ({len(prompts[i])} tokens) + --generate "
+                  f"({config.generate}) + 1 = {need}", "lower --generate or shorten the prompts.", error=DumpError)
 
 
 def _target_facts(resolved: str) -> dict[str, Any]:

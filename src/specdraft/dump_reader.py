@@ -296,6 +296,18 @@ class TeacherDataset:
                                 "loss_mask": f.get_slice("loss_mask")[a:b]}
         return item, (f, a, b)
 
+    def longest(self) -> tuple[str, int]:
+        """``(id, tokens)`` of the longest sequence (reads each shard's offsets only): what a model's context window
+        must hold to be trained on every sequence."""
+        best = ("", 0)
+        for si in range(len(self.shards)):
+            self._open(si)
+            off = self._offsets[si]
+            for j in range(len(off) - 1):
+                if off[j + 1] - off[j] > best[1]:
+                    best = (self._ids[si][j], off[j + 1] - off[j])
+        return best
+
     def token_ids_from(self, limit: int) -> list[int]:
         """The distinct token ids ≥ ``limit`` in the dump's sequences, ascending (reads each shard's ``input_ids``
         only): what a model of ``limit`` embedding rows could not read."""
@@ -362,8 +374,8 @@ class TeacherMix:
     A mix is how teacher-forced sequences (existing text scored by the target, one prefill each) and
     target-written ones (``--generate``) train together; per-dump weights are applied by
     :func:`specdraft.distill.mixed_split` (repeats), not here. Offers what distillation reads from a
-    :class:`TeacherDataset`: ``manifest`` (the first dump's), ``tokens``, ``token_ids_from``, ``logit_ops``,
-    ``head``, ``teacher_probs``; ``lengths`` gives each dump's sequence count.
+    :class:`TeacherDataset`: ``manifest`` (the first dump's), ``tokens``, ``longest``, ``token_ids_from``,
+    ``logit_ops``, ``head``, ``teacher_probs``; ``lengths`` gives each dump's sequence count.
 
     Raises:
         DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:
@@ -413,6 +425,9 @@ class TeacherMix:
     def tokens(self, i: int) -> dict[str, Any]:
         ds, j = self._locate(i)
         return ds.tokens(j)
+
+    def longest(self) -> tuple[str, int]:
+        return max((ds.longest() for ds in self.datasets), key=lambda x: x[1])
 
     def token_ids_from(self, limit: int) -> list[int]:
         return sorted({t for ds in self.datasets for t in ds.token_ids_from(limit)})

@@ -199,16 +199,20 @@ def forecast_headroom(
     Raises:
         ValueError: a mask whose length differs from its sequence's, or no masked position at all; ``twins``
             without ``tokenizer``.
+        specdraft.sampling.ContextWindowError: a sequence longer than either model's context window (named with both
+            lengths, before any pass).
     """
     import torch
 
     from specdraft.decode import left_pad
-    from specdraft.sampling import align_logits, output_width
+    from specdraft.sampling import align_logits, check_windows, output_width
     from specdraft.stats import ratio_ci
 
     config = config or HeadroomConfig()
     if twins is not None and tokenizer is None:
         raise ValueError("the swap diagnostic (twins) needs the target's tokenizer")
+    check_windows(sequences, [("target", target), ("draft", draft)],
+                  "lower --max-length (or --generate) to fit it.", names=names)
     width = output_width(target)
     draft_top1: list[list[int]] = []  # per sequence the draft's argmax at each masked position (swap diagnostic)
     device = next(target.parameters()).device
@@ -305,6 +309,8 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
         specdraft.vocab.CompatibilityError: the tokenizers differ (before any weights load): re-index the draft
             first (``specdraft vocab-swap``) and forecast the swapped draft.
         specdraft.data.DataError: see :func:`headroom_sequences`.
+        specdraft.sampling.ContextWindowError: a sequence (with ``generate``: a prompt + N, cut to ``max_length``)
+            longer than either model's context window, named with both lengths before any forward pass.
     """
     from specdraft.check import check_compatible
     from specdraft.data import tokenizer_pad_id
@@ -320,6 +326,15 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
                                  "forecast the swapped draft.")
     twins = swapped_draft_twins(resolve(draft_ref), resolve(target_ref))
     target, tok = load_model(target_ref, dtype=config.dtype)
+    if config.generate is not None:  # before the target writes the answers: the longest sequence they can make
+        from transformers import AutoConfig
+
+        from specdraft.data import encode_prompts
+        from specdraft.sampling import check_windows
+
+        bound = [min(len(p) + config.generate, config.max_length) for p in encode_prompts(tok, examples)]
+        check_windows(bound, [("target", target), ("draft", AutoConfig.from_pretrained(resolve(draft_ref)))],
+                      "lower --generate or --max-length to fit it.", names=[e.id for e in examples])
     names, seqs, masks = headroom_sequences(target, tok, examples, config)
     draft, _ = load_model(draft_ref, dtype=config.dtype)
     pad = tokenizer_pad_id(tok)

@@ -17,7 +17,7 @@ from specdraft.config import SamplingConfig
 from specdraft.decode import left_pad
 from specdraft.losses import sum_min
 from specdraft.models import takes_logits_to_keep
-from specdraft.sampling import align_logits, filtered_probs, greedy_probs, output_width
+from specdraft.sampling import align_logits, check_windows, filtered_probs, greedy_probs, output_width
 
 
 @torch.no_grad()
@@ -61,8 +61,14 @@ def predicted_alpha(
 
     Both heads run only over the tail of each batch that holds counted positions (``logits_to_keep``): with masks
     over answers, the prompt positions are not scored.
+
+    Raises:
+        specdraft.sampling.ContextWindowError: a sequence longer than either model's context window (named with both
+            lengths, before any pass).
     """
     sampling = sampling or SamplingConfig()
+    check_windows(sequences, [("target", target), ("draft", draft)],
+                  "score shorter prompts or answers (lower --max-new-tokens).")
     width = output_width(target)
     total, n, agree = 0.0, 0, 0
     per_sequence: list[list[float]] = []
@@ -137,7 +143,13 @@ def replay_greedy(
 
     Returns:
         ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
+
+    Raises:
+        specdraft.sampling.ContextWindowError: a prompt + answer longer than the draft's context window (named with
+            both lengths, before any pass).
     """
+    check_windows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], [("draft", draft)],
+                  "replay shorter prompts or answers (lower --max-new-tokens).")
     eos = set(eos_token_id)
     width = draft.get_output_embeddings().weight.shape[0]
     device = next(draft.parameters()).device

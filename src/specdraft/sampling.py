@@ -201,6 +201,70 @@ def check_token_ids(ids, models, what: str = "input_ids", error: type[Exception]
         raise error(problem)
 
 
+class ContextWindowError(ValueError):
+    """A sequence longer than a model's position range (:func:`check_context`)."""
+
+
+def context_window(model_or_config) -> int | None:
+    """The most positions a model reads: its position table (``max_position_embeddings``, GPT-2's ``n_positions``)
+    from its (text) config, or ``None`` when the config names none.
+
+    Past it an absolute position table fails with an ``IndexError`` (a device assert on CUDA) and rotary positions
+    extrapolate silently to where the model was never trained. A sliding window is no bound here: a teacher-forced
+    or decoded pass applies it through the attention mask, the same in training as in serving (decoding refuses
+    only batches whose holes would shift it, :func:`specdraft.decode.speculative_generate`).
+    """
+    cfg = getattr(model_or_config, "config", model_or_config)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config(decoder=True)
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+def context_problem(positions: int, models, what: str, fix: str) -> str | None:
+    """Why a pass over ``positions`` positions does not fit ``models``, or ``None``: the one window rule of decoding,
+    dump, distillation, the headroom forecast and replay.
+
+    Args:
+        positions: the positions the pass reads (a teacher-forced sequence: its length; decoding: prompt + new
+            tokens + γ + 1).
+        models: ``[(name, model | config | window int | None), ...]``; ``None`` entries are skipped.
+        what: what needs them, naming the length (``"sequence 'a' (40 tokens)"``).
+        fix: how to make it fit (the flag to lower).
+
+    Returns:
+        ``"{what} exceeds the {name}'s context window ({window}); {fix}"`` for the first model it does not fit.
+    """
+    for name, m in models:
+        if m is None:
+            continue
+        window = m if isinstance(m, int) else context_window(m)
+        if window is not None and positions > window:
+            return f"{what} exceeds the {name}'s context window ({window}); {fix}"
+    return None
+
+
+def check_context(positions: int, models, what: str, fix: str, error: type[Exception] = ContextWindowError) -> None:
+    """Raise ``error`` (:class:`ContextWindowError` by default) with :func:`context_problem`'s message, if any."""
+    if (problem := context_problem(positions, models, what, fix)) is not None:
+        raise error(problem)
+
+
+def check_windows(sequences, models, fix: str, names=None, error: type[Exception] = ContextWindowError) -> None:
+    """Refuse, before any pass, teacher-forced ``sequences`` of which the longest exceeds a model's context window
+    (:func:`check_context`), naming that sequence (``names[i]``, else its index), its length and the window.
+
+    Args:
+        sequences: token id lists (or their lengths as ints), each read in one pass from position 0.
+        models / fix / error: as :func:`check_context`.
+    """
+    lengths = [s if isinstance(s, int) else len(s) for s in sequences]
+    if not lengths:
+        return
+    i = max(range(len(lengths)), key=lengths.__getitem__)
+    name = repr(str(names[i])) if names is not None else str(i)
+    check_context(lengths[i], models, f"sequence {name} ({lengths[i]} tokens)", fix, error)
+
+
 def align_logits(logits, width: int, real_vocab: int | None = None):
     """Bring draft (or target) logits to the target's vocabulary width, masking padding rows.
 

@@ -29,6 +29,7 @@ EXPECTED_ERRORS: tuple[tuple[str, str], ...] = (
     ("specdraft.speculator", "SpeculatorError"),
     ("specdraft.decode", "DecodeError"),
     ("specdraft.sampling", "TokenWidthError"),
+    ("specdraft.sampling", "ContextWindowError"),
     ("specdraft.dump", "DumpError"),
     ("specdraft.distill", "DistillError"),
     ("specdraft.pipeline", "PipelineError"),

@@ -475,10 +475,14 @@ def print_distill(res: dict) -> None:
     table = Table(title="Distillation (held-out, token-weighted)")
     for col in ("", "before", "after"):
         table.add_column(col, justify="right")
-    for k in ("eval_loss", "eval_tvd", "eval_alpha", "eval_acc"):
+    # eval_alpha_bound: how far a top-k teacher's unknown tail can move eval_tvd and eval_alpha (0: none, not shown).
+    bounded = any(m[w].get("eval_alpha_bound") for w in ("eval_before", "eval_after"))
+    for k in ("eval_loss", "eval_tvd", "eval_alpha", *(("eval_alpha_bound",) if bounded else ()), "eval_acc"):
         b, a = m["eval_before"].get(k), m["eval_after"].get(k)
         table.add_row(k, "—" if b is None else f"{b:.4f}", "—" if a is None else f"{a:.4f}")
     console.print(table)
+    if definition := m.get("alpha_definition"):
+        console.print(f"eval_alpha: {definition}")
     console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
                   f"{m['seconds']:.0f} s, {m['precision']} ({m['precision_reason']}). Speculator: {res['speculator']}")
     if (onp := m.get("on_policy")) is not None:
