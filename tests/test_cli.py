@@ -370,30 +370,6 @@ def test_check_json_creates_no_folders_the_user_did_not_ask_for(tmp_path):
     assert _one_error_line(r) == f"error: --json {tmp_path} is a directory: give a file name"
 
 
-def _commands():
-    import typer.main
-
-    def walk(cmd, path):
-        for name, sub in getattr(cmd, "commands", {}).items():
-            yield f"{path} {name}".strip(), sub
-            yield from walk(sub, f"{path} {name}".strip())
-
-    return list(walk(typer.main.get_command(app), ""))
-
-
-def test_command_summaries_are_whole_sentences_at_80_columns():
-    """`specdraft --help` cut summaries mid-sentence ("…over the...") and vocab-swap's was a paragraph: each
-    command's first paragraph is now one sentence that the 80-column list shows whole."""
-    for path, cmd in _commands():
-        first = cmd.help.split("\n\n")[0]
-        assert "\n" not in first and first.endswith("."), (path, first)
-        assert cmd.get_short_help_str(limit=80 - 6 - len("vocab-swap")) == first, path
-    for args in ([], ["models"]):
-        r = CliRunner().invoke(app, [*args, "--help"], terminal_width=80, env={"COLUMNS": "80"})
-        # The commands follow the options, under their panels (main job / stages / tools) or "Commands:".
-        assert r.exit_code == 0 and "..." not in r.output.split("Options:")[1], r.output
-
-
 def test_usage_names_arguments_and_switches_take_one_flag():
     """generate's usage said `{prompt}`; --overwrite was a flag in convert and --overwrite/--no-overwrite in
     vocab-swap. A switch that is off by default is one flag everywhere."""

@@ -89,6 +89,19 @@ def test_renamed_flags_still_read_and_a_spec_resolves_to_the_held_out_split():
     assert resolve_source("humaneval").offset == 0 and resolve_source("mt-bench:0:27:3").stride == 3
 
 
+def test_command_summaries_are_whole_sentences_at_80_columns():
+    """`specdraft --help` cut summaries mid-sentence ("…over the...") and vocab-swap's was a paragraph: each
+    command's first paragraph is now one sentence that the 80-column list shows whole."""
+    for path, cmd in _commands():
+        first = cmd.help.split("\n\n")[0]
+        assert "\n" not in first and first.endswith("."), (path, first)
+        assert cmd.get_short_help_str(limit=80 - 6 - len("vocab-swap")) == first, path
+    for args in ([], ["models"]):
+        r = CliRunner().invoke(app, [*args, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+        # The commands follow the options, under their panels (main job / stages / tools) or "Commands:".
+        assert r.exit_code == 0 and "..." not in r.output.split("Options:")[1], r.output
+
+
 @pytest.mark.parametrize("path", [path for path, _ in _commands()])
 def test_every_flag_is_whole_in_every_commands_help_at_80_columns(path):
     cmd = dict(_commands())[path]
