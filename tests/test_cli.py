@@ -125,7 +125,7 @@ def test_gamma_is_one_option_in_every_command_that_takes_it():
         (le,) = [m.le for m in cfg.model_fields["num_speculative_tokens"].metadata if getattr(m, "le", None)]
         assert le == 64
     gammas = {path: p for path, p in _options() if p.name in ("gamma", "num_speculative_tokens")}
-    assert {"eval", "generate", "rank", "convert", "distill"} <= set(gammas)
+    assert {"eval", "generate", "rank", "export", "distill"} <= set(gammas)
     for path, p in gammas.items():
         assert {"--gamma", "--num-speculative-tokens", "-g"} <= set(p.opts), path
         assert GAMMA_HELP == "γ: draft tokens proposed per target pass (1..64)" and p.help.startswith(GAMMA_HELP), path
@@ -317,7 +317,7 @@ def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
     (spec / "model.safetensors").unlink()
     r = CliRunner().invoke(app, ["inspect", str(spec)], terminal_width=300)
     assert _one_error_line(r) == (f"error: {spec} holds no weight files (*.safetensors or *.bin): the checkpoint is "
-                                  "incomplete. Copy or export it again (specdraft convert).")
+                                  "incomplete. Copy or export it again (specdraft export).")
 
 
 def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
@@ -378,7 +378,7 @@ def test_usage_names_arguments_and_switches_take_one_flag():
     r = CliRunner().invoke(app, ["rank", "--help"], prog_name="specdraft")
     assert r.output.splitlines()[0] == "Usage: specdraft rank [OPTIONS] DRAFTS..."
     off_switches = [(path, p) for path, p in _options() if getattr(p, "is_flag", False) and p.default is False]
-    assert {path for path, p in off_switches if p.name == "overwrite"} == {"convert", "vocab-swap", "run"}
+    assert {path for path, p in off_switches if p.name == "overwrite"} == {"export", "vocab-swap", "run"}
     for path, p in off_switches:
         assert not p.secondary_opts, (path, p.opts, p.secondary_opts)
     assert "<bool>" not in CliRunner().invoke(app, ["vocab-swap", "--help"]).output

@@ -138,8 +138,8 @@ def test_base_loader_refuses_plain_config_and_conversion_needs_a_verifier(tmp_pa
     target_dir, draft_dir = pair
     plain = json.loads((Path(draft_dir) / "config.json").read_text())
     for source in (draft_dir, plain, AutoConfig.from_pretrained(draft_dir)):
-        with pytest.raises(NotASpeculatorError, match="not a speculator checkpoint — convert it with `specdraft "
-                                                      "convert"):
+        with pytest.raises(NotASpeculatorError, match="not a speculator checkpoint — export it as one with "
+                                                      "`specdraft export"):
             load_speculator_config(source)
 
     cfg = IndependentSpeculatorConfig.from_pretrained(draft_dir, num_speculative_tokens=7)
@@ -519,7 +519,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     assert f"speculative_tokens (γ)={NUM_SPECULATIVE_TOKENS}" in res.output and cmd in res.output
 
     res = runner.invoke(app, ["inspect", draft_dir])
-    assert res.exit_code == 2 and "specdraft convert" in res.output
+    assert res.exit_code == 2 and "specdraft export" in res.output
 
     res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
     assert res.exit_code == 2 and "--overwrite" in res.output

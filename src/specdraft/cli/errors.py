@@ -183,12 +183,16 @@ class _Command(typer.core.TyperCommand):
 #: The panels of ``specdraft --help``, in order; a command names its panel (``rich_help_panel``).
 PANELS = ("Main job", "Stages", "Tools")
 
+#: Old command names that still run today's command (hidden from ``--help``): old name → today's.
+COMMAND_ALIASES = {"convert": "export"}
+
 
 class _Group(typer.core.TyperGroup):
     """The command group that turns every expected error of any command into ``error: …`` and exit 2 (one place
     for all commands; a command catches an error itself only to add context), a pair of two tokenizers into the
     tokenizer report and exit 1, click's rejections of a flag or value into the same one line, and a bug into its
-    traceback and exit :data:`BUG_EXIT`. Its help lists the commands in :data:`PANELS`."""
+    traceback and exit :data:`BUG_EXIT`. Its help lists the commands in :data:`PANELS`; an old name
+    (:data:`COMMAND_ALIASES`) runs today's command."""
 
     def main(self, *args, **kwargs):
         try:
@@ -226,6 +230,9 @@ class _Group(typer.core.TyperGroup):
                 raise
             cmd = self.get_command(ctx, args[0]) if args else None
             fail(error_message(exc, _flag_of_field(cmd, args)))
+
+    def get_command(self, ctx, cmd_name: str):
+        return super().get_command(ctx, COMMAND_ALIASES.get(cmd_name, cmd_name))
 
     def format_commands(self, ctx, formatter) -> None:
         """The commands under their panel's heading (:data:`PANELS`), each summary whole where it fits."""

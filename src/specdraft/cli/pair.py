@@ -216,7 +216,7 @@ def rank(
         help="--engine llama.cpp: the target's GGUF. Default: an embedded target's packaged GGUF.")] = None,
     draft_gguf: Annotated[list[str] | None, typer.Option(
         metavar="NAME=PATH", help="--engine llama.cpp: a draft's GGUF, NAME as given in DRAFTS (repeat per draft). "
-        "Default: an embedded draft's packaged GGUF; write one with specdraft convert --format gguf.")] = None,
+        "Default: an embedded draft's packaged GGUF; write one with specdraft export --format gguf.")] = None,
     target_bench: Annotated[Path | None, typer.Option(
         metavar="FILE", help="--engine llama.cpp: the target's saved llama-bench -o json output (tg and pp 2..9). "
         "Default: llama-bench is run on the GGUF.")] = None,
