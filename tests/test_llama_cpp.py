@@ -376,7 +376,8 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     base = ["rank", near, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
             "--max-new-tokens", "8", "--gamma", "3", "--dtype", "float32", "--draft-quantization", "none",
             "--engine", "llama.cpp", "--target-gguf", str(t), "--draft-gguf", f"{near}={d}", "--draft-gguf",
-            f"{tdir}={t}", "--llama-cpp-bin", str(tmp_path / "no-bin"), "--out", str(tmp_path / "rank")]
+            f"{tdir}={t}", "--llama-cpp-bin", str(tmp_path / "no-bin"), "--out", str(tmp_path / "rank"),
+            "--overwrite"]  # the calls after the first reuse its --out
     r = CliRunner().invoke(app, [*base, "--target-bench", str(files["target"]), "--draft-bench",
                                  f"{near}={files['fast']}", "--draft-bench", f"{tdir}={files['slow']}"])
     assert r.exit_code == 0, r.output

@@ -456,7 +456,8 @@ def test_untied_draft_without_lm_head_is_never_converted(tmp_path, pair):
     assert not out.exists()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
-    res = CliRunner().invoke(app, ["eval", "-t", target_dir, "-d", draft_dir, "--prompts", str(prompts)])
+    res = CliRunner().invoke(app, ["eval", "-t", target_dir, "-d", draft_dir, "--prompts", str(prompts), "--out",
+                                   str(tmp_path / "eval")])
     assert res.exit_code == 2 and "lm_head.weight" in res.output  # eval loads through the same check
 
 

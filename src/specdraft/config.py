@@ -56,8 +56,9 @@ def speculative_tokens(gamma: int | None, policy: GammaPolicy = "fixed") -> int:
 
 
 #: Whether a command replaces what its output already holds (a field type: one wording for every command).
-Overwrite = Annotated[bool, Field(description="Replace what --out holds instead of refusing it: a non-empty "
-                                  "directory, or a stage of a run made from other inputs (other prompts or settings).")]
+Overwrite = Annotated[bool, Field(description="Replace what --out holds instead of refusing it: an existing file "
+                                  "or non-empty directory, or a stage of a run made from other inputs (other prompts "
+                                  "or settings).")]
 
 #: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
 AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from specdraft.cli.errors import fail, output_file
+from specdraft.cli.errors import check_out, fail, output_file
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     ConfOpt,
@@ -18,6 +18,7 @@ from specdraft.cli.options import (
     GammaPolicyOpt,
     HeadTokensOpt,
     MapVocabOpt,
+    OverwriteOpt,
     ProposalsOpt,
     QuantOpt,
     draft_option,
@@ -124,6 +125,7 @@ def eval_cmd(
         "and χ²-test the counts against the target's own law (p-value reported; 2000 draws take a few minutes on "
         "CPU). 0 = off.")] = 0,
     out: Path = out_option(Path("runs/eval"), "Directory for report.json and plots."),
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Measure speculative decoding against the target alone.
 
@@ -140,6 +142,7 @@ def eval_cmd(
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
     source = resolve_source(prompts, held_out=True)
     examples = source.load()
+    check_out(out, overwrite=overwrite)
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     ids = encode(pair, examples)
     with decode_progress(len(ids)) as step:
@@ -208,6 +211,7 @@ def rank(
         "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
         "command).", show_default=False)] = None,
     out: Path = out_option(Path("runs/rank"), "Directory for rank.json (and the confirmation's report)."),
+    overwrite: OverwriteOpt = False,
     engine: Annotated[RankEngine, typer.Option(
         help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "
         "(each GGUF's llama-bench timings and the α measured here; picks --spec-draft-n-max and prints the "
@@ -257,6 +261,7 @@ def rank(
              "llama_cpp_bin": llama_cpp_bin}
     source = resolve_source(prompts, held_out=True)
     examples = source.load()
+    check_out(out, overwrite=overwrite)
     for ref in (target, *drafts):
         resolve_with_progress(ref)
     with console.status("calibrating…") as status:

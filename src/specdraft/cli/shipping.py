@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from specdraft.cli.errors import check_out
 from specdraft.cli.options import GammaOpt, OverwriteOpt, draft_option, out_option, target_option
 from specdraft.cli.render import (
     console,
@@ -61,6 +62,7 @@ def export(
         # Refuse a misplaced flag before an embedded draft's cache is built (export_draft checks the same again).
         ExportConfig(draft=draft, verifier=target, out=out, dtype=dtype, format=format,
                      **{k: v for k, v in gguf.items() if v is not None})
+    check_out(out, file=format == "gguf", overwrite=overwrite)
     resolve_with_progress(draft)  # builds an embedded model's cache with a progress bar on first use
     res = export_draft(draft, target, out, num_speculative_tokens=speculative_tokens(gamma), overwrite=overwrite,
                        dtype=dtype, format=format, **gguf,
