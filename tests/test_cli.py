@@ -545,9 +545,11 @@ def _out_commands(tmp_path, out):
 
 
 def test_every_command_that_writes_an_out_is_in_the_out_tests():
+    import inspect
+
     from specdraft.cli import COMMANDS
 
-    takes_out = {name for name, callback, _, _ in COMMANDS if "out" in callback.__code__.co_varnames}
+    takes_out = {name for name, callback, _, _ in COMMANDS if "out" in inspect.signature(callback).parameters}
     assert takes_out == {c.split()[0] for c in OUT_COMMANDS}
 
 
