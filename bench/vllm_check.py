@@ -7,7 +7,7 @@ specdraft installed ``--no-deps`` for its plugin; see the Makefile).
 1. Build a tiny target and drafts that vLLM's CPU backend accepts (attention head size 32 ≥ its minimum, a
    byte-level BPE tokenizer trained here): a draft (the target with noise on every weight: partial acceptance)
    and the same draft with padding rows (verdict identical-up-to-padding, as Qwen 7B vs 0.5B).
-2. ``specdraft.export.convert`` each; the vLLM settings are the ones specdraft prints (``vllm_serve``).
+2. ``specdraft.export.export_draft`` each; the vLLM settings are the ones specdraft prints (``vllm_serve``).
 3. specdraft's own greedy speculative decoding on the prompts: the acceptance counts to compare with vLLM's.
 4. vLLM, each configuration in a fresh process: the target alone; two-path (target + the printed
    ``--speculative-config``); one-path (``LLM(model=SPECULATOR_DIR)``: the plugin); the padded draft both ways;
@@ -57,7 +57,7 @@ def build(out: Path) -> dict:
     import torch
 
     from specdraft.decode import speculative_generate
-    from specdraft.export import convert, vllm_serve
+    from specdraft.export import export_draft, vllm_serve
     from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_corpus, tiny_model
 
     torch.set_num_threads(1)
@@ -75,7 +75,8 @@ def build(out: Path) -> dict:
     prompts = [tok.encode(line)[:24] for line in tiny_corpus(NUM_PROMPTS, seed=7)]
     runs = {}
     for name in ("draft", "draft-padded"):
-        res = convert(dirs[name], dirs["target"], out / f"spec-{name}", num_speculative_tokens=GAMMA, overwrite=True)
+        res = export_draft(dirs[name], dirs["target"], out / f"spec-{name}", num_speculative_tokens=GAMMA,
+                           overwrite=True)
         serve = vllm_serve(res.out)
         runs[name] = {"verdict": res.compat_verdict, "command": serve.command, "one_path": serve.one_path,
                       "target": serve.target, "speculative_config": serve.speculative_config,

@@ -693,7 +693,7 @@ def test_eval_renders_prompts_with_the_targets_template(tmp_path, monkeypatch):
 
     monkeypatch.setattr(specdraft.evaluate, "run_eval", capture)
     CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
-                             "--dtype", "float32"])
+                             "--dtype", "float32", "--out", str(tmp_path / "eval")])
     ex = [Example("p", [{"role": "user", "content": "a b"}])]
     targets, drafts = encode_prompts(AutoTokenizer.from_pretrained(tdir), ex), encode_prompts(load_tokenizer(ddir), ex)
     assert targets != drafts and seen == [targets]

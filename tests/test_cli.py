@@ -126,7 +126,7 @@ def test_gamma_is_one_option_in_every_command_that_takes_it():
         (le,) = [m.le for m in cfg.model_fields["num_speculative_tokens"].metadata if getattr(m, "le", None)]
         assert le == 64
     gammas = {path: p for path, p in _options() if p.name in ("gamma", "num_speculative_tokens")}
-    assert {"eval", "generate", "rank", "convert", "distill"} <= set(gammas)
+    assert {"eval", "generate", "rank", "export", "distill"} <= set(gammas)
     for path, p in gammas.items():
         assert {"--gamma", "--num-speculative-tokens", "-g"} <= set(p.opts), path
         assert GAMMA_HELP == "γ: draft tokens proposed per target pass (1..64)" and p.help.startswith(GAMMA_HELP), path
@@ -189,7 +189,7 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
     assert report["config"]["prompt_offset"] == 0
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
                                  "--prompt-offset", "2", "--max-new-tokens", "4", "--dtype", "float32", "--out",
-                                 str(out)])
+                                 str(out), "--overwrite"])
     assert r.exit_code == 0, r.output
     assert [row["id"] for row in json.loads((out / "report.json").read_text())["per_prompt"]] == ["line-3"]
 
@@ -318,7 +318,7 @@ def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
     (spec / "model.safetensors").unlink()
     r = CliRunner().invoke(app, ["inspect", str(spec)], terminal_width=300)
     assert _one_error_line(r) == (f"error: {spec} holds no weight files (*.safetensors or *.bin): the checkpoint is "
-                                  "incomplete. Copy or export it again (specdraft convert).")
+                                  "incomplete. Copy or export it again (specdraft export).")
 
 
 def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
@@ -371,30 +371,6 @@ def test_check_json_creates_no_folders_the_user_did_not_ask_for(tmp_path):
     assert _one_error_line(r) == f"error: --json {tmp_path} is a directory: give a file name"
 
 
-def _commands():
-    import typer.main
-
-    def walk(cmd, path):
-        for name, sub in getattr(cmd, "commands", {}).items():
-            yield f"{path} {name}".strip(), sub
-            yield from walk(sub, f"{path} {name}".strip())
-
-    return list(walk(typer.main.get_command(app), ""))
-
-
-def test_command_summaries_are_whole_sentences_at_80_columns():
-    """`specdraft --help` cut summaries mid-sentence ("…over the...") and vocab-swap's was a paragraph: each
-    command's first paragraph is now one sentence that the 80-column list shows whole."""
-    for path, cmd in _commands():
-        first = cmd.help.split("\n\n")[0]
-        assert "\n" not in first and first.endswith("."), (path, first)
-        assert cmd.get_short_help_str(limit=80 - 6 - len("vocab-swap")) == first, path
-    for args in ([], ["models"]):
-        r = CliRunner().invoke(app, [*args, "--help"], terminal_width=80, env={"COLUMNS": "80"})
-        # The commands follow the options, under their panels (main job / stages / tools) or "Commands:".
-        assert r.exit_code == 0 and "..." not in r.output.split("Options:")[1], r.output
-
-
 def test_usage_names_arguments_and_switches_take_one_flag():
     """generate's usage said `{prompt}`; --overwrite was a flag in convert and --overwrite/--no-overwrite in
     vocab-swap. A switch that is off by default is one flag everywhere."""
@@ -403,7 +379,8 @@ def test_usage_names_arguments_and_switches_take_one_flag():
     r = CliRunner().invoke(app, ["rank", "--help"], prog_name="specdraft")
     assert r.output.splitlines()[0] == "Usage: specdraft rank [OPTIONS] DRAFTS..."
     off_switches = [(path, p) for path, p in _options() if getattr(p, "is_flag", False) and p.default is False]
-    assert {path for path, p in off_switches if p.name == "overwrite"} == {"convert", "vocab-swap", "run"}
+    assert {path for path, p in off_switches if p.name == "overwrite"} == {"eval", "rank", "headroom", "export",
+                                                                           "vocab-swap", "run"}
     for path, p in off_switches:
         assert not p.secondary_opts, (path, p.opts, p.secondary_opts)
     assert "<bool>" not in CliRunner().invoke(app, ["vocab-swap", "--help"]).output
@@ -600,3 +577,133 @@ def test_a_missing_model_directory_is_named_with_its_flag(tmp_path):
     missing = tmp_path / "nowhere"
     r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", str(missing)], env={"COLUMNS": "400"})
     assert _one_error_line(r) == f"error: --draft {missing} does not exist"
+
+
+# --------------------------------------------------------------------- where --out goes: checked before any work
+
+def _out_commands(tmp_path, out):
+    """``{name: argv}`` of every command that takes --out, writing to ``out``; models are named, never opened."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
+    pair = ["--target", "target-model", "--draft", "draft-model"]
+    return {
+        "eval": ["eval", *pair, "--prompts", str(prompts), "--out", str(out)],
+        "rank": ["rank", "draft-model", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
+        "headroom": ["headroom", *pair, "--prompts", str(prompts), "--out", str(out)],
+        "export": ["export", *pair, "--out", str(out)],
+        "export --format gguf": ["export", *pair, "--format", "gguf", "--out", str(out)],
+        "vocab-swap": ["vocab-swap", *pair, "--out", str(out)],
+        "dump": ["dump", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
+        "distill": ["distill", *pair, "--dump", str(tmp_path), "--out", str(out)],
+        "run": ["run", "--preset", "tiny", *pair, "--out", str(out)],
+    }
+
+
+def test_every_command_that_writes_an_out_is_in_the_out_tests():
+    import inspect
+
+    from specdraft.cli import COMMANDS
+
+    takes_out = {name for name, callback, _, _ in COMMANDS if "out" in inspect.signature(callback).parameters}
+    assert takes_out == {c.split()[0] for c in OUT_COMMANDS}
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Every model reference resolved or loaded is recorded and refused (``error: no models here``): a test sees
+    whether a command reached its models."""
+    import specdraft.models
+    from specdraft.embedded import ModelResolutionError
+
+    reached = []
+
+    def refuse(ref, *_a, **_k):
+        reached.append(str(ref))
+        raise ModelResolutionError("no models here")
+
+    for name in ("resolve", "resolve_ref", "load_model", "load_tokenizer"):
+        if hasattr(specdraft.models, name):
+            monkeypatch.setattr(specdraft.models, name, refuse)
+    return reached
+
+
+OUT_COMMANDS = ("eval", "rank", "headroom", "export", "export --format gguf", "vocab-swap", "dump", "distill", "run")
+
+
+@pytest.mark.parametrize("command", OUT_COMMANDS)
+def test_an_out_under_a_file_is_one_error_line_naming_the_flag_before_any_model_loads(tmp_path, no_models, command):
+    """`export --out FILE/spec` gave a bare `[Errno 17]` after loading the draft; eval's report, written after the
+    whole evaluation, failed the same way. Every command with --out now refuses such a path first."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    out = a_file / "sub" / {"headroom": "out.json", "export --format gguf": "out.gguf"}.get(command, "out")
+    r = CliRunner().invoke(app, _out_commands(tmp_path, out)[command])
+    assert _one_error_line(r) == f"error: --out {out}: {a_file} is a file, not a folder", (command, r.output)
+    assert no_models == [] and a_file.read_text() == "not a folder"
+
+
+def test_an_out_in_a_folder_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path, monkeypatch, no_models):
+    """`eval --out` on a read-only file system ended in an OSError traceback (exit 3) after the whole evaluation."""
+    import os
+
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes through 0o555: a read-only file system is what os.access still says no to
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if os.path.abspath(p) == str(ro)
+                            else real_access(p, mode, *a, **k))
+    out = ro / "eval"
+    for command in ("eval", "export", "run"):
+        r = CliRunner().invoke(app, _out_commands(tmp_path, out)[command])
+        assert _one_error_line(r) == f"error: --out {out}: {ro} cannot be written (read-only, or not yours)", command
+    ro.chmod(0o755)
+    assert no_models == [] and list(ro.iterdir()) == []
+
+
+def test_a_folder_that_access_calls_writable_but_refuses_a_file_is_refused_with_the_reason(tmp_path, monkeypatch,
+                                                                                         no_models):
+    """The try is a real file: a folder os.access passes can still refuse one (a read-only mount seen through a
+    network file system, an ACL), and the error line gives the system's reason."""
+    import errno
+    import tempfile
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    out = tmp_path / "eval"
+    r = CliRunner().invoke(app, _out_commands(tmp_path, out)["eval"])
+    assert _one_error_line(r) == f"error: --out {out}: {tmp_path} cannot be written (Read-only file system)"
+    assert no_models == []
+
+
+def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_and_resumed_by_run(tmp_path, no_models):
+    """eval silently overwrote an existing --out while convert, vocab-swap and run refused one. One rule now: an
+    existing file or a non-empty directory is replaced only with --overwrite; run, dump and distill resume theirs."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "report.json").write_text("{}")
+    done_json, done_gguf = tmp_path / "done.json", tmp_path / "done.gguf"
+    done_json.write_text("{}")
+    done_gguf.write_text("GGUF")
+    for command in ("eval", "rank", "headroom", "export", "export --format gguf", "vocab-swap"):
+        out = {"headroom": done_json, "export --format gguf": done_gguf}.get(command, done)
+        argv = _out_commands(tmp_path, out)[command]
+        r = CliRunner().invoke(app, argv)
+        what = "exists and is not empty" if out == done else "exists"
+        assert _one_error_line(r) == (f"error: --out {out} {what}; pass --overwrite to replace it, or choose another "
+                                      "--out"), (command, r.output)
+        assert no_models == []
+        r = CliRunner().invoke(app, [*argv, "--overwrite"])  # past the check: the command goes on to its models
+        assert _one_error_line(r).endswith("no models here"), (command, r.output)
+        assert no_models, command
+        no_models.clear()
+    assert (done / "report.json").read_text() == "{}" and done_json.read_text() == "{}"
+    assert done_gguf.read_text() == "GGUF"
+    for command in ("dump", "distill", "run"):  # resumable: what --out holds is the command's own work
+        r = CliRunner().invoke(app, _out_commands(tmp_path, done)[command])
+        assert r.output.splitlines()[-1].endswith("no models here"), (command, r.output)  # past the check
+    (empty := tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(app, _out_commands(tmp_path, empty)["eval"])
+    assert _one_error_line(r) == "error: --target target-model: no models here"

@@ -39,13 +39,13 @@ def _params(name: str):
 
 def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_command():
     gammas = _params("gamma")
-    assert {"eval", "generate", "rank", "convert", "distill"} <= set(gammas) and not _params("num_speculative_tokens")
+    assert {"eval", "generate", "rank", "export", "distill"} <= set(gammas) and not _params("num_speculative_tokens")
     for name, sources in (("gamma", None), ("overwrite", None), ("target", None), ("prompts", None)):
         params = _params(name)
         assert len({tuple(p.opts) for p in params.values()}) == 1, (name, {k: p.opts for k, p in params.items()})
     assert len({p.help for p in gammas.values()}) == 1 and {p.default for p in gammas.values()} == {None}
     overwrites = _params("overwrite")
-    assert set(overwrites) == {"convert", "vocab-swap", "run"}
+    assert set(overwrites) == {"eval", "rank", "headroom", "export", "vocab-swap", "run"}
     assert {p.help for p in overwrites.values()} == {ExportConfig.model_fields["overwrite"].description}
     # The seed, the sampling triple and the dtype: default and help from the config the command fills.
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,
@@ -62,7 +62,7 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
             assert p.default == field.default and p.help.startswith(field.description.rstrip(".")), (path, name)
     assert {p.default for p in _params("seed").values()} == {0}
     assert {tuple(p.opts) for p in _params("out").values()} == {("--out", "-o")}
-    assert set(_params("out")) >= {"eval", "rank", "dump", "distill", "run", "headroom", "convert", "vocab-swap"}
+    assert set(_params("out")) >= {"eval", "rank", "dump", "distill", "run", "headroom", "export", "vocab-swap"}
 
 
 @pytest.mark.parametrize(("args", "spec"), [
@@ -83,10 +83,41 @@ def test_renamed_flags_still_read_and_a_spec_resolves_to_the_held_out_split():
     from specdraft.prompts import resolve_source
 
     group = typer.main.get_command(app)
-    assert legacy_args(group.commands["convert"], ["--verifier", "t"]) == ["--target", "t"]
+    assert legacy_args(group.commands["export"], ["--verifier", "t"]) == ["--target", "t"]
     assert legacy_args(group.commands["dump"], ["--data=x", "--offset", "4"])[-2:] == ["--prompts", "x:4"]
     assert resolve_source("humaneval", held_out=True).offset == 100
     assert resolve_source("humaneval").offset == 0 and resolve_source("mt-bench:0:27:3").stride == 3
+
+
+def test_writing_a_speculator_is_one_verb_and_the_old_command_name_still_runs_it():
+    """convert (the command), export (the library, the pipeline's stage) and copy (the pipeline's call) named one act:
+    the command is export now; convert runs the same command, unlisted, and the library's old names are aliases."""
+    from specdraft import export
+
+    r = CliRunner().invoke(app, ["--help"], terminal_width=80)
+    listed = {line.split()[0] for line in r.output.splitlines() if line.startswith("  ") and line.split()}
+    assert "export" in listed and "convert" not in listed, r.output
+    group = typer.main.get_command(app)
+    with group.make_context("specdraft", ["export", "--help"], resilient_parsing=True) as ctx:
+        assert group.get_command(ctx, "convert") is group.get_command(ctx, "export") is not None
+    old = CliRunner().invoke(app, ["convert", "--help"], terminal_width=80, prog_name="specdraft")
+    new = CliRunner().invoke(app, ["export", "--help"], terminal_width=80, prog_name="specdraft")
+    assert old.exit_code == new.exit_code == 0
+    assert old.output.replace("specdraft convert", "specdraft export") == new.output
+    assert export.convert is export.export_draft and export.ConvertResult is export.ExportResult
+    assert export.copy_speculator is export.export_saved_speculator
+
+def test_command_summaries_are_whole_sentences_at_80_columns():
+    """`specdraft --help` cut summaries mid-sentence ("…over the...") and vocab-swap's was a paragraph: each
+    command's first paragraph is now one sentence that the 80-column list shows whole."""
+    for path, cmd in _commands():
+        first = cmd.help.split("\n\n")[0]
+        assert "\n" not in first and first.endswith("."), (path, first)
+        assert cmd.get_short_help_str(limit=80 - 6 - len("vocab-swap")) == first, path
+    for args in ([], ["models"]):
+        r = CliRunner().invoke(app, [*args, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+        # The commands follow the options, under their panels (main job / stages / tools) or "Commands:".
+        assert r.exit_code == 0 and "..." not in r.output.split("Options:")[1], r.output
 
 
 @pytest.mark.parametrize("path", [path for path, _ in _commands()])

@@ -340,6 +340,29 @@ def test_text_proposals_with_sampling_are_refused():
         speculative_generate(target, draft, ids, mask, vocab_mapping=mapping, mapped_proposals="words")
 
 
+def test_a_drafter_takes_its_uniforms_and_returns_its_prompt_reading_time_in_the_proposal():
+    """The loop wrote the round's uniforms on the drafter (drafter.u) before each round and read and reset
+    drafter.prefill_seconds after it; now the uniforms are propose's argument and the seconds come back in the
+    Proposal: a mapped draft's first read (its prompt) is prefill, later reads are drafting."""
+    from specdraft.decode import MappedDrafter, _Row
+
+    _, draft, mapping, t_tok, _ = _bpe_pair()
+    prompt = t_tok("def total(items):\n", add_special_tokens=False)["input_ids"]
+    drafter = MappedDrafter(draft, mapping, "tokens", 1, 300, 300, torch.device("cpu"),
+                            SamplingConfig(temperature=1.0), None, None)
+    cur, rows = torch.tensor([prompt[-1]]), [_Row(0, prompt)]
+    low = drafter.propose(cur, rows, [3], torch.zeros(1, 7, dtype=torch.float64))
+    assert low.prefill_seconds > 0 and drafter.prefill_calls == 1
+    high = drafter.propose(cur, rows, [3], torch.full((1, 7), 1 - 1e-9, dtype=torch.float64))
+    assert high.prefill_seconds == 0.0 and drafter.prefill_calls == 1
+    # Inverse-CDF draws with the uniforms given: u = 0 takes each step's lowest id of positive q, u → 1 its highest.
+    for prop, pick in ((low, min), (high, max)):
+        assert prop.tokens.shape == (1, 3)
+        for i, tok in enumerate(prop.tokens[0].tolist()):
+            assert tok == pick(prop.q[0, i].nonzero().squeeze(-1).tolist()), (i, tok)
+    assert not hasattr(drafter, "u") and not hasattr(drafter, "prefill_seconds")
+
+
 def test_mapped_draft_never_proposes_tokens_without_a_twin():
     target, draft, mapping, t_tok, _ = _bpe_pair()
     no_twin = (mapping.target_to_draft < 0).nonzero().squeeze(-1)

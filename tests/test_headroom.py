@@ -194,12 +194,13 @@ def test_headroom_command(saved_pair, tmp_path):
     assert 1 - res["greedy"] == pytest.approx(res["greedy_learnable"] + res["greedy_uncertain"])
     # The target against itself: nothing to learn.
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", saved_pair["target"],
-                                 "--data", saved_pair["data"], "--out", str(out)])
+                                 "--data", saved_pair["data"], "--out", str(out), "--overwrite"])
     assert r.exit_code == 0, r.output
     assert "little to learn" in r.output and json.loads(out.read_text())["gain"] == 0.0
     # Prompts without replies: the target answers them with --generate.
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", saved_pair["draft"],
-                                 "--data", saved_pair["prompts"], "--generate", "4", "--out", str(out)])
+                                 "--data", saved_pair["prompts"], "--generate", "4", "--out", str(out),
+                                 "--overwrite"])
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["positions"] == 5 * 4  # tiny random targets do not stop early
 

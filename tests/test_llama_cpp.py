@@ -318,9 +318,9 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     empty.mkdir()
     # A target that is not embedded has no packaged GGUF: the message says how to write one.
     with pytest.raises(LlamaCppError, match=r"needs a GGUF of /x/t .*--target-gguf PATH; write one with `specdraft "
-                                            r"convert --draft /x/t --verifier /x/t --format gguf --out target.gguf`"):
+                                            r"export --draft /x/t --verifier /x/t --format gguf --out target.gguf`"):
         rank_inputs("/x/t", ["/x/d"])
-    with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=PATH; write one with `specdraft convert --draft /x/d "
+    with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=PATH; write one with `specdraft export --draft /x/d "
                                             r"--verifier /x/t --format gguf"):
         rank_inputs("/x/t", ["/x/d"], target_gguf=t)
     with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=.*nope.gguf: no such GGUF file"):
@@ -376,7 +376,8 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     base = ["rank", near, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
             "--max-new-tokens", "8", "--gamma", "3", "--dtype", "float32", "--draft-quantization", "none",
             "--engine", "llama.cpp", "--target-gguf", str(t), "--draft-gguf", f"{near}={d}", "--draft-gguf",
-            f"{tdir}={t}", "--llama-cpp-bin", str(tmp_path / "no-bin"), "--out", str(tmp_path / "rank")]
+            f"{tdir}={t}", "--llama-cpp-bin", str(tmp_path / "no-bin"), "--out", str(tmp_path / "rank"),
+            "--overwrite"]  # the calls after the first reuse its --out
     r = CliRunner().invoke(app, [*base, "--target-bench", str(files["target"]), "--draft-bench",
                                  f"{near}={files['fast']}", "--draft-bench", f"{tdir}={files['slow']}"])
     assert r.exit_code == 0, r.output
@@ -417,7 +418,7 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     assert "python -m specdraft.llama_cpp" in flat, r.output
     # A draft GGUF missing: how to write one.
     r = CliRunner().invoke(app, [*base[:base.index("--draft-gguf")], "--out", str(tmp_path / "r2")])
-    assert r.exit_code == 2 and "specdraft convert --draft" in r.output and "--format gguf" in r.output, r.output
+    assert r.exit_code == 2 and "specdraft export --draft" in r.output and "--format gguf" in r.output, r.output
     # llama.cpp's flags without --engine llama.cpp, and --confirm with it, are refused, not ignored.
     r = CliRunner().invoke(app, ["rank", near, "--target", tdir, "--target-gguf", str(t)])
     assert r.exit_code == 2 and "--target-gguf needs --engine llama.cpp" in r.output, r.output

@@ -138,8 +138,8 @@ def test_base_loader_refuses_plain_config_and_conversion_needs_a_verifier(tmp_pa
     target_dir, draft_dir = pair
     plain = json.loads((Path(draft_dir) / "config.json").read_text())
     for source in (draft_dir, plain, AutoConfig.from_pretrained(draft_dir)):
-        with pytest.raises(NotASpeculatorError, match="not a speculator checkpoint — convert it with `specdraft "
-                                                      "convert"):
+        with pytest.raises(NotASpeculatorError, match="not a speculator checkpoint — export it as one with "
+                                                      "`specdraft export"):
             load_speculator_config(source)
 
     cfg = IndependentSpeculatorConfig.from_pretrained(draft_dir, num_speculative_tokens=7)
@@ -456,7 +456,8 @@ def test_untied_draft_without_lm_head_is_never_converted(tmp_path, pair):
     assert not out.exists()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
-    res = CliRunner().invoke(app, ["eval", "-t", target_dir, "-d", draft_dir, "--prompts", str(prompts)])
+    res = CliRunner().invoke(app, ["eval", "-t", target_dir, "-d", draft_dir, "--prompts", str(prompts), "--out",
+                                   str(tmp_path / "eval")])
     assert res.exit_code == 2 and "lm_head.weight" in res.output  # eval loads through the same check
 
 
@@ -519,7 +520,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     assert f"speculative_tokens (γ)={NUM_SPECULATIVE_TOKENS}" in res.output and cmd in res.output
 
     res = runner.invoke(app, ["inspect", draft_dir])
-    assert res.exit_code == 2 and "specdraft convert" in res.output
+    assert res.exit_code == 2 and "specdraft export" in res.output
 
     res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
     assert res.exit_code == 2 and "--overwrite" in res.output

@@ -49,8 +49,9 @@ _EXPORTS = {
     "EvalConfig": "specdraft.config",
     "ExportConfig": "specdraft.config",
     "PipelineConfig": "specdraft.config",
-    "convert": "specdraft.export",
+    "export_draft": "specdraft.export",
     "export_speculator": "specdraft.export",
+    "convert": "specdraft.export",  # export_draft's old name
     "run_check": "specdraft.check",
     "run_distill": "specdraft.distill",
     "IndependentSpeculator": "specdraft.speculator",

@@ -10,7 +10,7 @@ SamplingConfig     how a token is chosen (greedy / filtered)       decode, evalu
 EvalConfig         target alone vs speculative decoding            :func:`specdraft.evaluate.run_eval`
 DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
 DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
-ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.convert`
+ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.export_draft`
 HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
 WarmupConfig       a swapped draft's head trained on cached states  :func:`specdraft.head_warmup.run_head_warmup`
 PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
@@ -56,8 +56,9 @@ def speculative_tokens(gamma: int | None, policy: GammaPolicy = "fixed") -> int:
 
 
 #: Whether a command replaces what its output already holds (a field type: one wording for every command).
-Overwrite = Annotated[bool, Field(description="Replace what --out holds instead of refusing it: a non-empty "
-                                  "directory, or a stage of a run made from other inputs (other prompts or settings).")]
+Overwrite = Annotated[bool, Field(description="Replace what --out holds instead of refusing it: an existing file "
+                                  "or non-empty directory, or a stage of a run made from other inputs (other prompts "
+                                  "or settings).")]
 
 #: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
 AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
@@ -65,7 +66,7 @@ AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
 ExportDtype = Literal["keep", "bfloat16", "float16", "float32"]
-#: What ``specdraft convert`` writes: a speculator directory (vLLM) or one GGUF file (llama.cpp's ``-md``).
+#: What ``specdraft export`` writes: a speculator directory (vLLM) or one GGUF file (llama.cpp's ``-md``).
 ExportFormat = Literal["speculator", "gguf"]
 #: A GGUF's tensor type (llama.cpp's names): f32/f16/bf16/q8_0 come from llama.cpp's converter itself; q4_k_m needs
 #: llama.cpp's ``llama-quantize`` binary (:mod:`specdraft.gguf_export`).
@@ -295,7 +296,7 @@ class DistillConfig(BaseModel):
 
 
 class ExportConfig(BaseModel):
-    """Options of ``specdraft convert`` / the pipeline's export; field names are the CLI flags."""
+    """Options of ``specdraft export`` / the pipeline's export stage; field names are the CLI flags."""
 
     model_config = ConfigDict(extra="forbid")
 

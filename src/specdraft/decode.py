@@ -326,11 +326,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Proposal:
     """One round's proposals: ``tokens [b, k] int64`` in target ids; ``n_proposed [b] int64`` when rows proposed
     fewer than k (right-padded, never accepted), else ``None``; ``q [b, k, V] float32`` the filtered distributions
-    the tokens were sampled from (sampling only)."""
+    the tokens were sampled from (sampling only); ``prefill_seconds``: the part of the round's drafting time that
+    was really prompt reading (a mapped draft reads its prompt in its first round), booked by the loop as prefill."""
 
     tokens: torch.Tensor
     n_proposed: torch.Tensor | None = None
     q: torch.Tensor | None = None
+    prefill_seconds: float = 0.0
 
 
 @dataclass
@@ -346,16 +348,16 @@ class Drafter:
     accepted (the drafter rolls its cache back), ``select`` the rows that continue.
 
     Subclasses set ``self.stream`` (a :class:`_Stream`) and implement :meth:`prefill`, :meth:`propose`,
-    :meth:`commit`. ``prefill_seconds`` is drafting time that was really prompt reading (a mapped draft reads its
-    prompt in its first round); the loop books it as prefill.
+    :meth:`commit`. ``propose`` gets the round's uniforms ``u [b, 2γ+1]`` (sampling; ``None`` when greedy) and
+    returns what it drafted, with any prompt-reading time in :attr:`Proposal.prefill_seconds`: the loop sets
+    nothing on the drafter between calls.
     """
 
     stream: _Stream
 
     def __init__(self, sampling: SamplingConfig, draws: RowDraws | None, confidence_threshold: float | None):
         self.sampling, self.draws, self.threshold = sampling, draws, confidence_threshold
-        self.u: torch.Tensor | None = None  # [b, 2γ+1]: this round's uniforms per row (sampling), set by the loop
-        self.prefill_calls, self.prefill_seconds = 0, 0.0
+        self.prefill_calls = 0
         self.first_bad: torch.Tensor | None = None  # [b]: the round's first step whose q was not finite (γ: none)
         self.nonfinite_rows = 0  # row-rounds whose proposals stopped at a non-finite q (warned once per call)
 
@@ -363,8 +365,10 @@ class Drafter:
     def calls(self) -> int:
         return self.stream.calls
 
-    def _draft(self, logits: torch.Tensor, gamma: int, feed) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Up to γ autoregressive draft steps from ``logits [b, V]``; ``feed(d)`` is the id the model reads back.
+    def _draft(self, logits: torch.Tensor, gamma: int, feed, u: torch.Tensor | None
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Up to γ autoregressive draft steps from ``logits [b, V]``; ``feed(d)`` is the id the model reads back;
+        ``u [b, 2γ+1]`` the round's uniforms (sampling: step i draws with column i).
 
         Returns ``(tokens, q)``: one ``[b]`` tensor per step (fewer than γ when every row's probability of its
         own token fell below the confidence threshold), and the sampling distributions (empty when greedy)."""
@@ -386,7 +390,7 @@ class Drafter:
                 q_i = torch.where(bad[:, None], placeholder, q_i)
                 step = torch.where(bad, i, gamma)
                 self.first_bad = step if self.first_bad is None else torch.minimum(self.first_bad, step)
-                d = sample(q_i, u=self.u[:, i:i + 1])  # the row's own draw for step i (RowDraws)
+                d = sample(q_i, u=u[:, i:i + 1])  # the row's own draw for step i (RowDraws)
                 qs.append(q_i)
             tokens.append(d)
             if i == gamma - 1:
@@ -409,7 +413,8 @@ class Drafter:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def propose(self, cur: torch.Tensor, rows: list[_Row], ks: list[int]) -> Proposal | None:
+    def propose(self, cur: torch.Tensor, rows: list[_Row], ks: list[int], u: torch.Tensor | None
+                ) -> Proposal | None:
         raise NotImplementedError
 
     def commit(self, n_accepted: torch.Tensor) -> None:
@@ -439,13 +444,13 @@ class SameTokenizerDrafter(Drafter):
             self.prefill_calls = 1
         self.read = attention_mask[:, :-1].sum(dim=1).tolist()
 
-    def propose(self, cur, rows, ks) -> Proposal:
+    def propose(self, cur, rows, ks, u) -> Proposal:
         contexts = [r.prompt + r.tokens for r in rows]  # the last token of each is cur
         ids, mask = _left_holes([c[n:] for c, n in zip(contexts, self.read)], self.device)
         self.start, self.fed = self.stream.length, ids.shape[1]
         self.read = [len(c) for c in contexts]
         logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
-        tokens, qs = self._draft(logits, max(ks), feed=lambda d: d)
+        tokens, qs = self._draft(logits, max(ks), feed=lambda d: d, u=u)
         self.drafts = torch.stack(tokens, dim=1)  # [b, k]
         return Proposal(self.drafts, self._n_proposed(ks, len(tokens), self.device),
                         torch.stack(qs, dim=1) if qs else None)
@@ -507,8 +512,9 @@ class MappedDrafter(Drafter):
     def prefill(self, input_ids, attention_mask) -> None:
         pass  # the draft reads its prompt (re-encoded) in its first round
 
-    def _feed(self, contexts: list[list[int]]) -> torch.Tensor:
-        """Trim each row's cache to its common prefix with the new context, feed the rest; logits ``[b, V]``."""
+    def _feed(self, contexts: list[list[int]]) -> tuple[torch.Tensor, float]:
+        """Trim each row's cache to its common prefix with the new context, feed the rest; returns logits ``[b, V]``
+        and the seconds of the read when it was the first (the draft's prompt prefill), else 0."""
         n_keep, feeds = [], []
         for j, new in enumerate(contexts):
             n = min(_common_prefix(self.draft_ids[j], new), len(new) - 1)  # feed ≥ 1 token for logits
@@ -519,11 +525,12 @@ class MappedDrafter(Drafter):
         ids, mask = _left_holes(feeds, self.device)
         t0 = time.perf_counter()
         logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
-        if not self.prefill_calls:  # the first read is the draft's prompt prefill
-            self.prefill_calls, self.prefill_seconds = 1, time.perf_counter() - t0
-        return logits
+        if self.prefill_calls:
+            return logits, 0.0
+        self.prefill_calls = 1  # the first read is the draft's prompt prefill
+        return logits, time.perf_counter() - t0
 
-    def propose(self, cur, rows, ks) -> Proposal | None:
+    def propose(self, cur, rows, ks, u) -> Proposal | None:
         gamma = max(ks)
         if self.outgrown:
             return None
@@ -536,16 +543,17 @@ class MappedDrafter(Drafter):
                           f"window ({self.limit}); the target decodes the rest alone", stacklevel=3)
             self.outgrown = True
             return None
-        logits = self._feed(contexts)
-        tokens, qs = self._draft(logits, gamma, feed=(lambda d: d) if self.text else (lambda d: self.t2d[d]))
+        logits, prefill_seconds = self._feed(contexts)
+        tokens, qs = self._draft(logits, gamma, feed=(lambda d: d) if self.text else (lambda d: self.t2d[d]), u=u)
         own = torch.stack(tokens, dim=1)  # [b, k] draft ids (text) or target ids (tokens)
         for j, fed in enumerate((own[:, :-1] if self.text else self.t2d[own[:, :-1]]).tolist()):
             self.draft_ids[j].extend(fed)  # the draft read d_1..d_{k−1} while drafting
         if self.text:
             cands, n = _text_candidates(own.tolist(), self.draft_ids, self.mapping.draft_tokenizer,
                                         self.mapping.target_tokenizer, ks, self.device)
-            return Proposal(cands, n)
-        return Proposal(own, self._n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None)
+            return Proposal(cands, n, prefill_seconds=prefill_seconds)
+        return Proposal(own, self._n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None,
+                        prefill_seconds)
 
     def commit(self, n_accepted) -> None:
         pass  # the cache is trimmed when the draft re-reads the context next round
@@ -728,16 +736,12 @@ def speculative_generate(
         plan = policy.plan() if policy is not None else [gamma] * len(active)
         ks = [max(0, min(k, max_new_tokens - len(rows[i].tokens) - 1)) for k, i in zip(plan, active)]
         u = draws.u([rows[i] for i in active]) if draws is not None else None  # [b, 2γ+1], each row its own
-        if drafter:
-            drafter.u = u
-        prop = drafter.propose(cur, [rows[i] for i in active], ks) if drafter and max(ks) > 0 else None
+        prop = drafter.propose(cur, [rows[i] for i in active], ks, u) if drafter and max(ks) > 0 else None
         sync()
         t1 = time.perf_counter()
-        moved = drafter.prefill_seconds if drafter else 0.0  # a mapped draft's first read is its prefill
+        moved = prop.prefill_seconds if prop is not None else 0.0  # a mapped draft's first read is its prefill
         counts.time_draft += t1 - t0 - moved
         counts.time_prefill += moved
-        if drafter:
-            drafter.prefill_seconds = 0.0
         # ---- 2. verify: one target pass over [cur, d_1..d_k] ----------------------------------------------
         drafts = prop.tokens if prop is not None else cur.new_zeros(len(active), 0)
         t_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, k+1]

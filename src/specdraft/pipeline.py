@@ -521,17 +521,17 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
 
 
 def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path) -> Callable[[Path], dict[str, Any]]:
-    """Copy the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
+    """Export the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
     counted over the teacher dump's target-written answers plus the embedded training prompts
     (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator."""
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
         from specdraft.dump_reader import TeacherDataset
-        from specdraft.export import copy_speculator
+        from specdraft.export import export_saved_speculator
         from specdraft.models import load_tokenizer
 
-        res = copy_speculator(speculator, d / "speculator", cfg.target, cfg.export_dtype)
+        res = export_saved_speculator(speculator, d / "speculator", cfg.target, cfg.export_dtype)
         tok = load_tokenizer(plan.target.path)
         dump = TeacherDataset(dump_dir)
         answers = []

@@ -326,7 +326,7 @@ class IndependentSpeculatorConfig(BaseModel):
                 "This speculator names no verifier, and a speculator checkpoint must record which verifier it "
                 "drafts for. Name one with `speculator.attach_verifier('org/verifier-or-path')`, "
                 "`IndependentSpeculatorConfig.from_pretrained(..., verifier='org/verifier-or-path')`, or "
-                "`specdraft convert --verifier T`."
+                "`specdraft export --verifier T`."
             )
         return SpeculatorsConfig(
             algorithm="independent",
@@ -379,8 +379,8 @@ def load_speculator_config(
     Unlike :meth:`IndependentSpeculatorConfig.from_pretrained` this never converts.
 
     Raises:
-        NotASpeculatorError: a plain model config ("not a speculator checkpoint — convert it with
-            `specdraft convert`").
+        NotASpeculatorError: a plain model config ("not a speculator checkpoint — export it as one with
+            `specdraft export`").
         SpeculatorError: an unknown ``speculators_model_type`` or an invalid ``speculators_config``.
         specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
     """
@@ -533,7 +533,7 @@ class IndependentSpeculator:
     * ``"train_only"`` — holds only the verifier's final norm and output head (:class:`VerifierHead`), the teacher
       side of distillation: :meth:`specdraft.distill.DistillModel.from_speculator` turns stored hidden states into p
       without the verifier's layers.
-    * ``"detached"`` — records the verifier's name and architectures only (what ``convert`` writes).
+    * ``"detached"`` — records the verifier's name and architectures only (what ``export`` writes).
 
     Attributes:
         draft: the wrapped ``PreTrainedModel``; its config holds no ``speculators_*`` keys.
@@ -934,7 +934,7 @@ def strip_speculator_keys(d: dict[str, Any]) -> dict[str, Any]:
 def _not_a_speculator(d: dict[str, Any], source: Any = None) -> NotASpeculatorError:
     what = str(source) if isinstance(source, (str, os.PathLike)) else "This config"
     return NotASpeculatorError(
-        f"{what} is not a speculator checkpoint — convert it with `specdraft convert --draft D --verifier T "
+        f"{what} is not a speculator checkpoint — export it as one with `specdraft export --draft D --verifier T "
         f"--out DIR`. (Its config has no speculators_model_type: a plain {d.get('model_type')!r} config, "
         f"architectures {d.get('architectures')}.)"
     )
@@ -1034,6 +1034,6 @@ def _check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | No
         raise SpeculatorError(
             f"The verifier {verifier_name!r} and the draft{draft} do not share a tokenizer — {detail}. A speculator's "
             f"token ids must mean the same strings to both models: re-index the draft into the verifier's tokenizer "
-            f"with `{swap}` (then distil it), and convert that; see specdraft check."
+            f"with `{swap}` (then distil it), and export that; see specdraft check."
         )
     return verdict

@@ -199,7 +199,7 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     if not files:
         raise CheckpointWeightsError(f"{path} holds no weight files (*.safetensors or *.bin): the checkpoint is "
-                                     "incomplete. Copy or export it again (specdraft convert).")
+                                     "incomplete. Copy or export it again (specdraft export).")
     return files
 
 

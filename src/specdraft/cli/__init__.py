@@ -8,7 +8,7 @@ module             what it holds
 ``render``         every table and line a command prints (beside :mod:`specdraft.report`)
 ``pair``           check, eval, generate, rank
 ``training``       headroom, dump, distill, vocab-swap
-``shipping``       convert, inspect
+``shipping``       export (old name: convert), inspect
 ``run``            run (the main job)
 ``models``         models, models prepare
 =================  ===============================================================================
@@ -70,7 +70,7 @@ COMMANDS = (
     ("vocab-swap", training.vocab_swap, "Stages", None),
     ("dump", training.dump, "Stages", None),
     ("distill", training.distill, "Stages", None),
-    ("convert", shipping.convert, "Stages", None),
+    ("export", shipping.export, "Stages", None),
     ("generate", pair.generate, "Tools", None),
     ("rank", pair.rank, "Tools", None),
     ("inspect", shipping.inspect_speculator, "Tools", None),

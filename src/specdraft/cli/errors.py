@@ -163,6 +163,47 @@ def output_file(path: Path | None, flag: str) -> None:
              "folder)")
 
 
+def check_out(path: Path | None, flag: str = "--out", *, file: bool = False, overwrite: bool | None = False) -> None:
+    """The one rule for where a command writes, applied before any model loads (after its flags and prompt files
+    are read): a place that cannot be written is one ``error:`` line (exit 2) now, not a traceback after the work.
+
+    1. Below a directory: the nearest existing ancestor of ``path`` is a directory, not a file (``--out FILE/spec``);
+       a directory output (``file=False``) is not an existing file, a file output (``file=True``: a JSON or GGUF)
+       not an existing directory. Missing folders above it are created by the command's atomic write.
+    2. Writable: that ancestor, and ``path`` where it is an existing directory, pass ``os.access(W_OK)`` (a
+       read-only file system answers no, even to root) and take a temporary file, created and removed.
+    3. Existing output: an existing file, or a directory that is not empty, is refused unless ``--overwrite``
+       (``overwrite=True`` replaces it): one rule for eval, rank, headroom, export and vocab-swap.
+       ``overwrite=None`` marks a resumable output (run's run directory, dump's and distill's output), whose
+       contents are the command's own unfinished or finished work: it resumes them (run refuses a stage of other
+       inputs unless --overwrite, dump a dump of another plan), so only 1 and 2 apply.
+    """
+    import os
+    import tempfile
+
+    if path is None:
+        return
+    here = path.expanduser().absolute()
+    above = next(p for p in here.parents if p.exists())  # the root exists
+    if not above.is_dir():
+        fail(f"{flag} {path}: {above} is a file, not a folder")
+    if file and here.is_dir():
+        fail(f"{flag} {path} is a directory: give a file name")
+    if not file and here.exists() and not here.is_dir():
+        fail(f"{flag} {path} is a file: give a directory")
+    for folder in (above, *([here] if here.is_dir() else [])):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            fail(f"{flag} {path}: {folder} cannot be written (read-only, or not yours)")
+        try:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".specdraft-write-check-"):
+                pass
+        except OSError as exc:
+            fail(f"{flag} {path}: {folder} cannot be written ({exc.strerror or exc})")
+    if overwrite is False and (here.is_file() or (here.is_dir() and any(here.iterdir()))):
+        what = "exists" if here.is_file() else "exists and is not empty"
+        fail(f"{flag} {path} {what}; pass --overwrite to replace it, or choose another {flag}")
+
+
 class _Command(typer.core.TyperCommand):
     """A command whose usage line names its arguments as click does (``PROMPT``, ``DRAFTS...``), not typer's
     ``{prompt}``, and that still reads the old spellings of its flags (:func:`specdraft.cli.options.legacy_args`)."""
@@ -184,12 +225,16 @@ class _Command(typer.core.TyperCommand):
 #: The panels of ``specdraft --help``, in order; a command names its panel (``rich_help_panel``).
 PANELS = ("Main job", "Stages", "Tools")
 
+#: Old command names that still run today's command (hidden from ``--help``): old name → today's.
+COMMAND_ALIASES = {"convert": "export"}
+
 
 class _Group(typer.core.TyperGroup):
     """The command group that turns every expected error of any command into ``error: …`` and exit 2 (one place
     for all commands; a command catches an error itself only to add context), a pair of two tokenizers into the
     tokenizer report and exit 1, click's rejections of a flag or value into the same one line, and a bug into its
-    traceback and exit :data:`BUG_EXIT`. Its help lists the commands in :data:`PANELS`."""
+    traceback and exit :data:`BUG_EXIT`. Its help lists the commands in :data:`PANELS`; an old name
+    (:data:`COMMAND_ALIASES`) runs today's command."""
 
     def main(self, *args, **kwargs):
         try:
@@ -227,6 +272,9 @@ class _Group(typer.core.TyperGroup):
                 raise
             cmd = self.get_command(ctx, args[0]) if args else None
             fail(error_message(exc, _flag_of_field(cmd, args)))
+
+    def get_command(self, ctx, cmd_name: str):
+        return super().get_command(ctx, COMMAND_ALIASES.get(cmd_name, cmd_name))
 
     def format_commands(self, ctx, formatter) -> None:
         """The commands under their panel's heading (:data:`PANELS`), each summary whole where it fits."""

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from specdraft.cli.errors import fail, output_file
+from specdraft.cli.errors import check_out, fail, output_file
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     ConfOpt,
@@ -18,6 +18,7 @@ from specdraft.cli.options import (
     GammaPolicyOpt,
     HeadTokensOpt,
     MapVocabOpt,
+    OverwriteOpt,
     ProposalsOpt,
     QuantOpt,
     draft_option,
@@ -130,6 +131,7 @@ def eval_cmd(
         "and χ²-test the counts against the target's own law (p-value reported; 2000 draws take a few minutes on "
         "CPU). 0 = off.")] = 0,
     out: Path = out_option(Path("runs/eval"), "Directory for report.json and plots."),
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Measure speculative decoding against the target alone.
 
@@ -146,6 +148,7 @@ def eval_cmd(
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
     source = resolve_source(prompts, held_out=True)
     examples = source.load()
+    check_out(out, overwrite=overwrite)
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     ids = encode(pair, examples)
     with decode_progress(len(ids)) as step:
@@ -214,6 +217,7 @@ def rank(
         "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
         "command).", show_default=False)] = None,
     out: Path = out_option(Path("runs/rank"), "Directory for rank.json (and the confirmation's report)."),
+    overwrite: OverwriteOpt = False,
     engine: Annotated[RankEngine, typer.Option(
         help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "
         "(each GGUF's llama-bench timings and the α measured here; picks --spec-draft-n-max and prints the "
@@ -222,7 +226,7 @@ def rank(
         help="--engine llama.cpp: the target's GGUF. Default: an embedded target's packaged GGUF.")] = None,
     draft_gguf: Annotated[list[str] | None, typer.Option(
         metavar="NAME=PATH", help="--engine llama.cpp: a draft's GGUF, NAME as given in DRAFTS (repeat per draft). "
-        "Default: an embedded draft's packaged GGUF; write one with specdraft convert --format gguf.")] = None,
+        "Default: an embedded draft's packaged GGUF; write one with specdraft export --format gguf.")] = None,
     target_bench: Annotated[Path | None, typer.Option(
         metavar="FILE", help="--engine llama.cpp: the target's saved llama-bench -o json output (tg and pp 2..9). "
         "Default: llama-bench is run on the GGUF.")] = None,
@@ -263,6 +267,7 @@ def rank(
              "llama_cpp_bin": llama_cpp_bin}
     source = resolve_source(prompts, held_out=True)
     examples = source.load()
+    check_out(out, overwrite=overwrite)
     resolve_with_progress(target, "--target")
     for ref in drafts:
         resolve_with_progress(ref, "candidate draft")

@@ -514,15 +514,15 @@ def print_headroom(r: dict, sure: float, out: Path | None) -> None:
 # -------------------------------------------------------------------------------------- shipping
 
 
-def print_convert(res) -> None:
-    """``convert``'s config.json diff against the draft's, the weights and tokenizer notes, and the vLLM commands."""
+def print_export(res) -> None:
+    """``export``'s config.json diff against the draft's, the weights and tokenizer notes, and the vLLM commands."""
     from specdraft.speculator import MISSING
 
     table = Table(title=f"config.json: the speculator's {len(res.added)} keys vs the draft's config.json")
     for col in ("key", "change", "value"):
         table.add_column(col, overflow="fold")
     for key, (before, after) in res.added.items():
-        # Against what the draft's config.json held: re-converting a speculator changes γ, it adds nothing.
+        # Against what the draft's config.json held: re-exporting a speculator changes γ, it adds nothing.
         had = res.source_config.get(key, MISSING) if before is MISSING else before
         change = ("added" if had is MISSING else "removed" if after is MISSING else "kept" if had == after else
                   "changed")

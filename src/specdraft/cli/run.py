@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
     HeadTokensOpt,
     OverwriteOpt,
@@ -66,6 +67,7 @@ def run(
                       export_dtype=export_dtype, export_gguf=export_gguf,
                       eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
                             "gamma_policy": gamma_policy})
+    check_out(out, overwrite=None)  # resumable: finished stages are skipped, --overwrite redoes a changed one
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
     load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
     for ref, flag in ((cfg.target, "--target"), (cfg.draft, "--draft")):

@@ -1,5 +1,5 @@
-"""The shipping commands: ``convert`` (write a draft as a speculator checkpoint or a llama.cpp GGUF) and
-``inspect`` (read one back)."""
+"""The shipping commands: ``export`` (write a draft as a speculator checkpoint or a llama.cpp GGUF; ``convert``, its
+old name, still runs it) and ``inspect`` (read one back)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from specdraft.cli.errors import check_out
 from specdraft.cli.options import GammaOpt, OverwriteOpt, draft_option, out_option, target_option
 from specdraft.cli.render import (
     console,
-    print_convert,
+    print_export,
     print_gguf,
     print_inspect,
     quiet_transformers,
@@ -21,7 +22,7 @@ from specdraft.cli.render import (
 from specdraft.config import ExportDtype, ExportFormat, GgufType
 
 
-def convert(
+def export(
     draft: str = draft_option(...),
     target: str = target_option(..., " The speculator drafts for it (its verifier); only its config and tokenizer "
                                 "are read."),
@@ -53,22 +54,23 @@ def convert(
     commands. --format gguf: one GGUF written by llama.cpp's own converter, refused where llama.cpp would refuse
     the pair; prints the llama-server command."""
     from specdraft.config import ExportConfig, speculative_tokens
-    from specdraft.export import convert as convert_speculator
+    from specdraft.export import export_draft
 
     quiet_transformers()
     gguf = {"gguf_type": gguf_type, "llama_cpp": llama_cpp, "llama_quantize": llama_quantize}
     if format == "gguf" or any(v is not None for v in gguf.values()):
-        # Refuse a misplaced flag before an embedded draft's cache is built (convert checks the same again).
+        # Refuse a misplaced flag before an embedded draft's cache is built (export_draft checks the same again).
         ExportConfig(draft=draft, verifier=target, out=out, dtype=dtype, format=format,
                      **{k: v for k, v in gguf.items() if v is not None})
+    check_out(out, file=format == "gguf", overwrite=overwrite)
     resolve_with_progress(draft, "--draft")  # builds an embedded model's cache with a progress bar on first use
-    res = convert_speculator(draft, target, out, num_speculative_tokens=speculative_tokens(gamma),
-                             overwrite=overwrite, dtype=dtype, format=format, **gguf,
-                             progress=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
+    res = export_draft(draft, target, out, num_speculative_tokens=speculative_tokens(gamma), overwrite=overwrite,
+                       dtype=dtype, format=format, **gguf,
+                       progress=lambda line: console.print(f"[dim]{escape(line)}…[/]"))
     if format == "gguf":
         print_gguf(res)
     else:
-        print_convert(res)
+        print_export(res)
 
 
 def inspect_speculator(

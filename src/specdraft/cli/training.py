@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from specdraft.cli.errors import fail
+from specdraft.cli.errors import check_out, fail
 from specdraft.cli.options import (
     GammaOpt,
     OverwriteOpt,
@@ -66,6 +66,7 @@ def headroom(
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
     dtype: ModelDtype = dtype_option(HeadroomConfig),
     out: Path | None = out_option(None, "Write the forecast to this JSON file."),
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Forecast how much acceptance distillation can add.
 
@@ -79,6 +80,7 @@ def headroom(
     config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
                             batch_size=batch_size, dtype=dtype)
     examples = load_prompts(prompts)
+    check_out(out, file=True, overwrite=overwrite)
     quiet_transformers()
     with console.status(f"forecasting over {len(examples)} sequences…"):
         r = run_headroom(target, draft, examples, config)
@@ -139,6 +141,7 @@ def dump(
     quiet_transformers()
     t0 = time.time()
     source.load()  # every line checked before a model is prepared
+    check_out(out, overwrite=None)  # resumable: an unfinished or finished dump of the same plan is continued
     resolve_with_progress(target, "--target")
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
@@ -200,6 +203,7 @@ def distill(
         held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
         on_policy_fraction=on_policy_fraction, on_policy_every=on_policy_every,
         on_policy_max_new_tokens=on_policy_max_new_tokens)
+    check_out(out, overwrite=None)  # resumable: its checkpoints are continued unless --no-resume
     res = run_distill(target, draft, dump, out, cfg, resume=not no_resume,
                       num_speculative_tokens=speculative_tokens(gamma))
     print_distill(res)
@@ -229,6 +233,7 @@ def vocab_swap(
     from specdraft.vocab import save_vocab_swap
 
     examples = load_prompts(prompts) if prompts else None
+    check_out(out, overwrite=overwrite)
     tpath, dpath = resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("re-indexing the draft's rows…"):
         report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite, examples=examples)
