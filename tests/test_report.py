@@ -80,3 +80,27 @@ def test_a_slow_set_is_one_note_naming_each_slow_draft(original, distilled, said
         assert len(notes) == 2 and notes[0].startswith("on the held-out set speculative decoding was slower than "
                                                        f"the target alone {said}: this pair cannot win there")
         assert notes[1].startswith("on the out-of-domain set")
+
+
+def test_a_busy_speed_run_yields_no_verdict_and_a_slow_shipped_draft_is_said_before_shipping():
+    """A report concluded "not faster — 0.83x" from timings taken while others held the CPU, and "Can I ship it?
+    yes" followed "not faster" without a word."""
+    from specdraft.report import questions_and_answers
+
+    def answers(busy: bool, speedup: float) -> dict:
+        r = wide_report() | {"export": {"path": "out/export", "vllm_command": "vllm serve T"}}
+        for sp in (r["speed"], r["speed"]["other_sets"]["ood"]):
+            sp["busy_machine"] = busy
+            for k in ("speculative:original", "speculative:distilled"):
+                sp["contenders"][k] |= {"speedup": speedup, "speedup_ci95": [speedup - 0.1, speedup + 0.1]}
+        return dict(questions_and_answers(r))
+
+    busy = answers(True, 0.83)
+    assert busy["How much faster will it be?"].count("no verdict (the machine was busy while timing") == 2
+    assert "not faster" not in busy["How much faster will it be?"]
+    assert "did not decode faster" not in busy["Can I ship it?"]
+    quiet = answers(False, 0.83)
+    assert quiet["How much faster will it be?"].count("not faster — 0.83x") == 2
+    assert quiet["Can I ship it?"].startswith("yes: `out/export`")
+    assert "It ships, but it did not decode faster here" in quiet["Can I ship it?"]
+    assert "did not decode faster" not in answers(False, 1.9)["Can I ship it?"]

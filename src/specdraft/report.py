@@ -285,7 +285,7 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                   "vocabulary reachable; specdraft's decoder and transformers only), and yes after the vocabulary "
                   "swap, as a draft of the target's own tokenizer (what vLLM and llama.cpp serve)")
     out = [("Can these two work together?", works + ".")]
-    faster = []
+    faster, verdicts = [], []
     for name, sp in speed_sets(r).items():
         c = sp["contenders"]
         best = max((k for k in c if Contender.from_name(k).kind == "speculative"), key=lambda k: c[k].get("speedup") or 0,
@@ -298,8 +298,12 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         hf = next((v for k, v in c.items() if Contender.from_name(k).kind == "hf_assisted"), None)
         vs_hf = f", {b['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers' assisted generation" if hf and \
             hf.get("tokens_per_s") else ""
-        word = "faster" if (b.get("speedup_ci95") or [0])[0] > 1 else "not faster" if (b.get("speedup") or 0) < 1 \
-            else "about as fast (interval includes 1x)"
+        if sp.get("busy_machine"):  # other work held the CPU while timing: the ratio says nothing about the pair
+            word = "no verdict (the machine was busy while timing; re-run on a quiet machine)"
+        else:
+            word = "faster" if (b.get("speedup_ci95") or [0])[0] > 1 else "not faster" if (b.get("speedup") or 0) < 1 \
+                else "about as fast (interval includes 1x)"
+        verdicts.append(word)
         faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b['speedup']:.2f}x the target alone "
                       f"{_fmt_ci(b.get('speedup_ci95'), '{:.2f}')} with the {best.split(':', 1)[1]} draft{vs_hf}, "
                       f"outputs equal {b.get('matches_target', '—')} ({sp['prompts']} prompts × "
@@ -339,8 +343,10 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                            "tolerance)" for d in divs)
         out.append(("Is it lossless on this pair?", f"greedy outputs equal to the target alone's: {same}"
                     + (f"; divergences: {detail}" if detail else "") + "."))
+    caveat = (" It ships, but it did not decode faster here: serve it where the timings say it pays, or re-measure "
+              "on the serving machine." if verdicts and all(v == "not faster" for v in verdicts) else "")
     out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` is an independent speculator (a plain transformers "
-                f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`."
+                f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`.{caveat}"
                 if exp else "no export was written."))
     return out
 
