@@ -707,3 +707,21 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
     (empty := tmp_path / "empty").mkdir()
     r = CliRunner().invoke(app, _out_commands(tmp_path, empty)["eval"])
     assert _one_error_line(r) == "error: --target target-model: no models here"
+
+
+def test_the_run_page_holds_no_library_notices_but_keeps_specdrafts_own_warnings():
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from specdraft.cli.render import library_warnings_off
+
+    before = hf_logging.get_verbosity()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with library_warnings_off():
+            assert hf_logging.get_verbosity() == hf_logging.ERROR
+            for module in ("transformers.modeling_utils", "torch.nn.modules.module", "specdraft.pipeline"):
+                warnings.warn_explicit(f"from {module}", UserWarning, "x.py", 1, module=module)
+    assert [str(w.message) for w in seen] == ["from specdraft.pipeline"]
+    assert hf_logging.get_verbosity() == before

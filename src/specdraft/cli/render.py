@@ -646,6 +646,25 @@ def _head_ranking_line(path: Path) -> str:
 # --------------------------------------------------------------------------------------- the main job
 
 
+@contextmanager
+def library_warnings_off() -> Iterator[None]:
+    """Silence transformers' logger (errors still show) and the Python warnings raised from inside torch and
+    transformers for the duration; specdraft's own warnings and every error still reach the user."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            for module in (r"torch(\.|$)", r"transformers(\.|$)", r"accelerate(\.|$)"):
+                warnings.filterwarnings("ignore", module=module)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     """``run``'s page: the answers, the summary tables (:func:`summary_tables`), notes, stage times, where the
     report and the speculator are, and the serve commands."""
@@ -664,7 +683,8 @@ def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
     exp = report["export"]
-    console.print(f"report: {Path(out) / 'report.md'}\nspeculator: {exp['path']}\nserve it with vLLM (tested with "
+    console.print(f"report: {Path(out) / 'report.md'}\nplots: {Path(out) / 'report.png'}\nspeculator: {exp['path']}"
+                  f"\nserve it with vLLM (tested with "
                   f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
                   markup=False, soft_wrap=True)
     if exp.get("gguf"):

@@ -17,7 +17,7 @@ from specdraft.cli.options import (
     prompts_option,
     target_option,
 )
-from specdraft.cli.render import console, print_run, resolve_with_progress
+from specdraft.cli.render import console, library_warnings_off, print_run, resolve_with_progress
 from specdraft.config import ExportDtype, GammaPolicy, GgufType, PresetName
 
 
@@ -72,6 +72,8 @@ def run(
     load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
     for ref, flag in ((cfg.target, "--target"), (cfg.draft, "--draft")):
         resolve_with_progress(ref, flag)
-    report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False), overwrite=overwrite)
+    with library_warnings_off():  # the run's page is specdraft's answers, not transformers' or torch's notices
+        report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False),
+                              overwrite=overwrite)
     print_run(report, out, cfg.target, cfg.draft)
 
