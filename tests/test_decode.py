@@ -728,7 +728,7 @@ def test_oracle_text_drafter_on_a_sentencepiece_target_is_accepted_whole(monkeyp
     """Text mode hands the target the drafted text tokenized after its context. An oracle drafter proposing the
     target's own continuation as text (in the draft's byte-level tokens) must then be accepted whole; encoded alone,
     a sentencepiece target's fragment would open with a dummy-prefix '▁' and mid-word continuations would reject."""
-    import specdraft.decode as decode
+    from specdraft import decode
     from specdraft.decode import MappedDrafter
     from specdraft.testing import tiny_bpe_tokenizer, tiny_corpus, tiny_llama_tokenizer
     from specdraft.vocab import build_vocab_mapping

@@ -591,6 +591,6 @@ def test_acceptance_eval_gives_one_matched_figure_at_two_gammas_and_the_report_l
     report = {"eval_before": {"sets": sets}, "eval_after": {"sets": {"held_out": five.to_dict()}}}
     (_, rows), = summary_sections(report)
     assert rows[0][0] == "matched / answer token" and rows[0][1] == rows[0][2]
-    assert dict((r[0], r[2]) for r in rows)["matched gain (paired)"].startswith("+0.000")
+    assert {r[0]: r[2] for r in rows}["matched gain (paired)"].startswith("+0.000")
     assert "bonus tokens never counted" in SUMMARY_LEGEND and "per answer token" in SUMMARY_LEGEND
     assert set(MEASURES) == {"matched", "per_reached", "per_proposed", "per_pass"}

@@ -465,10 +465,11 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
 
 def _drafting_flags(command: str) -> dict[str, str]:
     """``--spec-draft-*`` flag → value of a shell command (its trailing comment left out)."""
+    import itertools
     import shlex
 
     argv = shlex.split(command, comments=True)
-    return {a: v for a, v in zip(argv, argv[1:]) if a.startswith("--spec-draft-")}
+    return {a: v for a, v in itertools.pairwise(argv) if a.startswith("--spec-draft-")}
 
 
 def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_names_the_build(tmp_path):
