@@ -324,7 +324,9 @@ def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
     assert mapping.draft_to_target[drafted[0]] < 0  # no target twin: token mapping could never propose it
     want = t_tok(" total(items", add_special_tokens=False)["input_ids"]
     assert t_tok.convert_ids_to_tokens(want)[:3] == ["Ġ", "t", "otal"]
-    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], d_tok, t_tok, [4, 4], torch.device("cpu"))
+    target_context = t_tok("def", add_special_tokens=False)["input_ids"]
+    cands, n = _text_candidates([drafted, drafted[:1]], [context, []], [target_context, []], d_tok, t_tok, [4, 4],
+                                torch.device("cpu"))
     assert n.tolist() == [4, 3]
     assert cands[0].tolist() == want[:4]
     assert cands[1].tolist() == want[:3] + [0]  # right-padded; the padding is never verified
@@ -726,3 +728,76 @@ def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_conf
     finally:
         decode_mod.target_generate = real
     assert seen["eos"] == [3, 4]
+
+
+def _scripted_target(vocab: int, script: list[int]):
+    """A tiny target whose greedy choice at every position is the next token of ``script`` (batch of one): its
+    output is the script, tokenized as its tokenizer tokenizes the script's text."""
+    target = tiny_model("llama", vocab, seed=0)
+    script_ids = torch.tensor(script)
+
+    def follow_script(module, args, kwargs, out):
+        pos = kwargs["position_ids"][:, -out.logits.shape[1]:]  # [1, w] positions counted in real tokens
+        nxt = script_ids[(pos + 1).clamp(max=len(script) - 1)].to(out.logits.device)
+        out.logits = torch.full_like(out.logits, -10.0).scatter(-1, nxt[..., None], 10.0)
+        return out
+
+    target.register_forward_hook(follow_script, with_kwargs=True)
+    return target
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_oracle_text_drafter_on_a_sentencepiece_target_is_accepted_whole(monkeypatch, gamma):
+    """Text mode hands the target the drafted text tokenized after its context. An oracle drafter proposing the
+    target's own continuation as text (in the draft's byte-level tokens) must then be accepted whole; encoded alone,
+    a sentencepiece target's fragment would open with a dummy-prefix '▁' and mid-word continuations would reject."""
+    from specdraft import decode
+    from specdraft.decode import MappedDrafter
+    from specdraft.testing import tiny_bpe_tokenizer, tiny_corpus, tiny_llama_tokenizer
+    from specdraft.vocab import build_vocab_mapping
+
+    t_tok, d_tok = tiny_llama_tokenizer(400), tiny_bpe_tokenizer(360, seed=1)
+    scripts = [t_tok(" ".join(tiny_corpus(8, seed=s)))["input_ids"] for s in (3, 4)]
+    n_prompt, n_new = 6, 40
+    assert min(len(s) for s in scripts) > n_prompt + n_new
+    draft = tiny_model("llama", len(d_tok), seed=1)
+    mapping = build_vocab_mapping(t_tok, d_tok, target_config=len(t_tok), draft_config=len(d_tok), min_coverage=0.0)
+
+    class Oracle(MappedDrafter):
+        """Proposes the text of the target's next k script tokens, in the draft's tokens."""
+
+        def propose(self, cur, rows, ks, u=None):
+            contexts = self.mapping.reencode_batch_for_draft([r.prompt + r.tokens for r in rows])
+            drafted = []
+            for r, k in zip(rows, ks):
+                seen = r.prompt + r.tokens
+                text = t_tok.decode(script[: len(seen) + k])[len(t_tok.decode(seen)):]
+                drafted.append(d_tok(text, add_special_tokens=False)["input_ids"])
+            return self.text_proposal(drafted, contexts, rows, ks)
+
+    monkeypatch.setattr(decode, "MappedDrafter", Oracle)
+    for script in scripts:
+        target = _scripted_target(len(t_tok), script)
+        ids, mask = left_pad([script[:n_prompt]], 0)
+        out, counts = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma,
+                                           max_new_tokens=n_new, eos_token_id=[], vocab_mapping=mapping,
+                                           mapped_proposals="text")
+        assert out == [script[n_prompt:n_prompt + n_new]]  # the hook really scripts the target
+        assert counts.acceptance_rate == 1.0
+        assert sum(counts.proposed) >= n_new - n_new // (gamma + 1) - gamma  # and it drafted nearly every token
+
+
+def test_text_candidates_continue_a_word_without_a_dummy_prefix_piece():
+    from specdraft.decode import _text_candidates
+    from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer
+
+    t_tok, d_tok = tiny_llama_tokenizer(400), tiny_bpe_tokenizer(360, seed=1)
+    target_context = t_tok("print = count def", add_special_tokens=False)["input_ids"]
+    want = t_tok("print = count defitems in", add_special_tokens=False)["input_ids"]
+    assert want[: len(target_context)] == target_context  # "items" continues the word "def" in the target's tokens
+    assert t_tok.convert_ids_to_tokens(want[len(target_context):])[0] == "items"
+    context = d_tok("print = count def", add_special_tokens=False)["input_ids"]
+    drafted = d_tok("items in", add_special_tokens=False)["input_ids"]
+    cands, n = _text_candidates([drafted], [context], [target_context], d_tok, t_tok, [5], torch.device("cpu"))
+    assert cands[0, : int(n[0])].tolist() == want[len(target_context):][:5]
+    assert "▁" not in t_tok.convert_ids_to_tokens(cands[0, :1].tolist())[0]

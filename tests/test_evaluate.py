@@ -552,7 +552,7 @@ def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_th
     serving = SamplingConfig(temperature=1.0)
     plain = acceptance_eval(target, draft, tok, prompts, names, config, serving)
     assert plain.replay_check == "3/3" and plain.decoder_label == "the draft as given, fixed γ 3"
-    assert json.loads(json.dumps(plain.to_dict()))["rows"] == plain.rows and len(plain.to_dict()) == 21  # to disk
+    assert json.loads(json.dumps(plain.to_dict()))["rows"] == plain.rows and len(plain.to_dict()) == 23  # to disk
     decoder = apply_draft_options(draft, tok, config)
     speed = measure_speed_model(target, decoder, prompts[2], max_gamma=4, repeats=1)
     fast = acceptance_eval(target, draft, tok, prompts, names, config, serving, decoder=decoder, speed_model=speed)
@@ -562,3 +562,53 @@ def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_th
     assert fast.decoder_label.endswith("adaptive γ ≤ 3") and fast.decoded_tokens == sum(map(len, fast.answers))
     with pytest.raises(ValueError, match="without answers"):
         acceptance_eval(target, draft, tok, prompts, names, config, serving, answers=plain.answers, decoder=decoder)
+
+
+def test_matched_proposals_are_one_figure_whatever_gamma_while_the_per_round_rates_move():
+    """Replayed on one target answer, the same draft at γ 2 and γ 5: matched proposals per answer token are the
+    same figure, while accepted / proposed and accepted / reached move with the rounds (which positions a bonus token
+    covers, how many drafts follow a rejection) — so only the first may compare regimes."""
+    import random
+
+    from specdraft.replay import replay_answer
+
+    y = list(range(10, 50))  # 40 answer tokens, no EOS
+    rng = random.Random(0)
+    top1 = [t if rng.random() < 0.7 else 0 for t in y]  # the draft's teacher-forced argmax per answer position
+    by_gamma = {g: replay_answer(top1, y, g, max_new_tokens=len(y), eos=set()) for g in (2, 5)}
+    want = sum(g == t for g, t in zip(top1, y)) / len(y)
+    for c in by_gamma.values():
+        assert (c.matched, c.match_positions) == (sum(g == t for g, t in zip(top1, y)), len(y))
+        assert c.match_rate == want
+        assert c.merge(c).match_rate == want  # counts first: they merge
+    assert by_gamma[2].acceptance_rate != by_gamma[5].acceptance_rate
+    assert by_gamma[2].alpha != by_gamma[5].alpha
+
+
+def test_acceptance_eval_gives_one_matched_figure_at_two_gammas_and_the_report_leads_with_it():
+    from specdraft.acceptance import MEASURES
+    from specdraft.evaluate import acceptance_eval
+    from specdraft.report import SUMMARY_LEGEND, summary_sections
+
+    tok = tiny_tokenizer(128)
+    target = tiny_model("llama", 128, seed=0, layers=3)
+    draft = perturbed(target, 0.08, seed=3)
+    prompts, names = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], ["a", "b", "c"]
+    serving = SamplingConfig(temperature=1.0)
+    two = acceptance_eval(target, draft, tok, prompts, names, EvalConfig(num_speculative_tokens=2, max_new_tokens=16),
+                          serving)
+    five = acceptance_eval(target, draft, tok, prompts, names, EvalConfig(num_speculative_tokens=5, max_new_tokens=16),
+                           serving, answers=two.answers)
+    assert 0 < two.match_rate < 1 and five.match_rate == two.match_rate
+    assert five.match_rate_ci95 == two.match_rate_ci95
+    assert [r["matched"] for r in five.rows] == [r["matched"] for r in two.rows]
+    assert sum(r["match_positions"] for r in two.rows) == sum(map(len, two.answers))  # every answer token
+    assert five.acceptance_rate != two.acceptance_rate  # the per-proposed figure is the regime's
+    # The report's comparison leads with the regime-free figure and says what each figure counts.
+    sets = {"held_out": two.to_dict()}
+    report = {"eval_before": {"sets": sets}, "eval_after": {"sets": {"held_out": five.to_dict()}}}
+    (_, rows), = summary_sections(report)
+    assert rows[0][0] == "matched / answer token" and rows[0][1] == rows[0][2]
+    assert {r[0]: r[2] for r in rows}["matched gain (paired)"].startswith("+0.000")
+    assert "bonus tokens never counted" in SUMMARY_LEGEND and "per answer token" in SUMMARY_LEGEND
+    assert set(MEASURES) == {"matched", "per_reached", "per_proposed", "per_pass"}

@@ -115,6 +115,19 @@ def test_convert_records_absolute_paths_and_prints_a_command_that_works_anywhere
     assert serve_args(vllm_serve(tmp_path / "spec").command) == (target_abs, spec)
 
 
+def test_the_printed_vllm_command_pins_gamma_and_names_the_build_it_holds_for(tmp_path):
+    import shlex
+
+    save_tiny_pair(tmp_path / "models", 96)
+    res = convert(tmp_path / "models" / "draft", tmp_path / "models" / "target", tmp_path / "spec",
+                  num_speculative_tokens=3)
+    _, spec = serve_args(res.vllm_command)
+    assert spec["num_speculative_tokens"] == res.config["speculators_config"]["proposal_methods"][0][
+        "speculative_tokens"] == 3
+    assert res.vllm_command.endswith(f" # for vLLM {VLLM_TESTED_VERSION}")
+    assert shlex.split(res.vllm_command, comments=True)[-1] == json.dumps(spec)  # the comment is no argument
+
+
 def test_padded_draft_gets_use_heterogeneous_vocab(tmp_path):
     target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=128)  # 32 padding rows
     res = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=3)

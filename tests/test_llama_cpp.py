@@ -30,7 +30,7 @@ from specdraft.llama_cpp import (
     strip_log_prefixes,
     unpack_source,
 )
-from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model
+from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_engine
 
 DATA = Path(__file__).parent / "data" / "llama_cpp"
 PLAIN_CMD = ["/x/llama-completion", "-m", "t.gguf"]
@@ -349,7 +349,8 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     (row,) = inputs.rank({"/x/d": 0.75})
     assert (row["n_max"], row["gguf"], row["bench_source"]) == (3, str(d), str(db))  # n = 3: tests/test_speed.py
     assert row["predicted_speedup"] == pytest.approx(1.5625)
-    assert row["command"] == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 -t 4 -td 4")
+    assert row["command"] == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 "
+                              f"--spec-draft-n-min 0 --spec-draft-p-min 0.0 -t 4 -td 4 # for {llama_cpp_engine()}")
 
 
 def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_winners_command(tmp_path, monkeypatch):
@@ -461,3 +462,43 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
         text = " ".join(capsys.readouterr().out.split())
         assert row["command"] in text
         assert ("makes no llama-server" in text and row["local_command"] + " -p PROMPT" in text) == shown, text
+
+
+def _drafting_flags(command: str) -> dict[str, str]:
+    """``--spec-draft-*`` flag → value of a shell command (its trailing comment left out)."""
+    import itertools
+    import shlex
+
+    argv = shlex.split(command, comments=True)
+    return {a: v for a, v in itertools.pairwise(argv) if a.startswith("--spec-draft-")}
+
+
+def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_names_the_build(tmp_path):
+    """Each ranked row's commands carry n_max, n_min and p_min equal to the row's forecast (llama.cpp builds change
+    those defaults), equal to the flags of the invocation specdraft measures llama.cpp with, and name the build."""
+    import shlex
+
+    from specdraft.gguf_export import LLAMA_CPP_VERSION
+    from specdraft.llama_cpp import LlamaCppRankInputs, LlamaCppTools, speculative_command
+
+    def tests(tg_ts, pp=None):
+        return parse_llama_bench(bench_file(tmp_path / f"{tg_ts}.json", tg_ts, pp).read_text())
+
+    llama = LlamaCppRankInputs(target="t", target_gguf=Path("/m/t.gguf"),
+                               draft_ggufs={"fast": Path("/m/fast.gguf"), "slow": Path("/m/slow.gguf")},
+                               target_bench=tests(10.0, PP), draft_benches={"fast": tests(1000.0), "slow": tests(14.0)},
+                               target_bench_source="x", draft_bench_sources={"fast": "x", "slow": "x"}, threads=3)
+    rows = llama.rank({"fast": 0.5, "slow": 1.0})
+    assert sorted(r["n_max"] for r in rows) == [1, 4]  # both draft (n_max 0 would print the target alone)
+    tools = LlamaCppTools(tmp_path, "test", {"llama-speculative-simple": tmp_path / "llama-speculative-simple"})
+    for r in rows:
+        # The forecast (speedup(α, n)) models rounds of exactly n_max drafts: no confidence stop, no minimum.
+        assert (r["n_min"], r["p_min"]) == (0, 0.0)
+        want = {"--spec-draft-n-max": str(r["n_max"]), "--spec-draft-n-min": str(r["n_min"]),
+                "--spec-draft-p-min": str(r["p_min"])}
+        measured = speculative_command(tools, "t.gguf", "d.gguf", "PROMPT", 8, n_max=r["n_max"])
+        assert _drafting_flags(shlex.join(measured)) == want
+        for command in (r["command"], r["local_command"]):
+            assert _drafting_flags(command) == want, command
+            assert command.endswith(f" # for {r['engine']}") and LLAMA_CPP_VERSION in r["engine"], command
+            assert "--spec-type draft-simple" in command and f"-md {r['gguf']}" in command

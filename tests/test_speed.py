@@ -159,7 +159,7 @@ def test_target_costs_are_the_line_through_the_timings():
 
 
 def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verification():
-    from specdraft.speed import llama_bench_speed_model, llama_cpp_command, llama_cpp_plan
+    from specdraft.speed import llama_bench_speed_model, llama_cpp_command, llama_cpp_engine, llama_cpp_plan
 
     # The embedded pair's Q4_K_M GGUFs on a 2-core machine: tg 11.65 / 26.0 tok/s, pp4 32.0, pp8 34.7.
     target = [{"n_prompt": 0, "n_gen": 32, "avg_ts": 11.65}, {"n_prompt": 4, "n_gen": 0, "avg_ts": 32.0},
@@ -178,7 +178,7 @@ def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verificat
     assert plan["by_n"][0] == pytest.approx(1.0)
     # A costly verification and a poor draft: drafting cannot win, the command serves the target alone.
     assert llama_cpp_plan(speed, 0.3)["n_max"] == 0
-    assert llama_cpp_command("t.gguf", "d.gguf", 0) == "llama-completion -m t.gguf -t 2"
+    assert llama_cpp_command("t.gguf", "d.gguf", 0) == f"llama-completion -m t.gguf -t 2 # for {llama_cpp_engine()}"
     assert "-md d.gguf --spec-draft-n-max 3" in llama_cpp_command("t.gguf", "d.gguf", 3, server=True)
     # A plain -md draft drafts only with an explicit --spec-type (llama.cpp infers one for MTP/DFlash GGUFs only).
     assert "--spec-type draft-simple" in llama_cpp_command("t.gguf", "d.gguf", 3, server=True)

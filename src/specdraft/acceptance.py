@@ -24,6 +24,9 @@ class AcceptanceCounts:
     plus the target's correction/bonus tokens); ``bonus``: correction/bonus tokens emitted.
     ``target_calls`` / ``draft_calls``: batched forward passes; times in seconds (wall clock), with
     ``time_total`` the whole decode and overhead = total − draft − target.
+    ``matched`` / ``match_positions``: answer positions where the draft's greedy proposal, read after the target's
+    own prefix, is the target's token / answer positions counted (a replay counts every one; a decode cannot: it
+    never asks the draft at positions a bonus token or a target-only round covered, so it leaves both 0).
     """
 
     gamma: int
@@ -41,6 +44,8 @@ class AcceptanceCounts:
     time_target: float = 0.0
     time_prefill: float = 0.0
     time_total: float = 0.0
+    matched: int = 0
+    match_positions: int = 0
 
     def __post_init__(self) -> None:
         g = self.gamma
@@ -108,6 +113,15 @@ class AcceptanceCounts:
         return sum(self.accepted) / r if r else 0.0
 
     @property
+    def match_rate(self) -> float | None:
+        """Matched proposals ∈ [0, 1]: matched / match_positions (:data:`MEASURES` ``"matched"``), ``None`` where no
+        position was counted (decoded counts). Every answer position counts once whatever γ, γ policy or proposal
+        mode ran, so one draft on one set of target answers gets one figure: the measure for comparisons across
+        regimes. :attr:`alpha` and :attr:`acceptance_rate` depend on the rounds (which positions a bonus token
+        covers, how many drafts follow a rejection)."""
+        return self.matched / self.match_positions if self.match_positions else None
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target verification pass (per row): accepted drafts + the bonus token."""
         return self.emitted / self.rounds if self.rounds else 0.0
@@ -128,6 +142,7 @@ class AcceptanceCounts:
         d["derived"] = {
             "acceptance_rate": self.acceptance_rate,
             "alpha": self.alpha,
+            "match_rate": self.match_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "alpha_per_position": self.alpha_per_position,
             "time_overhead": self.time_overhead,
@@ -138,6 +153,18 @@ class AcceptanceCounts:
     def from_dict(cls, d: dict) -> AcceptanceCounts:
         d = {k: v for k, v in d.items() if k != "derived"}
         return cls(**d)
+
+
+#: What each acceptance figure counts, in the words printed beside it: the one definition of each.
+MEASURES = {
+    "matched": "matched proposals / answer token: the draft's greedy proposal after the target's own prefix equals "
+               "the target's token, at every answer position (bonus tokens not counted; the same at any γ)",
+    "per_reached": "accepted / reached drafts: of the drafted positions verification tested (all earlier drafts of "
+                   "the round accepted), the share accepted (bonus tokens not counted)",
+    "per_proposed": "accepted / proposed drafts at the γ it ran with: drafts after a round's first rejection count as "
+                    "proposed (bonus tokens not counted)",
+    "per_pass": "tokens / target pass: accepted drafts plus the bonus token, per verification",
+}
 
 
 def format_rate(value: float | None, spec: str = "{:.3f}") -> str:

@@ -549,11 +549,17 @@ class MappedDrafter(Drafter):
         for j, fed in enumerate((own[:, :-1] if self.text else self.t2d[own[:, :-1]]).tolist()):
             self.draft_ids[j].extend(fed)  # the draft read d_1..d_{k−1} while drafting
         if self.text:
-            cands, n = _text_candidates(own.tolist(), self.draft_ids, self.mapping.draft_tokenizer,
-                                        self.mapping.target_tokenizer, ks, self.device)
-            return Proposal(cands, n, prefill_seconds=prefill_seconds)
+            return self.text_proposal(own.tolist(), contexts, rows, ks, prefill_seconds)
         return Proposal(own, self._n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None,
                         prefill_seconds)
+
+    def text_proposal(self, drafted: list[list[int]], contexts: list[list[int]], rows, ks,
+                      prefill_seconds: float = 0.0) -> Proposal | None:
+        """Text mode: the draft ids ``drafted`` after the draft contexts ``contexts`` → target-token candidates
+        (:func:`_text_candidates`, tokenized after each row's target tokens); ``None`` when no row has one."""
+        cands, n = _text_candidates(drafted, contexts, [r.prompt + r.tokens for r in rows],
+                                    self.mapping.draft_tokenizer, self.mapping.target_tokenizer, ks, self.device)
+        return Proposal(cands, n, prefill_seconds=prefill_seconds) if int(n.max()) > 0 else None
 
     def commit(self, n_accepted) -> None:
         pass  # the cache is trimmed when the draft re-reads the context next round
@@ -803,17 +809,34 @@ def speculative_generate(
     return [r.tokens for r in rows], counts
 
 
-def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], dtok, ttok, ks: Sequence[int], device):
+#: Tokens of context, on each side, decoded with the drafted text: enough for any merge or space rule at the boundary.
+_TEXT_WINDOW = 8
+
+
+def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], target_contexts: list[list[int]], dtok,
+                     ttok, ks: Sequence[int], device):
     """Text mode: the draft's proposals (its own ids) → up to ``ks[j]`` target-token candidates for row j.
 
     The drafted text is cut from a decode of the draft's last context tokens plus its proposals (so a
-    sentencepiece-style leading space survives), a trailing U+FFFD (an unfinished character) is left out,
-    and the rest is encoded with the target's tokenizer.
+    sentencepiece-style leading space survives), a trailing U+FFFD (an unfinished character) is left out. It is
+    then tokenized *in context*, as the target would tokenize it after its own tokens (transformers'
+    ``AssistedCandidateGeneratorDifferentTokenizers`` does the same): the target's last context tokens are decoded,
+    ``window + drafted text`` and ``window`` are encoded, and the candidates are the tokens of the first past their
+    common prefix. Encoded alone, a mid-word fragment would get a sentencepiece tokenizer's dummy-prefix ``▁`` and
+    lose merges across the boundary. Both encodings start at the same window text, so where the window's first
+    tokens re-encode differently from the target's (a BOS, a cut word) they differ alike. When the drafted text
+    merges into the window's last token (the target ended on a piece its tokenizer would not have produced there),
+    no tokenization continues the target's tokens and the row proposes nothing this round.
+
+    Args:
+        drafted: per row the draft ids it proposed; ``contexts``: per row the draft ids it read before drafting.
+        target_contexts: per row the target ids so far (prompt + emitted, ending with the token both models read
+            next).
 
     Returns:
         ``(candidates [b, K] int64, n_candidates [b] int64)``, rows right-padded with 0 past their count.
     """
-    tails = [c[-8:] for c in contexts]
+    tails = [c[-_TEXT_WINDOW:] for c in contexts]
     texts = dtok.batch_decode(tails + [t + d for t, d in zip(tails, drafted)], skip_special_tokens=False,
                               clean_up_tokenization_spaces=False)
     b = len(drafted)
@@ -821,7 +844,14 @@ def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], dtok, 
     for j in range(b):
         tail, full = texts[j], texts[b + j]
         new_text.append((full[len(tail):] if full.startswith(tail) else dtok.decode(drafted[j])).rstrip("\ufffd"))
-    cands = [c[:k] for c, k in zip(ttok(new_text, add_special_tokens=False)["input_ids"], ks)]
+    windows = ttok.batch_decode([c[-_TEXT_WINDOW:] for c in target_contexts], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+    encoded = ttok(windows + [w + t for w, t in zip(windows, new_text)], add_special_tokens=False)["input_ids"]
+    cands = []
+    for j, k in enumerate(ks):
+        alone, joined = encoded[j], encoded[b + j]
+        n = _common_prefix(alone, joined)
+        cands.append(list(joined[n:k + n]) if n == len(alone) and new_text[j] else [])
     k = max(len(c) for c in cands)
     out = torch.zeros(b, k, dtype=torch.long)
     for j, c in enumerate(cands):

@@ -458,13 +458,16 @@ class AcceptanceEval:
 
     method: str  # "decoded" (the answers were decoded here) or "replayed" (given answers, counts replayed)
     prompts: int
-    rows: list[dict[str, Any]]  # per prompt: id, accepted, proposed, reached, answer_tokens (+ alpha_sum, positions)
+    rows: list[dict[str, Any]]  # per prompt: id, accepted, proposed, reached, answer_tokens (+ matched,
+    # match_positions, alpha_sum, positions where replayed)
     answers: list[list[int]]  # the target's greedy answers, token ids
     counts: dict[str, Any]  # the merged AcceptanceCounts (to_dict)
     acceptance_rate: float
     acceptance_rate_ci95: tuple[float, float] | None
     alpha: float
     alpha_ci95: tuple[float, float] | None
+    match_rate: float | None  # matched proposals / answer token, the same at any γ; None for decoded-only counts
+    match_rate_ci95: tuple[float, float] | None
     drafted: int  # tokens proposed
     mean_accepted_length: float
     alpha_per_position: list[float]
@@ -593,6 +596,8 @@ def acceptance_eval(
     for k, c in enumerate(counts_per_prompt):
         row = {"id": prompt_names[k], "accepted": sum(c.accepted), "proposed": sum(c.proposed),
                "reached": sum(c.reached), "answer_tokens": len(answers[k])}
+        if c.match_positions:
+            row["matched"], row["match_positions"] = c.matched, c.match_positions
         if sampled is not None:
             row["alpha_sum"], row["positions"] = sampled["per_sequence"][k]
         rows.append(row)
@@ -604,6 +609,8 @@ def acceptance_eval(
         method="decoded" if decoded is not None else "replayed", prompts=len(rows), rows=rows,
         answers=answers, counts=total.to_dict(), acceptance_rate=total.acceptance_rate,
         acceptance_rate_ci95=ci("accepted", "proposed"), alpha=total.alpha, alpha_ci95=ci("accepted", "reached"),
+        match_rate=total.match_rate,
+        match_rate_ci95=ci("matched", "match_positions") if total.match_positions else None,
         drafted=sum(total.proposed), mean_accepted_length=total.mean_accepted_length,
         alpha_per_position=total.alpha_per_position,
         alpha_sampled=sampled["alpha"] if sampled else None,

@@ -442,13 +442,23 @@ def vllm_speculative_config(speculator: dict[str, Any], model: str,
     return spec
 
 
+def vllm_command(target: str, speculative_config: dict[str, Any], engine: str = f"vLLM {VLLM_TESTED_VERSION}") -> str:
+    """``vllm serve TARGET --speculative-config '{...}'``: every drafting parameter of ``speculative_config`` (γ:
+    ``num_speculative_tokens``, the draft, the method) given on the command line rather than left to the engine's
+    defaults, which change between builds, and a shell comment naming the build it holds for (``engine``).
+    ``target`` is shell-quoted by the caller."""
+    import shlex
+
+    return f"vllm serve {target} --speculative-config {shlex.quote(json.dumps(speculative_config))} # for {engine}"
+
+
 @dataclass
 class VllmServe:
     """How vLLM serves a speculator on this machine (:func:`vllm_serve`).
 
     Attributes:
-        command: ``vllm serve TARGET --speculative-config '{...}'``: both paths absolute (tested with vLLM
-            :data:`VLLM_TESTED_VERSION`).
+        command: ``vllm serve TARGET --speculative-config '{...}' # for vLLM VERSION`` (:func:`vllm_command`):
+            both paths absolute, γ pinned (tested with vLLM :data:`VLLM_TESTED_VERSION`).
         one_path: ``vllm serve SPECULATOR_DIR``: works where specdraft is installed next to vLLM (its plugin
             reads the verifier and γ from the speculator's config.json).
         target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
@@ -503,7 +513,7 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
                      "config if they differ.")
     spec = vllm_speculative_config(d, spec_dir, verifier_width)
     return VllmServe(
-        command=f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}",
+        command=vllm_command(shlex.quote(target), spec),
         one_path=f"vllm serve {shlex.quote(spec_dir)}",
         target=target, speculative_config=spec, notes=notes,
     )

@@ -404,20 +404,25 @@ def completion_command(tools: LlamaCppTools, model: str | os.PathLike, prompt: s
 def speculative_command(tools: LlamaCppTools, target: str | os.PathLike, draft: str | os.PathLike, prompt: str,
                         n_predict: int, n_max: int = 3, threads: int = 2, ctx_size: int = 2048,
                         p_min: float | None = None, kv_type: str | None = None,
-                        flash_attn: str | None = None) -> list[str]:
+                        flash_attn: str | None = None, n_min: int | None = None) -> list[str]:
     """``llama-speculative-simple`` with ``draft`` as its ``-md`` draft (``--spec-type draft-simple``), greedy, at most
-    ``n_max`` drafts per round (``--spec-draft-n-max``; ``p_min``: ``--spec-draft-p-min``, llama.cpp's default 0 when
-    ``None``); ``kv_type``: both models' KV cache type (``-ctk/-ctv/-ctkd/-ctvd``; f16 when ``None``);
+    ``n_max`` drafts per round, the drafting flags pinned as the printed commands pin them
+    (:func:`specdraft.speed.llama_cpp_draft_args`; ``n_min`` / ``p_min`` ``None``: what the forecasts assume,
+    :data:`specdraft.speed.LLAMA_CPP_N_MIN` / :data:`specdraft.speed.LLAMA_CPP_P_MIN`); ``kv_type``: both models'
+    KV cache type (``-ctk/-ctv/-ctkd/-ctvd``; f16 when ``None``);
     ``flash_attn``: ``-fa`` (see :func:`completion_command`).
 
     It prints from ``n_predict + 1`` to ``n_predict + n_max + 1`` tokens for ``-n n_predict`` (pinned version,
     examples/speculative-simple: it stops once more than ``n_predict`` were emitted, and a round whose budget is
     used up drafts a full ``n_max`` — the draft's limit 0 means none): compare its output with a prefix of
     ``llama-completion -n n_predict + n_max + 1`` (:func:`speculative_matches_plain`)."""
+    from specdraft.speed import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN, llama_cpp_draft_args
+
     cmd = [str(tools["llama-speculative-simple"]), "-m", str(target), "--spec-type", "draft-simple", "-md",
-           str(draft), "--spec-draft-n-max", str(n_max), "-p", prompt, "--no-escape", "-n", str(n_predict),
+           str(draft), *llama_cpp_draft_args(n_max, LLAMA_CPP_N_MIN if n_min is None else n_min,
+                                             LLAMA_CPP_P_MIN if p_min is None else p_min),
+           "-p", prompt, "--no-escape", "-n", str(n_predict),
            "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", str(ctx_size)]
-    cmd += ["--spec-draft-p-min", str(p_min)] if p_min is not None else []
     cmd += ["-fa", flash_attn] if flash_attn else []
     return cmd + (["-ctk", kv_type, "-ctv", kv_type, "-ctkd", kv_type, "-ctvd", kv_type] if kv_type else [])
 
@@ -595,9 +600,10 @@ class LlamaCppRankInputs:
 
     def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[dict]:
         """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α), best first; each row
-        also holds its ``gguf``, the llama.cpp ``command`` serving the pair at its ``n_max``
-        (:func:`specdraft.speed.llama_cpp_command`, ``llama-server``) and ``local_command``, the same pair and flags
-        for ``llama-speculative-simple`` (the pinned build that ``make llama-cpp`` makes has no ``llama-server``)."""
+        also holds its ``gguf``, the llama.cpp ``command`` serving the pair with the row's forecast pinned (its
+        ``n_max``, ``n_min``, ``p_min`` and ``engine``: :func:`specdraft.speed.llama_cpp_command`, ``llama-server``)
+        and ``local_command``, the same pair and flags for ``llama-speculative-simple`` (the pinned build that
+        ``make llama-cpp`` makes has no ``llama-server``)."""
         import shlex
 
         from specdraft.speed import llama_cpp_command, rank_llama_cpp
@@ -606,9 +612,10 @@ class LlamaCppRankInputs:
         for r in rows:
             gguf = self.draft_ggufs[r["draft"]]
             pair = (shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)), r["n_max"])
+            pins = {"threads": self.threads, "n_min": r["n_min"], "p_min": r["p_min"], "engine": r["engine"]}
             r |= {"gguf": str(gguf), "bench_source": self.draft_bench_sources[r["draft"]],
-                  "command": llama_cpp_command(*pair, threads=self.threads, server=True),
-                  "local_command": llama_cpp_command(*pair, threads=self.threads, server=False)}
+                  "command": llama_cpp_command(*pair, server=True, **pins),
+                  "local_command": llama_cpp_command(*pair, server=False, **pins)}
         return rows
 
 

@@ -179,6 +179,8 @@ def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: 
     """The rounds of greedy speculative decoding (batch 1) over the agreement vector ``match`` (see
     :func:`replay_greedy`), recorded as :meth:`AcceptanceCounts.record_round` is by the decoder."""
     counts = AcceptanceCounts(gamma)
+    # Matched proposals: every answer position, whatever the rounds below make of it (AcceptanceCounts.match_rate).
+    counts.matched, counts.match_positions = sum(bool(m) for m in match[:len(y)]), min(len(match), len(y))
     n = 0
     while n < len(y):
         k = max(0, min(gamma, max_new_tokens - n - 1))

@@ -59,6 +59,16 @@ def acceptance_gain(report: dict[str, Any], name: str = "held_out") -> Estimate 
     return paired_gain_from_rows(b, a) if b and a else None
 
 
+def matched_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
+    """After − before matched proposals per answer token (:data:`specdraft.acceptance.MEASURES` ``"matched"``: the
+    same figure at any γ), paired over prompts; ``None`` where either side's rows were not replayed."""
+    b = baseline_sets(report).get(name, {}).get("rows")
+    a = report["eval_after"]["sets"].get(name, {}).get("rows")
+    if not b or not a or any("match_positions" not in r for r in (*b, *a)):
+        return None
+    return paired_gain_from_rows(b, a, numerator="matched", denominator="match_positions")
+
+
 def sampled_alpha_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
     """After − before teacher-forced α at the serving settings, paired over prompts; ``None`` without it."""
     b = baseline_sets(report).get(name, {}).get("rows")
@@ -72,9 +82,13 @@ def _with_ci(value: float | None, ci: list[float] | None, spec: str = "{:.3f}") 
     return "—" if value is None else f"{spec.format(value)} {_fmt_ci(ci, spec)}" if ci else spec.format(value)
 
 
-#: Said once above the summary tables (terminal and report.md) instead of in every row's label.
+#: Said once above the summary tables (terminal and report.md) instead of in every row's label: what the brackets
+#: hold, and the definition of each acceptance figure (:data:`specdraft.acceptance.MEASURES`).
 SUMMARY_LEGEND = ("Intervals in brackets are 95% bootstrap CIs over prompts; gains and speed-ups are paired "
-                  "(the same prompts before and after).")
+                  "(the same prompts before and after). Acceptance, bonus tokens never counted: matched = the draft's "
+                  "greedy proposal equals the target's token, per answer token (the same at any γ: the figure to "
+                  "compare); accepted / reached = per drafted position verification tested; greedy acceptance = "
+                  "accepted / proposed drafts at the run's γ.")
 
 
 def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
@@ -88,13 +102,23 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
     for name in _sets(report):
         b, a = baseline_sets(report)[name], report["eval_after"]["sets"][name]
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
+        mgain = matched_gain(report, name)
         mapped = report["eval_before"]["sets"][name]
         rows = [] if not swapped else [
             # The draft as given, decoded through the vocabulary mapping; the columns below are the re-indexed draft.
             ("as given, mapped: acceptance", _with_ci(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
              "—"),
+            # Decoded counts hold no matched proposals: the swap's cost compares accepted / reached on both sides.
+            ("as given, mapped: acc./reached", _with_ci(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
         ]
+        if b.get("match_rate") is not None or a.get("match_rate") is not None:
+            rows += [("matched / answer token", _with_ci(b.get("match_rate"), b.get("match_rate_ci95")),
+                      _with_ci(a.get("match_rate"), a.get("match_rate_ci95"))),
+                     ("matched gain (paired)", "—",
+                      "—" if mgain is None else _with_ci(mgain.value, mgain.interval, "{:+.3f}"))]
         rows += [
+            ("accepted / reached", _with_ci(b.get("alpha"), b.get("alpha_ci95")),
+             _with_ci(a.get("alpha"), a.get("alpha_ci95"))),
             ("greedy acceptance", _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
              _with_ci(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
             ("gain (paired)", "—", "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
@@ -319,8 +343,11 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     sw = (swap_baseline(r) or {}).get("held_out")
     if sw:
         m = r["eval_before"]["sets"]["held_out"]
+        # Decoded through the mapping vs replayed at fixed γ: accepted / proposed depends on the regime, so the
+        # per-reached figures (counted alike by both) come with it.
         learn.append(f"the vocabulary swap: held-out greedy acceptance {_fmt(m['acceptance_rate'])} as given through "
-                     f"the mapping → {_fmt(sw['acceptance_rate'])} re-indexed, before training")
+                     f"the mapping → {_fmt(sw['acceptance_rate'])} re-indexed (accepted / proposed at each run's γ; "
+                     f"accepted / reached {_fmt(m.get('alpha'))} → {_fmt(sw.get('alpha'))}), before training")
     if gain is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "

@@ -236,30 +236,59 @@ def alpha_from_acceptance_rate(rate: float, n: int) -> float:
     return (lo + hi) / 2
 
 
-def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> dict:
-    """What llama.cpp should draft at acceptance ``alpha``: ``{"n_max", "predicted_speedup", "by_n": {n: S}}``.
+#: What a llama.cpp forecast (:func:`llama_cpp_plan`) assumes of every round: the draft proposes its full n_max —
+#: no early stop on its own confidence (``--spec-draft-p-min`` 0) and no minimum that throws a shorter draft away
+#: (``--spec-draft-n-min`` 0) — as specdraft's fixed-γ rounds that measured α. Every command specdraft prints or runs
+#: pins both (:func:`llama_cpp_draft_args`): llama.cpp builds have changed these defaults (p_min was once 0.75).
+LLAMA_CPP_N_MIN = 0
+LLAMA_CPP_P_MIN = 0.0
 
-    ``n_max`` is :meth:`SpeedModel.best_gamma` (0: drafting cannot win, serve the target alone). ``alpha`` is the
-    per-token acceptance probability specdraft measured on the pair (``specdraft eval``'s α, accepted / reached);
-    greedy llama.cpp accepts a draft token exactly when it is the target's argmax, as specdraft's greedy verification.
+
+def llama_cpp_engine() -> str:
+    """The llama.cpp build the forecasts and commands are for: the pinned one (its flags, parsers and defaults)."""
+    from specdraft.gguf_export import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
+
+    return f"llama.cpp ({LLAMA_CPP_PACKAGE} {LLAMA_CPP_VERSION})"
+
+
+def llama_cpp_draft_args(n_max: int, n_min: int = LLAMA_CPP_N_MIN, p_min: float = LLAMA_CPP_P_MIN) -> list[str]:
+    """llama.cpp's drafting flags, each pinned: ``--spec-draft-n-max``, ``--spec-draft-n-min``,
+    ``--spec-draft-p-min``. The one source of these flags for the commands measured and the commands printed."""
+    return ["--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min), "--spec-draft-p-min", str(p_min)]
+
+
+def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> dict:
+    """What llama.cpp should draft at acceptance ``alpha``: ``{"n_max", "n_min", "p_min", "predicted_speedup",
+    "by_n": {n: S}, "engine"}``.
+
+    ``n_max`` is :meth:`SpeedModel.best_gamma` (0: drafting cannot win, serve the target alone); ``n_min`` / ``p_min``
+    the drafting flags the forecast assumes (:data:`LLAMA_CPP_N_MIN`, :data:`LLAMA_CPP_P_MIN`: every round drafts
+    n_max); ``engine`` the llama.cpp build it holds for (:func:`llama_cpp_engine`). ``alpha`` is the per-token
+    acceptance probability specdraft measured on the pair (``specdraft eval``'s α, accepted / reached); greedy
+    llama.cpp accepts a draft token exactly when it is the target's argmax, as specdraft's greedy verification.
     """
     top = speed.max_gamma if max_n is None else min(max_n, speed.max_gamma)
     n, s = speed.best_gamma(alpha, top)
-    return {"n_max": n, "predicted_speedup": s, "by_n": {k: speed.speedup(alpha, k) for k in range(top + 1)}}
+    return {"n_max": n, "n_min": LLAMA_CPP_N_MIN, "p_min": LLAMA_CPP_P_MIN, "predicted_speedup": s,
+            "by_n": {k: speed.speedup(alpha, k) for k in range(top + 1)}, "engine": llama_cpp_engine()}
 
 
-def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False) -> str:
+def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False,
+                      n_min: int = LLAMA_CPP_N_MIN, p_min: float = LLAMA_CPP_P_MIN, engine: str | None = None) -> str:
     """The llama.cpp command serving ``target_gguf`` with ``draft_gguf`` as its ``-md`` draft (``llama-server`` or
-    ``llama-speculative-simple``), drafting at most ``n_max`` tokens per round; ``n_max`` 0 → the target alone.
+    ``llama-speculative-simple``), with the drafting flags a forecast assumed pinned (:func:`llama_cpp_draft_args`:
+    at most ``n_max`` tokens per round, ``n_min``, ``p_min``); ``n_max`` 0 → the target alone. It ends in a shell
+    comment naming the build the forecast holds for (``engine``, default :func:`llama_cpp_engine`).
 
     ``--spec-type draft-simple`` is needed: llama.cpp (pinned :data:`specdraft.gguf_export.LLAMA_CPP_VERSION`,
     common/arg.cpp) infers a speculative type from the ``-md`` GGUF only for MTP / DFlash heads; a plain draft model
     leaves the type at ``none`` and nothing is drafted."""
     exe = "llama-server" if server else "llama-speculative-simple"
+    build = f" # for {engine or llama_cpp_engine()}"
     if n_max == 0:
-        return f"{'llama-server' if server else 'llama-completion'} -m {target_gguf} -t {threads}"
-    return (f"{exe} -m {target_gguf} --spec-type draft-simple -md {draft_gguf} --spec-draft-n-max {n_max} "
-            f"-t {threads} -td {threads}")
+        return f"{'llama-server' if server else 'llama-completion'} -m {target_gguf} -t {threads}{build}"
+    return (f"{exe} -m {target_gguf} --spec-type draft-simple -md {draft_gguf} "
+            f"{' '.join(llama_cpp_draft_args(n_max, n_min, p_min))} -t {threads} -td {threads}{build}")
 
 
 def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
@@ -278,7 +307,8 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
         max_n: the largest ``--spec-draft-n-max`` considered (default: the widest ``pp`` test of the target − 1).
 
     Returns:
-        one dict per draft: ``draft``, ``alpha``, ``n_max`` (0: serve the target alone), ``predicted_speedup``
+        one dict per draft: ``draft``, ``alpha``, ``n_max`` (0: serve the target alone), ``n_min`` / ``p_min`` /
+        ``engine`` (what the forecast assumes, :func:`llama_cpp_plan`), ``predicted_speedup``
         (tokens/s relative to llama.cpp's target alone, at ``n_max``), ``by_n`` (n → speed-up), ``draft_step_ms``
         (d), ``target_step_ms`` (t(1)), ``cost_ratio_c`` (d / t(1)), ``speed_model``; sorted by
         ``predicted_speedup``, highest first (ties keep the order of ``alphas``).
@@ -294,7 +324,8 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
     for name, alpha in alphas.items():
         speed = llama_bench_speed_model(target_bench, draft_benches[name])
         plan = llama_cpp_plan(speed, alpha, max_n)
-        rows.append({"draft": name, "alpha": alpha, "n_max": plan["n_max"],
+        rows.append({"draft": name, "alpha": alpha, "n_max": plan["n_max"], "n_min": plan["n_min"],
+                     "p_min": plan["p_min"], "engine": plan["engine"],
                      "predicted_speedup": plan["predicted_speedup"], "by_n": plan["by_n"],
                      "draft_step_ms": 1e3 * speed.draft_s, "target_step_ms": 1e3 * speed.target_s[0],
                      "cost_ratio_c": speed.cost_ratio, "speed_model": speed.to_dict()})

@@ -373,7 +373,9 @@ def print_llama_cpp_ranking(llama, rows: list[dict], target: str, out: Path) -> 
     if llama.tools is not None and "llama-server" not in llama.tools.paths:
         console.print(f"(this llama.cpp build, {llama.tools.bin_dir}, makes no llama-server; the same pair and flags "
                       "run here as:)", markup=False, highlight=False)
-        console.print(best["local_command"] + " -p PROMPT", markup=False, highlight=False, soft_wrap=True)
+        run, sep, build = best["local_command"].rpartition(" # for ")  # the prompt goes before the build's comment
+        console.print(f"{run} -p PROMPT{sep}{build}" if sep else best["local_command"] + " -p PROMPT", markup=False,
+                      highlight=False, soft_wrap=True)
     console.print(f"report: {path}")
 
 
