@@ -163,6 +163,13 @@ def verify_sampled(
     return n, nxt
 
 
+def _verification_q(logits: torch.Tensor, q: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The q verification divides by: exactly the filtered q the draft token was drawn from (Theorem 3.5 holds for
+    that q only). A function of its own so that a negative control can put a wrong q here (the draft's unfiltered
+    softmax) and show that :func:`specdraft.evaluate.certify_sampling` fails it; decoding never replaces it."""
+    return q
+
+
 def _mix(*values: int) -> int:
     """A 63-bit seed from integers (splitmix64's finaliser, folded over the values): distinct keys, unrelated seeds."""
     h = 0x9E3779B97F4A7C15
@@ -383,7 +390,7 @@ class Drafter:
                 step = torch.where(bad, i, gamma)
                 self.first_bad = step if self.first_bad is None else torch.minimum(self.first_bad, step)
                 d = sample(q_i, u=self.u[:, i:i + 1])  # the row's own draw for step i (RowDraws)
-                qs.append(q_i)
+                qs.append(_verification_q(logits, q_i, s))
             tokens.append(d)
             if i == gamma - 1:
                 break

@@ -155,8 +155,11 @@ def print_eval(res, out_paths: dict, config) -> None:
     print_configuration(res.config)
     busy_warning(res.summary().get("machine_load"))
     if (cert := res.certificate) is not None:
-        verdict = "passed" if cert["passed"] else "[red]FAILED: sampled output does not follow the target's law[/]"
-        console.print(f"sampling certificate: {cert['draws']} first-token draws vs the target's law, χ² over "
+        verdict = ("passed" if cert["passed"] else f"[red]NOT VALID: {escape(cert['invalid_reason'])}[/]"
+                   if not cert["valid"] else "[red]FAILED: sampled output does not follow the target's law[/]")
+        console.print(f"sampling certificate: {cert['draws']} first-token draws vs the target's law "
+                      f"({cert['proposals']} proposed by the draft: {cert['accepted']} accepted, {cert['rejections']} "
+                      f"rejected and drawn from the residual; {cert['bonus_draws']} bonus draws), χ² over "
                       f"{cert['cells']} cells, p = {cert['p_value']:.3g}, {cert['outside_support']} draws outside "
                       f"p's support — {verdict}", highlight=False)
     for d_ in res.divergences:
@@ -277,6 +280,8 @@ def print_generation_end(gen, counts) -> None:
     why = gen.shortened_by()
     line = generate_summary(counts, gen.config.max_new_tokens, not why, why)
     console.print(f"[dim]{escape(line)}[/]", soft_wrap=True)
+    if (seed := gen.seed_note()) is not None:
+        note("seed", seed)
 
 
 def generate_summary(counts, max_new_tokens: int, fixed: bool, why: Sequence[str] = ()) -> str:
