@@ -189,6 +189,12 @@ class RowDraws:
     token. Nothing a row draws depends on the other rows, on how many steps the batch drafts or on the batch's
     order, so a row's tokens do not change when another row joins its batch (up to the float rounding of a batched
     forward); a batch-wide ``draft_confidence_threshold`` stop is the one exception (it changes what is proposed).
+
+    A row's tokens do follow its own k per round, whatever the keying: where it drafted, a token is an accepted
+    draft or a residual draw (a function of q and p), where it did not (the bonus after k accepted drafts, a round of
+    none) a plain draw from p, and no choice of uniforms makes those one function. So one seed gives one answer only
+    for one k sequence: adaptive γ takes it from the speed model and the row's acceptance so far, never from live
+    timings (:meth:`specdraft.pair.Generation.seed_note` says when a rerun reads another speed model).
     """
 
     def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):
