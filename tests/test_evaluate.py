@@ -621,3 +621,22 @@ def test_acceptance_eval_writes_the_answers_with_a_cheaper_decoder_and_counts_th
     assert fast.decoder_label.endswith("adaptive γ ≤ 3") and fast.decoded_tokens == sum(map(len, fast.answers))
     with pytest.raises(ValueError, match="without answers"):
         acceptance_eval(target, draft, tok, prompts, names, config, serving, answers=plain.answers, decoder=decoder)
+
+
+def test_the_greedy_identity_count_says_when_it_tests_nothing_of_verification():
+    """Greedy outputs equal to the target's certify verification only if drafts were proposed and some rejected:
+    a draft equal to the target never has one rejected, and a run that proposed nothing decoded with the target."""
+    from specdraft.acceptance import AcceptanceCounts
+    from specdraft.evaluate import identity_not_tested
+
+    target = tiny_model("llama", 64, seed=0, layers=2)
+    other = tiny_model("llama", 64, seed=7, layers=1)
+    cfg = EvalConfig(max_new_tokens=6, num_speculative_tokens=2, gamma_policy="fixed", dtype="float32",
+                     draft_quantization="none")  # the draft as given: the target itself proposes
+    same = run_eval(target, target, tiny_tokenizer(64), [[5, 6, 7], [8, 9]], config=cfg).summary()
+    assert same["lossless"] and "none of" in same["identity_not_tested"] and "rejected" in same["identity_not_tested"]
+    differs = run_eval(target, other, tiny_tokenizer(64), [[5, 6, 7], [8, 9]], config=cfg).summary()
+    assert differs["lossless"] and differs["identity_not_tested"] is None
+    idle = AcceptanceCounts(2)
+    idle.record_round(0, n_proposed=0)
+    assert "proposed no draft" in identity_not_tested(idle)

@@ -84,6 +84,8 @@ REPORT_DEFINITIONS = {
     "differs from summary.cost_ratio_c by timing noise and context length",
     "summary.acceptance_rate_ci95": "95% bootstrap interval over prompts; null with fewer than 2 prompts (one prompt "
     "gives no interval)",
+    "summary.identity_not_tested": "why lossless (greedy outputs equal to the target's) proves nothing of "
+    "verification, or null: the speculative runs proposed no draft, or had none rejected",
 }
 
 
@@ -172,6 +174,7 @@ class EvalResult:
             "divergences": len([d for d in self.divergences if d.contender == "specdraft"]),
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
+            "identity_not_tested": identity_not_tested(c),
             # Other processes' share of the CPU while decoding (LoadMonitor): speeds measured on a busy machine are
             # marked, never silently reported as the pair's.
             "sampling_certificate": self.certificate,
@@ -198,6 +201,19 @@ class EvalResult:
             "per_prompt": self.per_prompt,
             "definitions": REPORT_DEFINITIONS,
         }
+
+
+def identity_not_tested(counts: AcceptanceCounts) -> str | None:
+    """Why greedy outputs equal to the target's prove nothing of verification, or ``None`` when the speculative
+    runs proposed drafts and the target rejected some: with no proposal the target alone decoded, and with no
+    rejection a verifier that accepts everything would give the same outputs."""
+    proposed, rejected = sum(counts.proposed), sum(counts.reached) - sum(counts.accepted)
+    if proposed == 0:
+        return "speculation proposed no draft (the target decoded alone): the identity tests nothing of verification"
+    if rejected == 0:
+        return (f"none of {proposed} drafts was rejected: a verifier that accepts everything would match as well "
+                "(more prompts or tokens, or a draft that differs from the target, test it)")
+    return None
 
 
 def eos_ids(model, tokenizer=None) -> list[int]:

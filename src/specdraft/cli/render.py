@@ -238,6 +238,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("recommended γ (analytic)",
          f"{s['analytic_recommended_gamma']} ({s['analytic_speedup_at_recommended_gamma']:.2f}x)"),
         ("greedy divergences (beyond tolerance)", f"{s['divergences']} ({s['divergences_beyond_tolerance']})"
+         + (f" — not evidence: {s['identity_not_tested']}" if s.get("identity_not_tested") else "")
          if greedy else "— (sampled: the χ² tests cover the law)"),
     ]
     for k, v in rows:
