@@ -4,6 +4,7 @@ prompt file read from its first line."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -725,3 +726,91 @@ def test_the_run_page_holds_no_library_notices_but_keeps_specdrafts_own_warnings
                 warnings.warn_explicit(f"from {module}", UserWarning, "x.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["from specdraft.pipeline"]
     assert hf_logging.get_verbosity() == before
+# One fresh process's generation: the machine's live timings are faked (a draft step of DRAFT_MS, a target pass of
+# 10 ms + 1 ms per token) and the CPU's counters show it quiet or busy as told, so neither the real load nor real speeds
+# decide the test.
+_SEEDED_GENERATION = """
+import json, sys
+import specdraft.calibration as cal
+from specdraft.config import EvalConfig, SamplingConfig
+from specdraft.pair import load_pair, prepare_generation
+
+target, draft, draft_ms, looks = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+ticks = iter(range(1, 10**6))
+
+
+def cpu_jiffies():  # other processes hold half of the CPU (busy) or none of it (quiet), however short the interval
+    n = next(ticks)
+    return (500_000 * n if looks == "busy" else 0), 1_000_000 * n
+
+
+cal._cpu_jiffies = cpu_jiffies
+
+
+def live_timings(model, context, widths, repeats=3, warmup=1, last_only=False):
+    return {k: (draft_ms if last_only else 10.0 + k) / 1e3 for k in widths}, 0.005
+
+
+cal.pass_seconds = live_timings
+sampling = SamplingConfig(temperature=1.0)
+config = EvalConfig(max_new_tokens=40, sampling=sampling, seed=7, dtype="float32")
+gen = prepare_generation(load_pair(target, draft, "float32", sampling=sampling), "a b c", config)
+tokens = []
+counts = gen.run(lambda row, new: tokens.extend(new))
+print(json.dumps({"tokens": tokens, "proposed": sum(counts.proposed), "source": gen.speed_source,
+                  "note": gen.seed_note()}))
+"""
+
+
+def test_a_seeded_sampled_answer_under_adaptive_gamma_is_the_same_in_two_fresh_processes(tmp_path):
+    """Adaptive γ drafts per round what the speed model predicts fastest, so the draws a round consumes follow the
+    speed model. Two fresh processes whose live timings differ (a draft step of 0.5 ms, then 15 ms: within the
+    cache's spot check) read one calibration and sample one answer from one seed; a process that measures its own
+    speed model on a busy machine (not cached) drafts other k, samples another answer, and says a rerun may differ."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import specdraft
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    src = str(Path(specdraft.__file__).parents[1])
+
+    def run(draft_ms: float, looks: str, cache: str) -> dict:
+        env = os.environ | {"PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "SPECDRAFT_SPEED_CACHE": str(tmp_path / cache)}
+        out = subprocess.run([sys.executable, "-c", _SEEDED_GENERATION, tdir, ddir, str(draft_ms), looks],
+                             capture_output=True, text=True, env=env, timeout=300, check=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run(0.5, "quiet", "cache")
+    assert first["source"] == "measured" and first["proposed"] > 0 and len(first["tokens"]) > 5
+    assert "measured now and cached" in first["note"]
+    again = run(15.0, "quiet", "cache")
+    assert again["source"].startswith("cache") and again["tokens"] == first["tokens"]
+    assert again["proposed"] == first["proposed"]  # the same γ per round, not this process's timings
+    assert "--seed 7 reproduces this answer" in again["note"]
+    busy = run(15.0, "busy", "busy-cache")  # its own speed model: a draft step dearer than a target pass
+    assert busy["source"].startswith("measured on a busy machine") and busy["tokens"] != first["tokens"]
+    assert "not cached" in busy["note"] and "--gamma-policy fixed" in busy["note"]
+    assert not (tmp_path / "busy-cache").exists() or not any((tmp_path / "busy-cache").iterdir())
+
+
+def test_generate_says_when_its_seed_does_not_reproduce_the_answer(tmp_path, monkeypatch):
+    """A speed model measured on a busy machine is not cached: generate's seed line says a rerun may sample another
+    answer, and how to make the seed alone fix it; a fixed γ and greedy decoding print no seed line."""
+    import specdraft.calibration as cal
+
+    ticks = iter(range(1, 10**6))
+    monkeypatch.setattr(cal, "_cpu_jiffies", lambda: (500_000 * (n := next(ticks)), 1_000_000 * n))  # others hold half the CPU
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    base = ["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "6", "--dtype", "float32",
+            "--seed", "3"]
+    r = CliRunner().invoke(app, base + ["--temperature", "1"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "seed: the speed model was measured on a busy machine and not cached" in out
+    assert "a rerun with --seed 3 measures again and may sample another answer" in out and "--gamma-policy fixed" in out
+    for extra in (["--temperature", "1", "--gamma-policy", "fixed", "--gamma", "2"], []):
+        r = CliRunner().invoke(app, base + extra)
+        assert r.exit_code == 0 and "seed:" not in r.output, r.output

@@ -483,6 +483,83 @@ def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_v
     assert saved["draws"] == 400 and 0 <= saved["p_value"] <= 1
 
 
+#: The draws of docs/cli.md's certified eval (``--certify 2000``): the count a negative control must fail at.
+CLI_CERTIFY_DRAWS = 2000
+
+
+def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_the_clis_draw_count(
+        tmp_path, monkeypatch):
+    """The certificate runs the product's own decode loop with its verifier broken two ways — every draft accepted;
+    acceptance and residual computed from the draft's unfiltered q while it drew from the filtered one — and fails
+    both at the CLI's draw count; the real verifier passes, and every draw went through a proposal."""
+    from specdraft import decode
+    from specdraft.evaluate import certify_sampling
+
+    target = tiny_model("llama", 32, seed=0, layers=1)
+    draft = perturbed(target, 0.1)  # accepts about half its proposals: both the accept and the residual path run
+    sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)  # filtering changes q: the raw-q bug shows
+    real_verify = decode.verify_sampled
+
+    def always_accept(draft_tokens, q, p, generator=None, n_proposed=None, u=None):
+        # p replaced by q at the drafted positions: u·q < q for every u < 1, so every draft is accepted.
+        return real_verify(draft_tokens, q, torch.cat([q, p[:, q.shape[1]:]], dim=1), generator, n_proposed, u)
+
+    def unfiltered_q(logits, q, s):
+        return (logits.float() / s.temperature).softmax(-1)
+
+    def certify():
+        return certify_sampling(target, draft, [5, 6, 7], sampling, CLI_CERTIFY_DRAWS, 3, batch_size=500, seed=0)
+
+    good = certify()
+    assert good["passed"] and good["valid"] and good["invalid_reason"] is None
+    # Every first token was a proposal; about half were rejected and drawn from the residual; each accepted one
+    # was followed by a bonus draw.
+    assert good["proposals"] == CLI_CERTIFY_DRAWS and good["target_draws"] == 0
+    assert good["accepted"] + good["rejections"] == CLI_CERTIFY_DRAWS
+    assert 0.2 * CLI_CERTIFY_DRAWS < good["rejections"] < 0.8 * CLI_CERTIFY_DRAWS
+    assert good["bonus_draws"] == good["accepted"]
+    monkeypatch.setattr(decode, "verify_sampled", always_accept)
+    broken = certify()
+    assert broken["accepted"] == CLI_CERTIFY_DRAWS and broken["rejections"] == 0
+    assert not broken["passed"] and not broken["valid"] and "no proposal was rejected" in broken["invalid_reason"]
+    assert broken["p_value"] < 1e-3  # and the law is wrong, not only the evidence missing
+    monkeypatch.undo()
+    monkeypatch.setattr(decode, "_verification_q", unfiltered_q)
+    raw = certify()
+    assert raw["valid"] and raw["rejections"] > 0 and raw["p_value"] < 1e-3 and not raw["passed"]
+    monkeypatch.undo()
+
+    # The eval CLI at that draw count with the always-accepting verifier: the certificate line says why, exit 2.
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b c"}) + "\n")
+    monkeypatch.setattr(decode, "verify_sampled", always_accept)
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts), "--num-prompts",
+                                 "1", "--max-new-tokens", "2", "--dtype", "float32", "--temperature", "1",
+                                 "--gamma-policy", "fixed", "--certify", str(CLI_CERTIFY_DRAWS),
+                                 "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert f"({CLI_CERTIFY_DRAWS} proposed by the draft: {CLI_CERTIFY_DRAWS} accepted, 0 rejected" in out
+    assert "NOT VALID: no proposal was rejected" in out
+
+
+def test_a_certificate_without_rejections_is_not_valid_and_says_why():
+    """A draft equal to the target accepts every proposal: the χ² passes, but the residual path never ran, so the
+    certificate is marked not valid (it could not tell a broken verifier from a good one)."""
+    from specdraft.evaluate import certify_sampling
+
+    target = tiny_model("llama", 32, seed=0, layers=1)
+    cert = certify_sampling(target, target, [5, 6, 7], SamplingConfig(temperature=1.0), 300, 2, batch_size=300)
+    assert cert["proposals"] == 300 and cert["rejections"] == 0 and cert["p_value"] >= 1e-3
+    assert not cert["valid"] and not cert["passed"]
+    assert "residual draw never ran" in cert["invalid_reason"] and "--certify" in cert["invalid_reason"]
+
+
 # The transformers notices specdraft's own assisted-generation calls caused (one per drafting round).
 OWN_NOTICES = ("seem to have been set", "generation-related arguments", "generation_config")
 
@@ -612,3 +689,22 @@ def test_acceptance_eval_gives_one_matched_figure_at_two_gammas_and_the_report_l
     assert {r[0]: r[2] for r in rows}["matched gain (paired)"].startswith("+0.000")
     assert "bonus tokens never counted" in SUMMARY_LEGEND and "per answer token" in SUMMARY_LEGEND
     assert set(MEASURES) == {"matched", "per_reached", "per_proposed", "per_pass"}
+
+
+def test_the_greedy_identity_count_says_when_it_tests_nothing_of_verification():
+    """Greedy outputs equal to the target's certify verification only if drafts were proposed and some rejected:
+    a draft equal to the target never has one rejected, and a run that proposed nothing decoded with the target."""
+    from specdraft.acceptance import AcceptanceCounts
+    from specdraft.evaluate import identity_not_tested
+
+    target = tiny_model("llama", 64, seed=0, layers=2)
+    other = tiny_model("llama", 64, seed=7, layers=1)
+    cfg = EvalConfig(max_new_tokens=6, num_speculative_tokens=2, gamma_policy="fixed", dtype="float32",
+                     draft_quantization="none")  # the draft as given: the target itself proposes
+    same = run_eval(target, target, tiny_tokenizer(64), [[5, 6, 7], [8, 9]], config=cfg).summary()
+    assert same["lossless"] and "none of" in same["identity_not_tested"] and "rejected" in same["identity_not_tested"]
+    differs = run_eval(target, other, tiny_tokenizer(64), [[5, 6, 7], [8, 9]], config=cfg).summary()
+    assert differs["lossless"] and differs["identity_not_tested"] is None
+    idle = AcceptanceCounts(2)
+    idle.record_round(0, n_proposed=0)
+    assert "proposed no draft" in identity_not_tested(idle)

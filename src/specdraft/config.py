@@ -116,7 +116,9 @@ class EvalConfig(BaseModel):
         f"{ADAPTIVE_MAX_SPECULATIVE_TOKENS} with gamma_policy adaptive, {NUM_SPECULATIVE_TOKENS} with fixed.")
     max_new_tokens: int = Field(128, ge=1, description="New tokens per prompt (met exactly unless EOS/stop).")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    seed: int = Field(0, description="Sampling seed; prompt k uses seed + k for every contender.")
+    seed: int = Field(0, description="Sampling seed; prompt k uses seed + k for every contender. Under adaptive γ a "
+                      "sampled answer also follows the pair's speed model (each round's draft count): it reproduces "
+                      "when a rerun reads the same calibration from the cache (generate says when it does not).")
     compare_hf: bool = Field(False, description="Also time transformers' generate(assistant_model=draft).")
     draft_confidence_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="Stop drafting a round once the draft's probability of its own token "

@@ -172,6 +172,13 @@ def verify_sampled(
     return n, nxt
 
 
+def _verification_q(logits: torch.Tensor, q: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The q verification divides by: exactly the filtered q the draft token was drawn from (Theorem 3.5 holds for
+    that q only). A function of its own so that a negative control can put a wrong q here (the draft's unfiltered
+    softmax) and show that :func:`specdraft.evaluate.certify_sampling` fails it; decoding never replaces it."""
+    return q
+
+
 def _mix(*values: int) -> int:
     """A 63-bit seed from integers (splitmix64's finaliser, folded over the values): distinct keys, unrelated seeds."""
     h = 0x9E3779B97F4A7C15
@@ -191,6 +198,12 @@ class RowDraws:
     token. Nothing a row draws depends on the other rows, on how many steps the batch drafts or on the batch's
     order, so a row's tokens do not change when another row joins its batch (up to the float rounding of a batched
     forward); a batch-wide ``draft_confidence_threshold`` stop is the one exception (it changes what is proposed).
+
+    A row's tokens do follow its own k per round, whatever the keying: where it drafted, a token is an accepted
+    draft or a residual draw (a function of q and p), where it did not (the bonus after k accepted drafts, a round of
+    none) a plain draw from p, and no choice of uniforms makes those one function. So one seed gives one answer only
+    for one k sequence: adaptive γ takes it from the speed model and the row's acceptance so far, never from live
+    timings (:meth:`specdraft.pair.Generation.seed_note` says when a rerun reads another speed model).
     """
 
     def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):
@@ -391,7 +404,7 @@ class Drafter:
                 step = torch.where(bad, i, gamma)
                 self.first_bad = step if self.first_bad is None else torch.minimum(self.first_bad, step)
                 d = sample(q_i, u=u[:, i:i + 1])  # the row's own draw for step i (RowDraws)
-                qs.append(q_i)
+                qs.append(_verification_q(logits, q_i, s))
             tokens.append(d)
             if i == gamma - 1:
                 break

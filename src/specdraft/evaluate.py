@@ -84,6 +84,8 @@ REPORT_DEFINITIONS = {
     "differs from summary.cost_ratio_c by timing noise and context length",
     "summary.acceptance_rate_ci95": "95% bootstrap interval over prompts; null with fewer than 2 prompts (one prompt "
     "gives no interval)",
+    "summary.identity_not_tested": "why lossless (greedy outputs equal to the target's) proves nothing of "
+    "verification, or null: the speculative runs proposed no draft, or had none rejected",
 }
 
 
@@ -172,6 +174,7 @@ class EvalResult:
             "divergences": len([d for d in self.divergences if d.contender == "specdraft"]),
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
+            "identity_not_tested": identity_not_tested(c),
             # Other processes' share of the CPU while decoding (LoadMonitor): speeds measured on a busy machine are
             # marked, never silently reported as the pair's.
             "sampling_certificate": self.certificate,
@@ -198,6 +201,19 @@ class EvalResult:
             "per_prompt": self.per_prompt,
             "definitions": REPORT_DEFINITIONS,
         }
+
+
+def identity_not_tested(counts: AcceptanceCounts) -> str | None:
+    """Why greedy outputs equal to the target's prove nothing of verification, or ``None`` when the speculative
+    runs proposed drafts and the target rejected some: with no proposal the target alone decoded, and with no
+    rejection a verifier that accepts everything would give the same outputs."""
+    proposed, rejected = sum(counts.proposed), sum(counts.reached) - sum(counts.accepted)
+    if proposed == 0:
+        return "speculation proposed no draft (the target decoded alone): the identity tests nothing of verification"
+    if rejected == 0:
+        return (f"none of {proposed} drafts was rejected: a verifier that accepts everything would match as well "
+                "(more prompts or tokens, or a draft that differs from the target, test it)")
+    return None
 
 
 def eos_ids(model, tokenizer=None) -> list[int]:
@@ -239,17 +255,27 @@ def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingCon
                      batch_size: int = 64, seed: int = 0, vocab_mapping=None) -> dict[str, Any]:
     """Is sampled speculative decoding exact on this pair? A χ² goodness-of-fit test of the first sampled token.
 
-    ``draws`` rows of ``prompt`` (in batches of ``batch_size``) each emit one token by speculative sampling
-    (:func:`~specdraft.decode.speculative_generate`, ``max_new_tokens=1``: a draft proposal, then acceptance with
-    min(1, p/q) or a draw from the residual max(0, p − q)); the counts are tested against the target's own filtered
-    law p of that position (one target forward pass; :func:`specdraft.sampling.filtered_probs`). Cells of expected
-    count < 5 are merged into one (:func:`specdraft.testing.chi2_goodness_of_fit`). Leviathan et al. 2023, Thm 3.5:
-    the emitted token's law is p whatever q is, so a small p-value (< 0.001 over enough draws) would be a bug.
+    ``draws`` rows of ``prompt`` (in batches of ``batch_size``) are decoded two tokens each by speculative sampling
+    (:func:`~specdraft.decode.speculative_generate`, ``max_new_tokens=2``, no stop ids): the first round drafts one
+    token (the room left before the second), so each first token is a draft proposal accepted with min(1, p/q) or a
+    draw from the residual norm(max(0, p − q)); an accepted one is followed by the round's bonus draw from the
+    target. (With ``max_new_tokens=1`` no round has room to draft and the target alone draws: the test would
+    certify nothing of speculation.) The first tokens' counts are tested against the target's own filtered law p
+    of that position (one target forward pass; :func:`specdraft.sampling.filtered_probs`). Cells of expected count
+    < 5 are merged into one (:func:`specdraft.testing.chi2_goodness_of_fit`). Leviathan et al. 2023, Thm 3.5: the
+    emitted token's law is p whatever q is, so a small p-value (< 0.001 over enough draws) would be a bug.
+
+    A certificate is valid only when speculation proposed and rejected: with no proposal the target alone drew, and
+    with no rejection the residual draw never ran — a verifier that accepts everything would pass it too.
 
     Returns:
         ``{"draws", "p_value", "outside_support"`` (draws of tokens with p = 0: must be 0),
         ``"cells"`` (χ² cells after merging), ``"top_tokens"`` ([[id, p, observed share], …] for the 5 likeliest),
-        ``"passed"`` (p_value ≥ 0.001 and nothing outside the support)}.
+        ``"proposals"`` (first tokens drafted), ``"accepted"`` (of them accepted), ``"rejections"`` (rejected: the
+        first token is a residual draw), ``"bonus_draws"`` (second tokens drawn from the target after an accepted
+        draft), ``"target_draws"`` (first tokens the target drew with no proposal, e.g. a non-finite q),
+        ``"valid"``, ``"invalid_reason"`` (why not, or ``None``),
+        ``"passed"`` (valid, p_value ≥ 0.001 and nothing outside the support)}.
 
     Raises:
         ValueError: greedy ``sampling`` (there the identity count is the certificate) or ``draws`` < 1.
@@ -269,22 +295,38 @@ def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingCon
     law = law / law.sum()
     gen = torch.Generator(device=device).manual_seed(seed)
     first: list[int] = []
+    counts = AcceptanceCounts(num_speculative_tokens)
     while len(first) < draws:
         b = min(batch_size, draws - len(first))
         inp, mask = left_pad([list(prompt)] * b, pad_id, device)
-        out, _ = speculative_generate(target, draft, inp, mask, num_speculative_tokens=num_speculative_tokens,
-                                      sampling=sampling, max_new_tokens=1, real_vocab=real_vocab, generator=gen,
-                                      vocab_mapping=vocab_mapping)
+        out, c = speculative_generate(target, draft, inp, mask, num_speculative_tokens=num_speculative_tokens,
+                                      sampling=sampling, max_new_tokens=2, eos_token_id=[], real_vocab=real_vocab,
+                                      generator=gen, vocab_mapping=vocab_mapping)
+        counts = counts.merge(c)
         first += [row[0] for row in out]
-    counts = np.bincount(first, minlength=law.shape[0])
-    outside = int(counts[law == 0].sum())
+    # Position 0 of a round is the first token here: only the first round drafts (the second has no room).
+    # Each accepted first draft is followed by that round's bonus draw (two tokens per row, no stop ids).
+    proposals, accepted = counts.proposed[0], counts.accepted[0]
+    rejections = counts.reached[0] - accepted
+    invalid = None
+    if proposals == 0:
+        invalid = (f"speculation proposed no token in {draws} draws: the target alone drew them, so nothing of "
+                   "speculative decoding was tested (does the draft give finite logits, and read this prompt?)")
+    elif rejections == 0:
+        invalid = (f"no proposal was rejected in {draws} draws: the residual draw never ran, so a verifier that "
+                   "accepts everything would pass as well; give more draws (--certify), or certify a draft that "
+                   "differs from the target")
+    counts_first = np.bincount(first, minlength=law.shape[0])
+    outside = int(counts_first[law == 0].sum())
     # A draw of a token p gives no mass is proof enough (and scipy's χ² refuses unequal totals).
     p_value = 0.0 if outside else chi2_goodness_of_fit([[t] for t in first], law)[0]
     top = np.argsort(-law)[:5]
     cells = int((law * draws >= 5).sum()) + int((law * draws < 5).any())
     return {"draws": draws, "p_value": p_value, "outside_support": outside, "cells": cells,
-            "top_tokens": [[int(t), float(law[t]), float(counts[t] / draws)] for t in top],
-            "passed": p_value >= 1e-3 and outside == 0}
+            "top_tokens": [[int(t), float(law[t]), float(counts_first[t] / draws)] for t in top],
+            "proposals": proposals, "accepted": accepted, "rejections": rejections, "bonus_draws": accepted,
+            "target_draws": draws - proposals, "valid": invalid is None, "invalid_reason": invalid,
+            "passed": invalid is None and p_value >= 1e-3 and outside == 0}
 
 
 def run_eval(

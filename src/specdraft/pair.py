@@ -132,6 +132,28 @@ class Generation:
             vocab_mapping=p.mapping, mapped_proposals=c.mapped_proposals, speed_model=self.speed_model)
         return counts
 
+    def seed_note(self) -> str | None:
+        """When ``--seed`` reproduces this sampled answer, or ``None`` when the seed alone fixes it (a fixed γ) or
+        nothing is random (greedy).
+
+        Under adaptive γ each round drafts the k the speed model predicts fastest at the row's acceptance so far, and
+        the draws a round consumes follow its k; the run's γ sequence uses nothing else (no live timing), so the
+        answer is a function of the seed, the prompt, the configuration and the speed model. A speed model read from
+        the calibration cache, or measured now and cached, is the one a rerun reads; one measured on a busy machine
+        is not cached (its costs would misprice later runs), so a rerun measures again and may draft other k."""
+        c = self.config
+        if c.sampling.greedy or self.speed_model is None:
+            return None
+        if self.speed_source.startswith("measured on a busy machine"):
+            return (f"the speed model was measured on a busy machine and not cached; each round's draft count follows "
+                    f"it, so a rerun with --seed {c.seed} measures again and may sample another answer. "
+                    "--gamma-policy fixed makes the answer a function of the seed alone.")
+        if self.speed_source.startswith("cache"):
+            return (f"--seed {c.seed} reproduces this answer while the calibration cache holds this speed model "
+                    "(each round's draft count follows it).")
+        return (f"the speed model was measured now and cached: a rerun with --seed {c.seed} reads it and samples "
+                "this answer again (until the cache entry is re-measured).")
+
     def shortened_by(self) -> list[str]:
         """What may draft fewer than γ in a pass besides the answer's end: adaptive γ, the confidence threshold,
         a mapped draft (empty under a fixed γ with none of them)."""

@@ -166,8 +166,11 @@ def print_eval(res, out_paths: dict, config) -> None:
     print_configuration(res.config)
     busy_warning(res.summary().get("machine_load"))
     if (cert := res.certificate) is not None:
-        verdict = "passed" if cert["passed"] else "[red]FAILED: sampled output does not follow the target's law[/]"
-        console.print(f"sampling certificate: {cert['draws']} first-token draws vs the target's law, χ² over "
+        verdict = ("passed" if cert["passed"] else f"[red]NOT VALID: {escape(cert['invalid_reason'])}[/]"
+                   if not cert["valid"] else "[red]FAILED: sampled output does not follow the target's law[/]")
+        console.print(f"sampling certificate: {cert['draws']} first-token draws vs the target's law "
+                      f"({cert['proposals']} proposed by the draft: {cert['accepted']} accepted, {cert['rejections']} "
+                      f"rejected and drawn from the residual; {cert['bonus_draws']} bonus draws), χ² over "
                       f"{cert['cells']} cells, p = {cert['p_value']:.3g}, {cert['outside_support']} draws outside "
                       f"p's support — {verdict}", highlight=False)
     for d_ in res.divergences:
@@ -256,6 +259,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("recommended γ (analytic; prefill left out)",
          f"{s['analytic_recommended_gamma']} ({s['analytic_speedup_at_recommended_gamma']:.2f}x)"),
         ("greedy divergences (beyond tolerance)", f"{s['divergences']} ({s['divergences_beyond_tolerance']})"
+         + (f" — not evidence: {s['identity_not_tested']}" if s.get("identity_not_tested") else "")
          if greedy else "— (sampled: the χ² tests cover the law)"),
     ]
     for k, v in rows:
@@ -299,6 +303,8 @@ def print_generation_end(gen, counts) -> None:
     why = gen.shortened_by()
     line = generate_summary(counts, gen.config.max_new_tokens, not why, why)
     console.print(f"[dim]{escape(line)}[/]", soft_wrap=True)
+    if (seed := gen.seed_note()) is not None:
+        note("seed", seed)
 
 
 def generate_summary(counts, max_new_tokens: int, fixed: bool, why: Sequence[str] = ()) -> str:
