@@ -814,3 +814,18 @@ def test_generate_says_when_its_seed_does_not_reproduce_the_answer(tmp_path, mon
     for extra in (["--temperature", "1", "--gamma-policy", "fixed", "--gamma", "2"], []):
         r = CliRunner().invoke(app, base + extra)
         assert r.exit_code == 0 and "seed:" not in r.output, r.output
+
+
+def test_a_prompt_past_the_window_is_refused_before_adaptive_gammas_calibration(tmp_path, monkeypatch):
+    """Under adaptive γ a prompt longer than the model's window sat in calibration ("decoding 0/1") for minutes:
+    only fixed γ gave the error line. The window is checked before calibrating now, by decoding's rule."""
+    import specdraft.calibration as cal
+
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    window = json.loads((Path(tdir) / "config.json").read_text())["max_position_embeddings"]
+    monkeypatch.setattr(cal, "cached_speed_model", lambda *a, **k: pytest.fail("calibrated a prompt past the window"))
+    prompt = " ".join(["a b c d"] * window)
+    r = CliRunner().invoke(app, ["generate", prompt, "--target", tdir, "--draft", ddir, "--dtype", "float32",
+                                 "--max-new-tokens", "4"], env={"COLUMNS": "400"})
+    line = _one_error_line(r)
+    assert "exceeds the target's context window" in line and f"({window})" in line, line

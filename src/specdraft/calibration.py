@@ -279,7 +279,20 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalCo
     tokenizer (``vocab_mapping``) the draft reads that prompt re-encoded in its ids (when that is 2+ tokens). γ's
     bound is ``max(config.num_speculative_tokens, 8)``; the cache is ``config.speed_cache_dir``, read unless
     ``config.speed_cache`` is False (:func:`cached_speed_model`).
+
+    Raises:
+        specdraft.sampling.ContextWindowError: the longest prompt + ``max_new_tokens`` + γ+1 exceeds a model's window
+            (decoding's rule, :func:`specdraft.sampling.check_context`): refused here, before minutes of calibration
+            on a prompt the decoder would refuse anyway.
     """
+    from specdraft.sampling import check_context
+
+    if prompt_ids:
+        longest = max(len(p) for p in prompt_ids)
+        need = longest + config.max_new_tokens + config.num_speculative_tokens + 1
+        check_context(need, [("target", target), ("draft", None if vocab_mapping is not None else draft)],
+                      f"prompt ({longest} tokens) + max_new_tokens ({config.max_new_tokens}) + γ+1 = {need}",
+                      "shorten the prompt or lower --max-new-tokens.")
     calib = calibration_context(prompt_ids)
     if len(calib) < 2:
         return None
