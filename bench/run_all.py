@@ -198,6 +198,7 @@ def _render_distillation() -> list[str]:
                                    data="ShareGPT first turns, teacher-forced (their existing replies scored by the "
                                    "target)")
     lines += _render_distill_routes()
+    lines += _render_swap_routes()
     return lines + _render_headroom_calibration()
 
 
@@ -383,6 +384,39 @@ def _render_distill_routes() -> list[str]:
                   "| ---: | ---: | --- | ---: | --- |"]
         cell = lambda v: f"{v['acceptance']:.3f} | {v['gain']:+.3f} {_ci(v['gain_ci95'])}" if v else "— | —"
         lines += [f"| {p['step']} | {cell(p['chat'])} | {cell(p.get('code'))} |" for p in r["curve"]]
+    return lines + [""]
+
+
+def _render_swap_routes(name: str = "distill-routes-swap.json") -> list[str]:
+    """The swapped draft's routes (initialisation, head warm-up, losses), each replayed on the same target answers and
+    paired against the plain swap (``bench/swap_routes/``)."""
+    r = _load(name)
+    if not r:
+        return []
+
+    def cell(v: dict | None) -> str:
+        if not v or v.get("acceptance") is None:
+            return "—"
+        gain = f", {v['gain']:+.3f} {_ci(v['gain_ci95'])}" if v.get("gain") is not None else ""
+        return f"{v['acceptance']:.3f}{gain}"
+
+    base = r["baseline"]
+    lines = ["## Routes for the re-indexed draft", "", r["question"], "",
+             (f"Measure: {r['measure']}. Held-out code: {r['held_out']['code']}; chat: {r['held_out']['chat']}. "
+              f"Machine: {r['machine']}. Goal: {r['goal']}."), "",
+             "| route | held-out code | held-out chat | training seconds (wall / CPU) |", "| --- | --- | --- | ---: |",
+             (f"| {base['route']} | {cell({'acceptance': base.get('code')})} | "
+              f"{cell({'acceptance': base.get('chat')})} | — |")]
+    for rt in r["routes"]:
+        secs = rt.get("seconds") or {}
+        wall, cpu = secs.get("wall", secs.get("total")), secs.get("cpu")
+        t = "—" if wall is None else f"{wall:.0f} / {'—' if cpu is None else f'{cpu:.0f}'}"
+        code = rt.get("code_set") or {"acceptance": rt.get("code"), "gain": rt.get("gain"), "gain_ci95": rt.get("gain_ci95")}
+        chat = rt.get("chat_set") or ({"acceptance": rt["chat"]} if rt.get("chat") is not None else None)
+        lines.append(f"| {rt['route']} | {cell(code)} | {cell(chat)} | {t} |")
+    lines += ["", "Commands:", ""] + [f"- {rt['route'].split(':')[0]}: `{rt['command']}`" for rt in r["routes"]]
+    if r.get("not_measured"):
+        lines += ["", "Not measured: " + "; ".join(r["not_measured"]) + "."]
     return lines + [""]
 
 

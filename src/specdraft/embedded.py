@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel
 
 
-# The embedded default pair (issue: foundation). One source for every list of names.
+# The embedded default pair. One source for every list of names.
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
