@@ -397,6 +397,7 @@ def test_generate_summary_adds_up_and_says_why_the_last_round_was_short(tmp_path
                                  "--gamma", "5", "--gamma-policy", "fixed", "--draft-quantization", "none",
                                  "--dtype", "float32"], terminal_width=400)
     assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0] == f"pair: target {tdir} ← draft {tdir}"  # eval/generate name the pair first
     line = r.output.strip().splitlines()[-1]
     m = re.search(r"^(\d+) tokens .*; (\d+) of (\d+) drafted tokens accepted \(acceptance rate ([\d.]+)\) in (\d+) "
                   r"target pass(?:es)?, ([\d.]+) tokens per pass; accepted-length histogram \[([\d, ]+)\]", line)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from specdraft.cli.errors import check_out, fail, output_file
 from specdraft.cli.options import (
@@ -57,6 +58,8 @@ def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_prop
     resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("loading models…"):
         pair = load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
+    # eval and generate default to the embedded same-family pair, run to the preset's: each names what it runs.
+    console.print(f"pair: target {escape(target)} ← draft {escape(draft)}", highlight=False, soft_wrap=True)
     print_notes(pair.notes)
     return pair
 
