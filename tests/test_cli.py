@@ -804,6 +804,9 @@ def test_generate_says_when_its_seed_does_not_reproduce_the_answer(tmp_path, mon
 
     ticks = iter(range(1, 10**6))
     monkeypatch.setattr(cal, "_cpu_jiffies", lambda: (500_000 * (n := next(ticks)), 1_000_000 * n))  # others hold half the CPU
+    # Its own cache: the session's may hold this tiny pair's speed model from an earlier test, and a cache hit measures
+    # nothing (so nothing is busy).
+    monkeypatch.setenv("SPECDRAFT_SPEED_CACHE", str(tmp_path / "speed-cache"))
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     base = ["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "6", "--dtype", "float32",
             "--seed", "3"]
@@ -828,5 +831,6 @@ def test_a_prompt_past_the_window_is_refused_before_adaptive_gammas_calibration(
     prompt = " ".join(["a b c d"] * window)
     r = CliRunner().invoke(app, ["generate", prompt, "--target", tdir, "--draft", ddir, "--dtype", "float32",
                                  "--max-new-tokens", "4"], env={"COLUMNS": "400"})
-    line = _one_error_line(r)
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+    (line,) = _error_lines(r.output)  # after the pair line: the models load before their windows are known
     assert "exceeds the target's context window" in line and f"({window})" in line, line
