@@ -208,6 +208,6 @@ def test_vocab_swap_report_and_headroom_on_the_swapped_draft_carry_the_diagnosti
     assert "swap diagnostic" in r.output
     # A draft of the target's own tokenizer is no swap: no diagnostic.
     r = CliRunner().invoke(app, ["headroom", "--target", str(tdir), "--draft", str(tdir), "--prompts", str(data),
-                                 "--out", str(h)])
+                                 "--out", str(h), "--overwrite"])
     assert r.exit_code == 0, r.output
     assert "segmentation" not in json.loads(h.read_text()) and "swap diagnostic" not in r.output

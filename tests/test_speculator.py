@@ -355,7 +355,8 @@ def test_unreadable_verifier_fails_before_writing(tmp_path, pair):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    with pytest.raises(SpeculatorError, match="verifier reference .* is unreadable"):
+    # Named with its line when the reference is resolved, before any weight is read.
+    with pytest.raises(ModelResolutionError, match=r"broken/config.json is not valid JSON \(line 1, column 2"):
         convert(draft_dir, broken, out)
     assert not (tmp_path / "sub").exists()  # not even the parent directory
 
