@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from specdraft.config import EvalConfig
-from specdraft.decode import _Stream
+from specdraft.decode import _Stream, check_decode_context
 from specdraft.draft_model import describe_draft
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
@@ -285,14 +285,9 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalCo
             (decoding's rule, :func:`specdraft.sampling.check_context`): refused here, before minutes of calibration
             on a prompt the decoder would refuse anyway.
     """
-    from specdraft.sampling import check_context
-
     if prompt_ids:
-        longest = max(len(p) for p in prompt_ids)
-        need = longest + config.max_new_tokens + config.num_speculative_tokens + 1
-        check_context(need, [("target", target), ("draft", None if vocab_mapping is not None else draft)],
-                      f"prompt ({longest} tokens) + max_new_tokens ({config.max_new_tokens}) + γ+1 = {need}",
-                      "shorten the prompt or lower --max-new-tokens.")
+        check_decode_context(max(len(p) for p in prompt_ids), config.max_new_tokens, config.num_speculative_tokens,
+                             target, None if vocab_mapping is not None else draft)
     calib = calibration_context(prompt_ids)
     if len(calib) < 2:
         return None

@@ -65,6 +65,7 @@ import torch
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
 from specdraft.sampling import (
+    ContextWindowError,
     align_logits,
     check_context,
     check_token_ids,
@@ -585,6 +586,20 @@ class MappedDrafter(Drafter):
 # ------------------------------------------------------------------------------------------ the loop
 
 
+def check_decode_context(longest: int, max_new_tokens: int, gamma: int, target, draft,
+                         error: type[Exception] = ContextWindowError) -> None:
+    """Decoding's window rule: the longest prompt (``longest`` tokens) + ``max_new_tokens`` + γ+1 positions must fit
+    the target's and the draft's context windows (``draft`` None: not checked, e.g. a mapped draft).
+
+    Raises:
+        ``error``: the message names the three terms, the window and the fix (:func:`specdraft.sampling.check_context`).
+    """
+    need = longest + max_new_tokens + gamma + 1
+    check_context(need, [("target", target), ("draft", draft)],
+                  f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need}",
+                  "shorten the prompt or lower --max-new-tokens.", error=error)
+
+
 def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_tokens: int, mapped: bool,
                   real_vocab: int | None = None) -> None:
     if draft is not None and gamma < 1:
@@ -606,10 +621,7 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
                               "them, or decode with a draft of this tokenizer.")
     longest = int(attention_mask.sum(dim=1).max())
     # A mapped draft counts positions in its own tokens: its window is checked each round instead.
-    need = longest + max_new_tokens + gamma + 1
-    check_context(need, [("target", target), ("draft", None if mapped else draft)],
-                  f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need}",
-                  "shorten the prompt or lower --max-new-tokens.", error=DecodeError)
+    check_decode_context(longest, max_new_tokens, gamma, target, None if mapped else draft, error=DecodeError)
     for name, m in (("target", target), ("draft", draft)):
         w = _sliding_window(m) if m is not None else None
         if w is not None and input_ids.shape[0] > 1 and input_ids.shape[1] + max_new_tokens + gamma + 1 > w:
