@@ -790,3 +790,37 @@ def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_trainin
                                            r"window \(16\)") as err:
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
     assert int(err.value.args[0].split("(")[1].split(" ")[0]) == longest > 16
+
+
+def test_row_lr_trains_the_rows_in_their_own_group_and_untie_head_lets_the_head_leave_the_embedding(setup, tmp_path):
+    from transformers import TrainerCallback
+
+    target, rows = setup
+    draft = tiny_model("llama", V, seed=1, layers=2, tie_word_embeddings=True)
+    assert draft.lm_head.weight is draft.model.embed_tokens.weight
+    emb0 = draft.model.embed_tokens.weight.detach().clone()
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kw):
+            seen.append([(g["lr"], sum(p.numel() for p in g["params"])) for g in optimizer.param_groups])
+
+    cfg = DistillConfig(loss="nla", lr=1e-3, row_lr=2e-2, untie_head=True, max_steps=2, batch_size=2,
+                        scheduler="linear", warmup_ratio=0.0, held_out_fraction=0.0, save_steps=100)
+    out = train(draft, target.lm_head.weight, None, V, rows, None, cfg, tmp_path, resume=False, callbacks=[Watch()])
+    d = out["draft"]
+    head, emb = d.lm_head.weight, d.model.embed_tokens.weight
+    assert head is not emb and d.config.tie_word_embeddings is False
+    rows_n = 2 * V * emb.shape[1]  # the embedding and the head, now two matrices
+    body_n = sum(p.numel() for p in d.parameters()) - rows_n
+    # Every body parameter at lr, both row matrices at row_lr, at each step (after the scheduler's step: the
+    # linear schedule scales both groups alike, 1/2 then 0 of the peak); the Trainer's own weight-decay split of
+    # the body (norms apart) is kept.
+    for step, scale in zip(seen, (0.5, 0.0), strict=True):
+        assert sum(n for _, n in step) == body_n + rows_n
+        rows_groups = [(lr, n) for lr, n in step if n == rows_n]
+        assert len(rows_groups) == 1 and rows_groups[0][0] == pytest.approx(2e-2 * scale)
+        assert all(lr == pytest.approx(1e-3 * scale) for lr, n in step if n != rows_n)
+    # Both rows moved, apart: the head is no longer the embedding (untied), and each left its start.
+    assert not torch.equal(head, emb)
+    assert not torch.equal(emb.detach(), emb0) and not torch.equal(head.detach(), emb0)

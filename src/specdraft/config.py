@@ -230,6 +230,14 @@ class DistillConfig(BaseModel):
     top_k: int = Field(0, ge=0, description="Serving top-k (tvd_deploy and α); 0 = off.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving top-p (tvd_deploy and α); 1 = off.")
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
+    row_lr: float | None = Field(
+        None, gt=0.0, description="Peak learning rate of the input-embedding and output-head rows, an AdamW group "
+        "of their own (the schedule scales both groups alike); None = lr. Rows that a vocabulary swap re-indexed "
+        "start far from where they belong and must move further than the body in the same steps.")
+    untie_head: bool = Field(
+        False, description="Give the output head its own copy of a tied input embedding before training, so an "
+        "input row (what the draft reads) and an output row (what it proposes) can learn apart; the exported "
+        "config.json then says tie_word_embeddings false. A no-op for an untied draft.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     batch_size: int = Field(1, ge=1, description="Sequences per device per micro-batch.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")

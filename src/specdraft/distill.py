@@ -362,6 +362,13 @@ def select_trainable(draft, config: DistillConfig):
     return draft, sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
 
+def row_parameter_ids(draft) -> set[int]:
+    """``id()`` of the draft's input-embedding and output-head weights (one id when they are tied): the rows that
+    ``DistillConfig.row_lr`` trains at their own learning rate."""
+    mods = (draft.get_input_embeddings(), draft.get_output_embeddings())
+    return {id(m.weight) for m in mods if m is not None and getattr(m, "weight", None) is not None}
+
+
 def _decoder_layers(model):
     for path in ("model.layers", "transformer.h", "model.decoder.layers"):
         obj = model
@@ -655,6 +662,26 @@ def _make_trainer_class():
         # number of accumulation steps (transformers' Trainer.training_step reads this flag).
         loss_is_scaled_for_ga = True
 
+        def create_optimizer(self, model=None):
+            """The Trainer's AdamW, its groups split so the embedding and head rows run at ``row_lr``."""
+            opt = super().create_optimizer(model)
+            row_lr = self.model.config_.row_lr
+            if row_lr is None or getattr(opt, "_rows_split", False):
+                return opt
+            rows = row_parameter_ids(self.model.draft)
+            groups = []
+            for g in opt.param_groups:
+                rest = {k: v for k, v in g.items() if k != "params"}
+                for part, lr in (([p for p in g["params"] if id(p) not in rows], rest["lr"]),
+                                 ([p for p in g["params"] if id(p) in rows], row_lr)):
+                    if part:
+                        groups.append(rest | {"params": part, "lr": lr})
+            opt.param_groups.clear()  # no step taken yet: no state to carry over
+            for g in groups:
+                opt.add_param_group(g)
+            opt._rows_split = True
+            return opt
+
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             """The step's micro-batches and its trained positions, summed over micro-batches and ranks.
 
@@ -872,6 +899,10 @@ def train(
     from transformers.trainer_utils import set_seed
 
     set_seed(config.seed)
+    if config.untie_head:
+        from specdraft.head_warmup import untie_head
+
+        untie_head(draft)  # before freezing: the new head parameter follows config.train like the rest
     draft, n_trainable = select_trainable(draft, config)
     use_cpu = not torch.cuda.is_available()
     precision, precision_reason = resolve_precision(config.precision, "cpu" if use_cpu else "cuda")

@@ -158,12 +158,13 @@ def distill(
     draft: str = draft_option(),
     dump: Annotated[Path, typer.Option(help="Teacher dump directory written by `specdraft dump`.")] = Path("runs/dump"),
     out: Path = out_option(Path("runs/distill"), "Output: checkpoints/, speculator/, training.json."),
-    loss: Annotated[LossName, typer.Option(help="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
-                                                "serving filter, 1 − it is the deployed acceptance.")] = "tvd",
+    loss: LossName = config_option(DistillConfig, "loss", "--loss"),
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-5,
+    row_lr: float | None = config_option(DistillConfig, "row_lr", "--row-lr"),
+    untie_head: bool = config_option(DistillConfig, "untie_head", "--untie-head"),
     max_steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 100,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
     gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
@@ -196,8 +197,8 @@ def distill(
     from specdraft.distill import run_distill
 
     cfg = DistillConfig(
-        loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, max_steps=max_steps,
-        batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
+        loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, row_lr=row_lr,
+        untie_head=untie_head, max_steps=max_steps, batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
         scheduler=scheduler, seed=seed, dtype=dtype, precision=precision, train=train,
         train_last_layers=train_last_layers,
         held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
