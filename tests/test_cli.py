@@ -362,14 +362,24 @@ def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
     assert "head_tokens.json is not a specdraft token ranking" in ranking_line()
 
 
-def test_check_json_creates_no_folders_the_user_did_not_ask_for(tmp_path):
+def test_check_json_follows_the_one_output_rule(tmp_path):
+    """check --json used to overwrite an existing file silently; it now refuses it unless --overwrite, as every
+    command's output does (and creates missing folders, as they do)."""
     tdir, ddir = save_tiny_pair(tmp_path, 64)
-    missing = tmp_path / "no" / "such" / "x.json"
-    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(missing)])
-    assert _one_error_line(r).startswith(f"error: --json {missing}: the folder {missing.parent} does not exist")
-    assert not (tmp_path / "no").exists()
     r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(tmp_path)])
     assert _one_error_line(r) == f"error: --json {tmp_path} is a directory: give a file name"
+    out = tmp_path / "new" / "check.json"
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    first = json.loads(out.read_text())
+    assert first["compat"]["verdict"] == "identical" and first["continuations"]["target"]
+    out.write_text("{}")
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(out)])
+    assert _one_error_line(r) == (f"error: --json {out} exists; pass --overwrite to replace it, or choose another "
+                                  "--json")
+    assert out.read_text() == "{}"
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(out), "--overwrite"])
+    assert r.exit_code == 0 and json.loads(out.read_text())["compat"]["verdict"] == "identical"
 
 
 def test_usage_names_arguments_and_switches_take_one_flag():

@@ -151,18 +151,6 @@ def fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def output_file(path: Path | None, flag: str) -> None:
-    """Refuse, before any long work, an output file that is a directory or whose folder does not exist: only what
-    the user asked for is created (never a chain of folders from a typo)."""
-    if path is None:
-        return
-    if path.is_dir():
-        fail(f"{flag} {path} is a directory: give a file name")
-    if not path.parent.is_dir():
-        fail(f"{flag} {path}: the folder {path.parent} does not exist (create it, or choose a file in an existing "
-             "folder)")
-
-
 def check_out(path: Path | None, flag: str = "--out", *, file: bool = False, overwrite: bool | None = False) -> None:
     """The one rule for where a command writes, applied before any model loads (after its flags and prompt files
     are read): a place that cannot be written is one ``error:`` line (exit 2) now, not a traceback after the work.

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from specdraft.cli.errors import check_out, fail, output_file
+from specdraft.cli.errors import check_out, fail
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     ConfOpt,
@@ -76,6 +76,7 @@ def check(
     dtype: ModelDtype = dtype_option(EvalConfig, " Both models are loaded in it for their continuations; eval, "
                                      "generate and rank decode in bfloat16 by default: pass --dtype bfloat16 to see "
                                      "what they decode.", default="auto"),
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Check that a target and a draft can work together.
 
@@ -86,7 +87,7 @@ def check(
     if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
-    output_file(json_out, "--json")
+    check_out(json_out, "--json", file=True, overwrite=overwrite)
 
     tpath = resolve_with_progress(target, "--target")
     dpath = resolve_with_progress(draft, "--draft")
