@@ -233,7 +233,7 @@ def test_cli_check_exit_codes_and_json(tmp_path):
     target, draft = save_tiny_pair(tmp_path / "swapped", vocab_size=64)
     swapped = tiny_tokenizer(64, swap=(10, 20))
     swapped.save_pretrained(draft)
-    res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--json", str(out)])
+    res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--json", str(out), "--overwrite"])
     assert res.exit_code == 1
     assert "mismatch" in res.output and repr(swapped.convert_ids_to_tokens(10)) in res.output
     saved = json.loads(out.read_text())

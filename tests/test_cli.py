@@ -390,7 +390,7 @@ def test_usage_names_arguments_and_switches_take_one_flag():
     r = CliRunner().invoke(app, ["rank", "--help"], prog_name="specdraft")
     assert r.output.splitlines()[0] == "Usage: specdraft rank [OPTIONS] DRAFTS..."
     off_switches = [(path, p) for path, p in _options() if getattr(p, "is_flag", False) and p.default is False]
-    assert {path for path, p in off_switches if p.name == "overwrite"} == {"eval", "rank", "headroom", "export",
+    assert {path for path, p in off_switches if p.name == "overwrite"} == {"check", "eval", "rank", "headroom", "export",
                                                                            "vocab-swap", "run"}
     for path, p in off_switches:
         assert not p.secondary_opts, (path, p.opts, p.secondary_opts)

@@ -45,7 +45,7 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
         assert len({tuple(p.opts) for p in params.values()}) == 1, (name, {k: p.opts for k, p in params.items()})
     assert len({p.help for p in gammas.values()}) == 1 and {p.default for p in gammas.values()} == {None}
     overwrites = _params("overwrite")
-    assert set(overwrites) == {"eval", "rank", "headroom", "export", "vocab-swap", "run"}
+    assert set(overwrites) == {"check", "eval", "rank", "headroom", "export", "vocab-swap", "run"}
     assert {p.help for p in overwrites.values()} == {ExportConfig.model_fields["overwrite"].description}
     # The seed, the sampling triple and the dtype: default and help from the config the command fills.
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,

@@ -242,12 +242,17 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     panels = 2 + bool(sp) + bool(curve)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
     ax = axes[0]
-    for shift, side, color in ((-0.2, B, "#4C72B0"), (0.2, A, "#55A868")):
+    # A re-indexed draft's "before" is the swap's, so the draft as given (mapped) stands beside it: without it
+    # the swap's cost would read as distillation's gain.
+    bars = ([(report["eval_before"]["sets"], "as given (mapped)", "#999")] if swap_baseline(report) else []) + [
+        (B, "re-indexed, before" if swap_baseline(report) else "before", "#4C72B0"), (A, "after", "#55A868")]
+    width = 0.8 / len(bars)
+    for j, (side, label, color) in enumerate(bars):
         vals = [side[n]["acceptance_rate"] for n in names]
         cis = [side[n].get("acceptance_rate_ci95") or [v, v] for n, v in zip(names, vals)]
         err = [[v - c[0] for v, c in zip(vals, cis)], [c[1] - v for v, c in zip(vals, cis)]]
-        ax.bar([i + shift for i in range(len(names))], vals, 0.4, yerr=err, capsize=3, color=color,
-               label="before" if side is B else "after")
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in range(len(names))], vals, width, yerr=err, capsize=3,
+               color=color, label=label)
     ax.set_xticks(range(len(names)), [SET_LABELS.get(n, n) for n in names])
     ax.set(ylabel="accepted / proposed", ylim=(0, 1.05), title="greedy acceptance (95% CI)")
     ax.legend()
@@ -286,7 +291,7 @@ def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str,
     """Held-out teacher-forced α by step (predicted) beside the acceptance measured before and after (with its 95%
     interval): does the cheap curve foretell the measured gain?"""
     steps = [p["step"] for p in curve]
-    ax.plot(steps, [p["eval_alpha"] for p in curve], marker="o", ms=3, label="held-out α (teacher-forced)")
+    ax.plot(steps, [p["eval_alpha"] for p in curve], marker="o", ms=3, label="validation α (teacher-forced, training prompts)")
     for x, ev, name, color in ((0, b, "before", "#4C72B0"), (steps[-1], a, "after", "#55A868")):
         ci = ev.get("acceptance_rate_ci95")
         err = [[ev["acceptance_rate"] - ci[0]], [ci[1] - ev["acceptance_rate"]]] if ci else None
@@ -415,7 +420,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         ("Evaluation: greedy speculative decoding, γ = "
          f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
          + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
-                     f"{v['drafted']:,} drafted tokens" for n, v in sets.items())
+                     f"{sum(row.get('answer_tokens', 0) for row in v['rows']):,} target answer tokens"
+                     for n, v in sets.items())
          + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
          "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities after "
          f"the serving settings (temperature {cfg['distill']['temperature']}, top-k {cfg['distill']['top_k']}, top-p "
@@ -445,8 +451,10 @@ def render_markdown(r: dict[str, Any]) -> str:
         "",
         (f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
          f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters), loss "
-         f"`{cfg['distill']['loss']}`; held-out α (teacher-forced) "
-         f"{_fmt(dist['eval_before'].get('eval_alpha'))} → {_fmt(dist['eval_after'].get('eval_alpha'))}, held-out loss "
+         f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
+         f"{cfg['distill']['held_out_fraction']:.1%} of training sequences kept out of the steps, not the evaluation "
+         f"sets) {_fmt(dist['eval_before'].get('eval_alpha'))} → {_fmt(dist['eval_after'].get('eval_alpha'))}, "
+         "validation loss "
          f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."
          + ("" if not onp else
             f" On-policy: λ = {cfg['distill']['on_policy_fraction']}, {onp['sequences']} sequences written by the "
