@@ -309,9 +309,16 @@ def _render_main_job(name: str = "run-default.json") -> list[str]:
                    f"adaptive γ, draft preparation {conf}. Forecast before training {r['forecast']:+.3f} "
                    f"{_ci(r['forecast_ci95'])}. Divergences from the target alone: "
                    + ("; ".join(divs) if divs else "none") + " (each a bf16 near-tie within the 0.5 tolerance). "
-                   f"Distillation {r['distill']['steps']} steps on {r['distill']['train_sequences']} sequences."),
-              "", (f"Wall clock {r['wall_seconds'] / 60:.1f} min, peak RSS {r['peak_rss_gb']:.1f} GB; stages (s): "
-                   + ", ".join(f"{k} {v:.0f}" for k, v in r["stages"].items()) + "."
+                   f"Distillation {r['distill']['steps']} steps on {r['distill']['train_sequences']} sequences."
+                   + "".join(f" {SET_LABELS.get(n, n)}: the distilled draft decodes {x['ratio']:.2f}x as fast as the "
+                             f"draft as given {_ci(x['ratio_ci95'], '{:.2f}')} (paired, {x['prompts']} prompts)."
+                             for n, v in r["sets"].items()
+                             if (x := (v.get("speed") or {}).get("distilled_vs_original")))),
+              "", (f"Wall clock {r['wall_seconds'] / 60:.1f} min, peak RSS {r['peak_rss_gb']:.1f} GB"
+                   + (f" (the machine just before: the target alone {mc['target_bf16_tok_s']:.2f} tok/s in bf16 by "
+                      f"`bench/machine_check.py --target-step`, memory copy {mc['copy_gb_s']:.1f} GB/s)"
+                      if (mc := r.get("machine_check")) else "")
+                   + "; stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in r["stages"].items()) + "."
                    if "wall_seconds" in r else ""), ""]
     return lines
 
@@ -860,7 +867,7 @@ def _quickstart() -> str:
     pair = "--target TARGET_DIR --draft DRAFT_DIR"
     return "\n".join(["```bash", "pip install -e .   # or make setup: a .venv with exact pins",
                       f"specdraft check {pair}   # can they work together? (exit 1: the tokenizers differ)",
-                      f"specdraft eval  {pair} --num-prompts 16 --out runs/eval   # how much faster?",
+                      f"specdraft eval  {pair} --prompts humaneval:100:16 --out runs/eval   # how much faster?",
                       f"specdraft run   {pair} --out runs/mine   # the whole road: eval, distil, eval, export",
                       *([note] if note else []), "```"])
 

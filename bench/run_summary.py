@@ -2,7 +2,9 @@
 ``bench/run_all.py --render-only`` turns into docs/benchmarks.md's "main job" section.
 
     /usr/bin/time -v specdraft run --out runs/default > runs/default.log 2>&1
-    python bench/run_summary.py --run runs/default --time-log runs/default.log --name default
+    python bench/machine_check.py --target-step --out runs/machine.json   # the day's machine, just before
+    python bench/run_summary.py --run runs/default --time-log runs/default.log --machine-check runs/machine.json \
+        --name default
 
 It reads ``report.json`` (per held-out set: greedy acceptance of the draft as given and before / after
 distillation with the paired gain, the interleaved speed run against the target alone and transformers' assisted
@@ -38,6 +40,19 @@ def _time_log(path: Path | None) -> dict:
     return out
 
 
+def _distilled_vs_original(rows: list[dict]) -> dict | None:
+    """The shipped draft's tokens/s over the draft as given, paired per prompt (rows: [tokens, seconds] each)."""
+    from specdraft.stats import paired_ratio_ci
+
+    a, b = "speculative:distilled", "speculative:original"
+    rows = [x for x in rows if a in x and b in x]
+    if not rows:
+        return None
+    e = paired_ratio_ci([x[a][0] for x in rows], [x[a][1] for x in rows], [x[b][0] for x in rows],
+                        [x[b][1] for x in rows])
+    return {"ratio": e.value, "ratio_ci95": [e.low, e.high], "prompts": e.prompts}
+
+
 def summarise(run: Path, time_log: Path | None = None) -> dict:
     """The run's headline figures (see the module docstring)."""
     from specdraft.report import acceptance_gain, baseline_sets, speed_sets
@@ -63,6 +78,7 @@ def summarise(run: Path, time_log: Path | None = None) -> dict:
                      "vs_hf": c[f"speculative:{who}"]["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
                      "matches_target": c[f"speculative:{who}"].get("matches_target")}
                for who in ("original", "distilled") if f"speculative:{who}" in c},
+            "distilled_vs_original": _distilled_vs_original(sp.get("rows") or []),
             "divergences": [{k: d[k] for k in ("prompt_id", "contender", "position", "margin")}
                             for d in sp.get("divergences", []) if not d["contender"].startswith("hf_assisted")]}
     h = r.get("headroom") or {}
@@ -81,11 +97,17 @@ def main() -> None:
     ap.add_argument("--run", type=Path, required=True, help="A finished specdraft run's --out directory.")
     ap.add_argument("--time-log", type=Path, help="The run's /usr/bin/time -v output (wall clock, peak RSS).")
     ap.add_argument("--name", required=True, help="Result name: bench/results/run-NAME.json.")
+    ap.add_argument("--machine-check", type=Path,
+                    help="bench/machine_check.py --target-step's result from just before the run: minutes move with "
+                         "the day's machine, so the target's own bf16 step rate is stated beside the wall clock.")
     ap.add_argument("--note", default="", help="A sentence the rendered section carries (how the run was made).")
     a = ap.parse_args()
     from specdraft.io import atomic_write_text
 
     res = summarise(a.run, a.time_log) | {"note": a.note}
+    if a.machine_check:
+        m = json.loads(a.machine_check.read_text())
+        res["machine_check"] = {k: m.get(k) for k in ("target_bf16_tok_s", "copy_gb_s", "steal_share")}
     atomic_write_text(ROOT / "results" / f"run-{a.name}.json", json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str)[:3000])
 

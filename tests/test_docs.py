@@ -97,6 +97,16 @@ def test_the_module_map_names_every_module_with_its_lines_and_first_sentence(tmp
     assert "4 modules, 10 lines." in module_map.render_map(pkg)
 
 
+def test_every_module_over_800_lines_states_why_in_its_docstring():
+    import ast
+
+    for path in sorted((ROOT / "src" / "specdraft").rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 800:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert "**Size.**" in doc and "800 lines" in doc, f"{path.name}: split it or say why it is one module"
+
+
 # ----------------------------------------------------------------------------------------- no history, no machines
 
 def _texts(*roots: str) -> list[Path]:

@@ -318,10 +318,10 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     empty.mkdir()
     # A target that is not embedded has no packaged GGUF: the message says how to write one.
     with pytest.raises(LlamaCppError, match=r"needs a GGUF of /x/t .*--target-gguf PATH; write one with `specdraft "
-                                            r"export --draft /x/t --verifier /x/t --format gguf --out target.gguf`"):
+                                            r"export --draft /x/t --target /x/t --format gguf --out target.gguf`"):
         rank_inputs("/x/t", ["/x/d"])
     with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=PATH; write one with `specdraft export --draft /x/d "
-                                            r"--verifier /x/t --format gguf"):
+                                            r"--target /x/t --format gguf"):
         rank_inputs("/x/t", ["/x/d"], target_gguf=t)
     with pytest.raises(LlamaCppError, match=r"--draft-gguf /x/d=.*nope.gguf: no such GGUF file"):
         rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": tmp_path / "nope.gguf"})

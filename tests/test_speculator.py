@@ -144,7 +144,7 @@ def test_base_loader_refuses_plain_config_and_conversion_needs_a_verifier(tmp_pa
 
     cfg = IndependentSpeculatorConfig.from_pretrained(draft_dir, num_speculative_tokens=7)
     assert cfg.verifier is None and cfg.num_speculative_tokens == 7 and cfg.draft_config == plain
-    with pytest.raises(SpeculatorError, match=r"names no verifier.*attach_verifier.*--verifier"):
+    with pytest.raises(SpeculatorError, match=r"names no verifier.*attach_verifier.*--target"):
         cfg.save_pretrained(tmp_path / "cfg-only")
     assert not (tmp_path / "cfg-only" / "config.json").exists()
 

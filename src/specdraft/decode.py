@@ -51,6 +51,10 @@ Caches: every layer keeps every position (no sliding-window eviction), so rollin
 sliding-window model still attends only within its window (transformers builds that mask from the config). Holes
 would widen a window measured in cache positions, so a batch of several rows with a sliding-window model is
 refused (decode its rows one at a time).
+
+**Size.** One module past the house's ~800 lines, on purpose: the round's four steps, verification, the drafters
+and the target-only baseline are one algorithm whose lossless guarantee is read in one place (gpt-fast's
+``generate.py`` keeps its loop, drafting and verification together for the same reason).
 """
 
 from __future__ import annotations

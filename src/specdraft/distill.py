@@ -46,6 +46,11 @@ Teacher signal per position (from :mod:`specdraft.dump`):
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
 teacher mass. Widths below the real vocabulary are refused at construction.
+
+**Size.** One module past the house's ~800 lines, on purpose: the trainable module, the Trainer subclass whose loss
+normalisation (one token-weighted step, above) depends on its outputs, the splits that decide what it trains on and
+validates on, the on-policy stream that feeds the same Trainer, and the resume checks that read all of them are one
+training step's parts; split apart, each would import the others' private rules.
 """
 
 from __future__ import annotations

@@ -607,7 +607,7 @@ def target_gguf_path(verifier: str) -> Path | None:
     path = Path(verifier).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise GgufExportError(f"--verifier {verifier}: no such GGUF file.")
+            raise GgufExportError(f"--target {verifier}: no such GGUF file.")
         return path.absolute()
     from specdraft.embedded import EMBEDDED, ModelResolutionError, part_paths
 

@@ -704,9 +704,9 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
 
     q = shlex.quote
     t_gguf = gguf_of(target, target_gguf, "--target-gguf ",
-                     f"specdraft export --draft {q(target)} --verifier {q(target)} --format gguf --out target.gguf")
+                     f"specdraft export --draft {q(target)} --target {q(target)} --format gguf --out target.gguf")
     d_ggufs = {d: gguf_of(d, draft_ggufs.get(d), f"--draft-gguf {d}=",
-                          f"specdraft export --draft {q(d)} --verifier {q(target)} --format gguf --out draft.gguf")
+                          f"specdraft export --draft {q(d)} --target {q(target)} --format gguf --out draft.gguf")
                for d in drafts}
     target_vocab = read_gguf_vocab(t_gguf)
     for d, path in d_ggufs.items():

@@ -23,6 +23,10 @@ The ``speculators_config`` schema mirrors the speculators library (vllm-project/
 ``GreedyTokenProposalConfig``) with pydantic, without depending on that package.
 
 Heavy imports (torch, transformers) happen inside functions: reading a speculator config is JSON only.
+
+**Size.** One module past the house's ~800 lines, on purpose: the format's writer, its reader, the transparent
+wrapper and its three verifier attachment modes share one key set and one verifier rule, and every one of them is
+tested against the others' output; :mod:`specdraft.export` holds the user-facing entry points.
 """
 
 from __future__ import annotations
@@ -326,7 +330,7 @@ class IndependentSpeculatorConfig(BaseModel):
                 "This speculator names no verifier, and a speculator checkpoint must record which verifier it "
                 "drafts for. Name one with `speculator.attach_verifier('org/verifier-or-path')`, "
                 "`IndependentSpeculatorConfig.from_pretrained(..., verifier='org/verifier-or-path')`, or "
-                "`specdraft export --verifier T`."
+                "`specdraft export --target T`."
             )
         return SpeculatorsConfig(
             algorithm="independent",
@@ -934,7 +938,7 @@ def strip_speculator_keys(d: dict[str, Any]) -> dict[str, Any]:
 def _not_a_speculator(d: dict[str, Any], source: Any = None) -> NotASpeculatorError:
     what = str(source) if isinstance(source, (str, os.PathLike)) else "This config"
     return NotASpeculatorError(
-        f"{what} is not a speculator checkpoint — export it as one with `specdraft export --draft D --verifier T "
+        f"{what} is not a speculator checkpoint — export it as one with `specdraft export --draft D --target T "
         f"--out DIR`. (Its config has no speculators_model_type: a plain {d.get('model_type')!r} config, "
         f"architectures {d.get('architectures')}.)"
     )
