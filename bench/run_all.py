@@ -185,7 +185,40 @@ def _render_costs() -> list[str]:
                   f"| plain causal-LM fine-tuning | {t['plain']:.1f} |",
                   f"| specdraft distillation ({loss}, hidden teacher) | {t['distill']:.1f} |", "",
                   f"Loss overhead {r['overhead']:.1%}; target ≤ 15%: {_mark(r['overhead'] <= 0.15)}.", ""]
-    return lines + _render_distill_throughput()
+    return lines + _render_distill_throughput() + _render_step_profile()
+
+
+def _render_step_profile(name: str = "distill-step-profile.json") -> list[str]:
+    """Where a distillation step's time goes (``bench/bench_distill_profile.py``)."""
+    r = _load(name)
+    if not r:
+        return []
+    st, rt = r["step"], r["route"]
+    lines = ["## Where a distillation step's time goes", "",
+             (f"`{r['command']}` — {r['machine']}, torch {r['torch']}. One optimizer step of the default route "
+              f"({rt['loss']}, {r['precision']}, {rt['batch_size']} × {rt['gradient_accumulation_steps']} dump "
+              f"sequences, draft head {r['draft_head'][0]:,} × {r['draft_head'][1]}, teacher head "
+              f"{r['teacher_head'][0]:,} × {r['teacher_head'][1]}); median of {st['repeats']} steps after a warm-up. "
+              f"{st['trained_positions']} of its {st['positions']} positions are trained "
+              f"({st['trained_share']:.0%}: the answers)."), ""]
+    for label, key in (("every position", "all_positions"), ("trained columns only", "trained_columns")):
+        v = r["variants"].get(key)
+        if not v:
+            continue
+        sec = v["seconds_median"]
+        lines.append(f"- {label}: forward {sec['forward']:.1f} s, backward {sec['backward']:.1f} s, AdamW "
+                     f"{sec['optimizer']:.1f} s = {v['seconds_total']:.1f} s per step "
+                     f"({v['trained_tokens_per_minute']:.0f} trained tokens/min).")
+    if r.get("speedup"):
+        lines.append(f"- scoring the trained columns only (the default, exact) makes the step "
+                     f"{r['speedup']:.2f}x faster.")
+    lines += ["", "Operators of one profiled step (self CPU time, every position scored):", "",
+              "| kind | ms | share |", "| --- | ---: | ---: |"]
+    lines += [f"| {k} | {v:.0f} | {r['operators_share'][k]:.0%} |" for k, v in r["operators_ms"].items()]
+    lines += ["", (f"The step's matmuls are {r['matmul_tflop_per_step']:.2f} TFLOP; this machine's bf16 matmul "
+                   f"runs at {r['bf16_matmul_tflops_measured']:.2f} TFLOP/s (2048² measured in the run), so they "
+                   f"imply {r['implied_seconds']:.1f} s: the step takes {r['slowdown_vs_implied']:.1f}x that."), ""]
+    return lines
 
 
 def _render_distillation() -> list[str]:
@@ -199,7 +232,43 @@ def _render_distillation() -> list[str]:
                                    "target)")
     lines += _render_distill_routes()
     lines += _render_swap_routes()
+    lines += _render_long_curve()
     return lines + _render_headroom_calibration()
+
+
+def _render_long_curve(name: str = "distill-curve-default.json") -> list[str]:
+    """What more compute buys: the default route run long, held-out acceptance against CPU-minutes
+    (``bench/bench_distill_curve.py``)."""
+    r = _load(name)
+    if not r:
+        return []
+    sets = r["sets"]
+    rt = r["route"]
+    lines = ["## What more compute buys — the default route, run long", "",
+             (f"`{r['command']}` — {r['machine']}, torch {r['torch']}. The default preset's road and route "
+              f"({rt['loss']}, body lr {rt['lr']:g}, rows lr {rt['row_lr']:g}, head untied, "
+              f"{rt['batch_size'] * rt['gradient_accumulation_steps']} sequences per step, {rt['scheduler']} over "
+              f"{r['steps']} steps) on {r['train_sequences']} training sequences of the dump "
+              f"({r['dump']['tokens']} tokens, {r['dump']['minutes']:.1f} min); every {r['every']} steps the draft "
+              f"is replayed on the target's held-out answers (code: {sets['held_out']['prompts']} prompts, "
+              f"{sets['held_out']['target_answer_tokens']} answer tokens; chat: {sets['ood']['prompts']} prompts, "
+              f"{sets['ood']['target_answer_tokens']} tokens), paired against the re-indexed draft (95% bootstrap "
+              f"over prompts). CPU-minutes = the dump + training to the step, replays left out. A point at step s "
+              f"is this run's schedule at s, not a run of s steps; the default preset stops at step "
+              f"{r['preset_steps']} (its own figure is the main job's)."), "",
+             "| step | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] |",
+             "| ---: | ---: | ---: | --- | ---: | --- |"]
+    for pt in r["points"]:
+        c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
+        lines.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
+                     f"{_ci(c['gain_ci95'])} | {o['acceptance']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} |")
+    b = r["best"]
+    lines += ["", (f"The draft as given, through the vocabulary mapping: code {sets['held_out']['as_given_mapped']:.3f}, "
+                   f"chat {sets['ood']['as_given_mapped']:.3f}; re-indexed (step 0): code "
+                   f"{sets['held_out']['re_indexed']:.3f}, chat {sets['ood']['re_indexed']:.3f}. Best held-out code: "
+                   f"{b['held_out']['acceptance']:.3f} at step {b['step']} ({b['cpu_minutes']:.0f} CPU-minutes). "
+                   f"Wall {r['wall_minutes']:.0f} min, replays {r['replay_minutes']:.1f} min of it."), ""]
+    return lines
 
 
 def _demote(lines: list[str]) -> list[str]:

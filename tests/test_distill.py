@@ -66,6 +66,35 @@ def test_forward_returns_loss_by_key_and_ignores_padding(setup, loss):
     assert 0.0 <= float(out["alpha"]) <= 1.0
 
 
+@pytest.mark.parametrize("teacher", ["hidden", "topk"])
+@pytest.mark.parametrize("loss", ["soft_ce", "tvd", "nla"])
+def test_scoring_only_the_trained_columns_gives_the_loss_metrics_and_gradients_of_every_column(setup, loss, teacher):
+    target, _ = setup
+    rows = _prompted_rows(target, 2, prompt_len=7, answer_len=4)
+    rows[1] = {k: (v[2:] if k != "id" else v) for k, v in rows[1].items()}  # another prompt length: columns differ
+    if teacher == "topk":
+        rows = topk_rows(target, rows)
+    batch = collate(rows)
+    cfg = DistillConfig(loss=loss)
+    draft = perturbed(target, 0.1)
+    head = target.lm_head.weight if teacher == "hidden" else None
+    outs, grads = [], []
+    for only in (True, False):
+        m = DistillModel(draft, head, None, V, cfg, teacher_width=V, trained_columns_only=only)
+        assert m.trained_columns_only is only
+        out = m(**batch)
+        out["loss"].backward()
+        outs.append(out)
+        grads.append(draft.lm_head.weight.grad.clone())
+        draft.zero_grad(set_to_none=True)
+    cut, full = outs
+    assert float(cut["tokens"]) == float(full["tokens"]) == 8
+    for key in ("loss", "tvd", "alpha", "train_acc"):
+        torch.testing.assert_close(cut[key].detach(), full[key].detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    assert float(grads[0].abs().sum()) > 0
+
+
 @pytest.mark.parametrize("loss", ["soft_ce", "tvd"])
 def test_topk_teacher_takes_the_sparse_loss_equal_to_the_dense_path_where_its_mass_is_all_in_the_top_k(setup, loss):
     """A top-k teacher trains soft_ce / tvd without its full-width p; where the teacher's mass is all in its top k

@@ -204,15 +204,25 @@ class DistillModel(nn.Module):
             ``TeacherDataset.logit_ops``; without them a soft-capped target's teacher would be wrong.
         autocast: run the draft's forward under ``torch.autocast(dtype=bfloat16)`` (weights stay as they are;
             the teacher and the loss stay outside it): ``precision`` bf16-autocast, resolved by :func:`train`.
+        trained_columns_only: both heads, the loss and the metrics run only over the sequence positions some row of
+            the batch trains (transformers' ``logits_to_keep`` with a 1-D tensor of positions). Exact: every loss
+            is per position and masked, so untrained positions add nothing to it or to its gradient. What it saves
+            is the vocabulary-wide work at prompt positions, which an answer-only dump never trains
+            (docs/benchmarks.md, "Where a distillation step's time goes"). A draft whose ``forward`` lacks
+            ``logits_to_keep`` scores every position.
 
     Raises:
         DistillError: a width smaller than the real vocabulary (not padding of one tokenizer).
     """
 
     def __init__(self, draft, head_weight: torch.Tensor | None, head_bias: torch.Tensor | None, real_vocab: int,
-                 config: DistillConfig, teacher_width: int | None = None, logit_ops=None, autocast: bool = False):
+                 config: DistillConfig, teacher_width: int | None = None, logit_ops=None, autocast: bool = False,
+                 trained_columns_only: bool = True):
         super().__init__()
+        from specdraft.models import takes_logits_to_keep
+
         self.autocast = autocast
+        self.trained_columns_only = trained_columns_only and takes_logits_to_keep(draft)
         self.logit_ops = list(logit_ops or [])
         self.draft = draft
         self.config_ = config
@@ -289,10 +299,18 @@ class DistillModel(nn.Module):
         sparse = hidden is None
         if sparse and (problem := cfg.sparse_teacher_problem(int(topk_ids.shape[-1]))):
             raise DistillError(problem)  # run_distill refuses it before loading the draft
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S, V]
         mask = trained_mask(input_ids, attention_mask, loss_mask)  # [B, S] bool
+        keep = {}
+        if self.trained_columns_only:
+            cols = mask.any(0).nonzero().squeeze(-1)  # [K] positions some row trains
+            if 0 < cols.numel() < mask.shape[1]:
+                keep = {"logits_to_keep": cols}
+                mask = mask[:, cols]
+                hidden, topk_logprobs, topk_ids, leftover_logmass = (
+                    None if t is None else t[:, cols] for t in (hidden, topk_logprobs, topk_ids, leftover_logmass))
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep)
+        d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S or K, V]
         if sparse and cfg.serving_is_plain and cfg.loss in TOPK_LOSSES:
             return self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
         with torch.no_grad():
