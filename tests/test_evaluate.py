@@ -45,6 +45,33 @@ def test_predicted_alpha_identical_models_is_one_and_differs_otherwise():
     assert greedy["alpha"] == pytest.approx(greedy["top1_agreement"])
 
 
+def test_a_target_cache_gives_the_same_alpha_without_running_the_target_again(tmp_path, monkeypatch):
+    target = tiny_model("llama", 64, seed=0, layers=2)
+    drafts = [tiny_model("llama", 64, seed=s, layers=1) for s in (7, 8)]
+    seqs = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33, 34], [40, 41, 42]]
+    masks = [[0, 0, 1, 1, 1, 0], [0, 1, 0], [1, 1, 1, 0], [0, 0, 0, 1, 0], [0, 1, 0]]
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    plain = [predicted_alpha(target, d, seqs, masks, sampling=sampling, batch_size=2) for d in drafts]
+    first = predicted_alpha(target, drafts[0], seqs, masks, sampling=sampling, batch_size=2, target_cache=tmp_path)
+    assert len(list(tmp_path.glob("target-logits-*.safetensors"))) == 3  # one file per batch
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("the target ran")
+
+    monkeypatch.setattr(target, "forward", refuse)  # the target's own instance only: the drafts still run
+    second = predicted_alpha(target, drafts[1], seqs, masks, sampling=sampling, batch_size=2, target_cache=tmp_path)
+    assert not calls
+    for got, want in ((first, plain[0]), (second, plain[1])):
+        assert got["alpha_sum"] == want["alpha_sum"] and got["per_sequence"] == want["per_sequence"]
+        assert got["top1_agreement"] == want["top1_agreement"] and got["draft_top1"] == want["draft_top1"]
+    assert first["alpha"] != second["alpha"]  # the drafts differ: the cache holds the target's side only
+    # Other sequences (another answer, another mask) miss the cache: the target runs.
+    with pytest.raises(RuntimeError, match="the target ran"):
+        predicted_alpha(target, drafts[1], seqs[:1], [[0, 1, 1, 1, 1, 0]], sampling=sampling, target_cache=tmp_path)
+
+
 def test_replay_refuses_a_sequence_past_a_models_window_before_any_pass():
     """Teacher-forced α and the greedy replay read prompt + answer in one pass: past a GPT-2 draft's 16 positions
     they name the sequence, its length and the window (was an IndexError inside the draft's position table)."""

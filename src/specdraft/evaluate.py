@@ -545,6 +545,7 @@ def acceptance_eval(
     decoder=None,
     speed_model: SpeedModel | None = None,
     progress: Callable[[int, int], None] | None = None,
+    target_cache: str | Path | None = None,
 ) -> AcceptanceEval:
     """Greedy acceptance of ``draft`` on held-out prompts, per prompt, plus the teacher-forced α at the serving
     settings: the measure :func:`specdraft.pipeline.run_pipeline` compares before and after distillation.
@@ -577,6 +578,9 @@ def acceptance_eval(
         serving: the filter of the sampled α.
         decoder: the model that decodes the answers (default ``draft``); not with ``answers`` or ``vocab_mapping``.
         speed_model: the decoder's measured costs (:func:`~specdraft.calibration.calibrate`): adaptive γ; None: fixed γ.
+        target_cache: where the target's teacher-forced logits over the answers are kept and reused
+            (:func:`~specdraft.replay.predicted_alpha`): every draft replayed on the same answers shares one
+            target pass.
 
     Returns:
         an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α).
@@ -621,7 +625,8 @@ def acceptance_eval(
         # pass fewer).
         seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
         masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
-        sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
+        sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad,
+                                  target_cache=target_cache)
         replayed = [replay_answer(top1, y, gamma, max_new, set(eos))
                     for top1, y in zip(sampled["draft_top1"], answers, strict=True)]
     # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between

@@ -77,16 +77,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "draft": "smollm2-135m-instruct",
         "vocab_swap": True,
         "eval_prompts": ["humaneval:100:16:4"],
-        "ood_prompts": ["mt-bench:0:27:3"],
+        # Chat: every sixth question from 0 (14, all 8 categories, inside the held-out split). Decoding their answers
+        # with the draft as given is the run's costliest evaluation, and chat is the set that must not get worse.
+        "ood_prompts": ["mt-bench:0:14:6"],
         "train_prompts": ["humaneval:0:48", "mt-bench:1:14:6"],
         "speed_prompts": 3,
         "eval": {"max_new_tokens": 64, "compare_hf": True, "num_speculative_tokens": 5},
         "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8},
-        "distill": {"loss": "nla", "train": "all", "lr": 3e-4, "row_lr": 1e-3, "untie_head": True, "max_steps": 20,
+        # 10 steps (80 sequences, 1.5 passes over the dump): held-out code peaks by then and falls back as more passes
+        # over the same answers follow (docs/benchmarks.md, "What more compute buys — the default route, run long").
+        "distill": {"loss": "nla", "train": "all", "lr": 3e-4, "row_lr": 1e-3, "untie_head": True, "max_steps": 10,
                     "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
                     "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto",
                     "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~14 GB RAM, ~2 GB disk, ~40 min with the models cached",
+        "needs": "2 CPU cores, ~14 GB RAM, ~3 GB disk, ~30 min with the models cached",
     },
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
     # preset trains on target-written answers to MT-Bench questions and measures on *other* MT-Bench questions (every
@@ -335,12 +339,16 @@ def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_example
             raise PipelineError(msg + "; choose disjoint sources or drop --refuse-overlap")
         log(f"warning: {msg}; their acceptance after distillation is not a held-out figure")
     target, draft = resolve_ref(cfg.target), resolve_ref(cfg.draft)
-    hidden = getattr(target.config(), "hidden_size", 4096)
-    need = estimate_dump_bytes(cfg, len(trains), 200, hidden)
+    tcfg = target.config()
+    hidden = getattr(tcfg, "hidden_size", 4096)
+    # + the target's logits over the held-out answers, kept from the first replay to the last (2 bytes per entry)
+    cache = (len(evals) + len(oods)) * cfg.eval.max_new_tokens * getattr(tcfg, "vocab_size", 0) * 2
+    need = estimate_dump_bytes(cfg, len(trains), 200, hidden) + cache
     free = shutil.disk_usage(out).free
     if need > 0.9 * free:
-        raise PipelineError(f"the teacher dump needs about {need / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB "
-                            "free; free disk, pick another --out, or use a smaller preset / --format topk")
+        raise PipelineError(f"the teacher dump and the target's held-out logits need about {need / 1e9:.1f} GB but "
+                            f"{out} has {free / 1e9:.1f} GB free; free disk, pick another --out, or use a smaller "
+                            "preset / --format topk")
     return _Plan(evals, trains, target, draft, overlap, oods)
 
 
@@ -364,7 +372,7 @@ def _check_stage(cfg: PipelineConfig, plan: _Plan) -> Callable[[Path], dict[str,
 
 def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bool = False,
                 before: dict[str, Any] | None = None, log: Callable[[str], None] | None = None,
-                stage: str = "eval") -> Callable[[Path], dict[str, Any]]:
+                stage: str = "eval", target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
     """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`): ``before`` is None for
     the original draft (decoded: the target's answers are written here), else the distilled draft is replayed on
     the answers ``before`` holds (the same target answers: a paired comparison).
@@ -373,7 +381,10 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     (:func:`specdraft.draft_model.apply_draft_options`: ``draft_quantization`` auto = int4 + trimmed head on CPU)
     with its γ
     policy (adaptive: the pair's costs from the calibration cache the speed stage shares). The acceptance counted is
-    still the draft's as exported (bf16, fixed γ, by replay). A draft of another tokenizer decodes as loaded."""
+    still the draft's as exported (bf16, fixed γ, by replay). A draft of another tokenizer decodes as loaded.
+
+    ``target_cache``: the run's store of the target's teacher-forced logits over those answers, so the replays of
+    the re-indexed and the distilled draft share one target pass."""
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.calibration import calibrate
@@ -401,7 +412,7 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
             answers = before["sets"][name]["answers"] if before is not None else None
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
                                          cfg.eval, serving, answers=answers, vocab_mapping=mapping,
-                                         decoder=decoder, speed_model=speed,
+                                         decoder=decoder, speed_model=speed, target_cache=target_cache,
                                          progress=progress_lines(log, f"[{stage}] {name}") if log else None).to_dict()
             sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
         atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
@@ -447,7 +458,8 @@ def _speed_stage(cfg: PipelineConfig, plan: _Plan, original: str, distilled: str
     return run
 
 
-def _swap_stage(cfg: PipelineConfig, plan: _Plan, before: dict[str, Any]) -> Callable[[Path], dict[str, Any]]:
+def _swap_stage(cfg: PipelineConfig, plan: _Plan, before: dict[str, Any],
+                target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
     """The draft re-indexed into the target's tokenizer (:func:`specdraft.vocab.save_vocab_swap`), then counted by
     replay on the target's answers ``eval_before`` wrote: the baseline of the distillation gain is the draft that is
     trained (the re-indexed one), and the swap's own cost is its difference from the mapped evaluation."""
@@ -457,7 +469,7 @@ def _swap_stage(cfg: PipelineConfig, plan: _Plan, before: dict[str, Any]) -> Cal
 
         report = save_vocab_swap(plan.draft.path, plan.target.path, d / "model", dtype=cfg.distill.dtype,
                                  overwrite=True)
-        counted = _eval_stage(cfg, plan, str(d / "model"), False, before=before)(d)
+        counted = _eval_stage(cfg, plan, str(d / "model"), False, before=before, target_cache=target_cache)(d)
         return report.to_dict() | {"path": str(d / "model"), "sets": counted["sets"]}
 
     return run
@@ -594,7 +606,10 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
     before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped, log=log,
                                                                 stage="eval_before"))
-    swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype}, _swap_stage(cfg, plan, before)) \
+    # The target's teacher-forced logits over its held-out answers, computed by the first replay, read by the next.
+    target_cache = out / "cache" / "target-logits"
+    swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype},
+                        _swap_stage(cfg, plan, before, target_cache)) \
         if mapped else None
     train_draft = swap["path"] if swap else plan.draft.path
     headroom = runner.stage("headroom", eval_inputs | {"trained_draft": str(train_draft), "headroom":
@@ -608,7 +623,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     distilled = runner.stage("distill", distill_inputs, _distill_stage(cfg, plan, train_draft, out / "dump"))
     after = runner.stage("eval_after", eval_inputs | {"distill": distill_inputs},
                          _eval_stage(cfg, plan, distilled["speculator"], False, before=before, log=log,
-                                     stage="eval_after"))
+                                     stage="eval_after", target_cache=target_cache))
+    shutil.rmtree(target_cache, ignore_errors=True)  # its last reader is done
     speed = None
     if cfg.speed_prompts:
         speed = runner.stage("speed", eval_inputs | {"distill": distill_inputs, "speed_prompts": cfg.speed_prompts},

@@ -7,7 +7,11 @@ own greedy answers into the rounds greedy speculative decoding would run (exact 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ def predicted_alpha(
     real_vocab: int | None = None,
     batch_size: int = 4,
     pad_id: int = 0,
+    target_cache: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced α (mean over positions of Σ_x min(p(x), q(x)), no decoding), and the draft's argmax at each
     counted position: what a replay (:func:`replay_answer`, :func:`replay_greedy`) needs, from the same passes.
@@ -52,6 +57,11 @@ def predicted_alpha(
         masks: per sequence, 1 where the next-token distribution counts (same length as the sequence).
         sampling: the serving filter; greedy by default.
         real_vocab: ``len(tokenizer)``: ids past it are padding rows with zero probability.
+        target_cache: a directory keeping the target's logits at the counted positions of each batch (one
+            safetensors file per batch, ``[N, V]`` in the target's dtype, named by a hash of the target's config and
+            dtype, the batch's ids and masks, ``real_vocab`` and ``pad_id``). A later call on the same sequences —
+            another draft replayed on the same target answers — reads them instead of running the target: the
+            values are the ones the pass would give (the same batches, the same padding), so α is unchanged.
 
     Returns:
         ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float, "per_sequence":
@@ -87,10 +97,17 @@ def predicted_alpha(
         counted = cm.any(0).nonzero()
         keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the tail holding every counted position
         cm = cm[:, -keep:]
-        p_logits = align_logits(_tail_logits(target, ids, attn, pos, keep), width, real_vocab)
-        q_logits = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab)
         sel = cm.bool()
-        p_l, q_l = p_logits[sel], q_logits[sel]  # [N, V]
+        cached = _cache_file(target_cache, target, chunk, cm, real_vocab, pad_id) if target_cache else None
+        if cached is not None and cached.exists():
+            from safetensors.torch import load_file
+
+            p_l = load_file(cached, device=str(device))["target_logits"]
+        else:
+            p_l = align_logits(_tail_logits(target, ids, attn, pos, keep), width, real_vocab)[sel]  # [N, V]
+            if cached is not None:
+                _save_cached(cached, p_l)
+        q_l = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab)[sel]
         if sampling.greedy:
             p, q = greedy_probs(p_l), greedy_probs(q_l)
         else:
@@ -108,6 +125,24 @@ def predicted_alpha(
     # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
     return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
             "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence, "draft_top1": draft_top1}
+
+
+def _cache_file(root, target, chunk: list[list[int]], counted: torch.Tensor, real_vocab: int | None,
+                pad_id: int) -> Path:
+    """Where :func:`predicted_alpha` keeps one batch's target logits: named by what determines them."""
+    dtype = str(next(target.parameters()).dtype)
+    key = json.dumps([target.config.to_json_string(use_diff=False), dtype, chunk, counted.tolist(), real_vocab,
+                      pad_id])
+    return Path(root) / f"target-logits-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+
+
+def _save_cached(path: Path, logits: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    from specdraft.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        save_file({"target_logits": logits.contiguous().cpu()}, str(tmp))
 
 
 @torch.no_grad()
