@@ -59,7 +59,7 @@ def main() -> dict:
     full = lambda model, ids, attn, pos, keep: model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
 
     def old(prompts, answers):
-        with mock.patch.object(replay, "_tail_logits", full):
+        with mock.patch.object(replay, "tail_logits", full):
             counts = replay.replay_greedy(draft, prompts, answers, config.num_speculative_tokens, config.max_new_tokens,
                                       eos, real_vocab=real_vocab, pad_id=pad)
             seqs = [list(p) + list(a) for p, a in zip(prompts, answers)]

@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--result-name", default="distill-curve-default")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--prepare-only", action="store_true", help="stop after the dump (the stages are cached)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a field of the preset's distillation settings (VALUE read as JSON, else a "
+                         "string), e.g. --set row_lr=3e-3: another route on the same stages")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         ap.error("--steps and --every must be ≥ 1")
@@ -146,7 +149,17 @@ def main(argv: list[str] | None = None) -> dict:
     eos = eos_ids(draft0, tok)
     del draft0
     baseline = {name: swap["sets"][name] | {"answers": before["sets"][name]["answers"]} for name in plan.sets}
-    dcfg = cfg.distill.model_copy(update={"max_steps": args.steps, "save_steps": args.steps + 1})
+    overrides = {}
+    for item in args.set:
+        field, sep, value = item.partition("=")
+        if not sep or field not in type(cfg.distill).model_fields:
+            ap.error(f"--set {item!r}: give FIELD=VALUE with FIELD one of the distillation settings")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value
+    dcfg = type(cfg.distill).model_validate(cfg.distill.model_dump() | overrides
+                                            | {"max_steps": args.steps, "save_steps": args.steps + 1})
     curve_path = work / "curve.json"
     cb = CurveCallback(args.every, tok, prompt_ids, baseline, cfg.eval.num_speculative_tokens,
                        cfg.eval.max_new_tokens, eos, curve_path, dump_seconds / 60)
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
                           "prompts": len(s["rows"])} for n, s in swap["sets"].items()}}
     gc.collect()
     t0 = time.time()
-    res = run_distill(cfg.target, swap["path"], work / "dump", work / "distill-long", dcfg, resume=False,
+    res = run_distill(cfg.target, swap["path"], work / "dump", work / f"distill-{args.result_name}", dcfg,
+                      resume=False,
                       num_speculative_tokens=cfg.eval.num_speculative_tokens, callbacks=[cb.callback])
     wall = time.time() - t0
     points = [start] + cb.points
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{torch.get_num_threads()} threads", "torch": torch.__version__, "preset": args.preset,
         "pair": {"target": cfg.target, "draft": cfg.draft}, "route": {k: dcfg.model_dump()[k] for k in (
             "loss", "train", "lr", "row_lr", "untie_head", "batch_size", "gradient_accumulation_steps", "scheduler",
-            "warmup_ratio", "precision")},
+            "warmup_ratio", "precision", "held_out_fraction")}, "overrides": overrides,
         "steps": args.steps, "every": args.every, "preset_steps": preset_steps,
         "sets": {n: {"sources": cfg.eval_prompts if n == "held_out" else cfg.ood_prompts,
                      "prompts": len(plan.sets[n]), "target_answer_tokens": sum(map(len, before["sets"][n]["answers"])),

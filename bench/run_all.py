@@ -232,7 +232,7 @@ def _render_distillation() -> list[str]:
                                    "target)")
     lines += _render_distill_routes()
     lines += _render_swap_routes()
-    lines += _render_long_curve()
+    lines += _render_long_curve() + _render_budget_routes()
     return lines + _render_headroom_calibration()
 
 
@@ -269,6 +269,37 @@ def _render_long_curve(name: str = "distill-curve-default.json") -> list[str]:
                    f"{b['held_out']['acceptance']:.3f} at step {b['step']} ({b['cpu_minutes']:.0f} CPU-minutes). "
                    f"Wall {r['wall_minutes']:.0f} min, replays {r['replay_minutes']:.1f} min of it."), ""]
     return lines
+
+
+#: Route variants at the default preset's own budget, beside the main job's figure (bench_distill_curve.py --set).
+BUDGET_ROUTES = ("distill-route-constant10", "distill-route-lr2x10")
+
+
+def _render_budget_routes() -> list[str]:
+    """The default route against variants at its own budget: one distillation each on the main job's own stages."""
+    run = _load("run-default.json")
+    routes = [r for n in BUDGET_ROUTES if (r := _load(f"{n}.json"))]
+    if not run or not routes:
+        return []
+    sets = run["sets"]
+    lines = ["## Routes at the main job's budget", "",
+             (f"Each row is one distillation of {run['distill']['steps']} steps on the stages of the main job's run "
+              f"(its dump of {run['distill']['train_sequences']} training sequences, its held-out answers: code "
+              f"{sets['held_out']['prompts']} prompts, chat {sets['ood']['prompts']}), replayed like eval_after, "
+              "paired against the re-indexed draft (95% bootstrap over prompts). The first row is the main job's "
+              "own figure; the others change one thing of its route. " + routes[0].get("note", "")), "",
+             "| route | held-out code | gain [95% CI] | held-out chat | gain [95% CI] | command |",
+             "| --- | ---: | --- | ---: | --- | --- |"]
+    c, o = sets["held_out"], sets["ood"]
+    lines.append(f"| the default preset's route | {c['after']:.3f} | {c['gain']:+.3f} {_ci(c['gain_ci95'])} "
+                 f"| {o['after']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} | `{run['command']}` |")
+    for r in routes:
+        pt = r["points"][-1]["sets"]
+        label = ", ".join(f"{k} {v}" for k, v in r["overrides"].items())
+        lines.append(f"| {label} | {pt['held_out']['acceptance']:.3f} | {pt['held_out']['gain']:+.3f} "
+                     f"{_ci(pt['held_out']['gain_ci95'])} | {pt['ood']['acceptance']:.3f} | {pt['ood']['gain']:+.3f} "
+                     f"{_ci(pt['ood']['gain_ci95'])} | `{r['command']}` |")
+    return lines + [""]
 
 
 def _demote(lines: list[str]) -> list[str]:

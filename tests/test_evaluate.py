@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
-from specdraft.config import EvalConfig, SamplingConfig
+from specdraft.config import EvalConfig, HeadroomConfig, SamplingConfig
 from specdraft.evaluate import run_eval, write_report
+from specdraft.headroom import forecast_headroom
 from specdraft.replay import predicted_alpha
 from specdraft.testing import perturbed, save_tiny_pair, tiny_model, tiny_tokenizer
 
@@ -52,6 +53,8 @@ def test_a_target_cache_gives_the_same_alpha_without_running_the_target_again(tm
     masks = [[0, 0, 1, 1, 1, 0], [0, 1, 0], [1, 1, 1, 0], [0, 0, 0, 1, 0], [0, 1, 0]]
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     plain = [predicted_alpha(target, d, seqs, masks, sampling=sampling, batch_size=2) for d in drafts]
+    bool_masks = [[bool(x) for x in m] for m in masks]
+    forecast = forecast_headroom(target, drafts[1], seqs, bool_masks, HeadroomConfig(batch_size=2), serving=sampling)
     first = predicted_alpha(target, drafts[0], seqs, masks, sampling=sampling, batch_size=2, target_cache=tmp_path)
     assert len(list(tmp_path.glob("target-logits-*.safetensors"))) == 3  # one file per batch
     calls = []
@@ -67,6 +70,10 @@ def test_a_target_cache_gives_the_same_alpha_without_running_the_target_again(tm
         assert got["alpha_sum"] == want["alpha_sum"] and got["per_sequence"] == want["per_sequence"]
         assert got["top1_agreement"] == want["top1_agreement"] and got["draft_top1"] == want["draft_top1"]
     assert first["alpha"] != second["alpha"]  # the drafts differ: the cache holds the target's side only
+    # The forecast over the same batches reads the same file (its masks are booleans, the same positions).
+    cached = forecast_headroom(target, drafts[1], seqs, bool_masks, HeadroomConfig(batch_size=2), serving=sampling,
+                               target_cache=tmp_path)
+    assert not calls and cached == forecast
     # Other sequences (another answer, another mask) miss the cache: the target runs.
     with pytest.raises(RuntimeError, match="the target ran"):
         predicted_alpha(target, drafts[1], seqs[:1], [[0, 1, 1, 1, 1, 0]], sampling=sampling, target_cache=tmp_path)

@@ -483,6 +483,8 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
     """``max_new_tokens`` greedy tokens after ``prompt`` rendered with the chat template (if any)."""
     import torch
 
+    from specdraft.data import tokenizer_pad_id
+
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
@@ -492,7 +494,7 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
     enc = {k: v.to(model.device) for k, v in enc.items()}
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                             pad_token_id=tokenizer_pad_id(tokenizer))
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 

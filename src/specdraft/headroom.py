@@ -172,6 +172,7 @@ def forecast_headroom(
     progress: Callable[[int, int], None] | None = None,
     twins: Sequence[bool] | None = None,
     tokenizer=None,
+    target_cache=None,
 ) -> dict[str, Any]:
     """The forecast over the masked positions of ``sequences`` (teacher-forced; both models run once per batch).
 
@@ -189,6 +190,8 @@ def forecast_headroom(
             ``[V]`` per target id whether the original draft has a twin, and the target's tokenizer. Given, the
             draft's argmaxes of this same pass are split by kind of disagreement with the sequences' tokens
             (:func:`specdraft.segmentation.diagnose_masked`) and the verdict names the kind that dominates.
+        target_cache: a directory of the target's logits per batch
+            (:func:`specdraft.replay.counted_target_logits`), shared with the replays of the same sequences.
 
     Returns:
         ``{**HeadroomCounts.to_dict(), "gain", "gain_ci95": [low, high], "verdict", "sequences", "sure_threshold",
@@ -205,6 +208,7 @@ def forecast_headroom(
     import torch
 
     from specdraft.decode import left_pad
+    from specdraft.replay import counted_target_logits, tail_logits
     from specdraft.sampling import align_logits, check_windows, output_width
     from specdraft.stats import ratio_ci
 
@@ -228,16 +232,18 @@ def forecast_headroom(
                 raise ValueError(f"mask {start + i} has length {len(m)}, its sequence {len(s)}")
             sel[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
+        counted = sel.any(0).nonzero()
+        keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the heads run over the tail holding them
+        sel = sel[:, -keep:]
         with torch.no_grad():
-            p_logits = target(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            q_logits = draft(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-        for i in range(len(chunk)):
-            p_l = align_logits(p_logits[i][sel[i]], width, real_vocab)  # [N_i, V]
-            q_l = align_logits(q_logits[i][sel[i]], width, real_vocab)
+            p_all = counted_target_logits(target, chunk, ids, attn, pos, sel, width, real_vocab, pad_id,
+                                          target_cache)
+            q_all = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab)[sel]
+        for p_l, q_l in zip(p_all.split(sel.sum(1).tolist()), q_all.split(sel.sum(1).tolist()), strict=True):
             per_sequence.append(counts_from_positions(*position_headroom(p_l, q_l, config.sure, serving)))
             if twins is not None:
                 draft_top1.append(q_l.argmax(-1).tolist())
-        del p_logits, q_logits
+        del p_all, q_all
         if progress:
             progress(min(start + bs, len(sequences)), len(sequences))
     total = sum(per_sequence, HeadroomCounts())

@@ -475,8 +475,8 @@ def _swap_stage(cfg: PipelineConfig, plan: _Plan, before: dict[str, Any],
     return run
 
 
-def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
-                    before: dict[str, Any]) -> Callable[[Path], dict[str, Any]]:
+def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: dict[str, Any],
+                    target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
     """The forecast (:func:`specdraft.headroom.forecast_headroom`) over the target's held-out answers from
     ``eval_before``, teacher-forced, with the serving filter of the sampled α. For the swapped draft its
     argmaxes of the same pass give the swap diagnostic (``segmentation``; the verdict names the dominant kind)."""
@@ -499,7 +499,8 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str,
         serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
         res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
                                 serving=serving, real_vocab=len(tok),
-                                pad_id=tokenizer_pad_id(tok), twins=twins, tokenizer=tok)
+                                pad_id=tokenizer_pad_id(tok), twins=twins, tokenizer=tok,
+                                target_cache=target_cache)
         atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
         del target, draft
         gc.collect()
@@ -606,7 +607,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
     before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped, log=log,
                                                                 stage="eval_before"))
-    # The target's teacher-forced logits over its held-out answers, computed by the first replay, read by the next.
+    # The target's teacher-forced logits over its held-out answers: computed by the first replay, read by the
+    # forecast and the last replay.
     target_cache = out / "cache" / "target-logits"
     swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype},
                         _swap_stage(cfg, plan, before, target_cache)) \
@@ -614,7 +616,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     train_draft = swap["path"] if swap else plan.draft.path
     headroom = runner.stage("headroom", eval_inputs | {"trained_draft": str(train_draft), "headroom":
                                                        cfg.headroom.model_dump()},
-                            _headroom_stage(cfg, plan, train_draft, before))
+                            _headroom_stage(cfg, plan, train_draft, before, target_cache))
     log(f"[headroom] {headroom['verdict']} (95% CI [{headroom['gain_ci95'][0]:+.3f}, {headroom['gain_ci95'][1]:+.3f}])")
     dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
     dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command, log))

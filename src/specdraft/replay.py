@@ -25,7 +25,7 @@ from specdraft.sampling import align_logits, check_windows, filtered_probs, gree
 
 
 @torch.no_grad()
-def _tail_logits(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
+def tail_logits(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
     """``[B, keep, V]`` logits of the last ``keep`` positions of a left-padded batch. The output head runs only
     there (transformers' ``logits_to_keep``: the head is applied to ``hidden_states[:, -keep:]``) when the model's
     forward takes it; otherwise every position is scored and the tail is sliced (same values)."""
@@ -98,16 +98,8 @@ def predicted_alpha(
         keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the tail holding every counted position
         cm = cm[:, -keep:]
         sel = cm.bool()
-        cached = _cache_file(target_cache, target, chunk, cm, real_vocab, pad_id) if target_cache else None
-        if cached is not None and cached.exists():
-            from safetensors.torch import load_file
-
-            p_l = load_file(cached, device=str(device))["target_logits"]
-        else:
-            p_l = align_logits(_tail_logits(target, ids, attn, pos, keep), width, real_vocab)[sel]  # [N, V]
-            if cached is not None:
-                _save_cached(cached, p_l)
-        q_l = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab)[sel]
+        p_l = counted_target_logits(target, chunk, ids, attn, pos, cm, width, real_vocab, pad_id, target_cache)
+        q_l = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab)[sel]
         if sampling.greedy:
             p, q = greedy_probs(p_l), greedy_probs(q_l)
         else:
@@ -127,12 +119,36 @@ def predicted_alpha(
             "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence, "draft_top1": draft_top1}
 
 
+def counted_target_logits(target, chunk: list[list[int]], ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
+                          counted: torch.Tensor, width: int, real_vocab: int | None, pad_id: int,
+                          target_cache: str | os.PathLike | None = None) -> torch.Tensor:
+    """The target's logits at the counted positions of one left-padded batch, ``[N, width]`` in the target's dtype,
+    rows in row-major order (sequence by sequence, position by position).
+
+    ``counted``: ``[B, keep]``, 1 where a position counts, over the batch's last ``keep`` positions (where the head
+    runs). With ``target_cache`` they are read from (or written to) one safetensors file per batch, named by a hash of
+    the target's config and dtype, ``chunk``, ``counted``, ``real_vocab`` and ``pad_id``: every caller that scores
+    the same batch with the same mask (another draft replayed on the same answers, the headroom forecast) shares one
+    target pass.
+    """
+    keep = counted.shape[1]
+    cached = _cache_file(target_cache, target, chunk, counted, real_vocab, pad_id) if target_cache else None
+    if cached is not None and cached.exists():
+        from safetensors.torch import load_file
+
+        return load_file(cached, device=str(ids.device))["target_logits"]
+    logits = align_logits(tail_logits(target, ids, attn, pos, keep), width, real_vocab)[counted.bool()]
+    if cached is not None:
+        _save_cached(cached, logits)
+    return logits
+
+
 def _cache_file(root, target, chunk: list[list[int]], counted: torch.Tensor, real_vocab: int | None,
                 pad_id: int) -> Path:
-    """Where :func:`predicted_alpha` keeps one batch's target logits: named by what determines them."""
+    """Where :func:`counted_target_logits` keeps one batch's target logits: named by what determines them."""
     dtype = str(next(target.parameters()).dtype)
-    key = json.dumps([target.config.to_json_string(use_diff=False), dtype, chunk, counted.tolist(), real_vocab,
-                      pad_id])
+    key = json.dumps([target.config.to_json_string(use_diff=False), dtype, chunk, counted.to(torch.int8).tolist(),
+                      real_vocab, pad_id])
     return Path(root) / f"target-logits-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
 
@@ -195,7 +211,7 @@ def replay_greedy(
         ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
         keep = max(len(r) for _, r in chunk) + 1  # the head scores only the answers' predicting positions
-        guess = align_logits(_tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
+        guess = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
         for i, (p, y) in enumerate(chunk):
             first = keep - len(y) - 1  # left padding: the last prompt position predicts y[0]
             out.append(replay_answer(guess[i, first:first + len(y)].tolist(), y, num_speculative_tokens,

@@ -34,9 +34,10 @@ def run(
         " Default: the preset's.", flag="--ood-prompts"),
     out: Path = out_option(Path("runs/default"), "Run directory; a re-run resumes, skipping finished stages."),
     preset: Annotated[PresetName, typer.Option(help="default (the whole road: SmolLM2-135M, another tokenizer, "
-                                                     "mapped, re-indexed, distilled; 2-core CPU, 37-49 min), "
-                                                     "same-family (the Qwen 0.5B draft, 15-31 min), ci (minutes), "
-                                                     "large (GPU, hours), tiny (random models, tests).")] = "default",
+                                                     "mapped, re-indexed, distilled; a 2-core CPU), same-family (the "
+                                                     "Qwen 0.5B draft), ci (minutes), large (GPU, hours), tiny "
+                                                     "(random models, tests). The run's first line says what the "
+                                                     "preset needs (cores, memory, disk, time).")] = "default",
     refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
                                                  help="Refuse when train and eval prompts overlap.")] = False,
     vocab_swap: Annotated[bool | None, typer.Option(
