@@ -965,9 +965,10 @@ def _quickstart() -> str:
             f"{cost('eval_before')}, the whole run {r['wall_seconds'] / 60:.0f} min, peak RSS "
             f"{r['peak_rss_gb']:.1f} GB") if r.get("wall_seconds") else ""
     pair = "--target TARGET_DIR --draft DRAFT_DIR"
-    return "\n".join(["```bash", "pip install -e .   # or make setup: a .venv with exact pins",
+    return "\n".join(["```bash", "make setup && . .venv/bin/activate   # exact pins (or: pip install -e .)",
                       f"specdraft check {pair}   # can they work together? (exit 1: the tokenizers differ)",
-                      f"specdraft eval  {pair} --prompts humaneval:100:16 --out runs/eval   # how much faster?",
+                      f"specdraft eval  {pair} --prompts humaneval:100:8 --out runs/eval   # how much faster?",
+                      "# prompts: name:offset:limit (HumanEval's held-out problems start at 100; --help lists sources)",
                       f"specdraft run   {pair} --out runs/mine   # the whole road: eval, distil, eval, export",
                       *([note] if note else []), "```"])
 
