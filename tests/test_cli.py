@@ -542,7 +542,9 @@ def test_check_ends_with_the_next_command_for_the_pair(tmp_path):
     r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--max-new-tokens", "2"],
                            env={"COLUMNS": "400"})
     assert r.exit_code == 0, r.output
-    assert r.output.strip().splitlines()[-1].startswith(f"next: specdraft eval --target {tdir} --draft {ddir}")
+    last = r.output.strip().splitlines()
+    assert last[-1].startswith(f"next: specdraft eval --target {tdir} --draft {ddir}")
+    assert last[-2].startswith("compatible (identical): the draft speaks the target's tokenizer"), last[-2]
 
 
 def test_eval_table_caveats_a_few_prompt_interval_and_says_the_recommended_gamma_leaves_out_prefill(monkeypatch):

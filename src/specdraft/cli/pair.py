@@ -103,6 +103,8 @@ def check(
     names = f"--target {target} --draft {draft}"
     compat = report.get("compat", {})
     if compat.get("verdict") != "mismatch":
+        console.print(f"[bold green]compatible[/] ({compat.get('verdict')}): the draft speaks the target's tokenizer, "
+                      "so it can draft for it as it is")
         console.print(f"next: specdraft eval {names}  (acceptance, speed-up and the best γ)")
         return
     if (compat.get("mapping") or {}).get("usable"):
