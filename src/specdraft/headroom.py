@@ -208,7 +208,7 @@ def forecast_headroom(
     import torch
 
     from specdraft.decode import left_pad
-    from specdraft.replay import counted_target_logits, tail_logits
+    from specdraft.replay import counted_tail, counted_target_logits, tail_logits
     from specdraft.sampling import align_logits, check_windows, output_width
     from specdraft.stats import ratio_ci
 
@@ -232,14 +232,13 @@ def forecast_headroom(
                 raise ValueError(f"mask {start + i} has length {len(m)}, its sequence {len(s)}")
             sel[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
-        counted = sel.any(0).nonzero()
-        keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the heads run over the tail holding them
-        sel = sel[:, -keep:]
+        keep, sel = counted_tail(sel)  # the heads run over the tail holding the masked positions
         with torch.no_grad():
             p_all = counted_target_logits(target, chunk, ids, attn, pos, sel, width, real_vocab, pad_id,
                                           target_cache)
             q_all = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab)[sel]
-        for p_l, q_l in zip(p_all.split(sel.sum(1).tolist()), q_all.split(sel.sum(1).tolist()), strict=True):
+        per_row = sel.sum(1).tolist()
+        for p_l, q_l in zip(p_all.split(per_row), q_all.split(per_row), strict=True):
             per_sequence.append(counts_from_positions(*position_headroom(p_l, q_l, config.sure, serving)))
             if twins is not None:
                 draft_top1.append(q_l.argmax(-1).tolist())

@@ -84,13 +84,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "speed_prompts": 3,
         "eval": {"max_new_tokens": 64, "compare_hf": True, "num_speculative_tokens": 5},
         "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8},
-        # 10 steps (80 sequences, 1.5 passes over the dump): held-out code peaks by then and falls back as more passes
-        # over the same answers follow (docs/benchmarks.md, "What more compute buys — the default route, run long").
+        # 10 steps (80 sequences, 1.5 passes over the dump): more passes over the same answers do not raise held-out
+        # code (docs/benchmarks.md, "What more compute buys — the default route, run long"), and a constant or a
+        # doubled learning rate at this budget scores lower ("Routes at the main job's budget").
         "distill": {"loss": "nla", "train": "all", "lr": 3e-4, "row_lr": 1e-3, "untie_head": True, "max_steps": 10,
                     "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
                     "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto",
                     "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~14 GB RAM, ~3 GB disk, ~30 min with the models cached",
+        "needs": "2 CPU cores, ~11 GB RAM, ~3 GB disk, ~30 min with the models cached",
     },
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
     # preset trains on target-written answers to MT-Bench questions and measures on *other* MT-Bench questions (every

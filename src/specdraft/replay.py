@@ -94,9 +94,7 @@ def predicted_alpha(
                 raise ValueError(f"mask {start + i} has length {len(m)}, sequence has {len(s)}")
             cm[i, ids.shape[1] - len(s):] = torch.tensor(m, device=device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
-        counted = cm.any(0).nonzero()
-        keep = ids.shape[1] - int(counted[0]) if len(counted) else 1  # the tail holding every counted position
-        cm = cm[:, -keep:]
+        keep, cm = counted_tail(cm)
         sel = cm.bool()
         p_l = counted_target_logits(target, chunk, ids, attn, pos, cm, width, real_vocab, pad_id, target_cache)
         q_l = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab)[sel]
@@ -117,6 +115,14 @@ def predicted_alpha(
     # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
     return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
             "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence, "draft_top1": draft_top1}
+
+
+def counted_tail(counted: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(keep, counted[:, -keep:])`` for a ``[B, S]`` mask of a left-padded batch: the shortest tail holding every
+    counted position (``keep`` = 1 when none counts), where the output heads need to run (:func:`tail_logits`)."""
+    where = counted.any(0).nonzero()
+    keep = counted.shape[1] - int(where[0]) if len(where) else 1
+    return keep, counted[:, -keep:]
 
 
 def counted_target_logits(target, chunk: list[list[int]], ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
