@@ -314,6 +314,29 @@ def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma
         assert solo[0] == base[i]
 
 
+@pytest.mark.parametrize("proposals", ["text", "tokens"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_a_mapped_draft_replayed_along_the_target_answer_counts_what_decoding_it_counts(gamma, proposals):
+    """replay_mapped runs the decoder's own drafter along the target's greedy answer and never the target: its
+    rounds must be the decoded rounds, also where a row ends at an EOS inside an accepted block."""
+    from specdraft.replay import replay_mapped
+
+    target, draft, mapping, t_tok, _ = _bpe_pair()
+    prompts = [t_tok(t, add_special_tokens=False)["input_ids"]
+               for t in ("def total(items):\n", "for index in range(count):\n    print(", "x")]
+    base, _ = target_generate(target, *left_pad(prompts, 0), max_new_tokens=21, eos_token_id=[])
+    for eos in ([], [base[0][9]]):  # no EOS, then one the first answer writes mid-way
+        for p in prompts:
+            ids, mask = left_pad([p], 0)
+            out, decoded = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma,
+                                                max_new_tokens=21, eos_token_id=eos, vocab_mapping=mapping,
+                                                mapped_proposals=proposals)
+            replayed = replay_mapped(draft, mapping, p, out[0], gamma, 21, set(eos), 300, 300, proposals)
+            for key in ("proposed", "reached", "accepted", "accepted_hist"):
+                assert getattr(replayed, key) == getattr(decoded, key), (key, eos, p)
+    assert sum(decoded.accepted) > 0  # the noisy copy agrees often enough for the rounds to be tested
+
+
 def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
     from specdraft.decode import _text_candidates
 

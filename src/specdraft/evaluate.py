@@ -42,7 +42,7 @@ from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import tokenizer_pad_id
 from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
 from specdraft.draft_model import apply_draft_options, draft_configuration
-from specdraft.replay import predicted_alpha, replay_answer
+from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, output_width
 from specdraft.speed import Contender, SpeedModel
 from specdraft.stats import ratio_ci
@@ -554,10 +554,11 @@ def acceptance_eval(
     target's greedy answer); the counts are then replayed (:func:`~specdraft.replay.replay_greedy`) on those answers, the number of
     prompts where replayed and decoded counts agree is reported (``replay_check``, and the decoded rate as
     ``decoded_acceptance_rate``), and the rows hold the replayed counts, so that every draft compared on these
-    answers is counted by one method (a draft of another tokenizer cannot be replayed: its rows are decoded). With
+    answers is counted by one method (a draft of another tokenizer decoded here keeps its decoded rows). With
     ``answers`` (the target's answers from an earlier call) nothing is decoded: the counts are replayed, so a
     second draft is compared on the very same target answers (a paired comparison) in one draft pass per
-    prompt.
+    prompt — or, for a draft of another tokenizer (``vocab_mapping``), by its drafter's rounds along each answer
+    (:func:`~specdraft.replay.replay_mapped`: no target pass, no sampled α).
 
     ``decoder`` (e.g. :func:`~specdraft.draft_model.apply_draft_options`'s int4 + trimmed-head copy of ``draft``) writes the answers instead of
     ``draft``, with the adaptive γ ≤ ``config.num_speculative_tokens`` when ``speed_model`` is given: greedy
@@ -571,8 +572,8 @@ def acceptance_eval(
     sampling at those contexts (Leviathan et al. 2023, §3.1), not a decoded count.
 
     Args:
-        target, draft: causal LMs sharing ``tokenizer`` (or a draft of another tokenizer with ``vocab_mapping``,
-            decoded only: replay and teacher forcing need one position grid).
+        target, draft: causal LMs sharing ``tokenizer`` (or a draft of another tokenizer with ``vocab_mapping``:
+            no teacher-forced α, which needs one position grid).
         prompt_ids / prompt_names: the prompts (chat template applied) and their ids.
         config: γ and max new tokens (greedy; its ``sampling`` must be greedy).
         serving: the filter of the sampled α.
@@ -586,13 +587,10 @@ def acceptance_eval(
         an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α).
 
     Raises:
-        ValueError: a sampled ``config``, ``answers`` with a draft of another tokenizer, or a ``decoder`` with
-            ``answers`` or ``vocab_mapping``.
+        ValueError: a sampled ``config``, or a ``decoder`` with ``answers`` or ``vocab_mapping``.
     """
     if not config.sampling.greedy:
         raise ValueError("acceptance_eval measures greedy acceptance; the sampled figure is alpha_sampled")
-    if answers is not None and vocab_mapping is not None:
-        raise ValueError("a draft of another tokenizer cannot be replayed: decode it (answers=None)")
     if decoder is not None and (answers is not None or vocab_mapping is not None):
         raise ValueError("a decoder writes the target's answers: give it without answers and without a vocab_mapping")
     decoder = draft if decoder is None else decoder
@@ -629,6 +627,18 @@ def acceptance_eval(
                                   target_cache=target_cache)
         replayed = [replay_answer(top1, y, gamma, max_new, set(eos))
                     for top1, y in zip(sampled["draft_top1"], answers, strict=True)]
+        if progress and decoded is None:
+            progress(len(prompt_ids), len(prompt_ids))
+    elif decoded is None:
+        # A draft of another tokenizer has no teacher-forced argmax over the target's tokens: its drafter runs
+        # round by round along each answer (replay_mapped), the target not at all.
+        width = output_width(target)
+        replayed = []
+        for k, (p, y) in enumerate(zip(prompt_ids, answers, strict=True)):
+            replayed.append(replay_mapped(draft, vocab_mapping, p, y, gamma, max_new, set(eos), width, real_vocab,
+                                          config.mapped_proposals))
+            if progress:
+                progress(k + 1, len(prompt_ids))
     # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between
     # two drafts then compares one method with itself (decoded vs replayed differ only by bfloat16 near-ties,
     # reported as replay_check and decoded_acceptance_rate).

@@ -5,9 +5,9 @@ its inputs (a re-run skips a stage whose key matches, so a killed run continues 
 whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``):
 
 1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
-2. ``eval_before`` the target's greedy answers per held-out set, written by the fastest lossless decoder (the
-                   prepared draft, adaptive γ), then the original draft's greedy acceptance replayed on them, + α
-                   at the serving settings (:func:`specdraft.evaluate.acceptance_eval`)
+2. ``eval_before`` the target's greedy answers per held-out set, written by the target itself in one batch, then
+                   the original draft's greedy acceptance replayed on them, + α at the serving settings
+                   (:func:`specdraft.evaluate.acceptance_eval`)
 3. ``vocab_swap``  only for a draft of another tokenizer: re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`)
                    and counted by replay on ``eval_before``'s answers: the baseline of the distillation gain
    ``headroom``    the forecast before training, on the held-out answers ``eval_before`` wrote (the positions
@@ -24,13 +24,13 @@ whose inputs changed is refused, naming what changed, or redone from scratch wit
 
 **Evaluation design.** Acceptance is measured on held-out prompts in two sets, reported separately:
 ``eval_prompts`` (the domain the preset trains for: the headline gain) and ``ood_prompts`` (a second domain
-that must not get worse). Before distillation every prompt is decoded by greedy speculative decoding, which
-writes the target's greedy answer (with the evaluation's draft preparation, int4 + trimmed head by default: any
-draft gives the same answer); the original and later the distilled draft are both counted by replaying their
-greedy rounds on those very answers (:func:`specdraft.replay.replay_greedy`'s method: exact for greedy
-verification up to bf16 near-ties; tested against decoded counts), so the gain is paired prompt by prompt and
-costs one teacher-forced pass per model and prompt instead of a second decoding. Speed is measured once,
-interleaved, on a few prompts.
+that must not get worse). Before distillation the target writes its greedy answer to every prompt, a set's
+prompts in one batch (the cheapest lossless way to have them on a CPU); the original and later the distilled
+draft are both counted by replaying their greedy rounds on those very answers
+(:func:`specdraft.replay.replay_greedy`'s method for a draft of the target's tokenizer,
+:func:`specdraft.replay.replay_mapped` for one of another: exact for greedy verification up to bf16 near-ties;
+tested against decoded counts), so the gain is paired prompt by prompt and costs one teacher-forced pass per
+model and prompt instead of a decoding. Speed is measured once, interleaved, on a few prompts.
 
 Evaluation prompts never enter training: overlaps between the two prompt sets are counted and warned about
 (or refused with ``refuse_overlap``). Everything that can be checked is checked before the first stage runs.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import itertools
 import json
 import logging
 import shutil
@@ -375,25 +374,25 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
                 before: dict[str, Any] | None = None, log: Callable[[str], None] | None = None,
                 stage: str = "eval", target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
     """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`): ``before`` is None for
-    the original draft (decoded: the target's answers are written here), else the distilled draft is replayed on
-    the answers ``before`` holds (the same target answers: a paired comparison).
+    the original draft (the target's answers are written here), else the distilled draft is replayed on the
+    answers ``before`` holds (the same target answers: a paired comparison).
 
-    The answers are written by the fastest lossless decoder: the evaluation's draft preparation
-    (:func:`specdraft.draft_model.apply_draft_options`: ``draft_quantization`` auto = int4 + trimmed head on CPU)
-    with its γ
-    policy (adaptive: the pair's costs from the calibration cache the speed stage shares). The acceptance counted is
-    still the draft's as exported (bf16, fixed γ, by replay). A draft of another tokenizer decodes as loaded.
+    The answers are written by the target alone, all prompts of a set in one batch
+    (:func:`specdraft.responses.generate_from_ids`: each row sees the keys and positions it would see decoded alone,
+    so they are its greedy answers up to bfloat16 near-ties): on a CPU a batch of rows costs about what one row
+    does, which no draft decoding one row at a time matches. Every draft is then counted by replay at fixed γ, as
+    exported (bf16): a draft of the target's tokenizer from one teacher-forced pass, a draft of another tokenizer
+    by its drafter's rounds along each answer (:func:`specdraft.replay.replay_mapped`).
 
     ``target_cache``: the run's store of the target's teacher-forced logits over those answers, so the replays of
     the re-indexed and the distilled draft share one target pass."""
 
     def run(d: Path) -> dict[str, Any]:
-        from specdraft.calibration import calibrate
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.draft_model import apply_draft_options
         from specdraft.evaluate import acceptance_eval
         from specdraft.models import load_model
+        from specdraft.responses import generate_from_ids
         from specdraft.vocab import build_vocab_mapping
 
         target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
@@ -401,23 +400,26 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
         mapping = build_vocab_mapping(plan.target.path, draft_path) if map_vocab else None
         serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
         encoded = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
-        decoder, speed = None, None
-        if before is None and mapping is None:
-            decoder = apply_draft_options(draft, tok, cfg.eval)
-            if cfg.eval.gamma_policy == "adaptive":
-                calibrated = calibrate(target, decoder, [ids for ids in itertools.chain(*encoded.values())
-                                                         if len(ids) >= 2], cfg.eval)
-                speed = calibrated[0] if calibrated is not None else None
         sets = {}
         for name, examples in plan.sets.items():
-            answers = before["sets"][name]["answers"] if before is not None else None
+            written = None
+            if before is not None:
+                answers = before["sets"][name]["answers"]
+            else:
+                if log:
+                    log(f"[{stage}] {name}: the target writes its {len(examples)} answers (one batch)")
+                t0 = time.perf_counter()
+                answers = generate_from_ids(target, tok, encoded[name], cfg.eval.max_new_tokens, real_vocab=len(tok))
+                written = {"decoder_label": f"the target alone, one batch of {len(examples)} rows",
+                           "decode_seconds": time.perf_counter() - t0, "decoded_tokens": sum(map(len, answers))}
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
                                          cfg.eval, serving, answers=answers, vocab_mapping=mapping,
-                                         decoder=decoder, speed_model=speed, target_cache=target_cache,
+                                         target_cache=target_cache,
                                          progress=progress_lines(log, f"[{stage}] {name}") if log else None).to_dict()
+            sets[name] |= written or {}
             sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
         atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
-        del target, draft, decoder  # free the models before the next stage loads its own
+        del target, draft  # free the models before the next stage loads its own
         gc.collect()
         return {"draft": str(draft_path), "sets": sets}
 

@@ -2,7 +2,8 @@
 
 :func:`predicted_alpha` scores sequences with both models once (α = Σ min(p, q) per counted position, p = target,
 q = draft, after the serving filter); :func:`replay_greedy` turns the draft's teacher-forced argmax over the target's
-own greedy answers into the rounds greedy speculative decoding would run (exact for greedy, batch 1).
+own greedy answers into the rounds greedy speculative decoding would run (exact for greedy, batch 1);
+:func:`replay_mapped` does the same for a draft of another tokenizer, whose drafter runs but whose target does not.
 """
 
 from __future__ import annotations
@@ -229,21 +230,84 @@ def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_t
                    eos: set[int]) -> AcceptanceCounts:
     """:func:`_replay_rounds` from the draft's teacher-forced argmax at each answer position (``draft_top1[j]``
     predicts ``y[j]``): the one place a replay turns argmaxes into matches."""
-    return _replay_rounds([int(g) == t for g, t in zip(draft_top1, y)], y, gamma, max_new_tokens, eos)
+    match = [int(g) == t for g, t in zip(draft_top1, y)]
 
-
-def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
-    """The rounds of greedy speculative decoding (batch 1) over the agreement vector ``match`` (see
-    :func:`replay_greedy`), recorded as :meth:`AcceptanceCounts.record_round` is by the decoder."""
-    counts = AcceptanceCounts(gamma)
-    # Matched proposals: every answer position, whatever the rounds below make of it (AcceptanceCounts.match_rate).
-    counts.matched, counts.match_positions = sum(bool(m) for m in match[:len(y)]), min(len(match), len(y))
-    n = 0
-    while n < len(y):
-        k = max(0, min(gamma, max_new_tokens - n - 1))
+    def accepted(n: int, k: int) -> tuple[int, int]:
         acc = 0
         while acc < k and n + acc < len(y) and match[n + acc]:
             acc += 1
+        return acc, k
+
+    counts = _replay_rounds(accepted, y, gamma, max_new_tokens, eos)
+    # Matched proposals: every answer position, whatever the rounds made of it (AcceptanceCounts.match_rate).
+    counts.matched, counts.match_positions = sum(bool(m) for m in match[:len(y)]), min(len(match), len(y))
+    return counts
+
+
+@torch.no_grad()
+def replay_mapped(draft, vocab_mapping, prompt: Sequence[int], answer: Sequence[int], gamma: int,
+                  max_new_tokens: int, eos: set[int], target_width: int, real_vocab: int | None = None,
+                  mapped_proposals: str | None = None) -> AcceptanceCounts:
+    """Greedy speculative decoding's counts for a draft of *another tokenizer*, replayed over the target's greedy
+    ``answer`` with no target pass.
+
+    A mapped draft reads the context as text, re-encoded in its own tokens, so its proposals after an accepted
+    block are not its teacher-forced argmaxes over the target's tokens (:func:`replay_answer` does not apply).
+    But greedy verification needs only the target's argmax, and along its own greedy answer that is the answer's
+    next token: each round the very drafter :func:`~specdraft.decode.speculative_generate` uses
+    (:class:`~specdraft.decode.MappedDrafter`, batch 1, the same proposal mode) proposes after ``prompt +
+    answer[:n]``, the round accepts the longest run of its candidates equal to ``answer[n:]``, and the target emits
+    ``answer[n + accepted]``. The counts are the decoder's wherever the target's argmax along its answer is the
+    answer (bfloat16 near-ties aside: a batched or cached pass may flip one); the draft costs what it costs in
+    decoding, the target nothing.
+
+    Args:
+        draft: causal LM of another tokenizer; ``vocab_mapping``: its :class:`~specdraft.vocab.VocabMapping`
+            (tokenizers attached, built with the target's config).
+        prompt / answer: target ids, the prompt (template applied) and the target's greedy answer (EOS included).
+        gamma: γ; ``max_new_tokens``: the bound the answer was generated with; ``eos``: ids that end a row.
+        target_width / real_vocab: the target's output width and ``len(tokenizer)``.
+        mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.decode.proposal_mode`).
+
+    Returns:
+        one :class:`~specdraft.acceptance.AcceptanceCounts` (no timings).
+
+    Raises:
+        specdraft.decode.DecodeError: a mapping wider than ``target_width``, an unknown proposal mode.
+    """
+    from specdraft.decode import MappedDrafter, _Row, proposal_mode
+
+    greedy = SamplingConfig()
+    device = next(draft.parameters()).device
+    drafter = MappedDrafter(draft, vocab_mapping, proposal_mode(mapped_proposals, greedy), 1, target_width,
+                            min(real_vocab or target_width, target_width), device, greedy, None, None)
+    y = [int(t) for t in answer]
+    row = _Row(0, [int(t) for t in prompt])
+
+    def accepted(n: int, k: int) -> tuple[int, int]:
+        row.tokens = y[:n]
+        prop = drafter.propose(None, [row], [k], None) if k > 0 else None
+        if prop is None:
+            return 0, 0
+        n_prop = int(prop.n_proposed[0]) if prop.n_proposed is not None else prop.tokens.shape[1]
+        cands = prop.tokens[0, :n_prop].tolist()
+        acc = 0
+        while acc < len(cands) and n + acc < len(y) and cands[acc] == y[n + acc]:
+            acc += 1
+        return acc, n_prop
+
+    return _replay_rounds(accepted, y, gamma, max_new_tokens, eos)
+
+
+def _replay_rounds(accepted, y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
+    """The rounds of greedy speculative decoding (batch 1) over the target's greedy answer ``y``, recorded as
+    :meth:`AcceptanceCounts.record_round` is by the decoder. ``accepted(n, k)`` → ``(accepted, proposed)``: the
+    round after ``y[:n]`` with at most k drafts (k = min(γ, what the row can still emit − 1))."""
+    counts = AcceptanceCounts(gamma)
+    n = 0
+    while n < len(y):
+        k = max(0, min(gamma, max_new_tokens - n - 1))
+        acc, n_prop = accepted(n, k)
         kept, ended = 0, False
         for t in range(acc + 1):  # the accepted drafts, then the target's own token
             if n + t >= len(y):
@@ -255,7 +319,7 @@ def _replay_rounds(match: list[bool], y: list[int], gamma: int, max_new_tokens: 
         if ended and kept <= acc:  # ended inside the accepted block: no target token
             counts.record_round(kept, n_proposed=kept, bonus=False)
         else:
-            counts.record_round(acc, n_proposed=k, bonus=True)
+            counts.record_round(acc, n_proposed=n_prop, bonus=True)
         n += kept
         if ended:
             break

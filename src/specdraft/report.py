@@ -400,8 +400,8 @@ def _answers_writer(sets: dict[str, Any]) -> str:
     secs = sum(v.get("decode_seconds") or 0.0 for v in sets.values())
     toks = sum(v.get("decoded_tokens") or 0 for v in sets.values())
     rate = f", {toks / secs:.2f} tokens/s" if secs > 0 else ""
-    return (f" The answers were written by greedy speculative decoding with {'; '.join(sorted(labels))}{rate} "
-            "(lossless: the target's own greedy answers); the figures count the draft as exported, by replay.")
+    return (f" The answers were written by {'; '.join(sorted(labels))}{rate} (the target's own greedy answers); "
+            "the figures count each draft as exported, by replay.")
 
 
 def render_markdown(r: dict[str, Any]) -> str:
