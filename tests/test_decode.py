@@ -326,15 +326,24 @@ def test_a_mapped_draft_replayed_along_the_target_answer_counts_what_decoding_it
                for t in ("def total(items):\n", "for index in range(count):\n    print(", "x")]
     base, _ = target_generate(target, *left_pad(prompts, 0), max_new_tokens=21, eos_token_id=[])
     for eos in ([], [base[0][9]]):  # no EOS, then one the first answer writes mid-way
-        for p in prompts:
-            ids, mask = left_pad([p], 0)
-            out, decoded = speculative_generate(target, draft, ids, mask, num_speculative_tokens=gamma,
-                                                max_new_tokens=21, eos_token_id=eos, vocab_mapping=mapping,
-                                                mapped_proposals=proposals)
-            replayed = replay_mapped(draft, mapping, p, out[0], gamma, 21, set(eos), 300, 300, proposals)
-            for key in ("proposed", "reached", "accepted", "accepted_hist"):
-                assert getattr(replayed, key) == getattr(decoded, key), (key, eos, p)
-    assert sum(decoded.accepted) > 0  # the noisy copy agrees often enough for the rounds to be tested
+        decoded, answers = [], []
+        for p in prompts:  # decoded one at a time, as the speed stage decodes
+            out, c = speculative_generate(target, draft, *left_pad([p], 0), num_speculative_tokens=gamma,
+                                          max_new_tokens=21, eos_token_id=eos, vocab_mapping=mapping,
+                                          mapped_proposals=proposals)
+            decoded.append(c)
+            answers.append(out[0])
+        assert len(answers[0]) == (10 if eos else 21)
+        # replayed one at a time and all rows in lockstep (rows leave the batch as their answers end)
+        for batch_size in (1, len(prompts)):
+            done = []
+            replayed = replay_mapped(draft, mapping, prompts, answers, gamma, 21, set(eos), 300, 300, proposals,
+                                     batch_size=batch_size, progress=lambda k, n, done=done: done.append((k, n)))
+            assert done[-1] == (3, 3)
+            for r, c in zip(replayed, decoded, strict=True):
+                for key in ("proposed", "reached", "accepted", "accepted_hist"):
+                    assert getattr(r, key) == getattr(c, key), (key, eos, batch_size)
+    assert sum(sum(c.accepted) for c in decoded) > 0  # the noisy copy agrees often enough for the rounds to be tested
 
 
 def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():

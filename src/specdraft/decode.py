@@ -566,8 +566,9 @@ class MappedDrafter(Drafter):
         own = torch.stack(tokens, dim=1)  # [b, k] draft ids (text) or target ids (tokens)
         for j, fed in enumerate((own[:, :-1] if self.text else self.t2d[own[:, :-1]]).tolist()):
             self.draft_ids[j].extend(fed)  # the draft read d_1..d_{k−1} while drafting
-        if self.text:
-            return self.text_proposal(own.tolist(), contexts, rows, ks, prefill_seconds)
+        if self.text:  # each row's text cut at its own k: more drafted text can re-tokenize its first k tokens
+            return self.text_proposal([d[:k] for d, k in zip(own.tolist(), ks)], contexts, rows, ks,
+                                      prefill_seconds)
         return Proposal(own, self._n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None,
                         prefill_seconds)
 

@@ -632,13 +632,8 @@ def acceptance_eval(
     elif decoded is None:
         # A draft of another tokenizer has no teacher-forced argmax over the target's tokens: its drafter runs
         # round by round along each answer (replay_mapped), the target not at all.
-        width = output_width(target)
-        replayed = []
-        for k, (p, y) in enumerate(zip(prompt_ids, answers, strict=True)):
-            replayed.append(replay_mapped(draft, vocab_mapping, p, y, gamma, max_new, set(eos), width, real_vocab,
-                                          config.mapped_proposals))
-            if progress:
-                progress(k + 1, len(prompt_ids))
+        replayed = replay_mapped(draft, vocab_mapping, prompt_ids, answers, gamma, max_new, set(eos),
+                                 output_width(target), real_vocab, config.mapped_proposals, progress=progress)
     # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between
     # two drafts then compares one method with itself (decoded vs replayed differ only by bfloat16 near-ties,
     # reported as replay_check and decoded_acceptance_rate).

@@ -245,32 +245,36 @@ def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_t
 
 
 @torch.no_grad()
-def replay_mapped(draft, vocab_mapping, prompt: Sequence[int], answer: Sequence[int], gamma: int,
-                  max_new_tokens: int, eos: set[int], target_width: int, real_vocab: int | None = None,
-                  mapped_proposals: str | None = None) -> AcceptanceCounts:
+def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                  gamma: int, max_new_tokens: int, eos: set[int], target_width: int, real_vocab: int | None = None,
+                  mapped_proposals: str | None = None, batch_size: int = 16,
+                  progress=None) -> list[AcceptanceCounts]:
     """Greedy speculative decoding's counts for a draft of *another tokenizer*, replayed over the target's greedy
-    ``answer`` with no target pass.
+    ``answers`` with no target pass.
 
     A mapped draft reads the context as text, re-encoded in its own tokens, so its proposals after an accepted
     block are not its teacher-forced argmaxes over the target's tokens (:func:`replay_answer` does not apply).
     But greedy verification needs only the target's argmax, and along its own greedy answer that is the answer's
     next token: each round the very drafter :func:`~specdraft.decode.speculative_generate` uses
-    (:class:`~specdraft.decode.MappedDrafter`, batch 1, the same proposal mode) proposes after ``prompt +
-    answer[:n]``, the round accepts the longest run of its candidates equal to ``answer[n:]``, and the target emits
-    ``answer[n + accepted]``. The counts are the decoder's wherever the target's argmax along its answer is the
-    answer (bfloat16 near-ties aside: a batched or cached pass may flip one); the draft costs what it costs in
-    decoding, the target nothing.
+    (:class:`~specdraft.decode.MappedDrafter`, the same proposal mode) proposes after ``prompt + answer[:n]``, the
+    round accepts the longest run of its candidates equal to ``answer[n:]``, and the target emits
+    ``answer[n + accepted]``. Rows of a batch run in lockstep, each at its own n, with the decoder's holes (each row
+    sees the keys and positions it would see alone), so the counts are batch-1 decoding's wherever the target's
+    argmax along its answer is the answer (bfloat16 near-ties aside, in either model); the draft costs what it costs
+    in decoding, the target nothing.
 
     Args:
         draft: causal LM of another tokenizer; ``vocab_mapping``: its :class:`~specdraft.vocab.VocabMapping`
             (tokenizers attached, built with the target's config).
-        prompt / answer: target ids, the prompt (template applied) and the target's greedy answer (EOS included).
-        gamma: γ; ``max_new_tokens``: the bound the answer was generated with; ``eos``: ids that end a row.
+        prompts / answers: ``[n]`` target id lists, the prompts (template applied) and the target's greedy answers
+            (EOS included).
+        gamma: γ; ``max_new_tokens``: the bound the answers were generated with; ``eos``: ids that end a row.
         target_width / real_vocab: the target's output width and ``len(tokenizer)``.
         mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.decode.proposal_mode`).
+        batch_size: rows replayed together; ``progress(done, total)`` is called as rows finish.
 
     Returns:
-        one :class:`~specdraft.acceptance.AcceptanceCounts` (no timings).
+        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
 
     Raises:
         specdraft.decode.DecodeError: a mapping wider than ``target_width``, an unknown proposal mode.
@@ -278,49 +282,80 @@ def replay_mapped(draft, vocab_mapping, prompt: Sequence[int], answer: Sequence[
     from specdraft.decode import MappedDrafter, _Row, proposal_mode
 
     greedy = SamplingConfig()
+    mode = proposal_mode(mapped_proposals, greedy)
     device = next(draft.parameters()).device
-    drafter = MappedDrafter(draft, vocab_mapping, proposal_mode(mapped_proposals, greedy), 1, target_width,
-                            min(real_vocab or target_width, target_width), device, greedy, None, None)
-    y = [int(t) for t in answer]
-    row = _Row(0, [int(t) for t in prompt])
+    real = min(real_vocab or target_width, target_width)
+    books = [_Rounds([int(t) for t in y], gamma, max_new_tokens, eos) for y in answers]
+    done = 0
+    for start in range(0, len(books), batch_size):
+        active = [i for i in range(start, min(start + batch_size, len(books))) if not books[i].done]
+        done += min(start + batch_size, len(books)) - start - len(active)
+        if not active:
+            continue
+        drafter = MappedDrafter(draft, vocab_mapping, mode, len(active), target_width, real, device, greedy, None, None)
+        rows = {i: _Row(i, [int(t) for t in prompts[i]]) for i in active}
+        while active:
+            ks = [books[i].k for i in active]
+            for i in active:
+                rows[i].tokens = books[i].y[:books[i].n]
+            prop = drafter.propose(None, [rows[i] for i in active], ks, None) if max(ks) > 0 else None
+            keep = []
+            for j, i in enumerate(active):
+                book, acc, n_prop = books[i], 0, 0
+                if prop is not None:
+                    n_prop = int(prop.n_proposed[j]) if prop.n_proposed is not None else prop.tokens.shape[1]
+                    for c in prop.tokens[j, :n_prop].tolist():
+                        if book.n + acc >= len(book.y) or c != book.y[book.n + acc]:
+                            break
+                        acc += 1
+                book.record(acc, n_prop)
+                if book.done:
+                    done += 1
+                    if progress:
+                        progress(done, len(books))
+                else:
+                    keep.append(j)
+            if len(keep) < len(active):
+                if keep:
+                    drafter.select(torch.tensor(keep, dtype=torch.long, device=device))
+                active = [active[j] for j in keep]
+    return [b.counts for b in books]
 
-    def accepted(n: int, k: int) -> tuple[int, int]:
-        row.tokens = y[:n]
-        prop = drafter.propose(None, [row], [k], None) if k > 0 else None
-        if prop is None:
-            return 0, 0
-        n_prop = int(prop.n_proposed[0]) if prop.n_proposed is not None else prop.tokens.shape[1]
-        cands = prop.tokens[0, :n_prop].tolist()
-        acc = 0
-        while acc < len(cands) and n + acc < len(y) and cands[acc] == y[n + acc]:
-            acc += 1
-        return acc, n_prop
 
-    return _replay_rounds(accepted, y, gamma, max_new_tokens, eos)
+class _Rounds:
+    """One row's rounds of greedy speculative decoding (batch 1) over the target's greedy answer ``y``, recorded as
+    :meth:`AcceptanceCounts.record_round` is by the decoder: :attr:`k` drafts at most this round (min(γ, what the row
+    can still emit − 1)), :meth:`record` books the round's accepted and proposed drafts."""
 
+    def __init__(self, y: list[int], gamma: int, max_new_tokens: int, eos: set[int]):
+        self.y, self.gamma, self.max_new, self.eos = y, gamma, max_new_tokens, eos
+        self.counts, self.n, self.done = AcceptanceCounts(gamma), 0, not y
 
-def _replay_rounds(accepted, y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
-    """The rounds of greedy speculative decoding (batch 1) over the target's greedy answer ``y``, recorded as
-    :meth:`AcceptanceCounts.record_round` is by the decoder. ``accepted(n, k)`` → ``(accepted, proposed)``: the
-    round after ``y[:n]`` with at most k drafts (k = min(γ, what the row can still emit − 1))."""
-    counts = AcceptanceCounts(gamma)
-    n = 0
-    while n < len(y):
-        k = max(0, min(gamma, max_new_tokens - n - 1))
-        acc, n_prop = accepted(n, k)
+    @property
+    def k(self) -> int:
+        return max(0, min(self.gamma, self.max_new - self.n - 1))
+
+    def record(self, acc: int, n_proposed: int) -> None:
+        y, n = self.y, self.n
         kept, ended = 0, False
         for t in range(acc + 1):  # the accepted drafts, then the target's own token
             if n + t >= len(y):
                 break
             kept += 1
-            ended = y[n + t] in eos or n + t + 1 >= max_new_tokens
+            ended = y[n + t] in self.eos or n + t + 1 >= self.max_new
             if ended:
                 break
         if ended and kept <= acc:  # ended inside the accepted block: no target token
-            counts.record_round(kept, n_proposed=kept, bonus=False)
+            self.counts.record_round(kept, n_proposed=kept, bonus=False)
         else:
-            counts.record_round(acc, n_proposed=n_prop, bonus=True)
-        n += kept
-        if ended:
-            break
-    return counts
+            self.counts.record_round(acc, n_proposed=n_proposed, bonus=True)
+        self.n += kept
+        self.done = ended or self.n >= len(y)
+
+
+def _replay_rounds(accepted, y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
+    """:class:`_Rounds` over ``y`` with ``accepted(n, k)`` → ``(accepted, proposed)`` for the round after ``y[:n]``."""
+    book = _Rounds(y, gamma, max_new_tokens, eos)
+    while not book.done:
+        book.record(*accepted(book.n, book.k))
+    return book.counts
