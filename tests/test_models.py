@@ -199,6 +199,38 @@ def test_a_cast_on_load_reads_by_pread_to_the_weights_of_a_mapped_read(arch, tmp
     assert "pread" not in backends
 
 
+def test_an_embedded_entry_loaded_in_another_dtype_is_cast_once_and_then_read_from_its_copy(tmp_path, monkeypatch):
+    """The embedded cache holds float32 and the main job loads bfloat16 many times: the first cast is kept under
+    $SPECDRAFT_CACHE/cast and later loads read it (no cast), with the same tensors and the entry's own name; a
+    rebuilt entry gets a new copy, and a checkpoint outside the cache is never copied."""
+    from specdraft.embedded import _MARKER
+    from specdraft.testing import tiny_model
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "models" / "tiny"
+    tiny_model("qwen2", 64).save_pretrained(entry)  # float32
+    (entry / _MARKER).write_text('{"built": 1}')
+    first, _ = models.load_causal_lm(entry, dtype=torch.bfloat16)
+    copy = models.cast_copy_dir(entry, torch.bfloat16)
+    assert copy is not None and copy.parent == tmp_path / "cache" / "cast" and copy.is_dir()
+    assert models._casts_on_load(entry, torch.bfloat16) and not models._casts_on_load(copy, torch.bfloat16)
+    calls = []
+    real = models._write_cast_copy
+    monkeypatch.setattr(models, "_write_cast_copy", lambda *a: calls.append(a) or real(*a))
+    second, _ = models.load_causal_lm(entry, dtype=torch.bfloat16)
+    assert not calls  # read from the copy: nothing cast, nothing written
+    assert second.config._name_or_path == str(entry) == first.config._name_or_path
+    assert second.dtype == torch.bfloat16
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+    (entry / _MARKER).write_text('{"built": 2}')  # rebuilt: the old copy is not this entry's
+    assert models.cast_copy_dir(entry, torch.bfloat16) != copy
+    outside = tmp_path / "mine"
+    tiny_model("qwen2", 64).save_pretrained(outside)
+    (outside / _MARKER).write_text("{}")
+    assert models.cast_copy_dir(outside, torch.bfloat16) is None
+
+
 # ------------------------------------------------------------------ weights never filled in
 
 
