@@ -90,7 +90,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
                     "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto",
                     "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~11 GB RAM, ~3 GB disk, ~30 min with the models cached",
+        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+4 GB once: bfloat16 copies of the models), ~25 min with the "
+                 "models cached",
     },
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
     # preset trains on target-written answers to MT-Bench questions and measures on *other* MT-Bench questions (every
