@@ -60,6 +60,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -959,7 +960,9 @@ def train(
         # The teacher head is a (non-persistent) buffer, identical on every rank: DDP's default would
         # broadcast all V×H of it from rank 0 before every forward.
         ddp_broadcast_buffers=False,
-        disable_tqdm=False,
+        # A bar where a terminal draws it; in a log file or CI the Trainer prints one line per logging step instead
+        # (its PrinterCallback), never a carriage-return bar no one redraws.
+        disable_tqdm=not sys.stderr.isatty(),
         save_only_model=False,
     )
     check_resume_origin(ckpt_dir, resume_origin(draft, config, args.world_size, origin), resume,
