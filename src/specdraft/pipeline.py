@@ -609,11 +609,12 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
-    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped, log=log,
-                                                                stage="eval_before"))
-    # The target's teacher-forced logits over its held-out answers: computed by the first replay, read by the
-    # forecast and the last replay.
+    # The target's teacher-forced logits over its held-out answers: computed by the first replay (eval_before's for a
+    # draft of the target's tokenizer, vocab_swap's for one of another, which eval_before replays without the
+    # target), read by the forecast and the last replay.
     target_cache = out / "cache" / "target-logits"
+    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped, log=log,
+                                                                stage="eval_before", target_cache=target_cache))
     swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype},
                         _swap_stage(cfg, plan, before, target_cache)) \
         if mapped else None
