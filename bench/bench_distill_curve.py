@@ -17,6 +17,7 @@ The default preset's own budget (its steps) is marked for reference; its measure
 Writes ``bench/results/<--result-name>.json`` (default ``distill-curve-default``).
 
     python bench/bench_distill_curve.py [--steps 100 --every 10 --work runs/bench-distill-curve]
+                                        [--train-prompts humaneval:0:100 --train-prompts mt-bench:1:14:6 ...]
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--result-name", default="distill-curve-default")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--prepare-only", action="store_true", help="stop after the dump (the stages are cached)")
+    ap.add_argument("--train-prompts", action="append", default=None, metavar="SOURCE",
+                    help="training prompt source (repeatable; default the preset's): a bigger dump, what more "
+                         "compute would also buy, in its own --work")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of the preset's distillation settings (VALUE read as JSON, else a "
                          "string), e.g. --set row_lr=3e-3: another route on the same stages")
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     from specdraft.models import load_model, load_tokenizer
 
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    cfg = pl.make_config(args.preset)
+    cfg = pl.make_config(args.preset, train_prompts=args.train_prompts)
     if not cfg.vocab_swap:
         ap.error(f"preset {args.preset!r} has no vocabulary swap: this curve starts from the re-indexed draft")
     work = args.work
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "command": command, "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
         f"{torch.get_num_threads()} threads", "torch": torch.__version__, "preset": args.preset,
-        "pair": {"target": cfg.target, "draft": cfg.draft}, "route": {k: dcfg.model_dump()[k] for k in (
+        "pair": {"target": cfg.target, "draft": cfg.draft}, "train_prompts": cfg.train_prompts, "route": {k: dcfg.model_dump()[k] for k in (
             "loss", "train", "lr", "row_lr", "untie_head", "batch_size", "gradient_accumulation_steps", "scheduler",
             "warmup_ratio", "precision", "held_out_fraction")}, "overrides": overrides,
         "steps": args.steps, "every": args.every, "preset_steps": preset_steps,

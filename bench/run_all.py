@@ -233,23 +233,28 @@ def _render_distillation() -> list[str]:
     lines += _render_distill_routes()
     lines += _render_swap_routes()
     lines += _render_long_curve() + _render_budget_routes()
+    lines += _render_long_curve("distill-curve-hour.json", "What an hour buys — the best route, run long")
     return lines + _render_headroom_calibration()
 
 
-def _render_long_curve(name: str = "distill-curve-default.json") -> list[str]:
-    """What more compute buys: the default route run long, held-out acceptance against CPU-minutes
-    (``bench/bench_distill_curve.py``)."""
+def _render_long_curve(name: str = "distill-curve-default.json",
+                       title: str = "What more compute buys — the default route, run long") -> list[str]:
+    """What more compute buys: the default route run long (on the preset's dump or a bigger one), held-out
+    acceptance against CPU-minutes (``bench/bench_distill_curve.py``)."""
     r = _load(name)
     if not r:
         return []
     sets = r["sets"]
     rt = r["route"]
-    lines = ["## What more compute buys — the default route, run long", "",
+    prompts = f" (training prompts {', '.join(r['train_prompts'])})" if r.get("train_prompts") else ""
+    if r.get("label"):
+        prompts += f", {r['label']}"
+    lines = [f"## {title}", "",
              (f"`{r['command']}` — {r['machine']}, torch {r['torch']}. The default preset's road and route "
               f"({rt['loss']}, body lr {rt['lr']:g}, rows lr {rt['row_lr']:g}, head untied, "
               f"{rt['batch_size'] * rt['gradient_accumulation_steps']} sequences per step, {rt['scheduler']} over "
               f"{r['steps']} steps) on {r['train_sequences']} training sequences of the dump "
-              f"({r['dump']['tokens']} tokens, {r['dump']['minutes']:.1f} min); every {r['every']} steps the draft "
+              f"({r['dump']['tokens']} tokens, {r['dump']['minutes']:.1f} min){prompts}; every {r['every']} steps the draft "
               f"is replayed on the target's held-out answers (code: {sets['held_out']['prompts']} prompts, "
               f"{sets['held_out']['target_answer_tokens']} answer tokens; chat: {sets['ood']['prompts']} prompts, "
               f"{sets['ood']['target_answer_tokens']} tokens), paired against the re-indexed draft (95% bootstrap "
@@ -272,7 +277,7 @@ def _render_long_curve(name: str = "distill-curve-default.json") -> list[str]:
 
 
 #: Route variants at the default preset's own budget, beside the main job's figure (bench_distill_curve.py --set).
-BUDGET_ROUTES = ("distill-route-constant10", "distill-route-lr2x10")
+BUDGET_ROUTES = ("distill-route-constant10", "distill-route-lr2x10", "distill-route-prompt10")
 
 
 def _render_budget_routes() -> list[str]:
@@ -287,16 +292,18 @@ def _render_budget_routes() -> list[str]:
               f"(its dump of {run['distill']['train_sequences']} training sequences, its held-out answers: code "
               f"{sets['held_out']['prompts']} prompts, chat {sets['ood']['prompts']}), replayed like eval_after, "
               "paired against the re-indexed draft (95% bootstrap over prompts). The first row is the main job's "
-              "own figure; the others change one thing of its route. " + routes[0].get("note", "")), "",
-             "| route | held-out code | gain [95% CI] | held-out chat | gain [95% CI] | command |",
-             "| --- | ---: | --- | ---: | --- | --- |"]
+              "own figure (training minutes: its distill stage, loading included); the others change one thing of its route "
+              "(training minutes: the optimizer steps, replays left out). " + routes[0].get("note", "")), "",
+             "| route | training min | held-out code | gain [95% CI] | held-out chat | gain [95% CI] | command |",
+             "| --- | ---: | ---: | --- | ---: | --- | --- |"]
     c, o = sets["held_out"], sets["ood"]
-    lines.append(f"| the default preset's route | {c['after']:.3f} | {c['gain']:+.3f} {_ci(c['gain_ci95'])} "
+    stage_min = f"{run['stages']['distill'] / 60:.1f}" if "distill" in run.get("stages", {}) else "–"
+    lines.append(f"| the default preset's route | {stage_min} | {c['after']:.3f} | {c['gain']:+.3f} {_ci(c['gain_ci95'])} "
                  f"| {o['after']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} | `{run['command']}` |")
     for r in routes:
         pt = r["points"][-1]["sets"]
-        label = ", ".join(f"{k} {v}" for k, v in r["overrides"].items())
-        lines.append(f"| {label} | {pt['held_out']['acceptance']:.3f} | {pt['held_out']['gain']:+.3f} "
+        label = r.get("label") or ", ".join(f"{k} {v}" for k, v in r["overrides"].items())
+        lines.append(f"| {label} | {r['train_minutes']:.1f} | {pt['held_out']['acceptance']:.3f} | {pt['held_out']['gain']:+.3f} "
                      f"{_ci(pt['held_out']['gain_ci95'])} | {pt['ood']['acceptance']:.3f} | {pt['ood']['gain']:+.3f} "
                      f"{_ci(pt['ood']['gain_ci95'])} | `{r['command']}` |")
     return lines + [""]

@@ -14,6 +14,10 @@ from specdraft.io import atomic_path, atomic_write_text
 from specdraft.speed import Contender
 from specdraft.stats import Estimate, paired_gain_from_rows
 
+#: The speed stage's keys of the pipeline's two drafts (the draft as given, the distilled one).
+ORIGINAL = Contender("speculative", "original").name
+DISTILLED = Contender("speculative", "distilled").name
+
 
 def _draft_of(contender: str) -> str:
     """The draft a divergence's contender decoded with (its kind for a contender without one)."""
@@ -136,7 +140,7 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         sections.append((f"{SET_LABELS.get(name, name)} set, {b['prompts']} prompts: acceptance", rows))
     for name, sp in speed_sets(report).items():
         c = sp["contenders"]
-        o, d = c.get("speculative:original", {}), c.get("speculative:distilled", {})
+        o, d = c.get(ORIGINAL, {}), c.get(DISTILLED, {})
         t = c["target"]
         hf = next((v for k, v in c.items() if Contender.from_name(k).kind == "hf_assisted"), None)
         rows = [
@@ -197,7 +201,7 @@ def slowdown_notes(report: dict[str, Any]) -> list[str]:
     for name, sp in speed_sets(report).items():
         slow = [f"the {who} draft {o['speedup']:.2f}x {_fmt_ci(o.get('speedup_ci95'), '{:.2f}')}"
                 for who in ("original", "distilled")
-                if (o := sp["contenders"].get(f"speculative:{who}")) and o.get("speedup") is not None
+                if (o := sp["contenders"].get(Contender("speculative", who).name)) and o.get("speedup") is not None
                 and o["speedup"] < 1.0]
         if slow:
             notes.append(f"on the {SET_LABELS.get(name, name)} set speculative decoding was slower than the target "
@@ -211,7 +215,7 @@ def slower_note(report: dict[str, Any]) -> str | None:
     sp = report.get("speed")
     if not sp:
         return None
-    o, d = sp["contenders"].get("speculative:original"), sp["contenders"].get("speculative:distilled")
+    o, d = sp["contenders"].get(ORIGINAL), sp["contenders"].get(DISTILLED)
     if not o or not d or d["speedup"] >= o["speedup"]:
         return None
     said = (f"the distilled draft decoded slower than the original in the interleaved run ({d['speedup']:.2f}x vs "
@@ -319,8 +323,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         c = sp["contenders"]
         best = max((k for k in c if Contender.from_name(k).kind == "speculative"), key=lambda k: c[k].get("speedup") or 0,
                    default=None)
-        if swap_baseline(r) is not None and "speculative:distilled" in c:
-            best = "speculative:distilled"  # the original speaks another tokenizer: the shippable draft leads
+        if swap_baseline(r) is not None and DISTILLED in c:
+            best = DISTILLED  # the original speaks another tokenizer: the shippable draft leads
         if best is None:
             continue
         b = c[best]
@@ -368,7 +372,7 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
             if Contender.from_name(str(d.get("contender", ""))).kind != "hf_assisted"]
     if speed_sets(r):
         same = ", ".join(f"{SET_LABELS.get(n, n)} {sp['contenders'][k].get('matches_target', '—')}"
-                         for n, sp in speed_sets(r).items() for k in sp["contenders"] if k == "speculative:original")
+                         for n, sp in speed_sets(r).items() for k in sp["contenders"] if k == ORIGINAL)
         detail = "; ".join(f"{d['prompt_id']} token {d['position']} ({_draft_of(str(d.get('contender', '?')))} "
                            f"draft): top-2 margin {d['margin']:.4f} "
                            f"({'a bf16 near-tie, within' if d.get('is_numerics') else 'BEYOND'} the {d['tolerance']} "

@@ -76,7 +76,8 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
                                            eos_token_id=eos_ids or None, real_vocab=real_vocab,
                                            generator=gen)
     except DecodeError as exc:
-        raise DumpError(f"--generate: {exc}") from exc
+        raise DumpError(f"the target cannot write {max_new_tokens} new tokens here (dump --generate, or the "
+                        f"evaluation's --max-new-tokens): {exc}") from exc
     finally:
         model.train(was_training)
     return responses
