@@ -585,6 +585,39 @@ def test_dataset_batches_and_survives_pickling(pair, tmp_path):
     assert not batch["loss_mask"][batch["attention_mask"] == 0].any()
 
 
+def test_prompt_positions_train_every_prediction_past_the_shared_prefix(pair, tmp_path):
+    """A dump of chats with one system turn: the shared prefix ends where the user's words begin, the widened
+    mask trains every prediction from there on (the answer's as stored), and nothing else changes."""
+    system = {"role": "system", "content": "be brief"}
+    examples = [Example(e.id, [system, *e.messages]) for e in (chat(i) for i in range(4))]
+    run_dump(pair["target"], examples, tmp_path / "d", fp32(format="topk", top_k=4, answer_only=True))
+    stored, wide = TeacherDataset(tmp_path / "d"), TeacherDataset(tmp_path / "d", prompt_positions=True)
+    n = wide.shared_tokens
+    tok = pair["tok"]
+    assert stored.shared_tokens == 0 and n == stored.shared_prefix()
+    seqs = [stored[i]["input_ids"] for i in range(len(stored))]
+    assert all(torch.equal(s[:n], seqs[0][:n]) for s in seqs)  # shared ...
+    assert len({s[n].item() for s in seqs}) > 1  # ... and no longer: the first user words differ
+    # the user turn's header; its newline merges with the first word in this tokenizer, so the sequences differ there
+    assert tok.convert_ids_to_tokens(seqs[0][n - 2:n].tolist()) == ["<|im_start|>", "user"]
+    for i in range(len(stored)):
+        a, b = stored[i], wide[i]
+        length = len(a["input_ids"])
+        expected = a["loss_mask"].clone()
+        expected[n:length - 1] = True
+        assert torch.equal(b["loss_mask"], expected) and not b["loss_mask"][:n].any() and not b["loss_mask"][-1]
+        assert a["loss_mask"].sum() < b["loss_mask"].sum() == a["loss_mask"][:n].sum() + (length - 1 - n)
+        assert torch.equal(a["topk_logprobs"], b["topk_logprobs"]) and torch.equal(a["topk_ids"], b["topk_ids"])
+        assert torch.equal(wide.tokens(i)["loss_mask"], a["loss_mask"])  # where the answer starts, as stored
+    words = examples[0].messages[1]["content"].split()
+    trained = [seqs[0][j + 1].item() for j in range(len(seqs[0]) - 1) if wide[0]["loss_mask"][j]]
+    assert tok.convert_ids_to_tokens(trained[:len(words) - 1]) == words[1:]  # the question's own words
+    lone = tmp_path / "one"
+    run_dump(pair["target"], examples[:1], lone, fp32(format="topk", top_k=4, answer_only=True))
+    one = TeacherDataset(lone, prompt_positions=True)  # a lone sequence shares all of itself: the mask as stored
+    assert one.shared_tokens == len(one[0]["input_ids"]) and torch.equal(one[0]["loss_mask"], TeacherDataset(lone)[0]["loss_mask"])
+
+
 # ------------------------------------------------------------------------------------------ command line
 
 

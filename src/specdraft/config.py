@@ -238,6 +238,10 @@ class DistillConfig(BaseModel):
         False, description="Give the output head its own copy of a tied input embedding before training, so an "
         "input row (what the draft reads) and an output row (what it proposes) can learn apart; the exported "
         "config.json then says tie_word_embeddings false. A no-op for an untied draft.")
+    prompt_positions: bool = Field(
+        False, description="Also train the predictions inside each prompt, past the prefix every sequence of the "
+        "dump shares (the chat template's system prompt): an answer-only dump holds the teacher there too, so a "
+        "draft learns the target's p over human-written text at no teacher cost.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     batch_size: int = Field(1, ge=1, description="Sequences per device per micro-batch.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")

@@ -1082,7 +1082,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
         m = load_manifest(d)
         if m["format"] == "topk" and (problem := config.sparse_teacher_problem(int(m["top_k"]))):
             raise DistillError(f"{d}: {problem}")
-    parts = [TeacherDataset(d, draft_tokenizer=draft_tok, verify=True) for d in dirs]  # refuses a mismatch
+    parts = [TeacherDataset(d, draft_tokenizer=draft_tok, verify=True, prompt_positions=config.prompt_positions)
+             for d in dirs]  # refuses a mismatch
     dataset = parts[0] if len(parts) == 1 else TeacherMix(parts)  # refuses dumps of different teachers
     manifest = dataset.manifest
     if len(dataset) == 0:
@@ -1126,6 +1127,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                          "logit_transform": dataset.logit_ops,
                          "sequences": len(dataset)},
                 "metrics": metrics, "history": result["history"]}
+    if config.prompt_positions:  # where each dump's trained prompt positions start
+        training["dump"]["shared_prefix_tokens"] = [p.shared_tokens for p in parts]
     # Under accelerate launch / torchrun every rank holds the same trained weights: one writes, all wait for it
     # (the state is the Trainer's process group; a plain run is rank 0 alone).
     from accelerate import PartialState

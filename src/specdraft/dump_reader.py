@@ -217,13 +217,19 @@ class TeacherDataset:
         vocab_mapping: a :class:`specdraft.vocab.VocabMapping` from the target to the draft; kept as
             ``self.vocab_mapping`` for the trainer (map draft logits to target ids with it).
         verify: check every shard's sha256 now (:func:`verify_dump`); sizes are always checked.
+        prompt_positions: widen each item's ``loss_mask`` to every prediction whose context reaches past
+            :meth:`shared_prefix` (``loss_mask[j]`` True for ``shared_prefix ≤ j < S − 1``, or-ed with the stored
+            mask): the prompt's predictions too. The teacher signal is stored at every position whatever the mask,
+            so this costs no teacher pass; a prediction whose context is the shared prefix alone has the same p in
+            every sequence and stays as stored. :meth:`tokens` keeps the stored mask (where the answer starts).
 
     Raises:
         DumpError: no finished dump, a missing or truncated shard (named), a mismatched draft tokenizer
             (both fingerprints printed).
     """
 
-    def __init__(self, dump_dir: str | os.PathLike, draft_tokenizer=None, vocab_mapping=None, verify: bool = False):
+    def __init__(self, dump_dir: str | os.PathLike, draft_tokenizer=None, vocab_mapping=None, verify: bool = False,
+                 prompt_positions: bool = False):
         self.dir = Path(dump_dir)
         self.manifest = verify_dump(self.dir) if verify else load_manifest(self.dir)
         self.shards = [s for s in self.manifest["shards"] if s["file"]]
@@ -254,6 +260,8 @@ class TeacherDataset:
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
         self._ids: dict[int, list[str]] = {}
+        self.prompt_positions = prompt_positions
+        self.shared_tokens = self.shared_prefix() if prompt_positions else 0
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -275,6 +283,10 @@ class TeacherDataset:
         item, (f, a, b) = self._tokens(i)
         for name in self.manifest["dtype"]:
             item[name] = f.get_slice(name)[a:b]
+        if self.prompt_positions:
+            mask = item["loss_mask"].clone()
+            mask[self.shared_tokens:len(mask) - 1] = True
+            item["loss_mask"] = mask
         return item
 
     def tokens(self, i: int) -> dict[str, Any]:
@@ -307,6 +319,24 @@ class TeacherDataset:
                 if off[j + 1] - off[j] > best[1]:
                     best = (self._ids[si][j], off[j + 1] - off[j])
         return best
+
+    def shared_prefix(self) -> int:
+        """The length in tokens of the longest prefix every sequence of the dump starts with (the chat template's
+        system prompt and the user turn's header, when every sequence is a chat); 0 for an empty dump, a lone
+        sequence's length for a dump of one. Reads each shard's ``input_ids`` only."""
+        first, n = None, 0
+        for si in range(len(self.shards)):
+            ids = self._open(si).get_tensor("input_ids")
+            off = self._offsets[si]
+            for j in range(len(off) - 1):
+                seq = ids[off[j]:off[j + 1]]
+                if first is None:
+                    first, n = seq, len(seq)
+                    continue
+                m = min(n, len(seq))
+                differ = (first[:m] != seq[:m]).nonzero()
+                n = int(differ[0]) if len(differ) else m
+        return n
 
     def token_ids_from(self, limit: int) -> list[int]:
         """The distinct token ids ≥ ``limit`` in the dump's sequences, ascending (reads each shard's ``input_ids``

@@ -165,6 +165,7 @@ def distill(
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-5,
     row_lr: float | None = config_option(DistillConfig, "row_lr", "--row-lr"),
     untie_head: bool = config_option(DistillConfig, "untie_head", "--untie-head"),
+    prompt_positions: bool = config_option(DistillConfig, "prompt_positions", "--prompt-positions"),
     max_steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 100,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
     gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
@@ -198,7 +199,8 @@ def distill(
 
     cfg = DistillConfig(
         loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, row_lr=row_lr,
-        untie_head=untie_head, max_steps=max_steps, batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
+        untie_head=untie_head, prompt_positions=prompt_positions, max_steps=max_steps, batch_size=batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
         scheduler=scheduler, seed=seed, dtype=dtype, precision=precision, train=train,
         train_last_layers=train_last_layers,
         held_out_fraction=held_out_fraction, eval_steps=eval_steps, save_steps=save_steps,
