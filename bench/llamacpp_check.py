@@ -65,7 +65,7 @@ START, END = "<!-- llamacpp-bench:start -->", "<!-- llamacpp-bench:end -->"
 
 
 def versions(tools) -> dict:
-    from specdraft.gguf_export import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
+    from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
     from specdraft.io import versions as sd_versions
     from specdraft.llama_cpp import build_cache, tool_version
 

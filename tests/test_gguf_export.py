@@ -19,10 +19,9 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from specdraft.cli import app
+from specdraft.embedded import LLAMA_CPP_SDIST, LLAMA_CPP_VERSION
 from specdraft.export import convert, export_speculator
 from specdraft.gguf_export import (
-    LLAMA_CPP_SDIST,
-    LLAMA_CPP_VERSION,
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
     GgufExportError,
     GgufVocab,

@@ -478,7 +478,7 @@ def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_name
     those defaults), equal to the flags of the invocation specdraft measures llama.cpp with, and name the build."""
     import shlex
 
-    from specdraft.gguf_export import LLAMA_CPP_VERSION
+    from specdraft.embedded import LLAMA_CPP_VERSION
     from specdraft.llama_cpp import LlamaCppRankInputs, LlamaCppTools, speculative_command
 
     def tests(tg_ts, pp=None):

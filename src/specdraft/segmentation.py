@@ -228,37 +228,3 @@ def masked_swap_diagnostic(draft, target_tokenizer, has_twin: Sequence[bool], se
             top1.append(logits[torch.tensor([bool(m) for m in mask], device=device)].argmax(-1).tolist())
     return diagnose_masked(target_tokenizer, has_twin, sequences, masks, top1, top=top)
 
-
-#: The report :func:`specdraft.vocab.save_vocab_swap` writes beside a swapped draft.
-SWAP_REPORT = "vocab_swap.json"
-
-
-def swapped_draft_twins(draft_path, target_path) -> list[bool] | None:
-    """Per target id whether the *original* draft of a swapped one has a string-identical twin, or None when
-    ``draft_path`` is not a swapped draft (no :data:`SWAP_REPORT` in it).
-
-    The original is found by the path the swap resolved (``draft_path`` in the report), else by the reference as
-    typed (``draft``); only its tokenizer is read.
-
-    Raises:
-        specdraft.models.ModelResolutionError: the original draft cannot be found any more (names it).
-    """
-    import json
-    from pathlib import Path
-
-    from specdraft.models import ModelResolutionError, resolve
-    from specdraft.vocab import build_vocab_mapping
-
-    report = Path(draft_path) / SWAP_REPORT
-    if not report.is_file():
-        return None
-    info = json.loads(report.read_text(encoding="utf-8"))
-    refs = [r for r in (info.get("draft_path"), info.get("draft")) if r]
-    for ref in refs:
-        try:
-            original = resolve(ref)
-        except (ModelResolutionError, OSError):
-            continue
-        return (build_vocab_mapping(target_path, original).target_to_draft >= 0).tolist()
-    raise ModelResolutionError(f"{report} names the original draft {' / '.join(map(str, refs)) or '(none)'}, which "
-                               "cannot be found: the swap diagnostic needs its tokenizer")

@@ -246,7 +246,7 @@ LLAMA_CPP_P_MIN = 0.0
 
 def llama_cpp_engine() -> str:
     """The llama.cpp build the forecasts and commands are for: the pinned one (its flags, parsers and defaults)."""
-    from specdraft.gguf_export import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
+    from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
 
     return f"llama.cpp ({LLAMA_CPP_PACKAGE} {LLAMA_CPP_VERSION})"
 
@@ -280,7 +280,7 @@ def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: in
     at most ``n_max`` tokens per round, ``n_min``, ``p_min``); ``n_max`` 0 → the target alone. It ends in a shell
     comment naming the build the forecast holds for (``engine``, default :func:`llama_cpp_engine`).
 
-    ``--spec-type draft-simple`` is needed: llama.cpp (pinned :data:`specdraft.gguf_export.LLAMA_CPP_VERSION`,
+    ``--spec-type draft-simple`` is needed: llama.cpp (pinned :data:`specdraft.embedded.LLAMA_CPP_VERSION`,
     common/arg.cpp) infers a speculative type from the ``-md`` GGUF only for MTP / DFlash heads; a plain draft model
     leaves the type at ``none`` and nothing is drafted."""
     exe = "llama-server" if server else "llama-speculative-simple"

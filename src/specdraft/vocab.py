@@ -777,6 +777,40 @@ def _draft_pieces(t: TokenizerView, d: TokenizerView, target_ids: list[int], d_r
     return ids, torch.tensor(flat, dtype=torch.long), torch.tensor(offsets, dtype=torch.long)
 
 
+
+#: The report :func:`save_vocab_swap` writes beside a swapped draft (read back by :func:`swapped_draft_twins`).
+SWAP_REPORT = "vocab_swap.json"
+
+
+def swapped_draft_twins(draft_path, target_path) -> list[bool] | None:
+    """Per target id whether the *original* draft of a swapped one has a string-identical twin, or None when
+    ``draft_path`` is not a swapped draft (no :data:`SWAP_REPORT` in it).
+
+    The original is found by the path the swap resolved (``draft_path`` in the report), else by the reference as
+    typed (``draft``); only its tokenizer is read.
+
+    Raises:
+        specdraft.models.ModelResolutionError: the original draft cannot be found any more (names it).
+    """
+    from pathlib import Path
+
+    from specdraft.models import ModelResolutionError, resolve
+
+    report = Path(draft_path) / SWAP_REPORT
+    if not report.is_file():
+        return None
+    info = json.loads(report.read_text(encoding="utf-8"))
+    refs = [r for r in (info.get("draft_path"), info.get("draft")) if r]
+    for ref in refs:
+        try:
+            original = resolve(ref)
+        except (ModelResolutionError, OSError):
+            continue
+        return (build_vocab_mapping(target_path, original).target_to_draft >= 0).tolist()
+    raise ModelResolutionError(f"{report} names the original draft {' / '.join(map(str, refs)) or '(none)'}, which "
+                               "cannot be found: the swap diagnostic needs its tokenizer")
+
+
 def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
                     min_coverage: float = MIN_COVERAGE, overwrite: bool = False, examples=None,
                     max_length: int = 1024) -> VocabSwapReport:
@@ -845,5 +879,5 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
         target_tok.save_pretrained(tmp)
         info = report.to_dict() | {"draft": str(draft), "draft_path": str(Path(dpath).resolve()),
                                    "target": str(target), "dtype": dtype}
-        (tmp / "vocab_swap.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+        (tmp / SWAP_REPORT).write_text(json.dumps(info, indent=2), encoding="utf-8")
     return report
