@@ -12,7 +12,6 @@ DumpConfig         the target's teacher signal on disk             :func:`specdr
 DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
 ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.export_draft`
 HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
-WarmupConfig       a swapped draft's head trained on cached states  :func:`specdraft.head_warmup.run_head_warmup`
 PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
 =================  ==============================================  ============================================
 
@@ -367,24 +366,6 @@ class HeadroomConfig(BaseModel):
     max_length: int = Field(1024, ge=2, description="Tokens kept per sequence (longer ones are cut).")
     batch_size: int = Field(4, ge=1, description="Sequences per forward pass.")
     dtype: ModelDtype = Field("auto", description="Weights dtype of both models.")
-
-
-class WarmupConfig(BaseModel):
-    """The head warm-up of a draft re-indexed into the target's tokenizer (:mod:`specdraft.head_warmup`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    stdlib_tokens: int = Field(120_000, ge=0, description="Tokens of the Python standard library's own sources "
-                               "(target-tokenized) the head trains on.")
-    sharegpt_turns: int = Field(600, ge=0, description="ShareGPT first turns (sharegpt:0:N, the assistant reply "
-                                "trained) the head trains on.")
-    chunk_tokens: int = Field(256, ge=32, description="Tokens per stdlib chunk (ShareGPT turns keep 1.5x this).")
-    chunks_per_file: int = Field(4, ge=1, description="At most this many chunks per stdlib file (variety).")
-    steps: int = Field(150, ge=1, description="Head training steps (AdamW, cosine, 10% warm-up).")
-    batch_size: int = Field(2048, ge=1, description="Positions per head training step.")
-    lr: float = Field(1e-3, gt=0.0, description="Head learning rate (rows must move: SmolLM2's own SFT used 1e-3).")
-    batch_sequences: int = Field(8, ge=1, description="Sequences per batch of the body's single pass.")
-    seed: int = Field(0, description="Seed of the stdlib file order and the head's batches.")
 
 
 class PipelineConfig(BaseModel):

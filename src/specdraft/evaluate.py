@@ -542,8 +542,6 @@ def acceptance_eval(
     *,
     answers: Sequence[Sequence[int]] | None = None,
     vocab_mapping=None,
-    decoder=None,
-    speed_model: SpeedModel | None = None,
     progress: Callable[[int, int], None] | None = None,
     target_cache: str | Path | None = None,
 ) -> AcceptanceEval:
@@ -560,13 +558,6 @@ def acceptance_eval(
     prompt — or, for a draft of another tokenizer (``vocab_mapping``), by its drafter's rounds along each answer
     (:func:`~specdraft.replay.replay_mapped`: no target pass, no sampled α).
 
-    ``decoder`` (e.g. :func:`~specdraft.draft_model.apply_draft_options`'s int4 + trimmed-head copy of ``draft``) writes the answers instead of
-    ``draft``, with the adaptive γ ≤ ``config.num_speculative_tokens`` when ``speed_model`` is given: greedy
-    speculative decoding outputs the target's greedy answer whichever draft proposes (lossless; bfloat16 near-ties
-    aside), so the fastest lossless decoder writes them and ``draft`` — the model that is exported — is still
-    counted by replay at fixed γ. ``decoded_acceptance_rate`` is then the decoder's (``decoder_label`` names it) and
-    ``replay_check`` is None (the decoder's rounds are not the draft's).
-
     Sampled acceptance: ``alpha_sampled`` is Σ min(p̃, q̃) under ``serving`` (the serving temperature / top-k /
     top-p), teacher-forced over the target's answers — the per-token acceptance probability of speculative
     sampling at those contexts (Leviathan et al. 2023, §3.1), not a decoded count.
@@ -577,8 +568,6 @@ def acceptance_eval(
         prompt_ids / prompt_names: the prompts (chat template applied) and their ids.
         config: γ and max new tokens (greedy; its ``sampling`` must be greedy).
         serving: the filter of the sampled α.
-        decoder: the model that decodes the answers (default ``draft``); not with ``answers`` or ``vocab_mapping``.
-        speed_model: the decoder's measured costs (:func:`~specdraft.calibration.calibrate`): adaptive γ; None: fixed γ.
         target_cache: where the target's teacher-forced logits over the answers are kept and reused
             (:func:`~specdraft.replay.predicted_alpha`): every draft replayed on the same answers shares one
             target pass.
@@ -587,13 +576,10 @@ def acceptance_eval(
         an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α).
 
     Raises:
-        ValueError: a sampled ``config``, or a ``decoder`` with ``answers`` or ``vocab_mapping``.
+        ValueError: a sampled ``config``.
     """
     if not config.sampling.greedy:
         raise ValueError("acceptance_eval measures greedy acceptance; the sampled figure is alpha_sampled")
-    if decoder is not None and (answers is not None or vocab_mapping is not None):
-        raise ValueError("a decoder writes the target's answers: give it without answers and without a vocab_mapping")
-    decoder = draft if decoder is None else decoder
     t0 = time.perf_counter()
     gamma, max_new = config.num_speculative_tokens, config.max_new_tokens
     eos = eos_ids(target, tokenizer)
@@ -606,10 +592,9 @@ def acceptance_eval(
         answers, decoded = [], []
         for k, ids in enumerate(prompt_ids):
             inp, mask = left_pad([ids], pad, device)
-            out, c = speculative_generate(target, decoder, inp, mask, num_speculative_tokens=gamma,
+            out, c = speculative_generate(target, draft, inp, mask, num_speculative_tokens=gamma,
                                           max_new_tokens=max_new, eos_token_id=eos, real_vocab=real_vocab,
-                                          vocab_mapping=vocab_mapping, mapped_proposals=config.mapped_proposals,
-                                          speed_model=speed_model)
+                                          vocab_mapping=vocab_mapping, mapped_proposals=config.mapped_proposals)
             answers.append(out[0])
             decoded.append(c)
             decode_seconds += c.time_total
@@ -645,7 +630,7 @@ def acceptance_eval(
         for c in decoded:
             merged = merged.merge(c)
         decoded_rate = merged.acceptance_rate
-    if decoded is not None and replayed is not None and decoder is draft and speed_model is None:
+    if decoded is not None and replayed is not None:
         same = sum(all(getattr(d, k) == getattr(r, k) for k in keys) for d, r in zip(decoded, replayed))
         check = f"{same}/{len(decoded)}"
     rows = []
@@ -672,17 +657,11 @@ def acceptance_eval(
         alpha_sampled=sampled["alpha"] if sampled else None,
         alpha_sampled_ci95=ci("alpha_sum", "positions") if sampled else None,
         serving=serving.model_dump(), replay_check=check, decoded_acceptance_rate=decoded_rate,
-        decoder_label=_decoder_label(draft, decoder, speed_model, gamma) if decoded is not None else None,
+        decoder_label=f"the draft as given, fixed γ {gamma}" if decoded is not None else None,
         decode_seconds=decode_seconds if decoded is not None else None,
         decoded_tokens=sum(len(a) for a in answers) if decoded is not None else None,
         seconds=time.perf_counter() - t0,
     )
-
-
-def _decoder_label(draft, decoder, speed_model: SpeedModel | None, gamma: int) -> str:
-    """What wrote :func:`acceptance_eval`'s answers, in a report's words."""
-    label = "the draft as given" if decoder is draft else "draft " + draft_configuration(decoder)["label"]
-    return label + (f", adaptive γ ≤ {gamma}" if speed_model is not None else f", fixed γ {gamma}")
 
 
 def interleaved_speed(
