@@ -11,8 +11,15 @@ evaluations (same prompts, same seeds), so the prompt-to-prompt spread both shar
 An unpaired interval on the same data is much wider and can hide a real gain.
 
 Intervals are percentile intervals (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993, §13.3),
-95% by default, and deterministic given ``seed``. With one prompt every replicate is that prompt: the interval
-has zero width and says nothing about other prompts; a reader needs tens of prompts for a useful interval.
+95% by default, and deterministic given ``seed``.
+
+**An interval admits how little it rests on.** Where every prompt has the same rate (one prompt; every drafted
+token accepted, or none) every replicate is the same and the percentile interval has zero width — certainty
+exactly where evidence is thinnest. A rate of counts is therefore never narrower than the Wilson score interval of
+its summed counts (Wilson 1927; tokens treated as independent, so it is a floor, not the answer), and a paired gain
+whose replicates all agree falls back to Newcombe's hybrid score interval of the two rates (Newcombe 1998, method
+10). :attr:`Estimate.floor` names the bound that set the interval; :attr:`Estimate.thin` marks an interval over
+fewer than :data:`MIN_PROMPTS` prompts, which every printed interval shows.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import numpy as np
 #: Replicates per interval: the 2.5% quantile of 10,000 sits on its 250th value, stable to ~±0.005 in rate.
 N_BOOTSTRAP = 10_000
 
+#: Fewer prompts than this and an interval says little about prompts not seen: printed marked (Estimate.thin).
+MIN_PROMPTS = 10
+
 # Replicates are drawn in blocks so memory stays at BLOCK × n prompt indices whatever n_boot is.
 _BLOCK = 1_000
 
@@ -35,7 +45,9 @@ class Estimate:
     """A ratio of summed counts (or a difference of two) with its bootstrap interval.
 
     ``value`` is computed from all prompts (not the mean of the replicates); ``low``/``high`` are the
-    ``(1 − level)/2`` and ``(1 + level)/2`` quantiles of the replicates; ``prompts`` the number resampled.
+    ``(1 − level)/2`` and ``(1 + level)/2`` quantiles of the replicates, widened to ``floor``'s bound where that is
+    wider; ``prompts`` the number resampled; ``floor`` ``"wilson"`` / ``"newcombe"`` when that bound, not the
+    bootstrap, set an end of the interval (see the module docstring), else None.
     """
 
     value: float
@@ -44,6 +56,12 @@ class Estimate:
     level: float
     prompts: int
     replicates: int
+    floor: str | None = None
+
+    @property
+    def thin(self) -> bool:
+        """Fewer than :data:`MIN_PROMPTS` prompts: the interval says little about prompts not seen."""
+        return self.prompts < MIN_PROMPTS
 
     @property
     def interval(self) -> list[float]:
@@ -51,8 +69,9 @@ class Estimate:
         return [self.low, self.high]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "ci": self.interval, "level": self.level, "prompts": self.prompts,
-                "replicates": self.replicates}
+        out = {"value": self.value, "ci": self.interval, "level": self.level, "prompts": self.prompts,
+               "replicates": self.replicates}
+        return out | ({"floor": self.floor} if self.floor else {})
 
 
 def _counts(values: Sequence[float] | np.ndarray, name: str) -> np.ndarray:
@@ -77,12 +96,58 @@ def _replicates(n: int, n_boot: int, seed: int):
         yield rng.integers(0, n, size=(min(_BLOCK, n_boot - start), n))
 
 
-def _estimate(value: float, reps: np.ndarray, level: float, n: int) -> Estimate:
+def _estimate(value: float, reps: np.ndarray, level: float, n: int,
+              floor: tuple[str, float, float] | None = None) -> Estimate:
+    """The percentile interval of ``reps``, each end widened to ``floor = (name, low, high)`` where that is wider."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     tail = (1 - level) / 2
-    low, high = np.quantile(reps, [tail, 1 - tail])
-    return Estimate(float(value), float(low), float(high), level, n, len(reps))
+    low, high = (float(x) for x in np.quantile(reps, [tail, 1 - tail]))
+    name = None
+    if floor is not None and (floor[1] < low or floor[2] > high):
+        name, low, high = floor[0], min(low, floor[1]), max(high, floor[2])
+    return Estimate(float(value), low, high, level, n, len(reps), name)
+
+
+def wilson_interval(successes: float, trials: float, level: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion ``successes / trials`` (Wilson 1927, eq. 1): never
+    zero width and inside [0, 1], at 0/n and n/n too. ``(0.0, 1.0)`` for no trials (nothing is known).
+
+    Raises:
+        ValueError: a level outside (0, 1), ``successes`` outside [0, trials].
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if not 0 <= successes <= trials:
+        raise ValueError(f"successes must lie in [0, trials], got {successes} of {trials}")
+    if trials == 0:
+        return 0.0, 1.0
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + level / 2))
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * float(np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _wilson_floor(num: np.ndarray, den: np.ndarray, level: float) -> tuple[str, float, float] | None:
+    """The Wilson bound of Σnum / Σden when the counts are a proportion (num ≤ den per prompt), else None."""
+    if (num > den).any() or den.sum() == 0:
+        return None
+    return ("wilson", *wilson_interval(float(num.sum()), float(den.sum()), level))
+
+
+def _newcombe_floor(nb: np.ndarray, db: np.ndarray, na: np.ndarray, da: np.ndarray,
+                    level: float) -> tuple[str, float, float] | None:
+    """Newcombe's hybrid score interval (1998, method 10) of rate_after − rate_before from the two Wilson
+    intervals, or None unless both sides are proportions with something counted."""
+    if (nb > db).any() or (na > da).any() or db.sum() == 0 or da.sum() == 0:
+        return None
+    pb, pa = nb.sum() / db.sum(), na.sum() / da.sum()
+    (lb, ub), (la, ua) = wilson_interval(nb.sum(), db.sum(), level), wilson_interval(na.sum(), da.sum(), level)
+    d = pa - pb
+    return ("newcombe", float(d - np.hypot(pa - la, ub - pb)), float(d + np.hypot(ua - pa, pb - lb)))
 
 
 def ratio_ci(numerators: Sequence[float], denominators: Sequence[float], *, level: float = 0.95,
@@ -97,7 +162,9 @@ def ratio_ci(numerators: Sequence[float], denominators: Sequence[float], *, leve
         seed: seed of the resampling (same inputs and seed → same interval).
 
     Returns:
-        :class:`Estimate`; ``value`` = Σ numerators / Σ denominators (0 when Σ denominators = 0).
+        :class:`Estimate`; ``value`` = Σ numerators / Σ denominators (0 when Σ denominators = 0); where every
+        numerator ≤ its denominator (a proportion) the interval is never narrower than the Wilson interval of the
+        summed counts (``floor="wilson"`` when that bound set it).
 
     Raises:
         ValueError: no prompts, lengths that differ, negative or non-finite counts, a level outside (0, 1).
@@ -108,7 +175,7 @@ def ratio_ci(numerators: Sequence[float], denominators: Sequence[float], *, leve
     if len(num) == 0:
         raise ValueError("no prompts to resample")
     reps = np.concatenate([_ratio(num[idx], den[idx]) for idx in _replicates(len(num), n_boot, seed)])
-    return _estimate(_ratio(num, den), reps, level, len(num))
+    return _estimate(_ratio(num, den), reps, level, len(num), _wilson_floor(num, den, level))
 
 
 def _paired(**named: Sequence[float]) -> list[np.ndarray]:
@@ -135,7 +202,10 @@ def paired_difference_ci(num_before: Sequence[float], den_before: Sequence[float
     resamples the same prompt indices on both sides.
 
     Returns:
-        :class:`Estimate` of the difference after − before (positive = a gain).
+        :class:`Estimate` of the difference after − before (positive = a gain). When every replicate gives the
+        same gain (a zero-width interval: the prompts cannot show its spread) and both sides are proportions, the
+        interval is Newcombe's hybrid score interval instead (``floor="newcombe"``); the pairing's narrower
+        interval is kept wherever the bootstrap can see a spread.
 
     Raises:
         ValueError: sequences of different lengths (not paired), no prompts, bad counts or level.
@@ -143,7 +213,8 @@ def paired_difference_ci(num_before: Sequence[float], den_before: Sequence[float
     nb, db, na, da = _paired(num_before=num_before, den_before=den_before, num_after=num_after, den_after=den_after)
     reps = np.concatenate([_ratio(na[idx], da[idx]) - _ratio(nb[idx], db[idx])
                            for idx in _replicates(len(nb), n_boot, seed)])
-    return _estimate(_ratio(na, da) - _ratio(nb, db), reps, level, len(nb))
+    floor = _newcombe_floor(nb, db, na, da, level) if np.ptp(reps) <= 1e-12 else None  # all agree, up to rounding
+    return _estimate(_ratio(na, da) - _ratio(nb, db), reps, level, len(nb), floor)
 
 
 def paired_gain_from_rows(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], *,
