@@ -65,9 +65,11 @@ START, END = "<!-- llamacpp-bench:start -->", "<!-- llamacpp-bench:end -->"
 
 
 def versions(tools) -> dict:
+    from llamacpp_run import tool_version
+
     from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
     from specdraft.io import versions as sd_versions
-    from specdraft.llama_cpp import build_cache, tool_version
+    from specdraft.llama_cpp import build_cache
 
     marker = build_cache() / "specdraft-build.json"
     flags = json.loads(marker.read_text())["flags"] if marker.is_file() else None
@@ -158,7 +160,7 @@ def pieces(tok, ids: list[int], eog: set[int]) -> bytes:
 
 
 def run_tiny(args, tools) -> int:
-    from specdraft.llama_cpp import (
+    from llamacpp_run import (
         completion_command,
         eog_tokens,
         first_difference,
@@ -166,6 +168,7 @@ def run_tiny(args, tools) -> int:
         speculative_command,
         speculative_matches_plain,
     )
+
     from specdraft.testing import tiny_corpus
 
     out = args.out.absolute()
@@ -312,16 +315,17 @@ def alpha_label(a: float | None) -> str:
 def run_embedded(args, tools) -> int:
     """The side-by-side bench (module docstring). Configurations: plain, then (draft, n_max) for the stock draft
     and each --draft, for each --n-max; each prompt runs every configuration before the next prompt."""
-    from specdraft.data import load_examples, render_prompt
-    from specdraft.embedded import embedded_gguf
-    from specdraft.llama_cpp import (
+    from llamacpp_run import (
         completion_command,
         eog_tokens,
-        llama_bench,
         run_llama,
         speculative_command,
         speculative_matches_plain,
     )
+
+    from specdraft.data import load_examples, render_prompt
+    from specdraft.embedded import embedded_gguf
+    from specdraft.llama_cpp import llama_bench
 
     t0 = time.time()
     target_gguf = Path(args.target_gguf) if args.target_gguf else embedded_gguf(args.target)

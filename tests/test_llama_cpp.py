@@ -1,4 +1,5 @@
-"""llama.cpp's tools as specdraft builds, finds and reads them (:mod:`specdraft.llama_cpp`): the pure parts, on output
+"""llama.cpp's tools as specdraft builds, finds and reads them (:mod:`specdraft.llama_cpp`, and bench/llamacpp_run.py's
+invocations that bench/llamacpp_check.py compares llama.cpp with specdraft by): the pure parts, on output
 captured from the pinned build (tests/data/llama_cpp: ``llama-completion``, ``llama-speculative-simple`` and
 ``llama-bench -o json`` on the tiny models of bench/llamacpp_check.py). llama.cpp itself is exercised by ``make
 test-llamacpp``, not here: nothing is built or run from llama.cpp in this file."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import sys
 import tarfile
 from pathlib import Path
 
@@ -19,18 +21,24 @@ from specdraft.llama_cpp import (
     cmake_flags,
     cpu_flags,
     find_tools,
+    parse_llama_bench,
+    unpack_source,
+)
+from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_engine
+
+# bench/ is not a package: its directory goes on the path before its modules are imported.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from llamacpp_run import (
     first_difference,
     parse_eog_tokens,
-    parse_llama_bench,
     parse_run,
     parse_speculative_simple,
     parse_verbose_prompt,
     run_llama,
     speculative_matches_plain,
     strip_log_prefixes,
-    unpack_source,
 )
-from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_engine
 
 DATA = Path(__file__).parent / "data" / "llama_cpp"
 PLAIN_CMD = ["/x/llama-completion", "-m", "t.gguf"]
@@ -478,8 +486,10 @@ def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_name
     those defaults), equal to the flags of the invocation specdraft measures llama.cpp with, and name the build."""
     import shlex
 
+    from llamacpp_run import speculative_command
+
     from specdraft.embedded import LLAMA_CPP_VERSION
-    from specdraft.llama_cpp import LlamaCppRankInputs, LlamaCppTools, speculative_command
+    from specdraft.llama_cpp import LlamaCppRankInputs, LlamaCppTools
 
     def tests(tg_ts, pp=None):
         return parse_llama_bench(bench_file(tmp_path / f"{tg_ts}.json", tg_ts, pp).read_text())
