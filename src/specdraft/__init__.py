@@ -43,7 +43,7 @@ _EXPORTS = {
     "filter_logits": "specdraft.sampling",
     "LOSSES": "specdraft.losses",
     "run_dump": "specdraft.dump",
-    "TeacherDataset": "specdraft.dump",
+    "TeacherDataset": "specdraft.dump_reader",
     "DistillConfig": "specdraft.config",
     "DumpConfig": "specdraft.config",
     "EvalConfig": "specdraft.config",
