@@ -231,7 +231,7 @@ def main() -> dict:
         dump_weights.append(weight)
         print(f"[dump {kind}] {manifest['sequences']} sequences, {manifest['tokens']} tokens, weight {weight} "
               f"({time.time() - t0:.0f} s{', cached' if dumps[kind]['cached'] else ''})", flush=True)
-    from specdraft.distill import mixed_split
+    from specdraft.distill_data import mixed_split
 
     n_train = len(mixed_split([d["sequences"] for d in dumps.values()], dump_weights, args.held_out_fraction, 0)[0])
     if args.epochs:

@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
     from specdraft.distill import (
         DistillModel,
         _make_trainer_class,
-        collate,
         resolve_precision,
         select_trainable,
         trained_mask,
     )
+    from specdraft.distill_data import collate
     from specdraft.dump_reader import TeacherDataset
     from specdraft.head_warmup import untie_head
     from specdraft.models import load_model

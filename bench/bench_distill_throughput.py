@@ -185,7 +185,8 @@ def bench_step(args: argparse.Namespace, sig: dict) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from specdraft.distill import DistillModel, collate, select_trainable, trained_mask
+    from specdraft.distill import DistillModel, select_trainable, trained_mask
+    from specdraft.distill_data import collate
     from specdraft.models import load_model
 
     torch.manual_seed(0)
@@ -288,7 +289,8 @@ def exact_loss(args: argparse.Namespace, sig: dict, draft) -> float:
     p̂, the top-k teacher with the leftover spread."""
     import torch
 
-    from specdraft.distill import DistillModel, collate
+    from specdraft.distill import DistillModel
+    from specdraft.distill_data import collate
 
     model = DistillModel(draft, sig["head"], sig["bias"], sig["real_vocab"], distill_config(args, "float32"),
                          teacher_width=sig["width"], logit_ops=sig["ops"]).eval()

@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DistillConfig, EvalConfig, SamplingConfig
 from specdraft.decode import left_pad, speculative_generate, target_generate
-from specdraft.distill import DistillModel, collate
+from specdraft.distill import DistillModel
+from specdraft.distill_data import collate
 from specdraft.evaluate import run_eval, top2_margin
 from specdraft.sampling import filtered_probs
 from specdraft.testing import chi2_goodness_of_fit, perturbed, tiny_model, tiny_tokenizer

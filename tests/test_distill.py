@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specdraft.config import DistillConfig
-from specdraft.distill import DistillError, DistillModel, collate, train
+from specdraft.distill import DistillError, DistillModel, train
+from specdraft.distill_data import collate
 from specdraft.testing import perturbed, tiny_model
 
 V = 96
@@ -382,7 +383,7 @@ class _FakeWriter:
 
 
 def test_prompt_of_cuts_at_the_first_trained_position():
-    from specdraft.distill import prompt_of
+    from specdraft.distill_data import prompt_of
 
     item = {"input_ids": torch.arange(10), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 0]).bool()}
     assert prompt_of(item) == [0, 1, 2, 3]  # position 3 predicts the first answer token (4)
@@ -390,7 +391,7 @@ def test_prompt_of_cuts_at_the_first_trained_position():
 
 
 def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
-    from specdraft.distill import OnPolicyStream
+    from specdraft.distill_data import OnPolicyStream
 
     dump = [{"id": f"d{i}"} for i in range(7)]
     prompts = [(f"p{i}", [1, 2]) for i in range(5)]
@@ -416,7 +417,7 @@ def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
 
 def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forward():
     from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.distill import DraftWriter
+    from specdraft.distill_data import DraftWriter
     from specdraft.dump import Teacher
     from specdraft.responses import generate_from_ids
     from specdraft.testing import tiny_tokenizer
@@ -446,7 +447,7 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
     of 16 positions and a 10-token prompt with N = 8 is refused when the stream is built, naming both lengths — not
     at the first refresh, inside training."""
     from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.distill import DraftWriter, OnPolicyStream
+    from specdraft.distill_data import DraftWriter, OnPolicyStream
     from specdraft.dump import Teacher
     from specdraft.testing import tiny_tokenizer
 
@@ -466,7 +467,7 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
 
 def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_path):
     from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.distill import DraftWriter
+    from specdraft.distill_data import DraftWriter
     from specdraft.dump import Teacher
     from specdraft.testing import tiny_tokenizer
 
@@ -575,7 +576,7 @@ def test_distill_command_refuses_autocast_over_bfloat16_weights_before_loading(t
 def test_mixed_split_splits_each_dump_and_repeats_by_weight():
     """One dump splits exactly as split_held_out; in a mix each dump keeps its own held-out share, training
     sequences of a weight-3 dump appear 3 times, held-out ones once, and bad weights are named."""
-    from specdraft.distill import mixed_split, split_held_out
+    from specdraft.distill_data import mixed_split, split_held_out
 
     assert mixed_split([10], None, 0.2, 0) == split_held_out(10, 0.2, 0)
     train_idx, held_idx = mixed_split([10, 4], [1, 3], 0.25, 0)
@@ -659,7 +660,7 @@ def test_a_resume_into_checkpoints_of_another_loss_or_geometry_is_refused_naming
 def test_the_held_out_split_keeps_every_prompt_on_one_side_across_the_dumps_of_a_mix():
     """Two dumps of the same prompts (teacher-forced and target-written), a prompt repeated in the file, a row one
     dump lost to truncation: no held-out sequence shares its prompt with a training one, and the counts say so."""
-    from specdraft.distill import prompt_keyed_split
+    from specdraft.distill_data import prompt_keyed_split
 
     def row(i, prompt, answer):
         ids = torch.tensor(prompt + answer)

@@ -403,7 +403,7 @@ class TeacherMix:
 
     A mix is how teacher-forced sequences (existing text scored by the target, one prefill each) and
     target-written ones (``--generate``) train together; per-dump weights are applied by
-    :func:`specdraft.distill.mixed_split` (repeats), not here. Offers what distillation reads from a
+    :func:`specdraft.distill_data.mixed_split` (repeats), not here. Offers what distillation reads from a
     :class:`TeacherDataset`: ``manifest`` (the first dump's), ``tokens``, ``longest``, ``token_ids_from``,
     ``logit_ops``, ``head``, ``teacher_probs``; ``lengths`` gives each dump's sequence count.
 

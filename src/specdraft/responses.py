@@ -38,7 +38,7 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
 def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
                       real_vocab: int | None = None) -> list[list[int]]:
     """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
-    the draft for on-policy distillation (:class:`specdraft.distill.DraftWriter`).
+    the draft for on-policy distillation (:class:`specdraft.distill_data.DraftWriter`).
 
     Args:
         model: causal LM (in eval mode for the call; its training mode is restored after).
