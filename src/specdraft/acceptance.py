@@ -115,10 +115,8 @@ class AcceptanceCounts:
     @property
     def match_rate(self) -> float | None:
         """Matched proposals ∈ [0, 1]: matched / match_positions (:data:`MEASURES` ``"matched"``), ``None`` where no
-        position was counted (decoded counts). Every answer position counts once whatever γ, γ policy or proposal
-        mode ran, so one draft on one set of target answers gets one figure: the measure for comparisons across
-        regimes. :attr:`alpha` and :attr:`acceptance_rate` depend on the rounds (which positions a bonus token
-        covers, how many drafts follow a rejection)."""
+        position was counted (decoded counts). Every answer position counts once whatever γ or policy ran, so it
+        compares across regimes, where :attr:`alpha` and :attr:`acceptance_rate` depend on the rounds."""
         return self.matched / self.match_positions if self.match_positions else None
 
     @property

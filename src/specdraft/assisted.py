@@ -1,10 +1,9 @@
 """The transformers assisted-generation harness: ``generate(assistant_model=draft)`` under specdraft's settings.
 
-Like with like: transformers would otherwise fill every field a call leaves unset from the model's own
-``generation_config`` (a checkpoint's ``repetition_penalty``, ``top_k``, ``do_sample``…), which specdraft never
-applies; so assisted generation runs with a complete :class:`~transformers.GenerationConfig`
-(:func:`hf_generation_config`) standing in for both models' own during the call (:func:`assisted_generate`, the one
-call eval and the speed stage make).
+transformers fills every field a call leaves unset from the model's own ``generation_config`` (a checkpoint's
+``repetition_penalty``, ``top_k``…), which specdraft never applies; so a complete
+:class:`~transformers.GenerationConfig` (:func:`hf_generation_config`) stands in for both models' own during the
+call (:func:`assisted_generate`).
 """
 
 from __future__ import annotations
@@ -24,18 +23,15 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
                          num_speculative_tokens: int, draft_confidence_threshold: float | None = None):
     """A complete, explicit ``transformers.GenerationConfig`` for assisted generation that matches specdraft's run.
 
-    Every field transformers would otherwise default is set to its neutral global default (no penalty, no bias,
-    no suppressed token, one beam), then ours: sampling (``top_k`` 0 = off in both), max new tokens, EOS and
-    padding ids, and the drafting rule — γ tokens per round with a constant schedule, and the draft confidence
-    threshold (0 = off, like ``draft_confidence_threshold=None``) instead of transformers' default 20 tokens
-    and 0.4. Used with :func:`_models_generation_config`, so nothing comes from either model's own config.
+    Every other field takes transformers' neutral global default (no penalty, no bias, one beam); then ours:
+    sampling (``top_k`` 0 = off in both), EOS and pad ids, γ tokens per round on a constant schedule, and the
+    draft confidence threshold (0 = off) instead of transformers' default 20 tokens and 0.4.
     """
     from transformers import GenerationConfig
 
-    # transformers' own table of the values it falls back to (5.x); the deprecated beam-group keys warn when set.
-    # The length is max_new_tokens alone: a max_length / min_length beside it (the table's 20 and 0) makes every
-    # generate call — the target's and each drafting round of the assistant's — warn "Both `max_new_tokens` and
-    # `max_length` seem to have been set"; left None, transformers derives both from the *_new_tokens it is given.
+    # transformers' own fallback table (5.x). The beam-group keys are deprecated and warn when set; max_length /
+    # min_length beside max_new_tokens make every generate call (each drafting round too) warn, and left None
+    # transformers derives them from the *_new_tokens it is given.
     defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
     for deprecated_or_length in ("num_beam_groups", "diversity_penalty", "max_length", "min_length"):
         defaults.pop(deprecated_or_length, None)
@@ -48,9 +44,8 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
     return gc
 
 
-#: The one notice transformers logs about its own assisted-generation internals (5.x): its candidate generator calls
-#: ``assistant_model.generate(generation_config=..., max_new_tokens=..., min_new_tokens=...)`` each drafting round,
-#: which its deprecation check reports however the caller configured generation. Nothing a user can change.
+#: What transformers (5.x) logs about its own candidate generator's ``assistant_model.generate(generation_config=...,
+#: max_new_tokens=...)`` each drafting round, however the caller configured generation: nothing a user can change.
 _INTERNAL_NOTICE = "Passing `generation_config` together with generation-related arguments"
 _CANDIDATE_GENERATOR = os.path.join("transformers", "generation", "candidate_generator.py")
 
@@ -75,11 +70,9 @@ class _CandidateGeneratorNotice(logging.Filter):
 def _models_generation_config(gc, target, draft):
     """Stand ``gc`` in for both models' ``generation_config`` during a ``generate`` call, then put theirs back.
 
-    transformers fills every field a call leaves at ``None`` from ``self.generation_config`` and builds the
-    assistant's settings from ``assistant_model.generation_config``; with ``gc`` in both places nothing of the
-    checkpoints' own generation settings is used. The draft keeps its own special-token ids (another tokenizer).
-    With a complete ``gc`` (:func:`hf_generation_config`) the call itself warns of nothing; the one notice about
-    transformers' own drafting call is dropped for the call's duration (:class:`_CandidateGeneratorNotice`).
+    transformers builds the assistant's settings from ``assistant_model.generation_config``, hence both places.
+    The draft keeps its own special-token ids (another tokenizer). :class:`_CandidateGeneratorNotice` filters the
+    log for the call's duration.
     """
     saved = [(m, m.generation_config) for m in (target, draft)]
     notice = _CandidateGeneratorNotice()

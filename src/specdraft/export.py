@@ -1,31 +1,22 @@
 """Ship a draft: export it as an *independent speculator* and say how vLLM serves it.
 
-One verb, *export*, for every way a speculator is written (``specdraft export``, the pipeline's ``export``
-stage); the three functions differ only in where the draft comes from:
+The export functions differ only in where the draft comes from:
 
-* :func:`export_draft` — a draft checkpoint on disk (plain, as it is, untrained; or a speculator) → a speculator
-  directory: weights re-saved byte-identical, ``config.json`` = the draft's plus the three ``speculators_*`` keys
-  (:mod:`specdraft.speculator` holds that format), the draft's tokenizer files copied byte for byte.
-  ``export_draft(..., format="gguf")`` — the draft as one GGUF file llama.cpp loads with ``-md`` beside the
-  target's GGUF, written by llama.cpp's own converter and checked as llama.cpp checks a pair
+* :func:`export_draft` — a draft checkpoint on disk (plain or a speculator) → a speculator directory
+  (``config.json`` = the draft's plus the three ``speculators_*`` keys of :mod:`specdraft.speculator`, tokenizer
+  files copied byte for byte), or with ``format="gguf"`` one GGUF file for llama.cpp's ``-md``
   (:mod:`specdraft.gguf_export`).
-* :func:`export_speculator` — a draft in memory (e.g. just distilled) → a speculator directory, with its
-  tokenizer and ``training.json``.
-* :func:`export_saved_speculator` — a saved speculator directory (distill's) → another directory, whole (its
-  ``training.json`` and token ranking too), weights cast to the served dtype: the pipeline's ``export`` stage.
-* :func:`vllm_serve` — how vLLM serves it: the two-path command (verifier + ``--speculative-config`` with
-  vLLM's ``draft_model`` method) and the one-path ``vllm serve SPECULATOR_DIR`` that specdraft's vLLM plugin
-  (:mod:`specdraft.vllm_plugin`) makes work. :func:`vllm_speculative_config` is the one place that turns a
-  speculator's config.json into vLLM's speculative config; the command and the plugin both use it.
+* :func:`export_speculator` — a draft in memory (just distilled) → a speculator directory with ``training.json``.
+* :func:`export_saved_speculator` — a saved speculator directory → another, whole: the pipeline's ``export`` stage.
+* :func:`vllm_serve` — the two-path command (verifier + ``--speculative-config``, vLLM's ``draft_model`` method)
+  and the one-path ``vllm serve SPECULATOR_DIR`` of :mod:`specdraft.vllm_plugin`; both build their speculative
+  config with :func:`vllm_speculative_config`, the one place that does.
 
-Dtype: ``dtype="keep"`` (the default of :func:`export_draft`) writes the draft's tensors byte-identical. Any other
-dtype (``bfloat16`` is what vLLM serves) casts them: that is the one case where a speculator's weights are not
-byte-identical to the draft's.
+Dtype: ``"keep"`` (the default) writes the draft's tensors byte-identical; any other dtype (vLLM serves
+``bfloat16``) casts them, the one case where the weights are not byte-identical to the draft's.
 
 Every directory is written into a temporary sibling and renamed into place (:func:`specdraft.io.atomic_directory`):
 a killed export leaves the destination as it was.
-
-The old names (:func:`convert`, :class:`ConvertResult`, :func:`copy_speculator`) stay as aliases of today's.
 """
 
 from __future__ import annotations
@@ -92,15 +83,11 @@ class ExportResult:
         config: its config.json.
         added: ``config_diff(plain, config)``: the keys added relative to the draft's own save (3 keys).
         resaved: ``config_diff(source config.json, plain)``: keys transformers itself rewrote on re-saving
-            the draft (empty when the source was written by this transformers version; ``dtype`` after a cast);
-            ``corrected`` keys left out.
-        corrected: ``{key: (draft's value, written value)}`` for config values specdraft set to match the tensors:
-            a draft whose config.json claims ``tie_word_embeddings: true`` while its ``lm_head.weight`` differs
-            from its embeddings is written with ``false`` (warned). The speculator's config.json then differs from
-            the draft's in that key, on purpose: with ``true``, loaders that drop ``lm_head.weight`` for tied models
-            (vLLM) would serve the embeddings as the head, a model other than the one evaluated.
-        tokenizer_files: names copied from the draft directory (byte for byte, except the chat template when the
-            draft's renders differently from the target's: see ``chat_template``).
+            the draft (``dtype`` after a cast), ``corrected`` keys left out.
+        corrected: ``{key: (draft's value, written value)}`` for config values set to match the tensors: a
+            ``tie_word_embeddings: true`` whose ``lm_head.weight`` differs from the embeddings is written ``false``
+            (warned), since loaders that drop ``lm_head.weight`` for tied models (vLLM) would serve another model.
+        tokenizer_files: names copied from the draft directory (see ``chat_template`` for the exception).
         vllm_command: serves the verifier with this speculator as its draft (:func:`vllm_serve`).
         serve: the whole :class:`VllmServe` (both commands, the speculative config, notes).
         dtype: ``"keep"`` (weights byte-identical) or the dtype the weights were cast to.
@@ -120,10 +107,8 @@ class ExportResult:
     corrected: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-    source_config: dict[str, Any] = field(default_factory=dict)  # the draft's config.json as read (a speculator's
-    # own speculators_* keys when the draft already was one: re-exporting changes γ, it adds nothing)
-    chat_template: dict[str, Any] = field(default_factory=dict)  # carry_chat_template's result: whose template the
-    # speculator carries (the target's where the draft's renders differently) and the sentence that says so
+    source_config: dict[str, Any] = field(default_factory=dict)  # the draft's config.json as read
+    chat_template: dict[str, Any] = field(default_factory=dict)  # carry_chat_template's result
 
 
 def export_draft(
@@ -140,30 +125,20 @@ def export_draft(
     progress=None,
 ) -> ExportResult | GgufResult:
     """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
-    (draft's + three keys), generation config and the draft's tokenizer files (copied byte for byte; where the
-    draft's chat template renders differently from the verifier's, the verifier's is written instead:
-    :func:`carry_chat_template`).
+    (draft's + three keys), generation config and the draft's tokenizer files (the verifier's chat template where
+    the draft's renders differently: :func:`carry_chat_template`).
 
-    With ``format="gguf"``, ``out`` is one GGUF file instead (:func:`specdraft.gguf_export.export_gguf`, which
-    returns a :class:`~specdraft.gguf_export.GgufResult`): ``gguf_type`` (default f16), ``llama_cpp`` and
-    ``llama_quantize`` apply to it only, and ``dtype`` must stay ``"keep"``; ``progress(line)`` hears its long
-    steps (fetching the converter, converting).
+    With ``format="gguf"``, ``out`` is one GGUF file (:func:`specdraft.gguf_export.export_gguf`, returning a
+    :class:`~specdraft.gguf_export.GgufResult`): ``gguf_type`` (default f16), ``llama_cpp``, ``llama_quantize``
+    and ``progress(line)`` apply to it only, and ``dtype`` must stay ``"keep"``.
 
-    Order: validate options → refuse a non-empty ``out`` (unless ``overwrite``) → read the verifier's config
-    → load the draft (checkpoint dtype, or ``dtype``) → tokenizer check → write everything into a temporary
-    directory beside ``out`` → rename it into place (with ``overwrite``: the old directory is renamed aside
-    first, then removed). A killed or failed run leaves ``out`` as it was, plus at most a ``.tmp-*`` sibling
-    that nothing reads.
-
-    The verifier is recorded as a reference that resolves elsewhere (:func:`specdraft.models.portable_reference`:
-    absolute path; an embedded name → the hub id its weights derive from).
+    Every check runs before anything is written; with ``overwrite`` the old directory is renamed aside, then
+    removed. The verifier is recorded as :func:`specdraft.models.portable_reference` gives it. A config that
+    contradicts the tensors is corrected, never exported as is (``ExportResult.corrected``).
 
     Args:
-        dtype: ``"keep"`` (default): the draft's tensors are written byte-identical. ``"bfloat16"`` (what vLLM
-            serves), ``"float16"`` or ``"float32"``: the weights are cast — the one case where they are not
-            byte-identical to the draft's (config.json's ``dtype`` says the new one).
-
-    A config that contradicts the tensors is corrected, never exported as is: see ``ExportResult.corrected``.
+        dtype: ``"keep"``, ``"bfloat16"``, ``"float16"`` or ``"float32"`` (the module docstring's dtype rule;
+            config.json's ``dtype`` says the new one).
 
     Raises:
         SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``,
@@ -175,7 +150,7 @@ def export_draft(
     """
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    # Only what was given reaches the config: a GGUF option given to the speculator format is refused there.
+    # Only what was given reaches the config, which refuses a GGUF option given to the speculator format.
     gguf_opts = {k: v for k, v in (("gguf_type", gguf_type), ("llama_cpp", llama_cpp),
                                    ("llama_quantize", llama_quantize)) if v is not None}
     try:
@@ -246,10 +221,10 @@ def export_draft(
 
 def carry_chat_template(speculator_dir: str | os.PathLike, verifier) -> dict[str, Any]:
     """Make the speculator directory carry the chat template its verifier (the target) serves with, where the
-    tokenizer files there (the draft's) render differently: the target's template is written in transformers'
-    files (``chat_template.jinja``, ``additional_chat_templates/`` for named ones; a ``chat_template`` key in
-    ``tokenizer_config.json`` is removed so that no loader reads the draft's). Rendering, not source text, decides
-    (:func:`specdraft.check.compare_chat_templates`). A target without a template leaves the files as they are.
+    draft's tokenizer files there render differently (:func:`specdraft.check.compare_chat_templates`: rendering,
+    not source text, decides). The target's template goes in transformers' files (``chat_template.jinja``,
+    ``additional_chat_templates/``), and a ``chat_template`` key in ``tokenizer_config.json`` is removed so no
+    loader reads the draft's. A target without a template leaves the files as they are.
 
     Args:
         speculator_dir: a directory holding the draft's tokenizer files (changed in place: call it inside the
@@ -330,22 +305,17 @@ def write_training_json(path: Path, payload: dict[str, Any]) -> None:
 def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_speculative_tokens: int,
                       training: dict[str, Any] | None = None, overwrite: bool = True,
                       dtype: ExportDtype = "keep", verifier_tokenizer=None) -> Path:
-    """Save a (trained) draft as an independent speculator: plain HF directory (safetensors, ``architectures``
-    = the draft's class), ``config.json`` plus the ``speculators_*`` keys naming the verifier (recorded as
-    :func:`specdraft.models.portable_reference` gives it) and γ, the tokenizer, and ``training.json``. Written
-    into a temporary directory beside ``out`` and renamed into place.
+    """Save a (trained) draft as an independent speculator: plain HF directory (safetensors), ``config.json`` plus
+    the ``speculators_*`` keys naming the verifier (:func:`specdraft.models.portable_reference`) and γ, the
+    tokenizer (with the verifier's chat template where needed, :func:`carry_chat_template`, logged at INFO), and
+    ``training.json``.
 
-    A draft prepared for decoding (:func:`specdraft.draft_model.prepare_draft`: int8/int4 layers, a trimmed head) is
-    written as its dense equivalent (:func:`specdraft.draft_model.dense_draft`): ``AutoModelForCausalLM`` reloads
-    the logits it drafted with (to bfloat16 activation rounding), and no excluded token of a trimmed head wins.
-
-    The tokenizer carries the chat template the verifier serves with where ``tokenizer``'s renders differently
-    (:func:`carry_chat_template`); ``training.json``'s ``chat_template`` says whose it is, and the ``specdraft``
-    logger says so at INFO.
+    A draft prepared for decoding (:func:`specdraft.draft_model.prepare_draft`) is written as its dense equivalent
+    (:func:`specdraft.draft_model.dense_draft`): it reloads with the logits it drafted with (to bfloat16
+    activation rounding), and no excluded token of a trimmed head wins.
 
     Args:
-        dtype: ``"keep"``: the draft's own dtype; else the written weights are cast (bfloat16 is what vLLM
-            serves). ``draft`` itself is not changed.
+        dtype: as :func:`export_draft`; ``draft`` itself is not changed.
         verifier_tokenizer: the verifier's tokenizer, when already loaded (default: loaded from ``verifier_ref``).
 
     Raises:
@@ -380,9 +350,8 @@ def _template_record(template: dict[str, Any]) -> dict[str, Any]:
 def cast_weights(speculator_dir: str | os.PathLike, dtype: ExportDtype) -> bool:
     """Rewrite a speculator directory's weights in ``dtype`` (in place); other files are kept.
 
-    The speculator is loaded in ``dtype`` (a cast makes new tensors, so none still maps the old files), the
-    old weight files are removed and :meth:`IndependentSpeculator.save_pretrained` writes the new ones and
-    config.json (``dtype`` updated, the ``speculators_*`` keys kept).
+    Loading in ``dtype`` makes new tensors, so none still maps the old files when they are removed; config.json's
+    ``dtype`` is updated, the ``speculators_*`` keys kept.
 
     Returns:
         ``True`` when the weights were rewritten; ``False`` for ``"keep"`` or when they already are ``dtype``.
@@ -483,9 +452,8 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
 
     Args:
         speculator_dir: a speculator directory (its config.json is read).
-        verifier: the verifier reference as given here (embedded name, directory, hub id); default the one
-            recorded in the speculator. An embedded name or a recorded hub id of an embedded model not in the
-            HF cache is served from specdraft's cache directory (vLLM knows no embedded names).
+        verifier: the verifier reference as given here; default the one recorded in the speculator. An embedded
+            model not in the HF cache is served from specdraft's cache (vLLM knows no embedded names).
 
     Raises:
         NotASpeculatorError / SpeculatorError: ``speculator_dir`` holds no valid independent speculator.
@@ -526,11 +494,10 @@ def vllm_serve_command(speculator_dir: str | os.PathLike, verifier: str | None =
 
 def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
                             dtype: ExportDtype = "keep") -> dict[str, Any]:
-    """Export a saved speculator directory to ``dest``, whole (atomically; weights cast to ``dtype`` unless
-    ``"keep"``; the verifier's chat template written where the copied one renders differently,
+    """Export a saved speculator directory to ``dest``, whole (cast to ``dtype``, the chat template as
     :func:`carry_chat_template`) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype",
     "vllm_command", "vllm_one_path", "vllm_notes", "vllm_tested_version", "chat_template": {"carried", "changed",
-    "note"}}`` (the pipeline's ``export`` stage).
+    "note"}}``.
 
     Args:
         verifier: the verifier reference as given to the run, for the command (default: the recorded one).
@@ -542,7 +509,7 @@ def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, ver
     from specdraft.speculator import load_speculator_config
     from specdraft.weights import check_checkpoint_weights
 
-    check_checkpoint_weights(src)  # a copy must reload as the source was evaluated: refuse before writing
+    check_checkpoint_weights(src)  # refuse before writing: the copy must reload as the source was evaluated
     dest = Path(dest)
     with atomic_directory(dest) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
@@ -568,9 +535,3 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             continue
         copied.append(name)
     return copied
-
-
-#: The old names of :func:`export_draft`, :class:`ExportResult` and :func:`export_saved_speculator` (one verb now).
-convert = export_draft
-ConvertResult = ExportResult
-copy_speculator = export_saved_speculator

@@ -1,16 +1,14 @@
 """The distillation losses.
 
-The serving filter they share with decoding and α lives in :mod:`specdraft.sampling` (temperature → top-k →
-renormalise → top-p, the order of vLLM's and transformers' samplers); ``tvd_deploy`` applies it to p and q.
+``tvd_deploy`` applies the serving filter of :mod:`specdraft.sampling` to p and q.
 
 Losses are pure per-position functions ``(draft_logits [B, S, V], teacher) -> [B, S] float32`` and live in
 :data:`LOSSES`; masking and averaging happen once, in :func:`masked_mean`. Against a top-k teacher (ids, probs,
 tail), :data:`TOPK_LOSSES` hold the forms that never build the full-width p.
 
-Notation: p = target (teacher) distribution, q = draft distribution. Under speculative sampling a drafted
-token is accepted with probability Σ_x min(p(x), q(x)) = 1 − TVD(p, q) (Leviathan et al. 2023, §3.1;
-DistillSpec, Zhou et al. 2023, §3), so ``tvd_deploy`` — TVD after the serving filter — is exactly the
-deployed rejection rate.
+p = target (teacher) distribution, q = draft distribution. A drafted token is accepted with probability
+Σ_x min(p(x), q(x)) = 1 − TVD(p, q) (Leviathan et al. 2023, §3.1; DistillSpec, Zhou et al. 2023, §3), so
+``tvd_deploy`` is exactly the deployed rejection rate.
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.T
 
 
 def tvd(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
-    """Total variation distance ½ Σ_x |p(x) − q(x)| over the full distributions, ``[B, S] float32`` in [0, 1].
-
-    1 − tvd is the acceptance probability of speculative sampling at temperature 1 with no filter.
-    """
+    """Total variation distance ½ Σ_x |p(x) − q(x)| over the full distributions, ``[B, S] float32`` in [0, 1]
+    (1 − tvd: the acceptance at temperature 1, no filter)."""
     q = draft_logits.float().softmax(dim=-1)
     return 0.5 * (p - q).abs().sum(dim=-1)
 
@@ -52,8 +48,7 @@ def tvd_deploy(draft_logits: torch.Tensor, p: torch.Tensor, *, teacher_logits: t
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, **_: object) -> torch.Tensor:
     """TVD after both p and q pass through the serving filter, ``[B, S] float32`` in [0, 1].
 
-    1 − tvd_deploy = Σ min(p̃, q̃) is exactly the acceptance probability when serving with this
-    temperature/top-k/top-p (DistillSpec §3: the deployed acceptance).
+    1 − tvd_deploy = Σ min(p̃, q̃), the acceptance when serving with these settings (DistillSpec §3).
 
     Args:
         draft_logits: ``[B, S, V]``.
@@ -73,9 +68,8 @@ def tvd_deploy(draft_logits: torch.Tensor, p: torch.Tensor, *, teacher_logits: t
 def ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
     """Cross-entropy on the teacher's argmax: −log q(argmax p), ``[B, S] float32`` nats.
 
-    Hard labels: the loss of greedy acceptance's own event (the draft's argmax must be the target's). Its
-    gradient does not vanish where q gives the target's token ~0 mass, so it trains a cold draft (speculators'
-    ``ce`` loss; the argmax is the token itself on target-greedy answers).
+    Greedy acceptance's own event; its gradient does not vanish where q gives the target's token ~0 mass, so it
+    trains a cold draft (speculators' ``ce`` loss).
     """
     logq = draft_logits.float().log_softmax(dim=-1)
     return -logq.gather(-1, p.argmax(dim=-1, keepdim=True)).squeeze(-1)
@@ -84,9 +78,8 @@ def ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor
 def nla(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
     """Negative log-acceptance −log α, α = Σ_x min(p(x), q(x)): ``[B, S] float32`` nats, ≥ 0.
 
-    TVD's target (α = 1 − TVD) with its gradient scaled by 1/α, so it keeps learning where the overlap is small
-    (Samarin et al. 2026, "LK losses", arXiv 2602.23881; speculators' ``nla``). α is clamped at 1e-12: a
-    position with no overlap at all has a finite loss.
+    TVD's target with its gradient scaled by 1/α, so it keeps learning where the overlap is small (Samarin et al.
+    2026, "LK losses", arXiv 2602.23881; speculators' ``nla``). α is clamped at 1e-12 (finite loss at no overlap).
     """
     q = draft_logits.float().softmax(dim=-1)
     return -sum_min(p, q).clamp(min=1e-12).log()
@@ -99,9 +92,9 @@ LK_ETA = 3.0
 def lk_hybrid(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
     """λ·KL(p‖q) + (1 − λ)·TVD(p, q) with λ = exp(−3α) held constant (no gradient through λ), ``[B, S] float32``.
 
-    Forward KL pulls mass where the overlap is low (λ → 1 as α → 0); TVD, whose complement is the acceptance,
-    takes over as α grows (Samarin et al. 2026, arXiv 2602.23881, §4.2; speculators' ``lk_hybrid``). λ is per
-    position here (ModelOpt's ``masked_lk_lambda_loss`` uses one λ per call from the batch's mean α).
+    Forward KL pulls mass where the overlap is low (λ → 1 as α → 0); TVD takes over as α grows (Samarin et al.
+    2026, arXiv 2602.23881, §4.2; speculators' ``lk_hybrid``). λ is per position (ModelOpt's
+    ``masked_lk_lambda_loss`` uses one per call from the batch's mean α).
     """
     logq = draft_logits.float().log_softmax(dim=-1)
     q = logq.exp()
@@ -114,18 +107,15 @@ def lk_hybrid(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch
 
 # ------------------------------------------------------------------------------ sparse (top-k) teacher
 #
-# A top-k dump stores the teacher's k largest probabilities, their ids and the mass left outside them (the
-# tail). These losses read that signal as it is and never build the [B, S, V] teacher p (nor p − q): only the
-# draft side is vocabulary-wide. The draft's head is *not* restricted to the k ids: both losses need q's
-# normaliser over every row (log Z_q), so a head restricted to the teacher's top-k would be neither exact nor
-# bounded; what the sparse path saves is the teacher's full-width tensors and their elementwise ops.
+# A top-k teacher is its k largest probabilities, their ids and the mass outside them (the tail). These losses
+# never build the [B, S, V] teacher p; the draft side stays vocabulary-wide because both need q's normaliser
+# over every row (log Z_q), without which they would be neither exact nor bounded.
 
 
 def _sparse_teacher(topk_probs: torch.Tensor, tail: torch.Tensor | None, rest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p_k [..., k], tail [...])`` float32, renormalised to sum to 1 together, as
-    :func:`specdraft.dump_reader.teacher_probs_from_topk` renormalises its completion (absorbing the stored
-    log-probs' rounding). ``tail`` defaults to ``1 − Σ p_k`` (clamped at 0); with no id left outside the top-k
-    (``rest == 0``) it is 0."""
+    """``(p_k [..., k], tail [...])`` float32 summing to 1 together, as
+    :func:`specdraft.dump_reader.teacher_probs_from_topk` renormalises. ``tail`` defaults to ``1 − Σ p_k``
+    (clamped at 0); it is 0 when ``rest == 0``."""
     p = topk_probs.float()
     t = (1.0 - p.sum(dim=-1)).clamp(min=0.0) if tail is None else tail.float()
     if rest <= 0:
@@ -141,9 +131,8 @@ def soft_ce_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs:
 
     ``−Σ_x p̂(x) log q(x) = −Σ_{i∈K} p_i log q_i − (tail / (R − k)) · (Σ_{x<R} log q_x − Σ_{i∈K} log q_i)``.
 
-    Exactness: equal to :func:`soft_ce` on the dense completion at any tail (the same sum, regrouped). Against
-    the teacher's true, unknown tail it is exact when the tail is 0; otherwise it differs by the tail's cross-entropy
-    term, which no bound independent of q limits (−log q is unbounded), so only the completion is claimed.
+    Equal to :func:`soft_ce` on the dense completion at any tail; against the teacher's true tail, exact only
+    when the tail is 0 (the tail's cross-entropy term has no bound independent of q).
 
     Args:
         draft_logits: ``[B, S, V]`` draft logits (ids ≥ ``real_vocab`` are padding at ``-inf``).
@@ -174,11 +163,9 @@ def tvd_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: tor
 
     ``½ (Σ_{i∈K} |p_i − q_i| + (1 − Σ_{i∈K} q_i) + tail)``: outside K, ``|p_x − q_x| ≤ p_x + q_x``.
 
-    Exactness and bound: for *every* teacher with these top-k values and this tail (the true one, or the uniform
-    completion :func:`tvd` sees in the dense path), ``0 ≤ tvd_topk − TVD(p, q) = Σ_{x∉K} min(p_x, q_x)
-    ≤ min(tail, 1 − Σ_K q) ≤ tail``. It is exact when the tail is 0, and always an upper bound of the TVD (so
-    ``1 − tvd_topk`` is a lower bound of α = Σ min(p, q)). Padding rows (ids ≥ ``real_vocab``) carry q = 0; with
-    no real id outside K the tail is 0.
+    For *every* teacher with these top-k values and this tail (the true one or the uniform completion),
+    ``0 ≤ tvd_topk − TVD(p, q) = Σ_{x∉K} min(p_x, q_x) ≤ min(tail, 1 − Σ_K q) ≤ tail``: exact at tail 0, always
+    an upper bound of the TVD (``1 − tvd_topk`` a lower bound of α).
 
     Args: as :func:`soft_ce_topk`.
     """
@@ -213,10 +200,9 @@ def _topk_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 def _tvd_deploy_sparse(draft_logits, teacher_logits, temperature, top_k, top_p):
     """tvd_deploy over the two top-k supports: 1 − Σ_{x ∈ S_p ∩ S_q} min(p̃(x), q̃(x)).
 
-    Both filtered distributions live on at most k ids each, so TVD needs only their intersection: no
-    vocabulary-sized float copies with gradients (the full path holds several [B, S, V] float32 tensors for
-    backward). Returns None when a value outside the top-k ties the k-th one (threshold semantics would keep
-    it), and the caller takes the dense path, so both paths always agree.
+    Both filtered distributions live on at most k ids, so no vocabulary-sized float copy keeps a gradient.
+    Returns None when a value outside the top-k ties the k-th one (threshold semantics would keep it): the caller
+    then takes the dense path, so both paths agree.
     """
     with torch.no_grad():
         for x in (draft_logits, teacher_logits):
@@ -240,15 +226,14 @@ def masked_mean(per_position: torch.Tensor, mask: torch.Tensor,
                 denominator: torch.Tensor | float | None = None) -> torch.Tensor:
     """Token-weighted mean of ``[B, S]`` values over positions where ``mask`` is true (the one reduction).
 
-    Masked positions are zeroed with ``where`` (not multiplied) so a NaN/inf there cannot leak into the
-    value or the gradient. Returns a 0-dim float32 tensor; 0 when the mask is empty.
+    Masked positions are zeroed with ``where`` (not multiplied) so a NaN/inf there cannot leak into the value or
+    the gradient. Returns a 0-dim float32 tensor; 0 when the mask is empty.
 
     Args:
         per_position: ``[B, S]`` values (a per-position loss or metric).
         mask: ``[B, S]`` bool/int, true where the value counts.
-        denominator: the number of counted positions of the *whole* optimizer step when this batch is one of
-            several (gradient accumulation, data-parallel ranks): the sum over this batch is divided by it, so
-            the micro-batch values add up to the token-weighted mean of the step. Default: this mask's count.
+        denominator: the counted positions of the *whole* optimizer step when this batch is one of several
+            (accumulation, ranks), so micro-batch values add up to the step's mean. Default: this mask's count.
     """
     mask = mask.bool()
     vals = torch.where(mask, per_position, torch.zeros_like(per_position))

@@ -1,7 +1,6 @@
 """The serving filter and the logits alignment that decoding, α and the losses share.
 
-One filter serves decoding, α and the ``tvd_deploy`` loss: temperature → top-k → renormalise → top-p (the order
-of vLLM's and transformers' samplers). It always keeps the argmax, its output sums to 1, and with both filters off
+The filter: temperature → top-k → renormalise → top-p (the order of vLLM's and transformers' samplers). It always keeps the argmax, its output sums to 1, and with both filters off
 it equals the plain softmax at that temperature.
 
 :func:`align_logits` brings a model's logits to the target's width: ``config.vocab_size`` may exceed
@@ -38,7 +37,7 @@ def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float, probs: torch.T
     mass_before = probs.cumsum(dim=-1) - probs
     keep = mass_before < top_p
     keep[..., 0] = True
-    # The last kept index = number kept − 1 (keep is a prefix because probs are sorted descending).
+    # keep is a prefix (probs sorted descending), so its count − 1 is the last kept index.
     last = keep.sum(dim=-1, keepdim=True) - 1
     return sorted_logits.gather(-1, last)
 
@@ -49,10 +48,8 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     ``softmax`` of the result is the sampling distribution. Ties at the k-th value are all kept (threshold
     semantics, as transformers' ``TopKLogitsWarper``), so more than k tokens survive on exact ties.
 
-    Cost: with ``top_k > 0`` only ``torch.topk`` values ``[..., k]`` are sorted and the nucleus is taken over
-    them — no full-vocabulary sort and no vocabulary-sized int64 index tensor; ``top_k = 0`` with ``top_p < 1``
-    finds the exact nucleus among the top :data:`NUCLEUS_CANDIDATES` logits, reading more only for rows whose
-    nucleus is wider (:func:`_top_p_threshold`).
+    No full-vocabulary sort: with ``top_k > 0`` the nucleus is taken over the ``torch.topk`` values; with
+    ``top_k = 0`` by :func:`_top_p_threshold`.
 
     Args:
         logits: ``[..., V]`` any float dtype (upcast to float32).
@@ -92,19 +89,17 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
 def _top_p_threshold(x: torch.Tensor, top_p: float) -> torch.Tensor:
     """The nucleus threshold of ``x [..., V]`` over the whole vocabulary (``[..., 1]``) without sorting it.
 
-    A full sort of 151,936 logits costs about 10 ms per row on 2 CPU cores (every draft step and 6 rows per
-    verification when sampling); ``torch.topk`` of 1,024 about 0.5 ms. The kept prefix of the sorted vocabulary ends
-    inside the top K exactly when those K tokens hold at least ``top_p`` of the mass (then token K has ≥ ``top_p``
-    before it and is dropped, and so is every later one), so the threshold found among them is the full sort's.
-    Rows where they do not (a flat distribution) read 8× more candidates, up to the whole vocabulary (= the sort).
-    Masses are float64 (the vocabulary-wide normaliser and the running sum), as the definition reads.
+    Exact: the kept prefix ends inside the top K exactly when those K tokens hold at least ``top_p`` of the mass,
+    so the threshold found among them is the full sort's; rows where they do not read 8× more candidates, up to
+    the whole vocabulary. Masses are float64. The cost against a sort: docs/benchmarks.md, "A cheaper draft — the
+    default configuration".
     """
     vocab = x.shape[-1]
     log_norm = torch.logsumexp(x.double(), dim=-1, keepdim=True)
     k = min(NUCLEUS_CANDIDATES, vocab)
     while True:
         top = torch.topk(x, k, dim=-1).values  # [..., k], descending
-        probs = (top.double() - log_norm).exp()  # float64: the mass before a token is summed over up to V tokens
+        probs = (top.double() - log_norm).exp()
         if k == vocab or bool((probs.sum(dim=-1) >= top_p).all()):
             return _nucleus_threshold(top, top_p, probs)
         k = min(k * 8, vocab)
@@ -114,9 +109,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: tor
     """One draw per row from ``probs [..., V]`` (non-negative; rows need not sum to 1) → ``[...] int64``.
 
     Inverse-CDF sampling: u ~ U[0, 1) from ``generator``, then the first id whose cumulative mass (float64) exceeds
-    u · total. The distribution is ``torch.multinomial(probs, 1)``'s (the draws from one seed differ); ids of zero
-    probability are never drawn. About 0.4 ms for a 151,936-wide row on 2 CPU cores, against 2.4 ms for
-    ``torch.multinomial``, which the sampled decode loop pays at every draft step and verification. ``u``
+    u · total. The distribution is ``torch.multinomial(probs, 1)``'s (the draws from one seed differ; faster:
+    docs/benchmarks.md, as :func:`_top_p_threshold`); ids of zero probability are never drawn. ``u``
     (``[..., 1] float64`` in [0, 1)) gives the uniforms instead of ``generator`` (the decode loop's per-row streams).
 
     Raises:
@@ -162,9 +156,8 @@ def input_width(model) -> int:
 def token_width_problem(ids, models, what: str = "input_ids") -> str | None:
     """Why ``ids`` cannot go through ``models``, or ``None`` when every id fits.
 
-    An id must be below each model's input embedding rows (to be read) and output head rows (to be scored and
-    proposed): past either, torch fails later with an ``IndexError`` inside the model, or a width that cannot be
-    aligned. Typically tokens added to the target's tokenizer after the draft was made.
+    An id must be below each model's input embedding rows and output head rows: past either, torch fails later
+    with an ``IndexError`` inside the model, or a width that cannot be aligned.
 
     Args:
         ids: a tensor of token ids (any shape; only the ids that count, e.g. ``input_ids[attention_mask == 1]``), or
@@ -268,9 +261,8 @@ def check_windows(sequences, models, fix: str, names=None, error: type[Exception
 def align_logits(logits, width: int, real_vocab: int | None = None):
     """Bring draft (or target) logits to the target's vocabulary width, masking padding rows.
 
-    Two models of one tokenizer may pad their embedding matrices to different widths (Qwen2.5: 151936 vs
-    152064). Ids at or past ``real_vocab`` (= ``len(tokenizer)``) are padding: they get ``-inf`` so they
-    carry zero probability after softmax, and columns are dropped or ``-inf``-padded to ``width``.
+    Ids at or past ``real_vocab`` get ``-inf`` (the module docstring's padding rule); columns are dropped or
+    ``-inf``-padded to ``width``.
 
     Args:
         logits: ``[..., V] float`` logits of one model.

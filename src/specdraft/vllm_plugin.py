@@ -1,33 +1,19 @@
 """specdraft's vLLM plugin: ``vllm serve SPECULATOR_DIR`` (or ``LLM(model=SPECULATOR_DIR)``) serves the verifier
 named in an independent speculator's config.json with that speculator as its draft.
 
-Installed as the entry point ``specdraft = "specdraft.vllm_plugin:register"`` in the group
-``vllm.general_plugins``; vLLM calls every general plugin once per process (``vllm.plugins.load_general_plugins``,
-from ``EngineArgs.__post_init__`` — before the engine config is built — and in the engine core and workers).
+Installed as the entry point ``specdraft = "specdraft.vllm_plugin:register"`` in ``vllm.general_plugins``; vLLM
+calls every general plugin once per process (``vllm.plugins.load_general_plugins``, before the engine config is
+built, and in the engine core and workers).
 
-What vLLM 0.32 does with a speculators checkpoint by itself (read from its source, ``vllm/engine/arg_utils.py``
-and ``vllm/transformers_utils/config.py``, ``configs/speculators/base.py``):
+vLLM 0.32 (``vllm/transformers_utils/config.py``, ``configs/speculators/base.py``) has
+``maybe_override_with_speculators`` turn a config.json holding ``speculators_config`` into ``(verifier,
+verifier, speculative_config)`` through ``SpeculatorsConfig.extract_vllm_speculative_config``, which demands an
+EAGLE-style ``transformer_layer_config`` and takes ``speculators_model_type`` as the method: an independent
+speculator has neither, so without this plugin vLLM stops there. The plugin wraps that function and answers
+itself for ``speculators_model_type == "independent"`` (:func:`plan_independent`: vLLM's own ``draft_model``
+method); every other model goes to vLLM's function untouched. The draft loads as the plain model it is.
 
-1. ``EngineArgs.create_engine_config`` calls ``maybe_override_with_speculators(model, tokenizer, ...)`` before it
-   builds the model config. When the model's config.json holds ``speculators_config``, that function calls
-   ``SpeculatorsConfig.extract_vllm_speculative_config(config_dict)``, which demands ``transformer_layer_config``
-   (the layer config of an EAGLE-style head) and takes ``speculators_model_type`` as the speculative *method*.
-   An independent speculator has neither: its config.json is the draft's own plus three keys, and
-   ``independent`` is no vLLM method — so without this plugin vLLM stops there.
-2. Otherwise it returns ``(verifier name_or_path, same, {"method": ..., "num_speculative_tokens": γ of the
-   first proposal method, "model": SPECULATOR_DIR} updated with the user's --speculative-config, method and
-   model locked)`` and vLLM builds everything from that.
-
-The plugin wraps ``maybe_override_with_speculators``: for a config whose ``speculators_model_type`` is
-``independent`` it answers step 2 itself — the verifier from the config (:func:`specdraft.models.serving_path`:
-a recorded hub id of an embedded model not in the HF cache is served from specdraft's cache) and the
-speculative config of :func:`specdraft.export.vllm_speculative_config` (vLLM's own ``draft_model`` method, γ
-from the config, ``use_heterogeneous_vocab`` when the output widths differ). Every other model goes to vLLM's
-function untouched. The draft itself loads as the plain model it is (its config.json has its own
-``model_type``).
-
-This module imports without vLLM (vLLM is imported inside :func:`register` only), so its pure part,
-:func:`plan_independent`, is unit-tested without vLLM.
+vLLM is imported inside :func:`register` only, so :func:`plan_independent` is unit-tested without it.
 """
 
 from __future__ import annotations
