@@ -1,30 +1,21 @@
 """A cheaper draft: transforms applied to the draft model before it drafts. Each changes only q.
 
-Speculative decoding is exact for *any* draft distribution q (Leviathan et al. 2023, Theorem 3.5): every
-proposal is verified against the target's p, so making the draft cheaper can lower acceptance but never
-changes the output (greedy: the target's argmax; sampled: p's law). The target is never touched.
+Speculative decoding is exact for *any* draft distribution q (Leviathan et al. 2023, Theorem 3.5), so a cheaper
+draft can lower acceptance but never changes the output. The target is never touched.
 
 Two transforms, applied by :func:`prepare_draft` in this order (a trimmed head is then quantised too):
 
 1. **A trimmed output head** (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language
    Models via Frequency-Ranked Speculative Sampling"): the draft scores only the N most frequent target
    tokens (:func:`frequent_tokens`). The head's logits are written into a full-width row filled with −inf,
-   so every other token has q = 0 — the draft never proposes it, and when sampling q is the draft's
-   distribution renormalised over the kept set (softmax of −inf is 0). The output keeps the full width, so the
-   drafter and verification need no change. The 0.5B Qwen draft's 151,936-row head is about 27% of the
-   weights it reads per step; keeping 32,768 rows (22% of the head) reads ~21% fewer weights per step.
+   so every other token has q = 0 (when sampling, q renormalised over the kept set); the output keeps the full
+   width, so the drafter and verification need no change.
 2. **Weight-only int8 or int4 linear layers** (:class:`Int8Linear`, :class:`Int4Linear`): every ``nn.Linear`` of
    the draft (the output head included) holds its weight as int8 with one scale per output row, or as int4 with a
    scale and zero per group of 32 inputs, and runs ``torch._weight_int8pack_mm`` / ``torch.ops.aten.
-   _weight_int4pack_mm_for_cpu``. Only weights are rounded; activations stay bfloat16. Chosen by measurement
-   (``bench/bench_draft_kernels.py``: one-token steps of the 0.5B Qwen draft after a 64-token prefill, 2 threads,
-   candidates interleaved; docs/benchmarks.md): per step, bf16 1.00, int8 weight-only ~0.48, int4 weight-only ~0.37,
-   torch's fbgemm dynamic int8 (``torch.ao.quantization.quantize_dynamic`` on a float32 copy) ~0.37 — but fbgemm
-   also rounds the activations (one scale per token), which cut the draft's top-1 agreement with the target from
-   0.775 to 0.61–0.64, while both weight-only kernels kept it (0.780); and torch 2.13 marks ``torch.ao.quantization``
-   and its quantised tensors deprecated. Int4 in groups of 32 lost no top-1 agreement on the embedded draft,
-   plausibly because it is a dequantised Q4_K_M GGUF build whose weights already lie on a 4-bit grid of 32-weight
-   blocks; weight-only int8 is the conservative choice for a draft trained in full precision (measure α).
+   _weight_int4pack_mm_for_cpu``. Only weights are rounded; activations stay bfloat16 (torch's fbgemm dynamic
+   int8 also rounds activations, which costs agreement, and is deprecated): docs/benchmarks.md, "A cheaper draft
+   step — kernels". Weight-only int8 is the conservative choice for a draft trained in full precision (measure α).
 
 Two more, always applied to a prepared copy, because a draft step is one token: quantised layers read inputs of
 ≥ :data:`DENSE_MIN_ROWS` rows (the prompt prefill) with the draft's own dense weights, shared with the original
@@ -53,7 +44,7 @@ from specdraft.sampling import NEG_INF
 HEAD_TOKENS = 32_768
 
 #: ``draft_quantization="auto"`` trims the head of a draft of the target's tokenizer whose head has at least this many
-#: rows (twice FR-Spec's kept set: a smaller head is a small share of a step and trimming it gains little).
+#: rows (a smaller head is a small share of a step).
 AUTO_HEAD_MIN_ROWS = 2 * HEAD_TOKENS
 
 #: The optional token-set file beside an exported speculator (:func:`save_head_tokens`).
@@ -64,7 +55,7 @@ HEAD_TOKENS_FORMAT = 1
 
 #: A quantised layer that kept its dense weight (``dense=True``) uses it for inputs of at least this many rows (a
 #: prompt prefill): the weight-only kernels are built for one-token steps and are slower than a dense product on
-#: many rows (the 0.5B int4 draft reads a 171-token prompt in 427 ms, the bf16 one in 247 ms, 2 cores).
+#: many rows (docs/benchmarks.md, "A cheaper draft — the default configuration").
 DENSE_MIN_ROWS = 16
 
 
@@ -95,9 +86,8 @@ class Int8Linear(_DenseForLongInputs, nn.Module):
 
     Args (of :meth:`from_linear`):
         linear: the layer to replace; its weight ``[N, K]`` is read, not kept.
-        dtype: activation dtype (default the layer's own); the kernel is fast for bfloat16 on CPU and slow for
-            float32 (measured 25× slower for a 896 × 4864 layer), so a float32 draft keeps bfloat16 activations
-            inside the layer and casts the result back.
+        dtype: activation dtype (default the layer's own, except bfloat16 for a float32 layer on CPU, where the
+            kernel is slow for float32); the result is cast back.
     """
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -233,11 +223,10 @@ def rank_tokens(tokenizer, texts: Iterable[str] | None = None, token_lists: Iter
                 always: Iterable[int] = ()) -> list[int]:
     """Every id of ``tokenizer``'s vocabulary, most frequent first (FR-Spec's ranking).
 
-    Frequencies are counted over ``texts`` encoded with ``tokenizer`` (no special tokens added) and/or over
-    ``token_lists`` (already-encoded ids, e.g. chat-templated prompts or a teacher dump). Ties — in particular
-    every id the corpus never shows — are broken by the lower id: byte-level BPE numbers merges in the order it
-    learnt them, so a lower id is a more frequent piece of the tokenizer's own training corpus. The tokenizer's
-    special tokens and ``always`` rank first (EOS must stay proposable).
+    Frequencies are counted over ``texts`` (encoded, no special tokens added) and/or ``token_lists``. Ties —
+    every id the corpus never shows — go to the lower id: byte-level BPE numbers merges in the order it learnt
+    them, so a lower id is a more frequent piece. Special tokens and ``always`` rank first (EOS must stay
+    proposable).
 
     Returns:
         ``len(tokenizer)`` ids.
@@ -267,8 +256,7 @@ def frequent_tokens(tokenizer, texts: Iterable[str] | None = None, n: int = HEAD
 
 def save_head_tokens(directory: str | Path, ranked: Sequence[int], tokenizer, counted_over: str) -> Path:
     """Write the token ranking beside a speculator (``directory/head_tokens.json``, atomically) so that a later
-    ``--draft-head-tokens N`` keeps the N tokens counted where the speculator was made (e.g. the target-written
-    answers of its teacher dump) rather than the embedded prompts.
+    ``--draft-head-tokens N`` keeps the N tokens counted where the speculator was made.
 
     File: ``{"format": 1, "ranked_token_ids": [ids, most frequent first], "tokenizer_fingerprint": sha256,
     "counted_over": str}`` (fingerprint: :func:`specdraft.vocab.tokenizer_fingerprint`). Returns the path.
@@ -397,12 +385,11 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout:
                              scaling: float | None = None, **kwargs):
     """transformers attention function: one query token by grouped matrix products, anything else by ``sdpa``.
 
-    At one query token on CPU, ``torch.nn.functional.scaled_dot_product_attention`` costs 121 µs for the 0.5B Qwen
-    draft's 14 query / 2 key-value heads over 200 cached positions, and this 45 µs (2 cores; 24 layers per step). The
-    query heads sharing a key-value head are stacked (``[B, H_kv, H / H_kv, D]``), scored against that head's keys
-    once, softmaxed in float32 and applied to its values: ``repeat_kv``'s head order (query head h reads key-value
-    head h // (H / H_kv)), without copying the cache. The mask is transformers' sdpa mask (bool, True = attend, or
-    additive float, ``[B, 1, 1, L]``), so windows and padding holes are honoured as with sdpa.
+    Cheaper than sdpa at one query token on CPU (docs/benchmarks.md, "A cheaper draft — the default
+    configuration"). The query heads sharing a key-value head are stacked (``[B, H_kv, H / H_kv, D]``), scored
+    against that head's keys once, softmaxed in float32 and applied to its values: ``repeat_kv``'s head order,
+    without copying the cache. The mask is transformers' sdpa mask (bool, True = attend, or additive float,
+    ``[B, 1, 1, L]``), so windows and padding holes are honoured as with sdpa.
 
     Args/returns as transformers' ``sdpa_attention_forward``: query ``[B, H, q, D]``, key/value
     ``[B, H_kv, L, D]`` → ``([B, q, H, D], None)``.
@@ -446,10 +433,8 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
                   copy_model: bool = True, dense_prefill: bool | None = None) -> nn.Module:
     """The draft with the requested transforms (module docstring), on a copy unless ``copy_model=False``.
 
-    The copy is a new module tree that shares the draft's tensors: the transforms never write into a tensor, they
-    replace modules (a quantised layer holds new int8/int4 buffers, a trimmed head a copy of its rows), so the
-    original draft is unchanged and only what differs costs memory (an int4 0.5B draft: ~0.25 GB, not another 1 GB).
-    Do not train the copy in place.
+    The copy shares the draft's tensors: the transforms replace modules, never write into a tensor, so the original
+    is unchanged and only what differs costs memory. Do not train the copy in place.
 
     Args:
         draft: a causal LM (eval mode).
@@ -458,11 +443,9 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
             head is what ``head_tokens`` says — :func:`choose_draft_options` chooses both);
             :data:`specdraft.config.DraftQuantization`.
         head_tokens: ``[N] int64`` target ids the draft keeps in its head (:func:`frequent_tokens`), or ``None``.
-        dense_prefill: quantised layers keep a reference to their dense weights and use them for inputs of
-            ≥ :data:`DENSE_MIN_ROWS` rows (the prompt prefill; one-token steps stay quantised). Default: with
-            ``copy_model`` (the copy shares the draft's weights, so this costs no memory while the caller keeps the
-            draft); off without it (it would keep the dense weights alive). Only q changes: decoding stays lossless.
-            The prepared draft also runs one-token attention as :func:`decode_attention_forward` (a model on sdpa).
+        dense_prefill: quantised layers keep a reference to their dense weights for inputs of
+            ≥ :data:`DENSE_MIN_ROWS` rows. Default: with ``copy_model`` (shared, so free while the caller keeps the
+            draft); off without it (it would keep the dense weights alive).
 
     Raises:
         ValueError: an unknown quantization, or a token id past the draft's head.
@@ -514,13 +497,11 @@ def choose_draft_options(draft: nn.Module, quantization: str | None = "auto", he
                          same_tokenizer: bool = True) -> DraftPlan:
     """The draft preparation to run: ``quantization`` / ``head_tokens`` as asked, or chosen for ``"auto"``.
 
-    ``auto`` (the default of every command, :class:`specdraft.config.EvalConfig`): on CPU, int4 weight-only layers
-    (int8 where :meth:`Int4Linear.fits` refuses the shape) — one step of the 0.5B Qwen draft costs ~0.37x of bf16 at
-    the same top-1 agreement with its target (``bench/bench_draft_kernels.py``) — and, for a draft of the target's
-    tokenizer whose head has ≥ :data:`AUTO_HEAD_MIN_ROWS` rows, a trimmed head of :data:`HEAD_TOKENS` rows (FR-Spec;
-    the 151,936-row head is ~27% of the 0.5B draft's weights). On another device the draft stays as loaded: these
-    kernels are CPU kernels. ``head_tokens`` 0 turns the trimmed head off; ``None`` leaves it to ``auto`` (off for an
-    explicit quantization). Only q changes: decoding stays lossless whatever is chosen.
+    ``auto`` (:class:`specdraft.config.EvalConfig`'s default): on CPU, int4 weight-only layers (int8 where
+    :meth:`Int4Linear.fits` refuses the shape) and, for a draft of the target's tokenizer whose head has
+    ≥ :data:`AUTO_HEAD_MIN_ROWS` rows, a trimmed head of :data:`HEAD_TOKENS` rows (the module docstring says why);
+    on another device the draft as loaded (these are CPU kernels). ``head_tokens`` 0 turns the trimmed head off;
+    ``None`` leaves it to ``auto`` (off for an explicit quantization).
 
     Args:
         draft: the loaded draft (its device and output width are read).
@@ -579,16 +560,13 @@ def dense_draft(draft: nn.Module) -> nn.Module:
     (:func:`is_prepared`) is returned as is.
 
     * :class:`Int8Linear` / :class:`Int4Linear` → ``nn.Linear`` holding :meth:`~Int8Linear.dequantized_weight`
-      in the layer's output dtype: the weights of a one-token draft step (a prepared copy reads prefills of
-      ≥ :data:`DENSE_MIN_ROWS` rows with the original dense weights; the export carries the rounded ones, which
-      decide every proposal after the first). Activations that the kernels round to bfloat16 run in the model's
-      dtype after reloading: logits agree to bfloat16 rounding (the tests: within 0.05 on a tiny float32 model).
+      in the layer's output dtype: the weights of a one-token draft step, which decide every proposal after the
+      first. Activations the kernels round to bfloat16 run in the model's dtype after reloading: logits agree to
+      bfloat16 rounding.
     * :class:`TrimmedHead` → a full-width ``nn.Linear``: kept rows as scored, every excluded row the **mean of
-      the kept rows** (and bias). A plain linear head cannot write −inf, but a row inside the convex hull of the
-      kept rows scores at most the best kept row for every hidden state (h·mean = the mean of the kept logits
-      < their maximum unless all are equal), so an excluded token never wins the argmax; it is given probability
-      when sampling (q changes there, the output's law does not: verification keeps p). Re-trim on loading
-      (``--draft-head-tokens``) to get the evaluated q back exactly.
+      the kept rows** (and bias). A row inside the convex hull of the kept rows never outscores the best kept row,
+      so an excluded token never wins the argmax; it gets probability when sampling (q changes, the output's law
+      does not). Re-trim on loading (``--draft-head-tokens``) to get the evaluated q back exactly.
     * the output head no longer equals the input embeddings: ``tie_word_embeddings`` becomes false; one-token
       attention (:func:`decode_attention_forward`) goes back to ``sdpa``.
     """
@@ -690,17 +668,13 @@ def draft_label(info: dict[str, Any]) -> str:
 
 
 def apply_draft_options(draft, tokenizer, config: EvalConfig, vocab_mapping=None, copy_model: bool = True):
-    """The draft with ``config``'s draft options applied (:func:`choose_draft_options` decides
-    what ``draft_quantization="auto"`` means, :func:`prepare_draft` applies it; on a copy
-    unless ``copy_model=False``); ``draft`` itself when there are none. The plan is kept on the returned model as
-    ``specdraft_plan`` (a :class:`DraftPlan`), and :func:`describe_draft` reports it.
+    """The draft with ``config``'s draft options applied (:func:`choose_draft_options`, then :func:`prepare_draft`;
+    on a copy unless ``copy_model=False``); ``draft`` itself when there are none. The plan is kept on the returned
+    model as ``specdraft_plan`` (a :class:`DraftPlan`).
 
     The trimmed head's tokens come from the draft's directory when it holds a saved ranking
-    (:data:`HEAD_TOKENS_FILE`, written by the pipeline's export), else from the embedded
-    training prompts; where they came from is ``describe_draft(...)["head_tokens_source"]``.
-
-    The prepared copy is what specdraft's decoder runs; an exported speculator stays the dense draft (vLLM serves
-    dense weights; :mod:`specdraft.export`).
+    (:data:`HEAD_TOKENS_FILE`), else from the embedded training prompts
+    (``describe_draft(...)["head_tokens_source"]`` says which).
 
     Raises:
         DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
@@ -716,7 +690,6 @@ def apply_draft_options(draft, tokenizer, config: EvalConfig, vocab_mapping=None
                                 same_tokenizer=vocab_mapping is None)
     head_ids, source = None, None
     if plan.head_tokens is not None:
-        # A speculator exported with its token ranking (head_tokens.json) keeps the tokens counted where it was made.
         path = getattr(draft.config, "_name_or_path", "") or ""
         head_ids = load_head_tokens(path, plan.head_tokens, tokenizer) if Path(path).is_dir() else None
         source = f"{Path(path) / HEAD_TOKENS_FILE}" if head_ids is not None else None

@@ -67,8 +67,8 @@ them after a barrier (:func:`merge_manifests`).
 Memory: the teacher signal held at once is one batch plus one shard buffer (a shard is flushed once it
 reaches ``shard_size_mb``), never the dataset; the work list keeps only token ids (5 bytes per token).
 
-**Size.** A little past the house's ~800 lines, on purpose: the on-disk contract stays at the top of the module
-that writes it, beside the writer that keeps it; reading is :mod:`specdraft.dump_reader`.
+**Size.** Past the house's ~800 lines: the on-disk contract stays beside the writer that keeps it; reading is
+:mod:`specdraft.dump_reader`.
 """
 
 from __future__ import annotations
@@ -141,9 +141,8 @@ def split_work(n: int, rank: int, world_size: int, batch_size: int = 1) -> range
     """The items of one rank: a contiguous block of whole batches, so ranks in order cover 0..n−1 in order.
 
     Batch b holds items ``[b·B, (b+1)·B)`` whatever the number of ranks, and rank r takes batches
-    ``[nb·r // W, nb·(r+1) // W)`` of the ``nb = ⌈n / B⌉``. So every batch a rank runs — its members, its
-    padding, its sampling seed (``seed`` + its first item) — is the batch a single process runs, and W ranks
-    write the very examples one rank writes (sampled generation included). Ranks differ by at most one batch.
+    ``[nb·r // W, nb·(r+1) // W)`` of the ``nb = ⌈n / B⌉``: every batch a rank runs (members, padding, sampling
+    seed) is the one a single process runs, so W ranks write what one rank writes. Ranks differ by at most one batch.
 
     Returns:
         ``range(min(B·lo, n), min(B·hi, n))`` with ``lo, hi`` the rank's first and past-last batch.
@@ -213,11 +212,9 @@ def _capture_module(model):
 class Teacher:
     """The target plus a capture of its output head's input, checked against its own logits every batch.
 
-    The teacher is ``apply_final_logit_ops(lm_head(h), ops)`` with ``ops`` the architecture's final-logit
-    transforms (:func:`specdraft.sampling.final_logit_ops`: soft-capping, scaling), recorded in the manifest.
-    Every batch recomputes the target's last-position logits from the captured ``h`` with the model's own
-    operations on the same tensors and requires them **equal**, bit for bit: a transform the dump does not
-    know, or a capture that is not the head's input, is refused — never accepted as a near match.
+    The teacher is ``apply_final_logit_ops(lm_head(h), ops)``; every batch requires the target's last-position
+    logits to **equal** it, bit for bit (module docstring, ``hidden``): a capture that is not the head's input is
+    refused too.
     """
 
     def __init__(self, model, real_vocab: int):
@@ -430,7 +427,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     tokenizer = load_tokenizer(resolved)
     tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
     if config.format == "topk" and config.top_k >= real_vocab:
-        raise DumpError(f"--top-k {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
+        raise DumpError(f"--top-logprobs {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
                         "hidden to keep whole distributions.")
     items, dropped_before_split = _work_items(tokenizer, examples, config)
     _check_token_widths(resolved, tokenizer, items, config)  # from the config: before any weight is loaded
@@ -757,8 +754,8 @@ def _write_head(out: Path, model) -> dict[str, Any]:
 
 
 def _compact(seq: TokenSequence) -> TokenSequence:
-    """The same sequence with its ids as int32 and its mask as bytes: 5 bytes per token instead of ~40 for
-    Python lists, so the work list of a large dataset stays small."""
+    """The same sequence with its ids as int32 and its mask as bytes (5 bytes per token), so the work list of a
+    large dataset stays small."""
     from array import array
 
     from specdraft.data import TokenSequence
@@ -815,8 +812,7 @@ def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> li
 def teacher_items(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[dict[str, Any]]:
     """The teacher signal of ``seqs`` from one target forward pass, as :class:`TeacherDataset` items.
 
-    The very code a dump writes its shards with (same capture, same exactness check, same storage dtypes), for
-    sequences that never go to disk: on-policy distillation scores the draft's own answers with it.
+    The code a dump writes its shards with, for sequences that never go to disk (on-policy distillation).
 
     Args:
         teacher: a :class:`Teacher` around the target.

@@ -66,10 +66,8 @@ def teacher_probs_from_topk(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor,
     """A full teacher distribution p̂ from the top-k signal: the leftover mass spread uniformly.
 
     p̂(x) = p(x) on the k stored ids; every other real-vocabulary id gets ``exp(leftover) / (real_vocab − k)``;
-    padding rows (ids ≥ ``real_vocab``) get 0. The result is renormalised to sum to 1, which only absorbs
-    the float16 rounding of the stored log-probs (≈1e-3 relative). Why uniform: it is the completion that
-    assumes nothing about the tail, keeps the total mass 1, and moves TV(·, q) and α = Σ min(p̂, q) by at
-    most the leftover mass relative to the true p.
+    padding rows (ids ≥ ``real_vocab``) get 0. The result is renormalised to sum to 1 (absorbing the float16
+    rounding of the stored log-probs). Why uniform, and the error it bounds: :mod:`specdraft.dump`'s leftover rule.
 
     Args:
         topk_logprobs: ``[..., k]`` float16/float32 log-probabilities, nats.
@@ -217,11 +215,10 @@ class TeacherDataset:
         vocab_mapping: a :class:`specdraft.vocab.VocabMapping` from the target to the draft; kept as
             ``self.vocab_mapping`` for the trainer (map draft logits to target ids with it).
         verify: check every shard's sha256 now (:func:`verify_dump`); sizes are always checked.
-        prompt_positions: widen each item's ``loss_mask`` to every prediction whose context reaches past
-            :meth:`shared_prefix` (``loss_mask[j]`` True for ``shared_prefix ≤ j < S − 1``, or-ed with the stored
-            mask): the prompt's predictions too. The teacher signal is stored at every position whatever the mask,
-            so this costs no teacher pass; a prediction whose context is the shared prefix alone has the same p in
-            every sequence and stays as stored. :meth:`tokens` keeps the stored mask (where the answer starts).
+        prompt_positions: or the stored ``loss_mask`` with ``shared_prefix ≤ j < S − 1`` (:meth:`shared_prefix`):
+            the prompt's predictions too, at no teacher pass (the signal is stored at every position); a context
+            that is the shared prefix alone has the same p in every sequence and stays as stored. :meth:`tokens`
+            keeps the stored mask.
 
     Raises:
         DumpError: no finished dump, a missing or truncated shard (named), a mismatched draft tokenizer
@@ -401,11 +398,9 @@ MIX_KEYS = ("tokenizer_fingerprint", "head_fingerprint", "format", "logit_transf
 class TeacherMix:
     """Several finished dumps of one teacher read as one dataset: item ``i`` of dump k is ``mix[starts[k] + i]``.
 
-    A mix is how teacher-forced sequences (existing text scored by the target, one prefill each) and
-    target-written ones (``--generate``) train together; per-dump weights are applied by
-    :func:`specdraft.distill_data.mixed_split` (repeats), not here. Offers what distillation reads from a
-    :class:`TeacherDataset`: ``manifest`` (the first dump's), ``tokens``, ``longest``, ``token_ids_from``,
-    ``logit_ops``, ``head``, ``teacher_probs``; ``lengths`` gives each dump's sequence count.
+    How teacher-forced and target-written (``--generate``) sequences train together; per-dump weights are
+    :func:`specdraft.distill_data.mixed_split`'s. Offers what distillation reads from a :class:`TeacherDataset`
+    (``manifest`` is the first dump's); ``lengths`` gives each dump's sequence count.
 
     Raises:
         DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:

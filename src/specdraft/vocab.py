@@ -13,9 +13,8 @@
 Only tokenizers and configs are read here, never weights (except by :func:`vocab_swap`, after its mapping
 has been checked).
 
-**Size.** A little past the house's ~800 lines: the tokenizer view, the mapping and the swap share one string
-normalisation (byte-level and sentencepiece markers to bytes), and a second module would have to expose it as a
-private contract.
+**Size.** Past the house's ~800 lines: the view, the mapping and the swap share one string normalisation, which a
+second module would have to expose as a private contract.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-#: Default for ``min_coverage`` of :func:`build_vocab_mapping`: the share of the target's text vocabulary
-#: (added/special tokens left out) that must have a draft twin. Below 1 % the draft can propose almost
-#: nothing the target writes; the default only refuses pairs that share essentially nothing.
+#: Default ``min_coverage`` of :func:`build_vocab_mapping`: the share of the target's text vocabulary (added
+#: tokens left out) that must have a draft twin. It only refuses pairs that share essentially nothing.
 MIN_COVERAGE = 0.01
 
 # Encoded with both tokenizers to compare normaliser and pre-tokeniser: code (indentation, operators,
@@ -75,7 +73,7 @@ class CompatibilityError(ValueError):
 @dataclass
 class TokenizerView:
     """Everything the comparison and the mapping need from one tokenizer, read once (``get_vocab`` and one
-    ``convert_ids_to_tokens`` over the whole id range: ~0.1 s for 150k ids)."""
+    ``convert_ids_to_tokens`` over the whole id range)."""
 
     tok: Any
     name: str
@@ -284,11 +282,9 @@ def _token_key(v: TokenizerView, scheme: Scheme, i: int, s: str) -> tuple[tuple,
 def _keys(v: TokenizerView, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
     """Normalised key → id for ids below ``limit``, one id per key; returns ``(keys, duplicates)``.
 
-    Special (control) tokens are keyed by their content (``("added", s)``) and text tokens by the bytes they
-    stand for (``("text", b)``), so a draft text token never pairs with a target control token of the same
-    spelling. Added tokens not flagged special (Gemma's ``"\n"`` runs) are text: their literal content's bytes.
-    When two ids of one tokenizer stand for the same bytes (sentencepiece ``<0x20>`` and ``▁``), the one
-    the tokenizer produces when encoding — the non-byte-fallback piece, then the lowest id — is kept.
+    Keys as :func:`_token_key`, so a draft text token never pairs with a target control token of the same
+    spelling. When two ids stand for the same bytes (sentencepiece ``<0x20>`` and ``▁``), the one the tokenizer
+    produces when encoding — the non-byte-fallback piece, then the lowest id — is kept.
     """
     keys: dict[tuple, int] = {}
     fallback: set[int] = set()
@@ -313,9 +309,8 @@ def _keys(v: TokenizerView, scheme: Scheme, limit: int) -> tuple[dict[tuple, int
 class VocabMapping:
     """One-to-one map between string-identical target and draft tokens (built by :func:`build_vocab_mapping`).
 
-    Two tokens are twins when they stand for the same bytes (byte-level ``Ġ`` / sentencepiece ``▁``
-    markers and ``<0xNN>`` pieces decoded) or, for added/special tokens, have the same content. Ids with no
-    twin map to ``-1`` — never to 0 or any other real id. Padding rows (past the real vocabulary) never map.
+    Twins stand for the same bytes (markers and ``<0xNN>`` pieces decoded) or, for control tokens, have the
+    same content. Ids with no twin map to ``-1``, never to a real id; padding rows never map.
 
     Attributes:
         draft_to_target: ``[draft_width] int64``, target id of each draft id, ``-1`` when unmapped.
@@ -388,9 +383,8 @@ class VocabMapping:
     def map_draft_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft logits in draft ids → logits over target ids.
 
-        After softmax this is q restricted to draft tokens that have a target twin and renormalised: a
-        draft token with no twin gets zero probability, a target token with no draft twin gets zero q.
-        Speculative sampling stays exact with this q (any proposal distribution is), only acceptance drops.
+        After softmax this is q restricted to draft tokens with a target twin, renormalised. Speculative
+        sampling stays exact with it (any proposal distribution is); only acceptance drops.
 
         Args:
             draft_logits: ``[..., V] float``, ``V`` the draft's logits width (at least the highest mapped
@@ -456,16 +450,13 @@ class VocabMapping:
         return self._index_cache[key]
 
     def reencode_batch_for_draft(self, target_seqs: Sequence[Sequence[int]]) -> list[list[int]]:
-        """:meth:`reencode_for_draft` for many sequences in one batched decode and encode (the decode-time
-        hand-over of the context to the draft, :func:`specdraft.decode.speculative_generate`).
+        """:meth:`reencode_for_draft` for many sequences in one batched decode and encode.
 
-        Special tokens are decoded as their text (a chat template's markers reach the draft as the strings the
-        target saw, and become the draft's own special tokens where it has them). A leading target BOS is its
-        own control token and is dropped when the target's tokenizer adds it by itself; the draft gets its own BOS
-        when its tokenizer adds one by itself (``tokenizer("")`` gives ``[bos]``): drafts such as Gemma degrade
-        badly without it. A trailing U+FFFD (a
-        byte-level token ending inside a multi-byte character) is left out: the draft sees the text up to the
-        last complete character, and the character reaches it once completed.
+        Special tokens are decoded as their text (a chat template's markers become the draft's own special
+        tokens where it has them). A leading target BOS the target's tokenizer adds by itself is dropped; the
+        draft gets its own BOS when its tokenizer adds one by itself (:meth:`_bos`): drafts such as Gemma
+        degrade badly without it. A trailing U+FFFD (a byte-level token ending inside a multi-byte character)
+        is left out until the character completes.
 
         Raises:
             ValueError: the mapping was built without tokenizer objects.
@@ -571,9 +562,7 @@ class VocabSwapReport:
     target_fingerprint: str  # the tokenizer the swapped model now speaks
     token_ids_rewritten: list[str] = field(default_factory=list)  # "config.eos_token_id", … now in target ids
     token_ids_dropped: dict[str, list[int]] = field(default_factory=dict)  # field → draft ids without a target twin
-    # The swap diagnostic over replies teacher-forced through the swapped draft (SegmentationReport.to_dict);
-    # None when no prompts were given (specdraft.segmentation).
-    segmentation: dict[str, Any] | None = None
+    segmentation: dict[str, Any] | None = None  # SegmentationReport.to_dict(); None without prompts
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict of every field."""
@@ -648,11 +637,10 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
 
     Row ``t`` of the new input embedding (and output head, when untied) is the draft's row for the draft
     twin of target token ``t``. A target token the draft lacks gets the mean of the rows of the draft
-    tokens its text encodes to (``"):\n"`` → mean of ``")"``, ``":"``, ``"\n"``; as in Gee et al. 2022,
-    "Fast Vocabulary Transfer"); control tokens, text the draft encodes with its unknown token and partial
-    UTF-8 bytes get the mean of all the draft's real rows. Both kinds are counted. Afterwards the model reads and writes target ids: feed it target
-    ids, train it on the target's outputs, and ship it with the target's tokenizer. Its config's
-    ``vocab_size`` and bos/eos/pad ids are the target's.
+    tokens its text encodes to (Gee et al. 2022, "Fast Vocabulary Transfer"); control tokens, text the draft
+    encodes with its unknown token and partial UTF-8 bytes get the mean of all the draft's real rows. Both
+    kinds are counted. Afterwards the model reads and writes target ids; its config's ``vocab_size`` and
+    bos/eos/pad ids are the target's.
 
     Args:
         draft_model: a causal LM, or a reference loaded (in ``dtype``) only after the mapping has been
@@ -816,19 +804,16 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
                     max_length: int = 1024) -> VocabSwapReport:
     """Write the draft re-indexed into the target's tokenizer (:func:`vocab_swap`) as a plain HF checkpoint.
 
-    ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's, so the pair is ``identical`` or
-    ``identical-up-to-padding`` for :func:`specdraft.check.check_compatible`), the target's tokenizer files and
-    ``vocab_swap.json`` (the :class:`VocabSwapReport` plus both references, and the original draft's resolved path:
-    ``specdraft headroom`` reads its tokenizer for the swap diagnostic). Distil it next (``specdraft run --draft
-    OUT``): rows built from pieces or the mean start untrained.
+    ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's), the target's tokenizer files and
+    :data:`SWAP_REPORT` (the :class:`VocabSwapReport`, both references and the original draft's resolved path,
+    read by :func:`swapped_draft_twins`). Rows built from pieces or the mean start untrained: distil it next.
 
-    With ``examples`` (conversations with replies), the replies, encoded with the target's tokenizer, are
-    teacher-forced through the swapped draft and its disagreements split by kind
+    With ``examples``, their replies are teacher-forced through the swapped draft
     (:func:`specdraft.segmentation.masked_swap_diagnostic`; ``VocabSwapReport.segmentation``).
 
     Args:
         draft / target: references (embedded name, local directory, cached hub id).
-        out_dir: written atomically (temporary directory beside it, then a rename).
+        out_dir: written atomically.
         dtype: dtype the draft is loaded and saved in.
         min_coverage: see :func:`build_vocab_mapping`.
         overwrite: replace a non-empty ``out_dir``.

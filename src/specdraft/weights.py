@@ -92,9 +92,8 @@ def safetensors_files(path: Path) -> list[Path] | None:
 
 
 def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
-    """``{tensor name: shape}`` of a checkpoint directory's safetensors weights (read from the file headers, no
-    tensor loaded): the files its ``model.safetensors.index.json`` names, else ``model.safetensors``; ``None``
-    for a checkpoint without safetensors weights (``*.bin``)."""
+    """``{tensor name: shape}`` of :func:`safetensors_files` (read from the file headers, no tensor loaded);
+    ``None`` for a checkpoint without safetensors weights."""
     from safetensors import safe_open
 
     files = safetensors_files(Path(path))
@@ -182,9 +181,8 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     included.
 
     Raises:
-        CheckpointWeightsError: the directory holds no weight file, or its ``*.index.json`` names a shard that is
-            not there (a checkpoint missing weights: loading it would fail, or initialise them at random), or more
-            than one weight layout (:func:`check_weight_layout`; stray files are warned about).
+        CheckpointWeightsError: the directory holds no weight file, or a broken or mixed layout
+            (:func:`check_weight_layout`).
     """
     path = Path(path)
     check_weight_layout(path)
@@ -226,8 +224,8 @@ def check_checkpoint_weights(path: str | os.PathLike) -> None:
 def match_tie_flag(model: PreTrainedModel) -> dict[str, tuple[Any, Any]]:
     """Make ``tie_word_embeddings`` say what the tensors are: when the config claims tied input and output
     embeddings but the model holds two different tensors, set it to False on the config (and on its text
-    config), in place. The tensors win: they are what the model computes with, and a saved copy with the flag
-    still true would be served tied by loaders that drop ``lm_head.weight`` for tied models (vLLM).
+    config), in place. The tensors win: a saved copy with the flag still true would be served tied by loaders
+    that drop ``lm_head.weight`` for tied models (vLLM).
 
     Returns:
         ``{"tie_word_embeddings": (True, False)}`` when corrected, else ``{}`` (also for models without
