@@ -77,8 +77,8 @@ def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 
     d (draft, one token, last position scored), and both prompt prefills, measured after reading ``context``
     (``draft_context`` for a draft of another tokenizer: the context in its ids).
 
-    Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes (about 10 s for the 1.5B Qwen target on 2 CPU
-    threads); speeds are those of the machine at the time, so measure on the machine that decodes.
+    Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes; speeds are those of the machine at the time, so
+    measure on the machine that decodes.
     """
     t, t_prefill = pass_seconds(target, context, range(1, max_gamma + 2), repeats=repeats)
     d, d_prefill = pass_seconds(draft, draft_context or context, [1], repeats=repeats + 2, last_only=True)
@@ -87,7 +87,7 @@ def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 
 
 
 #: Other processes' share of the machine's CPU time (0..1) above which timings are marked as taken on a busy machine
-#: (two low-priority jobs beside `make run` on 2 cores halved the target's tokens/s: 4.06 instead of ~7.4).
+#: (even low-priority jobs beside a run on a small machine slow the target's passes).
 BUSY_SHARE = 0.2
 
 
@@ -186,11 +186,10 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
                        refresh: bool = False) -> tuple[SpeedModel, str]:
     """:func:`measure_speed_model`, measured once per :func:`speed_cache_key` and then read back.
 
-    Entries live in ``cache_dir`` (default ``$SPECDRAFT_SPEED_CACHE``, else ``$SPECDRAFT_CACHE/speed``), one JSON file per key, named by the key's
-    sha256 and holding the key itself: an entry is used only when its stored key equals this call's key in every
-    field (a file renamed or written for other models, another preparation, thread count, torch or machine is a
-    miss, never a hit), and is replaced atomically after a new measurement. The cached costs are those of the
-    calibration context (``context`` of the first call).
+    Entries live in ``cache_dir`` (default ``$SPECDRAFT_SPEED_CACHE``, else ``$SPECDRAFT_CACHE/speed``), one JSON
+    file per key, named by the key's sha256 and holding the key itself: an entry is used only when its stored key
+    equals this call's in every field, and is replaced atomically after a new measurement. The cached costs are
+    those of the calibration context (``context`` of the first call).
 
     A calibration measured while other processes held more than :data:`BUSY_SHARE` of the CPU
     (:class:`LoadMonitor`) is returned but not cached. A hit is spot-checked first (:func:`_stale_costs`: t(1) and d
@@ -233,17 +232,17 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
 
 
 #: A cached calibration is re-measured when a spot check of t(1) or d differs from it by more than this factor and by
-#: more than :data:`STALE_ABS_S` (the same VM kind ran the 1.5B bf16 target's step at 135 ms one day and 290 ms the
-#: next: a key of models, machine, torch and threads cannot see that; a prediction off by +97% did).
+#: more than :data:`STALE_ABS_S`: the same machine kind can run at half the speed on another day, which no cache
+#: key can see.
 STALE_FACTOR = 1.5
 STALE_ABS_S = 0.02
 
 
 def _stale_costs(cached: SpeedModel, target, draft, context: Sequence[int],
                  draft_context: Sequence[int] | None) -> str | None:
-    """Spot-check a cached calibration: time t(1) and d now (2 repeats each, about one prefill and a few passes) and
-    say why the cache is stale (both of two checks in a row), or ``None`` when t(1) and d agree with it within
-    :data:`STALE_FACTOR` or :data:`STALE_ABS_S`."""
+    """Spot-check a cached calibration: time t(1) and d now (2 repeats each) and say why the cache is stale (both
+    of two checks in a row), or ``None`` when t(1) and d agree with it within :data:`STALE_FACTOR` or
+    :data:`STALE_ABS_S`."""
     def check() -> str | None:
         t, _ = pass_seconds(target, context, [1], repeats=2)
         d, _ = pass_seconds(draft, draft_context or context, [1], repeats=2, last_only=True)
@@ -258,9 +257,9 @@ def _stale_costs(cached: SpeedModel, target, draft, context: Sequence[int],
 
 def machine_info() -> dict[str, Any]:
     """What the speeds depend on besides the models: torch's intra-op threads, OpenMP's wait policy (``"unset"`` =
-    libgomp's default, which spins briefly between parallel regions; ``PASSIVE`` makes each of a CPU draft step's
-    ~200 small operations wake a sleeping thread: the 0.5B int4 draft step 29-34 ms against 16-19 ms unset or
-    ``ACTIVE``, 2 cores), the CPU architecture and torch's version."""
+    libgomp's default, which spins briefly; ``PASSIVE`` makes each small operation of a CPU draft step wake a
+    sleeping thread: docs/benchmarks.md, "A cheaper draft — the default configuration"), the CPU architecture and
+    torch's version."""
     return {"cpu_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "machine": platform.machine(), "torch": torch.__version__}
 
@@ -282,8 +281,7 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalCo
 
     Raises:
         specdraft.sampling.ContextWindowError: the longest prompt + ``max_new_tokens`` + γ+1 exceeds a model's window
-            (decoding's rule, :func:`specdraft.sampling.check_context`): refused here, before minutes of calibration
-            on a prompt the decoder would refuse anyway.
+            (:func:`specdraft.sampling.check_context`), refused before calibrating.
     """
     if prompt_ids:
         check_decode_context(max(len(p) for p in prompt_ids), config.max_new_tokens, config.num_speculative_tokens,

@@ -136,11 +136,9 @@ class Generation:
         """When ``--seed`` reproduces this sampled answer, or ``None`` when the seed alone fixes it (a fixed γ) or
         nothing is random (greedy).
 
-        Under adaptive γ each round drafts the k the speed model predicts fastest at the row's acceptance so far, and
-        the draws a round consumes follow its k; the run's γ sequence uses nothing else (no live timing), so the
-        answer is a function of the seed, the prompt, the configuration and the speed model. A speed model read from
-        the calibration cache, or measured now and cached, is the one a rerun reads; one measured on a busy machine
-        is not cached (its costs would misprice later runs), so a rerun measures again and may draft other k."""
+        Under adaptive γ the draws a round consumes follow its k, which depends on the speed model and nothing live,
+        so the answer is a function of the seed, the prompt, the configuration and the speed model; a rerun reads
+        the same speed model from the calibration cache unless it was measured on a busy machine (not cached)."""
         c = self.config
         if c.sampling.greedy or self.speed_model is None:
             return None

@@ -97,9 +97,8 @@ def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, conf
     :func:`specdraft.prompts.load_prompts`) and rank them by predicted speed-up, best first.
 
     A draft of another tokenizer is calibrated through a vocabulary mapping. Under ``engine="llama.cpp"`` the GGUFs
-    and llama-bench timings are found first (``llama``: ``target_gguf``, ``draft_ggufs``, ``target_bench``,
-    ``draft_benches``, ``llama_cpp_bin``; :func:`specdraft.llama_cpp.rank_inputs`), before any model loads.
-    ``progress(step)`` names each llama.cpp step and each draft's calibration.
+    and llama-bench timings are found first (``llama``: :func:`specdraft.llama_cpp.rank_inputs`), before any model
+    loads. ``progress(step)`` names each step.
 
     Raises:
         ModelResolutionError: a reference that names no model.

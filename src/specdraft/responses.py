@@ -1,8 +1,7 @@
 """The model answers prompts: responses generated with the decoder's target-only loop, for dumps and distillation.
 
-Beside :mod:`specdraft.decode` (whose :func:`~specdraft.decode.target_generate` runs them): a dump's responses are
-the target's own answers (:func:`generate_responses`, ``specdraft dump --generate`` and the headroom forecast), and
-on-policy distillation has the draft answer (:func:`generate_from_ids`).
+A dump's responses are the target's (:func:`generate_responses`); on-policy distillation has the draft answer
+(:func:`generate_from_ids`). Both run :func:`specdraft.decode.target_generate`.
 """
 
 from __future__ import annotations
@@ -18,13 +17,8 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
     """The target answers each example's prompt (chat template, generation prompt), in one left-padded batch.
 
     Args:
-        target: causal LM (eval mode).
-        tokenizer: its tokenizer.
         examples: prompts (messages up to the first assistant turn are used).
-        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
-        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
-        seed: seed of the sampling generator.
-        real_vocab: ids at or past it are padding rows and never generated.
+        others: as :func:`generate_from_ids`.
 
     Returns:
         ``(prompts, responses)``: per example the prompt ids and the generated ids.

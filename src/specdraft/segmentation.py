@@ -18,7 +18,7 @@ target's token falls in the first of these kinds that holds:
 The first two are output-side (the head's rows), the third input-side (the embedding's rows); ``other`` is what
 distillation on the target's distribution addresses. :func:`diagnose` counts them; :func:`verdict` names the kind
 that dominates. :func:`diagnose_masked` counts them at the masked positions of sequences (the argmaxes of a pass
-made for something else: ``headroom``'s), :func:`swapped_draft_twins` finds the original draft of a swapped one.
+made for something else: ``headroom``'s).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def verdict(rep: SegmentationReport) -> str:
 
 def draft_answer_top1(draft, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> list[list[int]]:
     """The draft's teacher-forced argmax at each answer position: ``[n][len(answer)]`` ids, entry ``j`` predicting
-    ``answers[i][j]`` (one forward pass per sequence over prompt + answer; the real vocabulary only when the head
-    has padding rows is the caller's concern — padding rows of a swapped draft are mean rows that never win)."""
+    ``answers[i][j]`` (one forward pass per sequence over prompt + answer; padding rows of a swapped draft are mean
+    rows that never win)."""
     import torch
 
     device = next(draft.parameters()).device
