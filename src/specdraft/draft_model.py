@@ -603,7 +603,6 @@ def _dense_linear(layer: Int8Linear | Int4Linear) -> nn.Linear:
 def _full_width_head(head: TrimmedHead) -> nn.Linear:
     kept = head.proj.weight  # [N, H]
     full = nn.Linear(kept.shape[1], head.width, bias=head.proj.bias is not None, device=kept.device, dtype=kept.dtype)
-    # Excluded rows: the mean of the kept rows, inside their convex hull, so they never outscore the best kept row.
     full.weight.copy_(kept.float().mean(dim=0).to(kept.dtype).expand(head.width, -1))
     full.weight[head.token_ids] = kept
     if full.bias is not None:

@@ -31,8 +31,8 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
   ``leftover_logmass [S]`` float32 = log Σ_{x ∉ top-k} p(x), computed as a log-sum-exp over the other
   ids (never as log(1 − Σ top-k), which cancels). Padding rows (ids ≥ the real vocabulary) get zero
   probability first. **Leftover rule** (:func:`teacher_probs_from_topk`): the leftover mass is spread
-  uniformly over the real-vocabulary ids outside the top-k, giving a full distribution p̂ that sums to 1.
-  Then for every loss: ``soft_ce`` = −Σ_topk p log q − leftover · mean_{x∉topk} log q; ``tvd`` and
+  uniformly over the real-vocabulary ids outside the top-k, giving a full distribution p̂ that sums to 1
+  (the sparse losses of :mod:`specdraft.losses` read it without building p̂). ``tvd`` and
   α = Σ min(p̂, q) differ from their values under the true p by at most the leftover mass
   (|TV(p̂, q) − TV(p, q)| ≤ TV(p, p̂) ≤ leftover), so ``leftover_logmass`` bounds the error per position.
 
