@@ -1,7 +1,7 @@
 """How long the pipeline's acceptance evaluation takes on answers already written (``eval_after``, and the replay half
 of ``eval_before``): :func:`specdraft.evaluate.acceptance_eval` with ``answers`` (one teacher-forced pass per model,
-heads over the answers' positions only) against the round-2 method it replaced (a full-position pass of the draft
-for the greedy replay, :func:`~specdraft.replay.replay_greedy`, then full-position passes of both models for α,
+heads over the answers' positions only) against the method it replaced (a full-position pass of the draft for
+the greedy replay, :func:`specdraft.testing.replay_greedy`, then full-position passes of both models for α,
 :func:`~specdraft.replay.predicted_alpha`). Both count the same rounds; the counts are compared.
 
 The answers are a finished run's (``RUN/eval_before/report.json``: the target's greedy answers per held-out set), so
@@ -38,7 +38,8 @@ def main() -> dict:
     import torch
 
     from specdraft import evaluate as ev
-    from specdraft import replay
+    from specdraft import replay, testing
+    from specdraft.calibration import machine_line
     from specdraft.config import EvalConfig, SamplingConfig
     from specdraft.data import encode_prompts
     from specdraft.models import load_model
@@ -60,8 +61,8 @@ def main() -> dict:
 
     def old(prompts, answers):
         with mock.patch.object(replay, "tail_logits", full):
-            counts = replay.replay_greedy(draft, prompts, answers, config.num_speculative_tokens, config.max_new_tokens,
-                                      eos, real_vocab=real_vocab, pad_id=pad)
+            counts = testing.replay_greedy(draft, prompts, answers, config.num_speculative_tokens,
+                                           config.max_new_tokens, eos, real_vocab=real_vocab, pad_id=pad)
             seqs = [list(p) + list(a) for p, a in zip(prompts, answers)]
             masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompts, answers)]
             replay.predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad)
@@ -73,7 +74,7 @@ def main() -> dict:
         return [r["accepted"] for r in res.rows]
 
     out = {"command": "python bench/bench_acceptance_eval.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
-           "machine": ev.machine_line(), "run": str(args.run), "repeats": args.repeats, "sets": {}}
+           "machine": machine_line(), "run": str(args.run), "repeats": args.repeats, "sets": {}}
     for name, s in sets.items():
         examples = load_sources(s["sources"])
         prompts = encode_prompts(tok, examples)

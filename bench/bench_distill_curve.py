@@ -7,7 +7,7 @@ vocabulary mapping) → ``vocab_swap`` (the re-indexed draft, counted by replay 
 curve) → ``dump`` (the target's teacher signal on the preset's training prompts). Then one distillation with the
 preset's route (loss, learning rates of body and rows, head untied, batch geometry), ``--steps`` optimizer steps
 under one cosine schedule; every ``--every`` steps a bfloat16 copy of the draft being trained is replayed on the
-held-out answers (:func:`specdraft.replay.replay_greedy`: the counts ``eval_after`` takes), per set, with the paired
+held-out answers (:func:`specdraft.testing.replay_greedy`: the counts ``eval_after`` takes), per set, with the paired
 gain over the re-indexed draft and its 95% bootstrap interval over prompts. The replays' seconds are left out of
 the training minutes; the dump's minutes (the preset's teacher signal, made once) are added to every point.
 
@@ -66,7 +66,7 @@ class CurveCallback:
         self.callback = _CB()
 
     def counts(self, draft) -> dict:
-        from specdraft.replay import replay_greedy
+        from specdraft.testing import replay_greedy
 
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         out = {}

@@ -65,7 +65,7 @@ def _cached(path: Path, inputs: dict, make):
 
 class AcceptanceCurve:
     """A TrainerCallback: every ``every`` steps, a bfloat16 copy of the draft being trained is replayed on the
-    held-out answers (:func:`specdraft.replay.replay_greedy`: the same greedy counts as the final evaluation,
+    held-out answers (:func:`specdraft.testing.replay_greedy`: the same greedy counts as the final evaluation,
     without the target, which is not held in memory during training) and the paired gain per set is appended to
     ``path`` (rewritten atomically each time, so a killed run keeps its curve). Its seconds are inside the
     training minutes."""
@@ -88,7 +88,7 @@ class AcceptanceCurve:
     def measure(self, step: int, model) -> None:
         import copy
 
-        from specdraft.replay import replay_greedy
+        from specdraft.testing import replay_greedy
 
         t0 = time.time()
         draft = copy.deepcopy(model.draft).to(torch.bfloat16).eval()

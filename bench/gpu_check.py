@@ -26,7 +26,8 @@ from specdraft.distill import DistillModel
 from specdraft.distill_data import collate
 from specdraft.evaluate import run_eval, top2_margin
 from specdraft.sampling import filtered_probs
-from specdraft.testing import chi2_goodness_of_fit, perturbed, tiny_model, tiny_tokenizer
+from specdraft.stats import chi2_goodness_of_fit
+from specdraft.testing import perturbed, tiny_model, tiny_tokenizer
 
 DEV = "cuda"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]

@@ -23,7 +23,8 @@ from specdraft.draft_model import (
     save_head_tokens,
 )
 from specdraft.sampling import output_width
-from specdraft.testing import chi2_goodness_of_fit, exact_two_token_law, perturbed, tiny_model, tiny_tokenizer
+from specdraft.stats import chi2_goodness_of_fit
+from specdraft.testing import exact_two_token_law, perturbed, tiny_model, tiny_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 

@@ -82,7 +82,7 @@ def test_a_target_cache_gives_the_same_alpha_without_running_the_target_again(tm
 def test_replay_refuses_a_sequence_past_a_models_window_before_any_pass():
     """Teacher-forced α and the greedy replay read prompt + answer in one pass: past a GPT-2 draft's 16 positions
     they name the sequence, its length and the window (was an IndexError inside the draft's position table)."""
-    from specdraft.replay import replay_greedy
+    from specdraft.testing import replay_greedy
 
     target = tiny_model("llama", 64, seed=0, layers=1)
     draft = tiny_model("gpt2", 64, seed=1, layers=1, n_positions=16)
@@ -314,7 +314,7 @@ def test_replay_greedy_equals_decoded_counts(scale, gamma, max_new):
     from dataclasses import asdict
 
     from specdraft.decode import speculative_generate, target_generate
-    from specdraft.replay import replay_greedy
+    from specdraft.testing import replay_greedy
 
     target = tiny_model("llama", 64, seed=0, layers=3)
     draft = perturbed(target, scale, seed=11)
@@ -488,7 +488,7 @@ def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_v
                                       sum(p for _, p, _ in cert["top_tokens"])) < 0.05
     # The test has power: as many draws from the draft's own law q, tested against p, fail it.
     from specdraft.sampling import filtered_probs
-    from specdraft.testing import chi2_goodness_of_fit
+    from specdraft.stats import chi2_goodness_of_fit
 
     full = SamplingConfig(temperature=1.0)
     with torch.no_grad():

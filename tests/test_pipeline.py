@@ -82,7 +82,7 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     from specdraft.decode import target_generate
     from specdraft.evaluate import eos_ids
     from specdraft.models import load_model
-    from specdraft.replay import replay_greedy
+    from specdraft.testing import replay_greedy
 
     target, ttok = load_model(tdir, dtype="float32")
     prompts = encode_prompts(ttok, ev)

@@ -266,7 +266,7 @@ def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingCon
     target. (With ``max_new_tokens=1`` no round has room to draft and the target alone draws: the test would
     certify nothing of speculation.) The first tokens' counts are tested against the target's own filtered law p
     of that position (one target forward pass; :func:`specdraft.sampling.filtered_probs`). Cells of expected count
-    < 5 are merged into one (:func:`specdraft.testing.chi2_goodness_of_fit`). Leviathan et al. 2023, Thm 3.5: the
+    < 5 are merged into one (:func:`specdraft.stats.chi2_goodness_of_fit`). Leviathan et al. 2023, Thm 3.5: the
     emitted token's law is p whatever q is, so a small p-value (< 0.001 over enough draws) would be a bug.
 
     A certificate is valid only when speculation proposed and rejected: with no proposal the target alone drew, and
@@ -286,7 +286,7 @@ def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingCon
     """
     import numpy as np
 
-    from specdraft.testing import chi2_goodness_of_fit
+    from specdraft.stats import chi2_goodness_of_fit
 
     if sampling.greedy:
         raise ValueError("--certify tests sampled decoding; greedy output is certified token by token")
@@ -549,10 +549,11 @@ def acceptance_eval(
     settings: the measure :func:`specdraft.pipeline.run_pipeline` compares before and after distillation.
 
     Without ``answers`` every prompt is decoded by greedy speculative decoding (batch 1; its output is the
-    target's greedy answer); the counts are then replayed (:func:`~specdraft.replay.replay_greedy`) on those answers, the number of
-    prompts where replayed and decoded counts agree is reported (``replay_check``, and the decoded rate as
-    ``decoded_acceptance_rate``), and the rows hold the replayed counts, so that every draft compared on these
-    answers is counted by one method (a draft of another tokenizer decoded here keeps its decoded rows). With
+    target's greedy answer); the counts are then replayed (:func:`~specdraft.replay.replay_answer`) on those
+    answers, the number of prompts where replayed and decoded counts agree is reported (``replay_check``, and the
+    decoded rate as ``decoded_acceptance_rate``), and the rows hold the replayed counts, so that every draft
+    compared on these answers is counted by one method (a draft of another tokenizer decoded here keeps its decoded
+    rows). With
     ``answers`` (the target's answers from an earlier call) nothing is decoded: the counts are replayed, so a
     second draft is compared on the very same target answers (a paired comparison) in one draft pass per
     prompt — or, for a draft of another tokenizer (``vocab_mapping``), by its drafter's rounds along each answer
@@ -604,8 +605,8 @@ def acceptance_eval(
     sampled, replayed = None, None
     if vocab_mapping is None:
         # One teacher-forced pass of each model over prompt + answer gives both the sampled α and the draft's argmax
-        # at every answer position, from which the greedy rounds are replayed (replay_greedy's method, one draft
-        # pass fewer).
+        # at every answer position, from which the greedy rounds are replayed (the reference replay,
+        # specdraft.testing.replay_greedy, runs its own draft pass for the argmax).
         seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
         masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
         sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad,

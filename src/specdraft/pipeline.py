@@ -27,7 +27,7 @@ whose inputs changed is refused, naming what changed, or redone from scratch wit
 that must not get worse). Before distillation the target writes its greedy answer to every prompt, a set's
 prompts in one batch (the cheapest lossless way to have them on a CPU); the original and later the distilled
 draft are both counted by replaying their greedy rounds on those very answers
-(:func:`specdraft.replay.replay_greedy`'s method for a draft of the target's tokenizer,
+(:func:`specdraft.replay.replay_answer` for a draft of the target's tokenizer,
 :func:`specdraft.replay.replay_mapped` for one of another: exact for greedy verification up to bf16 near-ties;
 tested against decoded counts), so the gain is paired prompt by prompt and costs one teacher-forced pass per
 model and prompt instead of a decoding. Speed is measured once, interleaved, on a few prompts.

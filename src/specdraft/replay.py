@@ -1,8 +1,8 @@
 """Teacher-forced α and greedy replay: how far a draft agrees with the target, with no decoding.
 
 :func:`predicted_alpha` scores sequences with both models once (α = Σ min(p, q) per counted position, p = target,
-q = draft, after the serving filter); :func:`replay_greedy` turns the draft's teacher-forced argmax over the target's
-own greedy answers into the rounds greedy speculative decoding would run (exact for greedy, batch 1);
+q = draft, after the serving filter) and keeps the draft's argmax there; :func:`replay_answer` turns that argmax over
+the target's own greedy answer into the rounds greedy speculative decoding would run (exact for greedy, batch 1);
 :func:`replay_mapped` does the same for a draft of another tokenizer, whose drafter runs but whose target does not.
 """
 
@@ -47,7 +47,7 @@ def predicted_alpha(
     target_cache: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced α (mean over positions of Σ_x min(p(x), q(x)), no decoding), and the draft's argmax at each
-    counted position: what a replay (:func:`replay_answer`, :func:`replay_greedy`) needs, from the same passes.
+    counted position: what a replay (:func:`replay_answer`) needs, from the same passes.
 
     Both models score each sequence once; at every position where ``masks`` is 1 (default: every position
     but the last) α = Σ min(p, q) with p and q after the serving filter (greedy: one-hot argmax, so α is the
@@ -68,7 +68,7 @@ def predicted_alpha(
         ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float, "per_sequence":
         [[alpha_sum, positions], …], "draft_top1": [[id, …], …]}`` (counts first: sums and positions merge across
         calls and sequences; ``draft_top1``: per sequence the draft's argmax over the real vocabulary at each
-        counted position, in order — what :func:`replay_greedy` compares with the target's answer).
+        counted position, in order — what :func:`replay_answer` compares with the target's answer).
 
     Both heads run only over the tail of each batch that holds counted positions (``logits_to_keep``): with masks
     over answers, the prompt positions are not scored.
@@ -166,64 +166,6 @@ def _save_cached(path: Path, logits: torch.Tensor) -> None:
 
     with atomic_path(path) as tmp:
         save_file({"target_logits": logits.contiguous().cpu()}, str(tmp))
-
-
-@torch.no_grad()
-def replay_greedy(
-    draft,
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    num_speculative_tokens: int,
-    max_new_tokens: int,
-    eos_token_id: Sequence[int] = (),
-    real_vocab: int | None = None,
-    batch_size: int = 4,
-    pad_id: int = 0,
-) -> list[AcceptanceCounts]:
-    """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt.
-
-    Greedy verification accepts a drafted token iff it equals the target's argmax, and the output is the
-    target's greedy response y. So inside a round that starts after y[:n], the draft's i-th proposal is read in
-    the context y[:n + i] as long as the earlier ones were accepted: the round accepts exactly the run of
-    positions n, n+1, … (at most k) where the draft's teacher-forced argmax equals y, and the target then emits
-    y[n + accepted]. Replaying :func:`~specdraft.decode.speculative_generate`'s rounds (batch 1: k = min(γ,
-    what the row can still emit − 1), an EOS or the length bound ending a row, a row ending inside the accepted
-    block) over that agreement vector gives its counts without decoding; only rounding differs (a full-sequence
-    pass vs cached steps can flip a near-tie argmax in bfloat16), which :func:`run_eval` can check against
-    decoded counts. One target answer serves every draft compared on it (before/after distillation, paired).
-
-    Args:
-        draft: causal LM sharing the target's tokenizer.
-        prompts: ``[n]`` prompt id lists; ``responses``: ``[n]`` the target's greedy answers (EOS included).
-        num_speculative_tokens: γ; ``max_new_tokens``: the bound the answers were generated with.
-        eos_token_id: ids that end a row (as given to the decoding).
-        real_vocab: ids at or past it are padding rows (never proposed).
-
-    Returns:
-        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
-
-    Raises:
-        specdraft.sampling.ContextWindowError: a prompt + answer longer than the draft's context window (named with
-            both lengths, before any pass).
-    """
-    check_windows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], [("draft", draft)],
-                  "replay shorter prompts or answers (lower --max-new-tokens).")
-    eos = set(eos_token_id)
-    width = draft.get_output_embeddings().weight.shape[0]
-    device = next(draft.parameters()).device
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = [(list(p), list(r)) for p, r in zip(prompts[start:start + batch_size],
-                                                    responses[start:start + batch_size], strict=True)]
-        ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
-        pos = (attn.cumsum(1) - 1).clamp(min=0)
-        keep = max(len(r) for _, r in chunk) + 1  # the head scores only the answers' predicting positions
-        guess = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
-        for i, (p, y) in enumerate(chunk):
-            first = keep - len(y) - 1  # left padding: the last prompt position predicts y[0]
-            out.append(replay_answer(guess[i, first:first + len(y)].tolist(), y, num_speculative_tokens,
-                                      max_new_tokens, eos))
-    return out
 
 
 def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_tokens: int,

@@ -273,3 +273,30 @@ def paired_ratio_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Seque
                            for idx in _replicates(len(na), n_boot, seed)])
     value = ratio(np.asarray(_ratio(na, da)), np.asarray(_ratio(nb, db)))
     return _estimate(float(value), reps, level, len(na))
+
+
+def chi2_goodness_of_fit(samples, law) -> tuple[float, int]:
+    """χ² goodness-of-fit test of sampled token tuples against an exact law: does a sampler draw from ``law``?
+
+    Args:
+        samples: sequences of token ids; the first ``law.ndim`` ids of each are the observed cell.
+        law: numpy array of probabilities (``[V]`` for one token, ``[V, V]`` for the first two), summing to 1.
+
+    Returns:
+        ``(p_value, outside_support)``: scipy's ``chisquare`` p-value after merging cells with expected count
+        < 5 into one (the usual validity rule), and how many samples fell in cells of probability 0.
+    """
+    from scipy.stats import chisquare
+
+    observed = np.zeros_like(law, dtype=np.float64)
+    for s in samples:
+        observed[tuple(s[: law.ndim])] += 1
+    n = observed.sum()
+    expected = (law / law.sum()).flatten() * n
+    obs = observed.flatten()
+    big = expected >= 5
+    exp_cells = np.append(expected[big], expected[~big].sum())
+    obs_cells = np.append(obs[big], obs[~big].sum())
+    if exp_cells[-1] == 0:
+        exp_cells, obs_cells = exp_cells[:-1], obs_cells[:-1]
+    return float(chisquare(obs_cells, exp_cells).pvalue), int(obs[expected == 0].sum())

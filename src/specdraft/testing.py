@@ -1,11 +1,15 @@
-"""Tiny offline models and tokenizers for tests and examples.
+"""Tiny offline models and tokenizers for tests and examples, and the reference greedy replay they compare with.
 
 Everything here is built from a config in code: no download, no file on disk unless asked.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from specdraft.acceptance import AcceptanceCounts
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -132,34 +136,6 @@ def perturbed(model, scale: float, seed: int = 123):
     return d
 
 
-def chi2_goodness_of_fit(samples, law) -> tuple[float, int]:
-    """χ² test of sampled token tuples against an exact law.
-
-    Args:
-        samples: sequences of token ids; the first ``law.ndim`` ids of each are the observed cell.
-        law: numpy array of probabilities (``[V]`` for one token, ``[V, V]`` for the first two), summing to 1.
-
-    Returns:
-        ``(p_value, outside_support)``: scipy's ``chisquare`` p-value after merging cells with expected count
-        < 5 into one (the usual validity rule), and how many samples fell in cells of probability 0.
-    """
-    import numpy as np
-    from scipy import stats
-
-    observed = np.zeros_like(law, dtype=np.float64)
-    for s in samples:
-        observed[tuple(s[: law.ndim])] += 1
-    n = observed.sum()
-    expected = (law / law.sum()).flatten() * n
-    obs = observed.flatten()
-    big = expected >= 5
-    exp_cells = np.append(expected[big], expected[~big].sum())
-    obs_cells = np.append(obs[big], obs[~big].sum())
-    if exp_cells[-1] == 0:
-        exp_cells, obs_cells = exp_cells[:-1], obs_cells[:-1]
-    return float(stats.chisquare(obs_cells, exp_cells).pvalue), int(obs[expected == 0].sum())
-
-
 def exact_two_token_law(target, prompt, sampling):
     """Exact joint law ``[V, V] float64`` (numpy) of the first two tokens the target samples after ``prompt``
     (its filtered distributions, :func:`specdraft.sampling.filtered_probs`), by enumerating every first token."""
@@ -175,6 +151,72 @@ def exact_two_token_law(target, prompt, sampling):
         p2 = filtered_probs(target(ext).logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
     law = (p1[:, None].double() * p2.double()).numpy()  # [V, V]
     return law / law.sum()
+
+
+def replay_greedy(
+    draft,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_id: Sequence[int] = (),
+    real_vocab: int | None = None,
+    batch_size: int = 4,
+    pad_id: int = 0,
+) -> list[AcceptanceCounts]:
+    """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt: the
+    reference replay that tests and benches compare decoding and :func:`specdraft.evaluate.acceptance_eval` with.
+
+    Greedy verification accepts a drafted token iff it equals the target's argmax, and the output is the
+    target's greedy response y. So inside a round that starts after y[:n], the draft's i-th proposal is read in
+    the context y[:n + i] as long as the earlier ones were accepted: the round accepts exactly the run of
+    positions n, n+1, … (at most k) where the draft's teacher-forced argmax equals y, and the target then emits
+    y[n + accepted]. Replaying :func:`~specdraft.decode.speculative_generate`'s rounds (batch 1: k = min(γ,
+    what the row can still emit − 1), an EOS or the length bound ending a row, a row ending inside the accepted
+    block) over that agreement vector (:func:`specdraft.replay.replay_answer`) gives its counts without decoding;
+    only rounding differs (a full-sequence pass vs cached steps can flip a near-tie argmax in bfloat16). One target
+    answer serves every draft compared on it (before/after distillation, paired). ``acceptance_eval`` counts the
+    same rounds from :func:`specdraft.replay.predicted_alpha`'s ``draft_top1``, one draft pass fewer.
+
+    Args:
+        draft: causal LM sharing the target's tokenizer.
+        prompts: ``[n]`` prompt id lists; ``responses``: ``[n]`` the target's greedy answers (EOS included).
+        num_speculative_tokens: γ; ``max_new_tokens``: the bound the answers were generated with.
+        eos_token_id: ids that end a row (as given to the decoding).
+        real_vocab: ids at or past it are padding rows (never proposed).
+
+    Returns:
+        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
+
+    Raises:
+        specdraft.sampling.ContextWindowError: a prompt + answer longer than the draft's context window (named with
+            both lengths, before any pass).
+    """
+    import torch
+
+    from specdraft.decode import left_pad
+    from specdraft.replay import replay_answer, tail_logits
+    from specdraft.sampling import align_logits, check_windows
+
+    check_windows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], [("draft", draft)],
+                  "replay shorter prompts or answers (lower --max-new-tokens).")
+    eos = set(eos_token_id)
+    width = draft.get_output_embeddings().weight.shape[0]
+    device = next(draft.parameters()).device
+    out = []
+    with torch.no_grad():  # one pass for the argmax, no graph (also when a bench swaps tail_logits)
+        for start in range(0, len(prompts), batch_size):
+            chunk = [(list(p), list(r)) for p, r in zip(prompts[start:start + batch_size],
+                                                        responses[start:start + batch_size], strict=True)]
+            ids, attn = left_pad([p + r for p, r in chunk], pad_id, device)
+            pos = (attn.cumsum(1) - 1).clamp(min=0)
+            keep = max(len(r) for _, r in chunk) + 1  # the head scores only the answers' predicting positions
+            guess = align_logits(tail_logits(draft, ids, attn, pos, keep), width, real_vocab).argmax(-1)  # [b, keep]
+            for i, (p, y) in enumerate(chunk):
+                first = keep - len(y) - 1  # left padding: the last prompt position predicts y[0]
+                out.append(replay_answer(guess[i, first:first + len(y)].tolist(), y, num_speculative_tokens,
+                                          max_new_tokens, eos))
+    return out
 
 
 def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
