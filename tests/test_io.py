@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from specdraft.io import atomic_directory, atomic_write_bytes, atomic_write_text
+from specdraft.io import atomic_directory, atomic_path, atomic_write_text
 
 
 @pytest.fixture
@@ -29,7 +29,8 @@ def test_atomic_files_get_the_mode_of_a_plain_write(tmp_path, umask, mask):
     plain = tmp_path / "plain.txt"
     plain.write_text("x")
     atomic_write_text(tmp_path / "a.json", "{}")
-    atomic_write_bytes(tmp_path / "b.bin", b"\0")
+    with atomic_path(tmp_path / "b.bin") as tmp:
+        tmp.write_bytes(b"\0")
     assert _mode(plain) == 0o666 & ~mask
     assert _mode(tmp_path / "a.json") == _mode(tmp_path / "b.bin") == 0o666 & ~mask
 

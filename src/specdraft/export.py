@@ -487,11 +487,6 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
     )
 
 
-def vllm_serve_command(speculator_dir: str | os.PathLike, verifier: str | None = None) -> str:
-    """:func:`vllm_serve`'s two-path command (the verifier plus ``--speculative-config``)."""
-    return vllm_serve(speculator_dir, verifier).command
-
-
 def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
                             dtype: ExportDtype = "keep") -> dict[str, Any]:
     """Export a saved speculator directory to ``dest``, whole (cast to ``dtype``, the chat template as

@@ -40,12 +40,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
 def fsync_tree(root: Path) -> None:
     """fsync every file and directory under ``root``: the rename is atomic, but without fsync a power loss
     after it could expose empty files."""
