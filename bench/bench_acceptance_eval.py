@@ -43,7 +43,7 @@ def main() -> dict:
     from specdraft.config import EvalConfig, SamplingConfig
     from specdraft.data import encode_prompts
     from specdraft.models import load_model
-    from specdraft.pipeline import load_sources
+    from specdraft.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
     sets = json.loads(report.read_text())
@@ -76,7 +76,7 @@ def main() -> dict:
     out = {"command": "python bench/bench_acceptance_eval.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
            "machine": machine_line(), "run": str(args.run), "repeats": args.repeats, "sets": {}}
     for name, s in sets.items():
-        examples = load_sources(s["sources"])
+        examples = load_prompts(s["sources"])
         prompts = encode_prompts(tok, examples)
         answers = s["answers"]
         secs = {"two_pass_full_heads": [], "one_pass_answer_heads": []}

@@ -45,7 +45,7 @@ from specdraft.dump import run_dump
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.evaluate import acceptance_eval, eos_ids
 from specdraft.models import load_model
-from specdraft.pipeline import load_sources
+from specdraft.prompts import load_prompts
 from specdraft.stats import paired_gain_from_rows
 
 
@@ -172,7 +172,7 @@ def main() -> dict:
     command = "python bench/bench_distill_gain.py " + shlex.join(sys.argv[1:])
     eval_cfg = EvalConfig(num_speculative_tokens=args.gamma, max_new_tokens=args.max_new_tokens)
     serving = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
-    sets = {"chat": load_sources(args.chat), **({"code": load_sources(args.code)} if args.code else {})}
+    sets = {"chat": load_prompts(args.chat), **({"code": load_prompts(args.code)} if args.code else {})}
 
     # 1. the target's answers to the held-out prompts, and the original draft's counts on them
     target, tok = load_model(DEFAULT_TARGET, dtype="bfloat16")
@@ -208,11 +208,11 @@ def main() -> dict:
     fmt = {"format": args.dump_format, "top_k": args.top_k}
     plans = []
     if args.train:
-        plans.append(("written", load_sources(args.train, unique=True),
+        plans.append(("written", load_prompts(args.train, unique=True),
                       DumpConfig(answer_only=True, dtype="bfloat16", generate=args.generate, max_length=512,
                                  batch_size=args.dump_batch_size, **fmt), args.written_weight))
     if args.train_forced:
-        plans.append(("forced", load_sources(args.train_forced, unique=True),
+        plans.append(("forced", load_prompts(args.train_forced, unique=True),
                       DumpConfig(answer_only=True, dtype="bfloat16", max_length=args.forced_max_length,
                                  batch_size=args.dump_batch_size, **fmt), 1))
     if not plans:

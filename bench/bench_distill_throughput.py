@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be wrong before a model loads. Raises :class:`BenchError` naming the flag."""
     from specdraft.models import resolve
-    from specdraft.pipeline import parse_source
+    from specdraft.prompts import PromptSpecError, parse_source
 
     if args.seq < 2:
         raise BenchError(f"--seq {args.seq}: a row needs at least 2 tokens (one trained prediction)")
@@ -122,8 +122,10 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.lr > 0 or not math.isfinite(args.lr):
         raise BenchError(f"--lr {args.lr}: must be a positive number")
     for flag, spec in (("--text", args.text), ("--prompts", args.prompts)):
-        if not parse_source(spec)[0]:
-            raise BenchError(f"{flag} {spec!r}: give a source as name[:offset[:limit[:stride]]]")
+        try:
+            parse_source(spec, flag)
+        except PromptSpecError as exc:  # names the flag, the bad part and the grammar
+            raise BenchError(str(exc)) from exc
     for flag, ref in (("--target", args.target), ("--draft", args.draft)):
         try:
             resolve(ref)
@@ -135,7 +137,7 @@ def fixed_rows(tokenizer, spec: str, n_rows: int, seq: int) -> list:
     """``n_rows`` :class:`specdraft.data.TokenSequence` windows of ``seq`` tokens cut from the concatenated
     conversations of ``spec`` (every prediction trained but the window's last)."""
     from specdraft.data import TokenSequence, build_sequences
-    from specdraft.pipeline import load_sources
+    from specdraft.prompts import load_prompts as load_sources
 
     stream: list[int] = []
     for s in build_sequences(tokenizer, load_sources([spec])):
@@ -316,7 +318,7 @@ def leftover_mass(sig: dict) -> dict:
 def load_prompts(spec: str) -> list:
     """The prompt messages of ``spec``'s examples (their replies dropped: the target writes its own)."""
     from specdraft.data import Example
-    from specdraft.pipeline import load_sources
+    from specdraft.prompts import load_prompts as load_sources
 
     return [Example(e.id, e.prompt_messages) for e in load_sources([spec])]
 

@@ -197,7 +197,8 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
 
 def test_held_out_offsets_belong_to_the_embedded_datasets():
     from specdraft.data import DATASETS, HELD_OUT_OFFSET, held_out_offset
-    from specdraft.pipeline import PRESETS, load_sources, parse_source, prompt_overlap
+    from specdraft.pipeline import PRESETS, prompt_overlap
+    from specdraft.prompts import load_prompts, parse_source
 
     assert set(HELD_OUT_OFFSET) == set(DATASETS)
     assert held_out_offset("humaneval") == 100 and held_out_offset("my.jsonl") == 0
@@ -212,7 +213,7 @@ def test_held_out_offsets_belong_to_the_embedded_datasets():
             name, offset, limit, stride = parse_source(spec)
             if name == "humaneval":
                 assert offset + (limit - 1) * stride < HELD_OUT_OFFSET[name], spec
-        assert not prompt_overlap(load_sources(preset["train_prompts"]), load_sources(evals))
+        assert not prompt_overlap(load_prompts(preset["train_prompts"]), load_prompts(evals))
 
 
 @pytest.mark.parametrize("width", [80, 50])

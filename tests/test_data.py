@@ -151,7 +151,7 @@ def test_sharegpt_index_is_cached_atomically_and_rebuilt_when_stale(tmp_path, mo
 def test_sharegpt_examples_are_prompts_and_teacher_forced_first_turns(tmp_path, monkeypatch):
     from specdraft import data
     from specdraft.data import build_sequences, source_counts
-    from specdraft.pipeline import load_sources
+    from specdraft.prompts import load_prompts
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "sharegpt.json"
@@ -161,8 +161,8 @@ def test_sharegpt_examples_are_prompts_and_teacher_forced_first_turns(tmp_path, 
     assert [e.id for e in ex] == ["sharegpt/a_0", "sharegpt/b_0", "sharegpt/c"]
     assert [m["role"] for m in ex[1].messages] == ["user", "assistant"]
     assert ex[1].prompt_messages == [{"role": "user", "content": "Explain speculative decoding."}]
-    assert [e.id for e in load_sources(["sharegpt:1:5:1"])] == ["sharegpt/b_0", "sharegpt/c"]
-    assert [e.id for e in load_sources(["sharegpt:0:2:2"])] == ["sharegpt/a_0", "sharegpt/c"]
+    assert [e.id for e in load_prompts(["sharegpt:1:5:1"])] == ["sharegpt/b_0", "sharegpt/c"]
+    assert [e.id for e in load_prompts(["sharegpt:0:2:2"])] == ["sharegpt/a_0", "sharegpt/c"]
     assert source_counts("sharegpt")["malformed"] == 4 and source_counts("humaneval") is None
     # Teacher-forced: the whole turn is the sequence; with answer_only the trained predictions are the reply's.
     tok = tiny_tokenizer(64)

@@ -12,10 +12,10 @@ from specdraft.pipeline import (
     PipelineError,
     estimate_dump_bytes,
     make_config,
-    parse_source,
     prompt_overlap,
     run_pipeline,
 )
+from specdraft.prompts import load_prompts, parse_source
 from specdraft.testing import save_tiny_pair
 
 
@@ -28,12 +28,11 @@ def test_parse_source_and_overlap():
     assert parse_source("mt-bench:3") == ("mt-bench", 3, None, 1)
     assert parse_source("conversations") == ("conversations", 0, None, 1)
     assert parse_source("mt-bench:0:27:3") == ("mt-bench", 0, 27, 3)
-    from specdraft.pipeline import load_sources
 
-    spread = load_sources(["mt-bench:0:27:3"])
+    spread = load_prompts(["mt-bench:0:27:3"])
     assert len(spread) == 27 and len({e.meta["category"] for e in spread}) == 8
-    assert len(load_sources(["conversations"], unique=True)) == len(
-        {json.dumps(e.prompt_messages) for e in load_sources(["conversations"])})
+    assert len(load_prompts(["conversations"], unique=True)) == len(
+        {json.dumps(e.prompt_messages) for e in load_prompts(["conversations"])})
     train, ev = _examples("cdef", "t"), _examples("efgh", "e")
     assert prompt_overlap(train, ev) == ["e-e", "e-f"]
 

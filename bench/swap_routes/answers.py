@@ -12,7 +12,7 @@ from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import encode_prompts
 from specdraft.evaluate import acceptance_eval
 from specdraft.models import load_model
-from specdraft.pipeline import load_sources
+from specdraft.prompts import load_prompts
 
 torch.set_num_threads(2)
 W = os.environ.get("SWAP_ROUTES_WORK", "runs/swap-routes")
@@ -21,7 +21,7 @@ target, tok = load_model("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
 draft, _ = load_model("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
 cfg = EvalConfig(num_speculative_tokens=5, max_new_tokens=64)
 for name, spec in [("code", ["humaneval:100:16:4"]), ("chat", ["mt-bench:0:27:3"]), ("train", ["humaneval:0:48"])]:
-    ex = load_sources(spec, unique=(name == "train"))
+    ex = load_prompts(spec, unique=(name == "train"))
     ids = encode_prompts(tok, ex)
     t0 = time.time()
     r = acceptance_eval(target, draft, tok, ids, [e.id for e in ex], cfg, SamplingConfig())

@@ -371,8 +371,9 @@ class HeadroomConfig(BaseModel):
 class PipelineConfig(BaseModel):
     """Everything ``specdraft run`` does; a preset fills it, flags override single fields.
 
-    Prompt sources are ``name[:offset[:limit[:stride]]]`` (:func:`specdraft.pipeline.parse_source`); evaluation prompts
-    never enter training. γ of the export is the evaluation's.
+    Prompt sources are ``name[:offset[:limit[:stride]]]`` (:mod:`specdraft.prompts`: the evaluation sets read held
+    out, the training set from the first example); evaluation prompts never enter training. γ of the export is the
+    evaluation's.
     """
 
     model_config = ConfigDict(extra="forbid")

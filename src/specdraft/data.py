@@ -48,13 +48,18 @@ DATA_PACKAGES = {
 DATASETS = tuple(DATA_PACKAGES)
 
 #: Where each embedded dataset's held-out split starts: the presets train on the examples before it
-#: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is split by stride instead:
-#: the presets evaluate on every third question from 0 (``mt-bench:0:27:3``, all 8 categories) and train only
-#: on the others (``mt-bench:1:…:3``, ``mt-bench:2:…:3``); ``conversations`` has no held-out split (52
-#: distinct first questions over 500 rows). ``sharegpt`` holds out its last 413 turns (``sharegpt:6000:…``);
-#: train on ``sharegpt:0:6000`` or less (its prompts are distinct, so no held-out prompt occurs in training). A
-#: user's own file or saved dataset has no split: it is read from its first example (:func:`held_out_offset`).
+#: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is split by stride instead
+#: (:data:`HELD_OUT_STRIDE`): the presets evaluate on every third question from 0 (``mt-bench:0:27:3``, all 8
+#: categories) and train only on the others (``mt-bench:1:…:3``, ``mt-bench:2:…:3``); ``conversations`` has no
+#: held-out split (:data:`NO_HELD_OUT_SPLIT`: 52 distinct first questions over 500 rows, and the large preset trains
+#: on all of them). ``sharegpt`` holds out its last 413 turns (``sharegpt:6000:…``); train on ``sharegpt:0:6000`` or
+#: less (its prompts are distinct, so no held-out prompt occurs in training). A user's own file or saved dataset has
+#: no split: it is read from its first example (:func:`held_out_offset`).
 HELD_OUT_OFFSET = {"humaneval": 100, "mt-bench": 0, "conversations": 0, "sharegpt": 6000}
+#: The step between held-out rows where it is not 1: mt-bench holds out every third question from 0.
+HELD_OUT_STRIDE = {"mt-bench": 3}
+#: Embedded datasets without a held-out split: any of their rows may be a preset's training prompt.
+NO_HELD_OUT_SPLIT = frozenset({"conversations"})
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
@@ -132,6 +137,36 @@ def held_out_offset(source: str | Path) -> int:
     """Examples to skip for held-out evaluation prompts: the embedded dataset's split start
     (:data:`HELD_OUT_OFFSET`), 0 for any other source (a ``.jsonl`` file, a saved dataset)."""
     return HELD_OUT_OFFSET.get(str(source), 0)
+
+
+def held_out_stride(source: str | Path) -> int:
+    """The step between an embedded dataset's held-out rows (:data:`HELD_OUT_STRIDE`: mt-bench 3), else 1."""
+    return HELD_OUT_STRIDE.get(str(source), 1)
+
+
+def is_held_out(source: str | Path, row: int) -> bool | None:
+    """Whether row ``row`` (0-based, in source order) of ``source`` lies in its held-out split: no preset trains on
+    it. False for every row of a dataset without a split (:data:`NO_HELD_OUT_SPLIT`); None for a user's own file or
+    saved dataset (its split is the user's to know)."""
+    src = str(source)
+    if src in NO_HELD_OUT_SPLIT:
+        return False
+    if src not in HELD_OUT_OFFSET:
+        return None
+    start = HELD_OUT_OFFSET[src]
+    return row >= start and (row - start) % held_out_stride(src) == 0
+
+
+def held_out_split_text(source: str | Path) -> str:
+    """The held-out split of a source in words (``humaneval holds out rows 100 on``, ``mt-bench holds out rows 0,
+    3, 6 and so on``), for messages and help."""
+    src = str(source)
+    if src in NO_HELD_OUT_SPLIT or src not in HELD_OUT_OFFSET:
+        return f"{src} has no held-out split"
+    start, stride = HELD_OUT_OFFSET[src], held_out_stride(src)
+    if stride == 1:
+        return f"{src} holds out rows {start} on"
+    return f"{src} holds out rows {start}, {start + stride}, {start + 2 * stride} and so on"
 
 
 def load_examples(source: str | Path, limit: int | None = None, offset: int = 0) -> list[Example]:

@@ -56,6 +56,7 @@ from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.io import atomic_write_text, versions
 from specdraft.models import ModelRef
 from specdraft.progress import progress_lines
+from specdraft.prompts import PromptSet, select_prompts
 
 _LOG = logging.getLogger("specdraft")
 
@@ -175,45 +176,20 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     return PipelineConfig(preset=preset, **base)
 
 
-def parse_source(spec: str) -> tuple[str, int, int | None, int]:
-    """``name[:offset[:limit[:stride]]]`` → (source, offset, limit, stride): every ``stride``-th example from
-    ``offset`` on, at most ``limit`` of them (``mt-bench:0:27:3`` spreads 27 prompts over all 8 categories). A
-    path may contain ':' only when no offset is given after it (an existing file wins)."""
-    if Path(spec).exists():
-        return spec, 0, None, 1
-    parts = spec.rsplit(":", 3)
-    nums = []
-    while len(parts) > 1 and parts[-1].isdigit():
-        nums.insert(0, int(parts.pop()))
-    name = ":".join(parts)
-    offset = nums[0] if nums else 0
-    limit = nums[1] if len(nums) > 1 else None
-    stride = max(nums[2], 1) if len(nums) > 2 else 1
-    return name, offset, limit, stride
+def run_prompts(cfg: PipelineConfig, sets: tuple[str, ...] = ("train", "eval", "ood")) -> dict[str, PromptSet]:
+    """The run's prompt sets named in ``sets``, each as its flag means it (:func:`specdraft.prompts.select_prompts`):
+    ``train`` (``--train-prompts``: from each source's first example; a repeated prompt dropped when the target
+    answers greedily, its sequence would repeat), ``eval`` and ``ood`` (``--eval-prompts`` / ``--ood-prompts``: held
+    out, as ``eval --prompts`` reads them). Each set's :meth:`~specdraft.prompts.PromptSet.lines` say what will run.
 
-
-def load_sources(specs: list[str], unique: bool = False):
-    """The examples of several ``name[:offset[:limit[:stride]]]`` sources, in order.
-
-    With ``unique`` an example whose prompt messages already occurred is dropped before ``limit`` counts, so
-    ``conversations:0:32`` is 32 distinct prompts (the embedded chats repeat 52 first questions over 500 rows;
-    greedy answers to a repeated prompt would repeat too)."""
-    from specdraft.data import load_examples
-
-    out, seen = [], set()
-    for spec in specs:
-        name, offset, limit, stride = parse_source(spec)
-        examples = load_examples(name, offset=offset)[::stride]
-        if unique:
-            fresh = []
-            for e in examples:
-                key = json.dumps(e.prompt_messages, sort_keys=True)
-                if key not in seen:
-                    seen.add(key)
-                    fresh.append(e)
-            examples = fresh
-        out.extend(examples[:limit] if limit is not None else examples)
-    return out
+    Raises:
+        specdraft.data.DataError: a malformed spec (named with its flag), an unknown source, a bad line.
+    """
+    greedy = cfg.dump.generate is not None and cfg.dump.temperature == 0
+    how = {"train": (cfg.train_prompts, "--train-prompts", False, greedy),
+           "eval": (cfg.eval_prompts, "--eval-prompts", True, False),
+           "ood": (cfg.ood_prompts, "--ood-prompts", True, False)}
+    return {name: select_prompts(*how[name]) for name in sets}
 
 
 def prompt_overlap(train, evaluation) -> list[str]:
@@ -326,11 +302,12 @@ def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_example
     """Every check that needs no weights: prompts exist and are disjoint, references resolve, disk suffices."""
     from specdraft.models import resolve_ref
 
-    evals = eval_examples if eval_examples is not None else load_sources(cfg.eval_prompts)
-    # Repeated training prompts are dropped when the target answers greedily: their sequences would repeat.
-    trains = train_examples if train_examples is not None else load_sources(
-        cfg.train_prompts, unique=cfg.dump.generate is not None and cfg.dump.temperature == 0)
-    oods = ood_examples if ood_examples is not None else load_sources(cfg.ood_prompts)
+    given = {"train": train_examples, "eval": eval_examples, "ood": ood_examples}
+    for name, chosen in run_prompts(cfg, tuple(k for k, v in given.items() if v is None)).items():
+        for line in chosen.lines():
+            log(line)
+        given[name] = chosen.examples
+    trains, evals, oods = given["train"], given["eval"], given["ood"]
     if not evals or not trains:
         raise PipelineError("the pipeline needs evaluation and training prompts (preset prompt lists are empty)")
     overlap = prompt_overlap(trains, evals + oods)

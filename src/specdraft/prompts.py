@@ -1,27 +1,57 @@
-"""Prompt sources as every command names them: one spec, ``name[:offset[:limit[:stride]]]``.
+"""Prompt sources as every command names them: one spec, ``name[:offset[:limit[:stride]]]``, one parser, one loader.
 
-The syntax is the pipeline's (:func:`specdraft.pipeline.parse_source`): every ``stride``-th example of ``name`` from
-``offset`` on, at most ``limit`` of them. An evaluation (``held_out=True``) reads a spec without an offset from an
-embedded dataset's held-out split (:data:`specdraft.data.HELD_OUT_OFFSET`: humaneval 100, the prompts before it are
-the presets' training prompts), a file from its first line; training reads it from the first example.
+A spec keeps every ``stride``-th example of ``name`` (an embedded dataset, a ``.jsonl`` file, a saved dataset;
+:mod:`specdraft.data`) from ``offset`` on, at most ``limit`` of them: ``mt-bench:0:27:3`` is 27 questions spread
+over all 8 categories. It means one of two things, by what the flag that carries it does:
+
+* **training** (``dump --prompts``, ``run --train-prompts``, ``vocab-swap --prompts``): a missing offset is 0, a
+  missing limit is all, a missing stride is 1. ``humaneval`` is all 164 problems.
+* **held out** (``eval`` / ``rank`` / ``headroom --prompts``, ``run --eval-prompts`` / ``--ood-prompts``): a spec
+  without an offset starts at an embedded dataset's held-out split, at its step (:data:`specdraft.data.HELD_OUT_OFFSET`,
+  :data:`specdraft.data.HELD_OUT_STRIDE`: humaneval rows 100 on, mt-bench rows 0, 3, 6, …; the rows the split
+  leaves out are the presets' training prompts), a user's file from its first line; a spec without a limit takes
+  :data:`HELD_OUT_LIMIT` prompts. ``humaneval`` is ``humaneval:100:8:1`` in ``eval`` and in ``run --eval-prompts``.
+
+:func:`select_prompts` reads the examples and says what it read (:meth:`PromptSet.lines`: ``prompts:
+humaneval:100:8:1 (8 prompts, held out)``, and a warning where a spec yields fewer prompts than its limit), so a
+command prints what will run before any model loads. A malformed spec is a :class:`PromptSpecError` naming the flag,
+the bad part and the grammar.
 
 No torch import: a command checks its prompts before any model is prepared.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 from specdraft import data
-from specdraft.data import Example
+from specdraft.data import DataError, Example
+
+#: How every prompt spec is written.
+SPEC_GRAMMAR = "name[:offset[:limit[:stride]]]"
+#: The grammar where every example of a range is kept (``dump``: a dump's manifest records offset and count).
+SPEC_GRAMMAR_NO_STRIDE = "name[:offset[:limit]]"
+#: Prompts a held-out spec without a limit takes (``eval --prompts humaneval``: 8 prompts, as docs/cli.md says).
+HELD_OUT_LIMIT = 8
+
+_PARTS = ("offset", "limit", "stride")
+_LEAST = {"offset": 0, "limit": 1, "stride": 1}
+_DIGITS = re.compile(r"[0-9]+")
 
 
-@dataclass(frozen=True)
-class PromptSource:
+class PromptSpecError(DataError):
+    """A prompt spec that does not parse; the message names the flag, the bad part and the grammar."""
+
+
+class PromptSource(NamedTuple):
     """One parsed spec: ``name`` (an embedded dataset, a ``.jsonl``, a saved dataset), the examples skipped first
-    (``offset``), the most kept (``limit``, ``None`` = all) and the step between kept examples (``stride``)."""
+    (``offset``), the most kept (``limit``, ``None`` = all) and the step between kept examples (``stride``).
+    A tuple: ``parse_source("humaneval:100:4") == ("humaneval", 100, 4, 1)``."""
 
     name: str
     offset: int = 0
@@ -30,7 +60,7 @@ class PromptSource:
 
     @property
     def spec(self) -> str:
-        """The spec that parses back to this source (``humaneval:100:8``)."""
+        """The shortest spec that parses back to this source (``humaneval:100:8``)."""
         parts = [self.name, str(self.offset)]
         if self.limit is not None or self.stride != 1:
             parts.append(str(self.limit if self.limit is not None else 10**9))
@@ -39,7 +69,7 @@ class PromptSource:
         return ":".join(parts)
 
     def replace(self, **changes) -> PromptSource:
-        return dataclasses.replace(self, **changes)
+        return self._replace(**changes)
 
     def load(self) -> list[Example]:
         """The examples, in source order.
@@ -47,27 +77,213 @@ class PromptSource:
         Raises:
             DataError: an unknown source, a malformed line (named), or an empty result.
         """
+        return [e for _, e in self._rows()[0][: self.limit]]
+
+    def _rows(self) -> tuple[list[tuple[int, Example]], int]:
+        """``([(row, example)] every stride-th from offset, all of them; the source's row count)``."""
         # Looked up at call time (data.load_examples), as every command reads it: tests may stand in for it.
-        if self.stride == 1:
-            return data.load_examples(self.name, limit=self.limit, offset=self.offset)
-        return data.load_examples(self.name, offset=self.offset)[::self.stride][:self.limit]
+        examples = data.load_examples(self.name, offset=self.offset)
+        return list(enumerate(examples, self.offset))[:: self.stride], self.offset + len(examples)
 
 
-def resolve_source(spec: str, held_out: bool = False) -> PromptSource:
-    """``spec`` parsed; with ``held_out`` a spec without an offset starts at the source's held-out split."""
-    from specdraft.pipeline import parse_source
+def _split(spec: str) -> tuple[str, list[str]]:
+    """``(name, the parts after it)``: a path may hold ':' (the longest prefix naming an existing path is the name),
+    else the name ends at the first ':'."""
+    if Path(spec).expanduser().exists():
+        return spec, []
+    parts = spec.split(":")
+    for i in range(len(parts) - 1, 0, -1):
+        if Path(":".join(parts[:i])).expanduser().exists():
+            return ":".join(parts[:i]), parts[i:]
+    return parts[0], parts[1:]
 
-    name, offset, limit, stride = parse_source(spec)
-    if held_out and name == spec:  # no offset written
-        offset = data.held_out_offset(name)
-    return PromptSource(name, offset, limit, stride)
 
-
-def load_prompts(specs: str | Sequence[str], held_out: bool = False) -> list[Example]:
-    """The examples of one spec or several, in order (:func:`resolve_source`, :meth:`PromptSource.load`).
+def _parse(spec: str, flag: str, strides: bool) -> tuple[str, dict[str, int]]:
+    """``(name, the numbers written, by part)``.
 
     Raises:
-        DataError: as :meth:`PromptSource.load`.
+        PromptSpecError: an empty spec or name, a part that is not a whole number or below its least value, more
+            parts than the grammar has.
     """
-    specs = [specs] if isinstance(specs, str) else specs
-    return [e for spec in specs for e in resolve_source(spec, held_out).load()]
+    grammar = SPEC_GRAMMAR if strides else SPEC_GRAMMAR_NO_STRIDE
+    example = "humaneval:100:8" + (" or mt-bench:0:27:3" if strides else "")
+
+    def bad(what: str) -> PromptSpecError:
+        return PromptSpecError(f"{flag} {spec!r}: {what}; write {grammar}, e.g. {example}")
+
+    if not spec.strip():
+        raise bad("the spec is empty")
+    name, texts = _split(spec)
+    if not name.strip():
+        raise bad("the name is empty")
+    allowed = _PARTS if strides else _PARTS[:2]
+    if len(texts) > len(allowed):
+        extra = texts[len(allowed):]
+        many = "one part too many" if len(extra) == 1 else f"{len(extra)} parts too many"
+        why = many if strides else "no stride here, every example of the range is kept"
+        raise bad(f"{':'.join(extra)!r} after the {allowed[-1]}: {why}")
+    written = {}
+    for part, text in zip(allowed, texts, strict=False):
+        if not text:
+            raise bad(f"the {part} is empty")
+        if not _DIGITS.fullmatch(text):
+            raise bad(f"the {part} {text!r} is not a whole number >= {_LEAST[part]}")
+        if int(text) < _LEAST[part]:
+            raise bad(f"the {part} {text} is below {_LEAST[part]}" + (" (every stride-th example is kept)"
+                                                                    if part == "stride" else ""))
+        written[part] = int(text)
+    return name, written
+
+
+def _resolve(spec: str, held_out: bool, flag: str, strides: bool) -> tuple[PromptSource, int | None]:
+    """``(the source as the flag means it, the limit the spec wrote)``."""
+    name, written = _parse(spec, flag, strides)
+    offset, limit, stride = written.get("offset", 0), written.get("limit"), written.get("stride", 1)
+    if held_out:
+        if "offset" not in written:
+            offset, stride = data.held_out_offset(name), data.held_out_stride(name)
+        if limit is None:
+            limit = HELD_OUT_LIMIT
+    return PromptSource(name, offset, limit, stride), written.get("limit")
+
+
+def parse_source(spec: str, flag: str = "--prompts", strides: bool = True) -> PromptSource:
+    """``spec`` (``name[:offset[:limit[:stride]]]``) as training reads it: a missing offset is 0, a missing limit
+    all, a missing stride 1. ``strides=False``: the grammar without a stride (``dump``).
+
+    Raises:
+        PromptSpecError: a malformed spec (names ``flag``, the bad part and the grammar).
+    """
+    return _resolve(spec, False, flag, strides)[0]
+
+
+def resolve_source(spec: str, held_out: bool = False, flag: str = "--prompts", strides: bool = True) -> PromptSource:
+    """``spec`` as the flag means it: training (:func:`parse_source`), or with ``held_out`` a spec without an offset
+    starts at the source's held-out split at its step, and one without a limit takes :data:`HELD_OUT_LIMIT`.
+
+    Raises:
+        PromptSpecError: a malformed spec.
+    """
+    return _resolve(spec, held_out, flag, strides)[0]
+
+
+@dataclass(frozen=True)
+class SourcePick:
+    """What one spec of a flag gave: as ``written``, ``source`` as resolved, the ``limit`` the spec wrote (None:
+    a default applied), the source rows kept (0-based), the source's row ``total`` and the ``repeats`` dropped."""
+
+    written: str
+    source: PromptSource
+    limit: int | None
+    rows: tuple[int, ...]
+    total: int
+    repeats: int = 0
+
+    def spec(self, strides: bool = True) -> str:
+        """The full spec of what was read, limit and stride written out: ``mt-bench:0:80:1`` (a spec without a
+        limit shows the count it gave)."""
+        s = self.source
+        parts = [s.name, str(s.offset), str(s.limit if s.limit is not None else len(self.rows))]
+        return ":".join(parts + [str(s.stride)] if strides else parts)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The examples one prompt flag selected (:func:`select_prompts`), and what they are.
+
+    Attributes:
+        flag: the flag as typed (``--prompts``, ``--eval-prompts``), named in every line.
+        held_out: the flag evaluates (held-out semantics).
+        picks: per spec, in order.
+        examples: every spec's examples, in order.
+        strides: the flag's grammar has a stride.
+    """
+
+    flag: str
+    held_out: bool
+    picks: tuple[SourcePick, ...]
+    examples: list[Example]
+    strides: bool = True
+
+    @property
+    def sources(self) -> list[PromptSource]:
+        return [p.source for p in self.picks]
+
+    def _held_out_note(self) -> str:
+        """``, held out`` when every row lies in its dataset's held-out split; where some do not, how many and the
+        split; nothing for a user's own file (its split is the user's to know)."""
+        if not self.held_out:
+            return ""
+        verdicts = [(p.source.name, data.is_held_out(p.source.name, r)) for p in self.picks for r in p.rows]
+        if verdicts and all(v for _, v in verdicts):
+            return ", held out"
+        outside = [name for name, v in verdicts if v is False]
+        if not outside:
+            return ""
+        some = "not held out" if len(outside) == len(verdicts) else f"{len(outside)} not held out"
+        return f"; {some}: {data.held_out_split_text(outside[0])}"
+
+    def lines(self) -> list[str]:
+        """What will run, one line (``prompts: humaneval:100:8:1 (8 prompts, held out)``; several specs joined by
+        ``+``), then a ``warning:`` line per spec that gave fewer prompts than its limit. None for an empty flag."""
+        if not self.picks:
+            return []
+        label = self.flag.lstrip("-").replace("-", " ")
+        n = len(self.examples)
+        specs = " + ".join(p.spec(self.strides) for p in self.picks)
+        out = [f"{label}: {specs} ({n} prompt{'' if n == 1 else 's'}{self._held_out_note()})"]
+        for p in self.picks:
+            if p.limit is not None and len(p.rows) < p.limit:
+                why = f"{p.source.name} has {p.total} rows" + (f"; {p.repeats} repeated prompts dropped"
+                                                                  if p.repeats else "")
+                out.append(f"warning: {self.flag} {p.written} gives {len(p.rows)} prompt"
+                           f"{'' if len(p.rows) == 1 else 's'}, not {p.limit} ({why})")
+        return out
+
+
+def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out: bool = False, unique: bool = False,
+                   strides: bool = True) -> PromptSet:
+    """The examples of one spec or several, in order, each as ``flag`` means it (:func:`resolve_source`).
+
+    With ``unique`` an example whose prompt messages already occurred (in this flag's specs) is dropped before the
+    limit counts, so ``conversations:0:32`` is 32 distinct prompts (the embedded chats repeat 52 first questions over
+    500 rows; greedy answers to a repeated prompt would repeat too).
+
+    Raises:
+        PromptSpecError: a malformed spec (names ``flag``, the bad part and the grammar).
+        DataError: an unknown source, a malformed line (named), an offset past the end.
+    """
+    specs = [specs] if isinstance(specs, str) else list(specs)
+    resolved = [_resolve(spec, held_out, flag, strides) for spec in specs]  # every spec parsed before any read
+    picks, examples, seen = [], [], set()
+    for spec, (source, written_limit) in zip(specs, resolved, strict=True):
+        rows, total = source._rows()
+        repeats = 0
+        if unique:
+            fresh = []
+            for row, e in rows:
+                key = json.dumps(e.prompt_messages, sort_keys=True)
+                if key in seen:
+                    repeats += 1
+                    continue
+                seen.add(key)
+                fresh.append((row, e))
+            rows = fresh
+        rows = rows[: source.limit]
+        if not rows:
+            raise DataError(f"{flag} {spec!r} gave no prompts ({source.name} has {total} rows"
+                            f"{f'; {repeats} repeated prompts dropped' if repeats else ''}).")
+        picks.append(SourcePick(spec, source, written_limit, tuple(r for r, _ in rows), total, repeats))
+        examples += [e for _, e in rows]
+    return PromptSet(flag, held_out, tuple(picks), examples, strides)
+
+
+def load_prompts(specs: str | Sequence[str], held_out: bool = False, unique: bool = False,
+                 flag: str = "--prompts") -> list[Example]:
+    """The examples of one spec or several, in order (:func:`select_prompts`, without its account).
+
+    Raises:
+        PromptSpecError: a malformed spec.
+        DataError: as :func:`select_prompts`.
+    """
+    return select_prompts(specs, flag, held_out, unique).examples

@@ -2,7 +2,7 @@
 
 A concept a config holds (γ, the seed, the sampling triple, the dtype, ``--overwrite``) takes its help from the
 :mod:`specdraft.config` field's description (no second wording) and its default from the field. Every prompt
-source is one ``--prompts`` spec, ``name[:offset[:limit[:stride]]]`` (:func:`specdraft.pipeline.parse_source`).
+source is one ``--prompts`` spec, ``name[:offset[:limit[:stride]]]``, read by one loader (:mod:`specdraft.prompts`).
 Old spellings (``--verifier``, ``--data``, ``--num-prompts`` …) still work, hidden from ``--help``
 (:func:`legacy_args`).
 
@@ -29,15 +29,18 @@ from specdraft.config import (
     ProposalMode,
     SpeculativeTokens,
 )
-from specdraft.data import DATASETS  # json/gzip only, like config
+from specdraft.data import DATASETS, held_out_split_text  # json/gzip only, like config
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.prompts import HELD_OUT_LIMIT, SPEC_GRAMMAR, SPEC_GRAMMAR_NO_STRIDE, PromptSet, select_prompts
 
 __all__ = ["AUTO_DTYPE", "GAMMA_HELP"]
 
 #: The prompt sources a ``--prompts`` spec names (the names come from specdraft.data's registry).
 SOURCES_HELP = " | ".join(DATASETS) + " | a .jsonl | a saved dataset."
-#: How every ``--prompts`` spec is written (the pipeline's syntax, :func:`specdraft.pipeline.parse_source`).
-SOURCE_SYNTAX = "name[:offset[:limit[:stride]]]"
+#: How every ``--prompts`` spec is written (:data:`specdraft.prompts.SPEC_GRAMMAR`).
+SOURCE_SYNTAX = SPEC_GRAMMAR
+#: Two lines of a user's ``.jsonl`` prompt file, shown in every ``--prompts`` help (narrow enough for 80 columns).
+JSONL_EXAMPLE = ('{"prompt": "Reverse a string in Python."}', '{"messages":[{"role":"user","content":"Hi"}]}')
 #: Commands that evaluate: a spec without an offset starts at an embedded dataset's held-out split there.
 HELD_OUT_COMMANDS = frozenset({"eval", "rank"})
 
@@ -106,15 +109,41 @@ def out_option(default: Path | None, what: str):
     return typer.Option(default, "--out", "-o", help=what)
 
 
-def prompts_option(default: str | list[str] | None, what: str, note: str = "", flag: str = "--prompts"):
-    """A prompt source option: ``name[:offset[:limit[:stride]]]`` specs, repeatable where ``default`` is a list."""
+def prompts_option(default: str | list[str] | None, what: str, note: str = "", flag: str = "--prompts",
+                   strides: bool = True):
+    """A prompt source option: ``name[:offset[:limit[:stride]]]`` specs (without the stride where ``strides`` is
+    False), repeatable where ``default`` is a list; ``--prompts`` shows two lines of a ``.jsonl`` file."""
     many = isinstance(default, list) or default is None
-    return typer.Option(default, flag, help=f"{what}: {SOURCE_SYNTAX}{' (repeatable)' if many else ''}, name = "
-                        f"{SOURCES_HELP}{note}")
+    grammar = SPEC_GRAMMAR if strides else SPEC_GRAMMAR_NO_STRIDE
+    # "\b" keeps click from joining the example's lines; the last paragraph takes typer's "[default: …]".
+    example = ("\n\n\b\nA .jsonl holds one JSON object a line, e.g.\n" + "\n".join(JSONL_EXAMPLE) + "\n\n"
+               if flag == "--prompts" else " ")
+    return typer.Option(default, flag, help=f"{what}: {grammar}{' (repeatable)' if many else ''}, name = "
+                        f"{SOURCES_HELP}{note}{example}What they resolve to is printed before any model loads.")
 
 
-HELD_OUT_NOTE = (" Without an offset an embedded dataset starts at its held-out split (humaneval: 100, the prompts "
-                 "before it are the presets' training prompts), a file at its first line.")
+def read_prompts(specs: str | list[str], flag: str = "--prompts", *, held_out: bool = False, strides: bool = True,
+                 say=typer.echo) -> PromptSet:
+    """The examples a prompt flag names (:func:`specdraft.prompts.select_prompts`: held out where the command
+    evaluates, :data:`HELD_OUT_NOTE`), every line checked, with what will run said through ``say`` first:
+    ``prompts: humaneval:100:8:1 (8 prompts, held out)``, and a warning per spec that gave fewer than its limit.
+
+    Raises:
+        specdraft.data.DataError: a malformed spec (names the flag, the bad part and the grammar), an unknown
+            source, a malformed line.
+    """
+    chosen = select_prompts(specs, flag, held_out=held_out, strides=strides)
+    for line in chosen.lines():
+        say(line)
+    return chosen
+
+
+#: The meaning of a held-out flag's spec (:func:`specdraft.prompts.resolve_source`), said in its help.
+HELD_OUT_NOTE = (" Held out: a spec without an offset starts at an embedded dataset's held-out split ("
+                 + "; ".join(held_out_split_text(name) for name in DATASETS) + "; the presets train on the other "
+                 f"rows), a file at its first line; without a limit, {HELD_OUT_LIMIT} prompts.")
+#: The meaning of a training flag's spec (:func:`specdraft.prompts.parse_source`), said in its help.
+TRAINING_NOTE = " A spec without an offset starts at the first example; without a limit, all of them."
 
 MapVocabOpt = Annotated[bool, typer.Option(
     "--map-vocab", help="Allow a draft with another tokenizer: the draft re-reads the context as text and proposes text "

@@ -26,6 +26,7 @@ from specdraft.cli.options import (
     dtype_option,
     out_option,
     prompts_option,
+    read_prompts,
     sampling_options,
     seed_option,
     target_option,
@@ -145,15 +146,14 @@ def eval_cmd(
     generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
     from specdraft.evaluate import run_eval, write_report
     from specdraft.pair import encode
-    from specdraft.prompts import resolve_source
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                         compare_hf=compare_hf, draft_confidence_threshold=draft_confidence_threshold,
                         mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
-    source = resolve_source(prompts, held_out=True)
-    examples = source.load()
+    chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
+    source, examples = chosen.sources[0], chosen.examples
     check_out(out, overwrite=overwrite)
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     ids = encode(pair, examples)
@@ -253,7 +253,6 @@ def rank(
     measured here, with the best --spec-draft-n-max of each; prints the llama.cpp command of the best.
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
-    from specdraft.prompts import resolve_source
     from specdraft.rank import (
         LLAMA_CPP_FLAGS,
         check_engine,
@@ -271,8 +270,8 @@ def rank(
     llama = {"target_gguf": target_gguf, "draft_ggufs": named_paths(draft_gguf, "--draft-gguf"),
              "target_bench": target_bench, "draft_benches": named_paths(draft_bench, "--draft-bench"),
              "llama_cpp_bin": llama_cpp_bin}
-    source = resolve_source(prompts, held_out=True)
-    examples = source.load()
+    chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
+    source, examples = chosen.sources[0], chosen.examples
     check_out(out, overwrite=overwrite)
     resolve_with_progress(target, "--target")
     for ref in drafts:

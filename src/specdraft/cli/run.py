@@ -9,6 +9,8 @@ import typer
 
 from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
+    HELD_OUT_NOTE,
+    TRAINING_NOTE,
     HeadTokensOpt,
     OverwriteOpt,
     QuantOpt,
@@ -24,14 +26,14 @@ from specdraft.config import ExportDtype, GammaPolicy, GgufType, PresetName
 def run(
     target: str | None = target_option(None),
     draft: str | None = draft_option(None),
-    train_prompts: list[str] | None = prompts_option(None, "Training prompts", " Default: the preset's.",
-                                                     flag="--train-prompts"),
+    train_prompts: list[str] | None = prompts_option(None, "Training prompts", TRAINING_NOTE + " Default: the "
+                                                     "preset's.", flag="--train-prompts"),
     eval_prompts: list[str] | None = prompts_option(
-        None, "Held-out evaluation prompts (the headline acceptance gain)", " Default: the preset's.",
+        None, "Held-out evaluation prompts (the headline acceptance gain)", HELD_OUT_NOTE + " Default: the preset's.",
         flag="--eval-prompts"),
     ood_prompts: list[str] | None = prompts_option(
         None, "A second held-out set, reported separately (another domain, which must not get worse)",
-        " Default: the preset's.", flag="--ood-prompts"),
+        HELD_OUT_NOTE + " Default: the preset's.", flag="--ood-prompts"),
     out: Path = out_option(Path("runs/default"), "Run directory; a re-run resumes, skipping finished stages."),
     preset: Annotated[PresetName, typer.Option(help="default (the whole road: SmolLM2-135M, another tokenizer, "
                                                      "mapped, re-indexed, distilled; a 2-core CPU), same-family (the "
@@ -61,7 +63,7 @@ def run(
 
     check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
     report; a re-run resumes, skipping finished stages."""
-    from specdraft.pipeline import load_sources, make_config, run_pipeline
+    from specdraft.pipeline import make_config, run_pipeline, run_prompts
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       ood_prompts=ood_prompts, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap,
@@ -70,11 +72,14 @@ def run(
                             "gamma_policy": gamma_policy})
     check_out(out, overwrite=None)  # resumable: finished stages are skipped, --overwrite redoes a changed one
     console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
-    load_sources(cfg.train_prompts + cfg.eval_prompts + cfg.ood_prompts)  # bad data fails before any model work
+    chosen = run_prompts(cfg)  # every line checked, and what will run said, before any model work
+    for line in (line for s in chosen.values() for line in s.lines()):
+        console.print(line, highlight=False, markup=False, emoji=False, soft_wrap=True)  # one line, as written
     for ref, flag in ((cfg.target, "--target"), (cfg.draft, "--draft")):
         resolve_with_progress(ref, flag)
     with library_warnings_off():  # the run's page is specdraft's answers, not transformers' or torch's notices
         report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False),
-                              overwrite=overwrite)
+                              overwrite=overwrite, train_examples=chosen["train"].examples,
+                              eval_examples=chosen["eval"].examples, ood_examples=chosen["ood"].examples)
     print_run(report, out, cfg.target, cfg.draft)
 

@@ -11,8 +11,10 @@ from typing import Annotated, Literal
 
 import typer
 
-from specdraft.cli.errors import check_out, fail
+from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
+    HELD_OUT_NOTE,
+    TRAINING_NOTE,
     GammaOpt,
     OverwriteOpt,
     config_option,
@@ -20,6 +22,7 @@ from specdraft.cli.options import (
     dtype_option,
     out_option,
     prompts_option,
+    read_prompts,
     sampling_options,
     seed_option,
     target_option,
@@ -55,8 +58,7 @@ HEADROOM_DATA = ["sharegpt:6000:32"]
 def headroom(
     target: str = target_option(),
     draft: str = draft_option(),
-    prompts: list[str] = prompts_option(HEADROOM_DATA, "Prompts whose replies are teacher-forced",
-                                        " (default: held-out ShareGPT turns)."),
+    prompts: list[str] = prompts_option(HEADROOM_DATA, "Prompts whose replies are teacher-forced", HELD_OUT_NOTE),
     generate: Annotated[int | None, typer.Option(help="The target answers each prompt with up to N greedy tokens and "
                                                     "the forecast runs on its answers (what decoding verifies); "
                                                     "default: the existing replies (one prefill each).")] = None,
@@ -75,11 +77,10 @@ def headroom(
     (specdraft.headroom)."""
     from specdraft.headroom import run_headroom
     from specdraft.io import atomic_write_text
-    from specdraft.prompts import load_prompts
 
     config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
                             batch_size=batch_size, dtype=dtype)
-    examples = load_prompts(prompts)
+    examples = read_prompts(prompts, held_out=True).examples
     check_out(out, file=True, overwrite=overwrite)
     quiet_transformers()
     with console.status(f"forecasting over {len(examples)} sequences…"):
@@ -93,8 +94,8 @@ def dump(
     out: Path = out_option(..., "Output directory: new, empty, or an unfinished or finished dump of the same plan "
                            "(resumed / verified)."),
     target: str = target_option(),
-    prompts: str = prompts_option("conversations", "Sequences to dump", " (no stride: a dump keeps every example "
-                                  "of its range)."),
+    prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump keeps every "
+                                  "example of its range (no stride).", strides=False),
     format: Annotated[DumpFormat, typer.Option("--format", help="hidden: final hidden states after the final "
                                                "norm (exact); topk: top-k log-probs + leftover mass.")] = "hidden",
     top_k: Annotated[int, typer.Option(help="Log-probs kept per position (--format topk).")] = 64,
@@ -129,18 +130,16 @@ def dump(
 
     from specdraft.cli.errors import err_console
     from specdraft.dump import run_dump
-    from specdraft.prompts import resolve_source
+    from specdraft.prompts import parse_source
 
-    source = resolve_source(prompts)
-    if source.stride != 1:
-        fail(f"--prompts {prompts}: a dump keeps every example of its range; give name[:offset[:limit]]")
+    source = parse_source(prompts, strides=False)
     config = DumpConfig(format=format, top_k=top_k, hidden_dtype=hidden_dtype, max_length=max_length,
                         truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
                         seed=seed, num_examples=source.limit, offset=source.offset, batch_size=batch_size,
                         shard_size_mb=shard_size_mb, dtype=dtype)
     quiet_transformers()
     t0 = time.time()
-    source.load()  # every line checked before a model is prepared
+    read_prompts(prompts, strides=False)  # every line checked, and what will run said, before any model loads
     check_out(out, overwrite=None)  # resumable: an unfinished or finished dump of the same plan is continued
     resolve_with_progress(target, "--target")
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
@@ -232,10 +231,9 @@ def vocab_swap(
     to 152k rows for Qwen); distil it next (specdraft run --draft OUT). With --prompts, the swap diagnostic: the
     share of reply tokens without a draft twin and the swapped draft's argmax disagreements by kind
     (specdraft.segmentation)."""
-    from specdraft.prompts import load_prompts
     from specdraft.vocab import save_vocab_swap
 
-    examples = load_prompts(prompts) if prompts else None
+    examples = read_prompts(prompts).examples if prompts else None
     check_out(out, overwrite=overwrite)
     tpath, dpath = resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("re-indexing the draft's rows…"):
