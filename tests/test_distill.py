@@ -854,3 +854,37 @@ def test_row_lr_trains_the_rows_in_their_own_group_and_untie_head_lets_the_head_
     # Both rows moved, apart: the head is no longer the embedding (untied), and each left its start.
     assert not torch.equal(head, emb)
     assert not torch.equal(emb.detach(), emb0) and not torch.equal(head.detach(), emb0)
+
+
+def test_last_layers_also_trains_the_final_norm_of_every_architecture_it_accepts():
+    """The final norm normalises the last layer's output for the head; it sits at model.norm (Llama, Qwen2,
+    Mistral, Gemma), transformer.ln_f (GPT-2) or model.decoder.final_layer_norm (OPT)."""
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from specdraft.distill import select_trainable
+    from specdraft.testing import tiny_config
+
+    archs = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3", "gpt2", "opt"]
+    cfg = DistillConfig(train="last_layers", train_last_layers=1)
+    for arch in archs:
+        if arch == "opt":
+            conf = OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, ffn_dim=64,
+                             word_embed_proj_dim=32, max_position_embeddings=64)
+        else:
+            conf = tiny_config(arch, V, layers=3)
+        draft, n = select_trainable(AutoModelForCausalLM.from_config(conf), cfg)
+        trained = {k for k, p in draft.named_parameters() if p.requires_grad}
+        norm = {"gpt2": "transformer.ln_f.", "opt": "model.decoder.final_layer_norm."}.get(arch, "model.norm.")
+        last = {"gpt2": "transformer.h.2.", "opt": "model.decoder.layers.2."}.get(arch, "model.layers.2.")
+        assert any(k.startswith(norm) for k in trained), arch
+        assert all(k.startswith((norm, last)) for k in trained), (arch, sorted(trained))
+        assert n == sum(p.numel() for k, p in draft.named_parameters() if k in trained)
+
+
+def test_last_layers_refuses_a_draft_whose_final_norm_it_cannot_find():
+    from specdraft.distill import select_trainable
+
+    draft = tiny_model("llama", V, layers=2)
+    del draft.model.norm
+    with pytest.raises(DistillError, match=r"final norm of LlamaForCausalLM.*--train all or lora"):
+        select_trainable(draft, DistillConfig(train="last_layers"))

@@ -370,15 +370,12 @@ def select_trainable(draft, config: DistillConfig):
         draft = get_peft_model(draft, LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r,
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     elif config.train == "last_layers":
+        stack, layers = _decoder_layers(draft)
+        norm = _final_norm(stack, draft)
         for p in draft.parameters():
             p.requires_grad_(False)
-        layers = _decoder_layers(draft)
-        for layer in layers[-config.train_last_layers:]:
-            for p in layer.parameters():
-                p.requires_grad_(True)
-        norm = getattr(getattr(draft, "model", draft), "norm", None)
-        if norm is not None:
-            for p in norm.parameters():
+        for module in (*layers[-config.train_last_layers:], norm):
+            for p in module.parameters():
                 p.requires_grad_(True)
     return draft, sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
@@ -390,16 +387,45 @@ def row_parameter_ids(draft) -> set[int]:
     return {id(m.weight) for m in mods if m is not None and getattr(m, "weight", None) is not None}
 
 
-def _decoder_layers(model):
-    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+#: Where a causal LM keeps its decoder stack (the module holding the layer list, then the list's name): Llama,
+#: Qwen2, Mistral and Gemma ``model.layers``; GPT-2 ``transformer.h``; OPT ``model.decoder.layers``.
+DECODER_STACKS = (("model", "layers"), ("transformer", "h"), ("model.decoder", "layers"))
+#: The final norm's name in that stack module (Llama-style ``norm``, GPT-2 ``ln_f``, OPT ``final_layer_norm``): it
+#: normalises the last layer's output for the head, so training the last layers without it leaves the head reading
+#: states scaled as before.
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm")
+
+
+def _decoder_layers(model) -> tuple[nn.Module, list[nn.Module]]:
+    """The module holding ``model``'s decoder layers (one of :data:`DECODER_STACKS`) and the layers in order.
+
+    Raises:
+        DistillError: none of the known paths holds them (named, with what to train instead).
+    """
+    for path, name in DECODER_STACKS:
         obj = model
         try:
             for part in path.split("."):
                 obj = getattr(obj, part)
-            return list(obj)
+            return obj, list(getattr(obj, name))
         except AttributeError:
             continue
-    raise DistillError(f"cannot find the decoder layers of {type(model).__name__} for train=last_layers")
+    raise DistillError(f"cannot find the decoder layers of {type(model).__name__} for train=last_layers (looked "
+                       f"for {', '.join(f'{p}.{n}' for p, n in DECODER_STACKS)}); train it with --train all or lora")
+
+
+def _final_norm(stack: nn.Module, model) -> nn.Module:
+    """The final norm of a decoder ``stack`` (one of :data:`FINAL_NORMS`), which train=last_layers trains too.
+
+    Raises:
+        DistillError: the stack holds none (named): training the last layers alone would leave it silently frozen.
+    """
+    for name in FINAL_NORMS:
+        norm = getattr(stack, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise DistillError(f"cannot find the final norm of {type(model).__name__} for train=last_layers (looked for "
+                       f"{', '.join(FINAL_NORMS)} beside its decoder layers); train it with --train all or lora")
 
 
 def _make_trainer_class():
