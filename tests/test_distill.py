@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from typing import get_args
 
 import pytest
 import torch
 
-from specdraft.config import DistillConfig
+from specdraft.config import DistillConfig, TrainWhat
 from specdraft.distill import DistillError, DistillModel, train
 from specdraft.distill_data import collate
 from specdraft.testing import perturbed, tiny_model
@@ -854,6 +855,36 @@ def test_row_lr_trains_the_rows_in_their_own_group_and_untie_head_lets_the_head_
     # Both rows moved, apart: the head is no longer the embedding (untied), and each left its start.
     assert not torch.equal(head, emb)
     assert not torch.equal(emb.detach(), emb0) and not torch.equal(head.detach(), emb0)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [(m, "float32") for m in get_args(TrainWhat)])
+def test_every_training_mode_interrupted_and_resumed_ends_with_the_weights_of_an_uninterrupted_run(
+        setup, tmp_path, mode, dtype):
+    """Each --train mode checkpoints what it trains (LoRA: its adapters alone) and resumes from it: two steps, a
+    stop, two more from checkpoint-2 give the weights four steps in one go give (same seed, sampler and RNG state
+    restored by the Trainer; same CPU arithmetic, so equal to float32 rounding)."""
+    target, rows = setup  # train=lora needs peft: in the dev extra, so CI runs this rather than skips it
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=4, batch_size=2, save_steps=2, scheduler="constant", seed=0,
+                        train=mode, train_last_layers=1, lora_r=2, dtype=dtype)
+
+    def draft():
+        return perturbed(target, 0.15).to(getattr(torch, dtype))
+
+    whole = train(draft(), target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path / "whole")
+    first = train(draft(), target.lm_head.weight, None, V, rows[:4], None, cfg.model_copy(update={"max_steps": 2}),
+                  tmp_path / "split")
+    assert first["steps"] == 2
+    resumed = train(draft(), target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path / "split")
+    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
+    want, got, start = _weights(whole["draft"]), _weights(resumed["draft"]), _weights(draft())
+    assert set(got) == set(want) == set(start)
+    assert any(not torch.equal(want[k], start[k]) for k in want)  # four steps moved the weights…
+    for k in want:  # …and the resumed run moved them to the same place
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
 def test_last_layers_also_trains_the_final_norm_of_every_architecture_it_accepts():

@@ -560,15 +560,41 @@ def _make_trainer_class():
             draft.save_pretrained(output_dir, is_main_process=self.args.should_save)
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            """Load what :meth:`_save` wrote: a LoRA draft's adapters (``adapter_model.safetensors``), else the
+            whole draft. A checkpoint missing a weight stops the resume rather than restart that weight at random."""
             from specdraft.models import load_causal_lm
 
             draft = self.accelerator.unwrap_model(model or self.model).draft
-            # A checkpoint missing a weight must stop the resume, not restart that weight at random.
+            if hasattr(draft, "peft_config"):  # a peft model saves its adapters alone
+                _load_adapters(draft, Path(resume_from_checkpoint))
+                return
             loaded, _ = load_causal_lm(resume_from_checkpoint, dtype=next(draft.parameters()).dtype, cls=type(draft))
             draft.load_state_dict(loaded.state_dict(), strict=False)
             del loaded
 
     return DistillTrainer
+
+
+def _load_adapters(draft, checkpoint: Path) -> None:
+    """Load the LoRA adapters a checkpoint of ``draft`` (a peft model) holds into it.
+
+    Raises:
+        DistillError: the checkpoint holds no adapters (a whole-model checkpoint: another --train), or lacks some
+            of the draft's (another --lora-r or set of target modules), named with how to start over.
+    """
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = checkpoint / "adapter_model.safetensors"
+    if not path.is_file():
+        raise DistillError(f"{checkpoint} holds no LoRA adapters ({path.name}) to resume train=lora from; pass "
+                           "--no-resume to start over, or choose a new --out")
+    saved = load_file(str(path))
+    missing = sorted(set(get_peft_model_state_dict(draft)) - set(saved))
+    if missing:
+        raise DistillError(f"{path} lacks {len(missing)} of the draft's adapter weights ({', '.join(missing[:3])}"
+                           f"{' …' if len(missing) > 3 else ''}); pass --no-resume to start over")
+    set_peft_model_state_dict(draft, saved)
 
 
 def learning_curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
