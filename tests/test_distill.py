@@ -250,8 +250,10 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
     assert (spec_dir / "training.json").is_file()
-    split = json.loads((tmp_path / "out" / "training.json").read_text())["metrics"]["held_out_split"]
+    on_disk = json.loads((tmp_path / "out" / "training.json").read_text())["metrics"]
+    split = on_disk["held_out_split"]
     assert split["keyed_by"] == "prompt" and split["train_held_overlap"] == 0  # the split is counted on disk
+    assert 0 < on_disk["moved_fraction"] <= 1  # what share of the trainable weights training changed
     reloaded = AutoModelForCausalLM.from_pretrained(spec_dir).eval()
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -861,12 +863,14 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(("mode", "dtype"), [(m, "float32") for m in get_args(TrainWhat)])
+@pytest.mark.parametrize(("mode", "dtype"), [(m, "float32") for m in get_args(TrainWhat)]
+                         + [("last_layers", "bfloat16")])
 def test_every_training_mode_interrupted_and_resumed_ends_with_the_weights_of_an_uninterrupted_run(
         setup, tmp_path, mode, dtype):
-    """Each --train mode checkpoints what it trains (LoRA: its adapters alone) and resumes from it: two steps, a
-    stop, two more from checkpoint-2 give the weights four steps in one go give (same seed, sampler and RNG state
-    restored by the Trainer; same CPU arithmetic, so equal to float32 rounding)."""
+    """Each --train mode checkpoints what it trains (LoRA: its adapters alone; bfloat16 weights: float32 master
+    weights beside the frozen bfloat16 ones) and resumes from it: two steps, a stop, two more from checkpoint-2 give
+    the weights four steps in one go give (same seed, sampler and RNG state restored by the Trainer; same CPU
+    arithmetic, so equal to float32 rounding)."""
     target, rows = setup  # train=lora needs peft: in the dev extra, so CI runs this rather than skips it
     cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=4, batch_size=2, save_steps=2, scheduler="constant", seed=0,
                         train=mode, train_last_layers=1, lora_r=2, dtype=dtype)
@@ -885,6 +889,25 @@ def test_every_training_mode_interrupted_and_resumed_ends_with_the_weights_of_an
     assert any(not torch.equal(want[k], start[k]) for k in want)  # four steps moved the weights…
     for k in want:  # …and the resumed run moved them to the same place
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_bfloat16_weights_train_on_float32_master_weights_so_norms_move_at_a_small_lr(setup, tmp_path):
+    """A draft loaded in bfloat16: AdamW stepping its bfloat16 parameters rounds an lr-sized update (1e-5) away
+    below half a unit in the last place (~0.002 near 1), so norm weights near 1 never moved. Float32 master weights
+    keep every update; moved_fraction says what share of the trainable weights changed (embedding rows of tokens
+    the batches never hold have no gradient and stay put, hence not all)."""
+    target, rows = setup
+    draft = perturbed(target, 0.15).to(torch.bfloat16)
+    norms = {n: p.detach().float().clone() for n, p in draft.named_parameters() if "norm" in n}
+    cfg = DistillConfig(loss="tvd", lr=1e-5, max_steps=3, batch_size=2, save_steps=100, scheduler="constant",
+                        seed=0, dtype="bfloat16")
+    res = train(draft, target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path)
+    params = dict(res["draft"].named_parameters())
+    still = [n for n, v in norms.items() if torch.equal(params[n].detach().float(), v)]
+    assert norms and still == []
+    assert res["precision"] == "bf16-autocast" and "master weights" in res["precision_reason"]
+    assert {p.dtype for p in res["draft"].parameters()} == {torch.float32}  # train=all: every weight is trained
+    assert 0.5 < res["moved_fraction"] < 1
 
 
 def test_last_layers_also_trains_the_final_norm_of_every_architecture_it_accepts():

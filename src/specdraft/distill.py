@@ -22,7 +22,10 @@ head over the whole vocabulary first) in bfloat16, native on CPUs with AMX-bf16 
 (:data:`BF16_CPU_FLAGS`) — while the weights, their gradients and AdamW's state stay float32 (master weights:
 autocast casts a weight per op, the gradient lands on the float32 parameter). The teacher and the loss are outside
 autocast: p is computed as the target computed it, and the softmax over the vocabulary stays float32. ``auto``
-chooses by hardware.
+chooses by hardware. A draft of bfloat16 weights (``dtype`` bfloat16) trains the same way: its trained parameters
+get float32 master weights (:func:`master_weights`; AdamW stepping bfloat16 itself rounds small updates away) and its
+forward runs under that autocast, while frozen weights stay bfloat16. ``training.json`` records ``moved_fraction``,
+the share of trainable weights whose value changed (:func:`moved_fraction`).
 
 **Learning curve**: with ``eval_steps`` the held-out set is scored every N steps (teacher-forced, no decoding;
 α = Σ min(p̃, q̃) under the serving filter); :func:`learning_curve` reads the points from the training log.
@@ -380,6 +383,39 @@ def select_trainable(draft, config: DistillConfig):
     return draft, sum(p.numel() for p in draft.parameters() if p.requires_grad)
 
 
+def master_weights(draft) -> bool:
+    """Give the draft's trained parameters of a reduced-precision dtype float32 master weights, in place; True when
+    the draft holds weights of such a dtype (a draft loaded in bfloat16: ``DistillConfig.dtype``), trained or not:
+    its forward then needs bfloat16 autocast to mix them with float32 ones.
+
+    AdamW's step on a bfloat16 parameter is rounded to its 8 significand bits: an update below half a unit in the
+    last place (~0.002 at 1.0) is lost, so norm weights near 1 never move and a small learning rate barely moves
+    anything. Held in float32, updates accumulate; the forward still computes in bfloat16 (:class:`DistillModel`'s
+    autocast, which :func:`train` turns on), and frozen parameters stay in bfloat16, as loaded.
+    """
+    low = [p for p in draft.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+    for p in low:
+        if p.requires_grad:
+            p.data = p.data.float()
+    return bool(low)
+
+
+def trainable_snapshot(draft) -> dict[str, torch.Tensor]:
+    """The trainable parameters' values by name, copied to the CPU in their own dtype (for :func:`moved_fraction`)."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in draft.named_parameters() if p.requires_grad}
+
+
+def moved_fraction(draft, start: dict[str, torch.Tensor]) -> float:
+    """Share of the trainable parameter elements (those of ``start``, a :func:`trainable_snapshot`) whose value in
+    ``draft`` differs from ``start``: 0 when training changed nothing (an update rounded away, a frozen module),
+    near 1 when every trained weight moved. Elements whose gradient was always 0 (embedding rows of tokens never
+    seen) stay put and count as unmoved. 0.0 with nothing trainable."""
+    params = dict(draft.named_parameters())
+    moved = sum(int((params[n].detach().float().cpu() != v.float()).sum()) for n, v in start.items())
+    total = sum(v.numel() for v in start.values())
+    return moved / total if total else 0.0
+
+
 def row_parameter_ids(draft) -> set[int]:
     """``id()`` of the draft's input-embedding and output-head weights (one id when they are tied): the rows that
     ``DistillConfig.row_lr`` trains at their own learning rate."""
@@ -568,7 +604,10 @@ def _make_trainer_class():
             if hasattr(draft, "peft_config"):  # a peft model saves its adapters alone
                 _load_adapters(draft, Path(resume_from_checkpoint))
                 return
-            loaded, _ = load_causal_lm(resume_from_checkpoint, dtype=next(draft.parameters()).dtype, cls=type(draft))
+            # Float32 when the draft holds any (master weights beside bfloat16 ones): each copies back losslessly.
+            dtypes = {p.dtype for p in draft.parameters()}
+            dtype = torch.float32 if torch.float32 in dtypes else next(iter(dtypes))
+            loaded, _ = load_causal_lm(resume_from_checkpoint, dtype=dtype, cls=type(draft))
             draft.load_state_dict(loaded.state_dict(), strict=False)
             del loaded
 
@@ -693,11 +732,13 @@ def train(
     deletes them and starts over.
 
     Returns:
-        ``{"trainable_parameters", "steps", "history": [log dicts], "eval_before", "eval_after", "curve",
-        "processes", "precision", "precision_reason", "seconds", "resumed_from", "draft", "on_policy"}``; ``curve``
-        is :func:`learning_curve` of the history, ``processes`` the data-parallel ranks, ``precision`` what
-        ``config.precision`` resolved to here (:func:`resolve_precision`), ``on_policy`` the writer's counts and
-        seconds plus the steps it wrote at (``None`` for λ = 0).
+        ``{"trainable_parameters", "moved_fraction", "steps", "history": [log dicts], "eval_before", "eval_after",
+        "curve", "processes", "precision", "precision_reason", "seconds", "resumed_from", "draft", "on_policy"}``;
+        ``moved_fraction`` is :func:`moved_fraction` against the draft passed in, ``curve`` :func:`learning_curve` of
+        the history, ``processes`` the data-parallel ranks, ``precision`` what ``config.precision`` resolved to here
+        (:func:`resolve_precision`; ``bf16-autocast`` for a draft of bfloat16 weights, see :func:`master_weights`),
+        ``on_policy`` the writer's counts and seconds plus the steps it wrote at (``None`` for λ = 0). A LoRA
+        draft comes back merged (its adapters folded into the weights).
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -713,6 +754,10 @@ def train(
     draft, n_trainable = select_trainable(draft, config)
     use_cpu = not torch.cuda.is_available()
     precision, precision_reason = resolve_precision(config.precision, "cpu" if use_cpu else "cuda")
+    start = trainable_snapshot(draft)
+    if master_weights(draft):
+        precision, precision_reason = "bf16-autocast", (
+            "dtype bfloat16: the trained parameters keep float32 master weights under a bfloat16 forward")
     model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width,
                          logit_ops=logit_ops, autocast=precision == "bf16-autocast")
     ckpt_dir = Path(output_dir) / "checkpoints"
@@ -737,8 +782,9 @@ def train(
         remove_unused_columns=False,
         report_to=report_to,
         use_cpu=use_cpu,
-        # The Trainer's own bf16 would autocast the teacher too; precision bf16-autocast wraps the draft alone.
-        bf16=config.dtype == "bfloat16" and not use_cpu,
+        # The Trainer's own bf16 would autocast the teacher too (and step bfloat16 parameters in bfloat16):
+        # bfloat16 runs through DistillModel's autocast, which wraps the draft alone, over float32 master weights.
+        bf16=False,
         dataloader_num_workers=0,
         # The teacher head is a (non-persistent) buffer, identical on every rank: DDP's default would
         # broadcast all V×H of it from rank 0 before every forward.
@@ -777,9 +823,11 @@ def train(
         eval_after = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
     # train() starts a fresh TrainerState (or the checkpoint's), dropping the log of the evaluation before it.
     history = ([eval_before | {"step": 0}] if eval_before else []) + list(trainer.state.log_history)
+    moved = moved_fraction(draft, start)
     if config.train == "lora":
         draft = draft.merge_and_unload()
-    return {"trainable_parameters": n_trainable, "steps": trainer.state.global_step, "history": history,
+    return {"trainable_parameters": n_trainable, "moved_fraction": moved, "steps": trainer.state.global_step,
+            "history": history,
             "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
             "processes": args.world_size, "precision": precision, "precision_reason": precision_reason,
             "seconds": time.time() - t0,
@@ -863,6 +911,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     trained = result.pop("draft")
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
+               "moved_fraction": result["moved_fraction"],
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
                "train_sequences": len(train_idx), "held_out_sequences": len(held_idx), "held_out_split": split_counts,
                "processes": result["processes"],
