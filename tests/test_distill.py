@@ -594,6 +594,35 @@ def test_mixed_split_splits_each_dump_and_repeats_by_weight():
         mixed_split([10, 4], [1, 0], 0.25, 0)
 
 
+def test_a_draft_distilled_in_bfloat16_is_exported_in_bfloat16_every_tensor(tmp_path):
+    """Training keeps float32 master weights for the trained parameters only; the export is one dtype, the one the
+    draft was loaded in (a checkpoint half float32, half bfloat16 under a config.json that says bfloat16 otherwise)."""
+    import json
+
+    from safetensors import safe_open
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d e"}]})
+                              for w in "fghijklm") + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=2, batch_size=2, held_out_fraction=0.25,
+                        dtype="bfloat16", train="last_layers", train_last_layers=1)
+    res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg, num_speculative_tokens=3)
+    dtypes = set()
+    for f in res["speculator"].glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            dtypes |= {st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    assert dtypes == {"BF16"} and {p.dtype for p in res["model"].parameters()} == {torch.bfloat16}
+    assert res["metrics"]["moved_fraction"] > 0
+
+
 def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(tmp_path):
     """Teacher-forced and target-written dumps of one target train together (TeacherMix): the training count is
     each dump's training share times its weight, both dumps are recorded, and a dump of another target (another

@@ -892,6 +892,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
         head_w, head_b = head["lm_head.weight"], head.get("lm_head.bias")
     teacher_width = int(manifest["target"]["vocab_width"])
     draft, _ = load_model(draft_ref, dtype=config.dtype, device=device or "cpu")
+    loaded_dtype = next(draft.parameters()).dtype
     widths = (input_width(draft), output_width(draft))
     if beyond := dataset.token_ids_from(min(widths)):  # an IndexError inside the draft at its first batch otherwise
         check_token_ids(torch.tensor(beyond), [("draft", widths)], what=f"the dump's sequences ({dump_dir})")
@@ -908,7 +909,9 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                    teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer,
                    callbacks=callbacks, origin=distill_origin(parts, draft_ref, dump_weights))
     del writer  # frees the target
-    trained = result.pop("draft")
+    # Float32 master weights (master_weights) served their purpose: the export is in the dtype the draft was loaded
+    # in, one dtype for every tensor, as a speculator's config.json records it.
+    trained = result.pop("draft").to(loaded_dtype)
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
                "moved_fraction": result["moved_fraction"],
