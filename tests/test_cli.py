@@ -508,7 +508,7 @@ def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypat
 def test_inspect_refuses_a_checkpoint_of_two_weight_layouts_naming_the_files(tmp_path):
     """A stale model.safetensors beside a sharded index (transformers loads the stale one): inspect said nothing."""
     from specdraft.export import convert
-    from specdraft.speculator import IndependentSpeculator
+    from specdraft.speculator_model import IndependentSpeculator
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     spec = tmp_path / "spec"

@@ -348,7 +348,7 @@ def test_a_mapped_draft_replayed_along_the_target_answer_counts_what_decoding_it
 
 
 def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
-    from specdraft.decode import _text_candidates
+    from specdraft.drafters import _text_candidates
 
     _, _, mapping, t_tok, d_tok = _bpe_pair()
     context = d_tok("def", add_special_tokens=False)["input_ids"]
@@ -379,13 +379,13 @@ def test_a_drafter_takes_its_uniforms_and_returns_its_prompt_reading_time_in_the
     """The loop wrote the round's uniforms on the drafter (drafter.u) before each round and read and reset
     drafter.prefill_seconds after it; now the uniforms are propose's argument and the seconds come back in the
     Proposal: a mapped draft's first read (its prompt) is prefill, later reads are drafting."""
-    from specdraft.decode import MappedDrafter, _Row
+    from specdraft.drafters import MappedDrafter, Row
 
     _, draft, mapping, t_tok, _ = _bpe_pair()
     prompt = t_tok("def total(items):\n", add_special_tokens=False)["input_ids"]
     drafter = MappedDrafter(draft, mapping, "tokens", 1, 300, 300, torch.device("cpu"),
                             SamplingConfig(temperature=1.0), None, None)
-    cur, rows = torch.tensor([prompt[-1]]), [_Row(0, prompt)]
+    cur, rows = torch.tensor([prompt[-1]]), [Row(0, prompt)]
     low = drafter.propose(cur, rows, [3], torch.zeros(1, 7, dtype=torch.float64))
     assert low.prefill_seconds > 0 and drafter.prefill_calls == 1
     high = drafter.propose(cur, rows, [3], torch.full((1, 7), 1 - 1e-9, dtype=torch.float64))
@@ -412,9 +412,9 @@ def test_mapped_draft_never_proposes_tokens_without_a_twin():
     # The target emits such tokens (as corrections and bonus tokens); the output is still the target's.
     assert any(t in set(no_twin.tolist()) for t in spec[0])
     # Check the draft side directly: mapped q gives those ids zero probability.
-    from specdraft.decode import _Stream
+    from specdraft.drafters import Stream
 
-    s = _Stream(draft, 1, 300, 300, torch.device("cpu"), mapping)
+    s = Stream(draft, 1, 300, 300, torch.device("cpu"), mapping)
     d_ids = mapping.reencode_batch_for_draft([ids[0].tolist()])[0]
     q = s.forward(torch.tensor([d_ids]), torch.ones(1, len(d_ids), dtype=torch.long)).softmax(-1)
     assert q[..., no_twin].sum() == 0 and torch.allclose(q.sum(-1), torch.ones(1, len(d_ids)))
@@ -785,7 +785,7 @@ def test_oracle_text_drafter_on_a_sentencepiece_target_is_accepted_whole(monkeyp
     target's own continuation as text (in the draft's byte-level tokens) must then be accepted whole; encoded alone,
     a sentencepiece target's fragment would open with a dummy-prefix '▁' and mid-word continuations would reject."""
     from specdraft import decode
-    from specdraft.decode import MappedDrafter
+    from specdraft.drafters import MappedDrafter
     from specdraft.testing import tiny_bpe_tokenizer, tiny_corpus, tiny_llama_tokenizer
     from specdraft.vocab import build_vocab_mapping
 
@@ -821,7 +821,7 @@ def test_oracle_text_drafter_on_a_sentencepiece_target_is_accepted_whole(monkeyp
 
 
 def test_text_candidates_continue_a_word_without_a_dummy_prefix_piece():
-    from specdraft.decode import _text_candidates
+    from specdraft.drafters import _text_candidates
     from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer
 
     t_tok, d_tok = tiny_llama_tokenizer(400), tiny_bpe_tokenizer(360, seed=1)

@@ -526,7 +526,7 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
     """The certificate runs the product's own decode loop with its verifier broken two ways — every draft accepted;
     acceptance and residual computed from the draft's unfiltered q while it drew from the filtered one — and fails
     both at the CLI's draw count; the real verifier passes, and every draw went through a proposal."""
-    from specdraft import decode
+    from specdraft import decode, drafters
     from specdraft.evaluate import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
@@ -558,7 +558,7 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
     assert not broken["passed"] and not broken["valid"] and "no proposal was rejected" in broken["invalid_reason"]
     assert broken["p_value"] < 1e-3  # and the law is wrong, not only the evidence missing
     monkeypatch.undo()
-    monkeypatch.setattr(decode, "_verification_q", unfiltered_q)
+    monkeypatch.setattr(drafters, "_verification_q", unfiltered_q)
     raw = certify()
     assert raw["valid"] and raw["rejections"] > 0 and raw["p_value"] < 1e-3 and not raw["passed"]
     monkeypatch.undo()

@@ -150,7 +150,7 @@ def test_embedded_verifier_records_hub_id_and_is_served_from_the_cache(tmp_path,
         assert serve.target == str(cached)
         assert any("dequantised Q4_K_M GGUF build of " + hub in n for n in serve.notes)
     # The record reads back: from_pretrained opens the embedded build for the recorded hub id.
-    from specdraft.speculator import IndependentSpeculator
+    from specdraft.speculator_model import IndependentSpeculator
 
     spec = IndependentSpeculator.from_pretrained(tmp_path / "spec", verifier_mode="full")
     assert spec.verifier is not None and spec.speculator_config.verifier.name_or_path == hub  # still portable

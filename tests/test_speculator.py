@@ -26,7 +26,6 @@ from specdraft.speculator import (
     MISSING,
     NUM_SPECULATIVE_TOKENS,
     SPECULATOR_KEYS,
-    IndependentSpeculator,
     IndependentSpeculatorConfig,
     NotASpeculatorError,
     SpeculatorError,
@@ -34,6 +33,7 @@ from specdraft.speculator import (
     config_diff,
     load_speculator_config,
 )
+from specdraft.speculator_model import IndependentSpeculator
 from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma"]

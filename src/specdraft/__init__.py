@@ -54,7 +54,7 @@ _EXPORTS = {
     "convert": "specdraft.export",  # export_draft's old name
     "run_check": "specdraft.check",
     "run_distill": "specdraft.distill",
-    "IndependentSpeculator": "specdraft.speculator",
+    "IndependentSpeculator": "specdraft.speculator_model",
     "IndependentSpeculatorConfig": "specdraft.speculator",
     "load_speculator_config": "specdraft.speculator",
     "run_pipeline": "specdraft.pipeline",

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from specdraft.config import EvalConfig
-from specdraft.decode import _Stream, check_decode_context
+from specdraft.decode import check_decode_context
 from specdraft.draft_model import describe_draft
+from specdraft.drafters import Stream
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
 
@@ -31,7 +32,7 @@ def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: 
                  last_only: bool = False) -> tuple[dict[int, float], float]:
     """Wall-clock cost of one forward pass over k new tokens after reading ``context``, batch 1, for each k.
 
-    The pass runs as decoding runs it (:class:`~specdraft.decode._Stream`: the same cache, masks and logits); the
+    The pass runs as decoding runs it (:class:`~specdraft.drafters.Stream`: the same cache, masks and logits); the
     k new tokens are rolled back after each pass, so every pass sees the same ``len(context)`` cached tokens. The
     widths are interleaved within each repeat, so machine noise hits them alike.
 
@@ -48,7 +49,7 @@ def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: 
     """
     device = next(model.parameters()).device
     width = output_width(model)
-    stream = _Stream(model, 1, width, width, device)
+    stream = Stream(model, 1, width, width, device)
     ids = torch.tensor([list(context)], device=device)
     prefill = []
     for _ in range(2):

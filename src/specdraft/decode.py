@@ -37,9 +37,11 @@ so this is lossless; sampled decoding needs a q over target ids and always uses 
 draft whose context re-encodes to nothing (its tokenizer cannot spell the prompt and adds no BOS) proposes nothing:
 the target decodes alone until the draft has context — never a stand-in id.
 
-The draft side is a *drafter* (:class:`Drafter`: ``propose`` then ``commit``), one for a draft that shares the
-target's tokenizer (:class:`SameTokenizerDrafter`) and one for a draft of another tokenizer
-(:class:`MappedDrafter`); the loop in :func:`speculative_generate` reads propose → verify → accept → roll back.
+The draft side is a *drafter* (:mod:`specdraft.drafters`: :class:`~specdraft.drafters.Drafter`, ``propose``
+then ``commit``), one for a draft that shares the target's tokenizer
+(:class:`~specdraft.drafters.SameTokenizerDrafter`) and one for a draft of another tokenizer
+(:class:`~specdraft.drafters.MappedDrafter`); this module holds verification and the loop,
+:func:`speculative_generate`, which reads propose → verify → accept → roll back.
 Each row drafts its own k per round (rows proposing fewer are right-padded and verified as a round of k drafts):
 γ, or with a measured :class:`~specdraft.speed.SpeedModel` the k its running acceptance predicts fastest — none
 while no k predicts a gain (:class:`~specdraft.speed.AdaptiveGamma`) — and never more than the row can still emit
@@ -51,10 +53,6 @@ Caches: every layer keeps every position (no sliding-window eviction), so rollin
 sliding-window model still attends only within its window (transformers builds that mask from the config). Holes
 would widen a window measured in cache positions, so a batch of several rows with a sliding-window model is
 refused (decode its rows one at a time).
-
-**Size.** One module past the house's ~800 lines, on purpose: the round's four steps, verification, the drafters
-and the target-only baseline are one algorithm whose lossless guarantee is read in one place (gpt-fast's
-``generate.py`` keeps its loop, drafting and verification together for the same reason).
 """
 
 from __future__ import annotations
@@ -62,28 +60,31 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import NUM_SPECULATIVE_TOKENS, SamplingConfig
+from specdraft.drafters import (
+    DecodeError,
+    MappedDrafter,
+    Proposal,
+    Row,
+    RowDraws,
+    SameTokenizerDrafter,
+    Stream,
+    proposal_mode,
+)
 from specdraft.sampling import (
     ContextWindowError,
-    align_logits,
     check_context,
     check_token_ids,
-    context_window,
     filter_logits,
     input_width,
     output_width,
     sample,
 )
 from specdraft.speed import AdaptiveGamma, SpeedModel
-
-
-class DecodeError(ValueError):
-    """Bad decoding input (context too long, incompatible vocabularies, bad settings)."""
 
 
 class NonFiniteError(DecodeError):
@@ -177,128 +178,7 @@ def verify_sampled(
     return n, nxt
 
 
-def _verification_q(logits: torch.Tensor, q: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """The q verification divides by: exactly the filtered q the draft token was drawn from (Theorem 3.5 holds for
-    that q only). A function of its own so that a negative control can put a wrong q here (the draft's unfiltered
-    softmax) and show that :func:`specdraft.evaluate.certify_sampling` fails it; decoding never replaces it."""
-    return q
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64's finaliser, folded over the values): distinct keys, unrelated seeds."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF
-
-
-class RowDraws:
-    """Each row's own random stream in sampled decoding: row j of a call draws from seed ``s + j``, where ``s`` is
-    drawn once per call from the caller's generator (so a reused generator still gives new draws each call).
-
-    A row's round is keyed by its seed and its length so far: ``u(rows)`` is ``[b, 2γ+1] float64`` — columns
-    ``0..γ−1`` the draft's draws at steps 1..γ, ``γ..2γ−1`` the acceptance tests, ``2γ`` the correction or bonus
-    token. Nothing a row draws depends on the other rows, on how many steps the batch drafts or on the batch's
-    order, so a row's tokens do not change when another row joins its batch (up to the float rounding of a batched
-    forward); a batch-wide ``draft_confidence_threshold`` stop is the one exception (it changes what is proposed).
-
-    A row's tokens do follow its own k per round, whatever the keying: where it drafted, a token is an accepted
-    draft or a residual draw (a function of q and p), where it did not (the bonus after k accepted drafts, a round of
-    none) a plain draw from p, and no choice of uniforms makes those one function. So one seed gives one answer only
-    for one k sequence: adaptive γ takes it from the speed model and the row's acceptance so far, never from live
-    timings (:meth:`specdraft.pair.Generation.seed_note` says when a rerun reads another speed model).
-    """
-
-    def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):
-        gen_device = generator.device if generator is not None else "cpu"
-        base = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device))
-        self.seeds = [base + j for j in range(batch)]
-        self.width, self.device = 2 * gamma + 1, device
-
-    def u(self, rows: list[_Row]) -> torch.Tensor:
-        out = torch.empty(len(rows), self.width, dtype=torch.float64, device=self.device)
-        for j, r in enumerate(rows):
-            g = torch.Generator(device=self.device).manual_seed(_mix(self.seeds[r.index], len(r.tokens)))
-            out[j] = torch.rand(self.width, generator=g, dtype=torch.float64, device=self.device)
-        return out
-
-
-# ------------------------------------------------------------------------------------ per-model state
-
-
-class _Stream:
-    """A model plus its KV cache and the mask of real (1) vs padding/hole (0) cache positions."""
-
-    def __init__(self, model, batch: int, width: int, real_vocab: int, device, mapping=None):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.mapping = mapping  # VocabMapping: the model speaks another tokenizer; logits are mapped to target ids
-        # No config: every layer is a full DynamicLayer. With the config, sliding-window layers evict old positions
-        # and cannot crop back across the window (RuntimeError in DynamicCache.crop); the window itself is applied
-        # by the attention mask, which transformers builds from model.config.sliding_window.
-        self.cache = DynamicCache()
-        self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, L]
-        self.n_real = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
-        self.width = width
-        self.real_vocab = real_vocab
-        self.calls = 0
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-    @torch.no_grad()
-    def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Feed ``ids [B, w]`` (``chunk_mask`` 0 = hole) and return logits ``[B, w', V_target]`` float."""
-        pos = (self.n_real[:, None] + chunk_mask.cumsum(dim=1) - 1).clamp(min=0)
-        attn = torch.cat([self.mask, chunk_mask], dim=1)
-        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=self.cache,
-                         use_cache=True, **kwargs)
-        self.mask = attn
-        self.n_real = self.n_real + chunk_mask.sum(dim=1)
-        self.calls += 1
-        logits = out.logits if self.mapping is None else self.mapping.map_draft_logits(out.logits)
-        # Padding rows (ids ≥ len(tokenizer)) get −inf, and widths are brought to the target's (see specdraft.sampling).
-        return align_logits(logits, self.width, self.real_vocab)
-
-    def keep(self, start: int, n_valid: torch.Tensor) -> None:
-        """Of the positions appended from column ``start``, keep the first ``n_valid[b]`` per row; the rest
-        become holes, and the tail that is a hole in every row is cropped from the cache."""
-        w = self.length - start
-        if w <= 0:
-            return
-        cols = torch.arange(w, device=self.mask.device)[None, :]
-        valid = (cols < n_valid[:, None]).long()
-        removed = (self.mask[:, start:] * (1 - valid)).sum(dim=1)
-        self.mask[:, start:] *= valid
-        self.n_real = self.n_real - removed
-        drop = w - int(n_valid.max().clamp(max=w))
-        if drop > 0:
-            self.cache.crop(-drop)  # transformers ≥ 5: crop takes the negative number of tokens to remove
-            self.mask = self.mask[:, : self.length - drop]
-
-    def truncate(self, n_keep: torch.Tensor) -> None:
-        """Keep only the first ``n_keep[b]`` real positions of each row (later ones become holes) and crop the
-        tail that is a hole in every row. Used when the draft's re-encoded context diverges from its cache."""
-        keep = (self.mask.cumsum(dim=1) <= n_keep[:, None]).long()
-        self.mask = self.mask * keep
-        self.n_real = torch.minimum(self.n_real, n_keep)
-        real_cols = self.mask.any(dim=0).nonzero()
-        new_len = int(real_cols.max()) + 1 if real_cols.numel() else 0
-        drop = self.length - new_len
-        if drop > 0:
-            self.cache.crop(-drop)
-            self.mask = self.mask[:, :new_len]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (finished rows leave the batch)."""
-        self.cache.batch_select_indices(rows)
-        self.mask = self.mask[rows]
-        self.n_real = self.n_real[rows]
+# ------------------------------------------------------------------------------------------ the loop
 
 
 def _sliding_window(model) -> int | None:
@@ -312,283 +192,6 @@ def _sliding_window(model) -> int | None:
 
 def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
     return any(len(s) and len(seq) >= len(s) and seq[-len(s):] == list(s) for s in stops)
-
-
-def proposal_mode(mapped_proposals: str | None, sampling: SamplingConfig) -> str:
-    """How a draft of another tokenizer proposes: ``mapped_proposals`` checked, or the default (``"text"`` for
-    greedy decoding, ``"tokens"`` when sampling). See the module docstring.
-
-    Raises:
-        DecodeError: an unknown mode, or ``"text"`` with sampling (not lossless: sampling needs q over target ids).
-    """
-    if mapped_proposals not in (None, "text", "tokens"):
-        raise DecodeError(f"mapped_proposals must be 'text' or 'tokens', got {mapped_proposals!r}")
-    if mapped_proposals == "text" and not sampling.greedy:
-        raise DecodeError("mapped_proposals='text' is lossless for greedy decoding only; sampling needs q over "
-                          "target ids (mapped_proposals='tokens')")
-    return mapped_proposals or ("text" if sampling.greedy else "tokens")
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-# ------------------------------------------------------------------------------------------- drafters
-
-
-@dataclass
-class Proposal:
-    """One round's proposals: ``tokens [b, k] int64`` in target ids; ``n_proposed [b] int64`` when rows proposed
-    fewer than k (right-padded, never accepted), else ``None``; ``q [b, k, V] float32`` the filtered distributions
-    the tokens were sampled from (sampling only); ``prefill_seconds``: the part of the round's drafting time that
-    was really prompt reading (a mapped draft reads its prompt in its first round), booked by the loop as prefill."""
-
-    tokens: torch.Tensor
-    n_proposed: torch.Tensor | None = None
-    q: torch.Tensor | None = None
-    prefill_seconds: float = 0.0
-
-
-@dataclass
-class _Row:
-    index: int
-    prompt: list[int]  # target ids without padding
-    tokens: list[int] = field(default_factory=list)  # emitted so far
-
-
-class Drafter:
-    """The draft side of the loop: ``propose`` up to ``ks[j]`` tokens for active row j (a round drafts max(ks) steps
-    for the batch; :attr:`Proposal.n_proposed` marks rows that propose fewer), then ``commit`` how many the target
-    accepted (the drafter rolls its cache back), ``select`` the rows that continue.
-
-    Subclasses set ``self.stream`` (a :class:`_Stream`) and implement :meth:`prefill`, :meth:`propose`,
-    :meth:`commit`. ``propose`` gets the round's uniforms ``u [b, 2γ+1]`` (sampling; ``None`` when greedy) and
-    returns what it drafted, with any prompt-reading time in :attr:`Proposal.prefill_seconds`: the loop sets
-    nothing on the drafter between calls.
-    """
-
-    stream: _Stream
-
-    def __init__(self, sampling: SamplingConfig, draws: RowDraws | None, confidence_threshold: float | None):
-        self.sampling, self.draws, self.threshold = sampling, draws, confidence_threshold
-        self.prefill_calls = 0
-        self.first_bad: torch.Tensor | None = None  # [b]: the round's first step whose q was not finite (γ: none)
-        self.nonfinite_rows = 0  # row-rounds whose proposals stopped at a non-finite q (warned once per call)
-
-    @property
-    def calls(self) -> int:
-        return self.stream.calls
-
-    def _draft(self, logits: torch.Tensor, gamma: int, feed, u: torch.Tensor | None
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Up to γ autoregressive draft steps from ``logits [b, V]``; ``feed(d)`` is the id the model reads back;
-        ``u [b, 2γ+1]`` the round's uniforms (sampling: step i draws with column i).
-
-        Returns ``(tokens, q)``: one ``[b]`` tensor per step (fewer than γ when every row's probability of its
-        own token fell below the confidence threshold), and the sampling distributions (empty when greedy)."""
-        tokens, qs = [], []
-        ones = torch.ones(logits.shape[0], 1, dtype=torch.long, device=logits.device)
-        self.first_bad = None
-        for i in range(gamma):
-            if self.sampling.greedy:
-                d = logits.argmax(dim=-1)  # NaN logits give some id, which greedy verification judges as any other
-            else:
-                s = self.sampling
-                q_i = filter_logits(logits, s.temperature, s.top_k, s.top_p).softmax(-1)
-                # Never draw from a non-finite q (NaN/+inf logits, e.g. float16 overflow): such a row proposes nothing
-                # from this step on (:meth:`_n_proposed` caps it), so the target draws its own token there and its law
-                # is kept. A one-hot placeholder keeps the tensors finite; no host sync here (one per round, later).
-                bad = ~torch.isfinite(q_i).all(dim=-1)  # [b]
-                placeholder = torch.zeros_like(q_i[:1])
-                placeholder[0, 0] = 1.0
-                q_i = torch.where(bad[:, None], placeholder, q_i)
-                step = torch.where(bad, i, gamma)
-                self.first_bad = step if self.first_bad is None else torch.minimum(self.first_bad, step)
-                d = sample(q_i, u=u[:, i:i + 1])  # the row's own draw for step i (RowDraws)
-                qs.append(_verification_q(logits, q_i, s))
-            tokens.append(d)
-            if i == gamma - 1:
-                break
-            if self.threshold is not None:
-                q_d = (logits.float().softmax(-1) if self.sampling.greedy else q_i).gather(1, d[:, None])
-                if bool((q_d < self.threshold).all()):  # one host sync per draft step
-                    break
-            logits = self.stream.forward(feed(d)[:, None], ones, logits_to_keep=1)[:, -1]
-        return tokens, qs
-
-    def _n_proposed(self, ks: list[int], drafted: int, device) -> torch.Tensor | None:
-        """:func:`_n_proposed`, each row also capped at its first non-finite q of the round (:meth:`_draft`)."""
-        n = _n_proposed(ks, drafted, device)
-        if self.first_bad is None or not bool((cut := self.first_bad < drafted).any()):  # one host sync per round
-            return n
-        self.nonfinite_rows += int(cut.sum())
-        return torch.minimum(n if n is not None else torch.full_like(self.first_bad, drafted), self.first_bad)
-
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def propose(self, cur: torch.Tensor, rows: list[_Row], ks: list[int], u: torch.Tensor | None
-                ) -> Proposal | None:
-        raise NotImplementedError
-
-    def commit(self, n_accepted: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def select(self, keep: torch.Tensor) -> None:
-        self.stream.select(keep)
-
-
-class SameTokenizerDrafter(Drafter):
-    """A draft that shares the target's tokenizer (widths may differ by padding rows).
-
-    ``read[j]``: how many tokens of row j's context (prompt + emitted) its cache holds. Each round it first reads
-    the rest — ``cur``, plus d_k after a round that accepted all k drafts (the one draft it never read), plus every
-    token emitted while the row drafted nothing — in one pass, then drafts. ``commit`` keeps the accepted prefix
-    of what it read while drafting (d_1..d_{k−1})."""
-
-    def __init__(self, model, batch: int, width: int, real_vocab: int, device, sampling, draws, threshold):
-        super().__init__(sampling, draws, threshold)
-        self.stream = _Stream(model, batch, width, real_vocab, device)
-        self.read = [0] * batch
-        self.device = device
-
-    def prefill(self, input_ids, attention_mask) -> None:
-        if input_ids.shape[1] > 1:
-            self.stream.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
-            self.prefill_calls = 1
-        self.read = attention_mask[:, :-1].sum(dim=1).tolist()
-
-    def propose(self, cur, rows, ks, u) -> Proposal:
-        contexts = [r.prompt + r.tokens for r in rows]  # the last token of each is cur
-        ids, mask = _left_holes([c[n:] for c, n in zip(contexts, self.read)], self.device)
-        self.start, self.fed = self.stream.length, ids.shape[1]
-        self.read = [len(c) for c in contexts]
-        logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
-        tokens, qs = self._draft(logits, max(ks), feed=lambda d: d, u=u)
-        self.drafts = torch.stack(tokens, dim=1)  # [b, k]
-        return Proposal(self.drafts, self._n_proposed(ks, len(tokens), self.device),
-                        torch.stack(qs, dim=1) if qs else None)
-
-    def commit(self, n_accepted) -> None:
-        # Keep what was read this round (holes stay holes) and the accepted drafts it read (at most d_1..d_{k−1}).
-        kept = torch.clamp(n_accepted, max=self.drafts.shape[1] - 1)
-        self.stream.keep(self.start, kept + self.fed)
-        self.read = [r + n for r, n in zip(self.read, kept.tolist())]
-
-    def select(self, keep) -> None:
-        super().select(keep)
-        self.read = [self.read[j] for j in keep.tolist()]
-
-
-def _left_holes(feeds: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists → ``(ids [b, w], mask [b, w])`` right-aligned, holes (mask 0) on the left, so the last column is
-    real in every row (each list has ≥ 1 token)."""
-    w = max(len(f) for f in feeds)
-    ids = torch.zeros(len(feeds), w, dtype=torch.long)
-    mask = torch.zeros(len(feeds), w, dtype=torch.long)
-    for j, f in enumerate(feeds):
-        ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
-        mask[j, w - len(f):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _n_proposed(ks: list[int], drafted: int, device) -> torch.Tensor | None:
-    """``[b] int64`` proposals per row (``ks`` capped at the steps drafted), or ``None`` when every row proposed all."""
-    n = [min(k, drafted) for k in ks]
-    return None if all(x == drafted for x in n) else torch.tensor(n, dtype=torch.long, device=device)
-
-
-class MappedDrafter(Drafter):
-    """A draft of another tokenizer, through a :class:`~specdraft.vocab.VocabMapping` (see the module docstring).
-
-    Each round it re-reads the context as text (its cache keeps the longest prefix it already holds) and proposes
-    target-id tokens (``mode="tokens"``, q over target ids) or text re-encoded with the target's tokenizer
-    (``mode="text"``, greedy only). Once its context outgrows its window it stops proposing (warned)."""
-
-    def __init__(self, model, mapping, mode: str, batch: int, width: int, real_vocab: int, device, sampling,
-                 draws, threshold):
-        super().__init__(sampling, draws, threshold)
-        if mapping.target_width > width:
-            raise DecodeError(f"vocab_mapping covers {mapping.target_width} target ids but the target's output "
-                              f"head has {width} rows; build the mapping with the target's config "
-                              "(build_vocab_mapping(target_dir, draft_dir)).")
-        self.mapping, self.text = mapping, mode == "text"
-        self.t2d = mapping.target_to_draft.to(device)
-        if self.text:  # the draft's own logits over its own vocabulary (padding rows masked)
-            d_width = output_width(model)
-            self.stream = _Stream(model, batch, d_width, min(mapping.draft_real, d_width), device)
-        else:
-            self.stream = _Stream(model, batch, width, real_vocab, device, mapping)
-        self.limit, self.device = context_window(model), device
-        self.draft_ids: list[list[int]] = [[] for _ in range(batch)]  # each row's real cache, in draft ids
-        self.outgrown = False
-
-    def prefill(self, input_ids, attention_mask) -> None:
-        pass  # the draft reads its prompt (re-encoded) in its first round
-
-    def _feed(self, contexts: list[list[int]]) -> tuple[torch.Tensor, float]:
-        """Trim each row's cache to its common prefix with the new context, feed the rest; returns logits ``[b, V]``
-        and the seconds of the read when it was the first (the draft's prompt prefill), else 0."""
-        n_keep, feeds = [], []
-        for j, new in enumerate(contexts):
-            n = min(_common_prefix(self.draft_ids[j], new), len(new) - 1)  # feed ≥ 1 token for logits
-            n_keep.append(n)
-            feeds.append(new[n:])
-            self.draft_ids[j] = list(new)
-        self.stream.truncate(torch.tensor(n_keep, device=self.device))
-        ids, mask = _left_holes(feeds, self.device)
-        t0 = time.perf_counter()
-        logits = self.stream.forward(ids, mask, logits_to_keep=1)[:, -1]
-        if self.prefill_calls:
-            return logits, 0.0
-        self.prefill_calls = 1  # the first read is the draft's prompt prefill
-        return logits, time.perf_counter() - t0
-
-    def propose(self, cur, rows, ks, u) -> Proposal | None:
-        gamma = max(ks)
-        if self.outgrown:
-            return None
-        contexts = self.mapping.reencode_batch_for_draft([r.prompt + r.tokens for r in rows])
-        if any(not c for c in contexts):  # nothing to read yet: the target decodes alone this round
-            return None
-        if self.limit is not None and max(len(c) for c in contexts) + gamma > self.limit:
-            # Lossless either way: the target finishes alone (one token per pass) instead of failing.
-            warnings.warn(f"the draft's context ({max(len(c) for c in contexts)} draft tokens + γ) outgrew its "
-                          f"window ({self.limit}); the target decodes the rest alone", stacklevel=3)
-            self.outgrown = True
-            return None
-        logits, prefill_seconds = self._feed(contexts)
-        tokens, qs = self._draft(logits, gamma, feed=(lambda d: d) if self.text else (lambda d: self.t2d[d]), u=u)
-        own = torch.stack(tokens, dim=1)  # [b, k] draft ids (text) or target ids (tokens)
-        for j, fed in enumerate((own[:, :-1] if self.text else self.t2d[own[:, :-1]]).tolist()):
-            self.draft_ids[j].extend(fed)  # the draft read d_1..d_{k−1} while drafting
-        if self.text:  # each row's text cut at its own k: more drafted text can re-tokenize its first k tokens
-            return self.text_proposal([d[:k] for d, k in zip(own.tolist(), ks)], contexts, rows, ks,
-                                      prefill_seconds)
-        return Proposal(own, self._n_proposed(ks, own.shape[1], self.device), torch.stack(qs, dim=1) if qs else None,
-                        prefill_seconds)
-
-    def text_proposal(self, drafted: list[list[int]], contexts: list[list[int]], rows, ks,
-                      prefill_seconds: float = 0.0) -> Proposal | None:
-        """Text mode: the draft ids ``drafted`` after the draft contexts ``contexts`` → target-token candidates
-        (:func:`_text_candidates`, tokenized after each row's target tokens); ``None`` when no row has one."""
-        cands, n = _text_candidates(drafted, contexts, [r.prompt + r.tokens for r in rows],
-                                    self.mapping.draft_tokenizer, self.mapping.target_tokenizer, ks, self.device)
-        return Proposal(cands, n, prefill_seconds=prefill_seconds) if int(n.max()) > 0 else None
-
-    def commit(self, n_accepted) -> None:
-        pass  # the cache is trimmed when the draft re-reads the context next round
-
-    def select(self, keep) -> None:
-        super().select(keep)
-        self.draft_ids = [self.draft_ids[j] for j in keep.tolist()]
-
-
-# ------------------------------------------------------------------------------------------ the loop
 
 
 def check_decode_context(longest: int, max_new_tokens: int, gamma: int, target, draft,
@@ -755,7 +358,7 @@ def speculative_generate(
     counts = AcceptanceCounts(max(gamma, 1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t_start = time.perf_counter()
-    tgt = _Stream(target, B, width, real_vocab, device)
+    tgt = Stream(target, B, width, real_vocab, device)
     if P > 1:  # prefill all but the last prompt token (cur); the first round feeds cur to both models
         tgt.forward(input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
     if drafter is not None:
@@ -763,7 +366,7 @@ def speculative_generate(
     sync()
     counts.time_prefill = time.perf_counter() - t_start
     cur = input_ids[:, -1].clone()  # [b]: the last token, read by both models next round
-    rows = [_Row(i, input_ids[i][attention_mask[i] == 1].tolist()) for i in range(B)]
+    rows = [Row(i, input_ids[i][attention_mask[i] == 1].tolist()) for i in range(B)]
     active = list(range(B))  # indices into `rows` of rows still decoding, in batch order
 
     while active:
@@ -837,56 +440,6 @@ def speculative_generate(
     counts.draft_calls = drafter.calls - drafter.prefill_calls if drafter else 0
     counts.time_total = time.perf_counter() - t_start
     return [r.tokens for r in rows], counts
-
-
-#: Tokens of context, on each side, decoded with the drafted text: enough for any merge or space rule at the boundary.
-_TEXT_WINDOW = 8
-
-
-def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], target_contexts: list[list[int]], dtok,
-                     ttok, ks: Sequence[int], device):
-    """Text mode: the draft's proposals (its own ids) → up to ``ks[j]`` target-token candidates for row j.
-
-    The drafted text is cut from a decode of the draft's last context tokens plus its proposals (so a
-    sentencepiece-style leading space survives), a trailing U+FFFD (an unfinished character) is left out. It is
-    then tokenized *in context*, as the target would tokenize it after its own tokens (transformers'
-    ``AssistedCandidateGeneratorDifferentTokenizers`` does the same): the target's last context tokens are decoded,
-    ``window + drafted text`` and ``window`` are encoded, and the candidates are the tokens of the first past their
-    common prefix. Encoded alone, a mid-word fragment would get a sentencepiece tokenizer's dummy-prefix ``▁`` and
-    lose merges across the boundary. Both encodings start at the same window text, so where the window's first
-    tokens re-encode differently from the target's (a BOS, a cut word) they differ alike. When the drafted text
-    merges into the window's last token (the target ended on a piece its tokenizer would not have produced there),
-    no tokenization continues the target's tokens and the row proposes nothing this round.
-
-    Args:
-        drafted: per row the draft ids it proposed; ``contexts``: per row the draft ids it read before drafting.
-        target_contexts: per row the target ids so far (prompt + emitted, ending with the token both models read
-            next).
-
-    Returns:
-        ``(candidates [b, K] int64, n_candidates [b] int64)``, rows right-padded with 0 past their count.
-    """
-    tails = [c[-_TEXT_WINDOW:] for c in contexts]
-    texts = dtok.batch_decode(tails + [t + d for t, d in zip(tails, drafted)], skip_special_tokens=False,
-                              clean_up_tokenization_spaces=False)
-    b = len(drafted)
-    new_text = []
-    for j in range(b):
-        tail, full = texts[j], texts[b + j]
-        new_text.append((full[len(tail):] if full.startswith(tail) else dtok.decode(drafted[j])).rstrip("\ufffd"))
-    windows = ttok.batch_decode([c[-_TEXT_WINDOW:] for c in target_contexts], skip_special_tokens=False,
-                                clean_up_tokenization_spaces=False)
-    encoded = ttok(windows + [w + t for w, t in zip(windows, new_text)], add_special_tokens=False)["input_ids"]
-    cands = []
-    for j, k in enumerate(ks):
-        alone, joined = encoded[j], encoded[b + j]
-        n = _common_prefix(alone, joined)
-        cands.append(list(joined[n:k + n]) if n == len(alone) and new_text[j] else [])
-    k = max(len(c) for c in cands)
-    out = torch.zeros(b, k, dtype=torch.long)
-    for j, c in enumerate(cands):
-        out[j, : len(c)] = torch.tensor(c, dtype=torch.long)
-    return out.to(device), torch.tensor([len(c) for c in cands], dtype=torch.long, device=device)
 
 
 def target_generate(target, input_ids, attention_mask=None, **kwargs) -> tuple[list[list[int]], AcceptanceCounts]:

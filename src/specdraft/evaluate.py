@@ -40,8 +40,9 @@ from specdraft.assisted import assisted_generate, hf_generation_config
 from specdraft.calibration import LoadMonitor, calibrate, machine_info
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import tokenizer_pad_id
-from specdraft.decode import left_pad, proposal_mode, speculative_generate, target_generate
+from specdraft.decode import left_pad, speculative_generate, target_generate
 from specdraft.draft_model import apply_draft_options, draft_configuration
+from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, output_width
 from specdraft.speed import Contender, SpeedModel

@@ -35,7 +35,6 @@ from pydantic import ValidationError
 from specdraft.config import NUM_SPECULATIVE_TOKENS, ExportConfig, ExportDtype, ExportFormat, GgufType
 from specdraft.io import atomic_directory, atomic_write_text
 from specdraft.speculator import (
-    IndependentSpeculator,
     IndependentSpeculatorConfig,
     SpeculatorError,
     check_causal_lm_config,
@@ -44,6 +43,7 @@ from specdraft.speculator import (
     strip_speculator_keys,
     verifier_config,
 )
+from specdraft.speculator_model import IndependentSpeculator
 
 if TYPE_CHECKING:  # pragma: no cover
     from specdraft.gguf_export import GgufResult

@@ -40,13 +40,13 @@ class Pair:
 
 
 def proposal_mode(mapped_proposals: ProposalMode | None, sampling: SamplingConfig) -> ProposalMode:
-    """How a mapped draft will propose (:func:`specdraft.decode.proposal_mode`).
+    """How a mapped draft will propose (:func:`specdraft.drafters.proposal_mode`).
 
     Raises:
         DecodeError: a combination that cannot be lossless, worded for ``--mapped-proposals``.
     """
     from specdraft.decode import DecodeError
-    from specdraft.decode import proposal_mode as mode
+    from specdraft.drafters import proposal_mode as mode
 
     try:
         return mode(mapped_proposals, sampling)

@@ -198,7 +198,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
     block are not its teacher-forced argmaxes over the target's tokens (:func:`replay_answer` does not apply).
     But greedy verification needs only the target's argmax, and along its own greedy answer that is the answer's
     next token: each round the very drafter :func:`~specdraft.decode.speculative_generate` uses
-    (:class:`~specdraft.decode.MappedDrafter`, the same proposal mode) proposes after ``prompt + answer[:n]``, the
+    (:class:`~specdraft.drafters.MappedDrafter`, the same proposal mode) proposes after ``prompt + answer[:n]``, the
     round accepts the longest run of its candidates equal to ``answer[n:]``, and the target emits
     ``answer[n + accepted]``. Rows of a batch run in lockstep, each at its own n, with the decoder's holes (each row
     sees the keys and positions it would see alone), so the counts are batch-1 decoding's wherever the target's
@@ -212,7 +212,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
             (EOS included).
         gamma: γ; ``max_new_tokens``: the bound the answers were generated with; ``eos``: ids that end a row.
         target_width / real_vocab: the target's output width and ``len(tokenizer)``.
-        mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.decode.proposal_mode`).
+        mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.drafters.proposal_mode`).
         batch_size: rows replayed together; ``progress(done, total)`` is called as rows finish.
 
     Returns:
@@ -221,7 +221,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
     Raises:
         specdraft.decode.DecodeError: a mapping wider than ``target_width``, an unknown proposal mode.
     """
-    from specdraft.decode import MappedDrafter, _Row, proposal_mode
+    from specdraft.drafters import MappedDrafter, Row, proposal_mode
 
     greedy = SamplingConfig()
     mode = proposal_mode(mapped_proposals, greedy)
@@ -235,7 +235,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
         if not active:
             continue
         drafter = MappedDrafter(draft, vocab_mapping, mode, len(active), target_width, real, device, greedy, None, None)
-        rows = {i: _Row(i, [int(t) for t in prompts[i]]) for i in active}
+        rows = {i: Row(i, [int(t) for t in prompts[i]]) for i in active}
         while active:
             ks = [books[i].k for i in active]
             for i in active:
