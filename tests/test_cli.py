@@ -118,8 +118,8 @@ def test_every_option_has_help_and_every_dtype_states_its_default_one_way():
 
 
 def test_gamma_is_one_option_in_every_command_that_takes_it():
-    """--gamma everywhere γ is (convert and distill took only --num-speculative-tokens), one wording, the
-    config's bound."""
+    """--gamma (or -g) everywhere γ is, no other spelling, its help from the config field the command fills (γ of
+    decoding or γ an exported speculator records), both with the config's bound."""
     from specdraft.cli import GAMMA_HELP
     from specdraft.config import EvalConfig, ExportConfig
 
@@ -129,7 +129,7 @@ def test_gamma_is_one_option_in_every_command_that_takes_it():
     gammas = {path: p for path, p in _options() if p.name in ("gamma", "num_speculative_tokens")}
     assert {"eval", "generate", "rank", "export", "distill"} <= set(gammas)
     for path, p in gammas.items():
-        assert {"--gamma", "--num-speculative-tokens", "-g"} <= set(p.opts), path
+        assert set(p.opts) == {"--gamma", "-g"}, path
         assert GAMMA_HELP == "γ: draft tokens proposed per target pass (1..64)" and p.help.startswith(GAMMA_HELP), path
 
 
@@ -142,14 +142,15 @@ def _one_error_line(r) -> str:
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["eval", "--num-prompts", "0"], "error: --num-prompts: 0 is not in the range x>=1"),
+    (["eval", "--num-prompts", "0"],
+     "error: No such option: --num-prompts (Possible options: --prompts) (see specdraft eval --help)"),
     (["eval", "--dtype", "fp16"], "error: --dtype: 'fp16' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
-    (["convert", "--draft", "d", "--verifier", "t", "--out", "o", "--dtype", "fp16"],
+    (["export", "--draft", "d", "--target", "t", "--out", "o", "--dtype", "fp16"],
      "error: --dtype: 'fp16' is not one of 'keep', 'bfloat16', 'float16', 'float32'"),
-    (["convert", "--draft", "d", "--verifier", "t", "--out", "o", "--gamma", "0"],
+    (["export", "--draft", "d", "--target", "t", "--out", "o", "--gamma", "0"],
      "error: --gamma: 0 is not in the range 1<=x<=64"),
-    (["convert", "--draft", "d", "--verifier", "t", "--out", "o", "--num-speculative-tokens", "65"],
-     "error: --num-speculative-tokens: 65 is not in the range 1<=x<=64"),
+    (["export", "--draft", "d", "--target", "t", "--out", "o", "-g", "65"],
+     "error: -g: 65 is not in the range 1<=x<=64"),
     (["distill", "--gamma", "65"], "error: --gamma: 65 is not in the range 1<=x<=64"),
     (["eval", "--temperature", "warm"],
      "error: --temperature: Input should be a valid number, unable to parse string as a number (got 'warm')"),
@@ -166,7 +167,7 @@ def test_values_click_rejects_are_one_error_line_naming_the_flag(args, expected)
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [
     ("--gamma", "0", "error: --gamma: 0 is not in the range 1<=x<=64"),  # the config's bound, the flag typed
-    ("--num-speculative-tokens", "0", "error: --num-speculative-tokens: 0 is not in the range 1<=x<=64"),
+    ("-g", "0", "error: -g: 0 is not in the range 1<=x<=64"),
     ("--top-p", "1.5", "error: --top-p: 1.5 is not in the range 0.0<x<=1.0"),
 ])
 def test_config_rejections_read_like_click_ones(tmp_path, flag, value, expected):
@@ -188,8 +189,8 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert [row["id"] for row in report["per_prompt"]] == ["line-1", "line-2", "line-3"]
     assert report["config"]["prompt_offset"] == 0
-    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
-                                 "--prompt-offset", "2", "--max-new-tokens", "4", "--dtype", "float32", "--out",
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:2",
+                                 "--max-new-tokens", "4", "--dtype", "float32", "--out",
                                  str(out), "--overwrite"])
     assert r.exit_code == 0, r.output
     assert [row["id"] for row in json.loads((out / "report.json").read_text())["per_prompt"]] == ["line-3"]
@@ -300,7 +301,7 @@ def test_a_malformed_prompt_file_fails_before_any_model_loads(tmp_path, monkeypa
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b"}) + "\n" + line + "\n")
     for cmd in (["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts)],
-                ["dump", "--target", tdir, "--data", str(prompts), "--out", str(tmp_path / "dump")],
+                ["dump", "--target", tdir, "--prompts", str(prompts), "--out", str(tmp_path / "dump")],
                 ["rank", ddir, "--target", tdir, "--prompts", str(prompts)]):
         r = CliRunner().invoke(app, cmd)
         line_ = _one_error_line(r)
@@ -310,11 +311,11 @@ def test_a_malformed_prompt_file_fails_before_any_model_loads(tmp_path, monkeypa
 
 def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
     """It printed the serve commands and exited 0; the README lists a checkpoint missing weights as exit 2."""
-    from specdraft.export import convert
+    from specdraft.export import export_draft
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     spec = tmp_path / "spec"
-    convert(ddir, tdir, spec)
+    export_draft(ddir, tdir, spec)
     r = CliRunner().invoke(app, ["inspect", str(spec)])
     assert r.exit_code == 0 and "model.safetensors" in r.output and "vllm serve" in r.output
     (spec / "model.safetensors").unlink()
@@ -327,12 +328,12 @@ def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
     """The trimmed head's ranking (head_tokens.json) was used by --draft-head-tokens without inspect naming it:
     its size, what it was counted over and whether its tokenizer is the speculator's are printed."""
     from specdraft.draft_model import head_tokens_info, rank_tokens, save_head_tokens
-    from specdraft.export import convert
+    from specdraft.export import export_draft
     from specdraft.testing import tiny_tokenizer
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     spec = tmp_path / "spec"
-    convert(ddir, tdir, spec)
+    export_draft(ddir, tdir, spec)
 
     def ranking_line() -> str:
         r = CliRunner().invoke(app, ["inspect", str(spec)])
@@ -430,8 +431,8 @@ def test_one_prompt_gives_no_interval_and_each_cost_ratio_says_what_it_is(tmp_pa
     reports = {}
     for n in (1, 2):
         out = tmp_path / f"out{n}"
-        r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
-                                     "--num-prompts", str(n), "--max-new-tokens", "6", "--gamma", "2",
+        r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:0:{n}",
+                                     "--max-new-tokens", "6", "--gamma", "2",
                                      "--gamma-policy", "fixed", "--dtype", "float32", "--out", str(out)],
                                terminal_width=200)
         assert r.exit_code == 0, r.output
@@ -446,32 +447,32 @@ def test_one_prompt_gives_no_interval_and_each_cost_ratio_says_what_it_is(tmp_pa
     assert "d / t(1)" in defs["summary.speed_model.cost_ratio_c"]
 
 
-def test_convert_names_the_pair_as_typed_and_points_to_vocab_swap(tmp_path, monkeypatch):
+def test_export_names_the_pair_as_typed_and_points_to_vocab_swap(tmp_path, monkeypatch):
     """A mismatched pair named the recorded reference (a hub id, an absolute path) and gave no way out."""
     from specdraft.testing import tiny_tokenizer
 
     monkeypatch.chdir(tmp_path)
     save_tiny_pair(tmp_path, 64)
     tiny_tokenizer(64, swap=(10, 20)).save_pretrained(tmp_path / "draft")
-    r = CliRunner().invoke(app, ["convert", "--draft", "draft", "--verifier", "target", "--out", "spec"],
+    r = CliRunner().invoke(app, ["export", "--draft", "draft", "--target", "target", "--out", "spec"],
                            terminal_width=400)
     line = _one_error_line(r)
     assert line.startswith("error: The verifier 'target' and the draft 'draft' do not share a tokenizer — mismatch: 2 of")
     assert "`specdraft vocab-swap --target target --draft draft --out DIR`" in line and not (tmp_path / "spec").exists()
 
 
-def test_reconverting_a_speculator_says_which_keys_changed(tmp_path):
-    """Re-converting at another γ listed every speculators_* key as "added"; the draft already held them."""
+def test_re_exporting_a_speculator_says_which_keys_changed(tmp_path):
+    """Re-exporting at another γ listed every speculators_* key as "added"; the draft already held them."""
     import re
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
-    args = ["--verifier", tdir, "--out"]
-    r = CliRunner().invoke(app, ["convert", "--draft", ddir, *args, str(tmp_path / "s1")], terminal_width=400)
+    args = ["--target", tdir, "--out"]
+    r = CliRunner().invoke(app, ["export", "--draft", ddir, *args, str(tmp_path / "s1")], terminal_width=400)
     assert r.exit_code == 0, r.output
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in r.output.splitlines()
             if line.startswith("│ speculators_")}
     assert rows == dict.fromkeys(("speculators_config", "speculators_model_type", "speculators_version"), "added")
-    r = CliRunner().invoke(app, ["convert", "--draft", str(tmp_path / "s1"), *args, str(tmp_path / "s2"), "--gamma",
+    r = CliRunner().invoke(app, ["export", "--draft", str(tmp_path / "s1"), *args, str(tmp_path / "s2"), "--gamma",
                                  "3"], terminal_width=400)
     assert r.exit_code == 0, r.output
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in r.output.splitlines()
@@ -507,12 +508,12 @@ def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypat
 
 def test_inspect_refuses_a_checkpoint_of_two_weight_layouts_naming_the_files(tmp_path):
     """A stale model.safetensors beside a sharded index (transformers loads the stale one): inspect said nothing."""
-    from specdraft.export import convert
+    from specdraft.export import export_draft
     from specdraft.speculator_model import IndependentSpeculator
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     spec = tmp_path / "spec"
-    convert(ddir, tdir, spec)
+    export_draft(ddir, tdir, spec)
     sharded = IndependentSpeculator.from_pretrained(spec)
     sharded.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     for f in (tmp_path / "sharded").iterdir():

@@ -12,7 +12,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from specdraft.cli import COMMANDS, app
+from specdraft.cli import COMMANDS, GAMMA_HELP, app
 from specdraft.config import (
     DistillConfig,
     DumpConfig,
@@ -37,75 +37,121 @@ def _params(name: str):
     return {path: p for path, cmd in _commands() for p in cmd.params if p.name == name}
 
 
+def _options_by_flag():
+    """``{flag: {command path: click option}}`` for every long flag of every command."""
+    by_flag: dict[str, dict] = {}
+    for path, cmd in _commands():
+        for p in cmd.params:
+            if getattr(p, "param_type_name", "") == "option":
+                for flag in (*p.opts, *getattr(p, "secondary_opts", [])):
+                    if flag.startswith("--"):
+                        by_flag.setdefault(flag, {})[path] = p
+    return by_flag
+
+
 def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_command():
     gammas = _params("gamma")
     assert {"eval", "generate", "rank", "export", "distill"} <= set(gammas) and not _params("num_speculative_tokens")
     for name, sources in (("gamma", None), ("overwrite", None), ("target", None), ("prompts", None)):
         params = _params(name)
         assert len({tuple(p.opts) for p in params.values()}) == 1, (name, {k: p.opts for k, p in params.items()})
-    assert len({p.help for p in gammas.values()}) == 1 and {p.default for p in gammas.values()} == {None}
+    # γ of decoding (its default follows the gamma policy) and γ an exported speculator records (no policy): each
+    # the description of the config field the command fills, both starting with γ's one wording.
+    assert {p.default for p in gammas.values()} == {None}
+    for path, p in gammas.items():
+        cfg = ExportConfig if path in ("export", "distill") else EvalConfig
+        assert p.help == cfg.model_fields["num_speculative_tokens"].description, path
+        assert p.help.startswith(GAMMA_HELP), path
+    for path in ("export", "distill"):
+        assert "policy" not in gammas[path].help and "--" not in gammas[path].help, gammas[path].help
     overwrites = _params("overwrite")
     assert set(overwrites) == {"check", "eval", "rank", "headroom", "export", "vocab-swap", "run"}
     assert {p.help for p in overwrites.values()} == {ExportConfig.model_fields["overwrite"].description}
     # The seed, the sampling triple and the dtype: default and help from the config the command fills.
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,
-                 "distill": DistillConfig, "headroom": HeadroomConfig}
+                 "distill": DistillConfig, "headroom": HeadroomConfig, "export": ExportConfig}
     sampling_of = config_of | {"eval": SamplingConfig, "generate": SamplingConfig, "rank": SamplingConfig}
     for name in ("seed", "temperature", "top_k", "top_p", "dtype"):
         for path, p in _params(name).items():
-            if path == "dump" and name == "top_k":  # the dump's top-k is the log-probs kept, not sampling
-                continue
             cfg = (sampling_of if name in ("temperature", "top_k", "top_p") else config_of).get(path)
             if cfg is None:
-                continue  # check's / vocab-swap's dtype (no config): default of their own, wording of eval's
+                continue  # check's / vocab-swap's dtype (no config): the one wording, a default it states
             field = cfg.model_fields[name]
-            assert p.default == field.default and p.help.startswith(field.description.rstrip(".")), (path, name)
+            assert p.default == field.default and p.help == field.description, (path, name)
     assert {p.default for p in _params("seed").values()} == {0}
     assert {tuple(p.opts) for p in _params("out").values()} == {("--out", "-o")}
     assert set(_params("out")) >= {"eval", "rank", "dump", "distill", "run", "headroom", "export", "vocab-swap"}
 
 
-@pytest.mark.parametrize(("args", "spec"), [
-    (["--num-prompts", "3"], "humaneval:100:3"),
-    (["--prompts", "mt-bench", "--num-prompts", "2"], "mt-bench:0:2"),
-    (["--prompts", "x.jsonl", "--prompt-offset", "2", "--num-prompts", "1"], "x.jsonl:2:1"),
-])
-def test_old_prompt_flags_fold_into_the_one_spec(args, spec):
-    from specdraft.cli.options import legacy_args
-
-    cmd = typer.main.get_command(app).commands["eval"]
-    out = legacy_args(cmd, args)
-    assert out[out.index("--prompts") + 1] == spec and "--num-prompts" not in out
+#: Owned by the prompt loader: every --prompts help is ``what: SYNTAX, name = SOURCES`` plus the command's note
+#: (specdraft.cli.options.prompts_option), the one flag whose wording is per command by design.
+PER_COMMAND_WORDING = {"--prompts"}
 
 
-def test_renamed_flags_still_read_and_a_spec_resolves_to_the_held_out_split():
-    from specdraft.cli.options import legacy_args
-    from specdraft.prompts import resolve_source
+def test_a_flag_spelled_the_same_in_two_commands_has_one_help_and_a_default_its_help_states():
+    """--temperature was greedy 0 in eval and 1.0 in distill, --top-k the sampling filter everywhere but dump (the
+    log-probs kept), --dtype had four defaults in seven wordings: now a flag name means one thing. Across every
+    command, a flag spelled the same has one help; where its default differs between commands, that help names
+    each command whose default is not the commonest one (the field description says which and why)."""
+    for flag, params in _options_by_flag().items():
+        if len(params) < 2 or flag in PER_COMMAND_WORDING:
+            continue
+        helps = {p.help for p in params.values()}
+        if flag == "--gamma":  # two config fields (decoding's, the speculator's), checked above
+            assert len(helps) == 2
+        else:
+            assert len(helps) == 1, (flag, {path: p.help for path, p in params.items()})
+        defaults = {path: repr(p.default) for path, p in params.items()}
+        if len(set(defaults.values())) == 1:
+            continue
+        common = max(set(defaults.values()), key=list(defaults.values()).count)
+        for path, default in defaults.items():
+            if default != common:
+                assert re.search(rf"\b{re.escape(path)}\b", params[path].help), (flag, path, default, params[path].help)
 
+
+def test_the_serving_filter_and_the_stored_log_probs_are_flags_of_their_own():
+    """Distillation's serving filter (what tvd_deploy and α are computed after) and the dump's stored log-probs
+    count are not decoding's --temperature / --top-k / --top-p: each has its own flag, its field's help."""
     group = typer.main.get_command(app)
-    assert legacy_args(group.commands["export"], ["--verifier", "t"]) == ["--target", "t"]
-    assert legacy_args(group.commands["dump"], ["--data=x", "--offset", "4"])[-2:] == ["--prompts", "x:4"]
-    assert resolve_source("humaneval", held_out=True).offset == 100
-    assert resolve_source("humaneval").offset == 0 and resolve_source("mt-bench:0:27:3").stride == 3
+    dump = {o: p for p in group.commands["dump"].params for o in p.opts}
+    assert "--top-k" not in dump and dump["--top-logprobs"].name == "top_k"  # the manifest's key
+    assert dump["--top-logprobs"].help == DumpConfig.model_fields["top_k"].description
+    distill = {o: p for p in group.commands["distill"].params for o in p.opts}
+    for name in ("temperature", "top_k", "top_p"):
+        assert "--" + name.replace("_", "-") not in distill
+        p = distill["--serving-" + name.replace("_", "-")]
+        assert p.help == DistillConfig.model_fields[name].description and p.help.startswith("Serving filter")
+        assert p.default == DistillConfig.model_fields[name].default
 
 
-def test_writing_a_speculator_is_one_verb_and_the_old_command_name_still_runs_it():
-    """convert (the command), export (the library, the pipeline's stage) and copy (the pipeline's call) named one act:
-    the command is export now; convert runs the same command, unlisted, and the library's old names are aliases."""
+@pytest.mark.parametrize(("args", "old"), [
+    (["convert", "--help"], "command 'convert'"),
+    (["eval", "--num-speculative-tokens", "3"], "option: --num-speculative-tokens"),
+    (["export", "--verifier", "t"], "option: --verifier"),
+    (["dump", "--data", "x"], "option: --data"),
+    (["eval", "--num-prompts", "3"], "option: --num-prompts"),
+    (["dump", "--num-examples", "3"], "option: --num-examples"),
+    (["eval", "--prompt-offset", "3"], "option: --prompt-offset"),
+    (["dump", "--offset", "3"], "option: --offset"),
+    (["run", "--train-data", "x"], "option: --train-data"),
+    (["dump", "--top-k", "8"], "option: --top-k"),
+    (["distill", "--temperature", "0.7"], "option: --temperature"),
+])
+def test_a_removed_old_spelling_is_refused_as_no_such_name(args, old):
+    r = CliRunner().invoke(app, args, terminal_width=200, prog_name="specdraft")
+    assert r.exit_code == 2 and r.output.startswith(f"error: No such {old}"), r.output
+
+
+def test_writing_a_speculator_is_one_verb_in_the_command_line_and_the_library():
+    import specdraft
     from specdraft import export
 
     r = CliRunner().invoke(app, ["--help"], terminal_width=80)
     listed = {line.split()[0] for line in r.output.splitlines() if line.startswith("  ") and line.split()}
     assert "export" in listed and "convert" not in listed, r.output
-    group = typer.main.get_command(app)
-    with group.make_context("specdraft", ["export", "--help"], resilient_parsing=True) as ctx:
-        assert group.get_command(ctx, "convert") is group.get_command(ctx, "export") is not None
-    old = CliRunner().invoke(app, ["convert", "--help"], terminal_width=80, prog_name="specdraft")
-    new = CliRunner().invoke(app, ["export", "--help"], terminal_width=80, prog_name="specdraft")
-    assert old.exit_code == new.exit_code == 0
-    assert old.output.replace("specdraft convert", "specdraft export") == new.output
-    assert export.convert is export.export_draft and export.ConvertResult is export.ExportResult
-    assert export.copy_speculator is export.export_saved_speculator
+    for name in ("convert", "ConvertResult", "copy_speculator"):
+        assert not hasattr(export, name) and name not in specdraft.__all__, name
 
 def test_command_summaries_are_whole_sentences_at_80_columns():
     """`specdraft --help` cut summaries mid-sentence ("…over the...") and vocab-swap's was a paragraph: each
@@ -139,3 +185,25 @@ def test_every_command_body_is_short(name, callback):
     body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) else fn.body
     lines = body[-1].end_lineno - body[0].lineno + 1
     assert lines <= 40, (name, lines)
+
+
+def test_every_flag_an_example_in_docs_cli_md_uses_is_one_its_commands_help_lists():
+    """docs/cli.md showed --data, --num-examples and --num-speculative-tokens after they were renamed."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    examples = text.split("## Examples", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = dict(_commands())
+    checked = 0
+    for line in examples.splitlines():
+        words = line.split("#", 1)[0].split()
+        if "specdraft" not in words and "specdraft.cli" not in words:
+            continue
+        rest = words[words.index("specdraft" if "specdraft" in words else "specdraft.cli") + 1:]
+        path = " ".join(rest[:2]) if " ".join(rest[:2]) in commands else rest[0]
+        flags = {o for p in commands[path].params for o in (*p.opts, *getattr(p, "secondary_opts", []))}
+        for word in rest:
+            if word.startswith("--"):
+                assert word.split("=", 1)[0] in flags, (line, word)
+                checked += 1
+    assert checked > 20

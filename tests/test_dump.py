@@ -513,7 +513,7 @@ def test_bad_input(pair, tmp_path):
     with pytest.raises(DataError, match="p0: no position is trained"):
         run_dump(pair["target"], [Example("p0", [{"role": "user", "content": "a b"}])], tmp_path / "noanswer",
                  fp32(answer_only=True))
-    with pytest.raises(DumpError, match="--top-k 64 must be below the real vocabulary"):
+    with pytest.raises(DumpError, match="--top-logprobs 64 must be below the real vocabulary"):
         run_dump(pair["target"], [chat(0)], tmp_path / "k", fp32(format="topk", top_k=64))
     with pytest.raises(ValueError, match="--temperature only applies with --generate"):
         DumpConfig(temperature=0.7)
@@ -629,17 +629,17 @@ def test_dump_command(pair, tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps({"messages": chat(i).messages}) for i in range(4)) + "\n")
     out = tmp_path / "d"
-    res = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", str(data), "--out", str(out),
-                                   "--format", "topk", "--top-k", "4", "--answer-only", "--batch-size", "3"])
+    res = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", str(data), "--out", str(out),
+                                   "--format", "topk", "--top-logprobs", "4", "--answer-only", "--batch-size", "3"])
     assert res.exit_code == 0, res.output
     m = load_manifest(out)
     assert m["sequences"] == 4 and m["top_k"] == 4 and m["config"]["answer_only"] is True
     assert "bytes per token" in res.output and "tokens/s" in res.output
-    bad = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", str(data), "--out",
+    bad = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", str(data), "--out",
                                    str(tmp_path / "x"), "--temperature", "0.5"])
     assert bad.exit_code == 2 and "--temperature" in bad.output
-    other = CliRunner().invoke(app, ["dump", "--target", pair["draft"], "--data", str(data), "--out", str(out),
-                                     "--format", "topk", "--top-k", "4", "--answer-only"])
+    other = CliRunner().invoke(app, ["dump", "--target", pair["draft"], "--prompts", str(data), "--out", str(out),
+                                     "--format", "topk", "--top-logprobs", "4", "--answer-only"])
     assert other.exit_code == 2 and "another target" in other.output
 
 
@@ -721,7 +721,7 @@ def test_teacher_forced_dump_of_sharegpt_first_turns_trains_their_existing_repli
 
     from specdraft.cli import app
 
-    r = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--data", "sharegpt", "--answer-only",
+    r = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", "sharegpt", "--answer-only",
                                  "--dtype", "float32", "--out", str(tmp_path / "d2")])
     assert r.exit_code == 0, r.output
     assert "records kept / malformed (skipped)" in r.output and "3 / 1" in r.output

@@ -148,8 +148,8 @@ def test_eval_cli_on_tiny_pair(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path, 96)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "defg") + "\n")
-    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
-                                 "--num-prompts", "3", "--prompt-offset", "0", "--max-new-tokens", "8", "--gamma",
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:0:3",
+                                 "--max-new-tokens", "8", "--gamma",
                                  "3", "--dtype", "float32", "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -174,8 +174,8 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
         tok.save_pretrained(d)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"def total({w}):"}) for w in ("items", "count")) + "\n")
-    args = ["eval", "--target", str(tdir), "--draft", str(ddir), "--prompts", str(prompts), "--num-prompts", "2",
-            "--prompt-offset", "0", "--max-new-tokens", "10", "--gamma", "3", "--dtype", "float32", "--out",
+    args = ["eval", "--target", str(tdir), "--draft", str(ddir), "--prompts", f"{prompts}:0:2",
+            "--max-new-tokens", "10", "--gamma", "3", "--dtype", "float32", "--out",
             str(tmp_path / "out")]
     refused = CliRunner().invoke(app, args)
     assert refused.exit_code == 1 and "--map-vocab" in refused.output  # refused, with the way forward named
@@ -282,8 +282,8 @@ def test_eval_and_generate_cli_take_the_draft_options(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path, 96)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
-    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
-                                 "--num-prompts", "2", "--prompt-offset", "0", "--max-new-tokens", "6", "--gamma", "2",
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:0:2",
+                                 "--max-new-tokens", "6", "--gamma", "2",
                                  "--dtype", "float32", "--draft-quantization", "int8", "--draft-head-tokens", "50",
                                  "--gamma-policy", "adaptive", "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
@@ -346,7 +346,7 @@ def test_rank_cli_orders_drafts_by_predicted_speedup_and_confirms_the_top_one(tm
     tdir, ddir = save_tiny_pair(tmp_path, 96)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
-    r = CliRunner().invoke(app, ["rank", ddir, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
+    r = CliRunner().invoke(app, ["rank", ddir, tdir, "--target", tdir, "--prompts", f"{prompts}:0:2",
                                  "--max-new-tokens", "6", "--gamma", "2", "--dtype", "float32",
                                  "--draft-quantization", "none", "--out", str(tmp_path / "rank")])
     assert r.exit_code == 0, r.output
@@ -508,8 +508,8 @@ def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_v
     tdir, ddir = save_tiny_pair(tmp_path, 96)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c"}) + "\n")
-    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts), "--num-prompts",
-                                 "1", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "1",
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:0:1",
+                                 "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "1",
                                  "--certify", "400", "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     assert "sampling certificate: 400 first-token draws" in r.output and "passed" in r.output
@@ -572,8 +572,8 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c"}) + "\n")
     monkeypatch.setattr(decode, "verify_sampled", always_accept)
-    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts), "--num-prompts",
-                                 "1", "--max-new-tokens", "2", "--dtype", "float32", "--temperature", "1",
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:0:1",
+                                 "--max-new-tokens", "2", "--dtype", "float32", "--temperature", "1",
                                  "--gamma-policy", "fixed", "--certify", str(CLI_CERTIFY_DRAWS),
                                  "--out", str(tmp_path / "out")])
     assert r.exit_code == 2, r.output

@@ -19,8 +19,8 @@ from specdraft.cli import app
 from specdraft.embedded import DEFAULT_TARGET, EMBEDDED, cache_dir
 from specdraft.export import (
     VLLM_TESTED_VERSION,
-    convert,
-    copy_speculator,
+    export_draft,
+    export_saved_speculator,
     export_speculator,
     vllm_serve,
     vllm_speculative_config,
@@ -102,7 +102,7 @@ def test_references_travel_and_come_back(tmp_path, offline_hub, monkeypatch):
 def test_convert_records_absolute_paths_and_prints_a_command_that_works_anywhere(tmp_path, monkeypatch):
     save_tiny_pair(tmp_path / "models", 96)
     monkeypatch.chdir(tmp_path)
-    res = convert("models/draft", "models/target", "spec")  # both typed relative
+    res = export_draft("models/draft", "models/target", "spec")  # both typed relative
     target_abs = str(tmp_path / "models" / "target")
     assert res.config["speculators_config"]["verifier"]["name_or_path"] == target_abs
     target, spec = serve_args(res.vllm_command)
@@ -119,7 +119,7 @@ def test_the_printed_vllm_command_pins_gamma_and_names_the_build_it_holds_for(tm
     import shlex
 
     save_tiny_pair(tmp_path / "models", 96)
-    res = convert(tmp_path / "models" / "draft", tmp_path / "models" / "target", tmp_path / "spec",
+    res = export_draft(tmp_path / "models" / "draft", tmp_path / "models" / "target", tmp_path / "spec",
                   num_speculative_tokens=3)
     _, spec = serve_args(res.vllm_command)
     assert spec["num_speculative_tokens"] == res.config["speculators_config"]["proposal_methods"][0][
@@ -130,20 +130,20 @@ def test_the_printed_vllm_command_pins_gamma_and_names_the_build_it_holds_for(tm
 
 def test_padded_draft_gets_use_heterogeneous_vocab(tmp_path):
     target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=128)  # 32 padding rows
-    res = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=3)
+    res = export_draft(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=3)
     assert res.compat_verdict == "identical-up-to-padding"
     _, spec = serve_args(res.vllm_command)
     assert spec == {"method": "draft_model", "model": str(tmp_path / "spec"), "num_speculative_tokens": 3,
                     "use_heterogeneous_vocab": True}
     # Equal widths: no such key.
     target_dir, draft_dir = save_tiny_pair(tmp_path / "same", 96)
-    assert "use_heterogeneous_vocab" not in serve_args(convert(draft_dir, target_dir, tmp_path / "s2").vllm_command)[1]
+    assert "use_heterogeneous_vocab" not in serve_args(export_draft(draft_dir, target_dir, tmp_path / "s2").vllm_command)[1]
 
 
 def test_embedded_verifier_records_hub_id_and_is_served_from_the_cache(tmp_path, offline_hub):
     target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96)
     cached = fake_embedded_cache(DEFAULT_TARGET, target_dir)
-    res = convert(draft_dir, DEFAULT_TARGET, tmp_path / "spec")
+    res = export_draft(draft_dir, DEFAULT_TARGET, tmp_path / "spec")
     hub = EMBEDDED[DEFAULT_TARGET].hub_id
     assert res.config["speculators_config"]["verifier"]["name_or_path"] == hub
     for serve in (res.serve, vllm_serve(tmp_path / "spec")):  # as typed, and from the record
@@ -158,7 +158,7 @@ def test_embedded_verifier_records_hub_id_and_is_served_from_the_cache(tmp_path,
 
 def test_unreadable_verifier_leaves_a_note_not_a_guess(tmp_path, pair, offline_hub):
     target_dir, draft_dir = pair
-    res = convert(draft_dir, target_dir, tmp_path / "spec")
+    res = export_draft(draft_dir, target_dir, tmp_path / "spec")
     conf = json.loads((tmp_path / "spec" / "config.json").read_text())
     conf["speculators_config"]["verifier"]["name_or_path"] = "org/elsewhere"
     (tmp_path / "spec" / "config.json").write_text(json.dumps(conf))
@@ -169,7 +169,7 @@ def test_unreadable_verifier_leaves_a_note_not_a_guess(tmp_path, pair, offline_h
 
 def test_vllm_speculative_config_is_pure_and_validates(tmp_path, pair):
     target_dir, draft_dir = pair
-    conf = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=4).config
+    conf = export_draft(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=4).config
     assert vllm_speculative_config(conf, "/x", 96) == {"method": "draft_model", "model": "/x",
                                                        "num_speculative_tokens": 4}
     assert vllm_speculative_config(conf, "/x", 97)["use_heterogeneous_vocab"] is True
@@ -187,9 +187,9 @@ def test_vllm_speculative_config_is_pure_and_validates(tmp_path, pair):
 
 def test_convert_dtype_casts_and_keep_is_byte_identical(tmp_path, pair):
     target_dir, draft_dir = pair
-    keep = convert(draft_dir, target_dir, tmp_path / "keep")
+    keep = export_draft(draft_dir, target_dir, tmp_path / "keep")
     assert (keep.out / "model.safetensors").read_bytes() == (Path(draft_dir) / "model.safetensors").read_bytes()
-    bf = convert(draft_dir, target_dir, tmp_path / "bf16", dtype="bfloat16")
+    bf = export_draft(draft_dir, target_dir, tmp_path / "bf16", dtype="bfloat16")
     assert bf.dtype == "bfloat16" and dtypes(bf.out) == {"torch.bfloat16"}
     assert bf.config["dtype"] == "bfloat16" and bf.resaved["dtype"] == ("float32", "bfloat16")
     assert (bf.out / "model.safetensors").stat().st_size < 0.6 * (keep.out / "model.safetensors").stat().st_size
@@ -200,7 +200,7 @@ def test_convert_dtype_casts_and_keep_is_byte_identical(tmp_path, pair):
         a, b = ref(IDS).logits, cast(IDS).logits
     assert torch.allclose(a, b, atol=0.2, rtol=0.05) and torch.equal(a.argmax(-1), b.argmax(-1))
     with pytest.raises(SpeculatorError, match="--dtype"):
-        convert(draft_dir, target_dir, tmp_path / "bad", dtype="int8")
+        export_draft(draft_dir, target_dir, tmp_path / "bad", dtype="int8")
 
 
 def test_export_and_copy_cast_without_touching_the_model(tmp_path, pair):
@@ -216,7 +216,7 @@ def test_export_and_copy_cast_without_touching_the_model(tmp_path, pair):
     assert all(torch.equal(v, draft.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
     # The pipeline's export stage: copy (float32 → bfloat16), everything else travels.
     f32 = export_speculator(draft, tiny_tokenizer(96), target_dir, tmp_path / "f32", 3, training={"x": 1})
-    info = copy_speculator(f32, tmp_path / "copy", verifier=target_dir, dtype="bfloat16")
+    info = export_saved_speculator(f32, tmp_path / "copy", verifier=target_dir, dtype="bfloat16")
     copied = tmp_path / "copy"
     assert dtypes(copied) == {"torch.bfloat16"} and (copied / "tokenizer.json").is_file()
     assert json.loads((copied / "training.json").read_text()) == {"x": 1, "chat_template": kept}
@@ -227,15 +227,15 @@ def test_export_and_copy_cast_without_touching_the_model(tmp_path, pair):
     assert serve_args(info["vllm_command"])[0] == target_dir and info["vllm_one_path"].endswith(str(copied))
 
 
-def test_cli_convert_dtype_says_not_byte_identical(tmp_path, pair):
+def test_cli_export_dtype_says_not_byte_identical(tmp_path, pair):
     target_dir, draft_dir = pair
     runner = CliRunner()
-    res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(tmp_path / "s"),
+    res = runner.invoke(app, ["export", "-d", draft_dir, "-t", target_dir, "-o", str(tmp_path / "s"),
                               "--dtype", "bfloat16"])
     assert res.exit_code == 0, res.output
     assert "not byte-identical" in res.output and "tested with vLLM " + VLLM_TESTED_VERSION in res.output
     assert f"vllm serve {tmp_path / 's'}" in res.output  # the one-path command (plugin)
-    res = runner.invoke(app, ["convert", "--help"])
+    res = runner.invoke(app, ["export", "--help"])
     assert "byte-identical" in res.output and "bfloat16" in res.output
 
 
@@ -277,7 +277,7 @@ def test_a_prepared_draft_exports_dense_and_reloads_to_the_logits_it_drafted_wit
         dropped[kept] = False
         assert (logits[..., dropped].amax(-1) < logits[..., cols].amax(-1)).all()
     # The copy the pipeline makes (and a cast) reload the same.
-    copy_speculator(out, tmp_path / "copy", verifier=target_dir, dtype="float32")
+    export_saved_speculator(out, tmp_path / "copy", verifier=target_dir, dtype="float32")
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "copy")(ids).logits, logits)
 
@@ -292,7 +292,7 @@ def test_weights_that_would_not_reload_are_refused_before_anything_is_written(tm
     raw = tmp_path / "raw"
     prepared.save_pretrained(raw)
     with pytest.raises(CheckpointWeightsError, match=r"weight_int8.*prepared for decoding"):
-        copy_speculator(raw, tmp_path / "copy", verifier=target_dir)
+        export_saved_speculator(raw, tmp_path / "copy", verifier=target_dir)
     assert not (tmp_path / "copy").exists()
     # A module its class does not have: the export refuses and writes nothing.
     draft.model.extra = torch.nn.Linear(2, 2)
@@ -326,12 +326,12 @@ def test_every_export_carries_the_template_the_target_serves_with(tmp_path, pair
     tiny_tokenizer(96, chat_template=THINK_TEMPLATE).save_pretrained(draft_dir)
     assert _renders(AutoTokenizer.from_pretrained(draft_dir)) != _renders(target_tok)
 
-    res = convert(draft_dir, target_dir, tmp_path / "conv")
+    res = export_draft(draft_dir, target_dir, tmp_path / "conv")
     assert res.chat_template["carried"] == "target" and res.chat_template["changed"]
     assert "carries the target's chat template" in res.chat_template["note"]
     assert _renders(AutoTokenizer.from_pretrained(res.out)) == _renders(target_tok)
     assert "chat_template" not in json.loads((res.out / "tokenizer_config.json").read_text())
-    r = CliRunner().invoke(app, ["convert", "--draft", draft_dir, "--verifier", target_dir, "--out", str(tmp_path / "cli")])
+    r = CliRunner().invoke(app, ["export", "--draft", draft_dir, "--target", target_dir, "--out", str(tmp_path / "cli")])
     assert r.exit_code == 0, r.output
     assert "chat template: the chat templates render 3 of the 4 probe conversations differently" in " ".join(
         r.output.split())
@@ -342,11 +342,11 @@ def test_every_export_carries_the_template_the_target_serves_with(tmp_path, pair
                             training={"x": 1})
     assert _renders(AutoTokenizer.from_pretrained(out)) == _renders(target_tok)
     assert json.loads((out / "training.json").read_text())["chat_template"]["carried"] == "target"
-    # copy_speculator (the pipeline's export) of a speculator that still holds the draft's template.
+    # export_saved_speculator (the pipeline's export) of a speculator that still holds the draft's template.
     stale = tmp_path / "stale"
-    convert(draft_dir, target_dir, stale)
+    export_draft(draft_dir, target_dir, stale)
     (stale / "chat_template.jinja").write_text(THINK_TEMPLATE)
-    info = copy_speculator(stale, tmp_path / "copy", verifier=target_dir)
+    info = export_saved_speculator(stale, tmp_path / "copy", verifier=target_dir)
     assert info["chat_template"]["carried"] == "target" and info["chat_template"]["changed"]
     assert _renders(AutoTokenizer.from_pretrained(tmp_path / "copy")) == _renders(target_tok)
 
@@ -357,7 +357,7 @@ def test_a_template_written_otherwise_that_renders_the_same_is_kept_byte_for_byt
     target_dir, draft_dir = pair
     tiny_tokenizer(96, chat_template=SAME_RENDERING).save_pretrained(draft_dir)
     assert AutoTokenizer.from_pretrained(draft_dir).chat_template != AutoTokenizer.from_pretrained(target_dir).chat_template
-    res = convert(draft_dir, target_dir, tmp_path / "conv")
+    res = export_draft(draft_dir, target_dir, tmp_path / "conv")
     assert res.chat_template["carried"] == "draft" and not res.chat_template["changed"]
     assert "renders as the target's" in res.chat_template["note"]
     assert all((res.out / f).read_bytes() == (Path(draft_dir) / f).read_bytes() for f in res.tokenizer_files)

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from specdraft.cli import app
 from specdraft.embedded import LLAMA_CPP_SDIST, LLAMA_CPP_VERSION
-from specdraft.export import convert, export_speculator
+from specdraft.export import export_draft, export_speculator
 from specdraft.gguf_export import (
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
     GgufExportError,
@@ -155,7 +155,7 @@ def test_cli_writes_f16_gguf_of_the_draft_with_the_targets_vocabulary(pair, llam
     monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(llama_cpp.root))
     out = tmp_path / "draft-f16.gguf"
     monkeypatch.chdir(Path(draft).parent)  # a relative --draft, as typed in a shell (the converter runs elsewhere)
-    res = CliRunner().invoke(app, ["convert", "-d", Path(draft).name, "-t", str(target_gguf), "-o", str(out),
+    res = CliRunner().invoke(app, ["export", "-d", Path(draft).name, "-t", str(target_gguf), "-o", str(out),
                                    "--format", "gguf", "--gamma", "3"])
     assert res.exit_code == 0, res.output
     assert "llama.cpp accepts the pair: vocab type spm, BOS 5 added" in " ".join(res.output.split())
@@ -176,7 +176,7 @@ def test_vocab_swapped_draft_carries_the_targets_tokenizer_into_bf16(pair, llama
     swapped = tmp_path / "swapped"
     save_vocab_swap(str(other), target, swapped)
     # The target as an HF directory: its vocabulary is converted with --vocab-only by the same converter.
-    res = convert(swapped, target, tmp_path / "swapped-bf16.gguf", format="gguf", gguf_type="bf16",
+    res = export_draft(swapped, target, tmp_path / "swapped-bf16.gguf", format="gguf", gguf_type="bf16",
                   llama_cpp=llama_cpp.root)
     assert res.target_gguf is None and res.gguf_type == "bf16" and "TARGET.gguf" in res.command
     assert_weights(res.out, str(swapped), torch.bfloat16, expect_type="BF16")
@@ -201,7 +201,7 @@ def test_q4_k_m_needs_llama_quantize_and_passes_it_a_lossless_file(pair, llama_c
     _, draft, target_gguf = pair
     monkeypatch.delenv("SPECDRAFT_LLAMA_QUANTIZE", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty") + os.pathsep + "/usr/bin:/bin")
-    res = CliRunner().invoke(app, ["convert", "-d", draft, "-t", str(target_gguf), "-o", str(tmp_path / "q4.gguf"),
+    res = CliRunner().invoke(app, ["export", "-d", draft, "-t", str(target_gguf), "-o", str(tmp_path / "q4.gguf"),
                                    "--format", "gguf", "--gguf-type", "q4_k_m"])
     assert res.exit_code == 2 and "llama-quantize binary is not on PATH" in res.output
     assert not (tmp_path / "q4.gguf").exists()

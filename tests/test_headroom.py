@@ -186,7 +186,7 @@ def test_headroom_command(saved_pair, tmp_path):
 
     out = tmp_path / "h.json"
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", saved_pair["draft"],
-                                 "--data", saved_pair["data"], "--sure", "0.3", "--out", str(out)])
+                                 "--prompts", saved_pair["data"], "--sure", "0.3", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert res["sequences"] == 5 and res["positions"] == 5 * 9  # 8 reply words + the end of turn, per sequence
@@ -194,12 +194,12 @@ def test_headroom_command(saved_pair, tmp_path):
     assert 1 - res["greedy"] == pytest.approx(res["greedy_learnable"] + res["greedy_uncertain"])
     # The target against itself: nothing to learn.
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", saved_pair["target"],
-                                 "--data", saved_pair["data"], "--out", str(out), "--overwrite"])
+                                 "--prompts", saved_pair["data"], "--out", str(out), "--overwrite"])
     assert r.exit_code == 0, r.output
     assert "little to learn" in r.output and json.loads(out.read_text())["gain"] == 0.0
     # Prompts without replies: the target answers them with --generate.
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", saved_pair["draft"],
-                                 "--data", saved_pair["prompts"], "--generate", "4", "--out", str(out),
+                                 "--prompts", saved_pair["prompts"], "--generate", "4", "--out", str(out),
                                  "--overwrite"])
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["positions"] == 5 * 4  # tiny random targets do not stop early
@@ -212,15 +212,15 @@ def test_headroom_command_bad_input_is_one_line_and_exit_2(saved_pair, tmp_path)
     from specdraft.testing import tiny_tokenizer
 
     base = ["headroom", "--target", saved_pair["target"], "--draft", saved_pair["draft"]]
-    r = CliRunner().invoke(app, [*base, "--data", saved_pair["data"], "--sure", "0"])
+    r = CliRunner().invoke(app, [*base, "--prompts", saved_pair["data"], "--sure", "0"])
     assert r.exit_code == 2 and "--sure" in r.output
-    r = CliRunner().invoke(app, [*base, "--data", saved_pair["prompts"]])
+    r = CliRunner().invoke(app, [*base, "--prompts", saved_pair["prompts"]])
     assert r.exit_code == 2 and "--generate N" in r.output
     other = tmp_path / "other"
     tiny_model("llama", VOCAB, seed=4, layers=1).save_pretrained(other)
     tiny_tokenizer(VOCAB, swap=(10, 11)).save_pretrained(other)
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", str(other),
-                                 "--data", saved_pair["data"]])
+                                 "--prompts", saved_pair["data"]])
     assert r.exit_code == 2 and "vocab-swap" in r.output
 
 
@@ -240,7 +240,7 @@ def test_answers_that_cannot_fit_the_drafts_window_are_refused_before_the_target
     (short / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 16}))
     monkeypatch.setattr("specdraft.responses.generate_responses", lambda *a, **k: pytest.fail("the target answered"))
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", str(short),
-                                 "--data", saved_pair["prompts"], "--generate", "12", "--out", str(tmp_path / "h.json")])
+                                 "--prompts", saved_pair["prompts"], "--generate", "12", "--out", str(tmp_path / "h.json")])
     assert r.exit_code == 2, r.output
     assert re.search(r"sequence '[^']+' \(\d+ tokens\) exceeds the draft's context window \(16\)",
                      " ".join(r.output.split()))

@@ -52,13 +52,13 @@ def test_atomic_directory_widens_what_its_writers_made_private(tmp_path, umask):
 
 
 def test_a_converted_speculator_is_readable_by_others(tmp_path, umask):
-    """The end-to-end case of the issue: model.safetensors after convert was -rw-------."""
-    from specdraft.export import convert
+    """The end-to-end case of the issue: model.safetensors after export was -rw-------."""
+    from specdraft.export import export_draft
     from specdraft.testing import save_tiny_pair
 
     umask(0o022)
     target, draft = save_tiny_pair(tmp_path, 64)
     out = tmp_path / "spec"
-    convert(draft, target, out)
+    export_draft(draft, target, out)
     modes = {p.name: _mode(p) for p in out.iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

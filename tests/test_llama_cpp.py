@@ -382,7 +382,7 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     saved = {"target": (10.0, PP), "fast": (1000.0, None), "slow": (14.0, None)}  # tg tokens/s, pp {width: s}
     files = {k: bench_file(tmp_path / f"{k}.json", ts, pp) for k, (ts, pp) in saved.items()}
     # The target as its own draft accepts everything (α = 1) at 71 ms a step; near accepts less at 1 ms a step.
-    base = ["rank", near, tdir, "--target", tdir, "--prompts", str(prompts), "--num-prompts", "2",
+    base = ["rank", near, tdir, "--target", tdir, "--prompts", f"{prompts}:0:2",
             "--max-new-tokens", "8", "--gamma", "3", "--dtype", "float32", "--draft-quantization", "none",
             "--engine", "llama.cpp", "--target-gguf", str(t), "--draft-gguf", f"{near}={d}", "--draft-gguf",
             f"{tdir}={t}", "--llama-cpp-bin", str(tmp_path / "no-bin"), "--out", str(tmp_path / "rank"),

@@ -179,7 +179,7 @@ def test_run_cli_on_tiny_pair(tmp_path):
     train, ev = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "cdefghij"))
     ev.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "klm"))
-    args = ["run", "--target", tdir, "--draft", ddir, "--train-data", str(train), "--eval-data", f"{ev}",
+    args = ["run", "--target", tdir, "--draft", ddir, "--train-prompts", str(train), "--eval-prompts", f"{ev}",
             "--preset", "tiny", "--out", str(tmp_path / "run")]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output

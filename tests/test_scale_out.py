@@ -70,8 +70,8 @@ def test_two_rank_dump_holds_the_examples_of_one_rank(pair_and_dump):
     root, tdir, _, data = pair_and_dump
     _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
              str(_free_port()), "-m", "specdraft.cli", "dump", "--out", str(root / "dump2"), "--target", tdir,
-             "--data", str(data), "--format", "hidden", "--hidden-dtype", "float32", "--dtype", "float32",
-             "--batch-size", "2", "--generate", "6", "--temperature", "1.0", "--num-examples", "11"],
+             "--prompts", f"{data}:0:11", "--format", "hidden", "--hidden-dtype", "float32", "--dtype", "float32",
+             "--batch-size", "2", "--generate", "6", "--temperature", "1.0"],
             "the 2-rank dump (torchrun)")
     one, two = TeacherDataset(root / "dump1", verify=True), TeacherDataset(root / "dump2", verify=True)
     assert two.manifest["world_size"] == 2 and {s["rank"] for s in two.manifest["shards"]} == {0, 1}, \

@@ -1,5 +1,5 @@
 """Independent speculator checkpoints: on-disk format, loading paths, wrapper transparency, verifier modes,
-`convert` / `inspect`, bad input and atomic writes. Tiny models built in the test; one real-weight test."""
+`export` / `inspect`, bad input and atomic writes. Tiny models built in the test; one real-weight test."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from specdraft import __version__
 from specdraft.cli import app
 from specdraft.embedded import ModelResolutionError
-from specdraft.export import convert
+from specdraft.export import export_draft
 from specdraft.speculator import (
     MISSING,
     NUM_SPECULATIVE_TOKENS,
@@ -316,7 +316,7 @@ def test_attach_runs_the_tokenizer_check(tmp_path, pair):
     assert spec.speculator_config.verifier.name_or_path == target_dir  # the failed attach changed nothing
 
 
-# ---------------------------------------------------------------------------- convert: bad input
+# ----------------------------------------------------------------------------- export: bad input
 
 
 def test_draft_that_is_not_a_causal_lm(tmp_path, pair):
@@ -330,7 +330,7 @@ def test_draft_that_is_not_a_causal_lm(tmp_path, pair):
         IndependentSpeculatorConfig.from_pretrained(tmp_path / "bert")
     out = tmp_path / "out"
     with pytest.raises(SpeculatorError, match="BertForMaskedLM"):
-        convert(tmp_path / "bert", target_dir, out)
+        export_draft(tmp_path / "bert", target_dir, out)
     assert not out.exists()
 
 
@@ -338,12 +338,12 @@ def test_zero_speculative_tokens_names_the_flag(tmp_path, pair):
     target_dir, draft_dir = pair
     out = tmp_path / "out"
     with pytest.raises(SpeculatorError, match="--num-speculative-tokens"):
-        convert(draft_dir, target_dir, out, num_speculative_tokens=0)
+        export_draft(draft_dir, target_dir, out, num_speculative_tokens=0)
     with pytest.raises(SpeculatorError, match="--num-speculative-tokens"):
         IndependentSpeculator(tiny_model("qwen2"), num_speculative_tokens=0)
-    res = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out),
-                                   "--num-speculative-tokens", "0"])
-    assert res.exit_code == 2 and "--num-speculative-tokens" in res.output
+    res = CliRunner().invoke(app, ["export", "-d", draft_dir, "-t", target_dir, "-o", str(out),
+                                   "--gamma", "0"])
+    assert res.exit_code == 2 and "--gamma" in res.output
     assert not out.exists()
 
 
@@ -351,13 +351,13 @@ def test_unreadable_verifier_fails_before_writing(tmp_path, pair):
     _, draft_dir = pair
     out = tmp_path / "sub" / "out"
     with pytest.raises(ModelResolutionError):
-        convert(draft_dir, tmp_path / "no-such-model", out)
+        export_draft(draft_dir, tmp_path / "no-such-model", out)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     # Named with its line when the reference is resolved, before any weight is read.
     with pytest.raises(ModelResolutionError, match=r"broken/config.json is not valid JSON \(line 1, column 2"):
-        convert(draft_dir, broken, out)
+        export_draft(draft_dir, broken, out)
     assert not (tmp_path / "sub").exists()  # not even the parent directory
 
 
@@ -367,10 +367,10 @@ def test_output_directory_refusal_overwrite_and_empty(tmp_path, pair):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(SpeculatorError, match="not empty; pass --overwrite"):
-        convert(draft_dir, target_dir, out)
+        export_draft(draft_dir, target_dir, out)
     assert (out / "keep.txt").read_text() == "mine"
 
-    res = convert(draft_dir, target_dir, out, num_speculative_tokens=3, overwrite=True)
+    res = export_draft(draft_dir, target_dir, out, num_speculative_tokens=3, overwrite=True)
     assert not (out / "keep.txt").exists() and load_speculator_config(out).num_speculative_tokens == 3
     assert siblings(out) == ["pair"]  # no .tmp-/.old- leftovers
     assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
@@ -378,7 +378,7 @@ def test_output_directory_refusal_overwrite_and_empty(tmp_path, pair):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    convert(draft_dir, target_dir, empty)  # an existing empty directory is fine without --overwrite
+    export_draft(draft_dir, target_dir, empty)  # an existing empty directory is fine without --overwrite
     assert load_speculator_config(empty).num_speculative_tokens == NUM_SPECULATIVE_TOKENS
 
 
@@ -399,15 +399,15 @@ def test_failed_write_leaves_target_untouched(tmp_path, pair, monkeypatch):
 
     monkeypatch.setattr(ex, "_copy_tokenizer_files", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(draft_dir, target_dir, out)
+        export_draft(draft_dir, target_dir, out)
     assert not out.exists() and siblings(out) == ["pair"]
 
     monkeypatch.undo()
-    convert(draft_dir, target_dir, out, num_speculative_tokens=2)
+    export_draft(draft_dir, target_dir, out, num_speculative_tokens=2)
     before = files(out)
     monkeypatch.setattr(ex, "_copy_tokenizer_files", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(draft_dir, target_dir, out, num_speculative_tokens=4, overwrite=True)
+        export_draft(draft_dir, target_dir, out, num_speculative_tokens=4, overwrite=True)
     assert files(out) == before and siblings(out) == ["pair"]
 
 
@@ -420,7 +420,7 @@ def test_killed_convert_leaves_no_speculator(tmp_path, pair):
         import specdraft.io
         import specdraft.export as ex
         specdraft.io.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
-        ex.convert({draft_dir!r}, {target_dir!r}, {str(out)!r})
+        ex.export_draft({draft_dir!r}, {target_dir!r}, {str(out)!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120, check=False,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -449,10 +449,10 @@ def test_untied_draft_without_lm_head_is_never_converted(tmp_path, pair):
     _rewrite(draft_dir, drop=("lm_head.weight",))
     out = tmp_path / "out"
     with pytest.raises(ModelResolutionError, match=r"lm_head\.weight"):
-        convert(draft_dir, target_dir, out)
+        export_draft(draft_dir, target_dir, out)
     with pytest.raises(ModelResolutionError, match=r"lm_head\.weight"):
         IndependentSpeculator.from_pretrained(draft_dir)
-    res = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
+    res = CliRunner().invoke(app, ["export", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
     assert res.exit_code == 2 and "lm_head.weight" in res.output and "Traceback" not in res.output
     assert not out.exists()
     prompts = tmp_path / "p.jsonl"
@@ -472,7 +472,7 @@ def test_tie_flag_that_contradicts_the_tensors_is_exported_false(tmp_path, pair)
     head = load_file(Path(draft_dir) / "model.safetensors")["lm_head.weight"]
     out = tmp_path / "out"
     with pytest.warns(UserWarning, match="tie_word_embeddings"):
-        res = convert(draft_dir, target_dir, out)
+        res = export_draft(draft_dir, target_dir, out)
     assert res.corrected == {"tie_word_embeddings": (True, False)} and "tie_word_embeddings" not in res.resaved
     written = json.loads((out / "config.json").read_text())
     assert written["tie_word_embeddings"] is False
@@ -480,7 +480,7 @@ def test_tie_flag_that_contradicts_the_tensors_is_exported_false(tmp_path, pair)
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(reloaded.lm_head.weight, head)
     cli_out = tmp_path / "cli"
-    r = CliRunner().invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(cli_out)])
+    r = CliRunner().invoke(app, ["export", "-d", draft_dir, "-t", target_dir, "-o", str(cli_out)])
     assert r.exit_code == 0, r.output
     assert "tie_word_embeddings: true" in " ".join(r.output.split())
 
@@ -502,7 +502,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     target_dir, draft_dir = pair
     out = tmp_path / "spec"
     runner = CliRunner()
-    res = runner.invoke(app, ["convert", "--draft", draft_dir, "--verifier", target_dir, "--out", str(out)])
+    res = runner.invoke(app, ["export", "--draft", draft_dir, "--target", target_dir, "--out", str(out)])
     assert res.exit_code == 0, res.output
     cmd = (f"vllm serve {target_dir} --speculative-config '{{\"method\": \"draft_model\", \"model\": "
            f"\"{out}\", \"num_speculative_tokens\": {NUM_SPECULATIVE_TOKENS}}}'")
@@ -523,7 +523,7 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     res = runner.invoke(app, ["inspect", draft_dir])
     assert res.exit_code == 2 and "specdraft export" in res.output
 
-    res = runner.invoke(app, ["convert", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
+    res = runner.invoke(app, ["export", "-d", draft_dir, "-t", target_dir, "-o", str(out)])
     assert res.exit_code == 2 and "--overwrite" in res.output
 
 
@@ -536,7 +536,7 @@ def test_real_qwen_draft_converts_and_reloads_with_identical_logits(tmp_path):
     from specdraft.models import load_tokenizer, resolve
 
     out = tmp_path / "spec"
-    res = convert(DEFAULT_DRAFT, DEFAULT_TARGET, out)  # the verifier's config and tokenizer only
+    res = export_draft(DEFAULT_DRAFT, DEFAULT_TARGET, out)  # the verifier's config and tokenizer only
     assert sorted(res.added) == sorted(SPECULATOR_KEYS) and res.resaved == {}
     # An embedded verifier is recorded portably: the hub id its (dequantised GGUF) weights derive from.
     assert res.config["speculators_config"] == expected_speculators_config(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from specdraft import vllm_plugin
-from specdraft.export import convert
+from specdraft.export import export_draft
 from specdraft.speculator import SpeculatorError
 from specdraft.testing import save_tiny_pair
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def speculator(tmp_path):
     target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96)
-    res = convert(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=4)
+    res = export_draft(draft_dir, target_dir, tmp_path / "spec", num_speculative_tokens=4)
     return target_dir, str(res.out), res.config
 
 
@@ -46,7 +46,7 @@ def test_plan_user_config_wins_except_method_and_model(speculator):
 
 def test_plan_padded_draft_gets_use_heterogeneous_vocab(tmp_path):
     target_dir, draft_dir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=112)
-    config = convert(draft_dir, target_dir, tmp_path / "spec").config
+    config = export_draft(draft_dir, target_dir, tmp_path / "spec").config
     assert vllm_plugin.plan_independent(config, "/s")[1]["use_heterogeneous_vocab"] is True
 
 

@@ -51,7 +51,6 @@ _EXPORTS = {
     "PipelineConfig": "specdraft.config",
     "export_draft": "specdraft.export",
     "export_speculator": "specdraft.export",
-    "convert": "specdraft.export",  # export_draft's old name
     "run_check": "specdraft.check",
     "run_distill": "specdraft.distill",
     "IndependentSpeculator": "specdraft.speculator_model",

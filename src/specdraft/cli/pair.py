@@ -14,14 +14,11 @@ from rich.markup import escape
 from specdraft.cli.errors import check_out, fail
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
-    ConfOpt,
+    JSON_HELP,
     GammaOpt,
-    GammaPolicyOpt,
-    HeadTokensOpt,
     MapVocabOpt,
     OverwriteOpt,
-    ProposalsOpt,
-    QuantOpt,
+    config_option,
     draft_option,
     dtype_option,
     out_option,
@@ -46,7 +43,16 @@ from specdraft.cli.render import (
     resolve_with_progress,
     status_lines,
 )
-from specdraft.config import EvalConfig, ModelDtype, RankEngine, SamplingConfig
+from specdraft.config import (
+    DraftQuantization,
+    EvalConfig,
+    GammaPolicy,
+    HeadroomConfig,
+    ModelDtype,
+    ProposalMode,
+    RankEngine,
+    SamplingConfig,
+)
 
 TEMPERATURE, TOP_K, TOP_P = sampling_options(SamplingConfig)
 
@@ -72,11 +78,9 @@ def check(
     draft: str = draft_option(),
     prompt: Annotated[str, typer.Option(help="Prompt for the greedy continuation of each model.")] =
         "Write a Python function that returns the n-th Fibonacci number.",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens of greedy continuation per model.")] = 16,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
-    dtype: ModelDtype = dtype_option(EvalConfig, " Both models are loaded in it for their continuations; eval, "
-                                     "generate and rank decode in bfloat16 by default: pass --dtype bfloat16 to see "
-                                     "what they decode.", default="auto"),
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1),
+    json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
+    dtype: ModelDtype = dtype_option(HeadroomConfig),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Check that a target and a draft can work together.
@@ -117,33 +121,29 @@ def eval_cmd(
     target: str = target_option(),
     draft: str = draft_option(),
     prompts: str = prompts_option("humaneval:100:8", "Prompts to decode", HELD_OUT_NOTE),
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per prompt.")] = 128,
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", min=1),
     gamma: GammaOpt = None,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
     seed: int = seed_option(EvalConfig),
-    compare_hf: Annotated[bool, typer.Option("--compare-hf",
-                                             help="Also time transformers' generate(assistant_model=draft).")]
-        = False,
-    draft_confidence_threshold: ConfOpt = None,
+    compare_hf: bool = config_option(EvalConfig, "compare_hf"),
+    draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = False,
-    mapped_proposals: ProposalsOpt = None,
+    mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
     dtype: ModelDtype = dtype_option(EvalConfig),
-    draft_quantization: QuantOpt = "auto",
-    draft_head_tokens: HeadTokensOpt = None,
-    gamma_policy: GammaPolicyOpt = "adaptive",
-    certify: Annotated[int, typer.Option(
-        min=0, help="Sampled decoding: draw the first new token of the first prompt N times by speculative sampling "
-        "and χ²-test the counts against the target's own law (p-value reported; 2000 draws take a few minutes on "
-        "CPU). 0 = off.")] = 0,
-    out: Path = out_option(Path("runs/eval"), "Directory for report.json and plots."),
+    draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
+    draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
+    gamma_policy: GammaPolicy = config_option(EvalConfig, "gamma_policy"),
+    certify: int = config_option(EvalConfig, "certify", min=0),
+    out: Path = out_option(Path("runs/eval")),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Measure speculative decoding against the target alone.
 
     Decodes prompts with the target alone and with speculative decoding (and optionally transformers' assisted
-    generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ."""
+    generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ; writes report.json and
+    plots into --out."""
     from specdraft.evaluate import run_eval, write_report
     from specdraft.pair import encode
 
@@ -171,19 +171,19 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
     target: str = target_option(),
     draft: str = draft_option(),
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens of the answer; it stops at EOS.")] = 512,
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=512, min=1),
     gamma: GammaOpt = None,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
     seed: int = seed_option(EvalConfig),
     dtype: ModelDtype = dtype_option(EvalConfig),
-    draft_confidence_threshold: ConfOpt = None,
+    draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = False,
-    mapped_proposals: ProposalsOpt = None,
-    draft_quantization: QuantOpt = "auto",
-    draft_head_tokens: HeadTokensOpt = None,
-    gamma_policy: GammaPolicyOpt = "adaptive",
+    mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
+    draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
+    draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
+    gamma_policy: GammaPolicy = config_option(EvalConfig, "gamma_policy"),
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
     from specdraft.pair import prepare_generation
@@ -210,19 +210,19 @@ def rank(
                                                 "through a vocabulary mapping).")],
     target: str = target_option(),
     prompts: str = prompts_option("humaneval:100:2", "Calibration prompts, per draft", HELD_OUT_NOTE),
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="New tokens per calibration prompt.")] = 48,
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=48, min=1),
     gamma: GammaOpt = None,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
     dtype: ModelDtype = dtype_option(EvalConfig),
-    draft_quantization: QuantOpt = "auto",
-    draft_head_tokens: HeadTokensOpt = None,
+    draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
+    draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
     confirm: Annotated[bool | None, typer.Option(
         help="Then measure the top draft against the target alone (specdraft eval on the same prompts, at its "
         "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
         "command).", show_default=False)] = None,
-    out: Path = out_option(Path("runs/rank"), "Directory for rank.json (and the confirmation's report)."),
+    out: Path = out_option(Path("runs/rank")),
     overwrite: OverwriteOpt = False,
     engine: Annotated[RankEngine, typer.Option(
         help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "
@@ -250,7 +250,8 @@ def rank(
     Which draft should I use? Measures each candidate's acceptance and step cost on a short calibration set, prints
     the predicted speed-up of each (the measured speed model), best first, then confirms the top one by measurement.
     --engine llama.cpp: predicts llama.cpp's speed-up instead, from llama-bench timings of each GGUF and the α
-    measured here, with the best --spec-draft-n-max of each; prints the llama.cpp command of the best.
+    measured here, with the best --spec-draft-n-max of each; prints the llama.cpp command of the best. Writes
+    rank.json (and the confirmation's report) into --out.
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
     from specdraft.rank import (

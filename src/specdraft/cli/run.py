@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     TRAINING_NOTE,
-    HeadTokensOpt,
     OverwriteOpt,
-    QuantOpt,
+    config_option,
     draft_option,
     out_option,
     prompts_option,
     target_option,
 )
 from specdraft.cli.render import console, library_warnings_off, print_run, resolve_with_progress
-from specdraft.config import ExportDtype, GammaPolicy, GgufType, PresetName
+from specdraft.config import (
+    DraftQuantization,
+    EvalConfig,
+    ExportDtype,
+    GammaPolicy,
+    GgufType,
+    PipelineConfig,
+    PresetName,
+)
 
 
 def run(
@@ -34,35 +38,24 @@ def run(
     ood_prompts: list[str] | None = prompts_option(
         None, "A second held-out set, reported separately (another domain, which must not get worse)",
         HELD_OUT_NOTE + " Default: the preset's.", flag="--ood-prompts"),
-    out: Path = out_option(Path("runs/default"), "Run directory; a re-run resumes, skipping finished stages."),
-    preset: Annotated[PresetName, typer.Option(help="default (the whole road: SmolLM2-135M, another tokenizer, "
-                                                     "mapped, re-indexed, distilled; a 2-core CPU), same-family (the "
-                                                     "Qwen 0.5B draft), ci (minutes), large (GPU, hours), tiny "
-                                                     "(random models, tests). The run's first line says what the "
-                                                     "preset needs (cores, memory, disk, time).")] = "default",
-    refuse_overlap: Annotated[bool, typer.Option("--refuse-overlap",
-                                                 help="Refuse when train and eval prompts overlap.")] = False,
-    vocab_swap: Annotated[bool | None, typer.Option(
-        "--vocab-swap/--no-vocab-swap", help="A draft of another tokenizer: evaluate it through a vocabulary "
-        "mapping, re-index it into the target's tokenizer, distil that (see specdraft vocab-swap). Default: the "
-        "preset's (on in the default preset).",
-        show_default=False)] = None,
-    export_dtype: Annotated[ExportDtype | None, typer.Option(
-        help="Weights dtype of the exported speculator (keep = the training dtype). Default: the preset's "
-        "(bfloat16, what vLLM serves).")] = None,
-    export_gguf: Annotated[GgufType | None, typer.Option(
-        help="Also write the distilled draft as a llama.cpp GGUF of this type (export/draft-TYPE.gguf), checked "
-        "against the target's vocabulary as llama.cpp checks a -md draft.")] = None,
-    draft_quantization: QuantOpt = None,
-    draft_head_tokens: HeadTokensOpt = None,
-    gamma_policy: Annotated[GammaPolicy | None, typer.Option(
-        help="Both evaluations: fixed γ, or adaptive (see specdraft eval --help). Default: the preset's.")] = None,
+    out: Path = out_option(Path("runs/default")),
+    preset: PresetName = config_option(PipelineConfig, "preset"),
+    refuse_overlap: bool = config_option(PipelineConfig, "refuse_overlap"),
+    vocab_swap: bool | None = config_option(PipelineConfig, "vocab_swap", "--vocab-swap/--no-vocab-swap",
+                                            default=None, show_default=False),
+    # None: the preset's (its fields say so); a flag given overrides that one field.
+    export_dtype: ExportDtype | None = config_option(PipelineConfig, "export_dtype", default=None),
+    export_gguf: GgufType | None = config_option(PipelineConfig, "export_gguf"),
+    draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization", default=None),
+    draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
+    gamma_policy: GammaPolicy | None = config_option(EvalConfig, "gamma_policy", default=None),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Run the main job: check, evaluate, distil, export, report.
 
     check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
-    report; a re-run resumes, skipping finished stages."""
+    report, every stage in the run directory --out; a re-run resumes, skipping finished stages. --gamma-policy,
+    --draft-quantization and --draft-head-tokens set both evaluations."""
     from specdraft.pipeline import make_config, run_pipeline, run_prompts
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_prompts, eval_prompts=eval_prompts,

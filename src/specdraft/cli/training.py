@@ -15,8 +15,8 @@ from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     TRAINING_NOTE,
-    GammaOpt,
     OverwriteOpt,
+    SpeculatorGammaOpt,
     config_option,
     draft_option,
     dtype_option,
@@ -59,25 +59,22 @@ def headroom(
     target: str = target_option(),
     draft: str = draft_option(),
     prompts: list[str] = prompts_option(HEADROOM_DATA, "Prompts whose replies are teacher-forced", HELD_OUT_NOTE),
-    generate: Annotated[int | None, typer.Option(help="The target answers each prompt with up to N greedy tokens and "
-                                                    "the forecast runs on its answers (what decoding verifies); "
-                                                    "default: the existing replies (one prefill each).")] = None,
-    sure: Annotated[float, typer.Option(help="The target is sure at a position when max p >= this.")] = 0.5,
-    min_gain: Annotated[float, typer.Option(help="A forecast gain below this reads 'little to learn'.")] = 0.02,
-    max_length: Annotated[int, typer.Option(help="Tokens kept per sequence.")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
+    generate: int | None = config_option(HeadroomConfig, "generate"),
+    sure: float = config_option(HeadroomConfig, "sure"),
+    min_gain: float = config_option(HeadroomConfig, "min_gain"),
+    max_length: int = config_option(HeadroomConfig, "max_length"),
+    batch_size: int = config_option(HeadroomConfig, "batch_size"),
     dtype: ModelDtype = dtype_option(HeadroomConfig),
-    out: Path | None = out_option(None, "Write the forecast to this JSON file."),
+    out: Path | None = out_option(None),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Forecast how much acceptance distillation can add.
 
     Before training: how much acceptance can distillation add to this pair? Splits 1 − agreement into the part
     where the target is sure and the draft is not (learnable) and where the target is unsure
-    (specdraft.headroom)."""
+    (specdraft.headroom). With --out, also writes the forecast to that JSON file."""
     from specdraft.headroom import run_headroom
     from specdraft.io import atomic_write_text
-
     config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
                             batch_size=batch_size, dtype=dtype)
     examples = read_prompts(prompts, held_out=True).examples
@@ -91,32 +88,29 @@ def headroom(
 
 
 def dump(
-    out: Path = out_option(..., "Output directory: new, empty, or an unfinished or finished dump of the same plan "
-                           "(resumed / verified)."),
+    out: Path = out_option(...),
     target: str = target_option(),
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump keeps every "
                                   "example of its range (no stride).", strides=False),
-    format: Annotated[DumpFormat, typer.Option("--format", help="hidden: final hidden states after the final "
-                                               "norm (exact); topk: top-k log-probs + leftover mass.")] = "hidden",
-    top_k: Annotated[int, typer.Option(help="Log-probs kept per position (--format topk).")] = 64,
-    hidden_dtype: Annotated[HiddenDtype, typer.Option(help="Storage dtype of hidden states.")] = "bfloat16",
-    max_length: Annotated[int, typer.Option(help="Tokens kept per sequence.")] = 2048,
-    truncate: Annotated[bool, typer.Option("--truncate/--refuse-long", help="Cut sequences longer than "
-                                           "--max-length and count them, or refuse them.")] = True,
-    answer_only: Annotated[bool, typer.Option("--answer-only", help="Train only predictions of assistant "
-                                              "(or generated) tokens.")] = False,
-    generate: Annotated[int | None, typer.Option(help="The target answers each prompt itself with up to N "
-                                                    "tokens (on-policy data).")] = None,
-    temperature: float = config_option(DumpConfig, "temperature", "--temperature"),
+    format: DumpFormat = config_option(DumpConfig, "format"),
+    # The field keeps its name (every dump's manifest records it as top_k); --top-k is decoding's sampling filter.
+    top_k: int = config_option(DumpConfig, "top_k", "--top-logprobs", min=1),
+    hidden_dtype: HiddenDtype = config_option(DumpConfig, "hidden_dtype"),
+    max_length: int = config_option(DumpConfig, "max_length"),
+    truncate: bool = config_option(DumpConfig, "truncate", "--truncate/--refuse-long"),
+    answer_only: bool = config_option(DumpConfig, "answer_only"),
+    generate: int | None = config_option(DumpConfig, "generate"),
+    temperature: float = config_option(DumpConfig, "temperature"),
     seed: int = seed_option(DumpConfig),
-    batch_size: Annotated[int, typer.Option(help="Sequences per target forward pass.")] = 8,
-    shard_size_mb: Annotated[float, typer.Option(help="Shard size bound, MB.")] = 256.0,
+    batch_size: int = config_option(DumpConfig, "batch_size"),
+    shard_size_mb: float = config_option(DumpConfig, "shard_size_mb"),
     dtype: ModelDtype = dtype_option(DumpConfig),
 ) -> None:
     """Store the target's distribution over a dataset (teacher dump).
 
-    Runs the target once over every sequence and stores its distribution in shards plus a manifest; a killed run
-    resumes where it stopped. Runs data-parallel under accelerate launch / torchrun."""
+    Runs the target once over every sequence and stores its distribution in shards plus a manifest in --out (new,
+    empty, or an unfinished or finished dump of the same plan: resumed / verified); a killed run resumes where it
+    stopped. Runs data-parallel under accelerate launch / torchrun."""
     import time
 
     from rich.progress import (
@@ -149,50 +143,46 @@ def dump(
     print_dump(m, out, time.time() - t0)
 
 
-TEMPERATURE, TOP_K, TOP_P = sampling_options(DistillConfig)
+#: The serving filter: not decoding's --temperature / --top-k / --top-p (DistillConfig says why).
+SERVING_TEMPERATURE, SERVING_TOP_K, SERVING_TOP_P = sampling_options(DistillConfig, prefix="serving-")
 
 
 def distill(
     target: str = target_option(),
     draft: str = draft_option(),
     dump: Annotated[Path, typer.Option(help="Teacher dump directory written by `specdraft dump`.")] = Path("runs/dump"),
-    out: Path = out_option(Path("runs/distill"), "Output: checkpoints/, speculator/, training.json."),
-    loss: LossName = config_option(DistillConfig, "loss", "--loss"),
-    temperature: float = TEMPERATURE,
-    top_k: int = TOP_K,
-    top_p: float = TOP_P,
-    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-5,
-    row_lr: float | None = config_option(DistillConfig, "row_lr", "--row-lr"),
-    untie_head: bool = config_option(DistillConfig, "untie_head", "--untie-head"),
-    prompt_positions: bool = config_option(DistillConfig, "prompt_positions", "--prompt-positions"),
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 100,
-    batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
-    gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
-    warmup_ratio: Annotated[float, typer.Option(help="Share of steps warming up.")] = 0.0,
-    scheduler: Annotated[Scheduler, typer.Option(help="Learning-rate schedule.")] = "cosine",
+    out: Path = out_option(Path("runs/distill")),
+    loss: LossName = config_option(DistillConfig, "loss"),
+    temperature: float = SERVING_TEMPERATURE,
+    top_k: int = SERVING_TOP_K,
+    top_p: float = SERVING_TOP_P,
+    lr: float = config_option(DistillConfig, "lr"),
+    row_lr: float | None = config_option(DistillConfig, "row_lr"),
+    untie_head: bool = config_option(DistillConfig, "untie_head"),
+    prompt_positions: bool = config_option(DistillConfig, "prompt_positions"),
+    max_steps: int = config_option(DistillConfig, "max_steps"),
+    batch_size: int = config_option(DistillConfig, "batch_size"),
+    gradient_accumulation_steps: int = config_option(DistillConfig, "gradient_accumulation_steps"),
+    warmup_ratio: float = config_option(DistillConfig, "warmup_ratio"),
+    scheduler: Scheduler = config_option(DistillConfig, "scheduler"),
     seed: int = seed_option(DistillConfig),
     dtype: Literal["float32", "bfloat16"] = dtype_option(DistillConfig),
-    precision: Annotated[Precision, typer.Option(
-        help="float32; bf16-autocast: the draft's forward in bfloat16 (torch.autocast), float32 master weights, "
-        "teacher and loss; auto: bf16-autocast on a CPU with AMX-bf16/avx512_bf16 or a bf16 CUDA GPU.")] = "float32",
-    train: Annotated[TrainWhat, typer.Option(help="All parameters, the last N layers (+ final norm), or LoRA.")]
-        = "all",
-    train_last_layers: Annotated[int, typer.Option(help="N for --train last_layers.")] = 2,
-    held_out_fraction: Annotated[float, typer.Option(help="Share of sequences held out for α.")] = 0.1,
-    eval_steps: Annotated[int, typer.Option(help="Held-out evaluation every N steps; 0 = end only.")] = 0,
-    save_steps: Annotated[int, typer.Option(help="Checkpoint every N steps (resume point).")] = 50,
-    on_policy_fraction: Annotated[float, typer.Option(
-        help="λ: share of training sequences the draft writes itself from the training prompts (sampled at "
-        "--temperature/--top-k/--top-p), scored by the target; 0 = the dump only.")] = 0.0,
-    on_policy_every: Annotated[int, typer.Option(help="Regenerate the draft-written sequences every N steps.")] = 10,
-    on_policy_max_new_tokens: Annotated[int | None, typer.Option(
-        help="Length bound of the draft's answers (default: the dump's --generate, else 128).")] = None,
-    gamma: GammaOpt = None,
+    precision: Precision = config_option(DistillConfig, "precision"),
+    train: TrainWhat = config_option(DistillConfig, "train"),
+    train_last_layers: int = config_option(DistillConfig, "train_last_layers"),
+    held_out_fraction: float = config_option(DistillConfig, "held_out_fraction"),
+    eval_steps: int = config_option(DistillConfig, "eval_steps"),
+    save_steps: int = config_option(DistillConfig, "save_steps"),
+    on_policy_fraction: float = config_option(DistillConfig, "on_policy_fraction"),
+    on_policy_every: int = config_option(DistillConfig, "on_policy_every"),
+    on_policy_max_new_tokens: int | None = config_option(DistillConfig, "on_policy_max_new_tokens"),
+    gamma: SpeculatorGammaOpt = None,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
 ) -> None:
     """Distil the draft against a teacher dump.
 
-    Trains the draft against the target's stored distribution and exports it as an independent speculator."""
+    Trains the draft against the target's stored distribution and exports it as an independent speculator; --out
+    gets checkpoints/ (a re-run resumes from them), speculator/ and training.json."""
     from specdraft.config import speculative_tokens
     from specdraft.distill import run_distill
 
@@ -212,10 +202,10 @@ def distill(
 
 
 def vocab_swap(
-    draft: str = draft_option(..., " Here a draft of another tokenizer than the target's."),
-    out: Path = out_option(..., "Directory for the swapped draft (written atomically)."),
+    draft: str = draft_option(...),
+    out: Path = out_option(...),
     target: str = target_option(),
-    dtype: ModelDtype = dtype_option(EvalConfig, " The swapped draft is written in it.", default="float32"),
+    dtype: ModelDtype = dtype_option(EvalConfig, default="float32"),
     overwrite: OverwriteOpt = False,
     prompts: list[str] | None = prompts_option(None, "Conversations whose replies (in the target's tokenizer) are "
                                                "teacher-forced through the swapped draft for the swap diagnostic",
@@ -224,13 +214,12 @@ def vocab_swap(
 ) -> None:
     """Re-index a draft of another tokenizer into the target's.
 
-    Its embedding and output rows are copied to
-    the target ids of their string-identical twins; a target token it lacks starts from the mean of the rows of
-    the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
-    checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows
-    to 152k rows for Qwen); distil it next (specdraft run --draft OUT). With --prompts, the swap diagnostic: the
-    share of reply tokens without a draft twin and the swapped draft's argmax disagreements by kind
-    (specdraft.segmentation)."""
+    The draft, of another tokenizer than the target's, is written into --out (atomically): its embedding and output rows
+    are copied to the target ids of their string-identical twins; a target token it lacks starts from the mean of the
+    rows of the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
+    checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows to 152k
+    rows for Qwen); distil it next (specdraft run --draft OUT). With --prompts, the swap diagnostic: the share of reply
+    tokens without a draft twin and the swapped draft's argmax disagreements by kind (specdraft.segmentation)."""
     from specdraft.vocab import save_vocab_swap
 
     examples = read_prompts(prompts).examples if prompts else None
