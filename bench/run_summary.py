@@ -69,18 +69,17 @@ def summarise(run: Path, time_log: Path | None = None) -> dict:
                       "before": b["acceptance_rate"], "after": after[name]["acceptance_rate"],
                       "gain": g.value, "gain_ci95": list(g.interval), "drafted_after": after[name]["drafted"]}
     for name, sp in speed_sets(r).items():
-        c = sp["contenders"]
-        hf = next((v for k, v in c.items() if k.startswith("hf_assisted")), None)
+        c = sp.contenders
+        hf = next(iter(sp.of_kind("hf_assisted").values()), None)
         sets[name]["speed"] = {
-            "prompts": sp["prompts"], "max_new_tokens": sp.get("max_new_tokens"),
-            "target_tokens_per_s": c["target"]["tokens_per_s"],
-            **{who: {"speedup": c[f"speculative:{who}"]["speedup"], "speedup_ci95": c[f"speculative:{who}"]["speedup_ci95"],
-                     "vs_hf": c[f"speculative:{who}"]["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
-                     "matches_target": c[f"speculative:{who}"].get("matches_target")}
-               for who in ("original", "distilled") if f"speculative:{who}" in c},
-            "distilled_vs_original": _distilled_vs_original(sp.get("rows") or []),
-            "divergences": [{k: d[k] for k in ("prompt_id", "contender", "position", "margin")}
-                            for d in sp.get("divergences", []) if not d["contender"].startswith("hf_assisted")]}
+            "prompts": sp.prompts, "max_new_tokens": sp.max_new_tokens,
+            "target_tokens_per_s": c["target"].tokens_per_s,
+            **{who: {"speedup": s.speedup, "speedup_ci95": s.speedup_ci95,
+                     "vs_hf": s.tokens_per_s / hf.tokens_per_s if hf else None, "matches_target": s.matches_target}
+               for who in ("original", "distilled") if (s := sp.contender("speculative", who)) is not None},
+            "distilled_vs_original": _distilled_vs_original([row.to_dict() for row in sp.rows]),
+            "divergences": [{k: getattr(d, k) for k in ("prompt_id", "contender", "position", "margin")}
+                            for d in sp.divergences if not d.contender.startswith("hf_assisted")]}
     h = r.get("headroom") or {}
     return {"command": timed.get("timed_command") or r["command"], "date": r["date"],
             "machine": r["versions"]["machine"], "torch": r["versions"]["torch"], "preset": r["config"]["preset"],

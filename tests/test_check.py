@@ -607,14 +607,13 @@ def test_parameter_note_explains_a_separate_output_head(tmp_path):
     tok = tiny_tokenizer(64)
     untied, tied = tiny_model("llama", vocab_size=64), tiny_model("llama", vocab_size=64, tie_word_embeddings=True)
     f_untied, f_tied = model_facts(untied, tok), model_facts(tied, tok)
-    assert f_untied["output_head_parameters"] == 64 * 32 and f_tied["output_head_parameters"] == 0
-    assert f_untied["parameters"] - f_tied["parameters"] == 64 * 32  # what the tie saves
-    assert parameter_note({"target": f_tied, "draft": f_tied}) is None
-    note = parameter_note({"target_ref": "t", "draft_ref": "qwen2.5-coder-0.5b-instruct", "target": f_tied,
-                           "draft": f_untied})
+    assert f_untied.output_head_parameters == 64 * 32 and f_tied.output_head_parameters == 0
+    assert f_untied.parameters - f_tied.parameters == 64 * 32  # what the tie saves
+    assert parameter_note(f_tied, f_tied) is None
+    note = parameter_note(f_tied, f_untied, ("t", "qwen2.5-coder-0.5b-instruct"))
     assert note.startswith("the parameter counts include a separate output head (draft 0.0 M)")
     assert "GGUF builds, which store the output head separately" in note
-    assert "GGUF" not in parameter_note({"target_ref": "t", "draft_ref": "d", "target": f_untied, "draft": f_tied})
+    assert "GGUF" not in parameter_note(f_untied, f_tied, ("t", "d"))
 
 
 # ------------------------------------------------------------------------------------------ chat templates

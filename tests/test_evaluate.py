@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from specdraft.config import EvalConfig, HeadroomConfig, SamplingConfig
-from specdraft.evaluate import run_eval, write_report
+from specdraft.evaluate import run_eval
 from specdraft.headroom import forecast_headroom
 from specdraft.replay import predicted_alpha
+from specdraft.report import write_eval_report
 from specdraft.testing import perturbed, save_tiny_pair, tiny_model, tiny_tokenizer
 
 
@@ -113,7 +114,7 @@ def test_run_eval_greedy_is_lossless_and_report_is_written(tmp_path):
     assert sum(r["proposed"] for r in res.per_prompt) == sum(res.spec_counts.proposed)
     low, high = s["acceptance_rate_ci95"]
     assert low <= s["acceptance_rate"] <= high and s["alpha_ci95"][0] <= s["alpha"] <= s["alpha_ci95"][1]
-    paths = write_report(res, tmp_path)
+    paths = write_eval_report(res, tmp_path)
     data = json.loads(paths["report"].read_text())
     assert data["summary"]["acceptance_rate"] == s["acceptance_rate"]
     assert data["speculative_counts"]["accepted"] == res.spec_counts.accepted
@@ -368,13 +369,17 @@ def test_interleaved_speed_times_every_contender_on_the_same_prompts():
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     res = interleaved_speed(target, drafts, tok, prompts, ["a", "b", "c"],
                             EvalConfig(num_speculative_tokens=3, max_new_tokens=10), hf_draft="original")
-    c = res["contenders"]
+    c = res.contenders
     assert set(c) == {"target", "speculative:original", "speculative:distilled", "hf_assisted:original"}
-    assert res["lossless"] and c["speculative:distilled"]["matches_target"] == "3/3"
-    assert all(r[name][0] == r["target"][0] > 0 for r in res["rows"] for name in c)  # greedy: the same tokens
+    assert res.lossless and c["speculative:distilled"].matches_target == "3/3"
+    assert all(r.timings[name][0] == r.timings["target"][0] > 0 for r in res.rows for name in c)  # greedy: same tokens
     sp = c["speculative:original"]
-    assert sp["speedup_ci95"][0] <= sp["speedup"] <= sp["speedup_ci95"][1]
-    assert sp["speedup"] == pytest.approx(sp["tokens_per_s"] / c["target"]["tokens_per_s"])
+    assert sp.speedup_ci95[0] <= sp.speedup <= sp.speedup_ci95[1]
+    assert sp.speedup == pytest.approx(sp.tokens_per_s / c["target"].tokens_per_s)
+    from specdraft.speed import SpeedRun
+
+    saved = json.loads(json.dumps(res.to_dict()))  # as a stage writes it: read back, it writes the same JSON
+    assert json.loads(json.dumps(SpeedRun.from_dict(saved).to_dict())) == saved
 
 
 def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tmp_path, monkeypatch):

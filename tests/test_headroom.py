@@ -102,7 +102,7 @@ def test_a_draft_that_disagrees_only_where_the_target_is_sure_has_headroom(targe
     share = _sure_share(target, seqs, masks)
     assert 0.1 < share < 0.9  # both kinds of position occur
     cfg = HeadroomConfig(sure=SURE, batch_size=4)  # batches of 4 with left padding: also checks the alignment
-    res = forecast_headroom(target, _Built(target, "sure"), seqs, masks, cfg, real_vocab=VOCAB)
+    res = forecast_headroom(target, _Built(target, "sure"), seqs, masks, cfg, real_vocab=VOCAB).to_dict()
     assert res["positions"] == sum(map(sum, masks))
     # Every sure position is a disagreement, every other one an agreement: the gap is all learnable.
     assert res["gain"] == pytest.approx(share) and res["greedy_uncertain"] == 0.0
@@ -117,7 +117,7 @@ def test_a_draft_that_disagrees_only_where_the_target_is_sure_has_headroom(targe
 def test_a_copy_of_the_target_has_none(target):
     seqs, masks = _data()
     res = forecast_headroom(target, _Built(target, "nowhere"), seqs, masks, HeadroomConfig(sure=SURE),
-                            real_vocab=VOCAB)
+                            real_vocab=VOCAB).to_dict()
     assert res["gain"] == 0.0 and res["greedy"] == 1.0 and res["sampled"] == pytest.approx(1.0, abs=1e-5)
     assert res["sampled_learnable"] == pytest.approx(0.0, abs=1e-5)
     assert res["verdict"].startswith("little to learn: the draft already agrees where the target is sure")
@@ -127,7 +127,7 @@ def test_disagreeing_only_where_the_target_is_unsure_is_not_headroom(target):
     seqs, masks = _data()
     share = _sure_share(target, seqs, masks)
     res = forecast_headroom(target, _Built(target, "unsure"), seqs, masks, HeadroomConfig(sure=SURE),
-                            real_vocab=VOCAB)
+                            real_vocab=VOCAB).to_dict()
     assert res["gain"] == 0.0 and res["greedy_uncertain"] == pytest.approx(1 - share)
     assert res["verdict"].startswith("little to learn")
 
@@ -136,7 +136,7 @@ def test_a_real_tiny_draft_splits_its_gap_exactly(target):
     # A separately initialised draft: whatever it gets wrong, learnable + uncertain is exactly its gap.
     seqs, masks = _data()
     draft = tiny_model("llama", VOCAB, seed=3, layers=1)
-    res = forecast_headroom(target, draft, seqs, masks, HeadroomConfig(sure=SURE), real_vocab=VOCAB)
+    res = forecast_headroom(target, draft, seqs, masks, HeadroomConfig(sure=SURE), real_vocab=VOCAB).to_dict()
     assert 1 - res["greedy"] == pytest.approx(res["greedy_learnable"] + res["greedy_uncertain"])
     assert 1 - res["sampled"] == pytest.approx(res["sampled_learnable"] + res["sampled_uncertain"])
     assert res["greedy_learnable"] > 0 and res["greedy_uncertain"] > 0
@@ -160,7 +160,7 @@ def test_a_sequence_past_the_drafts_window_is_refused_before_any_pass():
                        ) as err:
         forecast_headroom(target, draft, seqs, masks, names=["short", "long"])
     assert type(err.value).__name__ == "ContextWindowError"
-    assert forecast_headroom(target, draft, seqs[:1], masks[:1])["positions"] == 9  # within the window: scored
+    assert forecast_headroom(target, draft, seqs[:1], masks[:1]).counts.positions == 9  # within the window: scored
 
 
 @pytest.fixture(scope="module")

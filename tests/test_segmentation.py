@@ -142,7 +142,7 @@ def test_headroom_splits_the_disagreements_of_its_own_pass_by_kind(bpe_pair):
     assert want["merged"] > 0 and want["after_non_twin_input"] > 0 and want["other"] > 0
     target = tiny_model("llama", len(tok), seed=0, layers=1)
     res = forecast_headroom(target, RuleDraft(len(tok), rule), seqs, masks, HeadroomConfig(batch_size=2),
-                            real_vocab=len(tok), twins=twins, tokenizer=tok)
+                            real_vocab=len(tok), twins=twins, tokenizer=tok).to_dict()
     seg = res["segmentation"]
     n = sum(map(len, answers))
     assert seg["positions"] == res["positions"] == n
@@ -154,7 +154,7 @@ def test_headroom_splits_the_disagreements_of_its_own_pass_by_kind(bpe_pair):
     json.dumps(res)
     with pytest.raises(ValueError, match="tokenizer"):
         forecast_headroom(target, target, seqs, masks, real_vocab=len(tok), twins=twins)
-    assert "segmentation" not in forecast_headroom(target, target, seqs[:1], masks[:1], real_vocab=len(tok))
+    assert forecast_headroom(target, target, seqs[:1], masks[:1], real_vocab=len(tok)).segmentation is None
 
 
 def test_vocab_swap_report_and_headroom_on_the_swapped_draft_carry_the_diagnostic(bpe_pair, tmp_path):

@@ -440,39 +440,59 @@ def print_report(report: CompatReport, console) -> None:
                           "into the target's tokenizer with [bold]specdraft vocab-swap[/] and distil it.")
 
 
-def model_facts(model, tokenizer) -> dict[str, Any]:
+@dataclass
+class ModelFacts:
+    """Parameters, dtype, architecture and vocabulary sizes of a loaded model (:func:`model_facts`)."""
+
+    architecture: str
+    model_type: str
+    parameters: int  # every parameter, a separate output head included
+    output_head_parameters: int  # a separate (untied) output head; 0 when it is the input embeddings
+    dtype: str  # e.g. "bfloat16"
+    config_vocab_size: int
+    tokenizer_len: int
+    layers: int | None
+    hidden_size: int | None
+    max_position_embeddings: int | None
+    tie_word_embeddings: bool | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_facts(model, tokenizer) -> ModelFacts:
     """Parameters, dtype, architecture and vocabulary sizes of a loaded model. ``output_head_parameters`` counts a
     separate (untied) output head, 0 when it is the input embeddings: ``parameters`` includes it."""
     cfg = model.config
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     untied = out is not None and inp is not None and out.weight is not inp.weight
-    return {
-        "architecture": (cfg.architectures or [type(model).__name__])[0],
-        "model_type": cfg.model_type,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "output_head_parameters": out.weight.numel() if untied else 0,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "config_vocab_size": cfg.vocab_size,
-        "tokenizer_len": len(tokenizer),
-        "layers": getattr(cfg, "num_hidden_layers", None),
-        "hidden_size": getattr(cfg, "hidden_size", None),
-        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-        "tie_word_embeddings": getattr(cfg, "tie_word_embeddings", None),
-    }
+    return ModelFacts(
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        model_type=cfg.model_type,
+        parameters=sum(p.numel() for p in model.parameters()),
+        output_head_parameters=out.weight.numel() if untied else 0,
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        config_vocab_size=cfg.vocab_size,
+        tokenizer_len=len(tokenizer),
+        layers=getattr(cfg, "num_hidden_layers", None),
+        hidden_size=getattr(cfg, "hidden_size", None),
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
+        tie_word_embeddings=getattr(cfg, "tie_word_embeddings", None),
+    )
 
 
-def parameter_note(report: dict[str, Any]) -> str | None:
+def parameter_note(target: ModelFacts | None, draft: ModelFacts | None, refs: tuple[str, str] = ("", "")) -> str | None:
     """Why :func:`run_check`'s parameter counts can exceed a model's published size: they include a separate output
     head (V × H), which a checkpoint that ties it to the input embeddings — as published sizes of such models count
-    it — does not hold. The embedded models are GGUF builds that store the head separately. None when both heads
-    are tied (or the models were not loaded)."""
+    it — does not hold. The embedded models are GGUF builds that store the head separately (``refs``: the target's
+    and the draft's references as typed). None when both heads are tied (or the models were not loaded)."""
     from specdraft.embedded import EMBEDDED
 
-    heads = {role: report.get(role, {}).get("output_head_parameters", 0) for role in ("target", "draft")}
+    heads = {role: f.output_head_parameters if f else 0 for role, f in (("target", target), ("draft", draft))}
     if not any(heads.values()):
         return None
     sides = ", ".join(f"{role} {n / 1e6:,.1f} M" for role, n in heads.items() if n)
-    gguf = any(report.get(f"{role}_ref") in EMBEDDED for role in heads)
+    gguf = any(ref in EMBEDDED for ref in refs)
     return (f"the parameter counts include a separate output head ({sides}); a checkpoint that ties the head to "
             "the input embeddings holds that many fewer, as published sizes of tied models count them"
             + ("; the embedded models are GGUF builds, which store the output head separately, so their counts "
@@ -498,8 +518,42 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+@dataclass
+class CheckResult:
+    """What :func:`run_check` found: the tokenizer report and, unless it is a ``mismatch`` (the models are then not
+    loaded), both models' facts and greedy continuations of ``prompt``."""
+
+    target_ref: str  # the references as the user typed them
+    draft_ref: str
+    compat: CompatReport
+    target: ModelFacts | None = None
+    draft: ModelFacts | None = None
+    prompt: str | None = None
+    continuations: dict[str, str] | None = None  # "target" / "draft" → the decoded greedy text
+
+    @property
+    def loaded(self) -> bool:
+        """Both models were loaded and continued the prompt."""
+        return self.continuations is not None
+
+    def parameter_note(self) -> str | None:
+        """:func:`parameter_note` of both models."""
+        return parameter_note(self.target, self.draft, (self.target_ref, self.draft_ref))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"target_ref", "draft_ref", "compat"}`` plus, when the models were loaded, ``"target"``, ``"draft"``
+        (facts), ``"prompt"``, ``"continuations"``."""
+        d: dict[str, Any] = {"target_ref": self.target_ref, "draft_ref": self.draft_ref,
+                             "compat": self.compat.to_dict()}
+        if self.loaded:
+            d |= {"target": self.target.to_dict() if self.target else None,
+                  "draft": self.draft.to_dict() if self.draft else None, "prompt": self.prompt,
+                  "continuations": self.continuations}
+        return d
+
+
 def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: int = 16, dtype: str = "auto",
-              target_name: str | None = None, draft_name: str | None = None) -> dict[str, Any]:
+              target_name: str | None = None, draft_name: str | None = None) -> CheckResult:
     """Compare tokenizers (before loading weights), then load both models and continue ``prompt`` greedily.
 
     Args:
@@ -510,19 +564,16 @@ def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: in
         target_name / draft_name: the references as the user typed them (recorded in the report).
 
     Returns:
-        ``{"target_ref", "draft_ref", "compat": CompatReport.to_dict(), "target": facts, "draft": facts,
-        "prompt", "continuations": {"target", "draft"}}``. On a tokenizer ``mismatch`` the models are not loaded:
-        only ``target_ref``, ``draft_ref`` and ``compat`` are present.
+        a :class:`CheckResult`; on a tokenizer ``mismatch`` the models are not loaded (no facts, no continuations).
 
     Raises:
         ModelResolutionError: a reference cannot be resolved or loaded.
     """
     from specdraft.models import load_model
 
-    report: dict[str, Any] = {"target_ref": target_name or target_path, "draft_ref": draft_name or draft_path}
-    compat = check_compatible(target_path, draft_path)
-    report["compat"] = compat.to_dict()
-    if compat.verdict == "mismatch":
+    report = CheckResult(target_name or target_path, draft_name or draft_path,
+                         check_compatible(target_path, draft_path))
+    if report.compat.verdict == "mismatch":
         return report
     facts, conts = {}, {}
     for role, path in (("target", target_path), ("draft", draft_path)):
@@ -530,7 +581,6 @@ def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: in
         facts[role] = model_facts(model, tok)
         conts[role] = greedy_continuation(model, tok, prompt, max_new_tokens)
         del model
-    report.update(facts)
-    report["prompt"] = prompt
-    report["continuations"] = conts
+    report.target, report.draft = facts["target"], facts["draft"]
+    report.prompt, report.continuations = prompt, conts
     return report

@@ -14,7 +14,8 @@ applies; so assisted generation runs with a complete :class:`~transformers.Gener
 contender's effective settings are recorded in ``config["contenders"]`` (``report.json``).
 
 This module holds the entry points (:func:`run_eval`, :func:`acceptance_eval`, :func:`interleaved_speed`,
-:func:`rank_drafts`, :func:`certify_sampling`, :func:`write_report`); teacher-forced α and replay are
+:func:`rank_drafts`, :func:`certify_sampling`; :func:`specdraft.report.write_eval_report` writes a result and its
+plots); teacher-forced α and replay are
 :mod:`specdraft.replay`, the pair's measured costs :mod:`specdraft.calibration`, the assisted-generation harness
 :mod:`specdraft.assisted`, and the draft's preparation :func:`specdraft.draft_model.apply_draft_options`.
 
@@ -26,7 +27,6 @@ modules named above.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -45,7 +45,15 @@ from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
 from specdraft.sampling import align_logits, check_token_ids, filtered_probs, output_width
-from specdraft.speed import Contender, SpeedModel
+from specdraft.speed import (
+    Contender,
+    ContenderSpeed,
+    Decoded,
+    Divergence,
+    SpeedModel,
+    SpeedRow,
+    SpeedRun,
+)
 from specdraft.stats import ratio_ci
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
@@ -61,23 +69,6 @@ def top2_margin(target, context: Sequence[int]) -> float:
     logits = target(torch.tensor([list(context)], device=device)).logits[0, -1].float()
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
-
-
-@dataclass
-class Divergence:
-    """A prompt whose speculative (or HF assisted) output differs from the target alone."""
-
-    prompt_id: str
-    contender: str
-    position: int
-    target_token: int
-    other_token: int
-    margin: float
-    tolerance: float
-
-    @property
-    def is_numerics(self) -> bool:
-        return self.margin <= self.tolerance
 
 
 #: What the figures of ``report.json`` that could be confused are (written into it as ``definitions``).
@@ -202,7 +193,7 @@ class EvalResult:
             "speculative_counts": self.spec_counts.to_dict(),
             "target_counts": self.target_counts.to_dict(),
             "predicted_alpha": {"prompt": self.predicted_prompt, "response": self.predicted_response},
-            "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in self.divergences],
+            "divergences": [d.to_dict() for d in self.divergences],
             "per_prompt": self.per_prompt,
             "definitions": REPORT_DEFINITIONS,
         }
@@ -666,6 +657,66 @@ def acceptance_eval(
     )
 
 
+class _Contending:
+    """One contender of :func:`interleaved_speed` bound to its models and the run's settings: :meth:`run` decodes one
+    prompt (batch 1, left-padded) and times it."""
+
+    def __init__(self, contender: Contender, target, tokenizer, config: EvalConfig, eos: list[int]):
+        self.contender, self.target, self.tokenizer, self.config, self.eos = contender, target, tokenizer, config, eos
+        self.device = next(target.parameters()).device
+        self.pad, self.real_vocab = tokenizer_pad_id(tokenizer), len(tokenizer)  # once: not inside the timing
+
+    def run(self, ids: list[int], k: int, n_new: int) -> Decoded:
+        """``n_new`` new tokens after prompt ``ids`` (the ``k``-th prompt: its seed is ``config.seed + k``)."""
+        t0 = time.perf_counter()
+        inp, mask = left_pad([ids], self.pad, self.device)
+        tokens = self._decode(inp, mask, k, n_new)
+        return Decoded(tokens, time.perf_counter() - t0)
+
+    def _common(self, k: int, n_new: int) -> dict[str, Any]:
+        return {"sampling": self.config.sampling, "max_new_tokens": n_new, "real_vocab": self.real_vocab,
+                "eos_token_id": self.eos,
+                "generator": torch.Generator(device=self.device).manual_seed(self.config.seed + k)}
+
+    def _decode(self, inp: torch.Tensor, mask: torch.Tensor, k: int, n_new: int) -> list[int]:
+        raise NotImplementedError
+
+
+class _TargetAlone(_Contending):
+    def _decode(self, inp, mask, k, n_new):
+        return target_generate(self.target, inp, mask, **self._common(k, n_new))[0][0]
+
+
+class _Speculative(_Contending):
+    """specdraft's speculative decoding with a prepared draft, its vocabulary mapping and (adaptive γ) speed model."""
+
+    def __init__(self, contender, target, tokenizer, config, eos, draft, mapping, speed: SpeedModel | None):
+        super().__init__(contender, target, tokenizer, config, eos)
+        self.draft, self.mapping, self.speed = draft, mapping, speed
+
+    def _decode(self, inp, mask, k, n_new):
+        c = self.config
+        return speculative_generate(self.target, self.draft, inp, mask, num_speculative_tokens=c.num_speculative_tokens,
+                                    draft_confidence_threshold=c.draft_confidence_threshold,
+                                    vocab_mapping=self.mapping, mapped_proposals=c.mapped_proposals,
+                                    speed_model=self.speed, **self._common(k, n_new))[0][0]
+
+
+class _Assisted(_Contending):
+    """transformers' assisted generation with a draft as given, under one complete generation config."""
+
+    def __init__(self, contender, target, tokenizer, config, eos, draft, mapping, hf_config):
+        super().__init__(contender, target, tokenizer, config, eos)
+        self.draft, self.hf_config = draft, hf_config
+        self.tokenizers = {"tokenizer": tokenizer, "assistant_tokenizer": mapping.draft_tokenizer} if mapping else {}
+
+    def _decode(self, inp, mask, k, n_new):
+        gc = self.hf_config if n_new == self.config.max_new_tokens else copy.deepcopy(self.hf_config)
+        gc.max_new_tokens = n_new
+        return assisted_generate(self.target, self.draft, inp, mask, gc, tokenizers=self.tokenizers,
+                                 seed=None if self.config.sampling.greedy else self.config.seed + k)
+
+
 def interleaved_speed(
     target,
     drafts: dict[str, Any],
@@ -677,7 +728,7 @@ def interleaved_speed(
     hf_draft: str | None = None,
     vocab_mappings: dict[str, Any] | None = None,
     warmup_tokens: int = 8,
-) -> dict[str, Any]:
+) -> SpeedRun:
     """Tokens/s of the target alone, of speculative decoding with each draft and (``hf_draft``: the name of one
     of ``drafts``) of transformers' assisted generation, in one run: after a warm-up (every contender decodes
     ``warmup_tokens`` of the first prompt, untimed), prompt by prompt with the contenders in a rotating order,
@@ -688,9 +739,7 @@ def interleaved_speed(
     interval (:func:`specdraft.stats.paired_ratio_ci`).
 
     Returns:
-        ``{"prompts", "contenders": {name: {"tokens", "seconds", "tokens_per_s", "tokens_per_s_ci95",
-        "speedup", "speedup_ci95", "matches_target"}}, "rows": [{"id", name: [tokens, seconds], …}],
-        "divergences", "lossless", "warmup_tokens"}``; contender names: ``target``, ``speculative:<draft>``,
+        a :class:`~specdraft.speed.SpeedRun`; contender names: ``target``, ``speculative:<draft>``,
         ``hf_assisted:<draft>``.
     """
     from specdraft.stats import paired_ratio_ci
@@ -699,10 +748,7 @@ def interleaved_speed(
     vocab_mappings = vocab_mappings or {}
     eos = eos_ids(target, tokenizer)
     pad = tokenizer_pad_id(tokenizer)
-    real_vocab = len(tokenizer)
-    device = next(target.parameters()).device
     tol = ROUNDING_TOLERANCE.get(next(target.parameters()).dtype, 0.5)
-    hf_config = hf_generation_config(sampling, max_new, eos, pad, gamma, config.draft_confidence_threshold)
     # specdraft's contenders decode with the configuration's draft preparation and γ policy (transformers' assisted
     # generation gets each draft as given); the speed model of each prepared draft comes from the calibration cache.
     prepared = {n: apply_draft_options(m, tokenizer, config, vocab_mappings.get(n)) for n, m in drafts.items()}
@@ -714,69 +760,51 @@ def interleaved_speed(
             if calibrated is not None:
                 speeds[n], speed_sources[n] = calibrated
 
-    def run(name: str, ids: list[int], k: int, n_new: int) -> list[int]:
-        inp, mask = left_pad([ids], pad, device)
-        gen = torch.Generator(device=device).manual_seed(config.seed + k)
-        common = {"sampling": sampling, "max_new_tokens": n_new, "real_vocab": real_vocab, "eos_token_id": eos,
-                  "generator": gen}
-        contender = by_name[name]
-        if contender.kind == "target":
-            return target_generate(target, inp, mask, **common)[0][0]
-        draft_name = contender.draft
-        if contender.kind == "speculative":
-            return speculative_generate(target, prepared[draft_name], inp, mask, num_speculative_tokens=gamma,
-                                        draft_confidence_threshold=config.draft_confidence_threshold,
-                                        vocab_mapping=vocab_mappings.get(draft_name),
-                                        mapped_proposals=config.mapped_proposals,
-                                        speed_model=speeds.get(draft_name), **common)[0][0]
-        mapping = vocab_mappings.get(draft_name)
-        extra = {"tokenizer": tokenizer, "assistant_tokenizer": mapping.draft_tokenizer} if mapping else {}
-        gc = hf_config if n_new == max_new else copy.deepcopy(hf_config)
-        gc.max_new_tokens = n_new
-        return assisted_generate(target, drafts[draft_name], inp, mask, gc, tokenizers=extra,
-                                 seed=None if sampling.greedy else config.seed + k)
-
-    order = ([Contender("target")] + [Contender("speculative", d) for d in drafts]
-             + ([Contender("hf_assisted", hf_draft)] if hf_draft else []))
-    by_name = {c.name: c for c in order}
-    names = list(by_name)
+    shared = (target, tokenizer, config, eos)
+    order: list[_Contending] = [_TargetAlone(Contender("target"), *shared)] + [
+        _Speculative(Contender("speculative", d), *shared, prepared[d], vocab_mappings.get(d), speeds.get(d))
+        for d in drafts]
+    if hf_draft:
+        hf_config = hf_generation_config(sampling, max_new, eos, pad, gamma, config.draft_confidence_threshold)
+        order.append(_Assisted(Contender("hf_assisted", hf_draft), *shared, drafts[hf_draft],
+                               vocab_mappings.get(hf_draft), hf_config))
+    names = [c.contender.name for c in order]
     if prompt_ids:
-        for name in names:  # warm-up: first calls pay for allocation and kernel selection
-            run(name, list(prompt_ids[0]), 0, warmup_tokens)
-    rows, divergences = [], []
+        for who in order:  # warm-up: first calls pay for allocation and kernel selection
+            who.run(list(prompt_ids[0]), 0, warmup_tokens)
+    rows: list[SpeedRow] = []
+    divergences: list[Divergence] = []
     load = LoadMonitor().__enter__()
     for k, ids in enumerate(prompt_ids):
-        row: dict[str, Any] = {"id": prompt_names[k]}
-        outputs = {}
-        for name in names[k % len(names):] + names[: k % len(names)]:
-            t0 = time.perf_counter()
-            outputs[name] = run(name, list(ids), k, max_new)
-            row[name] = [len(outputs[name]), time.perf_counter() - t0]
+        row = SpeedRow(prompt_names[k], {})
+        outputs: dict[str, Decoded] = {}
+        for who in order[k % len(order):] + order[: k % len(order)]:
+            outputs[who.contender.name] = out = who.run(list(ids), k, max_new)
+            row.timings[who.contender.name] = (len(out.tokens), out.seconds)
         if sampling.greedy:
             for name in names[1:]:
-                row[f"{name}:matches"] = _compare(target, ids, outputs["target"], outputs[name], prompt_names[k],
-                                                  name, tol, divergences)
+                row.matches[name] = _compare(target, ids, outputs["target"].tokens, outputs[name].tokens,
+                                             prompt_names[k], name, tol, divergences)
         rows.append(row)
     load.__exit__(None, None, None)
     contenders = {}
     for name in names:
-        tok, sec = [r[name][0] for r in rows], [r[name][1] for r in rows]
-        c = {"tokens": sum(tok), "seconds": sum(sec), "tokens_per_s": sum(tok) / sum(sec) if sum(sec) else 0.0,
-             "tokens_per_s_ci95": ratio_ci(tok, sec).interval if rows else None}
+        tok, sec = [r.timings[name][0] for r in rows], [r.timings[name][1] for r in rows]
+        c = ContenderSpeed(tokens=sum(tok), seconds=sum(sec), tokens_per_s=sum(tok) / sum(sec) if sum(sec) else 0.0,
+                           tokens_per_s_ci95=ratio_ci(tok, sec).interval if rows else None)
         if name != "target" and rows:
-            base_tok, base_sec = [r["target"][0] for r in rows], [r["target"][1] for r in rows]
+            base_tok, base_sec = [r.timings["target"][0] for r in rows], [r.timings["target"][1] for r in rows]
             sp = paired_ratio_ci(tok, sec, base_tok, base_sec)
-            c |= {"speedup": sp.value, "speedup_ci95": sp.interval}
+            c.speedup, c.speedup_ci95 = sp.value, sp.interval
             if sampling.greedy:
-                c["matches_target"] = f"{sum(r[f'{name}:matches'] for r in rows)}/{len(rows)}"
+                c.matches_target = f"{sum(r.matches[name] for r in rows)}/{len(rows)}"
         contenders[name] = c
-    bugs = [d for d in divergences if not d.is_numerics and not d.contender.startswith("hf_assisted")]
-    return {"prompts": len(rows), "contenders": contenders, "rows": rows, "warmup_tokens": warmup_tokens,
-            "divergences": [d.__dict__ | {"is_numerics": d.is_numerics} for d in divergences],
-            "lossless": not bugs, "max_new_tokens": max_new, "num_speculative_tokens": gamma,
-            "gamma_policy": config.gamma_policy, "machine_load": load.to_dict(), "busy_machine": load.busy,
-            "draft_configuration": {n: draft_configuration(m) for n, m in prepared.items()},
-            "speed_models": {n: sp.to_dict() | {"source": speed_sources[n]} for n, sp in speeds.items()}}
+    bugs = [d for d in divergences if not d.is_numerics and Contender.from_name(d.contender).kind != "hf_assisted"]
+    return SpeedRun(prompts=len(rows), contenders=contenders, rows=rows, warmup_tokens=warmup_tokens,
+                    divergences=divergences, lossless=not bugs, max_new_tokens=max_new, num_speculative_tokens=gamma,
+                    gamma_policy=config.gamma_policy, machine_load=load.to_dict(), busy_machine=load.busy,
+                    draft_configuration={n: draft_configuration(m) for n, m in prepared.items()},
+                    speed_models={n: sp.to_dict() | {"source": speed_sources[n]} for n, sp in speeds.items()})
 
 
 def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
@@ -835,35 +863,3 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
         del model, draft
         gc.collect()
     return sorted(rows, key=lambda r: -r["predicted_speedup"])
-
-
-def write_report(res: EvalResult, out_dir: str | Path, title: str = "specdraft eval") -> dict[str, Path]:
-    """Write ``report.json`` and PNG plots (α per position, accepted-length histogram) atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from specdraft.io import atomic_path, atomic_write_text
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"report": out / "report.json", "alpha_plot": out / "alpha_per_position.png",
-             "hist_plot": out / "accepted_length_hist.png"}
-    atomic_write_text(paths["report"], json.dumps(res.to_dict(), indent=2, default=str))
-    c = res.spec_counts
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(range(1, c.gamma + 1), c.alpha_per_position, color="#4C72B0")
-    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05), title=f"{title}: α per position")
-    fig.tight_layout()
-    with atomic_path(paths["alpha_plot"]) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(range(c.gamma + 1), c.accepted_hist, color="#55A868")
-    ax.set(xlabel="drafts accepted per round", ylabel="rounds", title=f"{title}: accepted length")
-    fig.tight_layout()
-    with atomic_path(paths["hist_plot"]) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    return paths

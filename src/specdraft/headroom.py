@@ -34,7 +34,7 @@ sequence, so forecasts merge across batches and intervals resample sequences.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from specdraft.config import HeadroomConfig
@@ -111,6 +111,64 @@ class HeadroomCounts:
         }
 
 
+@dataclass
+class HeadroomForecast:
+    """What :func:`forecast_headroom` found: the counts (every figure derives from them), the forecast gain with its
+    interval, the verdict line, and the counts per sequence.
+
+    Attributes:
+        counts: over every masked position.
+        gain: ``counts.greedy_learnable`` (probability: share of positions).
+        gain_ci95: ``[low, high]``, a 95% bootstrap over sequences (:func:`specdraft.stats.ratio_ci`).
+        verdict: one line (:func:`verdict`; with the swap diagnostic, its own verdict after ``"; vocabulary swap: "``).
+        sequences: sequences scored.
+        sure_threshold: τ (probability).
+        per_sequence: ``(id, counts)`` per sequence.
+        segmentation: the swap diagnostic (:meth:`~specdraft.segmentation.SegmentationReport.to_dict`), or None.
+    """
+
+    counts: HeadroomCounts
+    gain: float
+    gain_ci95: list[float]
+    verdict: str
+    sequences: int
+    sure_threshold: float
+    per_sequence: list[tuple[str, HeadroomCounts]] = field(default_factory=list)
+    segmentation: dict[str, Any] | None = None
+
+    def to_dict(self, per_sequence: bool = True) -> dict[str, Any]:
+        """``{**HeadroomCounts.to_dict(), "gain", "gain_ci95", "verdict", "sequences", "sure_threshold",
+        "per_sequence": [{"id", **counts}]}`` (``per_sequence`` left out when False) plus ``"segmentation"`` when
+        the diagnostic ran."""
+        d = self.counts.to_dict() | {"gain": self.gain, "gain_ci95": self.gain_ci95, "verdict": self.verdict,
+                                     "sequences": self.sequences, "sure_threshold": self.sure_threshold}
+        if per_sequence:
+            d["per_sequence"] = [{"id": n} | asdict(c) for n, c in self.per_sequence]
+        return d | ({} if self.segmentation is None else {"segmentation": self.segmentation})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HeadroomForecast:
+        """Inverse of :meth:`to_dict` (derived figures and keys that are not the forecast's are ignored)."""
+        counts = lambda x: HeadroomCounts(**{f.name: x[f.name] for f in fields(HeadroomCounts)})
+        return cls(counts(d), d["gain"], list(d["gain_ci95"]), d["verdict"], d["sequences"], d["sure_threshold"],
+                   [(x["id"], counts(x)) for x in d.get("per_sequence") or []], d.get("segmentation"))
+
+
+@dataclass
+class HeadroomRun:
+    """:func:`run_headroom`'s result: the forecast and what it was made from (references, settings, examples)."""
+
+    forecast: HeadroomForecast
+    target: str
+    draft: str
+    config: dict[str, Any]  # HeadroomConfig.model_dump
+    examples: int  # examples given (sequences scored: ``forecast.sequences``)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.forecast.to_dict() | {"target": self.target, "draft": self.draft, "config": self.config,
+                                          "examples": self.examples}
+
+
 def position_headroom(target_logits: torch.Tensor, draft_logits: torch.Tensor, sure: float = 0.5,
                       serving: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position ingredients of the forecast.
@@ -173,7 +231,7 @@ def forecast_headroom(
     twins: Sequence[bool] | None = None,
     tokenizer=None,
     target_cache=None,
-) -> dict[str, Any]:
+) -> HeadroomForecast:
     """The forecast over the masked positions of ``sequences`` (teacher-forced; both models run once per batch).
 
     Args:
@@ -194,9 +252,7 @@ def forecast_headroom(
             (:func:`specdraft.replay.counted_target_logits`), shared with the replays of the same sequences.
 
     Returns:
-        ``{**HeadroomCounts.to_dict(), "gain", "gain_ci95": [low, high], "verdict", "sequences", "sure_threshold",
-        "per_sequence": [{"id", **counts}]}`` plus, with ``twins``, ``"segmentation"``
-        (:meth:`~specdraft.segmentation.SegmentationReport.to_dict`); ``gain`` is ``greedy_learnable`` and its
+        a :class:`HeadroomForecast` (with ``twins``, its ``segmentation``); ``gain`` is ``greedy_learnable`` and its
         interval a bootstrap over sequences (:func:`specdraft.stats.ratio_ci`).
 
     Raises:
@@ -250,17 +306,14 @@ def forecast_headroom(
         raise ValueError("no masked position to forecast over (every mask is empty)")
     ci = ratio_ci([c.sure - c.agree_sure for c in per_sequence], [c.positions for c in per_sequence])
     names = list(names) if names is not None else [str(i) for i in range(len(per_sequence))]
-    line, extra = verdict(total, config.min_gain), {}
+    line, seg = verdict(total, config.min_gain), None
     if twins is not None:
         from specdraft.segmentation import diagnose_masked
 
-        seg = diagnose_masked(tokenizer, twins, sequences, masks, draft_top1)
-        line, extra = f"{line}; vocabulary swap: {seg.to_dict()['verdict']}", {"segmentation": seg.to_dict()}
-    return total.to_dict() | {
-        "gain": total.greedy_learnable, "gain_ci95": [ci.low, ci.high], "verdict": line,
-        "sequences": len(per_sequence), "sure_threshold": config.sure,
-        "per_sequence": [{"id": n} | asdict(c) for n, c in zip(names, per_sequence, strict=True)],
-    } | extra
+        seg = diagnose_masked(tokenizer, twins, sequences, masks, draft_top1).to_dict()
+        line = f"{line}; vocabulary swap: {seg['verdict']}"
+    return HeadroomForecast(total, total.greedy_learnable, [ci.low, ci.high], line, len(per_sequence), config.sure,
+                            list(zip(names, per_sequence, strict=True)), seg)
 
 
 def headroom_sequences(target, tokenizer, examples: list[Example], config: HeadroomConfig,
@@ -295,7 +348,7 @@ def headroom_sequences(target, tokenizer, examples: list[Example], config: Headr
 
 
 def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], config: HeadroomConfig | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 progress: Callable[[int, int], None] | None = None) -> HeadroomRun:
     """Load the pair, check that it shares one tokenizer, build the sequences and forecast.
 
     Args:
@@ -308,7 +361,8 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
     ``twins``).
 
     Returns:
-        :func:`forecast_headroom`'s result plus ``target``, ``draft``, ``config`` and ``examples``.
+        a :class:`HeadroomRun`: :func:`forecast_headroom`'s result with ``target``, ``draft``, ``config`` and
+        ``examples``.
 
     Raises:
         specdraft.vocab.CompatibilityError: the tokenizers differ (before any weights load): re-index the draft
@@ -320,8 +374,7 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
     from specdraft.check import check_compatible
     from specdraft.data import tokenizer_pad_id
     from specdraft.models import load_model, resolve
-    from specdraft.vocab import swapped_draft_twins
-    from specdraft.vocab import CompatibilityError
+    from specdraft.vocab import CompatibilityError, swapped_draft_twins
 
     config = config or HeadroomConfig()
     rep = check_compatible(target_ref, draft_ref)
@@ -345,5 +398,4 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
     pad = tokenizer_pad_id(tok)
     res = forecast_headroom(target, draft, seqs, masks, config, names=names, real_vocab=len(tok), pad_id=pad,
                             progress=progress, twins=twins, tokenizer=tok if twins is not None else None)
-    return res | {"target": str(target_ref), "draft": str(draft_ref), "config": config.model_dump(),
-                  "examples": len(examples)}
+    return HeadroomRun(res, str(target_ref), str(draft_ref), config.model_dump(), len(examples))

@@ -53,10 +53,12 @@ from typing import Any
 from specdraft.config import PipelineConfig
 from specdraft.draft_model import HEAD_TOKENS_FORMAT
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.headroom import HeadroomForecast
 from specdraft.io import atomic_write_text, versions
 from specdraft.models import ModelRef
 from specdraft.progress import progress_lines
 from specdraft.prompts import PromptSet, select_prompts
+from specdraft.speed import SpeedStage
 
 _LOG = logging.getLogger("specdraft")
 
@@ -234,7 +236,11 @@ class Runner:
         self.overwrite = overwrite
         self.timings: dict[str, dict[str, Any]] = {}
 
-    def stage(self, name: str, inputs: Any, fn: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    def stage(self, name: str, inputs: Any, fn: Callable[[Path], Any], parse: Callable[[dict[str, Any]], Any] | None = None
+              ) -> Any:
+        """``fn(d)``'s result (a dict, or a typed result whose ``to_dict`` is written to ``stage.json``); a stage
+        finished earlier with the same inputs gives back its recorded result, through ``parse`` (the typed result's
+        ``from_dict``) when given."""
         d = self.out / name
         marker = d / "stage.json"
         key = _key(inputs)
@@ -243,7 +249,7 @@ class Runner:
             if saved.get("key") == key:
                 self.timings[name] = {"seconds": saved.get("seconds", 0.0), "skipped": True}
                 self.log(f"[{name}] done earlier with the same inputs — skipped")
-                return saved["result"]
+                return parse(saved["result"]) if parse else saved["result"]
             changes = changed_inputs(saved.get("inputs"), inputs) or ["the stage's key (inputs not recorded)"]
             what = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
             if not self.overwrite:
@@ -267,7 +273,8 @@ class Runner:
             raise PipelineError(f"stage '{name}' failed: {type(exc).__name__}: {exc}\n"
                                 f"Fix the cause, then resume with: {self.command}") from exc
         seconds = time.time() - t0
-        atomic_write_text(marker, json.dumps({"key": key, "inputs": inputs, "seconds": seconds, "result": result},
+        record = result.to_dict() if hasattr(result, "to_dict") else result
+        atomic_write_text(marker, json.dumps({"key": key, "inputs": inputs, "seconds": seconds, "result": record},
                                              indent=2, default=str))
         self.timings[name] = {"seconds": seconds, "skipped": False}
         self.log(f"[{name}] finished in {seconds:.1f} s")
@@ -405,13 +412,13 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
 
 
 def _speed_stage(cfg: PipelineConfig, plan: _Plan, original: str, distilled: str,
-                 map_vocab: bool) -> Callable[[Path], dict[str, Any]]:
+                 map_vocab: bool) -> Callable[[Path], SpeedStage]:
     """Interleaved timing runs (:func:`specdraft.evaluate.interleaved_speed`): target alone, the original and
     the distilled draft (both with the evaluation's draft preparation and γ policy), transformers' assisted
     generation with the original draft as loaded, on the first ``speed_prompts`` prompts of each held-out set, after
     a warm-up. The headline set's result is the stage's; the others are under ``other_sets``."""
 
-    def run(d: Path) -> dict[str, Any]:
+    def run(d: Path) -> SpeedStage:
         from specdraft.data import encode_prompts
         from specdraft.evaluate import interleaved_speed
         from specdraft.models import load_model
@@ -429,9 +436,8 @@ def _speed_stage(cfg: PipelineConfig, plan: _Plan, original: str, distilled: str
                                              [e.id for e in examples], cfg.eval,
                                              hf_draft="original" if cfg.eval.compare_hf else None,
                                              vocab_mappings=mappings)
-        res = by_set["held_out"] | {"other_sets": {k: v for k, v in by_set.items() if k != "held_out"}}
-        res["lossless"] = all(v["lossless"] for v in by_set.values())
-        atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
+        res = SpeedStage(by_set["held_out"], {k: v for k, v in by_set.items() if k != "held_out"})
+        atomic_write_text(d / "report.json", json.dumps(res.to_dict(), indent=1, default=str))
         del target, drafts
         gc.collect()
         return res
@@ -482,10 +488,10 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: d
                                 serving=serving, real_vocab=len(tok),
                                 pad_id=tokenizer_pad_id(tok), twins=twins, tokenizer=tok,
                                 target_cache=target_cache)
-        atomic_write_text(d / "report.json", json.dumps(res, indent=1, default=str))
+        atomic_write_text(d / "report.json", json.dumps(res.to_dict(), indent=1, default=str))
         del target, draft
         gc.collect()
-        return {k: v for k, v in res.items() if k != "per_sequence"} | {"draft": str(draft_path)}
+        return res.to_dict(per_sequence=False) | {"draft": str(draft_path)}
 
     return run
 
@@ -599,7 +605,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     headroom = runner.stage("headroom", eval_inputs | {"trained_draft": str(train_draft), "headroom":
                                                        cfg.headroom.model_dump()},
                             _headroom_stage(cfg, plan, train_draft, before, target_cache))
-    log(f"[headroom] {headroom['verdict']} (95% CI [{headroom['gain_ci95'][0]:+.3f}, {headroom['gain_ci95'][1]:+.3f}])")
+    forecast = HeadroomForecast.from_dict(headroom)
+    log(f"[headroom] {forecast.verdict} (95% CI [{forecast.gain_ci95[0]:+.3f}, {forecast.gain_ci95[1]:+.3f}])")
     dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
     dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command, log))
     distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, "distill": cfg.distill.model_dump(),
@@ -612,8 +619,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     speed = None
     if cfg.speed_prompts:
         speed = runner.stage("speed", eval_inputs | {"distill": distill_inputs, "speed_prompts": cfg.speed_prompts},
-                             _speed_stage(cfg, plan, plan.draft.path, distilled["speculator"], mapped))
-        if not speed["lossless"]:
+                             _speed_stage(cfg, plan, plan.draft.path, distilled["speculator"], mapped),
+                             parse=SpeedStage.from_dict)
+        if not speed.lossless:
             raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
                                 f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
     export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": HEAD_TOKENS_FORMAT,
@@ -621,7 +629,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                           _export_stage(cfg, plan, distilled["speculator"], out / "dump"))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
-              "vocab_swap": swap, "headroom": headroom, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed,
+              "vocab_swap": swap, "headroom": headroom, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed.to_dict() if speed else None,
               "export": export,
               "overlap": plan.overlap, "timings": runner.timings, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}

@@ -141,7 +141,8 @@ def confirm_top(ranking: Ranking, out: str | Path, progress: Callable[[str], Non
     recommends (at least 1), write that evaluation's report under ``out/confirm``, and return the confirmation:
     ``draft``, ``gamma``, ``measured_speedup`` and ``predicted_speedup`` (× the target alone), ``lossless`` (greedy
     outputs equal to the target's). Also kept as ``ranking.confirmation``."""
-    from specdraft.evaluate import run_eval, write_report
+    from specdraft.evaluate import run_eval
+    from specdraft.report import write_eval_report
 
     top = ranking.rows[0]
     d, mapping = ranking.loaders[top["draft"]]()
@@ -150,7 +151,7 @@ def confirm_top(ranking: Ranking, out: str | Path, progress: Callable[[str], Non
         progress(f"confirming {top['draft']} at γ = {cfg.num_speculative_tokens}")
     res = run_eval(ranking.target_model, d, ranking.tokenizer, ranking.ids, [e.id for e in ranking.examples], cfg,
                    vocab_mapping=mapping, record={"target": ranking.target, "draft": top["draft"]})
-    write_report(res, Path(out) / "confirm")
+    write_eval_report(res, Path(out) / "confirm")
     s = res.summary()
     ranking.confirmation = {"draft": top["draft"], "gamma": cfg.num_speculative_tokens,
                             "measured_speedup": s["speedup"], "predicted_speedup": top["predicted_speedup"],

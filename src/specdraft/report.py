@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from specdraft.headroom import HeadroomForecast
 from specdraft.io import atomic_path, atomic_write_text
-from specdraft.speed import Contender
+from specdraft.speed import Contender, ContenderSpeed, SpeedRun, SpeedStage
 from specdraft.stats import Estimate, paired_gain_from_rows
+
+if TYPE_CHECKING:  # pragma: no cover
+    from specdraft.evaluate import EvalResult
 
 #: The speed stage's keys of the pipeline's two drafts (the draft as given, the distilled one).
 ORIGINAL = Contender("speculative", "original").name
@@ -139,29 +143,36 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
                      ("decoded acceptance", _fmt(b.get("decoded_acceptance_rate")), "—")]
         sections.append((f"{SET_LABELS.get(name, name)} set, {b['prompts']} prompts: acceptance", rows))
     for name, sp in speed_sets(report).items():
-        c = sp["contenders"]
-        o, d = c.get(ORIGINAL, {}), c.get(DISTILLED, {})
-        t = c["target"]
-        hf = next((v for k, v in c.items() if Contender.from_name(k).kind == "hf_assisted"), None)
+        o, d = sp.contenders.get(ORIGINAL), sp.contenders.get(DISTILLED)
+        t = sp.contenders["target"]
+        hf = next(iter(sp.of_kind("hf_assisted").values()), None)
         rows = [
-            ("target alone, tokens/s", _with_ci(t["tokens_per_s"], t["tokens_per_s_ci95"], "{:.2f}"), "(same run)"),
-            ("speculative, tokens/s", _with_ci(o.get("tokens_per_s"), o.get("tokens_per_s_ci95"), "{:.2f}"),
-             _with_ci(d.get("tokens_per_s"), d.get("tokens_per_s_ci95"), "{:.2f}")),
-            ("speed-up (paired)", _with_ci(o.get("speedup"), o.get("speedup_ci95"), "{:.2f}"),
-             _with_ci(d.get("speedup"), d.get("speedup_ci95"), "{:.2f}")),
-            ("HF assisted, tokens/s",
-             "—" if hf is None else _with_ci(hf["tokens_per_s"], hf["tokens_per_s_ci95"], "{:.2f}"), "—"),
-            ("vs assisted (orig.)", "—" if hf is None or not hf["tokens_per_s"] or not o.get("tokens_per_s") else
-             f"{o['tokens_per_s'] / hf['tokens_per_s']:.2f}x",
-             "—" if hf is None or not hf["tokens_per_s"] or not d.get("tokens_per_s") else
-             f"{d['tokens_per_s'] / hf['tokens_per_s']:.2f}x"),
-            ("output = target alone", o.get("matches_target", "—"), d.get("matches_target", "—")),
+            ("target alone, tokens/s", _tps(t), "(same run)"),
+            ("speculative, tokens/s", _tps(o), _tps(d)),
+            ("speed-up (paired)", _speedup(o), _speedup(d)),
+            ("HF assisted, tokens/s", _tps(hf), "—"),
+            ("vs assisted (orig.)", _over(o, hf), _over(d, hf)),
+            ("output = target alone", o.matches_target or "—" if o else "—", d.matches_target or "—" if d else "—"),
         ]
-        busy = " (busy machine)" if sp.get("busy_machine") else ""
+        busy = " (busy machine)" if sp.busy_machine else ""
         before = "; before = the draft as given, mapped" if swapped else ""
-        sections.append((f"{SET_LABELS.get(name, name)} set, {sp['prompts']} prompts: speed, interleaved{busy}{before}",
+        sections.append((f"{SET_LABELS.get(name, name)} set, {sp.prompts} prompts: speed, interleaved{busy}{before}",
                          rows))
     return sections
+
+
+def _tps(c: ContenderSpeed | None) -> str:
+    return "—" if c is None else _with_ci(c.tokens_per_s, c.tokens_per_s_ci95, "{:.2f}")
+
+
+def _speedup(c: ContenderSpeed | None) -> str:
+    return "—" if c is None else _with_ci(c.speedup, c.speedup_ci95, "{:.2f}")
+
+
+def _over(c: ContenderSpeed | None, hf: ContenderSpeed | None) -> str:
+    """``c``'s tokens/s over transformers' assisted generation's."""
+    return "—" if hf is None or not hf.tokens_per_s or c is None or not c.tokens_per_s else \
+        f"{c.tokens_per_s / hf.tokens_per_s:.2f}x"
 
 
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -169,22 +180,27 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(f"[{title}] {k}", v1, v2) for title, rows in summary_sections(report) for k, v1, v2 in rows]
 
 
-def speed_sets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The speed stage's interleaved runs by evaluation set (``held_out`` first), ``{}`` without a speed stage."""
+def speed_stage(report: dict[str, Any]) -> SpeedStage | None:
+    """The speed stage's result (:class:`~specdraft.speed.SpeedStage`), ``None`` without a speed stage."""
     sp = report.get("speed")
-    if not sp:
-        return {}
-    return {"held_out": sp} | dict(sp.get("other_sets") or {})
+    return SpeedStage.from_dict(sp) if sp else None
+
+
+def speed_sets(report: dict[str, Any]) -> dict[str, SpeedRun]:
+    """The speed stage's interleaved runs by evaluation set (``held_out`` first), ``{}`` without a speed stage."""
+    stage = speed_stage(report)
+    return stage.by_set() if stage else {}
 
 
 def configuration_line(report: dict[str, Any]) -> str | None:
     """What specdraft's decoder ran in the speed stage (the original draft's preparation, the γ policy) and why."""
-    sp = report.get("speed")
-    if not sp:
+    stage = speed_stage(report)
+    if stage is None:
         return None
-    confs = sp.get("draft_configuration") or {}
+    sp = stage.held_out
+    confs = sp.draft_configuration
     conf = confs.get("original") or {}
-    policy, gamma = sp.get("gamma_policy", "fixed"), sp.get("num_speculative_tokens")
+    policy, gamma = sp.gamma_policy, sp.num_speculative_tokens
     how = f"adaptive γ ≤ {gamma}" if policy == "adaptive" else f"fixed γ = {gamma}"
     dist = confs.get("distilled") or {}
     other = (f"; the distilled draft: {dist['label']} ({dist.get('reason', '')})"
@@ -199,10 +215,9 @@ def slowdown_notes(report: dict[str, Any]) -> list[str]:
     < 1), naming each draft that was, with its paired interval."""
     notes = []
     for name, sp in speed_sets(report).items():
-        slow = [f"the {who} draft {o['speedup']:.2f}x {_fmt_ci(o.get('speedup_ci95'), '{:.2f}')}"
+        slow = [f"the {who} draft {o.speedup:.2f}x {_fmt_ci(o.speedup_ci95, '{:.2f}')}"
                 for who in ("original", "distilled")
-                if (o := sp["contenders"].get(Contender("speculative", who).name)) and o.get("speedup") is not None
-                and o["speedup"] < 1.0]
+                if (o := sp.contender("speculative", who)) and o.speedup is not None and o.speedup < 1.0]
         if slow:
             notes.append(f"on the {SET_LABELS.get(name, name)} set speculative decoding was slower than the target "
                          f"alone ({', '.join(slow)}): this pair cannot win there at this acceptance and draft cost "
@@ -212,15 +227,16 @@ def slowdown_notes(report: dict[str, Any]) -> list[str]:
 
 def slower_note(report: dict[str, Any]) -> str | None:
     """A warning when the distilled draft decoded slower than the original in the interleaved run, else ``None``."""
-    sp = report.get("speed")
-    if not sp:
+    stage = speed_stage(report)
+    if stage is None:
         return None
-    o, d = sp["contenders"].get(ORIGINAL), sp["contenders"].get(DISTILLED)
-    if not o or not d or d["speedup"] >= o["speedup"]:
+    sp = stage.held_out
+    o, d = sp.contenders.get(ORIGINAL), sp.contenders.get(DISTILLED)
+    if not o or not d or d.speedup >= o.speedup:
         return None
-    said = (f"the distilled draft decoded slower than the original in the interleaved run ({d['speedup']:.2f}x vs "
-            f"{o['speedup']:.2f}x the target alone on {sp['prompts']} prompt(s); intervals "
-            f"{_fmt_ci(d['speedup_ci95'], '{:.2f}')} vs {_fmt_ci(o['speedup_ci95'], '{:.2f}')}); ")
+    said = (f"the distilled draft decoded slower than the original in the interleaved run ({d.speedup:.2f}x vs "
+            f"{o.speedup:.2f}x the target alone on {sp.prompts} prompt(s); intervals "
+            f"{_fmt_ci(d.speedup_ci95, '{:.2f}')} vs {_fmt_ci(o.speedup_ci95, '{:.2f}')}); ")
     if swap_baseline(report) is not None:
         # The original speaks another tokenizer: only specdraft's decoder and transformers can use it.
         return said + ("the original decodes only through a vocabulary mapping (specdraft's decoder, transformers' "
@@ -242,7 +258,8 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     names = _sets(report)
     B, A = baseline_sets(report), report["eval_after"]["sets"]
     curve = (report.get("distill") or {}).get("curve") or []
-    sp = report.get("speed")
+    stage = speed_stage(report)
+    sp = stage.held_out if stage else None
     panels = 2 + bool(sp) + bool(curve)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
     ax = axes[0]
@@ -269,15 +286,14 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     axes[1].legend()
     k = 2
     if sp:
-        c = sp["contenders"]
-        keys = list(c)
-        vals = [c[x]["tokens_per_s"] for x in keys]
-        cis = [c[x]["tokens_per_s_ci95"] or [v, v] for x, v in zip(keys, vals)]
+        keys = list(sp.contenders)
+        vals = [sp.contenders[x].tokens_per_s for x in keys]
+        cis = [sp.contenders[x].tokens_per_s_ci95 or [v, v] for x, v in zip(keys, vals)]
         err = [[v - ci[0] for v, ci in zip(vals, cis)], [ci[1] - v for v, ci in zip(vals, cis)]]
         axes[k].bar(range(len(keys)), vals, yerr=err, capsize=3,
                     color=["#999", "#4C72B0", "#55A868", "#C44E52"][: len(keys)])
         axes[k].set_xticks(range(len(keys)), [x.replace(":", "\n") for x in keys], fontsize=7)
-        axes[k].set(ylabel="tokens/s", title=f"decoding speed (interleaved, {sp['prompts']} prompts)")
+        axes[k].set(ylabel="tokens/s", title=f"decoding speed (interleaved, {sp.prompts} prompts)")
         k += 1
     if curve:
         _plot_curve(axes[k], curve, B[names[0]], A[names[0]])
@@ -320,35 +336,33 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     out = [("Can these two work together?", works + ".")]
     faster, verdicts = [], []
     for name, sp in speed_sets(r).items():
-        c = sp["contenders"]
-        best = max((k for k in c if Contender.from_name(k).kind == "speculative"), key=lambda k: c[k].get("speedup") or 0,
-                   default=None)
-        if swap_baseline(r) is not None and DISTILLED in c:
+        spec = sp.of_kind("speculative")
+        best = max(spec, key=lambda k: spec[k].speedup or 0, default=None)
+        if swap_baseline(r) is not None and DISTILLED in sp.contenders:
             best = DISTILLED  # the original speaks another tokenizer: the shippable draft leads
         if best is None:
             continue
-        b = c[best]
-        hf = next((v for k, v in c.items() if Contender.from_name(k).kind == "hf_assisted"), None)
-        vs_hf = f", {b['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers' assisted generation" if hf and \
-            hf.get("tokens_per_s") else ""
-        if sp.get("busy_machine"):  # other work held the CPU while timing: the ratio says nothing about the pair
+        b: ContenderSpeed = sp.contenders[best]
+        hf = next(iter(sp.of_kind("hf_assisted").values()), None)
+        vs_hf = f", {b.tokens_per_s / hf.tokens_per_s:.2f}x transformers' assisted generation" if hf and \
+            hf.tokens_per_s else ""
+        if sp.busy_machine:  # other work held the CPU while timing: the ratio says nothing about the pair
             word = "no verdict (the machine was busy while timing; re-run on a quiet machine)"
         else:
-            word = "faster" if (b.get("speedup_ci95") or [0])[0] > 1 else "not faster" if (b.get("speedup") or 0) < 1 \
+            word = "faster" if (b.speedup_ci95 or [0])[0] > 1 else "not faster" if (b.speedup or 0) < 1 \
                 else "about as fast (interval includes 1x)"
         verdicts.append(word)
-        faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b['speedup']:.2f}x the target alone "
-                      f"{_fmt_ci(b.get('speedup_ci95'), '{:.2f}')} with the {best.split(':', 1)[1]} draft{vs_hf}, "
-                      f"outputs equal {b.get('matches_target', '—')} ({sp['prompts']} prompts × "
-                      f"{sp.get('max_new_tokens', '?')} tokens{'; busy machine' if sp.get('busy_machine') else ''})")
+        faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b.speedup:.2f}x the target alone "
+                      f"{_fmt_ci(b.speedup_ci95, '{:.2f}')} with the {Contender.from_name(best).draft} draft{vs_hf}, "
+                      f"outputs equal {b.matches_target or '—'} ({sp.prompts} prompts × "
+                      f"{sp.max_new_tokens or '?'} tokens{'; busy machine' if sp.busy_machine else ''})")
     if (conf := configuration_line(r)) is not None:
         faster.append(f"configuration: {conf}")
     out.append(("How much faster will it be?", "; ".join(faster) if faster else "not timed (speed_prompts = 0)."))
     gain = acceptance_gain(r, "held_out")
-    h = r.get("headroom")
     learn = []
-    if h:
-        learn.append(f"forecast: {h['verdict']}")
+    if r.get("headroom"):
+        learn.append(f"forecast: {HeadroomForecast.from_dict(r['headroom']).verdict}")
     sw = (swap_baseline(r) or {}).get("held_out")
     if sw:
         m = r["eval_before"]["sets"]["held_out"]
@@ -368,14 +382,14 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                          f"{ood_word})")
     out.append(("Can the draft agree more?", ("; ".join(learn) + ".") if learn else "not measured."))
     exp = r.get("export") or {}
-    divs = [d for sp in speed_sets(r).values() for d in sp.get("divergences", [])
-            if Contender.from_name(str(d.get("contender", ""))).kind != "hf_assisted"]
+    divs = [d for sp in speed_sets(r).values() for d in sp.divergences
+            if Contender.from_name(d.contender).kind != "hf_assisted"]
     if speed_sets(r):
-        same = ", ".join(f"{SET_LABELS.get(n, n)} {sp['contenders'][k].get('matches_target', '—')}"
-                         for n, sp in speed_sets(r).items() for k in sp["contenders"] if k == ORIGINAL)
-        detail = "; ".join(f"{d['prompt_id']} token {d['position']} ({_draft_of(str(d.get('contender', '?')))} "
-                           f"draft): top-2 margin {d['margin']:.4f} "
-                           f"({'a bf16 near-tie, within' if d.get('is_numerics') else 'BEYOND'} the {d['tolerance']} "
+        same = ", ".join(f"{SET_LABELS.get(n, n)} {sp.contenders[ORIGINAL].matches_target or '—'}"
+                         for n, sp in speed_sets(r).items() if ORIGINAL in sp.contenders)
+        detail = "; ".join(f"{d.prompt_id} token {d.position} ({_draft_of(d.contender)} "
+                           f"draft): top-2 margin {d.margin:.4f} "
+                           f"({'a bf16 near-tie, within' if d.is_numerics else 'BEYOND'} the {d.tolerance} "
                            "tolerance)" for d in divs)
         out.append(("Is it lossless on this pair?", f"greedy outputs equal to the target alone's: {same}"
                     + (f"; divergences: {detail}" if detail else "") + "."))
@@ -408,6 +422,17 @@ def _answers_writer(sets: dict[str, Any]) -> str:
             "the figures count each draft as exported, by replay.")
 
 
+def _forecast_line(h: HeadroomForecast) -> str:
+    """report.md's sentence on the forecast made before training."""
+    c = h.counts
+    return (f"Forecast before training (`specdraft headroom` on the held-out answers): {h.verdict}; top-1 "
+            f"agreement {c.greedy:.3f} per position (not the table's accepted / proposed, which counts whole "
+            f"rounds and is lower), ceiling {c.greedy + c.greedy_learnable:.3f} (95% CI of the gain "
+            f"[{h.gain_ci95[0]:+.3f}, {h.gain_ci95[1]:+.3f}]; the target is sure, max p ≥ {h.sure_threshold}, "
+            f"at {c.sure / c.positions if c.positions else 0.0:.0%} of {c.positions:,} positions). The measured gain "
+            "is in the table below.")
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
     dist, exp, cfg = r["distill"], r["export"], r["config"]
@@ -432,12 +457,7 @@ def render_markdown(r: dict[str, Any]) -> str:
          f"{cfg['distill']['top_p']}), teacher-forced on those answers."
          + _answers_writer(sets)),
         "",
-        *([] if not (h := r.get("headroom")) else [
-            (f"Forecast before training (`specdraft headroom` on the held-out answers): {h['verdict']}; top-1 "
-             f"agreement {h['greedy']:.3f} per position (not the table's accepted / proposed, which counts whole "
-             f"rounds and is lower), ceiling {h['greedy_ceiling']:.3f} (95% CI of the gain "
-             f"[{h['gain_ci95'][0]:+.3f}, {h['gain_ci95'][1]:+.3f}]; the target is sure, max p ≥ {h['sure_threshold']}, "
-             f"at {h['sure_share']:.0%} of {h['positions']:,} positions). The measured gain is in the table below."), ""]),
+        *([] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]),
         *([] if not (sw := r.get("vocab_swap")) else [
             (f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
              f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *as given, mapped*); "
@@ -491,3 +511,38 @@ def render_markdown(r: dict[str, Any]) -> str:
     if r.get("overlap"):
         lines.insert(4, f"**Warning**: {len(r['overlap'])} evaluation prompts also occur in training.\n")
     return "\n".join(lines)
+
+
+def write_eval_report(res: EvalResult, out_dir: str | Path, title: str = "specdraft eval") -> dict[str, Path]:
+    """``specdraft eval``'s files: ``report.json`` (:meth:`~specdraft.evaluate.EvalResult.to_dict`) and two PNG plots
+    of the speculative counts (α per draft position, accepted-length histogram), each written atomically.
+
+    Returns:
+        ``{"report", "alpha_plot", "hist_plot"}`` → the paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"report": out / "report.json", "alpha_plot": out / "alpha_per_position.png",
+             "hist_plot": out / "accepted_length_hist.png"}
+    atomic_write_text(paths["report"], json.dumps(res.to_dict(), indent=2, default=str))
+    c = res.spec_counts
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, c.gamma + 1), c.alpha_per_position, color="#4C72B0")
+    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05), title=f"{title}: α per position")
+    fig.tight_layout()
+    with atomic_path(paths["alpha_plot"]) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(c.gamma + 1), c.accepted_hist, color="#55A868")
+    ax.set(xlabel="drafts accepted per round", ylabel="rounds", title=f"{title}: accepted length")
+    fig.tight_layout()
+    with atomic_path(paths["hist_plot"]) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return paths

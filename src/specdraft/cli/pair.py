@@ -103,16 +103,16 @@ def check(
     if json_out:
         from specdraft.io import atomic_write_text
 
-        atomic_write_text(json_out, json.dumps(report, indent=2, default=str))
+        atomic_write_text(json_out, json.dumps(report.to_dict(), indent=2, default=str))
         console.print(f"report written to {json_out}")
     names = f"--target {target} --draft {draft}"
-    compat = report.get("compat", {})
-    if compat.get("verdict") != "mismatch":
-        console.print(f"[bold green]compatible[/] ({compat.get('verdict')}): the draft speaks the target's tokenizer, "
+    compat = report.compat
+    if compat.verdict != "mismatch":
+        console.print(f"[bold green]compatible[/] ({compat.verdict}): the draft speaks the target's tokenizer, "
                       "so it can draft for it as it is")
         console.print(f"next: specdraft eval {names}  (acceptance, speed-up and the best γ)")
         return
-    if (compat.get("mapping") or {}).get("usable"):
+    if (compat.mapping or {}).get("usable"):
         console.print(f"next: specdraft run {names}  (the whole road for a draft of another tokenizer)")
     raise typer.Exit(1)
 
@@ -144,17 +144,18 @@ def eval_cmd(
     Decodes prompts with the target alone and with speculative decoding (and optionally transformers' assisted
     generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ; writes report.json and
     plots into --out."""
-    from specdraft.evaluate import run_eval, write_report
+    from specdraft.evaluate import run_eval
     from specdraft.pair import encode
+    from specdraft.report import write_eval_report
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                         compare_hf=compare_hf, draft_confidence_threshold=draft_confidence_threshold,
                         mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
+    check_out(out, overwrite=overwrite)
     chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
     source, examples = chosen.sources[0], chosen.examples
-    check_out(out, overwrite=overwrite)
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     ids = encode(pair, examples)
     with decode_progress(len(ids)) as step:
@@ -162,7 +163,7 @@ def eval_cmd(
                        vocab_mapping=pair.mapping, progress=step,
                        record={"target": target, "draft": draft, "prompts": source.name,
                                "prompt_offset": source.offset, "command": " ".join(sys.argv)})
-    print_eval(res, write_report(res, out), config)
+    print_eval(res, write_eval_report(res, out), config)
     if not res.summary()["lossless"] or (res.certificate is not None and not res.certificate["passed"]):
         raise typer.Exit(2)
 
@@ -271,9 +272,9 @@ def rank(
     llama = {"target_gguf": target_gguf, "draft_ggufs": named_paths(draft_gguf, "--draft-gguf"),
              "target_bench": target_bench, "draft_benches": named_paths(draft_bench, "--draft-bench"),
              "llama_cpp_bin": llama_cpp_bin}
+    check_out(out, overwrite=overwrite)
     chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
     source, examples = chosen.sources[0], chosen.examples
-    check_out(out, overwrite=overwrite)
     resolve_with_progress(target, "--target")
     for ref in drafts:
         resolve_with_progress(ref, "candidate draft")

@@ -130,26 +130,28 @@ def _size(n: int) -> str:
 # ------------------------------------------------------------------------------------ the pair
 
 
-def print_check(report: dict, max_new_tokens: int) -> None:
-    """The tokenizer report, then both models' facts and continuations (when they were loaded)."""
-    from specdraft.check import CompatReport, parameter_note, print_report
+def print_check(report, max_new_tokens: int) -> None:
+    """The tokenizer report, then both models' facts and continuations (when they were loaded) of a
+    :class:`~specdraft.check.CheckResult`."""
+    from specdraft.check import print_report
 
-    print_report(CompatReport.from_dict(report["compat"]), console)
-    if "continuations" not in report:
+    print_report(report.compat, console)
+    if not report.loaded:
         return
     table = Table(title="Models")
     table.add_column("")
-    table.add_column(f"target: {report['target_ref']}")
-    table.add_column(f"draft: {report['draft_ref']}")
-    for k in report["target"]:
+    table.add_column(f"target: {report.target_ref}")
+    table.add_column(f"draft: {report.draft_ref}")
+    target, draft = report.target.to_dict(), report.draft.to_dict()
+    for k in target:
         fmt = (lambda v: f"{v / 1e6:,.1f} M") if k.endswith("parameters") else str
-        table.add_row(k, fmt(report["target"][k]), fmt(report["draft"][k]))
+        table.add_row(k, fmt(target[k]), fmt(draft[k]))
     console.print(table)
-    if (note := parameter_note(report)) is not None:
+    if (note := report.parameter_note()) is not None:
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
-    console.print(f"[bold]Prompt:[/] {escape(report['prompt'])}")
+    console.print(f"[bold]Prompt:[/] {escape(report.prompt)}")
     for role in ("target", "draft"):
-        console.print(f"[bold]{role} ({max_new_tokens} greedy tokens):[/] {escape(repr(report['continuations'][role]))}")
+        console.print(f"[bold]{role} ({max_new_tokens} greedy tokens):[/] {escape(repr(report.continuations[role]))}")
 
 
 def print_notes(notes: Sequence[tuple[str, str]]) -> None:
@@ -499,19 +501,21 @@ def print_distill(res: dict) -> None:
                       f"tokens in {onp['teacher_seconds']:.0f} s), at steps {onp['refresh_steps']}")
 
 
-def print_headroom(r: dict, sure: float, out: Path | None) -> None:
-    """``headroom``'s table (now / learnable / uncertain / ceiling, greedy and sampled) and its verdict."""
-    table = Table(title=f"Headroom: {r['positions']:,} positions of {r['sequences']} sequences, "
-                  f"target sure at {r['sure_share']:.0%} (max p >= {sure})")
+def print_headroom(r, sure: float, out: Path | None) -> None:
+    """``headroom``'s table (now / learnable / uncertain / ceiling, greedy and sampled) of a
+    :class:`~specdraft.headroom.HeadroomForecast` and its verdict."""
+    figures = r.counts.to_dict()  # the counts' derived figures, by name
+    table = Table(title=f"Headroom: {r.counts.positions:,} positions of {r.sequences} sequences, "
+                  f"target sure at {figures['sure_share']:.0%} (max p >= {sure})")
     for col in ("", "now", "learnable", "uncertain", "ceiling"):
         table.add_column(col, justify="right" if col else "left")
     for kind in ("greedy", "sampled"):
-        table.add_row(kind, *(f"{r[kind + s]:.3f}" for s in ("", "_learnable", "_uncertain", "_ceiling")))
+        table.add_row(kind, *(f"{figures[kind + s]:.3f}" for s in ("", "_learnable", "_uncertain", "_ceiling")))
     console.print(table)
-    lo, hi = r["gain_ci95"]
-    seg = r.get("segmentation")
+    lo, hi = r.gain_ci95
+    seg = r.segmentation
     # The interval belongs to the gain: print it after the forecast's part; the swap's part closes its own table.
-    line = r["verdict"] if seg is None else r["verdict"].removesuffix(f"; vocabulary swap: {seg['verdict']}")
+    line = r.verdict if seg is None else r.verdict.removesuffix(f"; vocabulary swap: {seg['verdict']}")
     console.print(f"{line} (95% CI [{lo:+.3f}, {hi:+.3f}] over sequences)", highlight=False)
     if seg is not None:
         print_segmentation(seg)

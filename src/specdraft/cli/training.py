@@ -77,14 +77,14 @@ def headroom(
     from specdraft.io import atomic_write_text
     config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
                             batch_size=batch_size, dtype=dtype)
-    examples = read_prompts(prompts, held_out=True).examples
     check_out(out, file=True, overwrite=overwrite)
+    examples = read_prompts(prompts, held_out=True).examples
     quiet_transformers()
     with console.status(f"forecasting over {len(examples)} sequences…"):
         r = run_headroom(target, draft, examples, config)
     if out is not None:
-        atomic_write_text(out, json.dumps(r | {"command": " ".join(sys.argv)}, indent=1, default=str))
-    print_headroom(r, sure, out)
+        atomic_write_text(out, json.dumps(r.to_dict() | {"command": " ".join(sys.argv)}, indent=1, default=str))
+    print_headroom(r.forecast, sure, out)
 
 
 def dump(
@@ -133,8 +133,8 @@ def dump(
                         shard_size_mb=shard_size_mb, dtype=dtype)
     quiet_transformers()
     t0 = time.time()
-    read_prompts(prompts, strides=False)  # every line checked, and what will run said, before any model loads
     check_out(out, overwrite=None)  # resumable: an unfinished or finished dump of the same plan is continued
+    read_prompts(prompts, strides=False)  # every line checked, and what will run said, before any model loads
     resolve_with_progress(target, "--target")
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
@@ -222,8 +222,8 @@ def vocab_swap(
     tokens without a draft twin and the swapped draft's argmax disagreements by kind (specdraft.segmentation)."""
     from specdraft.vocab import save_vocab_swap
 
-    examples = read_prompts(prompts).examples if prompts else None
     check_out(out, overwrite=overwrite)
+    examples = read_prompts(prompts).examples if prompts else None
     tpath, dpath = resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("re-indexing the draft's rows…"):
         report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite, examples=examples)
