@@ -336,12 +336,10 @@ class SameTokenizerDrafter(Drafter):
 def _left_holes(feeds: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists → ``(ids [b, w], mask [b, w])`` right-aligned, holes (mask 0) on the left, so the last column is
     real in every row (each list has ≥ 1 token)."""
-    w = max(len(f) for f in feeds)
-    ids = torch.zeros(len(feeds), w, dtype=torch.long)
-    mask = torch.zeros(len(feeds), w, dtype=torch.long)
-    for j, f in enumerate(feeds):
-        ids[j, w - len(f):] = torch.tensor(f, dtype=torch.long)
-        mask[j, w - len(f):] = 1
+    from torch.nn.utils.rnn import pad_sequence
+
+    ids = pad_sequence([torch.tensor(f, dtype=torch.long) for f in feeds], batch_first=True, padding_side="left")
+    mask = pad_sequence([torch.ones(len(f), dtype=torch.long) for f in feeds], batch_first=True, padding_side="left")
     return ids.to(device), mask.to(device)
 
 
@@ -481,8 +479,7 @@ def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], target
         alone, joined = encoded[j], encoded[b + j]
         n = _common_prefix(alone, joined)
         cands.append(list(joined[n:k + n]) if n == len(alone) and new_text[j] else [])
-    k = max(len(c) for c in cands)
-    out = torch.zeros(b, k, dtype=torch.long)
-    for j, c in enumerate(cands):
-        out[j, : len(c)] = torch.tensor(c, dtype=torch.long)
+    from torch.nn.utils.rnn import pad_sequence
+
+    out = pad_sequence([torch.tensor(c, dtype=torch.long) for c in cands], batch_first=True, padding_side="right")
     return out.to(device), torch.tensor([len(c) for c in cands], dtype=torch.long, device=device)
