@@ -712,7 +712,10 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
                                       "--out"), (command, r.output)
         assert no_models == []
         r = CliRunner().invoke(app, [*argv, "--overwrite"])  # past the check: the command goes on to its models
-        assert _one_error_line(r).endswith("no models here"), (command, r.output)
+        # ... where a command that reads prompts first says which will run (before any model loads)
+        *said, last = r.output.splitlines()
+        assert r.exit_code == 2 and last.startswith("error: ") and last.endswith("no models here"), (command, r.output)
+        assert all(line.startswith("prompts: ") for line in said), (command, r.output)
         assert no_models, command
         no_models.clear()
     assert (done / "report.json").read_text() == "{}" and done_json.read_text() == "{}"
@@ -722,7 +725,8 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
         assert r.output.splitlines()[-1].endswith("no models here"), (command, r.output)  # past the check
     (empty := tmp_path / "empty").mkdir()
     r = CliRunner().invoke(app, _out_commands(tmp_path, empty)["eval"])
-    assert _one_error_line(r) == "error: --target target-model: no models here"
+    said, last = r.output.splitlines()
+    assert said.startswith("prompts: ") and last == "error: --target target-model: no models here"
 
 
 def test_the_run_page_holds_no_library_notices_but_keeps_specdrafts_own_warnings():
