@@ -795,7 +795,7 @@ def test_a_topk_teacher_refuses_serving_settings_it_cannot_compute(setup, servin
     target, rows = setup
     batch = collate(topk_rows(target, rows[:2]))
     cfg = DistillConfig(loss="soft_ce", **serving)
-    with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--top-k between 1 and 8.*--format hidden"):
+    with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--serving-top-k between 1 and 8.*--format hidden"):
         DistillModel(perturbed(target, 0.1), None, None, V, cfg, teacher_width=V)(**batch)
     assert f"temperature {cfg.temperature}, top-k {cfg.top_k}, top-p {cfg.top_p}" in cfg.sparse_teacher_problem(8)
     # The same temperature and top-p become exact once a top-k inside the stored k bounds the support.
@@ -971,3 +971,60 @@ def test_last_layers_refuses_a_draft_whose_final_norm_it_cannot_find():
     del draft.model.norm
     with pytest.raises(DistillError, match=r"final norm of LlamaForCausalLM.*--train all or lora"):
         select_trainable(draft, DistillConfig(train="last_layers"))
+
+
+def test_a_position_is_a_cut_tie_when_the_serving_filter_keeps_the_last_stored_value():
+    """The serving filter keeps every id tied with its k-th value; a top-k dump keeps exactly k. Where the
+    filter, on the stored values, keeps the smallest of them, unstored ids tied with it may be missing: a cut
+    tie. Always so at a serving top-k equal to the stored k; the same for float16 values (older dumps)."""
+    from specdraft.distill import cut_ties
+
+    lp = torch.tensor([[0.0, -1.0, -1.0, -1.0],    # the tie at the 2nd value runs to the last stored one
+                       [0.0, -1.0, -1.0, -2.0],    # the tie ends inside the stored k
+                       [0.0, -1.0, -2.0, -3.0],
+                       [0.0, -6.0, -6.0, -6.0]])
+    assert cut_ties(lp, DistillConfig(top_k=2)).tolist() == [True, False, False, True]
+    assert cut_ties(lp.half(), DistillConfig(top_k=2)).tolist() == [True, False, False, True]
+    assert cut_ties(lp, DistillConfig(top_k=4)).all()  # no margin past the cut
+    # Top-p 0.5 stops at the first id where it holds half the mass; in row 0 it holds 47%: the tie is kept whole.
+    assert cut_ties(lp, DistillConfig(top_k=4, top_p=0.5)).tolist() == [True, False, False, False]
+    assert not cut_ties(lp, DistillConfig()).any()  # plain serving: no cut
+
+
+def test_alpha_from_a_topk_teacher_is_called_exact_only_when_no_cut_tie_was_counted():
+    from specdraft.distill import alpha_definition
+
+    cfg = DistillConfig(top_k=4)
+    none = {"positions": 0, "of": 50, "share": 0.0, "stored_dtype": "float32"}
+    some = {"positions": 5, "of": 50, "share": 0.1, "stored_dtype": "float16"}
+    assert "exact from the dump's top-k" in alpha_definition(cfg, "topk", none)
+    for cut in (some, None):
+        text = alpha_definition(cfg, "topk", cut)
+        assert "not exact" in text and "exact from" not in text
+    assert "not exact at 5 of 50 trained positions (10.0%" in alpha_definition(cfg, "topk", some)
+    assert "float16" in alpha_definition(cfg, "topk", some)
+
+
+def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_position_as_a_cut_tie(tmp_path):
+    """Serving top-k 8 on a dump of k = 8: every trained position's cut reaches the last stored value, so
+    training.json counts them all under cut_ties and the α's definition says it is not exact there."""
+    import json
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d"}]})
+                              for w in "fghi") + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    cfg = DistillConfig(loss="soft_ce", top_k=8, max_steps=1, batch_size=2, held_out_fraction=0.25)
+    run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
+    metrics = json.loads((tmp_path / "out" / "training.json").read_text())["metrics"]
+    cut = metrics["cut_ties"]
+    assert cut["positions"] == cut["of"] > 0 and cut["share"] == 1.0
+    assert (cut["stored_k"], cut["serving_top_k"], cut["stored_dtype"]) == (8, 8, "float32")
+    assert f"not exact at {cut['of']} of {cut['of']} trained positions" in metrics["alpha_definition"]

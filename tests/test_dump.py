@@ -2,8 +2,8 @@
 
 Tiny models (3-layer target, vocabulary 64 padded to 72 logits rows) are saved once per module; the stored
 teacher is compared with ``model(ids).logits`` of the same ids run alone. Float32 hidden storage must give
-the target's logits to float32 rounding (the capture is exactly the head's input); the default bfloat16 and
-the float16 top-k log-probs are compared within their storage rounding. The ``real`` tests use the
+the target's logits to float32 rounding (the capture is exactly the head's input); the default bfloat16 hidden
+states are compared within their storage rounding, the float32 top-k log-probs within float32's. The ``real`` tests use the
 embedded Qwen tokenizer and the 1.5B target.
 """
 
@@ -269,16 +269,16 @@ def test_topk_dump_matches_the_target_distribution(pair, tmp_path):
     k = 8
     m = run_dump(pair["target"], [chat(i) for i in range(5)], tmp_path / "d",
                  fp32(format="topk", top_k=k, batch_size=2))
-    assert m["top_k"] == k and m["dtype"] == {"topk_logprobs": "float16", "topk_ids": "int32",
+    assert m["top_k"] == k and m["dtype"] == {"topk_logprobs": "float32", "topk_ids": "int32",
                                               "leftover_logmass": "float32"}
     assert "head" not in m and not (tmp_path / "d" / "head.safetensors").exists()
     ds = TeacherDataset(tmp_path / "d")
     for item in rows_by_id(ds).values():
         logp = plain_logits(model, item["input_ids"])[:, :VOCAB].double().log_softmax(-1)  # padding rows out
         top = logp.topk(k, dim=-1)
-        assert item["topk_ids"].dtype == torch.int32 and item["topk_logprobs"].dtype == torch.float16
+        assert item["topk_ids"].dtype == torch.int32 and item["topk_logprobs"].dtype == torch.float32
         assert torch.equal(item["topk_ids"].long(), top.indices)  # never a padding row (ids ≥ 64)
-        torch.testing.assert_close(item["topk_logprobs"].double(), top.values, atol=2e-2, rtol=1e-3)
+        torch.testing.assert_close(item["topk_logprobs"].double(), top.values, atol=1e-4, rtol=1e-5)
         leftover = torch.log1p(-top.values.exp().sum(-1))
         torch.testing.assert_close(item["leftover_logmass"].double(), leftover, atol=1e-4, rtol=1e-4)
         # The completed distribution is within the leftover mass of the true one (uniform rule).
@@ -775,3 +775,31 @@ def test_a_target_with_non_finite_logits_is_refused_and_nothing_is_stored(tmp_pa
     with pytest.raises(DumpError, match=r"target \(LlamaForCausalLM, float32\) gave non-finite logits"):
         run_dump(str(d), [chat(0), chat(1)], tmp_path / "out", fp32(format=fmt, top_k=8))
     assert not list((tmp_path / "out").glob("shard-*"))
+
+
+def test_a_topk_dump_stores_log_probs_as_computed_so_storage_neither_makes_nor_breaks_a_tie_at_the_cut(pair,
+                                                                                                     tmp_path):
+    """Log-probs 1e-3 apart (float16 spaces values near −4 by 0.004 and would merge them into a tie the serving
+    filter then keeps whole) stay apart: the dump stores float32 values as computed, and its identity names
+    the storage, so a dump begun with float16 log-probs is never resumed into float32 shards."""
+    import json
+
+    from specdraft.dump import Teacher
+
+    run_dump(pair["target"], [chat(i) for i in range(2)], tmp_path / "d", fp32(format="topk", top_k=8))
+    item = next(iter(rows_by_id(TeacherDataset(tmp_path / "d")).values()))
+    teacher = Teacher(pair["model"], VOCAB)
+    ids = item["input_ids"][None]
+    h = teacher.hidden(ids, torch.ones_like(ids))[0]
+    computed, _, _ = teacher.topk(h, 8)
+    # As computed, to float32 rounding (the dump's batched pass and this lone one may differ in the last bits).
+    torch.testing.assert_close(item["topk_logprobs"], computed, atol=1e-5, rtol=0)
+    gaps = computed[:, :-1] - computed[:, 1:]
+    close = (gaps > 0) & (gaps < 4e-3)
+    assert close.any()  # values float16 would have merged into ties are there, and stay distinct
+    assert not (item["topk_logprobs"][:, :-1] == item["topk_logprobs"][:, 1:])[close].any()
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["identity"]["topk_storage"]["topk_logprobs"] == "float32"
+
+
+# ------------------------------------------------------------------------------------------ generated answers

@@ -257,12 +257,12 @@ class DumpConfig(BaseModel):
         return self.model_dump(exclude={"batch_size", "shard_size_mb"})
 
     def bytes_per_token(self, hidden_size: int) -> int:
-        """Upper bound of the bytes one dumped position takes: hidden states, or top-k log-probs (fp16) + ids
+        """Upper bound of the bytes one dumped position takes: hidden states, or top-k log-probs (float32) + ids
         (int32) + leftover mass, plus token id and loss mask."""
         if self.format == "hidden":
             per = hidden_size * (4 if self.hidden_dtype == "float32" else 2)
         else:
-            per = self.top_k * 6 + 4
+            per = self.top_k * 8 + 4
         return per + 5
 
 
@@ -286,7 +286,11 @@ class DistillConfig(BaseModel):
                                "at (> 0; 1 = the model's own softmax). tvd_deploy, the logged α and the on-policy "
                                "answers use it; decoding's --temperature is another setting.")
     top_k: int = Field(0, ge=0, description="Serving filter: the top-k the draft will be served with, after "
-                       "--serving-temperature (tvd_deploy, α, on-policy answers); 0 = off.")
+                       "--serving-temperature (tvd_deploy, α, on-policy answers); 0 = off. It keeps every id tied "
+                       "with the k-th value; a top-k dump holds exactly its k, so where the cut reaches its last "
+                       "stored value (always at a top-k equal to the dump's) tied ids may be missing: training.json "
+                       "counts those positions (cut_ties) and α is called exact only without them. Dump a larger "
+                       "--top-logprobs for a margin.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving filter: the top-p the draft will be served with, "
                          "after --serving-top-k (tvd_deploy, α, on-policy answers); 1 = off.")
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
@@ -352,8 +356,11 @@ class DistillConfig(BaseModel):
         A top-k dump stores the k largest p(x) and the tail's total mass, not the tail. Computable: the plain
         distribution (T = 1, no filter: the tail completed uniformly, off by at most the leftover mass per position,
         logged as ``alpha_bound``) and every filter with 0 < top_k ≤ k (top-k keeps only stored ids; temperature and
-        top-p then act on their values alone: exact). Not computable: a temperature ≠ 1 or a top-p over a support
-        wider than k (top_k 0 or > k), which re-tempers or cuts into the unknown tail, and a top_k > k.
+        top-p then act on their values alone). That is exact except at a **cut tie**: a position where the filter
+        keeps the last stored value, whose ties in the unstored tail the target's filter would keep too — every
+        position when top_k = k (:func:`specdraft.distill.cut_ties` counts them; the dump's cut rule:
+        :mod:`specdraft.dump`). Not computable: a temperature ≠ 1 or a top-p over a support wider than k (top_k 0 or
+        > k), which re-tempers or cuts into the unknown tail, and a top_k > k.
         """
         if self.serving_is_plain or 0 < self.top_k <= stored_k:
             return None
@@ -366,8 +373,9 @@ class DistillConfig(BaseModel):
         return (f"the teacher is a top-k dump (k = {stored_k}): it holds the {stored_k} largest target probabilities "
                 f"and the mass of the rest, not the rest, so tvd_deploy and the logged α at the serving settings "
                 f"(temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}) cannot be computed: {why}. "
-                f"Serve with --serving-top-k between 1 and {stored_k} (temperature and top-p are then exact), or at "
-                "--serving-temperature 1 with no filter, or dump the teacher with --format hidden (full logits).")
+                f"Serve with --serving-top-k between 1 and {stored_k} (temperature and top-p then read stored ids "
+                f"only; below {stored_k} the dump shows where the cut's ties end), or at --serving-temperature 1 "
+                "with no filter, or dump the teacher with --format hidden (full logits).")
 
 
 class ExportConfig(BaseModel):

@@ -39,7 +39,8 @@ Teacher signal per position (from :mod:`specdraft.dump`):
   :func:`specdraft.dump_reader.teacher_probs_from_topk` for the leftover rule). It says what it cannot compute:
   serving settings that re-temper or filter wider than the stored k are refused before training
   (:meth:`~specdraft.config.DistillConfig.sparse_teacher_problem`); a filter with top_k ≤ k is exact
-  (:func:`stored_logits`); plain serving logs ``alpha_bound``, the leftover mass that bounds α's error.
+  (:func:`stored_logits`) but at cut ties (:func:`cut_ties`, counted in ``training.json``'s ``metrics.cut_ties``);
+  plain serving logs ``alpha_bound``, the leftover mass that bounds α's error.
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
@@ -84,6 +85,7 @@ from specdraft.sampling import (
     align_logits,
     check_context,
     check_token_ids,
+    filter_logits,
     filtered_probs,
     input_width,
     output_width,
@@ -150,9 +152,13 @@ class DistillOutput(ModelOutput):
 METRICS = ("train_acc", "tvd", "alpha", "alpha_bound")
 
 
-def alpha_definition(config: DistillConfig, teacher_format: str = "hidden") -> str:
+def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
+                     cut: dict[str, Any] | None = None) -> str:
     """What the logged ``alpha`` / ``eval_alpha`` is under ``config``'s serving settings, in words (recorded in
-    ``training.json`` as ``metrics["alpha_definition"]``)."""
+    ``training.json`` as ``metrics["alpha_definition"]``).
+
+    ``cut``: :func:`count_cut_ties`'s record for a top-k teacher under a serving top-k; α is called exact only
+    when it counted no cut tie (``None``: not counted, so never called exact)."""
     if config.serving_is_plain:
         text = "Σ min(p, q) at temperature 1, no filter"
         if teacher_format == "topk":
@@ -161,9 +167,62 @@ def alpha_definition(config: DistillConfig, teacher_format: str = "hidden") -> s
         return text
     text = (f"Σ min(p̃, q̃), p̃ and q̃ after the serving filter (temperature {config.temperature}, top-k "
             f"{config.top_k}, top-p {config.top_p}), renormalised")
-    if teacher_format == "topk":
-        text += " (exact from the dump's top-k: the filter keeps stored ids only)"
+    if teacher_format != "topk":
+        return text
+    where = ("where the serving cut keeps the last stored value, the target's filter may also keep unstored ids "
+             "tied with it")
+    if cut is None:
+        text += (f" (from the dump's top-k, stored ids only; not exact {where} — every position at a serving top-k "
+                 "equal to the stored k; those positions were not counted)")
+    elif cut["positions"]:
+        text += (f" (from the dump's top-k, stored ids only; not exact at {cut['positions']} of {cut['of']} "
+                 f"trained positions ({cut['share']:.1%}, metrics.cut_ties): there {where})")
+    else:
+        text += (f" (exact from the dump's top-k: the filter keeps stored ids only, and at none of {cut['of']} "
+                 "trained positions does it keep the last stored value)")
+    if cut is not None and cut.get("stored_dtype") == "float16":
+        text += "; the dump stores float16 log-probs, whose rounding can make or break ties at the cut"
     return text
+
+
+def cut_ties(topk_logprobs: torch.Tensor, config: DistillConfig) -> torch.Tensor:
+    """``[...] bool``: the positions of a top-k teacher ``topk_logprobs [..., k]`` (any order, nats) where the
+    serving filter, applied to the stored values, keeps the smallest of them.
+
+    There the filter's tie group at its cut reaches the end of what was stored: the target's own filter keeps every
+    id tied with the cut (:func:`specdraft.sampling.filter_logits`), and unstored ids of the same value would be
+    kept too, which the dump cannot show; elsewhere the filtered teacher is exact. Always true at a serving top-k
+    ≥ k. The dump's cut rule: :mod:`specdraft.dump`. Plain serving has no cut: all False.
+    """
+    if config.serving_is_plain:
+        return torch.zeros(topk_logprobs.shape[:-1], dtype=torch.bool, device=topk_logprobs.device)
+    lp = topk_logprobs.float()
+    # The k stored values alone stand for the full width: a top-k ≤ k and the renormalised top-p read these only.
+    kept = torch.isfinite(filter_logits(lp, config.temperature, config.top_k, config.top_p))
+    return (kept & (lp == lp.min(dim=-1, keepdim=True).values)).any(dim=-1)
+
+
+def count_cut_ties(dataset, config: DistillConfig) -> dict[str, Any] | None:
+    """:func:`cut_ties` counted over every trained position (``loss_mask``) of a top-k ``dataset``
+    (:class:`~specdraft.dump_reader.TeacherDataset` or ``TeacherMix``), for ``training.json``'s
+    ``metrics.cut_ties``.
+
+    Returns:
+        ``{"positions", "of", "share", "stored_k", "serving_top_k", "stored_dtype"}`` (``positions`` of ``of``
+        trained positions are cut ties), or ``None`` for a hidden teacher or plain serving (no cut to tie).
+    """
+    manifest = dataset.manifest
+    if manifest["format"] != "topk" or config.serving_is_plain:
+        return None
+    positions = total = 0
+    for i in range(len(dataset)):
+        item = dataset[i]
+        mask = item["loss_mask"].bool()
+        positions += int(cut_ties(item["topk_logprobs"], config)[mask].sum())
+        total += int(mask.sum())
+    return {"positions": positions, "of": total, "share": positions / total if total else 0.0,
+            "stored_k": manifest["top_k"], "serving_top_k": config.top_k,
+            "stored_dtype": manifest["dtype"]["topk_logprobs"]}
 
 
 def stored_logits(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -171,7 +230,8 @@ def stored_logits(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, width: in
 
     Any serving filter with 0 < top_k ≤ k keeps stored ids only, and its temperature and top-p act on their values
     alone (the renormalisation cancels the shared log-normaliser), so ``filtered_probs`` of these logits is exactly
-    the filtered p (up to the float16 storage of the values); without such a top-k it is not
+    the filtered p but at a cut tie (:func:`cut_ties`: the filter keeps the last stored value, and the target's
+    would keep unstored ids tied with it); without such a top-k it is not
     (:meth:`DistillConfig.sparse_teacher_problem`).
     """
     shape = (*topk_ids.shape[:-1], width)
@@ -900,6 +960,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     check_context(longest, [("draft", draft)], f"the dump's longest sequence {longest_id!r} ({longest} tokens)",
                   "dump with a --max-length the draft's window holds, or distil a draft with a longer window.",
                   error=DistillError)
+    cut = count_cut_ties(dataset, config)  # before training: where the logged α is not the deployed one
     train_idx, held_idx, split_counts = prompt_keyed_split(parts, dump_weights, config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
@@ -920,7 +981,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                "processes": result["processes"],
                "precision": result["precision"], "precision_reason": result["precision_reason"],
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
-               "on_policy": result["on_policy"], "alpha_definition": alpha_definition(config, manifest["format"])}
+               "on_policy": result["on_policy"], "cut_ties": cut,
+               "alpha_definition": alpha_definition(config, manifest["format"], cut)}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs],
                          "weights": dump_weights, "sequences_per_dump": [len(p) for p in parts],

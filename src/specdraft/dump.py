@@ -27,7 +27,7 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
   dump does not know is refused, never accepted as a near match. When the captured states are pre-norm,
   the model's final norm is applied (``final_norm: "applied"``); with no final norm to apply the dump is
   refused.
-* ``topk`` (compact): ``topk_logprobs [S, k]`` float16 and ``topk_ids [S, k]`` int32 (descending), plus
+* ``topk`` (compact): ``topk_logprobs [S, k]`` float32 and ``topk_ids [S, k]`` int32 (descending), plus
   ``leftover_logmass [S]`` float32 = log Σ_{x ∉ top-k} p(x), computed as a log-sum-exp over the other
   ids (never as log(1 − Σ top-k), which cancels). Padding rows (ids ≥ the real vocabulary) get zero
   probability first. **Leftover rule** (:func:`teacher_probs_from_topk`): the leftover mass is spread
@@ -35,6 +35,19 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
   (the sparse losses of :mod:`specdraft.losses` read it without building p̂). ``tvd`` and
   α = Σ min(p̂, q) differ from their values under the true p by at most the leftover mass
   (|TV(p̂, q) − TV(p, q)| ≤ TV(p, p̂) ≤ leftover), so ``leftover_logmass`` bounds the error per position.
+
+  **Cut rule** (a serving top-k read from a top-k dump). The serving filter
+  (:func:`specdraft.sampling.filter_logits`) keeps every id tied with its k-th value; a dump keeps exactly k. So
+  the log-probs are stored in float32, the precision they are computed in (:meth:`Teacher.topk`): storage adds
+  no rounding of its own, so it neither makes ties the computed values do not have nor breaks theirs (float16,
+  as older dumps hold, merges values ~1e-3 apart; they still read, and the manifest's ``dtype`` says which). A serving top-k below the stored k is then computed from stored ids
+  alone, exactly, at every position where the serving filter applied to the stored values keeps ids above the
+  last (smallest) stored value only. Where it keeps that last value — its tie group reaches the end of what was
+  stored; always so at a serving top-k equal to the stored k — the target's own filter may also keep unstored
+  ids tied with it, which the dump cannot show: such a position is a **cut tie**
+  (:func:`specdraft.distill.cut_ties`). Distillation counts them and records them in ``training.json``
+  (``metrics.cut_ties``) and in the α's definition, which calls α exact only when there are none. Dump with a
+  ``--top-logprobs`` above the serving top-k for a margin.
 
 **On disk** (``DIR``)::
 
@@ -44,7 +57,7 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
     shard-r00000-00000.safetensors     rank 0, shard 0; each written atomically, at most ~shard_size_mb
 
     shard tensors (N sequences, T tokens):  offsets [N+1] int64 (row i = offsets[i]:offsets[i+1]),
-        input_ids [T] int32, loss_mask [T] bool, and hidden [T, H] | topk_logprobs [T, k] float16,
+        input_ids [T] int32, loss_mask [T] bool, and hidden [T, H] | topk_logprobs [T, k] float32,
         topk_ids [T, k] int32, leftover_logmass [T] float32; metadata "specdraft": JSON {format, rank, ids}
         (ids: the example id of each row). Shards are byte-reproducible: a resumed dump equals a fresh one.
 
@@ -107,6 +120,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 LOSS_MASK_CONVENTION = "loss_mask[j]: the prediction made at position j (of token j+1) is trained"
+#: Storage dtypes of a top-k dump's tensors (the manifest's ``dtype``). Log-probs in float32, the dtype they are
+#: computed in: a narrower one would make and break ties at the serving cut (the module docstring's cut rule).
+TOPK_STORAGE = {"topk_logprobs": "float32", "topk_ids": "int32", "leftover_logmass": "float32"}
 # Bytes of float32 logits materialised at once when computing top-k (positions per chunk = this / V).
 _LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -440,6 +456,8 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     identity = {"tokenizer_fingerprint": tok_fp, "target_config": target_facts,
                 "settings": config.plan_settings(), "world_size": world,
                 "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples])}
+    if config.format == "topk":  # shards of another storage dtype (an older dump's float16) never mix with these
+        identity["topk_storage"] = TOPK_STORAGE
     if world > 1:
         # Several ranks split the work in whole batches: another batch size would hand a resumed rank other items.
         identity["split_batch_size"] = config.batch_size
@@ -670,7 +688,7 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
         "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
         "format": config.format,
         "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
-                  {"topk_logprobs": "float16", "topk_ids": "int32", "leftover_logmass": "float32"}),
+                  dict(TOPK_STORAGE)),
         "top_k": config.top_k if config.format == "topk" else None,
         "final_norm_applied": None, "final_norm": None,  # known after the first batch (Teacher.hidden)
         "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
@@ -802,9 +820,8 @@ def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> li
     lp, tid, left = teacher.topk(flat, config.top_k)
     rows, a = [], 0
     for q, n in zip(seqs, lens):
-        rows.append(_Row(q, {"topk_logprobs": lp[a:a + n].to("cpu", torch.float16),
-                             "topk_ids": tid[a:a + n].to("cpu", torch.int32),
-                             "leftover_logmass": left[a:a + n].to("cpu", torch.float32)}))
+        rows.append(_Row(q, {name: t[a:a + n].to("cpu", getattr(torch, TOPK_STORAGE[name]))
+                             for name, t in (("topk_logprobs", lp), ("topk_ids", tid), ("leftover_logmass", left))}))
         a += n
     return rows
 

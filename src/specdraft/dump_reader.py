@@ -203,8 +203,8 @@ class TeacherDataset:
     """A map-style torch dataset over a finished dump, one sequence per item, memory-mapped shard by shard.
 
     ``dataset[i]`` is a dict: ``id`` (str), ``input_ids [S] int64``, ``loss_mask [S] bool`` and either
-    ``hidden [S, H]`` (the stored dtype, bfloat16 by default) or ``topk_logprobs [S, k] float16``,
-    ``topk_ids [S, k] int32``, ``leftover_logmass [S] float32``. Only the requested rows are read
+    ``hidden [S, H]`` (the stored dtype, bfloat16 by default) or ``topk_logprobs [S, k] float32`` (float16 in
+    older dumps), ``topk_ids [S, k] int32``, ``leftover_logmass [S] float32``. Only the requested rows are read
     (``safe_open`` slices); nothing loads the whole dump. Works with ``torch.utils.data.DataLoader``
     (``collate_fn=pad_collate``), also with worker processes (file handles are reopened per process).
 

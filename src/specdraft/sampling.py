@@ -46,7 +46,9 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     """Apply temperature → top-k → renormalise → top-p; return float32 logits with ``-inf`` outside the kept set.
 
     ``softmax`` of the result is the sampling distribution. Ties at the k-th value are all kept (threshold
-    semantics, as transformers' ``TopKLogitsWarper``), so more than k tokens survive on exact ties.
+    semantics, as transformers' ``TopKLogitsWarper``), so more than k tokens survive on exact ties. A top-k teacher
+    dump keeps exactly its k: where this filter keeps its last stored value, the dump cannot tell which unstored
+    ids tie with it (:func:`specdraft.distill.cut_ties`; the cut rule of :mod:`specdraft.dump`).
 
     No full-vocabulary sort: with ``top_k > 0`` the nucleus is taken over the ``torch.topk`` values; with
     ``top_k = 0`` by :func:`_top_p_threshold`.
