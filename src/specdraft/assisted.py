@@ -17,6 +17,7 @@ import sys
 import torch
 
 from specdraft.config import SamplingConfig
+from specdraft.decode import check_max_new_tokens
 
 
 def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
@@ -26,7 +27,14 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
     Every other field takes transformers' neutral global default (no penalty, no bias, one beam); then ours:
     sampling (``top_k`` 0 = off in both), EOS and pad ids, γ tokens per round on a constant schedule, and the
     draft confidence threshold (0 = off) instead of transformers' default 20 tokens and 0.4.
+
+    ``eos_token_id``: :func:`specdraft.decode.stop_ids` of the target and tokenizer, so transformers' rows end where
+    specdraft's do; ``max_new_tokens`` ≥ 1.
+
+    Raises:
+        specdraft.decode.DecodeError: ``max_new_tokens`` < 1.
     """
+    check_max_new_tokens(max_new_tokens)
     from transformers import GenerationConfig
 
     # transformers' own fallback table (5.x). The beam-group keys are deprecated and warn when set; max_length /

@@ -57,6 +57,7 @@ refused (decode its rows one at a time).
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -194,6 +195,20 @@ def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
     return any(len(s) and len(seq) >= len(s) and seq[-len(s):] == list(s) for s in stops)
 
 
+def check_max_new_tokens(max_new_tokens: int, name: str = "max_new_tokens",
+                         error: type[Exception] = DecodeError) -> None:
+    """The one budget rule of every public entry point that generates: at least one new token per row (the
+    configs' ``ge=1`` and the CLI's ``min=1``). A budget of 0 or less is refused rather than read as "nothing":
+    the loop emits the target's token of its first pass before it counts, so it would still yield one.
+
+    Raises:
+        ``error`` (:class:`DecodeError` unless given): ``max_new_tokens`` (named ``name``) is not an integer ≥ 1;
+            the message names the argument and its value.
+    """
+    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise error(f"{name} must be an integer >= 1 (new tokens per row), got {max_new_tokens!r}")
+
+
 def check_decode_context(longest: int, max_new_tokens: int, gamma: int, target, draft,
                          error: type[Exception] = ContextWindowError) -> None:
     """Decoding's window rule: the longest prompt (``longest`` tokens) + ``max_new_tokens`` + γ+1 positions must fit
@@ -212,6 +227,7 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
                   real_vocab: int | None = None) -> None:
     if draft is not None and gamma < 1:
         raise DecodeError(f"num_speculative_tokens (γ) must be >= 1, got {gamma}")
+    check_max_new_tokens(max_new_tokens)
     if input_ids.dim() != 2:
         raise DecodeError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}")
     if bool((attention_mask[:, -1] == 0).any()):
@@ -240,13 +256,21 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
 
 def stop_ids(model, tokenizer=None) -> list[int]:
     """The one rule for when a row ends: the ids of the model's generation config's EOS list (else its config's
-    EOS, as transformers falls back) together with the tokenizer's EOS, sorted — what vLLM stops at. Decode,
-    generate, eval, replay and the dump's generation all ask here, so answers of one prompt end at one token."""
+    EOS, as transformers falls back) together with the tokenizer's EOS, sorted — what vLLM stops at.
+
+    ``model`` is always the target (the model served), also where another model writes: the draft's on-policy
+    answers (:class:`specdraft.distill_data.DraftWriter`) end where the target's would, whatever the draft's own
+    generation config says. Decode, generate, eval, replay, the HF comparison (transformers' ``generate``) and the
+    dump's generation all ask here, so answers of one prompt end at one token.
+
+    Returns:
+        sorted token ids (empty when neither the model nor the tokenizer names an EOS).
+    """
     gc = getattr(model, "generation_config", None)
     eos = getattr(gc, "eos_token_id", None) if gc is not None else None
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
-    ids = {eos} if isinstance(eos, int) else set(eos or [])
+    ids = {int(eos)} if isinstance(eos, int) else {int(e) for e in eos or []}
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
@@ -310,9 +334,10 @@ def speculative_generate(
         input_ids / attention_mask: ``[B, P] int64`` prompts, **left**-padded (mask 1 = token; default all ones).
         num_speculative_tokens: γ ≥ 1, the most draft tokens per round.
         sampling: greedy at temperature 0 (default), else temperature/top-k/top-p sampling.
-        max_new_tokens: tokens generated per row, met exactly unless EOS/stop comes first.
-        stop / eos_token_id: token-id sequences / id(s) that end a row, included in the output (EOS default:
-            the target's ``generation_config``, then config).
+        max_new_tokens: tokens generated per row (≥ 1), met exactly unless EOS/stop comes first.
+        stop / eos_token_id: token-id sequences / id(s) that end a row, included in the output (``eos_token_id``
+            default :func:`stop_ids` of the target without a tokenizer: its ``generation_config``'s EOS, else its
+            config's; callers holding the tokenizer pass ``stop_ids(target, tokenizer)``; ``[]``: no EOS).
         real_vocab: ``len(tokenizer)``; logits of ids at or past it are padding and get zero probability.
         generator: torch RNG (sampling only); seed it for reproducible output. Each row draws from its own stream,
             seeded ``s + row index`` with ``s`` drawn once from ``generator`` (:class:`RowDraws`): a row's tokens do not
@@ -334,10 +359,11 @@ def speculative_generate(
         :class:`~specdraft.acceptance.AcceptanceCounts` (per-position accepted/proposed, histogram, timings).
 
     Raises:
-        DecodeError: γ < 1, prompt ids past either model's input embedding or output head (named; a mapped
-            draft's are its own) or, with ``real_vocab``, a draft narrower than the ids the target can emit, a prompt plus ``max_new_tokens`` longer than either model's context window (a
-            mapped draft's window is checked each round in its own tokens; once outgrown, the target finishes
-            alone with a warning), a batch of several rows with a sliding-window model, a ``vocab_mapping``
+        DecodeError: γ < 1, ``max_new_tokens`` < 1 (:func:`check_max_new_tokens`), prompt ids past either model's
+            input embedding or output head (named; a mapped draft's are its own) or, with ``real_vocab``, a draft
+            narrower than the ids the target can emit, a prompt plus ``max_new_tokens`` longer than either model's
+            context window (a mapped draft's window is checked each round in its own tokens; once outgrown, the
+            target finishes alone with a warning), a batch of several rows with a sliding-window model, a ``vocab_mapping``
             wider than the target's output head, ``mapped_proposals="text"`` with sampling.
         ValueError: a ``speed_model`` measured for a smaller γ.
     """
@@ -443,7 +469,8 @@ def speculative_generate(
 
 
 def target_generate(target, input_ids, attention_mask=None, **kwargs) -> tuple[list[list[int]], AcceptanceCounts]:
-    """Target-only baseline: :func:`speculative_generate` with the draft removed (same sampling code)."""
+    """Target-only baseline: :func:`speculative_generate` with the draft removed (same sampling code, the same
+    errors: ``max_new_tokens`` < 1 raises :class:`DecodeError`)."""
     kwargs.pop("num_speculative_tokens", None)
     return speculative_generate(target, None, input_ids, attention_mask, **kwargs)
 

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from specdraft.config import DistillConfig
+from specdraft.decode import check_max_new_tokens
 from specdraft.sampling import check_context
 
 
@@ -170,7 +171,8 @@ class DraftWriter:
         tokenizer: the shared tokenizer (pad and EOS ids).
         dump_config: the dump's :class:`~specdraft.config.DumpConfig`: the signal format and ``max_length``.
         sampling: the serving filter the draft samples with (``temperature`` > 0, ``top_k``, ``top_p``).
-        max_new_tokens: length bound of an answer.
+        max_new_tokens: length bound of an answer (≥ 1; a stop id of the target, :func:`specdraft.decode.stop_ids`,
+            ends it earlier).
 
     Calling ``writer(draft, [(id, prompt ids)], seed)`` returns :class:`~specdraft.dump_reader.TeacherDataset`-like items
     (``id`` prefixed ``on-policy/``; only the answer is trained) and adds to :attr:`stats`: ``sequences``,
@@ -184,6 +186,7 @@ class DraftWriter:
         self.dump_config = dump_config
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
+        check_max_new_tokens(max_new_tokens, error=DistillError)
         self.stats = {"refreshes": 0, "sequences": 0, "generated_tokens": 0, "generate_seconds": 0.0,
                       "teacher_tokens": 0, "teacher_seconds": 0.0, "dropped": 0}
 
@@ -211,8 +214,10 @@ class DraftWriter:
         if not prompts:
             return []
         t0 = time.perf_counter()
+        # The draft's answers end where the target's would (its stop ids), not at the draft's own EOS config.
         responses = generate_from_ids(draft, self.tokenizer, [p for _, p in prompts], self.max_new_tokens,
-                                      self.sampling, seed=seed, real_vocab=self.teacher.real_vocab)
+                                      self.sampling, seed=seed, real_vocab=self.teacher.real_vocab,
+                                      stop_model=self.teacher.model)
         t1 = time.perf_counter()
         seqs = sequences_from_responses([f"on-policy/{i}" for i, _ in prompts], [p for _, p in prompts], responses,
                                         answer_only=True, max_length=self.dump_config.max_length, truncate=True)

@@ -40,7 +40,7 @@ from specdraft.assisted import assisted_generate, hf_generation_config
 from specdraft.calibration import LoadMonitor, calibrate, machine_info
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import tokenizer_pad_id
-from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.decode import check_max_new_tokens, left_pad, speculative_generate, target_generate
 from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
@@ -366,6 +366,7 @@ def run_eval(
         :class:`EvalResult`.
     """
     config = config or EvalConfig()
+    check_max_new_tokens(config.max_new_tokens)  # a config changed after construction
     sampling, seed, max_new_tokens = config.sampling, config.seed, config.max_new_tokens
     mapped_proposals, compare_hf = config.mapped_proposals, config.compare_hf
     draft_confidence_threshold = config.draft_confidence_threshold
@@ -569,10 +570,11 @@ def acceptance_eval(
         an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α).
 
     Raises:
-        ValueError: a sampled ``config``.
+        ValueError: a sampled ``config``; ``config.max_new_tokens`` < 1 (:class:`specdraft.decode.DecodeError`).
     """
     if not config.sampling.greedy:
         raise ValueError("acceptance_eval measures greedy acceptance; the sampled figure is alpha_sampled")
+    check_max_new_tokens(config.max_new_tokens)
     t0 = time.perf_counter()
     gamma, max_new = config.num_speculative_tokens, config.max_new_tokens
     eos = eos_ids(target, tokenizer)
@@ -744,6 +746,7 @@ def interleaved_speed(
     """
     from specdraft.stats import paired_ratio_ci
 
+    check_max_new_tokens(config.max_new_tokens)
     sampling, gamma, max_new = config.sampling, config.num_speculative_tokens, config.max_new_tokens
     vocab_mappings = vocab_mappings or {}
     eos = eos_ids(target, tokenizer)

@@ -19,7 +19,7 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import SamplingConfig
-from specdraft.decode import left_pad
+from specdraft.decode import check_max_new_tokens, left_pad
 from specdraft.losses import sum_min
 from specdraft.models import takes_logits_to_keep
 from specdraft.sampling import align_logits, check_windows, filtered_probs, greedy_probs, output_width
@@ -171,7 +171,15 @@ def _save_cached(path: Path, logits: torch.Tensor) -> None:
 def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_tokens: int,
                    eos: set[int]) -> AcceptanceCounts:
     """:func:`_replay_rounds` from the draft's teacher-forced argmax at each answer position (``draft_top1[j]``
-    predicts ``y[j]``): the one place a replay turns argmaxes into matches."""
+    predicts ``y[j]``): the one place a replay turns argmaxes into matches.
+
+    ``eos``: the ids that end a row (:func:`specdraft.decode.stop_ids` of the target and tokenizer); the replay stops
+    at the first of them in ``y`` or after ``max_new_tokens`` (≥ 1) tokens, as the decoder does.
+
+    Raises:
+        specdraft.decode.DecodeError: ``max_new_tokens`` < 1.
+    """
+    check_max_new_tokens(max_new_tokens)
     match = [int(g) == t for g, t in zip(draft_top1, y)]
 
     def accepted(n: int, k: int) -> tuple[int, int]:
@@ -210,7 +218,8 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
             (tokenizers attached, built with the target's config).
         prompts / answers: ``[n]`` target id lists, the prompts (template applied) and the target's greedy answers
             (EOS included).
-        gamma: γ; ``max_new_tokens``: the bound the answers were generated with; ``eos``: ids that end a row.
+        gamma: γ; ``max_new_tokens``: the bound the answers were generated with (≥ 1); ``eos``: ids that end a
+            row (:func:`specdraft.decode.stop_ids` of the target and tokenizer).
         target_width / real_vocab: the target's output width and ``len(tokenizer)``.
         mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.drafters.proposal_mode`).
         batch_size: rows replayed together; ``progress(done, total)`` is called as rows finish.
@@ -219,8 +228,10 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
         ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
 
     Raises:
-        specdraft.decode.DecodeError: a mapping wider than ``target_width``, an unknown proposal mode.
+        specdraft.decode.DecodeError: ``max_new_tokens`` < 1, a mapping wider than ``target_width``, an unknown
+            proposal mode.
     """
+    check_max_new_tokens(max_new_tokens)
     from specdraft.drafters import MappedDrafter, Row, proposal_mode
 
     greedy = SamplingConfig()

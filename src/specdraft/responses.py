@@ -24,50 +24,56 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
         ``(prompts, responses)``: per example the prompt ids and the generated ids.
     """
     from specdraft.data import encode_prompts
+    from specdraft.decode import check_max_new_tokens
+    from specdraft.dump_reader import DumpError
 
+    check_max_new_tokens(max_new_tokens, error=DumpError)  # before the prompts are encoded
     prompts = encode_prompts(tokenizer, examples)
     return prompts, generate_from_ids(target, tokenizer, prompts, max_new_tokens, sampling, seed, real_vocab)
 
 
 def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
-                      real_vocab: int | None = None) -> list[list[int]]:
+                      real_vocab: int | None = None, stop_model=None) -> list[list[int]]:
     """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
     the draft for on-policy distillation (:class:`specdraft.distill_data.DraftWriter`).
 
     Args:
         model: causal LM (in eval mode for the call; its training mode is restored after).
-        tokenizer: the shared tokenizer (pad id; its EOS joins the model's ``generation_config`` EOS ids).
+        tokenizer: the shared tokenizer (pad id; its EOS is one of the stop ids).
         prompts: ``[n]`` token-id lists (chat template already applied).
-        max_new_tokens: response length bound N; EOS (included) ends a response earlier.
+        max_new_tokens: response length bound N ≥ 1; a stop id (included) ends a response earlier.
         sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
         seed: seed of the sampling generator.
         real_vocab: ids at or past it are padding rows and never generated.
+        stop_model: the model whose stop ids end a response (:func:`specdraft.decode.stop_ids` of it and
+            ``tokenizer``): the target, also when ``model`` is the draft; default ``model``.
 
     Returns:
         ``[n]`` generated id lists (prompt excluded, EOS included).
 
     Raises:
-        DumpError: bad generation settings (a prompt plus N beyond the context window).
+        DumpError: bad generation settings (N < 1, a prompt plus N beyond the context window).
     """
     import torch
 
     from specdraft.config import SamplingConfig
     from specdraft.data import tokenizer_pad_id
-    from specdraft.decode import DecodeError, left_pad, stop_ids, target_generate
+    from specdraft.decode import DecodeError, check_max_new_tokens, left_pad, stop_ids, target_generate
     from specdraft.dump_reader import DumpError
 
+    check_max_new_tokens(max_new_tokens, error=DumpError)
     sampling = sampling or SamplingConfig()
     device = next(model.parameters()).device
     pad = tokenizer_pad_id(tokenizer)
     ids, mask = left_pad(prompts, pad, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos_ids = stop_ids(model, tokenizer)
+    eos_ids = stop_ids(model if stop_model is None else stop_model, tokenizer)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             responses, _ = target_generate(model, ids, mask, sampling=sampling, max_new_tokens=max_new_tokens,
-                                           eos_token_id=eos_ids or None, real_vocab=real_vocab,
+                                           eos_token_id=eos_ids, real_vocab=real_vocab,
                                            generator=gen)
     except DecodeError as exc:
         raise DumpError(f"the target cannot write {max_new_tokens} new tokens here (dump --generate, or the "
