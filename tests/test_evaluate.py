@@ -738,3 +738,18 @@ def test_the_greedy_identity_count_says_when_it_tests_nothing_of_verification():
     idle = AcceptanceCounts(2)
     idle.record_round(0, n_proposed=0)
     assert "proposed no draft" in identity_not_tested(idle)
+
+
+def test_eval_summary_leads_with_the_gamma_independent_alpha_and_names_each_rates_definition():
+    """accepted / proposed moves with γ; accepted / reached does not: the summary's first figure is α, and the
+    report's definitions say which rate is per reached position and which per proposed token."""
+    from specdraft.acceptance import AcceptanceCounts
+    from specdraft.evaluate import REPORT_DEFINITIONS, EvalResult
+
+    counts = AcceptanceCounts(gamma=2, proposed=[4, 4], reached=[4, 2], accepted=[2, 1], accepted_hist=[2, 1, 1])
+    s = EvalResult(config={"num_speculative_tokens": 2}, spec_counts=counts, target_counts=AcceptanceCounts(gamma=2),
+                   prompts=1, machine={}).summary()
+    assert s["headline_measure"] == "alpha" and list(s)[1:3] == ["headline_measure", "alpha"]
+    assert s["alpha"] == pytest.approx(3 / 6) and s["acceptance_rate"] == pytest.approx(3 / 8)
+    assert REPORT_DEFINITIONS["summary.alpha"].startswith("accepted / reached")
+    assert REPORT_DEFINITIONS["summary.acceptance_rate"].startswith("accepted / proposed")

@@ -78,6 +78,13 @@ REPORT_DEFINITIONS = {
     "summary.speed_model.cost_ratio_c": "d / t(1) of the measured speed model (predicted_speedup, recommended_gamma): "
     "one draft step over one one-token target pass, timed apart before decoding at one prompt's context; it "
     "differs from summary.cost_ratio_c by timing noise and context length",
+    "summary.headline_measure": "the summary's first figure: alpha, accepted / reached (per reached position), "
+    "which does not move with γ or the γ policy; acceptance_rate is per proposed token and does",
+    "summary.alpha": "accepted / reached: accepted drafts over the draft positions verification reached (all earlier "
+    "drafts accepted), pooled over positions; independent of γ and of the γ policy, the analytic model's α",
+    "summary.acceptance_rate": "accepted / proposed: accepted drafts over every draft proposed, including those after "
+    "a rejection that were never tested; it falls as γ grows (one draft reads 0.34 at γ 8, 0.64 at γ 2): compare it "
+    "only between runs of one γ and γ policy",
     "summary.acceptance_rate_ci95": "95% bootstrap interval over prompts; null with fewer than 2 prompts (one prompt "
     "gives no interval)",
     "summary.identity_not_tested": "why lossless (greedy outputs equal to the target's) proves nothing of "
@@ -135,12 +142,14 @@ class EvalResult:
         predicted = speed.predict(alpha, gamma, self.spec_tokens, self.prompts) if speed and self.prompts else None
         g_pred, s_pred = speed.best_gamma(alpha) if speed else (None, None)
         bugs = [d for d in self.divergences if not d.is_numerics and d.contender == "specdraft"]
+        # The γ-independent measure leads; accepted / proposed follows, named per proposed token (definitions).
         return {
             "prompts": self.prompts,
-            "acceptance_rate": c.acceptance_rate,
-            "acceptance_rate_ci95": self._ci("accepted", "proposed"),
+            "headline_measure": "alpha",
             "alpha": alpha,
             "alpha_ci95": self._ci("accepted", "reached"),
+            "acceptance_rate": c.acceptance_rate,
+            "acceptance_rate_ci95": self._ci("accepted", "proposed"),
             "mean_accepted_length": c.mean_accepted_length,
             "alpha_per_position": c.alpha_per_position,
             "predicted_alpha_prompt": self.predicted_prompt.get("alpha"),
