@@ -12,6 +12,12 @@ The export functions differ only in where the draft comes from:
   and the one-path ``vllm serve SPECULATOR_DIR`` of :mod:`specdraft.vllm_plugin`; both build their speculative
   config with :func:`vllm_speculative_config`, the one place that does.
 
+A draft of *another tokenizer* is exported as it is, with the ``"text"`` proposal method
+(:class:`specdraft.speculator.TextProposalConfig`): vLLM serves it through specdraft's ``custom_class`` proposer
+(:mod:`specdraft.vllm_proposer`), the speculator directory given in ``--additional-config``; the printed notes name
+the other way, the draft re-indexed into the verifier's tokenizer (``specdraft vocab-swap``) and served as a
+``draft_model``.
+
 Dtype: ``"keep"`` (the default) writes the draft's tensors byte-identical; any other dtype (vLLM serves
 ``bfloat16``) casts them, the one case where the weights are not byte-identical to the draft's.
 
@@ -186,7 +192,14 @@ def export_draft(
                                                  dtype="auto" if opts.dtype == "keep" else opts.dtype)
     timings["load_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    verdict = spec.attach_verifier(opts.verifier, "detached").compat_verdict
+    if _tokenizer_verdict(opts.verifier, draft_dir) == "mismatch":
+        # Another tokenizer: exported as it is, drafting through text (vLLM: specdraft's custom_class proposer).
+        _check_text_pair(opts.verifier, draft_dir)
+        spec.attach_verifier(opts.verifier, "detached", check_tokenizer=False)
+        spec.speculator_config = spec.speculator_config.with_text_proposals()
+        verdict = "mismatch"
+    else:
+        verdict = spec.attach_verifier(opts.verifier, "detached").compat_verdict
     timings["check_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -217,6 +230,33 @@ def export_draft(
         source_config=source_cfg,
         chat_template=template,
     )
+
+
+def _tokenizer_verdict(verifier: str, draft_dir) -> str | None:
+    """:func:`specdraft.check.check_compatible`'s verdict on the two tokenizers, ``None`` when one is unknown
+    (the verifier attachment then warns, as before)."""
+    from specdraft.check import check_compatible
+    from specdraft.models import resolve
+    from specdraft.speculator import tokenizer_dir
+
+    t, d = tokenizer_dir(resolve(verifier)), tokenizer_dir(draft_dir)
+    return None if t is None or d is None else check_compatible(t, d).verdict
+
+
+def _check_text_pair(verifier: str, draft_dir) -> None:
+    """A draft of another tokenizer drafts through text: refuse a pair whose tokenizers share (almost) nothing.
+
+    Raises:
+        SpeculatorError: :func:`specdraft.vocab.build_vocab_mapping` refuses the pair (its reason, and the way out).
+    """
+    from specdraft.models import resolve
+    from specdraft.vocab import CompatibilityError, build_vocab_mapping
+
+    try:
+        build_vocab_mapping(resolve(verifier), draft_dir)
+    except CompatibilityError as exc:
+        raise SpeculatorError(f"{exc} A draft of another tokenizer is exported to draft through text, which needs "
+                              "tokenizers that share tokens; see specdraft check.") from exc
 
 
 def carry_chat_template(speculator_dir: str | os.PathLike, verifier) -> dict[str, Any]:
@@ -394,6 +434,9 @@ def vllm_speculative_config(speculator: dict[str, Any], model: str,
         verifier_vocab_size: the verifier's output width (:func:`vocab_width` of its config), if known.
 
     Returns:
+        For a draft of another tokenizer (proposal method ``"text"``): ``{"method": "custom_class", "model":
+        "specdraft.vllm_proposer.TextProposer", "num_speculative_tokens": γ}`` (the speculator directory then goes
+        in ``--additional-config``, :func:`vllm_additional_config`). Otherwise
         ``{"method": "draft_model", "model": model, "num_speculative_tokens": γ}`` with γ the default proposal
         method's, plus ``"use_heterogeneous_vocab": true`` when the draft's output width differs from the
         verifier's (padding rows, verdict identical-up-to-padding): vLLM 0.32 otherwise refuses with "Target and
@@ -403,6 +446,10 @@ def vllm_speculative_config(speculator: dict[str, Any], model: str,
         NotASpeculatorError / SpeculatorError: ``speculator`` is not a valid independent speculator config.
     """
     conf = IndependentSpeculatorConfig.from_speculator_dict(speculator)
+    if conf.drafts_through_text:
+        from specdraft.vllm_proposer import PROPOSER_CLASS
+
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": conf.num_speculative_tokens}
     spec: dict[str, Any] = {"method": "draft_model", "model": str(model),
                             "num_speculative_tokens": conf.num_speculative_tokens}
     width = vocab_width(speculator)
@@ -411,14 +458,26 @@ def vllm_speculative_config(speculator: dict[str, Any], model: str,
     return spec
 
 
-def vllm_command(target: str, speculative_config: dict[str, Any], engine: str = f"vLLM {VLLM_TESTED_VERSION}") -> str:
+def vllm_additional_config(speculator: dict[str, Any], model: str) -> dict[str, Any]:
+    """vLLM's ``--additional-config`` for a speculator: ``{"specdraft_speculator": model}`` for one that drafts
+    through text (where :class:`specdraft.vllm_proposer.TextProposer` finds it), else ``{}``."""
+    from specdraft.vllm_proposer import SPECULATOR_KEY
+
+    conf = IndependentSpeculatorConfig.from_speculator_dict(speculator)
+    return {SPECULATOR_KEY: str(model)} if conf.drafts_through_text else {}
+
+
+def vllm_command(target: str, speculative_config: dict[str, Any], engine: str = f"vLLM {VLLM_TESTED_VERSION}",
+                 additional_config: dict[str, Any] | None = None) -> str:
     """``vllm serve TARGET --speculative-config '{...}'``: every drafting parameter of ``speculative_config`` (γ:
     ``num_speculative_tokens``, the draft, the method) given on the command line rather than left to the engine's
     defaults, which change between builds, and a shell comment naming the build it holds for (``engine``).
-    ``target`` is shell-quoted by the caller."""
+    ``target`` is shell-quoted by the caller; ``additional_config`` (non-empty) is added as ``--additional-config``."""
     import shlex
 
-    return f"vllm serve {target} --speculative-config {shlex.quote(json.dumps(speculative_config))} # for {engine}"
+    extra = f" --additional-config {shlex.quote(json.dumps(additional_config))}" if additional_config else ""
+    return (f"vllm serve {target} --speculative-config {shlex.quote(json.dumps(speculative_config))}{extra}"
+            f" # for {engine}")
 
 
 @dataclass
@@ -433,7 +492,10 @@ class VllmServe:
         target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
         speculative_config: the JSON passed as ``--speculative-config``.
         notes: what the reader should know (a verifier whose width could not be checked here; an embedded
-            verifier served from its cache).
+            verifier served from its cache; for a draft of another tokenizer, the re-indexed alternative).
+        drafting: ``"token ids"`` (vLLM's ``draft_model``: the draft shares the verifier's tokenizer) or ``"text"``
+            (a draft of another tokenizer, as given: specdraft's ``custom_class`` proposer).
+        additional_config: the JSON passed as ``--additional-config`` (``{}`` for ``draft_model``).
     """
 
     command: str
@@ -441,10 +503,13 @@ class VllmServe:
     target: str
     speculative_config: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    drafting: str = "token ids"
+    additional_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def header(self) -> str:
-        return f"Serve it with vLLM (tested with vLLM {VLLM_TESTED_VERSION}):"
+        how = " (a draft of another tokenizer, as given: it drafts through text)" if self.drafting == "text" else ""
+        return f"Serve it with vLLM{how} (tested with vLLM {VLLM_TESTED_VERSION}):"
 
 
 def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -> VllmServe:
@@ -480,10 +545,20 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
                      f"the draft's ({vocab_width(d)}): add \"use_heterogeneous_vocab\": true to the speculative "
                      "config if they differ.")
     spec = vllm_speculative_config(d, spec_dir, verifier_width)
+    extra = vllm_additional_config(d, spec_dir)
+    if extra:
+        notes = [n for n in notes if "vocabulary width" not in n]  # the widths differ by design: no draft_model
+        notes.append(f"The draft speaks another tokenizer and is served as given: specdraft's proposer "
+                     f"(pip install --no-deps specdraft next to vLLM) drafts γ = {spec['num_speculative_tokens']} "
+                     "tokens in the draft's tokenizer and proposes their text re-encoded in the verifier's; vLLM "
+                     "verifies them (lossless, greedy or sampled). The re-indexed draft is served with vLLM's own "
+                     f"draft_model method: `specdraft vocab-swap --target {ref} --draft {spec_dir} --out DIR`, then "
+                     "`specdraft export --draft DIR` (or `specdraft run`, which distils it).")
     return VllmServe(
-        command=vllm_command(shlex.quote(target), spec),
+        command=vllm_command(shlex.quote(target), spec, additional_config=extra),
         one_path=f"vllm serve {shlex.quote(spec_dir)}",
         target=target, speculative_config=spec, notes=notes,
+        drafting="text" if extra else "token ids", additional_config=extra,
     )
 
 
@@ -491,7 +566,7 @@ def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, ver
                             dtype: ExportDtype = "keep") -> dict[str, Any]:
     """Export a saved speculator directory to ``dest``, whole (cast to ``dtype``, the chat template as
     :func:`carry_chat_template`) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype",
-    "vllm_command", "vllm_one_path", "vllm_notes", "vllm_tested_version", "chat_template": {"carried", "changed",
+    "vllm_command", "vllm_one_path", "vllm_notes", "vllm_drafting", "vllm_tested_version", "chat_template": {"carried", "changed",
     "note"}}``.
 
     Args:
@@ -515,6 +590,7 @@ def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, ver
     serve = vllm_serve(dest, verifier)
     return {"path": str(dest.resolve()), "num_speculative_tokens": conf.num_speculative_tokens, "dtype": dtype,
             "vllm_command": serve.command, "vllm_one_path": serve.one_path, "vllm_notes": serve.notes,
+            "vllm_drafting": serve.drafting,
             "vllm_tested_version": VLLM_TESTED_VERSION, "chat_template": _template_record(template)}
 
 

@@ -18,6 +18,13 @@ so ``AutoModelForCausalLM.from_pretrained(dir)`` returns the plain draft with id
 speculators library recognises the checkpoint, and vLLM serves it as a draft
 (``--speculative-config '{"method": "draft_model", ...}'``).
 
+A draft of *another tokenizer* is exported as it is, with one proposal method of specdraft's own instead of
+``greedy``: ``{"proposal_type": "text", ...}`` (:class:`TextProposalConfig`, ``default_proposal_method: "text"``).
+It drafts γ tokens greedily in its own tokenizer and proposes their text re-encoded, in context, in the verifier's
+tokens; its ids mean nothing to the verifier, so vLLM serves it through specdraft's proposer
+(:mod:`specdraft.vllm_proposer`, method ``custom_class``), never as a ``draft_model``. That one field is the whole
+format change; a draft of the verifier's tokenizer is written as before.
+
 The ``speculators_config`` schema mirrors the speculators library (vllm-project/speculators,
 ``src/speculators/config.py``: ``SpeculatorsConfig``, ``VerifierConfig``; ``proposals/greedy.py``:
 ``GreedyTokenProposalConfig``) with pydantic, without depending on that package.
@@ -36,7 +43,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -85,6 +92,24 @@ class GreedyTokenProposalConfig(BaseModel):
     )
 
 
+class TextProposalConfig(GreedyTokenProposalConfig):
+    """specdraft's proposal method for a draft of another tokenizer (not a speculators-library type): γ draft tokens
+    chosen greedily in the draft's own tokenizer, decoded to text and re-encoded in context in the verifier's
+    tokenizer (:func:`specdraft.drafters._text_candidates`); the verifier checks those target tokens. vLLM serves it
+    with :class:`specdraft.vllm_proposer.TextProposer`."""
+
+    proposal_type: Literal["text"] = Field(  # type: ignore[assignment]
+        default="text", description="Proposal method name: drafted in the draft's tokenizer, proposed as text."
+    )
+
+
+#: A proposal method, told apart by ``proposal_type``.
+ProposalConfig = Annotated[GreedyTokenProposalConfig | TextProposalConfig, Field(discriminator="proposal_type")]
+
+#: The ``proposal_type`` of a draft of another tokenizer (:class:`TextProposalConfig`).
+TEXT_PROPOSALS = "text"
+
+
 class VerifierConfig(BaseModel):
     """Which verifier (target, p) the speculator drafts for (mirror of speculators' ``VerifierConfig``)."""
 
@@ -115,7 +140,7 @@ class SpeculatorsConfig(BaseModel):
     algorithm: Literal["independent"] = Field(
         description="Speculative decoding algorithm; an independent draft model is 'independent'."
     )
-    proposal_methods: list[GreedyTokenProposalConfig] = Field(
+    proposal_methods: list[ProposalConfig] = Field(
         min_length=1, description="Token proposal methods the speculator supports."
     )
     default_proposal_method: str = Field(
@@ -173,7 +198,7 @@ class IndependentSpeculatorConfig(BaseModel):
     speculators_version: str = Field(
         default=__version__, description="specdraft version that wrote (or converted) the speculator."
     )
-    proposal_methods: list[GreedyTokenProposalConfig] = Field(
+    proposal_methods: list[ProposalConfig] = Field(
         default_factory=lambda: [GreedyTokenProposalConfig()], min_length=1,
         description="Token proposal methods; the default is one greedy chain of γ tokens.",
     )
@@ -302,9 +327,20 @@ class IndependentSpeculatorConfig(BaseModel):
         Raises:
             SpeculatorError: γ < 1.
         """
-        new = _greedy(num_speculative_tokens)
+        new = _greedy(num_speculative_tokens, self.default_proposal_method)
         methods = [new if m.proposal_type == self.default_proposal_method else m for m in self.proposal_methods]
         return self.model_copy(update={"proposal_methods": methods})
+
+    def with_text_proposals(self) -> IndependentSpeculatorConfig:
+        """A copy that drafts through text (a draft of another tokenizer): its one proposal method is
+        :class:`TextProposalConfig` with this config's γ."""
+        return self.model_copy(update={"proposal_methods": [_greedy(self.num_speculative_tokens, TEXT_PROPOSALS)],
+                                       "default_proposal_method": TEXT_PROPOSALS})
+
+    @property
+    def drafts_through_text(self) -> bool:
+        """Whether the default proposal method is ``"text"``: the draft speaks another tokenizer than the verifier."""
+        return self.default_proposal_method == TEXT_PROPOSALS
 
     # -------------------------------------------------------------------------------- views
 
@@ -468,9 +504,10 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
 # --------------------------------------------------------------------------------------------------
 
 
-def _greedy(num_speculative_tokens: int) -> GreedyTokenProposalConfig:
+def _greedy(num_speculative_tokens: int, proposal_type: str = "greedy") -> GreedyTokenProposalConfig:
+    kind = TextProposalConfig if proposal_type == TEXT_PROPOSALS else GreedyTokenProposalConfig
     try:
-        return GreedyTokenProposalConfig(speculative_tokens=num_speculative_tokens)
+        return kind(speculative_tokens=num_speculative_tokens)
     except ValidationError as exc:
         raise SpeculatorError(
             f"num_speculative_tokens (--num-speculative-tokens) must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got "

@@ -13,6 +13,10 @@ speculator has neither, so without this plugin vLLM stops there. The plugin wrap
 itself for ``speculators_model_type == "independent"`` (:func:`plan_independent`: vLLM's own ``draft_model``
 method); every other model goes to vLLM's function untouched. The draft loads as the plain model it is.
 
+A speculator of another tokenizer (proposal method ``"text"``) is served with vLLM's ``custom_class`` method
+instead: :class:`specdraft.vllm_proposer.TextProposer`, which finds the speculator directory in the environment
+variable ``SPECDRAFT_SPECULATOR`` that the wrapper sets (the engine core is spawned after it, and inherits it).
+
 vLLM is imported inside :func:`register` only, so :func:`plan_independent` is unit-tested without it.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +50,9 @@ def plan_independent(config: dict[str, Any], model: str,
 
     Returns:
         The verifier to load (:func:`specdraft.models.serving_path` of the recorded ``name_or_path``) and
-        vLLM's speculative config.
+        vLLM's speculative config: ``draft_model`` with ``model``, or for a draft of another tokenizer
+        ``custom_class`` with specdraft's proposer (the directory then reaches it through
+        :data:`specdraft.vllm_proposer.SPECULATOR_ENV`, set by :func:`wrap`).
 
     Raises:
         specdraft.speculator.SpeculatorError: the config is not a valid independent speculator.
@@ -62,8 +69,9 @@ def plan_independent(config: dict[str, Any], model: str,
     except (SpeculatorError, ModelResolutionError):  # not readable here: vLLM reads it and checks the widths
         verifier_width = None
     spec = vllm_speculative_config(config, model, verifier_width)
+    dictated = {k: spec[k] for k in ("method", "model")}
     spec.update(user_speculative_config or {})
-    spec.update(method="draft_model", model=model)
+    spec.update(dictated)
     return verifier, spec
 
 
@@ -101,6 +109,12 @@ def wrap(original: Callable[..., tuple[str, str | None, dict[str, Any] | None]])
                             vllm_speculative_config=vllm_speculative_config, hf_token=hf_token, **kwargs)
         user = vllm_speculative_config if isinstance(vllm_speculative_config, dict) else None
         verifier, spec = plan_independent(config, str(model), user)
+        if spec["method"] == "custom_class":
+            from specdraft.vllm_proposer import SPECULATOR_ENV
+
+            # The proposer is built in the engine core, spawned after this: it inherits the variable.
+            local = Path(str(model)).expanduser()
+            os.environ[SPECULATOR_ENV] = str(local.absolute()) if local.is_dir() else str(model)
         logger.info("specdraft: %s is an independent speculator; serving verifier %s with speculative config %s",
                     model, verifier, json.dumps(spec))
         return verifier, verifier, spec

@@ -1,0 +1,260 @@
+"""vLLM serving a draft of *another tokenizer* as it is: :class:`TextProposer`, a ``custom_class`` proposer that
+drafts through text.
+
+vLLM 0.32 (``vllm/v1/spec_decode/custom_class_proposer.py``: ``create_custom_proposer``) builds the class named in
+``speculative_config.model`` with the ``VllmConfig``; its V1 model runner (``vllm/v1/worker/gpu_model_runner.py``,
+also the CPU engine's, whose ``CPUModelRunner`` subclasses it) calls ``load_model(target_model)`` once and, after
+each step's bookkeeping, ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``:
+``token_ids_cpu[i, :num_tokens_no_spec[i]]`` is request i's prompt and output so far, the step's sampled tokens
+included. It returns each request's draft ids (a list per batch slot, possibly empty). The method needs async
+scheduling off, which vLLM chooses by itself for ``custom_class`` (``VllmConfig``: "Async scheduling not supported
+with custom_class-based speculative decoding").
+
+Each round, per request: its target ids are decoded to text and re-encoded in the draft's tokenizer, the draft
+(its own KV cache, trimmed to the common prefix with what it read last round) drafts up to γ tokens greedily, and
+their text is re-encoded *in context* as target tokens — :class:`specdraft.drafters.MappedDrafter` in ``"text"``
+mode, the drafter specdraft's own decoding uses, one per request (:class:`TextDrafts` pairs requests and drafters,
+which ``propose`` never names: by the longest common prefix of their target ids).
+
+**Verification stays vLLM's and is lossless.** The proposals carry no draft probabilities, and vLLM's rejection
+sampler then treats q as one-hot on the proposed token (``vllm/v1/sample/rejection_sampler.py``:
+``rejection_random_sample_kernel`` with ``NO_DRAFT_PROBS`` sets ``draft_prob = 1`` and accepts d when
+``p(d) ≥ u``; ``sample_recovered_tokens_kernel`` then draws the correction from p with d masked out; the CPU build
+runs the same rule in ``vllm/utils/cpu_triton_utils.py``). A token is d with probability p(d), and otherwise a draw
+from p restricted to the other tokens, probability (1 − p(d)) · p(x) / (1 − p(d)) = p(x): the target's law, whatever
+the draft proposed (Leviathan et al. 2023, Theorem 3.5 with q = δ_d). Greedy requests accept d exactly when it is
+the target's argmax. ``make test-vllm`` checks both in vLLM itself (docs/serving.md).
+
+Where the draft is: the speculator directory (the draft's weights, config.json naming the verifier, the draft's
+tokenizer files), from ``additional_config["specdraft_speculator"]`` (``--additional-config``, what
+:func:`specdraft.export.vllm_serve` prints), else the environment variable ``SPECDRAFT_SPECULATOR``, which
+specdraft's vLLM plugin sets when it is handed the speculator directory (``vllm serve SPECULATOR_DIR``).
+
+vLLM is never imported here; torch and transformers only inside functions, so the module imports without them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The class path vLLM's ``custom_class`` method is given (``speculative_config.model``).
+PROPOSER_CLASS = "specdraft.vllm_proposer.TextProposer"
+#: The ``--additional-config`` key naming the speculator directory.
+SPECULATOR_KEY = "specdraft_speculator"
+#: The environment variable naming it when the plugin serves ``vllm serve SPECULATOR_DIR``.
+SPECULATOR_ENV = "SPECDRAFT_SPECULATOR"
+
+
+class ProposerError(RuntimeError):
+    """The proposer cannot find or load its speculator (names what is missing and how to give it)."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class _Entry:
+    """One request's drafter and the target ids it last drafted after (``history``); ``used``: the round it last
+    served."""
+
+    drafter: Any
+    history: list[int] = field(default_factory=list)
+    used: int = 0
+
+
+class TextDrafts:
+    """Drafters of another tokenizer, one per request, for a batch whose requests come and go (no vLLM needed).
+
+    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. A slot's context goes to
+    the kept drafter whose last context shares the longest prefix with it (a request keeps its drafter when it
+    moves to another slot; a new request, sharing nothing, gets a fresh one); that drafter then trims its KV cache
+    to the common prefix of the re-encoded contexts (:meth:`specdraft.drafters.MappedDrafter.propose`). Drafters
+    not used for ``keep_rounds`` rounds are dropped, and at most ``max_entries`` are kept (the least recently used
+    go first).
+
+    Args:
+        draft: the draft model (another tokenizer than the target's), eval mode.
+        mapping: its :class:`~specdraft.vocab.VocabMapping` (tokenizers attached, built with the target's width).
+        num_speculative_tokens: γ, the most proposed per request and round.
+        target_width: the target's output width (vLLM's vocabulary size).
+        max_entries: drafters kept at most (vLLM's ``max_num_seqs`` is enough: one per running request).
+    """
+
+    def __init__(self, draft, mapping, num_speculative_tokens: int, target_width: int, max_entries: int = 256,
+                 keep_rounds: int = 64):
+        self.draft, self.mapping, self.gamma = draft, mapping, num_speculative_tokens
+        self.target_width, self.max_entries, self.keep_rounds = target_width, max_entries, keep_rounds
+        self.device = next(draft.parameters()).device
+        self.entries: list[_Entry] = []
+        self.round = 0
+
+    def _new_drafter(self):
+        from specdraft.config import SamplingConfig
+        from specdraft.drafters import MappedDrafter
+
+        # Greedy drafting whatever the request samples with: the proposals carry no q, and vLLM verifies a token
+        # without q against p alone (the module docstring), so how they were chosen never changes the output law.
+        return MappedDrafter(self.draft, self.mapping, "text", 1, self.target_width,
+                             min(self.mapping.target_real, self.target_width), self.device, SamplingConfig(), None,
+                             None)
+
+    def assign(self, contexts: Sequence[Sequence[int] | None]) -> list[_Entry | None]:
+        """Each context's drafter: the unclaimed kept one sharing its longest prefix (> 0), else a new one;
+        ``None`` for a ``None`` context (a slot that proposes nothing this round)."""
+        claimed: set[int] = set()
+        out: list[_Entry | None] = []
+        for ctx in contexts:
+            if ctx is None:
+                out.append(None)
+                continue
+            best, best_n = None, 0
+            for i, e in enumerate(self.entries):
+                if i in claimed or not e.history or e.history[0] != ctx[0]:
+                    continue
+                n = common_prefix(e.history, ctx)
+                if n > best_n:
+                    best, best_n = i, n
+            if best is None:
+                self.entries.append(_Entry(self._new_drafter()))
+                best = len(self.entries) - 1
+            claimed.add(best)
+            out.append(self.entries[best])
+        return out
+
+    def propose(self, contexts: Sequence[Sequence[int] | None], ks: Sequence[int] | None = None) -> list[list[int]]:
+        """Target-id proposals per slot: up to ``ks[j]`` (default γ) after ``contexts[j]`` (its target ids, ending
+        with the token both models read next); ``[]`` for a ``None`` context, a ``k`` of 0, or a round in which the
+        drafted text re-encodes to nothing that continues the target's tokens."""
+        from specdraft.drafters import Row
+
+        self.round += 1
+        ks = [self.gamma] * len(contexts) if ks is None else list(ks)
+        live = [None if c is None or k <= 0 or len(c) == 0 else list(c) for c, k in zip(contexts, ks)]
+        out: list[list[int]] = []
+        for entry, ctx, k in zip(self.assign(live), live, ks):
+            if entry is None or ctx is None:
+                out.append([])
+                continue
+            entry.history, entry.used = ctx, self.round
+            prop = entry.drafter.propose(None, [Row(0, ctx)], [min(k, self.gamma)], None)
+            if prop is None:
+                out.append([])
+                continue
+            n = prop.tokens.shape[1] if prop.n_proposed is None else int(prop.n_proposed[0])
+            out.append([int(t) for t in prop.tokens[0, :n].tolist()])
+        self._evict()
+        return out
+
+    def _evict(self) -> None:
+        kept = [e for e in self.entries if self.round - e.used < self.keep_rounds]
+        kept.sort(key=lambda e: e.used, reverse=True)
+        self.entries = kept[: self.max_entries]
+
+
+def speculator_dir(additional_config: Any) -> str:
+    """The speculator directory the proposer serves: ``additional_config["specdraft_speculator"]``, else
+    ``$SPECDRAFT_SPECULATOR``.
+
+    Raises:
+        ProposerError: neither is set (says how to set it).
+    """
+    path = additional_config.get(SPECULATOR_KEY) if isinstance(additional_config, dict) else None
+    path = path or os.environ.get(SPECULATOR_ENV)
+    if not path:
+        raise ProposerError(f"{PROPOSER_CLASS} needs the speculator directory: pass --additional-config "
+                            f"'{{\"{SPECULATOR_KEY}\": \"/path/to/speculator\"}}' (the command `specdraft export` "
+                            "prints), or serve the speculator directory itself with specdraft's plugin installed")
+    return str(path)
+
+
+def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_speculative_tokens: int,
+                     dtype: Any = "auto", device: Any = "cpu", max_entries: int = 256) -> TextDrafts:
+    """:class:`TextDrafts` for the speculator directory ``speculator`` (a text speculator: its draft and its own
+    tokenizer) and the target's tokenizer (an object or a reference).
+
+    Raises:
+        ProposerError: ``speculator`` is not a speculator that drafts through text.
+        specdraft.vocab.CompatibilityError: the two tokenizers share (almost) no tokens.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.speculator import load_speculator_config
+    from specdraft.vocab import build_vocab_mapping
+
+    conf = load_speculator_config(speculator)
+    if not conf.drafts_through_text:
+        raise ProposerError(f"{speculator} shares the verifier's tokenizer (proposal method "
+                            f"{conf.default_proposal_method!r}): serve it with vLLM's draft_model method "
+                            "(`specdraft inspect` prints the command)")
+    if isinstance(target_tokenizer, (str, os.PathLike)):
+        target_tokenizer = AutoTokenizer.from_pretrained(target_tokenizer)
+    draft_tok = AutoTokenizer.from_pretrained(speculator)
+    draft = AutoModelForCausalLM.from_pretrained(speculator, dtype=dtype).to(device).eval()
+    mapping = build_vocab_mapping(target_tokenizer, draft_tok, target_config=target_width,
+                                  draft_config=draft.get_output_embeddings().weight.shape[0])
+    return TextDrafts(draft, mapping, num_speculative_tokens, target_width, max_entries=max_entries)
+
+
+class TextProposer:
+    """vLLM's ``custom_class`` proposer for a speculator that drafts through text (see the module docstring).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` (read: ``speculative_config.num_speculative_tokens``,
+            ``model_config.tokenizer`` / ``max_model_len`` / ``dtype`` / vocabulary size, ``scheduler_config.
+            max_num_seqs``, ``device_config.device``, ``additional_config``).
+
+    Raises:
+        ProposerError: no speculator directory given (:func:`speculator_dir`), or not a text speculator (at
+            ``load_model``).
+    """
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        model = vllm_config.model_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(model.max_model_len)
+        self.speculator = speculator_dir(getattr(vllm_config, "additional_config", None))
+        self.tokenizer = model.tokenizer
+        self.target_width = int(model.get_vocab_size())
+        self.dtype = model.dtype
+        device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+        self.device = device if device is not None else "cpu"
+        self.max_entries = 2 * int(getattr(vllm_config.scheduler_config, "max_num_seqs", 128))
+        self.drafts: TextDrafts | None = None
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Load the draft and both tokenizers (vLLM passes the target model, which is not used)."""
+        self.drafts = load_text_drafts(self.speculator, self.tokenizer, self.target_width, self.k, dtype=self.dtype,
+                                       device=self.device, max_entries=self.max_entries)
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **kwargs) -> list[list[int]]:
+        """Draft ids per batch slot (``[]`` where a slot sampled nothing this step or has no room left).
+
+        Args:
+            sampled_token_ids: per slot the tokens sampled this step (empty: a prefill chunk, nothing to draft after).
+            num_tokens_no_spec: ``[max_num_reqs]`` int, each slot's tokens so far (prompt + output).
+            token_ids_cpu: ``[max_num_reqs, max_model_len]`` int32, each slot's token ids.
+        """
+        if self.drafts is None:
+            self.load_model()
+        contexts, ks = [], []
+        for i, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[i])
+            k = min(self.k, self.max_model_len - n)  # vLLM's ngram proposer caps the same way
+            if not sampled or k <= 0:
+                contexts.append(None)
+                ks.append(0)
+                continue
+            contexts.append(token_ids_cpu[i, :n].tolist())
+            ks.append(k)
+        return self.drafts.propose(contexts, ks)

@@ -1,0 +1,207 @@
+"""specdraft's vLLM proposer for a draft of another tokenizer, without vLLM: its pure parts (a slot's target ids →
+text → the draft's proposal → target ids, the drafters kept per request and their caches trimmed when a context
+changes), the speculator it serves (exported as given, proposal method "text") and the commands printed for it.
+`make test-vllm` runs it inside vLLM's engine (bench/vllm_check.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from specdraft.config import SamplingConfig
+from specdraft.decode import left_pad, speculative_generate
+from specdraft.drafters import MappedDrafter, Row
+from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
+from specdraft.vocab import build_vocab_mapping, vocab_swap
+from specdraft.vllm_proposer import PROPOSER_CLASS, SPECULATOR_ENV, SPECULATOR_KEY, TextDrafts, TextProposer
+
+GAMMA = 3
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A target and a draft on two byte-level BPE tokenizers that segment text differently (the draft: a noisy
+    copy of the target re-indexed into its own tokenizer)."""
+    t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    target = tiny_model("llama", 300, seed=0, layers=3)
+    draft, _ = vocab_swap(perturbed(target, 0.03), t_tok, d_tok)
+    mapping = build_vocab_mapping(t_tok, d_tok, target_config=300, draft_config=360)
+    return target, draft.eval(), mapping, t_tok, d_tok
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _reference(draft, mapping, ctx, k=GAMMA):
+    """specdraft's own drafter, alone on one context: its text proposal in target ids ([] for none)."""
+    ref = MappedDrafter(draft, mapping, "text", 1, 300, 300, torch.device("cpu"), SamplingConfig(), None, None)
+    p = ref.propose(None, [Row(0, ctx)], [k], None)
+    if p is None:
+        return []
+    n = p.tokens.shape[1] if p.n_proposed is None else int(p.n_proposed[0])
+    return p.tokens[0, :n].tolist()
+
+
+def test_a_slots_proposal_is_the_mapped_drafters_text_proposal(pair):
+    _, draft, mapping, t_tok, d_tok = pair
+    texts = ("def total(items):\n", "for index in range(count):\n    print(", "hello world", "x = value")
+    contexts = [_ids(t_tok, t) for t in texts]
+    assert t_tok.tokenize(texts[1]) != d_tok.tokenize(texts[1])  # really another tokenizer
+    got = TextDrafts(draft, mapping, GAMMA, 300).propose(contexts)
+    assert got == [_reference(draft, mapping, c) for c in contexts]
+    assert all(len(p) <= GAMMA for p in got) and any(got)
+
+
+def test_ks_cap_proposals_and_an_empty_slot_proposes_nothing(pair):
+    _, draft, mapping, t_tok, _ = pair
+    ctx = _ids(t_tok, "def total(items):\n")
+    got = TextDrafts(draft, mapping, GAMMA, 300).propose([ctx, None, ctx], ks=[1, GAMMA, 0])
+    assert len(got[0]) <= 1 and got[1] == [] and got[2] == []
+
+
+def test_a_request_keeps_its_drafter_across_slots_and_rounds_and_its_cache_is_trimmed(pair):
+    _, draft, mapping, t_tok, _ = pair
+    a, b = _ids(t_tok, "def total(items):\n"), _ids(t_tok, "hello world value")
+    drafts = TextDrafts(draft, mapping, GAMMA, 300)
+    first = drafts.propose([a, b])
+    entry_a = next(e for e in drafts.entries if e.history == a)
+    # next round: the requests swapped slots and each emitted its first proposal plus one token
+    a2, b2 = a + first[0][:1] + [17], b + first[1][:1] + [42]
+    drafts.propose([b2, a2])
+    assert len(drafts.entries) == 2 and entry_a.history == a2  # the same drafter followed request a
+    d = entry_a.drafter
+    # the draft's cache holds exactly the draft ids it keeps (its common prefix with the new context, the new
+    # context's rest, and the γ−1 drafts it read while drafting)
+    assert int(d.stream.n_real[0]) == len(d.draft_ids[0]) - 1 or int(d.stream.n_real[0]) == len(d.draft_ids[0])
+    reread = mapping.reencode_for_draft(a2)
+    assert d.draft_ids[0][:len(reread)] == reread
+
+
+def test_a_changed_context_trims_the_drafters_cache_to_the_common_prefix(pair):
+    _, draft, mapping, t_tok, _ = pair
+    ctx = _ids(t_tok, "def total(items):\n    return count")
+    drafts = TextDrafts(draft, mapping, GAMMA, 300)
+    drafts.propose([ctx])
+    d = drafts.entries[0].drafter
+    held = list(d.draft_ids[0])
+    changed = ctx[:4] + _ids(t_tok, " lambda")  # the same request, rolled back and continued otherwise
+    fresh = TextDrafts(draft, mapping, GAMMA, 300)
+    assert drafts.propose([changed]) == fresh.propose([changed])  # same proposals as a drafter that never saw ctx
+    new = mapping.reencode_for_draft(changed)
+    keep = min(next((i for i, (x, y) in enumerate(zip(held, new)) if x != y), min(len(held), len(new))), len(new) - 1)
+    assert keep < len(held)  # the cache really had to be cut
+    assert d.draft_ids[0][:len(new)] == new
+    # holes aside, the cache holds the kept prefix, the re-read rest and the γ−1 drafts read while drafting
+    assert int(d.stream.n_real[0]) == len(new) + GAMMA - 1
+
+
+def test_a_new_request_gets_a_fresh_drafter_and_unused_ones_are_dropped(pair):
+    _, draft, mapping, t_tok, _ = pair
+    drafts = TextDrafts(draft, mapping, GAMMA, 300, keep_rounds=2)
+    drafts.propose([_ids(t_tok, "def total(items):\n")])
+    drafts.propose([_ids(t_tok, "hello world")])
+    assert len(drafts.entries) == 2
+    drafts.propose([_ids(t_tok, "hello world value")])
+    drafts.propose([_ids(t_tok, "hello world value items")])
+    assert len(drafts.entries) == 1 and drafts.entries[0].history[:2] == _ids(t_tok, "hello world")[:2]
+
+
+def test_text_proposals_verified_greedily_give_the_target_alone(pair):
+    """What vLLM does with the proposals under greedy decoding, done here with specdraft's own loop: the same
+    drafter's proposals, verified against the target's argmax, leave the target's output unchanged."""
+    target, draft, mapping, t_tok, _ = pair
+    prompts = [_ids(t_tok, t) for t in ("def total(items):\n", "for index in range(count):\n    print(")]
+    ids, mask = left_pad(prompts, 0)
+    base, _ = speculative_generate(target, None, ids, mask, max_new_tokens=16, eos_token_id=[])
+    spec, _ = speculative_generate(target, draft, ids, mask, num_speculative_tokens=GAMMA, max_new_tokens=16,
+                                   eos_token_id=[], vocab_mapping=mapping, mapped_proposals="text")
+    assert spec == base
+
+
+def _vllm_config(tmp_path, spec_dir, target_dir, additional=None):
+    spec = types.SimpleNamespace(num_speculative_tokens=GAMMA)
+    model = types.SimpleNamespace(max_model_len=64, tokenizer=target_dir, dtype=torch.float32,
+                                  get_vocab_size=lambda: 300)
+    return types.SimpleNamespace(speculative_config=spec, model_config=model, additional_config=additional or {},
+                                 scheduler_config=types.SimpleNamespace(max_num_seqs=4),
+                                 device_config=types.SimpleNamespace(device=torch.device("cpu")))
+
+
+@pytest.fixture(scope="module")
+def exported(pair, tmp_path_factory):
+    """The pair on disk and the draft exported as given (another tokenizer: proposal method "text")."""
+    from specdraft.export import export_draft
+
+    target, draft, _, t_tok, d_tok = pair
+    root = tmp_path_factory.mktemp("pair")
+    for name, model, tok in (("target", target, t_tok), ("draft", draft, d_tok)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    res = export_draft(root / "draft", root / "target", root / "spec", num_speculative_tokens=GAMMA)
+    return str(root / "target"), res
+
+
+def test_a_draft_of_another_tokenizer_is_exported_as_given_to_draft_through_text(exported):
+    from specdraft.speculator import load_speculator_config
+
+    target_dir, res = exported
+    conf = load_speculator_config(str(res.out))
+    assert conf.drafts_through_text and conf.num_speculative_tokens == GAMMA
+    assert res.config["speculators_config"]["proposal_methods"][0]["proposal_type"] == "text"
+    assert res.compat_verdict == "mismatch"
+    assert res.serve.drafting == "text"
+    assert res.serve.speculative_config == {"method": "custom_class", "model": PROPOSER_CLASS,
+                                            "num_speculative_tokens": GAMMA}
+    assert res.serve.additional_config == {SPECULATOR_KEY: str(res.out)}
+    assert "--additional-config" in res.vllm_command and PROPOSER_CLASS in res.vllm_command
+    assert any("vocab-swap" in n for n in res.serve.notes)  # the re-indexed alternative, named beside it
+
+
+def test_the_plugin_serves_a_text_speculator_with_the_custom_class_proposer(exported, monkeypatch):
+    from specdraft import vllm_plugin
+
+    target_dir, res = exported
+    verifier, spec = vllm_plugin.plan_independent(res.config, str(res.out), {"method": "draft_model",
+                                                                             "num_speculative_tokens": 2})
+    assert verifier == target_dir
+    assert spec == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": 2}
+    monkeypatch.delenv(SPECULATOR_ENV, raising=False)
+    wrapped = vllm_plugin.wrap(lambda *a, **k: pytest.fail("vLLM's function must not see an independent speculator"))
+    assert wrapped(str(res.out), None, False)[2]["method"] == "custom_class"
+    import os
+
+    assert os.environ[SPECULATOR_ENV] == str(res.out)
+
+
+def test_the_proposer_serves_the_speculator_named_in_additional_config(exported, pair):
+    target_dir, res = exported
+    proposer = TextProposer(_vllm_config(None, str(res.out), target_dir, {SPECULATOR_KEY: str(res.out)}))
+    proposer.load_model(object())
+    _, draft, mapping, t_tok, _ = pair
+    a, b = _ids(t_tok, "def total(items):\n"), _ids(t_tok, "hello world")
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    table[0, :len(a)], table[1, :len(b)] = torch.tensor(a), torch.tensor(b)
+    n = torch.tensor([len(a), len(b), 0, 0]).numpy()
+    got = proposer.propose([[a[-1]], [], ], n, table.numpy())
+    assert got[1] == [] and got[0] == _reference(draft, mapping, a)
+    n[0] = 63  # one position left before max_model_len: one proposal at most
+    assert len(proposer.propose([[a[-1]]], n, table.numpy())[0]) <= 1
+
+
+def test_the_proposer_says_how_to_name_its_speculator(monkeypatch):
+    from specdraft.vllm_proposer import ProposerError
+
+    monkeypatch.delenv(SPECULATOR_ENV, raising=False)
+    with pytest.raises(ProposerError, match="--additional-config"):
+        TextProposer(_vllm_config(None, None, "t"))
+
+
+def test_the_proposer_module_imports_without_vllm_torch_or_transformers():
+    code = ("import sys, specdraft.vllm_proposer; bad = [m for m in ('vllm', 'torch', 'transformers') if m in "
+            "sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
