@@ -430,7 +430,9 @@ def summarize(result: dict) -> dict:
     """Per configuration: tokens/s (Σ tokens / Σ seconds), the paired speed-up over plain with its interval,
     acceptance, outputs equal to plain; and llama.cpp's speed model from llama-bench with its prediction at the
     α implied by the measured acceptance."""
-    from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_plan
+    from llamacpp_run import alpha_from_acceptance_rate
+
+    from specdraft.speed import llama_bench_speed_model, llama_cpp_plan
     from specdraft.stats import paired_ratio_ci
 
     runs = result["runs"]
@@ -460,7 +462,7 @@ def summarize(result: dict) -> dict:
                 plan = llama_cpp_plan(speed, alpha, max_n=8)
                 row |= {"alpha": alpha, "cost_ratio_c": speed.cost_ratio,
                         "predicted_speedup": speed.speedup(alpha, cfg["n_max"]) if cfg["n_max"] <= speed.max_gamma
-                        else None, "plan": {"n_max": plan["n_max"], "predicted_speedup": plan["predicted_speedup"]},
+                        else None, "plan": {"n_max": plan.n_max, "predicted_speedup": plan.predicted_speedup},
                         "speed_model": speed.to_dict()}
         out[cfg["label"]] = row
     return out

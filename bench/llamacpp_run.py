@@ -6,7 +6,8 @@ compares llama.cpp with specdraft by.
   both print the same bytes for the same tokens;
 * :func:`run_llama` runs one and :func:`parse_run` reads it into a :class:`LlamaRun` (output bytes, llama.cpp's own
   decode figures, the prompt's ids from ``--verbose-prompt``, the speculative counters of
-  :func:`parse_speculative_simple`);
+  :func:`parse_speculative_simple`), and :func:`alpha_from_acceptance_rate` turns its accepted / drafted into the
+  speed model's α;
 * :func:`speculative_matches_plain` / :func:`first_difference` compare two outputs; :func:`eog_tokens` and
   :func:`tool_version` ask a build what it is.
 
@@ -48,6 +49,29 @@ class SpeculativeStats:
     def acceptance_rate(self) -> float:
         """n_accept / n_drafted (probability; 0 when nothing was drafted): what specdraft's accepted / proposed is."""
         return self.n_accept / self.n_drafted if self.n_drafted else 0.0
+
+
+def alpha_from_acceptance_rate(rate: float, n: int) -> float:
+    """The per-token acceptance probability α whose i.i.d. rounds of ``n`` drafts accept ``rate`` of the drafted
+    tokens: the root of (α + α² + … + αⁿ) / n = rate (increasing in α on [0, 1]), by bisection.
+
+    llama.cpp reports accepted / drafted (``n_accept / n_drafted``, :attr:`SpeculativeStats.acceptance_rate`); the
+    speed model takes α (specdraft's accepted / reached). For n = 1 they are the same; for larger n the rate is lower
+    than α (a rejection ends the round).
+
+    Raises:
+        ValueError: ``rate`` outside [0, 1] or ``n`` < 1.
+    """
+    if not 0.0 <= rate <= 1.0 or n < 1:
+        raise ValueError(f"need 0 <= rate <= 1 and n >= 1, got rate {rate}, n {n}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, n + 1)) / n < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _last_int(pattern: str, text: str) -> int | None:

@@ -187,13 +187,13 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
                                  "--max-new-tokens", "4", "--gamma", "2", "--dtype", "float32", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "report.json").read_text())
-    assert [row["id"] for row in report["per_prompt"]] == ["line-1", "line-2", "line-3"]
+    assert [row["id"] for row in report["per_prompt"]] == ["my:line-1", "my:line-2", "my:line-3"]
     assert report["config"]["prompt_offset"] == 0
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:2",
                                  "--max-new-tokens", "4", "--dtype", "float32", "--out",
                                  str(out), "--overwrite"])
     assert r.exit_code == 0, r.output
-    assert [row["id"] for row in json.loads((out / "report.json").read_text())["per_prompt"]] == ["line-3"]
+    assert [row["id"] for row in json.loads((out / "report.json").read_text())["per_prompt"]] == ["my:line-3"]
 
 
 def test_held_out_offsets_belong_to_the_embedded_datasets():
@@ -852,3 +852,120 @@ def test_a_prompt_past_the_window_is_refused_before_adaptive_gammas_calibration(
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
     (line,) = _error_lines(r.output)  # after the pair line: the models load before their windows are known
     assert "exceeds the target's context window" in line and f"({window})" in line, line
+
+
+def test_eval_and_generate_say_they_calibrate_and_how_long_before_decoding_and_log_each_prompt(tmp_path, monkeypatch):
+    """Off a terminal, eval printed its pair line and then nothing while the speed model was measured (minutes on a
+    CPU), and generate the same; in a terminal the bar sat at 0 through it. A line names the calibration, another
+    its expected length, both before the first prompt; then one line per finished prompt."""
+    monkeypatch.setenv("SPECDRAFT_SPEED_CACHE", str(tmp_path / "speed-cache"))  # nothing cached: it measures
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a b c {w}"}) + "\n" for w in "def"))
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
+                                 "--max-new-tokens", "4", "--gamma", "2", "--dtype", "float32",
+                                 "--out", str(tmp_path / "out")], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    calib = next(i for i, x in enumerate(lines) if x.startswith("calibrating the pair's speed model (once per pair "
+                                                                 "and machine, then cached): 36 target passes"))
+    eta = next(i for i, x in enumerate(lines) if x.startswith("calibrating: ") and " left" in x)
+    decoded = [i for i, x in enumerate(lines) if x.startswith("decoding: ")]
+    assert [lines[i].split(" (")[0] for i in decoded] == [f"decoding: {k}/3 prompts" for k in (1, 2, 3)]
+    assert calib < eta < decoded[0]
+    r = CliRunner().invoke(app, ["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "4",
+                                 "--dtype", "float32"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    assert any(x.startswith(("calibrating the pair's speed model", "speed model: found in the calibration cache"))
+               for x in r.output.splitlines()), r.output
+
+
+@pytest.mark.parametrize(("command", "said"), [
+    (["eval", "--prompts", "x.jsonl"], "interrupted"),
+    (["run", "--preset", "tiny", "--eval-prompts", "x.jsonl", "--train-prompts", "y.jsonl"],
+     "interrupted — rerun to resume (the same `specdraft run` command continues where this one stopped)")])
+def test_ctrl_c_exits_130_with_one_line_that_says_how_to_resume_where_the_command_resumes(tmp_path, monkeypatch,
+                                                                                           command, said):
+    """Ctrl-C ended a command with exit 130 and no word, and 130 was in no exit-code table."""
+    import specdraft.data
+    from specdraft.cli.errors import INTERRUPTED_EXIT
+
+    def interrupt(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specdraft.data, "load_examples", interrupt)
+    r = CliRunner().invoke(app, [*command, "--out", str(tmp_path / "out")], env={"COLUMNS": "400"})
+    assert INTERRUPTED_EXIT == 130 and r.exit_code == 130, r.output
+    assert r.output.splitlines()[-1] == said and "Traceback" not in r.output
+    doc = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    assert "| 130 | interrupted (Ctrl-C)" in doc
+
+
+def test_a_mismatch_says_how_the_mapping_count_relates_to_the_moved_strings():
+    """A Gemma draft read "24,520 in both under different ids" then "would pair 95968 string-identical tokens":
+    two counts of what sounded like one thing, neither explained."""
+    import io
+
+    from rich.console import Console
+
+    from specdraft.check import check_compatible, print_report
+    from specdraft.testing import tiny_tokenizer
+
+    report = check_compatible(tiny_tokenizer(128), tiny_tokenizer(128, swap=(5, 9)))
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=400))
+    text = out.getvalue()
+    assert report.verdict == "mismatch" and f"{report.n_strings_moved:,} in both under different ids" in text
+    assert (f"would pair {report.mapping['n_mapped']:,} twin tokens (the same text in both, matched by decoded text; "
+            f"the {report.n_strings_moved:,} strings above are the raw vocabulary entries found in both under "
+            "different ids, while a twin may also sit at the same id") in text
+    assert "string-identical" not in text
+
+
+def test_check_help_promises_continuations_only_where_the_tokenizers_agree():
+    r = CliRunner().invoke(app, ["check", "--help"], env={"COLUMNS": "400"})
+    text = " ".join(r.output.split())
+    assert "When they agree, loads both models" in text and "On a tokenizer mismatch it stops after the comparison" in text
+
+
+def test_vocab_swap_says_a_dropped_token_id_once_not_as_a_python_warning_too(tmp_path, monkeypatch):
+    import warnings
+
+    import specdraft.vocab
+    from specdraft.cli import training
+
+    def swap(*_a, **_k):
+        warnings.warn("vocabulary swap: draft.eos_token_id draft ids [7] have no twin in the target's tokenizer; "
+                      "dropped", UserWarning, stacklevel=2)
+        return "report"
+
+    monkeypatch.setattr(specdraft.vocab, "save_vocab_swap", swap)
+    monkeypatch.setattr(training, "print_vocab_swap", lambda *a: print("dropped draft.eos_token_id: draft ids [7]"))
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        r = CliRunner().invoke(app, ["vocab-swap", "--draft", ddir, "--target", tdir, "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    assert "UserWarning" not in r.output and r.output.count("[7]") == 1, r.output
+
+
+def test_a_finished_run_leaves_no_trainer_checkpoints_unless_kept_and_its_first_line_names_the_pair_and_disk(tmp_path):
+    """A ci run left two float32 Trainer checkpoints of 2.5 GB each; its first line left out disk and the pair."""
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    train, ev = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "cdefghij"))
+    ev.write_text("".join(json.dumps({"prompt": f"a b {w}"}) + "\n" for w in "klm"))
+    args = ["run", "--target", tdir, "--draft", ddir, "--train-prompts", str(train), "--eval-prompts", f"{ev}",
+            "--preset", "tiny"]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "run")], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith(f"specdraft run: target {tdir} ← draft {ddir}, preset tiny (needs 1 CPU core, "), first
+    assert all(w in first for w in ("RAM", "disk", "seconds")), first
+    assert not (tmp_path / "run" / "distill" / "checkpoints").exists()
+    assert (tmp_path / "run" / "distill" / "speculator" / "config.json").is_file()
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "kept"), "--keep-checkpoints"])
+    assert r.exit_code == 0, r.output
+    assert any((tmp_path / "kept" / "distill" / "checkpoints").glob("checkpoint-*"))
+    distill_help = " ".join(CliRunner().invoke(app, ["distill", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "--keep-checkpoints" in distill_help

@@ -244,3 +244,61 @@ def test_an_empty_think_block_the_template_inserts_is_not_trained_as_assistant_o
     trained = tok.convert_ids_to_tokens([i for i, a in zip(ids, assistant) if a])
     assert trained == [w[1], w[2], "<|im_end|>"]
     assert tok.unk_token_id in ids  # the think tags are in the sequence (unknown words here), just not trained
+
+
+def _history(*turns: str) -> list[dict[str, str]]:
+    """Messages alternating user and assistant, from the user: ``_history("a", "b", "c")`` ends with a user turn."""
+    return [{"role": ("user", "assistant")[k % 2], "content": t} for k, t in enumerate(turns)]
+
+
+def test_a_conversation_ending_with_a_user_turn_is_asked_with_its_whole_history():
+    """What a chat server receives: the template over every message, with the generation prompt; never its first
+    question alone. A conversation ending with an assistant turn still asks its first question."""
+    from specdraft.data import Example, build_sequences
+
+    tok = tiny_tokenizer(64)
+    w = tok.convert_ids_to_tokens(list(range(10, 15)))
+    ex = Example("chat", _history(w[0], w[1], w[2]), reference=f"{w[3]} {w[4]}")
+    shown = tok.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+    assert ex.prompt_messages == ex.messages and render_prompt(tok, ex) == shown
+    prompt = encode_prompts(tok, [ex])[0]
+    assert prompt == tok(shown, add_special_tokens=False)["input_ids"]
+    # The training sequence's prompt part is what the target was shown: the reference's tokens follow it.
+    (seq,) = build_sequences(tok, [ex], answer_only=True)
+    assert seq.ids[: len(prompt)] == prompt
+    assert tok.convert_ids_to_tokens(seq.ids[len(prompt):len(prompt) + 2]) == [w[3], w[4]]
+    answered = Example("answered", _history(w[0], w[1], w[2], w[3]))
+    assert answered.prompt_messages == answered.messages[:1]
+
+
+def test_a_template_that_refuses_some_histories_names_and_counts_every_row_before_encoding():
+    """A template that wants alternating roles refuses a history of two user turns: one DataError counting the
+    rows, naming them and the fix, never the template's own exception from the middle of a batch."""
+    from specdraft.data import Example
+
+    template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = tiny_tokenizer(chat_template=template)
+    rows = [Example("fine", _history("a", "b", "c")),
+            Example("mine:line-2", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]),
+            Example("mine:line-3", _history("a", "b") + [{"role": "assistant", "content": "c"},
+                                                         {"role": "user", "content": "d"}])]
+    with pytest.raises(DataError) as err:
+        encode_prompts(tok, rows)
+    says = str(err.value)
+    assert says.startswith("2 of 3 prompt(s) cannot be rendered: mine:line-2: the chat template refuses its 2 "
+                           "prompt message(s) (user, user): Conversation roles must alternate"), says
+    assert "(also mine:line-3)" in says and "alternate" in says.split(". ", 1)[1]
+    assert len(encode_prompts(tok, rows[:1])) == 1
+
+
+def test_rows_without_an_id_are_named_by_their_file_and_line(tmp_path):
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in "ab")
+                                         + json.dumps({"id": "kept", "prompt": "c"}) + "\n")
+    assert [e.id for e in load_examples(tmp_path / "mine.jsonl")] == ["mine:line-1", "mine:line-2", "kept"]
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "x"}]).save_to_disk(str(tmp_path / "saved"))
+    assert [e.id for e in load_examples(tmp_path / "saved")] == ["saved:row-0"]

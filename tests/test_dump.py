@@ -494,6 +494,47 @@ def test_same_target_with_other_weights_is_refused_by_the_head_fingerprint(pair,
     assert dir_digest(out) == before
 
 
+def test_a_resumed_dump_refuses_shards_of_a_target_whose_body_was_fine_tuned_in_place(pair, tmp_path):
+    """The head alone is no identity: a fine-tune of the body saved under the same path keeps the config, the
+    tokenizer and the output head, and its shards would be resumed beside the old target's (two teachers in one
+    dump). The whole target's fingerprint names the change; nothing in the directory is touched."""
+    model, _ = load_model(pair["target"], dtype="float32", device="cpu")
+    model.save_pretrained(tmp_path / "target")
+    pair["tok"].save_pretrained(tmp_path / "target")
+    out = tmp_path / "d"
+    run_dump(tmp_path / "target", [chat(i) for i in range(4)], out, fp32(batch_size=2))
+    (out / "manifest.json").unlink()  # as a run killed before its last merge leaves it: rank file and shards
+    before = dir_digest(out)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(0.01)
+    model.save_pretrained(tmp_path / "target")
+    assert head_fingerprint(load_model(tmp_path / "target", dtype="float32")[0]) == head_fingerprint(pair["model"])
+    with pytest.raises(DumpError, match=r"another target \(rank-00000.json\): target_weights: the directory holds"):
+        run_dump(tmp_path / "target", [chat(i) for i in range(4)], out, fp32(batch_size=2))
+    assert dir_digest(out) == before
+
+
+def test_the_on_policy_teacher_must_be_the_dumps_whole_target_not_only_its_head(pair, tmp_path):
+    """The scorer of the draft's on-policy answers is checked against the dump by the whole target's content: a body
+    fine-tuned in place (same path, config, dtype and head) would score the draft's answers as another teacher than
+    the one whose signal fills the dump, and is refused by name before it loads."""
+    from specdraft.config import DistillConfig
+    from specdraft.distill_data import DistillError, load_draft_writer
+
+    model, _ = load_model(pair["target"], dtype="float32", device="cpu")
+    model.save_pretrained(tmp_path / "target")
+    pair["tok"].save_pretrained(tmp_path / "target")
+    m = run_dump(tmp_path / "target", [chat(i) for i in range(2)], tmp_path / "d", fp32(answer_only=True))
+    cfg = DistillConfig(on_policy_fraction=0.5)
+    assert load_draft_writer(str(tmp_path / "target"), m, pair["tok"], cfg, "cpu").teacher.real_vocab == VOCAB
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight.mul_(1.01)
+    model.save_pretrained(tmp_path / "target")
+    assert head_fingerprint(load_model(tmp_path / "target", dtype="float32")[0]) == m["head_fingerprint"]
+    with pytest.raises(DistillError, match="not the target the dump was made with \\(target_weights: the dump holds"):
+        load_draft_writer(str(tmp_path / "target"), m, pair["tok"], cfg, "cpu")
+
+
 def test_bad_input(pair, tmp_path):
     with pytest.raises(DumpError, match="empty"):
         run_dump(pair["target"], [], tmp_path / "empty", fp32())
@@ -803,3 +844,51 @@ def test_a_topk_dump_stores_log_probs_as_computed_so_storage_neither_makes_nor_b
 
 
 # ------------------------------------------------------------------------------------------ generated answers
+
+
+def test_a_generated_answer_follows_the_whole_history_the_target_was_shown(pair, tmp_path):
+    """A conversation ending with a user turn is asked whole, as a chat server renders it: the row's prompt part is
+    the template over every message with the generation prompt, and only the target's answer is trained."""
+    tok = pair["tok"]
+    history = chat(0).messages + [{"role": "user", "content": " ".join(WORDS[:3])}]
+    run_dump(pair["target"], [Example("h", history)], tmp_path / "h", fp32(generate=4, answer_only=True))
+    item = TeacherDataset(tmp_path / "h")[0]
+    shown = tok(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False)["input_ids"]
+    assert item["input_ids"].tolist()[: len(shown)] == shown
+    assert item["loss_mask"].tolist().index(True) == len(shown) - 1  # the first trained prediction is the answer's
+
+
+def test_a_generate_dump_whose_every_answer_would_be_cut_away_is_refused_before_the_target_loads(pair, tmp_path):
+    """Prompts of --max-length tokens or more keep no generated token: all of them is an error naming the fix before
+    anything is written (it used to finish as a "complete" dump of nothing); some of them a warning."""
+    long_prompt = Example("long", chat(0, n_user=40).messages[:1])
+    n = len(encode_prompts(pair["tok"], [long_prompt])[0])
+    with pytest.raises(DumpError, match=rf"all 1 prompts are --max-length {n} tokens or longer: the target's answers "
+                                        rf"to them would be truncated away, leaving nothing to dump. Raise --max-length "
+                                        rf"above {n} \+ --generate \({n + 4}\)"):
+        run_dump(pair["target"], [long_prompt], tmp_path / "none", fp32(generate=4, answer_only=True, max_length=n))
+    assert not (tmp_path / "none").exists()
+    short = Example("short", chat(1).messages[:1])
+    with pytest.warns(UserWarning, match=r"1 of 2 prompts \(long\) are --max-length"):
+        m = run_dump(pair["target"], [long_prompt, short], tmp_path / "some",
+                     fp32(generate=4, answer_only=True, max_length=n))
+    assert (m["status"], m["sequences"], m["dropped"]) == ("complete", 1, 1)
+
+
+def test_a_generate_dump_that_kept_no_sequence_is_not_marked_complete(pair, tmp_path, monkeypatch):
+    """Whatever emptied it, a dump holding no sequence says so on disk and stops with an error, at the dump; a
+    rerun of the same command says it again, never hands distillation an empty "complete" dump."""
+    from specdraft.dump_reader import load_manifest
+
+    def cut(model, tokenizer, batch, n, *a, **k):  # prompts that fill --max-length: every answer is cut away
+        return [[5] * 20 for _ in batch], [[6] * n for _ in batch]
+
+    monkeypatch.setattr(dump_mod, "generate_responses", cut)
+    prompts = [Example(f"p{i}", chat(i).messages[:1]) for i in range(2)]
+    cfg = fp32(generate=4, answer_only=True, max_length=20)
+    for _ in range(2):
+        with pytest.raises(DumpError, match=r"every one of the 2 sequences lost its trained positions to truncation "
+                                            r"at --max-length 20 .* holds nothing to train on"):
+            run_dump(pair["target"], prompts, tmp_path / "empty", cfg)
+        assert load_manifest(tmp_path / "empty")["status"] == "empty"

@@ -434,7 +434,7 @@ def test_rank_names_prompt_ids_past_a_drafts_width_before_timing_it(monkeypatch)
     """`rank` with a candidate of 80 rows beside a 96-id tokenizer: the calibration prompts' ids past it are named
     when it is loaded, before it is timed (was an IndexError inside the draft); ids past the target, at once."""
     from specdraft import calibration
-    from specdraft.evaluate import rank_drafts
+    from specdraft.rank import rank_drafts
     from specdraft.sampling import TokenWidthError
 
     target, tok = tiny_model("llama", 96, seed=0, layers=2), tiny_tokenizer(96)

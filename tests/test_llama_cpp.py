@@ -24,12 +24,13 @@ from specdraft.llama_cpp import (
     parse_llama_bench,
     unpack_source,
 )
-from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_engine
+from specdraft.speed import llama_bench_speed_model, llama_cpp_engine
 
 # bench/ is not a package: its directory goes on the path before its modules are imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from llamacpp_run import (
+    alpha_from_acceptance_rate,
     first_difference,
     parse_eog_tokens,
     parse_run,
@@ -355,10 +356,10 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     inputs = rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=tb,
                          draft_benches={"/x/d": db}, llama_cpp_bin=empty, threads=4)
     (row,) = inputs.rank({"/x/d": 0.75})
-    assert (row["n_max"], row["gguf"], row["bench_source"]) == (3, str(d), str(db))  # n = 3: tests/test_speed.py
-    assert row["predicted_speedup"] == pytest.approx(1.5625)
-    assert row["command"] == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 "
-                              f"--spec-draft-n-min 0 --spec-draft-p-min 0.0 -t 4 -td 4 # for {llama_cpp_engine()}")
+    assert (row.n_max, row.gguf, row.bench_source) == (3, str(d), str(db))  # n = 3: tests/test_speed.py
+    assert row.predicted_speedup == pytest.approx(1.5625)
+    assert row.command == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 "
+                           f"--spec-draft-n-min 0 --spec-draft-p-min 0.0 -t 4 -td 4 # for {llama_cpp_engine()}")
 
 
 def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_winners_command(tmp_path, monkeypatch):
@@ -406,7 +407,7 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
 
     expect = rank_llama_cpp(alphas, tests("target"), {near: tests("fast"), tdir: tests("slow")})
     assert [(x["draft"], x["n_max"], x["predicted_speedup"]) for x in ranking] == [
-        (x["draft"], x["n_max"], pytest.approx(x["predicted_speedup"])) for x in expect]
+        (x.draft, x.n_max, pytest.approx(x.predicted_speedup)) for x in expect]
     assert report["llama_cpp_command"] == ranking[0]["command"] and f"-md {d} " in ranking[0]["command"]
     assert ranking[0]["command"] in " ".join(r.output.split())
     # The same pair and flags for the binary the pinned build makes (it makes no llama-server).
@@ -455,21 +456,28 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
     from types import SimpleNamespace
 
     from specdraft import cli
-    from specdraft.llama_cpp import LlamaCppTools
+    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppTools
+    from specdraft.rank import RankedDraft
+    from specdraft.speed import SpeedModel
 
-    row = {"draft": "d", "alpha": 0.7, "draft_step_ms": 5.0, "cost_ratio_c": 0.1, "n_max": 3,
-           "predicted_speedup": 1.4, "target_step_ms": 50.0,
-           "command": "llama-server -m t.gguf --spec-type draft-simple -md d.gguf --spec-draft-n-max 3 -t 2 -td 2",
-           "local_command": "llama-speculative-simple -m t.gguf --spec-type draft-simple -md d.gguf "
-                            "--spec-draft-n-max 3 -t 2 -td 2"}
+    speed = SpeedModel.from_measurements({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.08}, 0.005)
+    row = LlamaCppCandidate(
+        draft="d", alpha=0.7, n_max=3, n_min=0, p_min=0.0, engine="llama.cpp (test)", predicted_speedup=1.4, by_n={},
+        draft_step_ms=5.0, target_step_ms=50.0, cost_ratio_c=0.1, speed_model=speed, gguf="d.gguf", bench_source="x",
+        command="llama-server -m t.gguf --spec-type draft-simple -md d.gguf --spec-draft-n-max 3 -t 2 -td 2",
+        local_command="llama-speculative-simple -m t.gguf --spec-type draft-simple -md d.gguf "
+                      "--spec-draft-n-max 3 -t 2 -td 2")
+    calibrated = RankedDraft(draft="d", alpha=0.7, acceptance_rate=0.6, draft_step_ms=5.0, cost_ratio_c=0.1,
+                             best_gamma=3, predicted_speedup=1.4, predicted_speedup_at_gamma=1.3, mapped=False,
+                             draft_options={}, speed_model=speed, speed_source="measured")
     for paths, shown in (({"llama-bench": tmp_path / "llama-bench"}, True),
                          ({"llama-bench": tmp_path / "b", "llama-server": tmp_path / "s"}, False)):
-        llama = SimpleNamespace(rank=lambda alphas: [dict(row)], threads=2, target_gguf="t.gguf",
+        llama = SimpleNamespace(rank=lambda alphas: [row], threads=2, target_gguf="t.gguf",
                                 target_bench_source="x", tools=LlamaCppTools(tmp_path, "test", paths))
-        cli._print_llama_cpp_ranking(llama, [{"draft": "d", "alpha": 0.7}], "target", tmp_path / "out")
+        cli._print_llama_cpp_ranking(llama, [calibrated], "target", tmp_path / "out")
         text = " ".join(capsys.readouterr().out.split())
-        assert row["command"] in text
-        assert ("makes no llama-server" in text and row["local_command"] + " -p PROMPT" in text) == shown, text
+        assert row.command in text
+        assert ("makes no llama-server" in text and row.local_command + " -p PROMPT" in text) == shown, text
 
 
 def _drafting_flags(command: str) -> dict[str, str]:
@@ -499,16 +507,16 @@ def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_name
                                target_bench=tests(10.0, PP), draft_benches={"fast": tests(1000.0), "slow": tests(14.0)},
                                target_bench_source="x", draft_bench_sources={"fast": "x", "slow": "x"}, threads=3)
     rows = llama.rank({"fast": 0.5, "slow": 1.0})
-    assert sorted(r["n_max"] for r in rows) == [1, 4]  # both draft (n_max 0 would print the target alone)
+    assert sorted(r.n_max for r in rows) == [1, 4]  # both draft (n_max 0 would print the target alone)
     tools = LlamaCppTools(tmp_path, "test", {"llama-speculative-simple": tmp_path / "llama-speculative-simple"})
     for r in rows:
         # The forecast (speedup(α, n)) models rounds of exactly n_max drafts: no confidence stop, no minimum.
-        assert (r["n_min"], r["p_min"]) == (0, 0.0)
-        want = {"--spec-draft-n-max": str(r["n_max"]), "--spec-draft-n-min": str(r["n_min"]),
-                "--spec-draft-p-min": str(r["p_min"])}
-        measured = speculative_command(tools, "t.gguf", "d.gguf", "PROMPT", 8, n_max=r["n_max"])
+        assert (r.n_min, r.p_min) == (0, 0.0)
+        want = {"--spec-draft-n-max": str(r.n_max), "--spec-draft-n-min": str(r.n_min),
+                "--spec-draft-p-min": str(r.p_min)}
+        measured = speculative_command(tools, "t.gguf", "d.gguf", "PROMPT", 8, n_max=r.n_max)
         assert _drafting_flags(shlex.join(measured)) == want
-        for command in (r["command"], r["local_command"]):
+        for command in (r.command, r.local_command):
             assert _drafting_flags(command) == want, command
-            assert command.endswith(f" # for {r['engine']}") and LLAMA_CPP_VERSION in r["engine"], command
-            assert "--spec-type draft-simple" in command and f"-md {r['gguf']}" in command
+            assert command.endswith(f" # for {r.engine}") and LLAMA_CPP_VERSION in r.engine, command
+            assert "--spec-type draft-simple" in command and f"-md {r.gguf}" in command

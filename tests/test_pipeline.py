@@ -372,3 +372,60 @@ def test_the_pipelines_long_stages_write_progress_lines_to_its_log(tmp_path, mon
                      eval_examples=_examples("klm", "e"), train_examples=_examples("cdefghij", "t"))
     assert "[eval_before] held_out: 3/3 prompts" in "\n".join(logs)
     assert "[dump] teacher: 8/8 sequences" in "\n".join(logs)
+
+
+def _stop_after_eval_before(monkeypatch):
+    import specdraft.headroom as headroom_mod
+
+    def stop(*a, **k):
+        raise RuntimeError("stopped after eval_before")
+
+    monkeypatch.setattr(headroom_mod, "forecast_headroom", stop)
+
+
+def test_a_finished_stage_is_refused_then_redone_when_the_drafts_weights_change_in_place(tmp_path, monkeypatch):
+    """A fine-tune saved over the draft's directory keeps its path, config and tokenizer: the stages made with the
+    old weights are refused, naming draft_weights, and --overwrite redoes them (a stage of the target alone, the
+    dump, would be kept)."""
+    import torch
+
+    from specdraft.models import load_model
+
+    _stop_after_eval_before(monkeypatch)
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir)
+    ev, train, out = _examples("klm", "e"), _examples("cdefghij", "t"), tmp_path / "run"
+    with pytest.raises(PipelineError, match="stage 'headroom' failed"):
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=train)
+    marker = (out / "eval_before" / "stage.json").read_text()
+    draft, _ = load_model(ddir, dtype="float32")
+    with torch.no_grad():
+        draft.model.layers[0].mlp.down_proj.weight.add_(0.01)
+    draft.save_pretrained(ddir)
+    with pytest.raises(PipelineError) as e:
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=train)
+    assert f"{out} holds a finished 'check' stage made from other inputs (draft_weights: " in str(e.value)
+    assert (out / "eval_before" / "stage.json").read_text() == marker  # nothing touched
+    logs: list[str] = []
+    with pytest.raises(PipelineError, match="stage 'headroom' failed"):
+        run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train, overwrite=True)
+    assert any(m.startswith("[check] inputs changed (draft_weights: ") for m in logs)
+    assert any(m.startswith("[eval_before] inputs changed (draft_weights: ") for m in logs)
+    assert (out / "eval_before" / "stage.json").read_text() != marker
+
+
+def test_a_finished_stage_is_refused_when_a_prompts_text_changes_under_the_same_id(tmp_path, monkeypatch):
+    """A prompt file edited without renumbering keeps every id: the evaluation of the old texts is refused, naming
+    the set and the prompt whose text changed, never reported as the new prompts' result."""
+    _stop_after_eval_before(monkeypatch)
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir)
+    train, out = _examples("cdefghij", "t"), tmp_path / "run"
+    with pytest.raises(PipelineError, match="stage 'headroom' failed"):
+        run_pipeline(cfg, out, eval_examples=_examples("klm", "e"), train_examples=train)
+    edited = _examples("klm", "e")
+    edited[1].messages[0]["content"] = "a b l l"  # same id "e-l", another question
+    with pytest.raises(PipelineError) as e:
+        run_pipeline(cfg, out, eval_examples=edited, train_examples=train)
+    assert (f"{out} holds a finished 'eval_before' stage made from other inputs "
+            "(prompt_texts.held_out.e-l: ") in str(e.value)

@@ -194,3 +194,40 @@ def test_every_command_prints_what_will_run_before_any_model_loads(tmp_path, no_
         r = CliRunner().invoke(app, [*args, *(["--out", str(tmp_path / name)] if name in ("eval", "rank") else [])])
         assert no_models, (name, r.output)  # the command reached a model load
         assert says in no_models[0], (name, no_models[0])
+
+
+# ------------------------------------------------------------------------------------------------ unique ids
+
+
+def _file(path, rows) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_two_prompt_files_without_ids_give_their_rows_distinct_ids(tmp_path):
+    """Rows without an ``id`` are named by their file: two files' line 1 no longer share ``line-1`` (results are
+    paired by id, and the repeat ended a whole run with a raw error at its last step)."""
+    code = _file(tmp_path / "code.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    chat = _file(tmp_path / "chat.jsonl", [{"prompt": "c"}, {"prompt": "d"}])
+    chosen = select_prompts([code, chat], "--eval-prompts", held_out=True)
+    assert [e.id for e in chosen.examples] == ["code:line-1", "code:line-2", "chat:line-1", "chat:line-2"]
+
+
+def test_a_prompt_id_that_repeats_is_refused_naming_every_place_before_any_model_loads(tmp_path, no_models):
+    one = _file(tmp_path / "a" / "p.jsonl", [{"prompt": "a"}, {"id": "q", "prompt": "b"}])
+    other = _file(tmp_path / "b" / "p.jsonl", [{"prompt": "c"}])  # the same file name: its line 1 is p:line-1 too
+    third = _file(tmp_path / "q.jsonl", [{"id": "q", "prompt": "d"}])
+    with pytest.raises(DataError) as err:
+        select_prompts([one, other, third], "--eval-prompts", held_out=True)
+    says = str(err.value)
+    assert says.startswith(f"--eval-prompts: 2 prompt id(s) occur more than once: 'p:line-1' at {one} row 0, {other} "
+                           f"row 0; 'q' at {one} row 1, {third} row 0. "), says
+    assert "distinct 'id'" in says and "rename one of two files" in says
+    with pytest.raises(DataError, match=r"'p:line-1' at .* row 0, .* row 0"):  # one file named twice
+        select_prompts([f"{one}:0:1", one], "--prompts")
+    tdir, ddir = save_tiny_pair(tmp_path / "pair", 64)
+    r = CliRunner().invoke(app, ["run", "--preset", "tiny", "--target", tdir, "--draft", ddir, "--eval-prompts", one,
+                                 "--eval-prompts", other, "--out", str(tmp_path / "run")])
+    (line,) = _lines(r.output, "error:")
+    assert r.exit_code == 2 and "'p:line-1'" in line and not no_models, r.output

@@ -69,6 +69,7 @@ def test_a_slow_set_is_one_note_naming_each_slow_draft(original, distilled, said
 
     r = wide_report()
     for sp in (r["speed"], r["speed"]["other_sets"]["ood"]):
+        sp["busy_machine"] = False  # a busy machine's timings draw no conclusion (tested below)
         sp["contenders"]["speculative:original"] |= {"speedup": original, "speedup_ci95": [original - 0.11,
                                                                                           original + 0.12]}
         sp["contenders"]["speculative:distilled"] |= {"speedup": distilled, "speedup_ci95": [distilled - 0.11,
@@ -104,3 +105,57 @@ def test_a_busy_speed_run_yields_no_verdict_and_a_slow_shipped_draft_is_said_bef
     assert quiet["Can I ship it?"].startswith("yes: `out/export`")
     assert "It ships, but it did not decode faster here" in quiet["Can I ship it?"]
     assert "did not decode faster" not in answers(False, 1.9)["Can I ship it?"]
+
+
+def test_a_busy_speed_set_draws_no_speed_conclusion_and_the_page_names_the_exported_draft():
+    """A busy run headlined "no verdict", then noted "this pair cannot win there" and "keep the original draft",
+    then "Can I ship it? yes: …/export/speculator" without naming which draft it held."""
+    from specdraft.report import questions_and_answers, speed_notes, speed_panel_title, speed_sets
+
+    r = wide_report() | {"export": {"path": "out/export/speculator", "vllm_command": "vllm serve T"},
+                         "check": {"verdict": "identical"}}
+    for sp in (r["speed"], r["speed"]["other_sets"]["ood"]):  # both drafts slower, the distilled slowest
+        sp["contenders"]["speculative:original"] |= {"speedup": 0.9, "speedup_ci95": [0.8, 1.0]}
+        sp["contenders"]["speculative:distilled"] |= {"speedup": 0.7, "speedup_ci95": [0.6, 0.8]}
+    notes = speed_notes(r)
+    assert len(notes) == 1 and notes[0].startswith("the held-out and out-of-domain speed sets were timed while other "
+                                                   "processes held the CPU")
+    text = " ".join(notes + [a for _, a in questions_and_answers(r)])
+    assert "cannot win" not in text and "keep the original draft" not in text
+    ship = dict(questions_and_answers(r))["Can I ship it?"]
+    assert ship.startswith("yes: `out/export/speculator` holds the distilled draft (the run exports the draft it "
+                           "trained")
+    assert "BUSY MACHINE" in speed_panel_title(speed_sets(r)["held_out"])
+    quiet = wide_report() | {"export": r["export"]}
+    for sp in (quiet["speed"], quiet["speed"]["other_sets"]["ood"]):
+        sp["busy_machine"] = False
+        sp["contenders"]["speculative:distilled"] |= {"speedup": 0.7, "speedup_ci95": [0.6, 0.8]}
+    assert any("keep the original draft" in n for n in speed_notes(quiet))
+    assert "BUSY" not in speed_panel_title(speed_sets(quiet)["held_out"])
+    assert "speed sets were timed while other processes" not in "".join(speed_notes(quiet))
+
+
+@pytest.mark.parametrize(("ci", "prompts", "drafted", "shown"), [
+    ([1.08, 1.08], 1, None, "— (one prompt gives no interval)"),
+    ([0.4, 0.6], 3, None, "[0.400, 0.600] (3 prompts: a rough interval)"),
+    ([0.4, 0.6], 10, None, "[0.400, 0.600]"),
+    ([0.0, 0.0], 12, 0, "— (nothing drafted)"),
+    (None, 12, None, "—")])
+def test_every_interval_is_rendered_by_one_rule(ci, prompts, drafted, shown):
+    from specdraft.report import format_interval
+
+    assert format_interval(ci, prompts, drafted=drafted) == shown
+
+
+def test_a_one_prompt_run_shows_no_interval_in_its_tables_or_report_md_as_eval_does():
+    """A one-prompt speed-up read `[1.08, 1.08]` in run and "—" in eval; a thin set is marked in both."""
+    from specdraft.report import summary_sections
+
+    r = wide_report()
+    r["speed"]["prompts"] = 1
+    r["eval_before"]["sets"]["held_out"] |= {"prompts": 3}
+    rows = {(title, k): (b, a) for title, rs in summary_sections(r) for k, b, a in rs}
+    assert rows[("held-out set, 1 prompts: speed, interleaved (busy machine)", "speed-up (paired)")] == (
+        "0.90 — (one prompt gives no interval)", "1.90 — (one prompt gives no interval)")
+    assert rows[("held-out set, 3 prompts: acceptance", "greedy acceptance")][0].endswith(
+        "(3 prompts: a rough interval)")

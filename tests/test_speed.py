@@ -174,11 +174,10 @@ def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verificat
     # By hand: S(α, n) = E(α, n) t(1) / (n d + t(n+1)) on the fitted line; the best n is where it peaks.
     by_hand = {n: (1 - 0.95 ** (n + 1)) / 0.05 * speed.target_s[0] / (n * speed.draft_s + speed.target_s[n])
                for n in range(8)}
-    assert plan["n_max"] == max(by_hand, key=by_hand.get) and plan["predicted_speedup"] == pytest.approx(
-        by_hand[plan["n_max"]])
-    assert plan["by_n"][0] == pytest.approx(1.0)
+    assert plan.n_max == max(by_hand, key=by_hand.get) and plan.predicted_speedup == pytest.approx(by_hand[plan.n_max])
+    assert plan.by_n[0] == pytest.approx(1.0)
     # A costly verification and a poor draft: drafting cannot win, the command serves the target alone.
-    assert llama_cpp_plan(speed, 0.3)["n_max"] == 0
+    assert llama_cpp_plan(speed, 0.3).n_max == 0
     assert llama_cpp_command("t.gguf", "d.gguf", 0) == f"llama-completion -m t.gguf -t 2 # for {llama_cpp_engine()}"
     assert "-md d.gguf --spec-draft-n-max 3" in llama_cpp_command("t.gguf", "d.gguf", 3, server=True)
     # A plain -md draft drafts only with an explicit --spec-type (llama.cpp infers one for MTP/DFlash GGUFs only).
@@ -204,23 +203,26 @@ def test_rank_llama_cpp_lets_a_cheaper_draft_with_a_lower_alpha_win():
     target = llama_bench_json(10.0, t)  # t(1) = 100 ms
     drafts = {"big": llama_bench_json(20.0), "small": llama_bench_json(200.0), "poor": llama_bench_json(20.0)}
     rows = rank_llama_cpp({"big": 0.9, "small": 0.75, "poor": 0.2}, target, drafts)
-    assert [r["draft"] for r in rows] == ["small", "big", "poor"]
-    by = {r["draft"]: r for r in rows}
+    assert [r.draft for r in rows] == ["small", "big", "poor"]
+    by = {r.draft: r for r in rows}
 
     def by_hand(alpha: float, d: float, n: int) -> float:  # S = E(α, n) t(1) / (n d + t(n+1)), t(1) = 0.1
         return (1 - alpha ** (n + 1)) / (1 - alpha) * 0.1 / (n * d + (0.1 if n == 0 else t[n + 1]))
 
     # small: S = 1.40, 1.542, 1.5625, 1.525 for n = 1..4 → n_max 3; big: 1.118, 1.129, 1.109, 1.078 → n_max 2.
-    assert by["small"]["n_max"] == 3 and by["small"]["predicted_speedup"] == pytest.approx(by_hand(0.75, 0.005, 3))
-    assert by["small"]["predicted_speedup"] == pytest.approx(1.5625)
-    assert by["big"]["n_max"] == 2 and by["big"]["predicted_speedup"] == pytest.approx(by_hand(0.9, 0.05, 2))
-    assert by["big"]["by_n"][4] == pytest.approx(by_hand(0.9, 0.05, 4))
+    assert by["small"].n_max == 3 and by["small"].predicted_speedup == pytest.approx(by_hand(0.75, 0.005, 3))
+    assert by["small"].predicted_speedup == pytest.approx(1.5625)
+    assert by["big"].n_max == 2 and by["big"].predicted_speedup == pytest.approx(by_hand(0.9, 0.05, 2))
+    assert by["big"].by_n[4] == pytest.approx(by_hand(0.9, 0.05, 4))
     # A poor draft predicts no gain at any n: llama.cpp should serve the target alone.
-    assert by["poor"]["n_max"] == 0 and by["poor"]["predicted_speedup"] == pytest.approx(1.0)
-    assert by["small"]["draft_step_ms"] == pytest.approx(5.0) and by["small"]["target_step_ms"] == pytest.approx(100)
-    assert by["small"]["cost_ratio_c"] == pytest.approx(0.05)
+    assert by["poor"].n_max == 0 and by["poor"].predicted_speedup == pytest.approx(1.0)
+    assert by["small"].draft_step_ms == pytest.approx(5.0) and by["small"].target_step_ms == pytest.approx(100)
+    assert by["small"].cost_ratio_c == pytest.approx(0.05)
+    # rank.json's rows keep their keys, in order.
+    assert list(by["small"].to_dict()) == ["draft", "alpha", "n_max", "n_min", "p_min", "engine", "predicted_speedup",
+                                           "by_n", "draft_step_ms", "target_step_ms", "cost_ratio_c", "speed_model"]
     # max_n caps the choice (n_max 1 for both), and the ranking follows.
-    capped = {r["draft"]: r for r in rank_llama_cpp({"big": 0.9, "small": 0.75}, target, drafts, max_n=1)}
-    assert capped["small"]["n_max"] == 1 and capped["small"]["predicted_speedup"] == pytest.approx(1.4)
+    capped = {r.draft: r for r in rank_llama_cpp({"big": 0.9, "small": 0.75}, target, drafts, max_n=1)}
+    assert capped["small"].n_max == 1 and capped["small"].predicted_speedup == pytest.approx(1.4)
     with pytest.raises(ValueError, match="no llama-bench results for draft other"):
         rank_llama_cpp({"other": 0.9}, target, drafts)

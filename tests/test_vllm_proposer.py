@@ -16,8 +16,8 @@ from specdraft.config import SamplingConfig
 from specdraft.decode import left_pad, speculative_generate
 from specdraft.drafters import MappedDrafter, Row
 from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
-from specdraft.vocab import build_vocab_mapping, vocab_swap
 from specdraft.vllm_proposer import PROPOSER_CLASS, SPECULATOR_ENV, SPECULATOR_KEY, TextDrafts, TextProposer
+from specdraft.vocab import build_vocab_mapping, vocab_swap
 
 GAMMA = 3
 
@@ -149,7 +149,7 @@ def exported(pair, tmp_path_factory):
 def test_a_draft_of_another_tokenizer_is_exported_as_given_to_draft_through_text(exported):
     from specdraft.speculator import load_speculator_config
 
-    target_dir, res = exported
+    _target_dir, res = exported
     conf = load_speculator_config(str(res.out))
     assert conf.drafts_through_text and conf.num_speculative_tokens == GAMMA
     assert res.config["speculators_config"]["proposal_methods"][0]["proposal_type"] == "text"

@@ -13,7 +13,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,15 @@ from specdraft.config import EvalConfig
 from specdraft.decode import check_decode_context
 from specdraft.draft_model import describe_draft
 from specdraft.drafters import Stream
+from specdraft.models import model_fingerprint
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
 
 
 @torch.no_grad()
 def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: int = 3, warmup: int = 1,
-                 last_only: bool = False) -> tuple[dict[int, float], float]:
+                 last_only: bool = False,
+                 on_warmup: Callable[[float, float], None] | None = None) -> tuple[dict[int, float], float]:
     """Wall-clock cost of one forward pass over k new tokens after reading ``context``, batch 1, for each k.
 
     The pass runs as decoding runs it (:class:`~specdraft.drafters.Stream`: the same cache, masks and logits); the
@@ -42,6 +44,8 @@ def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: 
         widths: the k to time.
         repeats / warmup: timed / untimed rounds over all widths; the median of the timed ones is returned.
         last_only: score only the last position (a draft step) instead of all k (a verification pass).
+        on_warmup: called once after the untimed rounds as ``on_warmup(prefill_seconds, round_seconds)`` (both
+            prefills, one round over all widths): what the rest will take, for a caller that says so.
 
     Returns:
         ``({k: seconds}, prefill_seconds)``: the median pass time per k, and the faster of two reads of
@@ -61,7 +65,10 @@ def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: 
     start = stream.length
     new = ids[:, -1:].repeat(1, max(widths))  # the content of the tokens does not change the cost
     samples: dict[int, list[float]] = {k: [] for k in widths}
+    round_start = time.perf_counter()
     for r in range(warmup + repeats):
+        if r == warmup and warmup and on_warmup is not None:
+            on_warmup(sum(prefill), (time.perf_counter() - round_start) / warmup)
         for k in widths:
             t0 = time.perf_counter()
             stream.forward(new[:, :k], torch.ones_like(new[:, :k]), logits_to_keep=1 if last_only else 0)
@@ -71,17 +78,41 @@ def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: 
     return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}, min(prefill)
 
 
+def _parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _duration(seconds: float) -> str:
+    """``"40 s"`` below two minutes, ``"6 min"`` above."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
 def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
-                        draft_context: Sequence[int] | None = None) -> SpeedModel:
+                        draft_context: Sequence[int] | None = None,
+                        say: Callable[[str], None] | None = None) -> SpeedModel:
     """The pair's :class:`~specdraft.speed.SpeedModel`: t(k) for k = 1..max_gamma+1 (target, all k positions
     scored, as verification does; the least-squares line through the timings, :meth:`SpeedModel.from_measurements`),
     d (draft, one token, last position scored), and both prompt prefills, measured after reading ``context``
     (``draft_context`` for a draft of another tokenizer: the context in its ids).
 
     Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes; speeds are those of the machine at the time, so
-    measure on the machine that decodes.
+    measure on the machine that decodes. ``say(line)``, when given, is told what is measured before any pass, then
+    how long the rest will take once the untimed round has run (calibration can take minutes on a CPU).
     """
-    t, t_prefill = pass_seconds(target, context, range(1, max_gamma + 2), repeats=repeats)
+    widths = max_gamma + 1
+    if say is not None:
+        say(f"calibrating the pair's speed model (once per pair and machine, then cached): {(repeats + 1) * widths} "
+            f"target passes of 1-{widths} tokens and {repeats + 3} draft steps after a {len(context)}-token prompt")
+    t0 = time.perf_counter()
+
+    def eta(prefill_s: float, round_s: float) -> None:
+        # The draft's share scales with its size: two prefills and repeats + 3 one-token steps.
+        share = _parameters(draft) / max(_parameters(target), 1)
+        left = repeats * round_s + share * (prefill_s + (repeats + 3) * round_s / widths)
+        say(f"calibrating: {time.perf_counter() - t0:.0f} s so far, about {_duration(left)} left")
+
+    t, t_prefill = pass_seconds(target, context, range(1, widths + 1), repeats=repeats,
+                                **({"on_warmup": eta} if say is not None else {}))
     d, d_prefill = pass_seconds(draft, draft_context or context, [1], repeats=repeats + 2, last_only=True)
     return SpeedModel.from_measurements(t, d[1], target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
                                         context=len(context))
@@ -138,27 +169,6 @@ class LoadMonitor:
 SPEED_CACHE_FORMAT = 1
 
 
-@torch.no_grad()
-def model_fingerprint(model) -> str:
-    """A sha256 of what a model computes with, cheap enough to take before every evaluation: its class, config
-    (without ``_name_or_path``), every parameter's and buffer's name, shape, dtype and device type, and up to 64 values
-    read at a stride through each tensor (a changed weight, a distilled draft, a new quantisation all change it)."""
-    import hashlib
-
-    h = hashlib.sha256(type(model).__name__.encode())
-    cfg = model.config.to_dict() if hasattr(model, "config") else {}
-    cfg.pop("_name_or_path", None)
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}".encode())
-        flat = t.detach().reshape(-1)
-        if flat.numel():
-            sample = flat[:: max(1, flat.numel() // 64)][:64]
-            h.update(sample.to(torch.float32).cpu().numpy().tobytes() if sample.is_floating_point() or
-                     sample.dtype == torch.bfloat16 else sample.to(torch.int64).cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
     """What a calibration depends on: both models (:func:`model_fingerprint`, the draft as prepared), the draft's
     preparation, γ's bound, the device, the machine (CPU model, cores), torch's version and threads, OpenMP's wait
@@ -184,7 +194,7 @@ def calibration_context(prompt_ids: Sequence[Sequence[int]]) -> list[int]:
 
 def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
                        draft_context: Sequence[int] | None = None, cache_dir: str | Path | None = None,
-                       refresh: bool = False) -> tuple[SpeedModel, str]:
+                       refresh: bool = False, say: Callable[[str], None] | None = None) -> tuple[SpeedModel, str]:
     """:func:`measure_speed_model`, measured once per :func:`speed_cache_key` and then read back.
 
     Entries live in ``cache_dir`` (default ``$SPECDRAFT_SPEED_CACHE``, else ``$SPECDRAFT_CACHE/speed``), one JSON
@@ -195,7 +205,7 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     A calibration measured while other processes held more than :data:`BUSY_SHARE` of the CPU
     (:class:`LoadMonitor`) is returned but not cached. A hit is spot-checked first (:func:`_stale_costs`: t(1) and d
     timed now): the same machine kind can run at half the speed on another day, so a hit whose costs no longer hold
-    is re-measured and replaced.
+    is re-measured and replaced. ``say(line)`` hears each step (:func:`measure_speed_model`).
 
     Returns:
         ``(speed_model, source)``: source ``"cache, measured <ISO time>: <path of the entry>"``, ``"measured"``,
@@ -218,12 +228,14 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
             if json.loads(json.dumps(key, default=str)) == saved["key"]:
                 cached = SpeedModel.from_dict(saved["speed_model"])
         if cached is not None:
+            if say is not None:
+                say("speed model: found in the calibration cache, spot-checking it (a few passes)")
             refresh_reason = _stale_costs(cached, target, draft, context, draft_context)
             if refresh_reason is None:
                 return cached, f"cache, measured {saved.get('measured_at', 'at an unrecorded time')}: {path}"
     with LoadMonitor() as load:
         speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
-                                    draft_context=draft_context)
+                                    draft_context=draft_context, say=say)
     if load.busy:  # costs measured beside other work would price every later run wrongly: not cached
         return speed, f"measured on a busy machine (other processes held {load.others_share:.0%} of the CPU; not cached)"
     root.mkdir(parents=True, exist_ok=True)
@@ -272,13 +284,14 @@ def machine_line() -> str:
 
 
 def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalConfig,
-              vocab_mapping=None) -> tuple[SpeedModel, str] | None:
+              vocab_mapping=None, say: Callable[[str], None] | None = None) -> tuple[SpeedModel, str] | None:
     """The pair's :class:`~specdraft.speed.SpeedModel` and where it came from, or ``None`` without a prompt of 2+ tokens.
 
     Measured on :func:`calibration_context` of ``prompt_ids`` (``[n]`` token id lists); for a draft of another
     tokenizer (``vocab_mapping``) the draft reads that prompt re-encoded in its ids (when that is 2+ tokens). γ's
     bound is ``max(config.num_speculative_tokens, 8)``; the cache is ``config.speed_cache_dir``, read unless
-    ``config.speed_cache`` is False (:func:`cached_speed_model`).
+    ``config.speed_cache`` is False (:func:`cached_speed_model`). ``say(line)`` hears what is measured and how long
+    it will take, before and while it runs (a command prints it before its progress bar).
 
     Raises:
         specdraft.sampling.ContextWindowError: the longest prompt + ``max_new_tokens`` + γ+1 exceeds a model's window
@@ -293,4 +306,4 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalCo
     d_calib = vocab_mapping.reencode_batch_for_draft([list(calib)])[0] if vocab_mapping is not None else None
     return cached_speed_model(target, draft, calib, max_gamma=max(config.num_speculative_tokens, 8),
                               draft_context=d_calib if d_calib and len(d_calib) >= 2 else None,
-                              cache_dir=config.speed_cache_dir, refresh=not config.speed_cache)
+                              cache_dir=config.speed_cache_dir, refresh=not config.speed_cache, say=say)

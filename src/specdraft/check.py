@@ -430,14 +430,24 @@ def print_report(report: CompatReport, console) -> None:
         console.print(f"[yellow]warning:[/] {escape(w)}")
     if report.mapping:
         m = report.mapping
-        console.print(
-            f"A vocabulary mapping would pair {m['n_mapped']} string-identical tokens: "
-            f"{m['target_coverage']:.1%} of the target vocabulary reachable, {m['draft_coverage']:.1%} of the "
-            f"draft vocabulary mapped" + ("" if m["usable"] else " [red](no usable overlap)[/]")
-        )
+        console.print(mapping_line(report), highlight=False, soft_wrap=True)
         if m["usable"] and report.verdict == "mismatch":
             console.print("Decode through it with [bold]specdraft eval/generate --map-vocab[/], or re-index the draft "
                           "into the target's tokenizer with [bold]specdraft vocab-swap[/] and distil it.")
+
+
+def mapping_line(report: CompatReport) -> str:
+    """The sentence on what a vocabulary mapping would pair (rich markup). Its count is of twins, tokens that
+    decode to the same text whatever their ids and spelling scheme, so it is not the verdict's count of raw
+    vocabulary strings found in both under different ids: the sentence says how the two relate."""
+    m = report.mapping or {}
+    moved = (f"; the {report.n_strings_moved:,} strings above are the raw vocabulary entries found in both under "
+             "different ids, while a twin may also sit at the same id, or be spelt another way (a space as '▁' in "
+             "one, 'Ġ' in the other)" if report.verdict == "mismatch" else "")
+    return (f"A vocabulary mapping would pair {m['n_mapped']:,} twin tokens (the same text in both, matched by "
+            f"decoded text{moved}): {m['target_coverage']:.1%} of the target vocabulary reachable, "
+            f"{m['draft_coverage']:.1%} of the draft vocabulary mapped"
+            + ("" if m["usable"] else " [red](no usable overlap)[/]"))
 
 
 @dataclass

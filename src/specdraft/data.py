@@ -86,9 +86,11 @@ class Example:
     """One prompt or conversation.
 
     Attributes:
-        id: stable identifier (``HumanEval/12``, ``mt-bench/81``, ``identity_0``, ``line-3``).
+        id: stable identifier (``HumanEval/12``, ``mt-bench/81``, ``identity_0``; a user's row without an ``id``
+            is named by its file and line, ``my-prompts:line-3``, so two files never give the same id).
         messages: chat messages ``[{"role": "user"|"assistant"|"system", "content": str}]``; the last one
-            is a user message for prompts, and may be an assistant message for full conversations.
+            is a user message for prompts (after any earlier turns: a conversation's history), and may be an
+            assistant message for full conversations.
         reference: a reference answer where the source has one (HumanEval canonical solution).
         meta: anything else the source carries (category, turns, entry point).
     """
@@ -100,7 +102,15 @@ class Example:
 
     @property
     def prompt_messages(self) -> list[dict[str, str]]:
-        """Messages up to (excluding) the first assistant turn: what a model is asked to answer."""
+        """What a model is asked to answer, as a chat server would receive it.
+
+        A conversation that ends with a user (or system) turn is a history awaiting its next reply: every message
+        (``[user, assistant, user]`` asks the last question in the context of the first exchange, never the first
+        question alone). One that ends with an assistant turn holds its answers already: the messages before the
+        first assistant turn (its first question; the replies are teacher-forced training text).
+        """
+        if self.messages and self.messages[-1]["role"] != "assistant":
+            return list(self.messages)
         out = []
         for m in self.messages:
             if m["role"] == "assistant":
@@ -227,7 +237,8 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
                 if not line.strip():
                     continue
                 try:
-                    examples.append(_example_from_row(json.loads(line), f"line-{i}"))
+                    # Qualified by the file: two files' line 1 must not share an id (results pair by id).
+                    examples.append(_example_from_row(json.loads(line), f"{path.stem}:line-{i}"))
                 except (json.JSONDecodeError, DataError) as exc:
                     raise DataError(f"{path}:{i}: {exc}. {ROW_FORMAT}") from exc
         elif path.is_dir() and any(path.glob("**/state.json")):
@@ -239,7 +250,7 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
             examples = []
             for i, r in enumerate(ds):
                 try:
-                    examples.append(_example_from_row(dict(r), f"row-{i}"))
+                    examples.append(_example_from_row(dict(r), f"{path.name}:row-{i}"))
                 except DataError as exc:
                     raise DataError(f"{path}: row {i}: {exc}. {ROW_FORMAT}") from exc
         else:
@@ -475,22 +486,47 @@ def source_counts(source: str | Path) -> dict[str, int] | None:
 
 
 def render_prompt(tokenizer, example: Example, chat: bool = True) -> str:
-    """The text a model continues: the prompt messages through the tokenizer's chat template (with the
-    generation prompt), or the raw user text when ``chat`` is False or the tokenizer has no template."""
+    """The text a model continues: the prompt messages (:attr:`Example.prompt_messages`, a whole history when it
+    ends with a user turn) through the tokenizer's chat template with the generation prompt, as a chat server
+    renders a request; or the message contents joined by newlines when ``chat`` is False or the tokenizer has no
+    template.
+
+    Raises:
+        DataError: the template refuses the messages (names the example, its roles and the template's words).
+    """
     msgs = example.prompt_messages
     if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja's TemplateError and friends: one message naming the row
+            roles = ", ".join(m["role"] for m in msgs)
+            raise DataError(f"{example.id}: the chat template refuses its {len(msgs)} prompt message(s) ({roles}): "
+                            f"{exc}") from exc
     return "\n".join(m["content"] for m in msgs)
 
 
 def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> list[list[int]]:
     """Token ids of each example's prompt (see :func:`render_prompt`); no special tokens are added twice
-    (the template already holds them)."""
-    out = []
+    (the template already holds them).
+
+    Raises:
+        DataError: the chat template refuses some rows' messages: all of them counted and the first named, with
+            how to fix them, before any is encoded.
+    """
+    texts, refused = [], []
     for ex in examples:
-        text = render_prompt(tokenizer, ex, chat)
-        out.append(tokenizer(text, add_special_tokens=not (chat and getattr(tokenizer, "chat_template", None)))["input_ids"])
-    return out
+        try:
+            texts.append(render_prompt(tokenizer, ex, chat))
+        except DataError as exc:
+            refused.append((ex.id, exc))
+    if refused:
+        others = [eid for eid, _ in refused[1:]]
+        more = (f" (also {', '.join(others[:5])}{', …' if len(others) > 5 else ''})" if others else "")
+        raise DataError(f"{len(refused)} of {len(examples)} prompt(s) cannot be rendered: {refused[0][1]}{more}. "
+                        "Give these rows messages the template accepts (most templates want user and assistant "
+                        "turns to alternate, the history ending with a user turn), or leave them out.")
+    special = not (chat and getattr(tokenizer, "chat_template", None))
+    return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
 
 
 # ------------------------------------------------------------------------------ training sequences

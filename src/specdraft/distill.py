@@ -706,10 +706,17 @@ def learning_curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def distill_origin(parts, draft_ref, dump_weights: list[int] | None) -> dict[str, Any]:
     """The data and draft of a distillation (for :func:`resume_origin`): each dump's plan (what it was made from:
-    target, prompts, settings) by sha256, their weights, and the draft reference."""
+    target, prompts, settings) by sha256, their weights, each dump's teacher by content (the whole target's
+    :func:`specdraft.models.model_fingerprint` its manifest records, ``None`` for a dump made before one was), and
+    the draft by reference and content: checkpoints trained against another teacher, or from a draft whose weights
+    changed under the same path, are never resumed."""
+    from specdraft.models import model_fingerprint
+
     plans = [hashlib.sha256(json.dumps(p.manifest.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
              for p in parts]
-    return {"dump": plans, "dump_weights": dump_weights, "draft": str(draft_ref)}
+    return {"dump": plans, "dump_weights": dump_weights,
+            "teacher_weights": [p.manifest.get("identity", {}).get("target_weights") for p in parts],
+            "draft": str(draft_ref), "draft_weights": model_fingerprint(draft_ref)}
 
 
 def resume_origin(draft, config: DistillConfig, processes: int, origin: dict[str, Any] | None) -> dict[str, Any]:
@@ -899,7 +906,8 @@ def train(
 def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str | Path], out: str | Path,
                 config: DistillConfig | None = None, resume: bool = True, report_to: str = "none",
                 device: str | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
-                callbacks: list | None = None, dump_weights: list[int] | None = None) -> dict[str, Any]:
+                callbacks: list | None = None, dump_weights: list[int] | None = None,
+                keep_checkpoints: bool = False, save_dtype: str | None = None) -> dict[str, Any]:
     """Distil ``draft_ref`` against the teacher dump in ``dump_dir`` and export it as a speculator.
 
     ``dump_dir`` may be a list of dumps of the same teacher (:class:`specdraft.dump_reader.TeacherMix`: e.g. teacher-forced
@@ -909,8 +917,10 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     Everything that can be wrong is checked before training starts: the dump is finished and its shards
     intact; the draft's tokenizer fingerprint equals the dump's; the widths align (padding only).
 
-    Writes ``out/checkpoints/`` (resumable), ``out/speculator/`` (the export, with ``training.json``) and
-    ``out/training.json``. ``num_speculative_tokens`` (γ) is recorded in the exported speculator
+    Writes ``out/checkpoints/`` (resumable while training; removed once the speculator is written unless
+    ``keep_checkpoints``: a finished training's Trainer states are the size of several drafts and nothing reads them),
+    ``out/speculator/`` (the export, with ``training.json``; weights in ``save_dtype``, ``"float32"`` /
+    ``"bfloat16"`` / ``"float16"``, default the dtype the draft was loaded in) and ``out/training.json``. ``num_speculative_tokens`` (γ) is recorded in the exported speculator
     (:func:`specdraft.export.export_speculator`). ``callbacks``: extra ``transformers.TrainerCallback`` objects
     (e.g. a learning curve measured by decoding, ``bench/bench_distill_gain.py --curve-every``). Under ``accelerate launch`` / ``torchrun`` the ranks train
     data-parallel (``batch_size`` is per rank) and rank 0 alone writes the export.
@@ -972,7 +982,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     del writer  # frees the target
     # Float32 master weights (master_weights) served their purpose: the export is in the dtype the draft was loaded
     # in, one dtype for every tensor, as a speculator's config.json records it.
-    trained = result.pop("draft").to(loaded_dtype)
+    trained = result.pop("draft").to(getattr(torch, save_dtype) if save_dtype else loaded_dtype)
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
                "moved_fraction": result["moved_fraction"],
@@ -1002,5 +1012,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     if state.is_main_process:
         export_speculator(trained, draft_tok, target_ref, spec_dir, num_speculative_tokens, training)
         write_training_json(out / "training.json", training)
+        if not keep_checkpoints:  # the training is finished and exported: nothing resumes from them
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
     state.wait_for_everyone()
     return {"speculator": spec_dir, "metrics": metrics, "training": training, "model": trained}

@@ -322,17 +322,34 @@ def stream_start_callback(stream: OnPolicyStream):
 
 def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, config: DistillConfig,
                       device: str | None) -> DraftWriter:
-    """The target the dump was made with (same dtype, same output head: checked by fingerprint) wrapped as the
-    scorer of the draft's answers, for λ > 0."""
+    """The target the dump was made with wrapped as the scorer of the draft's answers, for λ > 0: the same model
+    (its whole content, :func:`specdraft.models.model_fingerprint`, against the dump's ``identity.target_weights``:
+    the head alone would pass a body fine-tuned since), checked before it loads, and loaded in the same dtype (its
+    output head's fingerprint).
+
+    Raises:
+        DistillError: a dump not made with ``answer_only``; a dump that records no whole-model fingerprint (made by
+            an older specdraft: dump again); a target whose weights or head differ from the dump's.
+    """
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.dump import Teacher
     from specdraft.dump_reader import head_fingerprint
-    from specdraft.models import load_model
+    from specdraft.models import load_model, model_fingerprint
 
     dump_cfg = DumpConfig.model_validate(manifest["config"])
     if not dump_cfg.answer_only:
         raise DistillError("--on-policy-fraction needs a dump made with --answer-only: its sequences mark where the "
                            "prompt ends, and the draft answers those prompts")
+    recorded = manifest.get("identity", {}).get("target_weights")
+    if recorded is None:
+        raise DistillError(f"the dump records no fingerprint of its whole target (target_weights), only of its head: "
+                           f"{target_ref} cannot be checked to be the teacher that made it. Dump again to train with "
+                           "--on-policy-fraction > 0.")
+    if (found := model_fingerprint(target_ref)) != recorded:
+        raise DistillError(f"{target_ref} is not the target the dump was made with (target_weights: the dump holds "
+                           f"{recorded[:16]}…, this target has {found[:16]}…; its weights changed since, e.g. a "
+                           "fine-tune saved in place): on-policy sequences would be scored by another teacher than "
+                           "the dump's")
     target, _ = load_model(target_ref, dtype=manifest["target"]["dtype"], device=device or "cpu")
     if head_fingerprint(target) != manifest.get("head_fingerprint"):
         raise DistillError(f"{target_ref} loaded in {manifest['target']['dtype']} is not the target the dump was made "

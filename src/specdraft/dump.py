@@ -63,9 +63,11 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
 
 The manifest records the target (reference, revision, config), the tokenizer fingerprint
 (:func:`specdraft.vocab.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
-final-logit transform, the output-head fingerprint (:func:`head_fingerprint`), sequence/token counts, sha256 per shard, the command
-and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
-or missing one is named and redone. :func:`verify_dump` checks a finished dump; :class:`TeacherDataset`
+final-logit transform, the output-head fingerprint (:func:`head_fingerprint`), the whole target's content fingerprint
+(``identity.target_weights``: :func:`specdraft.models.model_fingerprint`), sequence/token counts, sha256 per shard,
+the command and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
+or missing one is named and redone; shards of a target whose weights changed since (a fine-tune saved in place, a
+new revision) are refused, naming ``target_weights``, never resumed beside this target's. :func:`verify_dump` checks a finished dump; :class:`TeacherDataset`
 reads it memory-mapped, one sequence at a time, and refuses a draft of another tokenizer.
 
 **Reading** (for distillation): ``ds = TeacherDataset(DIR, draft_tokenizer=tok)``; ``ds[i]`` is one sequence,
@@ -139,18 +141,6 @@ def _real_vocab(tokenizer) -> int:
     from specdraft.vocab import tokenizer_view  # the same rule as the fingerprint's
 
     return int(tokenizer_view(tokenizer).real)
-
-
-def _target_revision(resolved: str) -> str | None:
-    """Embedded model: the GGUF sha256 its cache was built from; hub snapshot: the commit; else None."""
-    p = Path(resolved)
-    marker = p / "specdraft-cache.json"
-    if marker.is_file():
-        sha = json.loads(marker.read_text()).get("source_sha256")
-        return f"gguf-sha256:{sha}" if sha else None
-    if p.parent.name == "snapshots":
-        return p.name
-    return None
 
 
 def split_work(n: int, rank: int, world_size: int, batch_size: int = 1) -> range:
@@ -429,7 +419,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
             target is loaded).
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
-    from specdraft.models import load_model, load_tokenizer, resolve
+    from specdraft.models import load_model, load_tokenizer, model_fingerprint, model_revision, resolve
     from specdraft.vocab import tokenizer_fingerprint
 
     config = config or DumpConfig()
@@ -461,12 +451,15 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     if world > 1:
         # Several ranks split the work in whole batches: another batch size would hand a resumed rank other items.
         identity["split_batch_size"] = config.batch_size
-    plan = _sha256_json(identity)
     _check_out_dir(out, identity)  # before loading weights: fails fast on another target's dump
 
     # ---- the target -----------------------------------------------------------------------------------------
     model, _ = load_model(resolved, dtype=config.dtype, device=str(device) if device is not None else None)
     identity["head_fingerprint"] = head_fingerprint(model)  # dtype-dependent: also catches "auto" on new hardware
+    # The whole target, not its head alone: a fine-tune of the body saved in place keeps path, config and head, and
+    # its shards must not be resumed beside the old ones (nor a finished dump of it taken for this one's).
+    identity["target_weights"], identity["target_revision"] = model_fingerprint(resolved), model_revision(resolved)
+    plan = _sha256_json(identity)
     _check_out_dir(out, identity)
     teacher = Teacher(model, real_vocab)
     header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, data_name, command)
@@ -583,9 +576,17 @@ class _RankWriter:
         barrier()
         if self.rank == 0 and (run["shards_written"] or not (out / MANIFEST).is_file()):
             states = [json.loads((out / _rank_file(r)).read_text()) for r in range(self.world)]
-            atomic_write_text(out / MANIFEST, json.dumps(merge_manifests(states), indent=1))
+            merged = merge_manifests(states)
+            if not merged["sequences"]:
+                merged["status"] = "empty"  # never "complete": a reader must not take it for data to train on
+            atomic_write_text(out / MANIFEST, json.dumps(merged, indent=1))
         barrier()
         manifest = load_manifest(out)
+        if manifest.get("status") == "empty":  # every rank reads it, so all of them stop together
+            raise DumpError(f"every one of the {manifest['dropped']} sequences lost its trained positions to "
+                            f"truncation at --max-length {self.config.max_length} (with --generate, the target's "
+                            f"answers were cut away): {out} holds nothing to train on. Raise --max-length or give "
+                            "shorter prompts, with a new --out.")
         fwd, gen = run["forward_seconds"], run["generate_seconds"]
         manifest["this_run"] = {
             "seconds": time.time() - t_start, "work_seconds": run["seconds"], "tokens": run["tokens"],
@@ -621,11 +622,25 @@ def _work_items(tokenizer, examples: list, config: DumpConfig) -> tuple[list, in
             raise DumpError(f"all {len(examples)} sequences lost every trained position to truncation at "
                             f"--max-length {config.max_length}: nothing to dump.")
         return items, len(examples) - len(items)
+    prompts = encode_prompts(tokenizer, examples)
     if not config.truncate:
-        for ex, p in zip(examples, encode_prompts(tokenizer, examples), strict=True):
+        for ex, p in zip(examples, prompts, strict=True):
             if len(p) + config.generate > config.max_length:
                 raise DataError(f"{ex.id}: prompt ({len(p)} tokens) + --generate {config.generate} may exceed "
                                 f"--max-length {config.max_length} (pass --truncate, or raise --max-length).")
+    # A prompt of --max-length tokens or more keeps no generated token once cut: known now, before the target loads.
+    full = [ex.id for ex, p in zip(examples, prompts, strict=True) if len(p) >= config.max_length]
+    if full:
+        shortest = min(map(len, prompts))
+        what = (f"all {len(examples)} prompts are" if len(full) == len(examples) else
+                f"{len(full)} of {len(examples)} prompts ({', '.join(full[:3])}{', …' if len(full) > 3 else ''}) are")
+        problem = (f"{what} --max-length {config.max_length} tokens or longer: the target's answers to them would be "
+                   "truncated away")
+        if len(full) == len(examples):
+            raise DumpError(f"{problem}, leaving nothing to dump. Raise --max-length above {shortest} + --generate "
+                            f"({shortest + config.generate}) or give shorter prompts.")
+        warnings.warn(f"specdraft dump: {problem} and those rows dropped (raise --max-length to keep them)",
+                      stacklevel=3)
     return examples, 0
 
 
@@ -682,7 +697,7 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
 
     return {
         "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
-        "target": {"ref": str(target_ref), "resolved": resolved, "revision": _target_revision(resolved),
+        "target": {"ref": str(target_ref), "resolved": resolved, "revision": identity["target_revision"],
                    **target_facts, "dtype": str(teacher.weight.dtype).removeprefix("torch."),
                    "vocab_width": teacher.width, "real_vocab": teacher.real_vocab},
         "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
@@ -732,7 +747,7 @@ def _check_out_dir(out: Path, identity: dict[str, Any]) -> None:
             continue
         problems = _identity_problems(json.loads(path.read_text()).get("identity", {}), identity)
         if problems:
-            other_target = any(p.startswith(("target_config", "head_fingerprint", "tokenizer")) for p in problems)
+            other_target = any(p.startswith(("target_", "head_fingerprint", "tokenizer")) for p in problems)
             what = "a dump of another target" if other_target else "a dump made with other settings or data"
             raise DumpError(f"--out {out} holds {what} ({path.name}): " + "; ".join(problems)
                             + ". Choose another --out; nothing was changed.")

@@ -14,7 +14,7 @@ applies; so assisted generation runs with a complete :class:`~transformers.Gener
 contender's effective settings are recorded in ``config["contenders"]`` (``report.json``).
 
 This module holds the entry points (:func:`run_eval`, :func:`acceptance_eval`, :func:`interleaved_speed`,
-:func:`rank_drafts`, :func:`certify_sampling`; :func:`specdraft.report.write_eval_report` writes a result and its
+:func:`certify_sampling`; :func:`specdraft.report.write_eval_report` writes a result and its
 plots); teacher-forced α and replay are
 :mod:`specdraft.replay`, the pair's measured costs :mod:`specdraft.calibration`, the assisted-generation harness
 :mod:`specdraft.assisted`, and the draft's preparation :func:`specdraft.draft_model.apply_draft_options`.
@@ -44,7 +44,7 @@ from specdraft.decode import check_max_new_tokens, left_pad, speculative_generat
 from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
-from specdraft.sampling import align_logits, check_token_ids, filtered_probs, output_width
+from specdraft.sampling import align_logits, filtered_probs, output_width
 from specdraft.speed import (
     Contender,
     ContenderSpeed,
@@ -345,6 +345,7 @@ def run_eval(
     vocab_mapping=None,
     progress: Callable[[int, int], None] | None = None,
     record: dict[str, Any] | None = None,
+    status: Callable[[str], None] | None = None,
 ) -> EvalResult:
     """Decode each prompt with the target alone, with speculative decoding, and (optionally) with
     transformers' assisted generation, interleaved, batch 1; compare outputs; gather counts and times.
@@ -367,6 +368,7 @@ def run_eval(
             the draft's output head in place.
         progress: called as ``progress(done, total)`` after each prompt.
         record: extra facts stored in the result's ``config`` (e.g. the model references).
+        status: told each step before decoding starts (the calibration, its expected length), as ``status(line)``.
 
     Every contender runs with the same explicit settings, none taken from the models' ``generation_config``
     (see the module docstring); ``result.config["contenders"]`` records each one's effective settings.
@@ -397,7 +399,7 @@ def run_eval(
     res.config["draft_options"] = draft_configuration(spec_draft)
     # The pair's costs, measured once on a prompt of median length (the speed model: predicted speed-up, best γ,
     # and the adaptive policy's costs).
-    calibrated = calibrate(target, spec_draft, prompt_ids, config, vocab_mapping)
+    calibrated = calibrate(target, spec_draft, prompt_ids, config, vocab_mapping, say=status)
     if calibrated is not None:
         speed, source = calibrated
         res.speed_model = speed.to_dict() | {"source": source}
@@ -817,61 +819,3 @@ def interleaved_speed(
                     gamma_policy=config.gamma_policy, machine_load=load.to_dict(), busy_machine=load.busy,
                     draft_configuration={n: draft_configuration(m) for n, m in prepared.items()},
                     speed_models={n: sp.to_dict() | {"source": speed_sources[n]} for n, sp in speeds.items()})
-
-
-def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
-                drafts: Sequence[tuple[str, Callable[[], tuple[Any, Any]]]], config: EvalConfig | None = None,
-                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Which draft should I use? Each candidate's predicted speed-up on a short calibration set, best first.
-
-    Per candidate — loaded by its callable as ``(model, vocab_mapping or None)``, given ``config``'s draft options,
-    and freed before the next — the pair's costs come from :func:`~specdraft.calibration.calibrate` (the calibration
-    cache, as every stage reads it) and its α by
-    decoding ``prompt_ids`` speculatively (γ and sampling of ``config``), and the
-    :class:`~specdraft.speed.SpeedModel` predicts its speed-up at the γ it recommends. Nothing is compared token by
-    token here: confirm the top one with :func:`run_eval`.
-
-    Returns:
-        one dict per candidate: ``draft``, ``alpha``, ``acceptance_rate``, ``draft_step_ms``, ``cost_ratio_c``,
-        ``best_gamma``, ``predicted_speedup`` (at ``best_gamma``, prefill included), ``predicted_speedup_at_gamma``
-        (at the config's γ), ``speed_model``; sorted by ``predicted_speedup``, highest first.
-
-    Raises:
-        specdraft.sampling.TokenWidthError: prompt ids past the target's or a draft's embedding or head (named;
-            a draft's checked when it is loaded, before it is timed).
-    """
-    import gc
-
-    config = config or EvalConfig()
-    check_token_ids(prompt_ids, [("target", target)], what="the calibration prompts")
-    gamma, sampling = config.num_speculative_tokens, config.sampling
-    pad = tokenizer_pad_id(tokenizer)
-    device = next(target.parameters()).device
-    eos = eos_ids(target, tokenizer)
-    rows = []
-    for name, load in drafts:
-        if progress:
-            progress(name)
-        model, mapping = load()
-        if mapping is None:  # before timing it: an id past its embedding is an IndexError inside the draft
-            check_token_ids(prompt_ids, [(f"draft {name}", model)], what="the calibration prompts")
-        draft = apply_draft_options(model, tokenizer, config, mapping, copy_model=False)
-        speed, source = calibrate(target, draft, prompt_ids, config, mapping)
-        counts, tokens = AcceptanceCounts(gamma), 0
-        for k, ids in enumerate(prompt_ids):
-            out, c = speculative_generate(
-                target, draft, *left_pad([ids], pad, device), num_speculative_tokens=gamma, sampling=sampling,
-                max_new_tokens=config.max_new_tokens, real_vocab=len(tokenizer), eos_token_id=eos,
-                generator=torch.Generator(device=device).manual_seed(config.seed + k), vocab_mapping=mapping,
-                mapped_proposals=config.mapped_proposals)
-            counts, tokens = counts.merge(c), tokens + len(out[0])
-        g, _ = speed.best_gamma(counts.alpha)
-        rows.append({"draft": name, "alpha": counts.alpha, "acceptance_rate": counts.acceptance_rate,
-                     "draft_step_ms": 1e3 * speed.draft_s, "cost_ratio_c": speed.cost_ratio, "best_gamma": g,
-                     "predicted_speedup": speed.predict(counts.alpha, g, tokens, len(prompt_ids)),
-                     "predicted_speedup_at_gamma": speed.predict(counts.alpha, gamma, tokens, len(prompt_ids)),
-                     "mapped": mapping is not None, "draft_options": draft_configuration(draft),
-                     "speed_model": speed.to_dict() | {"source": source}})
-        del model, draft
-        gc.collect()
-    return sorted(rows, key=lambda r: -r["predicted_speedup"])

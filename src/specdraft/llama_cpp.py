@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_SDIST, LLAMA_CPP_VERSION
 from specdraft.gguf_export import (
@@ -40,6 +41,7 @@ from specdraft.gguf_export import (
     pip_download_command,
     unpack_sdist,
 )
+from specdraft.speed import LlamaCppForecast
 
 #: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
 LLAMA_CPP_TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench", "llama-quantize")
@@ -300,25 +302,45 @@ class LlamaCppRankInputs:
     threads: int = 2
     tools: LlamaCppTools | None = None
 
-    def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[dict]:
-        """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α), best first; each row
-        also holds its ``gguf``, the llama.cpp ``command`` serving the pair with the row's forecast pinned (its
-        ``n_max``, ``n_min``, ``p_min`` and ``engine``: :func:`specdraft.speed.llama_cpp_command`, ``llama-server``)
-        and ``local_command``, the same pair and flags for ``llama-speculative-simple`` (the pinned build that
-        ``make llama-cpp`` makes has no ``llama-server``)."""
+    def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[LlamaCppCandidate]:
+        """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α), best first, each with
+        its GGUF and the commands serving it (:class:`LlamaCppCandidate`)."""
         import shlex
 
         from specdraft.speed import llama_cpp_command, rank_llama_cpp
 
-        rows = rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n)
-        for r in rows:
-            gguf = self.draft_ggufs[r["draft"]]
-            pair = (shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)), r["n_max"])
-            pins = {"threads": self.threads, "n_min": r["n_min"], "p_min": r["p_min"], "engine": r["engine"]}
-            r |= {"gguf": str(gguf), "bench_source": self.draft_bench_sources[r["draft"]],
-                  "command": llama_cpp_command(*pair, server=True, **pins),
-                  "local_command": llama_cpp_command(*pair, server=False, **pins)}
+        rows = []
+        for r in rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n):
+            gguf = self.draft_ggufs[r.draft]
+            pair = (shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)), r.n_max)
+            pins = {"threads": self.threads, "n_min": r.n_min, "p_min": r.p_min, "engine": r.engine}
+            rows.append(LlamaCppCandidate(**vars(r), gguf=str(gguf), bench_source=self.draft_bench_sources[r.draft],
+                                          command=llama_cpp_command(*pair, server=True, **pins),
+                                          local_command=llama_cpp_command(*pair, server=False, **pins)))
         return rows
+
+
+@dataclass
+class LlamaCppCandidate(LlamaCppForecast):
+    """A draft ranked for llama.cpp (:meth:`LlamaCppRankInputs.rank`): its :class:`~specdraft.speed.LlamaCppForecast`
+    and how to serve it.
+
+    Attributes:
+        gguf: the draft's GGUF; ``bench_source``: where its llama-bench timings came from.
+        command: the ``llama-server`` command serving the pair with the forecast's ``n_max``, ``n_min``, ``p_min``
+            pinned and its ``engine`` named (:func:`specdraft.speed.llama_cpp_command`).
+        local_command: the same pair and flags for ``llama-speculative-simple`` (the pinned build that ``make
+            llama-cpp`` makes has no ``llama-server``).
+    """
+
+    gguf: str
+    bench_source: str
+    command: str
+    local_command: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return super().to_dict() | {"gguf": self.gguf, "bench_source": self.bench_source, "command": self.command,
+                                    "local_command": self.local_command}
 
 
 def read_llama_bench_json(path: str | os.PathLike, what: str | None = None) -> list[dict]:
@@ -347,7 +369,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
                 llama_cpp_bin: str | os.PathLike | None = None, threads: int = 2,
                 progress: Callable[[str], None] | None = None) -> LlamaCppRankInputs:
     """The GGUFs and llama-bench timings of a target and its candidate drafts, checked before any model is loaded
-    (``specdraft rank --engine llama.cpp``; α comes from :func:`specdraft.evaluate.rank_drafts`).
+    (``specdraft rank --engine llama.cpp``; α comes from :func:`specdraft.rank.rank_drafts`).
 
     GGUFs: ``target_gguf`` / ``draft_ggufs[name]`` where given, else an embedded model's packaged GGUF
     (:func:`specdraft.embedded.embedded_gguf`); each draft's vocabulary is checked against the target's as llama.cpp

@@ -237,6 +237,107 @@ def serving_path(ref: str | os.PathLike) -> str:
     return os.path.abspath(p) if p.is_dir() else ref_s
 
 
+# --------------------------------------------------------------------------------------------------
+# What a model is: its content fingerprint and revision (the identity of every result kept across runs)
+# --------------------------------------------------------------------------------------------------
+
+#: Files of a checkpoint directory that hold weights (an adapter's ``adapter_model.safetensors`` included).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: A weight file up to this size is hashed whole; a larger one by its head and :data:`_SAMPLE_BLOCKS` blocks.
+_WHOLE_FILE_BYTES = 32 * 2**20
+_HEAD_BYTES = 2**20
+_SAMPLE_BLOCKS, _BLOCK_BYTES = 64, 64 * 2**10
+
+
+def model_fingerprint(model: Any) -> str:
+    """A sha256 (64 hex characters) of what a model computes with: the one identity of a model behind every result
+    kept across runs (the calibration cache, a pipeline stage, a teacher dump, an on-policy teacher).
+
+    ``model`` is a loaded module or a reference (:func:`resolve`: an embedded name, a checkpoint directory, a hub
+    id, a :class:`ModelRef`); the two kinds give different digests (a prepared draft is not its files).
+
+    * **A reference**: ``config.json`` (without ``_name_or_path``), then for every weight file of the directory
+      (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``; symlinks followed, as the hub cache's are)
+      its name, size and modification time in ns, and its bytes: all of them for a file up to 32 MiB, else its
+      first MiB (a safetensors header: every tensor's name, dtype, shape and offset) and 64 blocks of 64 KiB at
+      an even stride. Why not a full sha256 of the files: a 16 GB target would be read whole (~30 s) before every
+      stage of every run. Why the modification time: a fine-tune of a few layers saved in place can miss every
+      sampled block, but its save rewrites the file, which changes the time (a re-download or a merged adapter
+      as well). The price: a byte-identical copy made without keeping times (``cp`` without ``-p``) reads as
+      another model — a stage redone or refused, never an old result reused for new weights.
+    * **A loaded module**: its class, config (without ``_name_or_path``), every parameter's and buffer's name,
+      shape, dtype and device type, and up to 64 values read at a stride through each tensor (a changed weight, a
+      distilled draft, a new quantisation all change it; a fine-tune or a merged adapter changes every value of
+      the tensors it touches).
+
+    Raises:
+        ModelResolutionError: a reference that does not resolve (:func:`resolve`).
+    """
+    import hashlib
+
+    if hasattr(model, "named_parameters"):
+        return _module_fingerprint(model)
+    path = Path(resolve(model))
+    h = hashlib.sha256(b"files")
+    config = path / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+        cfg.pop("_name_or_path", None)
+        h.update(json.dumps(cfg, sort_keys=True).encode())
+    for f in sorted(p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES) and p.is_file()):
+        st = f.stat()
+        h.update(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
+        with open(f, "rb") as fh:
+            if st.st_size <= _WHOLE_FILE_BYTES:
+                h.update(fh.read())
+                continue
+            h.update(fh.read(_HEAD_BYTES))
+            stride = (st.st_size - _BLOCK_BYTES) // (_SAMPLE_BLOCKS - 1)
+            for i in range(_SAMPLE_BLOCKS):
+                fh.seek(i * stride)
+                h.update(fh.read(_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def _module_fingerprint(model) -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(type(model).__name__.encode())
+    cfg = model.config.to_dict() if hasattr(model, "config") else {}
+    cfg.pop("_name_or_path", None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}".encode())
+            flat = t.detach().reshape(-1)
+            if flat.numel():
+                sample = flat[:: max(1, flat.numel() // 64)][:64]
+                h.update(sample.to(torch.float32).cpu().numpy().tobytes() if sample.is_floating_point() else
+                         sample.to(torch.int64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_revision(ref: Any) -> str | None:
+    """The revision a reference resolved to: an embedded model's ``gguf-sha256:<sha256>`` (the GGUF its cache entry
+    was built from), a hub snapshot's commit hash, ``None`` for a plain directory (its content is
+    :func:`model_fingerprint`'s to tell).
+
+    Raises:
+        ModelResolutionError: a reference that does not resolve (:func:`resolve`).
+    """
+    from specdraft.embedded import _MARKER
+
+    p = Path(resolve(ref))
+    if (p / _MARKER).is_file():
+        sha = json.loads((p / _MARKER).read_text()).get("source_sha256")
+        return f"gguf-sha256:{sha}" if sha else None
+    if p.parent.name == "snapshots":
+        return p.name
+    return None
+
+
 def resolve_dtype(dtype: str | torch.dtype | None):
     """Map ``"float32" | "bfloat16" | "float16" | "auto" | torch.dtype`` to a torch dtype (auto → float32 on
     CPU, bfloat16 on CUDA)."""

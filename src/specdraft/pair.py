@@ -161,10 +161,12 @@ class Generation:
                                 ("the mapped draft", self.pair.mapping is not None)) if on]
 
 
-def prepare_generation(pair: Pair, prompt: str, config: EvalConfig) -> Generation:
+def prepare_generation(pair: Pair, prompt: str, config: EvalConfig,
+                       status: Callable[[str], None] | None = None) -> Generation:
     """The user message ``prompt`` under the target's chat template, the draft prepared in place as ``config``
     asks (:func:`specdraft.draft_model.apply_draft_options`), and under adaptive γ the pair's speed model, measured
-    once per pair and machine and then read from the calibration cache (:func:`specdraft.calibration.calibrate`)."""
+    once per pair and machine and then read from the calibration cache (:func:`specdraft.calibration.calibrate`;
+    ``status(line)`` hears what it measures and how long it will take)."""
     from specdraft.calibration import calibrate
     from specdraft.data import Example, encode_prompts
     from specdraft.draft_model import apply_draft_options, draft_configuration
@@ -174,7 +176,7 @@ def prepare_generation(pair: Pair, prompt: str, config: EvalConfig) -> Generatio
     gamma = config.num_speculative_tokens
     speed, source = None, ""
     if config.gamma_policy == "adaptive":
-        speed, source = calibrate(pair.target, pair.draft, [ids], config, pair.mapping) or (None, "")
+        speed, source = calibrate(pair.target, pair.draft, [ids], config, pair.mapping, say=status) or (None, "")
     configuration = {"draft_options": draft_configuration(pair.draft), "gamma_policy": config.gamma_policy,
                      "num_speculative_tokens": gamma, "speed_model_source": source}
     return Generation(pair, config, list(ids), speed, source, configuration)

@@ -2,7 +2,9 @@
 
 Stages, each a library call writing into ``OUT/<stage>/`` and finished by a ``stage.json`` holding the key of
 its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped; a finished stage
-whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``):
+whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``). The key holds the
+models by content (:func:`model_identity`: new weights under the same path are changed inputs) and the prompts by
+text (:func:`prompt_texts`: an edited prompt under the same id is one):
 
 1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
 2. ``eval_before`` the target's greedy answers per held-out set, written by the target itself in one batch, then
@@ -126,7 +128,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "dump": _DUMP | {"generate": 12, "max_length": 256, "batch_size": 3},
         "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 1, "lr": 3e-5, "max_steps": 2,
                     "batch_size": 1, "held_out_fraction": 0.34, "save_steps": 1, "on_policy_fraction": 0.5},
-        "needs": "2 CPU cores, ~14 GB RAM, a few minutes",
+        "needs": "2 CPU cores, ~14 GB RAM, ~3 GB disk, a few minutes with the models cached",
     },
     # Tiny random models (tests).
     "tiny": {
@@ -136,7 +138,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "dump": _DUMP | {"generate": 6, "max_length": 64, "batch_size": 4, "dtype": "float32"},
         "distill": {"loss": "tvd", "lr": 1e-3, "max_steps": 3, "batch_size": 2, "held_out_fraction": 0.25,
                     "save_steps": 1, "on_policy_fraction": 0.5, "on_policy_every": 2},
-        "needs": "seconds",
+        "needs": "1 CPU core, under 1 GB RAM and 100 MB disk, seconds",
     },
     # A real distillation: one modern GPU (≥ 24 GB), a few hours.
     "large": {
@@ -153,6 +155,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "needs": "1 CUDA GPU with ≥ 24 GB, ~3 hours, ~200 GB disk for the hidden-state dump",
     },
 }
+
+
+def first_line(cfg: PipelineConfig, out: str | Path) -> str:
+    """``run``'s first line: the pair it runs, the preset, and what the preset needs (cores, memory, disk, time),
+    said to hold for the preset's own pair when the run names another."""
+    preset = PRESETS.get(cfg.preset, {})
+    own = (preset.get("target", DEFAULT_TARGET), preset.get("draft", DEFAULT_DRAFT))
+    needs = cfg.needs if own == (cfg.target, cfg.draft) else f"{cfg.needs} with its own pair {own[0]} ← {own[1]}"
+    return f"specdraft run: target {cfg.target} ← draft {cfg.draft}, preset {cfg.preset} (needs {needs}) → {out}"
 
 
 class PipelineError(RuntimeError):
@@ -201,16 +212,35 @@ def prompt_overlap(train, evaluation) -> list[str]:
     return [e.id for e in evaluation if key(e) in train_keys]
 
 
+def model_identity(role: str, ref: ModelRef) -> dict[str, Any]:
+    """A model's part of a stage's inputs: ``{role}_weights`` (:func:`specdraft.models.model_fingerprint` of its
+    files) and ``{role}_revision`` (:func:`specdraft.models.model_revision`), beside the reference as typed."""
+    from specdraft.models import model_fingerprint, model_revision
+
+    return {f"{role}_weights": model_fingerprint(ref), f"{role}_revision": model_revision(ref)}
+
+
+def prompt_texts(examples, whole: bool = False) -> dict[str, str]:
+    """``{example id: sha256 (16 hex characters) of its text}``: the prompt messages a model answers, or with
+    ``whole`` every message and the reference (what a teacher-forced dump reads). A stage's key holds them beside
+    the ids, so a prompt file edited under the same ids is a changed input."""
+    text = (lambda e: [e.messages, e.reference]) if whole else (lambda e: e.prompt_messages)
+    return {e.id: _key(text(e)) for e in examples}
+
+
 def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def changed_inputs(old: Any, new: Any, path: str = "") -> list[str]:
     """What differs between a stage's recorded inputs and today's, one ``path: before → after`` per leaf (dicts by
-    key; a list by its items: how many were added and removed)."""
+    key; a list by its items: how many were added and removed). Under ``prompt_texts`` only the prompts on both
+    sides are compared: one added or removed is already counted by the ``prompts`` id list beside it."""
     new = json.loads(json.dumps(new, sort_keys=True, default=str))  # as recorded in stage.json
     if isinstance(old, dict) and isinstance(new, dict):
-        return [c for k in sorted(set(old) | set(new), key=str)
+        # A prompt (or set) added or removed is named by the id list beside its texts ("prompts").
+        keys = set(old) & set(new) if path.split(".")[0] == "prompt_texts" else set(old) | set(new)
+        return [c for k in sorted(keys, key=str)
                 for c in changed_inputs(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))]
     if old == new:
         return []
@@ -510,12 +540,18 @@ def _dump_stage(cfg: PipelineConfig, plan: _Plan, command: str,
     return run
 
 
-def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: Path) -> Callable[[Path], dict[str, Any]]:
+def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: Path,
+                   keep_checkpoints: bool = False) -> Callable[[Path], dict[str, Any]]:
     def run(d: Path) -> dict[str, Any]:
         from specdraft.distill import run_distill
 
+        # The distilled draft is kept in the run's dtype (what the evaluations load it in), unless the export
+        # keeps the training dtype; a finished training's checkpoints go unless asked for.
+        kept = cfg.eval.dtype if cfg.eval.dtype in ("float32", "bfloat16", "float16") and \
+            cfg.export_dtype != "keep" else None
         res = run_distill(cfg.target, draft_path, dump_dir, d, cfg.distill,
-                          num_speculative_tokens=cfg.eval.num_speculative_tokens)
+                          num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                          keep_checkpoints=keep_checkpoints, save_dtype=kept)
         return {"speculator": str(res["speculator"]), **res["metrics"]}
 
     return run
@@ -558,7 +594,7 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
 
 def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = None,
                  log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None,
-                 ood_examples=None, overwrite: bool = False) -> dict[str, Any]:
+                 ood_examples=None, overwrite: bool = False, keep_checkpoints: bool = False) -> dict[str, Any]:
     """Run every stage (skipping those already done with the same inputs) and write the report.
 
     Args:
@@ -569,6 +605,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         eval_examples / train_examples / ood_examples: explicit example lists (override the prompt sources).
         overwrite: redo a stage finished in ``out`` with other inputs (its directory emptied first) instead of
             refusing it.
+        keep_checkpoints: keep the distillation's Trainer checkpoints once it has finished (removed by default:
+            each is several times the draft's size).
 
     Returns:
         The ``report.json`` payload.
@@ -585,13 +623,17 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     runner = Runner(out, command, log, overwrite)
     t_all = time.time()
     plan = _preflight(cfg, out, log, eval_examples, train_examples, ood_examples)
-    fingerprint = {"target": cfg.target, "draft": cfg.draft}
+    # A stage is reused for the same models and prompts by content, never by a path or an id alone: the weights
+    # behind a path change (a re-download, a fine-tune saved in place), a prompt file is edited under its ids.
+    target_id, draft_id = model_identity("target", plan.target), model_identity("draft", plan.draft)
+    fingerprint = {"target": cfg.target, "draft": cfg.draft} | target_id | draft_id
 
     check = runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, _check_stage(cfg, plan))
     mapped = check["verdict"] == "mismatch"
     serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
-                                 "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
+                                 "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()},
+                                 "prompt_texts": {k: prompt_texts(v) for k, v in plan.sets.items()}}
     # The target's teacher-forced logits over its held-out answers: computed by the first replay (eval_before's for a
     # draft of the target's tokenizer, vocab_swap's for one of another, which eval_before replays without the
     # target), read by the forecast and the last replay.
@@ -607,11 +649,13 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                             _headroom_stage(cfg, plan, train_draft, before, target_cache))
     forecast = HeadroomForecast.from_dict(headroom)
     log(f"[headroom] {forecast.verdict} (95% CI [{forecast.gain_ci95[0]:+.3f}, {forecast.gain_ci95[1]:+.3f}])")
-    dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
+    dump_inputs = {"target": cfg.target, **target_id, "dump": cfg.dump.model_dump(),
+                   "prompts": [e.id for e in plan.trains], "prompt_texts": prompt_texts(plan.trains, whole=True)}
     dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command, log))
-    distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, "distill": cfg.distill.model_dump(),
+    distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, **draft_id, "distill": cfg.distill.model_dump(),
                       "gamma": cfg.eval.num_speculative_tokens, "vocab_swap": mapped}
-    distilled = runner.stage("distill", distill_inputs, _distill_stage(cfg, plan, train_draft, out / "dump"))
+    distilled = runner.stage("distill", distill_inputs,
+                             _distill_stage(cfg, plan, train_draft, out / "dump", keep_checkpoints))
     after = runner.stage("eval_after", eval_inputs | {"distill": distill_inputs},
                          _eval_stage(cfg, plan, distilled["speculator"], False, before=before, log=log,
                                      stage="eval_after", target_cache=target_cache))

@@ -251,7 +251,8 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
 
     Raises:
         PromptSpecError: a malformed spec (names ``flag``, the bad part and the grammar).
-        DataError: an unknown source, a malformed line (named), an offset past the end.
+        DataError: an unknown source, a malformed line (named), an offset past the end, a prompt id that occurs
+            twice (each named with its specs and rows).
     """
     specs = [specs] if isinstance(specs, str) else list(specs)
     resolved = [_resolve(spec, held_out, flag, strides) for spec in specs]  # every spec parsed before any read
@@ -275,7 +276,33 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
                             f"{f'; {repeats} repeated prompts dropped' if repeats else ''}).")
         picks.append(SourcePick(spec, source, written_limit, tuple(r for r, _ in rows), total, repeats))
         examples += [e for _, e in rows]
+    _check_unique_ids(flag, picks, examples)
     return PromptSet(flag, held_out, tuple(picks), examples, strides)
+
+
+def _check_unique_ids(flag: str, picks: Sequence[SourcePick], examples: list[Example]) -> None:
+    """Refuse a prompt id that occurs twice among a flag's examples, before any model loads: results are paired by
+    id across runs and stages (the before/after gain, a resumed dump), so a repeat would only fail at the end.
+
+    Rows without an ``id`` are named by their file (``my:line-3``, :func:`specdraft.data.load_examples`), so only
+    ids a user wrote, or two files of one name in different folders, or one file named twice can repeat.
+
+    Raises:
+        DataError: names each repeated id (the first few) with the spec and row of every occurrence, and the fix.
+    """
+    where: dict[str, list[str]] = {}
+    it = iter(examples)
+    for p in picks:
+        for row in p.rows:
+            where.setdefault(next(it).id, []).append(f"{p.written} row {row}")
+    repeated = {eid: places for eid, places in where.items() if len(places) > 1}
+    if not repeated:
+        return
+    named = "; ".join(f"{eid!r} at {', '.join(places)}" for eid, places in list(repeated.items())[:3])
+    more = f" (and {len(repeated) - 3} more)" if len(repeated) > 3 else ""
+    raise DataError(f"{flag}: {len(repeated)} prompt id(s) occur more than once: {named}{more}. Results are paired "
+                    "by id, so each prompt needs its own: give the rows distinct 'id' fields, rename one of two "
+                    "files that share a name, or name each file and row range once.")
 
 
 def load_prompts(specs: str | Sequence[str], held_out: bool = False, unique: bool = False,

@@ -2,7 +2,7 @@
 confirm the top one by measurement, write ``rank.json``.
 
 :func:`rank_candidates` measures (the target's t(k) once, each draft's step d and its α,
-:func:`specdraft.evaluate.rank_drafts`); :func:`confirm_top` decodes the best against the target alone at the γ
+:func:`rank_drafts`); :func:`confirm_top` decodes the best against the target alone at the γ
 the speed model recommends (:func:`specdraft.evaluate.run_eval`); :func:`write_rank` writes the report. With
 ``engine="llama.cpp"`` the ranking predicts llama.cpp's speed-up instead, from llama-bench timings of each GGUF and
 the α measured here (:func:`write_llama_cpp_ranking`).
@@ -14,9 +14,13 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdraft.config import EvalConfig, RankEngine
+
+if TYPE_CHECKING:
+    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppRankInputs
+    from specdraft.speed import SpeedModel
 
 
 class RankError(ValueError):
@@ -61,10 +65,47 @@ def named_paths(values: Sequence[str] | None, flag: str) -> dict[str, str]:
 
 
 @dataclass
+class RankedDraft:
+    """One candidate as :func:`rank_drafts` calibrated it.
+
+    Attributes:
+        draft: the candidate as given; ``mapped``: calibrated through a vocabulary mapping (another tokenizer).
+        alpha: per-token acceptance probability (accepted / reached); ``acceptance_rate``: accepted / proposed.
+        draft_step_ms: d, one draft step (ms); ``cost_ratio_c``: d / t(1).
+        best_gamma: the γ the speed model recommends at ``alpha`` (0: drafting cannot win).
+        predicted_speedup: × the target alone at ``best_gamma``, prefill included; ``predicted_speedup_at_gamma``:
+            the same at the config's γ.
+        draft_options: the draft's preparation (:func:`specdraft.draft_model.draft_configuration`).
+        speed_model: the measured :class:`~specdraft.speed.SpeedModel`; ``speed_source``: where it came from
+            (``measured`` or the calibration cache's entry, :func:`specdraft.calibration.calibrate`).
+    """
+
+    draft: str
+    alpha: float
+    acceptance_rate: float
+    draft_step_ms: float
+    cost_ratio_c: float
+    best_gamma: int
+    predicted_speedup: float
+    predicted_speedup_at_gamma: float
+    mapped: bool
+    draft_options: dict[str, Any]
+    speed_model: SpeedModel
+    speed_source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """One row of ``rank.json``'s ``ranking`` (``specdraft_calibration`` under ``engine="llama.cpp"``)."""
+        return {"draft": self.draft, "alpha": self.alpha, "acceptance_rate": self.acceptance_rate,
+                "draft_step_ms": self.draft_step_ms, "cost_ratio_c": self.cost_ratio_c, "best_gamma": self.best_gamma,
+                "predicted_speedup": self.predicted_speedup,
+                "predicted_speedup_at_gamma": self.predicted_speedup_at_gamma, "mapped": self.mapped,
+                "draft_options": self.draft_options,
+                "speed_model": self.speed_model.to_dict() | {"source": self.speed_source}}
+
+
+@dataclass
 class Ranking:
-    """The calibration of every candidate: ``rows`` best first (one dict per draft: ``draft``, ``alpha``,
-    ``acceptance_rate``, ``draft_step_ms``, ``cost_ratio_c``, ``best_gamma``, ``predicted_speedup``,
-    ``predicted_speedup_at_gamma``, ``mapped``; :func:`specdraft.evaluate.rank_drafts`), with what measured them:
+    """The calibration of every candidate: ``rows`` best first (:func:`rank_drafts`), with what measured them:
     the loaded target and tokenizer, the prompts (``examples``, token ``ids``), a loader per draft, and the
     llama.cpp inputs under ``engine="llama.cpp"`` (``llama``, else ``None``). ``confirmation`` is filled by
     :func:`confirm_top`."""
@@ -72,22 +113,89 @@ class Ranking:
     target: str
     prompts: str
     config: EvalConfig
-    rows: list[dict[str, Any]]
+    rows: list[RankedDraft]
     examples: list = field(repr=False, default_factory=list)
     ids: list[list[int]] = field(repr=False, default_factory=list)
     target_model: Any = field(repr=False, default=None)
     tokenizer: Any = field(repr=False, default=None)
     loaders: dict[str, Callable[[], tuple[Any, Any]]] = field(repr=False, default_factory=dict)
-    llama: Any = None
+    llama: LlamaCppRankInputs | None = None
     confirmation: dict[str, Any] | None = None
 
     def to_dict(self, command: str = "") -> dict[str, Any]:
         """What ``rank.json`` holds for specdraft's engine."""
         report = {"target": self.target, "prompts": self.prompts, "config": self.config.model_dump(),
-                  "ranking": self.rows, "command": command}
+                  "ranking": [r.to_dict() for r in self.rows], "command": command}
         if self.confirmation is not None:
             report["confirmation"] = self.confirmation
         return report
+
+
+def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
+                drafts: Sequence[tuple[str, Callable[[], tuple[Any, Any]]]], config: EvalConfig | None = None,
+                progress: Callable[[str], None] | None = None) -> list[RankedDraft]:
+    """Which draft should I use? Each candidate's predicted speed-up on a short calibration set, best first.
+
+    Per candidate — loaded by its callable as ``(model, vocab_mapping or None)``, given ``config``'s draft options,
+    and freed before the next — the pair's costs come from :func:`~specdraft.calibration.calibrate` (the calibration
+    cache, as every stage reads it) and its α by
+    decoding ``prompt_ids`` speculatively (γ and sampling of ``config``), and the
+    :class:`~specdraft.speed.SpeedModel` predicts its speed-up at the γ it recommends. Nothing is compared token by
+    token here: confirm the top one with :func:`confirm_top`.
+
+    Returns:
+        one :class:`RankedDraft` per candidate, sorted by ``predicted_speedup``, highest first.
+
+    Raises:
+        specdraft.sampling.TokenWidthError: prompt ids past the target's or a draft's embedding or head (named;
+            a draft's checked when it is loaded, before it is timed).
+    """
+    import gc
+
+    import torch
+
+    from specdraft.acceptance import AcceptanceCounts
+    from specdraft.calibration import calibrate
+    from specdraft.data import tokenizer_pad_id
+    from specdraft.decode import left_pad, speculative_generate
+    from specdraft.draft_model import apply_draft_options, draft_configuration
+    from specdraft.evaluate import eos_ids
+    from specdraft.sampling import check_token_ids
+
+    config = config or EvalConfig()
+    check_token_ids(prompt_ids, [("target", target)], what="the calibration prompts")
+    gamma, sampling = config.num_speculative_tokens, config.sampling
+    pad = tokenizer_pad_id(tokenizer)
+    device = next(target.parameters()).device
+    eos = eos_ids(target, tokenizer)
+    rows = []
+    for name, load in drafts:
+        if progress:
+            progress(name)
+        model, mapping = load()
+        if mapping is None:  # before timing it: an id past its embedding is an IndexError inside the draft
+            check_token_ids(prompt_ids, [(f"draft {name}", model)], what="the calibration prompts")
+        draft = apply_draft_options(model, tokenizer, config, mapping, copy_model=False)
+        speed, source = calibrate(target, draft, prompt_ids, config, mapping)
+        counts, tokens = AcceptanceCounts(gamma), 0
+        for k, ids in enumerate(prompt_ids):
+            out, c = speculative_generate(
+                target, draft, *left_pad([ids], pad, device), num_speculative_tokens=gamma, sampling=sampling,
+                max_new_tokens=config.max_new_tokens, real_vocab=len(tokenizer), eos_token_id=eos,
+                generator=torch.Generator(device=device).manual_seed(config.seed + k), vocab_mapping=mapping,
+                mapped_proposals=config.mapped_proposals)
+            counts, tokens = counts.merge(c), tokens + len(out[0])
+        g, _ = speed.best_gamma(counts.alpha)
+        rows.append(RankedDraft(
+            draft=name, alpha=counts.alpha, acceptance_rate=counts.acceptance_rate, draft_step_ms=1e3 * speed.draft_s,
+            cost_ratio_c=speed.cost_ratio, best_gamma=g,
+            predicted_speedup=speed.predict(counts.alpha, g, tokens, len(prompt_ids)),
+            predicted_speedup_at_gamma=speed.predict(counts.alpha, gamma, tokens, len(prompt_ids)),
+            mapped=mapping is not None, draft_options=draft_configuration(draft), speed_model=speed,
+            speed_source=source))
+        del model, draft
+        gc.collect()
+    return sorted(rows, key=lambda r: -r.predicted_speedup)
 
 
 def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, config: EvalConfig, *, prompts: str = "",
@@ -105,7 +213,6 @@ def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, conf
     """
     from specdraft.check import check_compatible
     from specdraft.data import encode_prompts
-    from specdraft.evaluate import rank_drafts
     from specdraft.models import load_model, resolve
     from specdraft.vocab import build_vocab_mapping
 
@@ -145,16 +252,16 @@ def confirm_top(ranking: Ranking, out: str | Path, progress: Callable[[str], Non
     from specdraft.report import write_eval_report
 
     top = ranking.rows[0]
-    d, mapping = ranking.loaders[top["draft"]]()
-    cfg = ranking.config.model_copy(update={"num_speculative_tokens": max(top["best_gamma"], 1)})
+    d, mapping = ranking.loaders[top.draft]()
+    cfg = ranking.config.model_copy(update={"num_speculative_tokens": max(top.best_gamma, 1)})
     if progress is not None:
-        progress(f"confirming {top['draft']} at γ = {cfg.num_speculative_tokens}")
+        progress(f"confirming {top.draft} at γ = {cfg.num_speculative_tokens}")
     res = run_eval(ranking.target_model, d, ranking.tokenizer, ranking.ids, [e.id for e in ranking.examples], cfg,
-                   vocab_mapping=mapping, record={"target": ranking.target, "draft": top["draft"]})
+                   vocab_mapping=mapping, record={"target": ranking.target, "draft": top.draft})
     write_eval_report(res, Path(out) / "confirm")
     s = res.summary()
-    ranking.confirmation = {"draft": top["draft"], "gamma": cfg.num_speculative_tokens,
-                            "measured_speedup": s["speedup"], "predicted_speedup": top["predicted_speedup"],
+    ranking.confirmation = {"draft": top.draft, "gamma": cfg.num_speculative_tokens,
+                            "measured_speedup": s["speedup"], "predicted_speedup": top.predicted_speedup,
                             "lossless": s["lossless"]}
     return ranking.confirmation
 
@@ -173,13 +280,14 @@ def write_rank(ranking: Ranking, out: str | Path, command: str = "") -> Path:
     return _write(ranking.to_dict(command), out)
 
 
-def write_llama_cpp_ranking(llama, rows: list[dict[str, Any]], target: str, out: str | Path,
-                            command: str = "") -> tuple[list[dict[str, Any]], Path]:
+def write_llama_cpp_ranking(llama: LlamaCppRankInputs, rows: list[RankedDraft], target: str, out: str | Path,
+                            command: str = "") -> tuple[list[LlamaCppCandidate], Path]:
     """The drafts ranked by llama.cpp's predicted speed-up at the α of ``rows`` (``llama``: the
     :class:`~specdraft.llama_cpp.LlamaCppRankInputs` of :func:`rank_candidates`), written to ``out/rank.json`` with
-    the llama-server command of the best. Returns ``(ranked rows, best first; the report's path)``."""
-    ranked = llama.rank({r["draft"]: r["alpha"] for r in rows})
+    the llama-server command of the best. Returns ``(ranked drafts, best first; the report's path)``."""
+    ranked = llama.rank({r.draft: r.alpha for r in rows})
     report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),
-              "target_bench": llama.target_bench_source, "ranking": ranked, "llama_cpp_command": ranked[0]["command"],
-              "specdraft_calibration": rows, "command": command}
+              "target_bench": llama.target_bench_source, "ranking": [r.to_dict() for r in ranked],
+              "llama_cpp_command": ranked[0].command, "specdraft_calibration": [r.to_dict() for r in rows],
+              "command": command}
     return ranked, _write(report, out)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from specdraft.headroom import HeadroomForecast
 from specdraft.io import atomic_path, atomic_write_text
 from specdraft.speed import Contender, ContenderSpeed, SpeedRun, SpeedStage
-from specdraft.stats import Estimate, paired_gain_from_rows
+from specdraft.stats import MIN_PROMPTS, Estimate, paired_gain_from_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from specdraft.evaluate import EvalResult
@@ -33,8 +33,21 @@ def _fmt(v: Any, spec: str = "{:.3f}") -> str:
     return "—" if v is None else spec.format(v)
 
 
-def _fmt_ci(ci: list[float] | None, spec: str = "{:.3f}") -> str:
-    return "—" if not ci else f"[{spec.format(ci[0])}, {spec.format(ci[1])}]"
+def format_interval(ci: list[float] | None, prompts: int | None, spec: str = "{:.3f}",
+                    drafted: int | None = None) -> str:
+    """Every printed 95% interval over prompts, one way (the terminal's tables and notes, ``eval``'s table,
+    report.md): ``"[low, high]"``, marked ``" (N prompts: a rough interval)"`` below
+    :data:`specdraft.stats.MIN_PROMPTS` prompts (:attr:`specdraft.stats.Estimate.thin`); ``"— (one prompt gives no
+    interval)"`` for one prompt, ``"— (nothing drafted)"`` when ``drafted`` is 0, ``"—"`` without an interval.
+    ``prompts=None``: not over prompts (no mark)."""
+    if drafted == 0:
+        return "— (nothing drafted)"
+    if prompts is not None and prompts < 2:
+        return "— (one prompt gives no interval)"
+    if not ci:
+        return "—"
+    rough = f" ({prompts} prompts: a rough interval)" if prompts is not None and prompts < MIN_PROMPTS else ""
+    return f"[{spec.format(ci[0])}, {spec.format(ci[1])}]{rough}"
 
 
 #: How each evaluation set is named in the report.
@@ -86,8 +99,13 @@ def sampled_alpha_gain(report: dict[str, Any], name: str = "held_out") -> Estima
     return paired_gain_from_rows(b, a, numerator="alpha_sum", denominator="positions")
 
 
-def _with_ci(value: float | None, ci: list[float] | None, spec: str = "{:.3f}") -> str:
-    return "—" if value is None else f"{spec.format(value)} {_fmt_ci(ci, spec)}" if ci else spec.format(value)
+def _with_ci(value: float | None, ci: list[float] | None, prompts: int | None, spec: str = "{:.3f}",
+             drafted: int | None = None) -> str:
+    """``value`` then its interval (:func:`format_interval`); the value alone where there is no interval to say."""
+    if value is None:
+        return "—"
+    interval = format_interval(ci, prompts, spec, drafted)
+    return spec.format(value) if interval == "—" else f"{spec.format(value)} {interval}"
 
 
 #: Said once above the summary tables (terminal and report.md) instead of in every row's label: what the brackets
@@ -112,31 +130,36 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
         mgain = matched_gain(report, name)
         mapped = report["eval_before"]["sets"][name]
+
+        def over(side: dict[str, Any]):  # an acceptance figure of one side: its prompts and drafted tokens
+            return lambda v, ci: _with_ci(v, ci, side.get("prompts"), drafted=side.get("drafted"))
+
+        mw, bw, aw = over(mapped), over(b), over(a)
         rows = [] if not swapped else [
             # The draft as given, decoded through the vocabulary mapping; the columns below are the re-indexed draft.
-            ("as given, mapped: acceptance", _with_ci(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
+            ("as given, mapped: acceptance", mw(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
              "—"),
             # Decoded counts hold no matched proposals: the swap's cost compares accepted / reached on both sides.
-            ("as given, mapped: acc./reached", _with_ci(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
+            ("as given, mapped: acc./reached", mw(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
         ]
         if b.get("match_rate") is not None or a.get("match_rate") is not None:
-            rows += [("matched / answer token", _with_ci(b.get("match_rate"), b.get("match_rate_ci95")),
-                      _with_ci(a.get("match_rate"), a.get("match_rate_ci95"))),
+            rows += [("matched / answer token", bw(b.get("match_rate"), b.get("match_rate_ci95")),
+                      aw(a.get("match_rate"), a.get("match_rate_ci95"))),
                      ("matched gain (paired)", "—",
-                      "—" if mgain is None else _with_ci(mgain.value, mgain.interval, "{:+.3f}"))]
+                      "—" if mgain is None else _with_ci(mgain.value, mgain.interval, mgain.prompts, "{:+.3f}"))]
         rows += [
-            ("accepted / reached", _with_ci(b.get("alpha"), b.get("alpha_ci95")),
-             _with_ci(a.get("alpha"), a.get("alpha_ci95"))),
-            ("greedy acceptance", _with_ci(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
-             _with_ci(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
-            ("gain (paired)", "—", "—" if gain is None else _with_ci(gain.value, gain.interval, "{:+.3f}")),
+            ("accepted / reached", bw(b.get("alpha"), b.get("alpha_ci95")),
+             aw(a.get("alpha"), a.get("alpha_ci95"))),
+            ("greedy acceptance", bw(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
+             aw(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
+            ("gain (paired)", "—", "—" if gain is None else _with_ci(gain.value, gain.interval, gain.prompts, "{:+.3f}")),
             ("drafted tokens", f"{b['drafted']:,}", f"{a['drafted']:,}"),
             ("tokens / target pass", _fmt(b["mean_accepted_length"], "{:.2f}"), _fmt(a["mean_accepted_length"], "{:.2f}")),
-            ("α at serving settings", _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95")),
-             _with_ci(a.get("alpha_sampled"), a.get("alpha_sampled_ci95"))),
+            ("α at serving settings", _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95"), b.get("prompts")),
+             _with_ci(a.get("alpha_sampled"), a.get("alpha_sampled_ci95"), a.get("prompts"))),
         ]
         if sgain is not None:
-            rows.append(("α gain (paired)", "—", _with_ci(sgain.value, sgain.interval, "{:+.3f}")))
+            rows.append(("α gain (paired)", "—", _with_ci(sgain.value, sgain.interval, sgain.prompts, "{:+.3f}")))
         if b.get("replay_check"):
             # The after figures replay the target's answers written before; this says replay reproduces decoding.
             rows += [("replayed = decoded", f"{b['replay_check']} prompts", "—"),
@@ -147,10 +170,10 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         t = sp.contenders["target"]
         hf = next(iter(sp.of_kind("hf_assisted").values()), None)
         rows = [
-            ("target alone, tokens/s", _tps(t), "(same run)"),
-            ("speculative, tokens/s", _tps(o), _tps(d)),
-            ("speed-up (paired)", _speedup(o), _speedup(d)),
-            ("HF assisted, tokens/s", _tps(hf), "—"),
+            ("target alone, tokens/s", _tps(t, sp.prompts), "(same run)"),
+            ("speculative, tokens/s", _tps(o, sp.prompts), _tps(d, sp.prompts)),
+            ("speed-up (paired)", _speedup(o, sp.prompts), _speedup(d, sp.prompts)),
+            ("HF assisted, tokens/s", _tps(hf, sp.prompts), "—"),
             ("vs assisted (orig.)", _over(o, hf), _over(d, hf)),
             ("output = target alone", o.matches_target or "—" if o else "—", d.matches_target or "—" if d else "—"),
         ]
@@ -161,12 +184,12 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
     return sections
 
 
-def _tps(c: ContenderSpeed | None) -> str:
-    return "—" if c is None else _with_ci(c.tokens_per_s, c.tokens_per_s_ci95, "{:.2f}")
+def _tps(c: ContenderSpeed | None, prompts: int | None) -> str:
+    return "—" if c is None else _with_ci(c.tokens_per_s, c.tokens_per_s_ci95, prompts, "{:.2f}")
 
 
-def _speedup(c: ContenderSpeed | None) -> str:
-    return "—" if c is None else _with_ci(c.speedup, c.speedup_ci95, "{:.2f}")
+def _speedup(c: ContenderSpeed | None, prompts: int | None) -> str:
+    return "—" if c is None else _with_ci(c.speedup, c.speedup_ci95, prompts, "{:.2f}")
 
 
 def _over(c: ContenderSpeed | None, hf: ContenderSpeed | None) -> str:
@@ -212,10 +235,13 @@ def configuration_line(report: dict[str, Any]) -> str | None:
 
 def slowdown_notes(report: dict[str, Any]) -> list[str]:
     """One sentence per timed set where speculative decoding was slower than the target alone (point estimate
-    < 1), naming each draft that was, with its paired interval."""
+    < 1), naming each draft that was, with its paired interval; none for a set timed on a busy machine
+    (:func:`busy_note` says so instead)."""
     notes = []
     for name, sp in speed_sets(report).items():
-        slow = [f"the {who} draft {o.speedup:.2f}x {_fmt_ci(o.speedup_ci95, '{:.2f}')}"
+        if sp.busy_machine:  # timings taken beside other work say nothing about the pair: no conclusion from them
+            continue
+        slow = [f"the {who} draft {o.speedup:.2f}x {format_interval(o.speedup_ci95, sp.prompts, '{:.2f}')}"
                 for who in ("original", "distilled")
                 if (o := sp.contender("speculative", who)) and o.speedup is not None and o.speedup < 1.0]
         if slow:
@@ -226,9 +252,10 @@ def slowdown_notes(report: dict[str, Any]) -> list[str]:
 
 
 def slower_note(report: dict[str, Any]) -> str | None:
-    """A warning when the distilled draft decoded slower than the original in the interleaved run, else ``None``."""
+    """A warning when the distilled draft decoded slower than the original in the interleaved run, else ``None``
+    (``None`` too when the run was timed on a busy machine: such timings rank no draft)."""
     stage = speed_stage(report)
-    if stage is None:
+    if stage is None or stage.held_out.busy_machine:
         return None
     sp = stage.held_out
     o, d = sp.contenders.get(ORIGINAL), sp.contenders.get(DISTILLED)
@@ -236,7 +263,8 @@ def slower_note(report: dict[str, Any]) -> str | None:
         return None
     said = (f"the distilled draft decoded slower than the original in the interleaved run ({d.speedup:.2f}x vs "
             f"{o.speedup:.2f}x the target alone on {sp.prompts} prompt(s); intervals "
-            f"{_fmt_ci(d.speedup_ci95, '{:.2f}')} vs {_fmt_ci(o.speedup_ci95, '{:.2f}')}); ")
+            f"{format_interval(d.speedup_ci95, sp.prompts, '{:.2f}')} vs "
+            f"{format_interval(o.speedup_ci95, sp.prompts, '{:.2f}')}); ")
     if swap_baseline(report) is not None:
         # The original speaks another tokenizer: only specdraft's decoder and transformers can use it.
         return said + ("the original decodes only through a vocabulary mapping (specdraft's decoder, transformers' "
@@ -245,6 +273,34 @@ def slower_note(report: dict[str, Any]) -> str | None:
                        "win back more of what the swap cost.")
     return said + ("keep the original draft unless its acceptance gain holds, or distil longer (more data, more "
                    "steps, the `large` preset).")
+
+
+def busy_note(report: dict[str, Any]) -> str | None:
+    """The note that replaces every speed conclusion when a timed set ran while other processes held the CPU
+    (:class:`specdraft.calibration.LoadMonitor`): which sets, and what to do; ``None`` when every set ran quiet."""
+    busy = [SET_LABELS.get(n, n) for n, sp in speed_sets(report).items() if sp.busy_machine]
+    if not busy:
+        return None
+    return (f"the {' and '.join(busy)} speed set{'s were' if len(busy) > 1 else ' was'} timed while other processes "
+            "held the CPU: its tokens/s and speed-ups are the busy machine's, so no conclusion is drawn from them "
+            "(which draft is faster, whether the pair wins); rerun on a quiet machine (the finished stages are "
+            "skipped, `--overwrite` redoes the speed stage)")
+
+
+def speed_notes(report: dict[str, Any]) -> list[str]:
+    """Every note the run's page and report.md print under the tables about speed, in order: the busy machine
+    (:func:`busy_note`), a distilled draft slower than the original (:func:`slower_note`), each slow set
+    (:func:`slowdown_notes`)."""
+    return [n for n in (busy_note(report), slower_note(report)) if n is not None] + slowdown_notes(report)
+
+
+def exported_draft(report: dict[str, Any]) -> str:
+    """Which draft the export holds and why, in words: the distilled one, always (the run's product), and for a
+    draft of another tokenizer the reason the original could not be exported instead."""
+    why = ("the draft as given speaks another tokenizer, which vLLM and llama.cpp cannot serve"
+           if swap_baseline(report) is not None or (report.get("check") or {}).get("verdict") == "mismatch"
+           else "the run exports the draft it trained; the draft as given is unchanged where it was")
+    return f"the distilled draft ({why})"
 
 
 def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
@@ -293,7 +349,9 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
         axes[k].bar(range(len(keys)), vals, yerr=err, capsize=3,
                     color=["#999", "#4C72B0", "#55A868", "#C44E52"][: len(keys)])
         axes[k].set_xticks(range(len(keys)), [x.replace(":", "\n") for x in keys], fontsize=7)
-        axes[k].set(ylabel="tokens/s", title=f"decoding speed (interleaved, {sp.prompts} prompts)")
+        axes[k].set(ylabel="tokens/s", title=speed_panel_title(sp))
+        if sp.busy_machine:  # the bars alone would read as the pair's speed
+            axes[k].title.set_color("#C44E52")
         k += 1
     if curve:
         _plot_curve(axes[k], curve, B[names[0]], A[names[0]])
@@ -305,6 +363,12 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     payload = report | {"acceptance_gain": gains}
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(report))
+
+
+def speed_panel_title(sp: SpeedRun) -> str:
+    """report.png's speed panel title; a run timed on a busy machine says so in it (drawn red)."""
+    return (f"decoding speed (interleaved, {sp.prompts} prompts)"
+            + ("\nBUSY MACHINE: not the pair's speed" if sp.busy_machine else ""))
 
 
 def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str, Any]) -> None:
@@ -353,7 +417,7 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                 else "about as fast (interval includes 1x)"
         verdicts.append(word)
         faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b.speedup:.2f}x the target alone "
-                      f"{_fmt_ci(b.speedup_ci95, '{:.2f}')} with the {Contender.from_name(best).draft} draft{vs_hf}, "
+                      f"{format_interval(b.speedup_ci95, sp.prompts, '{:.2f}')} with the {Contender.from_name(best).draft} draft{vs_hf}, "
                       f"outputs equal {b.matches_target or '—'} ({sp.prompts} prompts × "
                       f"{sp.max_new_tokens or '?'} tokens{'; busy machine' if sp.busy_machine else ''})")
     if (conf := configuration_line(r)) is not None:
@@ -374,11 +438,12 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     if gain is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
-                     f"[{gain.low:+.3f}, {gain.high:+.3f}] (paired, {gain.prompts} prompts)")
+                     f"{format_interval(gain.interval, gain.prompts, '{:+.3f}')} (paired, {gain.prompts} prompts)")
         ood = acceptance_gain(r, "ood")
         if ood is not None:
             ood_word = "better" if ood.low > 0 else "worse" if ood.high < 0 else "no measurable change"
-            learn.append(f"out-of-domain {ood.value:+.3f} [{ood.low:+.3f}, {ood.high:+.3f}] ({ood.prompts} prompts; "
+            learn.append(f"out-of-domain {ood.value:+.3f} {format_interval(ood.interval, ood.prompts, '{:+.3f}')} "
+                         f"({ood.prompts} prompts; "
                          f"{ood_word})")
     out.append(("Can the draft agree more?", ("; ".join(learn) + ".") if learn else "not measured."))
     exp = r.get("export") or {}
@@ -395,7 +460,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                     + (f"; divergences: {detail}" if detail else "") + "."))
     caveat = (" It ships, but it did not decode faster here: serve it where the timings say it pays, or re-measure "
               "on the serving machine." if verdicts and all(v == "not faster" for v in verdicts) else "")
-    out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` is an independent speculator (a plain transformers "
+    out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` holds {exported_draft(r)}, an independent "
+                f"speculator (a plain transformers "
                 f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`.{caveat}"
                 if exp else "no export was written."))
     return out
@@ -486,8 +552,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"({onp['teacher_tokens']:,} tokens, {onp['teacher_seconds']:.0f} s), regenerated at steps "
             f"{onp['refresh_steps']}.")),
         "",
-        *([] if (note := slower_note(r)) is None else [f"**Note:** {note}", ""]),
-        *[f"**Note:** {n}.\n" for n in slowdown_notes(r)],
+        *[f"**Note:** {n.rstrip('.')}.\n" for n in speed_notes(r)],
         (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
          f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM {exp.get('vllm_tested_version', '?')}):"),
         "",

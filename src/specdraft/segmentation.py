@@ -163,14 +163,6 @@ def draft_answer_top1(draft, prompts: Sequence[Sequence[int]], answers: Sequence
     return out
 
 
-def swap_diagnostic(draft, target_tokenizer, has_twin: Sequence[bool], prompts: Sequence[Sequence[int]],
-                    answers: Sequence[Sequence[int]], top: int = 50) -> SegmentationReport:
-    """:func:`diagnose` of a swapped ``draft`` over the target's ``answers`` to ``prompts`` (ids of the target's
-    tokenizer), its argmaxes from :func:`draft_answer_top1`."""
-    top1 = draft_answer_top1(draft, prompts, answers)
-    return diagnose(target_tokenizer, has_twin, answers, top1, [p[-1] for p in prompts], top=top)
-
-
 def answer_runs(sequence: Sequence[int], mask: Sequence[bool | int]) -> list[tuple[int, list[int]]]:
     """The masked positions of one sequence as runs of consecutive predictions: ``[(read, answer)]``, ``answer``
     the tokens predicted (position j predicts ``sequence[j + 1]``, the dump's ``loss_mask`` convention) and ``read``

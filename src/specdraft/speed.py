@@ -214,28 +214,6 @@ def llama_bench_speed_model(target_bench: list[dict], draft_bench: list[dict]) -
     return SpeedModel.from_measurements(t, tg_seconds(draft_bench, "draft"))
 
 
-def alpha_from_acceptance_rate(rate: float, n: int) -> float:
-    """The per-token acceptance probability α whose i.i.d. rounds of ``n`` drafts accept ``rate`` of the drafted
-    tokens: the root of (α + α² + … + αⁿ) / n = rate (increasing in α on [0, 1]), by bisection.
-
-    llama.cpp reports accepted / drafted (``n_accept / n_drafted``); the speed model takes α (specdraft's accepted /
-    reached). For n = 1 they are the same; for larger n the rate is lower than α (a rejection ends the round).
-
-    Raises:
-        ValueError: ``rate`` outside [0, 1] or ``n`` < 1.
-    """
-    if not 0.0 <= rate <= 1.0 or n < 1:
-        raise ValueError(f"need 0 <= rate <= 1 and n >= 1, got rate {rate}, n {n}")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(mid ** i for i in range(1, n + 1)) / n < rate:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
 #: What a llama.cpp forecast (:func:`llama_cpp_plan`) assumes of every round: the draft proposes its full n_max —
 #: no early stop on its own confidence (``--spec-draft-p-min`` 0) and no minimum that throws a shorter draft away
 #: (``--spec-draft-n-min`` 0) — as specdraft's fixed-γ rounds that measured α. Every command specdraft prints or runs
@@ -257,20 +235,44 @@ def llama_cpp_draft_args(n_max: int, n_min: int = LLAMA_CPP_N_MIN, p_min: float 
     return ["--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min), "--spec-draft-p-min", str(p_min)]
 
 
-def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> dict:
-    """What llama.cpp should draft at acceptance ``alpha``: ``{"n_max", "n_min", "p_min", "predicted_speedup",
-    "by_n": {n: S}, "engine"}``.
+@dataclass
+class LlamaCppPlan:
+    """What llama.cpp should draft at one acceptance α (:func:`llama_cpp_plan`).
 
-    ``n_max`` is :meth:`SpeedModel.best_gamma` (0: drafting cannot win, serve the target alone); ``n_min`` / ``p_min``
-    the drafting flags the forecast assumes (:data:`LLAMA_CPP_N_MIN`, :data:`LLAMA_CPP_P_MIN`: every round drafts
-    n_max); ``engine`` the llama.cpp build it holds for (:func:`llama_cpp_engine`). ``alpha`` is the per-token
-    acceptance probability specdraft measured on the pair (``specdraft eval``'s α, accepted / reached); greedy
-    llama.cpp accepts a draft token exactly when it is the target's argmax, as specdraft's greedy verification.
+    Attributes:
+        n_max: ``--spec-draft-n-max``, :meth:`SpeedModel.best_gamma` (0: drafting cannot win, serve the target
+            alone).
+        n_min / p_min: the drafting flags the forecast assumes (:data:`LLAMA_CPP_N_MIN`, :data:`LLAMA_CPP_P_MIN`:
+            every round drafts n_max).
+        predicted_speedup: S(α, n_max), × llama.cpp's target alone (tokens/s ratio).
+        by_n: n → S(α, n) for n = 0 … the largest n considered.
+        engine: the llama.cpp build the forecast holds for (:func:`llama_cpp_engine`).
+    """
+
+    n_max: int
+    n_min: int
+    p_min: float
+    predicted_speedup: float
+    by_n: dict[int, float]
+    engine: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n_max": self.n_max, "n_min": self.n_min, "p_min": self.p_min,
+                "predicted_speedup": self.predicted_speedup, "by_n": dict(self.by_n), "engine": self.engine}
+
+
+def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> LlamaCppPlan:
+    """What llama.cpp should draft at acceptance ``alpha``, considering n up to ``max_n`` (default, and at most:
+    ``speed.max_gamma``).
+
+    ``alpha`` is the per-token acceptance probability specdraft measured on the pair (``specdraft eval``'s α,
+    accepted / reached); greedy llama.cpp accepts a draft token exactly when it is the target's argmax, as
+    specdraft's greedy verification.
     """
     top = speed.max_gamma if max_n is None else min(max_n, speed.max_gamma)
     n, s = speed.best_gamma(alpha, top)
-    return {"n_max": n, "n_min": LLAMA_CPP_N_MIN, "p_min": LLAMA_CPP_P_MIN, "predicted_speedup": s,
-            "by_n": {k: speed.speedup(alpha, k) for k in range(top + 1)}, "engine": llama_cpp_engine()}
+    return LlamaCppPlan(n_max=n, n_min=LLAMA_CPP_N_MIN, p_min=LLAMA_CPP_P_MIN, predicted_speedup=s,
+                        by_n={k: speed.speedup(alpha, k) for k in range(top + 1)}, engine=llama_cpp_engine())
 
 
 def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False,
@@ -291,8 +293,41 @@ def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: in
             f"{' '.join(llama_cpp_draft_args(n_max, n_min, p_min))} -t {threads} -td {threads}{build}")
 
 
+@dataclass
+class LlamaCppForecast:
+    """One draft of :func:`rank_llama_cpp`: its α, llama.cpp's plan at that α (:class:`LlamaCppPlan`'s fields) and
+    the llama-bench costs the plan was priced with.
+
+    Attributes:
+        draft: the draft's name (a key of ``alphas``); ``alpha``: its per-token acceptance probability.
+        n_max / n_min / p_min / engine / predicted_speedup / by_n: :class:`LlamaCppPlan` (``predicted_speedup``:
+            tokens/s relative to llama.cpp's target alone, at ``n_max``; ``n_max`` 0: serve the target alone).
+        draft_step_ms: d (ms); ``target_step_ms``: t(1) (ms); ``cost_ratio_c``: d / t(1).
+        speed_model: the :class:`SpeedModel` from both GGUFs' llama-bench results.
+    """
+
+    draft: str
+    alpha: float
+    n_max: int
+    n_min: int
+    p_min: float
+    engine: str
+    predicted_speedup: float
+    by_n: dict[int, float]
+    draft_step_ms: float
+    target_step_ms: float
+    cost_ratio_c: float
+    speed_model: SpeedModel
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"draft": self.draft, "alpha": self.alpha, "n_max": self.n_max, "n_min": self.n_min,
+                "p_min": self.p_min, "engine": self.engine, "predicted_speedup": self.predicted_speedup,
+                "by_n": dict(self.by_n), "draft_step_ms": self.draft_step_ms, "target_step_ms": self.target_step_ms,
+                "cost_ratio_c": self.cost_ratio_c, "speed_model": self.speed_model.to_dict()}
+
+
 def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
-                   max_n: int | None = None) -> list[dict]:
+                   max_n: int | None = None) -> list[LlamaCppForecast]:
     """Candidate drafts ranked by the speed-up llama.cpp is predicted to reach with each, best first
     (``specdraft rank --engine llama.cpp``).
 
@@ -307,11 +342,8 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
         max_n: the largest ``--spec-draft-n-max`` considered (default: the widest ``pp`` test of the target − 1).
 
     Returns:
-        one dict per draft: ``draft``, ``alpha``, ``n_max`` (0: serve the target alone), ``n_min`` / ``p_min`` /
-        ``engine`` (what the forecast assumes, :func:`llama_cpp_plan`), ``predicted_speedup``
-        (tokens/s relative to llama.cpp's target alone, at ``n_max``), ``by_n`` (n → speed-up), ``draft_step_ms``
-        (d), ``target_step_ms`` (t(1)), ``cost_ratio_c`` (d / t(1)), ``speed_model``; sorted by
-        ``predicted_speedup``, highest first (ties keep the order of ``alphas``).
+        one :class:`LlamaCppForecast` per draft, sorted by ``predicted_speedup``, highest first (ties keep the
+        order of ``alphas``).
 
     Raises:
         ValueError: a draft without results in ``draft_benches``; results without the tests
@@ -324,12 +356,11 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
     for name, alpha in alphas.items():
         speed = llama_bench_speed_model(target_bench, draft_benches[name])
         plan = llama_cpp_plan(speed, alpha, max_n)
-        rows.append({"draft": name, "alpha": alpha, "n_max": plan["n_max"], "n_min": plan["n_min"],
-                     "p_min": plan["p_min"], "engine": plan["engine"],
-                     "predicted_speedup": plan["predicted_speedup"], "by_n": plan["by_n"],
-                     "draft_step_ms": 1e3 * speed.draft_s, "target_step_ms": 1e3 * speed.target_s[0],
-                     "cost_ratio_c": speed.cost_ratio, "speed_model": speed.to_dict()})
-    return sorted(rows, key=lambda r: -r["predicted_speedup"])
+        rows.append(LlamaCppForecast(
+            draft=name, alpha=alpha, n_max=plan.n_max, n_min=plan.n_min, p_min=plan.p_min, engine=plan.engine,
+            predicted_speedup=plan.predicted_speedup, by_n=plan.by_n, draft_step_ms=1e3 * speed.draft_s,
+            target_step_ms=1e3 * speed.target_s[0], cost_ratio_c=speed.cost_ratio, speed_model=speed))
+    return sorted(rows, key=lambda r: -r.predicted_speedup)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Exit codes: 0 done; 1 the tokenizers of target and draft differ (``check``'s ver
 ``generate`` refusing such a pair without ``--map-vocab``); 2 an expected error — bad input, a missing or
 unfit model, data or dump, a prompt too long for a model (:data:`EXPECTED_ERRORS`), printed as one
 ``error:`` message without a traceback, as are values or flags click rejects (``eval`` also exits 2 when greedy
-outputs diverge beyond rounding); 3 (:data:`BUG_EXIT`) anything else: a bug, printed with its traceback.
+outputs diverge beyond rounding); 3 (:data:`BUG_EXIT`) anything else: a bug, printed with its traceback; 130
+(:data:`INTERRUPTED_EXIT`, the shell's 128 + SIGINT) interrupted with Ctrl-C, said in one line (with how to resume,
+for the commands that resume).
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ def expected_error_types() -> tuple[type[BaseException], ...]:
 #: Exit status of a bug: an exception no command expects, printed with its traceback. Never 1 (that means "the
 #: tokenizers differ") nor 2 (an expected error).
 BUG_EXIT = 3
+
+#: Exit status after Ctrl-C: the shell's own for a process ended by SIGINT (128 + 2).
+INTERRUPTED_EXIT = 130
+
+#: The commands whose rerun continues where an interrupted one stopped (finished stages, dump shards, training
+#: checkpoints are kept).
+RESUMING_COMMANDS = ("run", "dump", "distill")
+
+
+def interrupted_message(command: str | None) -> str:
+    """The line printed after Ctrl-C: ``"interrupted — rerun to resume"`` for a command that resumes."""
+    if command in RESUMING_COMMANDS:
+        return (f"interrupted — rerun to resume (the same `specdraft {command}` command continues where this one "
+                "stopped)")
+    return "interrupted"
 
 
 def _range_text(lo=None, hi=None, lo_open: bool = False, hi_open: bool = False) -> str | None:
@@ -237,6 +254,10 @@ class _Group(typer.core.TyperGroup):
         args = [*ctx._protected_args, *ctx.args]  # the command line after `specdraft`: the flags as typed
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # typer would exit 130 without a word
+            err_console.print(interrupted_message(ctx.invoked_subcommand), highlight=False, markup=False,
+                              soft_wrap=True)
+            raise typer.Exit(INTERRUPTED_EXIT) from None
         except _click_errors.NoArgsIsHelpError:
             raise
         except _click_errors.UsageError as exc:

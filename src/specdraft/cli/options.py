@@ -86,6 +86,10 @@ SpeculatorGammaOpt = Annotated[int | None, typer.Option(
     show_default=False)]
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=field_help(ExportConfig, "overwrite"))]
+#: distill's and run's: a finished training's Trainer checkpoints (several times the draft's size) are removed.
+KeepCheckpointsOpt = Annotated[bool, typer.Option(
+    "--keep-checkpoints", help="Keep the Trainer checkpoints once the distillation has finished (removed by default: "
+    "each is several times the draft's size, and a finished training is not resumed).")]
 
 #: The default every ``--target`` / ``--draft`` states, in one wording.
 _MODEL_DEFAULT = (f" Default: the embedded pair's (target {DEFAULT_TARGET}, draft {DEFAULT_DRAFT}); run: the preset's; export needs "

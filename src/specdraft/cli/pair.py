@@ -41,6 +41,7 @@ from specdraft.cli.render import (
     print_notes,
     print_ranking,
     resolve_with_progress,
+    status_line,
     status_lines,
 )
 from specdraft.config import (
@@ -85,8 +86,9 @@ def check(
 ) -> None:
     """Check that a target and a draft can work together.
 
-    Compares their tokenizers over the whole vocabulary, then loads both models and prints their facts and a
-    short greedy continuation from each. Exits 1 on a tokenizer mismatch."""
+    Compares their tokenizers over the whole vocabulary. When they agree, loads both models and prints their facts
+    and a short greedy continuation from each. On a tokenizer mismatch it stops after the comparison (no model
+    loads, no continuation) with what a vocabulary mapping would cover and exit 1."""
     from specdraft.check import run_check
 
     if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
@@ -158,9 +160,9 @@ def eval_cmd(
     source, examples = chosen.sources[0], chosen.examples
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     ids = encode(pair, examples)
-    with decode_progress(len(ids)) as step:
+    with decode_progress(len(ids)) as shown:
         res = run_eval(pair.target, pair.draft, pair.tokenizer, ids, [e.id for e in examples], config,
-                       vocab_mapping=pair.mapping, progress=step,
+                       vocab_mapping=pair.mapping, progress=shown.step, status=shown.say,
                        record={"target": target, "draft": draft, "prompts": source.name,
                                "prompt_offset": source.offset, "command": " ".join(sys.argv)})
     print_eval(res, write_eval_report(res, out), config)
@@ -195,9 +197,8 @@ def generate(
                         dtype=dtype, draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens,
                         gamma_policy=gamma_policy)
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
-    with console.status("the pair's costs (the speed model: measured once per pair and machine, then cached)…"
-                        if gamma_policy == "adaptive" else "preparing the draft…"):
-        gen = prepare_generation(pair, prompt, config)
+    status_line("preparing the draft")  # lines, not a spinner: a calibration's lines follow it
+    gen = prepare_generation(pair, prompt, config, status=status_line)
     print_configuration(gen.configuration)
     stream = TextStream(pair.tokenizer)
     counts = gen.run(stream)

@@ -182,15 +182,54 @@ def print_eval(res, out_paths: dict, config) -> None:
     console.print(f"report: {out_paths['report']}  plots: {out_paths['alpha_plot']}, {out_paths['hist_plot']}")
 
 
-@contextmanager
-def decode_progress(total: int) -> Iterator[Callable[[int, int], None]]:
-    """A progress bar over ``total`` prompts on stderr (stdout holds the results); yields ``step(done, total)``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def status_line(line: str) -> None:
+    """A step before a long stage (the calibration and its expected length), one line on stderr, terminal or not:
+    a bar that waits at 0 says nothing of why."""
+    err_console.print(f"{line}…", highlight=False, markup=False, soft_wrap=True)
 
-    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console) as pg:
-        task = pg.add_task("decode", total=total)
-        yield lambda k, n: pg.update(task, completed=k)
+
+class DecodeProgress:
+    """What a decoding command tells the user while it runs, on stderr (stdout holds the results): the steps
+    before the first prompt as lines (:meth:`say`), then, per finished prompt (:meth:`step`), a bar in a terminal,
+    one line per prompt elsewhere (:func:`specdraft.progress.progress_lines`, as ``run`` prints). The bar starts at
+    the first finished prompt, so the lines before it stay above it."""
+
+    def __init__(self, total: int) -> None:
+        from specdraft.progress import progress_lines
+
+        self.total, self._bar, self._task = total, None, None
+        self._lines = None if err_console.is_terminal else progress_lines(
+            lambda m: err_console.print(m, highlight=False, markup=False, soft_wrap=True), "decoding", every_s=0.0)
+
+    def say(self, line: str) -> None:
+        status_line(line)
+
+    def step(self, done: int, total: int) -> None:
+        if self._lines is not None:
+            self._lines(done, total)
+            return
+        if self._bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=err_console)
+            self._bar.start()
+            self._task = self._bar.add_task("decode", total=total)
+        self._bar.update(self._task, completed=done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+@contextmanager
+def decode_progress(total: int) -> Iterator[DecodeProgress]:
+    """A :class:`DecodeProgress` over ``total`` prompts, its bar closed at the end."""
+    progress = DecodeProgress(total)
+    try:
+        yield progress
+    finally:
+        progress.close()
 
 
 def busy_warning(load: dict | None) -> None:
@@ -218,19 +257,11 @@ def print_configuration(config: dict) -> None:
                   "decoder's own", highlight=False)
 
 
-#: Below this many prompts a bootstrap interval over prompts is printed with a caveat: it rests on too few
-#: resamples of too few values to hold its nominal 95% coverage.
-FEW_PROMPTS = 10
-
-
-def few_prompts_caveat(prompts: int) -> str:
-    """``" (N prompts: a rough interval)"`` below :data:`FEW_PROMPTS` prompts, else ``""``."""
-    return f" ({prompts} prompts: a rough interval)" if prompts < FEW_PROMPTS else ""
-
-
 def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding", greedy: bool = True,
                        adaptive: bool = False) -> None:
     """A rich table of the eval summary (units in the row names); the title names the γ policy that ran."""
+    from specdraft.report import format_interval
+
     table = Table(title=f"{title} ({'adaptive γ ≤' if adaptive else 'γ ='} {gamma})")
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -239,8 +270,7 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
         ("prompts", str(s["prompts"])),
         ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
         ("acceptance rate 95% CI (bootstrap over prompts)",
-         "— (one prompt gives no interval)" if s["prompts"] < 2 else "—" if not s.get("acceptance_rate_ci95")
-         else "[{:.3f}, {:.3f}]".format(*s["acceptance_rate_ci95"]) + few_prompts_caveat(s["prompts"])),
+         format_interval(s.get("acceptance_rate_ci95"), s["prompts"], drafted=s.get("proposed"))),
         ("α (accepted / reached, the analytic model's)", fmt(s["alpha"])),
         ("mean accepted length (tokens / target pass)", fmt(s["mean_accepted_length"], "{:.2f}")),
         ("predicted α, teacher-forced over prompts", fmt(s["predicted_alpha_prompt"])),
@@ -341,9 +371,9 @@ def print_ranking(ranking, max_new_tokens: int) -> None:
                 f"at γ = {gamma}"):
         table.add_column(col, justify="left" if col == "draft" else "right")
     for r in rows:
-        table.add_row(r["draft"] + (" (mapped)" if r["mapped"] else ""), format_rate(r["acceptance_rate"]),
-                      f"{r['alpha']:.3f}", f"{r['draft_step_ms']:.1f}", f"{r['cost_ratio_c']:.3f}", str(r["best_gamma"]),
-                      f"{r['predicted_speedup']:.2f}x", f"{r['predicted_speedup_at_gamma']:.2f}x")
+        table.add_row(r.draft + (" (mapped)" if r.mapped else ""), format_rate(r.acceptance_rate), f"{r.alpha:.3f}",
+                      f"{r.draft_step_ms:.1f}", f"{r.cost_ratio_c:.3f}", str(r.best_gamma),
+                      f"{r.predicted_speedup:.2f}x", f"{r.predicted_speedup_at_gamma:.2f}x")
     console.print(table)
 
 
@@ -354,9 +384,9 @@ def print_confirmation(c: dict, greedy: bool) -> None:
                   f"target alone (predicted {c['predicted_speedup']:.2f}x){same}", highlight=False)
 
 
-def print_llama_cpp_ranking(llama, rows: list[dict], target: str, out: Path) -> None:
+def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
     """``rank --engine llama.cpp``: the drafts ranked by llama.cpp's predicted speed-up (at the α of ``rows``,
-    :func:`specdraft.evaluate.rank_drafts`), the command serving the best, and rank.json
+    :func:`specdraft.rank.rank_drafts`), the command serving the best, and rank.json
     (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
     from specdraft.rank import write_llama_cpp_ranking
 
@@ -367,22 +397,22 @@ def print_llama_cpp_ranking(llama, rows: list[dict], target: str, out: Path) -> 
         table.add_column(col, justify="left" if col == "draft" else "right",
                          overflow="fold" if col == "draft" else "ellipsis")
     for r in ranked:
-        table.add_row(escape(r["draft"]), f"{r['alpha']:.3f}", f"{r['draft_step_ms']:.1f}", f"{r['cost_ratio_c']:.3f}",
-                      str(r["n_max"]), f"{r['predicted_speedup']:.2f}x")
+        table.add_row(escape(r.draft), f"{r.alpha:.3f}", f"{r.draft_step_ms:.1f}", f"{r.cost_ratio_c:.3f}",
+                      str(r.n_max), f"{r.predicted_speedup:.2f}x")
     console.print(table)
     best = ranked[0]
-    if best["n_max"] == 0:
+    if best.n_max == 0:
         console.print(f"no draft is predicted faster than the target alone in llama.cpp (target step "
-                      f"{best['target_step_ms']:.1f} ms); serve it alone:", highlight=False)
+                      f"{best.target_step_ms:.1f} ms); serve it alone:", highlight=False)
     else:
-        console.print(f"serve {escape(best['draft'])} with llama.cpp (--spec-draft-n-max {best['n_max']}, predicted "
-                      f"{best['predicted_speedup']:.2f}x the target alone):", highlight=False)
-    console.print(best["command"], markup=False, highlight=False, soft_wrap=True)
+        console.print(f"serve {escape(best.draft)} with llama.cpp (--spec-draft-n-max {best.n_max}, predicted "
+                      f"{best.predicted_speedup:.2f}x the target alone):", highlight=False)
+    console.print(best.command, markup=False, highlight=False, soft_wrap=True)
     if llama.tools is not None and "llama-server" not in llama.tools.paths:
         console.print(f"(this llama.cpp build, {llama.tools.bin_dir}, makes no llama-server; the same pair and flags "
                       "run here as:)", markup=False, highlight=False)
-        run, sep, build = best["local_command"].rpartition(" # for ")  # the prompt goes before the build's comment
-        console.print(f"{run} -p PROMPT{sep}{build}" if sep else best["local_command"] + " -p PROMPT", markup=False,
+        run, sep, build = best.local_command.rpartition(" # for ")  # the prompt goes before the build's comment
+        console.print(f"{run} -p PROMPT{sep}{build}" if sep else best.local_command + " -p PROMPT", markup=False,
                       highlight=False, soft_wrap=True)
     console.print(f"report: {path}")
 
@@ -680,7 +710,7 @@ def library_warnings_off() -> Iterator[None]:
 def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     """``run``'s page: the answers, the summary tables (:func:`summary_tables`), notes, stage times, where the
     report and the speculator are, and the serve commands."""
-    from specdraft.report import SUMMARY_LEGEND, questions_and_answers, slowdown_notes, slower_note
+    from specdraft.report import SUMMARY_LEGEND, questions_and_answers, speed_notes
 
     console.print(f"[bold]specdraft run — {escape(target)} ← {escape(draft)}[/]")
     for q, a in questions_and_answers(report):
@@ -688,9 +718,7 @@ def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     console.print(SUMMARY_LEGEND, highlight=False)
     for table in summary_tables(report):
         console.print(table)
-    if (note := slower_note(report)) is not None:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    for note in slowdown_notes(report):
+    for note in speed_notes(report):
         console.print(f"[yellow]note:[/] {escape(note)}")
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")

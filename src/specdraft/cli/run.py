@@ -8,6 +8,7 @@ from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     TRAINING_NOTE,
+    KeepCheckpointsOpt,
     OverwriteOpt,
     config_option,
     draft_option,
@@ -50,13 +51,14 @@ def run(
     draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
     gamma_policy: GammaPolicy | None = config_option(EvalConfig, "gamma_policy", default=None),
     overwrite: OverwriteOpt = False,
+    keep_checkpoints: KeepCheckpointsOpt = False,
 ) -> None:
     """Run the main job: check, evaluate, distil, export, report.
 
     check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
     report, every stage in the run directory --out; a re-run resumes, skipping finished stages. --gamma-policy,
     --draft-quantization and --draft-head-tokens set both evaluations."""
-    from specdraft.pipeline import make_config, run_pipeline, run_prompts
+    from specdraft.pipeline import first_line, make_config, run_pipeline, run_prompts
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       ood_prompts=ood_prompts, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap,
@@ -64,7 +66,7 @@ def run(
                       eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
                             "gamma_policy": gamma_policy})
     check_out(out, overwrite=None)  # resumable: finished stages are skipped, --overwrite redoes a changed one
-    console.print(f"[bold]specdraft run[/] preset [cyan]{preset}[/] ({cfg.needs}) → {out}")
+    console.print(first_line(cfg, out), highlight=False, markup=False, soft_wrap=True)
     chosen = run_prompts(cfg)  # every line checked, and what will run said, before any model work
     for line in (line for s in chosen.values() for line in s.lines()):
         console.print(line, highlight=False, markup=False, emoji=False, soft_wrap=True)  # one line, as written
@@ -72,7 +74,7 @@ def run(
         resolve_with_progress(ref, flag)
     with library_warnings_off():  # the run's page is specdraft's answers, not transformers' or torch's notices
         report = run_pipeline(cfg, out, log=lambda m: console.print(m, highlight=False, markup=False),
-                              overwrite=overwrite, train_examples=chosen["train"].examples,
+                              overwrite=overwrite, keep_checkpoints=keep_checkpoints, train_examples=chosen["train"].examples,
                               eval_examples=chosen["eval"].examples, ood_examples=chosen["ood"].examples)
     print_run(report, out, cfg.target, cfg.draft)
 

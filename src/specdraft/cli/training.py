@@ -15,6 +15,7 @@ from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     TRAINING_NOTE,
+    KeepCheckpointsOpt,
     OverwriteOpt,
     SpeculatorGammaOpt,
     config_option,
@@ -178,11 +179,13 @@ def distill(
     on_policy_max_new_tokens: int | None = config_option(DistillConfig, "on_policy_max_new_tokens"),
     gamma: SpeculatorGammaOpt = None,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of resuming.")] = False,
+    keep_checkpoints: KeepCheckpointsOpt = False,
 ) -> None:
     """Distil the draft against a teacher dump.
 
     Trains the draft against the target's stored distribution and exports it as an independent speculator; --out
-    gets checkpoints/ (a re-run resumes from them), speculator/ and training.json."""
+    gets checkpoints/ (an interrupted run's rerun resumes from them; removed once training has finished unless
+    --keep-checkpoints), speculator/ and training.json."""
     from specdraft.config import speculative_tokens
     from specdraft.distill import run_distill
 
@@ -197,7 +200,7 @@ def distill(
         on_policy_max_new_tokens=on_policy_max_new_tokens)
     check_out(out, overwrite=None)  # resumable: its checkpoints are continued unless --no-resume
     res = run_distill(target, draft, dump, out, cfg, resume=not no_resume,
-                      num_speculative_tokens=speculative_tokens(gamma))
+                      num_speculative_tokens=speculative_tokens(gamma), keep_checkpoints=keep_checkpoints)
     print_distill(res)
 
 
@@ -220,11 +223,15 @@ def vocab_swap(
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows to 152k
     rows for Qwen); distil it next (specdraft run --draft OUT). With --prompts, the swap diagnostic: the share of reply
     tokens without a draft twin and the swapped draft's argmax disagreements by kind (specdraft.segmentation)."""
+    import warnings
+
     from specdraft.vocab import save_vocab_swap
 
     check_out(out, overwrite=overwrite)
     examples = read_prompts(prompts).examples if prompts else None
     tpath, dpath = resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
-    with console.status("re-indexing the draft's rows…"):
+    with console.status("re-indexing the draft's rows…"), warnings.catch_warnings():
+        # The report below says each dropped token id once, in its own words; Python's warning would say it twice.
+        warnings.filterwarnings("ignore", message="vocabulary swap:")
         report = save_vocab_swap(dpath, tpath, out, dtype=dtype, overwrite=overwrite, examples=examples)
     print_vocab_swap(report, draft, target, out)
