@@ -15,6 +15,21 @@ specdraft installed ``--no-deps`` for its plugin; see the Makefile).
 5. Assert: each loads; greedy output equals vLLM's target alone on every prompt; vLLM's acceptance
    (accepted / drafted tokens) within ±0.05 of specdraft's (accepted / proposed). Writes ``results.json`` and
    prints the markdown table of docs/serving.md.
+
+A draft of *another tokenizer*, served as given (``draft-text``: the noisy draft re-indexed into another tokenizer,
+the target's without its last merges and with every id renumbered (:func:`other_tokenizer`), exported by ``export_draft`` with the ``"text"`` proposal method, served through
+specdraft's ``custom_class`` proposer, :mod:`specdraft.vllm_proposer`): two-path (``--additional-config``) and
+one-path (plugin), greedy as above, plus
+
+- ``churn``: at most 3 requests at a time, each prompt with its own length (16 + 4·i tokens), so requests finish and
+  join mid-batch: each output equals the target alone's prefix, acceptance within ±0.05 of specdraft's on the same
+  lengths;
+- ``sampled``: ``SAMPLED_DRAWS`` requests of 2 tokens at temperature ``SAMPLED_TEMPERATURE``, one seed each, on one
+  prompt: the second token is the one vLLM verifies against the draft's proposal, so the joint law of the two must be
+  the target's (χ² against the exact law, cells of expected count < 5 pooled, p > 0.001). Negative control: the
+  same draws against the law a broken acceptance would give (every first proposal accepted unverified, computed
+  here from the same proposer) must fail (p < 1e-6). It controls the test's power to tell the target's law from
+  that one; vLLM offers no way to switch its verification off, so no broken engine is run.
 """
 
 from __future__ import annotations
@@ -43,6 +58,10 @@ ENGINE = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "max_
 # Runs expected to fail, showing what the printed option and the plugin fix: error text vLLM 0.32 prints.
 CONTROLS = {"control-no-plugin:draft": "transformer_layer_config",
             "control-no-hetero:draft-padded": "same vocabulary size"}
+SAMPLED_DRAWS = 2000
+SAMPLED_TEMPERATURE = 1.0
+CHURN_SEQS = 3
+TEXT_DROPPED_MERGES = 2  # the text draft's tokenizer: the target's without its last merges, ids renumbered
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -58,10 +77,10 @@ def build(out: Path) -> dict:
 
     from specdraft.decode import speculative_generate
     from specdraft.export import export_draft, vllm_serve
-    from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_corpus, tiny_model
+    from specdraft.testing import perturbed, tiny_corpus, tiny_model
 
     torch.set_num_threads(1)
-    tok = tiny_bpe_tokenizer(VOCAB)
+    tok = ascii_bpe_tokenizer(VOCAB)
     target = tiny_model("llama", vocab_size=len(tok), layers=4, hidden=128, seed=0)  # head_dim 32
     draft = perturbed(target, NOISE, seed=1)
     padded = copy.deepcopy(draft)
@@ -72,15 +91,26 @@ def build(out: Path) -> dict:
         model.save_pretrained(dirs[name])
         tok.save_pretrained(dirs[name])
 
+    from specdraft.vocab import build_vocab_mapping, vocab_swap
+
+    d_tok = other_tokenizer(tok)
+    text_draft, _ = vocab_swap(perturbed(target, NOISE, seed=1), tok, d_tok)
+    text_draft.eval()
+    dirs["draft-text"] = out / "models" / "draft-text"
+    text_draft.save_pretrained(dirs["draft-text"])
+    d_tok.save_pretrained(dirs["draft-text"])
+
     prompts = [tok.encode(line)[:24] for line in tiny_corpus(NUM_PROMPTS, seed=7)]
     runs = {}
-    for name in ("draft", "draft-padded"):
+    for name in ("draft", "draft-padded", "draft-text"):
         res = export_draft(dirs[name], dirs["target"], out / f"spec-{name}", num_speculative_tokens=GAMMA,
                            overwrite=True)
         serve = vllm_serve(res.out)
         runs[name] = {"verdict": res.compat_verdict, "command": serve.command, "one_path": serve.one_path,
                       "target": serve.target, "speculative_config": serve.speculative_config,
+                      "additional_config": serve.additional_config, "drafting": serve.drafting,
                       "speculator": str(res.out)}
+    mapping = build_vocab_mapping(tok, d_tok, target_config=len(tok), draft_config=len(d_tok))
 
     # specdraft, one prompt at a time (batch 1): target alone and speculative, greedy.
     target_out, counts_all = [], None
@@ -92,10 +122,100 @@ def build(out: Path) -> dict:
         assert spec == alone, "specdraft: greedy speculative output differs from the target alone"
         target_out.append(alone[0])
         counts_all = counts if counts_all is None else counts_all.merge(counts)
+    text = _text_side(target, text_draft, mapping, prompts, target_out, len(tok))
     return {"dirs": {k: str(v) for k, v in dirs.items()}, "prompts": prompts, "runs": runs,
             "specdraft": {"target_alone": target_out, "acceptance_rate": counts_all.acceptance_rate,
                           "accepted": sum(counts_all.accepted), "proposed": sum(counts_all.proposed),
-                          "mean_accepted_length": counts_all.mean_accepted_length}}
+                          "mean_accepted_length": counts_all.mean_accepted_length}} | text
+
+
+def ascii_bpe_tokenizer(vocab_size: int):
+    """A byte-level BPE of ``vocab_size`` tokens trained on :func:`specdraft.testing.tiny_corpus` whose alphabet is
+    the corpus' own characters (ASCII), not all 256 bytes: every token then decodes to text by itself. A random
+    tiny target with the 256-byte alphabet mostly predicts lone bytes of multi-byte characters, which no text
+    holds, so a draft that proposes text would never be accepted."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from specdraft.testing import SPECIAL_TOKENS, _tiny_fast_tokenizer, tiny_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(tiny_corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False))
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    return _tiny_fast_tokenizer(tok, bos=False)
+
+
+def other_tokenizer(tok, drop: int = TEXT_DROPPED_MERGES, seed: int = 3):
+    """Another tokenizer for the text draft: ``tok`` without its last ``drop`` merges (their strings split into
+    pieces: other segmentations, which the proposer re-encodes in context) and every non-special id renumbered at
+    random (the same string has another id: the check's verdict is "mismatch"). A random tiny draft reads text of
+    a wholly other segmentation as noise and never agrees with the target; this one mostly does."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer
+
+    from specdraft.testing import _tiny_fast_tokenizer
+
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    model = spec["model"]
+    gone = {a + b for a, b in model["merges"][-drop:]}
+    model["merges"] = model["merges"][:-drop]
+    specials = {t["content"] for t in spec["added_tokens"]}
+    kept = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]) if t not in gone]
+    plain = [t for t in kept if t not in specials]
+    random.Random(seed).shuffle(plain)
+    order = [t for t in kept if t in specials] + plain
+    model["vocab"] = {t: i for i, t in enumerate(order)}
+    for t in spec["added_tokens"]:
+        t["id"] = model["vocab"][t["content"]]
+    return _tiny_fast_tokenizer(Tokenizer.from_str(json.dumps(spec)), bos=False)
+
+
+def churn_lengths() -> list[int]:
+    """Each prompt's length in the churn run: all different, so requests finish (and others join) mid-batch."""
+    return [16 + 4 * i for i in range(NUM_PROMPTS)]
+
+
+def _counts(c) -> dict:
+    return {"acceptance_rate": c.acceptance_rate, "accepted": sum(c.accepted), "proposed": sum(c.proposed)}
+
+
+def _text_side(target, draft, mapping, prompts, target_out, real_vocab) -> dict:
+    """specdraft's side for the draft of another tokenizer: greedy text-proposal decoding of every prompt (batch 1,
+    full and churn lengths), and the sampled check's exact law and its broken-acceptance control."""
+    import torch
+
+    from specdraft.config import SamplingConfig
+    from specdraft.decode import speculative_generate
+    from specdraft.testing import exact_two_token_law
+    from specdraft.vllm_proposer import TextDrafts
+
+    runs = {}
+    for name, lengths in (("specdraft_text", [MAX_NEW_TOKENS] * len(prompts)), ("specdraft_churn", churn_lengths())):
+        total = None
+        for ids, alone, n in zip(prompts, target_out, lengths):
+            out, c = speculative_generate(target, draft, torch.tensor([ids]), num_speculative_tokens=GAMMA,
+                                          max_new_tokens=n, real_vocab=real_vocab, vocab_mapping=mapping,
+                                          mapped_proposals="text")
+            assert out[0] == alone[:n], "specdraft: greedy text-proposal output differs from the target alone"
+            total = c if total is None else total.merge(c)
+        runs[name] = _counts(total)
+    # The sampled check: the exact law of the first two tokens, and what accepting every first proposal unverified
+    # would give (the second token is then the proposal after the first, whenever there is one).
+    prompt = prompts[0]
+    law = exact_two_token_law(target, prompt, SamplingConfig(temperature=SAMPLED_TEMPERATURE))
+    drafts = TextDrafts(draft, mapping, GAMMA, law.shape[0])
+    p1 = law.sum(axis=1)
+    broken = law.copy()
+    for t1 in map(int, (p1 > 1e-12).nonzero()[0]):
+        prop = drafts.propose([list(prompt) + [t1]])[0]
+        if prop:
+            broken[t1] = 0.0
+            broken[t1, prop[0]] = p1[t1]
+    return runs | {"sampled": {"prompt": list(prompt), "law": law.tolist(), "broken_law": broken.tolist()}}
 
 
 # --------------------------------------------------------------------------------------- vLLM (child)
@@ -107,11 +227,13 @@ def run_vllm(plan: dict, config: str) -> dict:
 
     t0 = time.time()
     kind, _, draft = config.partition(":")  # "alone", "two-path:draft", "one-path:draft-padded", ...
+    engine = ENGINE | ({"max_num_seqs": CHURN_SEQS} if kind == "churn" else {})
     if kind == "alone":
         llm = LLM(model=plan["dirs"]["target"], **ENGINE)
-    elif kind == "two-path":
+    elif kind in ("two-path", "churn", "sampled"):
         run = plan["runs"][draft]
-        llm = LLM(model=run["target"], speculative_config=run["speculative_config"], **ENGINE)
+        extra = {"additional_config": run["additional_config"]} if run.get("additional_config") else {}
+        llm = LLM(model=run["target"], speculative_config=run["speculative_config"], **engine, **extra)
     elif kind == "control-no-hetero":  # the command as it was before: expected to be refused
         run = plan["runs"][draft]
         spec = {k: v for k, v in run["speculative_config"].items() if k != "use_heterogeneous_vocab"}
@@ -120,8 +242,16 @@ def run_vllm(plan: dict, config: str) -> dict:
         # (control-no-plugin: the same with VLLM_PLUGINS set to none, expected to stop in vLLM's parser)
         llm = LLM(model=plan["runs"][draft]["speculator"], **ENGINE)
     load_s = time.time() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in plan["prompts"]], params, use_tqdm=False)
+    if kind == "sampled":  # one seed per request: independent draws of the first two tokens
+        prompt = plan["sampled"]["prompt"]
+        params = [SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=2, seed=i) for i in range(SAMPLED_DRAWS)]
+        outs = llm.generate([{"prompt_token_ids": prompt}] * SAMPLED_DRAWS, params, use_tqdm=False)
+    elif kind == "churn":
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in churn_lengths()]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in plan["prompts"]], params, use_tqdm=False)
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in plan["prompts"]], params, use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and
                 hasattr(m, "value")}
     spec_cfg = llm.llm_engine.vllm_config.speculative_config
@@ -229,7 +359,7 @@ def main() -> int:
     (out / "plan.json").write_text(json.dumps(plan))
     results = {}
     configs = ["alone", "two-path:draft", "one-path:draft", "two-path:draft-padded", "one-path:draft-padded",
-               *CONTROLS]
+               "two-path:draft-text", "one-path:draft-text", "churn:draft-text", "sampled:draft-text", *CONTROLS]
     for config in [c for c in configs if not args.only or c in args.only.split(",")]:
         log = out / f"vllm-{config.replace(':', '-')}.log"
         # VLLM_PLUGINS="" is an allow-list that names no plugin (vllm/plugins/__init__.py): specdraft's is off.
@@ -251,7 +381,7 @@ def main() -> int:
 
     report = check(plan, results)
     report |= {"versions": versions(), "vllm_versions": results.get("alone", {}).get("versions", {}), "seconds": round(time.time() - t0, 1), "plan": {
-        k: plan[k] for k in ("runs", "specdraft")}, "vllm": results}
+        k: plan[k] for k in ("runs", "specdraft", "specdraft_text", "specdraft_churn")}, "vllm": results}
     (out / "results.json").write_text(json.dumps(report, indent=2))
     print(markdown(report))
     failed = [c for c in report["checks"] if not c["ok"]]
@@ -288,10 +418,16 @@ def check(plan: dict, results: dict) -> dict:
         record(f"{config} loads", "error" not in r, r.get("error", ""))
         if "error" in r or alone is None:
             continue
-        same = sum(a == b for a, b in zip(r["tokens"], alone, strict=True))
-        record(f"{config}: greedy output = vLLM target alone", same == len(alone), f"{same}/{len(alone)} prompts")
-        record(f"{config}: draft_model, γ = {GAMMA}, verifier = target",
-               r["speculative"] and r["speculative"]["method"] == "draft_model"
+        text = config.endswith("draft-text")
+        if config.startswith("sampled"):
+            check_sampled(plan["sampled"], r, record)
+        else:
+            expected = [a[:n] for a, n in zip(alone, churn_lengths())] if config.startswith("churn") else alone
+            same = sum(a == b for a, b in zip(r["tokens"], expected, strict=True))
+            record(f"{config}: greedy output = vLLM target alone", same == len(alone), f"{same}/{len(alone)} prompts")
+        method = "custom_class" if text else "draft_model"
+        record(f"{config}: {method}, γ = {GAMMA}, verifier = target",
+               r["speculative"] and r["speculative"]["method"] == method
                and r["speculative"]["num_speculative_tokens"] == GAMMA and r["model"] == plan["dirs"]["target"],
                json.dumps(r["speculative"]) + f", model {r['model']}")
         if config.endswith("padded"):
@@ -299,10 +435,15 @@ def check(plan: dict, results: dict) -> dict:
         if r.get("drafted"):
             rate = r["accepted"] / r["drafted"]
             r["acceptance_rate"] = rate
-            diff = rate - plan["specdraft"]["acceptance_rate"]
+            if config.startswith("sampled"):  # no specdraft counterpart: verification ran and both outcomes occurred
+                record(f"{config}: vLLM verified proposals, some accepted and some not", 0 < r["accepted"] < r["drafted"],
+                       f"{r['accepted']}/{r['drafted']}")
+                continue
+            ours = plan[reference_key(config)]
+            diff = rate - ours["acceptance_rate"]
             record(f"{config}: acceptance within ±{TOLERANCE} of specdraft's", abs(diff) <= TOLERANCE,
                    f"vLLM {rate:.3f} ({r['accepted']}/{r['drafted']}) vs specdraft "
-                   f"{plan['specdraft']['acceptance_rate']:.3f}: {diff:+.3f}")
+                   f"{ours['acceptance_rate']:.3f}: {diff:+.3f}")
         else:
             record(f"{config}: vLLM reported spec-decode counters", False, "no vllm:spec_decode_* counters")
     s = results.get("server")
@@ -322,6 +463,50 @@ def check(plan: dict, results: dict) -> dict:
     return {"checks": checks}
 
 
+def reference_key(config: str) -> str:
+    """The plan's specdraft counts a vLLM configuration is compared with."""
+    if config.startswith("churn"):
+        return "specdraft_churn"
+    return "specdraft_text" if config.endswith("draft-text") else "specdraft"
+
+
+def chi2(counts, expected_p, n: int) -> tuple[float, int, float]:
+    """Pearson's χ² of ``counts`` (flat) against ``n · expected_p``, cells of expected count < 5 pooled into one (and
+    cells of expectation 0 that were drawn make the statistic infinite). Returns ``(statistic, dof, p-value)``."""
+    import numpy as np
+    from scipy.stats import chi2 as chi2_dist
+
+    counts, expected = np.asarray(counts, float).ravel(), n * np.asarray(expected_p, float).ravel()
+    if np.any((expected == 0) & (counts > 0)):
+        return float("inf"), 0, 0.0
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return stat, dof, float(chi2_dist.sf(stat, dof))
+
+
+def check_sampled(sampled: dict, r: dict, record) -> None:
+    """vLLM's sampled draws against the target's exact law of the first two tokens, and the negative control."""
+    import numpy as np
+
+    law, broken = np.asarray(sampled["law"]), np.asarray(sampled["broken_law"])
+    counts = np.zeros_like(law)
+    for t in r["tokens"]:
+        counts[t[0], t[1]] += 1
+    n = len(r["tokens"])
+    stat, dof, p = chi2(counts, law, n)
+    r["chi2"] = {"statistic": stat, "dof": dof, "p": p}
+    record(f"sampled (T = {SAMPLED_TEMPERATURE}, {n} draws): the first two tokens follow the target's law",
+           p > 1e-3, f"χ² = {stat:.1f}, {dof} dof, p = {p:.3g}")
+    stat, dof, p = chi2(counts, broken, n)
+    r["chi2_broken"] = {"statistic": stat, "dof": dof, "p": p}
+    record("negative control: the same draws do not follow the law of an unverified acceptance", p < 1e-6,
+           f"χ² = {stat:.1f}, {dof} dof, p = {p:.3g}")
+
+
 def markdown(report: dict) -> str:
     v, w = report["versions"], report["vllm_versions"]
     sd = report["plan"]["specdraft"]
@@ -333,6 +518,12 @@ def markdown(report: dict) -> str:
     ours = (f"| specdraft (transformers), speculative | — | {NUM_PROMPTS}/{NUM_PROMPTS} | "
             f"{sd['acceptance_rate']:.3f} ({sd['accepted']}/{sd['proposed']}) | — |")
     lines = [header, "", columns, "| --- | ---: | ---: | ---: | ---: |", ours]
+    for key, what in (("specdraft_text", "draft of another tokenizer, text proposals"),
+                      ("specdraft_churn", "the same, churn lengths")):
+        t = report["plan"].get(key)
+        if t:
+            lines.append(f"| specdraft (transformers), {what} | — | {NUM_PROMPTS}/{NUM_PROMPTS} | "
+                         f"{t['acceptance_rate']:.3f} ({t['accepted']}/{t['proposed']}) | — |")
     alone = report["vllm"].get("alone", {}).get("tokens")
     for config, r in report["vllm"].items():
         if config == "server" or config in CONTROLS:
@@ -340,11 +531,18 @@ def markdown(report: dict) -> str:
         if "error" in r:
             lines.append(f"| vLLM {config} | failed | | | |")
             continue
-        same = "—" if alone is None else f"{sum(a == b for a, b in zip(r['tokens'], alone, strict=True))}/{len(alone)}"
+        if config.startswith("sampled"):
+            c = r.get("chi2", {})
+            same = f"sampled: χ² p = {c.get('p', float('nan')):.3g}"
+        else:
+            expected = [a[:n] for a, n in zip(alone, churn_lengths())] if config.startswith("churn") else alone
+            same = "—" if alone is None else \
+                f"{sum(a == b for a, b in zip(r['tokens'], expected, strict=True))}/{len(alone)}"
         acc = r.get("acceptance_rate")
+        ref = report["plan"].get(reference_key(config), sd)["acceptance_rate"]
+        diff = "—" if acc is None or config.startswith("sampled") else f"{acc - ref:+.3f}"
         lines.append(f"| vLLM {config} | {r['load_s']} | {same if config != 'alone' else '(reference)'} | "
-                     + ("—" if acc is None else f"{acc:.3f} ({r['accepted']}/{r['drafted']})") + " | "
-                     + ("—" if acc is None else f"{acc - sd['acceptance_rate']:+.3f}") + " |")
+                     + ("—" if acc is None else f"{acc:.3f} ({r['accepted']}/{r['drafted']})") + f" | {diff} |")
     s = report["vllm"].get("server")
     if s is not None and "error" not in s:
         same = "—" if alone is None else \
