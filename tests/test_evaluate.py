@@ -714,9 +714,13 @@ def test_acceptance_eval_gives_one_matched_figure_at_two_gammas_and_the_report_l
     # The report's comparison leads with the regime-free figure and says what each figure counts.
     sets = {"held_out": two.to_dict()}
     report = {"eval_before": {"sets": sets}, "eval_after": {"sets": {"held_out": five.to_dict()}}}
-    (_, rows), = summary_sections(report)
+    (title, rows), = summary_sections(report)
     assert rows[0][0] == "matched / answer token" and rows[0][1] == rows[0][2]
     assert {r[0]: r[2] for r in rows}["matched gain (paired)"].startswith("+0.000")
+    # Each set records the rounds it was counted in; per proposed is never paired across two of them.
+    assert (two.gamma, five.gamma, two.gamma_policy, two.proposals) == (2, 5, "fixed", None)
+    assert title.endswith("acceptance, fixed γ 2 before, fixed γ 5 after")
+    assert {r[0]: r[2] for r in rows}["gain per proposed (paired)"] == "not paired: γ 2 vs 5"
     assert "bonus tokens never counted" in SUMMARY_LEGEND and "per answer token" in SUMMARY_LEGEND
     assert set(MEASURES) == {"matched", "per_reached", "per_proposed", "per_pass"}
 

@@ -10,11 +10,12 @@ def _rows(n: int, accepted: int, alpha: float) -> list[dict]:
              "positions": 8} for i in range(n)]
 
 
-def _eval_set(accepted: int, alpha: float) -> dict:
+def _eval_set(accepted: int, alpha: float, gamma: int = 5) -> dict:
     return {"prompts": 24, "rows": _rows(24, accepted, alpha), "acceptance_rate": accepted / 40,
             "acceptance_rate_ci95": [accepted / 40 - 0.112, accepted / 40 + 0.108], "drafted": 12_345,
             "mean_accepted_length": 2.37, "alpha_sampled": alpha, "alpha_sampled_ci95": [alpha - 0.05, alpha + 0.05],
-            "replay_check": "24/24", "decoded_acceptance_rate": accepted / 40}
+            "replay_check": "24/24", "decoded_acceptance_rate": accepted / 40, "gamma": gamma,
+            "gamma_policy": "fixed", "proposals": None}
 
 
 def _contender(tps: float, speedup: float | None = None) -> dict:
@@ -45,11 +46,13 @@ def test_every_summary_row_is_one_line_at_80_columns():
     from specdraft.report import summary_sections
 
     sections = summary_sections(wide_report())
-    assert [t for t, _ in sections] == ["held-out set, 24 prompts: acceptance", "out-of-domain set, 24 prompts: acceptance",
+    assert [t for t, _ in sections] == ["held-out set, 24 prompts: acceptance, fixed γ 5",
+                                        "out-of-domain set, 24 prompts: acceptance, fixed γ 5",
                                         "held-out set, 24 prompts: speed, interleaved (busy machine)",
                                         "out-of-domain set, 24 prompts: speed, interleaved (busy machine)"]
     held = {k: (b, a) for k, b, a in sections[0][1]}
-    assert held["gain (paired)"][1].startswith("-0.100 [") and held["α gain (paired)"][1].startswith("-0.014 [")
+    assert held["gain per proposed (paired)"][1].startswith("-0.100 [")
+    assert held["α gain (paired)"][1].startswith("-0.014 [")
     assert held["replayed = decoded"] == ("24/24 prompts", "—")
     console = Console(record=True, width=80)
     for table in summary_tables(wide_report()):
@@ -157,5 +160,75 @@ def test_a_one_prompt_run_shows_no_interval_in_its_tables_or_report_md_as_eval_d
     rows = {(title, k): (b, a) for title, rs in summary_sections(r) for k, b, a in rs}
     assert rows[("held-out set, 1 prompts: speed, interleaved (busy machine)", "speed-up (paired)")] == (
         "0.90 — (one prompt gives no interval)", "1.90 — (one prompt gives no interval)")
-    assert rows[("held-out set, 3 prompts: acceptance", "greedy acceptance")][0].endswith(
+    assert rows[("held-out set, 3 prompts: acceptance, fixed γ 5", "accepted, per proposed")][0].endswith(
         "(3 prompts: a rough interval)")
+
+
+#: What an acceptance row's label must name: its definition (SUMMARY_LEGEND), or a figure that has no γ in it.
+DEFINED = ("matched", "per reached", "per proposed", "tokens / target pass", "α at serving settings", "α gain",
+           "drafted tokens", "replayed = decoded")
+
+
+def test_a_draft_is_never_paired_with_itself_at_another_gamma_and_every_row_names_its_definition():
+    """One draft replayed at γ 2 (0.64 accepted / proposed) and at γ 8 (0.34) printed a paired "gain" of −0.30; the
+    per-proposed gain between two regimes is refused now, the section says which rounds each side counted, and
+    every acceptance row names the definition it counts."""
+    from rich.console import Console
+
+    from specdraft.cli import summary_tables
+    from specdraft.report import (
+        SUMMARY_LEGEND,
+        acceptance_gain,
+        questions_and_answers,
+        summary_rows,
+        summary_sections,
+        unpaired_reason,
+    )
+
+    r = {"eval_before": {"sets": {"held_out": _eval_set(int(0.64 * 40), 0.6, gamma=2)}},
+         "eval_after": {"sets": {"held_out": _eval_set(int(0.34 * 40), 0.6, gamma=8)}}}
+    (title, rows), = summary_sections(r)
+    assert title == "held-out set, 24 prompts: acceptance, fixed γ 2 before, fixed γ 8 after"
+    shown = {k: (b, a) for k, b, a in rows}
+    assert shown["gain per proposed (paired)"] == ("—", "not paired: γ 2 vs 8")
+    assert acceptance_gain(r) is None and "accepted / proposed moves with the regime" in unpaired_reason(r)
+    agree = dict(questions_and_answers(r))["Can the draft agree more?"]
+    assert agree.startswith("measured: not compared — before and after were counted in different regimes (γ 2 vs 8)")
+    assert "-0.3" not in " ".join(v for _, b, a in summary_rows(r) for v in (b, a))
+    # The same γ but another policy, or a mapped side against a draft of the target's tokens: refused too.
+    r["eval_after"]["sets"]["held_out"] |= {"gamma": 2, "gamma_policy": "adaptive"}
+    assert acceptance_gain(r) is None and "fixed vs adaptive γ" in unpaired_reason(r)
+    r["eval_after"]["sets"]["held_out"] |= {"gamma_policy": "fixed", "proposals": "tokens"}
+    assert "own tokens vs mapped (tokens)" in unpaired_reason(r)
+    r["eval_after"]["sets"]["held_out"]["proposals"] = None  # one regime again: the gain is paired
+    assert unpaired_reason(r) is None and acceptance_gain(r).prompts == 24
+    for label, _, _ in rows:
+        assert any(word in label for word in DEFINED), label
+    for word in ("matched = ", "per reached = ", "per proposed = "):
+        assert word in SUMMARY_LEGEND
+    console = Console(record=True, width=80)
+    for table in summary_tables(r):
+        console.print(table)
+    assert max(map(len, console.export_text().splitlines())) <= 80
+
+
+@pytest.mark.parametrize("mode", ["text", "tokens"])
+def test_a_mapped_row_names_the_proposal_regime_it_was_counted_in(mode):
+    """The draft as given, decoded through the vocabulary mapping, read "as given, mapped: acceptance" whether its
+    proposals were its greedy text re-encoded or the token intersection."""
+    from specdraft.report import SUMMARY_LEGEND, summary_sections
+
+    mapped = _eval_set(26, 0.6) | {"proposals": mode, "alpha": 0.7, "alpha_ci95": [0.6, 0.8]}
+    r = {"eval_before": {"sets": {"held_out": mapped}}, "vocab_swap": {"sets": {"held_out": _eval_set(12, 0.5)}},
+         "eval_after": {"sets": {"held_out": _eval_set(20, 0.6)}}, "speed": _speed(),
+         "config": {"eval": {"mapped_proposals": mode, "sampling": {"temperature": 0.0}}}}
+    sections = summary_sections(r)
+    labels = [k for k, _, _ in sections[0][1]]
+    assert labels[:2] == [f"mapped ({mode}): per proposed", f"mapped ({mode}): per reached"]
+    assert sections[0][1][0][1].startswith("0.650 [")
+    assert sections[1][0].endswith(f"before = the draft as given, mapped ({mode})")
+    assert ("text proposals" in SUMMARY_LEGEND) and ("token intersection" in SUMMARY_LEGEND)
+    # A report written before the mode was recorded: the run's eval config says it (greedy default: text).
+    del mapped["proposals"]
+    r["config"]["eval"]["mapped_proposals"] = None
+    assert summary_sections(r)[0][1][0][0] == "mapped (text): per proposed"

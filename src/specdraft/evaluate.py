@@ -530,6 +530,10 @@ class AcceptanceEval:
     decode_seconds: float | None
     decoded_tokens: int | None
     seconds: float
+    # The regime the counts belong to (accepted / proposed moves with each: compare only counts of one regime).
+    gamma: int  # γ of every round (replay and the decoding here both run fixed γ)
+    gamma_policy: str  # "fixed": the counts never follow an adaptive γ, whatever the config's policy
+    proposals: str | None  # a draft of another tokenizer: "text" or "tokens" (drafters.proposal_mode); else None
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -578,7 +582,8 @@ def acceptance_eval(
             target pass.
 
     Returns:
-        an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α).
+        an :class:`AcceptanceEval` (rows per prompt with counts, the answers, rates with intervals, the sampled α,
+        and the regime the counts belong to: γ, the fixed policy, a mapped draft's proposal mode).
 
     Raises:
         ValueError: a sampled ``config``; ``config.max_new_tokens`` < 1 (:class:`specdraft.decode.DecodeError`).
@@ -666,7 +671,8 @@ def acceptance_eval(
         decoder_label=f"the draft as given, fixed γ {gamma}" if decoded is not None else None,
         decode_seconds=decode_seconds if decoded is not None else None,
         decoded_tokens=sum(len(a) for a in answers) if decoded is not None else None,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, gamma=gamma, gamma_policy="fixed",
+        proposals=proposal_mode(config.mapped_proposals, config.sampling) if vocab_mapping is not None else None,
     )
 
 

@@ -7,6 +7,7 @@ rich table, :func:`render_markdown` as the Markdown table of ``report.md``. Unit
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,13 +72,98 @@ def baseline_sets(report: dict[str, Any]) -> dict[str, Any]:
     return swap_baseline(report) or report["eval_before"]["sets"]
 
 
+#: What each proposal mode of a mapped draft (:func:`specdraft.drafters.proposal_mode`) counts, in the words the
+#: summary's legend gives a row labelled ``mapped (<mode>)``.
+PROPOSAL_WORDS = {"text": "text proposals (the draft's greedy text re-encoded in the target's tokens)",
+                  "tokens": "token intersection (the draft's tokens that have a twin in the target's vocabulary)"}
+
+
+@dataclass(frozen=True)
+class CountingRegime:
+    """The rounds an evaluation set's greedy counts were taken in. Accepted / proposed moves with each part (one
+    draft reads 0.64 at γ 2 and 0.34 at γ 8), so two sets' per-proposed figures are compared only within one regime.
+
+    Attributes:
+        gamma: γ, drafts per round (``None``: not recorded).
+        gamma_policy: ``"fixed"`` or ``"adaptive"``.
+        proposals: a draft of another tokenizer decoded through the vocabulary mapping: ``"text"`` (its greedy text
+            re-encoded in the target's tokens) or ``"tokens"`` (its tokens with a target twin, the token
+            intersection); ``None`` for a draft of the target's tokenizer.
+    """
+
+    gamma: int | None
+    gamma_policy: str = "fixed"
+    proposals: str | None = None
+
+    @property
+    def rounds(self) -> str:
+        """``"fixed γ 5"`` / ``"adaptive γ ≤ 5"``."""
+        g = "?" if self.gamma is None else self.gamma
+        return f"adaptive γ ≤ {g}" if self.gamma_policy == "adaptive" else f"fixed γ {g}"
+
+    def differs(self, other: CountingRegime) -> list[str]:
+        """What differs from ``other``, one short phrase per part (``"γ 2 vs 5"``); ``[]`` for one regime. An
+        unrecorded γ is taken as equal (a report of one run evaluates both sides with one config)."""
+        said = []
+        if None not in (self.gamma, other.gamma) and self.gamma != other.gamma:
+            said.append(f"γ {self.gamma} vs {other.gamma}")
+        if self.gamma_policy != other.gamma_policy:
+            said.append(f"{self.gamma_policy} vs {other.gamma_policy} γ")
+        if self.proposals != other.proposals:
+            words = lambda p: "own tokens" if p is None else f"mapped ({p})"
+            said.append(f"{words(self.proposals)} vs {words(other.proposals)}")
+        return said
+
+
+def counting_regime(side: dict[str, Any], report: dict[str, Any] | None = None,
+                    mapped: bool = False) -> CountingRegime:
+    """The :class:`CountingRegime` of one evaluation set (an :class:`~specdraft.evaluate.AcceptanceEval` dict).
+    A set written before the regime was recorded takes γ from its counts or ``report``'s eval config, the fixed
+    policy (replayed and decoded counts both run fixed γ) and, where ``mapped``, the config's proposal mode (text
+    by default: the counts are greedy)."""
+    ev = ((report or {}).get("config") or {}).get("eval") or {}
+    gamma = side.get("gamma", (side.get("counts") or {}).get("gamma", ev.get("num_speculative_tokens")))
+    proposals = side["proposals"] if "proposals" in side else (ev.get("mapped_proposals") or "text") if mapped \
+        else None
+    return CountingRegime(gamma, side.get("gamma_policy", "fixed"), proposals)
+
+
+def _mapped_before(report: dict[str, Any]) -> bool:
+    """Whether ``eval_before`` counted the draft as given through a vocabulary mapping."""
+    return report.get("vocab_swap") is not None or (report.get("check") or {}).get("verdict") == "mismatch"
+
+
+def regimes(report: dict[str, Any], name: str = "held_out") -> tuple[CountingRegime, CountingRegime]:
+    """The counting regimes of one set's *before* (:func:`baseline_sets`) and *after* sides."""
+    b = counting_regime(baseline_sets(report)[name], report,
+                        mapped=swap_baseline(report) is None and _mapped_before(report))
+    return b, counting_regime(report["eval_after"]["sets"][name], report)
+
+
+def unpaired_reason(report: dict[str, Any], name: str = "held_out") -> str | None:
+    """Why the per-proposed gain of one set is refused: its two sides were counted in different regimes
+    (:meth:`CountingRegime.differs`: another γ, γ policy or proposal mode, so the difference would be the regime's,
+    not the draft's); ``None`` when they share one."""
+    b, a = regimes(report, name)
+    differs = b.differs(a)
+    if not differs:
+        return None
+    return (f"before and after were counted in different regimes ({'; '.join(differs)}): accepted / proposed "
+            "moves with the regime, so their difference is no gain; compare matched / answer token or α at the "
+            "serving settings")
+
+
 def acceptance_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
-    """After − before greedy acceptance on the same prompts (and the same target answers) with a paired 95%
-    bootstrap interval (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when a set has no rows. *Before*
-    is the draft that was trained (:func:`baseline_sets`): the gain is distillation's alone."""
+    """After − before greedy acceptance (accepted / proposed) on the same prompts (and the same target answers)
+    with a paired 95% bootstrap interval (:func:`specdraft.stats.paired_gain_from_rows`); ``None`` when a set has
+    no rows, or when the two sides were counted in different regimes (:func:`unpaired_reason` says why): a draft
+    is never compared with itself at another γ. *Before* is the draft that was trained (:func:`baseline_sets`): the
+    gain is distillation's alone."""
     b = baseline_sets(report).get(name, {}).get("rows")
     a = report["eval_after"]["sets"].get(name, {}).get("rows")
-    return paired_gain_from_rows(b, a) if b and a else None
+    if not b or not a or unpaired_reason(report, name) is not None:
+        return None
+    return paired_gain_from_rows(b, a)
 
 
 def matched_gain(report: dict[str, Any], name: str = "held_out") -> Estimate | None:
@@ -109,50 +195,70 @@ def _with_ci(value: float | None, ci: list[float] | None, prompts: int | None, s
 
 
 #: Said once above the summary tables (terminal and report.md) instead of in every row's label: what the brackets
-#: hold, and the definition of each acceptance figure (:data:`specdraft.acceptance.MEASURES`).
+#: hold, and the definition each row's label names (:data:`specdraft.acceptance.MEASURES`).
 SUMMARY_LEGEND = ("Intervals in brackets are 95% bootstrap CIs over prompts; gains and speed-ups are paired "
                   "(the same prompts before and after). Acceptance, bonus tokens never counted: matched = the draft's "
                   "greedy proposal equals the target's token, per answer token (the same at any γ: the figure to "
-                  "compare); accepted / reached = per drafted position verification tested; greedy acceptance = "
-                  "accepted / proposed drafts at the run's γ.")
+                  "compare); per reached = accepted / drafted positions verification tested; per proposed = accepted "
+                  "/ proposed drafts in the rounds the section's title names (it moves with γ: a per-proposed gain "
+                  "is shown only between counts of one γ, γ policy and proposal mode); mapped (text) / mapped "
+                  "(tokens) = the draft as given, decoded through the vocabulary mapping with " + PROPOSAL_WORDS["text"]
+                  + " / " + PROPOSAL_WORDS["tokens"] + ".")
+
+
+def _regime_title(b: CountingRegime, a: CountingRegime) -> str:
+    """The rounds an acceptance section was counted in, for its title: ``", fixed γ 5"`` when both sides share
+    them, ``", fixed γ 2 before, fixed γ 5 after"`` otherwise, ``""`` when γ is unrecorded."""
+    if b.gamma is None and a.gamma is None:
+        return ""
+    return f", {b.rounds}" if b.rounds == a.rounds else f", {b.rounds} before, {a.rounds} after"
 
 
 def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
     """The summary as sections: ``[(title, [(measure, before distillation, after distillation), …]), …]`` — per
-    evaluation set the greedy acceptance with its interval, the paired gain, the drafted tokens it rests on and α at
-    the serving settings with its paired gain; then per timed set the interleaved speed run. Labels are short (a
-    section names the set, :data:`SUMMARY_LEGEND` says what the brackets hold, one figure per row), so each row
-    of the terminal table stays on one line at 80 columns."""
+    evaluation set the acceptance figures, each row named by its definition (matched / answer token, accepted per
+    reached, accepted per proposed: :data:`SUMMARY_LEGEND`) with its interval, the paired gains, the drafted tokens
+    they rest on and α at the serving settings; then per timed set the interleaved speed run. An acceptance
+    section's title names the rounds it was counted in (γ and γ policy); its per-proposed gain is refused, marked
+    ``not paired: …``, when the two sides were counted in different regimes (:func:`unpaired_reason`). Rows of the
+    draft as given through a vocabulary mapping name its proposal mode (``mapped (text)``, ``mapped (tokens)``).
+    Labels are short (a section names the set, the legend says what the brackets hold and what each definition
+    counts, one figure per row), so each row of the terminal table stays on one line at 80 columns."""
     sections: list[tuple[str, list[tuple[str, str, str]]]] = []
     swapped = swap_baseline(report) is not None
     for name in _sets(report):
         b, a = baseline_sets(report)[name], report["eval_after"]["sets"][name]
         gain, sgain = acceptance_gain(report, name), sampled_alpha_gain(report, name)
         mgain = matched_gain(report, name)
+        rb, ra = regimes(report, name)
         mapped = report["eval_before"]["sets"][name]
 
         def over(side: dict[str, Any]):  # an acceptance figure of one side: its prompts and drafted tokens
             return lambda v, ci: _with_ci(v, ci, side.get("prompts"), drafted=side.get("drafted"))
 
         mw, bw, aw = over(mapped), over(b), over(a)
+        mode = counting_regime(mapped, report, mapped=True).proposals
         rows = [] if not swapped else [
             # The draft as given, decoded through the vocabulary mapping; the columns below are the re-indexed draft.
-            ("as given, mapped: acceptance", mw(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
+            (f"mapped ({mode}): per proposed", mw(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
              "—"),
             # Decoded counts hold no matched proposals: the swap's cost compares accepted / reached on both sides.
-            ("as given, mapped: acc./reached", mw(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
+            (f"mapped ({mode}): per reached", mw(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
         ]
         if b.get("match_rate") is not None or a.get("match_rate") is not None:
             rows += [("matched / answer token", bw(b.get("match_rate"), b.get("match_rate_ci95")),
                       aw(a.get("match_rate"), a.get("match_rate_ci95"))),
                      ("matched gain (paired)", "—",
                       "—" if mgain is None else _with_ci(mgain.value, mgain.interval, mgain.prompts, "{:+.3f}"))]
+        differs = rb.differs(ra)
         rows += [
-            ("accepted / reached", bw(b.get("alpha"), b.get("alpha_ci95")),
+            ("accepted, per reached", bw(b.get("alpha"), b.get("alpha_ci95")),
              aw(a.get("alpha"), a.get("alpha_ci95"))),
-            ("greedy acceptance", bw(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
+            ("accepted, per proposed", bw(b["acceptance_rate"], b.get("acceptance_rate_ci95")),
              aw(a["acceptance_rate"], a.get("acceptance_rate_ci95"))),
-            ("gain (paired)", "—", "—" if gain is None else _with_ci(gain.value, gain.interval, gain.prompts, "{:+.3f}")),
+            ("gain per proposed (paired)", "—",
+             f"not paired: {'; '.join(differs)}" if differs else
+             "—" if gain is None else _with_ci(gain.value, gain.interval, gain.prompts, "{:+.3f}")),
             ("drafted tokens", f"{b['drafted']:,}", f"{a['drafted']:,}"),
             ("tokens / target pass", _fmt(b["mean_accepted_length"], "{:.2f}"), _fmt(a["mean_accepted_length"], "{:.2f}")),
             ("α at serving settings", _with_ci(b.get("alpha_sampled"), b.get("alpha_sampled_ci95"), b.get("prompts")),
@@ -163,8 +269,9 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         if b.get("replay_check"):
             # The after figures replay the target's answers written before; this says replay reproduces decoding.
             rows += [("replayed = decoded", f"{b['replay_check']} prompts", "—"),
-                     ("decoded acceptance", _fmt(b.get("decoded_acceptance_rate")), "—")]
-        sections.append((f"{SET_LABELS.get(name, name)} set, {b['prompts']} prompts: acceptance", rows))
+                     ("decoded, per proposed", _fmt(b.get("decoded_acceptance_rate")), "—")]
+        title = f"{SET_LABELS.get(name, name)} set, {b['prompts']} prompts: acceptance{_regime_title(rb, ra)}"
+        sections.append((title, rows))
     for name, sp in speed_sets(report).items():
         o, d = sp.contenders.get(ORIGINAL), sp.contenders.get(DISTILLED)
         t = sp.contenders["target"]
@@ -178,10 +285,18 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
             ("output = target alone", o.matches_target or "—" if o else "—", d.matches_target or "—" if d else "—"),
         ]
         busy = " (busy machine)" if sp.busy_machine else ""
-        before = "; before = the draft as given, mapped" if swapped else ""
+        before = f"; before = the draft as given, mapped ({_speed_proposals(report)})" if swapped else ""
         sections.append((f"{SET_LABELS.get(name, name)} set, {sp.prompts} prompts: speed, interleaved{busy}{before}",
                          rows))
     return sections
+
+
+def _speed_proposals(report: dict[str, Any]) -> str:
+    """The proposal mode the speed stage decoded a mapped draft with (:func:`specdraft.drafters.proposal_mode` of the
+    run's eval config: text when greedy, tokens when sampling, unless ``mapped_proposals`` says)."""
+    ev = (report.get("config") or {}).get("eval") or {}
+    sampled = ((ev.get("sampling") or {}).get("temperature") or 0) > 0
+    return ev.get("mapped_proposals") or ("tokens" if sampled else "text")
 
 
 def _tps(c: ContenderSpeed | None, prompts: int | None) -> str:
@@ -361,6 +476,9 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     plt.close(fig)
     gains = {n: (e.to_dict() if (e := acceptance_gain(report, n)) else None) for n in names}
     payload = report | {"acceptance_gain": gains}
+    refused = {n: why for n in names if (why := unpaired_reason(report, n)) is not None}
+    if refused:  # a null gain says why: the sides were counted in different regimes
+        payload["acceptance_gain_refused"] = refused
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(report))
 
@@ -435,6 +553,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         learn.append(f"the vocabulary swap: held-out greedy acceptance {_fmt(m['acceptance_rate'])} as given through "
                      f"the mapping → {_fmt(sw['acceptance_rate'])} re-indexed (accepted / proposed at each run's γ; "
                      f"accepted / reached {_fmt(m.get('alpha'))} → {_fmt(sw.get('alpha'))}), before training")
+    if (unpaired := unpaired_reason(r, "held_out")) is not None:
+        learn.append(f"measured: not compared — {unpaired}")
     if gain is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
@@ -526,7 +646,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         *([] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]),
         *([] if not (sw := r.get("vocab_swap")) else [
             (f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
-             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *as given, mapped*); "
+             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *mapped "
+             f"({counting_regime(next(iter(sets.values())), r, mapped=True).proposals})*); "
              f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
              f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
              "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
