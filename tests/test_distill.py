@@ -1028,3 +1028,19 @@ def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_posi
     assert cut["positions"] == cut["of"] > 0 and cut["share"] == 1.0
     assert (cut["stored_k"], cut["serving_top_k"], cut["stored_dtype"]) == (8, 8, "float32")
     assert f"not exact at {cut['of']} of {cut['of']} trained positions" in metrics["alpha_definition"]
+
+
+def test_the_trainer_logs_as_one_readable_line_per_step_never_a_raw_dict(setup, tmp_path, capsys):
+    """Off a terminal the Trainer's PrinterCallback printed ``{'loss': '0.5123', 'grad_norm': ...}`` per step."""
+    from specdraft.distill import log_line
+
+    target, rows = setup
+    cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=2, scheduler="constant", seed=0)
+    train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path)
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [s.split()[1] for s in steps[:2]] == ["1/2", "2/2"]
+    assert "loss " in steps[0] and " lr " in steps[0]
+    assert "{'" not in out and "total_flos" not in out
+    assert log_line({"loss": 0.51234567, "learning_rate": 3e-4, "epoch": 0.5, "total_flos": 1.0}, 3, 10) == \
+        "step 3/10  loss 0.5123  lr 3.0e-04"

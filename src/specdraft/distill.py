@@ -524,6 +524,40 @@ def _final_norm(stack: nn.Module, model) -> nn.Module:
                        f"{', '.join(FINAL_NORMS)} beside its decoder layers); train it with --train all or lora")
 
 
+def log_line(logs: dict[str, Any], step: int, max_steps: int) -> str:
+    """One Trainer log as a line a person reads: ``step 10/20  loss 0.5123  tvd 0.31  lr 3e-04`` (floats to four
+    significant digits, the learning rate in scientific notation; ``total_flos`` and ``epoch`` left out), instead of
+    the raw dict transformers' ProgressCallback / PrinterCallback write (``{'loss': '0.5123', ...}``)."""
+    parts = [f"step {step}/{max_steps}" if max_steps > 0 else f"step {step}"]
+    for k, v in logs.items():
+        if k in ("total_flos", "epoch"):
+            continue
+        name = "lr" if k == "learning_rate" else k
+        parts.append(f"{name} {v:.1e}" if k == "learning_rate" and isinstance(v, float) else
+                     f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
+    return "  ".join(parts)
+
+
+def _readable_log_callbacks(trainer) -> None:
+    """Swap the Trainer's log printers for ones that write :func:`log_line`: the bar's (in a terminal) above the
+    bar, the plain printer's (in a log file) one line per logging step on stdout."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    class ProgressLines(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs:
+                self.training_bar.write(log_line(logs, state.global_step, state.max_steps))
+
+    class PrinterLines(PrinterCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_local_process_zero and logs:
+                print(log_line(logs, state.global_step, state.max_steps), flush=True)
+
+    for old, new in ((ProgressCallback, ProgressLines), (PrinterCallback, PrinterLines)):
+        if trainer.pop_callback(old) is not None:
+            trainer.add_callback(new)
+
+
 def _make_trainer_class():
     from transformers import Trainer
 
@@ -879,6 +913,7 @@ def train(
     Trainer = _make_trainer_class()
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                       data_collator=collate, callbacks=callbacks)
+    _readable_log_callbacks(trainer)
     t0 = time.time()
     eval_before = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
     ckpt = last_checkpoint(ckpt_dir) if resume else None
