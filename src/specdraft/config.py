@@ -14,6 +14,7 @@ config             stage                                           used by
 SamplingConfig     how a token is chosen (greedy / filtered)       decode, evaluate, dump, distill (its filter)
 EvalConfig         target alone vs speculative decoding            :func:`specdraft.evaluate.run_eval`
 DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
+SelfTeacherConfig  the draft as given teaching its re-indexed copy :func:`specdraft.self_teacher.run_self_teacher`
 DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
 ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.export_draft`
 HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
@@ -264,6 +265,35 @@ class DumpConfig(BaseModel):
         else:
             per = self.top_k * 8 + 4
         return per + 5
+
+
+class SelfTeacherConfig(BaseModel):
+    """Settings of a self-teacher dump (``specdraft dump --self-teacher DRAFT``): the draft as given answers the prompts
+    in its own tokenizer and its answers, re-encoded in the target's, are the teacher signal of its re-indexed copy
+    (:mod:`specdraft.self_teacher`). Field names equal the dump's flags (``top_k`` ↔ ``--top-logprobs``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored, no head reads it.")
+    top_k: int = Field(1, ge=1, description="Slots per position (--top-logprobs): 1 holds a hard label; give a target "
+                       "dump's k to mix the two in one distillation (TeacherMix needs one k).")
+    generate: int = Field(256, ge=1, description="Tokens the draft as given writes per answer, at most (greedy, in its "
+                          "own tokenizer; its stop ids end an answer earlier).")
+    token_level: bool = Field(False, description="Store the draft's own next-token distribution, mapped through its "
+                              "string twins, where the target's next token has a twin and starts at a token boundary "
+                              "of the draft's answer too; hard labels elsewhere.")
+    max_length: int = Field(2048, ge=2, description=MAX_LENGTH_HELP)
+    truncate: bool = Field(True, description="Cut sequences longer than --max-length and count them, or refuse "
+                           "them.")
+    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
+    offset: int = Field(0, ge=0, description="Skip this many examples first.")
+    batch_size: int = Field(8, ge=1, description=BATCH_SIZE_HELP)
+    shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
+    dtype: ModelDtype = Field("auto", description=DTYPE_HELP)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The settings that change the dumped values (a resumed run must match them)."""
+        return self.model_dump(exclude={"batch_size", "shard_size_mb"})
 
 
 class DistillConfig(BaseModel):

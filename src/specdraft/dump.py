@@ -392,6 +392,80 @@ def _identity_problems(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 ProgressFn = Callable[[int, int, int], None]
 
 
+@dataclass
+class TeacherBatch:
+    """What another teacher made of one batch of work items (:func:`write_dump`'s ``rows_of``).
+
+    Attributes:
+        rows: per kept sequence ``(TokenSequence, signal)``; ``signal`` holds the format's tensors of that row on the
+            CPU in the storage dtypes (``topk_logprobs [S, k] float32``, ``topk_ids [S, k] int32``,
+            ``leftover_logmass [S] float32`` for ``topk``), S the sequence's length.
+        dropped: items of the batch that became no sequence (truncation emptied them).
+        generated_tokens: tokens the teacher generated for the batch.
+        generate_seconds: wall seconds of that generation (the rest of the call counts as teacher forward time).
+    """
+
+    rows: list[tuple[TokenSequence, dict[str, torch.Tensor]]]
+    dropped: int = 0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+
+
+RowsOf = Callable[[list, int], TeacherBatch]
+
+
+def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], RowsOf], identity: dict[str, Any],
+               header: dict[str, Any], config, progress: ProgressFn | None = None, dropped_before_split: int = 0,
+               t_start: float | None = None) -> dict[str, Any]:
+    """Write a teacher dump whose teacher is not the target (:mod:`specdraft.self_teacher`), under this module's
+    on-disk contract: the same shards, rank states, manifest, resume and refusals as :func:`run_dump`.
+
+    Args:
+        out: the dump directory (new, empty, or a dump of the very same plan: resumed or verified).
+        items: the work items, split over ranks in whole batches of ``config.batch_size`` (:func:`split_work`).
+        load_teacher: called once ``out`` is known to hold nothing of another plan (so a refused directory costs no
+            model load); returns ``rows_of(batch, first) -> TeacherBatch``, ``first`` the index of the batch's first
+            item in ``items`` (a redone shard sees the same batches as the first run).
+        identity: what a resumed run must match (teacher, tokenizer, settings, data); ``world_size`` is added here.
+            A directory holding a dump of another identity is refused, naming each differing field.
+        header: the manifest header (``kind``, ``format``, ``dtype``, ``top_k``, ``target`` with ``real_vocab`` and
+            ``vocab_width``, ``tokenizer_fingerprint``… as :func:`run_dump` writes it); ``identity`` is added.
+        config: a settings model with ``format``, ``batch_size``, ``shard_size_mb`` and ``max_length``.
+        progress: as :func:`run_dump`'s.
+
+    Returns:
+        The manifest plus ``this_run``, as :func:`run_dump` returns it.
+
+    Raises:
+        DumpError: a directory holding files of another kind or a dump of another identity (nothing touched), a dump
+            every sequence of which truncation emptied.
+    """
+    t_start = time.time() if t_start is None else t_start
+    out = Path(out)
+    rank, world, barrier, _device = _distributed()
+    mine = split_work(len(items), rank, world, config.batch_size)
+    identity = dict(identity, world_size=world)
+    if world > 1:
+        identity["split_batch_size"] = config.batch_size
+    _check_out_dir(out, identity)
+    rows_of = load_teacher()
+    plan = _sha256_json(identity)
+    header = dict(header, identity=identity)
+    writer = _RankWriter(out, rank, world, plan, identity, header, config, items, mine, dropped_before_split,
+                         None, None, None, progress, rows_of=rows_of)
+    writer.resume()
+    t_work = time.time()
+    writer.report()
+    for rec in writer.bad:
+        writer.records.remove(rec)
+        writer.write_range(rec["start"], rec["end"], rec["index"], one_shard=True)
+    if writer.next_item < len(mine):
+        writer.write_range(writer.next_item, len(mine), writer.next_index, one_shard=False)
+    writer.run["seconds"] = round(time.time() - t_work, 3)
+    writer.save_state("complete")
+    return writer.finish(barrier, t_start)
+
+
 def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Example], out: str | os.PathLike,
              config: DumpConfig | None = None, progress: ProgressFn | None = None,
              command: str | None = None) -> dict[str, Any]:
@@ -488,14 +562,15 @@ class _RankWriter:
 
     def __init__(self, out: Path, rank: int, world: int, plan: str, identity: dict[str, Any], header: dict[str, Any],
                  config: DumpConfig, items: list, mine: range, dropped_before_split: int, model, tokenizer,
-                 teacher: Teacher, progress: ProgressFn | None):
+                 teacher: Teacher | None, progress: ProgressFn | None, rows_of: RowsOf | None = None):
         from specdraft.config import SamplingConfig
 
         self.out, self.rank, self.world, self.plan = out, rank, world, plan
         self.identity, self.header, self.config = identity, header, config
         self.items, self.mine, self.n_mine, self.dropped_before_split = items, mine, len(mine), dropped_before_split
         self.model, self.tokenizer, self.teacher, self.progress = model, tokenizer, teacher, progress
-        self.sampling = SamplingConfig(temperature=config.temperature)
+        self.rows_of = rows_of  # another teacher's batches (write_dump); None: the target's (teacher)
+        self.sampling = SamplingConfig(temperature=config.temperature) if rows_of is None else None
         self.limit = config.shard_size_mb * 1e6
 
     def resume(self) -> None:
@@ -528,7 +603,7 @@ class _RankWriter:
 
     def save_state(self, status: str) -> None:
         header = self.header
-        if self.teacher.checked:
+        if self.teacher is not None and self.teacher.checked:
             header["final_norm"], header["final_norm_applied"] = self.teacher.final_norm, True
         body = {"kind": "specdraft-teacher-dump-rank", "rank": self.rank, "world_size": self.world, "plan": self.plan,
                 "status": status, "identity": self.identity, "header": header, "items": self.n_mine,
@@ -549,17 +624,26 @@ class _RankWriter:
             stop = min(s + config.batch_size, end)
             batch = [self.items[self.mine[i]] for i in range(s, stop)]
             t0 = time.perf_counter()
-            if config.generate is None:
-                seqs = batch
+            if self.rows_of is not None:
+                made = self.rows_of(batch, self.mine[s])
+                seqs = [q for q, _ in made.rows]
+                buf.extend(_Row(q, signal) for q, signal in made.rows)
+                dropped += made.dropped
+                run["generated_tokens"] += made.generated_tokens
+                run["generate_seconds"] += made.generate_seconds
+                run["forward_seconds"] += time.perf_counter() - t0 - made.generate_seconds
             else:
-                seqs, n_drop, n_new = _generated(self.model, self.tokenizer, batch, config, self.sampling,
-                                                 self.mine[s], teacher.real_vocab)
-                dropped += n_drop
-                run["generated_tokens"] += n_new
-                run["generate_seconds"] += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            buf.extend(_rows(teacher, seqs, config))
-            run["forward_seconds"] += time.perf_counter() - t1
+                if config.generate is None:
+                    seqs = batch
+                else:
+                    seqs, n_drop, n_new = _generated(self.model, self.tokenizer, batch, config, self.sampling,
+                                                     self.mine[s], teacher.real_vocab)
+                    dropped += n_drop
+                    run["generated_tokens"] += n_new
+                    run["generate_seconds"] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                buf.extend(_rows(teacher, seqs, config))
+                run["forward_seconds"] += time.perf_counter() - t1
             self.done += len(batch)
             run["tokens"] += sum(len(q.ids) for q in seqs)
             if stop == end or (not one_shard and sum(r.nbytes for r in buf) >= self.limit):

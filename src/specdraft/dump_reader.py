@@ -393,6 +393,9 @@ class TeacherDataset:
 #: What every dump of a mix must share with the first: the same teacher (tokenizer, head, final-logit transform,
 #: widths) in the same format, so one head and one loss read every sequence.
 MIX_KEYS = ("tokenizer_fingerprint", "head_fingerprint", "format", "logit_transform")
+#: What top-k dumps of a mix share: no head reads them (their p is stored), so the teachers may differ — the target's
+#: dump beside the draft's own (:mod:`specdraft.self_teacher`) — while ids, k and widths must mean the same.
+MIX_KEYS_TOPK = ("tokenizer_fingerprint", "format")
 
 
 class TeacherMix:
@@ -401,6 +404,10 @@ class TeacherMix:
     How teacher-forced and target-written (``--generate``) sequences train together; per-dump weights are
     :func:`specdraft.distill_data.mixed_split`'s. Offers what distillation reads from a :class:`TeacherDataset`
     (``manifest`` is the first dump's); ``lengths`` gives each dump's sequence count.
+
+    Top-k dumps need the same tokenizer, k and widths only (:data:`MIX_KEYS_TOPK`): their teachers may differ, as a
+    target's dump and a self-teacher's (:mod:`specdraft.self_teacher`) do; hidden dumps share one head
+    (:data:`MIX_KEYS`).
 
     Raises:
         DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:
@@ -411,9 +418,10 @@ class TeacherMix:
         if not datasets:
             raise DumpError("a mix needs at least one dump")
         first = datasets[0].manifest
+        keys = MIX_KEYS_TOPK if first["format"] == "topk" else MIX_KEYS
         for ds in datasets[1:]:
             m = ds.manifest
-            facts = [(k, first.get(k), m.get(k)) for k in MIX_KEYS]
+            facts = [(k, first.get(k), m.get(k)) for k in keys]
             facts += [(f"target.{k}", first["target"].get(k), m["target"].get(k)) for k in ("real_vocab", "vocab_width")]
             if first["format"] == "topk":
                 facts.append(("top_k", first["config"].get("top_k"), m["config"].get("top_k")))

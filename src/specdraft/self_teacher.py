@@ -1,0 +1,440 @@
+"""The draft as given teaches its re-indexed copy: a teacher dump whose teacher is the draft in its own tokenizer.
+
+A draft of another tokenizer re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`) forgets much of
+what it knew: its rows now stand for other segmentations. The cheapest teacher of the lost skill is the draft as
+given, which still has it and costs no target compute. Notation: q = the draft as given (the teacher here), in its own
+token ids; the re-indexed draft is trained toward it in the target's ids.
+
+**Sequences** (one per prompt): the draft as given answers each prompt greedily, in batches, under its own chat
+template (:func:`specdraft.responses.generate_responses`; its answer ends at :func:`specdraft.decode.stop_ids` of the
+draft, or at ``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special
+tokens) is encoded with the target's tokenizer and put after the prompt rendered with the target's chat template
+(:func:`specdraft.data.encode_prompts`: the prompt ids are what the target is shown), followed, when the draft stopped,
+by the target's end-of-turn ids (:func:`end_of_turn_ids`, so the copy learns to stop). ``loss_mask`` is on the answer
+positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
+:mod:`specdraft.dump`'s position convention.
+
+**The signal** is stored in the top-k format of :mod:`specdraft.dump` (``topk_logprobs``, ``topk_ids``,
+``leftover_logmass``, k = ``top_k`` slots), so :class:`specdraft.dump_reader.TeacherDataset` and ``TeacherMix`` read it
+unchanged and :func:`specdraft.distill.run_distill` trains on it alone or beside a target dump of the same k:
+
+* **hard label** (every position but the token-level ones): slot 0 holds the next token with log-prob 0, the other
+  k − 1 slots distinct other ids with log-prob −inf, and the leftover is −inf (no mass outside). The readers then see
+  p = one-hot: :func:`specdraft.losses.soft_ce_topk` renormalises the stored mass with the tail
+  (``exp(leftover) = 0``) to exactly 1 on the label and adds no tail term (it weighs the tail only where it is > 0),
+  so ``soft_ce`` is the cross-entropy −log q(label) exactly; :func:`~specdraft.losses.tvd_topk` is 1 − q(label), the
+  TVD to the one-hot exactly (its tail term is 0). The last position (never trained) holds its own token.
+* **token level** (``token_level``), at a trained position j whose next target token y = ids[j + 1] (a) has a
+  string-identical twin x in the draft's vocabulary (:class:`specdraft.vocab.VocabMapping`, one to one) and (b) starts
+  at a character offset c of the answer text where the draft's own answer ids also have a token boundary, both
+  boundaries clean (the ids before it decode to exactly the text before c, no partial character; see
+  :func:`aligned_positions`): the draft's next-token distribution at its context ending at c, q(· | draft prompt,
+  draft ids of text[:c]), top-k over its tokens that have a target twin, each moved to that twin's target id, and the
+  leftover = the mass of every other draft token (twin-less ones included), computed as a log-sum-exp. The end-of-turn
+  position counts when the draft stopped and the target's end-of-turn token has a twin (c = the whole text). **Exact**
+  there in this sense: every stored log-prob is the draft's own log-probability of emitting exactly that string as its
+  next token, at a context of the same answer text, and the stored ids stand for the same strings. **What it
+  approximates**: the ideal teacher is the draft's probability that the text continues with y's string *and a target
+  token boundary after it*; the draft's probability of the one token x differs where longer draft tokens or other
+  segmentations spell the same continuation, and the draft's context is its own prompt rendering (its chat template),
+  not the target's. The readers spread the leftover uniformly (:mod:`specdraft.dump`'s leftover rule), an
+  approximation bounded by that mass. Elsewhere — no twin, or boundaries that disagree (the target merges across a
+  draft boundary or splits inside a draft token) — the position keeps the hard label: the draft's distribution there
+  is over strings that do not start where the target's next token does.
+* **plain text** (``texts``): files on disk (the Python standard library's sources, say) encoded with the target's
+  tokenizer and cut into ``max_length``-token sequences, every position trained with hard labels.
+
+**Identity and resume**: the manifest is :mod:`specdraft.dump`'s (written by :func:`specdraft.dump.write_dump`: the
+same shards, sha256 records, rank states and resume) with ``tokenizer_fingerprint`` the *target's* (the re-indexed
+draft passes distillation's tokenizer check), ``head_fingerprint`` None (no head reads a top-k dump) and ``teacher``
+naming the draft as given by content (:func:`specdraft.models.model_fingerprint`) and its tokenizer's fingerprint. A
+killed run resumes; a directory holding a dump of another teacher, prompts, texts or settings is refused, naming what
+differs. No target weights are read: ``target`` gives the tokenizer, its config's widths and its chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specdraft.config import SelfTeacherConfig
+from specdraft.dump import LOSS_MASK_CONVENTION, TOPK_STORAGE, ProgressFn, TeacherBatch, write_dump
+from specdraft.dump_reader import FORMAT_VERSION, DumpError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from specdraft.data import Example, TokenSequence
+
+#: The manifest's ``teacher.kind`` of a self-teacher dump.
+TEACHER_KIND = "draft-as-given"
+
+
+# ------------------------------------------------------------------------------------------- text and ids
+
+
+def decode_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of ``ids``: special tokens left out, no clean-up of spaces (the one decoding every boundary uses)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
+    out (Qwen's and the tiny template's ``<|im_end|>``): what ends the target's answer, as
+    :func:`specdraft.data.encode_conversation` keeps it in a reference answer. Without a template, or with one that
+    writes nothing there, the tokenizer's EOS (none: ``[]``)."""
+    marker = "\x00specdraft-answer\x00"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+        at = text.find(marker)
+        tail = text[at + len(marker):].rstrip() if at >= 0 else ""
+        if tail:
+            return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+
+
+def text_boundaries(tokenizer, ids: Sequence[int], text: str) -> list[int | None]:
+    """``[len(ids) + 1]``: for each i the number of characters of ``text`` that ``ids[:i]`` decode to
+    (:func:`decode_text`), or None where they do not decode to a prefix of ``text`` or end inside a character
+    (U+FFFD): the clean token boundaries of one segmentation of ``text``."""
+    out: list[int | None] = []
+    for i in range(len(ids) + 1):
+        s = decode_text(tokenizer, ids[:i])
+        out.append(len(s) if text.startswith(s) and not s.endswith("\ufffd") else None)
+    return out
+
+
+def aligned_positions(draft_tokenizer, draft_answer: Sequence[int], target_tokenizer, target_answer: Sequence[int],
+                      text: str, target_twins: Sequence[bool], ended: bool = False,
+                      end_of_turn: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Where the draft's own distribution is the token-level teacher (module docstring): ``[(k, i)]`` with k an index
+    into ``target_answer`` (the token predicted; the target sequence's position ``len(prompt) + k − 1`` predicts it) and
+    i the number of draft answer ids of its context (the draft sequence's position ``len(draft prompt) + i − 1``).
+
+    Args:
+        draft_answer: the draft's answer ids before its stop id.
+        target_answer: the target's ids of ``text`` followed by ``end_of_turn`` when ``ended``.
+        text: the answer text (:func:`decode_text` of ``draft_answer``).
+        target_twins: per target id, whether it has a draft twin (``VocabMapping.target_to_draft >= 0``).
+        ended: the draft stopped (its stop id followed ``draft_answer``): the first end-of-turn id is aligned with
+            the draft's stop at the end of the text.
+    """
+    drafted = {}
+    for i, c in enumerate(text_boundaries(draft_tokenizer, draft_answer, text)):
+        if c is not None:
+            drafted[c] = i  # the longest context ending at c (a token that decodes to nothing stays in it)
+    n_text = len(target_answer) - (len(end_of_turn) if ended else 0)
+    bounds = text_boundaries(target_tokenizer, target_answer[:n_text], text)
+    out = []
+    for k in range(n_text + (1 if ended and end_of_turn else 0)):
+        c = bounds[k] if k <= n_text else None
+        if k == n_text and c != len(text):
+            continue
+        y = int(target_answer[k])
+        if c is not None and c in drafted and y < len(target_twins) and target_twins[y]:
+            out.append((k, drafted[c]))
+    return out
+
+
+def hard_labels(ids: Sequence[int], k: int, real_vocab: int) -> dict[str, torch.Tensor]:
+    """The hard-label signal of a sequence (module docstring): position j holds ``ids[j + 1]`` with log-prob 0 in slot
+    0, ids ``label + 1, label + 2, …`` (mod ``real_vocab``) at −inf in the others, leftover −inf; the last position its
+    own token.
+
+    Returns:
+        ``{"topk_logprobs" [S, k] float32, "topk_ids" [S, k] int32, "leftover_logmass" [S] float32}``.
+    """
+    import torch
+
+    if k > real_vocab:
+        raise DumpError(f"--top-logprobs {k} exceeds the real vocabulary ({real_vocab})")
+    t = torch.tensor(list(ids), dtype=torch.long)
+    labels = torch.cat([t[1:], t[-1:]])  # [S]
+    slots = (labels[:, None] + torch.arange(k)[None, :]) % real_vocab  # [S, k], distinct, slot 0 the label
+    lp = torch.full((len(t), k), float("-inf"))
+    lp[:, 0] = 0.0
+    return {"topk_logprobs": lp, "topk_ids": slots.to(torch.int32),
+            "leftover_logmass": torch.full((len(t),), float("-inf"))}
+
+
+def mapped_topk(draft_logprobs: torch.Tensor, mapping, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft's distribution in target ids, top-k of its twins (module docstring, token level).
+
+    Args:
+        draft_logprobs: ``[N, V_d] float32`` log q over the draft's ids (normalised; padding rows −inf).
+        mapping: the :class:`~specdraft.vocab.VocabMapping` (target ↔ draft twins).
+        k: slots.
+
+    Returns:
+        ``(logprobs [N, k] float32, target ids [N, k] int64, leftover [N] float32)``: the k most probable draft tokens
+        with a twin, at their twins' ids, and log Σ q over every other draft id (twin-less ones included).
+    """
+    import torch
+
+    mapped = mapping.map_draft_logits(draft_logprobs)  # [N, V_t], −inf where no twin
+    top = mapped.topk(k, dim=-1)
+    src = mapping.target_to_draft.to(draft_logprobs.device)[top.indices]  # [N, k] draft ids (−1: no twin)
+    finite = torch.isfinite(top.values)
+    src = torch.where(finite & (src >= 0), src, src[:, :1].clamp(min=0))  # a row's extra slots repeat its first id
+    rest = draft_logprobs.scatter(-1, src, float("-inf"))
+    return top.values.float(), top.indices, rest.logsumexp(dim=-1).float()
+
+
+def text_sequences(tokenizer, paths: Sequence[str | os.PathLike], max_length: int) -> list[TokenSequence]:
+    """Plain text files → sequences of at most ``max_length`` target tokens, every prediction trained (the last
+    position of each is not: no token follows it). A file is read as UTF-8 (undecodable bytes replaced) and encoded
+    whole, then cut; a piece of one token trains nothing and is left out. Ids: ``text:<file name>:<piece>``.
+
+    Raises:
+        DumpError: a file that does not exist (named).
+    """
+    from specdraft.data import TokenSequence
+
+    out = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise DumpError(f"--text {path}: no such file")
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        for n, a in enumerate(range(0, len(ids), max_length)):
+            piece = list(ids[a:a + max_length])
+            if len(piece) > 1:
+                out.append(TokenSequence(f"text:{path.name}:{n}", piece, [True] * (len(piece) - 1) + [False]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the teacher
+
+
+class DraftTeacher:
+    """The draft as given, writing and scoring one batch of work items (``rows_of`` of
+    :func:`specdraft.dump.write_dump`): prompts are answered and re-encoded, text pieces pass through.
+
+    Args:
+        draft: the draft as given (causal LM, its own tokenizer).
+        draft_tokenizer / target_tokenizer: the two tokenizers.
+        config: the :class:`~specdraft.config.SelfTeacherConfig`.
+        mapping: a :class:`~specdraft.vocab.VocabMapping` of the pair (needed with ``token_level``).
+    """
+
+    def __init__(self, draft, draft_tokenizer, target_tokenizer, config: SelfTeacherConfig, mapping=None):
+        from specdraft.decode import stop_ids
+        from specdraft.sampling import final_logit_ops
+        from specdraft.vocab import tokenizer_view
+
+        self.draft, self.dtok, self.ttok, self.config, self.mapping = draft, draft_tokenizer, target_tokenizer, config, \
+            mapping
+        self.stops = set(stop_ids(draft, draft_tokenizer))
+        self.eot = end_of_turn_ids(target_tokenizer)
+        self.draft_real = int(tokenizer_view(draft_tokenizer).real)
+        self.target_real = int(tokenizer_view(target_tokenizer).real)
+        self.ops = final_logit_ops(draft.config)
+        self.twins = (mapping.target_to_draft >= 0).tolist() if mapping is not None else None
+        self.stats = {"answers": 0, "ended": 0, "soft_positions": 0, "hard_positions": 0}
+
+    def __call__(self, batch: list, first: int) -> TeacherBatch:
+        from specdraft.data import Example
+
+        examples = [x for x in batch if isinstance(x, Example)]
+        made: dict[int, tuple] = {}
+        dropped = generated = 0
+        seconds = 0.0
+        if examples:
+            answered, dropped, generated, seconds = self.answer(examples)
+            made.update({id(ex): r for ex, r in zip(examples, answered, strict=True)})
+        rows = []
+        for x in batch:
+            if isinstance(x, Example):
+                if made[id(x)] is not None:
+                    rows.append(made[id(x)])
+            else:
+                rows.append((x, hard_labels(x.ids, self.config.top_k, self.target_real)))
+        self.stats["hard_positions"] += sum(int(sum(q.loss_mask)) for q, _ in rows)
+        return TeacherBatch(rows, dropped, generated, seconds)
+
+    def answer(self, examples: list[Example]) -> tuple[list, int, int, float]:
+        """The draft answers ``examples`` → per example ``(TokenSequence, signal)`` or None (truncation emptied it),
+        the count of those, the tokens generated and the seconds generating took."""
+        from specdraft.data import encode_prompts, sequences_from_responses
+        from specdraft.responses import generate_responses
+
+        t0 = time.perf_counter()
+        d_prompts, d_responses = generate_responses(self.draft, self.dtok, examples, self.config.generate,
+                                                    real_vocab=self.draft_real)
+        seconds = time.perf_counter() - t0
+        t_prompts = encode_prompts(self.ttok, examples)
+        answers, texts, endings = [], [], []
+        for r in d_responses:
+            ended = bool(r) and int(r[-1]) in self.stops
+            body = list(r[:-1]) if ended else list(r)
+            text = decode_text(self.dtok, body).rstrip("\ufffd")  # a cut inside a character: the whole ones only
+            ids = list(self.ttok(text, add_special_tokens=False)["input_ids"]) + (self.eot if ended else [])
+            answers.append(ids)
+            texts.append((body, text))
+            endings.append(ended)
+        self.stats["answers"] += len(examples)
+        self.stats["ended"] += sum(endings)
+        # An answer the draft wrote nothing of (no text, no stop) trains nothing: its sequence is dropped, not refused.
+        keep = [i for i, a in enumerate(answers) if a]
+        seqs = sequences_from_responses([examples[i].id for i in keep], [t_prompts[i] for i in keep],
+                                        [answers[i] for i in keep], True, self.config.max_length, self.config.truncate)
+        out: list = [None] * len(examples)
+        soft_jobs = []
+        for i, q in zip(keep, seqs, strict=True):
+            if q is None:
+                continue
+            signal = hard_labels(q.ids, self.config.top_k, self.target_real)
+            out[i] = (q, signal)
+            if self.config.token_level:
+                body, text = texts[i]
+                pairs = aligned_positions(self.dtok, body, self.ttok, answers[i], text, self.twins, endings[i],
+                                          self.eot)
+                p_t, p_d = len(t_prompts[i]), len(d_prompts[i])
+                pairs = [(p_t + k - 1, p_d + j - 1) for k, j in pairs if p_t + k - 1 < len(q.ids) - 1
+                         and q.loss_mask[p_t + k - 1]]
+                self.stats["soft_positions"] += len(pairs)
+                self.stats["hard_positions"] -= len(pairs)
+                if pairs:
+                    soft_jobs.append((signal, list(d_prompts[i]) + list(d_responses[i]), pairs))
+        self._soften(soft_jobs)
+        return out, len(examples) - sum(o is not None for o in out), sum(map(len, d_responses)), seconds
+
+    def _soften(self, jobs: list) -> None:
+        """Overwrite the hard labels at the aligned positions with the draft's mapped distribution: one right-padded
+        draft pass over the draft sequences, the head applied at those positions only."""
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.utils.rnn import pad_sequence
+
+        from specdraft.sampling import apply_final_logit_ops
+
+        if not jobs:
+            return
+        device = next(self.draft.parameters()).device
+        ids = pad_sequence([torch.tensor(seq, dtype=torch.long) for _, seq, _ in jobs], batch_first=True,
+                           padding_side="right").to(device)
+        attn = pad_sequence([torch.ones(len(seq), dtype=torch.long) for _, seq, _ in jobs], batch_first=True,
+                            padding_side="right").to(device)
+        head = self.draft.get_output_embeddings()
+        with torch.no_grad():
+            h = self.draft.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B,S,H]
+            rows = torch.tensor([b for b, (_, _, pairs) in enumerate(jobs) for _ in pairs], device=device)
+            cols = torch.tensor([d for _, _, pairs in jobs for _, d in pairs], device=device)
+            logits = apply_final_logit_ops(F.linear(h[rows, cols], head.weight, getattr(head, "bias", None)),
+                                           self.ops).float()  # [N, V_d]
+            logits[:, self.draft_real:] = float("-inf")
+            lp, tid, left = mapped_topk(logits.log_softmax(dim=-1), self.mapping, self.config.top_k)
+        n = 0
+        for signal, _, pairs in jobs:
+            at = torch.tensor([t for t, _ in pairs])
+            signal["topk_logprobs"][at] = lp[n:n + len(pairs)].cpu()
+            signal["topk_ids"][at] = tid[n:n + len(pairs)].to("cpu", torch.int32)
+            signal["leftover_logmass"][at] = left[n:n + len(pairs)].cpu()
+            n += len(pairs)
+
+
+# ------------------------------------------------------------------------------------------- the dump
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike,
+                     data: str | os.PathLike | list[Example] | None, out: str | os.PathLike,
+                     config: SelfTeacherConfig | None = None, texts: Sequence[str | os.PathLike] = (),
+                     progress: ProgressFn | None = None, command: str | None = None) -> dict[str, Any]:
+    """Write a self-teacher dump (module docstring): the draft as given answers ``data``'s prompts, its answers
+    re-encoded in the target's tokenizer, plus ``texts``; resumes a killed run.
+
+    Args:
+        draft_ref: the draft as given (embedded name, local directory, cached hub id): the teacher.
+        target_ref: the target, for its tokenizer, chat template and config only (no weights are read).
+        data: prompts, a source for :func:`specdraft.data.load_examples` (``num_examples`` / ``offset`` apply) or a
+            list of :class:`specdraft.data.Example`; None with ``texts`` alone.
+        out: the dump directory (new, empty, or a dump of this very plan: resumed or verified).
+        config: settings (default :class:`SelfTeacherConfig`).
+        texts: plain text files, extra sequences with hard labels at every position.
+        progress: ``progress(done_items, total_items, tokens_this_run)`` after each batch.
+        command: recorded in the manifest (default ``sys.argv``).
+
+    Returns:
+        The manifest (``out/manifest.json``) plus ``this_run`` (:func:`specdraft.dump.run_dump`'s) and ``signal``:
+        the counts of this run (``answers``, ``ended`` by a stop id, trained ``soft_positions`` / ``hard_positions``).
+
+    Raises:
+        DumpError: nothing to dump, a directory holding other files or a dump of another teacher, tokenizer, prompts,
+            texts or settings (each differing field named; nothing touched), ``top_k`` at or past the real vocabulary,
+            ``token_level`` for a pair with no usable overlap.
+        specdraft.data.DataError: a template that refuses a prompt.
+    """
+    from transformers import AutoConfig
+
+    from specdraft.data import load_examples, source_counts
+    from specdraft.io import versions
+    from specdraft.models import load_model, load_tokenizer, model_fingerprint, model_revision, resolve
+    from specdraft.vocab import build_vocab_mapping, tokenizer_fingerprint, tokenizer_view
+
+    config = config or SelfTeacherConfig()
+    t_start = time.time()
+    if data is None:
+        examples, data_name = [], None
+    elif isinstance(data, list):
+        examples, data_name = data[config.offset:][: config.num_examples], "<examples>"
+    else:
+        examples, data_name = load_examples(data, limit=config.num_examples, offset=config.offset), str(data)
+    d_path, t_path = resolve(draft_ref), resolve(target_ref)
+    ttok = load_tokenizer(t_path)
+    t_real = int(tokenizer_view(ttok).real)
+    if config.top_k >= t_real:
+        raise DumpError(f"--top-logprobs {config.top_k} must be below the real vocabulary ({t_real})")
+    pieces = text_sequences(ttok, texts, config.max_length)
+    items: list = [*examples, *pieces]
+    if not items:
+        raise DumpError("no prompts and no text: nothing to dump.")
+    tcfg = AutoConfig.from_pretrained(t_path)
+    width = int(getattr(tcfg.get_text_config(decoder=True), "vocab_size", None) or t_real)
+    t_facts = {"architectures": getattr(tcfg, "architectures", None), "model_type": tcfg.model_type,
+               "hidden_size": getattr(tcfg, "hidden_size", None),
+               "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
+    text_files = [[Path(p).name, hashlib.sha256(Path(p).read_bytes()).hexdigest()] for p in texts]
+    teacher = {"kind": TEACHER_KIND, "ref": str(draft_ref), "weights": model_fingerprint(d_path),
+               "revision": model_revision(d_path), "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(d_path))}
+    identity = {"teacher": teacher, "tokenizer_fingerprint": tokenizer_fingerprint(ttok), "target_config": t_facts,
+                "settings": config.plan_settings(), "topk_storage": TOPK_STORAGE,
+                "data_fingerprint": _sha256_json([[[e.id, e.messages, e.reference] for e in examples], text_files])}
+    header = {
+        "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
+        "target": {"ref": str(target_ref), "resolved": t_path, "revision": model_revision(t_path), **t_facts,
+                   "dtype": None, "vocab_width": width, "real_vocab": min(t_real, width)},
+        "teacher": teacher,
+        "tokenizer_fingerprint": identity["tokenizer_fingerprint"], "head_fingerprint": None,
+        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_k,
+        "final_norm_applied": None, "final_norm": None, "logit_transform": [],
+        "loss_mask_convention": LOSS_MASK_CONVENTION,
+        "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk); 0 at hard "
+                          "labels"),
+        "signal": ("hard labels (slot 0 the next token at log-prob 0, leftover -inf)"
+                   + ("; the draft's mapped distribution where twins and boundaries align" if config.token_level
+                      else "")),
+        "data": data_name, "texts": text_files, "config": config.model_dump(),
+        "data_counts": source_counts(data_name) if data_name else None,
+        "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
+    }
+    made: dict[str, DraftTeacher] = {}
+
+    def load_teacher():
+        draft, dtok = load_model(d_path, dtype=config.dtype)
+        mapping = build_vocab_mapping(t_path, d_path) if config.token_level else None
+        made["teacher"] = DraftTeacher(draft, dtok, ttok, config, mapping)
+        return made["teacher"]
+
+    manifest = write_dump(out, items, load_teacher, identity, header, config, progress=progress, t_start=t_start)
+    manifest["signal"] = dict(made["teacher"].stats) if made else None
+    return manifest

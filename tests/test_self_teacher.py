@@ -1,0 +1,266 @@
+"""The self-teacher: the draft as given answers prompts in its own tokenizer, its answers re-encoded in the target's
+are a teacher dump its re-indexed copy distils on (alone or beside a target dump). Tiny models of two byte-level BPE
+tokenizers that segment text differently."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
+from specdraft.data import Example, encode_prompts
+from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, load_manifest
+from specdraft.responses import generate_responses
+from specdraft.self_teacher import (
+    aligned_positions,
+    decode_text,
+    end_of_turn_ids,
+    run_self_teacher,
+    text_sequences,
+)
+from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+from specdraft.vocab import build_vocab_mapping
+
+PROMPTS = ["def total(items):", "for index in range(count):", "hello world value", "print(lambda x: x + count)",
+           "return items", "total = count + index"]
+
+
+def _examples(n=None):
+    n = len(PROMPTS) if n is None else n
+    return [Example(f"p{i}", [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" {i}"}]) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A target (only its tokenizer and config are read) and a draft as given, each with its own BPE tokenizer. The
+    draft's generation config adds, as a stop id, the token its greedy answer to the first prompt writes fourth, so
+    some answers end at a stop and some at the budget."""
+    root = tmp_path_factory.mktemp("pair")
+    t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    target = tiny_model("llama", 300, seed=0, layers=1)
+    draft = tiny_model("llama", 360, seed=1, layers=2)
+    _, (answer,) = generate_responses(draft, d_tok, _examples(1), 8)
+    draft.generation_config.eos_token_id = [4, int(answer[3])]
+    for name, model, tok in (("target", target, t_tok), ("draft", draft, d_tok)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "t_tok": t_tok, "d_tok": d_tok,
+            "model": draft, "stop": int(answer[3]), "root": root}
+
+
+def _reference(pair, examples, budget):
+    """What the self-teacher must store, computed here by hand: the draft's greedy answer, its text, the target ids."""
+    d_prompts, answers = generate_responses(pair["model"], pair["d_tok"], examples, budget)
+    t_prompts = encode_prompts(pair["t_tok"], examples)
+    out = []
+    for dp, tp, r in zip(d_prompts, t_prompts, answers, strict=True):
+        ended = bool(r) and r[-1] in (4, pair["stop"])
+        body = r[:-1] if ended else r
+        text = decode_text(pair["d_tok"], body)
+        ids = pair["t_tok"](text, add_special_tokens=False)["input_ids"] + ([3] if ended else [])
+        out.append({"prompt": tp, "answer": ids, "text": text, "body": body, "ended": ended, "draft_prompt": dp,
+                    "response": r})
+    return out
+
+
+def test_the_end_of_turn_is_what_the_chat_template_writes_after_an_answer():
+    tok = tiny_bpe_tokenizer(300)
+    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")] == [3]
+    tok.chat_template = None
+    assert end_of_turn_ids(tok) == [tok.eos_token_id]
+
+
+def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_text_in_target_ids(pair, tmp_path):
+    """The prompt part is the target's rendering (what the target is shown), the answer part the target tokenizer's
+    encoding of the text the draft wrote (+ the end-of-turn token where the draft stopped), the loss mask exactly on
+    the answer's predictions, and every trained position a hard label: the next token at log-prob 0, nothing left."""
+    examples = _examples()
+    cfg = SelfTeacherConfig(generate=10, dtype="float32", batch_size=4)
+    m = run_self_teacher(pair["draft"], pair["target"], examples, tmp_path / "st", cfg)
+    ref = _reference(pair, examples, 10)
+    assert any(r["ended"] for r in ref) and not all(r["ended"] for r in ref)  # both endings are exercised
+    ds = TeacherDataset(tmp_path / "st", draft_tokenizer=pair["t_tok"])  # the target's tokenizer fingerprint
+    assert len(ds) == len(examples) and m["signal"]["answers"] == len(examples)
+    assert m["teacher"]["kind"] == "draft-as-given" and m["head_fingerprint"] is None and m["top_k"] == 1
+    for i, r in enumerate(ref):
+        item = ds[i]
+        ids = item["input_ids"].tolist()
+        assert ids == r["prompt"] + r["answer"]
+        trained = item["loss_mask"].nonzero().flatten().tolist()
+        assert trained == list(range(len(r["prompt"]) - 1, len(ids) - 1))
+        assert item["topk_ids"][trained, 0].tolist() == ids[len(r["prompt"]):]
+        assert bool((item["topk_logprobs"][trained, 0] == 0).all())
+        assert bool(torch.isneginf(item["leftover_logmass"]).all())
+    assert m["signal"]["ended"] == sum(r["ended"] for r in ref)
+    assert m["signal"]["soft_positions"] == 0 and m["signal"]["hard_positions"] == m["trained_tokens"]
+    with pytest.raises(DumpError, match="tokenizer differs"):  # the draft as given cannot train on it
+        TeacherDataset(tmp_path / "st", draft_tokenizer=pair["d_tok"])
+
+
+def test_token_level_positions_are_exactly_where_a_twin_starts_at_a_boundary_of_both_segmentations():
+    """Checked against the tokenizers' character offsets (another route to the boundaries than decoding prefixes):
+    a target token is aligned when its draft twin exists and its first character starts a draft token too."""
+    t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
+    twins = (build_vocab_mapping(t_tok, d_tok, target_config=300, draft_config=360).target_to_draft >= 0).tolist()
+    text = "def total(items):\n    return count + index\nhello world lambda value"
+    d_enc = d_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    t_enc = t_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    d_ids, t_ids = d_enc["input_ids"], t_enc["input_ids"] + [3]
+    d_starts = {a for a, _ in d_enc["offset_mapping"]} | {len(text)}
+    t_starts = [a for a, _ in t_enc["offset_mapping"]] + [len(text)]
+    pairs = aligned_positions(d_tok, d_ids, t_tok, t_ids, text, twins, ended=True, end_of_turn=[3])
+    expected = [k for k, y in enumerate(t_ids) if twins[y] and t_starts[k] in d_starts]
+    assert [k for k, _ in pairs] == expected
+    assert len(t_ids) - 1 in expected  # the end of turn: the draft's stop at the end of the text
+    assert 0 < len(expected) < len(t_ids)  # some align and some do not
+    starts = [a for a, _ in d_enc["offset_mapping"]] + [len(text)]
+    assert all(starts[i] == t_starts[k] for k, i in pairs)  # the draft's context ends where the target token starts
+    # Not stopped: no end-of-turn position.
+    assert aligned_positions(d_tok, d_ids, t_tok, t_ids[:-1], text, twins) == pairs[:-1]
+
+
+def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_aligned_positions_only(pair, tmp_path):
+    examples = _examples()
+    cfg = SelfTeacherConfig(generate=10, dtype="float32", batch_size=3, top_k=4, token_level=True)
+    m = run_self_teacher(pair["draft"], pair["target"], examples, tmp_path / "st", cfg)
+    mapping = build_vocab_mapping(pair["target"], pair["draft"])
+    twins = (mapping.target_to_draft >= 0).tolist()
+    ds = TeacherDataset(tmp_path / "st")
+    soft_total = 0
+    for i, r in enumerate(_reference(pair, examples, 10)):
+        item = ds[i]
+        p_t, p_d = len(r["prompt"]), len(r["draft_prompt"])
+        pairs = aligned_positions(pair["d_tok"], r["body"], pair["t_tok"], r["answer"], r["text"], twins, r["ended"],
+                                  [3])
+        want = {p_t + k - 1: p_d + j - 1 for k, j in pairs}
+        hard = (item["topk_logprobs"][:, 0] == 0) & torch.isneginf(item["leftover_logmass"])
+        soft = set((~hard & item["loss_mask"]).nonzero().flatten().tolist())
+        assert soft == set(want)
+        soft_total += len(soft)
+        # The stored values: the draft as given alone on its own sequence, log-softmax, top-4 of its twins.
+        with torch.no_grad():
+            logq = pair["model"](torch.tensor([r["draft_prompt"] + r["response"]])).logits[0].float().log_softmax(-1)
+        for t, d in want.items():
+            ids = item["topk_ids"][t].long()
+            assert torch.allclose(item["topk_logprobs"][t], logq[d, mapping.target_to_draft[ids]], atol=1e-5)
+            assert bool((mapping.target_to_draft[ids] >= 0).all())
+            rest = torch.ones_like(logq[d], dtype=torch.bool)
+            rest[mapping.target_to_draft[ids]] = False
+            assert torch.allclose(item["leftover_logmass"][t], logq[d][rest].logsumexp(-1), atol=1e-5)
+        assert all(bool(hard[j]) for j in item["loss_mask"].nonzero().flatten().tolist() if j not in want)
+    assert soft_total > 0 and m["signal"]["soft_positions"] == soft_total
+    assert m["signal"]["hard_positions"] == m["trained_tokens"] - soft_total
+
+
+def test_text_files_become_pieces_trained_at_every_position(pair, tmp_path):
+    src = tmp_path / "lib.py"
+    src.write_text("def total(items):\n    return count + index\n" * 8)
+    pieces = text_sequences(pair["t_tok"], [src], 40)
+    ids = pair["t_tok"](src.read_text(), add_special_tokens=False)["input_ids"]
+    assert len(pieces) > 1 and [len(q.ids) for q in pieces[:-1]] == [40] * (len(pieces) - 1)
+    assert [i for q in pieces for i in q.ids] == ids[: len(ids) - (len(ids) % 40 == 1)]
+    assert all(q.loss_mask == [True] * (len(q.ids) - 1) + [False] for q in pieces)
+    cfg = SelfTeacherConfig(generate=4, dtype="float32", max_length=40)
+    m = run_self_teacher(pair["draft"], pair["target"], _examples(2), tmp_path / "st", cfg, texts=[src])
+    assert m["sequences"] == 2 + len(pieces) and m["texts"][0][0] == "lib.py"
+    item = TeacherDataset(tmp_path / "st")[2]
+    assert item["id"] == "text:lib.py:0" and item["topk_ids"][:-1, 0].tolist() == item["input_ids"][1:].tolist()
+    with pytest.raises(DumpError, match="no such file"):
+        run_self_teacher(pair["draft"], pair["target"], None, tmp_path / "none", cfg, texts=[tmp_path / "missing.py"])
+
+
+def test_a_killed_self_teacher_dump_resumes_to_the_uninterrupted_one_and_refuses_another_teacher(pair, tmp_path):
+    examples = _examples()
+    cfg = SelfTeacherConfig(generate=6, dtype="float32", batch_size=2, shard_size_mb=0.0001)  # a shard per batch
+    out = tmp_path / "st"
+    calls = []
+
+    def kill_after_two_batches(done, total, tokens):
+        calls.append(done)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_self_teacher(pair["draft"], pair["target"], examples, out, cfg, progress=kill_after_two_batches)
+    state = json.loads((out / "rank-00000.json").read_text())
+    assert state["status"] == "running" and [s["end"] for s in state["shards"]] == [2, 4]
+    m = run_self_teacher(pair["draft"], pair["target"], examples, out, cfg)
+    assert (m["this_run"]["shards_skipped"], m["this_run"]["shards_written"]) == (2, 1)
+    fresh = run_self_teacher(pair["draft"], pair["target"], examples, tmp_path / "fresh", cfg)
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in fresh["shards"]]
+    # Another teacher (the draft's weights changed in place) or other prompts: refused, nothing touched.
+    other = tmp_path / "other-draft"
+    model = tiny_model("llama", 360, seed=5, layers=2)
+    model.save_pretrained(other)
+    pair["d_tok"].save_pretrained(other)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    with pytest.raises(DumpError, match="teacher"):
+        run_self_teacher(other, pair["target"], examples, out, cfg)
+    with pytest.raises(DumpError, match="data_fingerprint"):
+        run_self_teacher(pair["draft"], pair["target"], examples[:4], out, cfg)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+    assert load_manifest(out)["sequences"] == len(examples)
+
+
+@pytest.fixture(scope="module")
+def swapped(pair):
+    """The draft re-indexed into the target's tokenizer (specdraft vocab-swap)."""
+    from specdraft.vocab import save_vocab_swap
+
+    out = pair["root"] / "swapped"
+    save_vocab_swap(pair["draft"], pair["target"], out)
+    return str(out)
+
+
+def _distil(pair, swapped, dumps, out, steps=4):
+    from specdraft.distill import run_distill
+
+    cfg = DistillConfig(loss="soft_ce", lr=3e-3, row_lr=1e-2, untie_head=True, max_steps=steps, batch_size=4,
+                        held_out_fraction=0.0, logging_steps=1, save_steps=100, scheduler="constant")
+    return run_distill(pair["target"], swapped, dumps, out, cfg, num_speculative_tokens=3)
+
+
+def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_ce_is_its_cross_entropy(
+        pair, swapped, tmp_path):
+    from specdraft.distill import DistillModel
+    from specdraft.dump_reader import pad_collate
+    from specdraft.models import load_model
+
+    st = tmp_path / "st"
+    run_self_teacher(pair["draft"], pair["target"], _examples(), st, SelfTeacherConfig(generate=10, dtype="float32"))
+    ds = TeacherDataset(st)
+    batch = pad_collate([ds[i] for i in range(len(ds))])
+    draft, _ = load_model(swapped, dtype="float32")
+    model = DistillModel(draft, None, None, ds.manifest["target"]["real_vocab"], DistillConfig(loss="soft_ce"),
+                         teacher_width=ds.manifest["target"]["vocab_width"], trained_columns_only=False)
+    with torch.no_grad():
+        out = model(**{k: v for k, v in batch.items() if k != "ids"})
+        logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    labels = torch.cat([batch["input_ids"][:, 1:], batch["input_ids"][:, :1]], dim=1)
+    ce = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
+    assert torch.allclose(out.loss, ce, atol=1e-5)  # hard labels: soft_ce is the cross-entropy, exactly
+    res = _distil(pair, swapped, st, tmp_path / "out")
+    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert res["metrics"]["moved_fraction"] > 0.5
+
+
+def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swapped, tmp_path):
+    from specdraft.dump import run_dump
+
+    cfg = SelfTeacherConfig(generate=10, dtype="float32", top_k=4, token_level=True)
+    run_self_teacher(pair["draft"], pair["target"], _examples(), tmp_path / "st", cfg)
+    run_dump(pair["target"], _examples(), tmp_path / "target", DumpConfig(format="topk", top_k=4, generate=6,
+                                                                          answer_only=True, dtype="float32"))
+    mix = TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "target")])
+    assert mix.lengths == [len(PROMPTS), len(PROMPTS)]
+    res = _distil(pair, swapped, [tmp_path / "st", tmp_path / "target"], tmp_path / "out")
+    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
+    assert losses[-1] < losses[0] and res["training"]["dump"]["sequences_per_dump"] == [len(PROMPTS)] * 2
+    run_dump(pair["target"], _examples(), tmp_path / "k8", DumpConfig(format="topk", top_k=8, generate=6,
+                                                                      answer_only=True, dtype="float32"))
+    with pytest.raises(DumpError, match="top_k differ"):
+        TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "k8")])
