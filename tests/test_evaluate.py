@@ -255,7 +255,9 @@ def test_run_eval_with_a_cheaper_draft_and_adaptive_gamma_is_lossless_and_predic
     # The draft options were applied to a copy (the target, passed as its own draft, is untouched) and recorded.
     opts = res.config["draft_options"]
     assert (opts["quantization"], opts["head_tokens"], opts["requested"]) == ("int8", 100, "int8")
-    assert opts["head_tokens_source"].startswith("embedded training prompts") and "int8" in opts["label"]
+    assert opts["head_tokens_source"].startswith("the 100 most frequent of 128 token ids, counted over the embedded "
+                                                 "training prompts") and "int8" in opts["label"]
+    assert s["draft_head"]["source"] == "embedded training prompts" and s["draft_head"]["path"] is None
     assert res.config["contenders"]["specdraft"]["gamma_policy"] == "adaptive"
     assert not any(type(m).__name__ == "Int8Linear" for m in target.modules())
     # The speed model was measured once (t(k) up to k = max(γ, 8) + 1) and gives a prediction to compare.
@@ -264,6 +266,34 @@ def test_run_eval_with_a_cheaper_draft_and_adaptive_gamma_is_lossless_and_predic
         s["predicted_speedup"] / s["speedup"] - 1)
     assert 0 <= s["recommended_gamma"] <= 8
     json.dumps(res.to_dict())
+
+
+def test_eval_names_where_the_trimmed_heads_ranking_came_from_and_its_n(tmp_path):
+    """eval with --draft-head-tokens named the ranking's file path alone (report.json's config, a "head ranking:"
+    line): report.json's summary and the terminal now say N, of how many ranked ids, which file and what it counted
+    (as `specdraft inspect` names it)."""
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+    from specdraft.draft_model import rank_tokens, save_head_tokens
+
+    tdir, ddir = save_tiny_pair(tmp_path, 96)
+    tok = tiny_tokenizer(96)
+    save_head_tokens(ddir, rank_tokens(tok, token_lists=[[60, 60, 61]]), tok, "teacher dump (3 answer tokens)")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
+    r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", f"{prompts}:0:2",
+                                 "--max-new-tokens", "4", "--gamma", "2", "--dtype", "float32",
+                                 "--draft-quantization", "none", "--draft-head-tokens", "50", "--gamma-policy", "fixed",
+                                 "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    head = json.loads((tmp_path / "out" / "report.json").read_text())["summary"]["draft_head"]
+    ranking = os.path.join(ddir, "head_tokens.json")
+    said = f"the 50 most frequent of 96 token ids ranked in {ranking}, counted over teacher dump (3 answer tokens)"
+    assert head == {"tokens": 50, "ranked": 96, "path": ranking, "counted_over": "teacher dump (3 answer tokens)",
+                    "source": "saved ranking", "said": said}
+    assert "trimmed draft head (FR-Spec)" in r.output and "50 of 96 tokens, saved ranking" in r.output
+    assert f"head: {said}" in r.output
 
 
 def test_trimmed_head_needs_a_draft_of_the_targets_tokenizer():

@@ -326,6 +326,40 @@ def head_tokens_info(directory: str | Path, tokenizer=None) -> dict[str, Any] | 
                    "tokenizer_matches": None if tokenizer is None else fp == tokenizer_fingerprint(tokenizer)}
 
 
+@dataclass(frozen=True)
+class HeadRanking:
+    """Where a trimmed head's tokens came from (:func:`apply_draft_options`): the ``tokens`` most frequent ids of a
+    ranking of ``ranked`` ids, read from a ranking saved beside the draft or counted over the embedded training
+    prompts. Kept on the :class:`TrimmedHead` as ``ranking``; :func:`describe_draft` reports it.
+
+    Attributes:
+        tokens: N, the head rows kept (``--draft-head-tokens``, or auto's choice).
+        ranked: ids in the ranking the N were taken from (the tokenizer's vocabulary for the embedded prompts).
+        path: the ranking file read (``DIR/head_tokens.json``, :func:`save_head_tokens`), ``None`` for the embedded
+            prompts.
+        counted_over: what the ranking counted (the file's ``counted_over``, as ``specdraft inspect`` shows it; or
+            the embedded prompts and their number).
+    """
+
+    tokens: int
+    ranked: int
+    path: str | None
+    counted_over: str
+
+    @property
+    def source(self) -> str:
+        """``"saved ranking"`` or ``"embedded training prompts"``."""
+        return "saved ranking" if self.path else "embedded training prompts"
+
+    def sentence(self) -> str:
+        """``"the 50 most frequent of 96 token ids ranked in DIR/head_tokens.json, counted over …"``."""
+        where = f" ranked in {self.path}" if self.path else ""
+        return f"the {self.tokens:,} most frequent of {self.ranked:,} token ids{where}, counted over {self.counted_over}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"source": self.source}
+
+
 def default_head_corpus(tokenizer) -> list[list[int]]:
     """Token ids of the embedded prompt data the presets train on (never the evaluation split): the chat-templated
     ``conversations`` (500 chats) and ``humaneval:0:100`` prompts (:mod:`specdraft.data`)."""
@@ -630,7 +664,8 @@ def describe_draft(draft: nn.Module) -> dict[str, Any]:
         ``{"quantization": "int4" | "int8" | None`` (the kind most layers hold; ``"int4+int8"`` when both occur),
         ``"head_tokens": N | None, "layers": {"int4": n, "int8": n, "dense": n}`` (``nn.Linear`` layers by storage),
         ``"int8_fallback_shapes": [[out, in], …]`` (layer shapes held as int8 beside int4 ones: the int4 kernel refused
-        them), ``"head_tokens_source": str | None}`` (where a trimmed head's ranking was counted).
+        them), ``"head_tokens_source": str | None`` (where a trimmed head's ranking came from, in words),
+        ``"head_ranking": dict | None}`` (:meth:`HeadRanking.to_dict`: N, the ids ranked, the file, what it counted).
     """
     head = draft.get_output_embeddings()
     counts = {"int4": 0, "int8": 0, "dense": 0}
@@ -648,7 +683,8 @@ def describe_draft(draft: nn.Module) -> dict[str, Any]:
     trimmed = isinstance(head, TrimmedHead)
     return {"quantization": quantized, "head_tokens": len(head.token_ids) if trimmed else None, "layers": counts,
             "int8_fallback_shapes": sorted([list(s) for s in int8_shapes]) if counts["int4"] else [],
-            "head_tokens_source": getattr(head, "source", None) if trimmed else None}
+            "head_tokens_source": getattr(head, "source", None) if trimmed else None,
+            "head_ranking": ranking.to_dict() if trimmed and (ranking := getattr(head, "ranking", None)) else None}
 
 
 def draft_label(info: dict[str, Any]) -> str:
@@ -672,8 +708,8 @@ def apply_draft_options(draft, tokenizer, config: EvalConfig, vocab_mapping=None
     model as ``specdraft_plan`` (a :class:`DraftPlan`).
 
     The trimmed head's tokens come from the draft's directory when it holds a saved ranking
-    (:data:`HEAD_TOKENS_FILE`), else from the embedded training prompts
-    (``describe_draft(...)["head_tokens_source"]`` says which).
+    (:data:`HEAD_TOKENS_FILE`), else from the embedded training prompts; the head keeps a :class:`HeadRanking` saying
+    which, N and what the ranking counted (``describe_draft(...)["head_ranking"]``, ``["head_tokens_source"]``).
 
     Raises:
         DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
@@ -687,19 +723,23 @@ def apply_draft_options(draft, tokenizer, config: EvalConfig, vocab_mapping=None
                           "a draft of the target's tokenizer (not --map-vocab)")
     plan = choose_draft_options(draft, config.draft_quantization, config.draft_head_tokens,
                                 same_tokenizer=vocab_mapping is None)
-    head_ids, source = None, None
+    head_ids, ranking = None, None
     if plan.head_tokens is not None:
         path = getattr(draft.config, "_name_or_path", "") or ""
         head_ids = load_head_tokens(path, plan.head_tokens, tokenizer) if Path(path).is_dir() else None
-        source = f"{Path(path) / HEAD_TOKENS_FILE}" if head_ids is not None else None
-        if head_ids is None:
+        if head_ids is not None:
+            info = head_tokens_info(path) or {}
+            ranking = HeadRanking(len(head_ids), info.get("size") or len(head_ids), info.get("path"),
+                                  info.get("counted_over") or "an unrecorded source")
+        else:
             corpus = default_head_corpus(tokenizer)
             head_ids = frequent_tokens(tokenizer, n=plan.head_tokens, token_lists=corpus)
-            source = f"embedded training prompts (conversations + humaneval:0:100, {len(corpus)} prompts)"
+            ranking = HeadRanking(len(head_ids), len(tokenizer), None, "the embedded training prompts "
+                                  f"(conversations + humaneval:0:100, {len(corpus)} prompts)")
     model = prepare_draft(draft, plan.quantization, head_ids, copy_model=copy_model)
     head = model.get_output_embeddings()
-    if source is not None and hasattr(head, "token_ids"):
-        head.source = source
+    if ranking is not None and hasattr(head, "token_ids"):
+        head.ranking, head.source = ranking, ranking.sentence()
     if model is not draft or not copy_model:
         model.specdraft_plan = plan
     return model

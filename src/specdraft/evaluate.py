@@ -87,6 +87,10 @@ REPORT_DEFINITIONS = {
     "only between runs of one γ and γ policy",
     "summary.acceptance_rate_ci95": "95% bootstrap interval over prompts; null with fewer than 2 prompts (one prompt "
     "gives no interval)",
+    "summary.draft_head": "the draft's trimmed output head (FR-Spec) that decoded, null for a full head: tokens = N, "
+    "the head rows kept, the N most frequent of ranked token ids; source = saved ranking (path: the head_tokens.json "
+    "read beside the draft, counted_over: what it counted, as specdraft inspect shows it) or embedded training "
+    "prompts; said: the same in words",
     "summary.identity_not_tested": "why lossless (greedy outputs equal to the target's) proves nothing of "
     "verification, or null: the speculative runs proposed no draft, or had none rejected",
 }
@@ -176,6 +180,7 @@ class EvalResult:
             "predicted_speedup": predicted,
             "prediction_error": predicted / measured - 1 if predicted and measured else None,
             "speed_model": self.speed_model,
+            "draft_head": draft_head(self.config.get("draft_options") or {}),
             "divergences": len([d for d in self.divergences if d.contender == "specdraft"]),
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
@@ -206,6 +211,16 @@ class EvalResult:
             "per_prompt": self.per_prompt,
             "definitions": REPORT_DEFINITIONS,
         }
+
+
+def draft_head(options: dict[str, Any]) -> dict[str, Any] | None:
+    """The trimmed head that decoded, from a run's ``draft_options`` (:func:`specdraft.draft_model.draft_configuration`):
+    :meth:`~specdraft.draft_model.HeadRanking.to_dict` (N, the ids ranked, the file or the embedded prompts, what was
+    counted) plus ``said`` (the same in words); ``None`` for a full head."""
+    if not options.get("head_tokens"):
+        return None
+    ranking = options.get("head_ranking") or {"tokens": options["head_tokens"]}
+    return ranking | {"said": options.get("head_tokens_source")}
 
 
 def identity_not_tested(counts: AcceptanceCounts) -> str | None:

@@ -331,7 +331,8 @@ def speed_sets(report: dict[str, Any]) -> dict[str, SpeedRun]:
 
 
 def configuration_line(report: dict[str, Any]) -> str | None:
-    """What specdraft's decoder ran in the speed stage (the original draft's preparation, the γ policy) and why."""
+    """What specdraft's decoder ran in the speed stage (the original draft's preparation, the γ policy) and why; a
+    trimmed head names its N and where its token ranking came from."""
     stage = speed_stage(report)
     if stage is None:
         return None
@@ -343,7 +344,8 @@ def configuration_line(report: dict[str, Any]) -> str | None:
     dist = confs.get("distilled") or {}
     other = (f"; the distilled draft: {dist['label']} ({dist.get('reason', '')})"
              if dist.get("label") and dist.get("label") != conf.get("label") else "")
-    return (f"draft {conf.get('label', 'as given')}, {how}; why: {conf.get('reason', 'the draft as given')}{other}. "
+    head = f"; head: {conf['head_tokens_source']}" if conf.get("head_tokens_source") else ""
+    return (f"draft {conf.get('label', 'as given')}, {how}; why: {conf.get('reason', 'the draft as given')}{head}{other}. "
             "The exported speculator stays the dense draft (what vLLM serves); the prepared copy is the decoder's "
             "own.")
 

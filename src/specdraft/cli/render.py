@@ -251,8 +251,8 @@ def print_configuration(config: dict) -> None:
                   + (f" (speed model: {src})" if src else ""), highlight=False)
     if opts.get("reason"):
         console.print(f"  why: {opts['reason']}", highlight=False)
-    if opts.get("head_tokens_source"):
-        console.print(f"  head ranking: {opts['head_tokens_source']}", highlight=False)
+    if opts.get("head_tokens_source"):  # the trimmed head: its N and where its ranking came from
+        console.print(f"  head: {opts['head_tokens_source']}", highlight=False, markup=False, soft_wrap=True)
     console.print("  an exported speculator stays the dense draft (what vLLM serves); the prepared copy is the "
                   "decoder's own", highlight=False)
 
@@ -266,8 +266,13 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
     table.add_column("measure")
     table.add_column("value", justify="right")
     fmt = lambda v, f="{:.3f}": "—" if v is None else f.format(v)
+    head = s.get("draft_head")  # a trimmed head: its N, of how many ranked ids, and where the ranking came from
+    ranked = f"{head['ranked']:,}" if head and head.get("ranked") else "?"
+    kept = f"{head['tokens']:,} of {ranked} tokens, {head.get('source') or 'ranking'}" if head else ""
+    head_rows = [("trimmed draft head (FR-Spec)", kept)] if head else []
     rows = [
         ("prompts", str(s["prompts"])),
+        *head_rows,
         ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
         ("acceptance rate 95% CI (bootstrap over prompts)",
          format_interval(s.get("acceptance_rate_ci95"), s["prompts"], drafted=s.get("proposed"))),
