@@ -264,3 +264,26 @@ def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swappe
                                                                       answer_only=True, dtype="float32"))
     with pytest.raises(DumpError, match="top_k differ"):
         TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "k8")])
+
+
+def test_dump_self_teacher_writes_the_drafts_dump_and_refuses_the_flags_that_do_not_apply(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    base = ["dump", "--self-teacher", pair["draft"], "--target", pair["target"], "--prompts", str(prompts),
+            "--generate", "4", "--dtype", "float32"]
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "st")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    m = load_manifest(tmp_path / "st")
+    assert m["teacher"]["kind"] == "draft-as-given" and m["top_k"] == 1 and m["config"]["generate"] == 4
+    assert m["sequences"] == 3 and "trained positions: draft distribution / hard label" in r.output
+    for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --self-teacher"),
+                        (["--seed", "3"], "--seed do(es) not apply")):
+        r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})
+        assert r.exit_code == 2 and says in r.output, r.output
+    r = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", str(prompts), "--token-level",
+                                 "--out", str(tmp_path / "y")], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "need --self-teacher" in r.output and not (tmp_path / "y").exists()

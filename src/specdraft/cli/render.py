@@ -505,6 +505,12 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
         ("teacher forward (tokens/s)", "—" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.1f}"),
         ("final norm", f"{m['final_norm']} (lm_head(h) checked against the target's logits every batch)"),
     ]
+    if teacher := m.get("teacher"):  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
+        sig = m.get("signal") or {}
+        rows[-2:] = [("teacher", f"{teacher['ref']} as given ({teacher['kind']}), in --target's tokenizer"),
+                     ("answers ended by a stop id", f"{sig.get('ended', '—')} of {sig.get('answers', '—')}"),
+                     ("trained positions: draft distribution / hard label",
+                      f"{sig.get('soft_positions', '—')} / {sig.get('hard_positions', '—')}")]
     if r["generate_tokens_per_s"] is not None:
         rows.append(("generation (new tokens/s)", f"{r['generated_tokens']:,} at {r['generate_tokens_per_s']:,.1f}"))
     if m.get("head"):

@@ -49,6 +49,7 @@ from specdraft.config import (
     ModelDtype,
     Precision,
     Scheduler,
+    SelfTeacherConfig,
     TrainWhat,
 )
 
@@ -88,7 +89,41 @@ def headroom(
     print_headroom(r.forecast, sure, out)
 
 
+#: The dump flags a self-teacher dump has no use for (it stores top-k hard labels or the draft's distribution of its
+#: greedy answers, on answer positions only), refused when typed beside --self-teacher.
+NOT_SELF_TEACHER = {"format": "--format", "hidden_dtype": "--hidden-dtype", "answer_only": "--answer-only",
+                    "temperature": "--temperature", "seed": "--seed"}
+#: The dump flags a self-teacher dump reads (:class:`specdraft.config.SelfTeacherConfig`'s fields), and those above.
+SELF_TEACHER_FLAGS = (*NOT_SELF_TEACHER, "top_k", "generate", "max_length", "truncate", "batch_size", "shard_size_mb",
+                      "dtype", "token_level")
+
+
+def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, source, out: Path, texts: list[Path],
+                       given: dict) -> dict:
+    """``dump --self-teacher``: the library call (:func:`specdraft.self_teacher.run_self_teacher`) with the dump flags
+    that apply; a flag typed that does not apply is one error line, and --top-logprobs / --generate left untyped take
+    the self-teacher's defaults (1 slot: a hard label; 256 tokens)."""
+    from specdraft.cli.errors import err_console, fail
+    from specdraft.self_teacher import run_self_teacher
+
+    # By name: typer's click (vendored or not) has its own ParameterSource enum.
+    typed = {k for k in given if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+    if wrong := [NOT_SELF_TEACHER[k] for k in NOT_SELF_TEACHER if k in typed]:
+        fail(f"{', '.join(wrong)} do(es) not apply with --self-teacher: the draft answers greedily, the dump stores "
+             "top-k hard labels (or the draft's distribution, --token-level) on the answers")
+    keep = {k: given[k] for k in ("max_length", "truncate", "batch_size", "shard_size_mb", "dtype", "token_level")}
+    keep |= {k: given[k] for k in ("top_k", "generate") if k in typed}
+    config = SelfTeacherConfig(num_examples=source.limit, offset=source.offset, **keep)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("self-teacher"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+                  TimeElapsedColumn(), console=err_console) as pg:
+        return run_self_teacher(draft, target, source.name, out, config, texts=texts,
+                                progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
+
+
 def dump(
+    ctx: typer.Context,
     out: Path = out_option(...),
     target: str = target_option(),
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump keeps every "
@@ -106,12 +141,24 @@ def dump(
     batch_size: int = config_option(DumpConfig, "batch_size"),
     shard_size_mb: float = config_option(DumpConfig, "shard_size_mb"),
     dtype: ModelDtype = dtype_option(DumpConfig),
+    self_teacher: Annotated[str | None, typer.Option(
+        "--self-teacher", metavar="DRAFT",
+        help="The teacher is this draft as given, not the target: it answers the prompts greedily in its own "
+             "tokenizer (--generate N tokens, default 256) and the dump holds its answers re-encoded in --target's "
+             "tokenizer, hard labels (--top-logprobs slots, default 1), to distil its re-indexed copy on "
+             "(specdraft vocab-swap). --target then gives the tokenizer and chat template only: no target weights "
+             "load.")] = None,
+    token_level: bool = config_option(SelfTeacherConfig, "token_level"),
+    text: Annotated[list[Path] | None, typer.Option(
+        "--text", metavar="FILE", help="With --self-teacher: a plain text file (Python sources, say) cut into --max-length "
+                       "sequences, every position a hard label (repeatable).")] = None,
 ) -> None:
     """Store the target's distribution over a dataset (teacher dump).
 
     Runs the target once over every sequence and stores its distribution in shards plus a manifest in --out (new,
     empty, or an unfinished or finished dump of the same plan: resumed / verified); a killed run resumes where it
-    stopped. Runs data-parallel under accelerate launch / torchrun."""
+    stopped. Runs data-parallel under accelerate launch / torchrun. With --self-teacher DRAFT the draft as given is
+    the teacher (specdraft.self_teacher)."""
     import time
 
     from rich.progress import (
@@ -123,7 +170,7 @@ def dump(
         TimeRemainingColumn,
     )
 
-    from specdraft.cli.errors import err_console
+    from specdraft.cli.errors import err_console, fail
     from specdraft.dump import run_dump
     from specdraft.prompts import parse_source
 
@@ -137,6 +184,13 @@ def dump(
     check_out(out, overwrite=None)  # resumable: an unfinished or finished dump of the same plan is continued
     read_prompts(prompts, strides=False)  # every line checked, and what will run said, before any model loads
     resolve_with_progress(target, "--target")
+    if self_teacher is not None or token_level or text:
+        if self_teacher is None:
+            fail("--token-level and --text need --self-teacher DRAFT (the draft as given is their teacher)")
+        resolve_with_progress(self_teacher, "--self-teacher")
+        given = {k: v for k, v in locals().items() if k in SELF_TEACHER_FLAGS}
+        print_dump(_self_teacher_dump(ctx, self_teacher, target, source, out, text or [], given), out, time.time() - t0)
+        return
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
         m = run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
