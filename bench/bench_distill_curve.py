@@ -102,6 +102,67 @@ class CurveCallback:
             f"{n} {v['acceptance']:.3f} ({v['gain']:+.3f})" for n, v in point["sets"].items()), flush=True)
 
 
+def prepare_stages(cfg, work: Path, command: str, log=print, dump: bool = True) -> dict:
+    """The main job's stages before training, cached in ``work`` (:class:`specdraft.pipeline.Runner`): check →
+    ``eval_before`` (the target's held-out answers) → ``vocab_swap`` (the re-indexed draft, replayed) → with ``dump``
+    the target's teacher dump of the preset. Returns ``{"runner", "plan", "before", "swap", "dump", "dump_seconds"}``
+    (the last two None without ``dump``)."""
+    runner = pl.Runner(work, command, log)
+    plan = pl._preflight(cfg, work, log, None, None)
+    fingerprint = {"target": cfg.target, "draft": cfg.draft}
+    serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
+    eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
+                                 "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
+    runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, pl._check_stage(cfg, plan))
+    before = runner.stage("eval_before", eval_inputs, pl._eval_stage(cfg, plan, plan.draft.path, True, log=log,
+                                                                    stage="eval_before"))
+    swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype}, pl._swap_stage(cfg, plan, before))
+    out = {"runner": runner, "plan": plan, "before": before, "swap": swap, "dump": None, "dump_seconds": None}
+    if dump:
+        out |= target_dump(cfg, work, command, runner, plan, log)
+    return out
+
+
+def target_dump(cfg, work: Path, command: str, runner, plan, log=print) -> dict:
+    """The preset's target dump stage (cached in ``work/dump``): ``{"dump": its result, "dump_seconds"}``."""
+    dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
+    dump = runner.stage("dump", dump_inputs, pl._dump_stage(cfg, plan, command, log))
+    return {"dump": dump, "dump_seconds": json.loads((work / "dump" / "stage.json").read_text())["seconds"]}
+
+
+def replay_setup(cfg, plan, before: dict, swap: dict) -> tuple:
+    """What the curve replays: ``(tokenizer, prompt ids per set, baseline per set (the re-indexed draft's rows and the
+    target's answers), stop ids)`` for :class:`CurveCallback`."""
+    from specdraft.data import encode_prompts
+    from specdraft.evaluate import eos_ids
+    from specdraft.models import load_model, load_tokenizer
+
+    tok = load_tokenizer(swap["path"])
+    prompt_ids = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
+    draft0, _ = load_model(swap["path"], dtype="bfloat16")
+    eos = eos_ids(draft0, tok)
+    del draft0
+    baseline = {name: swap["sets"][name] | {"answers": before["sets"][name]["answers"]} for name in plan.sets}
+    return tok, prompt_ids, baseline, eos
+
+
+def start_point(swap: dict, minutes: float) -> dict:
+    """Step 0 of a curve: the re-indexed draft as swapped, at ``minutes`` (the teacher signal's)."""
+    return {"step": 0, "train_minutes": 0.0, "cpu_minutes": minutes,
+            "sets": {n: {"acceptance": s["acceptance_rate"], "gain": 0.0, "gain_ci95": [0.0, 0.0],
+                         "prompts": len(s["rows"])} for n, s in swap["sets"].items()}}
+
+
+def write_result(out: Path, name: str, result: dict) -> Path:
+    """``out/<name>.json``, written atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="default", help="the pipeline preset whose road and route are run")
@@ -120,10 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         ap.error("--steps and --every must be ≥ 1")
-    from specdraft.data import encode_prompts
     from specdraft.distill import run_distill
-    from specdraft.evaluate import eos_ids
-    from specdraft.models import load_model, load_tokenizer
 
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     cfg = pl.make_config(args.preset, train_prompts=args.train_prompts)
@@ -131,28 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"preset {args.preset!r} has no vocabulary swap: this curve starts from the re-indexed draft")
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    runner = pl.Runner(work, command, print)
-    plan = pl._preflight(cfg, work, print, None, None)
-    fingerprint = {"target": cfg.target, "draft": cfg.draft}
-    serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
-    eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
-                                 "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
-    runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, pl._check_stage(cfg, plan))
-    before = runner.stage("eval_before", eval_inputs, pl._eval_stage(cfg, plan, plan.draft.path, True, log=print,
-                                                                    stage="eval_before"))
-    swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype}, pl._swap_stage(cfg, plan, before))
-    dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
-    dump = runner.stage("dump", dump_inputs, pl._dump_stage(cfg, plan, command, print))
-    dump_seconds = json.loads((work / "dump" / "stage.json").read_text())["seconds"]
+    stages = prepare_stages(cfg, work, command)
+    plan, before, swap, dump, dump_seconds = (stages[k] for k in ("plan", "before", "swap", "dump", "dump_seconds"))
     if args.prepare_only:
         return {"work": str(work), "dump_minutes": dump_seconds / 60}
 
-    tok = load_tokenizer(swap["path"])
-    prompt_ids = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
-    draft0, _ = load_model(swap["path"], dtype="bfloat16")
-    eos = eos_ids(draft0, tok)
-    del draft0
-    baseline = {name: swap["sets"][name] | {"answers": before["sets"][name]["answers"]} for name in plan.sets}
+    tok, prompt_ids, baseline, eos = replay_setup(cfg, plan, before, swap)
     overrides = {}
     for item in args.set:
         field, sep, value = item.partition("=")
@@ -167,9 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     curve_path = work / "curve.json"
     cb = CurveCallback(args.every, tok, prompt_ids, baseline, cfg.eval.num_speculative_tokens,
                        cfg.eval.max_new_tokens, eos, curve_path, dump_seconds / 60)
-    start = {"step": 0, "train_minutes": 0.0, "cpu_minutes": dump_seconds / 60,
-             "sets": {n: {"acceptance": s["acceptance_rate"], "gain": 0.0, "gain_ci95": [0.0, 0.0],
-                          "prompts": len(s["rows"])} for n, s in swap["sets"].items()}}
+    start = start_point(swap, dump_seconds / 60)
     gc.collect()
     t0 = time.time()
     res = run_distill(cfg.target, swap["path"], work / "dump", work / f"distill-{args.result_name}", dcfg,
@@ -197,11 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "held_out": best["sets"]["held_out"]},
         "x_axis": "CPU-minutes = the dump's minutes + training minutes to the step (replays left out), 2 cores",
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{args.result_name}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    write_result(args.out, args.result_name, result)
     print(json.dumps({"best": result["best"], "wall_minutes": result["wall_minutes"]}))
     return result
 
