@@ -225,7 +225,7 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     gain = acceptance_gain(report)
     assert gain.value == paired_gain_from_rows(base["rows"], report["eval_after"]["sets"]["held_out"]["rows"]).value
     first = summary_sections(report)[0][1][0]
-    assert first[0] == "mapped (text): per proposed"  # the proposal regime it was counted in
+    assert first[0] == "mapped/text: per proposed"  # the proposal regime it was counted in
     assert first[1].startswith(f"{report['eval_before']['sets']['held_out']['acceptance_rate']:.3f}")
     from specdraft.report import questions_and_answers
 
@@ -237,7 +237,7 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert "with the distilled draft" in said["How much faster will it be?"]
     assert "yes after the vocabulary swap" in said["Can these two work together?"]
     titles = [t for t, _ in summary_sections(report) if "speed" in t]
-    assert titles and all(t.endswith("before = the draft as given, mapped (text)") for t in titles)
+    assert titles and all(t.endswith("before = the draft as given, mapped/text") for t in titles)
     # The forecast compares p and q id by id: it ran on the re-indexed draft, the one that is trained.
     assert report["headroom"]["draft"] == swap["path"] and report["headroom"]["positions"] > 0
     # Its pass also gives the swap diagnostic over the same held-out answers; its verdict names the dominant kind.

@@ -199,7 +199,7 @@ def test_a_draft_is_never_paired_with_itself_at_another_gamma_and_every_row_name
     r["eval_after"]["sets"]["held_out"] |= {"gamma": 2, "gamma_policy": "adaptive"}
     assert acceptance_gain(r) is None and "fixed vs adaptive γ" in unpaired_reason(r)
     r["eval_after"]["sets"]["held_out"] |= {"gamma_policy": "fixed", "proposals": "tokens"}
-    assert "own tokens vs mapped (tokens)" in unpaired_reason(r)
+    assert "own tokens vs mapped/tokens" in unpaired_reason(r)
     r["eval_after"]["sets"]["held_out"]["proposals"] = None  # one regime again: the gain is paired
     assert unpaired_reason(r) is None and acceptance_gain(r).prompts == 24
     for label, _, _ in rows:
@@ -215,7 +215,10 @@ def test_a_draft_is_never_paired_with_itself_at_another_gamma_and_every_row_name
 @pytest.mark.parametrize("mode", ["text", "tokens"])
 def test_a_mapped_row_names_the_proposal_regime_it_was_counted_in(mode):
     """The draft as given, decoded through the vocabulary mapping, read "as given, mapped: acceptance" whether its
-    proposals were its greedy text re-encoded or the token intersection."""
+    proposals were its greedy text re-encoded or the token intersection; each row names the regime, on one line."""
+    from rich.console import Console
+
+    from specdraft.cli import summary_tables
     from specdraft.report import SUMMARY_LEGEND, summary_sections
 
     mapped = _eval_set(26, 0.6) | {"proposals": mode, "alpha": 0.7, "alpha_ci95": [0.6, 0.8]}
@@ -224,11 +227,16 @@ def test_a_mapped_row_names_the_proposal_regime_it_was_counted_in(mode):
          "config": {"eval": {"mapped_proposals": mode, "sampling": {"temperature": 0.0}}}}
     sections = summary_sections(r)
     labels = [k for k, _, _ in sections[0][1]]
-    assert labels[:2] == [f"mapped ({mode}): per proposed", f"mapped ({mode}): per reached"]
+    assert labels[:2] == [f"mapped/{mode}: per proposed", f"mapped/{mode}: per reached"]
     assert sections[0][1][0][1].startswith("0.650 [")
-    assert sections[1][0].endswith(f"before = the draft as given, mapped ({mode})")
+    assert sections[1][0].endswith(f"before = the draft as given, mapped/{mode}")
     assert ("text proposals" in SUMMARY_LEGEND) and ("token intersection" in SUMMARY_LEGEND)
+    console = Console(record=True, width=80)
+    for table in summary_tables(r):
+        console.print(table)
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80 and f"│ mapped/{mode}: per reached" in text
     # A report written before the mode was recorded: the run's eval config says it (greedy default: text).
     del mapped["proposals"]
     r["config"]["eval"]["mapped_proposals"] = None
-    assert summary_sections(r)[0][1][0][0] == "mapped (text): per proposed"
+    assert summary_sections(r)[0][1][0][0] == "mapped/text: per proposed"

@@ -73,7 +73,7 @@ def baseline_sets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 #: What each proposal mode of a mapped draft (:func:`specdraft.drafters.proposal_mode`) counts, in the words the
-#: summary's legend gives a row labelled ``mapped (<mode>)``.
+#: summary's legend gives a row labelled ``mapped/<mode>``.
 PROPOSAL_WORDS = {"text": "text proposals (the draft's greedy text re-encoded in the target's tokens)",
                   "tokens": "token intersection (the draft's tokens that have a twin in the target's vocabulary)"}
 
@@ -110,7 +110,7 @@ class CountingRegime:
         if self.gamma_policy != other.gamma_policy:
             said.append(f"{self.gamma_policy} vs {other.gamma_policy} γ")
         if self.proposals != other.proposals:
-            words = lambda p: "own tokens" if p is None else f"mapped ({p})"
+            words = lambda p: "own tokens" if p is None else f"mapped/{p}"
             said.append(f"{words(self.proposals)} vs {words(other.proposals)}")
         return said
 
@@ -201,8 +201,8 @@ SUMMARY_LEGEND = ("Intervals in brackets are 95% bootstrap CIs over prompts; gai
                   "greedy proposal equals the target's token, per answer token (the same at any γ: the figure to "
                   "compare); per reached = accepted / drafted positions verification tested; per proposed = accepted "
                   "/ proposed drafts in the rounds the section's title names (it moves with γ: a per-proposed gain "
-                  "is shown only between counts of one γ, γ policy and proposal mode); mapped (text) / mapped "
-                  "(tokens) = the draft as given, decoded through the vocabulary mapping with " + PROPOSAL_WORDS["text"]
+                  "is shown only between counts of one γ, γ policy and proposal mode); mapped/text / "
+                  "mapped/tokens = the draft as given, decoded through the vocabulary mapping with " + PROPOSAL_WORDS["text"]
                   + " / " + PROPOSAL_WORDS["tokens"] + ".")
 
 
@@ -221,7 +221,7 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
     they rest on and α at the serving settings; then per timed set the interleaved speed run. An acceptance
     section's title names the rounds it was counted in (γ and γ policy); its per-proposed gain is refused, marked
     ``not paired: …``, when the two sides were counted in different regimes (:func:`unpaired_reason`). Rows of the
-    draft as given through a vocabulary mapping name its proposal mode (``mapped (text)``, ``mapped (tokens)``).
+    draft as given through a vocabulary mapping name its proposal mode (``mapped/text``, ``mapped/tokens``).
     Labels are short (a section names the set, the legend says what the brackets hold and what each definition
     counts, one figure per row), so each row of the terminal table stays on one line at 80 columns."""
     sections: list[tuple[str, list[tuple[str, str, str]]]] = []
@@ -240,10 +240,10 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         mode = counting_regime(mapped, report, mapped=True).proposals
         rows = [] if not swapped else [
             # The draft as given, decoded through the vocabulary mapping; the columns below are the re-indexed draft.
-            (f"mapped ({mode}): per proposed", mw(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
+            (f"mapped/{mode}: per proposed", mw(mapped["acceptance_rate"], mapped.get("acceptance_rate_ci95")),
              "—"),
             # Decoded counts hold no matched proposals: the swap's cost compares accepted / reached on both sides.
-            (f"mapped ({mode}): per reached", mw(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
+            (f"mapped/{mode}: per reached", mw(mapped.get("alpha"), mapped.get("alpha_ci95")), "—"),
         ]
         if b.get("match_rate") is not None or a.get("match_rate") is not None:
             rows += [("matched / answer token", bw(b.get("match_rate"), b.get("match_rate_ci95")),
@@ -285,7 +285,7 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
             ("output = target alone", o.matches_target or "—" if o else "—", d.matches_target or "—" if d else "—"),
         ]
         busy = " (busy machine)" if sp.busy_machine else ""
-        before = f"; before = the draft as given, mapped ({_speed_proposals(report)})" if swapped else ""
+        before = f"; before = the draft as given, mapped/{_speed_proposals(report)}" if swapped else ""
         sections.append((f"{SET_LABELS.get(name, name)} set, {sp.prompts} prompts: speed, interleaved{busy}{before}",
                          rows))
     return sections
@@ -648,8 +648,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         *([] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]),
         *([] if not (sw := r.get("vocab_swap")) else [
             (f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
-             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *mapped "
-             f"({counting_regime(next(iter(sets.values())), r, mapped=True).proposals})*); "
+             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *mapped/"
+             f"{counting_regime(next(iter(sets.values())), r, mapped=True).proposals}*); "
              f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
              f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
              "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
