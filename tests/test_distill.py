@@ -848,7 +848,7 @@ def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_trainin
     ds = TeacherDataset(tmp_path / "dump")
     longest = max(len(ds.tokens(i)["input_ids"]) for i in range(len(ds)))
     monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
-    with pytest.raises(DistillError, match=r"longest sequence '[\w-]+' \((\d+) tokens\) exceeds the draft's context "
+    with pytest.raises(DistillError, match=r"longest sequence '[\w:-]+' \((\d+) tokens\) exceeds the draft's context "
                                            r"window \(16\)") as err:
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
     assert int(err.value.args[0].split("(")[1].split(" ")[0]) == longest > 16
