@@ -47,17 +47,23 @@ class CurveCallback:
     replays left out, acceptance and paired gain per set) to ``path``, rewritten atomically."""
 
     def __init__(self, every: int, tok, prompt_ids: dict, baseline: dict, gamma: int, max_new_tokens: int,
-                 eos: list[int], path: Path, dump_minutes: float):
+                 eos: list[int], path: Path, dump_minutes: float, measure_start: bool = False):
         from transformers import TrainerCallback
 
         self.every, self.tok, self.prompt_ids, self.baseline = every, tok, prompt_ids, baseline
+        # measure_start: step 0 is this callback's own replay of the draft as training receives it (untied, in the
+        # replay's bf16 copy), and every later gain is paired against it, so no point differs from step 0 by how it
+        # was measured rather than by training.
+        self.measure_start = measure_start
         self.gamma, self.max_new_tokens, self.eos, self.path = gamma, max_new_tokens, eos, path
         self.dump_minutes, self.points, self.replay_seconds, self.t0 = dump_minutes, [], 0.0, None
         outer = self
 
         class _CB(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kw):
+            def on_train_begin(self, args, state, control, model=None, **kw):
                 outer.t0 = time.time()
+                if outer.measure_start and not outer.points:
+                    outer.measure(state.global_step, model.draft, rebase=True)
 
             def on_step_end(self, args, state, control, model=None, **kw):
                 if state.global_step % outer.every == 0 or state.global_step == args.max_steps:
@@ -65,7 +71,7 @@ class CurveCallback:
 
         self.callback = _CB()
 
-    def counts(self, draft) -> dict:
+    def counts(self, draft, rebase: bool = False) -> dict:
         from specdraft.testing import replay_greedy
 
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -76,19 +82,21 @@ class CurveCallback:
                                        self.eos, real_vocab=len(self.tok), pad_id=pad)
                 rows = [{"id": r["id"], "accepted": sum(c.accepted), "proposed": sum(c.proposed)}
                         for r, c in zip(b["rows"], counts, strict=True)]
+                if rebase:
+                    b["rows"] = rows
                 g = paired_gain_from_rows(b["rows"], rows)
                 out[name] = {"acceptance": sum(r["accepted"] for r in rows) / max(1, sum(r["proposed"] for r in rows)),
                              "gain": g.value, "gain_ci95": list(g.interval), "prompts": len(rows),
                              "proposed": sum(r["proposed"] for r in rows)}
         return out
 
-    def measure(self, step: int, draft) -> None:
+    def measure(self, step: int, draft, rebase: bool = False) -> None:
         t = time.time()
         train_minutes = (t - self.t0 - self.replay_seconds) / 60
         was_training = draft.training
         copy_ = copy.deepcopy(draft).to(torch.bfloat16).eval()
         point = {"step": step, "train_minutes": train_minutes, "cpu_minutes": self.dump_minutes + train_minutes,
-                 "sets": self.counts(copy_)}
+                 "sets": self.counts(copy_, rebase)}
         del copy_
         draft.train(was_training)
         gc.collect()

@@ -139,9 +139,12 @@ def main(argv: list[str] | None = None) -> dict:
     st_minutes = json.loads((work / "self_teacher" / "stage.json").read_text())["seconds"] / 60
 
     tok, prompt_ids, baseline, eos = curve.replay_setup(cfg, plan, before, swap)
-    points = [curve.start_point(swap, st_minutes)]
+    # Step 0 is the callback's own replay of the untied re-indexed draft (gains paired against it); the pipeline's
+    # vocab_swap figure stays in "sets" as re_indexed.
+    points = []
     cb1 = curve.CurveCallback(args.every, tok, prompt_ids, baseline, cfg.eval.num_speculative_tokens,
-                              cfg.eval.max_new_tokens, eos, work / "curve-phase1.json", st_minutes)
+                              cfg.eval.max_new_tokens, eos, work / "curve-phase1.json", st_minutes,
+                              measure_start=True)
     gc.collect()
     t0 = time.time()
     res1, dcfg1 = distil(cfg, swap["path"], st["dump"], work / "distill-self", overrides, args.steps, cb1)
