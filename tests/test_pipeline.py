@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -247,6 +248,16 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     spec = tmp_path / "run" / "export" / "speculator"
     assert check_compatible(str(tdir), str(spec)).verdict == "identical"  # it now speaks the target's tokenizer
     assert "re-indexed into the target's tokenizer" in (tmp_path / "run" / "report.md").read_text()
+    # The draft as given is written too, for vLLM's text proposer, and offered beside the distilled one with both
+    # measured acceptances.
+    given = report["export"]["as_given"]
+    assert check_compatible(str(tdir), given["path"]).verdict == "mismatch" and given["drafting"] == "text"
+    assert json.loads((Path(given["path"]) / "config.json").read_text())["speculators_config"][
+        "default_proposal_method"] == "text"
+    offer = (f"accepted {report['eval_before']['sets']['held_out']['acceptance_rate']:.3f} of its proposals as given "
+             f"(mapped/text) against {report['eval_after']['sets']['held_out']['acceptance_rate']:.3f} re-indexed")
+    assert offer in said["Can I ship it?"] and offer in (tmp_path / "run" / "report.md").read_text()
+    assert '"method": "custom_class"' in said["Can I ship it?"]
     from specdraft.report import render_markdown
 
     for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):

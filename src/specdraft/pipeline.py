@@ -557,10 +557,15 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
     return run
 
 
-def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path) -> Callable[[Path], dict[str, Any]]:
+def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path,
+                  mapped: bool = False) -> Callable[[Path], dict[str, Any]]:
     """Export the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
     counted over the teacher dump's target-written answers plus the embedded training prompts
-    (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator."""
+    (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator.
+
+    For a draft of another tokenizer (``mapped``), the draft as given is written too, into
+    ``export/speculator-as-given`` (its own tokenizer, the ``"text"`` proposal method: vLLM serves it through
+    specdraft's ``custom_class`` proposer, :func:`specdraft.export.export_draft`), so the page can offer both."""
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
@@ -587,6 +592,13 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
                             overwrite=True)
             res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
                            "llama_cpp_command": g.command}
+        if mapped:
+            from specdraft.export import export_draft
+
+            given = export_draft(plan.draft.path, cfg.target, d / "speculator-as-given",
+                                 num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)
+            res["as_given"] = {"path": str(given.out), "vllm_command": given.vllm_command,
+                               "drafting": given.serve.drafting}
         return res
 
     return run
@@ -669,8 +681,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
             raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
                                 f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
     export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": HEAD_TOKENS_FORMAT,
+                                                      "as_given": mapped,
                                                       **({"gguf": cfg.export_gguf} if cfg.export_gguf else {})},
-                          _export_stage(cfg, plan, distilled["speculator"], out / "dump"))
+                          _export_stage(cfg, plan, distilled["speculator"], out / "dump", mapped))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
               "vocab_swap": swap, "headroom": headroom, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed.to_dict() if speed else None,

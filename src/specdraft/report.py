@@ -414,10 +414,29 @@ def speed_notes(report: dict[str, Any]) -> list[str]:
 def exported_draft(report: dict[str, Any]) -> str:
     """Which draft the export holds and why, in words: the distilled one, always (the run's product), and for a
     draft of another tokenizer the reason the original could not be exported instead."""
-    why = ("the draft as given speaks another tokenizer, which vLLM and llama.cpp cannot serve"
+    why = ("the draft as given speaks another tokenizer: vLLM's draft_model and llama.cpp's -md serve only the "
+           "re-indexed one"
            if swap_baseline(report) is not None or (report.get("check") or {}).get("verdict") == "mismatch"
            else "the run exports the draft it trained; the draft as given is unchanged where it was")
     return f"the distilled draft ({why})"
+
+
+def as_given_offer(report: dict[str, Any]) -> str | None:
+    """For a draft of another tokenizer whose run also wrote it as given (``export.as_given``): the sentence that
+    offers it beside the distilled draft, with both held-out acceptances measured by the run (the draft as given
+    through the mapping, ``eval_before``; the re-indexed and distilled one, ``eval_after``), and which engine serves
+    which. ``None`` otherwise."""
+    given = (report.get("export") or {}).get("as_given")
+    if not given:
+        return None
+    name = "held_out" if "held_out" in report["eval_before"]["sets"] else next(iter(report["eval_before"]["sets"]))
+    before = report["eval_before"]["sets"][name]
+    after = (report.get("eval_after") or {}).get("sets", {}).get(name, {})
+    regime = counting_regime(before, report, mapped=True).proposals
+    return (f"The draft as given is written too, `{given['path']}`: vLLM serves it drafting through text "
+            f"(specdraft's custom_class proposer) with `{given['vllm_command']}`. On the {SET_LABELS.get(name, name)} "
+            f"it accepted {_fmt(before.get('acceptance_rate'))} of its proposals as given (mapped/{regime}) against "
+            f"{_fmt(after.get('acceptance_rate'))} re-indexed and distilled; llama.cpp serves only the re-indexed one.")
 
 
 def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
@@ -585,6 +604,7 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` holds {exported_draft(r)}, an independent "
                 f"speculator (a plain transformers "
                 f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`.{caveat}"
+                + (f" {offer}" if (offer := as_given_offer(r)) else "")
                 if exp else "no export was written."))
     return out
 
@@ -688,6 +708,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         *[f"Note: {n}" for n in exp.get("vllm_notes", [])],
         *([""] if exp.get("vllm_notes") else []),
         *([] if not (tpl := exp.get("chat_template")) else [f"Chat template: {tpl['note']}.", ""]),
+        *([] if (offer := as_given_offer(r)) is None else [offer, ""]),
         "| stage | seconds | |",
         "| --- | ---: | --- |",
         *[f"| {k} | {v['seconds']:.1f} | {'skipped (done earlier)' if v['skipped'] else ''} |"
