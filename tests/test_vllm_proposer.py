@@ -5,6 +5,7 @@ changes), the speculator it serves (exported as given, proposal method "text") a
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import types
@@ -98,6 +99,31 @@ def test_a_changed_context_trims_the_drafters_cache_to_the_common_prefix(pair):
     assert d.draft_ids[0][:len(new)] == new
     # holes aside, the cache holds the kept prefix, the re-read rest and the γ−1 drafts read while drafting
     assert int(d.stream.n_real[0]) == len(new) + GAMMA - 1
+
+
+def _older_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                   use_cache=None, logits_to_keep=0, **unused):
+    """A causal LM's forward as transformers 5.19 (vLLM 0.32's pin) spells it: the KV cache is ``past_key_values``
+    and any other keyword is taken into ``**unused`` and ignored (there: passed on to attention, which ignores it)."""
+    return type(self).__mro__[1].forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                         position_ids=position_ids, cache=past_key_values, use_cache=use_cache,
+                                         logits_to_keep=logits_to_keep)
+
+
+def test_a_draft_whose_forward_takes_past_key_values_drafts_with_its_cache(pair):
+    """vLLM runs the proposer under its own transformers, whose models name the cache ``past_key_values``: handed
+    ``cache=`` they would read each fed token without its context, and propose other tokens."""
+    _, draft, mapping, t_tok, _ = pair
+    older = copy.deepcopy(draft)
+    older.__class__ = type("OlderArgs", (type(draft),), {"forward": _older_forward})
+    new, old = TextDrafts(draft, mapping, GAMMA, 300), TextDrafts(older, mapping, GAMMA, 300)
+    ctx = _ids(t_tok, "for index in range(count):\n    print(")
+    rounds = [ctx + extra for extra in ([], _ids(t_tok, "index"), _ids(t_tok, "index, total)"))]
+    want = [new.propose([c])[0] for c in rounds]
+    assert [old.propose([c])[0] for c in rounds] == want
+    assert max(map(len, want)) > 1  # a round of several draft tokens: its drafting steps read the cache
+    held = [d.entries[0].drafter.stream.cache.get_seq_length() for d in (old, new)]
+    assert held[0] == held[1] > 0
 
 
 def test_a_new_request_gets_a_fresh_drafter_and_unused_ones_are_dropped(pair):

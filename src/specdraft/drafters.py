@@ -108,6 +108,7 @@ class Stream:
         # and cannot crop back across the window (RuntimeError in DynamicCache.crop); the window itself is applied
         # by the attention mask, which transformers builds from model.config.sliding_window.
         self.cache = DynamicCache()
+        self.cache_keyword = cache_keyword(model)
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, L]
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.width = width
@@ -124,8 +125,8 @@ class Stream:
         pos = (self.n_real[:, None] + chunk_mask.cumsum(dim=1) - 1).clamp(min=0)
         attn = torch.cat([self.mask, chunk_mask], dim=1)
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=self.cache,
-                         use_cache=True, **kwargs)
+        kwargs[self.cache_keyword] = self.cache
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kwargs)
         self.mask = attn
         self.n_real = self.n_real + chunk_mask.sum(dim=1)
         self.calls += 1
@@ -167,6 +168,18 @@ class Stream:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
         self.n_real = self.n_real[rows]
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``"cache"`` (transformers 5.24, specdraft's pin), or
+    ``"past_key_values"`` for a forward that names only that (transformers 5.19, which vLLM 0.32's environment pins
+    and where :mod:`specdraft.vllm_proposer` runs the draft). Such a forward takes an unknown keyword into
+    ``**kwargs`` and ignores it, so a cache passed as ``cache`` there is silently dropped: every pass then reads
+    only the tokens fed to it."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
