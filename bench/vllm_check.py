@@ -21,15 +21,20 @@ the target's without its last merges and with every id renumbered (:func:`other_
 specdraft's ``custom_class`` proposer, :mod:`specdraft.vllm_proposer`): two-path (``--additional-config``) and
 one-path (plugin), greedy as above, plus
 
-- ``churn``: at most 3 requests at a time, each prompt with its own length (16 + 4·i tokens), so requests finish and
-  join mid-batch: each output equals the target alone's prefix, acceptance within ±0.05 of specdraft's on the same
-  lengths;
+- ``churn``: at most 3 requests at a time, each prompt with its own length (16 + 4·i tokens), in a KV cache of 3
+  usable blocks of 32 tokens (``CHURN_ENGINE``: one request fits, three do not), so requests finish, join and are
+  preempted (recomputed later) mid-batch: vLLM must report preemptions; each output equals the target alone's prefix;
+  acceptance within ±0.05 of specdraft's on the same lengths; and every proposal vLLM got equals what a fresh
+  drafter (no cache, no other request) proposes after the same target ids, so no request's draft cache went wrong.
+  The proposer there is :class:`RecordingProposer` (specdraft's, recording each slot's context and proposal).
 - ``sampled``: ``SAMPLED_DRAWS`` requests of 2 tokens at temperature ``SAMPLED_TEMPERATURE``, one seed each, on one
   prompt: the second token is the one vLLM verifies against the draft's proposal, so the joint law of the two must be
   the target's (χ² against the exact law, cells of expected count < 5 pooled, p > 0.001). Negative control: the
   same draws against the law a broken acceptance would give (every first proposal accepted unverified, computed
   here from the same proposer) must fail (p < 1e-6). It controls the test's power to tell the target's law from
-  that one; vLLM offers no way to switch its verification off, so no broken engine is run.
+  that one; vLLM offers no way to switch its verification off, so no broken engine is run. vLLM 0.32's CPU build
+  breaks sampled verification for every proposer (:func:`fix_cpu_expand`); this run repairs that one kernel in its
+  own process and records that it had to.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from specdraft.vllm_proposer import TextProposer
 
 VOCAB = 300  # tokenizer size
 PADDED = 320  # the padded draft's output width
@@ -60,7 +67,13 @@ CONTROLS = {"control-no-plugin:draft": "transformer_layer_config",
             "control-no-hetero:draft-padded": "same vocabulary size"}
 SAMPLED_DRAWS = 2000
 SAMPLED_TEMPERATURE = 1.0
-CHURN_SEQS = 3
+# The churn run: 3 requests at a time in a KV cache too small for them (4 blocks of 32 tokens, one held back by vLLM:
+# one request of max_model_len 96 fits, as vLLM requires; three of up to 71 do not), so vLLM preempts requests and
+# recomputes them later. 32: the smallest block the CPU attention kernels take.
+CHURN_ENGINE = {"max_num_seqs": 3, "max_model_len": 96, "block_size": 32, "num_gpu_blocks_override": 4}
+#: The churn run's proposer (specdraft's, recording) and the file it records to.
+RECORDING_PROPOSER = "vllm_check.RecordingProposer"
+PROPOSALS_ENV = "SPECDRAFT_CHECK_PROPOSALS"
 TEXT_DROPPED_MERGES = 2  # the text draft's tokenizer: the target's without its last merges, ids renumbered
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -227,13 +240,16 @@ def run_vllm(plan: dict, config: str) -> dict:
 
     t0 = time.time()
     kind, _, draft = config.partition(":")  # "alone", "two-path:draft", "one-path:draft-padded", ...
-    engine = ENGINE | ({"max_num_seqs": CHURN_SEQS} if kind == "churn" else {})
+    engine = ENGINE | (CHURN_ENGINE if kind == "churn" else {})
+    if kind == "sampled":  # the engine's worker in this process, where fix_cpu_expand can reach its sampler
+        engine |= {"distributed_executor_backend": "uni"}
     if kind == "alone":
         llm = LLM(model=plan["dirs"]["target"], **ENGINE)
     elif kind in ("two-path", "churn", "sampled"):
         run = plan["runs"][draft]
         extra = {"additional_config": run["additional_config"]} if run.get("additional_config") else {}
-        llm = LLM(model=run["target"], speculative_config=run["speculative_config"], **engine, **extra)
+        spec = run["speculative_config"] | ({"model": RECORDING_PROPOSER} if kind == "churn" else {})
+        llm = LLM(model=run["target"], speculative_config=spec, **engine, **extra)
     elif kind == "control-no-hetero":  # the command as it was before: expected to be refused
         run = plan["runs"][draft]
         spec = {k: v for k, v in run["speculative_config"].items() if k != "use_heterogeneous_vocab"}
@@ -242,6 +258,7 @@ def run_vllm(plan: dict, config: str) -> dict:
         # (control-no-plugin: the same with VLLM_PLUGINS set to none, expected to stop in vLLM's parser)
         llm = LLM(model=plan["runs"][draft]["speculator"], **ENGINE)
     load_s = time.time() - t0
+    expand = fix_cpu_expand() if kind == "sampled" else None
     if kind == "sampled":  # one seed per request: independent draws of the first two tokens
         prompt = plan["sampled"]["prompt"]
         params = [SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=2, seed=i) for i in range(SAMPLED_DRAWS)]
@@ -252,8 +269,8 @@ def run_vllm(plan: dict, config: str) -> dict:
     else:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
         outs = llm.generate([{"prompt_token_ids": ids} for ids in plan["prompts"]], params, use_tqdm=False)
-    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and
-                hasattr(m, "value")}
+    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith(("vllm:spec_decode",
+                "vllm:num_preemptions")) and hasattr(m, "value")}
     spec_cfg = llm.llm_engine.vllm_config.speculative_config
     return {"config": config, "load_s": round(load_s, 1), "model": llm.llm_engine.vllm_config.model_config.model,
             "speculative": None if spec_cfg is None else {"method": spec_cfg.method, "model": spec_cfg.model,
@@ -262,7 +279,61 @@ def run_vllm(plan: dict, config: str) -> dict:
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "drafted": counters.get("vllm:spec_decode_num_draft_tokens"),
             "accepted": counters.get("vllm:spec_decode_num_accepted_tokens"),
-            "drafts": counters.get("vllm:spec_decode_num_drafts"), "versions": versions()}
+            "drafts": counters.get("vllm:spec_decode_num_drafts"), "preemptions": counters.get("vllm:num_preemptions"),
+            "max_model_len": engine["max_model_len"], "cpu_expand": expand, "versions": versions()}
+
+
+class RecordingProposer(TextProposer):
+    """specdraft's proposer (:class:`specdraft.vllm_proposer.TextProposer`, unchanged), appending each step's
+    ``[target ids, proposal]`` per slot that sampled a token to the file named by ``$SPECDRAFT_CHECK_PROPOSALS`` (one
+    JSON line per step): the churn run's record, checked against fresh drafters by :func:`check_proposals`."""
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs):
+        out = super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=slot_mappings,
+                              **kwargs)
+        rows = [[token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist(), out[i]]
+                for i, sampled in enumerate(sampled_token_ids) if sampled]
+        with open(os.environ[PROPOSALS_ENV], "a") as fh:
+            fh.write(json.dumps(rows) + "\n")
+        return out
+
+
+def fix_cpu_expand() -> dict:
+    """Repair, in this process, the kernel that makes vLLM 0.32's CPU build verify sampled drafts against garbage.
+
+    Without Triton, vLLM's CPU platform runs the rejection sampler's ``expand_kernel`` (each request's temperature
+    written to each of its draft positions, ``expand_batch_to_tokens``) as
+    ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which passes the C++ kernel ``_ensure_int64(output)``: for
+    float32 temperatures a converted copy, so the real output is never written and stays ``new_empty`` memory. The
+    target's logits at every draft position are then divided by garbage (rows of NaN, uniform or one-hot
+    distributions), whatever the proposer (a constant one too), while the target alone, which expands nothing, samples
+    its law. Greedy requests never use the temperature. When the expansion is broken here, a correct one is
+    registered in its place through vLLM's own kernel-override registry (``vllm.triton_utils.dispatcher.
+    register_kernels``, what the CPU platform itself uses), so the check tests the rest of vLLM's verification; the
+    engine's worker must run in this process (``distributed_executor_backend="uni"``,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``MAX_NUM_TOKENS``: the kernel's own keyword, unused here.
+
+    Returns:
+        ``{"broken": the expansion was wrong here, "fixed": it is right now}``.
+    """
+    import torch
+    from vllm.triton_utils.dispatcher import register_kernels
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    def works() -> bool:
+        got = expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3)
+        return got.tolist() == [0.5, 2.0, 2.0]
+
+    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # tokens per request
+        vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        expanded = vals.repeat_interleave(counts)
+        output[: expanded.numel()] = expanded.to(output.dtype)
+
+    broken = not works()
+    if broken:
+        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand})
+    return {"broken": broken, "fixed": works()}
 
 
 def run_server(plan: dict, draft: str, log: Path, python: str, port: int = 8765, timeout_s: float = 300) -> dict:
@@ -348,6 +419,7 @@ def main() -> int:
     out = args.out.absolute()
     if args.child:
         plan = json.loads((out / "plan.json").read_text())
+        os.environ[PROPOSALS_ENV] = str(proposals_path(out, args.child))  # the engine's processes inherit it
         result = run_vllm(plan, args.child)
         (out / f"vllm-{args.child.replace(':', '-')}.json").write_text(json.dumps(result))
         return 0
@@ -364,6 +436,11 @@ def main() -> int:
         log = out / f"vllm-{config.replace(':', '-')}.log"
         # VLLM_PLUGINS="" is an allow-list that names no plugin (vllm/plugins/__init__.py): specdraft's is off.
         env = os.environ | ENV | ({"VLLM_PLUGINS": ""} if config.startswith("control-no-plugin") else {})
+        # The engine imports RecordingProposer from this file's folder; the sampled run keeps the engine in its process.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
+        if config.startswith("sampled"):
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        proposals_path(out, config).unlink(missing_ok=True)
         with open(log, "w") as fh:
             rc = subprocess.run([args.vllm_python, __file__, "--out", str(out), "--child", config], check=False,
                                 stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
@@ -379,7 +456,7 @@ def main() -> int:
             results["server"] = {"error": str(exc)}
         print(f"server one-path: {results['server'].get('error', 'served')}")
 
-    report = check(plan, results)
+    report = check(plan, results, out)
     report |= {"versions": versions(), "vllm_versions": results.get("alone", {}).get("versions", {}), "seconds": round(time.time() - t0, 1), "plan": {
         k: plan[k] for k in ("runs", "specdraft", "specdraft_text", "specdraft_churn")}, "vllm": results}
     (out / "results.json").write_text(json.dumps(report, indent=2))
@@ -391,7 +468,12 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def check(plan: dict, results: dict) -> dict:
+def proposals_path(out: Path, config: str) -> Path:
+    """Where :class:`RecordingProposer` records a configuration's proposals."""
+    return out / f"proposals-{config.replace(':', '-')}.jsonl"
+
+
+def check(plan: dict, results: dict, out: Path) -> dict:
     """The assertions, each recorded with its figures."""
     checks = []
 
@@ -421,10 +503,18 @@ def check(plan: dict, results: dict) -> dict:
         text = config.endswith("draft-text")
         if config.startswith("sampled"):
             check_sampled(plan["sampled"], r, record)
+            expand = r.get("cpu_expand") or {}
+            record(f"{config}: vLLM's per-token temperatures right in the run", expand.get("fixed", False),
+                   "vLLM's CPU expand kernel was broken and was repaired in the run (fix_cpu_expand)"
+                   if expand.get("broken") else "vLLM's own expansion")
         else:
             expected = [a[:n] for a, n in zip(alone, churn_lengths())] if config.startswith("churn") else alone
             same = sum(a == b for a, b in zip(r["tokens"], expected, strict=True))
             record(f"{config}: greedy output = vLLM target alone", same == len(alone), f"{same}/{len(alone)} prompts")
+        if config.startswith("churn"):
+            record(f"{config}: vLLM preempted requests mid-batch", (r.get("preemptions") or 0) > 0,
+                   f"{r.get('preemptions')} preemptions")
+            check_proposals(plan, proposals_path(out, config), r["max_model_len"], record, config)
         method = "custom_class" if text else "draft_model"
         record(f"{config}: {method}, γ = {GAMMA}, verifier = target",
                r["speculative"] and r["speculative"]["method"] == method
@@ -461,6 +551,26 @@ def check(plan: dict, results: dict) -> dict:
                 record(f"server (one-path): acceptance within ±{TOLERANCE} of specdraft's", abs(diff) <= TOLERANCE,
                        f"vLLM {s['acceptance_rate']:.3f} ({s['accepted']}/{s['drafted']}): {diff:+.3f}")
     return {"checks": checks}
+
+
+def check_proposals(plan: dict, path: Path, max_model_len: int, record, config: str) -> None:
+    """Every proposal vLLM got (recorded by :class:`RecordingProposer`) against a fresh drafter's after the same target
+    ids: a drafter with no cache and no other request, so a draft cache kept wrong across rounds, slots, finished,
+    joined or preempted requests shows as a difference."""
+    import torch
+
+    from specdraft.vllm_proposer import TextDrafts, load_text_drafts
+
+    steps = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [row for step in steps for row in step]
+    ref = load_text_drafts(plan["runs"]["draft-text"]["speculator"], plan["dirs"]["target"], VOCAB, GAMMA,
+                           dtype=torch.float32)
+    differ = [(ctx, got) for ctx, got in rows if got != TextDrafts(ref.draft, ref.mapping, GAMMA, VOCAB).propose(
+        [ctx], [min(GAMMA, max_model_len - len(ctx))])[0]]
+    proposed = sum(1 for _, got in rows if got)
+    record(f"{config}: every proposal = a fresh drafter's after the same target ids", rows and not differ,
+           f"{len(rows) - len(differ)}/{len(rows)} slot-steps ({proposed} with proposals)"
+           + (f"; first differing: context …{differ[0][0][-6:]} got {differ[0][1]}" if differ else ""))
 
 
 def reference_key(config: str) -> str:

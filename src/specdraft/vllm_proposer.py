@@ -23,7 +23,10 @@ sampler then treats q as one-hot on the proposed token (``vllm/v1/sample/rejecti
 runs the same rule in ``vllm/utils/cpu_triton_utils.py``). A token is d with probability p(d), and otherwise a draw
 from p restricted to the other tokens, probability (1 − p(d)) · p(x) / (1 − p(d)) = p(x): the target's law, whatever
 the draft proposed (Leviathan et al. 2023, Theorem 3.5 with q = δ_d). Greedy requests accept d exactly when it is
-the target's argmax. ``make test-vllm`` checks both in vLLM itself (docs/serving.md).
+the target's argmax. ``make test-vllm`` checks both in vLLM itself (docs/serving.md). One engine bug stands in the
+way on vLLM 0.32's CPU build without Triton, whatever the proposer: its ``expand_kernel`` replacement never writes
+the per-token temperatures, so sampled requests are verified against garbage logits (greedy ones are not affected);
+``bench/vllm_check.py``'s ``fix_cpu_expand`` says how and repairs it for the check.
 
 Where the draft is: the speculator directory (the draft's weights, config.json naming the verifier, the draft's
 tokenizer files), from ``additional_config["specdraft_speculator"]`` (``--additional-config``, what
