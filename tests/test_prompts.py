@@ -231,3 +231,16 @@ def test_a_prompt_id_that_repeats_is_refused_naming_every_place_before_any_model
                                  "--eval-prompts", other, "--out", str(tmp_path / "run")])
     (line,) = _lines(r.output, "error:")
     assert r.exit_code == 2 and "'p:line-1'" in line and not no_models, r.output
+
+
+def test_an_unknown_source_is_one_error_line_naming_the_flag_as_typed(tmp_path, no_models):
+    """`--prompts nosuchset` said "Unknown prompt source 'nosuchset'" without the flag, unlike every other spec error."""
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    for cmd, flag in (("eval", "--prompts"), ("run", "--eval-prompts")):
+        r = CliRunner().invoke(app, [cmd, flag, "nosuchset", "--out", str(tmp_path / cmd)], terminal_width=200)
+        assert r.exit_code == 2, r.output
+        line = [x for x in r.output.splitlines() if x.startswith("error:")]
+        assert line and line[0].startswith(f"error: {flag} 'nosuchset': Unknown prompt source 'nosuchset'"), r.output

@@ -95,7 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
                     "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto",
                     "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+4 GB once: bfloat16 copies of the models), ~25 min with the "
+        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~25 min with the "
                  "models cached",
     },
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
@@ -128,7 +128,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "dump": _DUMP | {"generate": 12, "max_length": 256, "batch_size": 3},
         "distill": {"loss": "tvd", "train": "last_layers", "train_last_layers": 1, "lr": 3e-5, "max_steps": 2,
                     "batch_size": 1, "held_out_fraction": 0.34, "save_steps": 1, "on_policy_fraction": 0.5},
-        "needs": "2 CPU cores, ~14 GB RAM, ~3 GB disk, a few minutes with the models cached",
+        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+14 GB once: the models converted and their bfloat16 copies), "
+                 "a few minutes with the models cached",
     },
     # Tiny random models (tests).
     "tiny": {
@@ -162,7 +163,7 @@ def first_line(cfg: PipelineConfig, out: str | Path) -> str:
     said to hold for the preset's own pair when the run names another."""
     preset = PRESETS.get(cfg.preset, {})
     own = (preset.get("target", DEFAULT_TARGET), preset.get("draft", DEFAULT_DRAFT))
-    needs = cfg.needs if own == (cfg.target, cfg.draft) else f"{cfg.needs} with its own pair {own[0]} ← {own[1]}"
+    needs = cfg.needs if own == (cfg.target, cfg.draft) else f"{cfg.needs}; measured for its own pair {own[0]} ← {own[1]}"
     return f"specdraft run: target {cfg.target} ← draft {cfg.draft}, preset {cfg.preset} (needs {needs}) → {out}"
 
 

@@ -258,7 +258,12 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
     resolved = [_resolve(spec, held_out, flag, strides) for spec in specs]  # every spec parsed before any read
     picks, examples, seen = [], [], set()
     for spec, (source, written_limit) in zip(specs, resolved, strict=True):
-        rows, total = source._rows()
+        try:
+            rows, total = source._rows()
+        except DataError as exc:
+            if str(exc).startswith("Unknown prompt source"):  # a file's error names its path and line already
+                raise DataError(f"{flag} {spec!r}: {exc}") from exc
+            raise
         repeats = 0
         if unique:
             fresh = []

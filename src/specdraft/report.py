@@ -541,8 +541,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     for name, sp in speed_sets(r).items():
         spec = sp.of_kind("speculative")
         best = max(spec, key=lambda k: spec[k].speedup or 0, default=None)
-        if swap_baseline(r) is not None and DISTILLED in sp.contenders:
-            best = DISTILLED  # the original speaks another tokenizer: the shippable draft leads
+        if DISTILLED in sp.contenders:
+            best = DISTILLED  # the exported draft leads: the answer is about what ships (the original: a note)
         if best is None:
             continue
         b: ContenderSpeed = sp.contenders[best]
@@ -557,7 +557,7 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         verdicts.append(word)
         faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b.speedup:.2f}x the target alone "
                       f"{format_interval(b.speedup_ci95, sp.prompts, '{:.2f}')} with the {Contender.from_name(best).draft} draft{vs_hf}, "
-                      f"outputs equal {b.matches_target or '—'} ({sp.prompts} prompts × "
+                      f"outputs equal {b.matches_target or '—'} ({sp.prompts} prompt{'s' if sp.prompts != 1 else ''} × "
                       f"{sp.max_new_tokens or '?'} tokens{'; busy machine' if sp.busy_machine else ''})")
     if (conf := configuration_line(r)) is not None:
         faster.append(f"configuration: {conf}")
