@@ -101,7 +101,7 @@ def table(report: dict) -> str:
     alone = res.get("alone", {})
     lines = [(f"{report['n_prompts']} HumanEval held-out prompts × {report['max_new_tokens']} new tokens, greedy, "
               f"γ = {GAMMA}, batch 1, float32, vLLM CPU ({report['versions'].get('cpus')} CPUs)."), "",
-             "| configuration | drafting | acceptance (accepted / drafted) | tokens/s | vs target alone | output = target alone |",
+             "| configuration | drafting | acceptance (accepted / drafted) | tokens/s | vs target alone [95% CI, paired over prompts] | output = target alone |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for config in CONFIGS:
         r = res.get(config)
@@ -110,13 +110,26 @@ def table(report: dict) -> str:
             continue
         acc = f"{r['accepted'] / r['drafted']:.3f} ({r['accepted']}/{r['drafted']})" if r.get("drafted") else "—"
         speed = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "—"
-        ratio = (f"{r['tokens_per_s'] / alone['tokens_per_s']:.2f}×" if config != "alone" and alone.get("tokens_per_s")
-                 else "—")
+        ratio = "—"
+        if config != "alone" and alone.get("rows"):
+            from specdraft.stats import paired_ratio_ci  # tokens/s over tokens/s, paired by prompt
+
+            e = paired_ratio_ci([len(x["tokens"]) for x in r["rows"]], [x["seconds"] for x in r["rows"]],
+                                [len(x["tokens"]) for x in alone["rows"]], [x["seconds"] for x in alone["rows"]])
+            ratio = f"{e.value:.2f}× [{e.low:.2f}, {e.high:.2f}]"
         same = "—" if config == "alone" or "rows" not in alone else \
             f"{sum(a['tokens'] == b['tokens'] for a, b in zip(r['rows'], alone['rows']))}/{len(r['rows'])}"
         drafting = {"alone": "—", "as-given": "text (custom_class)", "re-indexed": "token ids (draft_model)"}[config]
         lines.append(f"| {config} | {drafting} | {acc} | {speed} | {ratio} | {same} |")
     return "\n".join(lines)
+
+
+def write_docs(md: str) -> None:
+    """The table between docs/serving.md's markers."""
+    doc = ROOT / "docs/serving.md"
+    head, _, rest = doc.read_text().partition(DOCS_START)
+    _, _, tail = rest.partition(DOCS_END)
+    doc.write_text(f"{head}{DOCS_START}\n{md}\n{DOCS_END}{tail}")
 
 
 def main() -> int:
@@ -128,8 +141,16 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB).")
     ap.add_argument("--results", type=Path, default=ROOT / "bench/results/vllm-serving-cpu.json")
     ap.add_argument("--docs", action="store_true", help="Rewrite the table in docs/serving.md.")
+    ap.add_argument("--render", action="store_true", help="Print (and with --docs write) the table of --results "
+                    "again, running nothing.")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.render:
+        md = table(json.loads(args.results.read_text()))
+        print(md)
+        if args.docs:
+            write_docs(md)
+        return 0
     out = args.out.absolute()
     env = os.environ | ENV | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
     if args.child:
@@ -163,11 +184,7 @@ def main() -> int:
     md = table(report)
     print(md)
     if args.docs:
-        doc = ROOT / "docs/serving.md"
-        text = doc.read_text()
-        head, _, rest = text.partition(DOCS_START)
-        _, _, tail = rest.partition(DOCS_END)
-        doc.write_text(f"{head}{DOCS_START}\n{md}\n{DOCS_END}{tail}")
+        write_docs(md)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
