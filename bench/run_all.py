@@ -234,7 +234,53 @@ def _render_distillation() -> list[str]:
     lines += _render_swap_routes()
     lines += _render_long_curve() + _render_budget_routes()
     lines += _render_long_curve("distill-curve-hour.json", "What an hour buys — the best route, run long")
+    lines += _render_self_teacher_curve()
     return lines + _render_headroom_calibration()
+
+
+def _render_self_teacher_curve(name: str = "swap-self-teacher.json",
+                               title: str = "The draft as given teaches its re-indexed self") -> list[str]:
+    """The self-teacher route (``bench/swap_routes/self_teacher.py``): the draft as given writes answers in its own
+    tokenizer, re-encoded in the target's; the re-indexed draft learns them; held-out acceptance against
+    CPU-minutes, every point paired against the curve's own step 0."""
+    r = _load(name)
+    if not r:
+        return []
+    st, rt, sets = r["self_teacher"], r["route"], r["sets"]
+    sig = st["signal"]
+    soft = sig.get("soft_positions", 0)
+    labels = f"{soft:,} with the draft's mapped distribution, the rest hard labels" if soft else "hard labels"
+    phase2 = r.get("phase2")
+    lines = [f"## {title}", "",
+             (f"`{r['command']}` — {r['machine']}, torch {r['torch']}. Teacher: {r['pair']['draft']} as given, "
+              f"greedy answers of up to {st['config']['generate']} tokens to {sig['answers']} training prompts "
+              f"({', '.join(st['train_prompts'])}; never the held-out sets), re-encoded in the target's tokenizer: "
+              f"{st['sequences']} sequences, {st['trained_tokens']:,} trained positions "
+              f"({labels}), "
+              f"{st['minutes']:.1f} min, no target compute. Student: the re-indexed draft, {rt['loss']} (on hard labels "
+              f"the cross-entropy), body lr {rt['lr']:g}, rows lr {rt['row_lr']:g}, head untied, "
+              f"{rt['batch_size'] * rt['gradient_accumulation_steps']} sequences per step, {rt['scheduler']} over "
+              f"{r['steps']} steps"
+              + (f", then {phase2['steps']} steps on the target's dump ({phase2['dump']['sequences']} sequences)"
+                 if phase2 else "")
+              + f". Every {r['every']} steps a bf16 copy is replayed on the target's held-out answers (code: "
+              f"{sets['held_out']['prompts']} prompts, {', '.join(sets['held_out']['sources'])}; chat: "
+              f"{sets['ood']['prompts']} prompts, {', '.join(sets['ood']['sources'])}), greedy acceptance "
+              "(accepted / proposed, fixed γ 5), paired against step 0, the same replay of the untrained re-indexed "
+              "draft (95% bootstrap over prompts). CPU-minutes = the teacher signal + training to the step on 2 "
+              "cores, replays left out."), "",
+             "| step | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] |",
+             "| ---: | ---: | ---: | --- | ---: | --- |"]
+    for pt in r["points"]:
+        c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
+        lines.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
+                     f"{_ci(c['gain_ci95'])} | {o['acceptance']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} |")
+    b = r["best"]
+    lines += ["", (f"The draft as given, through the vocabulary mapping: code {sets['held_out']['as_given_mapped']:.3f}, "
+                   f"chat {sets['ood']['as_given_mapped']:.3f} (the main job's decoding). Best held-out code: "
+                   f"{b['held_out']['acceptance']:.3f} at step {b['step']} ({b['cpu_minutes']:.0f} CPU-minutes). "
+                   f"Wall {r['wall_minutes']:.0f} min, replays {r['replay_minutes']:.1f} min of it."), ""]
+    return lines
 
 
 def _render_long_curve(name: str = "distill-curve-default.json",
