@@ -235,6 +235,8 @@ def _render_distillation() -> list[str]:
     lines += _render_long_curve() + _render_budget_routes()
     lines += _render_long_curve("distill-curve-hour.json", "What an hour buys — the best route, run long")
     lines += _render_self_teacher_curve()
+    lines += _render_self_teacher_curve("swap-self-teacher-long.json",
+                                        "The draft as given teaches its re-indexed self, run longer, then the target")
     return lines + _render_headroom_calibration()
 
 
