@@ -182,7 +182,8 @@ def cache_keyword(model) -> str:
     return "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -395,7 +396,7 @@ class MappedDrafter(Drafter):
         and the seconds of the read when it was the first (the draft's prompt prefill), else 0."""
         n_keep, feeds = [], []
         for j, new in enumerate(contexts):
-            n = min(_common_prefix(self.draft_ids[j], new), len(new) - 1)  # feed ≥ 1 token for logits
+            n = min(common_prefix(self.draft_ids[j], new), len(new) - 1)  # feed ≥ 1 token for logits
             n_keep.append(n)
             feeds.append(new[n:])
             self.draft_ids[j] = list(new)
@@ -490,7 +491,7 @@ def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], target
     cands = []
     for j, k in enumerate(ks):
         alone, joined = encoded[j], encoded[b + j]
-        n = _common_prefix(alone, joined)
+        n = common_prefix(alone, joined)
         cands.append(list(joined[n:k + n]) if n == len(alone) and new_text[j] else [])
     from torch.nn.utils.rnn import pad_sequence
 

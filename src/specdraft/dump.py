@@ -453,16 +453,7 @@ def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], R
     header = dict(header, identity=identity)
     writer = _RankWriter(out, rank, world, plan, identity, header, config, items, mine, dropped_before_split,
                          None, None, None, progress, rows_of=rows_of)
-    writer.resume()
-    t_work = time.time()
-    writer.report()
-    for rec in writer.bad:
-        writer.records.remove(rec)
-        writer.write_range(rec["start"], rec["end"], rec["index"], one_shard=True)
-    if writer.next_item < len(mine):
-        writer.write_range(writer.next_item, len(mine), writer.next_index, one_shard=False)
-    writer.run["seconds"] = round(time.time() - t_work, 3)
-    writer.save_state("complete")
+    writer.write_all(len(mine))
     return writer.finish(barrier, t_start)
 
 
@@ -543,16 +534,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     # ---- resume, write, save, finish ---------------------------------------------------------------------------
     writer = _RankWriter(out, rank, world, plan, identity, header, config, items, mine, dropped_before_split,
                          model, tokenizer, teacher, progress)
-    writer.resume()
-    t_work = time.time()
-    writer.report()
-    for rec in writer.bad:
-        writer.records.remove(rec)
-        writer.write_range(rec["start"], rec["end"], rec["index"], one_shard=True)
-    if writer.next_item < n_mine:
-        writer.write_range(writer.next_item, n_mine, writer.next_index, one_shard=False)
-    writer.run["seconds"] = round(time.time() - t_work, 3)
-    writer.save_state("complete")
+    writer.write_all(n_mine)
     return writer.finish(barrier, t_start)
 
 
@@ -572,6 +554,19 @@ class _RankWriter:
         self.rows_of = rows_of  # another teacher's batches (write_dump); None: the target's (teacher)
         self.sampling = SamplingConfig(temperature=config.temperature) if rows_of is None else None
         self.limit = config.shard_size_mb * 1e6
+
+    def write_all(self, n_mine: int) -> None:
+        """Resume, redo the shards found bad, write the rest of this rank's ``n_mine`` items, mark it complete."""
+        self.resume()
+        t_work = time.time()
+        self.report()
+        for rec in self.bad:
+            self.records.remove(rec)
+            self.write_range(rec["start"], rec["end"], rec["index"], one_shard=True)
+        if self.next_item < n_mine:
+            self.write_range(self.next_item, n_mine, self.next_index, one_shard=False)
+        self.run["seconds"] = round(time.time() - t_work, 3)
+        self.save_state("complete")
 
     def resume(self) -> None:
         """Read this rank's state: shards that verify are kept, the others are to be redone (:attr:`bad`); temporary

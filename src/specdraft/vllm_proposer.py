@@ -55,15 +55,6 @@ class ProposerError(RuntimeError):
     """The proposer cannot find or load its speculator (names what is missing and how to give it)."""
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 @dataclass
 class _Entry:
     """One request's drafter and the target ids it last drafted after (``history``); ``used``: the round it last
@@ -113,6 +104,8 @@ class TextDrafts:
     def assign(self, contexts: Sequence[Sequence[int] | None]) -> list[_Entry | None]:
         """Each context's drafter: the unclaimed kept one sharing its longest prefix (> 0), else a new one;
         ``None`` for a ``None`` context (a slot that proposes nothing this round)."""
+        from specdraft.drafters import common_prefix
+
         claimed: set[int] = set()
         out: list[_Entry | None] = []
         for ctx in contexts:
