@@ -551,13 +551,16 @@ def calibrate(result: dict):
     ns = sorted({c["n_max"] for c in spec})
     target = f"{a['target']} ({Path(result['ggufs']['target']).name})"
     summary = result.get("summary") or {}
+    # The result's path as the repository names it: the file may have been written from another checkout (CI clones
+    # elsewhere), so the path is read from its own parts, not made relative to this one.
+    result_path = Path(a.get("result") or RESULT)
+    parts = result_path.parts
+    shown = ("/".join(parts[-3:]) if parts[-3:-1] == ("bench", "results") else result_path.name)
     said = (f"fitted to {len(runs)} llama.cpp runs of {target} — plain and with {', '.join(drafts)} at n_max "
             f"{', '.join(map(str, ns))} — on {prompt_label(a)}, {a['max_new_tokens']} new tokens, {a['threads']} "
             f"threads, {v['machine']}, {v['llama.cpp']}")
     provenance = {
-        "said": said, "result": placeholders(str(Path(a.get("result") or RESULT).relative_to(ROOT.parent))
-                                             if Path(a.get("result") or RESULT).is_relative_to(ROOT.parent)
-                                             else Path(a.get("result") or RESULT).name),
+        "said": said, "result": shown,
         "command": placeholders(result["command"]), "machine": v["machine"], "llama.cpp": v["llama.cpp"],
         "target_gguf": Path(result["ggufs"]["target"]).name,
         "draft_ggufs": {d: Path(result["ggufs"][d]).name for d in drafts},
