@@ -272,6 +272,45 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
         assert "keep the original draft" not in md
 
 
+def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own_answers(tmp_path):
+    """The dump stage's teacher is the draft as given (no target weights read for it): its manifest names the draft,
+    the distillation trains the re-indexed copy on it through a restricted head; a config without the vocabulary
+    swap is refused, and a pair of one tokenizer (nothing re-indexed) is taught by the target on the full head."""
+    import pydantic
+
+    from specdraft.dump_reader import load_manifest
+    from specdraft.models import model_fingerprint
+    from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+
+    tdir, ddir = tmp_path / "models" / "target", tmp_path / "models" / "draft"
+    for vocab, tok, d, seed, layers in ((300, tiny_bpe_tokenizer(300), tdir, 0, 2),
+                                        (360, tiny_bpe_tokenizer(360, seed=1), ddir, 1, 1)):
+        tiny_model("llama", vocab, seed=seed, layers=layers).save_pretrained(d)
+        tok.save_pretrained(d)
+    train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
+    route = {"loss": "soft_ce", "head_support": 16, "on_policy_fraction": 0.0, "lr": 1e-3}
+    with pytest.raises(pydantic.ValidationError, match="needs vocab_swap"):
+        make_config("tiny", target=str(tdir), draft=str(ddir), self_teacher={"generate": 6}, distill=route)
+    cfg = make_config("tiny", target=str(tdir), draft=str(ddir), vocab_swap=True, speed_prompts=0,
+                      self_teacher={"generate": 6, "max_length": 64, "dtype": "float32"}, distill=route)
+    report = run_pipeline(cfg, tmp_path / "run", eval_examples=ev, train_examples=train)
+    man = load_manifest(tmp_path / "run" / "dump")
+    assert report["dump"]["teacher"] == "draft-as-given" and man["teacher"]["kind"] == "draft-as-given"
+    assert man["teacher"]["weights"] == model_fingerprint(str(ddir))
+    assert report["dump"]["sequences"] == len(train) and report["dump"]["trained_tokens"] > 0
+    training = json.loads((tmp_path / "run" / "distill" / "training.json").read_text())
+    assert training["dump"]["sequences"] == len(train) and training["metrics"]["head_support"] < 300
+    assert report["eval_after"]["sets"]["held_out"]["rows"]  # the trained copy was evaluated like any distilled one
+    same_t, same_d = save_tiny_pair(tmp_path / "same", 96)
+    one_tok = make_config("tiny", target=same_t, draft=same_d, vocab_swap=True, speed_prompts=0,
+                          self_teacher={"generate": 6}, distill=route)
+    lines = []
+    report = run_pipeline(one_tok, tmp_path / "one", eval_examples=ev, train_examples=train, log=lines.append)
+    assert report["dump"]["teacher"] == "target" and load_manifest(tmp_path / "one" / "dump").get("teacher") is None
+    assert report["config"]["self_teacher"] is None and report["config"]["distill"]["head_support"] is None
+    assert any("the self-teacher does not apply" in line for line in lines)
+
+
 def test_every_preset_validates_and_exports_the_evaluated_gamma():
     from specdraft.config import PresetName
     from specdraft.pipeline import PRESETS

@@ -214,11 +214,11 @@ def swapped(pair):
     return str(out)
 
 
-def _distil(pair, swapped, dumps, out, steps=4):
+def _distil(pair, swapped, dumps, out, steps=4, **overrides):
     from specdraft.distill import run_distill
 
     cfg = DistillConfig(loss="soft_ce", lr=3e-3, row_lr=1e-2, untie_head=True, max_steps=steps, batch_size=4,
-                        held_out_fraction=0.0, logging_steps=1, save_steps=100, scheduler="constant")
+                        held_out_fraction=0.0, logging_steps=1, save_steps=100, scheduler="constant", **overrides)
     return run_distill(pair["target"], swapped, dumps, out, cfg, num_speculative_tokens=3)
 
 
@@ -246,6 +246,27 @@ def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_c
     losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert res["metrics"]["moved_fraction"] > 0.5
+
+
+def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level_one(pair, swapped, tmp_path):
+    from specdraft.distill import DistillError
+
+    hard, soft = tmp_path / "hard", tmp_path / "soft"
+    run_self_teacher(pair["draft"], pair["target"], _examples(), hard, SelfTeacherConfig(generate=10, dtype="float32"))
+    ds = TeacherDataset(hard)
+    data_ids = set()
+    for i in range(len(ds)):
+        data_ids.update(ds.tokens(i)["input_ids"].tolist())
+    res = _distil(pair, swapped, hard, tmp_path / "out", head_support=8)
+    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    # The support: the dump's ids plus at most 8 frequent ones, fewer rows than the head.
+    assert len(data_ids) <= res["metrics"]["head_support"] <= len(data_ids) + 8
+    assert res["metrics"]["head_support"] < ds.manifest["target"]["vocab_width"]
+    run_self_teacher(pair["draft"], pair["target"], _examples(), soft,
+                     SelfTeacherConfig(generate=10, dtype="float32", top_k=4, token_level=True))
+    with pytest.raises(DistillError, match="no leftover mass"):
+        _distil(pair, swapped, soft, tmp_path / "out-soft", head_support=8)
 
 
 def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swapped, tmp_path):

@@ -332,6 +332,12 @@ class DistillConfig(BaseModel):
         False, description="Give the output head its own copy of a tied input embedding before training, so an "
         "input row (what the draft reads) and an output row (what it proposes) can learn apart; the exported "
         "config.json then says tie_word_embeddings false. A no-op for an untied draft.")
+    head_support: int | None = Field(
+        None, ge=0, description="soft_ce against a teacher with no mass outside its stored ids (hard labels: a "
+        "self-teacher dump): compute the draft's head, softmax and loss over a support only — every token id of the "
+        "dump plus the N most frequent ids of the embedded training prompts — instead of the whole vocabulary. Exact "
+        "for the loss with the other rows masked; against the full head it is lower by the draft's log-mass outside "
+        "the support (specdraft.restricted_head). None = the full head.")
     prompt_positions: bool = Field(
         False, description="Also train the predictions inside each prompt, past the prefix every sequence of the "
         "dump shares (the chat template's system prompt): an answer-only dump holds the teacher there too, so a "
@@ -370,6 +376,12 @@ class DistillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> DistillConfig:
+        if self.head_support is not None and (self.loss != "soft_ce" or not self.serving_is_plain
+                                               or self.train == "lora" or self.on_policy_fraction > 0):
+            raise ValueError("--head-support restricts soft_ce against a stored teacher under plain serving: use it "
+                             "with --loss soft_ce, no serving filter, --train all or last_layers and no on-policy "
+                             f"data (got loss {self.loss}, train {self.train}, on_policy_fraction "
+                             f"{self.on_policy_fraction})")
         if self.precision != "float32" and self.dtype == "bfloat16":
             raise ValueError(f"--precision {self.precision} keeps float32 master weights under a bfloat16 forward: "
                              "use it with --dtype float32 (or keep --dtype bfloat16 with --precision float32)")
@@ -489,6 +501,10 @@ class PipelineConfig(BaseModel):
     eval: EvalConfig
     dump: DumpConfig
     distill: DistillConfig
+    self_teacher: SelfTeacherConfig | None = Field(
+        None, description="With vocab_swap: the dump stage's teacher is the draft as given, answering the training "
+        "prompts in its own tokenizer for its re-indexed copy (specdraft.self_teacher: no target compute), instead "
+        "of the target's answers; None = the target's dump (dump).")
     headroom: HeadroomConfig = Field(default_factory=HeadroomConfig, description="The forecast before training "
                                      "(its sure threshold and verdict bound; it runs on eval_before's answers).")
     refuse_overlap: bool = Field(False, description="Refuse (instead of warn) when train and eval prompts overlap.")
@@ -509,6 +525,9 @@ class PipelineConfig(BaseModel):
     def _check(self) -> PipelineConfig:
         if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_k)):
             raise ValueError(problem)  # before the dump is made, not once distillation reads it
+        if self.self_teacher is not None and not self.vocab_swap:
+            raise ValueError("self_teacher teaches a draft of another tokenizer's re-indexed copy: it needs vocab_swap "
+                             "(a draft of the target's tokenizer is distilled on the target's dump)")
         if self.vocab_swap and self.eval.draft_head_tokens is not None:
             raise ValueError("--draft-head-tokens keeps the most frequent target tokens in the draft's head; with "
                              "--vocab-swap the first evaluation reads the draft through a vocabulary mapping, whose "

@@ -278,7 +278,7 @@ class DistillModel(nn.Module):
 
     def __init__(self, draft, head_weight: torch.Tensor | None, head_bias: torch.Tensor | None, real_vocab: int,
                  config: DistillConfig, teacher_width: int | None = None, logit_ops=None, autocast: bool = False,
-                 trained_columns_only: bool = True):
+                 trained_columns_only: bool = True, support: torch.Tensor | None = None):
         super().__init__()
         from specdraft.models import takes_logits_to_keep
 
@@ -300,6 +300,11 @@ class DistillModel(nn.Module):
         self.register_buffer("head_weight", head_weight.detach() if head_weight is not None else None,
                              persistent=False)
         self.register_buffer("head_bias", head_bias.detach() if head_bias is not None else None, persistent=False)
+        if support is not None:
+            from specdraft.restricted_head import check_draft
+
+            check_draft(draft)
+        self.register_buffer("support", support, persistent=False)
 
     # Trainer looks these up on the model.
     @property
@@ -369,6 +374,9 @@ class DistillModel(nn.Module):
                 mask = mask[:, cols]
                 hidden, topk_logprobs, topk_ids, leftover_logmass = (
                     None if t is None else t[:, cols] for t in (hidden, topk_logprobs, topk_ids, leftover_logmass))
+        if self.support is not None:
+            return self._forward_restricted(input_ids, attention_mask, mask, keep.get("logits_to_keep"),
+                                            topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S or K, V]
@@ -399,6 +407,30 @@ class DistillModel(nn.Module):
             bound = (leftover_logmass.float().exp() if sparse and cfg.serving_is_plain else torch.zeros_like(alpha))
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
                              alpha=masked_mean(alpha, mask), alpha_bound=masked_mean(bound, mask), tokens=mask.sum())
+
+    def _forward_restricted(self, input_ids, attention_mask, mask, columns, topk_logprobs, topk_ids,
+                            leftover_logmass, num_items_in_batch):
+        """soft_ce through the head restricted to ``self.support`` (:mod:`specdraft.restricted_head`); the metrics
+        (top-1 agreement, TVD, α) over the support's softmax q_S, as the loss."""
+        from specdraft.restricted_head import RestrictedHeadError, restricted_logits, restricted_soft_ce
+
+        if topk_ids is None or bool((leftover_logmass.float().exp() * mask).gt(0).any()):
+            raise DistillError("--head-support needs a top-k teacher with no leftover mass (hard labels: a "
+                               "self-teacher dump without --token-level); this one spreads mass past its stored ids")
+        logits_s = restricted_logits(self.draft, self.support, input_ids, attention_mask, columns, self.autocast)
+        probs = topk_logprobs.float().exp()  # [B, S, k]
+        try:
+            per_pos, tvd_s = restricted_soft_ce(logits_s, topk_ids, probs, self.support, self.width, mask)
+        except RestrictedHeadError as e:
+            raise DistillError(str(e)) from e
+        loss = masked_mean(per_pos, mask, num_items_in_batch)
+        with torch.no_grad():
+            top1 = topk_ids.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1)
+            acc = (self.support[logits_s.argmax(-1)] == top1).float()
+            tvd_s = tvd_s.detach()
+        return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_s, mask),
+                             alpha=masked_mean(1 - tvd_s, mask), alpha_bound=masked_mean(torch.zeros_like(tvd_s), mask),
+                             tokens=mask.sum())
 
     def _forward_topk(self, d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch):
         """The loss and metrics against a top-k teacher, never building its full-width p
@@ -818,6 +850,7 @@ def train(
     callbacks: list | None = None,
     writer=None,
     origin: dict[str, Any] | None = None,
+    support: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Train ``draft`` with transformers' Trainer (runs unchanged under ``accelerate launch`` / ``torchrun``).
 
@@ -831,6 +864,7 @@ def train(
     draft reference); with the loss, the batch geometry and the draft's parameter shapes it is the run's identity
     (:func:`check_resume_origin`): checkpoints of another identity are refused, never resumed; ``resume=False``
     deletes them and starts over.
+    ``support``: ``[U] int64`` ids of a restricted head (``config.head_support``; :mod:`specdraft.restricted_head`).
 
     Returns:
         ``{"trainable_parameters", "moved_fraction", "steps", "history": [log dicts], "eval_before", "eval_after",
@@ -860,7 +894,7 @@ def train(
         precision, precision_reason = "bf16-autocast", (
             "dtype bfloat16: the trained parameters keep float32 master weights under a bfloat16 forward")
     model = DistillModel(draft, head_weight, head_bias, real_vocab, config, teacher_width=teacher_width,
-                         logit_ops=logit_ops, autocast=precision == "bf16-autocast")
+                         logit_ops=logit_ops, autocast=precision == "bf16-autocast", support=support)
     ckpt_dir = Path(output_dir) / "checkpoints"
     args = TrainingArguments(
         output_dir=str(ckpt_dir),
@@ -938,6 +972,33 @@ def train(
                                                       "refresh_steps": stream.refresh_steps}}
 
 
+def head_support(dataset, tokenizer, config: DistillConfig, widths: tuple[int, int]) -> torch.Tensor:
+    """The restricted head's support (:func:`specdraft.restricted_head.support_ids`): every token id of the dump's
+    sequences (the labels among them) plus the ``config.head_support`` most frequent ids of the embedded training
+    prompts (:func:`specdraft.draft_model.rank_tokens`).
+
+    Raises:
+        DistillError: the dump is not a top-k dump (a hidden-state teacher has mass on every id), or one of its
+            trained positions holds leftover mass (a token-level self-teacher, a target's top-k): before training.
+    """
+    from specdraft.draft_model import default_head_corpus, rank_tokens
+    from specdraft.restricted_head import support_ids
+
+    if dataset.manifest["format"] != "topk":
+        raise DistillError("--head-support needs a top-k dump with no leftover mass (hard labels: a self-teacher "
+                           "dump); a hidden-state teacher gives mass to every id")
+    data = set()
+    for i in range(len(dataset)):
+        item = dataset[i]
+        if bool((item["leftover_logmass"].float().exp().gt(0) & item["loss_mask"].bool()).any()):
+            raise DistillError(f"--head-support needs a top-k teacher with no leftover mass (hard labels: a "
+                               f"self-teacher dump without --token-level); sequence {item['id']!r} spreads mass "
+                               "past its stored ids")
+        data.update(item["input_ids"].tolist())
+    ranked = rank_tokens(tokenizer, token_lists=default_head_corpus(tokenizer)) if config.head_support else []
+    return support_ids(data, ranked, config.head_support or 0, width=min(widths))
+
+
 def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str | Path], out: str | Path,
                 config: DistillConfig | None = None, resume: bool = True, report_to: str = "none",
                 device: str | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
@@ -1006,6 +1067,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                   "dump with a --max-length the draft's window holds, or distil a draft with a longer window.",
                   error=DistillError)
     cut = count_cut_ties(dataset, config)  # before training: where the logged α is not the deployed one
+    support = head_support(dataset, draft_tok, config, widths) if config.head_support is not None else None
     train_idx, held_idx, split_counts = prompt_keyed_split(parts, dump_weights, config.held_out_fraction, config.seed)
     train_ds = Subset(dataset, train_idx)
     eval_ds = Subset(dataset, held_idx) if held_idx else None
@@ -1013,7 +1075,7 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
               else None)
     result = train(draft, head_w, head_b, real_vocab, train_ds, eval_ds, config, out, resume=resume,
                    teacher_width=teacher_width, report_to=report_to, logit_ops=dataset.logit_ops, writer=writer,
-                   callbacks=callbacks, origin=distill_origin(parts, draft_ref, dump_weights))
+                   callbacks=callbacks, origin=distill_origin(parts, draft_ref, dump_weights), support=support)
     del writer  # frees the target
     # Float32 master weights (master_weights) served their purpose: the export is in the dtype the draft was loaded
     # in, one dtype for every tensor, as a speculator's config.json records it.
@@ -1027,7 +1089,8 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                "precision": result["precision"], "precision_reason": result["precision_reason"],
                "global_batch_sequences": config.batch_size * config.gradient_accumulation_steps * result["processes"],
                "on_policy": result["on_policy"], "cut_ties": cut,
-               "alpha_definition": alpha_definition(config, manifest["format"], cut)}
+               "alpha_definition": alpha_definition(config, manifest["format"], cut),
+               "head_support": None if support is None else int(support.numel())}
     training = {"config": config.model_dump(), "target": target_ref, "draft": str(draft_ref),
                 "dump": {"dir": str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs],
                          "weights": dump_weights, "sequences_per_dump": [len(p) for p in parts],

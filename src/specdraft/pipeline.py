@@ -529,14 +529,26 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: d
 
 def _dump_stage(cfg: PipelineConfig, plan: _Plan, command: str,
                 log: Callable[[str], None] | None = None) -> Callable[[Path], dict[str, Any]]:
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.dump import run_dump
+    """The teacher dump: the target's answers (:func:`specdraft.dump.run_dump`), or with ``cfg.self_teacher`` the
+    draft as given's, re-encoded for its re-indexed copy (:func:`specdraft.self_teacher.run_self_teacher`)."""
 
-        man = run_dump(plan.target, plan.trains, d, cfg.dump, command=command,
-                       progress=progress_lines(log, "[dump] teacher", "sequences") if log else None)
+    def run(d: Path) -> dict[str, Any]:
+        progress = progress_lines(log, "[dump] teacher", "sequences") if log else None
+        if cfg.self_teacher is not None:
+            from specdraft.self_teacher import run_self_teacher
+
+            man = run_self_teacher(plan.draft.path, plan.target.path, plan.trains, d, cfg.self_teacher,
+                                   progress=progress, command=command)
+        else:
+            from specdraft.dump import run_dump
+
+            man = run_dump(plan.target, plan.trains, d, cfg.dump, command=command, progress=progress)
         this = man.get("this_run", {})
         return {"sequences": man.get("sequences"), "tokens": man.get("tokens"), "bytes": man.get("bytes"),
-                "tokens_per_s": this.get("tokens_per_s"), "generate_tokens_per_s": this.get("generate_tokens_per_s")}
+                "tokens_per_s": this.get("tokens_per_s"), "generate_tokens_per_s": this.get("generate_tokens_per_s"),
+                "teacher": "draft-as-given" if cfg.self_teacher is not None else "target",
+                **({"trained_tokens": man.get("trained_tokens"), "signal": man.get("signal")}
+                   if cfg.self_teacher is not None else {})}
 
     return run
 
@@ -643,6 +655,13 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
 
     check = runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, _check_stage(cfg, plan))
     mapped = check["verdict"] == "mismatch"
+    if cfg.self_teacher is not None and not mapped:
+        # The self-teacher teaches a re-indexed copy what its original knew; a draft of the target's own tokenizer
+        # has no such copy, so the target's answers teach it (on the full head: a target dump has mass everywhere).
+        log(f"[dump] {cfg.draft} already speaks the target's tokenizer (check: {check['verdict']}): the self-teacher "
+            "does not apply; the target's answers teach it")
+        cfg = cfg.model_copy(update={"self_teacher": None,
+                                     "distill": cfg.distill.model_copy(update={"head_support": None})})
     serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()},
@@ -664,6 +683,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     log(f"[headroom] {forecast.verdict} (95% CI [{forecast.gain_ci95[0]:+.3f}, {forecast.gain_ci95[1]:+.3f}])")
     dump_inputs = {"target": cfg.target, **target_id, "dump": cfg.dump.model_dump(),
                    "prompts": [e.id for e in plan.trains], "prompt_texts": prompt_texts(plan.trains, whole=True)}
+    if cfg.self_teacher is not None:  # its teacher is the draft as given: another dump, named by the draft's identity
+        dump_inputs = {k: v for k, v in dump_inputs.items() if k != "dump"} | draft_id | {
+            "self_teacher": cfg.self_teacher.model_dump()}
     dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command, log))
     distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, **draft_id, "distill": cfg.distill.model_dump(),
                       "gamma": cfg.eval.num_speculative_tokens, "vocab_swap": mapped}

@@ -215,6 +215,7 @@ def distill(
     row_lr: float | None = config_option(DistillConfig, "row_lr"),
     untie_head: bool = config_option(DistillConfig, "untie_head"),
     prompt_positions: bool = config_option(DistillConfig, "prompt_positions"),
+    head_support: int | None = config_option(DistillConfig, "head_support"),
     max_steps: int = config_option(DistillConfig, "max_steps"),
     batch_size: int = config_option(DistillConfig, "batch_size"),
     gradient_accumulation_steps: int = config_option(DistillConfig, "gradient_accumulation_steps"),
@@ -245,7 +246,8 @@ def distill(
 
     cfg = DistillConfig(
         loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, row_lr=row_lr,
-        untie_head=untie_head, prompt_positions=prompt_positions, max_steps=max_steps, batch_size=batch_size,
+        untie_head=untie_head, prompt_positions=prompt_positions, head_support=head_support, max_steps=max_steps,
+        batch_size=batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
         scheduler=scheduler, seed=seed, dtype=dtype, precision=precision, train=train,
         train_last_layers=train_last_layers,

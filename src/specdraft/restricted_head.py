@@ -1,0 +1,146 @@
+"""Cross-entropy through an output head restricted to a support of ids: the loss of a hard-label phase without the
+vocabulary-wide head, softmax and loss.
+
+A distillation step on a re-indexed draft spends most of its time on the full-width head (the target's 151,936 rows;
+docs/benchmarks.md, "Where a distillation step's time goes"). Against a teacher whose mass sits on a few known ids —
+hard labels (the self-teacher's sequence-level dump, :mod:`specdraft.self_teacher`), or any top-k dump whose leftover
+mass is 0 — the cross-entropy only needs the logits of a support S that holds every id the teacher gives mass to.
+
+Notation: z the draft's logits over the full head, S the support, q = softmax(z), q_S = softmax(z restricted to S),
+p the teacher (zero outside S). Then
+
+* **exact where the rest is masked**: ``−Σ_{x∈S} p(x) log q_S(x)`` is :func:`specdraft.losses.soft_ce_topk` of the full
+  logits with every row outside S set to −inf — same value, same gradient (the masked rows get none);
+* **the bound otherwise**: against the full head, ``CE(p, q) = CE(p, q_S) − log q(S)`` exactly (log q(x) =
+  log q_S(x) + log q(S) for x ∈ S, and Σ p = 1), so the restricted loss is lower by −log q(S) ≥ 0, the draft's
+  log-mass outside the support. Rows outside S are not pushed down by the restricted loss; the support therefore
+  takes every id of the training data (labels and context) plus the most frequent ids of a reference corpus
+  (:func:`support_ids`), the competitors a draft proposes most.
+
+The metrics of a restricted step (top-1 agreement, TVD, α) are over q_S, as the loss is.
+
+Source: the sampled / restricted softmax of large-vocabulary training (Jean et al., 2015, "On Using Very Large Target
+Vocabulary for Neural Machine Translation", eq. 6–8: the softmax normalised over a subset V' holding the targets);
+here the subset is fixed for the run, so the loss is deterministic and the bound above is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+#: Model config fields that transform logits after the output head; a restricted head computed from the decoder's
+#: hidden states would skip them.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+
+
+class RestrictedHeadError(ValueError):
+    """The restricted head cannot compute this loss exactly (names what and how to fix it)."""
+
+
+def support_ids(data_ids: Iterable[int], ranked: Sequence[int] = (), frequent: int = 0,
+                width: int | None = None) -> torch.Tensor:
+    """The support S: every id of ``data_ids`` (the training data's tokens, labels included) plus the first
+    ``frequent`` ids of ``ranked`` (most frequent first, e.g. :func:`specdraft.draft_model.rank_tokens`).
+
+    Returns:
+        ``[U] int64``, sorted, unique, each below ``width`` when given.
+
+    Raises:
+        RestrictedHeadError: an id outside ``[0, width)``, or an empty support.
+    """
+    ids = {int(i) for i in data_ids} | {int(i) for i in list(ranked)[:max(frequent, 0)]}
+    if not ids:
+        raise RestrictedHeadError("an empty support: the restricted head needs the training data's token ids")
+    bad = [i for i in ids if i < 0 or (width is not None and i >= width)]
+    if bad:
+        raise RestrictedHeadError(f"support ids outside the head's {width} rows, e.g. {sorted(bad)[:3]}")
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def check_draft(draft) -> None:
+    """Refuse a draft whose logits are not ``head(decoder(x))``: no decoder accessor, or a logit transform after the
+    head (:data:`LOGIT_TRANSFORMS`), either of which the restricted head would compute wrong.
+
+    Raises:
+        RestrictedHeadError: naming the draft's class or the transform.
+    """
+    if not callable(getattr(draft, "get_decoder", None)) or draft.get_output_embeddings() is None:
+        raise RestrictedHeadError(f"{type(draft).__name__} has no get_decoder()/output head: train it with the full "
+                                  "head (head_support 0)")
+    cfg = getattr(draft, "config", None)
+    for name in LOGIT_TRANSFORMS:
+        value = getattr(cfg, name, None)
+        if value not in (None, 0, 1, 1.0):
+            raise RestrictedHeadError(f"the draft's config sets {name} = {value}: its logits are transformed after the "
+                                      "head, which a restricted head skips; train it with the full head (head_support 0)")
+
+
+def restricted_logits(draft, support: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      columns: torch.Tensor | None = None, autocast: bool = False) -> torch.Tensor:
+    """The draft's logits over the support rows only: ``head.weight[S] · decoder(x)`` (+ bias), in float32.
+
+    Args:
+        draft: a transformers causal LM whose ``get_decoder()`` returns its final-normed stack (checked by
+            :func:`check_draft`).
+        support: ``[U] int64`` the support ids.
+        input_ids / attention_mask: ``[B, S]``.
+        columns: ``[K] int64`` sequence positions to keep (the trained ones), or None for every position.
+        autocast: the decoder and the head matmul under ``torch.autocast(bfloat16)``.
+
+    Returns:
+        ``[B, K or S, U] float32``; column u is id ``support[u]``.
+    """
+    head = draft.get_output_embeddings()
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden = draft.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False).last_hidden_state  # [B, S, H]
+        if columns is not None:
+            hidden = hidden[:, columns]
+        bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, support)
+        logits = F.linear(hidden, head.weight.index_select(0, support), bias)
+    return logits.float()
+
+
+def positions_in_support(ids: torch.Tensor, support: torch.Tensor, width: int) -> torch.Tensor:
+    """Each id's column in the restricted logits, or −1 where it is outside the support; same shape as ``ids``."""
+    where = torch.full((width,), -1, dtype=torch.long, device=ids.device)
+    where[support.to(ids.device)] = torch.arange(support.numel(), device=ids.device)
+    return where[ids.long().clamp(0, width - 1)].masked_fill((ids < 0) | (ids >= width), -1)
+
+
+def restricted_soft_ce(logits_s: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                       support: torch.Tensor, width: int, trained: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``−Σ_i p_i log q_S(id_i)`` and the TVD between p and q_S, per position.
+
+    Args:
+        logits_s: ``[B, S, U]`` from :func:`restricted_logits`.
+        topk_ids / topk_probs: ``[B, S, k]`` the teacher (a stored slot with p = 0 may name any id).
+        support: ``[U]``; width: the full head's rows (for the id → column map).
+        trained: ``[B, S] bool``; the check below looks at these positions only (default all).
+
+    Returns:
+        ``(soft_ce [B, S] float32 nats, tvd [B, S] float32)``.
+
+    Raises:
+        RestrictedHeadError: a trained position gives mass to an id outside the support (the loss would not be the
+            masked full-head loss).
+    """
+    cols = positions_in_support(topk_ids, support, width)  # [B, S, k]
+    outside = (cols < 0) & (topk_probs > 0)
+    if trained is not None:
+        outside &= trained.unsqueeze(-1)
+    if outside.any():
+        ids = topk_ids[outside].unique()[:3].tolist()
+        raise RestrictedHeadError(f"the teacher gives mass to id(s) {ids} outside the restricted head's support: "
+                                  "build the support from every id of the dump (support_ids) or use the full head")
+    safe = cols.clamp(min=0)
+    logq_k = logits_s.log_softmax(-1).gather(-1, safe)  # [B, S, k]
+    has_mass = topk_probs > 0
+    ce = -(topk_probs * logq_k.masked_fill(~has_mass, 0.0)).sum(-1)
+    # With no mass outside the stored ids (distinct, the dump's rule), TVD = 1 − Σ_x min(p(x), q_S(x)) over them.
+    overlap = torch.minimum(topk_probs, logq_k.exp()).masked_fill(~has_mass, 0.0).sum(-1)
+    return ce, 1.0 - overlap
