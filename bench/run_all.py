@@ -237,6 +237,11 @@ def _render_distillation() -> list[str]:
     lines += _render_self_teacher_curve()
     lines += _render_self_teacher_curve("swap-self-teacher-long.json",
                                         "The draft as given teaches its re-indexed self, run longer, then the target")
+    lines += _render_self_teacher_curve("swap-self-teacher-token.json",
+                                        "The draft as given teaches its re-indexed self, token level where exact")
+    lines += _render_self_teacher_curve("swap-self-teacher-rh.json",
+                                        "The draft as given teaches its re-indexed self, through a restricted head")
+    lines += _render_vocab_swap_routes()
     return lines + _render_headroom_calibration()
 
 
@@ -260,7 +265,10 @@ def _render_self_teacher_curve(name: str = "swap-self-teacher.json",
               f"{st['sequences']} sequences, {st['trained_tokens']:,} trained positions "
               f"({labels}), "
               f"{st['minutes']:.1f} min, no target compute. Student: the re-indexed draft, {rt['loss']} (on hard labels "
-              f"the cross-entropy), body lr {rt['lr']:g}, rows lr {rt['row_lr']:g}, head untied, "
+              f"the cross-entropy), body lr {rt['lr']:g}, rows lr {rt['row_lr']:g}, head untied"
+              + (f" and restricted to the dump's token ids + the {rt['head_support']:,} most frequent "
+                 f"({r['head_rows']:,} of the target's rows; the loss exact with the others masked)"
+                 if rt.get("head_support") is not None else "") + ", "
               f"{rt['batch_size'] * rt['gradient_accumulation_steps']} sequences per step, {rt['scheduler']} over "
               f"{r['steps']} steps"
               + (f", then {phase2['steps']} steps on the target's dump ({phase2['dump']['sequences']} sequences)"
@@ -283,6 +291,56 @@ def _render_self_teacher_curve(name: str = "swap-self-teacher.json",
                    f"{b['held_out']['acceptance']:.3f} at step {b['step']} ({b['cpu_minutes']:.0f} CPU-minutes). "
                    f"Wall {r['wall_minutes']:.0f} min, replays {r['replay_minutes']:.1f} min of it."), ""]
     return lines
+
+
+#: The vocab-swap road's routes side by side: (label, result file, step of the point shown or None for the best).
+VOCAB_SWAP_ROUTES = (
+    ("target teacher: nla on the target's answers to 62 prompts, 10 steps (a main job's run)",
+     "run-target-teacher.json", None),
+    ("target teacher, prompt positions trained too, 30 steps of a 120-step schedule", "distill-curve-hour.json", 30),
+    ("self-teacher, sequence level (hard labels), 40 steps", "swap-self-teacher.json", 40),
+    ("self-teacher, sequence level, token level where exact (top-8), 40 steps", "swap-self-teacher-token.json", 40),
+    ("self-teacher, sequence level, restricted head, 40 steps", "swap-self-teacher-rh.json", 40),
+    ("self-teacher, sequence level, 80 steps", "swap-self-teacher-long.json", 80),
+    ("self-teacher 80 steps + target phase (nla, 10 steps on the target's 62 answers)",
+     "swap-self-teacher-long.json", 90),
+)
+
+
+def _render_vocab_swap_routes() -> list[str]:
+    """Every measured route on the vocab-swap road in one table: CPU-minutes of teacher signal + training and the
+    held-out acceptance with its paired gain, per route's result file."""
+    rows = []
+    for label, name, step in VOCAB_SWAP_ROUTES:
+        r = _load(name)
+        if not r:
+            continue
+        if "points" not in r:  # a main job's summary (run_summary.py): its eval_after figures, dump + distill minutes
+            c, o = r["sets"]["held_out"], r["sets"]["ood"]
+            minutes = (r["stages"].get("dump", 0) + r["stages"].get("distill", 0)) / 60
+            code = (c["after"], c["gain"], c["gain_ci95"])
+            chat = (o["after"], o["gain"], o["gain_ci95"])
+        else:
+            pt = next((p for p in r["points"] if p["step"] == step), None) if step is not None else None
+            if pt is None:
+                continue
+            c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
+            minutes = pt["cpu_minutes"]
+            code = (c["acceptance"], c["gain"], c["gain_ci95"])
+            chat = (o["acceptance"], o["gain"], o["gain_ci95"])
+        rows.append(f"| {label} | {minutes:.1f} | {code[0]:.3f} | {code[1]:+.3f} {_ci(code[2])} | {chat[0]:.3f} | "
+                    f"{chat[1]:+.3f} {_ci(chat[2])} | `{name}` |")
+    if not rows:
+        return []
+    return ["## Routes on the vocabulary-swap road", "",
+            ("SmolLM2-135M-Instruct re-indexed into Qwen2.5-Coder-1.5B's tokenizer, each route's held-out greedy "
+             "acceptance (code humaneval:100:16:4, chat mt-bench:0:14:6; fixed γ 5, replayed on the target's answers) "
+             "and its gain paired against the untrained re-indexed draft of the same run (95% bootstrap over prompts). "
+             "CPU-minutes: teacher signal + training on 2 cores, replays left out; the main job's row counts its dump "
+             "and distill stages. The draft as given through the vocabulary mapping accepts 0.652 (code) and 0.360 "
+             "(chat); the goals are code ≥ 0.55 and chat ≥ 0.36."), "",
+            "| route | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] | result |",
+            "| --- | ---: | ---: | --- | ---: | --- | --- |", *rows, ""]
 
 
 def _render_long_curve(name: str = "distill-curve-default.json",
@@ -324,19 +382,22 @@ def _render_long_curve(name: str = "distill-curve-default.json",
     return lines
 
 
-#: Route variants at the default preset's own budget, beside the main job's figure (bench_distill_curve.py --set).
+#: Route variants of the target teacher at its main job's budget, beside that run's figure (bench_distill_curve.py
+#: --set), all on the stages of the run in run-target-teacher.json.
 BUDGET_ROUTES = ("distill-route-constant10", "distill-route-lr2x10", "distill-route-prompt10")
 
 
 def _render_budget_routes() -> list[str]:
-    """The default route against variants at its own budget: one distillation each on the main job's own stages."""
-    run = _load("run-default.json")
+    """The target teacher's route against variants at its own budget: one distillation each on the stages of the main
+    job's run that used it (run-target-teacher.json)."""
+    run = _load("run-target-teacher.json")
     routes = [r for n in BUDGET_ROUTES if (r := _load(f"{n}.json"))]
     if not run or not routes:
         return []
     sets = run["sets"]
-    lines = ["## Routes at the main job's budget", "",
-             (f"Each row is one distillation of {run['distill']['steps']} steps on the stages of the main job's run "
+    lines = ["## The target teacher's routes at a main job's budget", "",
+             (f"Each row is one distillation of {run['distill']['steps']} steps on the stages of a main job's run "
+              "with the target as teacher (nla on its answers) "
               f"(its dump of {run['distill']['train_sequences']} training sequences, its held-out answers: code "
               f"{sets['held_out']['prompts']} prompts, chat {sets['ood']['prompts']}), replayed like eval_after, "
               "paired against the re-indexed draft (95% bootstrap over prompts). The first row is the main job's "
@@ -346,7 +407,7 @@ def _render_budget_routes() -> list[str]:
              "| --- | ---: | ---: | --- | ---: | --- | --- |"]
     c, o = sets["held_out"], sets["ood"]
     stage_min = f"{run['stages']['distill'] / 60:.1f}" if "distill" in run.get("stages", {}) else "–"
-    lines.append(f"| the default preset's route | {stage_min} | {c['after']:.3f} | {c['gain']:+.3f} {_ci(c['gain_ci95'])} "
+    lines.append(f"| the target teacher's route (nla) | {stage_min} | {c['after']:.3f} | {c['gain']:+.3f} {_ci(c['gain_ci95'])} "
                  f"| {o['after']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} | `{run['command']}` |")
     for r in routes:
         pt = r["points"][-1]["sets"]
@@ -357,6 +418,38 @@ def _render_budget_routes() -> list[str]:
     return lines + [""]
 
 
+def _render_shipped_speed(name: str = "shipped-speed.json") -> list[str]:
+    """The main job's shipped draft against the draft as given (``bench/bench_shipped_speed.py``): tokens/s of each
+    with the target, interleaved with the target alone, the distilled/as-given ratio paired per prompt."""
+    r = _load(name)
+    if not r:
+        return []
+    c, ratio = r["contenders"], r["distilled_vs_original"]
+    ev = r["eval"]
+    lines = ["## The shipped draft against the draft as given", "",
+             (f"`{r['command']}` — {r['machine']}, torch {r['torch']}. {r['target']} with {r['draft']}: as given "
+              f"(through the vocabulary mapping, text proposals) and {r['shipped']}, each with the run's evaluation "
+              f"settings (draft {ev['draft_quantization']}, γ {ev['gamma_policy']} ≤ {ev['num_speculative_tokens']}, "
+              f"{ev['dtype']}), greedy, {r['prompts']['count']} held-out prompts ({r['prompts']['source']}) × "
+              f"{r['max_new_tokens']} new tokens, interleaved prompt by prompt with the target alone after a warm-up; "
+              "95% paired bootstrap over prompts."), "",
+             "| decoder | tokens/s | × target alone [95% CI] | outputs equal the target's |",
+             "| --- | ---: | ---: | ---: |"]
+    names = {"target": "the target alone", "speculative:original": "the draft as given (mapped, text)",
+             "speculative:distilled": "the shipped draft (re-indexed, distilled)"}
+    for key, label in names.items():
+        x = c.get(key)
+        if x is None:
+            continue
+        sp = "—" if x.get("speedup") is None else f"{x['speedup']:.2f}x {_ci(x['speedup_ci95'], '{:.2f}')}"
+        lines.append(f"| {label} | {x['tokens_per_s']:.2f} | {sp} | {x.get('matches_target') or '—'} |")
+    lines += ["", (f"Shipped over as given: **{ratio['ratio']:.2f}x {_ci(ratio['ratio_ci95'], '{:.2f}')}** ({ratio['prompts']} "
+                   f"prompts, paired). Lossless: {'yes' if r['lossless'] else 'no'}"
+                   + (f"; divergences at bf16 near-ties: {len(r['divergences'])}" if r.get("divergences") else "")
+                   + "."), ""]
+    return lines
+
+
 def _demote(lines: list[str]) -> list[str]:
     """Section headings one level down, under the question they answer."""
     return ["#" + x if x.startswith("## ") else x for x in lines]
@@ -364,7 +457,7 @@ def _demote(lines: list[str]) -> list[str]:
 
 #: docs/benchmarks.md after its summary and method: one part per question a reader brings.
 QUESTIONS = (
-    ("The whole road — what `specdraft run` measures", lambda: _render_main_job()),
+    ("The whole road — what `specdraft run` measures", lambda: _render_main_job() + _render_shipped_speed()),
     ("How much faster? — specdraft's decoder", _render_decoding),
     ("Can the draft agree more? — distillation", _render_distillation),
     ("What do the stages cost? — memory and throughput", _render_costs),
@@ -943,6 +1036,14 @@ def results_rows() -> list[list[str]]:
                 f"{v['before']:.3f} → {v['after']:.3f} ({v['gain']:+.3f} {_ci(v['gain_ci95'])})",
                 f"{d['speedup']:.2f}x{_ci2(d['speedup_ci95'])}",
                 "—" if d.get("vs_hf") is None else f"{d['vs_hf']:.2f}x"])
+    r = _load("shipped-speed.json")
+    if r and (d := r["contenders"].get("speculative:distilled")) and d.get("speedup"):
+        ratio = r["distilled_vs_original"]
+        rows.append([
+            "the same, the shipped draft", (f"its `export/speculator`, {r['prompts']['count']} HumanEval × "
+                                            f"{r['max_new_tokens']} tokens: {ratio['ratio']:.2f}x "
+                                            f"{_ci(ratio['ratio_ci95'], '{:.2f}')} the draft as given (mapped)"),
+            "—", f"{d['speedup']:.2f}x{_ci2(d['speedup_ci95'])}", "—"])
     r = _load("llamacpp-embedded.json")
     if r:
         s = r["summary"]

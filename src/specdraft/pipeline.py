@@ -72,11 +72,12 @@ _DUMP = {"answer_only": True, "dtype": "bfloat16"}
 PRESETS: dict[str, dict[str, Any]] = {
     # The whole road, where every stage pays: SmolLM2-135M-Instruct, a draft of another tokenizer (49,152-token
     # BPE), for the Qwen coder. check (mismatch) → the draft as given through a vocabulary mapping → re-indexed into
-    # the target's tokenizer → forecast → distilled on target-written code answers → evaluated → exported. Code is
-    # the headline: the re-indexed draft gained there in every measured route, and the distilled draft decodes it
-    # faster than the target alone (docs/benchmarks.md, "The main job" and "Distillation where a gap exists"). The
-    # vLLM-servable speculator must speak the target's tokenizer: the swap makes it one, distillation wins back part
-    # of what the swap cost.
+    # the target's tokenizer → forecast → distilled → evaluated → exported. The vLLM- and llama.cpp-servable
+    # speculator must speak the target's tokenizer: the swap makes it one, and distillation wins back what the swap
+    # cost. The teacher is the draft as given (the self-teacher: its greedy answers to real code and chat prompts,
+    # re-encoded in the target's tokenizer, learnt by the re-indexed copy with the cross-entropy through a restricted
+    # head): no target compute, and more answers than the target could write in the same minutes
+    # (docs/benchmarks.md, "The self-teacher route" and "Routes on the vocabulary-swap road").
     "default": {
         "draft": "smollm2-135m-instruct",
         "vocab_swap": True,
@@ -84,18 +85,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         # Chat: every sixth question from 0 (14, all 8 categories, inside the held-out split). Decoding their answers
         # with the draft as given is the run's costliest evaluation, and chat is the set that must not get worse.
         "ood_prompts": ["mt-bench:0:14:6"],
-        "train_prompts": ["humaneval:0:48", "mt-bench:1:14:6"],
+        # The self-teacher's prompts: HumanEval's training split, the embedded conversations and ShareGPT's
+        # training rows (real user turns: the chat set's gain needs them).
+        "train_prompts": ["humaneval:0:100", "conversations", "sharegpt:0:300"],
         "speed_prompts": 3,
         "eval": {"max_new_tokens": 64, "compare_hf": True, "num_speculative_tokens": 5},
-        "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8},
-        # 10 steps (80 sequences, 1.5 passes over the dump): more passes over the same answers do not raise held-out
-        # code (docs/benchmarks.md, "What more compute buys — the default route, run long"), and a constant or a
-        # doubled learning rate at this budget scores lower ("Routes at the main job's budget").
-        "distill": {"loss": "nla", "train": "all", "lr": 3e-4, "row_lr": 1e-3, "untie_head": True, "max_steps": 10,
-                    "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
-                    "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 5, "precision": "auto",
-                    "on_policy_fraction": 0.0},
-        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~25 min with the "
+        # The target's dump teaches a draft of the target's own tokenizer (the self-teacher does not apply there): the
+        # target answers the first 64 training prompts, as many as it writes in the self-teacher's minutes.
+        "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8, "num_examples": 64},
+        "self_teacher": {"generate": 256, "max_length": 768, "batch_size": 8, "dtype": "bfloat16"},
+        # 40 steps of 8 sequences: the self-teacher's curve rises to ~40 steps and is flat after
+        # (docs/benchmarks.md, "The self-teacher route, run longer").
+        "distill": {"loss": "soft_ce", "train": "all", "lr": 3e-4, "row_lr": 1e-3, "untie_head": True,
+                    "max_steps": 40, "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
+                    "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 10, "precision": "auto",
+                    "on_policy_fraction": 0.0, "head_support": 8192},
+        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~28 min with the "
                  "models cached",
     },
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
