@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.time() - t0
     points = [start] + cb.points
     best = max(cb.points, key=lambda p: p["sets"]["held_out"]["acceptance"]) if cb.points else start
-    preset_steps = pl.PRESETS[args.preset]["distill"]["max_steps"]
+    preset_steps = pl.preset_fields(args.preset)["distill"]["max_steps"]
     result = {
         "command": command, "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
         f"{torch.get_num_threads()} threads", "torch": torch.__version__, "preset": args.preset,

@@ -1040,9 +1040,9 @@ def results_rows() -> list[list[str]]:
     if r and (d := r["contenders"].get("speculative:distilled")) and d.get("speedup"):
         ratio = r["distilled_vs_original"]
         rows.append([
-            "the same, the shipped draft", (f"its `export/speculator`, {r['prompts']['count']} HumanEval × "
-                                            f"{r['max_new_tokens']} tokens: {ratio['ratio']:.2f}x "
-                                            f"{_ci(ratio['ratio_ci95'], '{:.2f}')} the draft as given (mapped)"),
+            "the same, shipped (`export/speculator`)", (f"{r['prompts']['count']} HumanEval × {r['max_new_tokens']} "
+                                                        f"tokens: {ratio['ratio']:.2f}x "
+                                                        f"{_ci(ratio['ratio_ci95'], '{:.2f}')} the mapped draft"),
             "—", f"{d['speedup']:.2f}x{_ci2(d['speedup_ci95'])}", "—"])
     r = _load("llamacpp-embedded.json")
     if r:

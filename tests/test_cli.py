@@ -198,14 +198,14 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
 
 def test_held_out_offsets_belong_to_the_embedded_datasets():
     from specdraft.data import DATASETS, HELD_OUT_OFFSET, held_out_offset
-    from specdraft.pipeline import PRESETS, prompt_overlap
+    from specdraft.pipeline import PRESETS, preset_fields, prompt_overlap
     from specdraft.prompts import load_prompts, parse_source
 
     assert set(HELD_OUT_OFFSET) == set(DATASETS)
     assert held_out_offset("humaneval") == 100 and held_out_offset("my.jsonl") == 0
     # The presets evaluate inside the held-out split and train before it (mt-bench: split by stride), and no
     # evaluation prompt of either set is a training prompt.
-    for preset in PRESETS.values():
+    for preset in map(preset_fields, PRESETS):
         evals = preset["eval_prompts"] + preset.get("ood_prompts", [])
         for spec in evals:
             name, offset, _, _ = parse_source(spec)

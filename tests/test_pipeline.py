@@ -324,6 +324,13 @@ def test_every_preset_validates_and_exports_the_evaluated_gamma():
     # same-family pair keeps its own preset.
     default, same = make_config("default"), make_config("same-family")
     assert default.vocab_swap and default.draft == "smollm2-135m-instruct" and default.distill.train == "all"
+    # The longer variant is the default with its own steps, everything else the default's.
+    long = make_config("default-long")
+    assert long.distill.max_steps == 2 * default.distill.max_steps and long.distill.head_support == 8192
+    assert long.model_dump(exclude={"preset", "needs", "distill"}) == default.model_dump(
+        exclude={"preset", "needs", "distill"})
+    assert long.distill.model_dump(exclude={"max_steps", "save_steps"}) == default.distill.model_dump(
+        exclude={"max_steps", "save_steps"})
     assert not same.vocab_swap and same.draft == "qwen2.5-coder-0.5b-instruct"
 
 

@@ -127,7 +127,7 @@ Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 Precision = Literal["float32", "bf16-autocast", "auto"]
 #: How a draft of another tokenizer proposes (see :mod:`specdraft.decode`).
 ProposalMode = Literal["text", "tokens"]
-PresetName = Literal["default", "same-family", "ci", "tiny", "large"]
+PresetName = Literal["default", "default-long", "same-family", "ci", "tiny", "large"]
 #: How the draft's linear layers are stored (see :mod:`specdraft.draft_model`); only q changes, so decoding stays exact.
 #: ``auto`` chooses (:func:`specdraft.draft_model.choose_draft_options`), ``none`` keeps the draft as loaded.
 DraftQuantization = Literal["auto", "none", "int8", "int4"]
@@ -487,7 +487,7 @@ class PipelineConfig(BaseModel):
     target: str = Field(description="Target (verifier): embedded name, local HF directory or cached hub id.")
     draft: str = Field(description="Draft: embedded name, local HF directory or cached hub id.")
     preset: PresetName = Field("default", description="default (the whole road: SmolLM2-135M, another tokenizer, "
-                               "mapped, re-indexed, distilled; a 2-core CPU), same-family (the Qwen 0.5B draft), ci "
+                               "mapped, re-indexed, distilled; a 2-core CPU), default-long (the same, trained twice as long), same-family (the Qwen 0.5B draft), ci "
                                "(minutes), large (GPU, hours), tiny (random models, tests). The run's first line "
                                "says what the preset needs (cores, memory, disk, time).")
     eval_prompts: list[str] = Field(description="Held-out evaluation prompt sources of the domain the preset "

@@ -103,6 +103,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~28 min with the "
                  "models cached",
     },
+    # The default with time to spare: the self-teacher's 80-step schedule, its curve's end (the 40-step default sits
+    # at its knee; docs/benchmarks.md, "Routes on the vocabulary-swap road").
+    "default-long": {"based_on": "default", "distill": {"max_steps": 80, "save_steps": 20},
+                     "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their "
+                              "bfloat16 copies), ~34 min with the models cached"},
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
     # preset trains on target-written answers to MT-Bench questions and measures on *other* MT-Bench questions (every
     # third one: all 8 categories, never trained on), with held-out HumanEval reported beside it. Its distillation
@@ -163,10 +168,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def preset_fields(name: str) -> dict[str, Any]:
+    """A copy of preset ``name``'s fields; a variant (``based_on``) is its parent's fields with its own replacing them
+    (a dict field merged key by key).
+
+    Raises:
+        KeyError: an unknown preset.
+    """
+    fields = json.loads(json.dumps(PRESETS[name]))
+    if parent := fields.pop("based_on", None):
+        own, fields = fields, preset_fields(parent)
+        for key, value in own.items():
+            fields[key] = fields[key] | value if isinstance(value, dict) else value
+    return fields
+
+
 def first_line(cfg: PipelineConfig, out: str | Path) -> str:
     """``run``'s first line: the pair it runs, the preset, and what the preset needs (cores, memory, disk, time),
     said to hold for the preset's own pair when the run names another."""
-    preset = PRESETS.get(cfg.preset, {})
+    preset = preset_fields(cfg.preset) if cfg.preset in PRESETS else {}
     own = (preset.get("target", DEFAULT_TARGET), preset.get("draft", DEFAULT_DRAFT))
     needs = cfg.needs if own == (cfg.target, cfg.draft) else f"{cfg.needs}; measured for its own pair {own[0]} ← {own[1]}"
     return f"specdraft run: target {cfg.target} ← draft {cfg.draft}, preset {cfg.preset} (needs {needs}) → {out}"
@@ -188,7 +208,7 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     # A preset may name its own pair (target, draft, vocab_swap); the embedded default pair otherwise.
-    base = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT} | json.loads(json.dumps(PRESETS[preset]))
+    base = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT} | preset_fields(preset)
     if isinstance(overrides.get("eval"), dict):
         base["eval"] |= {k: v for k, v in overrides.pop("eval").items() if v is not None}
     base.update({k: v for k, v in overrides.items() if v is not None})
