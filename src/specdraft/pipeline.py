@@ -100,14 +100,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "max_steps": 40, "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
                     "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 10, "precision": "auto",
                     "on_policy_fraction": 0.0, "head_support": 8192},
-        "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~28 min with the "
+        "needs": "2 CPU cores, ~12 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~22 min with the "
                  "models cached",
     },
     # The default with time to spare: the self-teacher's 80-step schedule, its curve's end (the 40-step default sits
     # at its knee; docs/benchmarks.md, "Routes on the vocabulary-swap road").
     "default-long": {"based_on": "default", "distill": {"max_steps": 80, "save_steps": 20},
-                     "needs": "2 CPU cores, ~10 GB RAM, ~3 GB disk (+11 GB once: the models converted and their "
-                              "bfloat16 copies), ~34 min with the models cached"},
+                     "needs": "2 CPU cores, ~12 GB RAM, ~3 GB disk (+11 GB once: the models converted and their "
+                              "bfloat16 copies), ~27 min with the models cached"},
     # The embedded same-family pair. Chat is where this coder pair has headroom (code is near saturation), so the
     # preset trains on target-written answers to MT-Bench questions and measures on *other* MT-Bench questions (every
     # third one: all 8 categories, never trained on), with held-out HumanEval reported beside it. Its distillation
