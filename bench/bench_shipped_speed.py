@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, default=Path("runs/default"), help="a finished `specdraft run` directory")
     ap.add_argument("--prompts", default="humaneval:100:8:8",
-                    help="held-out prompt source (default: 8 HumanEval problems from 100, every 8th: not the run's "
-                         "16 evaluation prompts' first three, which its speed stage timed)")
+                    help="held-out prompt source (default: 8 HumanEval problems from 100, every 8th: held out "
+                         "from every training set)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--name", default="shipped-speed")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
