@@ -568,7 +568,7 @@ def _render_main_job(name: str = "run-default.json") -> list[str]:
                              for n, v in r["sets"].items()
                              if (x := (v.get("speed") or {}).get("distilled_vs_original")))),
               "", (f"Wall clock {r['wall_seconds'] / 60:.1f} min, peak RSS {r['peak_rss_gb']:.1f} GB"
-                   + (f" (the machine just before: the target alone {mc['target_bf16_tok_s']:.2f} tok/s in bf16 by "
+                   + (f" (the machine, checked beside the run: the target alone {mc['target_bf16_tok_s']:.2f} tok/s in bf16 by "
                       f"`bench/machine_check.py --target-step`, memory copy {mc['copy_gb_s']:.1f} GB/s)"
                       if (mc := r.get("machine_check")) else "")
                    + "; stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in r["stages"].items()) + "."
