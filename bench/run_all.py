@@ -245,6 +245,18 @@ def _render_distillation() -> list[str]:
     return lines + _render_headroom_calibration()
 
 
+def _curve_table(points: list[dict]) -> list[str]:
+    """A learning curve's table: per point the step, CPU-minutes, and held-out code and chat acceptance with the
+    paired gain."""
+    rows = ["| step | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] |",
+            "| ---: | ---: | ---: | --- | ---: | --- |"]
+    for pt in points:
+        c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
+        rows.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
+                    f"{_ci(c['gain_ci95'])} | {o['acceptance']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} |")
+    return rows
+
+
 def _render_self_teacher_curve(name: str = "swap-self-teacher.json",
                                title: str = "The draft as given teaches its re-indexed self") -> list[str]:
     """The self-teacher route (``bench/swap_routes/self_teacher.py``): the draft as given writes answers in its own
@@ -279,12 +291,7 @@ def _render_self_teacher_curve(name: str = "swap-self-teacher.json",
               "(accepted / proposed, fixed γ 5), paired against step 0, the same replay of the untrained re-indexed "
               "draft (95% bootstrap over prompts). CPU-minutes = the teacher signal + training to the step on 2 "
               "cores, replays left out."), "",
-             "| step | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] |",
-             "| ---: | ---: | ---: | --- | ---: | --- |"]
-    for pt in r["points"]:
-        c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
-        lines.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
-                     f"{_ci(c['gain_ci95'])} | {o['acceptance']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} |")
+             *_curve_table(r["points"])]
     b = r["best"]
     lines += ["", (f"The draft as given, through the vocabulary mapping: code {sets['held_out']['as_given_mapped']:.3f}, "
                    f"chat {sets['ood']['as_given_mapped']:.3f} (the main job's decoding). Best held-out code: "
@@ -372,12 +379,7 @@ def _render_long_curve(name: str = "distill-curve-default.json",
               f"over prompts). CPU-minutes = the dump + training to the step, replays left out. A point at step s "
               f"is this run's schedule at s, not a run of s steps; the default preset stops at step "
               f"{r['preset_steps']} (its own figure is the main job's)."), "",
-             "| step | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] |",
-             "| ---: | ---: | ---: | --- | ---: | --- |"]
-    for pt in r["points"]:
-        c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
-        lines.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
-                     f"{_ci(c['gain_ci95'])} | {o['acceptance']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} |")
+             *_curve_table(r["points"])]
     b = r["best"]
     lines += ["", (f"The draft as given, through the vocabulary mapping: code {sets['held_out']['as_given_mapped']:.3f}, "
                    f"chat {sets['ood']['as_given_mapped']:.3f}; re-indexed (step 0): code "
