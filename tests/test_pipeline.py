@@ -193,15 +193,22 @@ def test_run_cli_on_tiny_pair(tmp_path):
     assert bad.exit_code != 0 and "--preset" in bad.output
 
 
-def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
-    from specdraft.check import check_compatible
+def _pair_of_two_tokenizers(root, target_layers: int):
+    """A tiny target (300-token BPE) and a one-layer draft of another BPE (360 tokens), saved under ``root``."""
     from specdraft.testing import tiny_bpe_tokenizer, tiny_model
 
-    tdir, ddir = tmp_path / "models" / "target", tmp_path / "models" / "draft"
-    for vocab, tok, d, seed, layers in ((300, tiny_bpe_tokenizer(300), tdir, 0, 3),
+    tdir, ddir = root / "target", root / "draft"
+    for vocab, tok, d, seed, layers in ((300, tiny_bpe_tokenizer(300), tdir, 0, target_layers),
                                         (360, tiny_bpe_tokenizer(360, seed=1), ddir, 1, 1)):
         tiny_model("llama", vocab, seed=seed, layers=layers).save_pretrained(d)
         tok.save_pretrained(d)
+    return tdir, ddir
+
+
+def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
+    from specdraft.check import check_compatible
+
+    tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=3)
     train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
     cfg = make_config("tiny", target=str(tdir), draft=str(ddir))
     with pytest.raises(PipelineError, match="--vocab-swap"):  # refused by default, with the way forward named
@@ -280,13 +287,8 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
 
     from specdraft.dump_reader import load_manifest
     from specdraft.models import model_fingerprint
-    from specdraft.testing import tiny_bpe_tokenizer, tiny_model
 
-    tdir, ddir = tmp_path / "models" / "target", tmp_path / "models" / "draft"
-    for vocab, tok, d, seed, layers in ((300, tiny_bpe_tokenizer(300), tdir, 0, 2),
-                                        (360, tiny_bpe_tokenizer(360, seed=1), ddir, 1, 1)):
-        tiny_model("llama", vocab, seed=seed, layers=layers).save_pretrained(d)
-        tok.save_pretrained(d)
+    tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=2)
     train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
     route = {"loss": "soft_ce", "head_support": 16, "on_policy_fraction": 0.0, "lr": 1e-3}
     with pytest.raises(pydantic.ValidationError, match="needs vocab_swap"):

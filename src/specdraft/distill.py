@@ -412,11 +412,15 @@ class DistillModel(nn.Module):
                             leftover_logmass, num_items_in_batch):
         """soft_ce through the head restricted to ``self.support`` (:mod:`specdraft.restricted_head`); the metrics
         (top-1 agreement, TVD, α) over the support's softmax q_S, as the loss."""
-        from specdraft.restricted_head import RestrictedHeadError, restricted_logits, restricted_soft_ce
+        from specdraft.restricted_head import (
+            NEEDS_NO_TAIL,
+            RestrictedHeadError,
+            restricted_logits,
+            restricted_soft_ce,
+        )
 
         if topk_ids is None or bool((leftover_logmass.float().exp() * mask).gt(0).any()):
-            raise DistillError("--head-support needs a top-k teacher with no leftover mass (hard labels: a "
-                               "self-teacher dump without --token-level); this one spreads mass past its stored ids")
+            raise DistillError(f"{NEEDS_NO_TAIL}; this one spreads mass past its stored ids")
         logits_s = restricted_logits(self.draft, self.support, input_ids, attention_mask, columns, self.autocast)
         probs = topk_logprobs.float().exp()  # [B, S, k]
         try:
@@ -982,7 +986,7 @@ def head_support(dataset, tokenizer, config: DistillConfig, widths: tuple[int, i
             trained positions holds leftover mass (a token-level self-teacher, a target's top-k): before training.
     """
     from specdraft.draft_model import default_head_corpus, rank_tokens
-    from specdraft.restricted_head import support_ids
+    from specdraft.restricted_head import NEEDS_NO_TAIL, support_ids
 
     if dataset.manifest["format"] != "topk":
         raise DistillError("--head-support needs a top-k dump with no leftover mass (hard labels: a self-teacher "
@@ -991,9 +995,7 @@ def head_support(dataset, tokenizer, config: DistillConfig, widths: tuple[int, i
     for i in range(len(dataset)):
         item = dataset[i]
         if bool((item["leftover_logmass"].float().exp().gt(0) & item["loss_mask"].bool()).any()):
-            raise DistillError(f"--head-support needs a top-k teacher with no leftover mass (hard labels: a "
-                               f"self-teacher dump without --token-level); sequence {item['id']!r} spreads mass "
-                               "past its stored ids")
+            raise DistillError(f"{NEEDS_NO_TAIL}; sequence {item['id']!r} spreads mass past its stored ids")
         data.update(item["input_ids"].tolist())
     ranked = rank_tokens(tokenizer, token_lists=default_head_corpus(tokenizer)) if config.head_support else []
     return support_ids(data, ranked, config.head_support or 0, width=min(widths))

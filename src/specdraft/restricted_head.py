@@ -36,6 +36,12 @@ import torch.nn.functional as F
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 
 
+#: Why a teacher with mass past its stored ids cannot be trained through a restricted head (the start of every such
+#: refusal).
+NEEDS_NO_TAIL = ("--head-support needs a top-k teacher with no leftover mass (hard labels: a self-teacher dump "
+                 "without --token-level)")
+
+
 class RestrictedHeadError(ValueError):
     """The restricted head cannot compute this loss exactly (names what and how to fix it)."""
 
@@ -69,13 +75,14 @@ def check_draft(draft) -> None:
     """
     if not callable(getattr(draft, "get_decoder", None)) or draft.get_output_embeddings() is None:
         raise RestrictedHeadError(f"{type(draft).__name__} has no get_decoder()/output head: train it with the full "
-                                  "head (head_support 0)")
+                                  "head (without --head-support)")
     cfg = getattr(draft, "config", None)
     for name in LOGIT_TRANSFORMS:
         value = getattr(cfg, name, None)
         if value not in (None, 0, 1, 1.0):
             raise RestrictedHeadError(f"the draft's config sets {name} = {value}: its logits are transformed after the "
-                                      "head, which a restricted head skips; train it with the full head (head_support 0)")
+                                      "head, which a restricted head skips; train it with the full head (without "
+                                      "--head-support)")
 
 
 def restricted_logits(draft, support: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
