@@ -50,15 +50,10 @@ def copy_bandwidth(nbytes: int = 400_000_000, reps: int = 8) -> float:
     return 2 * a.nbytes * reps / (time.perf_counter() - t) / 1e9
 
 
-def gemv_bandwidth(dtype: torch.dtype, rows: int = 8960, cols: int = 1536, reps: int = 300) -> float:
-    w = torch.randn(rows, cols).to(dtype)
-    x = torch.randn(1, cols).to(dtype)
-    for _ in range(20):
-        torch.nn.functional.linear(x, w)
-    t = time.perf_counter()
-    for _ in range(reps):
-        torch.nn.functional.linear(x, w)
-    return w.numel() * w.element_size() * reps / (time.perf_counter() - t) / 1e9
+def gemv_bandwidth(dtype: torch.dtype, reps: int = 300) -> float:
+    from specdraft.calibration import gemv_gb_s
+
+    return gemv_gb_s(str(dtype).removeprefix("torch."), reps=reps)
 
 
 def target_step(tokens: int = 32) -> float:

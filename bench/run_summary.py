@@ -42,15 +42,12 @@ def _time_log(path: Path | None) -> dict:
 
 def _distilled_vs_original(rows: list[dict]) -> dict | None:
     """The shipped draft's tokens/s over the draft as given, paired per prompt (rows: [tokens, seconds] each)."""
-    from specdraft.stats import paired_ratio_ci
+    from specdraft.recommend import paired_speed_ratio
+    from specdraft.speed import SpeedRun
 
-    a, b = "speculative:distilled", "speculative:original"
-    rows = [x for x in rows if a in x and b in x]
-    if not rows:
-        return None
-    e = paired_ratio_ci([x[a][0] for x in rows], [x[a][1] for x in rows], [x[b][0] for x in rows],
-                        [x[b][1] for x in rows])
-    return {"ratio": e.value, "ratio_ci95": [e.low, e.high], "prompts": e.prompts}
+    run = SpeedRun.from_dict({"prompts": len(rows), "contenders": {}, "rows": rows})
+    e = paired_speed_ratio(run, "speculative:distilled", "speculative:original")
+    return None if e is None else {"ratio": e.value, "ratio_ci95": [e.low, e.high], "prompts": e.prompts}
 
 
 def summarise(run: Path, time_log: Path | None = None) -> dict:
@@ -66,6 +63,8 @@ def summarise(run: Path, time_log: Path | None = None) -> dict:
         mapped = r["eval_before"]["sets"][name] if r.get("vocab_swap") else None
         sets[name] = {"prompts": b["prompts"], "sources": r["eval_before"]["sets"][name].get("sources"),
                       "as_given_mapped": mapped["acceptance_rate"] if mapped else None,
+                      "as_given_alpha": r["eval_before"]["sets"][name].get("alpha"),
+                      "before_alpha": b.get("alpha"), "after_alpha": after[name].get("alpha"),
                       "before": b["acceptance_rate"], "after": after[name]["acceptance_rate"],
                       "gain": g.value, "gain_ci95": list(g.interval), "drafted_after": after[name]["drafted"]}
     for name, sp in speed_sets(r).items():
@@ -88,6 +87,9 @@ def summarise(run: Path, time_log: Path | None = None) -> dict:
             "stages": {k: v["seconds"] for k, v in r["timings"].items() if k != "report"},
             "configuration": {k: v.get("label") for k, v in ((r["speed"] or {}).get("draft_configuration") or {}).items()},
             "distill": {k: r["distill"].get(k) for k in ("steps", "train_sequences")},
+            "recommendation": r.get("recommendation"), "distillation_verdict": r.get("distillation_verdict"),
+            "host": r.get("host"), "teacher": (r.get("dump") or {}).get("teacher"),
+            "llama_cpp": (r.get("export") or {}).get("llama_cpp"),
             **{k: v for k, v in timed.items() if k != "timed_command"}}
 
 

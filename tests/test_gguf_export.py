@@ -271,13 +271,27 @@ def test_pipeline_export_writes_the_distilled_draft_as_gguf_when_asked(tmp_path,
     target, draft, _ = pair
     ex = lambda words, tag: [Example(f"{tag}{i}", [{"role": "user", "content": f"a b {w}"}]) for i, w in
                              enumerate(words)]
-    cfg = make_config("tiny", target=str(target), draft=str(draft), export_gguf="f16", speed_prompts=0)
+    cfg = make_config("tiny", target=str(target), draft=str(draft), export_gguf="f16", speed_prompts=1)
     report = run_pipeline(cfg, tmp_path / "run", eval_examples=ex("klm", "e"), train_examples=ex("cdefgh", "t"))
     g = report["export"]["gguf"]
+    # llama.cpp's plan for the GGUF written: not priced for a pair whose llama-bench timings the run does not hold,
+    # the command that prices it named; the recommendation's llama.cpp row says the same.
+    plan = report["export"]["llama_cpp"]
+    assert plan["gguf"] == g["path"] and plan["predicted_speedup"] is None and plan["which"] == g["draft"]
+    assert plan["basis"].startswith("not priced: no llama-bench timings") and \
+        f"specdraft rank --engine llama.cpp --target {target}" in plan["basis"]
+    row = next(r for r in report["recommendation"] if r["engine"] == "llama.cpp")
+    assert row["speedup"] is None and row["command"] == plan["command"] and report["recommendation"][-1] == row
     path = Path(g["path"])
     assert path == (tmp_path / "run" / "export" / "draft-f16.gguf").resolve() and g["gguf_type"] == "f16"
+    # The GGUF is of the draft of the target's tokenizer that decoded faster (the two are the same tokenizer here).
+    sp = report["speed"]["contenders"]
+    faster = "original" if sp["speculative:original"]["speedup"] > sp["speculative:distilled"]["speedup"] else \
+        "distilled"
+    assert g["draft"] == faster
     assert path.stat().st_size == g["bytes"] and "-md" in g["llama_cpp_command"]
-    # The GGUF holds the exported (distilled, bf16) speculator's weights and the target's vocabulary.
-    assert_weights(path, str(tmp_path / "run" / "export" / "speculator"), torch.float16, atol=1e-2)
+    # The GGUF holds that draft's exported weights and the target's vocabulary.
+    written = "speculator" if faster == "distilled" else "speculator-as-given"
+    assert_weights(path, str(tmp_path / "run" / "export" / written), torch.float16, atol=1e-2)
     assert read_gguf_vocab(path).tokens == read_gguf_vocab(pair[2]).tokens
     assert json.loads((tmp_path / "run" / "report.json").read_text())["export"]["gguf"]["path"] == str(path)

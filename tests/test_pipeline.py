@@ -240,9 +240,20 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     said = dict(questions_and_answers(report))
     agree = said["Can the draft agree more?"]
     assert f"as given through the mapping → {base['acceptance_rate']:.3f} re-indexed" in agree
-    # The mapped original cannot be served by vLLM: the speed answer leads with the distilled (exported) draft, and
-    # the speed tables say which draft their "before" column is.
-    assert "with the distilled draft" in said["How much faster will it be?"]
+    # The speed answer leads with the draft that measured fastest (the one the recommendation serves), and the
+    # speed tables say which draft their "before" column is.
+    from specdraft.recommend import draft_names, engine_choices
+
+    c = report["speed"]["contenders"]
+    fastest = max(("original", "distilled"), key=lambda w: c[f"speculative:{w}"]["speedup"])
+    assert f"with {draft_names(report)[fastest]}" in said["How much faster will it be?"]
+    # The page and report.md open with what to serve where, fastest first; export/ names it too.
+    choices = engine_choices(report)
+    assert [x["engine"] for x in report["recommendation"]] == [x.engine for x in choices]
+    assert [x.speedup for x in choices] == sorted((x.speedup or 0 for x in choices), reverse=True)
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert md.split("\n")[2] == "## What to serve where (fastest first)"
+    assert (tmp_path / "run" / "export" / "README.md").read_text().count("\n| ") == len(choices) + 1
     assert "yes after the vocabulary swap" in said["Can these two work together?"]
     titles = [t for t, _ in summary_sections(report) if "speed" in t]
     assert titles and all(t.endswith("before = the draft as given, mapped/text") for t in titles)
@@ -263,8 +274,9 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
         "default_proposal_method"] == "text"
     offer = (f"accepted {report['eval_before']['sets']['held_out']['acceptance_rate']:.3f} of its proposals as given "
              f"(mapped/text) against {report['eval_after']['sets']['held_out']['acceptance_rate']:.3f} re-indexed")
-    assert offer in said["Can I ship it?"] and offer in (tmp_path / "run" / "report.md").read_text()
-    assert '"method": "custom_class"' in said["Can I ship it?"]
+    assert offer in (tmp_path / "run" / "report.md").read_text()
+    assert '"method": "custom_class"' in (tmp_path / "run" / "report.md").read_text()
+    assert "README.md` names them with the commands" in said["Can I ship it?"]
     from specdraft.report import render_markdown
 
     for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):

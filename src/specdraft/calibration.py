@@ -307,3 +307,18 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalCo
     return cached_speed_model(target, draft, calib, max_gamma=max(config.num_speculative_tokens, 8),
                               draft_context=d_calib if d_calib and len(d_calib) >= 2 else None,
                               cache_dir=config.speed_cache_dir, refresh=not config.speed_cache, say=say)
+
+
+def gemv_gb_s(dtype: str = "bfloat16", rows: int = 8960, cols: int = 1536, reps: int = 200) -> float:
+    """This machine's matrix-vector throughput now, weight bytes per second / 1e9: a [1, cols] × [cols, rows]
+    product (the embedded target's MLP projection) in ``dtype``, torch's default CPU path (oneDNN for bfloat16),
+    after a warm-up. A batch-1 decoding step reads every weight once, so this is the rate a decoder's step is bounded
+    by; the main job's time estimate scales with it (:func:`specdraft.pipeline.first_line`). About 0.3 s."""
+    dt = getattr(torch, dtype)
+    w, x = torch.randn(rows, cols).to(dt), torch.randn(1, cols).to(dt)
+    for _ in range(20):
+        torch.nn.functional.linear(x, w)
+    t = time.perf_counter()
+    for _ in range(reps):
+        torch.nn.functional.linear(x, w)
+    return w.numel() * w.element_size() * reps / (time.perf_counter() - t) / 1e9

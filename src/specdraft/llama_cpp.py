@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -477,3 +478,69 @@ if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--j
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print(built.bin_dir)
+
+
+#: The embedded pair's llama-bench timings (from the bench whose runs fitted the packaged calibration), which price
+#: the main job's llama.cpp forecast: ``{"source", "machine", "llama.cpp", "target": {"name", "gguf",
+#: "llama_bench"}, "drafts": {label: {"llama_bench"}}}``.
+PACKAGED_BENCH = Path(__file__).with_name("llamacpp_bench.json")
+
+
+def packaged_bench() -> dict[str, Any]:
+    """:data:`PACKAGED_BENCH`, read."""
+    return json.loads(PACKAGED_BENCH.read_text(encoding="utf-8"))
+
+
+def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float | None, which: str,
+             draft_ref: str | None = None, calibration: LlamaCppCalibration | None = None,
+             bench: Mapping[str, Any] | None = None, threads: int = 2) -> dict[str, Any]:
+    """The main job's llama.cpp plan for the draft GGUF it wrote: which ``--spec-draft-n-max`` to serve at the
+    draft's held-out acceptance ``alpha`` (per reached position), or 0 — serve the target alone — and the command as
+    ``make test-llamacpp`` runs llama.cpp (``llama-speculative-simple``, or ``llama-completion`` for the target alone).
+
+    Priced only where timings exist for this pair: the packaged llama-bench timings (:func:`packaged_bench`) of the
+    run's target and of a draft of the same llama.cpp size (its GGUF within 10% of a timed draft's tensor bytes), by
+    ``calibration`` (default the packaged :data:`specdraft.speed.LLAMA_CPP_CALIBRATION`;
+    :func:`specdraft.speed.llama_cpp_plan`). Elsewhere the plan says so and names the command that prices it
+    (``specdraft rank --engine llama.cpp``): ``predicted_speedup`` is then ``None``.
+
+    Returns:
+        ``{"which", "gguf", "n_max", "best_n", "predicted_speedup", "band", "by_n", "alpha", "basis", "command",
+        "note"}`` (JSON-ready).
+    """
+    from specdraft.gguf_export import target_gguf_path
+    from specdraft.speed import (
+        LLAMA_CPP_CALIBRATION,
+        llama_bench_speed_model,
+        llama_cpp_command,
+        llama_cpp_plan,
+    )
+
+    calibration = LLAMA_CPP_CALIBRATION if calibration is None else calibration
+    bench = packaged_bench() if bench is None else bench
+    tgt = target_gguf_path(target)
+    tgt_arg = str(tgt) if tgt is not None else "TARGET.gguf"
+    base = {"which": which, "gguf": str(gguf), "alpha": alpha, "n_max": 0, "best_n": None,
+            "predicted_speedup": None, "band": None, "by_n": {}, "note": ""}
+    timed = None
+    if bench["target"]["name"] == target:
+        for label, d in bench["drafts"].items():
+            size = max(int(r.get("model_size") or 0) for r in d["llama_bench"])
+            if size and abs(gguf_bytes - size) <= 0.1 * size:
+                timed = (label, d)
+    if timed is None or alpha is None or calibration is None:
+        why = ("no llama-bench timings of this target and a draft of this size are packaged" if timed is None
+               else "no held-out acceptance" if alpha is None else "no calibration")
+        rank = f"specdraft rank --engine llama.cpp --target {shlex.quote(target)} {shlex.quote(draft_ref or 'DRAFT')}"
+        return base | {"basis": f"not priced: {why}; `{rank}` times both here and forecasts it",
+                       "command": llama_cpp_command(tgt_arg, shlex.quote(str(gguf)), 0, threads=threads)}
+    label, d = timed
+    speed = llama_bench_speed_model(bench["target"]["llama_bench"], d["llama_bench"])
+    plan = llama_cpp_plan(speed, alpha, calibration=calibration)
+    basis = (f"forecast, not timed by this run: llama-bench timings of {bench['target']['gguf']} and a draft of this "
+             f"size ({label}; {bench['source']}, {bench['machine']}, {threads} threads, {bench['llama.cpp']}) at the "
+             f"draft's held-out α {alpha:.3f}, priced by the packaged calibration: {plan.note or 'uncalibrated'}")
+    return base | {"n_max": plan.n_max, "best_n": plan.best_n, "predicted_speedup": plan.predicted_speedup,
+                   "band": list(plan.band) if plan.band else None, "by_n": {str(k): v for k, v in plan.by_n.items()},
+                   "note": plan.note, "basis": basis,
+                   "command": llama_cpp_command(tgt_arg, shlex.quote(str(gguf)), plan.n_max, threads=threads)}

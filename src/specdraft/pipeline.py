@@ -44,6 +44,7 @@ import gc
 import hashlib
 import json
 import logging
+import re
 import shutil
 import sys
 import time
@@ -57,9 +58,11 @@ from specdraft.draft_model import HEAD_TOKENS_FORMAT
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.headroom import HeadroomForecast
 from specdraft.io import atomic_write_text, versions
+from specdraft.llama_cpp import PACKAGED_BENCH
 from specdraft.models import ModelRef
 from specdraft.progress import progress_lines
 from specdraft.prompts import PromptSet, select_prompts
+from specdraft.recommend import distillation_verdict, write_export_manifest
 from specdraft.speed import SpeedStage
 
 _LOG = logging.getLogger("specdraft")
@@ -87,19 +90,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ood_prompts": ["mt-bench:0:14:6"],
         # The self-teacher's prompts: HumanEval's training split, the embedded conversations and ShareGPT's
         # training rows (real user turns: the chat set's gain needs them).
-        "train_prompts": ["humaneval:0:100", "conversations", "sharegpt:0:300"],
+        "train_prompts": ["humaneval:0:100", "conversations", "sharegpt:0:120"],
         "speed_prompts": 3,
         "eval": {"max_new_tokens": 64, "compare_hf": True, "num_speculative_tokens": 5},
         # The target's dump teaches a draft of the target's own tokenizer (the self-teacher does not apply there): the
         # target answers the first 64 training prompts, as many as it writes in the self-teacher's minutes.
         "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8, "num_examples": 64},
-        "self_teacher": {"generate": 256, "max_length": 768, "batch_size": 8, "dtype": "bfloat16"},
-        # 40 steps of 8 sequences: the self-teacher's curve rises to ~40 steps and is flat after
-        # (docs/benchmarks.md, "The self-teacher route, run longer").
+        "self_teacher": {"generate": 192, "max_length": 640, "batch_size": 8, "dtype": "bfloat16"},
+        # 24 steps of 8 sequences: the re-indexed copy serves llama.cpp and vLLM's draft_model only, where the draft
+        # as given cannot go; its curve is at its knee by ~40 steps (docs/benchmarks.md, "The self-teacher route,
+        # run longer"), and the main job's budget goes to measuring what ships.
         "distill": {"loss": "soft_ce", "train": "all", "lr": 3e-4, "row_lr": 1e-3, "untie_head": True,
-                    "max_steps": 40, "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
-                    "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 10, "precision": "auto",
+                    "max_steps": 24, "batch_size": 2, "gradient_accumulation_steps": 4, "held_out_fraction": 0.125,
+                    "scheduler": "cosine", "warmup_ratio": 0.1, "save_steps": 8, "precision": "auto",
                     "on_policy_fraction": 0.0, "head_support": 8192},
+        # The re-indexed, distilled draft as llama.cpp's -md draft: q8_0, the type its llama-bench timings were taken
+        # at (the run's llama.cpp forecast prices it with them).
+        "export_gguf": "q8_0",
         "needs": "2 CPU cores, ~12 GB RAM, ~3 GB disk (+11 GB once: the models converted and their bfloat16 copies), ~22 min with the "
                  "models cached",
     },
@@ -183,12 +190,32 @@ def preset_fields(name: str) -> dict[str, Any]:
     return fields
 
 
-def first_line(cfg: PipelineConfig, out: str | Path) -> str:
+#: Where a preset's time was measured: ``{preset: (minutes, bf16 matrix-vector GB/s of that host)}``
+#: (:func:`specdraft.calibration.gemv_gb_s`); the first line scales the minutes by this host's rate.
+PRESET_TIMING: dict[str, tuple[float, float]] = {"default": (22.0, 14.5)}
+
+
+def estimated_minutes(preset: str, host_gb_s: float | None) -> float | None:
+    """A preset's minutes on this host: its measured minutes × the measuring host's bf16 matrix-vector rate over this
+    host's (:data:`PRESET_TIMING`); ``None`` without a measured time or a rate."""
+    if preset not in PRESET_TIMING or not host_gb_s:
+        return None
+    minutes, ref = PRESET_TIMING[preset]
+    return minutes * ref / host_gb_s
+
+
+def first_line(cfg: PipelineConfig, out: str | Path, host_gb_s: float | None = None) -> str:
     """``run``'s first line: the pair it runs, the preset, and what the preset needs (cores, memory, disk, time),
-    said to hold for the preset's own pair when the run names another."""
+    said to hold for the preset's own pair when the run names another. With ``host_gb_s`` (this machine's
+    :func:`specdraft.calibration.gemv_gb_s`), the time is the preset's measured minutes scaled to this machine."""
     preset = preset_fields(cfg.preset) if cfg.preset in PRESETS else {}
     own = (preset.get("target", DEFAULT_TARGET), preset.get("draft", DEFAULT_DRAFT))
-    needs = cfg.needs if own == (cfg.target, cfg.draft) else f"{cfg.needs}; measured for its own pair {own[0]} ← {own[1]}"
+    needs = cfg.needs
+    if (minutes := estimated_minutes(cfg.preset, host_gb_s)) is not None and own == (cfg.target, cfg.draft):
+        ref_min, ref = PRESET_TIMING[cfg.preset]
+        needs = re.sub(r"~\d+ min", f"~{minutes:.0f} min on this machine (bf16 matrix-vector {host_gb_s:.1f} GB/s; "
+                       f"{ref_min:.0f} min measured at {ref:.1f} GB/s)", needs, count=1)
+    needs = needs if own == (cfg.target, cfg.draft) else f"{needs}; measured for its own pair {own[0]} ← {own[1]}"
     return f"specdraft run: target {cfg.target} ← draft {cfg.draft}, preset {cfg.preset} (needs {needs}) → {out}"
 
 
@@ -595,20 +622,26 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
     return run
 
 
-def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path,
-                  mapped: bool = False) -> Callable[[Path], dict[str, Any]]:
+def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path, mapped: bool = False,
+                  before: dict[str, Any] | None = None, after: dict[str, Any] | None = None,
+                  speed: SpeedStage | None = None) -> Callable[[Path], dict[str, Any]]:
     """Export the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
-    counted over the teacher dump's target-written answers plus the embedded training prompts
-    (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator.
+    counted over the teacher dump's answers (written by the target, or by the draft as given on the self-teacher
+    road) plus the embedded training prompts (:func:`specdraft.draft_model.save_head_tokens`): what
+    ``--draft-head-tokens N`` keeps for this speculator.
 
-    For a draft of another tokenizer (``mapped``), the draft as given is written too, into
-    ``export/speculator-as-given`` (its own tokenizer, the ``"text"`` proposal method: vLLM serves it through
-    specdraft's ``custom_class`` proposer, :func:`specdraft.export.export_draft`), so the page can offer both."""
+    The draft as given is written too, into ``export/speculator-as-given`` (:func:`specdraft.export.export_draft`;
+    a draft of another tokenizer keeps its own and the ``"text"`` proposal method: vLLM serves it through
+    specdraft's ``custom_class`` proposer), so every engine's recommendation names a directory.
+
+    With ``cfg.export_gguf``, the draft of the target's tokenizer that decoded faster in the speed stage (the
+    distilled one for a draft of another tokenizer: the only one llama.cpp can pair) is written as GGUF and priced
+    for llama.cpp (:func:`specdraft.llama_cpp.run_plan`, at its held-out acceptance per reached position)."""
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
         from specdraft.dump_reader import TeacherDataset
-        from specdraft.export import export_saved_speculator
+        from specdraft.export import export_draft, export_saved_speculator
         from specdraft.models import load_tokenizer
 
         res = export_saved_speculator(speculator, d / "speculator", cfg.target, cfg.export_dtype)
@@ -618,25 +651,33 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
         for i in range(len(dump)):
             item = dump.tokens(i)
             answers.append(item["input_ids"][1:][item["loss_mask"][:-1].bool()].tolist())
+        writer = (f"{cfg.draft} as given" if cfg.self_teacher is not None else "the target")
         ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
-        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} target-"
-                                "written answer tokens) + the embedded training prompts")
+        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} answer "
+                                f"tokens written by {writer}) + the embedded training prompts")
         res = res | {"head_tokens_file": str(path.resolve())}
+        given = export_draft(plan.draft.path, cfg.target, d / "speculator-as-given",
+                             num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)
+        res["as_given"] = {"path": str(given.out), "vllm_command": given.vllm_command,
+                           "drafting": given.serve.drafting}
         if cfg.export_gguf is not None:  # the same draft for llama.cpp's -md, checked against the target's vocabulary
             from specdraft.gguf_export import export_gguf
+            from specdraft.llama_cpp import run_plan
 
-            g = export_gguf(d / "speculator", plan.target.path, d / f"draft-{cfg.export_gguf}.gguf",
+            which, source = "distilled", d / "speculator"
+            if not mapped and speed is not None:
+                s = {w: (c.speedup or 0.0) for w in ("original", "distilled")
+                     if (c := speed.held_out.contender("speculative", w)) is not None}
+                if s.get("original", 0.0) > s.get("distilled", 0.0):
+                    which, source = "original", d / "speculator-as-given"
+            g = export_gguf(source, plan.target.path, d / f"draft-{cfg.export_gguf}.gguf",
                             gguf_type=cfg.export_gguf, num_speculative_tokens=cfg.eval.num_speculative_tokens,
                             overwrite=True)
             res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
-                           "llama_cpp_command": g.command}
-        if mapped:
-            from specdraft.export import export_draft
-
-            given = export_draft(plan.draft.path, cfg.target, d / "speculator-as-given",
-                                 num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)
-            res["as_given"] = {"path": str(given.out), "vllm_command": given.vllm_command,
-                               "drafting": given.serve.drafting}
+                           "llama_cpp_command": g.command, "draft": which}
+            side = after if which == "distilled" else before
+            alpha = ((side or {}).get("sets") or {}).get("held_out", {}).get("alpha")
+            res["llama_cpp"] = run_plan(cfg.target, g.out, g.bytes, alpha, which, draft_ref=str(source))
         return res
 
     return run
@@ -672,6 +713,9 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     command = command or " ".join(["specdraft"] + sys.argv[1:])
     runner = Runner(out, command, log, overwrite)
     t_all = time.time()
+    from specdraft.calibration import gemv_gb_s
+
+    host = {"gemv_bf16_gb_s": gemv_gb_s()}  # the machine's rate before the work: what its minutes scale with
     plan = _preflight(cfg, out, log, eval_examples, train_examples, ood_examples)
     # A stage is reused for the same models and prompts by content, never by a path or an id alone: the weights
     # behind a path change (a re-download, a fine-tune saved in place), a prompt file is edited under its ids.
@@ -729,15 +773,26 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
             raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
                                 f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
     export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": HEAD_TOKENS_FORMAT,
-                                                      "as_given": mapped,
-                                                      **({"gguf": cfg.export_gguf} if cfg.export_gguf else {})},
-                          _export_stage(cfg, plan, distilled["speculator"], out / "dump", mapped))
+                                                      "as_given": True,
+                                                      **({"gguf": cfg.export_gguf, "llama_cpp_bench": _file_key(
+                                                          PACKAGED_BENCH)} if cfg.export_gguf else {})},
+                          _export_stage(cfg, plan, distilled["speculator"], out / "dump", mapped, before, after,
+                                        speed))
 
     report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
               "vocab_swap": swap, "headroom": headroom, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed.to_dict() if speed else None,
               "export": export,
-              "overlap": plan.overlap, "timings": runner.timings, "total_seconds": time.time() - t_all,
+              "overlap": plan.overlap, "timings": runner.timings, "host": host, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
+    # What to serve where, from what was measured: the page and report.md open with it; export/ names it too.
+    report["recommendation"] = [c.to_dict() for c in write_export_manifest(report, out / "export")]
+    verdict = distillation_verdict(report)
+    report["distillation_verdict"] = verdict.to_dict() if verdict else None
     write_pipeline_report(report, out)
     runner.timings["report"] = {"seconds": 0.0, "skipped": False}
     return report
+
+
+def _file_key(path: Path) -> str:
+    """A stage key's part for a data file the stage prices with: its content's hash."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]

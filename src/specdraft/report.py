@@ -13,6 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from specdraft.headroom import HeadroomForecast
 from specdraft.io import atomic_path, atomic_write_text
+from specdraft.recommend import (
+    RECOMMENDATION_HEADER,
+    distillation_verdict,
+    draft_names,
+    engine_choices,
+    format_speedup,
+    recommendation_rows,
+)
 from specdraft.speed import Contender, ContenderSpeed, SpeedRun, SpeedStage
 from specdraft.stats import MIN_PROMPTS, Estimate, paired_gain_from_rows
 
@@ -28,6 +36,15 @@ def _draft_of(contender: str) -> str:
     """The draft a divergence's contender decoded with (its kind for a contender without one)."""
     c = Contender.from_name(contender)
     return c.draft or c.kind
+
+
+def _draft_label(report: dict[str, Any], contender: str) -> str:
+    """A speed contender's draft in words: the run's draft names (:func:`specdraft.recommend.draft_names`) when the
+    report holds its configuration, else "the original draft" / "the distilled draft"."""
+    which = Contender.from_name(contender).draft or "?"
+    if "config" in report and "check" in report:
+        return draft_names(report).get(which, which)
+    return f"the {which} draft"
 
 
 def _fmt(v: Any, spec: str = "{:.3f}") -> str:
@@ -540,9 +557,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     faster, verdicts = [], []
     for name, sp in speed_sets(r).items():
         spec = sp.of_kind("speculative")
+        # The draft that measured fastest leads: it is the one the recommendation serves (the others: the tables).
         best = max(spec, key=lambda k: spec[k].speedup or 0, default=None)
-        if DISTILLED in sp.contenders:
-            best = DISTILLED  # the exported draft leads: the answer is about what ships (the original: a note)
         if best is None:
             continue
         b: ContenderSpeed = sp.contenders[best]
@@ -556,7 +572,7 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                 else "about as fast (interval includes 1x)"
         verdicts.append(word)
         faster.append(f"{SET_LABELS.get(name, name)}: {word} — {b.speedup:.2f}x the target alone "
-                      f"{format_interval(b.speedup_ci95, sp.prompts, '{:.2f}')} with the {Contender.from_name(best).draft} draft{vs_hf}, "
+                      f"{format_interval(b.speedup_ci95, sp.prompts, '{:.2f}')} with {_draft_label(r, best)}{vs_hf}, "
                       f"outputs equal {b.matches_target or '—'} ({sp.prompts} prompt{'s' if sp.prompts != 1 else ''} × "
                       f"{sp.max_new_tokens or '?'} tokens{'; busy machine' if sp.busy_machine else ''})")
     if (conf := configuration_line(r)) is not None:
@@ -586,6 +602,14 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
             learn.append(f"out-of-domain {ood.value:+.3f} {format_interval(ood.interval, ood.prompts, '{:+.3f}')} "
                          f"({ood.prompts} prompts; "
                          f"{ood_word})")
+    verdict = distillation_verdict(r)
+    if verdict is not None:
+        learn.insert(0, f"did distillation pay? {verdict.answer} (teacher: {verdict.teacher})")
+        if verdict.swap and None not in verdict.swap.values():
+            sw_ = verdict.swap
+            learn.insert(1, f"the vocabulary swap cost {sw_['as_given'] - sw_['re_indexed']:.3f} accepted / proposed "
+                            f"({sw_['as_given']:.3f} as given → {sw_['re_indexed']:.3f} re-indexed); distillation won "
+                            f"back {sw_['distilled'] - sw_['re_indexed']:+.3f} ({sw_['distilled']:.3f})")
     out.append(("Can the draft agree more?", ("; ".join(learn) + ".") if learn else "not measured."))
     exp = r.get("export") or {}
     divs = [d for sp in speed_sets(r).values() for d in sp.divergences
@@ -601,6 +625,18 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                     + (f"; divergences: {detail}" if detail else "") + "."))
     caveat = (" It ships, but it did not decode faster here: serve it where the timings say it pays, or re-measure "
               "on the serving machine." if verdicts and all(v == "not faster" for v in verdicts) else "")
+    choices = engine_choices(r)
+    if exp and choices:
+        top = choices[0]
+        serve = "; ".join(f"{c.label}: {c.draft}" + (f" (`{c.path}`)" if c.path else "") for c in choices)
+        lead = (f"yes — the fastest: {top.draft} in {top.label}, {format_speedup(top)} the target alone"
+                if top.which is not None else
+                "not for speed on this machine: no draft decoded faster than the target alone here; the speculators "
+                "are written, to serve where timings say they pay")
+        out.append(("Can I ship it?", f"{lead}. Per engine: {serve}. `{Path(exp['path']).parent / 'README.md'}` "
+                    "names them with the commands; each speculator is a plain transformers checkpoint plus "
+                    "`speculators_*` keys." + (caveat if top.which is not None else "")))
+        return out
     out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` holds {exported_draft(r)}, an independent "
                 f"speculator (a plain transformers "
                 f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`.{caveat}"
@@ -646,9 +682,16 @@ def render_markdown(r: dict[str, Any]) -> str:
     dist, exp, cfg = r["distill"], r["export"], r["config"]
     sets = r["eval_before"]["sets"]
     onp = dist.get("on_policy")
+    choices = engine_choices(r)
     lines = [
         f"# specdraft run — {cfg['target']} ← {cfg['draft']}",
         "",
+        *([] if not choices else [
+            "## What to serve where (fastest first)", "",
+            "| " + " | ".join(RECOMMENDATION_HEADER) + " |", "| --- | --- | ---: | ---: | --- |",
+            *["| " + " | ".join(x if i != 4 else f"`{x}`" for i, x in enumerate(row)) + " |"
+              for row in recommendation_rows(choices)],
+            "", *[f"- {c.label}: {c.basis}." for c in choices], ""]),
         *[f"**{q}** {a}\n" for q, a in questions_and_answers(r)],
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
          f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min"

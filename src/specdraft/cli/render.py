@@ -736,9 +736,13 @@ def library_warnings_off() -> Iterator[None]:
 def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     """``run``'s page: the answers, the summary tables (:func:`summary_tables`), notes, stage times, where the
     report and the speculator are, and the serve commands."""
+    from specdraft.recommend import engine_choices
     from specdraft.report import SUMMARY_LEGEND, questions_and_answers, speed_notes
 
     console.print(f"[bold]specdraft run — {escape(target)} ← {escape(draft)}[/]")
+    choices = engine_choices(report)
+    if choices:
+        console.print(recommendation_table(choices))
     for q, a in questions_and_answers(report):
         console.print(f"[bold]{escape(q)}[/] {escape(a)}")
     console.print(SUMMARY_LEGEND, highlight=False)
@@ -749,13 +753,31 @@ def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     for k, v in report["timings"].items():
         console.print(f"  {k:<12} {v['seconds']:7.1f} s{'  (skipped: done earlier)' if v['skipped'] else ''}")
     exp = report["export"]
-    console.print(f"report: {Path(out) / 'report.md'}\nplots: {Path(out) / 'report.png'}\nspeculator: {exp['path']}"
-                  f"\nserve it with vLLM (tested with "
-                  f"vLLM {exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
+    console.print(f"report: {Path(out) / 'report.md'}\nplots: {Path(out) / 'report.png'}", highlight=False,
                   markup=False, soft_wrap=True)
-    if exp.get("gguf"):
-        console.print(f"llama.cpp draft: {exp['gguf']['path']}\n  {exp['gguf']['llama_cpp_command']}",
-                      highlight=False, markup=False, soft_wrap=True)
+    if choices:  # what to serve where, fastest first, each with the command as tested
+        console.print(f"what to serve where: {Path(exp['path']).parent / 'README.md'}", highlight=False, markup=False,
+                      soft_wrap=True)
+        for c in choices:
+            console.print(f"  {c.label}: {c.draft}{f' ({c.path})' if c.path else ''}\n    {c.command}",
+                          highlight=False, markup=False, soft_wrap=True)
+    else:
+        console.print(f"speculator: {exp['path']}\nserve it with vLLM (tested with vLLM "
+                      f"{exp.get('vllm_tested_version', '?')}):\n  {exp['vllm_command']}", highlight=False,
+                      markup=False, soft_wrap=True)
+
+
+def recommendation_table(choices) -> Table:
+    """The run page's first table (:func:`specdraft.recommend.recommendation_rows`), commands left for the list at
+    the end of the page (they are longer than a terminal line)."""
+    from specdraft.recommend import RECOMMENDATION_HEADER, recommendation_rows
+
+    table = Table(title="What to serve where (fastest first)", title_justify="left")
+    for col in RECOMMENDATION_HEADER[:4]:
+        table.add_column(col, justify="right" if "×" in col or "α" in col else "left")
+    for row in recommendation_rows(choices):
+        table.add_row(*(escape(x) for x in row[:4]))
+    return table
 
 
 def summary_tables(report: dict) -> list[Table]:

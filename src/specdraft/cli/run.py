@@ -58,7 +58,7 @@ def run(
     check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
     report, every stage in the run directory --out; a re-run resumes, skipping finished stages. --gamma-policy,
     --draft-quantization and --draft-head-tokens set both evaluations."""
-    from specdraft.pipeline import first_line, make_config, run_pipeline, run_prompts
+    from specdraft.pipeline import PRESET_TIMING, first_line, make_config, run_pipeline, run_prompts
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       ood_prompts=ood_prompts, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap,
@@ -66,7 +66,12 @@ def run(
                       eval={"draft_quantization": draft_quantization, "draft_head_tokens": draft_head_tokens,
                             "gamma_policy": gamma_policy})
     check_out(out, overwrite=None)  # resumable: finished stages are skipped, --overwrite redoes a changed one
-    console.print(first_line(cfg, out), highlight=False, markup=False, soft_wrap=True)
+    host = None
+    if cfg.preset in PRESET_TIMING:  # the time estimate scales with this machine's measured rate
+        from specdraft.calibration import gemv_gb_s
+
+        host = gemv_gb_s()
+    console.print(first_line(cfg, out, host), highlight=False, markup=False, soft_wrap=True)
     chosen = run_prompts(cfg)  # every line checked, and what will run said, before any model work
     for line in (line for s in chosen.values() for line in s.lines()):
         console.print(line, highlight=False, markup=False, emoji=False, soft_wrap=True)  # one line, as written
