@@ -132,7 +132,7 @@ def test_distillation_is_judged_against_the_draft_as_given_with_its_teacher_name
 
 
 def test_the_page_and_report_md_open_with_the_table_fastest_first():
-    from specdraft.report import questions_and_answers, render_markdown
+    from specdraft.report import questions_and_answers
 
     r = report(original=1.98, distilled=1.93)
     said = dict(questions_and_answers(r))

@@ -581,7 +581,11 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     gain = acceptance_gain(r, "held_out")
     learn = []
     if r.get("headroom"):
-        learn.append(f"forecast: {HeadroomForecast.from_dict(r['headroom']).verdict}")
+        road = ("; the road this run takes: its teacher is the draft as given (the self-teacher), which wins back "
+                "what the swap cost rather than the target's distribution" if (r.get("dump") or {}).get("teacher")
+                == "draft-as-given" else "")
+        learn.append(f"forecast (against the target's answers): {HeadroomForecast.from_dict(r['headroom']).verdict}"
+                     + road)
     sw = (swap_baseline(r) or {}).get("held_out")
     if sw:
         m = r["eval_before"]["sets"]["held_out"]
