@@ -101,6 +101,63 @@ def test_a_changed_context_trims_the_drafters_cache_to_the_common_prefix(pair):
     assert int(d.stream.n_real[0]) == len(new) + GAMMA - 1
 
 
+def _counting_reads(model):
+    """A forward pre-hook on ``model`` adding up the tokens each call feeds it (a drafter reads one row: no holes);
+    returns ``(counter, handle)``."""
+    fed = [0]
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        fed[0] += int(ids.shape[1])
+
+    return fed, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_a_request_that_outgrew_the_window_leaves_later_requests_proposed_for(pair):
+    """The first request outgrows the draft's window, so its drafter stops proposing; every later request shares
+    its first token (as every request does behind a BOS or a chat template) and must still be proposed for."""
+    _, draft, mapping, t_tok, _ = pair
+    small = copy.deepcopy(draft)
+    small.config.max_position_embeddings = 24
+    drafts = TextDrafts(small, mapping, GAMMA, 300)
+    long = _ids(t_tok, "def total(items):\n    return count\n" * 6)
+    assert len(mapping.reencode_for_draft(long)) + GAMMA > 24
+    with pytest.warns(UserWarning, match="outgrew"):
+        assert drafts.propose([long]) == [[]]
+    got = []
+    for text in ("def total(items):\n", "def index(value):", "def print(count, items):\n", "def hello(world):"):
+        ctx = _ids(t_tok, text)
+        assert ctx[0] == long[0]  # the prefix it shares with the outgrown request
+        got.append(drafts.propose([ctx])[0])
+        assert got[-1] == _reference(small, mapping, ctx)
+    assert sum(map(len, got)) >= len(got)  # really proposed for, not one empty round after another
+
+
+def test_a_running_request_keeps_its_drafter_when_a_new_request_joins_in_an_earlier_slot(pair):
+    """A new request in slot 0 shares its first token with the running request in slot 1: the running one keeps
+    its drafter and the draft reads only its new tokens, not its whole context again."""
+    _, draft, mapping, t_tok, _ = pair
+    a = _ids(t_tok, "def total(items):\n    for index in range(count):\n        print(index, value)\n")
+    b = _ids(t_tok, "def hello(world):")
+    assert a[0] == b[0]
+    drafts = TextDrafts(draft, mapping, GAMMA, 300)
+    first = drafts.propose([a])
+    entry_a = drafts.entries[0]
+    a2 = a + first[0][:1] + [17]
+    fed_b, handle = _counting_reads(draft)
+    try:
+        TextDrafts(draft, mapping, GAMMA, 300).propose([b])  # what b costs alone: read and draft
+        alone = fed_b[0]
+        fed_b[0] = 0
+        got = drafts.propose([b, a2])
+    finally:
+        handle.remove()
+    assert got[1] == _reference(draft, mapping, a2)
+    assert next(e for e in drafts.entries if e.history == a2) is entry_a
+    read_for_a = fed_b[0] - alone
+    assert read_for_a <= GAMMA + 3 < len(mapping.reencode_for_draft(a2)) // 2  # its new tokens and γ − 1 drafts
+
+
 def _older_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                    use_cache=None, logits_to_keep=0, **unused):
     """A causal LM's forward as transformers 5.19 (vLLM 0.32's pin) spells it: the KV cache is ``past_key_values``

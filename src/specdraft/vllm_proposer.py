@@ -14,7 +14,8 @@ Each round, per request: its target ids are decoded to text and re-encoded in th
 (its own KV cache, trimmed to the common prefix with what it read last round) drafts up to γ tokens greedily, and
 their text is re-encoded *in context* as target tokens — :class:`specdraft.drafters.MappedDrafter` in ``"text"``
 mode, the drafter specdraft's own decoding uses, one per request (:class:`TextDrafts` pairs requests and drafters,
-which ``propose`` never names: by the longest common prefix of their target ids).
+which ``propose`` never names: a request keeps the drafter whose last context its own extends, whatever its slot;
+a new one takes a fresh drafter or a free one sharing its prefix, reset).
 
 **Verification stays vLLM's and is lossless.** The proposals carry no draft probabilities, and vLLM's rejection
 sampler then treats q as one-hot on the proposed token (``vllm/v1/sample/rejection_sampler.py``:
@@ -58,22 +59,31 @@ class ProposerError(RuntimeError):
 @dataclass
 class _Entry:
     """One request's drafter and the target ids it last drafted after (``history``); ``used``: the round it last
-    served."""
+    served; ``slot``: the batch slot it served then."""
 
     drafter: Any
     history: list[int] = field(default_factory=list)
     used: int = 0
+    slot: int = -1
 
 
 class TextDrafts:
     """Drafters of another tokenizer, one per request, for a batch whose requests come and go (no vLLM needed).
 
-    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. A slot's context goes to
-    the kept drafter whose last context shares the longest prefix with it (a request keeps its drafter when it
-    moves to another slot; a new request, sharing nothing, gets a fresh one); that drafter then trims its KV cache
-    to the common prefix of the re-encoded contexts (:meth:`specdraft.drafters.MappedDrafter.propose`). Drafters
-    not used for ``keep_rounds`` rounds are dropped, and at most ``max_entries`` are kept (the least recently used
-    go first).
+    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. vLLM names no request, so a
+    drafter follows its request by content, matched over all slots at once (:meth:`assign`): a request's context
+    only grows, so a kept drafter whose last context is a prefix of a slot's context is that request's own, and
+    keeps serving it whatever slot it moved to and whoever joined before it. The other contexts (new requests) take
+    a fresh drafter, or the unclaimed kept one sharing the longest prefix with them (a system prompt's cache is read
+    once); the drafter then trims its KV cache to the common prefix of the re-encoded contexts
+    (:meth:`specdraft.drafters.MappedDrafter.propose`), and what it knew of its last request alone (that it outgrew
+    the draft's window) is forgotten. Drafters not used for ``keep_rounds`` rounds are dropped, and at most
+    ``max_entries`` are kept (the least recently used go first).
+
+    Memory: a drafter's KV cache holds at most the draft's window (:func:`specdraft.sampling.context_window`, its
+    ``max_position_embeddings``; past it the drafter stops proposing for that request), so the kept caches take at
+    most ``max_entries × window × 2 × layers × kv_heads × head_dim × bytes per value`` of the draft (a 0.5B Qwen
+    draft, 24 layers × 2 KV heads × 64 in bfloat16: 12 KiB per position), besides one copy of the draft's weights.
 
     Args:
         draft: the draft model (another tokenizer than the target's), eval mode.
@@ -102,28 +112,35 @@ class TextDrafts:
                              None)
 
     def assign(self, contexts: Sequence[Sequence[int] | None]) -> list[_Entry | None]:
-        """Each context's drafter: the unclaimed kept one sharing its longest prefix (> 0), else a new one;
-        ``None`` for a ``None`` context (a slot that proposes nothing this round)."""
+        """Each context's drafter (``None`` for a ``None`` context, a slot that proposes nothing this round).
+
+        First every kept drafter whose last context is a prefix of a slot's context goes to that slot (its own
+        request, grown by the tokens since; the longest history first, then the slot it served last); then each
+        remaining context, the longest shared prefix first, takes the unclaimed kept drafter sharing it, else a new
+        one. A drafter handed to another request forgets what it knew of its last one."""
         from specdraft.drafters import common_prefix
 
+        out: list[_Entry | None] = [None] * len(contexts)
+        live = [j for j, c in enumerate(contexts) if c is not None]
         claimed: set[int] = set()
-        out: list[_Entry | None] = []
-        for ctx in contexts:
-            if ctx is None:
-                out.append(None)
-                continue
-            best, best_n = None, 0
-            for i, e in enumerate(self.entries):
-                if i in claimed or not e.history or e.history[0] != ctx[0]:
-                    continue
-                n = common_prefix(e.history, ctx)
-                if n > best_n:
-                    best, best_n = i, n
-            if best is None:
+
+        def pair(pairs, fresh_context: bool) -> None:
+            for *_, j, i in sorted(pairs, reverse=True):
+                if out[j] is None and i not in claimed:
+                    claimed.add(i)
+                    out[j] = self.entries[i]
+                    if fresh_context:
+                        self.entries[i].drafter.outgrown = False  # the window it outgrew was its last request's
+
+        pair([(len(e.history), e.slot == j, j, i) for j in live for i, e in enumerate(self.entries)
+              if e.history and list(contexts[j][:len(e.history)]) == e.history], False)
+        pair([(common_prefix(e.history, contexts[j]), -j, j, i) for j in live if out[j] is None
+              for i, e in enumerate(self.entries) if i not in claimed and e.history and e.history[0] == contexts[j][0]],
+             True)
+        for j in live:
+            if out[j] is None:
                 self.entries.append(_Entry(self._new_drafter()))
-                best = len(self.entries) - 1
-            claimed.add(best)
-            out.append(self.entries[best])
+                out[j] = self.entries[-1]
         return out
 
     def propose(self, contexts: Sequence[Sequence[int] | None], ks: Sequence[int] | None = None) -> list[list[int]]:
@@ -136,11 +153,11 @@ class TextDrafts:
         ks = [self.gamma] * len(contexts) if ks is None else list(ks)
         live = [None if c is None or k <= 0 or len(c) == 0 else list(c) for c, k in zip(contexts, ks)]
         out: list[list[int]] = []
-        for entry, ctx, k in zip(self.assign(live), live, ks):
+        for j, (entry, ctx, k) in enumerate(zip(self.assign(live), live, ks)):
             if entry is None or ctx is None:
                 out.append([])
                 continue
-            entry.history, entry.used = ctx, self.round
+            entry.history, entry.used, entry.slot = ctx, self.round, j
             prop = entry.drafter.propose(None, [Row(0, ctx)], [min(k, self.gamma)], None)
             if prop is None:
                 out.append([])
