@@ -276,6 +276,48 @@ def test_the_proposer_serves_the_speculator_named_in_additional_config(exported,
     assert len(proposer.propose([[a[-1]]], n, table.numpy())[0]) <= 1
 
 
+def test_the_proposer_loads_the_tokenizers_and_draft_as_the_engine_configured_them(exported, monkeypatch):
+    """Inside vLLM the target's ids come from the engine's tokenizer (its path, revision, mode, remote code): the
+    proposer decodes them with that one, and loads the draft with the draft's revision and the engine's trust."""
+    import transformers
+
+    target_dir, res = exported
+    calls = []
+
+    def recording(cls, attr):
+        real = getattr(cls, attr)
+
+        def load(path, **kwargs):
+            calls.append((cls.__name__, str(path), kwargs))
+            return real(path, **{k: v for k, v in kwargs.items() if k == "dtype"})
+
+        monkeypatch.setattr(cls, attr, load)
+
+    recording(transformers.AutoTokenizer, "from_pretrained")
+    recording(transformers.AutoModelForCausalLM, "from_pretrained")
+    config = _vllm_config(None, str(res.out), target_dir, {SPECULATOR_KEY: str(res.out)})
+    config.model_config.__dict__.update(model="org/target", revision="model-rev", tokenizer_revision="tok-rev",
+                                        tokenizer_mode="slow", trust_remote_code=True)
+    config.speculative_config.revision = "draft-rev"
+    TextProposer(config).load_model(object())
+    assert calls == [
+        ("AutoTokenizer", target_dir, {"revision": "tok-rev", "trust_remote_code": True, "use_fast": False}),
+        ("AutoTokenizer", str(res.out), {"revision": "draft-rev", "trust_remote_code": True}),
+        ("AutoModelForCausalLM", str(res.out), {"revision": "draft-rev", "trust_remote_code": True,
+                                                "dtype": torch.float32}),
+    ]
+
+
+def test_the_proposer_refuses_a_tokenizer_mode_it_cannot_load(exported):
+    target_dir, res = exported
+    config = _vllm_config(None, str(res.out), target_dir, {SPECULATOR_KEY: str(res.out)})
+    config.model_config.tokenizer_mode = "mistral"
+    from specdraft.vllm_proposer import ProposerError
+
+    with pytest.raises(ProposerError, match="tokenizer_mode 'mistral'.*--tokenizer-mode auto"):
+        TextProposer(config)
+
+
 def test_the_proposer_says_how_to_name_its_speculator(monkeypatch):
     from specdraft.vllm_proposer import ProposerError
 

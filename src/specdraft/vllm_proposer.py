@@ -189,10 +189,54 @@ def speculator_dir(additional_config: Any) -> str:
     return str(path)
 
 
+#: vLLM's tokenizer modes that are a Hugging Face tokenizer, and how transformers loads each.
+HF_TOKENIZER_MODES = {"auto": {}, "hf": {}, "slow": {"use_fast": False}}
+
+
+def engine_tokenizer_kwargs(model_config) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords that load the tokenizer vLLM's engine runs (its ``ModelConfig``): the
+    revision (``tokenizer_revision``; the model's ``revision`` when the tokenizer is the model's own), remote code,
+    token and mode, so the target's ids are decoded by the very tokenizer that produced them.
+
+    Raises:
+        ProposerError: a ``tokenizer_mode`` that is not a Hugging Face tokenizer (the proposer re-encodes text).
+    """
+    mode = str(getattr(model_config, "tokenizer_mode", None) or "auto")
+    if mode not in HF_TOKENIZER_MODES:
+        raise ProposerError(f"{PROPOSER_CLASS} decodes and re-encodes text with a Hugging Face tokenizer and cannot "
+                            f"load tokenizer_mode {mode!r}: serve with --tokenizer-mode auto (or "
+                            f"{', '.join(m for m in HF_TOKENIZER_MODES if m != 'auto')}), or the draft re-indexed "
+                            "into the target's tokenizer (`specdraft vocab-swap`)")
+    revision = getattr(model_config, "tokenizer_revision", None)
+    if revision is None and getattr(model_config, "tokenizer", None) == getattr(model_config, "model", None):
+        revision = getattr(model_config, "revision", None)
+    return _load_kwargs(revision, model_config, model_config) | HF_TOKENIZER_MODES[mode]
+
+
+def draft_load_kwargs(speculative_config, model_config) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords for the draft and its tokenizer: its own ``ModelConfig`` where vLLM built
+    one, else the speculative config's ``revision``, with the engine's remote-code trust and token (vLLM gives the
+    draft the target's)."""
+    draft = getattr(speculative_config, "draft_model_config", None)
+    if draft is not None:
+        return _load_kwargs(getattr(draft, "revision", None), draft, model_config)
+    return _load_kwargs(getattr(speculative_config, "revision", None), model_config, model_config)
+
+
+def _load_kwargs(revision, trust_from, token_from) -> dict[str, Any]:
+    out: dict[str, Any] = {} if revision is None else {"revision": revision}
+    out["trust_remote_code"] = bool(getattr(trust_from, "trust_remote_code", False))
+    token = getattr(token_from, "hf_token", None)
+    return out | ({} if token is None else {"token": token})
+
+
 def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_speculative_tokens: int,
-                     dtype: Any = "auto", device: Any = "cpu", max_entries: int = 256) -> TextDrafts:
+                     dtype: Any = "auto", device: Any = "cpu", max_entries: int = 256,
+                     tokenizer_kwargs: dict[str, Any] | None = None,
+                     draft_kwargs: dict[str, Any] | None = None) -> TextDrafts:
     """:class:`TextDrafts` for the speculator directory ``speculator`` (a text speculator: its draft and its own
-    tokenizer) and the target's tokenizer (an object or a reference).
+    tokenizer) and the target's tokenizer (an object or a reference, loaded with ``tokenizer_kwargs``); the draft
+    and its tokenizer load with ``draft_kwargs`` (``from_pretrained`` keywords: revision, trust_remote_code, ...).
 
     Raises:
         ProposerError: ``speculator`` is not a speculator that drafts through text.
@@ -209,9 +253,9 @@ def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_s
                             f"{conf.default_proposal_method!r}): serve it with vLLM's draft_model method "
                             "(`specdraft inspect` prints the command)")
     if isinstance(target_tokenizer, (str, os.PathLike)):
-        target_tokenizer = AutoTokenizer.from_pretrained(target_tokenizer)
-    draft_tok = AutoTokenizer.from_pretrained(speculator)
-    draft = AutoModelForCausalLM.from_pretrained(speculator, dtype=dtype).to(device).eval()
+        target_tokenizer = AutoTokenizer.from_pretrained(target_tokenizer, **(tokenizer_kwargs or {}))
+    draft_tok = AutoTokenizer.from_pretrained(speculator, **(draft_kwargs or {}))
+    draft = AutoModelForCausalLM.from_pretrained(speculator, **(draft_kwargs or {}), dtype=dtype).to(device).eval()
     mapping = build_vocab_mapping(target_tokenizer, draft_tok, target_config=target_width,
                                   draft_config=draft.get_output_embeddings().weight.shape[0])
     return TextDrafts(draft, mapping, num_speculative_tokens, target_width, max_entries=max_entries)
@@ -222,12 +266,13 @@ class TextProposer:
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` (read: ``speculative_config.num_speculative_tokens``,
-            ``model_config.tokenizer`` / ``max_model_len`` / ``dtype`` / vocabulary size, ``scheduler_config.
+            ``model_config.tokenizer`` and how it loads (:func:`engine_tokenizer_kwargs`) / ``max_model_len`` /
+            ``dtype`` / vocabulary size, the draft's revision (:func:`draft_load_kwargs`), ``scheduler_config.
             max_num_seqs``, ``device_config.device``, ``additional_config``).
 
     Raises:
-        ProposerError: no speculator directory given (:func:`speculator_dir`), or not a text speculator (at
-            ``load_model``).
+        ProposerError: no speculator directory given (:func:`speculator_dir`), a tokenizer mode that is not a
+            Hugging Face tokenizer, or not a text speculator (at ``load_model``).
     """
 
     def __init__(self, vllm_config):
@@ -237,6 +282,8 @@ class TextProposer:
         self.max_model_len = int(model.max_model_len)
         self.speculator = speculator_dir(getattr(vllm_config, "additional_config", None))
         self.tokenizer = model.tokenizer
+        self.tokenizer_kwargs = engine_tokenizer_kwargs(model)
+        self.draft_kwargs = draft_load_kwargs(spec, model)
         self.target_width = int(model.get_vocab_size())
         self.dtype = model.dtype
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
@@ -247,7 +294,8 @@ class TextProposer:
     def load_model(self, *args, **kwargs) -> None:
         """Load the draft and both tokenizers (vLLM passes the target model, which is not used)."""
         self.drafts = load_text_drafts(self.speculator, self.tokenizer, self.target_width, self.k, dtype=self.dtype,
-                                       device=self.device, max_entries=self.max_entries)
+                                       device=self.device, max_entries=self.max_entries,
+                                       tokenizer_kwargs=self.tokenizer_kwargs, draft_kwargs=self.draft_kwargs)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
