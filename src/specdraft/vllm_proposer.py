@@ -27,7 +27,7 @@ the draft proposed (Leviathan et al. 2023, Theorem 3.5 with q = δ_d). Greedy re
 the target's argmax. ``make test-vllm`` checks both in vLLM itself (docs/serving.md). One engine bug stands in the
 way on vLLM 0.32's CPU build without Triton, whatever the proposer: its ``expand_kernel`` replacement never writes
 the per-token temperatures, so sampled requests are verified against garbage logits (greedy ones are not affected);
-``bench/vllm_check.py``'s ``fix_cpu_expand`` says how and repairs it for the check.
+specdraft's vLLM plugin repairs it when vLLM loads it (:func:`specdraft.vllm_plugin.repair_cpu_expand`).
 
 Where the draft is: the speculator directory (the draft's weights, config.json naming the verifier, the draft's
 tokenizer files), from ``additional_config["specdraft_speculator"]`` (``--additional-config``, what
