@@ -299,6 +299,7 @@ def test_the_proposer_loads_the_tokenizers_and_draft_as_the_engine_configured_th
     config.model_config.__dict__.update(model="org/target", revision="model-rev", tokenizer_revision="tok-rev",
                                         tokenizer_mode="slow", trust_remote_code=True)
     config.speculative_config.revision = "draft-rev"
+    config.speculative_config.draft_model_config = config.model_config  # a method with no draft model of vLLM's
     TextProposer(config).load_model(object())
     assert calls == [
         ("AutoTokenizer", target_dir, {"revision": "tok-rev", "trust_remote_code": True, "use_fast": False}),
@@ -306,6 +307,15 @@ def test_the_proposer_loads_the_tokenizers_and_draft_as_the_engine_configured_th
         ("AutoModelForCausalLM", str(res.out), {"revision": "draft-rev", "trust_remote_code": True,
                                                 "dtype": torch.float32}),
     ]
+
+
+def test_a_draft_with_its_own_vllm_model_config_loads_with_that_config():
+    from specdraft.vllm_proposer import draft_load_kwargs
+
+    target = types.SimpleNamespace(trust_remote_code=True, revision="target-rev", hf_token="tok")
+    spec = types.SimpleNamespace(revision="draft-rev",
+                                 draft_model_config=types.SimpleNamespace(revision="own-rev", trust_remote_code=False))
+    assert draft_load_kwargs(spec, target) == {"revision": "own-rev", "trust_remote_code": False, "token": "tok"}
 
 
 def test_the_proposer_refuses_a_tokenizer_mode_it_cannot_load(exported):

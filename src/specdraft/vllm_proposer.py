@@ -215,10 +215,10 @@ def engine_tokenizer_kwargs(model_config) -> dict[str, Any]:
 
 def draft_load_kwargs(speculative_config, model_config) -> dict[str, Any]:
     """The ``from_pretrained`` keywords for the draft and its tokenizer: its own ``ModelConfig`` where vLLM built
-    one, else the speculative config's ``revision``, with the engine's remote-code trust and token (vLLM gives the
+    one for it, else the speculative config's ``revision``, with the engine's remote-code trust and token (vLLM gives the
     draft the target's)."""
     draft = getattr(speculative_config, "draft_model_config", None)
-    if draft is not None:
+    if draft is not None and draft is not model_config:  # a method with no draft model may be handed the target's
         return _load_kwargs(getattr(draft, "revision", None), draft, model_config)
     return _load_kwargs(getattr(speculative_config, "revision", None), model_config, model_config)
 
