@@ -124,17 +124,17 @@ class TextDrafts:
         live = [j for j, c in enumerate(contexts) if c is not None]
         claimed: set[int] = set()
 
-        def pair(pairs, fresh_context: bool) -> None:
-            for *_, j, i in sorted(pairs, reverse=True):
+        def claim(candidates, another_request: bool) -> None:  # candidates: (rank..., slot j, entry i)
+            for *_, j, i in sorted(candidates, reverse=True):
                 if out[j] is None and i not in claimed:
                     claimed.add(i)
                     out[j] = self.entries[i]
-                    if fresh_context:
+                    if another_request:
                         self.entries[i].drafter.outgrown = False  # the window it outgrew was its last request's
 
-        pair([(len(e.history), e.slot == j, j, i) for j in live for i, e in enumerate(self.entries)
+        claim([(len(e.history), e.slot == j, j, i) for j in live for i, e in enumerate(self.entries)
               if e.history and list(contexts[j][:len(e.history)]) == e.history], False)
-        pair([(common_prefix(e.history, contexts[j]), -j, j, i) for j in live if out[j] is None
+        claim([(common_prefix(e.history, contexts[j]), -j, j, i) for j in live if out[j] is None
               for i, e in enumerate(self.entries) if i not in claimed and e.history and e.history[0] == contexts[j][0]],
              True)
         for j in live:
