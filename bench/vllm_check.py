@@ -33,8 +33,8 @@ one-path (plugin), greedy as above, plus
   same draws against the law a broken acceptance would give (every first proposal accepted unverified, computed
   here from the same proposer) must fail (p < 1e-6). It controls the test's power to tell the target's law from
   that one; vLLM offers no way to switch its verification off, so no broken engine is run. vLLM 0.32's CPU build
-  breaks sampled verification for every proposer (:func:`fix_cpu_expand`); this run repairs that one kernel in its
-  own process and records that it had to.
+  breaks sampled verification for every proposer (:func:`fix_cpu_expand`); specdraft's plugin repairs that one
+  kernel when vLLM loads it, and this run checks that the repair reached the sampler.
 """
 
 from __future__ import annotations
@@ -299,7 +299,8 @@ class RecordingProposer(TextProposer):
 
 
 def fix_cpu_expand() -> dict:
-    """Repair, in this process, the kernel that makes vLLM 0.32's CPU build verify sampled drafts against garbage.
+    """Whether the per-token temperatures reach vLLM's sampler in this process, where vLLM 0.32's CPU build would
+    verify sampled drafts against garbage.
 
     Without Triton, vLLM's CPU platform runs the rejection sampler's ``expand_kernel`` (each request's temperature
     written to each of its draft positions, ``expand_batch_to_tokens``) as
@@ -307,33 +308,34 @@ def fix_cpu_expand() -> dict:
     float32 temperatures a converted copy, so the real output is never written and stays ``new_empty`` memory. The
     target's logits at every draft position are then divided by garbage (rows of NaN, uniform or one-hot
     distributions), whatever the proposer (a constant one too), while the target alone, which expands nothing, samples
-    its law. Greedy requests never use the temperature. When the expansion is broken here, a correct one is
-    registered in its place through vLLM's own kernel-override registry (``vllm.triton_utils.dispatcher.
-    register_kernels``, what the CPU platform itself uses), so the check tests the rest of vLLM's verification; the
+    its law. Greedy requests never use the temperature. specdraft's plugin, which vLLM loads in this process, puts
+    its repaired op in place (:func:`specdraft.vllm_plugin.repair_cpu_expand`); this checks that the repair reached
+    the sampler, and where it did not registers the same op through vLLM's kernel-override registry
+    (``vllm.triton_utils.dispatcher.register_kernels``) so the check tests the rest of vLLM's verification. The
     engine's worker must run in this process (``distributed_executor_backend="uni"``,
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``MAX_NUM_TOKENS``: the kernel's own keyword, unused here.
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
     Returns:
-        ``{"broken": the expansion was wrong here, "fixed": it is right now}``.
+        ``{"broken": the engine's op did not write its output (None: not tried before it was replaced), "plugin":
+        the plugin's repair was in the sampler, "fixed": the expansion is right now}``.
     """
     import torch
-    from vllm.triton_utils.dispatcher import register_kernels
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    from specdraft.vllm_plugin import EXPAND_KERNEL, expand_kernel_repaired, repair_cpu_expand
 
     def works() -> bool:
         got = expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3)
         return got.tolist() == [0.5, 2.0, 2.0]
 
-    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # tokens per request
-        vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-        expanded = vals.repeat_interleave(counts)
-        output[: expanded.numel()] = expanded.to(output.dtype)
+    found = repair_cpu_expand()  # the plugin's finding when vLLM loaded it here (once per process)
+    reached = works()
+    if not reached:
+        from vllm.triton_utils.dispatcher import register_kernels
 
-    broken = not works()
-    if broken:
-        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand})
-    return {"broken": broken, "fixed": works()}
+        register_kernels({EXPAND_KERNEL: expand_kernel_repaired})
+    broken = found["broken"] if found["repaired"] else not reached
+    return {"broken": broken, "plugin": found["repaired"] and reached, "fixed": works()}
 
 
 def run_server(plan: dict, draft: str, log: Path, python: str, port: int = 8765, timeout_s: float = 300) -> dict:
@@ -506,7 +508,10 @@ def check(plan: dict, results: dict, out: Path) -> dict:
             expand = r.get("cpu_expand") or {}
             record(f"{config}: vLLM's per-token temperatures right in the run", expand.get("fixed", False),
                    "vLLM's CPU expand kernel was broken and was repaired in the run (fix_cpu_expand)"
-                   if expand.get("broken") else "vLLM's own expansion")
+                   if expand.get("broken") is not False else "vLLM's own expansion")
+            if expand.get("broken") is not False:
+                record(f"{config}: specdraft's plugin repaired vLLM's CPU expand kernel on load",
+                       expand.get("plugin", False), "specdraft.vllm_plugin.repair_cpu_expand")
         else:
             expected = [a[:n] for a, n in zip(alone, churn_lengths())] if config.startswith("churn") else alone
             same = sum(a == b for a, b in zip(r["tokens"], expected, strict=True))

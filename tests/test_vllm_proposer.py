@@ -101,6 +101,63 @@ def test_a_changed_context_trims_the_drafters_cache_to_the_common_prefix(pair):
     assert int(d.stream.n_real[0]) == len(new) + GAMMA - 1
 
 
+def _counting_reads(model):
+    """A forward pre-hook on ``model`` adding up the tokens each call feeds it (a drafter reads one row: no holes);
+    returns ``(counter, handle)``."""
+    fed = [0]
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        fed[0] += int(ids.shape[1])
+
+    return fed, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_a_request_that_outgrew_the_window_leaves_later_requests_proposed_for(pair):
+    """The first request outgrows the draft's window, so its drafter stops proposing; every later request shares
+    its first token (as every request does behind a BOS or a chat template) and must still be proposed for."""
+    _, draft, mapping, t_tok, _ = pair
+    small = copy.deepcopy(draft)
+    small.config.max_position_embeddings = 24
+    drafts = TextDrafts(small, mapping, GAMMA, 300)
+    long = _ids(t_tok, "def total(items):\n    return count\n" * 6)
+    assert len(mapping.reencode_for_draft(long)) + GAMMA > 24
+    with pytest.warns(UserWarning, match="outgrew"):
+        assert drafts.propose([long]) == [[]]
+    got = []
+    for text in ("def total(items):\n", "def index(value):", "def print(count, items):\n", "def hello(world):"):
+        ctx = _ids(t_tok, text)
+        assert ctx[0] == long[0]  # the prefix it shares with the outgrown request
+        got.append(drafts.propose([ctx])[0])
+        assert got[-1] == _reference(small, mapping, ctx)
+    assert sum(map(len, got)) >= len(got)  # really proposed for, not one empty round after another
+
+
+def test_a_running_request_keeps_its_drafter_when_a_new_request_joins_in_an_earlier_slot(pair):
+    """A new request in slot 0 shares its first token with the running request in slot 1: the running one keeps
+    its drafter and the draft reads only its new tokens, not its whole context again."""
+    _, draft, mapping, t_tok, _ = pair
+    a = _ids(t_tok, "def total(items):\n    for index in range(count):\n        print(index, value)\n")
+    b = _ids(t_tok, "def hello(world):")
+    assert a[0] == b[0]
+    drafts = TextDrafts(draft, mapping, GAMMA, 300)
+    first = drafts.propose([a])
+    entry_a = drafts.entries[0]
+    a2 = a + first[0][:1] + [17]
+    fed_b, handle = _counting_reads(draft)
+    try:
+        TextDrafts(draft, mapping, GAMMA, 300).propose([b])  # what b costs alone: read and draft
+        alone = fed_b[0]
+        fed_b[0] = 0
+        got = drafts.propose([b, a2])
+    finally:
+        handle.remove()
+    assert got[1] == _reference(draft, mapping, a2)
+    assert next(e for e in drafts.entries if e.history == a2) is entry_a
+    read_for_a = fed_b[0] - alone
+    assert read_for_a <= GAMMA + 3 < len(mapping.reencode_for_draft(a2)) // 2  # its new tokens and γ − 1 drafts
+
+
 def _older_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                    use_cache=None, logits_to_keep=0, **unused):
     """A causal LM's forward as transformers 5.19 (vLLM 0.32's pin) spells it: the KV cache is ``past_key_values``
@@ -217,6 +274,58 @@ def test_the_proposer_serves_the_speculator_named_in_additional_config(exported,
     assert got[1] == [] and got[0] == _reference(draft, mapping, a)
     n[0] = 63  # one position left before max_model_len: one proposal at most
     assert len(proposer.propose([[a[-1]]], n, table.numpy())[0]) <= 1
+
+
+def test_the_proposer_loads_the_tokenizers_and_draft_as_the_engine_configured_them(exported, monkeypatch):
+    """Inside vLLM the target's ids come from the engine's tokenizer (its path, revision, mode, remote code): the
+    proposer decodes them with that one, and loads the draft with the draft's revision and the engine's trust."""
+    import transformers
+
+    target_dir, res = exported
+    calls = []
+
+    def recording(cls, attr):
+        real = getattr(cls, attr)
+
+        def load(path, **kwargs):
+            calls.append((cls.__name__, str(path), kwargs))
+            return real(path, **{k: v for k, v in kwargs.items() if k == "dtype"})
+
+        monkeypatch.setattr(cls, attr, load)
+
+    recording(transformers.AutoTokenizer, "from_pretrained")
+    recording(transformers.AutoModelForCausalLM, "from_pretrained")
+    config = _vllm_config(None, str(res.out), target_dir, {SPECULATOR_KEY: str(res.out)})
+    config.model_config.__dict__.update(model="org/target", revision="model-rev", tokenizer_revision="tok-rev",
+                                        tokenizer_mode="slow", trust_remote_code=True)
+    config.speculative_config.revision = "draft-rev"
+    config.speculative_config.draft_model_config = config.model_config  # a method with no draft model of vLLM's
+    TextProposer(config).load_model(object())
+    assert calls == [
+        ("AutoTokenizer", target_dir, {"revision": "tok-rev", "trust_remote_code": True, "use_fast": False}),
+        ("AutoTokenizer", str(res.out), {"revision": "draft-rev", "trust_remote_code": True}),
+        ("AutoModelForCausalLM", str(res.out), {"revision": "draft-rev", "trust_remote_code": True,
+                                                "dtype": torch.float32}),
+    ]
+
+
+def test_a_draft_with_its_own_vllm_model_config_loads_with_that_config():
+    from specdraft.vllm_proposer import draft_load_kwargs
+
+    target = types.SimpleNamespace(trust_remote_code=True, revision="target-rev", hf_token="tok")
+    spec = types.SimpleNamespace(revision="draft-rev",
+                                 draft_model_config=types.SimpleNamespace(revision="own-rev", trust_remote_code=False))
+    assert draft_load_kwargs(spec, target) == {"revision": "own-rev", "trust_remote_code": False, "token": "tok"}
+
+
+def test_the_proposer_refuses_a_tokenizer_mode_it_cannot_load(exported):
+    target_dir, res = exported
+    config = _vllm_config(None, str(res.out), target_dir, {SPECULATOR_KEY: str(res.out)})
+    config.model_config.tokenizer_mode = "mistral"
+    from specdraft.vllm_proposer import ProposerError
+
+    with pytest.raises(ProposerError, match="tokenizer_mode 'mistral'.*--tokenizer-mode auto"):
+        TextProposer(config)
 
 
 def test_the_proposer_says_how_to_name_its_speculator(monkeypatch):

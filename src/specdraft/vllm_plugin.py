@@ -17,7 +17,16 @@ A speculator of another tokenizer (proposal method ``"text"``) is served with vL
 instead: :class:`specdraft.vllm_proposer.TextProposer`, which finds the speculator directory in the environment
 variable ``SPECDRAFT_SPECULATOR`` that the wrapper sets (the engine core is spawned after it, and inherits it).
 
-vLLM is imported inside :func:`register` only, so :func:`plan_independent` is unit-tested without it.
+On vLLM's CPU build the plugin also repairs one engine op that breaks sampled speculative decoding for every
+proposer: the rejection sampler's ``expand_kernel`` (each request's temperature written at each of its draft
+positions), which the CPU build replaces by ``vllm.utils.cpu_triton_utils._expand_kernel_impl``; that one hands the
+C++ kernel an int64 *copy* of the float output, so the temperatures are never written and sampled drafts are verified
+against logits divided by leftover memory. Greedy requests never read them. :func:`repair_cpu_expand` (run by
+:func:`register`, in every vLLM process) tries the op and, where it does not write its output, puts
+:func:`expand_kernel_repaired` in its place; ``bench/vllm_check.py`` checks that the repair reaches the sampler.
+
+vLLM is imported inside :func:`register` and :func:`repair_cpu_expand` only, torch inside functions, so
+:func:`plan_independent` is unit-tested without them.
 """
 
 from __future__ import annotations
@@ -35,6 +44,10 @@ logger = logging.getLogger("vllm.specdraft")
 
 #: The speculators_model_type this plugin serves.
 INDEPENDENT = "independent"
+#: The kernel vLLM's CPU build replaces with a broken op (its name in vLLM's kernel-override registry).
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+_cpu_expand: dict[str, bool | None] | None = None  # what repair_cpu_expand found, once per process
 
 
 def plan_independent(config: dict[str, Any], model: str,
@@ -124,9 +137,74 @@ def wrap(original: Callable[..., tuple[str, str | None, dict[str, Any] | None]])
     return maybe_override_with_speculators
 
 
+def expand_kernel_repaired(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """The rejection sampler's expand, written into ``output`` itself: request i's value (``replace_to`` where it is
+    ``replace_from``) at each of its positions ``cu_num_tokens[i-1]:cu_num_tokens[i]``; the launch arguments of
+    vLLM's Triton kernel (``MAX_NUM_TOKENS``: its block size, unused here)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # tokens per request
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    expanded = vals.repeat_interleave(counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
+
+
+def _expand_writes(impl) -> bool | None:
+    """Whether ``impl`` writes per-token temperatures into a float output; ``None`` when it cannot run here (vLLM's
+    C++ ops not loaded yet in this process)."""
+    import torch
+
+    out = torch.full((3,), -1.0)
+    try:
+        impl(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 0, 0)
+    except Exception:  # noqa: BLE001 - any failure of the engine's op leaves it unproven, so it is replaced
+        return None
+    return out.tolist() == [0.5, 2.0, 2.0]
+
+
+def repair_cpu_expand() -> dict[str, bool | None]:
+    """On vLLM's CPU build, put :func:`expand_kernel_repaired` in place of the CPU expand op unless that op is seen
+    writing its output (the module docstring); other platforms are left alone. Once per process: later calls return
+    the first one's finding.
+
+    The op is replaced where vLLM takes it from (``cpu_triton_utils._expand_kernel_impl``, and in place inside its
+    ``expand_kernel`` wrapper, so a sampler that already holds the wrapper runs the repair), and in vLLM's
+    kernel-override registry when the kernel is registered there already.
+
+    Returns:
+        ``{"broken": the op was seen not writing (None: it could not be tried), "repaired": the repair is in}``.
+    """
+    global _cpu_expand
+    if _cpu_expand is not None:
+        return _cpu_expand
+    from vllm.platforms import current_platform
+
+    cpu_tl = None
+    if current_platform.is_cpu():
+        try:
+            import vllm.utils.cpu_triton_utils as cpu_tl
+        except ImportError:  # a build without the CPU replacements: nothing of them to repair
+            cpu_tl = None
+    original = getattr(cpu_tl, "_expand_kernel_impl", None)
+    writes = True if original is None else _expand_writes(original)
+    if writes is True:
+        _cpu_expand = {"broken": False, "repaired": False}
+        return _cpu_expand
+    cpu_tl._expand_kernel_impl = expand_kernel_repaired
+    wrapper = getattr(cpu_tl, "expand_kernel", None)
+    if getattr(wrapper, "func", None) is original:
+        wrapper.func = expand_kernel_repaired
+    dispatcher = sys.modules.get("vllm.triton_utils.dispatcher")
+    if EXPAND_KERNEL in getattr(dispatcher, "_registry", {}):
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_repaired})
+    _cpu_expand = {"broken": None if writes is None else True, "repaired": True}
+    return _cpu_expand
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install :func:`wrap` over vLLM's
-    ``maybe_override_with_speculators``. Safe to call more than once (vLLM may, in several processes).
+    ``maybe_override_with_speculators``, and on the CPU build :func:`repair_cpu_expand`. Safe to call more than once
+    (vLLM may, in several processes).
 
     ``vllm.engine.arg_utils`` imports the function by name, so its binding is replaced too when that module is
     already loaded (it is, when EngineArgs loads the plugins); if it is imported later it picks up the wrapped one.
@@ -140,6 +218,10 @@ def register() -> None:
     arg_utils = sys.modules.get("vllm.engine.arg_utils")
     if arg_utils is not None and hasattr(arg_utils, "maybe_override_with_speculators"):
         arg_utils.maybe_override_with_speculators = wrap(arg_utils.maybe_override_with_speculators)
+    if repair_cpu_expand()["repaired"]:
+        logger.warning("specdraft: this vLLM CPU build's expand op does not write the per-token temperatures that "
+                       "sampled speculative requests are verified with; specdraft's repaired op "
+                       "(specdraft.vllm_plugin.expand_kernel_repaired) runs in its place in this process.")
     version = getattr(vllm, "__version__", "?")
     if version != VLLM_TESTED_VERSION:
         logger.warning("specdraft's vLLM plugin was tested with vLLM %s; this is %s.", VLLM_TESTED_VERSION, version)

@@ -14,7 +14,8 @@ Each round, per request: its target ids are decoded to text and re-encoded in th
 (its own KV cache, trimmed to the common prefix with what it read last round) drafts up to γ tokens greedily, and
 their text is re-encoded *in context* as target tokens — :class:`specdraft.drafters.MappedDrafter` in ``"text"``
 mode, the drafter specdraft's own decoding uses, one per request (:class:`TextDrafts` pairs requests and drafters,
-which ``propose`` never names: by the longest common prefix of their target ids).
+which ``propose`` never names: a request keeps the drafter whose last context its own extends, whatever its slot;
+a new one takes a fresh drafter or a free one sharing its prefix, reset).
 
 **Verification stays vLLM's and is lossless.** The proposals carry no draft probabilities, and vLLM's rejection
 sampler then treats q as one-hot on the proposed token (``vllm/v1/sample/rejection_sampler.py``:
@@ -26,7 +27,7 @@ the draft proposed (Leviathan et al. 2023, Theorem 3.5 with q = δ_d). Greedy re
 the target's argmax. ``make test-vllm`` checks both in vLLM itself (docs/serving.md). One engine bug stands in the
 way on vLLM 0.32's CPU build without Triton, whatever the proposer: its ``expand_kernel`` replacement never writes
 the per-token temperatures, so sampled requests are verified against garbage logits (greedy ones are not affected);
-``bench/vllm_check.py``'s ``fix_cpu_expand`` says how and repairs it for the check.
+specdraft's vLLM plugin repairs it when vLLM loads it (:func:`specdraft.vllm_plugin.repair_cpu_expand`).
 
 Where the draft is: the speculator directory (the draft's weights, config.json naming the verifier, the draft's
 tokenizer files), from ``additional_config["specdraft_speculator"]`` (``--additional-config``, what
@@ -58,22 +59,31 @@ class ProposerError(RuntimeError):
 @dataclass
 class _Entry:
     """One request's drafter and the target ids it last drafted after (``history``); ``used``: the round it last
-    served."""
+    served; ``slot``: the batch slot it served then."""
 
     drafter: Any
     history: list[int] = field(default_factory=list)
     used: int = 0
+    slot: int = -1
 
 
 class TextDrafts:
     """Drafters of another tokenizer, one per request, for a batch whose requests come and go (no vLLM needed).
 
-    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. A slot's context goes to
-    the kept drafter whose last context shares the longest prefix with it (a request keeps its drafter when it
-    moves to another slot; a new request, sharing nothing, gets a fresh one); that drafter then trims its KV cache
-    to the common prefix of the re-encoded contexts (:meth:`specdraft.drafters.MappedDrafter.propose`). Drafters
-    not used for ``keep_rounds`` rounds are dropped, and at most ``max_entries`` are kept (the least recently used
-    go first).
+    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. vLLM names no request, so a
+    drafter follows its request by content, matched over all slots at once (:meth:`assign`): a request's context
+    only grows, so a kept drafter whose last context is a prefix of a slot's context is that request's own, and
+    keeps serving it whatever slot it moved to and whoever joined before it. The other contexts (new requests) take
+    a fresh drafter, or the unclaimed kept one sharing the longest prefix with them (a system prompt's cache is read
+    once); the drafter then trims its KV cache to the common prefix of the re-encoded contexts
+    (:meth:`specdraft.drafters.MappedDrafter.propose`), and what it knew of its last request alone (that it outgrew
+    the draft's window) is forgotten. Drafters not used for ``keep_rounds`` rounds are dropped, and at most
+    ``max_entries`` are kept (the least recently used go first).
+
+    Memory: a drafter's KV cache holds at most the draft's window (:func:`specdraft.sampling.context_window`, its
+    ``max_position_embeddings``; past it the drafter stops proposing for that request), so the kept caches take at
+    most ``max_entries × window × 2 × layers × kv_heads × head_dim × bytes per value`` of the draft (a 0.5B Qwen
+    draft, 24 layers × 2 KV heads × 64 in bfloat16: 12 KiB per position), besides one copy of the draft's weights.
 
     Args:
         draft: the draft model (another tokenizer than the target's), eval mode.
@@ -102,28 +112,35 @@ class TextDrafts:
                              None)
 
     def assign(self, contexts: Sequence[Sequence[int] | None]) -> list[_Entry | None]:
-        """Each context's drafter: the unclaimed kept one sharing its longest prefix (> 0), else a new one;
-        ``None`` for a ``None`` context (a slot that proposes nothing this round)."""
+        """Each context's drafter (``None`` for a ``None`` context, a slot that proposes nothing this round).
+
+        First every kept drafter whose last context is a prefix of a slot's context goes to that slot (its own
+        request, grown by the tokens since; the longest history first, then the slot it served last); then each
+        remaining context, the longest shared prefix first, takes the unclaimed kept drafter sharing it, else a new
+        one. A drafter handed to another request forgets what it knew of its last one."""
         from specdraft.drafters import common_prefix
 
+        out: list[_Entry | None] = [None] * len(contexts)
+        live = [j for j, c in enumerate(contexts) if c is not None]
         claimed: set[int] = set()
-        out: list[_Entry | None] = []
-        for ctx in contexts:
-            if ctx is None:
-                out.append(None)
-                continue
-            best, best_n = None, 0
-            for i, e in enumerate(self.entries):
-                if i in claimed or not e.history or e.history[0] != ctx[0]:
-                    continue
-                n = common_prefix(e.history, ctx)
-                if n > best_n:
-                    best, best_n = i, n
-            if best is None:
+
+        def claim(candidates, another_request: bool) -> None:  # candidates: (rank..., slot j, entry i)
+            for *_, j, i in sorted(candidates, reverse=True):
+                if out[j] is None and i not in claimed:
+                    claimed.add(i)
+                    out[j] = self.entries[i]
+                    if another_request:
+                        self.entries[i].drafter.outgrown = False  # the window it outgrew was its last request's
+
+        claim([(len(e.history), e.slot == j, j, i) for j in live for i, e in enumerate(self.entries)
+              if e.history and list(contexts[j][:len(e.history)]) == e.history], False)
+        claim([(common_prefix(e.history, contexts[j]), -j, j, i) for j in live if out[j] is None
+              for i, e in enumerate(self.entries) if i not in claimed and e.history and e.history[0] == contexts[j][0]],
+             True)
+        for j in live:
+            if out[j] is None:
                 self.entries.append(_Entry(self._new_drafter()))
-                best = len(self.entries) - 1
-            claimed.add(best)
-            out.append(self.entries[best])
+                out[j] = self.entries[-1]
         return out
 
     def propose(self, contexts: Sequence[Sequence[int] | None], ks: Sequence[int] | None = None) -> list[list[int]]:
@@ -136,11 +153,11 @@ class TextDrafts:
         ks = [self.gamma] * len(contexts) if ks is None else list(ks)
         live = [None if c is None or k <= 0 or len(c) == 0 else list(c) for c, k in zip(contexts, ks)]
         out: list[list[int]] = []
-        for entry, ctx, k in zip(self.assign(live), live, ks):
+        for j, (entry, ctx, k) in enumerate(zip(self.assign(live), live, ks)):
             if entry is None or ctx is None:
                 out.append([])
                 continue
-            entry.history, entry.used = ctx, self.round
+            entry.history, entry.used, entry.slot = ctx, self.round, j
             prop = entry.drafter.propose(None, [Row(0, ctx)], [min(k, self.gamma)], None)
             if prop is None:
                 out.append([])
@@ -172,10 +189,54 @@ def speculator_dir(additional_config: Any) -> str:
     return str(path)
 
 
+#: vLLM's tokenizer modes that are a Hugging Face tokenizer, and how transformers loads each.
+HF_TOKENIZER_MODES = {"auto": {}, "hf": {}, "slow": {"use_fast": False}}
+
+
+def engine_tokenizer_kwargs(model_config) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords that load the tokenizer vLLM's engine runs (its ``ModelConfig``): the
+    revision (``tokenizer_revision``; the model's ``revision`` when the tokenizer is the model's own), remote code,
+    token and mode, so the target's ids are decoded by the very tokenizer that produced them.
+
+    Raises:
+        ProposerError: a ``tokenizer_mode`` that is not a Hugging Face tokenizer (the proposer re-encodes text).
+    """
+    mode = str(getattr(model_config, "tokenizer_mode", None) or "auto")
+    if mode not in HF_TOKENIZER_MODES:
+        raise ProposerError(f"{PROPOSER_CLASS} decodes and re-encodes text with a Hugging Face tokenizer and cannot "
+                            f"load tokenizer_mode {mode!r}: serve with --tokenizer-mode auto (or "
+                            f"{', '.join(m for m in HF_TOKENIZER_MODES if m != 'auto')}), or the draft re-indexed "
+                            "into the target's tokenizer (`specdraft vocab-swap`)")
+    revision = getattr(model_config, "tokenizer_revision", None)
+    if revision is None and getattr(model_config, "tokenizer", None) == getattr(model_config, "model", None):
+        revision = getattr(model_config, "revision", None)
+    return _load_kwargs(revision, model_config, model_config) | HF_TOKENIZER_MODES[mode]
+
+
+def draft_load_kwargs(speculative_config, model_config) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords for the draft and its tokenizer: its own ``ModelConfig`` where vLLM built
+    one for it, else the speculative config's ``revision``, with the engine's remote-code trust and token (vLLM gives the
+    draft the target's)."""
+    draft = getattr(speculative_config, "draft_model_config", None)
+    if draft is not None and draft is not model_config:  # a method with no draft model may be handed the target's
+        return _load_kwargs(getattr(draft, "revision", None), draft, model_config)
+    return _load_kwargs(getattr(speculative_config, "revision", None), model_config, model_config)
+
+
+def _load_kwargs(revision, trust_from, token_from) -> dict[str, Any]:
+    out: dict[str, Any] = {} if revision is None else {"revision": revision}
+    out["trust_remote_code"] = bool(getattr(trust_from, "trust_remote_code", False))
+    token = getattr(token_from, "hf_token", None)
+    return out | ({} if token is None else {"token": token})
+
+
 def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_speculative_tokens: int,
-                     dtype: Any = "auto", device: Any = "cpu", max_entries: int = 256) -> TextDrafts:
+                     dtype: Any = "auto", device: Any = "cpu", max_entries: int = 256,
+                     tokenizer_kwargs: dict[str, Any] | None = None,
+                     draft_kwargs: dict[str, Any] | None = None) -> TextDrafts:
     """:class:`TextDrafts` for the speculator directory ``speculator`` (a text speculator: its draft and its own
-    tokenizer) and the target's tokenizer (an object or a reference).
+    tokenizer) and the target's tokenizer (an object or a reference, loaded with ``tokenizer_kwargs``); the draft
+    and its tokenizer load with ``draft_kwargs`` (``from_pretrained`` keywords: revision, trust_remote_code, ...).
 
     Raises:
         ProposerError: ``speculator`` is not a speculator that drafts through text.
@@ -192,9 +253,9 @@ def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_s
                             f"{conf.default_proposal_method!r}): serve it with vLLM's draft_model method "
                             "(`specdraft inspect` prints the command)")
     if isinstance(target_tokenizer, (str, os.PathLike)):
-        target_tokenizer = AutoTokenizer.from_pretrained(target_tokenizer)
-    draft_tok = AutoTokenizer.from_pretrained(speculator)
-    draft = AutoModelForCausalLM.from_pretrained(speculator, dtype=dtype).to(device).eval()
+        target_tokenizer = AutoTokenizer.from_pretrained(target_tokenizer, **(tokenizer_kwargs or {}))
+    draft_tok = AutoTokenizer.from_pretrained(speculator, **(draft_kwargs or {}))
+    draft = AutoModelForCausalLM.from_pretrained(speculator, **(draft_kwargs or {}), dtype=dtype).to(device).eval()
     mapping = build_vocab_mapping(target_tokenizer, draft_tok, target_config=target_width,
                                   draft_config=draft.get_output_embeddings().weight.shape[0])
     return TextDrafts(draft, mapping, num_speculative_tokens, target_width, max_entries=max_entries)
@@ -205,12 +266,13 @@ class TextProposer:
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` (read: ``speculative_config.num_speculative_tokens``,
-            ``model_config.tokenizer`` / ``max_model_len`` / ``dtype`` / vocabulary size, ``scheduler_config.
+            ``model_config.tokenizer`` and how it loads (:func:`engine_tokenizer_kwargs`) / ``max_model_len`` /
+            ``dtype`` / vocabulary size, the draft's revision (:func:`draft_load_kwargs`), ``scheduler_config.
             max_num_seqs``, ``device_config.device``, ``additional_config``).
 
     Raises:
-        ProposerError: no speculator directory given (:func:`speculator_dir`), or not a text speculator (at
-            ``load_model``).
+        ProposerError: no speculator directory given (:func:`speculator_dir`), a tokenizer mode that is not a
+            Hugging Face tokenizer, or not a text speculator (at ``load_model``).
     """
 
     def __init__(self, vllm_config):
@@ -220,6 +282,8 @@ class TextProposer:
         self.max_model_len = int(model.max_model_len)
         self.speculator = speculator_dir(getattr(vllm_config, "additional_config", None))
         self.tokenizer = model.tokenizer
+        self.tokenizer_kwargs = engine_tokenizer_kwargs(model)
+        self.draft_kwargs = draft_load_kwargs(spec, model)
         self.target_width = int(model.get_vocab_size())
         self.dtype = model.dtype
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
@@ -230,7 +294,8 @@ class TextProposer:
     def load_model(self, *args, **kwargs) -> None:
         """Load the draft and both tokenizers (vLLM passes the target model, which is not used)."""
         self.drafts = load_text_drafts(self.speculator, self.tokenizer, self.target_width, self.k, dtype=self.dtype,
-                                       device=self.device, max_entries=self.max_entries)
+                                       device=self.device, max_entries=self.max_entries,
+                                       tokenizer_kwargs=self.tokenizer_kwargs, draft_kwargs=self.draft_kwargs)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
