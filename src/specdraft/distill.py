@@ -137,7 +137,8 @@ class DistillOutput(ModelOutput):
     Σ min(p̃, q̃) with p̃, q̃ both after the serving filter and renormalised; Σ min(p, q) when serving is plain; see
     :func:`alpha_definition`) and ``alpha_bound``, the most ``alpha`` and ``tvd`` can differ from their values under
     the true p because a top-k teacher's tail is unknown (its leftover mass, with plain serving; 0 for a hidden
-    teacher and for a filter that keeps stored ids only)."""
+    teacher and for a filter that keeps stored ids only). ``outside_mass``: under a restricted head, scored with the
+    full head (held-out), the draft's mass outside the support, ``1 − q(S)``; else None."""
 
     loss: torch.Tensor | None = None
     train_acc: torch.Tensor | None = None
@@ -145,11 +146,19 @@ class DistillOutput(ModelOutput):
     alpha: torch.Tensor | None = None
     alpha_bound: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    outside_mass: torch.Tensor | None = None
 
 
 #: The per-token metrics the trainer logs beside the loss (``eval_`` + each for the held-out set; ``acc`` for
 #: ``train_acc``).
 METRICS = ("train_acc", "tvd", "alpha", "alpha_bound")
+
+
+#: How the figures of a run through a restricted head read (appended to :func:`alpha_definition`).
+RESTRICTED_HEAD_METRICS = (
+    "; q over the full head for the held-out eval_ figures (one full pass per held-out batch), eval_outside_mass "
+    "the draft's mass outside the restricted head's support, 1 − q(S); the training log's alpha, tvd and train_acc "
+    "are over the support's softmax q_S, which the outside mass inflates")
 
 
 def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
@@ -164,6 +173,8 @@ def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
         if teacher_format == "topk":
             text += (" (p: the dump's top-k, its leftover mass spread uniformly over the other ids; within "
                      "±alpha_bound, the mean leftover mass, of the value under the full p)")
+        if config.head_support is not None:  # the only serving a restricted head takes
+            text += RESTRICTED_HEAD_METRICS
         return text
     text = (f"Σ min(p̃, q̃), p̃ and q̃ after the serving filter (temperature {config.temperature}, top-k "
             f"{config.top_k}, top-p {config.top_p}), renormalised")
@@ -374,14 +385,21 @@ class DistillModel(nn.Module):
                 mask = mask[:, cols]
                 hidden, topk_logprobs, topk_ids, leftover_logmass = (
                     None if t is None else t[:, cols] for t in (hidden, topk_logprobs, topk_ids, leftover_logmass))
-        if self.support is not None:
+        # The restricted head trains; held-out scoring (eval mode) takes the full head, so the logged α, TVD and
+        # agreement are the draft's own over every id, and the mass the restricted loss cannot see is measured.
+        if self.support is not None and self.training:
             return self._forward_restricted(input_ids, attention_mask, mask, keep.get("logits_to_keep"),
                                             topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S or K, V]
         if sparse and cfg.serving_is_plain and cfg.loss in TOPK_LOSSES:
-            return self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
+            res = self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
+            if self.support is not None:  # the config allows a restricted head on this path only
+                with torch.no_grad():
+                    inside = d_logits.softmax(-1).index_select(-1, self.support).sum(-1)  # [B, S or K], q(S)
+                    res["outside_mass"] = masked_mean(1 - inside, mask)
+            return res
         with torch.no_grad():
             p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
             if sparse and not cfg.serving_is_plain:
@@ -410,8 +428,9 @@ class DistillModel(nn.Module):
 
     def _forward_restricted(self, input_ids, attention_mask, mask, columns, topk_logprobs, topk_ids,
                             leftover_logmass, num_items_in_batch):
-        """soft_ce through the head restricted to ``self.support`` (:mod:`specdraft.restricted_head`); the metrics
-        (top-1 agreement, TVD, α) over the support's softmax q_S, as the loss."""
+        """soft_ce through the head restricted to ``self.support`` (:mod:`specdraft.restricted_head`), in training
+        only; the metrics (top-1 agreement, TVD, α) over the support's softmax q_S, as the loss (the training log's;
+        held-out ones take the full head)."""
         from specdraft.restricted_head import (
             NEEDS_NO_TAIL,
             RestrictedHeadError,
@@ -688,7 +707,8 @@ def _make_trainer_class():
             model = self.model
             was_training = model.training
             model.eval()
-            keys = ("loss", *METRICS)
+            # A restricted head is scored with the full head here (DistillModel.forward): its outside mass too.
+            keys = ("loss", *METRICS, *(("outside_mass",) if model.support is not None else ()))
             totals = [0.0] * (len(keys) + 1)  # per-key sums weighted by tokens, then tokens
             mine = Subset(ds, range(self.args.process_index, len(ds), self.args.world_size))
             loader = DataLoader(mine, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator)

@@ -547,7 +547,10 @@ def print_distill(res: dict) -> None:
         table.add_column(col, justify="right")
     # eval_alpha_bound: how far a top-k teacher's unknown tail can move eval_tvd and eval_alpha (0: none, not shown).
     bounded = any(m[w].get("eval_alpha_bound") for w in ("eval_before", "eval_after"))
-    for k in ("eval_loss", "eval_tvd", "eval_alpha", *(("eval_alpha_bound",) if bounded else ()), "eval_acc"):
+    # eval_outside_mass: a restricted head's (--head-support) draft mass outside its support, scored with the full head.
+    outside = ("eval_outside_mass",) if "eval_outside_mass" in m["eval_after"] else ()
+    for k in ("eval_loss", "eval_tvd", "eval_alpha", *(("eval_alpha_bound",) if bounded else ()), "eval_acc",
+              *outside):
         b, a = m["eval_before"].get(k), m["eval_after"].get(k)
         table.add_row(k, "—" if b is None else f"{b:.4f}", "—" if a is None else f"{a:.4f}")
     console.print(table)
