@@ -40,7 +40,8 @@ Teacher signal per position (from :mod:`specdraft.dump`):
   serving settings that re-temper or filter wider than the stored k are refused before training
   (:meth:`~specdraft.config.DistillConfig.sparse_teacher_problem`); a filter with top_k ≤ k is exact
   (:func:`stored_logits`) but at cut ties (:func:`cut_ties`, counted in ``training.json``'s ``metrics.cut_ties``);
-  plain serving logs ``alpha_bound``, the leftover mass that bounds α's error.
+  ``alpha_bound`` says how far α can be off: the leftover mass under plain serving, :func:`cut_tie_bound` at a cut
+  tie under a filter.
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
@@ -137,8 +138,10 @@ class DistillOutput(ModelOutput):
     Σ min(p̃, q̃) with p̃, q̃ both after the serving filter and renormalised; Σ min(p, q) when serving is plain; see
     :func:`alpha_definition`) and ``alpha_bound``, the most ``alpha`` and ``tvd`` can differ from their values under
     the true p because a top-k teacher's tail is unknown (its leftover mass, with plain serving; 0 for a hidden
-    teacher and for a filter that keeps stored ids only). ``outside_mass``: under a restricted head, scored with the
-    full head (held-out), the draft's mass outside the support, ``1 − q(S)``; else None."""
+    teacher; under a serving filter, α's bound: 0 where the filter keeps stored ids only, :func:`cut_tie_bound` at
+    a cut tie, and ``tvd``, unfiltered against the uniformly completed tail, is within the leftover mass).
+    ``outside_mass``: under a restricted head, scored with the full head (held-out), the draft's mass outside the
+    support, ``1 − q(S)``; else None."""
 
     loss: torch.Tensor | None = None
     train_acc: torch.Tensor | None = None
@@ -181,7 +184,8 @@ def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
     if teacher_format != "topk":
         return text
     where = ("where the serving cut keeps the last stored value, the target's filter may also keep unstored ids "
-             "tied with it")
+             "tied with it, and α is within ±alpha_bound there (cut_tie_bound: the ids the leftover mass could hold "
+             "at that value)")
     if cut is None:
         text += (f" (from the dump's top-k, stored ids only; not exact {where} — every position at a serving top-k "
                  "equal to the stored k; those positions were not counted)")
@@ -211,6 +215,28 @@ def cut_ties(topk_logprobs: torch.Tensor, config: DistillConfig) -> torch.Tensor
     # The k stored values alone stand for the full width: a top-k ≤ k and the renormalised top-p read these only.
     kept = torch.isfinite(filter_logits(lp, config.temperature, config.top_k, config.top_p))
     return (kept & (lp == lp.min(dim=-1, keepdim=True).values)).any(dim=-1)
+
+
+def cut_tie_bound(topk_logprobs: torch.Tensor, leftover_logmass: torch.Tensor, config: DistillConfig) -> torch.Tensor:
+    """``[...] float32``: at each cut tie (:func:`cut_ties`) the most the filtered α from the stored ids alone can
+    differ from the target's, 0 elsewhere; ``topk_logprobs [..., k]`` and ``leftover_logmass [...]`` in nats.
+
+    The target's filter keeps the stored kept ids S plus m unstored ids tied with the last stored value (its top-p
+    threshold is taken over the top-k values, which the dump holds, so ties move no other cut). Each of those holds
+    p_min of the full p, so m ≤ leftover / p_min; each weighs r = p̃(last stored id) against the stored p̃, and the
+    filtered teacher moves by TV = m·r / (1 + m·r), increasing in m: the bound takes m's largest value (unrounded,
+    so float16 rounding of p_min cannot make it too small), and |Σ min(p̃, q̃) − Σ min(p̃*, q̃)| ≤ TV(p̃, p̃*).
+    At temperature 1 without top-p it is the leftover mass itself.
+    """
+    lp = topk_logprobs.float()
+    ties = cut_ties(lp, config)
+    if not ties.any():
+        return torch.zeros(lp.shape[:-1], device=lp.device)
+    last = lp.argmin(dim=-1, keepdim=True)
+    share = filtered_probs(lp, config.temperature, config.top_k, config.top_p).gather(-1, last).squeeze(-1)  # r
+    m = (leftover_logmass.float() - lp.gather(-1, last).squeeze(-1)).exp()  # leftover / p_min
+    bound = (m * share / (1 + m * share)).nan_to_num(0.0)
+    return torch.where(ties, bound, torch.zeros_like(bound))
 
 
 def count_cut_ties(dataset, config: DistillConfig) -> dict[str, Any] | None:
@@ -421,8 +447,14 @@ class DistillModel(nn.Module):
                 pf = filtered_probs(t_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 qf = filtered_probs(d_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 alpha = sum_min(pf, qf)
-            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py).
-            bound = (leftover_logmass.float().exp() if sparse and cfg.serving_is_plain else torch.zeros_like(alpha))
+            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py);
+            # under a serving filter the stored ids are exact but at a cut tie, whose bound cut_tie_bound gives.
+            if sparse and cfg.serving_is_plain:
+                bound = leftover_logmass.float().exp()
+            elif sparse:
+                bound = cut_tie_bound(topk_logprobs, leftover_logmass, cfg)
+            else:
+                bound = torch.zeros_like(alpha)
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
                              alpha=masked_mean(alpha, mask), alpha_bound=masked_mean(bound, mask), tokens=mask.sum())
 
