@@ -1089,3 +1089,56 @@ def test_a_tie_at_the_cut_of_a_topk_teacher_served_at_its_k_bounds_the_logged_al
     with torch.no_grad():
         out = DistillModel(_FixedLogits(q.log()), None, None, 8, cfg, teacher_width=8)(**exact_batch)
     assert float(out["alpha"]) == pytest.approx(1.0, abs=1e-5) and float(out["alpha_bound"]) == 0.0
+
+
+def test_a_bfloat16_draft_whose_update_rounds_away_as_saved_says_how_much_and_how_to_keep_it(tmp_path):
+    """At a tiny lr the float32 master weights move, but rounded back to bfloat16 for the export most of the update
+    is lost: the metrics report the share moved as saved, equal to the share of the exported weights that differ
+    from the draft as loaded, and a warning names it and the flag that keeps float32. Saved in float32 the update
+    survives whole and nothing is said."""
+    import json
+    import warnings
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.models import load_model
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d e"}]})
+                              for w in "fghijklm") + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    cfg = DistillConfig(loss="soft_ce", lr=2e-5, max_steps=2, batch_size=2, held_out_fraction=0.25,
+                        dtype="bfloat16", scheduler="constant")
+    with pytest.warns(UserWarning, match=r"specdraft distill: .* of the trained weights moved in training, "
+                                         r".* as saved in bfloat16.*--dtype float32") as caught:
+        res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
+    m = res["metrics"]
+    loaded, _ = load_model(ddir, dtype="bfloat16", device="cpu")
+    start = dict(loaded.named_parameters())
+    saved = dict(res["model"].named_parameters())
+    differ = sum(int((saved[n].detach() != start[n].detach()).sum()) for n in saved)
+    assert m["moved_fraction_saved"] == pytest.approx(differ / sum(p.numel() for p in saved.values()))
+    assert m["moved_fraction_saved"] < m["moved_fraction"] / 2 and m["saved_dtype"] == "bfloat16"
+    assert f"{m['moved_fraction_saved']:.1%}" in str(caught[0].message)
+    import io
+
+    from rich.console import Console
+
+    from specdraft.cli import render
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(render, "console", Console(file=out, width=400))
+        render.print_distill(res)
+    page = out.getvalue()
+    assert (f"trained weights changed: {m['moved_fraction']:.1%} in training, {m['moved_fraction_saved']:.1%} as "
+            "saved in bfloat16") in page
+    assert "warning: specdraft distill:" in page and "--dtype float32" in page
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no warning: the float32 export keeps the update
+        kept = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out32", cfg, save_dtype="float32")
+    assert kept["metrics"]["moved_fraction_saved"] == kept["metrics"]["moved_fraction"] > 0.5

@@ -61,6 +61,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -563,6 +564,21 @@ def moved_fraction(draft, start: dict[str, torch.Tensor]) -> float:
     return moved / total if total else 0.0
 
 
+#: Below this share of the training's moved weights surviving the save, the export is said to have lost the update.
+KEPT_UPDATE_MIN = 0.5
+
+
+def rounded_away(moved: float, moved_saved: float | None, saved_dtype: str) -> str | None:
+    """The warning for an export that keeps less than :data:`KEPT_UPDATE_MIN` of what training moved (float32
+    master weights rounded back to a bfloat16 export: an update below half a unit in the last place is lost), or
+    None. ``moved`` / ``moved_saved``: :func:`moved_fraction` of the trained weights, in training and as saved."""
+    if moved_saved is None or moved <= 0 or moved_saved >= KEPT_UPDATE_MIN * moved:
+        return None
+    return (f"specdraft distill: {moved:.1%} of the trained weights moved in training, {moved_saved:.1%} as saved in "
+            f"{saved_dtype}: most of the update rounds away in {saved_dtype}. Keep float32 weights with "
+            "--dtype float32 (a run config: distill.dtype float32 and export_dtype keep), or raise --lr")
+
+
 def row_parameter_ids(draft) -> set[int]:
     """``id()`` of the draft's input-embedding and output-head weights (one id when they are tied): the rows that
     ``DistillConfig.row_lr`` trains at their own learning rate."""
@@ -929,7 +945,9 @@ def train(
         the history, ``processes`` the data-parallel ranks, ``precision`` what ``config.precision`` resolved to here
         (:func:`resolve_precision`; ``bf16-autocast`` for a draft of bfloat16 weights, see :func:`master_weights`),
         ``on_policy`` the writer's counts and seconds plus the steps it wrote at (``None`` for λ = 0). A LoRA
-        draft comes back merged (its adapters folded into the weights).
+        draft comes back merged (its adapters folded into the weights). ``start``: the trained parameters before
+        training (:func:`trainable_snapshot`, in their loaded dtype), to measure what a save kept; None for LoRA,
+        whose trained parameters (the adapters) are gone once merged.
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -1023,7 +1041,7 @@ def train(
             "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
             "processes": args.world_size, "precision": precision, "precision_reason": precision_reason,
             "seconds": time.time() - t0,
-            "resumed_from": ckpt, "draft": draft,
+            "resumed_from": ckpt, "draft": draft, "start": None if config.train == "lora" else start,
             "on_policy": None if stream is None else {**getattr(stream.writer, "stats", {}),
                                                       "refresh_steps": stream.refresh_steps}}
 
@@ -1133,10 +1151,17 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     del writer  # frees the target
     # Float32 master weights (master_weights) served their purpose: the export is in the dtype the draft was loaded
     # in, one dtype for every tensor, as a speculator's config.json records it.
-    trained = result.pop("draft").to(getattr(torch, save_dtype) if save_dtype else loaded_dtype)
+    saved_dtype = save_dtype or str(loaded_dtype).removeprefix("torch.")
+    trained = result.pop("draft").to(getattr(torch, saved_dtype))
+    # What the save kept of the update: a bfloat16 export rounds a small-lr update of float32 masters away.
+    start = result.pop("start")
+    moved_saved = moved_fraction(trained, start) if start is not None else None
+    if lost := rounded_away(result["moved_fraction"], moved_saved, saved_dtype):
+        warnings.warn(lost, stacklevel=2)
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
-               "moved_fraction": result["moved_fraction"],
+               "moved_fraction": result["moved_fraction"], "moved_fraction_saved": moved_saved,
+               "saved_dtype": saved_dtype, "saved_update_lost": lost,
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
                "train_sequences": len(train_idx), "held_out_sequences": len(held_idx), "held_out_split": split_counts,
                "processes": result["processes"],

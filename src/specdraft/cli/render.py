@@ -558,6 +558,11 @@ def print_distill(res: dict) -> None:
         console.print(f"eval_alpha: {definition}")
     console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
                   f"{m['seconds']:.0f} s, {m['precision']} ({m['precision_reason']}). Speculator: {res['speculator']}")
+    if m.get("moved_fraction_saved") is not None:
+        console.print(f"trained weights changed: {m['moved_fraction']:.1%} in training, {m['moved_fraction_saved']:.1%} "
+                      f"as saved in {m['saved_dtype']}", highlight=False)
+    if lost := m.get("saved_update_lost"):
+        note("warning", lost)
     if (onp := m.get("on_policy")) is not None:
         console.print(f"on-policy: {onp['sequences']} sequences written by the draft ({onp['generated_tokens']:,} "
                       f"tokens in {onp['generate_seconds']:.0f} s), scored by the target ({onp['teacher_tokens']:,} "
