@@ -973,3 +973,30 @@ def test_a_finished_run_leaves_no_trainer_checkpoints_unless_kept_and_its_first_
     assert any((tmp_path / "kept" / "distill" / "checkpoints").glob("checkpoint-*"))
     distill_help = " ".join(CliRunner().invoke(app, ["distill", "--help"], env={"COLUMNS": "400"}).output.split())
     assert "--keep-checkpoints" in distill_help
+
+
+def test_the_eval_tables_first_acceptance_row_is_alpha_per_reached_with_per_proposed_named_beside_it(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from specdraft.cli import render
+
+    keys = ["acceptance_rate", "alpha", "mean_accepted_length", "predicted_alpha_prompt", "predicted_alpha_response",
+            "target_tokens_per_s", "speculative_tokens_per_s", "speedup", "hf_assisted_tokens_per_s",
+            "speedup_vs_hf_assisted", "hf_assisted_matches_target", "cost_ratio_c", "analytic_speedup",
+            "share_of_analytic", "predicted_speedup", "prediction_error"]
+    s = dict.fromkeys(keys, None) | {
+        "prompts": 16, "alpha": 0.81, "alpha_ci95": [0.7, 0.9], "acceptance_rate": 0.34,
+        "acceptance_rate_ci95": [0.3, 0.4], "recommended_gamma": 8, "predicted_speedup_at_recommended_gamma": 4.12,
+        "analytic_recommended_gamma": 7, "analytic_speedup_at_recommended_gamma": 4.5, "divergences": 0,
+        "divergences_beyond_tolerance": 0}
+    out = io.StringIO()
+    monkeypatch.setattr(render, "console", Console(file=out, width=240))
+    render.print_eval_summary(s, 8)
+    rows = [line for line in out.getvalue().splitlines() if "accept" in line]
+    assert rows[0].split("│")[1].strip().startswith("α, accepted / reached")
+    ci = next(line for line in out.getvalue().splitlines() if "│ α 95% CI (bootstrap over prompts)" in line)
+    assert "0.810" in rows[0] and "[0.700, 0.900]" in ci
+    per_proposed = [r for r in rows if "accepted / proposed" in r]
+    assert "0.340" in per_proposed[0] and rows.index(per_proposed[0]) > 0

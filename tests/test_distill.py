@@ -1003,6 +1003,7 @@ def test_alpha_from_a_topk_teacher_is_called_exact_only_when_no_cut_tie_was_coun
         assert "not exact" in text and "exact from" not in text
     assert "not exact at 5 of 50 trained positions (10.0%" in alpha_definition(cfg, "topk", some)
     assert "float16" in alpha_definition(cfg, "topk", some)
+    assert "α is within ±alpha_bound there" in alpha_definition(cfg, "topk", some)
 
 
 def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_position_as_a_cut_tie(tmp_path):
@@ -1044,3 +1045,100 @@ def test_the_trainer_logs_as_one_readable_line_per_step_never_a_raw_dict(setup, 
     assert "{'" not in out and "total_flos" not in out
     assert log_line({"loss": 0.51234567, "learning_rate": 3e-4, "epoch": 0.5, "total_flos": 1.0}, 3, 10) == \
         "step 3/10  loss 0.5123  lr 3.0e-04"
+
+
+class _FixedLogits(torch.nn.Module):
+    """A draft whose logits are given: every position reads ``logits [V]``."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = logits
+        self.head = torch.nn.Linear(1, logits.shape[-1], bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.logits.expand(*input_ids.shape, -1))
+
+
+def test_a_tie_at_the_cut_of_a_topk_teacher_served_at_its_k_bounds_the_logged_alpha():
+    """p = [.4, .2, .1, .1, .1, .05, .03, .02]; the dump stores its top 3 (.4, .2, .1) and .3 left over; serving
+    top-k 3 keeps every id tied with the 3rd value, so the target's filter keeps five ids and the stored three
+    alone miss two. A draft equal to the target has α = 1 exactly; the logged α, from the stored ids, is 7/9, and
+    its bound is what the leftover mass could hold at the cut value: m = .3 / .1 = 3 more ids of the last stored
+    id's filtered share 1/7, so m/7 / (1 + m/7) = 0.3 ≥ 2/9, the error."""
+    p = torch.tensor([0.4, 0.2, 0.1, 0.1, 0.1, 0.05, 0.03, 0.02])
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+             "topk_ids": torch.tensor([0, 1, 2]).expand(1, 2, 3), "topk_logprobs": p[:3].log().expand(1, 2, 3),
+             "leftover_logmass": torch.full((1, 2), 0.3).log()}
+    cfg = DistillConfig(loss="tvd_deploy", top_k=3)
+    with torch.no_grad():
+        out = DistillModel(_FixedLogits(p.log()), None, None, 8, cfg, teacher_width=8)(**batch)
+    exact = 1.0  # the draft is the target
+    assert float(out["alpha"]) == pytest.approx(7 / 9, abs=1e-5)  # the stored ids alone: not the exact value
+    assert float(out["alpha_bound"]) == pytest.approx(0.3, abs=1e-5)
+    assert abs(float(out["alpha"]) - exact) <= float(out["alpha_bound"])
+    # Without a leftover mass no id can tie beyond the stored ones: the α is exact and its bound 0.
+    exact_batch = batch | {"topk_logprobs": (p[:3] / 0.7).log().expand(1, 2, 3),
+                           "leftover_logmass": torch.full((1, 2), float("-inf"))}
+    q = torch.cat([p[:3] / 0.7, torch.zeros(5)])
+    with torch.no_grad():
+        out = DistillModel(_FixedLogits(q.log()), None, None, 8, cfg, teacher_width=8)(**exact_batch)
+    assert float(out["alpha"]) == pytest.approx(1.0, abs=1e-5) and float(out["alpha_bound"]) == 0.0
+
+
+def test_a_bfloat16_draft_whose_update_rounds_away_as_saved_says_how_much_and_how_to_keep_it(tmp_path):
+    """At a tiny lr the float32 master weights move, but rounded back to bfloat16 for the export most of the update
+    is lost: the metrics report the share moved as saved, equal to the share of the exported weights that differ
+    from the draft as loaded, and a warning names it and the flag that keeps float32. Saved in float32 the update
+    survives whole and nothing is said."""
+    import json
+    import warnings
+
+    from specdraft.config import DumpConfig
+    from specdraft.distill import run_distill
+    from specdraft.dump import run_dump
+    from specdraft.models import load_model
+    from specdraft.testing import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
+                                                       {"role": "assistant", "content": f"c {w} d e"}]})
+                              for w in "fghijklm") + "\n")
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    cfg = DistillConfig(loss="soft_ce", lr=2e-5, max_steps=2, batch_size=2, held_out_fraction=0.25,
+                        dtype="bfloat16", scheduler="constant")
+    with pytest.warns(UserWarning, match=r"specdraft distill: .* of the trained weights moved in training, "
+                                         r".* as saved in bfloat16.*--dtype float32") as caught:
+        res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
+    m = res["metrics"]
+    loaded, _ = load_model(ddir, dtype="bfloat16", device="cpu")
+    start = dict(loaded.named_parameters())
+    saved = dict(res["model"].named_parameters())
+    differ = sum(int((saved[n].detach() != start[n].detach()).sum()) for n in saved)
+    assert m["moved_fraction_saved"] == pytest.approx(differ / sum(p.numel() for p in saved.values()))
+    assert m["moved_fraction_saved"] < m["moved_fraction"] / 2 and m["saved_dtype"] == "bfloat16"
+    assert f"{m['moved_fraction_saved']:.1%}" in str(caught[0].message)
+    import io
+
+    from rich.console import Console
+
+    from specdraft.cli import render
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(render, "console", Console(file=out, width=400))
+        render.print_distill(res)
+    page = out.getvalue()
+    assert (f"trained weights changed: {m['moved_fraction']:.1%} in training, {m['moved_fraction_saved']:.1%} as "
+            "saved in bfloat16") in page
+    assert "warning: specdraft distill:" in page and "--dtype float32" in page
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no warning: the float32 export keeps the update
+        kept = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out32", cfg, save_dtype="float32")
+    assert kept["metrics"]["moved_fraction_saved"] == kept["metrics"]["moved_fraction"] > 0.5

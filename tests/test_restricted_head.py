@@ -125,3 +125,42 @@ def test_mass_outside_the_support_or_a_tail_is_refused_not_trained():
 def test_the_support_is_the_data_plus_the_first_n_of_the_ranking():
     s = support_ids([9, 3, 3], ranked=[50, 3, 7, 8], frequent=2, width=V)
     assert s.tolist() == [3, 9, 50]
+
+
+def test_held_out_metrics_through_a_restricted_head_are_the_full_heads_and_the_mass_outside_is_logged(tmp_path):
+    """Training through a restricted head, the held-out α, TVD and top-1 agreement are the full head's — α is the
+    draft's own q(label), not q_S(label) = q(label) / q(S) — and the draft's mass outside the support is logged
+    beside them (eval_outside_mass), each equal to its value computed independently from the trained draft."""
+    from specdraft.distill import train
+
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for n in (11, 9, 12, 10, 8, 13):
+        ids = torch.randint(0, 24, (n,), generator=g)  # a few ids: the support below leaves most of V out
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[-1] = False
+        nxt = torch.cat([ids[1:], ids[:1]])
+        rows.append({"input_ids": ids, "loss_mask": mask, "topk_ids": nxt.view(-1, 1),
+                     "topk_logprobs": torch.zeros(n, 1), "leftover_logmass": torch.full((n,), float("-inf"))})
+    support = support_ids(torch.cat([r["input_ids"] for r in rows]).tolist(), width=V)
+    cfg = DistillConfig(loss="soft_ce", head_support=0, lr=5e-3, max_steps=2, batch_size=2, scheduler="constant",
+                        save_steps=100)
+    res = train(tiny_model(vocab_size=V, seed=5).float(), None, None, V, rows[:4], rows[4:], cfg, tmp_path,
+                teacher_width=V, support=support)
+    draft, held = res["draft"], rows[4:]
+    with torch.no_grad():
+        q = [draft(input_ids=r["input_ids"][None]).logits[0].float().softmax(-1)[r["loss_mask"]] for r in held]
+    labels = [r["topk_ids"][r["loss_mask"], 0] for r in held]
+    q_label = torch.cat([qi.gather(-1, li[:, None])[:, 0] for qi, li in zip(q, labels)])
+    outside = torch.cat([1 - qi[:, support].sum(-1) for qi in q])
+    agree = torch.cat([(qi.argmax(-1) == li).float() for qi, li in zip(q, labels)])
+    after = res["eval_after"]
+    assert float(outside.mean()) > 0.2  # q_S and q differ here: the test can tell the two α apart
+    assert after["eval_alpha"] == pytest.approx(float(q_label.mean()), abs=1e-5)
+    assert after["eval_tvd"] == pytest.approx(1 - float(q_label.mean()), abs=1e-5)
+    assert after["eval_acc"] == pytest.approx(float(agree.mean()), abs=1e-6)
+    assert after["eval_outside_mass"] == pytest.approx(float(outside.mean()), abs=1e-5)
+    assert "eval_outside_mass" in res["eval_before"]
+    from specdraft.distill import alpha_definition
+
+    assert "eval_outside_mass the draft's mass outside the restricted head's support" in alpha_definition(cfg, "topk")

@@ -40,7 +40,8 @@ Teacher signal per position (from :mod:`specdraft.dump`):
   serving settings that re-temper or filter wider than the stored k are refused before training
   (:meth:`~specdraft.config.DistillConfig.sparse_teacher_problem`); a filter with top_k ≤ k is exact
   (:func:`stored_logits`) but at cut ties (:func:`cut_ties`, counted in ``training.json``'s ``metrics.cut_ties``);
-  plain serving logs ``alpha_bound``, the leftover mass that bounds α's error.
+  ``alpha_bound`` says how far α can be off: the leftover mass under plain serving, :func:`cut_tie_bound` at a cut
+  tie under a filter.
 
 Padded vocabularies: both widths may exceed ``len(tokenizer)`` (151936 vs 152064 in Qwen2.5); logits are
 compared over the real shared vocabulary (:func:`specdraft.sampling.align_logits`), padding rows carry zero
@@ -60,6 +61,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,7 +139,10 @@ class DistillOutput(ModelOutput):
     Σ min(p̃, q̃) with p̃, q̃ both after the serving filter and renormalised; Σ min(p, q) when serving is plain; see
     :func:`alpha_definition`) and ``alpha_bound``, the most ``alpha`` and ``tvd`` can differ from their values under
     the true p because a top-k teacher's tail is unknown (its leftover mass, with plain serving; 0 for a hidden
-    teacher and for a filter that keeps stored ids only)."""
+    teacher; under a serving filter, α's bound: 0 where the filter keeps stored ids only, :func:`cut_tie_bound` at
+    a cut tie, and ``tvd``, unfiltered against the uniformly completed tail, is within the leftover mass).
+    ``outside_mass``: under a restricted head, scored with the full head (held-out), the draft's mass outside the
+    support, ``1 − q(S)``; else None."""
 
     loss: torch.Tensor | None = None
     train_acc: torch.Tensor | None = None
@@ -145,11 +150,19 @@ class DistillOutput(ModelOutput):
     alpha: torch.Tensor | None = None
     alpha_bound: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    outside_mass: torch.Tensor | None = None
 
 
 #: The per-token metrics the trainer logs beside the loss (``eval_`` + each for the held-out set; ``acc`` for
 #: ``train_acc``).
 METRICS = ("train_acc", "tvd", "alpha", "alpha_bound")
+
+
+#: How the figures of a run through a restricted head read (appended to :func:`alpha_definition`).
+RESTRICTED_HEAD_METRICS = (
+    "; q over the full head for the held-out eval_ figures (one full pass per held-out batch), eval_outside_mass "
+    "the draft's mass outside the restricted head's support, 1 − q(S); the training log's alpha, tvd and train_acc "
+    "are over the support's softmax q_S, which the outside mass inflates")
 
 
 def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
@@ -164,13 +177,16 @@ def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
         if teacher_format == "topk":
             text += (" (p: the dump's top-k, its leftover mass spread uniformly over the other ids; within "
                      "±alpha_bound, the mean leftover mass, of the value under the full p)")
+        if config.head_support is not None:  # the only serving a restricted head takes
+            text += RESTRICTED_HEAD_METRICS
         return text
     text = (f"Σ min(p̃, q̃), p̃ and q̃ after the serving filter (temperature {config.temperature}, top-k "
             f"{config.top_k}, top-p {config.top_p}), renormalised")
     if teacher_format != "topk":
         return text
     where = ("where the serving cut keeps the last stored value, the target's filter may also keep unstored ids "
-             "tied with it")
+             "tied with it, and α is within ±alpha_bound there (cut_tie_bound: the ids the leftover mass could hold "
+             "at that value)")
     if cut is None:
         text += (f" (from the dump's top-k, stored ids only; not exact {where} — every position at a serving top-k "
                  "equal to the stored k; those positions were not counted)")
@@ -200,6 +216,28 @@ def cut_ties(topk_logprobs: torch.Tensor, config: DistillConfig) -> torch.Tensor
     # The k stored values alone stand for the full width: a top-k ≤ k and the renormalised top-p read these only.
     kept = torch.isfinite(filter_logits(lp, config.temperature, config.top_k, config.top_p))
     return (kept & (lp == lp.min(dim=-1, keepdim=True).values)).any(dim=-1)
+
+
+def cut_tie_bound(topk_logprobs: torch.Tensor, leftover_logmass: torch.Tensor, config: DistillConfig) -> torch.Tensor:
+    """``[...] float32``: at each cut tie (:func:`cut_ties`) the most the filtered α from the stored ids alone can
+    differ from the target's, 0 elsewhere; ``topk_logprobs [..., k]`` and ``leftover_logmass [...]`` in nats.
+
+    The target's filter keeps the stored kept ids S plus m unstored ids tied with the last stored value (its top-p
+    threshold is taken over the top-k values, which the dump holds, so ties move no other cut). Each of those holds
+    p_min of the full p, so m ≤ leftover / p_min; each weighs r = p̃(last stored id) against the stored p̃, and the
+    filtered teacher moves by TV = m·r / (1 + m·r), increasing in m: the bound takes m's largest value (unrounded,
+    so float16 rounding of p_min cannot make it too small), and |Σ min(p̃, q̃) − Σ min(p̃*, q̃)| ≤ TV(p̃, p̃*).
+    At temperature 1 without top-p it is the leftover mass itself.
+    """
+    lp = topk_logprobs.float()
+    ties = cut_ties(lp, config)
+    if not ties.any():
+        return torch.zeros(lp.shape[:-1], device=lp.device)
+    last = lp.argmin(dim=-1, keepdim=True)
+    share = filtered_probs(lp, config.temperature, config.top_k, config.top_p).gather(-1, last).squeeze(-1)  # r
+    m = (leftover_logmass.float() - lp.gather(-1, last).squeeze(-1)).exp()  # leftover / p_min
+    bound = (m * share / (1 + m * share)).nan_to_num(0.0)
+    return torch.where(ties, bound, torch.zeros_like(bound))
 
 
 def count_cut_ties(dataset, config: DistillConfig) -> dict[str, Any] | None:
@@ -374,14 +412,21 @@ class DistillModel(nn.Module):
                 mask = mask[:, cols]
                 hidden, topk_logprobs, topk_ids, leftover_logmass = (
                     None if t is None else t[:, cols] for t in (hidden, topk_logprobs, topk_ids, leftover_logmass))
-        if self.support is not None:
+        # The restricted head trains; held-out scoring (eval mode) takes the full head, so the logged α, TVD and
+        # agreement are the draft's own over every id, and the mass the restricted loss cannot see is measured.
+        if self.support is not None and self.training:
             return self._forward_restricted(input_ids, attention_mask, mask, keep.get("logits_to_keep"),
                                             topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep)
         d_logits = align_logits(out.logits, self.width, self.real_vocab).float()  # [B, S or K, V]
         if sparse and cfg.serving_is_plain and cfg.loss in TOPK_LOSSES:
-            return self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
+            res = self._forward_topk(d_logits, mask, topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
+            if self.support is not None:  # the config allows a restricted head on this path only
+                with torch.no_grad():
+                    inside = d_logits.softmax(-1).index_select(-1, self.support).sum(-1)  # [B, S or K], q(S)
+                    res["outside_mass"] = masked_mean(1 - inside, mask)
+            return res
         with torch.no_grad():
             p, t_logits = self.teacher_probs(hidden, topk_logprobs, topk_ids, leftover_logmass)
             if sparse and not cfg.serving_is_plain:
@@ -403,15 +448,22 @@ class DistillModel(nn.Module):
                 pf = filtered_probs(t_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 qf = filtered_probs(d_logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 alpha = sum_min(pf, qf)
-            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py).
-            bound = (leftover_logmass.float().exp() if sparse and cfg.serving_is_plain else torch.zeros_like(alpha))
+            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py);
+            # under a serving filter the stored ids are exact but at a cut tie, whose bound cut_tie_bound gives.
+            if sparse and cfg.serving_is_plain:
+                bound = leftover_logmass.float().exp()
+            elif sparse:
+                bound = cut_tie_bound(topk_logprobs, leftover_logmass, cfg)
+            else:
+                bound = torch.zeros_like(alpha)
         return DistillOutput(loss=loss, train_acc=masked_mean(acc, mask), tvd=masked_mean(tvd_full, mask),
                              alpha=masked_mean(alpha, mask), alpha_bound=masked_mean(bound, mask), tokens=mask.sum())
 
     def _forward_restricted(self, input_ids, attention_mask, mask, columns, topk_logprobs, topk_ids,
                             leftover_logmass, num_items_in_batch):
-        """soft_ce through the head restricted to ``self.support`` (:mod:`specdraft.restricted_head`); the metrics
-        (top-1 agreement, TVD, α) over the support's softmax q_S, as the loss."""
+        """soft_ce through the head restricted to ``self.support`` (:mod:`specdraft.restricted_head`), in training
+        only; the metrics (top-1 agreement, TVD, α) over the support's softmax q_S, as the loss (the training log's;
+        held-out ones take the full head)."""
         from specdraft.restricted_head import (
             NEEDS_NO_TAIL,
             RestrictedHeadError,
@@ -510,6 +562,21 @@ def moved_fraction(draft, start: dict[str, torch.Tensor]) -> float:
     moved = sum(int((params[n].detach().float().cpu() != v.float()).sum()) for n, v in start.items())
     total = sum(v.numel() for v in start.values())
     return moved / total if total else 0.0
+
+
+#: Below this share of the training's moved weights surviving the save, the export is said to have lost the update.
+KEPT_UPDATE_MIN = 0.5
+
+
+def rounded_away(moved: float, moved_saved: float | None, saved_dtype: str) -> str | None:
+    """The warning for an export that keeps less than :data:`KEPT_UPDATE_MIN` of what training moved (float32
+    master weights rounded back to a bfloat16 export: an update below half a unit in the last place is lost), or
+    None. ``moved`` / ``moved_saved``: :func:`moved_fraction` of the trained weights, in training and as saved."""
+    if moved_saved is None or moved <= 0 or moved_saved >= KEPT_UPDATE_MIN * moved:
+        return None
+    return (f"specdraft distill: {moved:.1%} of the trained weights moved in training, {moved_saved:.1%} as saved in "
+            f"{saved_dtype}: most of the update rounds away in {saved_dtype}. Keep float32 weights with "
+            "--dtype float32 (a run config: distill.dtype float32 and export_dtype keep), or raise --lr")
 
 
 def row_parameter_ids(draft) -> set[int]:
@@ -688,7 +755,8 @@ def _make_trainer_class():
             model = self.model
             was_training = model.training
             model.eval()
-            keys = ("loss", *METRICS)
+            # A restricted head is scored with the full head here (DistillModel.forward): its outside mass too.
+            keys = ("loss", *METRICS, *(("outside_mass",) if model.support is not None else ()))
             totals = [0.0] * (len(keys) + 1)  # per-key sums weighted by tokens, then tokens
             mine = Subset(ds, range(self.args.process_index, len(ds), self.args.world_size))
             loader = DataLoader(mine, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
@@ -877,7 +945,9 @@ def train(
         the history, ``processes`` the data-parallel ranks, ``precision`` what ``config.precision`` resolved to here
         (:func:`resolve_precision`; ``bf16-autocast`` for a draft of bfloat16 weights, see :func:`master_weights`),
         ``on_policy`` the writer's counts and seconds plus the steps it wrote at (``None`` for λ = 0). A LoRA
-        draft comes back merged (its adapters folded into the weights).
+        draft comes back merged (its adapters folded into the weights). ``start``: the trained parameters before
+        training (:func:`trainable_snapshot`, in their loaded dtype), to measure what a save kept; None for LoRA,
+        whose trained parameters (the adapters) are gone once merged.
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned.
@@ -971,7 +1041,7 @@ def train(
             "eval_before": eval_before, "eval_after": eval_after, "curve": learning_curve(history),
             "processes": args.world_size, "precision": precision, "precision_reason": precision_reason,
             "seconds": time.time() - t0,
-            "resumed_from": ckpt, "draft": draft,
+            "resumed_from": ckpt, "draft": draft, "start": None if config.train == "lora" else start,
             "on_policy": None if stream is None else {**getattr(stream.writer, "stats", {}),
                                                       "refresh_steps": stream.refresh_steps}}
 
@@ -1081,10 +1151,17 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
     del writer  # frees the target
     # Float32 master weights (master_weights) served their purpose: the export is in the dtype the draft was loaded
     # in, one dtype for every tensor, as a speculator's config.json records it.
-    trained = result.pop("draft").to(getattr(torch, save_dtype) if save_dtype else loaded_dtype)
+    saved_dtype = save_dtype or str(loaded_dtype).removeprefix("torch.")
+    trained = result.pop("draft").to(getattr(torch, saved_dtype))
+    # What the save kept of the update: a bfloat16 export rounds a small-lr update of float32 masters away.
+    start = result.pop("start")
+    moved_saved = moved_fraction(trained, start) if start is not None else None
+    if lost := rounded_away(result["moved_fraction"], moved_saved, saved_dtype):
+        warnings.warn(lost, stacklevel=2)
     metrics = {"eval_before": result["eval_before"], "eval_after": result["eval_after"],
                "steps": result["steps"], "trainable_parameters": result["trainable_parameters"],
-               "moved_fraction": result["moved_fraction"],
+               "moved_fraction": result["moved_fraction"], "moved_fraction_saved": moved_saved,
+               "saved_dtype": saved_dtype, "saved_update_lost": lost,
                "seconds": result["seconds"], "resumed_from": result["resumed_from"], "curve": result["curve"],
                "train_sequences": len(train_idx), "held_out_sequences": len(held_idx), "held_out_split": split_counts,
                "processes": result["processes"],

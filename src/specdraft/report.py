@@ -681,6 +681,15 @@ def _forecast_line(h: HeadroomForecast) -> str:
             "is in the table below.")
 
 
+def _moved_as_saved(dist: dict[str, Any]) -> str:
+    """``", N% of them changed as saved in DTYPE"`` (what the export kept of training's update), plus the loss
+    warning when most of the update rounded away; "" for a run that did not measure it."""
+    if dist.get("moved_fraction_saved") is None:
+        return ""
+    text = f", {dist['moved_fraction_saved']:.1%} of their weights changed as saved in {dist['saved_dtype']}"
+    return text + (f" — **warning:** {dist['saved_update_lost']}" if dist.get("saved_update_lost") else "")
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
     dist, exp, cfg = r["distill"], r["export"], r["config"]
@@ -730,7 +739,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in summary_rows(r)],
         "",
         (f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
-         f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters), loss "
+         f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters{_moved_as_saved(dist)}), loss "
          f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
          f"{cfg['distill']['held_out_fraction']:.1%} of training sequences kept out of the steps, not the evaluation "
          f"sets) {_fmt(dist['eval_before'].get('eval_alpha'))} → {_fmt(dist['eval_after'].get('eval_alpha'))}, "

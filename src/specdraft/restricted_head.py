@@ -17,7 +17,8 @@ p the teacher (zero outside S). Then
   takes every id of the training data (labels and context) plus the most frequent ids of a reference corpus
   (:func:`support_ids`), the competitors a draft proposes most.
 
-The metrics of a restricted step (top-1 agreement, TVD, α) are over q_S, as the loss is.
+The metrics of a restricted training step (top-1 agreement, TVD, α) are over q_S, as the loss is; the held-out ones
+take the full head (q), beside the draft's mass outside the support, 1 − q(S) (:class:`specdraft.distill.DistillModel`).
 
 Source: the sampled / restricted softmax of large-vocabulary training (Jean et al., 2015, "On Using Very Large Target
 Vocabulary for Neural Machine Translation", eq. 6–8: the softmax normalised over a subset V' holding the targets);

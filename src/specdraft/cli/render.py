@@ -273,10 +273,14 @@ def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding",
     rows = [
         ("prompts", str(s["prompts"])),
         *head_rows,
-        ("acceptance rate (accepted / proposed)", fmt(s["acceptance_rate"])),
+        # α leads: it does not move with γ or the γ policy; accepted / proposed falls as γ grows, so it follows,
+        # named per proposed token.
+        ("α, accepted / reached (independent of γ; the analytic model's)", fmt(s["alpha"])),
+        ("α 95% CI (bootstrap over prompts)",
+         format_interval(s.get("alpha_ci95"), s["prompts"], drafted=s.get("proposed"))),
+        ("acceptance rate, accepted / proposed (falls as γ grows: compare at one γ)", fmt(s["acceptance_rate"])),
         ("acceptance rate 95% CI (bootstrap over prompts)",
          format_interval(s.get("acceptance_rate_ci95"), s["prompts"], drafted=s.get("proposed"))),
-        ("α (accepted / reached, the analytic model's)", fmt(s["alpha"])),
         ("mean accepted length (tokens / target pass)", fmt(s["mean_accepted_length"], "{:.2f}")),
         ("predicted α, teacher-forced over prompts", fmt(s["predicted_alpha_prompt"])),
         ("predicted α, teacher-forced over target responses", fmt(s["predicted_alpha_response"])),
@@ -543,7 +547,10 @@ def print_distill(res: dict) -> None:
         table.add_column(col, justify="right")
     # eval_alpha_bound: how far a top-k teacher's unknown tail can move eval_tvd and eval_alpha (0: none, not shown).
     bounded = any(m[w].get("eval_alpha_bound") for w in ("eval_before", "eval_after"))
-    for k in ("eval_loss", "eval_tvd", "eval_alpha", *(("eval_alpha_bound",) if bounded else ()), "eval_acc"):
+    # eval_outside_mass: a restricted head's (--head-support) draft mass outside its support, scored with the full head.
+    outside = ("eval_outside_mass",) if "eval_outside_mass" in m["eval_after"] else ()
+    for k in ("eval_loss", "eval_tvd", "eval_alpha", *(("eval_alpha_bound",) if bounded else ()), "eval_acc",
+              *outside):
         b, a = m["eval_before"].get(k), m["eval_after"].get(k)
         table.add_row(k, "—" if b is None else f"{b:.4f}", "—" if a is None else f"{a:.4f}")
     console.print(table)
@@ -551,6 +558,11 @@ def print_distill(res: dict) -> None:
         console.print(f"eval_alpha: {definition}")
     console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
                   f"{m['seconds']:.0f} s, {m['precision']} ({m['precision_reason']}). Speculator: {res['speculator']}")
+    if m.get("moved_fraction_saved") is not None:
+        console.print(f"trained weights changed: {m['moved_fraction']:.1%} in training, {m['moved_fraction_saved']:.1%} "
+                      f"as saved in {m['saved_dtype']}", highlight=False)
+    if lost := m.get("saved_update_lost"):
+        note("warning", lost)
     if (onp := m.get("on_policy")) is not None:
         console.print(f"on-policy: {onp['sequences']} sequences written by the draft ({onp['generated_tokens']:,} "
                       f"tokens in {onp['generate_seconds']:.0f} s), scored by the target ({onp['teacher_tokens']:,} "
