@@ -1157,6 +1157,7 @@ def _quickstart() -> str:
     return "\n".join(["```bash", "make setup && . .venv/bin/activate   # exact pins (or: pip install -e .)",
                       f"specdraft check {pair}   # can they work together? (exit 1: the tokenizers differ)",
                       f"specdraft eval  {pair} --prompts humaneval:100:8 --out runs/eval   # how much faster?",
+                      "# (a draft of another tokenizer: add --map-vocab to eval it as given, through a mapping)",
                       "# prompts: name:offset:limit (HumanEval's held-out problems start at 100; --help lists sources)",
                       f"specdraft run   {pair} --out runs/mine   # the whole road: eval, distil, eval, export",
                       *([note] if note else []), "```"])
