@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from specdraft.dump_reader import (
     verify_dump,
 )
 from specdraft.models import load_model
-from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+from specdraft.testing import add_default_system_turn, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
 from specdraft.vocab import tokenizer_fingerprint
 
 VOCAB, WIDTH = 64, 72  # tokenizer ids, logits rows of the target (8 padding rows)
@@ -511,6 +512,26 @@ def test_a_resumed_dump_refuses_shards_of_a_target_whose_body_was_fine_tuned_in_
     assert head_fingerprint(load_model(tmp_path / "target", dtype="float32")[0]) == head_fingerprint(pair["model"])
     with pytest.raises(DumpError, match=r"another target \(rank-00000.json\): target_weights: the directory holds"):
         run_dump(tmp_path / "target", [chat(i) for i in range(4)], out, fp32(batch_size=2))
+    assert dir_digest(out) == before
+
+
+def test_a_resumed_dump_refuses_shards_rendered_by_a_template_since_edited_in_place(pair, tmp_path):
+    """The vocabulary's fingerprint leaves the chat template out: a template edited in ``tokenizer_config.json`` (a
+    default system turn) renders every prompt otherwise, and its shards would be resumed beside the old rendering's.
+    The template is named; nothing in the directory is touched."""
+    target = tmp_path / "target"
+    shutil.copytree(pair["target"], target)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())  # the template where older saves keep it
+    cfg["chat_template"] = (target / "chat_template.jinja").read_text()
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (target / "chat_template.jinja").unlink()
+    out = tmp_path / "d"
+    run_dump(target, [chat(i) for i in range(4)], out, fp32(batch_size=2))
+    (out / "manifest.json").unlink()  # as a run killed before its last merge leaves it: rank file and shards
+    before = dir_digest(out)
+    add_default_system_turn(target)
+    with pytest.raises(DumpError, match=r"another target \(rank-00000.json\): target_chat_template: the directory"):
+        run_dump(target, [chat(i) for i in range(4)], out, fp32(batch_size=2))
     assert dir_digest(out) == before
 
 

@@ -80,6 +80,21 @@ def test_a_target_cache_gives_the_same_alpha_without_running_the_target_again(tm
         predicted_alpha(target, drafts[1], seqs[:1], [[0, 1, 1, 1, 1, 0]], sampling=sampling, target_cache=tmp_path)
 
 
+def test_two_targets_of_one_config_do_not_read_each_others_cached_logits(tmp_path):
+    """The cache of a target's logits is the target's by content: another target of the very same config (another
+    seed, a fine-tune) replayed into the same directory computes its own logits, never the first one's."""
+    targets = [tiny_model("llama", 64, seed=s, layers=2) for s in (0, 3)]
+    draft = tiny_model("llama", 64, seed=7, layers=1)
+    assert targets[0].config.to_json_string(use_diff=False) == targets[1].config.to_json_string(use_diff=False)
+    seqs, masks = [[5, 6, 7, 8, 9, 10], [11, 12, 13]], [[0, 0, 1, 1, 1, 0], [0, 1, 0]]
+    sampling = SamplingConfig(temperature=0.8)
+    plain = [predicted_alpha(t, draft, seqs, masks, sampling=sampling) for t in targets]
+    assert plain[0]["alpha_sum"] != plain[1]["alpha_sum"]
+    cached = [predicted_alpha(t, draft, seqs, masks, sampling=sampling, target_cache=tmp_path) for t in targets]
+    assert [c["alpha_sum"] for c in cached] == [p["alpha_sum"] for p in plain]
+    assert len(list(tmp_path.glob("target-logits-*.safetensors"))) == 2  # one batch per target
+
+
 def test_replay_refuses_a_sequence_past_a_models_window_before_any_pass():
     """Teacher-forced α and the greedy replay read prompt + answer in one pass: past a GPT-2 draft's 16 positions
     they name the sequence, its length and the window (was an IndexError inside the draft's position table)."""

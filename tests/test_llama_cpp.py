@@ -303,25 +303,27 @@ def vocab_gguf(path: Path, prefix: str = "t", n: int = 20) -> Path:
     return path
 
 
-def bench_file(path: Path, tg_ts: float, pp: dict[int, float] | None = None) -> Path:
-    """A saved ``llama-bench -o json`` output: a tg test at ``tg_ts`` tokens/s, a pp test per ``{width: seconds}``,
-    after a log line as llama-bench prints one."""
+def bench_file(path: Path, tg_ts: float, pp: dict[int, float] | None = None, **row) -> Path:
+    """A saved ``llama-bench -o json`` output: a tg test at ``tg_ts`` tokens/s, a pp test per ``{width: seconds}``
+    (each with the fields ``row``: ``n_threads``, ``backends``…), after a log line as llama-bench prints one."""
     import json
 
-    tests = [{"n_prompt": 0, "n_gen": 32, "avg_ts": tg_ts}] + [
-        {"n_prompt": k, "n_gen": 0, "avg_ts": k / s} for k, s in (pp or {}).items()]
+    tests = [{"n_prompt": 0, "n_gen": 32, "avg_ts": tg_ts} | row] + [
+        {"n_prompt": k, "n_gen": 0, "avg_ts": k / s} | row for k, s in (pp or {}).items()]
     path.write_text("load_backend: loaded CPU backend\n" + json.dumps(tests))
     return path
 
 
 PP = {k: 0.1 + 0.02 * (k - 1) for k in range(2, 6)}  # t(1) = 100 ms from tg 10 tok/s, +20 ms per verified token
+#: The target GGUF's file name the packaged calibration was fitted to: a target of another name is another target.
+CAL_TARGET = LLAMA_CPP_CALIBRATION.provenance["target_gguf"]
 
 
 def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     from specdraft.gguf_export import GgufExportError
     from specdraft.llama_cpp import rank_inputs
 
-    t, d = vocab_gguf(tmp_path / "t.gguf"), vocab_gguf(tmp_path / "d.gguf")
+    t, d = vocab_gguf(tmp_path / CAL_TARGET), vocab_gguf(tmp_path / "d.gguf")
     tb, db = bench_file(tmp_path / "t.json", 10.0, PP), bench_file(tmp_path / "d.json", 200.0)
     empty = tmp_path / "bin"
     empty.mkdir()
@@ -354,7 +356,7 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
         rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=tmp_path / "log.json")
 
     inputs = rank_inputs("/x/t", ["/x/d"], target_gguf=t, draft_ggufs={"/x/d": d}, target_bench=tb,
-                         draft_benches={"/x/d": db}, llama_cpp_bin=empty, threads=4)
+                         draft_benches={"/x/d": db}, llama_cpp_bin=empty, threads=2)
     (row,) = inputs.rank({"/x/d": 0.75})
     assert (row.n_max, row.gguf, row.bench_source) == (3, str(d), str(db))  # n = 3: tests/test_speed.py
     # Priced as llama.cpp ran its rounds (the packaged calibration), beside llama-bench's own 1.5625x.
@@ -363,7 +365,72 @@ def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
     assert row.predicted_speedup == pytest.approx(LLAMA_CPP_CALIBRATION.speedup(speed, 0.75, 3))
     assert row.band[0] > 1 and row.predicted_speedup < 1.5625
     assert row.command == (f"llama-server -m {t} --spec-type draft-simple -md {d} --spec-draft-n-max 3 "
-                           f"--spec-draft-n-min 0 --spec-draft-p-min 0.0 -t 4 -td 4 # for {llama_cpp_engine()}")
+                           f"--spec-draft-n-min 0 --spec-draft-p-min 0.0 -t 2 -td 2 # for {llama_cpp_engine()}")
+
+
+def test_the_packaged_llama_cpp_calibration_applies_only_where_it_was_fitted():
+    """Its factors and error were measured on one machine, at one thread count, on the CPU, for one target GGUF and
+    one build: under those conditions it applies; each other one is named, both sides said."""
+    cal = LLAMA_CPP_CALIBRATION
+    own = {"machine": cal.provenance["machine"], "threads": 2, "backend": "CPU",
+           "target_gguf": f"/somewhere/{CAL_TARGET}", "llama.cpp": cal.provenance["llama.cpp"]}
+    assert cal.applies_to(own) is None and cal.applies_to({}) is None  # nothing known: nothing to refuse
+    assert cal.applies_to(own | {"machine": "aarch64 (16 cpus)"}) == (
+        f"it was fitted on {cal.provenance['machine']}, these timings are on aarch64 (16 cpus)")
+    assert cal.applies_to(own | {"threads": 8}) == "it was fitted at 2 threads, these timings are at 8 threads"
+    assert cal.applies_to(own | {"backend": "CUDA"}) == (
+        "it was fitted on llama.cpp's CPU backend, these timings are on llama.cpp's CUDA backend")
+    assert cal.applies_to(own | {"target_gguf": "llama-8b.gguf", "threads": 4}) == (
+        "it was fitted at 2 threads, these timings are at 4 threads; "
+        f"it was fitted for {CAL_TARGET}, these timings are for llama-8b.gguf")
+
+
+def test_llama_bench_results_of_another_machine_or_target_get_no_band_and_the_reason(tmp_path):
+    """Timings the packaged calibration was not fitted to (8 threads on a CUDA build, another target) are not priced
+    by it: the plan carries no band, its note says why and how to fit one, and the command serves the target alone.
+    A calibration of one's own (--llama-cpp-calibration: the bench's result file) fitted under those conditions
+    prices them again, with its band; the calibration's own conditions keep the band as before."""
+    import json
+
+    from specdraft.llama_cpp import rank_inputs, read_llama_cpp_calibration
+    from specdraft.speed import REFIT_COMMAND
+
+    t, d = vocab_gguf(tmp_path / "llama-8b.gguf"), vocab_gguf(tmp_path / "d.gguf")
+    gpu = {"n_threads": 8, "backends": "CUDA", "model_filename": str(t)}
+    tb, db = bench_file(tmp_path / "t.json", 10.0, PP, **gpu), bench_file(tmp_path / "d.json", 200.0, **gpu)
+    given = {"target_gguf": t, "draft_ggufs": {"/x/d": d}, "target_bench": tb, "draft_benches": {"/x/d": db}}
+    (row,) = rank_inputs("/x/t", ["/x/d"], **given, threads=8).rank({"/x/d": 0.75})
+    assert row.band is None and row.calibration is None and row.raw_speedup == pytest.approx(1.5625)
+    assert row.note == (
+        "the calibration does not apply (it was fitted at 2 threads, these timings are at 8 threads; it was fitted on "
+        "llama.cpp's CPU backend, these timings are on llama.cpp's CUDA backend; it was fitted for "
+        f"{CAL_TARGET}, these timings are for llama-8b.gguf): no band backs llama-bench's forecast; fit one here "
+        f"with `{REFIT_COMMAND}` and pass --llama-cpp-calibration FILE")
+    own = LLAMA_CPP_CALIBRATION.to_dict()
+    own["provenance"] = {"said": "fitted here", "threads": 8, "backend": "CUDA", "target_gguf": "llama-8b.gguf"}
+    (tmp_path / "result.json").write_text(json.dumps({"runs": {}, "calibration": own}))
+    mine = read_llama_cpp_calibration(tmp_path / "result.json")
+    (row,) = rank_inputs("/x/t", ["/x/d"], **given, threads=8, calibration=mine).rank({"/x/d": 0.75})
+    assert row.band is not None and row.band[0] > 1 and row.calibration == mine and row.n_max == 3
+    (tmp_path / "bench.json").write_text(json.dumps({"runs": {}}))  # a bench result without a calibration
+    with pytest.raises(LlamaCppError, match=r"--llama-cpp-calibration .*bench.json: holds no llama.cpp calibration "
+                                            r"\(missing 'overhead'\); fit one with `python bench/llamacpp_check.py"):
+        read_llama_cpp_calibration(tmp_path / "bench.json")
+    # The calibration's own conditions: the band as before.
+    cpu = {"n_threads": 2, "backends": "CPU"}
+    t2 = vocab_gguf(tmp_path / CAL_TARGET)
+    tb2, db2 = bench_file(tmp_path / "t2.json", 10.0, PP, **cpu), bench_file(tmp_path / "d2.json", 200.0, **cpu)
+    (row,) = rank_inputs("/x/t", ["/x/d"], target_gguf=t2, draft_ggufs={"/x/d": d}, target_bench=tb2,
+                         draft_benches={"/x/d": db2}).rank({"/x/d": 0.75})
+    assert row.band[0] > 1 and row.calibration == LLAMA_CPP_CALIBRATION and row.note.startswith("n_max 3: 1.42x, band")
+    # rank takes it as --llama-cpp-calibration FILE, a flag of --engine llama.cpp alone.
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    r = CliRunner().invoke(app, ["rank", "/x/d", "--target", "/x/t", "--llama-cpp-calibration",
+                                 str(tmp_path / "result.json")])
+    assert r.exit_code == 2 and "--llama-cpp-calibration needs --engine llama.cpp" in r.output, r.output
 
 
 def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_winners_command(tmp_path, monkeypatch):
@@ -383,7 +450,7 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     AutoTokenizer.from_pretrained(tdir).save_pretrained(near)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"a b c {w}"}) for w in "de") + "\n")
-    t, d = vocab_gguf(tmp_path / "t.gguf"), vocab_gguf(tmp_path / "d.gguf")
+    t, d = vocab_gguf(tmp_path / CAL_TARGET), vocab_gguf(tmp_path / "d.gguf")
     flat = {k: 0.1 + 0.005 * (k - 1) for k in range(2, 6)}  # a cheap verification: +5 ms per verified token
     saved = {"target": (10.0, flat), "fast": (1000.0, None), "slow": (14.0, None)}  # tg tokens/s, pp {width: s}
     files = {k: bench_file(tmp_path / f"{k}.json", ts, pp) for k, (ts, pp) in saved.items()}

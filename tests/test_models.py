@@ -371,3 +371,26 @@ def test_a_missing_shard_or_an_unindexed_tensor_is_refused_and_a_stray_file_warn
     (d / "model.safetensors.index.json").unlink()
     errors, _ = weight_layout_problems(d)
     assert errors and "no model.safetensors.index.json" in errors[0]
+
+
+def test_a_tokenizer_loaded_and_saved_again_keeps_its_rendering_identity_and_an_edited_template_does_not(tmp_path):
+    """transformers records how a tokenizer was loaded (``is_local``…) when it saves it again: no prompt renders
+    otherwise, so no stage is redone for it; an edited template changes ``chat_template`` alone."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specdraft.models import rendering_identity
+    from specdraft.testing import add_default_system_turn, save_tiny_pair
+
+    tdir, _ = save_tiny_pair(tmp_path / "pair", 96)
+    again = tmp_path / "again"
+    again.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(f"{tdir}/{name}", again / name)
+    AutoTokenizer.from_pretrained(tdir).save_pretrained(again)
+    assert rendering_identity(again) == rendering_identity(tdir)
+    add_default_system_turn(again)
+    edited = rendering_identity(again)
+    assert edited["chat_template"] != rendering_identity(tdir)["chat_template"]
+    assert edited | {"chat_template": None} == rendering_identity(tdir) | {"chat_template": None}

@@ -17,7 +17,7 @@ from specdraft.pipeline import (
     run_pipeline,
 )
 from specdraft.prompts import load_prompts, parse_source
-from specdraft.testing import save_tiny_pair
+from specdraft.testing import add_default_system_turn, save_tiny_pair
 
 
 def _examples(words, prefix):
@@ -484,6 +484,41 @@ def test_a_finished_stage_is_refused_then_redone_when_the_drafts_weights_change_
     assert any(m.startswith("[check] inputs changed (draft_weights: ") for m in logs)
     assert any(m.startswith("[eval_before] inputs changed (draft_weights: ") for m in logs)
     assert (out / "eval_before" / "stage.json").read_text() != marker
+
+
+def test_a_finished_stage_is_refused_when_the_targets_chat_template_is_edited_in_place(tmp_path, monkeypatch):
+    """A default system turn added to the target's template keeps weights, vocabulary and ids: every prompt now
+    renders otherwise, so the evaluation of the old renderings is refused, naming the template (not the other
+    tokenizer files), never "done earlier with the same inputs"."""
+    _stop_after_eval_before(monkeypatch)
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir)
+    ev, train, out = _examples("klm", "e"), _examples("cdefghij", "t"), tmp_path / "run"
+    with pytest.raises(PipelineError, match="stage 'headroom' failed"):
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=train)
+    add_default_system_turn(tdir)
+    logs: list[str] = []
+    with pytest.raises(PipelineError) as e:
+        run_pipeline(cfg, out, log=logs.append, eval_examples=ev, train_examples=train)
+    assert f"{out} holds a finished 'check' stage made from other inputs (target_chat_template: " in str(e.value)
+    assert "tokenizer_files" not in str(e.value) and not any("skipped" in m for m in logs)
+
+
+def test_a_finished_stage_is_refused_when_a_stop_id_is_added_to_the_targets_generation_config(tmp_path, monkeypatch):
+    """Answers end at the generation config's EOS ids: one added there ends the target's answers elsewhere, so the
+    stages made from the old answers are refused, naming the stop ids before and after."""
+    _stop_after_eval_before(monkeypatch)
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
+    cfg = make_config("tiny", target=tdir, draft=ddir)
+    ev, train, out = _examples("klm", "e"), _examples("cdefghij", "t"), tmp_path / "run"
+    with pytest.raises(PipelineError, match="stage 'headroom' failed"):
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=train)
+    gen = Path(tdir) / "generation_config.json"
+    gen.write_text(json.dumps(json.loads(gen.read_text()) | {"eos_token_id": [4, 3]}))
+    with pytest.raises(PipelineError) as e:
+        run_pipeline(cfg, out, eval_examples=ev, train_examples=train)
+    assert (f"{out} holds a finished 'check' stage made from other inputs (target_stop_ids: [4] → [3, 4])"
+            in str(e.value))
 
 
 def test_a_finished_stage_is_refused_when_a_prompts_text_changes_under_the_same_id(tmp_path, monkeypatch):

@@ -484,7 +484,14 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
             target is loaded).
         specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
     """
-    from specdraft.models import load_model, load_tokenizer, model_fingerprint, model_revision, resolve
+    from specdraft.models import (
+        load_model,
+        load_tokenizer,
+        model_fingerprint,
+        model_revision,
+        rendering_identity,
+        resolve,
+    )
     from specdraft.vocab import tokenizer_fingerprint
 
     config = config or DumpConfig()
@@ -510,7 +517,10 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     target_facts = _target_facts(resolved)
     identity = {"tokenizer_fingerprint": tok_fp, "target_config": target_facts,
                 "settings": config.plan_settings(), "world_size": world,
-                "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples])}
+                "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples]),
+                # The vocabulary's fingerprint leaves out how a conversation is rendered and where an answer ends: an
+                # edited template or stop id resumed beside the old shards would mix two renderings in one dump.
+                **{f"target_{k}": v for k, v in rendering_identity(resolved).items()}}
     if config.format == "topk":  # shards of another storage dtype (an older dump's float16) never mix with these
         identity["topk_storage"] = TOPK_STORAGE
     if world > 1:

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, ExportConfig, ExportDtype, ExportFormat, GgufType
 from specdraft.io import atomic_directory, atomic_write_text
+from specdraft.models import TOKENIZER_FILES  # `export_draft` copies the ones the draft has, byte for byte
 from specdraft.speculator import (
     IndependentSpeculatorConfig,
     SpeculatorError,
@@ -61,24 +62,6 @@ VLLM_TESTED_VERSION = "0.32.0"
 
 # Weight files a save_pretrained writes; a cast rewrites them all.
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
-
-# Files a tokenizer's save_pretrained may write; `export_draft` copies the ones the draft has, byte for byte.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "additional_chat_templates",
-)
-
 
 @dataclass
 class ExportResult:

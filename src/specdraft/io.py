@@ -117,6 +117,13 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def machine_name() -> str:
+    """This machine as an artifact records it: ``"x86_64 (2 cpus)"`` (architecture and CPU count)."""
+    import platform
+
+    return f"{platform.machine()} ({os.cpu_count()} cpus)"
+
+
 def versions() -> dict[str, str]:
     """What made an artifact: python, specdraft, torch (the running build, e.g. ``+cpu``), transformers,
     safetensors, accelerate, CUDA, and the machine (architecture and CPU count)."""
@@ -133,5 +140,5 @@ def versions() -> dict[str, str]:
 
     out["torch"] = torch.__version__  # the build actually running (e.g. "+cu130"), not just the wheel's number
     out["cuda"] = torch.version.cuda
-    out["machine"] = f"{platform.machine()} ({os.cpu_count()} cpus)"
+    out["machine"] = machine_name()
     return out

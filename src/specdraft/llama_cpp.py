@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -292,8 +292,11 @@ class LlamaCppRankInputs:
         threads: llama.cpp threads, of the llama-bench runs and of the printed commands.
         tools: the llama.cpp binaries llama-bench ran from (None when every timing was given as a file).
         calibration: what a round costs in llama-speculative-simple beyond llama-bench's pricing
-            (:data:`specdraft.speed.LLAMA_CPP_CALIBRATION` from :func:`rank_inputs`); ``None``: llama-bench's pricing
-            alone, which no measured error backs.
+            (:data:`specdraft.speed.LLAMA_CPP_CALIBRATION` from :func:`rank_inputs`, or one of the user's own);
+            ``None``: llama-bench's pricing alone, which no measured error backs.
+        conditions: what the llama-bench results were taken under (:func:`specdraft.speed.llama_cpp_conditions`):
+            the calibration prices the plans only where it applies to them
+            (:meth:`~specdraft.speed.LlamaCppCalibration.applies_to`).
     """
 
     target: str
@@ -306,6 +309,7 @@ class LlamaCppRankInputs:
     threads: int = 2
     tools: LlamaCppTools | None = None
     calibration: LlamaCppCalibration | None = None
+    conditions: dict[str, Any] = field(default_factory=dict)
 
     def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[LlamaCppCandidate]:
         """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α) under
@@ -316,7 +320,8 @@ class LlamaCppRankInputs:
         from specdraft.speed import llama_cpp_command, rank_llama_cpp
 
         rows = []
-        for r in rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n, self.calibration):
+        for r in rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n, self.calibration,
+                                self.conditions):
             gguf = self.draft_ggufs[r.draft]
             pair = (shlex.quote(str(self.target_gguf)), shlex.quote(str(gguf)), r.n_max)
             pins = {"threads": self.threads, "n_min": r.n_min, "p_min": r.p_min, "engine": r.engine}
@@ -368,12 +373,36 @@ def read_llama_bench_json(path: str | os.PathLike, what: str | None = None) -> l
         raise LlamaCppError(f"{what}: {exc}; give the output of `{BENCH_COMMAND}`.") from None
 
 
+def read_llama_cpp_calibration(path: str | os.PathLike) -> LlamaCppCalibration:
+    """A calibration of one's own (``rank --llama-cpp-calibration FILE``): a JSON of
+    :meth:`~specdraft.speed.LlamaCppCalibration.to_dict`, or the bench's result file holding one under
+    ``calibration`` (what ``bench/llamacpp_check.py --embedded`` and ``--refit`` write).
+
+    Raises:
+        LlamaCppError: the file cannot be read or holds no calibration (says how to fit one).
+    """
+    from specdraft.speed import REFIT_COMMAND
+
+    fix = f"fit one with `{REFIT_COMMAND}`"
+    try:
+        d = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as exc:
+        raise LlamaCppError(f"--llama-cpp-calibration {path}: cannot be read as JSON ({exc}); {fix}.") from None
+    d = d.get("calibration", d) if isinstance(d, dict) else {}
+    try:
+        return LlamaCppCalibration.from_dict(d)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LlamaCppError(f"--llama-cpp-calibration {path}: holds no llama.cpp calibration (missing {exc}); "
+                            f"{fix}.") from None
+
+
 def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLike | None = None,
                 draft_ggufs: Mapping[str, str | os.PathLike] | None = None,
                 target_bench: str | os.PathLike | None = None,
                 draft_benches: Mapping[str, str | os.PathLike] | None = None,
                 llama_cpp_bin: str | os.PathLike | None = None, threads: int = 2,
-                progress: Callable[[str], None] | None = None) -> LlamaCppRankInputs:
+                progress: Callable[[str], None] | None = None,
+                calibration: LlamaCppCalibration | None = None) -> LlamaCppRankInputs:
     """The GGUFs and llama-bench timings of a target and its candidate drafts, checked before any model is loaded
     (``specdraft rank --engine llama.cpp``; α comes from :func:`specdraft.rank.rank_drafts`).
 
@@ -382,8 +411,10 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     checks a ``-md`` draft (:func:`specdraft.gguf_export.check_pair`). Timings: the saved ``llama-bench -o json``
     files ``target_bench`` / ``draft_benches[name]`` where given, else llama-bench run on the GGUF
     (:func:`llama_bench`: tg 32, pp 2..9, ``threads`` threads, 3 repetitions each) — llama.cpp's tools are looked
-    for (:func:`find_tools`, ``llama_cpp_bin``) only then. The plans are priced with the packaged calibration
-    (:data:`specdraft.speed.LLAMA_CPP_CALIBRATION`).
+    for (:func:`find_tools`, ``llama_cpp_bin``) only then. The plans are priced with ``calibration`` (default the
+    packaged :data:`specdraft.speed.LLAMA_CPP_CALIBRATION`) where it applies to the timings' conditions: their
+    threads, backend and target GGUF, and this machine when llama-bench ran here
+    (:func:`specdraft.speed.llama_cpp_conditions`).
 
     Args:
         target / drafts: the model references as given (``drafts`` name the keys of the two mappings).
@@ -400,7 +431,8 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
 
     from specdraft.embedded import EMBEDDED, embedded_gguf
     from specdraft.gguf_export import check_pair, read_gguf_vocab
-    from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model
+    from specdraft.io import machine_name
+    from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_conditions
 
     say = progress or (lambda _msg: None)
     draft_ggufs, draft_benches = dict(draft_ggufs or {}), dict(draft_benches or {})
@@ -462,7 +494,10 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     return LlamaCppRankInputs(target=target, target_gguf=t_gguf, draft_ggufs=d_ggufs, target_bench=t_bench,
                               draft_benches={d: b for d, (b, _) in d_timings.items()}, target_bench_source=t_source,
                               draft_bench_sources={d: src for d, (_, src) in d_timings.items()}, threads=threads,
-                              tools=tools, calibration=LLAMA_CPP_CALIBRATION)
+                              tools=tools, calibration=LLAMA_CPP_CALIBRATION if calibration is None else calibration,
+                              # saved rows do not say which machine ran them; a run here does
+                              conditions=llama_cpp_conditions(t_bench, t_gguf, threads,
+                                                              machine_name() if target_bench is None else None))
 
 
 if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--jobs N]`: build the tools
@@ -536,7 +571,13 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
                        "command": llama_cpp_command(tgt_arg, shlex.quote(str(gguf)), 0, threads=threads)}
     label, d = timed
     speed = llama_bench_speed_model(bench["target"]["llama_bench"], d["llama_bench"])
-    plan = llama_cpp_plan(speed, alpha, calibration=calibration)
+    # Where llama.cpp would run: this machine, at the packaged timings' threads and backend, for their target GGUF.
+    from specdraft.io import machine_name
+    from specdraft.speed import llama_cpp_conditions
+
+    conditions = llama_cpp_conditions(bench["target"]["llama_bench"], bench["target"]["gguf"], threads,
+                                      machine_name())
+    plan = llama_cpp_plan(speed, alpha, calibration=calibration, conditions=conditions)
     basis = (f"forecast, not timed by this run: llama-bench timings of {bench['target']['gguf']} and a draft of this "
              f"size ({label}; {bench['source']}, {bench['machine']}, {threads} threads, {bench['llama.cpp']}) at the "
              f"draft's held-out α {alpha:.3f}, priced by the packaged calibration: {plan.note or 'uncalibrated'}")

@@ -299,6 +299,70 @@ def model_fingerprint(model: Any) -> str:
     return h.hexdigest()
 
 
+#: Files a tokenizer's ``save_pretrained`` may write (the last three hold chat templates): what renders a prompt.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates",
+)
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+#: ``tokenizer_config.json`` keys that say how a tokenizer was last loaded, not how it tokenizes: transformers writes
+#: them on a re-save, and a tokenizer loaded and saved again renders every prompt as before.
+_LOADING_KEYS = ("is_local", "local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision")
+
+
+def rendering_identity(ref: Any) -> dict[str, Any]:
+    """What turns a conversation into the ids a model reads and where its answer ends, read from a reference's files
+    (no tokenizer or model loaded): the part of a model's identity that :func:`model_fingerprint` (weights) leaves out.
+
+    Returns:
+        ``{"chat_template": sha256 (16 hex) of every template text (``tokenizer_config.json``'s ``chat_template``,
+        ``chat_template.jinja`` / ``.json``, ``additional_chat_templates/``), "tokenizer_files": sha256 (16 hex) of
+        the other tokenizer files' bytes (``tokenizer_config.json`` without its template and the keys that record how
+        it was loaded), "stop_ids": the EOS ids
+        of ``generation_config.json``, else of ``config.json`` (sorted; the tokenizer's own EOS is in its files)}``.
+        Kept apart so that a changed key names which of the three changed.
+
+    Raises:
+        ModelResolutionError: a reference that does not resolve (:func:`resolve`).
+    """
+    import hashlib
+
+    path = Path(resolve(ref))
+    template, files = hashlib.sha256(b"template"), hashlib.sha256(b"tokenizer")
+
+    def read_json(name: str) -> dict[str, Any]:
+        f = path / name
+        return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+
+    for name in TOKENIZER_FILES:
+        f = path / name
+        parts = sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f] if f.is_file() else []
+        for part in parts:
+            data = part.read_bytes()
+            if name == "tokenizer_config.json":
+                cfg = json.loads(data)
+                template.update(json.dumps(["tokenizer_config", cfg.pop("chat_template", None)]).encode())
+                data = json.dumps({k: v for k, v in cfg.items() if k not in _LOADING_KEYS}, sort_keys=True).encode()
+            (template if name in _TEMPLATE_FILES else files).update(
+                json.dumps([str(part.relative_to(path)), len(data)]).encode() + data)
+    eos = read_json("generation_config.json").get("eos_token_id")
+    if eos is None:
+        eos = read_json("config.json").get("eos_token_id")
+    stops = sorted({int(eos)} if isinstance(eos, int) else {int(e) for e in eos or []})
+    return {"chat_template": template.hexdigest()[:16], "tokenizer_files": files.hexdigest()[:16], "stop_ids": stops}
+
+
 def _module_fingerprint(model) -> str:
     import hashlib
 

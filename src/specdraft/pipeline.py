@@ -3,8 +3,8 @@
 Stages, each a library call writing into ``OUT/<stage>/`` and finished by a ``stage.json`` holding the key of
 its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped; a finished stage
 whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``). The key holds the
-models by content (:func:`model_identity`: new weights under the same path are changed inputs) and the prompts by
-text (:func:`prompt_texts`: an edited prompt under the same id is one):
+models by content (:func:`model_identity`: new weights, chat template, tokenizer files or stop ids under the same
+path are changed inputs) and the prompts by text (:func:`prompt_texts`: an edited prompt under the same id is one):
 
 1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
 2. ``eval_before`` the target's greedy answers per held-out set, written by the target itself in one batch, then
@@ -267,10 +267,13 @@ def prompt_overlap(train, evaluation) -> list[str]:
 
 def model_identity(role: str, ref: ModelRef) -> dict[str, Any]:
     """A model's part of a stage's inputs: ``{role}_weights`` (:func:`specdraft.models.model_fingerprint` of its
-    files) and ``{role}_revision`` (:func:`specdraft.models.model_revision`), beside the reference as typed."""
-    from specdraft.models import model_fingerprint, model_revision
+    files), ``{role}_revision`` (:func:`specdraft.models.model_revision`) and ``{role}_chat_template``,
+    ``{role}_tokenizer_files``, ``{role}_stop_ids`` (:func:`specdraft.models.rendering_identity`: every prompt is
+    rendered by the first two and every answer ends at the last), beside the reference as typed."""
+    from specdraft.models import model_fingerprint, model_revision, rendering_identity
 
-    return {f"{role}_weights": model_fingerprint(ref), f"{role}_revision": model_revision(ref)}
+    return {f"{role}_weights": model_fingerprint(ref), f"{role}_revision": model_revision(ref),
+            **{f"{role}_{k}": v for k, v in rendering_identity(ref).items()}}
 
 
 def prompt_texts(examples, whole: bool = False) -> dict[str, str]:
@@ -297,7 +300,8 @@ def changed_inputs(old: Any, new: Any, path: str = "") -> list[str]:
                 for c in changed_inputs(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))]
     if old == new:
         return []
-    if isinstance(old, list) and isinstance(new, list):
+    # A list of ids (a prompt set) by its counts; one of numbers (stop ids) by its values.
+    if isinstance(old, list) and isinstance(new, list) and not all(isinstance(x, int) for x in old + new):
         added = sum(1 for x in new if x not in old)
         removed = sum(1 for x in old if x not in new)
         return [f"{path or 'inputs'}: {len(old)} → {len(new)} items ({added} new, {removed} gone)"]

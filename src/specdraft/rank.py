@@ -28,7 +28,8 @@ class RankError(ValueError):
 
 
 #: The flags only ``--engine llama.cpp`` reads (their names as the user types them).
-LLAMA_CPP_FLAGS = ("--target-gguf", "--draft-gguf", "--target-bench", "--draft-bench", "--llama-cpp-bin")
+LLAMA_CPP_FLAGS = ("--target-gguf", "--draft-gguf", "--target-bench", "--draft-bench", "--llama-cpp-bin",
+                   "--llama-cpp-calibration")
 
 
 def check_engine(engine: RankEngine, confirm: bool | None, llama_flags: Mapping[str, Any]) -> bool:
@@ -221,12 +222,13 @@ def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, conf
     paths = {d: resolve(d) for d in drafts}
     inputs = None
     if engine == "llama.cpp":
-        from specdraft.llama_cpp import rank_inputs
+        from specdraft.llama_cpp import rank_inputs, read_llama_cpp_calibration
 
         llama = dict(llama or {})
+        own = llama.get("calibration")
         inputs = rank_inputs(target, drafts, llama.get("target_gguf"), llama.get("draft_ggufs"),
                              llama.get("target_bench"), llama.get("draft_benches"), llama.get("llama_cpp_bin"),
-                             threads, progress=say)
+                             threads, progress=say, calibration=read_llama_cpp_calibration(own) if own else None)
     t, tok = load_model(tpath, dtype=config.dtype)
     ids = encode_prompts(tok, examples)
 

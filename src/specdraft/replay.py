@@ -21,7 +21,7 @@ from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import SamplingConfig
 from specdraft.decode import check_max_new_tokens, left_pad
 from specdraft.losses import sum_min
-from specdraft.models import takes_logits_to_keep
+from specdraft.models import model_fingerprint, takes_logits_to_keep
 from specdraft.sampling import align_logits, check_windows, filtered_probs, greedy_probs, output_width
 
 
@@ -134,7 +134,7 @@ def counted_target_logits(target, chunk: list[list[int]], ids: torch.Tensor, att
 
     ``counted``: ``[B, keep]``, 1 where a position counts, over the batch's last ``keep`` positions (where the head
     runs). With ``target_cache`` they are read from (or written to) one safetensors file per batch, named by a hash of
-    the target's config and dtype, ``chunk``, ``counted``, ``real_vocab`` and ``pad_id``: every caller that scores
+    the target's content (weights, config, dtype), ``chunk``, ``counted``, ``real_vocab`` and ``pad_id``: every caller that scores
     the same batch with the same mask (another draft replayed on the same answers, the headroom forecast) shares one
     target pass.
     """
@@ -152,10 +152,9 @@ def counted_target_logits(target, chunk: list[list[int]], ids: torch.Tensor, att
 
 def _cache_file(root, target, chunk: list[list[int]], counted: torch.Tensor, real_vocab: int | None,
                 pad_id: int) -> Path:
-    """Where :func:`counted_target_logits` keeps one batch's target logits: named by what determines them."""
-    dtype = str(next(target.parameters()).dtype)
-    key = json.dumps([target.config.to_json_string(use_diff=False), dtype, chunk, counted.to(torch.int8).tolist(),
-                      real_vocab, pad_id])
+    """Where :func:`counted_target_logits` keeps one batch's target logits: named by what determines them (the
+    target by its content, :func:`specdraft.models.model_fingerprint`: two targets of one config are two caches)."""
+    key = json.dumps([model_fingerprint(target), chunk, counted.to(torch.int8).tolist(), real_vocab, pad_id])
     return Path(root) / f"target-logits-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
 

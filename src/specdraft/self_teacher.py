@@ -378,7 +378,14 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
 
     from specdraft.data import load_examples, source_counts
     from specdraft.io import versions
-    from specdraft.models import load_model, load_tokenizer, model_fingerprint, model_revision, resolve
+    from specdraft.models import (
+        load_model,
+        load_tokenizer,
+        model_fingerprint,
+        model_revision,
+        rendering_identity,
+        resolve,
+    )
     from specdraft.vocab import build_vocab_mapping, tokenizer_fingerprint, tokenizer_view
 
     config = config or SelfTeacherConfig()
@@ -405,10 +412,12 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
     text_files = [[Path(p).name, hashlib.sha256(Path(p).read_bytes()).hexdigest()] for p in texts]
     teacher = {"kind": TEACHER_KIND, "ref": str(draft_ref), "weights": model_fingerprint(d_path),
-               "revision": model_revision(d_path), "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(d_path))}
+               "revision": model_revision(d_path), "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(d_path)),
+               "rendering": rendering_identity(d_path)}  # the draft renders its prompts and ends its answers
     identity = {"teacher": teacher, "tokenizer_fingerprint": tokenizer_fingerprint(ttok), "target_config": t_facts,
                 "settings": config.plan_settings(), "topk_storage": TOPK_STORAGE,
-                "data_fingerprint": _sha256_json([[[e.id, e.messages, e.reference] for e in examples], text_files])}
+                "data_fingerprint": _sha256_json([[[e.id, e.messages, e.reference] for e in examples], text_files]),
+                **{f"target_{k}": v for k, v in rendering_identity(t_path).items()}}  # the target renders the prompt
     header = {
         "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
         "target": {"ref": str(target_ref), "resolved": t_path, "revision": model_revision(t_path), **t_facts,

@@ -35,8 +35,11 @@ speed run's result types every stage reads; splitting the engines apart would wr
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from specdraft.acceptance import expected_tokens_per_pass
@@ -283,7 +286,8 @@ class LlamaCppPlan:
 
 
 def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None,
-                   calibration: LlamaCppCalibration | None = None) -> LlamaCppPlan:
+                   calibration: LlamaCppCalibration | None = None,
+                   conditions: Mapping[str, Any] | None = None) -> LlamaCppPlan:
     """What llama.cpp should draft at acceptance ``alpha``, considering n up to ``max_n`` (default, and at most:
     ``speed.max_gamma``).
 
@@ -296,13 +300,18 @@ def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None,
     (:class:`LlamaCppCalibration`): only the n it measured are considered (its ``n_range``: a forecast outside it
     is an extrapolation its error does not cover), the best is priced by :meth:`LlamaCppCalibration.speedup`, and it
     is served only when its whole error band lies above 1 — otherwise ``n_max`` is 0: serve the target alone.
+    A calibration that does not apply to the llama-bench results' ``conditions`` (:meth:`LlamaCppCalibration.applies_to`)
+    prices nothing: the plan is llama-bench's alone, with no band, its note saying why and how to fit one here.
     """
     top = speed.max_gamma if max_n is None else min(max_n, speed.max_gamma)
-    if calibration is None:
+    why = calibration.applies_to(conditions) if calibration is not None and conditions is not None else None
+    if calibration is None or why:
         n, s = speed.best_gamma(alpha, top)
+        note = "" if not why else (f"the calibration does not apply ({why}): no band backs llama-bench's forecast; "
+                                   f"fit one here with `{REFIT_COMMAND}` and pass --llama-cpp-calibration FILE")
         return LlamaCppPlan(n_max=n, n_min=LLAMA_CPP_N_MIN, p_min=LLAMA_CPP_P_MIN, predicted_speedup=s,
                             by_n={k: speed.speedup(alpha, k) for k in range(top + 1)}, engine=llama_cpp_engine(),
-                            best_n=n, raw_speedup=s)
+                            best_n=n, raw_speedup=s, note=note)
     lo, hi = calibration.n_range
     ns = list(range(max(lo, 1), min(hi, top) + 1))
     if not ns:
@@ -382,7 +391,8 @@ class LlamaCppForecast:
 
 
 def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
-                   max_n: int | None = None, calibration: LlamaCppCalibration | None = None) -> list[LlamaCppForecast]:
+                   max_n: int | None = None, calibration: LlamaCppCalibration | None = None,
+                   conditions: Mapping[str, Any] | None = None) -> list[LlamaCppForecast]:
     """Candidate drafts ranked by the speed-up llama.cpp is predicted to reach with each, best first
     (``specdraft rank --engine llama.cpp``).
 
@@ -397,6 +407,8 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
         max_n: the largest ``--spec-draft-n-max`` considered (default: the widest ``pp`` test of the target − 1).
         calibration: prices each plan as llama-speculative-simple measured it (:func:`llama_cpp_plan`); ``None``:
             llama-bench's pricing alone.
+        conditions: what the llama-bench results were taken under (:func:`llama_cpp_conditions`); a calibration
+            that does not apply to them prices no plan (each plan's note says why).
 
     Returns:
         one :class:`LlamaCppForecast` per draft, sorted by ``predicted_speedup``, highest first (ties keep the
@@ -409,16 +421,18 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
     missing = [name for name in alphas if name not in draft_benches]
     if missing:
         raise ValueError(f"no llama-bench results for draft {', '.join(missing)}")
+    applied = None if calibration is None or conditions is not None and calibration.applies_to(conditions) \
+        else calibration  # a forecast names the calibration only where it priced the plan
     rows = []
     for name, alpha in alphas.items():
         speed = llama_bench_speed_model(target_bench, draft_benches[name])
-        plan = llama_cpp_plan(speed, alpha, max_n, calibration)
+        plan = llama_cpp_plan(speed, alpha, max_n, calibration, conditions)
         rows.append(LlamaCppForecast(
             draft=name, alpha=alpha, n_max=plan.n_max, n_min=plan.n_min, p_min=plan.p_min, engine=plan.engine,
             predicted_speedup=plan.predicted_speedup, by_n=plan.by_n, draft_step_ms=1e3 * speed.draft_s,
             target_step_ms=1e3 * speed.target_s[0], cost_ratio_c=speed.cost_ratio, speed_model=speed,
             best_n=plan.best_n, band=plan.band, raw_speedup=plan.raw_speedup, note=plan.note,
-            calibration=calibration))
+            calibration=applied))
     return sorted(rows, key=lambda r: -r.predicted_speedup)
 
 
@@ -538,6 +552,35 @@ class LlamaCppCalibration:
         """The measured speed-up a forecast of ``speedup`` backs: ``(speedup / (1 + error), speedup / (1 − error))``."""
         return speedup / (1 + self.error), speedup / (1 - self.error) if self.error < 1 else float("inf")
 
+    def applies_to(self, conditions: Mapping[str, Any]) -> str | None:
+        """``None`` when llama-bench results taken under ``conditions`` are what this calibration was fitted to, else
+        why not, in words: its factors and its error hold for one machine, thread count, backend, target and build.
+
+        ``conditions`` (:func:`llama_cpp_conditions`): any of ``machine`` (``"x86_64 (2 cpus)"``, as
+        :func:`specdraft.io.versions` writes it), ``threads``, ``backend`` (llama-bench's ``backends``),
+        ``target_gguf`` (a file name or path), ``llama.cpp`` (the build, as the provenance spells it). The
+        calibration's side is its provenance: ``machine``, ``llama.cpp``, ``target_gguf``, the threads its ``said``
+        states, and a ``backend`` where recorded, else the CPU (the bench's build has no other). A condition unknown
+        on either side is not compared.
+        """
+        p = self.provenance
+        threads = p.get("threads")
+        if threads is None and (m := re.search(r"(\d+) threads", p.get("said") or "")):
+            threads = int(m.group(1))
+        fitted = {"machine": p.get("machine"), "threads": threads, "backend": p.get("backend", "CPU"),
+                  "target_gguf": p.get("target_gguf"), "llama.cpp": p.get("llama.cpp")}
+        said = {"machine": "on {}", "threads": "at {} threads", "backend": "on llama.cpp's {} backend",
+                "target_gguf": "for {}", "llama.cpp": "with {}"}
+        reasons = []
+        for key, want in fitted.items():
+            got = conditions.get(key)
+            if key == "target_gguf" and got is not None:
+                got = Path(str(got)).name
+            if want is None or got is None or str(got) == str(want):
+                continue
+            reasons.append(f"it was fitted {said[key].format(want)}, these timings are {said[key].format(got)}")
+        return "; ".join(reasons) or None
+
     def to_dict(self) -> dict[str, Any]:
         return {"overhead": self.overhead, "round_factor": self.round_factor, "plain_factor": self.plain_factor,
                 "n_range": list(self.n_range), "loo_errors": dict(self.loo_errors), "error": self.error,
@@ -548,6 +591,28 @@ class LlamaCppCalibration:
         """Inverse of :meth:`to_dict` (``error`` is derived, not read)."""
         return cls(d["overhead"], d["round_factor"], d["plain_factor"], tuple(d["n_range"]),  # type: ignore[arg-type]
                    dict(d["loo_errors"]), dict(d.get("provenance") or {}))
+
+
+#: How to fit a calibration of one's own: what a forecast that the packaged one does not back names.
+REFIT_COMMAND = ("python bench/llamacpp_check.py --embedded --n-max 3,8 --threads N --result FILE (or --refit "
+                 "--result FILE on a result already written)")
+
+
+def llama_cpp_conditions(target_bench: list[dict], target_gguf: str | os.PathLike | None = None,
+                         threads: int | None = None, machine: str | None = None) -> dict[str, Any]:
+    """What llama-bench results were taken under, for :meth:`LlamaCppCalibration.applies_to`: ``threads`` and
+    ``backend`` as the target's ``llama-bench -o json`` rows record them (``n_threads``, ``backends``; else the
+    ``threads`` given), ``target_gguf`` (given, else the rows' ``model_filename``) and ``machine`` (given: the
+    rows do not say which machine ran them). A value the rows disagree on is kept as their list, which matches no
+    calibration."""
+    def one(key: str) -> Any:
+        seen = list(dict.fromkeys(r[key] for r in target_bench if r.get(key) not in (None, "")))
+        return seen[0] if len(seen) == 1 else ", ".join(map(str, seen)) if seen else None
+
+    gguf = target_gguf if target_gguf is not None else one("model_filename")
+    out = {"threads": one("n_threads") if one("n_threads") is not None else threads, "backend": one("backends"),
+           "target_gguf": None if gguf is None else Path(str(gguf)).name, "machine": machine}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _fit_round(runs: list[EngineRun], speeds: Mapping[str, SpeedModel]) -> tuple[float, float]:

@@ -247,6 +247,24 @@ def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None,
     return dirs[0], dirs[1]
 
 
+def add_default_system_turn(model_dir, text: str = "be brief") -> None:
+    """Edit a saved model's chat template in place, where the directory keeps it (``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template``): a system turn of ``text`` is written before a conversation that
+    has none (the edit a template's maintainer makes; weights, vocabulary and stop ids unchanged)."""
+    import json
+    from pathlib import Path
+
+    turn = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + text
+            + "<|im_end|>\n{% endif %}")
+    jinja, config = Path(model_dir) / "chat_template.jinja", Path(model_dir) / "tokenizer_config.json"
+    if jinja.is_file():
+        jinja.write_text(turn + jinja.read_text())
+        return
+    cfg = json.loads(config.read_text())
+    cfg["chat_template"] = turn + cfg["chat_template"]
+    config.write_text(json.dumps(cfg, indent=2))
+
+
 TINY_CORPUS_WORDS = ["def", "return", "hello", "world", "value", "items", "print", "lambda", "for", "in",
                      "range", "total", "count", "index", "(", ")", ":", "=", "+", "\n", "    "]
 

@@ -246,6 +246,11 @@ def rank(
         "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (python -m specdraft.llama_cpp), else PATH.")] = None,
     threads: Annotated[int, typer.Option(
         min=1, help="--engine llama.cpp: llama.cpp threads, of llama-bench and of the printed command.")] = 2,
+    llama_cpp_calibration: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="--engine llama.cpp: a calibration of your own (the JSON bench/llamacpp_check.py "
+        "--embedded or --refit writes, or its 'calibration'), for timings the packaged one was not fitted to "
+        "(another machine, thread count, backend or target). Default: the packaged calibration, where it "
+        "applies.")] = None,
 ) -> None:
     """Rank candidate drafts by predicted speed-up, best first.
 
@@ -269,10 +274,11 @@ def rank(
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, dtype=dtype,
                         draft_quantization=draft_quantization, draft_head_tokens=draft_head_tokens)
     confirm = check_engine(engine, confirm, dict(zip(LLAMA_CPP_FLAGS, (target_gguf, draft_gguf, target_bench,
-                                                                       draft_bench, llama_cpp_bin))))
+                                                                       draft_bench, llama_cpp_bin,
+                                                                       llama_cpp_calibration))))
     llama = {"target_gguf": target_gguf, "draft_ggufs": named_paths(draft_gguf, "--draft-gguf"),
              "target_bench": target_bench, "draft_benches": named_paths(draft_bench, "--draft-bench"),
-             "llama_cpp_bin": llama_cpp_bin}
+             "llama_cpp_bin": llama_cpp_bin, "calibration": llama_cpp_calibration}
     check_out(out, overwrite=overwrite)
     chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
     source, examples = chosen.sources[0], chosen.examples

@@ -419,7 +419,8 @@ def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
     if best.band is None:  # llama-bench's pricing alone over-predicts llama.cpp: nothing measured backs a plan
         command = llama_cpp_command(str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
         console.print("no calibration prices these drafts as llama.cpp runs them (llama-bench's timings alone "
-                      "over-predict it); serve the target alone:", highlight=False)
+                      f"over-predict it){'; ' + best.note if best.note else ''}; serve the target alone:",
+                      markup=False, highlight=False)
     elif best.n_max == 0:
         console.print(f"no draft's predicted speed-up in llama.cpp lies wholly above 1x (best {escape(best.draft)} at "
                       f"n_max {best.best_n}: {best.predicted_speedup:.2f}x, band [{best.band[0]:.2f}, "
