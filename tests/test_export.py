@@ -62,10 +62,12 @@ def dtypes(path: Path) -> set[str]:
 
 
 def serve_args(command: str) -> tuple[str, dict]:
-    """``vllm serve TARGET --speculative-config JSON`` → (TARGET, the JSON)."""
+    """``python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config JSON`` → (TARGET, the JSON):
+    the server as ``make test-vllm`` starts it."""
     argv = shlex.split(command)
-    assert argv[:2] == ["vllm", "serve"] and argv[3] == "--speculative-config"
-    return argv[2], json.loads(argv[4])
+    assert argv[:4] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert argv[5] == "--speculative-config"
+    return argv[4], json.loads(argv[6])
 
 
 # ------------------------------------------------------------------------------ references
@@ -109,7 +111,7 @@ def test_convert_records_absolute_paths_and_prints_a_command_that_works_anywhere
     assert target == target_abs and spec == {"method": "draft_model", "model": str(tmp_path / "spec"),
                                              "num_speculative_tokens": 5}
     assert os.path.isabs(target) and os.path.isabs(spec["model"])
-    assert res.serve.one_path == f"vllm serve {tmp_path / 'spec'}"
+    assert res.serve.one_path == f"python -m vllm.entrypoints.openai.api_server --model {tmp_path / 'spec'}"
     assert VLLM_TESTED_VERSION in res.serve.header
     monkeypatch.chdir("/")  # the same command from elsewhere names the same directories
     assert serve_args(vllm_serve(tmp_path / "spec").command) == (target_abs, spec)
@@ -234,7 +236,7 @@ def test_cli_export_dtype_says_not_byte_identical(tmp_path, pair):
                               "--dtype", "bfloat16"])
     assert res.exit_code == 0, res.output
     assert "not byte-identical" in res.output and "tested with vLLM " + VLLM_TESTED_VERSION in res.output
-    assert f"vllm serve {tmp_path / 's'}" in res.output  # the one-path command (plugin)
+    assert f"api_server --model {tmp_path / 's'}" in res.output  # the one-path command (plugin)
     res = runner.invoke(app, ["export", "--help"])
     assert "byte-identical" in res.output and "bfloat16" in res.output
 

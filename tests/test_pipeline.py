@@ -113,7 +113,7 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert saved_rank != rank_tokens(tok, token_lists=default_head_corpus(tok))  # the answers counted
     assert report["export"]["head_tokens_file"] == str((spec / "head_tokens.json").resolve())
     md = (out / "report.md").read_text()
-    assert "before distillation" in md and "vllm serve" in md
+    assert "before distillation" in md and "vllm.entrypoints.openai.api_server --model" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "report.json").read_text())
     after = lambda r: r["eval_after"]["sets"]["held_out"]["acceptance_rate"]
@@ -184,7 +184,7 @@ def test_run_cli_on_tiny_pair(tmp_path):
             "--preset", "tiny", "--out", str(tmp_path / "run")]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "vllm serve" in r.output and (tmp_path / "run" / "report.md").is_file()
+    assert "vllm.entrypoints.openai.api_server --model" in r.output and (tmp_path / "run" / "report.md").is_file()
     r2 = CliRunner().invoke(app, args)
     assert r2.exit_code == 0 and r2.output.count("with the same inputs") == 8
     # A resumed run's report names its own time and the stages' recorded total (not a misleading "0.0 min").

@@ -450,16 +450,22 @@ def vllm_additional_config(speculator: dict[str, Any], model: str) -> dict[str, 
     return {SPECULATOR_KEY: str(model)} if conf.drafts_through_text else {}
 
 
+#: How specdraft's printed commands start vLLM's OpenAI server: as ``make test-vllm`` starts it (bench/vllm_check.py).
+VLLM_SERVER = "python -m vllm.entrypoints.openai.api_server"
+
+
 def vllm_command(target: str, speculative_config: dict[str, Any], engine: str = f"vLLM {VLLM_TESTED_VERSION}",
                  additional_config: dict[str, Any] | None = None) -> str:
-    """``vllm serve TARGET --speculative-config '{...}'``: every drafting parameter of ``speculative_config`` (γ:
+    """``python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config '{...}'`` (:data:`VLLM_SERVER`:
+    the server entry point ``make test-vllm`` starts; the pinned CPU build's ``vllm`` script cannot find its own
+    distribution): every drafting parameter of ``speculative_config`` (γ:
     ``num_speculative_tokens``, the draft, the method) given on the command line rather than left to the engine's
     defaults, which change between builds, and a shell comment naming the build it holds for (``engine``).
     ``target`` is shell-quoted by the caller; ``additional_config`` (non-empty) is added as ``--additional-config``."""
     import shlex
 
     extra = f" --additional-config {shlex.quote(json.dumps(additional_config))}" if additional_config else ""
-    return (f"vllm serve {target} --speculative-config {shlex.quote(json.dumps(speculative_config))}{extra}"
+    return (f"{VLLM_SERVER} --model {target} --speculative-config {shlex.quote(json.dumps(speculative_config))}{extra}"
             f" # for {engine}")
 
 
@@ -470,7 +476,7 @@ class VllmServe:
     Attributes:
         command: ``vllm serve TARGET --speculative-config '{...}' # for vLLM VERSION`` (:func:`vllm_command`):
             both paths absolute, γ pinned (tested with vLLM :data:`VLLM_TESTED_VERSION`).
-        one_path: ``vllm serve SPECULATOR_DIR``: works where specdraft is installed next to vLLM (its plugin
+        one_path: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``: works where specdraft is installed next to vLLM (its plugin
             reads the verifier and γ from the speculator's config.json).
         target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
         speculative_config: the JSON passed as ``--speculative-config``.
@@ -539,7 +545,7 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
                      "`specdraft export --draft DIR` (or `specdraft run`, which distils it).")
     return VllmServe(
         command=vllm_command(shlex.quote(target), spec, additional_config=extra),
-        one_path=f"vllm serve {shlex.quote(spec_dir)}",
+        one_path=f"{VLLM_SERVER} --model {shlex.quote(spec_dir)}",
         target=target, speculative_config=spec, notes=notes,
         drafting="text" if extra else "token ids", additional_config=extra,
     )

@@ -61,6 +61,13 @@ class EngineChoice:
         return asdict(self) | {"label": self.label}
 
 
+def vllm_server() -> str:
+    """vLLM's server as specdraft's printed commands start it (:data:`specdraft.export.VLLM_SERVER`)."""
+    from specdraft.export import VLLM_SERVER
+
+    return VLLM_SERVER
+
+
 def pick_fastest(speedups: dict[str, float | None]) -> str | None:
     """The draft to serve among measured ``{draft: speed-up × the target alone}``: the highest speed-up, if above 1;
     ``None`` (serve the target alone) when none is, or none was measured. Ties keep the first key."""
@@ -200,7 +207,7 @@ def engine_choices(report: dict[str, Any]) -> list[EngineChoice]:
             (f"timed in specdraft's decoder ({_configuration(run, v_best)}), not in vLLM: vLLM serves the dense "
              f"export, {how[v_best]}; `make test-vllm` checks that it loads and decodes the target's tokens"
              if v_best else "no servable draft decoded faster than the target alone in specdraft's decoder"),
-            vllm[v_best] if v_best else f"vllm serve {shlex.quote(_cfg(report)['target'])}",
+            vllm[v_best] if v_best else f"{vllm_server()} --model {shlex.quote(_cfg(report)['target'])}",
             (((report.get('export') or {}).get('as_given') or {}).get('path') if v_best == ORIGINAL
              else paths[DISTILLED]) if v_best else None, others(v_best, servable)))
     plan = (report.get("export") or {}).get("llama_cpp")
