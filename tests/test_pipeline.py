@@ -121,7 +121,10 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert after(saved) == after(report)
     # Statistics and the learning curve reach the report: the paired gain over the same 3 prompts, and
     # held-out α from step 0 to the last step.
-    assert "fixed γ 3] gain per proposed (paired) | — | " in md and "fixed γ 3] accepted, per proposed | " in md
+    # One table per section, under its title (not the title repeated in every row).
+    assert "acceptance, fixed γ 3**\n\n| measure | before distillation | after distillation |" in md
+    assert "| gain per proposed (paired) | — | " in md and "| accepted, per proposed | " in md
+    assert "fixed γ 3] " not in md
     assert "Intervals in brackets are 95% bootstrap CIs over prompts" in md
     # The page leads with the answers; every held-out set is timed (out-of-domain too) with the configuration named.
     assert md.index("**Can these two work together?** yes") < md.index("| measure |")

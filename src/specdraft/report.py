@@ -293,15 +293,18 @@ def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, 
         o, d = sp.contenders.get(ORIGINAL), sp.contenders.get(DISTILLED)
         t = sp.contenders["target"]
         hf = next(iter(sp.of_kind("hf_assisted").values()), None)
+        # A thin set's caveat is said once, in the title, not in every cell.
+        thin = 2 <= sp.prompts < MIN_PROMPTS
+        n = None if thin else sp.prompts
         rows = [
-            ("target alone, tokens/s", _tps(t, sp.prompts), "(same run)"),
-            ("speculative, tokens/s", _tps(o, sp.prompts), _tps(d, sp.prompts)),
-            ("speed-up (paired)", _speedup(o, sp.prompts), _speedup(d, sp.prompts)),
-            ("HF assisted, tokens/s", _tps(hf, sp.prompts), "—"),
-            ("vs assisted (orig.)", _over(o, hf), _over(d, hf)),
+            ("target alone, tokens/s", _tps(t, n), "(same run)"),
+            ("speculative, tokens/s", _tps(o, n), _tps(d, n)),
+            ("speed-up (paired)", _speedup(o, n), _speedup(d, n)),
+            ("HF assisted, tokens/s", _tps(hf, n), "—"),
+            ("× assisted (as given)", _over(o, hf), _over(d, hf)),
             ("output = target alone", o.matches_target or "—" if o else "—", d.matches_target or "—" if d else "—"),
         ]
-        busy = " (busy machine)" if sp.busy_machine else ""
+        busy = (" (busy machine)" if sp.busy_machine else "") + (" (rough intervals)" if thin else "")
         before = f"; before = the draft as given, mapped/{_speed_proposals(report)}" if swapped else ""
         sections.append((f"{SET_LABELS.get(name, name)} set, {sp.prompts} prompts: speed, interleaved{busy}{before}",
                          rows))
@@ -456,6 +459,11 @@ def as_given_offer(report: dict[str, Any]) -> str | None:
             f"{_fmt(after.get('acceptance_rate'))} re-indexed and distilled; llama.cpp serves only the re-indexed one.")
 
 
+#: One colour per draft (and contender) in every panel of report.png.
+COLORS = {"original": "#DD8452", "re_indexed": "#4C72B0", "distilled": "#55A868", "target": "#999999",
+          "hf_assisted": "#C44E52"}
+
+
 def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     """``report.json``, ``report.md`` and ``report.png`` (acceptance per set with intervals, α per position,
     speed with intervals, learning curve), atomically."""
@@ -474,8 +482,10 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     ax = axes[0]
     # A re-indexed draft's "before" is the swap's, so the draft as given (mapped) stands beside it: without it
     # the swap's cost would read as distillation's gain.
-    bars = ([(report["eval_before"]["sets"], "as given (mapped)", "#999")] if swap_baseline(report) else []) + [
-        (B, "re-indexed, before" if swap_baseline(report) else "before", "#4C72B0"), (A, "after", "#55A868")]
+    swapped = swap_baseline(report) is not None
+    bars = ([(report["eval_before"]["sets"], "as given (mapped)", COLORS["original"])] if swapped else []) + [
+        (B, "re-indexed, before", COLORS["re_indexed"]) if swapped else (B, "as given (before)", COLORS["original"]),
+        (A, "distilled (after)", COLORS["distilled"])]
     width = 0.8 / len(bars)
     for j, (side, label, color) in enumerate(bars):
         vals = [side[n]["acceptance_rate"] for n in names]
@@ -488,8 +498,11 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     ax.legend()
     g = len(B[names[0]]["alpha_per_position"])
     xs = list(range(1, g + 1))
-    axes[1].bar([x - 0.2 for x in xs], B[names[0]]["alpha_per_position"], 0.4, label="before")
-    axes[1].bar([x + 0.2 for x in xs], A[names[0]]["alpha_per_position"], 0.4, label="after")
+    axes[1].bar([x - 0.2 for x in xs], B[names[0]]["alpha_per_position"], 0.4,
+                label="re-indexed, before" if swapped else "as given (before)",
+                color=COLORS["re_indexed" if swapped else "original"])
+    axes[1].bar([x + 0.2 for x in xs], A[names[0]]["alpha_per_position"], 0.4, label="distilled (after)",
+                color=COLORS["distilled"])
     axes[1].set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05),
                 title=f"α per position ({SET_LABELS.get(names[0], names[0])})")
     axes[1].legend()
@@ -500,14 +513,15 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
         cis = [sp.contenders[x].tokens_per_s_ci95 or [v, v] for x, v in zip(keys, vals)]
         err = [[v - ci[0] for v, ci in zip(vals, cis)], [ci[1] - v for v, ci in zip(vals, cis)]]
         axes[k].bar(range(len(keys)), vals, yerr=err, capsize=3,
-                    color=["#999", "#4C72B0", "#55A868", "#C44E52"][: len(keys)])
+                    color=[COLORS.get(Contender.from_name(x).draft if Contender.from_name(x).kind == "speculative"
+                                      else Contender.from_name(x).kind, "#999") for x in keys])
         axes[k].set_xticks(range(len(keys)), [x.replace(":", "\n") for x in keys], fontsize=7)
         axes[k].set(ylabel="tokens/s", title=speed_panel_title(sp))
         if sp.busy_machine:  # the bars alone would read as the pair's speed
             axes[k].title.set_color("#C44E52")
         k += 1
     if curve:
-        _plot_curve(axes[k], curve, B[names[0]], A[names[0]])
+        _plot_curve(axes[k], curve, B[names[0]], A[names[0]], COLORS["re_indexed" if swapped else "original"])
     fig.tight_layout()
     with atomic_path(out / "report.png") as tmp:
         fig.savefig(tmp, format="png", dpi=100)
@@ -527,12 +541,13 @@ def speed_panel_title(sp: SpeedRun) -> str:
             + ("\nBUSY MACHINE: not the pair's speed" if sp.busy_machine else ""))
 
 
-def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str, Any]) -> None:
+def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str, Any],
+                before_color: str = COLORS["original"]) -> None:
     """Held-out teacher-forced α by step (predicted) beside the acceptance measured before and after (with its 95%
     interval): does the cheap curve foretell the measured gain?"""
     steps = [p["step"] for p in curve]
     ax.plot(steps, [p["eval_alpha"] for p in curve], marker="o", ms=3, label="validation α (teacher-forced, training prompts)")
-    for x, ev, name, color in ((0, b, "before", "#4C72B0"), (steps[-1], a, "after", "#55A868")):
+    for x, ev, name, color in ((0, b, "before", before_color), (steps[-1], a, "after", COLORS["distilled"])):
         ci = ev.get("acceptance_rate_ci95")
         err = [[ev["acceptance_rate"] - ci[0]], [ci[1] - ev["acceptance_rate"]]] if ci else None
         ax.errorbar([x], [ev["acceptance_rate"]], yerr=err, fmt="s", color=color, capsize=3,
@@ -625,7 +640,9 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                            f"draft): top-2 margin {d.margin:.4f} "
                            f"({'a bf16 near-tie, within' if d.is_numerics else 'BEYOND'} the {d.tolerance} "
                            "tolerance)" for d in divs)
-        out.append(("Is it lossless on this pair?", f"greedy outputs equal to the target alone's: {same}"
+        word = "no, a bug: a divergence beyond bf16 rounding" if any(not d.is_numerics for d in divs) else \
+            "yes, up to bf16 near-ties" if divs else "yes"
+        out.append(("Is it lossless on this pair?", f"{word} — greedy outputs equal to the target alone's: {same}"
                     + (f"; divergences: {detail}" if detail else "") + "."))
     caveat = (" It ships, but it did not decode faster here: serve it where the timings say it pays, or re-measure "
               "on the serving machine." if verdicts and all(v == "not faster" for v in verdicts) else "")
@@ -734,10 +751,10 @@ def render_markdown(r: dict[str, Any]) -> str:
                 if swap_baseline(r) is not None else ".")), ""]),
         SUMMARY_LEGEND,
         "",
-        "| measure | before distillation | after distillation |",
-        "| --- | ---: | ---: |",
-        *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in summary_rows(r)],
-        "",
+        # One table per section under its title (a merged table repeated each section's title in every row).
+        *[line for title, rows in summary_sections(r) for line in (
+            f"**{title}**", "", "| measure | before distillation | after distillation |",
+            "| --- | ---: | ---: |", *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows], "")],
         (f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
          f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters{_moved_as_saved(dist)}), loss "
          f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
