@@ -606,6 +606,10 @@ def _out_commands(tmp_path, out):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
     pair = ["--target", "target-model", "--draft", "draft-model"]
+    dump = tmp_path / "a-dump"  # a finished dump's manifest: distill reads it before the draft
+    dump.mkdir(exist_ok=True)
+    (dump / "manifest.json").write_text(json.dumps({"kind": "specdraft-teacher-dump", "tokenizer_fingerprint": "0",
+                                                    "target": {"ref": "target-model"}}))
     return {
         "eval": ["eval", *pair, "--prompts", str(prompts), "--out", str(out)],
         "rank": ["rank", "draft-model", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
@@ -614,7 +618,7 @@ def _out_commands(tmp_path, out):
         "export --format gguf": ["export", *pair, "--format", "gguf", "--out", str(out)],
         "vocab-swap": ["vocab-swap", *pair, "--out", str(out)],
         "dump": ["dump", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
-        "distill": ["distill", *pair, "--dump", str(tmp_path), "--out", str(out)],
+        "distill": ["distill", *pair, "--dump", str(dump), "--out", str(out)],
         "run": ["run", "--preset", "tiny", *pair, "--out", str(out)],
     }
 

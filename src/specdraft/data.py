@@ -233,7 +233,7 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
         if path.is_file() and path.suffix.lower() == ".jsonl":
             examples = []
             # Every line is checked here, before any model loads: a bad line 900 fails now, not after an hour.
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for i, line in enumerate(_utf8_text(path).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -265,6 +265,18 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
                             f"below {total}).")
         raise DataError(f"Prompt source {src!r} gave no examples (offset={offset}, limit={limit}).")
     return examples
+
+
+def _utf8_text(path: Path) -> str:
+    """A prompt file's text; one in another encoding (a Latin-1 or UTF-16 export) is a :class:`DataError` naming its
+    first undecodable line and byte, not a UnicodeDecodeError traceback."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save "
+                        "the file as UTF-8") from None
 
 
 def _missing_source_error(src: str, path: Path) -> DataError:

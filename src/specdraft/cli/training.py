@@ -255,9 +255,32 @@ def distill(
         on_policy_fraction=on_policy_fraction, on_policy_every=on_policy_every,
         on_policy_max_new_tokens=on_policy_max_new_tokens)
     check_out(out, overwrite=None)  # resumable: its checkpoints are continued unless --no-resume
+    _check_dump_fits(dump, draft)
     res = run_distill(target, draft, dump, out, cfg, resume=not no_resume,
                       num_speculative_tokens=speculative_tokens(gamma), keep_checkpoints=keep_checkpoints)
     print_distill(res)
+
+
+def _check_dump_fits(dump: Path, draft: str) -> None:
+    """``--dump`` holds a finished dump and ``--draft`` speaks the tokenizer it was made with, each refused with the
+    command that fixes it, before the draft loads (the library's refusal of the second names a Python argument)."""
+    from specdraft.cli.errors import fail
+    from specdraft.dump_reader import DumpError, load_manifest
+    from specdraft.models import load_tokenizer
+    from specdraft.vocab import tokenizer_fingerprint
+
+    if not dump.is_dir():
+        fail(f"--dump {dump}: no such folder; write a teacher dump there first (specdraft dump --out {dump}), or "
+             "pass --dump DIR of one")
+    try:
+        manifest = load_manifest(dump)
+    except DumpError as exc:
+        fail(f"--dump {exc}")  # its message starts with the folder
+    made_with = manifest["target"]["ref"]
+    if tokenizer_fingerprint(load_tokenizer(resolve_with_progress(draft, "--draft"))) != manifest["tokenizer_fingerprint"]:
+        fail(f"--draft {draft}: its tokenizer is not the one the dump in {dump} was made with (target {made_with}'s); "
+             f"re-index the draft into it first: specdraft vocab-swap --draft {draft} --target {made_with} --out DIR, "
+             f"then specdraft distill --draft DIR --dump {dump}")
 
 
 def vocab_swap(
