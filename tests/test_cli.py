@@ -55,7 +55,7 @@ def test_unexpected_errors_keep_their_traceback_and_never_exit_1(tmp_path, monke
 def test_data_and_model_errors_are_exit_2(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(tmp_path / "none.txt")])
-    assert r.exit_code == 2 and _error_lines(r.output) == [f"error: no such file: {tmp_path / 'none.txt'}"]
+    assert r.exit_code == 2 and _error_lines(r.output) == [f"error: --prompts {tmp_path / 'none.txt'}: no such file"]
     r = CliRunner().invoke(app, ["check", "--target", str(tmp_path / "nowhere"), "--draft", ddir])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert _error_lines(r.output) == [f"error: --target {tmp_path / 'nowhere'} does not exist"]

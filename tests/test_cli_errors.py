@@ -115,3 +115,92 @@ def test_plain_distill_without_a_dump_says_which_folder_it_looked_in_and_how_to_
     line = _one_error_line(_invoke(["distill"]))
     assert line.startswith("error: --dump runs/dump: ") and "specdraft dump --out runs/dump" in line
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------- bad input fails before the work
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading a model's weights fails the test: a refusal must come before it."""
+    import specdraft.models
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(specdraft.models, "load_model", refuse)
+
+
+def test_an_empty_prompt_is_refused_before_any_model_is_named(no_loading):
+    """`generate ""` ran for minutes and answered an empty message."""
+    line = _one_error_line(_invoke(["generate", "  ", "--target", "target-model", "--draft", "draft-model"]))
+    assert line.startswith("error: PROMPT is empty: give the user message to answer")
+
+
+def test_a_self_teacher_of_the_targets_own_tokenizer_is_refused_as_vocab_swap_refuses_it(tmp_path, no_loading):
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
+    out = tmp_path / "new" / "dump"
+    line = _one_error_line(_invoke(["dump", "--out", str(out), "--target", tdir, "--prompts", str(prompts),
+                                    "--self-teacher", ddir]))
+    assert line.startswith(f"error: --self-teacher {ddir}: the draft already speaks the target's tokenizer")
+    assert "drop --self-teacher" in line and not (tmp_path / "new").exists()
+
+
+def test_a_missing_text_file_is_refused_before_the_self_teacher_starts(tmp_path, no_loading):
+    """Before the models are even looked for (it was checked once the self-teacher had started)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
+    line = _one_error_line(_invoke(["dump", "--out", str(tmp_path / "dump"), "--prompts", str(prompts),
+                                    "--self-teacher", "no-such-draft", "--text", str(tmp_path / "nosuch.py")]))
+    assert line == f"error: --text {tmp_path / 'nosuch.py'}: no such file"
+
+
+def test_a_gguf_export_of_a_draft_of_another_tokenizer_is_refused_before_llama_cpp_is_looked_for(tmp_path,
+                                                                                                monkeypatch):
+    import specdraft.gguf_export
+
+    def no_converter(*_a, **_k):
+        raise AssertionError("llama.cpp's converter was looked for before the tokenizers were compared")
+
+    monkeypatch.setattr(specdraft.gguf_export, "find_llama_cpp", no_converter)
+    tdir, _ = save_tiny_pair(tmp_path / "models", 64)
+    other = _other_tokenizer_draft(tmp_path)
+    out = tmp_path / "new" / "draft.gguf"
+    line = _one_error_line(_invoke(["export", "--draft", other, "--target", tdir, "--format", "gguf", "--out",
+                                    str(out)]))
+    assert line.startswith(f"error: llama.cpp would refuse {other} as the draft of {tdir} (its vocabulary check: "
+                           "token 10: ")
+    assert "specdraft vocab-swap" in line and not (tmp_path / "new").exists()
+
+
+def test_run_without_vocab_swap_on_the_self_teacher_preset_says_both_ways_out(no_loading):
+    line = _one_error_line(_invoke(["run", "--no-vocab-swap"]))
+    assert line.startswith("error: --no-vocab-swap: preset default's teacher is the draft itself")
+    assert "pass --vocab-swap" in line and "--preset same-family --draft DRAFT" in line
+    assert "self_teacher" not in line and "vocab_swap" not in line  # flags, not config fields
+
+
+def test_every_missing_required_option_is_named_at_once():
+    line = _one_error_line(_invoke(["export"]))
+    assert line == ("error: Missing options '--draft' / '-d', '--target' / '-t', '--out' / '-o' (see specdraft "
+                    "export --help)")
+    line = _one_error_line(_invoke(["export", "-ofoo", "--draft=x"]))
+    assert line == "error: Missing option '--target' / '-t' (see specdraft export --help)"
+
+
+def test_a_missing_prompt_file_is_named_with_its_flag_as_typed(tmp_path):
+    line = _one_error_line(_invoke(["eval", "--prompts", "nosuch.jsonl", "--target", "t", "--draft", "d"]))
+    assert line == "error: --prompts nosuch.jsonl: no such file"
+
+
+def test_a_failed_command_leaves_no_out_folder_it_created_behind(tmp_path, no_loading):
+    """run created --out (and the folders above it), then refused the overlapping prompts: an empty folder stayed."""
+    tdir, ddir = save_tiny_pair(tmp_path / "models", 64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
+    out = tmp_path / "new" / "run"
+    r = _invoke(["run", "--preset", "tiny", "--target", tdir, "--draft", ddir, "--train-prompts", str(prompts),
+                 "--eval-prompts", str(prompts), "--ood-prompts", str(prompts), "--refuse-overlap", "--out", str(out)])
+    assert "also occur in the training prompts" in _one_error_line(r)
+    assert not (tmp_path / "new").exists()

@@ -526,8 +526,10 @@ class PipelineConfig(BaseModel):
         if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_k)):
             raise ValueError(problem)  # before the dump is made, not once distillation reads it
         if self.self_teacher is not None and not self.vocab_swap:
-            raise ValueError("self_teacher teaches a draft of another tokenizer's re-indexed copy: it needs vocab_swap "
-                             "(a draft of the target's tokenizer is distilled on the target's dump)")
+            raise ValueError(f"--no-vocab-swap: preset {self.preset}'s teacher is the draft itself (the self-teacher), "
+                             "which trains the re-indexed copy of a draft of another tokenizer; pass --vocab-swap, or "
+                             "give a draft of the target's tokenizer with a preset whose teacher is the target "
+                             "(--preset same-family --draft DRAFT)")
         if self.vocab_swap and self.eval.draft_head_tokens is not None:
             raise ValueError("--draft-head-tokens keeps the most frequent target tokens in the draft's head; with "
                              "--vocab-swap the first evaluation reads the draft through a vocabulary mapping, whose "

@@ -267,6 +267,10 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
     return examples
 
 
+class MissingSourceError(DataError):
+    """A prompt source written as a file that does not exist; a command names it with its flag as typed."""
+
+
 def _utf8_text(path: Path) -> str:
     """A prompt file's text; one in another encoding (a Latin-1 or UTF-16 export) is a :class:`DataError` naming its
     first undecodable line and byte, not a UnicodeDecodeError traceback."""
@@ -290,7 +294,7 @@ def _missing_source_error(src: str, path: Path) -> DataError:
     if path.suffix or looks_like_path(src):
         near = next((name for name in DATASETS if name == path.stem.lower()), None)
         hint = f"; for the embedded dataset, pass --prompts {near} (no suffix)" if near else ""
-        return DataError(f"no such file: {path}{hint}")
+        return MissingSourceError(f"{path}: no such file{hint}")
     return DataError(f"Unknown prompt source {src!r}. Use one of {', '.join(DATASETS)}, a .jsonl file, or a "
                      "directory written by datasets' save_to_disk.")
 

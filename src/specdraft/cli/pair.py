@@ -191,6 +191,8 @@ def generate(
     """Stream one speculative answer and print its acceptance counts."""
     from specdraft.pair import prepare_generation
 
+    if not prompt.strip():
+        fail('PROMPT is empty: give the user message to answer, e.g. specdraft generate "Reverse a string in Python."')
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                         draft_confidence_threshold=draft_confidence_threshold, mapped_proposals=mapped_proposals,

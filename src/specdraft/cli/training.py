@@ -122,6 +122,23 @@ def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, source, out:
                                 progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
 
 
+def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
+    """``dump --self-teacher``'s inputs, before the teacher starts: every --text file exists (before the models are
+    looked for), and the draft is of another tokenizer than the target's, as vocab-swap requires (the self-teacher
+    trains a re-indexed copy; a draft of the target's own tokenizer has none)."""
+    from specdraft.cli.errors import fail
+    from specdraft.vocab import CompatibilityError, refuse_same_tokenizer
+
+    if missing := next((p for p in texts if not p.is_file()), None):
+        fail(f"--text {missing}: no such file")
+    try:
+        refuse_same_tokenizer(resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--self-teacher"),
+                              f"dump the target's own distribution for it (drop --self-teacher), then distil {draft} "
+                              "on that dump")
+    except CompatibilityError as exc:
+        fail(f"--self-teacher {draft}: {exc}")
+
+
 def dump(
     ctx: typer.Context,
     out: Path = out_option(...),
@@ -187,7 +204,7 @@ def dump(
     if self_teacher is not None or token_level or text:
         if self_teacher is None:
             fail("--token-level and --text need --self-teacher DRAFT (the draft as given is their teacher)")
-        resolve_with_progress(self_teacher, "--self-teacher")
+        _check_self_teacher(target, self_teacher, text or [])
         given = {k: v for k, v in locals().items() if k in SELF_TEACHER_FLAGS}
         print_dump(_self_teacher_dump(ctx, self_teacher, target, source, out, text or [], given), out, time.time() - t0)
         return
