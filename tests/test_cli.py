@@ -114,7 +114,7 @@ def test_every_option_has_help_and_every_dtype_states_its_default_one_way():
                 explained.append(path)
     assert {"check", "dump", "eval", "generate", "rank", "vocab-swap"} <= set(explained)
     (check_help,) = [p.help for path, p in _options() if path == "check" and p.name == "dtype"]
-    assert "decode in bfloat16 by default" in check_help  # check loads float32 on CPU where eval decodes bf16
+    assert "auto by default" in check_help and "bfloat16 by default" not in check_help  # eval's, not check's
 
 
 def test_gamma_is_one_option_in_every_command_that_takes_it():

@@ -81,7 +81,7 @@ def check(
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1),
     json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
-    dtype: ModelDtype = dtype_option(HeadroomConfig),
+    dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Check that a target and a draft can work together.
@@ -133,12 +133,12 @@ def eval_cmd(
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
-    dtype: ModelDtype = dtype_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig, "eval"),
     draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
     draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
     gamma_policy: GammaPolicy = config_option(EvalConfig, "gamma_policy"),
     certify: int = config_option(EvalConfig, "certify", min=0),
-    out: Path = out_option(Path("runs/eval")),
+    out: Path = out_option(Path("runs/eval"), "eval"),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Measure speculative decoding against the target alone.
@@ -180,7 +180,7 @@ def generate(
     top_k: int = TOP_K,
     top_p: float = TOP_P,
     seed: int = seed_option(EvalConfig),
-    dtype: ModelDtype = dtype_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig, "generate"),
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
@@ -219,14 +219,14 @@ def rank(
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
-    dtype: ModelDtype = dtype_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig, "rank"),
     draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
     draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
     confirm: Annotated[bool | None, typer.Option(
         help="Then measure the top draft against the target alone (specdraft eval on the same prompts, at its "
         "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
         "command).", show_default=False)] = None,
-    out: Path = out_option(Path("runs/rank")),
+    out: Path = out_option(Path("runs/rank"), "rank"),
     overwrite: OverwriteOpt = False,
     engine: Annotated[RankEngine, typer.Option(
         help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "

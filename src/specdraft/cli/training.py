@@ -21,6 +21,7 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
+    format_option,
     out_option,
     prompts_option,
     read_prompts,
@@ -66,8 +67,8 @@ def headroom(
     min_gain: float = config_option(HeadroomConfig, "min_gain"),
     max_length: int = config_option(HeadroomConfig, "max_length"),
     batch_size: int = config_option(HeadroomConfig, "batch_size"),
-    dtype: ModelDtype = dtype_option(HeadroomConfig),
-    out: Path | None = out_option(None),
+    dtype: ModelDtype = dtype_option(HeadroomConfig, "headroom"),
+    out: Path | None = out_option(None, "headroom"),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Forecast how much acceptance distillation can add.
@@ -141,11 +142,11 @@ def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
 
 def dump(
     ctx: typer.Context,
-    out: Path = out_option(...),
+    out: Path = out_option(..., "dump"),
     target: str = target_option(),
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump keeps every "
                                   "example of its range (no stride).", strides=False),
-    format: DumpFormat = config_option(DumpConfig, "format"),
+    format: DumpFormat = format_option(DumpConfig, "dump"),
     # The field keeps its name (every dump's manifest records it as top_k); --top-k is decoding's sampling filter.
     top_k: int = config_option(DumpConfig, "top_k", "--top-logprobs", min=1),
     hidden_dtype: HiddenDtype = config_option(DumpConfig, "hidden_dtype"),
@@ -157,7 +158,7 @@ def dump(
     seed: int = seed_option(DumpConfig),
     batch_size: int = config_option(DumpConfig, "batch_size"),
     shard_size_mb: float = config_option(DumpConfig, "shard_size_mb"),
-    dtype: ModelDtype = dtype_option(DumpConfig),
+    dtype: ModelDtype = dtype_option(DumpConfig, "dump"),
     self_teacher: Annotated[str | None, typer.Option(
         "--self-teacher", metavar="DRAFT",
         help="The teacher is this draft as given, not the target: it answers the prompts greedily in its own "
@@ -223,7 +224,7 @@ def distill(
     target: str = target_option(),
     draft: str = draft_option(),
     dump: Annotated[Path, typer.Option(help="Teacher dump directory written by `specdraft dump`.")] = Path("runs/dump"),
-    out: Path = out_option(Path("runs/distill")),
+    out: Path = out_option(Path("runs/distill"), "distill"),
     loss: LossName = config_option(DistillConfig, "loss"),
     temperature: float = SERVING_TEMPERATURE,
     top_k: int = SERVING_TOP_K,
@@ -239,7 +240,7 @@ def distill(
     warmup_ratio: float = config_option(DistillConfig, "warmup_ratio"),
     scheduler: Scheduler = config_option(DistillConfig, "scheduler"),
     seed: int = seed_option(DistillConfig),
-    dtype: Literal["float32", "bfloat16"] = dtype_option(DistillConfig),
+    dtype: Literal["float32", "bfloat16"] = dtype_option(DistillConfig, "distill"),
     precision: Precision = config_option(DistillConfig, "precision"),
     train: TrainWhat = config_option(DistillConfig, "train"),
     train_last_layers: int = config_option(DistillConfig, "train_last_layers"),
@@ -302,9 +303,9 @@ def _check_dump_fits(dump: Path, draft: str) -> None:
 
 def vocab_swap(
     draft: str = draft_option(...),
-    out: Path = out_option(...),
+    out: Path = out_option(..., "vocab-swap"),
     target: str = target_option(),
-    dtype: ModelDtype = dtype_option(EvalConfig, default="float32"),
+    dtype: ModelDtype = dtype_option(EvalConfig, "vocab-swap", default="float32"),
     overwrite: OverwriteOpt = False,
     prompts: list[str] | None = prompts_option(None, "Conversations whose replies (in the target's tokenizer) are "
                                                "teacher-forced through the swapped draft for the swap diagnostic",
