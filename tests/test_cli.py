@@ -134,9 +134,11 @@ def test_gamma_is_one_option_in_every_command_that_takes_it():
 
 
 def _one_error_line(r) -> str:
-    """The whole output of a refused command: exactly one ``error:`` line, exit 2, no usage box or traceback."""
+    """The whole output of a refused command: exactly one ``error:`` line, exit 2, no usage box or traceback (after
+    the pair check and eval name first, where they got that far)."""
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
-    (line,) = r.output.splitlines()
+    (line,) = [line for line in r.output.splitlines() if not line.startswith(("specdraft check: target ",
+                                                                             "specdraft eval: target "))]
     assert line.startswith("error: "), r.output
     return line
 
@@ -723,7 +725,7 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
         # ... where a command that reads prompts first says which will run (before any model loads)
         *said, last = r.output.splitlines()
         assert r.exit_code == 2 and last.startswith("error: ") and last.endswith("no models here"), (command, r.output)
-        assert all(line.startswith("prompts: ") for line in said), (command, r.output)
+        assert all(line.startswith(("prompts: ", f"specdraft {command}: target ")) for line in said), (command, r.output)
         assert no_models, command
         no_models.clear()
     assert (done / "report.json").read_text() == "{}" and done_json.read_text() == "{}"
@@ -733,7 +735,8 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
         assert r.output.splitlines()[-1].endswith("no models here"), (command, r.output)  # past the check
     (empty := tmp_path / "empty").mkdir()
     r = CliRunner().invoke(app, _out_commands(tmp_path, empty)["eval"])
-    said, last = r.output.splitlines()
+    pair, said, last = r.output.splitlines()
+    assert pair == "specdraft eval: target target-model ← draft draft-model"
     assert said.startswith("prompts: ") and last == "error: --target target-model: no models here"
 
 

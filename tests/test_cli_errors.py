@@ -204,3 +204,35 @@ def test_a_failed_command_leaves_no_out_folder_it_created_behind(tmp_path, no_lo
                  "--eval-prompts", str(prompts), "--ood-prompts", str(prompts), "--refuse-overlap", "--out", str(out)])
     assert "also occur in the training prompts" in _one_error_line(r)
     assert not (tmp_path / "new").exists()
+
+
+# --------------------------------------------------------------------- which pair a command runs
+
+@pytest.mark.parametrize("command", ["check", "eval"])
+def test_check_and_eval_without_arguments_name_the_embedded_pair_and_runs_other_draft_first(command, monkeypatch):
+    """check and eval default to the embedded pair, run's default preset to another draft: a newcomer comparing them
+    learnt it only from the numbers. The first line says it, before any model is looked for."""
+    import specdraft.models
+    from specdraft.embedded import ModelResolutionError
+
+    def refuse(*_a, **_k):
+        raise ModelResolutionError("no models here")
+
+    monkeypatch.setattr(specdraft.models, "resolve", refuse)
+    r = _invoke([command])
+    assert r.output.splitlines()[0] == (f"specdraft {command}: target qwen2.5-coder-1.5b-instruct ← draft "
+                                        "qwen2.5-coder-0.5b-instruct (the embedded pair; `run`'s default preset uses "
+                                        "smollm2-135m-instruct)")
+    assert r.output.splitlines()[-1].endswith("no models here")
+
+
+def test_a_pair_given_is_named_without_the_embedded_note(tmp_path, monkeypatch):
+    import specdraft.models
+    from specdraft.embedded import ModelResolutionError
+
+    def refuse(*_a, **_k):
+        raise ModelResolutionError("no models here")
+
+    monkeypatch.setattr(specdraft.models, "resolve", refuse)
+    r = _invoke(["check", "--target", "t-model", "--draft", "d-model"])
+    assert r.output.splitlines()[0] == "specdraft check: target t-model ← draft d-model"

@@ -54,20 +54,35 @@ from specdraft.config import (
     RankEngine,
     SamplingConfig,
 )
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 TEMPERATURE, TOP_K, TOP_P = sampling_options(SamplingConfig)
 
 
-def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_proposals, sampling):
+def pair_line(command: str, target: str, draft: str) -> str:
+    """A pair command's first line: which pair it runs, and where that is the embedded pair while ``run``'s default
+    preset uses another draft, that it is not run's pair."""
+    line = f"specdraft {command}: target {target} ← draft {draft}"
+    if (target, draft) == (DEFAULT_TARGET, DEFAULT_DRAFT):
+        from specdraft.pipeline import preset_fields
+
+        run_draft = preset_fields("default").get("draft", DEFAULT_DRAFT)
+        line += " (the embedded pair" + (f"; `run`'s default preset uses {run_draft})" if run_draft != draft else ")")
+    return line
+
+
+def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_proposals, sampling,
+               named: bool = False):
     """:func:`specdraft.pair.load_pair` with an embedded model's cache built under a progress bar, a spinner while
-    the models load, and the pair's notes printed."""
+    the models load, and the pair's notes printed (and the pair named, unless the command's first line did)."""
     from specdraft.pair import load_pair
 
     resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("loading models…"):
         pair = load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     # eval and generate default to the embedded same-family pair, run to the preset's: each names what it runs.
-    console.print(f"pair: target {escape(target)} ← draft {escape(draft)}", highlight=False, soft_wrap=True)
+    if not named:
+        console.print(f"pair: target {escape(target)} ← draft {escape(draft)}", highlight=False, soft_wrap=True)
     print_notes(pair.notes)
     return pair
 
@@ -95,6 +110,7 @@ def check(
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
     check_out(json_out, "--json", file=True, overwrite=overwrite)
+    console.print(pair_line("check", target, draft), highlight=False, markup=False, soft_wrap=True)
 
     tpath = resolve_with_progress(target, "--target")
     dpath = resolve_with_progress(draft, "--draft")
@@ -156,9 +172,10 @@ def eval_cmd(
                         mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
     check_out(out, overwrite=overwrite)
+    console.print(pair_line("eval", target, draft), highlight=False, markup=False, soft_wrap=True)
     chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
     source, examples = chosen.sources[0], chosen.examples
-    pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
+    pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling, named=True)
     ids = encode(pair, examples)
     with decode_progress(len(ids)) as shown:
         res = run_eval(pair.target, pair.draft, pair.tokenizer, ids, [e.id for e in examples], config,
