@@ -55,7 +55,7 @@ def test_unexpected_errors_keep_their_traceback_and_never_exit_1(tmp_path, monke
 def test_data_and_model_errors_are_exit_2(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(tmp_path / "none.txt")])
-    assert r.exit_code == 2 and _error_lines(r.output) == [f"error: no such file: {tmp_path / 'none.txt'}"]
+    assert r.exit_code == 2 and _error_lines(r.output) == [f"error: --prompts {tmp_path / 'none.txt'}: no such file"]
     r = CliRunner().invoke(app, ["check", "--target", str(tmp_path / "nowhere"), "--draft", ddir])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert _error_lines(r.output) == [f"error: --target {tmp_path / 'nowhere'} does not exist"]
@@ -114,7 +114,7 @@ def test_every_option_has_help_and_every_dtype_states_its_default_one_way():
                 explained.append(path)
     assert {"check", "dump", "eval", "generate", "rank", "vocab-swap"} <= set(explained)
     (check_help,) = [p.help for path, p in _options() if path == "check" and p.name == "dtype"]
-    assert "decode in bfloat16 by default" in check_help  # check loads float32 on CPU where eval decodes bf16
+    assert "auto by default" in check_help and "bfloat16 by default" not in check_help  # eval's, not check's
 
 
 def test_gamma_is_one_option_in_every_command_that_takes_it():
@@ -134,9 +134,11 @@ def test_gamma_is_one_option_in_every_command_that_takes_it():
 
 
 def _one_error_line(r) -> str:
-    """The whole output of a refused command: exactly one ``error:`` line, exit 2, no usage box or traceback."""
+    """The whole output of a refused command: exactly one ``error:`` line, exit 2, no usage box or traceback (after
+    the pair check and eval name first, where they got that far)."""
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
-    (line,) = r.output.splitlines()
+    (line,) = [line for line in r.output.splitlines() if not line.startswith(("specdraft check: target ",
+                                                                             "specdraft eval: target "))]
     assert line.startswith("error: "), r.output
     return line
 
@@ -606,6 +608,10 @@ def _out_commands(tmp_path, out):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b"}) + "\n")
     pair = ["--target", "target-model", "--draft", "draft-model"]
+    dump = tmp_path / "a-dump"  # a finished dump's manifest: distill reads it before the draft
+    dump.mkdir(exist_ok=True)
+    (dump / "manifest.json").write_text(json.dumps({"kind": "specdraft-teacher-dump", "tokenizer_fingerprint": "0",
+                                                    "target": {"ref": "target-model"}}))
     return {
         "eval": ["eval", *pair, "--prompts", str(prompts), "--out", str(out)],
         "rank": ["rank", "draft-model", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
@@ -614,7 +620,7 @@ def _out_commands(tmp_path, out):
         "export --format gguf": ["export", *pair, "--format", "gguf", "--out", str(out)],
         "vocab-swap": ["vocab-swap", *pair, "--out", str(out)],
         "dump": ["dump", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
-        "distill": ["distill", *pair, "--dump", str(tmp_path), "--out", str(out)],
+        "distill": ["distill", *pair, "--dump", str(dump), "--out", str(out)],
         "run": ["run", "--preset", "tiny", *pair, "--out", str(out)],
     }
 
@@ -719,7 +725,7 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
         # ... where a command that reads prompts first says which will run (before any model loads)
         *said, last = r.output.splitlines()
         assert r.exit_code == 2 and last.startswith("error: ") and last.endswith("no models here"), (command, r.output)
-        assert all(line.startswith("prompts: ") for line in said), (command, r.output)
+        assert all(line.startswith(("prompts: ", f"specdraft {command}: target ")) for line in said), (command, r.output)
         assert no_models, command
         no_models.clear()
     assert (done / "report.json").read_text() == "{}" and done_json.read_text() == "{}"
@@ -729,7 +735,8 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
         assert r.output.splitlines()[-1].endswith("no models here"), (command, r.output)  # past the check
     (empty := tmp_path / "empty").mkdir()
     r = CliRunner().invoke(app, _out_commands(tmp_path, empty)["eval"])
-    said, last = r.output.splitlines()
+    pair, said, last = r.output.splitlines()
+    assert pair == "specdraft eval: target target-model ← draft draft-model"
     assert said.startswith("prompts: ") and last == "error: --target target-model: no models here"
 
 

@@ -71,7 +71,7 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,
                  "distill": DistillConfig, "headroom": HeadroomConfig, "export": ExportConfig}
     sampling_of = config_of | {"eval": SamplingConfig, "generate": SamplingConfig, "rank": SamplingConfig}
-    for name in ("seed", "temperature", "top_k", "top_p", "dtype"):
+    for name in ("seed", "temperature", "top_k", "top_p"):
         for path, p in _params(name).items():
             cfg = (sampling_of if name in ("temperature", "top_k", "top_p") else config_of).get(path)
             if cfg is None:
@@ -83,9 +83,10 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
     assert set(_params("out")) >= {"eval", "rank", "dump", "distill", "run", "headroom", "export", "vocab-swap"}
 
 
-#: Owned by the prompt loader: every --prompts help is ``what: SYNTAX, name = SOURCES`` plus the command's note
-#: (specdraft.cli.options.prompts_option), the one flag whose wording is per command by design.
-PER_COMMAND_WORDING = {"--prompts"}
+#: Worded per command by design: every --prompts help is ``what: SYNTAX, name = SOURCES`` plus the command's note
+#: (specdraft.cli.options.prompts_option); --dtype, --format, --out, --target and --draft say what this command does
+#: with them and its own default (test_each_commands_help_speaks_only_of_that_command).
+PER_COMMAND_WORDING = {"--prompts", "--dtype", "--format", "--out", "--target", "--draft"}
 
 
 def test_a_flag_spelled_the_same_in_two_commands_has_one_help_and_a_default_its_help_states():
@@ -207,3 +208,31 @@ def test_every_flag_an_example_in_docs_cli_md_uses_is_one_its_commands_help_list
                 assert word.split("=", 1)[0] in flags, (line, word)
                 checked += 1
     assert checked > 20
+
+
+def test_each_commands_help_speaks_only_of_that_command():
+    """export's --dtype help opened with an `auto` it rejects and listed every command's default, its --format help
+    described dump's formats, and a required --draft said both "Default: …" and "[required]"."""
+    from specdraft.config import DTYPE_BY_COMMAND
+
+    commands = set(DTYPE_BY_COMMAND)
+    for path, p in _params("dtype").items():
+        others = {c for c in commands - {path} if re.search(rf"\b{re.escape(c)}\b", p.help.replace(path, ""))}
+        assert not others, (path, others, p.help)
+        offered = "auto" in (getattr(p.type_descriptor, "choices", None) or ())
+        assert bool(re.search(r"\bauto\b", p.help)) == offered, (path, p.help)
+    export_dtype = _params("dtype")["export"].help
+    assert export_dtype.startswith("Weights dtype. Export's keep (the default) writes the draft's tensors")
+    formats = _params("format")
+    assert set(formats) == {"dump", "export"}
+    assert formats["export"].help.startswith("What export writes: speculator") and "topk" not in formats["export"].help
+    assert formats["dump"].help.startswith("What dump writes: hidden") and "gguf" not in formats["dump"].help
+    for name in ("target", "draft", "out"):
+        for path, p in _params(name).items():
+            assert not (p.required and "Default" in p.help), (path, name, p.help)
+            if name == "out":
+                assert p.help.startswith(f"Where {path} writes "), (path, p.help)
+                assert "runs/COMMAND" not in p.help and "need it" not in p.help, (path, p.help)
+    assert _params("draft")["eval"].help.endswith("Default: qwen2.5-coder-0.5b-instruct (the embedded pair's draft).")
+    assert _params("draft")["run"].help.endswith("Default: the preset's.")
+    assert "the preset's" not in _params("target")["check"].help and "export needs" not in _params("draft")["eval"].help

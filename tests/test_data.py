@@ -204,9 +204,9 @@ def test_every_malformed_line_is_a_data_error_naming_file_and_line(tmp_path, lin
 
 
 def test_a_missing_source_is_named_as_what_it_is(tmp_path):
-    with pytest.raises(DataError, match=r"^no such file: nope.jsonl$"):
+    with pytest.raises(DataError, match=r"^nope.jsonl: no such file$"):
         load_examples("nope.jsonl")
-    with pytest.raises(DataError, match=r"no such file: humaneval.jsonl; for the embedded dataset, pass --prompts "
+    with pytest.raises(DataError, match=r"humaneval.jsonl: no such file; for the embedded dataset, pass --prompts "
                                         "humaneval"):
         load_examples("humaneval.jsonl")
     (tmp_path / "notes.txt").write_text("x")

@@ -306,7 +306,7 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
     tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=2)
     train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
     route = {"loss": "soft_ce", "head_support": 16, "on_policy_fraction": 0.0, "lr": 1e-3}
-    with pytest.raises(pydantic.ValidationError, match="needs vocab_swap"):
+    with pytest.raises(pydantic.ValidationError, match="pass --vocab-swap"):
         make_config("tiny", target=str(tdir), draft=str(ddir), self_teacher={"generate": 6}, distill=route)
     cfg = make_config("tiny", target=str(tdir), draft=str(ddir), vocab_swap=True, speed_prompts=0,
                       self_teacher={"generate": 6, "max_length": 64, "dtype": "float32"}, distill=route)

@@ -73,14 +73,23 @@ AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 # that name, so ``--dtype`` or ``--seed`` reads the same in every command's help. Where a default differs between
 # commands, the wording says which command defaults to what, and why.
 
-#: ``--dtype``: the weights' dtype, of the models a command runs, trains or writes.
-DTYPE_HELP = (f"Weights dtype ({AUTO_DTYPE}). The default follows what the command does with the weights: eval, "
-              "generate and rank decode in bfloat16 by default (what a draft is served in, so the speed measured is "
-              "the one served); check, headroom and dump read probabilities in auto (full precision on CPU); distill trains "
-              "the draft in float32 (bfloat16 weights lose small updates; --precision bf16-autocast runs the forward "
-              "in bfloat16 instead) and vocab-swap writes float32 rows for it to train; export's keep writes the "
-              "draft's tensors byte-identical (bfloat16 is what vLLM serves; a cast is the one case where the "
-              "weights are not byte-identical to the draft's).")
+#: ``--dtype``'s default in each command, and why: each command's help says its own (:mod:`specdraft.cli.options`).
+DTYPE_BY_COMMAND = {
+    "eval": "eval decodes in bfloat16 by default (what a draft is served in, so the speed measured is the one served)",
+    "generate": "generate decodes in bfloat16 by default (what a draft is served in)",
+    "rank": "rank decodes in bfloat16 by default (what a draft is served in, so the speed predicted is the one served)",
+    "check": "check reads both models in auto by default (full precision on CPU)",
+    "headroom": "headroom reads probabilities in auto by default (full precision on CPU)",
+    "dump": "dump reads the target's probabilities in auto by default (full precision on CPU)",
+    "distill": "distill trains the draft in float32 by default (bfloat16 weights lose small updates; --precision "
+               "bf16-autocast runs the forward in bfloat16 instead)",
+    "vocab-swap": "vocab-swap writes float32 rows by default (the swapped draft is trained next)",
+    "export": "export's keep (the default) writes the draft's tensors byte-identical; a cast (bfloat16 is what vLLM "
+              "serves) is the one case where the weights are not byte-identical to the draft's",
+}
+#: ``--dtype``: the weights' dtype, of the models a command runs, trains or writes (every command's default).
+DTYPE_HELP = (f"Weights dtype ({AUTO_DTYPE}). The default follows what the command does with the weights: "
+              + "; ".join(DTYPE_BY_COMMAND.values()) + ".")
 #: ``--seed``: default 0 everywhere; what it seeds is the command's.
 SEED_HELP = ("Random seed; a rerun with the same seed repeats. eval and generate sample prompt k with seed + k for "
              "every contender (under adaptive γ a sampled answer also follows the pair's speed model: it repeats "
@@ -104,10 +113,13 @@ GENERATE_HELP = ("The target answers each prompt itself with up to N tokens and 
                  "(what decoding verifies; headroom's are greedy). Default: the examples' own replies, "
                  "teacher-forced.")
 #: ``--format``: the form of what the command writes.
-FORMAT_HELP = ("The form of what the command writes. dump: hidden (default; the final hidden states after the "
-               "final norm, exact) or topk (the top-k log-probs and the leftover mass). export: speculator "
-               "(default; a directory vLLM serves) or gguf (one GGUF file llama.cpp loads with -md beside the "
-               "target's GGUF, written by llama.cpp's own converter; the pair is checked as llama.cpp checks it).")
+FORMAT_BY_COMMAND = {
+    "dump": "hidden (default; the final hidden states after the final norm, exact) or topk (the top-k log-probs and "
+            "the leftover mass)",
+    "export": "speculator (default; a directory vLLM serves) or gguf (one GGUF file llama.cpp loads with -md beside "
+              "the target's GGUF, written by llama.cpp's own converter; the pair is checked as llama.cpp checks it)",
+}
+FORMAT_HELP = "The form of what the command writes. " + " ".join(f"{c}: {w}." for c, w in FORMAT_BY_COMMAND.items())
 
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
@@ -527,8 +539,10 @@ class PipelineConfig(BaseModel):
         if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_k)):
             raise ValueError(problem)  # before the dump is made, not once distillation reads it
         if self.self_teacher is not None and not self.vocab_swap:
-            raise ValueError("self_teacher teaches a draft of another tokenizer's re-indexed copy: it needs vocab_swap "
-                             "(a draft of the target's tokenizer is distilled on the target's dump)")
+            raise ValueError(f"--no-vocab-swap: preset {self.preset}'s teacher is the draft itself (the self-teacher), "
+                             "which trains the re-indexed copy of a draft of another tokenizer; pass --vocab-swap, or "
+                             "give a draft of the target's tokenizer with a preset whose teacher is the target "
+                             "(--preset same-family --draft DRAFT)")
         if self.vocab_swap and self.eval.draft_head_tokens is not None:
             raise ValueError("--draft-head-tokens keeps the most frequent target tokens in the draft's head; with "
                              "--vocab-swap the first evaluation reads the draft through a vocabulary mapping, whose "

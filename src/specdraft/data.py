@@ -233,7 +233,7 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
         if path.is_file() and path.suffix.lower() == ".jsonl":
             examples = []
             # Every line is checked here, before any model loads: a bad line 900 fails now, not after an hour.
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for i, line in enumerate(_utf8_text(path).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -267,6 +267,22 @@ def load_examples(source: str | Path, limit: int | None = None, offset: int = 0)
     return examples
 
 
+class MissingSourceError(DataError):
+    """A prompt source written as a file that does not exist; a command names it with its flag as typed."""
+
+
+def _utf8_text(path: Path) -> str:
+    """A prompt file's text; one in another encoding (a Latin-1 or UTF-16 export) is a :class:`DataError` naming its
+    first undecodable line and byte, not a UnicodeDecodeError traceback."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save "
+                        "the file as UTF-8") from None
+
+
 def _missing_source_error(src: str, path: Path) -> DataError:
     """What a source that is neither an embedded name nor a readable file or saved dataset is: a missing file, a
     file of another kind, a directory without a dataset, or an unknown name (each said as such)."""
@@ -278,7 +294,7 @@ def _missing_source_error(src: str, path: Path) -> DataError:
     if path.suffix or looks_like_path(src):
         near = next((name for name in DATASETS if name == path.stem.lower()), None)
         hint = f"; for the embedded dataset, pass --prompts {near} (no suffix)" if near else ""
-        return DataError(f"no such file: {path}{hint}")
+        return MissingSourceError(f"{path}: no such file{hint}")
     return DataError(f"Unknown prompt source {src!r}. Use one of {', '.join(DATASETS)}, a .jsonl file, or a "
                      "directory written by datasets' save_to_disk.")
 

@@ -536,6 +536,23 @@ def refusal(reasons: list[str], draft_ref: str, target_ref: str) -> GgufExportEr
         "(specdraft vocab-swap) carries it.")
 
 
+def hf_vocab_mismatches(draft, target) -> list[str]:
+    """The part of llama.cpp's vocabulary check (:func:`llama_cpp_mismatches`) the HF tokenizers already answer: a
+    token's text from :data:`SPEC_VOCAB_CHECK_START` on that differs (the converter writes each token's text as the
+    tokenizer has it, so it differs in the GGUFs too). Empty when they agree there; the rest (vocab types, BOS/EOS
+    flags, sizes with padding) waits for the converter's GGUFs."""
+    from specdraft.vocab import load_tokenizer_view
+
+    d, t = load_tokenizer_view(draft, None, "draft"), load_tokenizer_view(target, None, "target")
+    m = min(d.real, t.real)
+    for i in range(SPEC_VOCAB_CHECK_START, m):
+        if d.tokens[i] != t.tokens[i]:
+            n_diff = sum(a != b for a, b in zip(d.tokens[i:m], t.tokens[i:m]))
+            return [(f"token {i}: draft {d.tokens[i]!r}, target {t.tokens[i]!r} ({n_diff} ids of "
+                     f"{SPEC_VOCAB_CHECK_START}..{m - 1} differ)")]
+    return []
+
+
 def check_pair(draft: GgufVocab, target: GgufVocab, draft_ref: str, target_ref: str) -> str:
     """:func:`llama_cpp_mismatches`, raised; returns the one-line verdict of an accepted pair.
 
@@ -662,6 +679,11 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
                               "target's).")
     target_gguf = target_gguf_path(str(verifier))
     target_dir = None if target_gguf is not None else Path(resolve(verifier)).absolute()
+    # Refused before the converter is found or fetched where the HF tokenizers already tell (a target given as a
+    # GGUF file has none: the converter's check alone judges it).
+    hf_target = target_dir if target_dir is not None else None if Path(verifier).expanduser().is_file() else verifier
+    if hf_target is not None and (reasons := hf_vocab_mismatches(draft_dir, hf_target)):
+        raise refusal(reasons, str(draft), str(verifier))
     llama = find_llama_cpp(llama_cpp, progress=say)
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specdraft import data
-from specdraft.data import DataError, Example
+from specdraft.data import DataError, Example, MissingSourceError
 
 #: How every prompt spec is written.
 SPEC_GRAMMAR = "name[:offset[:limit[:stride]]]"
@@ -263,6 +263,8 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
         except DataError as exc:
             if str(exc).startswith("Unknown prompt source"):  # a file's error names its path and line already
                 raise DataError(f"{flag} {spec!r}: {exc}") from exc
+            if isinstance(exc, MissingSourceError):  # `--prompts nosuch.jsonl: no such file`
+                raise DataError(f"{flag} {exc}") from None
             raise
         repeats = 0
         if unique:

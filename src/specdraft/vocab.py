@@ -799,6 +799,18 @@ def swapped_draft_twins(draft_path, target_path) -> list[bool] | None:
                                "cannot be found: the swap diagnostic needs its tokenizer")
 
 
+def refuse_same_tokenizer(target, draft, instead: str) -> None:
+    """Refuse a draft that already speaks the target's tokenizer where only one of another has a use (a vocabulary
+    swap, a self-teacher dump): read from the tokenizers alone, before any weights load.
+
+    Raises:
+        CompatibilityError: identical ids; the message ends with ``instead`` (what to do with such a draft).
+    """
+    if not any(vocab_differences(load_tokenizer_view(target, None, "target"), load_tokenizer_view(draft, None, "draft"))):
+        raise CompatibilityError(f"the draft already speaks the target's tokenizer (identical ids); nothing to swap: "
+                                 f"{instead}")
+
+
 def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
                     min_coverage: float = MIN_COVERAGE, overwrite: bool = False, examples=None,
                     max_length: int = 1024) -> VocabSwapReport:
@@ -843,9 +855,7 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     tpath, dpath = resolve(target), resolve(draft)
-    if not any(vocab_differences(load_tokenizer_view(tpath, None, "target"), load_tokenizer_view(dpath, None, "draft"))):
-        raise CompatibilityError("the draft already speaks the target's tokenizer (identical ids); nothing to swap: use "
-                         f"{draft} as the draft directly")
+    refuse_same_tokenizer(tpath, dpath, f"use {draft} as the draft directly")
     t_cfg = AutoConfig.from_pretrained(tpath)
     width = getattr(t_cfg.get_text_config(), "vocab_size", None)
     model, report = vocab_swap(dpath, None, tpath, width=width, min_coverage=min_coverage, dtype=dtype)

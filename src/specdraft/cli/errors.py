@@ -23,17 +23,18 @@ err_console = Console(stderr=True)
 
 #: Errors a user causes and can fix: bad flags, missing files, a model / tokenizer / dump that does not fit, a
 #: prompt longer than a model's window. ``(module, class)`` pairs, resolved only among modules already imported
-#: (an error of a module never imported cannot have been raised), so this list costs no import.
+#: (an error of a module never imported cannot have been raised), so this list costs no import: a specdraft class
+#: is named under the module that defines it (a module that re-exports it may not be imported when it is raised).
 EXPECTED_ERRORS: tuple[tuple[str, str], ...] = (
     ("specdraft.data", "DataError"),
-    ("specdraft.models", "ModelResolutionError"),
+    ("specdraft.embedded", "ModelResolutionError"),
     ("specdraft.vocab", "CompatibilityError"),
     ("specdraft.speculator", "SpeculatorError"),
-    ("specdraft.decode", "DecodeError"),
+    ("specdraft.drafters", "DecodeError"),
     ("specdraft.sampling", "TokenWidthError"),
     ("specdraft.sampling", "ContextWindowError"),
-    ("specdraft.dump", "DumpError"),
-    ("specdraft.distill", "DistillError"),
+    ("specdraft.dump_reader", "DumpError"),
+    ("specdraft.distill_data", "DistillError"),
     ("specdraft.pipeline", "PipelineError"),
     ("specdraft.rank", "RankError"),
     ("pydantic", "ValidationError"),
@@ -169,6 +170,22 @@ def fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+#: The topmost folder or file each ``--out`` of the running command would create (:func:`check_out`): what a failed
+#: command leaves of them without a file inside is removed (:func:`remove_new_empty_outputs`).
+NEW_OUTPUTS: list[Path] = []
+
+
+def remove_new_empty_outputs() -> None:
+    """After a failed command: remove each output folder it created that holds no file (a resumable command's
+    unfinished work, files, is kept for its rerun)."""
+    import shutil
+
+    for top in NEW_OUTPUTS:
+        if top.is_dir() and not any(p.is_file() for p in top.rglob("*")):
+            shutil.rmtree(top, ignore_errors=True)
+    NEW_OUTPUTS.clear()
+
+
 def check_out(path: Path | None, flag: str = "--out", *, file: bool = False, overwrite: bool | None = False) -> None:
     """The one rule for where a command writes, applied before any model loads (after its flags and prompt files
     are read): a place that cannot be written is one ``error:`` line (exit 2) now, not a traceback after the work.
@@ -191,6 +208,8 @@ def check_out(path: Path | None, flag: str = "--out", *, file: bool = False, ove
         return
     here = path.expanduser().absolute()
     above = next(p for p in here.parents if p.exists())  # the root exists
+    if not here.exists():
+        NEW_OUTPUTS.append(next((p for p in reversed(here.parents) if not p.exists()), here))
     if not above.is_dir():
         fail(f"{flag} {path}: {above} is a file, not a folder")
     if file and here.is_dir():
@@ -210,9 +229,28 @@ def check_out(path: Path | None, flag: str = "--out", *, file: bool = False, ove
         fail(f"{flag} {path} {what}; pass --overwrite to replace it, or choose another {flag}")
 
 
+def _typed(param, args: list[str]) -> bool:
+    """Whether ``args`` give ``param`` (``--out x``, ``--out=x``, ``-o x``, ``-ox``); an argument counts as given."""
+    if getattr(param, "param_type_name", "") == "argument":
+        return True
+    return any(a == o or a.startswith(o + "=") or (len(o) == 2 and a.startswith(o) and not a.startswith("--"))
+               for a in args for o in param.opts)
+
+
 class _Command(typer.core.TyperCommand):
     """A command whose usage line names its arguments as click does (``PROMPT``, ``DRAFTS...``), not typer's
     ``{prompt}``."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        given = list(args)  # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, args)
+        except _click_errors.MissingParameter as exc:
+            missing = [p for p in self.get_params(ctx) if p.required and not _typed(p, given)]
+            if len(missing) < 2:
+                raise
+            names = ", ".join(" / ".join(f"'{o}'" for o in p.opts) for p in missing)
+            raise _click_errors.UsageError(f"Missing options {names}", ctx) from exc
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -251,6 +289,15 @@ class _Group(typer.core.TyperGroup):
             fail(usage_error_message(exc, list(args)))
 
     def invoke(self, ctx):
+        NEW_OUTPUTS.clear()
+        try:
+            return self._invoke(ctx)
+        except BaseException as exc:
+            if getattr(exc, "exit_code", getattr(exc, "code", 1)) not in (0, None):
+                remove_new_empty_outputs()
+            raise
+
+    def _invoke(self, ctx):
         args = [*ctx._protected_args, *ctx.args]  # the command line after `specdraft`: the flags as typed
         try:
             return super().invoke(ctx)

@@ -11,13 +11,15 @@ Nothing here imports torch: ``--help`` stays instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import typer
 from pydantic import BaseModel
 
 from specdraft.config import (
     AUTO_DTYPE,
+    DTYPE_BY_COMMAND,
+    FORMAT_BY_COMMAND,
     MAX_SPECULATIVE_TOKENS,
     EvalConfig,
     ExportConfig,
@@ -53,13 +55,21 @@ def config_option(config: type[BaseModel], name: str, *flags: str, default: Any 
     if default is _FIELD_DEFAULT:
         default = config.model_fields[name].get_default(call_default_factory=True)
     flags = flags or ("--" + name.replace("_", "-"),)
-    return typer.Option(default, *flags, help=field_help(config, name), **kwargs)
+    kwargs.setdefault("help", field_help(config, name))
+    return typer.Option(default, *flags, **kwargs)
 
 
-def dtype_option(config: type[BaseModel], default: Any = _FIELD_DEFAULT):
-    """``--dtype`` of a command whose weights ``config`` describes: one wording in every command
-    (:data:`specdraft.config.DTYPE_HELP`), the default the command's."""
-    return config_option(config, "dtype", "--dtype", default=default)
+def dtype_option(config: type[BaseModel], command: str, default: Any = _FIELD_DEFAULT):
+    """``--dtype`` of ``command``, whose weights ``config`` describes: what auto means where the command offers it,
+    and the command's own default and why (:data:`specdraft.config.DTYPE_BY_COMMAND`), never another command's."""
+    auto = f" ({AUTO_DTYPE})" if "auto" in get_args(config.model_fields["dtype"].annotation) else ""
+    return config_option(config, "dtype", "--dtype", default=default,
+                         help=f"Weights dtype{auto}. {DTYPE_BY_COMMAND[command][0].upper()}{DTYPE_BY_COMMAND[command][1:]}.")
+
+
+def format_option(config: type[BaseModel], command: str):
+    """``--format`` of ``command`` (dump, export): the forms it writes (:data:`specdraft.config.FORMAT_BY_COMMAND`)."""
+    return config_option(config, "format", help=f"What {command} writes: {FORMAT_BY_COMMAND[command]}.")
 
 
 def seed_option(config: type[BaseModel]):
@@ -91,27 +101,37 @@ KeepCheckpointsOpt = Annotated[bool, typer.Option(
     "--keep-checkpoints", help="Keep the Trainer checkpoints once the distillation has finished (removed by default: "
     "each is several times the draft's size, and a finished training is not resumed).")]
 
-#: The default every ``--target`` / ``--draft`` states, in one wording.
-_MODEL_DEFAULT = (f" Default: the embedded pair's (target {DEFAULT_TARGET}, draft {DEFAULT_DRAFT}); run: the preset's; export needs "
-                  "both, vocab-swap its draft.")
+def _model_default(role: str, default: str | None) -> str:
+    """What a ``--target`` / ``--draft`` of this ``default`` falls back to: the embedded model, the preset's, or
+    nothing where it is required (typer says ``[required]``)."""
+    if default is None:
+        return " Default: the preset's."
+    return "" if default is ... else f" Default: {default} (the embedded pair's {role})."
 
 
 def target_option(default: str | None = DEFAULT_TARGET):
     """``--target`` / ``-t``: required when ``default`` is ``...``; ``None`` means the preset's."""
-    return typer.Option(default, "--target", "-t", help=field_help(PipelineConfig, "target") + _MODEL_DEFAULT,
-                        show_default=False)
+    return typer.Option(default, "--target", "-t", show_default=False,
+                        help=field_help(PipelineConfig, "target") + _model_default("target", default))
 
 
 def draft_option(default: str | None = DEFAULT_DRAFT):
     """``--draft`` / ``-d``: required when ``default`` is ``...``; ``None`` means the preset's."""
-    return typer.Option(default, "--draft", "-d", help=field_help(PipelineConfig, "draft") + _MODEL_DEFAULT,
-                        show_default=False)
+    return typer.Option(default, "--draft", "-d", show_default=False,
+                        help=field_help(PipelineConfig, "draft") + _model_default("draft", default))
 
 
-#: ``--out``'s one wording: what a command writes there is in its description.
-OUT_HELP = ("Where the command writes (its description says what), checked before any model loads. Default: "
-            "runs/COMMAND for eval, rank and distill, runs/default for run; headroom writes a file only when given "
-            "one; dump, export and vocab-swap need it.")
+#: What each command writes into ``--out``.
+OUT_WHAT = {
+    "eval": "report.json and the plots",
+    "rank": "rank.json (and the confirmation's report)",
+    "headroom": "the forecast, as a JSON file (nothing is written without one)",
+    "dump": "the teacher dump: shards and a manifest (an unfinished or finished dump of the same plan is resumed)",
+    "distill": "checkpoints/, speculator/ and training.json (an interrupted training is resumed)",
+    "export": "the speculator directory (--format gguf: the .gguf file)",
+    "vocab-swap": "the re-indexed draft, a plain HF checkpoint",
+    "run": "every stage's results, the run directory (a rerun resumes it)",
+}
 
 
 #: ``--json``'s one wording (check writes a file, models prints).
@@ -119,9 +139,10 @@ JSON_HELP = ("The report as JSON, for scripts: check writes it to the file given
              "models prints it instead of the table.")
 
 
-def out_option(default: Path | None):
-    """``--out`` / ``-o``: required when ``default`` is ``...``."""
-    return typer.Option(default, "--out", "-o", help=OUT_HELP)
+def out_option(default: Path | None, command: str):
+    """``--out`` / ``-o`` of ``command`` (:data:`OUT_WHAT`): required when ``default`` is ``...``."""
+    return typer.Option(default, "--out", "-o", help=f"Where {command} writes {OUT_WHAT[command]}; checked before any "
+                        "model loads.")
 
 
 def prompts_option(default: str | list[str] | None, what: str, note: str = "", flag: str = "--prompts",

@@ -54,20 +54,35 @@ from specdraft.config import (
     RankEngine,
     SamplingConfig,
 )
+from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 TEMPERATURE, TOP_K, TOP_P = sampling_options(SamplingConfig)
 
 
-def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_proposals, sampling):
+def pair_line(command: str, target: str, draft: str) -> str:
+    """A pair command's first line: which pair it runs, and where that is the embedded pair while ``run``'s default
+    preset uses another draft, that it is not run's pair."""
+    line = f"specdraft {command}: target {target} ← draft {draft}"
+    if (target, draft) == (DEFAULT_TARGET, DEFAULT_DRAFT):
+        from specdraft.pipeline import preset_fields
+
+        run_draft = preset_fields("default").get("draft", DEFAULT_DRAFT)
+        line += " (the embedded pair" + (f"; `run`'s default preset uses {run_draft})" if run_draft != draft else ")")
+    return line
+
+
+def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_proposals, sampling,
+               named: bool = False):
     """:func:`specdraft.pair.load_pair` with an embedded model's cache built under a progress bar, a spinner while
-    the models load, and the pair's notes printed."""
+    the models load, and the pair's notes printed (and the pair named, unless the command's first line did)."""
     from specdraft.pair import load_pair
 
     resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("loading models…"):
         pair = load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
     # eval and generate default to the embedded same-family pair, run to the preset's: each names what it runs.
-    console.print(f"pair: target {escape(target)} ← draft {escape(draft)}", highlight=False, soft_wrap=True)
+    if not named:
+        console.print(f"pair: target {escape(target)} ← draft {escape(draft)}", highlight=False, soft_wrap=True)
     print_notes(pair.notes)
     return pair
 
@@ -81,7 +96,7 @@ def check(
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1),
     json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
-    dtype: ModelDtype = dtype_option(HeadroomConfig),
+    dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Check that a target and a draft can work together.
@@ -95,6 +110,7 @@ def check(
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
     check_out(json_out, "--json", file=True, overwrite=overwrite)
+    console.print(pair_line("check", target, draft), highlight=False, markup=False, soft_wrap=True)
 
     tpath = resolve_with_progress(target, "--target")
     dpath = resolve_with_progress(draft, "--draft")
@@ -133,12 +149,12 @@ def eval_cmd(
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
-    dtype: ModelDtype = dtype_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig, "eval"),
     draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
     draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
     gamma_policy: GammaPolicy = config_option(EvalConfig, "gamma_policy"),
     certify: int = config_option(EvalConfig, "certify", min=0),
-    out: Path = out_option(Path("runs/eval")),
+    out: Path = out_option(Path("runs/eval"), "eval"),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Measure speculative decoding against the target alone.
@@ -156,9 +172,10 @@ def eval_cmd(
                         mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
     check_out(out, overwrite=overwrite)
+    console.print(pair_line("eval", target, draft), highlight=False, markup=False, soft_wrap=True)
     chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
     source, examples = chosen.sources[0], chosen.examples
-    pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling)
+    pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling, named=True)
     ids = encode(pair, examples)
     with decode_progress(len(ids)) as shown:
         res = run_eval(pair.target, pair.draft, pair.tokenizer, ids, [e.id for e in examples], config,
@@ -180,7 +197,7 @@ def generate(
     top_k: int = TOP_K,
     top_p: float = TOP_P,
     seed: int = seed_option(EvalConfig),
-    dtype: ModelDtype = dtype_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig, "generate"),
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = False,
     mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
@@ -191,6 +208,8 @@ def generate(
     """Stream one speculative answer and print its acceptance counts."""
     from specdraft.pair import prepare_generation
 
+    if not prompt.strip():
+        fail('PROMPT is empty: give the user message to answer, e.g. specdraft generate "Reverse a string in Python."')
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                         draft_confidence_threshold=draft_confidence_threshold, mapped_proposals=mapped_proposals,
@@ -217,14 +236,14 @@ def rank(
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
-    dtype: ModelDtype = dtype_option(EvalConfig),
+    dtype: ModelDtype = dtype_option(EvalConfig, "rank"),
     draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
     draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
     confirm: Annotated[bool | None, typer.Option(
         help="Then measure the top draft against the target alone (specdraft eval on the same prompts, at its "
         "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
         "command).", show_default=False)] = None,
-    out: Path = out_option(Path("runs/rank")),
+    out: Path = out_option(Path("runs/rank"), "rank"),
     overwrite: OverwriteOpt = False,
     engine: Annotated[RankEngine, typer.Option(
         help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "

@@ -39,7 +39,7 @@ def run(
     ood_prompts: list[str] | None = prompts_option(
         None, "A second held-out set, reported separately (another domain, which must not get worse)",
         HELD_OUT_NOTE + " Default: the preset's.", flag="--ood-prompts"),
-    out: Path = out_option(Path("runs/default")),
+    out: Path = out_option(Path("runs/default"), "run"),
     preset: PresetName = config_option(PipelineConfig, "preset"),
     refuse_overlap: bool = config_option(PipelineConfig, "refuse_overlap"),
     vocab_swap: bool | None = config_option(PipelineConfig, "vocab_swap", "--vocab-swap/--no-vocab-swap",

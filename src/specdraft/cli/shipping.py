@@ -16,6 +16,7 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
+    format_option,
     out_option,
     target_option,
 )
@@ -33,11 +34,11 @@ from specdraft.config import ExportConfig, ExportDtype, ExportFormat, GgufType
 def export(
     draft: str = draft_option(...),
     target: str = target_option(...),
-    out: Path = out_option(...),
+    out: Path = out_option(..., "export"),
     gamma: SpeculatorGammaOpt = None,
     overwrite: OverwriteOpt = False,
-    dtype: ExportDtype = dtype_option(ExportConfig),
-    format: ExportFormat = config_option(ExportConfig, "format"),
+    dtype: ExportDtype = dtype_option(ExportConfig, "export"),
+    format: ExportFormat = format_option(ExportConfig, "export"),
     # None, not f16: a --gguf-type given with --format speculator is refused, one not given is not.
     gguf_type: GgufType | None = config_option(ExportConfig, "gguf_type", default=None, show_default=False),
     llama_cpp: str | None = config_option(ExportConfig, "llama_cpp", metavar="PATH"),

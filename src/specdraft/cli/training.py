@@ -21,6 +21,7 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
+    format_option,
     out_option,
     prompts_option,
     read_prompts,
@@ -66,8 +67,8 @@ def headroom(
     min_gain: float = config_option(HeadroomConfig, "min_gain"),
     max_length: int = config_option(HeadroomConfig, "max_length"),
     batch_size: int = config_option(HeadroomConfig, "batch_size"),
-    dtype: ModelDtype = dtype_option(HeadroomConfig),
-    out: Path | None = out_option(None),
+    dtype: ModelDtype = dtype_option(HeadroomConfig, "headroom"),
+    out: Path | None = out_option(None, "headroom"),
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Forecast how much acceptance distillation can add.
@@ -122,13 +123,30 @@ def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, source, out:
                                 progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
 
 
+def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
+    """``dump --self-teacher``'s inputs, before the teacher starts: every --text file exists (before the models are
+    looked for), and the draft is of another tokenizer than the target's, as vocab-swap requires (the self-teacher
+    trains a re-indexed copy; a draft of the target's own tokenizer has none)."""
+    from specdraft.cli.errors import fail
+    from specdraft.vocab import CompatibilityError, refuse_same_tokenizer
+
+    if missing := next((p for p in texts if not p.is_file()), None):
+        fail(f"--text {missing}: no such file")
+    try:
+        refuse_same_tokenizer(resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--self-teacher"),
+                              f"dump the target's own distribution for it (drop --self-teacher), then distil {draft} "
+                              "on that dump")
+    except CompatibilityError as exc:
+        fail(f"--self-teacher {draft}: {exc}")
+
+
 def dump(
     ctx: typer.Context,
-    out: Path = out_option(...),
+    out: Path = out_option(..., "dump"),
     target: str = target_option(),
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump keeps every "
                                   "example of its range (no stride).", strides=False),
-    format: DumpFormat = config_option(DumpConfig, "format"),
+    format: DumpFormat = format_option(DumpConfig, "dump"),
     # The field keeps its name (every dump's manifest records it as top_k); --top-k is decoding's sampling filter.
     top_k: int = config_option(DumpConfig, "top_k", "--top-logprobs", min=1),
     hidden_dtype: HiddenDtype = config_option(DumpConfig, "hidden_dtype"),
@@ -140,7 +158,7 @@ def dump(
     seed: int = seed_option(DumpConfig),
     batch_size: int = config_option(DumpConfig, "batch_size"),
     shard_size_mb: float = config_option(DumpConfig, "shard_size_mb"),
-    dtype: ModelDtype = dtype_option(DumpConfig),
+    dtype: ModelDtype = dtype_option(DumpConfig, "dump"),
     self_teacher: Annotated[str | None, typer.Option(
         "--self-teacher", metavar="DRAFT",
         help="The teacher is this draft as given, not the target: it answers the prompts greedily in its own "
@@ -187,7 +205,7 @@ def dump(
     if self_teacher is not None or token_level or text:
         if self_teacher is None:
             fail("--token-level and --text need --self-teacher DRAFT (the draft as given is their teacher)")
-        resolve_with_progress(self_teacher, "--self-teacher")
+        _check_self_teacher(target, self_teacher, text or [])
         given = {k: v for k, v in locals().items() if k in SELF_TEACHER_FLAGS}
         print_dump(_self_teacher_dump(ctx, self_teacher, target, source, out, text or [], given), out, time.time() - t0)
         return
@@ -206,7 +224,7 @@ def distill(
     target: str = target_option(),
     draft: str = draft_option(),
     dump: Annotated[Path, typer.Option(help="Teacher dump directory written by `specdraft dump`.")] = Path("runs/dump"),
-    out: Path = out_option(Path("runs/distill")),
+    out: Path = out_option(Path("runs/distill"), "distill"),
     loss: LossName = config_option(DistillConfig, "loss"),
     temperature: float = SERVING_TEMPERATURE,
     top_k: int = SERVING_TOP_K,
@@ -222,7 +240,7 @@ def distill(
     warmup_ratio: float = config_option(DistillConfig, "warmup_ratio"),
     scheduler: Scheduler = config_option(DistillConfig, "scheduler"),
     seed: int = seed_option(DistillConfig),
-    dtype: Literal["float32", "bfloat16"] = dtype_option(DistillConfig),
+    dtype: Literal["float32", "bfloat16"] = dtype_option(DistillConfig, "distill"),
     precision: Precision = config_option(DistillConfig, "precision"),
     train: TrainWhat = config_option(DistillConfig, "train"),
     train_last_layers: int = config_option(DistillConfig, "train_last_layers"),
@@ -255,16 +273,39 @@ def distill(
         on_policy_fraction=on_policy_fraction, on_policy_every=on_policy_every,
         on_policy_max_new_tokens=on_policy_max_new_tokens)
     check_out(out, overwrite=None)  # resumable: its checkpoints are continued unless --no-resume
+    _check_dump_fits(dump, draft)
     res = run_distill(target, draft, dump, out, cfg, resume=not no_resume,
                       num_speculative_tokens=speculative_tokens(gamma), keep_checkpoints=keep_checkpoints)
     print_distill(res)
 
 
+def _check_dump_fits(dump: Path, draft: str) -> None:
+    """``--dump`` holds a finished dump and ``--draft`` speaks the tokenizer it was made with, each refused with the
+    command that fixes it, before the draft loads (the library's refusal of the second names a Python argument)."""
+    from specdraft.cli.errors import fail
+    from specdraft.dump_reader import DumpError, load_manifest
+    from specdraft.models import load_tokenizer
+    from specdraft.vocab import tokenizer_fingerprint
+
+    if not dump.is_dir():
+        fail(f"--dump {dump}: no such folder; write a teacher dump there first (specdraft dump --out {dump}), or "
+             "pass --dump DIR of one")
+    try:
+        manifest = load_manifest(dump)
+    except DumpError as exc:
+        fail(f"--dump {exc}")  # its message starts with the folder
+    made_with = manifest["target"]["ref"]
+    if tokenizer_fingerprint(load_tokenizer(resolve_with_progress(draft, "--draft"))) != manifest["tokenizer_fingerprint"]:
+        fail(f"--draft {draft}: its tokenizer is not the one the dump in {dump} was made with (target {made_with}'s); "
+             f"re-index the draft into it first: specdraft vocab-swap --draft {draft} --target {made_with} --out DIR, "
+             f"then specdraft distill --draft DIR --dump {dump}")
+
+
 def vocab_swap(
     draft: str = draft_option(...),
-    out: Path = out_option(...),
+    out: Path = out_option(..., "vocab-swap"),
     target: str = target_option(),
-    dtype: ModelDtype = dtype_option(EvalConfig, default="float32"),
+    dtype: ModelDtype = dtype_option(EvalConfig, "vocab-swap", default="float32"),
     overwrite: OverwriteOpt = False,
     prompts: list[str] | None = prompts_option(None, "Conversations whose replies (in the target's tokenizer) are "
                                                "teacher-forced through the swapped draft for the swap diagnostic",
