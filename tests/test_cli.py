@@ -1007,3 +1007,26 @@ def test_the_eval_tables_first_acceptance_row_is_alpha_per_reached_with_per_prop
     assert "0.810" in rows[0] and "[0.700, 0.900]" in ci
     per_proposed = [r for r in rows if "accepted / proposed" in r]
     assert "0.340" in per_proposed[0] and rows.index(per_proposed[0]) > 0
+
+
+def test_check_of_a_pair_of_two_tokenizers_offers_the_draft_as_given_beside_the_whole_road(tmp_path):
+    """check's `next:` for such a pair named only the whole road (tens of minutes); evaluating and exporting the draft
+    as given take seconds to minutes, and export's help says what it writes for such a draft."""
+    from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+
+    dirs = []
+    for vocab, seed in ((300, 0), (360, 1)):
+        d = tmp_path / f"m{vocab}"
+        tiny_model("llama", vocab, seed=seed, layers=1).save_pretrained(d)
+        tiny_bpe_tokenizer(vocab, seed=seed).save_pretrained(d)
+        dirs.append(str(d))
+    r = CliRunner().invoke(app, ["check", "--target", dirs[0], "--draft", dirs[1]], env={"COLUMNS": "400"})
+    assert r.exit_code == 1, r.output
+    names = f"--target {dirs[0]} --draft {dirs[1]}"
+    lines = r.output.splitlines()
+    assert f"next: specdraft eval {names} --map-vocab  (the draft as given, through a mapping: seconds to minutes)" \
+        in lines
+    assert any(x.strip().startswith(f"specdraft export {names} --out DIR") for x in lines)
+    assert any(x.strip().startswith(f"specdraft run {names}") for x in lines)
+    helped = " ".join(CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "A draft of another tokenizer is written as given" in helped and "specdraft vocab-swap" in helped

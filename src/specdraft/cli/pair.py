@@ -131,7 +131,11 @@ def check(
         console.print(f"next: specdraft eval {names}  (acceptance, speed-up and the best γ)")
         return
     if (compat.mapping or {}).get("usable"):
-        console.print(f"next: specdraft run {names}  (the whole road for a draft of another tokenizer)")
+        console.print(f"next: specdraft eval {names} --map-vocab  (the draft as given, through a mapping: seconds "
+                      "to minutes)")
+        console.print(f"      specdraft export {names} --out DIR  (the draft as given, for vLLM's text proposer: "
+                      "seconds)")
+        console.print(f"      specdraft run {names}  (the whole road for a draft of another tokenizer)")
     raise typer.Exit(1)
 
 

@@ -49,7 +49,9 @@ def export(
     The speculator drafts for --target (its verifier: only its config and tokenizer are read) and is written into --out,
     which must not exist or be empty (--format gguf: the .gguf file to write). A speculator: the same weights
     (byte-identical unless --dtype casts them), config.json plus three speculators_* keys naming the verifier, the
-    draft's tokenizer files; prints the config diff and the vLLM commands. --format gguf: one GGUF written by
+    draft's tokenizer files; prints the config diff and the vLLM commands. A draft of another tokenizer is written as
+    given (its own tokenizer, drafting through text: vLLM serves it with specdraft's proposer); llama.cpp and vLLM's
+    draft_model need it re-indexed first (specdraft vocab-swap). --format gguf: one GGUF written by
     llama.cpp's own converter, refused where llama.cpp would refuse the pair; prints the llama-server command."""
     from specdraft.config import ExportConfig, speculative_tokens
     from specdraft.export import export_draft
