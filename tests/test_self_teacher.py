@@ -12,8 +12,9 @@ import torch
 from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
 from specdraft.data import Example, encode_prompts
 from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, load_manifest
-from specdraft.responses import generate_responses
+from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
 from specdraft.self_teacher import (
+    DraftTeacher,
     aligned_positions,
     decode_text,
     end_of_turn_ids,
@@ -56,7 +57,7 @@ def _reference(pair, examples, budget):
     t_prompts = encode_prompts(pair["t_tok"], examples)
     out = []
     for dp, tp, r in zip(d_prompts, t_prompts, answers, strict=True):
-        ended = bool(r) and r[-1] in (4, pair["stop"])
+        ended = bool(r) and r[-1] in answer_stop_ids(pair["model"], pair["d_tok"])
         body = r[:-1] if ended else r
         text = decode_text(pair["d_tok"], body)
         ids = pair["t_tok"](text, add_special_tokens=False)["input_ids"] + ([3] if ended else [])
@@ -70,6 +71,31 @@ def test_the_end_of_turn_is_what_the_chat_template_writes_after_an_answer():
     assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")] == [3]
     tok.chat_template = None
     assert end_of_turn_ids(tok) == [tok.eos_token_id]
+
+
+def _ends_its_turn_after(model, tok, examples, k):
+    """``model`` made to write ``<|im_end|>`` (id 3, not its EOS 4) where its greedy answer writes its ``k``-th token:
+    that token's head row, scaled up, moved to id 3."""
+    _, (answer,) = generate_responses(model, tok, examples, 8)
+    assert 3 not in answer and 4 not in answer
+    with torch.no_grad():
+        model.lm_head.weight[3] = 3 * model.lm_head.weight[answer[k]]
+    return model
+
+
+def test_a_turn_ends_at_the_templates_end_of_turn_token_where_the_eos_is_another():
+    """Every writer of an answer (dump --generate, the self-teacher's draft, the draft's on-policy answers) stops at
+    its template's terminator, also where its EOS is another token: nothing after it is trained as answer."""
+    tok, examples = tiny_bpe_tokenizer(300), _examples(1)
+    model = _ends_its_turn_after(tiny_model("llama", 300, seed=2, layers=1), tok, examples, 2)
+    assert tok.eos_token_id == 4 and answer_stop_ids(model, tok) == [3, 4]
+    prompts, (answer,) = generate_responses(model, tok, examples, 8)
+    assert answer[-1] == 3 and 3 not in answer[:-1] and len(answer) <= 3
+    target = tiny_model("llama", 300, seed=3, layers=1)  # on-policy: the draft writes, the target's stops apply
+    assert generate_from_ids(model, tok, prompts, 8, stop_model=target) == [answer]
+    teacher = DraftTeacher(model, tok, tok, SelfTeacherConfig(generate=8, dtype="float32"))
+    ((seq, _),), dropped, _, _ = teacher.answer(examples)
+    assert seq.ids == prompts[0] + answer and teacher.stats["ended"] == 1 and dropped == 0
 
 
 def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_text_in_target_ids(pair, tmp_path):
@@ -128,7 +154,7 @@ def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_al
     mapping = build_vocab_mapping(pair["target"], pair["draft"])
     twins = (mapping.target_to_draft >= 0).tolist()
     ds = TeacherDataset(tmp_path / "st")
-    soft_total = 0
+    soft_total = ends = 0
     for i, r in enumerate(_reference(pair, examples, 10)):
         item = ds[i]
         p_t, p_d = len(r["prompt"]), len(r["draft_prompt"])
@@ -142,6 +168,13 @@ def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_al
         # The stored values: the draft as given alone on its own sequence, log-softmax, top-4 of its twins.
         with torch.no_grad():
             logq = pair["model"](torch.tensor([r["draft_prompt"] + r["response"]])).logits[0].float().log_softmax(-1)
+        end = p_t + len(r["answer"]) - 2 if r["ended"] else None  # predicts the end-of-turn token
+        ends += end in want
+        if end in want:  # the draft's probability of stopping, by any of its stop ids, on the stored token's twin
+            stops = torch.tensor(answer_stop_ids(pair["model"], pair["d_tok"]))
+            stopping = logq[want[end], stops].logsumexp(-1)
+            logq[want[end], stops] = float("-inf")
+            logq[want[end], mapping.target_to_draft[3]] = stopping
         for t, d in want.items():
             ids = item["topk_ids"][t].long()
             assert torch.allclose(item["topk_logprobs"][t], logq[d, mapping.target_to_draft[ids]], atol=1e-5)
@@ -151,6 +184,7 @@ def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_al
             assert torch.allclose(item["leftover_logmass"][t], logq[d][rest].logsumexp(-1), atol=1e-5)
         assert all(bool(hard[j]) for j in item["loss_mask"].nonzero().flatten().tolist() if j not in want)
     assert soft_total > 0 and m["signal"]["soft_positions"] == soft_total
+    assert ends > 0  # end-of-turn positions are exercised
     assert m["signal"]["hard_positions"] == m["trained_tokens"] - soft_total
 
 

@@ -529,6 +529,22 @@ def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> lis
     return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
 
 
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
+    out (Qwen's and the tiny template's ``<|im_end|>``): what ends a model's answer, as :func:`encode_conversation`
+    keeps it in a reference answer and as every answer's writer stops at it (:func:`specdraft.responses.answer_stop_ids`).
+    Without a template, or with one that writes nothing there, the tokenizer's EOS (none: ``[]``)."""
+    marker = "\x00specdraft-answer\x00"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+        at = text.find(marker)
+        tail = text[at + len(marker):].rstrip() if at >= 0 else ""
+        if tail:
+            return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+
+
 # ------------------------------------------------------------------------------ training sequences
 
 

@@ -6,12 +6,13 @@ given, which still has it and costs no target compute. Notation: q = the draft a
 token ids; the re-indexed draft is trained toward it in the target's ids.
 
 **Sequences** (one per prompt): the draft as given answers each prompt greedily, in batches, under its own chat
-template (:func:`specdraft.responses.generate_responses`; its answer ends at :func:`specdraft.decode.stop_ids` of the
-draft, or at ``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special
-tokens) is encoded with the target's tokenizer and put after the prompt rendered with the target's chat template
-(:func:`specdraft.data.encode_prompts`: the prompt ids are what the target is shown), followed, when the draft stopped,
-by the target's end-of-turn ids (:func:`end_of_turn_ids`, so the copy learns to stop). ``loss_mask`` is on the answer
-positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
+template (:func:`specdraft.responses.generate_responses`; its answer ends at
+:func:`specdraft.responses.answer_stop_ids` of the draft — its EOS or its template's end-of-turn token — or at
+``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens) is
+encoded with the target's tokenizer and put after the prompt
+rendered with the target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target
+is shown), followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`,
+so the copy learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
 :mod:`specdraft.dump`'s position convention.
 
 **The signal** is stored in the top-k format of :mod:`specdraft.dump` (``topk_logprobs``, ``topk_ids``,
@@ -31,7 +32,9 @@ unchanged and :func:`specdraft.distill.run_distill` trains on it alone or beside
   :func:`aligned_positions`): the draft's next-token distribution at its context ending at c, q(· | draft prompt,
   draft ids of text[:c]), top-k over its tokens that have a target twin, each moved to that twin's target id, and the
   leftover = the mass of every other draft token (twin-less ones included), computed as a log-sum-exp. The end-of-turn
-  position counts when the draft stopped and the target's end-of-turn token has a twin (c = the whole text). **Exact**
+  position counts when the draft stopped and the target's end-of-turn token has a twin (c = the whole text); there the
+  draft's mass on every one of its stop ids is the probability that it stops, and it is put on the twin of the
+  end-of-turn token the stored sequence holds (its other stop ids then hold nothing). **Exact**
   there in this sense: every stored log-prob is the draft's own log-probability of emitting exactly that string as its
   next token, at a context of the same answer text, and the stored ids stand for the same strings. **What it
   approximates**: the ideal teacher is the draft's probability that the text continues with y's string *and a target
@@ -64,6 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdraft.config import SelfTeacherConfig
+from specdraft.data import end_of_turn_ids
 from specdraft.dump import LOSS_MASK_CONVENTION, TOPK_STORAGE, ProgressFn, TeacherBatch, write_dump
 from specdraft.dump_reader import FORMAT_VERSION, DumpError
 
@@ -82,22 +86,6 @@ TEACHER_KIND = "draft-as-given"
 def decode_text(tokenizer, ids: Sequence[int]) -> str:
     """The text of ``ids``: special tokens left out, no clean-up of spaces (the one decoding every boundary uses)."""
     return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-def end_of_turn_ids(tokenizer) -> list[int]:
-    """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
-    out (Qwen's and the tiny template's ``<|im_end|>``): what ends the target's answer, as
-    :func:`specdraft.data.encode_conversation` keeps it in a reference answer. Without a template, or with one that
-    writes nothing there, the tokenizer's EOS (none: ``[]``)."""
-    marker = "\x00specdraft-answer\x00"
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
-                                              {"role": "assistant", "content": marker}], tokenize=False)
-        at = text.find(marker)
-        tail = text[at + len(marker):].rstrip() if at >= 0 else ""
-        if tail:
-            return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
-    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
 
 
 def text_boundaries(tokenizer, ids: Sequence[int], text: str) -> list[int | None]:
@@ -224,13 +212,13 @@ class DraftTeacher:
     """
 
     def __init__(self, draft, draft_tokenizer, target_tokenizer, config: SelfTeacherConfig, mapping=None):
-        from specdraft.decode import stop_ids
+        from specdraft.responses import answer_stop_ids
         from specdraft.sampling import final_logit_ops
         from specdraft.vocab import tokenizer_view
 
         self.draft, self.dtok, self.ttok, self.config, self.mapping = draft, draft_tokenizer, target_tokenizer, config, \
             mapping
-        self.stops = set(stop_ids(draft, draft_tokenizer))
+        self.stops = set(answer_stop_ids(draft, draft_tokenizer))
         self.eot = end_of_turn_ids(target_tokenizer)
         self.draft_real = int(tokenizer_view(draft_tokenizer).real)
         self.target_real = int(tokenizer_view(target_tokenizer).real)
@@ -296,7 +284,8 @@ class DraftTeacher:
                 pairs = aligned_positions(self.dtok, body, self.ttok, answers[i], text, self.twins, endings[i],
                                           self.eot)
                 p_t, p_d = len(t_prompts[i]), len(d_prompts[i])
-                pairs = [(p_t + k - 1, p_d + j - 1) for k, j in pairs if p_t + k - 1 < len(q.ids) - 1
+                n_text = len(answers[i]) - (len(self.eot) if endings[i] else 0)
+                pairs = [(p_t + k - 1, p_d + j - 1, k == n_text) for k, j in pairs if p_t + k - 1 < len(q.ids) - 1
                          and q.loss_mask[p_t + k - 1]]
                 self.stats["soft_positions"] += len(pairs)
                 self.stats["hard_positions"] -= len(pairs)
@@ -307,7 +296,8 @@ class DraftTeacher:
 
     def _soften(self, jobs: list) -> None:
         """Overwrite the hard labels at the aligned positions with the draft's mapped distribution: one right-padded
-        draft pass over the draft sequences, the head applied at those positions only."""
+        draft pass over the draft sequences, the head applied at those positions only. ``jobs``: ``(signal, draft
+        ids, [(target position, draft position, end of turn)])``."""
         import torch
         import torch.nn.functional as F
         from torch.nn.utils.rnn import pad_sequence
@@ -325,14 +315,25 @@ class DraftTeacher:
         with torch.no_grad():
             h = self.draft.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B,S,H]
             rows = torch.tensor([b for b, (_, _, pairs) in enumerate(jobs) for _ in pairs], device=device)
-            cols = torch.tensor([d for _, _, pairs in jobs for _, d in pairs], device=device)
+            cols = torch.tensor([d for _, _, pairs in jobs for _, d, _ in pairs], device=device)
+            ends = torch.tensor([e for _, _, pairs in jobs for _, _, e in pairs], device=device)
             logits = apply_final_logit_ops(F.linear(h[rows, cols], head.weight, getattr(head, "bias", None)),
                                            self.ops).float()  # [N, V_d]
             logits[:, self.draft_real:] = float("-inf")
-            lp, tid, left = mapped_topk(logits.log_softmax(dim=-1), self.mapping, self.config.top_k)
+            logq = logits.log_softmax(dim=-1)
+            if bool(ends.any()):
+                # The draft stops by any of its stop ids; the stored sequence ends its turn with one token, so the
+                # probability of stopping goes to that token's twin and none is left on another stop id's twin.
+                stops = torch.tensor(sorted(s for s in self.stops if s < self.draft_real), device=device)
+                twin = int(self.mapping.target_to_draft[self.eot[0]])
+                stopping = logq[ends][:, stops].logsumexp(dim=-1)
+                pooled = logq[ends].index_fill(1, stops, float("-inf"))
+                pooled[:, twin] = stopping
+                logq[ends] = pooled
+            lp, tid, left = mapped_topk(logq, self.mapping, self.config.top_k)
         n = 0
         for signal, _, pairs in jobs:
-            at = torch.tensor([t for t, _ in pairs])
+            at = torch.tensor([t for t, _, _ in pairs])
             signal["topk_logprobs"][at] = lp[n:n + len(pairs)].cpu()
             signal["topk_ids"][at] = tid[n:n + len(pairs)].to("cpu", torch.int32)
             signal["leftover_logmass"][at] = left[n:n + len(pairs)].cpu()
