@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
-from specdraft.data import Example, encode_prompts
+from specdraft.data import Example, encode_conversation, encode_prompts
 from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, load_manifest
 from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
 from specdraft.self_teacher import (
@@ -21,7 +21,7 @@ from specdraft.self_teacher import (
     run_self_teacher,
     text_sequences,
 )
-from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer, tiny_model
 from specdraft.vocab import build_vocab_mapping
 
 PROMPTS = ["def total(items):", "for index in range(count):", "hello world value", "print(lambda x: x + count)",
@@ -96,6 +96,40 @@ def test_a_turn_ends_at_the_templates_end_of_turn_token_where_the_eos_is_another
     teacher = DraftTeacher(model, tok, tok, SelfTeacherConfig(generate=8, dtype="float32"))
     ((seq, _),), dropped, _, _ = teacher.answer(examples)
     assert seq.ids == prompts[0] + answer and teacher.stats["ended"] == 1 and dropped == 0
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style BPE of the Metaspace kind (``▁`` before every word, the first one included), trained
+    here on the tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from specdraft.testing import SPECIAL_TOKENS, _tiny_fast_tokenizer, tiny_corpus
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.train_from_iterator(tiny_corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False, limit_alphabet=1000))
+    return _tiny_fast_tokenizer(tok, False)
+
+
+def test_an_answer_is_encoded_in_its_context_as_the_conversation_encoder_writes_it(pair):
+    """The self-teacher's answer ids are the ones the conversation encoder gives the same answer after the same
+    prompt: no SentencePiece ``▁`` before its first word (an answer encoded alone would start with one)."""
+    examples = _examples(4)
+    _, responses = generate_responses(pair["model"], pair["d_tok"], examples, 10)
+    stops = answer_stop_ids(pair["model"], pair["d_tok"])
+    texts = [decode_text(pair["d_tok"], r[:-1] if r[-1] in stops else r) for r in responses]
+    assert all(t and t == t.strip() for t in texts)  # the encoder's span starts at the stripped content
+    for ttok in (tiny_bpe_tokenizer(300), tiny_llama_tokenizer(300, bos=False), _metaspace_tokenizer()):
+        teacher = DraftTeacher(pair["model"], pair["d_tok"], ttok, SelfTeacherConfig(generate=10, dtype="float32"))
+        out, _, _, _ = teacher.answer(examples)
+        for ex, (seq, _), p, r, text in zip(examples, out, encode_prompts(ttok, examples), responses, texts,
+                                            strict=True):
+            ids, assistant = encode_conversation(ttok, [*ex.messages, {"role": "assistant", "content": text}])
+            written = [i for i, a in zip(ids, assistant, strict=True) if a]  # the answer, then <|im_end|>
+            assert ids[:len(p)] == p and written[-1] == 3
+            assert seq.ids == p + (written if r[-1] in stops else written[:-1])
 
 
 def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_text_in_target_ids(pair, tmp_path):

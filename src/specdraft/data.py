@@ -529,6 +529,28 @@ def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> lis
     return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
 
 
+def encode_answer(tokenizer, prompt_text: str, answer: str) -> list[int]:
+    """Token ids of ``answer`` as they follow its prompt (``prompt_text``, :func:`render_prompt`'s): the two encoded
+    as one text, as :func:`encode_conversation` encodes a whole conversation, and the tokens from the first that
+    reaches into the answer kept. Encoded alone, an answer would start as a new text does (a SentencePiece-style
+    tokenizer's ``▁`` before its first word), which no rendered conversation holds. Where a token spans the boundary
+    (the tokenizer merges the prompt's last characters with the answer's first), the prompt keeps its own ids — what
+    the model is shown — and only the answer's part of that token is encoded by itself.
+
+    Returns:
+        ``[n]`` ids (``[]`` for an empty answer).
+    """
+    if not answer:
+        return []
+    enc = tokenizer(prompt_text + answer, add_special_tokens=False, return_offsets_mapping=True)
+    ids, spans, n = list(enc["input_ids"]), enc["offset_mapping"], len(prompt_text)
+    first = next(i for i, (_, b) in enumerate(spans) if b > n)
+    start, end = spans[first]
+    if start >= n:
+        return ids[first:]
+    return list(tokenizer(answer[: end - n], add_special_tokens=False)["input_ids"]) + ids[first + 1:]
+
+
 def end_of_turn_ids(tokenizer) -> list[int]:
     """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
     out (Qwen's and the tiny template's ``<|im_end|>``): what ends a model's answer, as :func:`encode_conversation`

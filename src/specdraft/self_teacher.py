@@ -9,7 +9,7 @@ token ids; the re-indexed draft is trained toward it in the target's ids.
 template (:func:`specdraft.responses.generate_responses`; its answer ends at
 :func:`specdraft.responses.answer_stop_ids` of the draft — its EOS or its template's end-of-turn token — or at
 ``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens) is
-encoded with the target's tokenizer and put after the prompt
+encoded with the target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt
 rendered with the target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target
 is shown), followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`,
 so the copy learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
@@ -249,7 +249,7 @@ class DraftTeacher:
     def answer(self, examples: list[Example]) -> tuple[list, int, int, float]:
         """The draft answers ``examples`` → per example ``(TokenSequence, signal)`` or None (truncation emptied it),
         the count of those, the tokens generated and the seconds generating took."""
-        from specdraft.data import encode_prompts, sequences_from_responses
+        from specdraft.data import encode_answer, encode_prompts, render_prompt, sequences_from_responses
         from specdraft.responses import generate_responses
 
         t0 = time.perf_counter()
@@ -258,11 +258,11 @@ class DraftTeacher:
         seconds = time.perf_counter() - t0
         t_prompts = encode_prompts(self.ttok, examples)
         answers, texts, endings = [], [], []
-        for r in d_responses:
+        for ex, r in zip(examples, d_responses, strict=True):
             ended = bool(r) and int(r[-1]) in self.stops
             body = list(r[:-1]) if ended else list(r)
             text = decode_text(self.dtok, body).rstrip("\ufffd")  # a cut inside a character: the whole ones only
-            ids = list(self.ttok(text, add_special_tokens=False)["input_ids"]) + (self.eot if ended else [])
+            ids = encode_answer(self.ttok, render_prompt(self.ttok, ex), text) + (self.eot if ended else [])
             answers.append(ids)
             texts.append((body, text))
             endings.append(ended)
