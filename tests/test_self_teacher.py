@@ -20,6 +20,7 @@ from specdraft.self_teacher import (
     end_of_turn_ids,
     run_self_teacher,
     text_sequences,
+    well_formed_prefix,
 )
 from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer, tiny_model
 from specdraft.vocab import build_vocab_mapping
@@ -59,7 +60,8 @@ def _reference(pair, examples, budget):
     for dp, tp, r in zip(d_prompts, t_prompts, answers, strict=True):
         ended = bool(r) and r[-1] in answer_stop_ids(pair["model"], pair["d_tok"])
         body = r[:-1] if ended else r
-        text = decode_text(pair["d_tok"], body)
+        text, cut = well_formed_prefix(decode_text(pair["d_tok"], body))
+        ended = ended and not cut
         ids = pair["t_tok"](text, add_special_tokens=False)["input_ids"] + ([3] if ended else [])
         out.append({"prompt": tp, "answer": ids, "text": text, "body": body, "ended": ended, "draft_prompt": dp,
                     "response": r})
@@ -116,20 +118,51 @@ def _metaspace_tokenizer():
 def test_an_answer_is_encoded_in_its_context_as_the_conversation_encoder_writes_it(pair):
     """The self-teacher's answer ids are the ones the conversation encoder gives the same answer after the same
     prompt: no SentencePiece ``▁`` before its first word (an answer encoded alone would start with one)."""
-    examples = _examples(4)
-    _, responses = generate_responses(pair["model"], pair["d_tok"], examples, 10)
+    examples = _examples()
+    _, responses = generate_responses(pair["model"], pair["d_tok"], examples, 6)
     stops = answer_stop_ids(pair["model"], pair["d_tok"])
-    texts = [decode_text(pair["d_tok"], r[:-1] if r[-1] in stops else r) for r in responses]
-    assert all(t and t == t.strip() for t in texts)  # the encoder's span starts at the stripped content
+    texts = [well_formed_prefix(decode_text(pair["d_tok"], r[:-1] if r[-1] in stops else r)) for r in responses]
+    # The answers the encoder takes whole (it strips an answer's outer whitespace), the ill-formed ones left out.
+    whole = [i for i, (t, cut) in enumerate(texts) if t and not cut and t == t.strip()]
+    assert len(whole) >= 2
     for ttok in (tiny_bpe_tokenizer(300), tiny_llama_tokenizer(300, bos=False), _metaspace_tokenizer()):
-        teacher = DraftTeacher(pair["model"], pair["d_tok"], ttok, SelfTeacherConfig(generate=10, dtype="float32"))
+        teacher = DraftTeacher(pair["model"], pair["d_tok"], ttok, SelfTeacherConfig(generate=6, dtype="float32"))
         out, _, _, _ = teacher.answer(examples)
-        for ex, (seq, _), p, r, text in zip(examples, out, encode_prompts(ttok, examples), responses, texts,
-                                            strict=True):
-            ids, assistant = encode_conversation(ttok, [*ex.messages, {"role": "assistant", "content": text}])
-            written = [i for i, a in zip(ids, assistant, strict=True) if a]  # the answer, then <|im_end|>
+        prompts = encode_prompts(ttok, examples)
+        for i in whole:
+            (seq, _), p, text = out[i], prompts[i], texts[i][0]
+            ids, assistant = encode_conversation(ttok, [*examples[i].messages, {"role": "assistant", "content": text}])
+            written = [t for t, a in zip(ids, assistant, strict=True) if a]  # the answer, then <|im_end|>
             assert ids[:len(p)] == p and written[-1] == 3
-            assert seq.ids == p + (written if r[-1] in stops else written[:-1])
+            assert seq.ids == p + (written if responses[i][-1] in stops else written[:-1])
+
+
+def test_an_answer_is_cut_before_its_first_ill_formed_byte_and_has_no_end_of_turn_then():
+    """A byte-level draft that writes a byte no UTF-8 text holds mid-answer: the text after it is dropped (never
+    trained as U+FFFD), the answer has no end of turn (the draft's stop came after the cut) and the cut is counted."""
+    tok, examples = tiny_bpe_tokenizer(300), _examples(1)
+    model = tiny_model("llama", 300, seed=2, layers=1)
+    _, (answer,) = generate_responses(model, tok, examples, 8)
+    stray = next(i for i in range(5, 300) if tok.decode([i]) == "\ufffd")  # a lone continuation byte
+    with torch.no_grad():
+        model.lm_head.weight[stray] = 3 * model.lm_head.weight[answer[1]]
+    _, (written,) = generate_responses(model, tok, examples, 8)
+    text = decode_text(tok, written)
+    at = text.index("\ufffd")
+    assert 0 < at and text[at:].strip("\ufffd")  # well-formed text before and after the ill-formed byte
+    teacher = DraftTeacher(model, tok, tok, SelfTeacherConfig(generate=8, dtype="float32"))
+    ((seq, _),), _, _, _ = teacher.answer(examples)
+    prompt = encode_prompts(tok, examples)[0]
+    assert seq.ids == prompt + tok(text[:at], add_special_tokens=False)["input_ids"]
+    assert "\ufffd" not in decode_text(tok, seq.ids) and teacher.stats["cut_ill_formed"] == 1
+    assert teacher.stats["ended"] == 0
+
+
+def test_a_text_file_that_is_not_utf8_is_refused_by_name_and_line(pair, tmp_path):
+    src = tmp_path / "latin.py"
+    src.write_bytes("def total(items):\n    return count\nvalue = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(DumpError, match=r"--text .*latin\.py: line 3 is not UTF-8 .*convert the file to UTF-8"):
+        text_sequences(pair["t_tok"], [src], 40)
 
 
 def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_text_in_target_ids(pair, tmp_path):
@@ -368,7 +401,9 @@ def test_dump_self_teacher_writes_the_drafts_dump_and_refuses_the_flags_that_do_
     assert r.exit_code == 0, r.output
     m = load_manifest(tmp_path / "st")
     assert m["teacher"]["kind"] == "draft-as-given" and m["top_k"] == 1 and m["config"]["generate"] == 4
-    assert m["sequences"] == 3 and "trained positions: draft distribution / hard label" in r.output
+    # An answer whose first byte is no UTF-8 keeps no text: it is dropped and counted.
+    assert m["sequences"] + m["dropped"] == 3 and "trained positions: draft distribution / hard label" in r.output
+    assert "answers cut before ill-formed UTF-8" in r.output
     for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --self-teacher"),
                         (["--seed", "3"], "--seed do(es) not apply")):
         r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})

@@ -8,8 +8,8 @@ token ids; the re-indexed draft is trained toward it in the target's ids.
 **Sequences** (one per prompt): the draft as given answers each prompt greedily, in batches, under its own chat
 template (:func:`specdraft.responses.generate_responses`; its answer ends at
 :func:`specdraft.responses.answer_stop_ids` of the draft — its EOS or its template's end-of-turn token — or at
-``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens) is
-encoded with the target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt
+``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens, cut
+before its first ill-formed byte: :func:`well_formed_prefix`; cut there, it has no end of turn) is encoded with the target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt
 rendered with the target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target
 is shown), followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`,
 so the copy learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
@@ -86,6 +86,20 @@ TEACHER_KIND = "draft-as-given"
 def decode_text(tokenizer, ids: Sequence[int]) -> str:
     """The text of ``ids``: special tokens left out, no clean-up of spaces (the one decoding every boundary uses)."""
     return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def well_formed_prefix(text: str) -> tuple[str, bool]:
+    """``text`` up to its first U+FFFD, the mark of bytes that are no UTF-8 (a byte-level model can write them) in a
+    decoding with replacement; trained, that mark would be encoded back as a real character the model never wrote.
+    A trailing run of them is an answer cut inside a character (the budget ran out): its whole characters are kept.
+
+    Returns:
+        ``(prefix, cut)``: cut is True where well-formed text followed the first ill-formed byte (it is dropped).
+    """
+    at = text.find("\ufffd")
+    if at < 0:
+        return text, False
+    return text[:at], bool(text[at:].strip("\ufffd"))
 
 
 def text_boundaries(tokenizer, ids: Sequence[int], text: str) -> list[int | None]:
@@ -177,11 +191,12 @@ def mapped_topk(draft_logprobs: torch.Tensor, mapping, k: int) -> tuple[torch.Te
 
 def text_sequences(tokenizer, paths: Sequence[str | os.PathLike], max_length: int) -> list[TokenSequence]:
     """Plain text files → sequences of at most ``max_length`` target tokens, every prediction trained (the last
-    position of each is not: no token follows it). A file is read as UTF-8 (undecodable bytes replaced) and encoded
-    whole, then cut; a piece of one token trains nothing and is left out. Ids: ``text:<file name>:<piece>``.
+    position of each is not: no token follows it). A file is read as UTF-8 and encoded whole, then cut; a piece of
+    one token trains nothing and is left out. Ids: ``text:<file name>:<piece>``.
 
     Raises:
-        DumpError: a file that does not exist (named).
+        DumpError: a file that does not exist, or one that is not UTF-8 (named with its first bad line: a replaced
+            byte would be trained as U+FFFD, a character the file does not hold).
     """
     from specdraft.data import TokenSequence
 
@@ -189,7 +204,14 @@ def text_sequences(tokenizer, paths: Sequence[str | os.PathLike], max_length: in
     for path in map(Path, paths):
         if not path.is_file():
             raise DumpError(f"--text {path}: no such file")
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            raise DumpError(f"--text {path}: line {line} is not UTF-8 (byte {exc.start}: {exc.reason}); convert the "
+                            f"file to UTF-8 (iconv -f <its encoding> -t UTF-8 {path.name}) and run again.") from None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         for n, a in enumerate(range(0, len(ids), max_length)):
             piece = list(ids[a:a + max_length])
             if len(piece) > 1:
@@ -224,7 +246,7 @@ class DraftTeacher:
         self.target_real = int(tokenizer_view(target_tokenizer).real)
         self.ops = final_logit_ops(draft.config)
         self.twins = (mapping.target_to_draft >= 0).tolist() if mapping is not None else None
-        self.stats = {"answers": 0, "ended": 0, "soft_positions": 0, "hard_positions": 0}
+        self.stats = {"answers": 0, "ended": 0, "cut_ill_formed": 0, "soft_positions": 0, "hard_positions": 0}
 
     def __call__(self, batch: list, first: int) -> TeacherBatch:
         from specdraft.data import Example
@@ -261,7 +283,9 @@ class DraftTeacher:
         for ex, r in zip(examples, d_responses, strict=True):
             ended = bool(r) and int(r[-1]) in self.stops
             body = list(r[:-1]) if ended else list(r)
-            text = decode_text(self.dtok, body).rstrip("\ufffd")  # a cut inside a character: the whole ones only
+            text, cut = well_formed_prefix(decode_text(self.dtok, body))
+            ended = ended and not cut  # the stop came after the ill-formed bytes, not after the text kept
+            self.stats["cut_ill_formed"] += cut
             ids = encode_answer(self.ttok, render_prompt(self.ttok, ex), text) + (self.eot if ended else [])
             answers.append(ids)
             texts.append((body, text))
