@@ -311,6 +311,10 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
     training = json.loads((tmp_path / "run" / "distill" / "training.json").read_text())
     assert training["dump"]["sequences"] == len(train) and training["metrics"]["head_support"] < 300
     assert report["eval_after"]["sets"]["held_out"]["rows"]  # the trained copy was evaluated like any distilled one
+    # The export's token ranking says who wrote the answers it counted: the draft as given, not the target.
+    ranking = json.loads((tmp_path / "run" / "export" / "speculator" / "head_tokens.json").read_text())
+    assert "answer tokens written by the draft as given (" in ranking["counted_over"]
+    assert "target" not in ranking["counted_over"]
     same_t, same_d = save_tiny_pair(tmp_path / "same", 96)
     one_tok = make_config("tiny", target=same_t, draft=same_d, vocab_swap=True, speed_prompts=0,
                           self_teacher={"generate": 6}, distill=route)

@@ -11,7 +11,7 @@ import torch
 
 from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
 from specdraft.data import Example, encode_conversation, encode_prompts
-from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, load_manifest
+from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, answers_written_by, load_manifest
 from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
 from specdraft.self_teacher import (
     DraftTeacher,
@@ -177,6 +177,7 @@ def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_te
     ds = TeacherDataset(tmp_path / "st", draft_tokenizer=pair["t_tok"])  # the target's tokenizer fingerprint
     assert len(ds) == len(examples) and m["signal"]["answers"] == len(examples)
     assert m["teacher"]["kind"] == "draft-as-given" and m["head_fingerprint"] is None and m["top_k"] == 1
+    assert answers_written_by(load_manifest(tmp_path / "st")) == f"the draft as given ({pair['draft']})"
     for i, r in enumerate(ref):
         item = ds[i]
         ids = item["input_ids"].tolist()
@@ -377,6 +378,7 @@ def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swappe
     run_self_teacher(pair["draft"], pair["target"], _examples(), tmp_path / "st", cfg)
     run_dump(pair["target"], _examples(), tmp_path / "target", DumpConfig(format="topk", top_k=4, generate=6,
                                                                           answer_only=True, dtype="float32"))
+    assert answers_written_by(load_manifest(tmp_path / "target")) == "the target"
     mix = TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "target")])
     assert mix.lengths == [len(PROMPTS), len(PROMPTS)]
     res = _distil(pair, swapped, [tmp_path / "st", tmp_path / "target"], tmp_path / "out")

@@ -598,7 +598,8 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
 def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path,
                   mapped: bool = False) -> Callable[[Path], dict[str, Any]]:
     """Export the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
-    counted over the teacher dump's target-written answers plus the embedded training prompts
+    counted over the teacher dump's answers (named by who wrote them: the target, or the draft as given on the
+    self-teacher route) plus the embedded training prompts
     (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator.
 
     For a draft of another tokenizer (``mapped``), the draft as given is written too, into
@@ -607,7 +608,7 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
-        from specdraft.dump_reader import TeacherDataset
+        from specdraft.dump_reader import TeacherDataset, answers_written_by
         from specdraft.export import export_saved_speculator
         from specdraft.models import load_tokenizer
 
@@ -619,8 +620,8 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
             item = dump.tokens(i)
             answers.append(item["input_ids"][1:][item["loss_mask"][:-1].bool()].tolist())
         ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
-        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} target-"
-                                "written answer tokens) + the embedded training prompts")
+        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} answer tokens "
+                                f"written by {answers_written_by(dump.manifest)}) + the embedded training prompts")
         res = res | {"head_tokens_file": str(path.resolve())}
         if cfg.export_gguf is not None:  # the same draft for llama.cpp's -md, checked against the target's vocabulary
             from specdraft.gguf_export import export_gguf

@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 from specdraft.config import SelfTeacherConfig
 from specdraft.data import end_of_turn_ids
 from specdraft.dump import LOSS_MASK_CONVENTION, TOPK_STORAGE, ProgressFn, TeacherBatch, write_dump
-from specdraft.dump_reader import FORMAT_VERSION, DumpError
+from specdraft.dump_reader import FORMAT_VERSION, SELF_TEACHER_KIND, DumpError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from specdraft.data import Example, TokenSequence
 
 #: The manifest's ``teacher.kind`` of a self-teacher dump.
-TEACHER_KIND = "draft-as-given"
+TEACHER_KIND = SELF_TEACHER_KIND
 
 
 # ------------------------------------------------------------------------------------------- text and ids
