@@ -431,7 +431,7 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     def run(d: Path) -> dict[str, Any]:
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.evaluate import acceptance_eval
+        from specdraft.evaluate import acceptance_eval, eos_ids
         from specdraft.models import load_model
         from specdraft.responses import generate_from_ids
         from specdraft.vocab import build_vocab_mapping
@@ -450,7 +450,8 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
                 if log:
                     log(f"[{stage}] {name}: the target writes its {len(examples)} answers (one batch)")
                 t0 = time.perf_counter()
-                answers = generate_from_ids(target, tok, encoded[name], cfg.eval.max_new_tokens, real_vocab=len(tok))
+                answers = generate_from_ids(target, tok, encoded[name], cfg.eval.max_new_tokens, real_vocab=len(tok),
+                                            eos_token_id=eos_ids(target, tok))
                 written = {"decoder_label": f"the target alone, one batch of {len(examples)} rows",
                            "decode_seconds": time.perf_counter() - t0, "decoded_tokens": sum(map(len, answers))}
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],

@@ -51,7 +51,8 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
 
 
 def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
-                      real_vocab: int | None = None, stop_model=None) -> list[list[int]]:
+                      real_vocab: int | None = None, stop_model=None, eos_token_id: list[int] | None = None,
+                      ) -> list[list[int]]:
     """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
     the draft for on-policy distillation (:class:`specdraft.distill_data.DraftWriter`).
 
@@ -65,6 +66,8 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
         real_vocab: ids at or past it are padding rows and never generated.
         stop_model: the model whose stop ids end a response (:func:`answer_stop_ids` of it and ``tokenizer``): the
             target, also when ``model`` is the draft; default ``model``.
+        eos_token_id: the stop ids instead (the evaluation's answers end where its decoding loops end a row,
+            :func:`specdraft.decode.stop_ids`).
 
     Returns:
         ``[n]`` generated id lists (prompt excluded, EOS included).
@@ -85,7 +88,8 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
     pad = tokenizer_pad_id(tokenizer)
     ids, mask = left_pad(prompts, pad, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos_ids = answer_stop_ids(model if stop_model is None else stop_model, tokenizer)
+    eos_ids = (answer_stop_ids(model if stop_model is None else stop_model, tokenizer) if eos_token_id is None
+               else list(eos_token_id))
     was_training = model.training
     model.eval()
     try:
