@@ -597,8 +597,8 @@ def encode_answered_prompt(tokenizer, example: Example, answer: str) -> tuple[li
 def end_of_turn_ids(tokenizer) -> list[int]:
     """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
     out (Qwen's and the tiny template's ``<|im_end|>``): what ends a model's answer, as :func:`encode_conversation`
-    keeps it in a reference answer and as every answer's writer stops at it (:func:`specdraft.responses.answer_stop_ids`).
-    Without a template, or with one that writes nothing there, the tokenizer's EOS (none: ``[]``)."""
+    keeps it in a reference answer and as every answer's writer stops at it
+    (:func:`specdraft.responses.answer_stop_ids`). Without a template, or with one that writes nothing there, the tokenizer's EOS (none: ``[]``)."""
     marker = "\x00specdraft-answer\x00"
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},

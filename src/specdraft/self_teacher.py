@@ -9,11 +9,12 @@ token ids; the re-indexed draft is trained toward it in the target's ids.
 template (:func:`specdraft.responses.generate_responses`; its answer ends at
 :func:`specdraft.responses.answer_stop_ids` of the draft — its EOS or its template's end-of-turn token — or at
 ``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens, cut
-before its first ill-formed byte: :func:`well_formed_prefix`; cut there, it has no end of turn) is encoded with the target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt
-rendered with the target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target
-is shown), followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`,
-so the copy learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
-:mod:`specdraft.dump`'s position convention.
+before its first ill-formed byte: :func:`well_formed_prefix`; cut there, it has no end of turn) is encoded with the
+target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt rendered with the
+target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target is shown),
+followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`, so the copy
+learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses`
+with ``answer_only``); the rest is :mod:`specdraft.dump`'s position convention.
 
 **The signal** is stored in the top-k format of :mod:`specdraft.dump` (``topk_logprobs``, ``topk_ids``,
 ``leftover_logmass``, k = ``top_k`` slots), so :class:`specdraft.dump_reader.TeacherDataset` and ``TeacherMix`` read it
@@ -75,10 +76,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from specdraft.data import Example, TokenSequence
-
-#: The manifest's ``teacher.kind`` of a self-teacher dump.
-TEACHER_KIND = SELF_TEACHER_KIND
-
 
 # ------------------------------------------------------------------------------------------- text and ids
 
@@ -429,7 +426,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                "hidden_size": getattr(tcfg, "hidden_size", None),
                "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
     text_files = [[Path(p).name, hashlib.sha256(Path(p).read_bytes()).hexdigest()] for p in texts]
-    teacher = {"kind": TEACHER_KIND, "ref": str(draft_ref), "weights": model_fingerprint(d_path),
+    teacher = {"kind": SELF_TEACHER_KIND, "ref": str(draft_ref), "weights": model_fingerprint(d_path),
                "revision": model_revision(d_path), "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(d_path))}
     identity = {"teacher": teacher, "tokenizer_fingerprint": tokenizer_fingerprint(ttok), "target_config": t_facts,
                 "settings": config.plan_settings(), "topk_storage": TOPK_STORAGE,
