@@ -271,6 +271,35 @@ def test_a_conversation_ending_with_a_user_turn_is_asked_with_its_whole_history(
     assert answered.prompt_messages == answered.messages[:1]
 
 
+def test_a_training_sequences_prompt_is_what_the_target_is_shown_when_the_template_renders_the_last_turn_apart():
+    """A template that writes a think block into the last assistant turn only renders an earlier reply one way as
+    history and another as the last turn: the sequence of a history with a reference starts with the prompt's ids
+    (the reply as history), then the reference, which alone is trained. A template whose prompt rendering is no
+    prefix of the answered conversation (the last user turn marked) is refused by name."""
+    from specdraft.data import Example, build_sequences
+
+    think_last = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+                  "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = tiny_tokenizer(64, chat_template=think_last)
+    w = tok.convert_ids_to_tokens(list(range(10, 15)))
+    ex = Example("chat", _history(w[0], w[1], w[2]), reference=f"{w[3]} {w[4]}")
+    prompt = encode_prompts(tok, [ex])[0]
+    (seq,) = build_sequences(tok, [ex], answer_only=True)
+    assert seq.ids[: len(prompt)] == prompt
+    trained = [seq.ids[j + 1] for j, t in enumerate(seq.loss_mask) if t]
+    assert tok.convert_ids_to_tokens(trained) == [w[3], w[4], "<|im_end|>"]
+    assert seq.ids[len(prompt):].count(tok.unk_token_id) == 2  # the think tags follow the prompt, untrained
+    (plain,) = build_sequences(tok, [ex], answer_only=False)
+    assert plain.ids == seq.ids and all(plain.loss_mask[:-1])
+    marked = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'user' and loop.last %}"
+              "now {% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(DataError, match=r"^chat: the chat template renders the prompt one way when it is asked .*"
+                                        r"leave this row out"):
+        build_sequences(tiny_tokenizer(64, chat_template=marked), [ex], answer_only=True)
+
+
 def test_a_template_that_refuses_some_histories_names_and_counts_every_row_before_encoding():
     """A template that wants alternating roles refuses a history of two user turns: one DataError counting the
     rows, naming them and the fix, never the template's own exception from the middle of a batch."""

@@ -196,14 +196,22 @@ def test_run_cli_on_tiny_pair(tmp_path):
     assert bad.exit_code != 0 and "--preset" in bad.output
 
 
-def _pair_of_two_tokenizers(root, target_layers: int):
-    """A tiny target (300-token BPE) and a one-layer draft of another BPE (360 tokens), saved under ``root``."""
+def _pair_of_two_tokenizers(root, target_layers: int, draft_writes_text: bool = False):
+    """A tiny target (300-token BPE) and a one-layer draft of another BPE (360 tokens), saved under ``root``. With
+    ``draft_writes_text`` the draft's head rows of the bytes no UTF-8 text starts with are zero, so its greedy answers
+    are text (an answer is cut at its first ill-formed byte)."""
+    import torch
+
     from specdraft.testing import tiny_bpe_tokenizer, tiny_model
 
     tdir, ddir = root / "target", root / "draft"
     for vocab, tok, d, seed, layers in ((300, tiny_bpe_tokenizer(300), tdir, 0, target_layers),
                                         (360, tiny_bpe_tokenizer(360, seed=1), ddir, 1, 1)):
-        tiny_model("llama", vocab, seed=seed, layers=layers).save_pretrained(d)
+        model = tiny_model("llama", vocab, seed=seed, layers=layers)
+        if draft_writes_text and d == ddir:
+            with torch.no_grad():
+                model.lm_head.weight[[i for i in range(vocab) if "\ufffd" in tok.decode([i])]] = 0.0
+        model.save_pretrained(d)
         tok.save_pretrained(d)
     return tdir, ddir
 
@@ -303,7 +311,7 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
     from specdraft.dump_reader import load_manifest
     from specdraft.models import model_fingerprint
 
-    tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=2)
+    tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=2, draft_writes_text=True)
     train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
     route = {"loss": "soft_ce", "head_support": 16, "on_policy_fraction": 0.0, "lr": 1e-3}
     with pytest.raises(pydantic.ValidationError, match="pass --vocab-swap"):
@@ -318,6 +326,10 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
     training = json.loads((tmp_path / "run" / "distill" / "training.json").read_text())
     assert training["dump"]["sequences"] == len(train) and training["metrics"]["head_support"] < 300
     assert report["eval_after"]["sets"]["held_out"]["rows"]  # the trained copy was evaluated like any distilled one
+    # The export's token ranking says who wrote the answers it counted: the draft as given, not the target.
+    ranking = json.loads((tmp_path / "run" / "export" / "speculator" / "head_tokens.json").read_text())
+    assert "answer tokens written by the draft as given (" in ranking["counted_over"]
+    assert "target" not in ranking["counted_over"]
     same_t, same_d = save_tiny_pair(tmp_path / "same", 96)
     one_tok = make_config("tiny", target=same_t, draft=same_d, vocab_swap=True, speed_prompts=0,
                           self_teacher={"generate": 6}, distill=route)

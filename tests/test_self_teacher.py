@@ -10,17 +10,19 @@ import pytest
 import torch
 
 from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
-from specdraft.data import Example, encode_prompts
-from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, load_manifest
-from specdraft.responses import generate_responses
+from specdraft.data import Example, encode_conversation, encode_prompts
+from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, answers_written_by, load_manifest
+from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
 from specdraft.self_teacher import (
+    DraftTeacher,
     aligned_positions,
     decode_text,
     end_of_turn_ids,
     run_self_teacher,
     text_sequences,
+    well_formed_prefix,
 )
-from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer, tiny_model
 from specdraft.vocab import build_vocab_mapping
 
 PROMPTS = ["def total(items):", "for index in range(count):", "hello world value", "print(lambda x: x + count)",
@@ -56,9 +58,10 @@ def _reference(pair, examples, budget):
     t_prompts = encode_prompts(pair["t_tok"], examples)
     out = []
     for dp, tp, r in zip(d_prompts, t_prompts, answers, strict=True):
-        ended = bool(r) and r[-1] in (4, pair["stop"])
+        ended = bool(r) and r[-1] in answer_stop_ids(pair["model"], pair["d_tok"])
         body = r[:-1] if ended else r
-        text = decode_text(pair["d_tok"], body)
+        text, cut = well_formed_prefix(decode_text(pair["d_tok"], body))
+        ended = ended and not cut
         ids = pair["t_tok"](text, add_special_tokens=False)["input_ids"] + ([3] if ended else [])
         out.append({"prompt": tp, "answer": ids, "text": text, "body": body, "ended": ended, "draft_prompt": dp,
                     "response": r})
@@ -70,6 +73,96 @@ def test_the_end_of_turn_is_what_the_chat_template_writes_after_an_answer():
     assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")] == [3]
     tok.chat_template = None
     assert end_of_turn_ids(tok) == [tok.eos_token_id]
+
+
+def _ends_its_turn_after(model, tok, examples, k):
+    """``model`` made to write ``<|im_end|>`` (id 3, not its EOS 4) where its greedy answer writes its ``k``-th token:
+    that token's head row, scaled up, moved to id 3."""
+    _, (answer,) = generate_responses(model, tok, examples, 8)
+    assert 3 not in answer and 4 not in answer
+    with torch.no_grad():
+        model.lm_head.weight[3] = 3 * model.lm_head.weight[answer[k]]
+    return model
+
+
+def test_a_turn_ends_at_the_templates_end_of_turn_token_where_the_eos_is_another():
+    """Every writer of an answer (dump --generate, the self-teacher's draft, the draft's on-policy answers) stops at
+    its template's terminator, also where its EOS is another token: nothing after it is trained as answer."""
+    tok, examples = tiny_bpe_tokenizer(300), _examples(1)
+    model = _ends_its_turn_after(tiny_model("llama", 300, seed=2, layers=1), tok, examples, 2)
+    assert tok.eos_token_id == 4 and answer_stop_ids(model, tok) == [3, 4]
+    prompts, (answer,) = generate_responses(model, tok, examples, 8)
+    assert answer[-1] == 3 and 3 not in answer[:-1] and len(answer) <= 3
+    target = tiny_model("llama", 300, seed=3, layers=1)  # on-policy: the draft writes, the target's stops apply
+    assert generate_from_ids(model, tok, prompts, 8, stop_model=target) == [answer]
+    teacher = DraftTeacher(model, tok, tok, SelfTeacherConfig(generate=8, dtype="float32"))
+    ((seq, _),), dropped, _, _ = teacher.answer(examples)
+    assert seq.ids == prompts[0] + answer and teacher.stats["ended"] == 1 and dropped == 0
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style BPE of the Metaspace kind (``▁`` before every word, the first one included), trained
+    here on the tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from specdraft.testing import SPECIAL_TOKENS, _tiny_fast_tokenizer, tiny_corpus
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.train_from_iterator(tiny_corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False, limit_alphabet=1000))
+    return _tiny_fast_tokenizer(tok, False)
+
+
+def test_an_answer_is_encoded_in_its_context_as_the_conversation_encoder_writes_it(pair):
+    """The self-teacher's answer ids are the ones the conversation encoder gives the same answer after the same
+    prompt: no SentencePiece ``▁`` before its first word (an answer encoded alone would start with one)."""
+    examples = _examples()
+    _, responses = generate_responses(pair["model"], pair["d_tok"], examples, 6)
+    stops = answer_stop_ids(pair["model"], pair["d_tok"])
+    texts = [well_formed_prefix(decode_text(pair["d_tok"], r[:-1] if r[-1] in stops else r)) for r in responses]
+    # The answers the encoder takes whole (it strips an answer's outer whitespace), the ill-formed ones left out.
+    whole = [i for i, (t, cut) in enumerate(texts) if t and not cut and t == t.strip()]
+    assert len(whole) >= 2
+    for ttok in (tiny_bpe_tokenizer(300), tiny_llama_tokenizer(300, bos=False), _metaspace_tokenizer()):
+        teacher = DraftTeacher(pair["model"], pair["d_tok"], ttok, SelfTeacherConfig(generate=6, dtype="float32"))
+        out, _, _, _ = teacher.answer(examples)
+        prompts = encode_prompts(ttok, examples)
+        for i in whole:
+            (seq, _), p, text = out[i], prompts[i], texts[i][0]
+            ids, assistant = encode_conversation(ttok, [*examples[i].messages, {"role": "assistant", "content": text}])
+            written = [t for t, a in zip(ids, assistant, strict=True) if a]  # the answer, then <|im_end|>
+            assert ids[:len(p)] == p and written[-1] == 3
+            assert seq.ids == p + (written if responses[i][-1] in stops else written[:-1])
+
+
+def test_an_answer_is_cut_before_its_first_ill_formed_byte_and_has_no_end_of_turn_then():
+    """A byte-level draft that writes a byte no UTF-8 text holds mid-answer: the text after it is dropped (never
+    trained as U+FFFD), the answer has no end of turn (the draft's stop came after the cut) and the cut is counted."""
+    tok, examples = tiny_bpe_tokenizer(300), _examples(1)
+    model = tiny_model("llama", 300, seed=2, layers=1)
+    _, (answer,) = generate_responses(model, tok, examples, 8)
+    stray = next(i for i in range(5, 300) if tok.decode([i]) == "\ufffd")  # a lone continuation byte
+    with torch.no_grad():
+        model.lm_head.weight[stray] = 3 * model.lm_head.weight[answer[1]]
+    _, (written,) = generate_responses(model, tok, examples, 8)
+    text = decode_text(tok, written)
+    at = text.index("\ufffd")
+    assert 0 < at and text[at:].strip("\ufffd")  # well-formed text before and after the ill-formed byte
+    teacher = DraftTeacher(model, tok, tok, SelfTeacherConfig(generate=8, dtype="float32"))
+    ((seq, _),), _, _, _ = teacher.answer(examples)
+    prompt = encode_prompts(tok, examples)[0]
+    assert seq.ids == prompt + tok(text[:at], add_special_tokens=False)["input_ids"]
+    assert "\ufffd" not in decode_text(tok, seq.ids) and teacher.stats["cut_ill_formed"] == 1
+    assert teacher.stats["ended"] == 0
+
+
+def test_a_text_file_that_is_not_utf8_is_refused_by_name_and_line(pair, tmp_path):
+    src = tmp_path / "latin.py"
+    src.write_bytes("def total(items):\n    return count\nvalue = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(DumpError, match=r"--text .*latin\.py: line 3 is not UTF-8 .*convert the file to UTF-8"):
+        text_sequences(pair["t_tok"], [src], 40)
 
 
 def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_text_in_target_ids(pair, tmp_path):
@@ -84,6 +177,7 @@ def test_a_self_teacher_sequence_is_the_targets_prompt_then_the_drafts_answer_te
     ds = TeacherDataset(tmp_path / "st", draft_tokenizer=pair["t_tok"])  # the target's tokenizer fingerprint
     assert len(ds) == len(examples) and m["signal"]["answers"] == len(examples)
     assert m["teacher"]["kind"] == "draft-as-given" and m["head_fingerprint"] is None and m["top_k"] == 1
+    assert answers_written_by(load_manifest(tmp_path / "st")) == f"the draft as given ({pair['draft']})"
     for i, r in enumerate(ref):
         item = ds[i]
         ids = item["input_ids"].tolist()
@@ -128,7 +222,7 @@ def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_al
     mapping = build_vocab_mapping(pair["target"], pair["draft"])
     twins = (mapping.target_to_draft >= 0).tolist()
     ds = TeacherDataset(tmp_path / "st")
-    soft_total = 0
+    soft_total = ends = 0
     for i, r in enumerate(_reference(pair, examples, 10)):
         item = ds[i]
         p_t, p_d = len(r["prompt"]), len(r["draft_prompt"])
@@ -142,6 +236,13 @@ def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_al
         # The stored values: the draft as given alone on its own sequence, log-softmax, top-4 of its twins.
         with torch.no_grad():
             logq = pair["model"](torch.tensor([r["draft_prompt"] + r["response"]])).logits[0].float().log_softmax(-1)
+        end = p_t + len(r["answer"]) - 2 if r["ended"] else None  # predicts the end-of-turn token
+        ends += end in want
+        if end in want:  # the draft's probability of stopping, by any of its stop ids, on the stored token's twin
+            stops = torch.tensor(answer_stop_ids(pair["model"], pair["d_tok"]))
+            stopping = logq[want[end], stops].logsumexp(-1)
+            logq[want[end], stops] = float("-inf")
+            logq[want[end], mapping.target_to_draft[3]] = stopping
         for t, d in want.items():
             ids = item["topk_ids"][t].long()
             assert torch.allclose(item["topk_logprobs"][t], logq[d, mapping.target_to_draft[ids]], atol=1e-5)
@@ -151,6 +252,7 @@ def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_al
             assert torch.allclose(item["leftover_logmass"][t], logq[d][rest].logsumexp(-1), atol=1e-5)
         assert all(bool(hard[j]) for j in item["loss_mask"].nonzero().flatten().tolist() if j not in want)
     assert soft_total > 0 and m["signal"]["soft_positions"] == soft_total
+    assert ends > 0  # end-of-turn positions are exercised
     assert m["signal"]["hard_positions"] == m["trained_tokens"] - soft_total
 
 
@@ -276,6 +378,7 @@ def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swappe
     run_self_teacher(pair["draft"], pair["target"], _examples(), tmp_path / "st", cfg)
     run_dump(pair["target"], _examples(), tmp_path / "target", DumpConfig(format="topk", top_k=4, generate=6,
                                                                           answer_only=True, dtype="float32"))
+    assert answers_written_by(load_manifest(tmp_path / "target")) == "the target"
     mix = TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "target")])
     assert mix.lengths == [len(PROMPTS), len(PROMPTS)]
     res = _distil(pair, swapped, [tmp_path / "st", tmp_path / "target"], tmp_path / "out")
@@ -300,7 +403,9 @@ def test_dump_self_teacher_writes_the_drafts_dump_and_refuses_the_flags_that_do_
     assert r.exit_code == 0, r.output
     m = load_manifest(tmp_path / "st")
     assert m["teacher"]["kind"] == "draft-as-given" and m["top_k"] == 1 and m["config"]["generate"] == 4
-    assert m["sequences"] == 3 and "trained positions: draft distribution / hard label" in r.output
+    # An answer whose first byte is no UTF-8 keeps no text: it is dropped and counted.
+    assert m["sequences"] + m["dropped"] == 3 and "trained positions: draft distribution / hard label" in r.output
+    assert "answers cut before ill-formed UTF-8" in r.output
     for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --self-teacher"),
                         (["--seed", "3"], "--seed do(es) not apply")):
         r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})

@@ -545,6 +545,87 @@ def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> lis
     return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
 
 
+def encode_answer(tokenizer, prompt_text: str, answer: str) -> list[int]:
+    """Token ids of ``answer`` as they follow its prompt (``prompt_text``, :func:`render_prompt`'s): the two encoded
+    as one text, as :func:`encode_conversation` encodes a whole conversation, and the tokens from the first that
+    reaches into the answer kept. Encoded alone, an answer would start as a new text does (a SentencePiece-style
+    tokenizer's ``▁`` before its first word), which no rendered conversation holds. Where a token spans the boundary
+    (the tokenizer merges the prompt's last characters with the answer's first), the prompt keeps its own ids — what
+    the model is shown — and only the answer's part of that token is encoded by itself.
+
+    Returns:
+        ``[n]`` ids (``[]`` for an empty answer).
+    """
+    return _tokens_after(tokenizer, prompt_text, answer)[0]
+
+
+def _tokens_after(tokenizer, prompt_text: str, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """:func:`encode_answer`'s ids of ``text`` and their character spans in ``text``."""
+    if not text:
+        return [], []
+    enc = tokenizer(prompt_text + text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, n = list(enc["input_ids"]), len(prompt_text)
+    spans = [(max(a - n, 0), b - n) for a, b in enc["offset_mapping"]]
+    first = next(i for i, (_, b) in enumerate(spans) if b > 0)
+    if enc["offset_mapping"][first][0] >= n:
+        return ids[first:], spans[first:]
+    head = tokenizer(text[: spans[first][1]], add_special_tokens=False, return_offsets_mapping=True)
+    return list(head["input_ids"]) + ids[first + 1:], list(head["offset_mapping"]) + spans[first + 1:]
+
+
+def encode_answered_prompt(tokenizer, example: Example, answer: str) -> tuple[list[int], list[bool]]:
+    """A prompt and its answer as one training sequence whose prompt part is what the model is shown: the ids of
+    :func:`encode_prompts`, then the rest of the conversation's rendering with ``answer`` as the last assistant turn,
+    encoded in context (:func:`encode_answer`). A template may render a turn differently as history than as the
+    last one (a think block on the last turn only); the prompt's rendering is the one the model is shown, so it is
+    the one kept, and a conversation whose whole rendering does not start with it is refused by name.
+
+    Returns:
+        ``(ids, assistant)`` as :func:`encode_conversation`'s: True on the answer's tokens from its content to its
+        end of turn (text the template writes into the turn by itself, before the content, is not).
+
+    Raises:
+        DataError: the rendering of the whole conversation does not start with the prompt's (names the example and
+            where they part).
+    """
+    prompt_text = render_prompt(tokenizer, example)
+    msgs = [*example.prompt_messages, {"role": "assistant", "content": answer}]
+    try:
+        full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    except Exception as exc:  # template errors become one message naming the example
+        raise DataError(f"{example.id}: the chat template failed on {len(msgs)} message(s): {exc}") from exc
+    if not full.startswith(prompt_text):
+        at = next((i for i, (a, b) in enumerate(zip(prompt_text, full)) if a != b), min(len(prompt_text), len(full)))
+        raise DataError(f"{example.id}: the chat template renders the prompt one way when it is asked (with the "
+                        f"generation prompt: {prompt_text[at:at + 40]!r} at character {at}) and another way when "
+                        f"the answer follows it ({full[at:at + 40]!r}), so no training sequence can start with what "
+                        "the model is shown. Use a template that renders earlier turns alike in both, or leave "
+                        "this row out.")
+    rest = full[len(prompt_text):]
+    ids, spans = _tokens_after(tokenizer, prompt_text, rest)
+    content = answer.strip()
+    start = rest.find(content) if content else -1
+    start, end = max(start, 0), len(rest.rstrip())
+    prompt = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+    return prompt + ids, [False] * len(prompt) + [a < end and b > start for a, b in spans]
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
+    out (Qwen's and the tiny template's ``<|im_end|>``): what ends a model's answer, as :func:`encode_conversation`
+    keeps it in a reference answer and as every answer's writer stops at it
+    (:func:`specdraft.responses.answer_stop_ids`). Without a template, or with one that writes nothing there, the tokenizer's EOS (none: ``[]``)."""
+    marker = "\x00specdraft-answer\x00"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+        at = text.find(marker)
+        tail = text[at + len(marker):].rstrip() if at >= 0 else ""
+        if tail:
+            return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+
+
 # ------------------------------------------------------------------------------ training sequences
 
 
@@ -652,7 +733,8 @@ def build_sequences(tokenizer, examples: list[Example], answer_only: bool = Fals
     """Conversations → token sequences with loss masks (see :class:`TokenSequence` for the convention).
 
     An example whose last message is a user turn and that carries a ``reference`` (HumanEval's canonical
-    solution) is completed with the reference as the assistant's answer. With ``answer_only`` only
+    solution) is completed with the reference as the assistant's answer, after the prompt the model is shown
+    (:func:`encode_answered_prompt`: only the reference is an assistant turn there). With ``answer_only`` only
     predictions of assistant tokens are trained (:func:`encode_conversation`); otherwise every prediction
     of a next token is. Without a chat template the message contents are joined by newlines and
     ``answer_only`` is refused.
@@ -677,9 +759,12 @@ def build_sequences(tokenizer, examples: list[Example], answer_only: bool = Fals
     out = []
     for ex in examples:
         msgs = list(ex.messages)
-        if msgs and msgs[-1]["role"] != "assistant" and ex.reference:
+        answered = bool(msgs) and msgs[-1]["role"] != "assistant" and bool(ex.reference)
+        if answered:
             msgs.append({"role": "assistant", "content": ex.reference})
-        if getattr(tokenizer, "chat_template", None):
+        if getattr(tokenizer, "chat_template", None) and answered:
+            ids, assistant = encode_answered_prompt(tokenizer, ex, ex.reference)
+        elif getattr(tokenizer, "chat_template", None):
             ids, assistant = encode_conversation(tokenizer, msgs, ex.id)
         elif answer_only:
             raise DataError(f"{ex.id}: --answer-only needs a tokenizer with a chat template.")

@@ -171,8 +171,8 @@ class DraftWriter:
         tokenizer: the shared tokenizer (pad and EOS ids).
         dump_config: the dump's :class:`~specdraft.config.DumpConfig`: the signal format and ``max_length``.
         sampling: the serving filter the draft samples with (``temperature`` > 0, ``top_k``, ``top_p``).
-        max_new_tokens: length bound of an answer (≥ 1; a stop id of the target, :func:`specdraft.decode.stop_ids`,
-            ends it earlier).
+        max_new_tokens: length bound of an answer (≥ 1; a stop id of the target,
+            :func:`specdraft.responses.answer_stop_ids`, ends it earlier).
 
     Calling ``writer(draft, [(id, prompt ids)], seed)`` returns :class:`~specdraft.dump_reader.TeacherDataset`-like items
     (``id`` prefixed ``on-policy/``; only the answer is trained) and adds to :attr:`stats`: ``sequences``,

@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # 2: the manifest records "logit_transform" (the target's final-logit transforms); 1 had none.
 FORMAT_VERSION = 2
+#: The manifest's ``teacher.kind`` of a self-teacher dump (:mod:`specdraft.self_teacher`).
+SELF_TEACHER_KIND = "draft-as-given"
 MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
 # Names of the final norm module on a base model, tried in order when captured states are pre-norm.
@@ -157,6 +159,17 @@ def shard_problem(out: Path, rec: dict[str, Any]) -> str | None:
     if sha != rec["sha256"]:
         return f"{rec['file']} is corrupt: sha256 {sha[:16]}…, the record says {rec['sha256'][:16]}…"
     return None
+
+
+def answers_written_by(manifest: dict[str, Any]) -> str:
+    """Who wrote a dump's trained answers, as its manifest records it: the draft as given (a self-teacher dump), the
+    target (a dump with ``generate``), or the data (reference answers and conversations, teacher-forced)."""
+    teacher = manifest.get("teacher") or {}
+    if teacher.get("kind") == SELF_TEACHER_KIND:
+        return f"the draft as given ({teacher.get('ref')})"
+    if (manifest.get("config") or {}).get("generate") is not None:
+        return "the target"
+    return "the data (teacher-forced)"
 
 
 def load_manifest(dump_dir: str | os.PathLike) -> dict[str, Any]:

@@ -462,7 +462,7 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     def run(d: Path) -> dict[str, Any]:
         from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
-        from specdraft.evaluate import acceptance_eval
+        from specdraft.evaluate import acceptance_eval, eos_ids
         from specdraft.models import load_model
         from specdraft.responses import generate_from_ids
         from specdraft.vocab import build_vocab_mapping
@@ -481,7 +481,8 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
                 if log:
                     log(f"[{stage}] {name}: the target writes its {len(examples)} answers (one batch)")
                 t0 = time.perf_counter()
-                answers = generate_from_ids(target, tok, encoded[name], cfg.eval.max_new_tokens, real_vocab=len(tok))
+                answers = generate_from_ids(target, tok, encoded[name], cfg.eval.max_new_tokens, real_vocab=len(tok),
+                                            eos_token_id=eos_ids(target, tok))
                 written = {"decoder_label": f"the target alone, one batch of {len(examples)} rows",
                            "decode_seconds": time.perf_counter() - t0, "decoded_tokens": sum(map(len, answers))}
             sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
@@ -630,9 +631,9 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
                   before: dict[str, Any] | None = None, after: dict[str, Any] | None = None,
                   speed: SpeedStage | None = None) -> Callable[[Path], dict[str, Any]]:
     """Export the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
-    counted over the teacher dump's answers (written by the target, or by the draft as given on the self-teacher
-    road) plus the embedded training prompts (:func:`specdraft.draft_model.save_head_tokens`): what
-    ``--draft-head-tokens N`` keeps for this speculator.
+    counted over the teacher dump's answers (named by who wrote them: the target, or the draft as given on the
+    self-teacher route) plus the embedded training prompts
+    (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator.
 
     The draft as given is written too, into ``export/speculator-as-given`` (:func:`specdraft.export.export_draft`;
     a draft of another tokenizer keeps its own and the ``"text"`` proposal method: vLLM serves it through
@@ -644,7 +645,7 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
 
     def run(d: Path) -> dict[str, Any]:
         from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
-        from specdraft.dump_reader import TeacherDataset
+        from specdraft.dump_reader import TeacherDataset, answers_written_by
         from specdraft.export import export_draft, export_saved_speculator
         from specdraft.models import load_tokenizer
 
@@ -655,10 +656,9 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
         for i in range(len(dump)):
             item = dump.tokens(i)
             answers.append(item["input_ids"][1:][item["loss_mask"][:-1].bool()].tolist())
-        writer = (f"{cfg.draft} as given" if cfg.self_teacher is not None else "the target")
         ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
-        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} answer "
-                                f"tokens written by {writer}) + the embedded training prompts")
+        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} answer tokens "
+                                f"written by {answers_written_by(dump.manifest)}) + the embedded training prompts")
         res = res | {"head_tokens_file": str(path.resolve())}
         given = export_draft(plan.draft.path, cfg.target, d / "speculator-as-given",
                              num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)

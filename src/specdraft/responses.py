@@ -12,6 +12,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from specdraft.data import Example
 
 
+def answer_stop_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer written as teacher signal: :func:`specdraft.decode.stop_ids` of ``model`` and
+    ``tokenizer``, and the end-of-turn token the tokenizer's chat template writes after an answer
+    (:func:`specdraft.data.end_of_turn_ids`) where it is one token. A chat model ends its turn with its template's
+    terminator (``<|im_end|>``, ``<end_of_turn>``) even where its EOS is another token; running on past it, the
+    terminator vanishes from the decoded text and an invented next turn would be trained as answer. A terminator
+    of several tokens is no stop id (its first piece may be ordinary text).
+
+    Returns:
+        sorted token ids.
+    """
+    from specdraft.data import end_of_turn_ids
+    from specdraft.decode import stop_ids
+
+    eot = end_of_turn_ids(tokenizer) if getattr(tokenizer, "chat_template", None) else []
+    return sorted(set(stop_ids(model, tokenizer)) | (set(eot) if len(eot) == 1 else set()))
+
+
 def generate_responses(target, tokenizer, examples: list[Example], max_new_tokens: int, sampling=None,
                        seed: int = 0, real_vocab: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """The target answers each example's prompt (chat template, generation prompt), in one left-padded batch.
@@ -33,7 +51,8 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
 
 
 def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
-                      real_vocab: int | None = None, stop_model=None) -> list[list[int]]:
+                      real_vocab: int | None = None, stop_model=None, eos_token_id: list[int] | None = None,
+                      ) -> list[list[int]]:
     """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
     the draft for on-policy distillation (:class:`specdraft.distill_data.DraftWriter`).
 
@@ -45,8 +64,10 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
         sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
         seed: seed of the sampling generator.
         real_vocab: ids at or past it are padding rows and never generated.
-        stop_model: the model whose stop ids end a response (:func:`specdraft.decode.stop_ids` of it and
-            ``tokenizer``): the target, also when ``model`` is the draft; default ``model``.
+        stop_model: the model whose stop ids end a response (:func:`answer_stop_ids` of it and ``tokenizer``): the
+            target, also when ``model`` is the draft; default ``model``.
+        eos_token_id: the stop ids instead (the evaluation's answers end where its decoding loops end a row,
+            :func:`specdraft.decode.stop_ids`).
 
     Returns:
         ``[n]`` generated id lists (prompt excluded, EOS included).
@@ -58,7 +79,7 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
 
     from specdraft.config import SamplingConfig
     from specdraft.data import tokenizer_pad_id
-    from specdraft.decode import DecodeError, check_max_new_tokens, left_pad, stop_ids, target_generate
+    from specdraft.decode import DecodeError, check_max_new_tokens, left_pad, target_generate
     from specdraft.dump_reader import DumpError
 
     check_max_new_tokens(max_new_tokens, error=DumpError)
@@ -67,7 +88,8 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
     pad = tokenizer_pad_id(tokenizer)
     ids, mask = left_pad(prompts, pad, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos_ids = stop_ids(model if stop_model is None else stop_model, tokenizer)
+    eos_ids = (answer_stop_ids(model if stop_model is None else stop_model, tokenizer) if eos_token_id is None
+               else list(eos_token_id))
     was_training = model.training
     model.eval()
     try:

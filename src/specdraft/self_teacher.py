@@ -6,13 +6,15 @@ given, which still has it and costs no target compute. Notation: q = the draft a
 token ids; the re-indexed draft is trained toward it in the target's ids.
 
 **Sequences** (one per prompt): the draft as given answers each prompt greedily, in batches, under its own chat
-template (:func:`specdraft.responses.generate_responses`; its answer ends at :func:`specdraft.decode.stop_ids` of the
-draft, or at ``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special
-tokens) is encoded with the target's tokenizer and put after the prompt rendered with the target's chat template
-(:func:`specdraft.data.encode_prompts`: the prompt ids are what the target is shown), followed, when the draft stopped,
-by the target's end-of-turn ids (:func:`end_of_turn_ids`, so the copy learns to stop). ``loss_mask`` is on the answer
-positions exactly (:func:`specdraft.data.sequences_from_responses` with ``answer_only``); the rest is
-:mod:`specdraft.dump`'s position convention.
+template (:func:`specdraft.responses.generate_responses`; its answer ends at
+:func:`specdraft.responses.answer_stop_ids` of the draft — its EOS or its template's end-of-turn token — or at
+``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens, cut
+before its first ill-formed byte: :func:`well_formed_prefix`; cut there, it has no end of turn) is encoded with the
+target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt rendered with the
+target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target is shown),
+followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`, so the copy
+learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses`
+with ``answer_only``); the rest is :mod:`specdraft.dump`'s position convention.
 
 **The signal** is stored in the top-k format of :mod:`specdraft.dump` (``topk_logprobs``, ``topk_ids``,
 ``leftover_logmass``, k = ``top_k`` slots), so :class:`specdraft.dump_reader.TeacherDataset` and ``TeacherMix`` read it
@@ -31,7 +33,9 @@ unchanged and :func:`specdraft.distill.run_distill` trains on it alone or beside
   :func:`aligned_positions`): the draft's next-token distribution at its context ending at c, q(· | draft prompt,
   draft ids of text[:c]), top-k over its tokens that have a target twin, each moved to that twin's target id, and the
   leftover = the mass of every other draft token (twin-less ones included), computed as a log-sum-exp. The end-of-turn
-  position counts when the draft stopped and the target's end-of-turn token has a twin (c = the whole text). **Exact**
+  position counts when the draft stopped and the target's end-of-turn token has a twin (c = the whole text); there the
+  draft's mass on every one of its stop ids is the probability that it stops, and it is put on the twin of the
+  end-of-turn token the stored sequence holds (its other stop ids then hold nothing). **Exact**
   there in this sense: every stored log-prob is the draft's own log-probability of emitting exactly that string as its
   next token, at a context of the same answer text, and the stored ids stand for the same strings. **What it
   approximates**: the ideal teacher is the draft's probability that the text continues with y's string *and a target
@@ -64,17 +68,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdraft.config import SelfTeacherConfig
+from specdraft.data import end_of_turn_ids
 from specdraft.dump import LOSS_MASK_CONVENTION, TOPK_STORAGE, ProgressFn, TeacherBatch, write_dump
-from specdraft.dump_reader import FORMAT_VERSION, DumpError
+from specdraft.dump_reader import FORMAT_VERSION, SELF_TEACHER_KIND, DumpError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from specdraft.data import Example, TokenSequence
-
-#: The manifest's ``teacher.kind`` of a self-teacher dump.
-TEACHER_KIND = "draft-as-given"
-
 
 # ------------------------------------------------------------------------------------------- text and ids
 
@@ -84,20 +85,18 @@ def decode_text(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def end_of_turn_ids(tokenizer) -> list[int]:
-    """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
-    out (Qwen's and the tiny template's ``<|im_end|>``): what ends the target's answer, as
-    :func:`specdraft.data.encode_conversation` keeps it in a reference answer. Without a template, or with one that
-    writes nothing there, the tokenizer's EOS (none: ``[]``)."""
-    marker = "\x00specdraft-answer\x00"
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
-                                              {"role": "assistant", "content": marker}], tokenize=False)
-        at = text.find(marker)
-        tail = text[at + len(marker):].rstrip() if at >= 0 else ""
-        if tail:
-            return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
-    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+def well_formed_prefix(text: str) -> tuple[str, bool]:
+    """``text`` up to its first U+FFFD, the mark of bytes that are no UTF-8 (a byte-level model can write them) in a
+    decoding with replacement; trained, that mark would be encoded back as a real character the model never wrote.
+    A trailing run of them is an answer cut inside a character (the budget ran out): its whole characters are kept.
+
+    Returns:
+        ``(prefix, cut)``: cut is True where well-formed text followed the first ill-formed byte (it is dropped).
+    """
+    at = text.find("\ufffd")
+    if at < 0:
+        return text, False
+    return text[:at], bool(text[at:].strip("\ufffd"))
 
 
 def text_boundaries(tokenizer, ids: Sequence[int], text: str) -> list[int | None]:
@@ -189,11 +188,12 @@ def mapped_topk(draft_logprobs: torch.Tensor, mapping, k: int) -> tuple[torch.Te
 
 def text_sequences(tokenizer, paths: Sequence[str | os.PathLike], max_length: int) -> list[TokenSequence]:
     """Plain text files → sequences of at most ``max_length`` target tokens, every prediction trained (the last
-    position of each is not: no token follows it). A file is read as UTF-8 (undecodable bytes replaced) and encoded
-    whole, then cut; a piece of one token trains nothing and is left out. Ids: ``text:<file name>:<piece>``.
+    position of each is not: no token follows it). A file is read as UTF-8 and encoded whole, then cut; a piece of
+    one token trains nothing and is left out. Ids: ``text:<file name>:<piece>``.
 
     Raises:
-        DumpError: a file that does not exist (named).
+        DumpError: a file that does not exist, or one that is not UTF-8 (named with its first bad line: a replaced
+            byte would be trained as U+FFFD, a character the file does not hold).
     """
     from specdraft.data import TokenSequence
 
@@ -201,7 +201,14 @@ def text_sequences(tokenizer, paths: Sequence[str | os.PathLike], max_length: in
     for path in map(Path, paths):
         if not path.is_file():
             raise DumpError(f"--text {path}: no such file")
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            raise DumpError(f"--text {path}: line {line} is not UTF-8 (byte {exc.start}: {exc.reason}); convert the "
+                            f"file to UTF-8 (iconv -f <its encoding> -t UTF-8 {path.name}) and run again.") from None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         for n, a in enumerate(range(0, len(ids), max_length)):
             piece = list(ids[a:a + max_length])
             if len(piece) > 1:
@@ -224,19 +231,19 @@ class DraftTeacher:
     """
 
     def __init__(self, draft, draft_tokenizer, target_tokenizer, config: SelfTeacherConfig, mapping=None):
-        from specdraft.decode import stop_ids
+        from specdraft.responses import answer_stop_ids
         from specdraft.sampling import final_logit_ops
         from specdraft.vocab import tokenizer_view
 
         self.draft, self.dtok, self.ttok, self.config, self.mapping = draft, draft_tokenizer, target_tokenizer, config, \
             mapping
-        self.stops = set(stop_ids(draft, draft_tokenizer))
+        self.stops = set(answer_stop_ids(draft, draft_tokenizer))
         self.eot = end_of_turn_ids(target_tokenizer)
         self.draft_real = int(tokenizer_view(draft_tokenizer).real)
         self.target_real = int(tokenizer_view(target_tokenizer).real)
         self.ops = final_logit_ops(draft.config)
         self.twins = (mapping.target_to_draft >= 0).tolist() if mapping is not None else None
-        self.stats = {"answers": 0, "ended": 0, "soft_positions": 0, "hard_positions": 0}
+        self.stats = {"answers": 0, "ended": 0, "cut_ill_formed": 0, "soft_positions": 0, "hard_positions": 0}
 
     def __call__(self, batch: list, first: int) -> TeacherBatch:
         from specdraft.data import Example
@@ -261,7 +268,7 @@ class DraftTeacher:
     def answer(self, examples: list[Example]) -> tuple[list, int, int, float]:
         """The draft answers ``examples`` → per example ``(TokenSequence, signal)`` or None (truncation emptied it),
         the count of those, the tokens generated and the seconds generating took."""
-        from specdraft.data import encode_prompts, sequences_from_responses
+        from specdraft.data import encode_answer, encode_prompts, render_prompt, sequences_from_responses
         from specdraft.responses import generate_responses
 
         t0 = time.perf_counter()
@@ -270,11 +277,13 @@ class DraftTeacher:
         seconds = time.perf_counter() - t0
         t_prompts = encode_prompts(self.ttok, examples)
         answers, texts, endings = [], [], []
-        for r in d_responses:
+        for ex, r in zip(examples, d_responses, strict=True):
             ended = bool(r) and int(r[-1]) in self.stops
             body = list(r[:-1]) if ended else list(r)
-            text = decode_text(self.dtok, body).rstrip("\ufffd")  # a cut inside a character: the whole ones only
-            ids = list(self.ttok(text, add_special_tokens=False)["input_ids"]) + (self.eot if ended else [])
+            text, cut = well_formed_prefix(decode_text(self.dtok, body))
+            ended = ended and not cut  # the stop came after the ill-formed bytes, not after the text kept
+            self.stats["cut_ill_formed"] += cut
+            ids = encode_answer(self.ttok, render_prompt(self.ttok, ex), text) + (self.eot if ended else [])
             answers.append(ids)
             texts.append((body, text))
             endings.append(ended)
@@ -296,7 +305,8 @@ class DraftTeacher:
                 pairs = aligned_positions(self.dtok, body, self.ttok, answers[i], text, self.twins, endings[i],
                                           self.eot)
                 p_t, p_d = len(t_prompts[i]), len(d_prompts[i])
-                pairs = [(p_t + k - 1, p_d + j - 1) for k, j in pairs if p_t + k - 1 < len(q.ids) - 1
+                n_text = len(answers[i]) - (len(self.eot) if endings[i] else 0)
+                pairs = [(p_t + k - 1, p_d + j - 1, k == n_text) for k, j in pairs if p_t + k - 1 < len(q.ids) - 1
                          and q.loss_mask[p_t + k - 1]]
                 self.stats["soft_positions"] += len(pairs)
                 self.stats["hard_positions"] -= len(pairs)
@@ -307,7 +317,8 @@ class DraftTeacher:
 
     def _soften(self, jobs: list) -> None:
         """Overwrite the hard labels at the aligned positions with the draft's mapped distribution: one right-padded
-        draft pass over the draft sequences, the head applied at those positions only."""
+        draft pass over the draft sequences, the head applied at those positions only. ``jobs``: ``(signal, draft
+        ids, [(target position, draft position, end of turn)])``."""
         import torch
         import torch.nn.functional as F
         from torch.nn.utils.rnn import pad_sequence
@@ -325,14 +336,25 @@ class DraftTeacher:
         with torch.no_grad():
             h = self.draft.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B,S,H]
             rows = torch.tensor([b for b, (_, _, pairs) in enumerate(jobs) for _ in pairs], device=device)
-            cols = torch.tensor([d for _, _, pairs in jobs for _, d in pairs], device=device)
+            cols = torch.tensor([d for _, _, pairs in jobs for _, d, _ in pairs], device=device)
+            ends = torch.tensor([e for _, _, pairs in jobs for _, _, e in pairs], device=device)
             logits = apply_final_logit_ops(F.linear(h[rows, cols], head.weight, getattr(head, "bias", None)),
                                            self.ops).float()  # [N, V_d]
             logits[:, self.draft_real:] = float("-inf")
-            lp, tid, left = mapped_topk(logits.log_softmax(dim=-1), self.mapping, self.config.top_k)
+            logq = logits.log_softmax(dim=-1)
+            if bool(ends.any()):
+                # The draft stops by any of its stop ids; the stored sequence ends its turn with one token, so the
+                # probability of stopping goes to that token's twin and none is left on another stop id's twin.
+                stops = torch.tensor(sorted(s for s in self.stops if s < self.draft_real), device=device)
+                twin = int(self.mapping.target_to_draft[self.eot[0]])
+                stopping = logq[ends][:, stops].logsumexp(dim=-1)
+                pooled = logq[ends].index_fill(1, stops, float("-inf"))
+                pooled[:, twin] = stopping
+                logq[ends] = pooled
+            lp, tid, left = mapped_topk(logq, self.mapping, self.config.top_k)
         n = 0
         for signal, _, pairs in jobs:
-            at = torch.tensor([t for t, _ in pairs])
+            at = torch.tensor([t for t, _, _ in pairs])
             signal["topk_logprobs"][at] = lp[n:n + len(pairs)].cpu()
             signal["topk_ids"][at] = tid[n:n + len(pairs)].to("cpu", torch.int32)
             signal["leftover_logmass"][at] = left[n:n + len(pairs)].cpu()
@@ -411,7 +433,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                "hidden_size": getattr(tcfg, "hidden_size", None),
                "num_hidden_layers": getattr(tcfg, "num_hidden_layers", None)}
     text_files = [[Path(p).name, hashlib.sha256(Path(p).read_bytes()).hexdigest()] for p in texts]
-    teacher = {"kind": TEACHER_KIND, "ref": str(draft_ref), "weights": model_fingerprint(d_path),
+    teacher = {"kind": SELF_TEACHER_KIND, "ref": str(draft_ref), "weights": model_fingerprint(d_path),
                "revision": model_revision(d_path), "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(d_path)),
                "rendering": rendering_identity(d_path)}  # the draft renders its prompts and ends its answers
     identity = {"teacher": teacher, "tokenizer_fingerprint": tokenizer_fingerprint(ttok), "target_config": t_facts,

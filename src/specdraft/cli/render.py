@@ -529,6 +529,7 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
         sig = m.get("signal") or {}
         rows[-2:] = [("teacher", f"{teacher['ref']} as given ({teacher['kind']}), in --target's tokenizer"),
                      ("answers ended by a stop id", f"{sig.get('ended', '—')} of {sig.get('answers', '—')}"),
+                     ("answers cut before ill-formed UTF-8", f"{sig.get('cut_ill_formed', '—')}"),
                      ("trained positions: draft distribution / hard label",
                       f"{sig.get('soft_positions', '—')} / {sig.get('hard_positions', '—')}")]
     if r["generate_tokens_per_s"] is not None:
