@@ -264,7 +264,7 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert [x.speedup for x in choices] == sorted((x.speedup or 0 for x in choices), reverse=True)
     md = (tmp_path / "run" / "report.md").read_text()
     assert md.split("\n")[2] == "## What to serve where (fastest first)"
-    assert (tmp_path / "run" / "export" / "README.md").read_text().count("\n| ") == len(choices) + 1
+    assert (tmp_path / "run" / "export" / "README.md").read_text().count("\n| ") == len(choices) + 2  # header, rule, rows
     assert "yes after the vocabulary swap" in said["Can these two work together?"]
     titles = [t for t, _ in summary_sections(report) if "speed" in t]
     assert titles and all(t.endswith("before = the draft as given, mapped/text") for t in titles)
