@@ -463,8 +463,28 @@ def test_export_writes_a_draft_of_another_tokenizer_as_given_and_points_to_vocab
     assert json.loads((tmp_path / "spec" / "config.json").read_text())["speculators_config"][
         "default_proposal_method"] == "text"
     assert '"method": "custom_class"' in r.output and "tokenizer check: mismatch" in r.output
-    # The way to the re-indexed draft names the target as typed, not a recorded absolute path.
-    assert f"`specdraft vocab-swap --target target --draft {tmp_path / 'spec'} --out DIR`" in r.output
+    # The way to the re-indexed draft names the target as typed, not a recorded absolute path, and each printed
+    # command carries its required options.
+    assert (f"`specdraft vocab-swap --target target --draft {tmp_path / 'spec'} --out SWAPPED`, then `specdraft "
+            "export --draft SWAPPED --target target --out SPECULATOR`") in r.output
+
+
+def test_the_way_to_the_re_indexed_draft_names_an_embedded_verifier_by_the_name_that_resolves_offline(tmp_path):
+    """inspect of a draft as given whose verifier is recorded by hub id suggested `vocab-swap --target <hub id>`,
+    which fails offline; the embedded name resolves."""
+    from specdraft.embedded import DEFAULT_TARGET, EMBEDDED
+    from specdraft.export import vllm_serve
+    from specdraft.testing import tiny_tokenizer
+
+    save_tiny_pair(tmp_path, 64)
+    tiny_tokenizer(64, swap=(10, 20)).save_pretrained(tmp_path / "draft")
+    r = CliRunner().invoke(app, ["export", "--draft", str(tmp_path / "draft"), "--target", str(tmp_path / "target"),
+                                 "--out", str(tmp_path / "spec")], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    serve = vllm_serve(str(tmp_path / "spec"), verifier=EMBEDDED[DEFAULT_TARGET].hub_id)
+    note = next(n for n in serve.notes if "vocab-swap" in n)
+    assert f"--target {DEFAULT_TARGET} --draft" in note and EMBEDDED[DEFAULT_TARGET].hub_id not in note.split("`")[1]
+    assert f"--target {DEFAULT_TARGET} --out SPECULATOR" in note
 
 
 def test_re_exporting_a_speculator_says_which_keys_changed(tmp_path):

@@ -298,7 +298,7 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
         md = render_markdown(r)
         assert ("decoded slower than the original in the interleaved run (0.50x vs 1.50x" in md) == warned
         # The original here decodes only through the mapping: the advice is not to keep it for serving.
-        assert ("vLLM and llama.cpp need a draft of the target's tokenizer" in md) == warned
+        assert ("llama.cpp and vLLM's draft_model need a draft of the target's tokenizer" in md) == warned
         assert "keep the original draft" not in md
 
 

@@ -535,14 +535,17 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
                      "config if they differ.")
     spec = vllm_speculative_config(d, spec_dir, verifier_width)
     extra = vllm_additional_config(d, spec_dir)
+    # Commands name the verifier as this machine resolves it offline: the embedded name over its hub id.
+    local = shlex.quote(emb.name if emb is not None else ref)
     if extra:
         notes = [n for n in notes if "vocabulary width" not in n]  # the widths differ by design: no draft_model
         notes.append(f"The draft speaks another tokenizer and is served as given: specdraft's proposer "
                      f"(pip install --no-deps specdraft next to vLLM) drafts γ = {spec['num_speculative_tokens']} "
                      "tokens in the draft's tokenizer and proposes their text re-encoded in the verifier's; vLLM "
                      "verifies them (lossless, greedy or sampled). The re-indexed draft is served with vLLM's own "
-                     f"draft_model method: `specdraft vocab-swap --target {ref} --draft {spec_dir} --out DIR`, then "
-                     "`specdraft export --draft DIR` (or `specdraft run`, which distils it).")
+                     f"draft_model method: `specdraft vocab-swap --target {local} --draft {shlex.quote(spec_dir)} "
+                     f"--out SWAPPED`, then `specdraft export --draft SWAPPED --target {local} --out SPECULATOR` (or "
+                     "`specdraft run`, which distils it).")
     return VllmServe(
         command=vllm_command(shlex.quote(target), spec, additional_config=extra),
         one_path=f"{VLLM_SERVER} --model {shlex.quote(spec_dir)}",

@@ -534,7 +534,8 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     ``make test-llamacpp`` runs llama.cpp (``llama-speculative-simple``, or ``llama-completion`` for the target alone).
 
     Priced only where timings exist for this pair: the packaged llama-bench timings (:func:`packaged_bench`) of the
-    run's target and of a draft of the same llama.cpp size (its GGUF within 10% of a timed draft's tensor bytes), by
+    run's target and of the timed draft nearest in size (its rates scaled by the bytes a step reads, for a GGUF within
+    2x of it), by
     ``calibration`` (default the packaged :data:`specdraft.speed.LLAMA_CPP_CALIBRATION`;
     :func:`specdraft.speed.llama_cpp_plan`). Elsewhere the plan says so and names the command that prices it
     (``specdraft rank --engine llama.cpp``): ``predicted_speedup`` is then ``None``.
@@ -557,14 +558,19 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     tgt_arg = str(tgt) if tgt is not None else "TARGET.gguf"
     base = {"which": which, "gguf": str(gguf), "alpha": alpha, "n_max": 0, "best_n": None,
             "predicted_speedup": None, "band": None, "by_n": {}, "note": ""}
-    timed = None
+    timed, scale = None, 1.0
     if bench["target"]["name"] == target:
-        for label, d in bench["drafts"].items():
-            size = max(int(r.get("model_size") or 0) for r in d["llama_bench"])
-            if size and abs(gguf_bytes - size) <= 0.1 * size:
-                timed = (label, d)
+        # A batch-1 draft step on a CPU reads every weight once: a draft of another size is priced from the timed
+        # draft nearest in size, its rates scaled by the bytes (within 2x either way; farther, not priced).
+        sizes = {label: max(int(r.get("model_size") or 0) for r in d["llama_bench"])
+                 for label, d in bench["drafts"].items()}
+        near = min((x for x in sizes if sizes[x]), key=lambda x: abs(sizes[x] - gguf_bytes), default=None)
+        if near is not None and 0.5 <= gguf_bytes / sizes[near] <= 2.0:
+            d = bench["drafts"][near]
+            scale = sizes[near] / gguf_bytes
+            timed = (near, {"llama_bench": [r | {"avg_ts": float(r["avg_ts"]) * scale} for r in d["llama_bench"]]})
     if timed is None or alpha is None or calibration is None:
-        why = ("no llama-bench timings of this target and a draft of this size are packaged" if timed is None
+        why = ("no llama-bench timings of this target and a draft within 2x of this size are packaged" if timed is None
                else "no held-out acceptance" if alpha is None else "no calibration")
         rank = f"specdraft rank --engine llama.cpp --target {shlex.quote(target)} {shlex.quote(draft_ref or 'DRAFT')}"
         return base | {"basis": f"not priced: {why}; `{rank}` times both here and forecasts it",
@@ -578,8 +584,10 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     conditions = llama_cpp_conditions(bench["target"]["llama_bench"], bench["target"]["gguf"], threads,
                                       machine_name())
     plan = llama_cpp_plan(speed, alpha, calibration=calibration, conditions=conditions)
-    basis = (f"forecast, not timed by this run: llama-bench timings of {bench['target']['gguf']} and a draft of this "
-             f"size ({label}; {bench['source']}, {bench['machine']}, {threads} threads, {bench['llama.cpp']}) at the "
+    size = ("this size" if abs(scale - 1) < 0.05 else
+             f"{1 / scale:.2f}x its size, its step scaled by the bytes it reads")
+    basis = (f"forecast, not timed by this run: llama-bench timings of {bench['target']['gguf']} and a draft of {size} "
+             f"({label}; {bench['source']}, {bench['machine']}, {threads} threads, {bench['llama.cpp']}) at the "
              f"draft's held-out α {alpha:.3f}, priced by the packaged calibration: {plan.note or 'uncalibrated'}")
     return base | {"n_max": plan.n_max, "best_n": plan.best_n, "predicted_speedup": plan.predicted_speedup,
                    "band": list(plan.band) if plan.band else None, "by_n": {str(k): v for k, v in plan.by_n.items()},

@@ -404,10 +404,11 @@ def slower_note(report: dict[str, Any]) -> str | None:
             f"{format_interval(o.speedup_ci95, sp.prompts, '{:.2f}')}); ")
     if swap_baseline(report) is not None:
         # The original speaks another tokenizer: only specdraft's decoder and transformers can use it.
-        return said + ("the original decodes only through a vocabulary mapping (specdraft's decoder, transformers' "
-                       "assisted generation); vLLM and llama.cpp need a draft of the target's tokenizer, which the "
-                       "exported, distilled one is. Distil longer (more data, more steps, the `large` preset) to "
-                       "win back more of what the swap cost.")
+        return said + ("the draft as given is the one to serve where it can go (specdraft's decoder, transformers' "
+                       "assisted generation, vLLM through specdraft's text proposer; the table above); llama.cpp and "
+                       "vLLM's draft_model need a draft of the target's tokenizer, which the exported, distilled one "
+                       "is. Distil longer (more data, more steps, the `large` preset) to win back more of what the "
+                       "swap cost.")
     return said + ("keep the original draft unless its acceptance gain holds, or distil longer (more data, more "
                    "steps, the `large` preset).")
 
