@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -1094,7 +1095,7 @@ def render_engine_table(name: str = "run-default.json") -> str:
             f"interleaved, greedy, outputs equal to the target alone's; the target alone "
             f"{h['speed']['target_tokens_per_s']:.1f} tok/s on this {r['machine']} host, torch {r['torch']}, "
             "bfloat16, batch 1; [95% CI] = paired bootstrap over prompts; α = accepted / reached."
-            + (f" Did distillation pay against the draft as given? {v['answer']}." if v.get("answer") else ""))
+            + (f" Did distillation pay? {v['answer']}." if v.get("answer") else ""))
     return "\n".join(["| " + " | ".join(ENGINE_HEAD) + " |", "| --- | --- | ---: | ---: | --- |"]
                      + ["| " + " | ".join(x) + " |" for x in rows] + ["", tail])
 
@@ -1195,7 +1196,9 @@ def render_transcript(name: str = "run-default.json") -> str:
     lines.append("…")
     lines += [f"  {k:<12} {v:7.1f} s" for k, v in r["stages"].items()]
     lines += ["report: runs/default/report.md", "what to serve where: runs/default/export/README.md"]
-    lines += [f"  {c['label']}: {c['draft']}\n    {c['command']}" for c in r["recommendation"][:1]]
+    # The run directory as make run names it (relative), not the clone it ran in.
+    relative = lambda cmd: re.sub(r"/[^ ]*?/(runs/default/)", r"\1", cmd)
+    lines += [f"  {c['label']}: {c['draft']}\n    {relative(c['command'])}" for c in r["recommendation"][:1]]
     lines += ["…", "```"]
     return "\n".join(lines)
 
