@@ -1074,7 +1074,10 @@ def results_rows() -> list[list[str]]:
     return [x for x in rows if x]
 
 
-ENGINE_HEAD = ["engine", "serve", "× target alone [95% CI]", "α (per reached)", "what the figure rests on"]
+ENGINE_HEAD = ["engine", "serve", "× target alone [95% CI]", "α (per reached)", "figure"]
+#: The README's few words for what each engine's figure rests on (export/README.md and report.md say it in full).
+BASIS_WORDS = {"specdraft": "timed (its int4 copy)", "vllm": "timed in specdraft's decoder, not vLLM",
+               "transformers": "timed", "llama.cpp": "forecast (llama-bench + calibration)"}
 
 
 def render_engine_table(name: str = "run-default.json") -> str:
@@ -1086,8 +1089,8 @@ def render_engine_table(name: str = "run-default.json") -> str:
     rows = []
     for c in r["recommendation"]:
         x = "—" if c["speedup"] is None else f"{c['speedup']:.2f}x{_ci2(c.get('speedup_ci95'))}"
-        rows.append([c["label"], c["draft"], x, "—" if c["alpha"] is None else f"{c['alpha']:.3f}",
-                     c["basis"].split(": ", 1)[0] if c["engine"] == "llama.cpp" else c["basis"].split(";")[0]])
+        rows.append([c["label"], c["draft"], x, "—" if c["alpha"] is None else f"{c['alpha']:.3f}", BASIS_WORDS.get(
+            c["engine"], "")])
     h = r["sets"]["held_out"]
     v = r.get("distillation_verdict") or {}
     tail = (f"`make run` ({r['target']} ← {r['draft']}, preset {r['preset']}): held-out code, {h['prompts']} prompts "
@@ -1188,11 +1191,8 @@ def render_transcript(name: str = "run-default.json") -> str:
         x = "—" if c["speedup"] is None else f"{c['speedup']:.2f}x{_ci2(c.get('speedup_ci95'))}"
         alpha = "" if c["alpha"] is None else f", α {c['alpha']:.3f}"
         lines.append(f"  {c['label']:<36} {c['draft']:<44} {x}{alpha}")
-    if r.get("vocab_swap"):
-        lines.append("Can these two work together? not as they are: the tokenizers differ; yes through a vocabulary "
-                     "mapping …, and yes after the vocabulary swap …")
     if (v := r.get("distillation_verdict")) and v.get("answer"):
-        lines.append(f"Can the draft agree more? did distillation pay? {v['answer']} (teacher: {v['teacher']}); …")
+        lines.append(f"Can the draft agree more? did distillation pay? {v['answer']} …")
     lines.append("…")
     lines += [f"  {k:<12} {v:7.1f} s" for k, v in r["stages"].items()]
     lines += ["report: runs/default/report.md", "what to serve where: runs/default/export/README.md"]

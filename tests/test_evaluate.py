@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from specdraft.config import EvalConfig, HeadroomConfig, SamplingConfig
+from specdraft.eval_report import write_eval_report
 from specdraft.evaluate import run_eval
 from specdraft.headroom import forecast_headroom
 from specdraft.replay import predicted_alpha
-from specdraft.report import write_eval_report
 from specdraft.testing import perturbed, save_tiny_pair, tiny_model, tiny_tokenizer
 
 

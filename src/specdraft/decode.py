@@ -349,7 +349,7 @@ def speculative_generate(
         vocab_mapping: a :class:`~specdraft.vocab.VocabMapping` (tokenizers attached) when the draft's tokenizer
             differs; ``mapped_proposals`` ``"tokens"`` or ``"text"`` (greedy only) chooses how it proposes
             (default text when greedy, tokens when sampling). See the module docstring.
-        speed_model: the pair's measured costs (:func:`specdraft.evaluate.measure_speed_model`); when given, each
+        speed_model: the pair's measured costs (:func:`specdraft.calibration.measure_speed_model`); when given, each
             row drafts the k ≤ γ its running acceptance predicts fastest, or none while no k predicts a gain
             (:class:`~specdraft.speed.AdaptiveGamma`: never slower than the target alone, up to probing). Its
             t(k) must reach k = γ+1.

@@ -14,7 +14,7 @@ applies; so assisted generation runs with a complete :class:`~transformers.Gener
 contender's effective settings are recorded in ``config["contenders"]`` (``report.json``).
 
 This module holds the entry points (:func:`run_eval`, :func:`acceptance_eval`, :func:`interleaved_speed`,
-:func:`certify_sampling`; :func:`specdraft.report.write_eval_report` writes a result and its
+:func:`certify_sampling`; :func:`specdraft.eval_report.write_eval_report` writes a result and its
 plots); teacher-forced α and replay are
 :mod:`specdraft.replay`, the pair's measured costs :mod:`specdraft.calibration`, the assisted-generation harness
 :mod:`specdraft.assisted`, and the draft's preparation :func:`specdraft.draft_model.apply_draft_options`.

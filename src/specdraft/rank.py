@@ -250,8 +250,8 @@ def confirm_top(ranking: Ranking, out: str | Path, progress: Callable[[str], Non
     recommends (at least 1), write that evaluation's report under ``out/confirm``, and return the confirmation:
     ``draft``, ``gamma``, ``measured_speedup`` and ``predicted_speedup`` (× the target alone), ``lossless`` (greedy
     outputs equal to the target's). Also kept as ``ranking.confirmation``."""
+    from specdraft.eval_report import write_eval_report
     from specdraft.evaluate import run_eval
-    from specdraft.report import write_eval_report
 
     top = ranking.rows[0]
     d, mapping = ranking.loaders[top.draft]()

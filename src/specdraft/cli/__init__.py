@@ -26,7 +26,8 @@ import typer
 from specdraft.cli import models, pair, run, shipping, training
 from specdraft.cli.errors import BUG_EXIT, EXPECTED_ERRORS, _Command, _Group, error_message, fail
 from specdraft.cli.options import AUTO_DTYPE, GAMMA_HELP
-from specdraft.cli.render import generate_summary, print_llama_cpp_ranking, summary_tables
+from specdraft.cli.render import generate_summary, print_llama_cpp_ranking
+from specdraft.cli.run_page import summary_tables
 
 __all__ = ["AUTO_DTYPE", "BUG_EXIT", "EXPECTED_ERRORS", "GAMMA_HELP", "app", "error_message", "fail",
            "generate_summary", "main", "summary_tables"]

@@ -166,9 +166,9 @@ def eval_cmd(
     Decodes prompts with the target alone and with speculative decoding (and optionally transformers' assisted
     generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ; writes report.json and
     plots into --out."""
+    from specdraft.eval_report import write_eval_report
     from specdraft.evaluate import run_eval
     from specdraft.pair import encode
-    from specdraft.report import write_eval_report
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,

@@ -16,7 +16,8 @@ from specdraft.cli.options import (
     prompts_option,
     target_option,
 )
-from specdraft.cli.render import console, library_warnings_off, print_run, resolve_with_progress
+from specdraft.cli.render import console, library_warnings_off, resolve_with_progress
+from specdraft.cli.run_page import print_run
 from specdraft.config import (
     DraftQuantization,
     EvalConfig,
