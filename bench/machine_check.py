@@ -53,7 +53,7 @@ def copy_bandwidth(nbytes: int = 400_000_000, reps: int = 8) -> float:
 def gemv_bandwidth(dtype: torch.dtype, reps: int = 300) -> float:
     from specdraft.calibration import gemv_gb_s
 
-    return gemv_gb_s(str(dtype).removeprefix("torch."), reps=reps)
+    return gemv_gb_s(str(dtype).removeprefix("torch."), reps=reps // 3, rounds=3)
 
 
 def target_step(tokens: int = 32) -> float:

@@ -353,11 +353,14 @@ def test_every_preset_validates_and_exports_the_evaluated_gamma():
     # same-family pair keeps its own preset.
     default, same = make_config("default"), make_config("same-family")
     assert default.vocab_swap and default.draft == "smollm2-135m-instruct" and default.distill.train == "all"
-    # The longer variant is the default with its own steps, everything else the default's.
+    # The longer variant is the default with its own data and steps, everything else the default's.
     long = make_config("default-long")
-    assert long.distill.max_steps == 2 * default.distill.max_steps and long.distill.head_support == 8192
-    assert long.model_dump(exclude={"preset", "needs", "distill"}) == default.model_dump(
-        exclude={"preset", "needs", "distill"})
+    assert long.distill.max_steps == 80 > default.distill.max_steps and long.distill.head_support == 8192
+    assert len(long.train_prompts) == len(default.train_prompts) and long.self_teacher.generate == 256
+    assert long.self_teacher.model_dump(exclude={"generate", "max_length"}) == default.self_teacher.model_dump(
+        exclude={"generate", "max_length"})
+    assert long.model_dump(exclude={"preset", "needs", "distill", "train_prompts", "self_teacher"}) == \
+        default.model_dump(exclude={"preset", "needs", "distill", "train_prompts", "self_teacher"})
     assert long.distill.model_dump(exclude={"max_steps", "save_steps"}) == default.distill.model_dump(
         exclude={"max_steps", "save_steps"})
     assert not same.vocab_swap and same.draft == "qwen2.5-coder-0.5b-instruct"

@@ -504,7 +504,8 @@ def test_cli_convert_and_inspect(tmp_path, pair):
     runner = CliRunner()
     res = runner.invoke(app, ["export", "--draft", draft_dir, "--target", target_dir, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    cmd = (f"vllm serve {target_dir} --speculative-config '{{\"method\": \"draft_model\", \"model\": "
+    cmd = (f"python -m vllm.entrypoints.openai.api_server --model {target_dir} --speculative-config "
+           f"'{{\"method\": \"draft_model\", \"model\": "
            f"\"{out}\", \"num_speculative_tokens\": {NUM_SPECULATIVE_TOKENS}}}'")
     assert cmd in res.output
     assert "the speculator's 3 keys" in res.output and all(k in res.output for k in SPECULATOR_KEYS)

@@ -35,7 +35,7 @@ EXPECTED_ERRORS: tuple[tuple[str, str], ...] = (
     ("specdraft.sampling", "ContextWindowError"),
     ("specdraft.dump_reader", "DumpError"),
     ("specdraft.distill_data", "DistillError"),
-    ("specdraft.pipeline", "PipelineError"),
+    ("specdraft.runner", "PipelineError"),
     ("specdraft.rank", "RankError"),
     ("pydantic", "ValidationError"),
     ("builtins", "FileExistsError"),
