@@ -611,7 +611,10 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
         learn.append(f"measured: not compared — {unpaired}")
     if gain is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
-        learn.append(f"measured: {word} — held-out greedy acceptance {gain.value:+.3f} "
+        # Distillation's own gain, on the draft it trained (a re-indexed copy: not the draft as given, above).
+        trained = "the re-indexed copy" if swap_baseline(r) is not None else "the draft"
+        learn.append(f"measured on {trained}, before → after training: {word} — held-out greedy acceptance "
+                     f"{gain.value:+.3f} "
                      f"{format_interval(gain.interval, gain.prompts, '{:+.3f}')} (paired, {gain.prompts} prompts)")
         ood = acceptance_gain(r, "ood")
         if ood is not None:

@@ -128,14 +128,14 @@ def check(
     if compat.verdict != "mismatch":
         console.print(f"[bold green]compatible[/] ({compat.verdict}): the draft speaks the target's tokenizer, "
                       "so it can draft for it as it is")
-        console.print(f"next: specdraft eval {names}  (acceptance, speed-up and the best γ)")
+        console.print(f"next: specdraft eval {names}  (acceptance, speed-up and the best γ)", soft_wrap=True)
         return
     if (compat.mapping or {}).get("usable"):
-        console.print(f"next: specdraft eval {names} --map-vocab  (the draft as given, through a mapping: seconds "
-                      "to minutes)")
+        console.print(f"next: specdraft eval {names} --map-vocab  (the draft as given, through a mapping: "
+                      "minutes)", soft_wrap=True)
         console.print(f"      specdraft export {names} --out DIR  (the draft as given, for vLLM's text proposer: "
-                      "seconds)")
-        console.print(f"      specdraft run {names}  (the whole road for a draft of another tokenizer)")
+                      "seconds)", soft_wrap=True)
+        console.print(f"      specdraft run {names}  (the whole road for a draft of another tokenizer)", soft_wrap=True)
     raise typer.Exit(1)
 
 

@@ -469,7 +469,7 @@ def print_vocab_swap(report, draft: str, target: str, out: Path) -> None:
     else:
         console.print("swap diagnostic: pass --prompts (replies to teacher-force), or run specdraft headroom on the "
                       "swapped draft", highlight=False)
-    console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}")
+    console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}", soft_wrap=True)
 
 
 #: Twin-less target tokens printed (the JSON keeps the report's whole list).
