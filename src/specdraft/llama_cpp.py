@@ -545,10 +545,12 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
         "note"}`` (JSON-ready).
     """
     from specdraft.gguf_export import target_gguf_path
+    from specdraft.io import machine_name
     from specdraft.speed import (
         LLAMA_CPP_CALIBRATION,
         llama_bench_speed_model,
         llama_cpp_command,
+        llama_cpp_conditions,
         llama_cpp_plan,
     )
 
@@ -578,9 +580,6 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     label, d = timed
     speed = llama_bench_speed_model(bench["target"]["llama_bench"], d["llama_bench"])
     # Where llama.cpp would run: this machine, at the packaged timings' threads and backend, for their target GGUF.
-    from specdraft.io import machine_name
-    from specdraft.speed import llama_cpp_conditions
-
     conditions = llama_cpp_conditions(bench["target"]["llama_bench"], bench["target"]["gguf"], threads,
                                       machine_name())
     plan = llama_cpp_plan(speed, alpha, calibration=calibration, conditions=conditions)

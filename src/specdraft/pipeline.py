@@ -62,7 +62,7 @@ from specdraft.llama_cpp import PACKAGED_BENCH
 from specdraft.models import ModelRef
 from specdraft.progress import progress_lines
 from specdraft.prompts import PromptSet, select_prompts
-from specdraft.recommend import distillation_verdict, write_export_manifest
+from specdraft.recommend import distillation_verdict, teaching_road, write_export_manifest
 from specdraft.runner import PipelineError, Runner, changed_inputs, stage_key  # noqa: F401 (public here too)
 from specdraft.speed import SpeedStage
 
@@ -668,11 +668,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
                                                        cfg.headroom.model_dump()},
                             _headroom_stage(cfg, plan, train_draft, before, target_cache))
     forecast = HeadroomForecast.from_dict(headroom)
-    road = ("the draft as given teaches its re-indexed copy (the self-teacher: its own answers, no target compute), "
-            "winning back what the swap cost rather than the target's distribution" if cfg.self_teacher is not None
-            else "the target's answers teach the draft")
     log(f"[headroom] a forecast against the target's answers: {forecast.verdict} (95% CI [{forecast.gain_ci95[0]:+.3f}, "
-        f"{forecast.gain_ci95[1]:+.3f}]); the road this run takes: {road}")
+        f"{forecast.gain_ci95[1]:+.3f}]); the road this run takes: {teaching_road(cfg.self_teacher is not None)}")
     dump_inputs = {"target": cfg.target, **target_id, "dump": cfg.dump.model_dump(),
                    "prompts": [e.id for e in plan.trains], "prompt_texts": prompt_texts(plan.trains, whole=True)}
     if cfg.self_teacher is not None:  # its teacher is the draft as given: another dump, named by the draft's identity

@@ -208,8 +208,7 @@ def engine_choices(report: dict[str, Any]) -> list[EngineChoice]:
              f"export, {how[v_best]}; `make test-vllm` checks that it loads and decodes the target's tokens"
              if v_best else "no servable draft decoded faster than the target alone in specdraft's decoder"),
             vllm[v_best] if v_best else f"{vllm_server()} --model {shlex.quote(_cfg(report)['target'])}",
-            (((report.get('export') or {}).get('as_given') or {}).get('path') if v_best == ORIGINAL
-             else paths[DISTILLED]) if v_best else None, others(v_best, servable)))
+            paths[v_best] if v_best else None, others(v_best, servable)))
     plan = (report.get("export") or {}).get("llama_cpp")
     if plan:
         rows.append(llama_cpp_choice(plan, names, report))
@@ -274,6 +273,15 @@ def teacher_of(report: dict[str, Any]) -> str:
     return f"the target ({_cfg(report)['target']}: its answers to {n} training prompts, its distribution)"
 
 
+def teaching_road(self_teacher: bool) -> str:
+    """The road a run's distillation takes, in words (the headroom forecast is against the target's answers either
+    way): the self-teacher wins back what the vocabulary swap cost; a target dump teaches the target's distribution."""
+    if self_teacher:
+        return ("the draft as given teaches its re-indexed copy (the self-teacher: its own answers, no target "
+                "compute), winning back what the swap cost rather than the target's distribution")
+    return "the target's answers teach the draft"
+
+
 def distillation_verdict(report: dict[str, Any]) -> DistillVerdict | None:
     """The distilled draft against the draft as given; ``None`` before a distillation was evaluated."""
     after = ((report.get("eval_after") or {}).get("sets") or {}).get("held_out")
@@ -292,11 +300,11 @@ def distillation_verdict(report: dict[str, Any]) -> DistillVerdict | None:
     if sw:
         swap = {"as_given": before.get("acceptance_rate"), "re_indexed": sw.get("acceptance_rate"),
                 "distilled": after.get("acceptance_rate")}
-    better = [x for x in (gain and gain.low > 0, ratio and ratio.low > 1)]
-    worse = [x for x in (gain and gain.high < 0, ratio and ratio.high < 1)]
+    better = (gain and gain.low > 0, ratio and ratio.low > 1)
+    worse = (gain and gain.high < 0, ratio and ratio.high < 1)
     if any(worse) and not any(better):
         word = "no"
-    elif better and all(better) and not any(worse):
+    elif all(better) and not any(worse):
         word = "yes"
     else:
         word = "not measurably"
@@ -327,15 +335,20 @@ def recommendation_rows(choices: list[EngineChoice]) -> list[tuple[str, str, str
 RECOMMENDATION_HEADER = ("engine", "serve", "× target alone [95% CI]", "α (per reached)", "command")
 
 
+def recommendation_markdown(choices: list[EngineChoice]) -> list[str]:
+    """The recommendation as Markdown table lines (header, rule, one row per choice, commands in backticks): the
+    table report.md and ``export/README.md`` open with."""
+    return (["| " + " | ".join(RECOMMENDATION_HEADER) + " |", "| --- | --- | ---: | ---: | --- |"]
+            + ["| " + " | ".join(x if i != 4 else f"`{x}`" for i, x in enumerate(row)) + " |"
+               for row in recommendation_rows(choices)])
+
+
 def manifest_markdown(report: dict[str, Any], choices: list[EngineChoice]) -> str:
     """``export/README.md``: which speculator to serve in which engine, fastest first, with what each figure rests
     on."""
     lines = [f"# What to serve: {_cfg(report)['target']} ← {_cfg(report)['draft']}", "",
              ("Fastest first; × target alone is tokens/s over the target decoding alone, 95% interval over prompts "
-             "(a forecast's error band for llama.cpp)."), "",
-             "| " + " | ".join(RECOMMENDATION_HEADER) + " |", "| --- | --- | ---: | ---: | --- |"]
-    lines += ["| " + " | ".join(c if i != 4 else f"`{c}`" for i, c in enumerate(row)) + " |"
-              for row in recommendation_rows(choices)]
+             "(a forecast's error band for llama.cpp)."), "", *recommendation_markdown(choices)]
     lines += ["", *[f"- {c.label}: {c.basis}" + (f"; path `{c.path}`" if c.path else "")
                     + (f"; also measured: {', '.join(c.others)}" if c.others else "") for c in choices], ""]
     return "\n".join(lines)

@@ -14,12 +14,12 @@ from typing import Any
 from specdraft.headroom import HeadroomForecast
 from specdraft.io import atomic_path, atomic_write_text
 from specdraft.recommend import (
-    RECOMMENDATION_HEADER,
     distillation_verdict,
     draft_names,
     engine_choices,
     format_speedup,
-    recommendation_rows,
+    recommendation_markdown,
+    teaching_road,
 )
 from specdraft.speed import Contender, ContenderSpeed, SpeedRun, SpeedStage
 from specdraft.stats import MIN_PROMPTS, Estimate, paired_gain_from_rows
@@ -594,9 +594,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     gain = acceptance_gain(r, "held_out")
     learn = []
     if r.get("headroom"):
-        road = ("; the road this run takes: its teacher is the draft as given (the self-teacher), which wins back "
-                "what the swap cost rather than the target's distribution" if (r.get("dump") or {}).get("teacher")
-                == "draft-as-given" else "")
+        road = (f"; the road this run takes: {teaching_road(True)}"
+                if (r.get("dump") or {}).get("teacher") == "draft-as-given" else "")
         learn.append(f"forecast (against the target's answers): {HeadroomForecast.from_dict(r['headroom']).verdict}"
                      + road)
     sw = (swap_baseline(r) or {}).get("held_out")
@@ -719,9 +718,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         "",
         *([] if not choices else [
             "## What to serve where (fastest first)", "",
-            "| " + " | ".join(RECOMMENDATION_HEADER) + " |", "| --- | --- | ---: | ---: | --- |",
-            *["| " + " | ".join(x if i != 4 else f"`{x}`" for i, x in enumerate(row)) + " |"
-              for row in recommendation_rows(choices)],
+            *recommendation_markdown(choices),
             "", *[f"- {c.label}: {c.basis}." for c in choices], ""]),
         *[f"**{q}** {a}\n" for q, a in questions_and_answers(r)],
         (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
