@@ -206,6 +206,7 @@ class TargetForDraftTeacher:
         t_prompts = encode_prompts(self.ttok, batch)
         t0 = time.perf_counter()
         todo = [i for i, ex in enumerate(batch) if ex.id not in self.written]
+        generated = 0
         if todo:
             if self.config.answers == "draft":
                 ctx = self.mapping.reencode_batch_for_draft([t_prompts[i] for i in todo])
@@ -214,6 +215,7 @@ class TargetForDraftTeacher:
                 new = generate_from_ids(self.target, self.ttok, [t_prompts[i] for i in todo], self.config.generate,
                                         real_vocab=self.t_real)
             self.written.update({batch[i].id: [int(t) for t in r] for i, r in zip(todo, new, strict=True)})
+            generated = sum(map(len, new))
             if self.answers_file:
                 self.answers_file.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(self.answers_file, json.dumps(self.written))
@@ -225,7 +227,7 @@ class TargetForDraftTeacher:
             if job is not None:
                 jobs.append(job)
         rows = self._score(jobs)
-        return TeacherBatch(rows, len(batch) - len(rows), sum(map(len, written)), seconds)
+        return TeacherBatch(rows, len(batch) - len(rows), generated, seconds)
 
     def _sequence(self, ex, t_prompt: list[int], written: list[int]):
         """One answer → ``(id, target ids, target prompt length, answer text, n_text, ended)`` or None (no text)."""
