@@ -8,6 +8,7 @@ Progress goes to stderr; stdout holds the results. No torch import at module top
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -469,7 +470,12 @@ def print_vocab_swap(report, draft: str, target: str, out: Path) -> None:
     else:
         console.print("swap diagnostic: pass --prompts (replies to teacher-force), or run specdraft headroom on the "
                       "swapped draft", highlight=False)
-    console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}", soft_wrap=True)
+    names = f"--draft {shlex.quote(str(out))} --target {shlex.quote(target)}"
+    console.print(f"written to {out}", highlight=False, soft_wrap=True)
+    console.print(f"next: specdraft export {names} --out SPECULATOR  (the re-indexed draft as a speculator of the "
+                  "target's tokenizer, untrained rows and all: seconds)", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"      specdraft run --target {shlex.quote(target)} --draft {shlex.quote(str(out))}  (the main job: "
+                  "distils and measures it, about half an hour on 2 CPU cores)", highlight=False, markup=False, soft_wrap=True)
 
 
 #: Twin-less target tokens printed (the JSON keeps the report's whole list).
