@@ -51,3 +51,19 @@ def test_vocab_swap_offers_the_export_of_the_re_indexed_draft_before_the_long_ru
     first = next(i for i, line in enumerate(lines) if "next:" in line)
     assert f"specdraft export --draft {swapped} --target {tdir} --out " in lines[first]
     assert any("specdraft run" in line for line in lines[first + 1:])
+
+
+def test_generate_with_a_speculator_as_given_maps_the_vocabulary_without_being_asked(tmp_path):
+    """A speculator exported as given (a draft of another tokenizer that says it drafts through text) was refused by
+    generate without --map-vocab: the tokenizer report and exit 1, for the pair its own config.json names."""
+    tdir, ddir = _other_tokenizer_pair(tmp_path)
+    spec = tmp_path / "spec"
+    assert _invoke(["export", "--draft", ddir, "--target", tdir, "--out", str(spec)]).exit_code == 0
+    r = _invoke(["generate", "a b c", "--target", tdir, "--draft", str(spec), "--max-new-tokens", "4",
+                 "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    assert "drafts through text" in " ".join(r.output.split()) and "--map-vocab" in r.output
+    # A plain draft of another tokenizer still needs the flag: nothing it carries says how it drafts.
+    r = _invoke(["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "4",
+                 "--dtype", "float32"])
+    assert r.exit_code == 1 and "--map-vocab" in r.output
