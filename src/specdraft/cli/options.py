@@ -96,6 +96,9 @@ SpeculatorGammaOpt = Annotated[int | None, typer.Option(
     show_default=False)]
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=field_help(ExportConfig, "overwrite"))]
+#: check's: it has no --out, only the file --json names.
+JsonOverwriteOpt = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace an existing --json file instead of refusing it.")]
 #: distill's and run's: a finished training's Trainer checkpoints (several times the draft's size) are removed.
 KeepCheckpointsOpt = Annotated[bool, typer.Option(
     "--keep-checkpoints", help="Keep the Trainer checkpoints once the distillation has finished (removed by default: "

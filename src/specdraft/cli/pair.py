@@ -16,6 +16,7 @@ from specdraft.cli.options import (
     HELD_OUT_NOTE,
     JSON_HELP,
     GammaOpt,
+    JsonOverwriteOpt,
     MapVocabOpt,
     OverwriteOpt,
     config_option,
@@ -97,7 +98,7 @@ def check(
     max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1),
     json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
     dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
-    overwrite: OverwriteOpt = False,
+    overwrite: JsonOverwriteOpt = False,
 ) -> None:
     """Check that a target and a draft can work together.
 
