@@ -473,9 +473,11 @@ def print_vocab_swap(report, draft: str, target: str, out: Path) -> None:
     names = f"--draft {shlex.quote(str(out))} --target {shlex.quote(target)}"
     console.print(f"written to {out}", highlight=False, soft_wrap=True)
     console.print(f"next: specdraft export {names} --out SPECULATOR  (the re-indexed draft as a speculator of the "
-                  "target's tokenizer, untrained rows and all: seconds)", highlight=False, markup=False, soft_wrap=True)
-    console.print(f"      specdraft run --target {shlex.quote(target)} --draft {shlex.quote(str(out))}  (the main job: "
-                  "distils and measures it, about half an hour on 2 CPU cores)", highlight=False, markup=False, soft_wrap=True)
+                  "target's tokenizer, untrained rows and all: seconds)", highlight=False, markup=False,
+                  soft_wrap=True)
+    console.print(f"      specdraft run --target {shlex.quote(target)} --draft {shlex.quote(str(out))}  (the main "
+                  "job: distils and measures it, about half an hour on 2 CPU cores)", highlight=False, markup=False,
+                  soft_wrap=True)
 
 
 #: Twin-less target tokens printed (the JSON keeps the report's whole list).
