@@ -223,6 +223,13 @@ def test_overwrite_names_only_what_its_command_writes():
     assert "--json" in _params("overwrite")["check"].help
 
 
+def test_exports_target_help_says_a_gguf_target_is_taken_for_llama_cpp():
+    """export --format gguf takes the target's .gguf (and prints the command serving it); --help did not say so."""
+    text = " ".join(_params("target")["export"].help.split())
+    assert "With --format gguf also the target's own .gguf file" in text and "TARGET.gguf" in text
+    assert ".gguf" not in _params("target")["eval"].help
+
+
 def test_each_commands_help_speaks_only_of_that_command():
     """export's --dtype help opened with an `auto` it rejects and listed every command's default, its --format help
     described dump's formats, and a required --draft said both "Default: …" and "[required]"."""

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
+    GGUF_TARGET_NOTE,
     OverwriteOpt,
     SpeculatorGammaOpt,
     config_option,
@@ -33,7 +34,7 @@ from specdraft.config import ExportConfig, ExportDtype, ExportFormat, GgufType
 
 def export(
     draft: str = draft_option(...),
-    target: str = target_option(...),
+    target: str = target_option(..., GGUF_TARGET_NOTE),
     out: Path = out_option(..., "export"),
     gamma: SpeculatorGammaOpt = None,
     overwrite: OverwriteOpt = False,
