@@ -645,7 +645,15 @@ def print_gguf(res) -> None:
     console.print(f"tokenizer check: {res.verdict}", highlight=False)
     console.print(f"[green]wrote[/] {res.out} ({res.gguf_type}, {res.bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s "
                   f"with llama.cpp's converter from {escape(res.llama_cpp)}", highlight=False)
-    console.print("Serve it with llama.cpp:")
+    # The export measures no acceptance: as llama.cpp's plan (llama_cpp.run_plan) does unpriced, the target alone
+    # is served until a forecast says the draft pays, and the draft's command says it is not that forecast's.
+    console.print("llama.cpp: not priced here (an export measures no acceptance); this forecasts whether the draft "
+                  "pays, and its --spec-draft-n-max:", highlight=False, soft_wrap=True)
+    console.print(res.rank_command, markup=False, highlight=False, soft_wrap=True)
+    console.print("until it says so, serve the target alone:", highlight=False)
+    console.print(res.target_alone, markup=False, highlight=False, soft_wrap=True)
+    console.print("with the draft (not recommended before that forecast; use the --spec-draft-n-max it picks):",
+                  highlight=False, soft_wrap=True)
     console.print(res.command, markup=False, highlight=False, soft_wrap=True)
     for note in res.notes:
         console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
