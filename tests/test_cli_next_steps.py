@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 from typer.testing import CliRunner
 
@@ -67,3 +69,85 @@ def test_generate_with_a_speculator_as_given_maps_the_vocabulary_without_being_a
     r = _invoke(["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "4",
                  "--dtype", "float32"])
     assert r.exit_code == 1 and "--map-vocab" in r.output
+
+
+# ------------------------------------------------------------------ every printed command parses as printed
+
+#: A command specdraft prints: after ``next:``, alone on a continuation line, or in backticks; up to two spaces (its
+#: comment), a backtick or the line's end. ``specdraft check: target …`` (a pair line) is not one.
+PRINTED = re.compile(r"(?:^\s*|next: |`)(specdraft (?![\w-]+:)[^`\n]*?)(?=`|  |\s*$)", re.MULTILINE)
+
+
+def printed_commands(output: str) -> list[str]:
+    """Every specdraft command in ``output`` (a command's whole output, at a width that wraps nothing)."""
+    return [m.group(1) for m in PRINTED.finditer(output)]
+
+
+def assert_parses(command: str) -> None:
+    """``command`` as printed (shlex-split) passes the CLI's argument parsing: the subcommand exists, every flag is
+    its own, every required option is given and every value is of its type; nothing runs."""
+    import typer._click.exceptions as click_errors  # typer >= 0.29 vendors click (as specdraft.cli.errors reads it)
+    import typer.main
+    from typer._click import Context
+
+    argv = shlex.split(command)
+    assert argv[0] == "specdraft", command
+    group = typer.main.get_command(app)
+    sub = group.get_command(Context(group), argv[1])
+    assert sub is not None, f"no command {argv[1]!r}: {command}"
+    args = argv[2:]
+    if hasattr(sub, "commands"):  # specdraft models prepare …
+        sub, args = sub.get_command(Context(sub), args[0]), args[1:]
+    try:
+        ctx = sub.make_context(argv[1], list(args), parent=Context(group))
+    except click_errors.UsageError as exc:
+        raise AssertionError(f"{command}: {exc.format_message()}") from None
+    assert not ctx.args, f"{command}: arguments it does not take: {ctx.args}"
+
+
+def test_the_command_parser_check_refuses_a_wrong_flag_and_a_missing_required_option():
+    assert_parses("specdraft export --draft D --target T --out SPECULATOR")
+    for bad in ("specdraft export --draft D --out SPECULATOR", "specdraft export --draft D --target T --out O --x 1",
+                "specdraft eval --gamma zero", "specdraft nosuch"):
+        try:
+            assert_parses(bad)
+        except AssertionError:
+            continue
+        raise AssertionError(f"{bad} was taken")
+    assert printed_commands("specdraft check: target a ← draft b\nnext: specdraft eval --target a  (why)\n"
+                            "see `specdraft run --target a`, then") == ["specdraft eval --target a",
+                                                                        "specdraft run --target a"]
+
+
+def test_every_command_printed_on_the_way_from_check_to_a_speculator_parses_as_printed(tmp_path):
+    """A printed next step with a missing required option or a flag its command lacks was found only by pasting it.
+    Each command check, export, vocab-swap and inspect print for a tiny pair (of one tokenizer and of two) is parsed
+    as printed, and llama.cpp's pricing commands too."""
+    from specdraft.gguf_export import rank_llama_cpp_command
+    from specdraft.llama_cpp import run_plan
+
+    tdir, ddir = save_tiny_pair(tmp_path / "same", 64)
+    other_t, other_d = _other_tokenizer_pair(tmp_path / "two")
+    runs = {
+        "check (one tokenizer)": ["check", "--target", tdir, "--draft", ddir, "--max-new-tokens", "2"],
+        "check (two tokenizers)": ["check", "--target", other_t, "--draft", other_d],
+        "export": ["export", "--draft", ddir, "--target", tdir, "--out", str(tmp_path / "spec")],
+        "export as given": ["export", "--draft", other_d, "--target", other_t, "--out", str(tmp_path / "given")],
+        "inspect as given": ["inspect", str(tmp_path / "given")],
+        "vocab-swap": ["vocab-swap", "--draft", str(tmp_path / "given"), "--target", other_t,
+                       "--out", str(tmp_path / "swapped")],
+    }
+    found = {}
+    for name, args in runs.items():
+        r = _invoke(args)
+        assert r.exit_code in (0, 1), (name, r.output)
+        found[name] = printed_commands(r.output)
+    assert all(found[name] for name in ("check (one tokenizer)", "check (two tokenizers)", "export as given",
+                                        "vocab-swap")), found
+    found["llama.cpp"] = [rank_llama_cpp_command(t, "DRAFT", "/d.gguf") for t in (tdir, "/t.gguf",
+                                                                                  "qwen2.5-coder-1.5b-instruct")]
+    plan = run_plan("another-target", "/d.gguf", 1000, None, "distilled", draft_ref="runs/x/speculator")
+    found["llama.cpp plan"] = printed_commands(plan["basis"])
+    for name, commands in found.items():
+        for command in commands:
+            assert_parses(command)
