@@ -1166,7 +1166,7 @@ def _quickstart() -> str:
     r = _load("run-default.json") or {}
     st = r.get("stages") or {}
     cost = lambda k: f"~{st[k] / 60:.0f} min" if st.get(k, 0) >= 90 else f"~{st[k]:.0f} s"
-    # The run's check stage compares tokenizers (its draft's differ: no model loads); `specdraft check` on the
+    # The run's check stage compares tokenizers and loads no model; `specdraft check` on the
     # embedded pair loads both models and continues each, which the README's next paragraph times.
     note = (f"# default preset, 2 CPU cores: check stage {cost('check')}, first evaluation "
             f"{cost('eval_before')}, whole run {r['wall_seconds'] / 60:.0f} min, peak RSS "

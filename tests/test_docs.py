@@ -216,8 +216,8 @@ def test_every_vllm_command_in_the_docs_and_src_is_the_tested_server_form():
 
 
 def test_the_readme_tells_the_runs_check_stage_from_specdraft_check_on_the_embedded_pair():
-    """The quickstart said "check ~5 s": the main job's check stage (its draft's tokenizer differs, so no model
-    loads), while `specdraft check` without arguments loads both embedded models and continues each."""
+    """The quickstart said "check ~5 s": the main job's check stage, which compares tokenizers and loads no model,
+    while `specdraft check` without arguments loads both embedded models and continues each."""
     text = README.read_text()
     note = next(line for line in run_all._quickstart().splitlines() if line.startswith("# default preset"))
     assert "check stage ~" in note and note in text
