@@ -53,7 +53,8 @@ def export(
     draft's tokenizer files; prints the config diff and the vLLM commands. A draft of another tokenizer is written as
     given (its own tokenizer, drafting through text: vLLM serves it with specdraft's proposer); llama.cpp and vLLM's
     draft_model need it re-indexed first (specdraft vocab-swap). --format gguf: one GGUF written by
-    llama.cpp's own converter, refused where llama.cpp would refuse the pair; prints the llama-server command."""
+    llama.cpp's own converter, refused where llama.cpp would refuse the pair; unpriced (no acceptance is measured),
+    it prints the rank command that forecasts the draft, the target-alone llama-server and the draft's, labelled."""
     from specdraft.config import ExportConfig, speculative_tokens
     from specdraft.export import export_draft
 
