@@ -159,7 +159,14 @@ def test_cli_writes_f16_gguf_of_the_draft_with_the_targets_vocabulary(pair, llam
                                    "--format", "gguf", "--gamma", "3"])
     assert res.exit_code == 0, res.output
     assert "llama.cpp accepts the pair: vocab type spm, BOS 5 added" in " ".join(res.output.split())
-    assert f"-m {target_gguf} --spec-type draft-simple -md {out} --spec-draft-n-max 3" in " ".join(res.output.split())
+    # Unpriced, as llama.cpp's plan is without a forecast: the target alone first, the draft's command labelled.
+    lines = res.output.splitlines()
+    alone = lines.index("until it says so, serve the target alone:")
+    assert lines[alone + 1].startswith(f"llama-server -m {target_gguf} -t 2 ") and "-md" not in lines[alone + 1]
+    assert lines[alone + 2].startswith("with the draft (not recommended before that forecast")
+    assert f"-m {target_gguf} --spec-type draft-simple -md {out} --spec-draft-n-max 3" in lines[alone + 3]
+    assert (f"specdraft rank --engine llama.cpp --target TARGET {Path(draft).name} --draft-gguf "
+            f"{Path(draft).name}={out} --target-gguf {target_gguf}") in res.output
     assert_weights(out, draft, torch.float16, expect_type="F16")
     assert_target_vocab(out, target)
 

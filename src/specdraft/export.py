@@ -9,8 +9,9 @@ The export functions differ only in where the draft comes from:
 * :func:`export_speculator` — a draft in memory (just distilled) → a speculator directory with ``training.json``.
 * :func:`export_saved_speculator` — a saved speculator directory → another, whole: the pipeline's ``export`` stage.
 * :func:`vllm_serve` — the two-path command (verifier + ``--speculative-config``, vLLM's ``draft_model`` method)
-  and the one-path ``vllm serve SPECULATOR_DIR`` of :mod:`specdraft.vllm_plugin`; both build their speculative
-  config with :func:`vllm_speculative_config`, the one place that does.
+  and the one-path ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR`` of
+  :mod:`specdraft.vllm_plugin`; both build their speculative config with :func:`vllm_speculative_config`, the one
+  place that does.
 
 A draft of *another tokenizer* is exported as it is, with the ``"text"`` proposal method
 (:class:`specdraft.speculator.TextProposalConfig`): vLLM serves it through specdraft's ``custom_class`` proposer
@@ -492,10 +493,11 @@ class VllmServe:
     """How vLLM serves a speculator on this machine (:func:`vllm_serve`).
 
     Attributes:
-        command: ``vllm serve TARGET --speculative-config '{...}' # for vLLM VERSION`` (:func:`vllm_command`):
-            both paths absolute, γ pinned (tested with vLLM :data:`VLLM_TESTED_VERSION`).
-        one_path: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``: works where specdraft is installed next to vLLM (its plugin
-            reads the verifier and γ from the speculator's config.json).
+        command: ``python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config '{...}' # for
+            vLLM VERSION`` (:func:`vllm_command`): both paths absolute, γ pinned (tested with vLLM
+            :data:`VLLM_TESTED_VERSION`).
+        one_path: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``: works where specdraft is
+            installed next to vLLM (its plugin reads the verifier and γ from the speculator's config.json).
         target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
         speculative_config: the JSON passed as ``--speculative-config``.
         notes: what the reader should know (a verifier whose width could not be checked here; an embedded

@@ -1,5 +1,6 @@
-"""specdraft's vLLM plugin: ``vllm serve SPECULATOR_DIR`` (or ``LLM(model=SPECULATOR_DIR)``) serves the verifier
-named in an independent speculator's config.json with that speculator as its draft.
+"""specdraft's vLLM plugin: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR`` (or
+``LLM(model=SPECULATOR_DIR)``) serves the verifier named in an independent speculator's config.json with that
+speculator as its draft.
 
 Installed as the entry point ``specdraft = "specdraft.vllm_plugin:register"`` in ``vllm.general_plugins``; vLLM
 calls every general plugin once per process (``vllm.plugins.load_general_plugins``, before the engine config is

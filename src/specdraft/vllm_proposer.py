@@ -32,7 +32,8 @@ specdraft's vLLM plugin repairs it when vLLM loads it (:func:`specdraft.vllm_plu
 Where the draft is: the speculator directory (the draft's weights, config.json naming the verifier, the draft's
 tokenizer files), from ``additional_config["specdraft_speculator"]`` (``--additional-config``, what
 :func:`specdraft.export.vllm_serve` prints), else the environment variable ``SPECDRAFT_SPECULATOR``, which
-specdraft's vLLM plugin sets when it is handed the speculator directory (``vllm serve SPECULATOR_DIR``).
+specdraft's vLLM plugin sets when it is handed the speculator directory
+(``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``).
 
 vLLM is never imported here; torch and transformers only inside functions, so the module imports without them.
 """
@@ -48,7 +49,8 @@ from typing import Any
 PROPOSER_CLASS = "specdraft.vllm_proposer.TextProposer"
 #: The ``--additional-config`` key naming the speculator directory.
 SPECULATOR_KEY = "specdraft_speculator"
-#: The environment variable naming it when the plugin serves ``vllm serve SPECULATOR_DIR``.
+#: The environment variable naming it when the plugin serves the speculator directory alone
+#: (``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``).
 SPECULATOR_ENV = "SPECDRAFT_SPECULATOR"
 
 
