@@ -203,3 +203,28 @@ def test_run_distill_trains_the_draft_as_given_on_it_and_exports_it_drafting_thr
     assert spec["vocab_size"] == 360  # its own vocabulary, head untouched in shape
     with pytest.raises(DumpError, match="tokenizer"):  # a draft of the target's tokenizer cannot train on it
         run_distill(pair["target"], pair["target"], tmp_path / "d", tmp_path / "out2", dcfg)
+
+
+def test_dump_for_draft_writes_the_dump_in_the_drafts_ids_and_refuses_what_does_not_apply(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    base = ["dump", "--for-draft", pair["draft"], "--target", pair["target"], "--prompts", str(prompts),
+            "--generate", "4", "--dtype", "float32", "--top-logprobs", "3"]
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "d")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    m = load_manifest(tmp_path / "d")
+    assert m["teacher"]["kind"] == "target-for-draft-as-given" and m["top_k"] == 3 and m["config"]["generate"] == 4
+    assert "carried from the target" in r.output
+    TeacherDataset(tmp_path / "d", draft_tokenizer=pair["d_tok"])  # the draft's tokenizer reads it
+    for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --for-draft"),
+                        (["--self-teacher", pair["draft"]], "two different teachers")):
+        r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})
+        assert r.exit_code == 2 and says in r.output, r.output
+        assert not (tmp_path / "x").exists()
+    r = CliRunner().invoke(app, [*base[:2], pair["target"], *base[3:], "--out", str(tmp_path / "y")],
+                           env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "--for-draft" in r.output and not (tmp_path / "y").exists()

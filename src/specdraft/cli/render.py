@@ -533,7 +533,16 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
         ("teacher forward (tokens/s)", "—" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.1f}"),
         ("final norm", f"{m['final_norm']} (lm_head(h) checked against the target's logits every batch)"),
     ]
-    if teacher := m.get("teacher"):  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
+    teacher = m.get("teacher") or {}
+    if teacher.get("kind") == "target-for-draft-as-given":  # specdraft.as_given_teacher: stored in the draft's ids
+        sig = m.get("signal") or {}
+        rows[-1:] = [("teacher", f"{teacher['ref']} (the target), for {teacher['draft']} as given, in its own tokens"),
+                     ("answers written by / ended by a stop id",
+                      f"the {m['config']['answers']} / {sig.get('ended', '—')} of {sig.get('answers', '—')}"),
+                     ("answer positions / trained / carried from the target",
+                      f"{sig.get('answer_positions', '—')} / {sig.get('trained_positions', '—')} / "
+                      f"{sig.get('aligned_positions', '—')}")]
+    elif teacher:  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
         sig = m.get("signal") or {}
         rows[-2:] = [("teacher", f"{teacher['ref']} as given ({teacher['kind']}), in --target's tokenizer"),
                      ("answers ended by a stop id", f"{sig.get('ended', '—')} of {sig.get('answers', '—')}"),
