@@ -540,8 +540,8 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
                      ("answers written by / ended by a stop id",
                       f"the {m['config']['answers']} / {sig.get('ended', '—')} of {sig.get('answers', '—')}"),
                      ("answer positions / trained / carried from the target",
-                      f"{sig.get('answer_positions', '—')} / {sig.get('trained_positions', '—')} / "
-                      f"{sig.get('aligned_positions', '—')}")]
+                      (f"{sig.get('answer_positions', '—')} / {sig.get('trained_positions', '—')} / "
+                      f"{sig.get('aligned_positions', '—')}"))]
     elif teacher:  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
         sig = m.get("signal") or {}
         rows[-2:] = [("teacher", f"{teacher['ref']} as given ({teacher['kind']}), in --target's tokenizer"),
