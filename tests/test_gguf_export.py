@@ -7,6 +7,7 @@ same lookup the CLI uses (:func:`find_llama_cpp`: fetched with pip once into spe
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from pathlib import Path
 
@@ -296,7 +297,9 @@ def test_pipeline_export_writes_the_distilled_draft_as_gguf_when_asked(tmp_path,
     faster = "original" if sp["speculative:original"]["speedup"] > sp["speculative:distilled"]["speedup"] else \
         "distilled"
     assert g["draft"] == faster
-    assert path.stat().st_size == g["bytes"] and "-md" in g["llama_cpp_command"]
+    # The stored command is the plan's (unpriced: the target alone); the draft's own command is kept beside it.
+    assert path.stat().st_size == g["bytes"] and g["llama_cpp_command"] == plan["command"]
+    assert "-md" not in g["llama_cpp_command"] and f"-md {shlex.quote(str(path))}" in g["draft_command"]
     # The GGUF holds that draft's exported weights and the target's vocabulary.
     written = "speculator" if faster == "distilled" else "speculator-as-given"
     assert_weights(path, str(tmp_path / "run" / "export" / written), torch.float16, atol=1e-2)

@@ -174,6 +174,26 @@ def _for_draft_dump(ctx: typer.Context, draft: str, target: str, source, out: Pa
                                     progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
 
 
+def _target_dump(target: str, source, out: Path, config: DumpConfig) -> dict:
+    """The plain dump: :func:`specdraft.dump.run_dump` of the target over ``source`` under a progress bar."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from specdraft.cli.errors import err_console
+    from specdraft.dump import run_dump
+
+    with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
+        return run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
+                                                                                                   tps="")))
+
+
 def dump(
     ctx: typer.Context,
     out: Path = out_option(..., "dump"),
@@ -223,17 +243,7 @@ def dump(
     as given in its own tokens (specdraft.as_given_teacher)."""
     import time
 
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from specdraft.cli.errors import err_console, fail
-    from specdraft.dump import run_dump
+    from specdraft.cli.errors import fail
     from specdraft.prompts import parse_source
 
     source = parse_source(prompts, strides=False)
@@ -259,11 +269,7 @@ def dump(
         given = {k: v for k, v in locals().items() if k in SELF_TEACHER_FLAGS}
         print_dump(_self_teacher_dump(ctx, self_teacher, target, source, out, text or [], given), out, time.time() - t0)
         return
-    with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
-        m = run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
-                                                                                                tps="")))
-    print_dump(m, out, time.time() - t0)
+    print_dump(_target_dump(target, source, out, config), out, time.time() - t0)
 
 
 #: The serving filter: not decoding's --temperature / --top-k / --top-p (DistillConfig says why).
