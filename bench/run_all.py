@@ -243,7 +243,69 @@ def _render_distillation() -> list[str]:
     lines += _render_self_teacher_curve("swap-self-teacher-rh.json",
                                         "The draft as given teaches its re-indexed self, through a restricted head")
     lines += _render_vocab_swap_routes()
+    lines += _render_as_given_routes()
     return lines + _render_headroom_calibration()
+
+
+def _as_given_route(r: dict) -> str:
+    """A route of ``bench/distill_as_given.py`` in words: who wrote the answers, the carried label, the loss."""
+    dumps = [d["config"] for d in r["teacher"]["dumps"]]
+    writers = " + ".join(f"{d['answers']} ({d['carry'].replace('_', ' ')}, unaligned {d['unaligned']})" for d in dumps)
+    return f"{writers}; {r['route']['loss']}, lr {r['route']['lr']:g}"
+
+
+def _render_as_given_routes() -> list[str]:
+    """Distilling the draft as given (``bench/distill_as_given.py``): one row per route, measured at its last step
+    (no step picked after the fact), the best route's curve, and whether the main job's default changes."""
+    runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("distill-as-given-*.json"))]
+    runs = [r for r in runs if not r.get("smoke") and r.get("points")]
+    if not runs:
+        return []
+    r0 = runs[0]
+    h, o = r0["sets"]["held_out"], r0["sets"]["ood"]
+    lines = ["## Distilling the draft as given — routes", "",
+             (f"{r0['pair']['target']} teaches {r0['pair']['draft']} *as given* (its own tokenizer and head): answers "
+              "to the training prompts written by the draft (on-policy) or the target, scored by the target "
+              "teacher-forced, its top-k carried onto the draft's tokens where both tokenizations share a boundary "
+              "(*twins*: only next tokens whose text is one draft token; *first piece*: a twin-less token's mass on "
+              "its first draft piece; *none*: the answer's own token, a hard label), positions without a shared "
+              "boundary skipped or hard-labelled. Acceptance is counted as the main job counts it: the draft's text "
+              f"proposals at γ 5 replayed on the target's greedy answers to held-out code ({', '.join(h['sources'])}, "
+              f"{h['prompts']} prompts) and chat ({', '.join(o['sources'])}, {o['prompts']} prompts), gains paired "
+              "per prompt against the same replay of the draft as given (95% bootstrap). Each row is its route's "
+              f"last step; {r0['machine']}, torch {r0['torch']}."), "",
+             ("| route (answers by, carry, loss) | training sequences | label positions | steps | CPU-minutes | "
+              "held-out code | gain [95% CI] | per reached position | chat | gain [95% CI] |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |"]
+    for r in runs:
+        last = r["points"][-1]
+        c, ch = last["sets"]["held_out"], last["sets"]["ood"]
+        trained = sum(d["trained_tokens"] for d in r["teacher"]["dumps"])
+        lines.append(f"| {_as_given_route(r)} | {r['train_sequences']} | {trained:,} | {last['step']} | "
+                     f"{last['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} {_ci(c['gain_ci95'])} | "
+                     f"{c['gain_per_reached']:+.3f} {_ci(c['gain_per_reached_ci95'])} | {ch['acceptance']:.3f} | "
+                     f"{ch['gain']:+.3f} {_ci(ch['gain_ci95'])} |")
+    score = lambda r: r["points"][-1]["sets"]["held_out"]["gain"] + r["points"][-1]["sets"]["ood"]["gain"]
+    best = max(runs, key=score)
+    lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in runs) + ".", "",
+              f"### The best route's curve: {_as_given_route(best)}", "",
+              "CPU-minutes include the teacher dump's (the answers written and scored).", ""]
+    lines += _curve_table(best["points"])
+    pays = any(all(s["gain_ci95"][0] > 0 for s in r["points"][-1]["sets"].values()) for r in runs)
+    speed = _load("shipped-speed-as-given.json")
+    ratio = (speed or {}).get("distilled_vs_original")
+    if ratio:
+        lines += ["", (f"Served as given, the best route's draft against the undistilled draft as given: "
+                       f"**{ratio['ratio']:.2f}x {_ci(ratio['ratio_ci95'], '{:.2f}')}** tokens/s ({ratio['prompts']} "
+                       f"prompts × {speed['max_new_tokens']} tokens, paired; `{speed['command']}`).")]
+        pays = pays and ratio["ratio_ci95"][0] > 1
+    lines += ["", ("**The main job's default changes**: a pair of two tokenizers distils the draft as given by this route."
+                   if pays else
+                   "**The main job's default stays**: no route's gain interval lies above 0 on both held-out sets"
+                   + (" with a speed-up whose interval lies above 1x" if ratio else "")
+                   + ", so `specdraft run` keeps serving the draft as given undistilled where it is fastest "
+                   "(`specdraft dump --for-draft` + `specdraft distill` remain for a user who wants to try).")]
+    return lines + [""]
 
 
 def _curve_table(points: list[dict]) -> list[str]:
@@ -251,10 +313,11 @@ def _curve_table(points: list[dict]) -> list[str]:
     paired gain."""
     rows = ["| step | CPU-minutes | held-out code | gain [95% CI] | held-out chat | gain [95% CI] |",
             "| ---: | ---: | ---: | --- | ---: | --- |"]
+    gain = lambda pt, v: "—" if pt["step"] == 0 else f"{v['gain']:+.3f} {_ci(v['gain_ci95'])}"  # step 0 is the base
     for pt in points:
         c, o = pt["sets"]["held_out"], pt["sets"]["ood"]
-        rows.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {c['gain']:+.3f} "
-                    f"{_ci(c['gain_ci95'])} | {o['acceptance']:.3f} | {o['gain']:+.3f} {_ci(o['gain_ci95'])} |")
+        rows.append(f"| {pt['step']} | {pt['cpu_minutes']:.1f} | {c['acceptance']:.3f} | {gain(pt, c)} | "
+                    f"{o['acceptance']:.3f} | {gain(pt, o)} |")
     return rows
 
 
