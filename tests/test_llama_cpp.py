@@ -24,7 +24,7 @@ from specdraft.llama_cpp import (
     parse_llama_bench,
     unpack_source,
 )
-from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_engine
+from specdraft.llama_cpp_price import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_engine
 
 # bench/ is not a package: its directory goes on the path before its modules are imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -393,7 +393,7 @@ def test_llama_bench_results_of_another_machine_or_target_get_no_band_and_the_re
     import json
 
     from specdraft.llama_cpp import rank_inputs, read_llama_cpp_calibration
-    from specdraft.speed import REFIT_COMMAND
+    from specdraft.llama_cpp_price import REFIT_COMMAND
 
     t, d = vocab_gguf(tmp_path / "llama-8b.gguf"), vocab_gguf(tmp_path / "d.gguf")
     gpu = {"n_threads": 8, "backends": "CUDA", "model_filename": str(t)}
@@ -441,7 +441,7 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
 
     import specdraft.models
     from specdraft.cli import app
-    from specdraft.speed import rank_llama_cpp
+    from specdraft.llama_cpp_price import rank_llama_cpp
     from specdraft.testing import perturbed, save_tiny_pair
 
     tdir, _ = save_tiny_pair(tmp_path, 96)
@@ -630,7 +630,7 @@ def test_the_packaged_llama_cpp_calibration_is_the_committed_benchs_refit_and_it
     result = json.loads((root / "bench" / "results" / "llamacpp-embedded.json").read_text())
     cal = mod.calibrate(result)
     stale = "stale: run `python bench/llamacpp_check.py --refit --docs`"
-    assert mod.calibration_block(cal) in (root / "src" / "specdraft" / "speed.py").read_text(), stale
+    assert mod.calibration_json(cal) == (root / "src" / "specdraft" / "llamacpp_calibration.json").read_text(), stale
     assert LLAMA_CPP_CALIBRATION == cal and result["calibration"] == json.loads(json.dumps(cal.to_dict())), stale
     assert json.loads(json.dumps(mod.summarize(result))) == result["summary"], stale
     assert cal.provenance["result"] == "bench/results/llamacpp-embedded.json" and cal.n_range == (3, 8)

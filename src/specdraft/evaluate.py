@@ -45,15 +45,8 @@ from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
 from specdraft.sampling import align_logits, filtered_probs, output_width
-from specdraft.speed import (
-    Contender,
-    ContenderSpeed,
-    Decoded,
-    Divergence,
-    SpeedModel,
-    SpeedRow,
-    SpeedRun,
-)
+from specdraft.speed import SpeedModel
+from specdraft.speed_run import Contender, ContenderSpeed, Decoded, Divergence, SpeedRow, SpeedRun
 from specdraft.stats import ratio_ci
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
@@ -773,7 +766,7 @@ def interleaved_speed(
     interval (:func:`specdraft.stats.paired_ratio_ci`).
 
     Returns:
-        a :class:`~specdraft.speed.SpeedRun`; contender names: ``target``, ``speculative:<draft>``,
+        a :class:`~specdraft.speed_run.SpeedRun`; contender names: ``target``, ``speculative:<draft>``,
         ``hf_assisted:<draft>``.
     """
     from specdraft.stats import paired_ratio_ci

@@ -585,7 +585,7 @@ class GgufResult:
         target_gguf: the target's GGUF compared against, when the target is one (else ``None``: its HF
             directory's vocabulary was converted with ``--vocab-only``).
         llama_cpp: where the converter came from; ``quantize``: the llama-quantize used (q4_k_m only).
-        command: how llama.cpp serves the pair (:func:`specdraft.speed.llama_cpp_command`: ``llama-server -m
+        command: how llama.cpp serves the pair (:func:`specdraft.llama_cpp_price.llama_cpp_command`: ``llama-server -m
             TARGET --spec-type draft-simple -md DRAFT --spec-draft-n-max γ``); ``TARGET.gguf`` stands for a target
             given as an HF directory.
         seconds / timings: wall time, seconds (``convert_s``: vocabularies, check and conversion; ``quantize_s``).
@@ -656,8 +656,8 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
     import shlex
 
     from specdraft.io import atomic_path
+    from specdraft.llama_cpp_price import llama_cpp_command
     from specdraft.models import resolve
-    from specdraft.speed import llama_cpp_command
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}

@@ -289,7 +289,7 @@ def write_llama_cpp_ranking(llama: LlamaCppRankInputs, rows: list[RankedDraft], 
     written to ``out/rank.json`` with the llama-server command of the best — the target alone when no plan's error
     band lies wholly above 1x, or when no calibration backs one — and the calibration (``llama_cpp_calibration``).
     Returns ``(ranked drafts, best first; the report's path)``."""
-    from specdraft.speed import llama_cpp_command
+    from specdraft.llama_cpp_price import llama_cpp_command
 
     ranked = llama.rank({r.draft: r.alpha for r in rows})
     best = ranked[0]

@@ -398,8 +398,8 @@ def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
     ``rows``, :func:`specdraft.rank.rank_drafts`) with its error band beside llama-bench's own pricing, the command
     serving the best — the target alone where no band lies wholly above 1x — the calibration it rests on, and
     rank.json (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
+    from specdraft.llama_cpp_price import llama_cpp_command
     from specdraft.rank import write_llama_cpp_ranking
-    from specdraft.speed import llama_cpp_command
 
     ranked, path = write_llama_cpp_ranking(llama, rows, target, out, " ".join(sys.argv))
     table = Table(title=f"Drafts for {escape(target)} in llama.cpp, best first (α measured here; llama-bench timings, "
