@@ -10,10 +10,11 @@ import torch
 from specdraft.acceptance import expected_speedup
 from specdraft.calibration import measure_speed_model
 from specdraft.config import SamplingConfig
-from specdraft.decode import left_pad, speculative_generate, target_generate, verify_sampled
+from specdraft.decode import speculative_generate, target_generate, verify_sampled
 from specdraft.speed import AdaptiveGamma, SpeedModel
 from specdraft.stats import chi2_goodness_of_fit
 from specdraft.testing import exact_two_token_law, perturbed, tiny_model
+from specdraft.tokens import left_pad
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 

@@ -40,7 +40,7 @@ from specdraft.assisted import assisted_generate, hf_generation_config
 from specdraft.calibration import LoadMonitor, calibrate, machine_info
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import tokenizer_pad_id
-from specdraft.decode import check_max_new_tokens, left_pad, speculative_generate, target_generate
+from specdraft.decode import check_max_new_tokens, speculative_generate, target_generate
 from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
@@ -48,6 +48,7 @@ from specdraft.sampling import align_logits, filtered_probs, output_width
 from specdraft.speed import SpeedModel
 from specdraft.speed_run import Contender, ContenderSpeed, Decoded, Divergence, SpeedRow, SpeedRun
 from specdraft.stats import ratio_ci
+from specdraft.tokens import left_pad
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
 # rounding alone. bf16 keeps 8 significand bits: logits of magnitude ~20 are spaced 0.125 apart, and errors
@@ -230,8 +231,8 @@ def identity_not_tested(counts: AcceptanceCounts) -> str | None:
 
 
 def eos_ids(model, tokenizer=None) -> list[int]:
-    """The ids that end a row: :func:`specdraft.decode.stop_ids` (the one stop set)."""
-    from specdraft.decode import stop_ids
+    """The ids that end a row: :func:`specdraft.tokens.stop_ids` (the one stop set)."""
+    from specdraft.tokens import stop_ids
 
     return stop_ids(model, tokenizer)
 

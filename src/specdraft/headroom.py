@@ -263,10 +263,10 @@ def forecast_headroom(
     """
     import torch
 
-    from specdraft.decode import left_pad
     from specdraft.replay import counted_tail, counted_target_logits, tail_logits
     from specdraft.sampling import align_logits, check_windows, output_width
     from specdraft.stats import ratio_ci
+    from specdraft.tokens import left_pad
 
     config = config or HeadroomConfig()
     if twins is not None and tokenizer is None:

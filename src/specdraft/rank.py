@@ -158,10 +158,11 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
     from specdraft.acceptance import AcceptanceCounts
     from specdraft.calibration import calibrate
     from specdraft.data import tokenizer_pad_id
-    from specdraft.decode import left_pad, speculative_generate
+    from specdraft.decode import speculative_generate
     from specdraft.draft_model import apply_draft_options, draft_configuration
     from specdraft.evaluate import eos_ids
     from specdraft.sampling import check_token_ids
+    from specdraft.tokens import left_pad
 
     config = config or EvalConfig()
     check_token_ids(prompt_ids, [("target", target)], what="the calibration prompts")

@@ -194,9 +194,9 @@ def replay_greedy(
     """
     import torch
 
-    from specdraft.decode import left_pad
     from specdraft.replay import replay_answer, tail_logits
     from specdraft.sampling import align_logits, check_windows
+    from specdraft.tokens import left_pad
 
     check_windows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], [("draft", draft)],
                   "replay shorter prompts or answers (lower --max-new-tokens).")

@@ -323,11 +323,11 @@ EVAL_LEGEND = (
 
 class TextStream:
     """``on_tokens`` of a streamed answer: prints the text as tokens arrive through
-    :class:`specdraft.decode.IncrementalDetokenizer`, which holds back a character split across two chunks;
+    :class:`specdraft.tokens.IncrementalDetokenizer`, which holds back a character split across two chunks;
     :meth:`flush` prints what it still holds at the end."""
 
     def __init__(self, tokenizer):
-        from specdraft.decode import IncrementalDetokenizer
+        from specdraft.tokens import IncrementalDetokenizer
 
         self.detok = IncrementalDetokenizer(tokenizer)
 
