@@ -19,7 +19,6 @@ from specdraft.llama_cpp import (
     FIXED_FLAGS,
     LlamaCppError,
     cmake_flags,
-    cpu_flags,
     find_tools,
     parse_llama_bench,
     unpack_source,
@@ -64,12 +63,6 @@ def test_cmake_flags_follow_the_cpu_with_native_and_amx_off():
     full = cmake_flags({"avx2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni", "avx_vnni"})
     assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512_BF16=OFF"} <= set(full)
     assert len([f for f in full if f.startswith("-DGGML_AVX512=")]) == 1
-
-
-def test_cpu_flags_read_the_first_flags_line():
-    text = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile\nbugs\t\t: spectre\nflags\t\t: other\n"
-    assert cpu_flags(text) == {"fpu", "avx2", "amx_tile"}
-    assert cpu_flags("no flags here") == set()
 
 
 def test_unpack_source_takes_the_llama_cpp_tree_only_and_refuses_an_sdist_without_it(tmp_path):

@@ -41,6 +41,7 @@ from typing import Any
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, GgufType
 from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_SDIST, LLAMA_CPP_SDIST_SHA256, LLAMA_CPP_VERSION
+from specdraft.io import sha256_file
 from specdraft.speculator import SpeculatorError
 
 #: What the converter imports beyond specdraft's own dependencies (llama.cpp's
@@ -111,16 +112,6 @@ def converter_root(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def unpack_sdist(sdist: str | os.PathLike, dest: str | os.PathLike, keep: Callable[[str], bool], need: str,
                  error: type[GgufExportError] = GgufExportError, flag: str = "",
                  give: str = f"a {LLAMA_CPP_PACKAGE} sdist", marker: dict[str, Any] | None = None) -> Path:
@@ -146,7 +137,7 @@ def unpack_sdist(sdist: str | os.PathLike, dest: str | os.PathLike, keep: Callab
 
     sdist, dest = Path(sdist).expanduser(), Path(dest)
     pinned = sdist.name == LLAMA_CPP_SDIST
-    digest = sha256_file(sdist) if pinned or marker is not None else None
+    digest = sha256_file(sdist)[0] if pinned or marker is not None else None
     if pinned and digest != LLAMA_CPP_SDIST_SHA256:
         raise error(f"{sdist} has sha256 {digest}, not the pinned {LLAMA_CPP_SDIST_SHA256}: fetch it again with "
                     f"`{' '.join(pip_download_command(sdist.parent))}`.")

@@ -42,6 +42,7 @@ from specdraft.gguf_export import (
     pip_download_command,
     unpack_sdist,
 )
+from specdraft.io import cpu_flags
 from specdraft.llama_cpp_price import LlamaCppCalibration, LlamaCppForecast
 
 #: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
@@ -77,22 +78,9 @@ def build_cache() -> Path:
     return cache_root() / f"llama.cpp-build-{LLAMA_CPP_VERSION}"
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (or the text given); empty where there is none."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags") and ":" in line:
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def cmake_flags(flags: set[str] | None = None) -> list[str]:
     """cmake's ``-D`` options for this machine: :data:`FIXED_FLAGS`, then each :data:`ISA_OPTIONS` entry ON exactly
-    when the CPU lists all its flags (``flags``: default :func:`cpu_flags`). Not x86: the fixed flags alone."""
+    when the CPU lists all its flags (``flags``: default :func:`specdraft.io.cpu_flags`). Not x86: the fixed flags alone."""
     flags = cpu_flags() if flags is None else flags
     out = list(FIXED_FLAGS)
     if platform.machine().lower() in ("x86_64", "amd64") or flags & {"avx", "sse4_2"}:
@@ -329,6 +317,16 @@ class LlamaCppRankInputs:
                                           command=llama_cpp_command(*pair, server=True, **pins),
                                           local_command=llama_cpp_command(*pair, server=False, **pins)))
         return rows
+
+    def serving_command(self, best: LlamaCppCandidate) -> str:
+        """The ``llama-server`` command to serve for the ranking's ``best``: its own where a calibrated error band
+        backs its plan, else the target alone (llama-bench's pricing alone over-predicts llama.cpp, so nothing
+        measured backs a plan without a calibration)."""
+        from specdraft.llama_cpp_price import llama_cpp_command
+
+        if best.band is not None:
+            return best.command
+        return llama_cpp_command(str(self.target_gguf), best.gguf, 0, threads=self.threads, server=True)
 
 
 @dataclass

@@ -290,12 +290,8 @@ def write_llama_cpp_ranking(llama: LlamaCppRankInputs, rows: list[RankedDraft], 
     written to ``out/rank.json`` with the llama-server command of the best — the target alone when no plan's error
     band lies wholly above 1x, or when no calibration backs one — and the calibration (``llama_cpp_calibration``).
     Returns ``(ranked drafts, best first; the report's path)``."""
-    from specdraft.llama_cpp_price import llama_cpp_command
-
     ranked = llama.rank({r.draft: r.alpha for r in rows})
-    best = ranked[0]
-    serve = best.command if best.band is not None else llama_cpp_command(
-        str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
+    serve = llama.serving_command(ranked[0])
     report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),
               "target_bench": llama.target_bench_source, "ranking": [r.to_dict() for r in ranked],
               "llama_cpp_command": serve,

@@ -398,7 +398,6 @@ def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
     ``rows``, :func:`specdraft.rank.rank_drafts`) with its error band beside llama-bench's own pricing, the command
     serving the best — the target alone where no band lies wholly above 1x — the calibration it rests on, and
     rank.json (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
-    from specdraft.llama_cpp_price import llama_cpp_command
     from specdraft.rank import write_llama_cpp_ranking
 
     ranked, path = write_llama_cpp_ranking(llama, rows, target, out, " ".join(sys.argv))
@@ -415,9 +414,8 @@ def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
                       f"{r.n_max}" + ("" if r.n_max or not r.best_n else f" (best {r.best_n})"), told, raw)
     console.print(table)
     best = ranked[0]
-    command = best.command
-    if best.band is None:  # llama-bench's pricing alone over-predicts llama.cpp: nothing measured backs a plan
-        command = llama_cpp_command(str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
+    command = llama.serving_command(best)
+    if best.band is None:
         console.print("no calibration prices these drafts as llama.cpp runs them (llama-bench's timings alone "
                       f"over-predict it){'; ' + best.note if best.note else ''}; serve the target alone:",
                       markup=False, highlight=False)
