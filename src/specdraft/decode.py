@@ -4,55 +4,15 @@ One round (gpt-fast's shape, Leviathan et al. 2023 Algorithm 1):
 
 1. the draft proposes γ tokens d_1..d_γ autoregressively from q;
 2. the target scores ``[cur, d_1..d_γ]`` in one pass, giving p_1..p_{γ+1};
-3. verification keeps the longest accepted prefix d_1..d_n and emits one more token from the target
-   (the correction at the first rejection, or the bonus token from p_{γ+1} when all γ were accepted);
-4. both KV caches keep only the accepted prefix; the draft catches up next round on the token(s) it did
-   not propose.
+3. verification keeps the longest accepted prefix and emits one more token from the target (the correction at the
+   first rejection, or the bonus token from p_{γ+1});
+4. both KV caches keep only the accepted prefix.
 
-Greedy (temperature 0): d_i is accepted while it equals argmax p_i — the output equals target-only greedy
-decoding token for token. Sampled: d_i ~ q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i)); on
-rejection the emitted token is drawn from norm(max(p_i − q_i, 0)) — the output follows p exactly
-(Leviathan et al. 2023, Theorem 3.5; Chen et al. 2023). p and q are the distributions after the same
-temperature → top-k → renormalise → top-p filter (:func:`specdraft.sampling.filter_logits`); draws use
-inverse-CDF sampling (:func:`specdraft.sampling.sample`).
-
-Batches: rows are left-padded and may accept different numbers of tokens in one round. Both caches keep a
-common length; positions a row rejected become *holes*, masked out of attention (``attention_mask`` 0) and
-skipped by ``position_ids``, and the common tail of holes is cropped. Each row therefore sees exactly the
-keys and positions it would see decoded alone. Finished rows leave the batch (``batch_select_indices``).
-
-Drafts of another tokenizer (``vocab_mapping``): the draft reads the context as *text* — each round the
-target-side ids (prompt + output) are decoded and re-encoded with the draft's tokenizer, the draft's cache keeps
-the longest prefix it already holds and is fed the rest — and proposes over target ids: its logits are mapped
-through the one-to-one :class:`~specdraft.vocab.VocabMapping`, so a draft token with no target twin has
-q = 0 and a target token with no draft twin is never proposed. Verification is unchanged (any q is exact),
-so the output stays the target's; only acceptance depends on the mapping's coverage. This is the token-level
-intersection of Timor et al. 2025 ("Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
-for Heterogeneous Vocabularies", Alg. 4), which transformers ships as ``UniversalSpeculativeDecodingGenerator``.
-Greedy decoding may instead propose *text* (``mapped_proposals="text"``, the greedy default): the draft takes
-its own argmax over its whole vocabulary, the drafted text is encoded with the target's tokenizer, and the
-target verifies those tokens (up to γ) — Timor et al.'s string-level exact match (SLEM, Alg. 2), transformers'
-``AssistedCandidateGeneratorDifferentTokenizers``. Greedy verification accepts any candidate sequence exactly,
-so this is lossless; sampled decoding needs a q over target ids and always uses the token mapping. A mapped
-draft whose context re-encodes to nothing (its tokenizer cannot spell the prompt and adds no BOS) proposes nothing:
-the target decodes alone until the draft has context — never a stand-in id.
-
-The draft side is a *drafter* (:mod:`specdraft.drafters`: :class:`~specdraft.drafters.Drafter`, ``propose``
-then ``commit``), one for a draft that shares the target's tokenizer
-(:class:`~specdraft.drafters.SameTokenizerDrafter`) and one for a draft of another tokenizer
-(:class:`~specdraft.drafters.MappedDrafter`); this module holds verification and the loop,
-:func:`speculative_generate`, which reads propose → verify → accept → roll back.
-Each row drafts its own k per round (rows proposing fewer are right-padded and verified as a round of k drafts):
-γ, or with a measured :class:`~specdraft.speed.SpeedModel` the k its running acceptance predicts fastest — none
-while no k predicts a gain (:class:`~specdraft.speed.AdaptiveGamma`) — and never more than the row can still emit
-(``max_new_tokens`` − emitted − 1). A drafter reads, before drafting, every token of its row it has not read yet
-(the last one, a draft it proposed but never read, or all tokens emitted while the row drafted nothing).
-A cheaper draft (int8/int4 weights, a trimmed head: :mod:`specdraft.draft_model`) is just another draft model.
-
-Caches: every layer keeps every position (no sliding-window eviction), so rolling back is always possible; a
-sliding-window model still attends only within its window (transformers builds that mask from the config). Holes
-would widen a window measured in cache positions, so a batch of several rows with a sliding-window model is
-refused (decode its rows one at a time).
+Greedy: d_i is accepted while it equals argmax p_i, so the output equals target-only greedy decoding token for token.
+Sampled: d_i ~ q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i)), a rejection draws from
+norm(max(p_i − q_i, 0)): the output follows p exactly (Theorem 3.5). Drafters: :mod:`specdraft.drafters`; the γ
+policy: :mod:`specdraft.speed`. Batches and their holes, drafts of another tokenizer, caches: docs/architecture.md,
+"decode".
 """
 
 from __future__ import annotations

