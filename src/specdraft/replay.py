@@ -200,18 +200,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
                   mapped_proposals: str | None = None, batch_size: int = 16,
                   progress=None) -> list[AcceptanceCounts]:
     """Greedy speculative decoding's counts for a draft of *another tokenizer*, replayed over the target's greedy
-    ``answers`` with no target pass.
-
-    A mapped draft reads the context as text, re-encoded in its own tokens, so its proposals after an accepted
-    block are not its teacher-forced argmaxes over the target's tokens (:func:`replay_answer` does not apply).
-    But greedy verification needs only the target's argmax, and along its own greedy answer that is the answer's
-    next token: each round the very drafter :func:`~specdraft.decode.speculative_generate` uses
-    (:class:`~specdraft.drafters.MappedDrafter`, the same proposal mode) proposes after ``prompt + answer[:n]``, the
-    round accepts the longest run of its candidates equal to ``answer[n:]``, and the target emits
-    ``answer[n + accepted]``. Rows of a batch run in lockstep, each at its own n, with the decoder's holes (each row
-    sees the keys and positions it would see alone), so the counts are batch-1 decoding's wherever the target's
-    argmax along its answer is the answer (bfloat16 near-ties aside, in either model); the draft costs what it costs
-    in decoding, the target nothing.
+    ``answers`` with no target pass. Why these are batch-1 decoding's counts: docs/architecture.md, "replay".
 
     Args:
         draft: causal LM of another tokenizer; ``vocab_mapping``: its :class:`~specdraft.vocab.VocabMapping`

@@ -45,15 +45,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tu
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token sequence, handed out in pieces whose concatenation is the final decode.
-
-    Byte-level BPE and byte-fallback sentencepiece tokenizers spell many characters (CJK, emoji) in several
-    tokens, so a chunk of new tokens can end inside a character; decoding there gives U+FFFD for the unfinished
-    bytes. :meth:`push` holds such a tail back until the character completes (or :meth:`flush` hands it out as the
-    final decode has it), so a stream never shows a replacement character the answer lacks, nor drops a character
-    split across two chunks. Each push decodes the whole sequence (answers are short; it is what the final
-    decode does, so spacing rules of the tokenizer hold as well).
-    """
+    """Text of a growing token sequence, handed out in pieces whose concatenation is the final decode; a character
+    split across two chunks is held back until it completes (why: docs/architecture.md, "tokens")."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens

@@ -44,16 +44,7 @@ class _Entry:
 
 class TextDrafts:
     """Drafters of another tokenizer, one per request, for a batch whose requests come and go (no vLLM needed).
-
-    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. vLLM names no request, so a
-    drafter follows its request by content, matched over all slots at once (:meth:`assign`): a request's context
-    only grows, so a kept drafter whose last context is a prefix of a slot's context is that request's own, and
-    keeps serving it whatever slot it moved to and whoever joined before it. The other contexts (new requests) take
-    a fresh drafter, or the unclaimed kept one sharing the longest prefix with them (a system prompt's cache is read
-    once); the drafter then trims its KV cache to the common prefix of the re-encoded contexts
-    (:meth:`specdraft.drafters.MappedDrafter.propose`), and what it knew of its last request alone (that it outgrew
-    the draft's window) is forgotten. Drafters not used for ``keep_rounds`` rounds are dropped, and at most
-    ``max_entries`` are kept (the least recently used go first).
+    How a drafter follows its request by content: docs/architecture.md, "vllm_proposer".
 
     Memory: a drafter's KV cache holds at most the draft's window (:func:`specdraft.sampling.context_window`, its
     ``max_position_embeddings``; past it the drafter stops proposing for that request), so the kept caches take at
