@@ -8,7 +8,11 @@ evaluation settings: draft preparation, adaptive γ ≤ 5, bfloat16), greedy, ou
 alone's. Writes ``bench/results/shipped-speed.json``: per contender tokens/s and speed-up over the target alone, the
 distilled/as-given ratio with its paired 95% bootstrap interval, and any divergence with its margin.
 
+With ``--as-given-distilled DIR`` the contender is instead a draft distilled *as given* (its own tokenizer,
+``bench/distill_as_given.py``'s speculator), drafting through text as the draft as given does, on the default pair.
+
     python bench/bench_shipped_speed.py --run runs/default --prompts humaneval:100:8:8 --max-new-tokens 128
+    python bench/bench_shipped_speed.py --as-given-distilled DIR --name as-given-speed
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="held-out prompt source (default: 8 HumanEval problems from 100, every 8th: held out "
                          "from every training set)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--as-given-distilled", type=Path, default=None,
+                    help="a draft distilled as given (its speculator directory): compared with the draft as given")
     ap.add_argument("--name", default="shipped-speed")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args(argv)
@@ -45,11 +51,17 @@ def main(argv: list[str] | None = None) -> dict:
     from specdraft.prompts import load_prompts
     from specdraft.vocab import build_vocab_mapping
 
-    report = json.loads((args.run / "report.json").read_text())
-    cfg = PipelineConfig.model_validate(report["config"])
-    if not report.get("vocab_swap"):
-        ap.error(f"{args.run} is not a run of a draft of another tokenizer: there is no draft as given to compare")
-    shipped = args.run / "export" / "speculator"
+    if args.as_given_distilled is not None:
+        from specdraft.pipeline import make_config
+
+        cfg, report = make_config("default"), {"command": None}
+        shipped = args.as_given_distilled
+    else:
+        report = json.loads((args.run / "report.json").read_text())
+        cfg = PipelineConfig.model_validate(report["config"])
+        if not report.get("vocab_swap"):
+            ap.error(f"{args.run} is not a run of a draft of another tokenizer: there is no draft as given to compare")
+        shipped = args.run / "export" / "speculator"
     evalc = cfg.eval.model_copy(update={"max_new_tokens": args.max_new_tokens})
     examples = load_prompts([args.prompts], held_out=True)
     target_ref, draft_ref = resolve_ref(cfg.target), resolve_ref(cfg.draft)
@@ -57,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     drafts = {"original": load_model(draft_ref, dtype=evalc.dtype)[0],
               "distilled": load_model(str(shipped), dtype=evalc.dtype)[0]}
     mappings = {"original": build_vocab_mapping(target_ref.path, draft_ref.path)}
+    if args.as_given_distilled is not None:  # of the draft's own tokenizer: it drafts through text too
+        mappings["distilled"] = build_vocab_mapping(target_ref.path, str(shipped))
     t0 = time.time()
     run = interleaved_speed(target, drafts, tok, encode_prompts(tok, examples), [e.id for e in examples], evalc,
                             vocab_mappings=mappings)
@@ -67,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__, "target": cfg.target, "draft": cfg.draft, "run": report["command"],
-        "shipped": "the run's export/speculator (re-indexed, distilled; " + str(cfg.export_dtype) + ")",
+        "shipped": (f"{shipped} (distilled as given, drafting through text)" if args.as_given_distilled is not None
+                    else "the run's export/speculator (re-indexed, distilled; " + str(cfg.export_dtype) + ")"),
         "prompts": {"source": args.prompts, "count": len(examples)}, "max_new_tokens": args.max_new_tokens,
         "eval": evalc.model_dump(mode="json"), "seconds": time.time() - t0,
         "lossless": run.lossless,

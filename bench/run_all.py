@@ -1166,8 +1166,10 @@ def _quickstart() -> str:
     r = _load("run-default.json") or {}
     st = r.get("stages") or {}
     cost = lambda k: f"~{st[k] / 60:.0f} min" if st.get(k, 0) >= 90 else f"~{st[k]:.0f} s"
-    note = (f"# the default preset on 2 CPU cores: check {cost('check')}, its first evaluation "
-            f"{cost('eval_before')}, the whole run {r['wall_seconds'] / 60:.0f} min, peak RSS "
+    # The run's check stage compares tokenizers and loads no model; `specdraft check` on the
+    # embedded pair loads both models and continues each, which the README's next paragraph times.
+    note = (f"# default preset, 2 CPU cores: check stage {cost('check')}, first evaluation "
+            f"{cost('eval_before')}, whole run {r['wall_seconds'] / 60:.0f} min, peak RSS "
             f"{r['peak_rss_gb']:.1f} GB") if r.get("wall_seconds") else ""
     pair = "--target TARGET_DIR --draft DRAFT_DIR"
     return "\n".join(["```bash", "make setup && . .venv/bin/activate   # exact pins (or: pip install -e .)",

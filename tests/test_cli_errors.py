@@ -208,17 +208,29 @@ def test_a_failed_command_leaves_no_out_folder_it_created_behind(tmp_path, no_lo
 
 # --------------------------------------------------------------------- which pair a command runs
 
-@pytest.mark.parametrize("command", ["check", "eval"])
-def test_check_and_eval_without_arguments_name_the_embedded_pair_and_runs_other_draft_first(command, monkeypatch):
-    """check and eval default to the embedded pair, run's default preset to another draft: a newcomer comparing them
-    learnt it only from the numbers. The first line says it, before any model is looked for."""
+def _models_found_never_loaded(monkeypatch):
+    """Every reference resolves (as a cached model would) and the first step that reads a model refuses: ``no
+    models here``."""
+    import specdraft.check
+    import specdraft.embedded
     import specdraft.models
+    import specdraft.pair
     from specdraft.embedded import ModelResolutionError
 
     def refuse(*_a, **_k):
         raise ModelResolutionError("no models here")
 
-    monkeypatch.setattr(specdraft.models, "resolve", refuse)
+    monkeypatch.setattr(specdraft.embedded, "is_cached", lambda _ref: True)
+    monkeypatch.setattr(specdraft.models, "resolve", lambda ref, *_a, **_k: str(ref))
+    monkeypatch.setattr(specdraft.check, "run_check", refuse)
+    monkeypatch.setattr(specdraft.pair, "load_pair", refuse)
+
+
+@pytest.mark.parametrize("command", ["check", "eval"])
+def test_check_and_eval_without_arguments_name_the_embedded_pair_and_runs_other_draft_first(command, monkeypatch):
+    """check and eval default to the embedded pair, run's default preset to another draft: a newcomer comparing them
+    learnt it only from the numbers. The first line says it, before any model loads."""
+    _models_found_never_loaded(monkeypatch)
     r = _invoke([command])
     assert r.output.splitlines()[0] == (f"specdraft {command}: target qwen2.5-coder-1.5b-instruct ← draft "
                                         "qwen2.5-coder-0.5b-instruct (the embedded pair; `run`'s default preset uses "
@@ -227,12 +239,21 @@ def test_check_and_eval_without_arguments_name_the_embedded_pair_and_runs_other_
 
 
 def test_a_pair_given_is_named_without_the_embedded_note(tmp_path, monkeypatch):
-    import specdraft.models
-    from specdraft.embedded import ModelResolutionError
-
-    def refuse(*_a, **_k):
-        raise ModelResolutionError("no models here")
-
-    monkeypatch.setattr(specdraft.models, "resolve", refuse)
+    _models_found_never_loaded(monkeypatch)
     r = _invoke(["check", "--target", "t-model", "--draft", "d-model"])
     assert r.output.splitlines()[0] == "specdraft check: target t-model ← draft d-model"
+
+
+def test_check_and_eval_refusing_a_bad_input_print_only_the_error(tmp_path):
+    """check and eval named their pair first, so a missing model or prompt file was two lines: the pair, then the
+    error. The error is now the whole output."""
+    tdir, ddir = save_tiny_pair(tmp_path, 64)
+    missing = tmp_path / "nowhere"
+    cases = [["check", "--target", tdir, "--draft", str(missing)],
+             ["eval", "--target", tdir, "--draft", str(missing), "--out", str(tmp_path / "e1")],
+             ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(tmp_path / "none.jsonl"),
+              "--out", str(tmp_path / "e2")]]
+    for args in cases:
+        r = _invoke(args)
+        assert r.exit_code == 2 and len(r.output.splitlines()) == 1, r.output
+        assert r.output.startswith("error: "), r.output

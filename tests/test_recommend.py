@@ -170,7 +170,9 @@ def test_the_run_prices_llama_cpp_from_the_packaged_timings_of_its_own_pair_only
         high["command"] and "-md /d.gguf" in high["command"]
     other = run_plan("another-target", "/d.gguf", size, 0.99, "distilled", draft_ref="out/export/speculator")
     assert other["predicted_speedup"] is None and other["basis"].startswith("not priced: no llama-bench timings")
-    assert "specdraft rank --engine llama.cpp --target another-target out/export/speculator" in other["basis"]
+    # The command that prices it names the GGUFs rank cannot find itself: the draft's, and this target's.
+    assert ("specdraft rank --engine llama.cpp --target another-target out/export/speculator --draft-gguf "
+            "out/export/speculator=/d.gguf --target-gguf TARGET.gguf") in other["basis"]
     assert run_plan("qwen2.5-coder-1.5b-instruct", "/d.gguf", size * 3, 0.99, "distilled")["predicted_speedup"] is None
     # A draft 1.5x the timed one's bytes is priced from its timings scaled by the bytes: slower, so a lower forecast.
     big = run_plan("qwen2.5-coder-1.5b-instruct", "/d.gguf", int(size * 1.5), 0.99, "distilled")

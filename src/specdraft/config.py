@@ -308,6 +308,39 @@ class SelfTeacherConfig(BaseModel):
         return self.model_dump(exclude={"batch_size", "shard_size_mb"})
 
 
+
+class AsGivenTeacherConfig(BaseModel):
+    """Settings of the target's dump for a draft as given (``specdraft dump --for-draft DRAFT``): sequences written
+    by the draft (on-policy) or the target, scored by the target, its top-k carried onto the draft's own ids where
+    the two tokenizations meet (:mod:`specdraft.as_given_teacher`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored in draft ids.")
+    top_k: int = Field(20, ge=1, description="Slots per position (--top-logprobs), in the target's ids when scored "
+                       "and the draft's when stored.")
+    answers: Literal["draft", "target"] = Field("draft", description="Who writes the answers the target scores: the "
+                                                "draft as given (on-policy, cheap) or the target (greedy, costly).")
+    carry: Literal["twins", "first_piece", "none"] = Field(
+        "first_piece", description="twins: a target token's mass goes to the draft token of the same text, else to "
+        "the leftover; first_piece: a twin-less token's mass goes to the first draft token of its text; none: no "
+        "target scores, every answer position a hard label (the draft's next token).")
+    unaligned: Literal["skip", "hard"] = Field(
+        "skip", description="Where the two tokenizations do not meet: train nothing (skip) or the draft's next "
+        "token as a hard label (hard).")
+    generate: int = Field(192, ge=1, description="Tokens per written answer, at most (greedy; a stop id ends it).")
+    max_length: int = Field(1024, ge=2, description=MAX_LENGTH_HELP)
+    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
+    offset: int = Field(0, ge=0, description="Skip this many examples first.")
+    batch_size: int = Field(8, ge=1, description=BATCH_SIZE_HELP)
+    score_batch_size: int = Field(4, ge=1, description="Sequences the target scores in one forward pass.")
+    shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
+    dtype: ModelDtype = Field("bfloat16", description=DTYPE_HELP)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The settings that change the dumped values (a resumed run must match them)."""
+        return self.model_dump(exclude={"batch_size", "score_batch_size", "shard_size_mb"})
+
 class DistillConfig(BaseModel):
     """Distillation settings; field names equal the CLI flags (``lr`` ↔ ``--lr``) but the serving filter's.
 

@@ -338,9 +338,14 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
         raise SpeculatorError(f"{out} exists; pass overwrite=True to replace it")
     spec = IndependentSpeculator(draft, num_speculative_tokens=num_speculative_tokens)
     spec.attach_verifier(verifier_ref, mode="detached", check_tokenizer=False)
+    as_given = tokenizer is not None and _other_tokenizer(tokenizer, verifier_tokenizer, verifier_ref)
+    if as_given:  # a draft of another tokenizer (trained as given) drafts through text, as export_draft writes it
+        spec.speculator_config = spec.speculator_config.with_text_proposals()
     with atomic_directory(out) as tmp:
         spec.save_pretrained(tmp)
-        if tokenizer is not None:
+        if as_given:
+            tokenizer.save_pretrained(tmp)  # its own tokenizer and template: it reads the verifier's text
+        elif tokenizer is not None:
             tokenizer.save_pretrained(tmp)
             template = carry_chat_template(tmp, verifier_tokenizer if verifier_tokenizer is not None else verifier_ref)
             _LOG.info("export %s: %s", out, template["note"])
@@ -349,6 +354,19 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
             write_training_json(tmp / "training.json", training)
         cast_weights(tmp, dtype)
     return out
+
+
+def _other_tokenizer(tokenizer, verifier_tokenizer, verifier_ref: str) -> bool:
+    """Whether ``tokenizer`` is not the verifier's (:func:`specdraft.vocab.tokenizer_fingerprint`); False where the
+    verifier's tokenizer cannot be read (the attachment has warned)."""
+    from specdraft.models import load_tokenizer
+    from specdraft.vocab import tokenizer_fingerprint
+
+    try:
+        vt = verifier_tokenizer if verifier_tokenizer is not None else load_tokenizer(verifier_ref)
+    except Exception:  # noqa: BLE001 - an unreadable verifier keeps the token proposer, as before
+        return False
+    return tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(vt)
 
 
 def _template_record(template: dict[str, Any]) -> dict[str, Any]:
@@ -460,10 +478,11 @@ class VllmServe:
     """How vLLM serves a speculator on this machine (:func:`vllm_serve`).
 
     Attributes:
-        command: ``vllm serve TARGET --speculative-config '{...}' # for vLLM VERSION`` (:func:`vllm_command`):
-            both paths absolute, γ pinned (tested with vLLM :data:`VLLM_TESTED_VERSION`).
-        one_path: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``: works where specdraft is installed next to vLLM (its plugin
-            reads the verifier and γ from the speculator's config.json).
+        command: ``python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config '{...}' # for
+            vLLM VERSION`` (:func:`vllm_command`): both paths absolute, γ pinned (tested with vLLM
+            :data:`VLLM_TESTED_VERSION`).
+        one_path: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``: works where specdraft is
+            installed next to vLLM (its plugin reads the verifier and γ from the speculator's config.json).
         target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
         speculative_config: the JSON passed as ``--speculative-config``.
         notes: what the reader should know (a verifier whose width could not be checked here; an embedded

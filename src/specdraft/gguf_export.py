@@ -562,7 +562,11 @@ class GgufResult:
         llama_cpp: where the converter came from; ``quantize``: the llama-quantize used (q4_k_m only).
         command: how llama.cpp serves the pair (:func:`specdraft.llama_cpp_price.llama_cpp_command`: ``llama-server -m
             TARGET --spec-type draft-simple -md DRAFT --spec-draft-n-max γ``); ``TARGET.gguf`` stands for a target
-            given as an HF directory.
+            given as an HF directory. Not priced: the export measures no acceptance, and llama.cpp's plan serves the
+            target alone until a forecast says the draft pays (:func:`specdraft.llama_cpp.run_plan`).
+        target_alone: the same server with the target alone (what an unpriced plan serves).
+        rank_command: ``specdraft rank --engine llama.cpp …`` that forecasts this GGUF's speed-up here
+            (:func:`rank_llama_cpp_command`).
         seconds / timings: wall time, seconds (``convert_s``: vocabularies, check and conversion; ``quantize_s``).
     """
 
@@ -573,6 +577,8 @@ class GgufResult:
     target_gguf: Path | None
     llama_cpp: str
     command: str
+    target_alone: str = ""
+    rank_command: str = ""
     quantize: Path | None = None
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
@@ -596,6 +602,22 @@ def target_gguf_path(verifier: str) -> Path | None:
         except ModelResolutionError:
             return None
     return None
+
+
+def rank_llama_cpp_command(target: str, draft: str, draft_gguf: str | os.PathLike) -> str:
+    """``specdraft rank --engine llama.cpp`` pricing ``draft_gguf`` beside ``target``: the command that forecasts
+    whether llama.cpp serves the draft or the target alone. Every GGUF rank cannot find itself is named: the draft's
+    (``--draft-gguf NAME=PATH``), and the target's (``--target-gguf``: the file given, ``TARGET.gguf`` for a model
+    reference without a packaged one); rank's ``--target`` is a model (``TARGET`` where only a GGUF was given)."""
+    import shlex
+
+    if Path(target).suffix == ".gguf":  # rank measures α with the target's HF model: a GGUF alone is not one
+        model, target_flag = "TARGET", f" --target-gguf {shlex.quote(target)}"
+    else:  # an embedded target's packaged GGUF is found by rank itself
+        model = shlex.quote(target)
+        target_flag = "" if target_gguf_path(target) is not None else " --target-gguf TARGET.gguf"
+    return (f"specdraft rank --engine llama.cpp --target {model} {shlex.quote(draft)} "
+            f"--draft-gguf {shlex.quote(f'{draft}={draft_gguf}')}{target_flag}")
 
 
 def checkpoint_float_type(model_dir: Path) -> str:
@@ -694,8 +716,10 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
         notes.append("TARGET.gguf: the target converted by the same converter "
                      f"(python {llama.script} {target_dir} --outfile TARGET.gguf); its vocabulary is the one "
                      "compared here.")
-    command = llama_cpp_command(shlex.quote(str(target_gguf) if target_gguf else "TARGET.gguf"),
-                                shlex.quote(str(out)), num_speculative_tokens, server=True)
+    served = shlex.quote(str(target_gguf) if target_gguf else "TARGET.gguf")
+    command = llama_cpp_command(served, shlex.quote(str(out)), num_speculative_tokens, server=True)
     return GgufResult(out=out, gguf_type=gguf_type, bytes=out.stat().st_size, verdict=verdict,
-                      target_gguf=target_gguf, llama_cpp=llama.source, command=command, quantize=quantize,
+                      target_gguf=target_gguf, llama_cpp=llama.source, command=command,
+                      target_alone=llama_cpp_command(served, "", 0, server=True),
+                      rank_command=rank_llama_cpp_command(str(verifier), str(draft), out), quantize=quantize,
                       seconds=time.perf_counter() - t0, timings=timings, notes=notes)

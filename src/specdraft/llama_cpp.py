@@ -529,7 +529,7 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
         ``{"which", "gguf", "n_max", "best_n", "predicted_speedup", "band", "by_n", "alpha", "basis", "command",
         "note"}`` (JSON-ready).
     """
-    from specdraft.gguf_export import target_gguf_path
+    from specdraft.gguf_export import rank_llama_cpp_command, target_gguf_path
     from specdraft.io import machine_name
     from specdraft.llama_cpp_price import (
         LLAMA_CPP_CALIBRATION,
@@ -559,7 +559,7 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     if timed is None or alpha is None or calibration is None:
         why = ("no llama-bench timings of this target and a draft within 2x of this size are packaged" if timed is None
                else "no held-out acceptance" if alpha is None else "no calibration")
-        rank = f"specdraft rank --engine llama.cpp --target {shlex.quote(target)} {shlex.quote(draft_ref or 'DRAFT')}"
+        rank = rank_llama_cpp_command(target, draft_ref or "DRAFT", gguf)
         return base | {"basis": f"not priced: {why}; `{rank}` times both here and forecasts it",
                        "command": llama_cpp_command(tgt_arg, shlex.quote(str(gguf)), 0, threads=threads)}
     label, d = timed

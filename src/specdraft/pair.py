@@ -54,6 +54,18 @@ def proposal_mode(mapped_proposals: ProposalMode | None, sampling: SamplingConfi
         raise DecodeError(f"--mapped-proposals: {exc}") from exc
 
 
+def drafts_through_text(path) -> bool:
+    """Whether the checkpoint at ``path`` is a speculator whose default proposal drafts through text (a draft of
+    another tokenizer exported as given, :attr:`specdraft.speculator.IndependentSpeculatorConfig.drafts_through_text`);
+    False for a plain model or an unreadable speculator config."""
+    from specdraft.speculator import SpeculatorError, load_speculator_config
+
+    try:
+        return load_speculator_config(path).drafts_through_text
+    except SpeculatorError:
+        return False
+
+
 def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
               mapped_proposals: ProposalMode | None = None, sampling: SamplingConfig | None = None) -> Pair:
     """Resolve both references, compare the tokenizers before loading weights, load both models in ``dtype``.
@@ -61,8 +73,12 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
     A draft of another tokenizer is decoded through a vocabulary mapping of string-identical tokens when
     ``map_vocab`` allows it (``mapped_proposals``: how it proposes, default by ``sampling``).
 
+    A speculator exported as given (:func:`drafts_through_text`) is mapped without ``map_vocab``: its config.json
+    says it drafts through text for a verifier of another tokenizer.
+
     Raises:
-        TokenizerMismatchError: the tokenizers differ and ``map_vocab`` is off (before any weights are read).
+        TokenizerMismatchError: the tokenizers differ, ``map_vocab`` is off and the draft is not a speculator that
+            drafts through text (before any weights are read).
         DecodeError: ``mapped_proposals`` that cannot be lossless under ``sampling``.
         CompatibilityError: a pair with no usable overlap.
         ModelResolutionError: a reference that names no model.
@@ -79,6 +95,10 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
         notes.append(("note", (f"the tokenizers are {report.verdict}: no vocabulary mapping is needed, "
                                "--map-vocab / --mapped-proposals have no effect.")))
     if report.verdict == "mismatch":
+        if not map_vocab and drafts_through_text(dpath):
+            map_vocab = True
+            notes.append(("note", (f"{draft} is a speculator exported as given: it drafts through text in its own "
+                                   "tokenizer, so it is decoded through a vocabulary mapping without --map-vocab.")))
         if not map_vocab:
             hint = (" Pass --map-vocab to decode through a vocabulary mapping of string-identical tokens (lossless; "
                     "acceptance depends on its coverage)." if report.mapping and report.mapping["usable"] else "")

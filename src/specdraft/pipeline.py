@@ -592,11 +592,13 @@ def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: P
             g = export_gguf(source, plan.target.path, d / f"draft-{cfg.export_gguf}.gguf",
                             gguf_type=cfg.export_gguf, num_speculative_tokens=cfg.eval.num_speculative_tokens,
                             overwrite=True)
-            res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
-                           "llama_cpp_command": g.command, "draft": which}
             side = after if which == "distilled" else before
             alpha = ((side or {}).get("sets") or {}).get("held_out", {}).get("alpha")
             res["llama_cpp"] = run_plan(cfg.target, g.out, g.bytes, alpha, which, draft_ref=str(source))
+            # The command the plan recommends (the target alone where the draft does not pay) beside the draft's own.
+            res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
+                           "llama_cpp_command": res["llama_cpp"].get("command", g.command),
+                           "draft_command": g.command, "draft": which}
         return res
 
     return run

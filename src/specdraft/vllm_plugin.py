@@ -1,5 +1,6 @@
-"""specdraft's vLLM plugin: ``vllm serve SPECULATOR_DIR`` (or ``LLM(model=SPECULATOR_DIR)``) serves the verifier
-named in an independent speculator's config.json with that speculator as its draft.
+"""specdraft's vLLM plugin: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR`` (or
+``LLM(model=SPECULATOR_DIR)``) serves the verifier named in an independent speculator's config.json with that
+speculator as its draft.
 
 Installed as the ``vllm.general_plugins`` entry point ``specdraft = "specdraft.vllm_plugin:register"``. It wraps
 vLLM's ``maybe_override_with_speculators`` and answers for ``speculators_model_type == "independent"``

@@ -23,7 +23,8 @@ from typing import Any
 PROPOSER_CLASS = "specdraft.vllm_proposer.TextProposer"
 #: The ``--additional-config`` key naming the speculator directory.
 SPECULATOR_KEY = "specdraft_speculator"
-#: The environment variable naming it when the plugin serves ``vllm serve SPECULATOR_DIR``.
+#: The environment variable naming it when the plugin serves the speculator directory alone
+#: (``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``).
 SPECULATOR_ENV = "SPECDRAFT_SPECULATOR"
 
 

@@ -640,7 +640,9 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
     tokens its text encodes to (Gee et al. 2022, "Fast Vocabulary Transfer"); control tokens, text the draft
     encodes with its unknown token and partial UTF-8 bytes get the mean of all the draft's real rows. Both
     kinds are counted. Afterwards the model reads and writes target ids; its config's ``vocab_size`` and
-    bos/eos/pad ids are the target's.
+    bos/eos/pad ids are the target's, and it is a plain draft: a speculator's ``speculators_*`` keys (an exported
+    draft as given, whose proposal drafts through its old tokenizer's text) are dropped, for they describe the
+    draft before the swap.
 
     Args:
         draft_model: a causal LM, or a reference loaded (in ``dtype``) only after the mapping has been
@@ -720,6 +722,11 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
     rewritten, dropped = swap_config_token_ids(
         {"config": draft_model.config, "generation_config": getattr(draft_model, "generation_config", None)},
         t, d, mapping.draft_to_target.tolist())
+    # AutoConfig keeps a speculator's keys on the plain config; saved, they would offer the text proposal of the
+    # old tokenizer for a draft that now speaks the target's (export writes the new speculator's own). By prefix:
+    # specdraft.speculator.SPECULATOR_KEYS, all three "speculators_*", imported here would close a circle.
+    for key in [k for k in vars(draft_model.config) if k.startswith("speculators_")]:
+        delattr(draft_model.config, key)
 
     report = VocabSwapReport(
         width=width, target_real=t.real, draft_real=d.real,

@@ -1,12 +1,12 @@
 """Errors and exit codes of every command: one ``error:`` line for what a user can fix, a traceback for a bug.
 
 Exit codes: 0 done; 1 the tokenizers of target and draft differ (``check``'s verdict, and ``eval`` /
-``generate`` refusing such a pair without ``--map-vocab``); 2 an expected error — bad input, a missing or
-unfit model, data or dump, a prompt too long for a model (:data:`EXPECTED_ERRORS`), printed as one
-``error:`` message without a traceback, as are values or flags click rejects (``eval`` also exits 2 when greedy
-outputs diverge beyond rounding); 3 (:data:`BUG_EXIT`) anything else: a bug, printed with its traceback; 130
-(:data:`INTERRUPTED_EXIT`, the shell's 128 + SIGINT) interrupted with Ctrl-C, said in one line (with how to resume,
-for the commands that resume).
+``generate`` refusing such a pair without ``--map-vocab``, unless the draft is a speculator exported as given); 2 an
+expected error — bad input, a missing or unfit model, data or dump, a prompt too long for a model
+(:data:`EXPECTED_ERRORS`), printed as one ``error:`` message without a traceback, as are values or flags click
+rejects (``eval`` also exits 2 when greedy outputs diverge beyond rounding); 3 (:data:`BUG_EXIT`) anything else: a
+bug, printed with its traceback; 130 (:data:`INTERRUPTED_EXIT`, the shell's 128 + SIGINT) interrupted with Ctrl-C,
+said in one line (with how to resume, for the commands that resume).
 """
 
 from __future__ import annotations

@@ -96,6 +96,9 @@ SpeculatorGammaOpt = Annotated[int | None, typer.Option(
     show_default=False)]
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=field_help(ExportConfig, "overwrite"))]
+#: check's: it has no --out, only the file --json names.
+JsonOverwriteOpt = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace an existing --json file instead of refusing it.")]
 #: distill's and run's: a finished training's Trainer checkpoints (several times the draft's size) are removed.
 KeepCheckpointsOpt = Annotated[bool, typer.Option(
     "--keep-checkpoints", help="Keep the Trainer checkpoints once the distillation has finished (removed by default: "
@@ -109,10 +112,17 @@ def _model_default(role: str, default: str | None) -> str:
     return "" if default is ... else f" Default: {default} (the embedded pair's {role})."
 
 
-def target_option(default: str | None = DEFAULT_TARGET):
-    """``--target`` / ``-t``: required when ``default`` is ``...``; ``None`` means the preset's."""
+def target_option(default: str | None = DEFAULT_TARGET, note: str = ""):
+    """``--target`` / ``-t``: required when ``default`` is ``...``; ``None`` means the preset's; ``note``: what this
+    command also accepts (export's .gguf target)."""
     return typer.Option(default, "--target", "-t", show_default=False,
-                        help=field_help(PipelineConfig, "target") + _model_default("target", default))
+                        help=field_help(PipelineConfig, "target") + note + _model_default("target", default))
+
+
+#: export's --target: what --format gguf does with it (:func:`specdraft.gguf_export.target_gguf_path`).
+GGUF_TARGET_NOTE = (" With --format gguf also the target's own .gguf file: the draft's vocabulary is checked against "
+                    "it and the printed llama.cpp command serves it (a model reference: its vocabulary is converted "
+                    "for the check and the command names TARGET.gguf; an embedded target: its packaged GGUF).")
 
 
 def draft_option(default: str | None = DEFAULT_DRAFT):

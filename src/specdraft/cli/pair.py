@@ -16,6 +16,7 @@ from specdraft.cli.options import (
     HELD_OUT_NOTE,
     JSON_HELP,
     GammaOpt,
+    JsonOverwriteOpt,
     MapVocabOpt,
     OverwriteOpt,
     config_option,
@@ -97,7 +98,7 @@ def check(
     max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1),
     json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
     dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
-    overwrite: OverwriteOpt = False,
+    overwrite: JsonOverwriteOpt = False,
 ) -> None:
     """Check that a target and a draft can work together.
 
@@ -110,10 +111,10 @@ def check(
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
     check_out(json_out, "--json", file=True, overwrite=overwrite)
-    console.print(pair_line("check", target, draft), highlight=False, markup=False, soft_wrap=True)
-
     tpath = resolve_with_progress(target, "--target")
     dpath = resolve_with_progress(draft, "--draft")
+    # Named once both references resolve: a bad one is the command's only line, its error.
+    console.print(pair_line("check", target, draft), highlight=False, markup=False, soft_wrap=True)
     with console.status("comparing tokenizers, then loading both models…"):
         report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
                            target_name=target, draft_name=draft)
@@ -176,9 +177,14 @@ def eval_cmd(
                         mapped_proposals=mapped_proposals, dtype=dtype, draft_quantization=draft_quantization,
                         draft_head_tokens=draft_head_tokens, gamma_policy=gamma_policy, certify=certify)
     check_out(out, overwrite=overwrite)
-    console.print(pair_line("eval", target, draft), highlight=False, markup=False, soft_wrap=True)
-    chosen = read_prompts(prompts, held_out=True)  # what will run, said before any model loads
+    said: list[str] = []
+    chosen = read_prompts(prompts, held_out=True, say=said.append)  # what will run, said before any model loads
     source, examples = chosen.sources[0], chosen.examples
+    resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
+    # Named once the prompts are read and both references resolve: a bad input is the command's only line.
+    console.print(pair_line("eval", target, draft), highlight=False, markup=False, soft_wrap=True)
+    for line in said:
+        typer.echo(line)
     pair = _load_pair(target, draft, dtype, map_vocab, mapped_proposals, sampling, named=True)
     ids = encode(pair, examples)
     with decode_progress(len(ids)) as shown:

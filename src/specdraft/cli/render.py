@@ -8,6 +8,7 @@ Progress goes to stderr; stdout holds the results. No torch import at module top
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -467,7 +468,14 @@ def print_vocab_swap(report, draft: str, target: str, out: Path) -> None:
     else:
         console.print("swap diagnostic: pass --prompts (replies to teacher-force), or run specdraft headroom on the "
                       "swapped draft", highlight=False)
-    console.print(f"written to {out}; next: specdraft run --target {target} --draft {out}", soft_wrap=True)
+    names = f"--draft {shlex.quote(str(out))} --target {shlex.quote(target)}"
+    console.print(f"written to {out}", highlight=False, soft_wrap=True)
+    console.print(f"next: specdraft export {names} --out SPECULATOR  (the re-indexed draft as a speculator of the "
+                  "target's tokenizer, untrained rows and all: seconds)", highlight=False, markup=False,
+                  soft_wrap=True)
+    console.print(f"      specdraft run --target {shlex.quote(target)} --draft {shlex.quote(str(out))}  (the main "
+                  "job: distils and measures it, about half an hour on 2 CPU cores)", highlight=False, markup=False,
+                  soft_wrap=True)
 
 
 #: Twin-less target tokens printed (the JSON keeps the report's whole list).
@@ -523,7 +531,16 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
         ("teacher forward (tokens/s)", "—" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.1f}"),
         ("final norm", f"{m['final_norm']} (lm_head(h) checked against the target's logits every batch)"),
     ]
-    if teacher := m.get("teacher"):  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
+    teacher = m.get("teacher") or {}
+    if teacher.get("kind") == "target-for-draft-as-given":  # specdraft.as_given_teacher: stored in the draft's ids
+        sig = m.get("signal") or {}
+        rows[-1:] = [("teacher", f"{teacher['ref']} (the target), for {teacher['draft']} as given, in its own tokens"),
+                     ("answers written by / ended by a stop id",
+                      f"the {m['config']['answers']} / {sig.get('ended', '—')} of {sig.get('answers', '—')}"),
+                     ("answer positions / trained / carried from the target",
+                      (f"{sig.get('answer_positions', '—')} / {sig.get('trained_positions', '—')} / "
+                      f"{sig.get('aligned_positions', '—')}"))]
+    elif teacher:  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
         sig = m.get("signal") or {}
         rows[-2:] = [("teacher", f"{teacher['ref']} as given ({teacher['kind']}), in --target's tokenizer"),
                      ("answers ended by a stop id", f"{sig.get('ended', '—')} of {sig.get('answers', '—')}"),
@@ -635,7 +652,15 @@ def print_gguf(res) -> None:
     console.print(f"tokenizer check: {res.verdict}", highlight=False)
     console.print(f"[green]wrote[/] {res.out} ({res.gguf_type}, {res.bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s "
                   f"with llama.cpp's converter from {escape(res.llama_cpp)}", highlight=False)
-    console.print("Serve it with llama.cpp:")
+    # The export measures no acceptance: as llama.cpp's plan (llama_cpp.run_plan) does unpriced, the target alone
+    # is served until a forecast says the draft pays, and the draft's command says it is not that forecast's.
+    console.print("llama.cpp: not priced here (an export measures no acceptance); this forecasts whether the draft "
+                  "pays, and its --spec-draft-n-max:", highlight=False, soft_wrap=True)
+    console.print(res.rank_command, markup=False, highlight=False, soft_wrap=True)
+    console.print("until it says so, serve the target alone:", highlight=False)
+    console.print(res.target_alone, markup=False, highlight=False, soft_wrap=True)
+    console.print("with the draft (not recommended before that forecast; use the --spec-draft-n-max it picks):",
+                  highlight=False, soft_wrap=True)
     console.print(res.command, markup=False, highlight=False, soft_wrap=True)
     for note in res.notes:
         console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)

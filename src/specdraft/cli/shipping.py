@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
+    GGUF_TARGET_NOTE,
     OverwriteOpt,
     SpeculatorGammaOpt,
     config_option,
@@ -33,7 +34,7 @@ from specdraft.config import ExportConfig, ExportDtype, ExportFormat, GgufType
 
 def export(
     draft: str = draft_option(...),
-    target: str = target_option(...),
+    target: str = target_option(..., GGUF_TARGET_NOTE),
     out: Path = out_option(..., "export"),
     gamma: SpeculatorGammaOpt = None,
     overwrite: OverwriteOpt = False,
@@ -52,7 +53,8 @@ def export(
     draft's tokenizer files; prints the config diff and the vLLM commands. A draft of another tokenizer is written as
     given (its own tokenizer, drafting through text: vLLM serves it with specdraft's proposer); llama.cpp and vLLM's
     draft_model need it re-indexed first (specdraft vocab-swap). --format gguf: one GGUF written by
-    llama.cpp's own converter, refused where llama.cpp would refuse the pair; prints the llama-server command."""
+    llama.cpp's own converter, refused where llama.cpp would refuse the pair; unpriced (no acceptance is measured),
+    it prints the rank command that forecasts the draft, the target-alone llama-server and the draft's, labelled."""
     from specdraft.config import ExportConfig, speculative_tokens
     from specdraft.export import export_draft
 

@@ -40,6 +40,7 @@ from specdraft.cli.render import (
     resolve_with_progress,
 )
 from specdraft.config import (
+    AsGivenTeacherConfig,
     DistillConfig,
     DumpConfig,
     DumpFormat,
@@ -140,6 +141,59 @@ def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
         fail(f"--self-teacher {draft}: {exc}")
 
 
+#: The dump flags the target's dump for a draft as given reads (:class:`specdraft.config.AsGivenTeacherConfig`).
+FOR_DRAFT_FLAGS = ("top_k", "generate", "max_length", "batch_size", "shard_size_mb", "dtype", "answers", "carry",
+                   "unaligned")
+
+
+def _for_draft_dump(ctx: typer.Context, draft: str, target: str, source, out: Path, given: dict) -> dict:
+    """``dump --for-draft``: :func:`specdraft.as_given_teacher.run_as_given_teacher` with the flags that apply; a
+    typed flag that does not apply is one error line, --top-logprobs / --generate / --dtype left untyped take its
+    defaults (20 slots, 192 tokens, bfloat16)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdraft.as_given_teacher import run_as_given_teacher
+    from specdraft.cli.errors import err_console, fail
+    from specdraft.vocab import CompatibilityError, refuse_same_tokenizer
+
+    typed = {k for k in given if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+    if wrong := [NOT_SELF_TEACHER[k] for k in NOT_SELF_TEACHER if k in typed]:
+        fail(f"{', '.join(wrong)} do(es) not apply with --for-draft: the answers are greedy and the dump stores the "
+             "target's top-k carried onto the draft's ids")
+    try:
+        refuse_same_tokenizer(resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--for-draft"),
+                              f"dump the target's own distribution for it (drop --for-draft), then distil {draft}")
+    except CompatibilityError as exc:
+        fail(f"--for-draft {draft}: {exc}")
+    keep = {k: given[k] for k in ("max_length", "batch_size", "shard_size_mb", "answers", "carry", "unaligned")}
+    keep |= {k: given[k] for k in ("top_k", "generate", "dtype") if k in typed}
+    config = AsGivenTeacherConfig(num_examples=source.limit, offset=source.offset, **keep)
+    with Progress(TextColumn("dump for the draft as given"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tps]}"), TimeElapsedColumn(), console=err_console) as pg:
+        return run_as_given_teacher(target, draft, source.name, out, config,
+                                    progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
+
+
+def _target_dump(target: str, source, out: Path, config: DumpConfig) -> dict:
+    """The plain dump: :func:`specdraft.dump.run_dump` of the target over ``source`` under a progress bar."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from specdraft.cli.errors import err_console
+    from specdraft.dump import run_dump
+
+    with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
+        return run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
+                                                                                                   tps="")))
+
+
 def dump(
     ctx: typer.Context,
     out: Path = out_option(..., "dump"),
@@ -170,26 +224,26 @@ def dump(
     text: Annotated[list[Path] | None, typer.Option(
         "--text", metavar="FILE", help="With --self-teacher: a plain text file (Python sources, say) cut into --max-length "
                        "sequences, every position a hard label (repeatable).")] = None,
+    for_draft: Annotated[str | None, typer.Option(
+        "--for-draft", metavar="DRAFT",
+        help="Dump the target's signal for this draft as given (another tokenizer, trained in its own vocabulary): "
+             "answers written by --answers, scored by the target, its top-k (--top-logprobs, default 20) carried onto "
+             "the draft's tokens where both tokenizations meet (--carry); distil the draft as given on it with "
+             "`specdraft distill --draft DRAFT --dump OUT`.")] = None,
+    answers: Literal["draft", "target"] = config_option(AsGivenTeacherConfig, "answers"),
+    carry: Literal["twins", "first_piece", "none"] = config_option(AsGivenTeacherConfig, "carry"),
+    unaligned: Literal["skip", "hard"] = config_option(AsGivenTeacherConfig, "unaligned"),
 ) -> None:
     """Store the target's distribution over a dataset (teacher dump).
 
     Runs the target once over every sequence and stores its distribution in shards plus a manifest in --out (new,
     empty, or an unfinished or finished dump of the same plan: resumed / verified); a killed run resumes where it
     stopped. Runs data-parallel under accelerate launch / torchrun. With --self-teacher DRAFT the draft as given is
-    the teacher (specdraft.self_teacher)."""
+    the teacher of its re-indexed copy (specdraft.self_teacher); with --for-draft DRAFT the target teaches the draft
+    as given in its own tokens (specdraft.as_given_teacher)."""
     import time
 
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from specdraft.cli.errors import err_console, fail
-    from specdraft.dump import run_dump
+    from specdraft.cli.errors import fail
     from specdraft.prompts import parse_source
 
     source = parse_source(prompts, strides=False)
@@ -202,6 +256,12 @@ def dump(
     check_out(out, overwrite=None)  # resumable: an unfinished or finished dump of the same plan is continued
     read_prompts(prompts, strides=False)  # every line checked, and what will run said, before any model loads
     resolve_with_progress(target, "--target")
+    if for_draft is not None:
+        if self_teacher is not None or token_level or text:
+            fail("--for-draft and --self-teacher/--token-level/--text are two different teachers: give one")
+        given = {k: v for k, v in locals().items() if k in (*FOR_DRAFT_FLAGS, *NOT_SELF_TEACHER)}
+        print_dump(_for_draft_dump(ctx, for_draft, target, source, out, given), out, time.time() - t0)
+        return
     if self_teacher is not None or token_level or text:
         if self_teacher is None:
             fail("--token-level and --text need --self-teacher DRAFT (the draft as given is their teacher)")
@@ -209,11 +269,7 @@ def dump(
         given = {k: v for k, v in locals().items() if k in SELF_TEACHER_FLAGS}
         print_dump(_self_teacher_dump(ctx, self_teacher, target, source, out, text or [], given), out, time.time() - t0)
         return
-    with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
-        m = run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
-                                                                                                tps="")))
-    print_dump(m, out, time.time() - t0)
+    print_dump(_target_dump(target, source, out, config), out, time.time() - t0)
 
 
 #: The serving filter: not decoding's --temperature / --top-k / --top-p (DistillConfig says why).
@@ -318,7 +374,8 @@ def vocab_swap(
     are copied to the target ids of their string-identical twins; a target token it lacks starts from the mean of the
     rows of the draft tokens its text encodes to (the mean of all rows for control tokens). The result is a plain HF
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows to 152k
-    rows for Qwen); distil it next (specdraft run --draft OUT). With --prompts, the swap diagnostic: the share of reply
+    rows for Qwen); export it next (specdraft export --draft OUT --target T --out SPECULATOR) or distil it
+    (specdraft run --target T --draft OUT). With --prompts, the swap diagnostic: the share of reply
     tokens without a draft twin and the swapped draft's argmax disagreements by kind (specdraft.segmentation)."""
     import warnings
 
