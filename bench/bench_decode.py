@@ -44,7 +44,7 @@ from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup
 from specdraft.calibration import machine_line, pass_seconds
 from specdraft.config import SamplingConfig
 from specdraft.data import encode_prompts, held_out_offset, load_examples
-from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.decode import speculative_generate, target_generate
 from specdraft.draft_model import (
     TrimmedHead,
     default_head_corpus,
@@ -58,6 +58,7 @@ from specdraft.evaluate import _first_difference, top2_margin
 from specdraft.models import load_model
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
+from specdraft.tokens import left_pad
 
 VARIANTS = ("int8", "int4", "head", "int8+head", "int4+head")
 

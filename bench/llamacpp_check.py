@@ -23,16 +23,16 @@ Tiny check (default):
 ``--embedded``: the side-by-side bench on the embedded Q4_K_M pair (HumanEval 100–107 through the target's chat
 template, greedy, 128 new tokens, 2 threads), interleaved per prompt: plain target, the stock 0.5B draft, and each
 ``--draft NAME=GGUF``; ``llama-bench`` of every GGUF (tg, pp 2..9) feeds
-:func:`specdraft.speed.llama_bench_speed_model`, whose prediction is printed beside the measurement with paired
+:func:`specdraft.llama_cpp_price.llama_bench_speed_model`, whose prediction is printed beside the measurement with paired
 intervals. Each run keeps what a refit of the calibration needs (decoded tokens and seconds, drafted, accepted,
 rounds, the pinned drafting flags, llama.cpp's closing timings per model); the calibration
-(:func:`specdraft.speed.fit_llama_cpp_calibration`: a round as llama-speculative-simple ran it, with its
+(:func:`specdraft.llama_cpp_price.fit_llama_cpp_calibration`: a round as llama-speculative-simple ran it, with its
 leave-one-out error over the configurations) is fitted, kept in the result with its provenance and written into
-``specdraft.speed.LLAMA_CPP_CALIBRATION``, which ``rank --engine llama.cpp`` prices its plans with. Writes
+``src/specdraft/llamacpp_calibration.json`` (read as ``specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION``), which ``rank --engine llama.cpp`` prices its plans with. Writes
 ``bench/results/llamacpp-embedded.json`` and the llama.cpp section of docs/serving.md. Run it on a quiet machine:
 it times things.
 
-``--refit``: the summary, the calibration (result file and ``specdraft.speed``) and, with ``--docs``, the docs block
+``--refit``: the summary, the calibration (result file and ``llamacpp_calibration.json``) and, with ``--docs``, the docs block
 again from the result file as written — no llama.cpp run.
 """
 
@@ -334,7 +334,7 @@ def run_embedded(args, tools) -> int:
     from specdraft.data import load_examples, render_prompt
     from specdraft.embedded import embedded_gguf
     from specdraft.llama_cpp import llama_bench
-    from specdraft.speed import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN
+    from specdraft.llama_cpp_price import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN
 
     t0 = time.time()
     target_gguf = Path(args.target_gguf) if args.target_gguf else embedded_gguf(args.target)
@@ -414,7 +414,7 @@ def run_embedded(args, tools) -> int:
 
 def finish_embedded(result: dict, out: Path, docs: str | None) -> None:
     """Summarise ``result`` (:func:`summarize`), fit the calibration to its runs (:func:`calibrate`, kept as
-    ``result["calibration"]`` and written into specdraft.speed's :data:`LLAMA_CPP_CALIBRATION` block), write it to
+    ``result["calibration"]`` and written into the packaged calibration file), write it to
     ``out`` and print (and with ``docs``, render) the markdown block."""
     from specdraft.io import atomic_write_text
 
@@ -433,7 +433,7 @@ def finish_embedded(result: dict, out: Path, docs: str | None) -> None:
         write_docs(Path(docs), md)
     print(md)
     print(f"result: {out}" + (f"; rendered into {docs}" if docs else "") + ("; calibration written into "
-          f"{SPEED.relative_to(ROOT.parent)}" if "calibration" in result else ""))
+          f"{CALIBRATION_FILE.relative_to(ROOT.parent)}" if "calibration" in result else ""))
 
 
 def refit(args) -> int:
@@ -471,14 +471,14 @@ def summarize(result: dict) -> dict:
     acceptance, rounds and drafts per round, outputs equal to plain; llama.cpp's speed model from llama-bench with
     its prediction at the α implied by the measured acceptance; and, where the runs allow a calibration
     (:func:`calibrate`), ``calibrated``: the prediction of the calibration fitted without this configuration, and the
-    calibrated plan at its α (:func:`specdraft.speed.llama_cpp_plan`)."""
-    from specdraft.speed import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_plan
+    calibrated plan at its α (:func:`specdraft.llama_cpp_price.llama_cpp_plan`)."""
+    from specdraft.llama_cpp_price import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_plan
     from specdraft.stats import paired_ratio_ci
 
     runs = result["runs"]
     plain = runs["plain"]
     ok_plain = all(r["returncode"] == 0 and r["decode_s"] for r in plain)
-    from specdraft.speed import fit_llama_cpp_calibration
+    from specdraft.llama_cpp_price import fit_llama_cpp_calibration
 
     try:  # the fit alone (calibrate() adds its provenance)
         cal = fit_llama_cpp_calibration(engine_runs(result), result["llama_bench"]["target"], result["llama_bench"])
@@ -524,8 +524,8 @@ def summarize(result: dict) -> dict:
 
 
 def engine_runs(result: dict) -> list:
-    """The bench's runs as :class:`specdraft.speed.EngineRun` (the finished ones: decode figures printed)."""
-    from specdraft.speed import EngineRun
+    """The bench's runs as :class:`specdraft.llama_cpp_price.EngineRun` (the finished ones: decode figures printed)."""
+    from specdraft.llama_cpp_price import EngineRun
 
     return [EngineRun(c["label"], c["draft"], c["n_max"], r["decode_tokens"], r["decode_s"], r.get("n_drafted", 0),
                       r.get("n_accept", 0))
@@ -534,7 +534,7 @@ def engine_runs(result: dict) -> list:
 
 
 def calibrate(result: dict):
-    """:func:`specdraft.speed.fit_llama_cpp_calibration` of the bench's runs and llama-bench tests, with its
+    """:func:`specdraft.llama_cpp_price.fit_llama_cpp_calibration` of the bench's runs and llama-bench tests, with its
     provenance (the result file, command, machine, llama.cpp build, GGUFs, prompts, configurations, drafts per round).
 
     Raises:
@@ -542,7 +542,7 @@ def calibrate(result: dict):
     """
     from doctext import placeholders
 
-    from specdraft.speed import fit_llama_cpp_calibration
+    from specdraft.llama_cpp_price import fit_llama_cpp_calibration
 
     runs = engine_runs(result)
     a, v = result["args"], result["versions"]
@@ -571,29 +571,22 @@ def calibrate(result: dict):
     return fit_llama_cpp_calibration(runs, result["llama_bench"]["target"], result["llama_bench"], provenance)
 
 
-SPEED = ROOT.parent / "src" / "specdraft" / "speed.py"
-CAL_START, CAL_END = "# llama-cpp-calibration:start", "# llama-cpp-calibration:end"
+CALIBRATION_FILE = ROOT.parent / "src" / "specdraft" / "llamacpp_calibration.json"
 
 
-def calibration_block(cal) -> str:
-    """specdraft.speed's :data:`LLAMA_CPP_CALIBRATION` block for ``cal``, between its markers (what
-    :func:`write_calibration` writes; tests/test_llama_cpp.py checks the packaged one is the committed result's)."""
-    import pprint
-
+def calibration_json(cal) -> str:
+    """The packaged calibration's file text for ``cal`` (what :func:`write_calibration` writes and
+    :data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION` reads; tests/test_llama_cpp.py checks the packaged one is
+    the committed result's). ``error`` is derived on reading, so it is not stored."""
     d = {k: v for k, v in cal.to_dict().items() if k != "error"}
-    body = pprint.pformat(d, width=112, sort_dicts=False).replace("\n", "\n    ")
-    return (f"{CAL_START} (written by `python bench/llamacpp_check.py --refit`, from the bench's result file)\n"
-            f"LLAMA_CPP_CALIBRATION: LlamaCppCalibration | None = LlamaCppCalibration.from_dict(\n    {body})\n"
-            f"{CAL_END}")
+    return json.dumps(d, indent=2, ensure_ascii=False) + "\n"
 
 
-def write_calibration(cal, path: Path = SPEED) -> None:
-    """Replace the :data:`LLAMA_CPP_CALIBRATION` block of specdraft.speed with :func:`calibration_block`."""
+def write_calibration(cal, path: Path = CALIBRATION_FILE) -> None:
+    """Write :func:`calibration_json` of ``cal`` to the packaged calibration's file."""
     from specdraft.io import atomic_write_text
 
-    text = path.read_text()
-    start, end = text.index(CAL_START), text.index(CAL_END) + len(CAL_END)
-    atomic_write_text(path, text[:start] + calibration_block(cal) + text[end:])
+    atomic_write_text(path, calibration_json(cal))
 
 
 def _plan_cell(plan: dict | None) -> str:
@@ -652,7 +645,7 @@ def embedded_markdown(result: dict) -> str:
             pp = {t["n_prompt"]: t["avg_ts"] for t in tests if t["n_gen"] == 0}
             lines.append(f"| {name} | {tg:.1f} | " + " | ".join(f"{pp[k]:.1f}" if k in pp else "—"
                                                                  for k in range(2, 10)) + " |")
-    lines += ["", ("Predicted, llama-bench: `specdraft.speed.llama_bench_speed_model` from the two GGUFs' llama-bench "
+    lines += ["", ("Predicted, llama-bench: `specdraft.llama_cpp_price.llama_bench_speed_model` from the two GGUFs' llama-bench "
               "figures, S(α, n) at the configuration's n_max and the α implied by the measured acceptance "
               "(`alpha_from_acceptance_rate`); drafts / round: n_drafted over the rounds (decoded tokens − accepted).")]
     if cal:
@@ -660,7 +653,7 @@ def embedded_markdown(result: dict) -> str:
         errors = ", ".join(f"{k} {e:+.1%}" for k, e in cal["loo_errors"].items())
         drafting = ("not pinned (the build's defaults; drafts / round above)" if not cal["provenance"].get(
             "drafting_flags") else ", ".join(f"{k} {x}" for k, x in cal["provenance"]["drafting_flags"].items()))
-        lines += ["", (f"Calibrated: `specdraft.speed.fit_llama_cpp_calibration`, fitted to these runs (each prompt's "
+        lines += ["", (f"Calibrated: `specdraft.llama_cpp_price.fit_llama_cpp_calibration`, fitted to these runs (each prompt's "
                   "decode seconds against its rounds and drafted tokens): a round of n drafts costs "
                   f"{cal['overhead']:+.3f}·t(1) + {cal['round_factor']:.3f}·(n·d + t(n+1)) and the target alone "
                   f"{cal['plain_factor']:.3f}·t(1) per token, t(k) and d priced by llama-bench as above. Left out: each "
@@ -670,7 +663,8 @@ def embedded_markdown(result: dict) -> str:
                   f"{1 - cal['error']:.3f}]). Calibrated plan: `llama_cpp_plan` with the calibration at the "
                   f"configuration's α, n_max {lo}–{hi} only (the values measured), a draft served only where its band "
                   "lies wholly above 1x. `specdraft rank --engine llama.cpp` prices its plans with this calibration "
-                  "(`specdraft.speed.LLAMA_CPP_CALIBRATION`, written by `bench/llamacpp_check.py --refit`). Drafting "
+                  "(`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION`, read from `llamacpp_calibration.json`, written by "
+                  "`bench/llamacpp_check.py --refit`). Drafting "
                   f"flags of these runs: {drafting}.")]
     lines += ["", ("Commands (PROMPT: the rendered chat prompt):"), "", "```bash", *result["commands"].values(), "```",
               "", END]

@@ -43,7 +43,7 @@ def _time_log(path: Path | None) -> dict:
 def _distilled_vs_original(rows: list[dict]) -> dict | None:
     """The shipped draft's tokens/s over the draft as given, paired per prompt (rows: [tokens, seconds] each)."""
     from specdraft.recommend import paired_speed_ratio
-    from specdraft.speed import SpeedRun
+    from specdraft.speed_run import SpeedRun
 
     run = SpeedRun.from_dict({"prompts": len(rows), "contenders": {}, "rows": rows})
     e = paired_speed_ratio(run, "speculative:distilled", "speculative:original")

@@ -9,7 +9,6 @@ from specdraft.config import SamplingConfig
 from specdraft.decode import (
     DecodeError,
     NonFiniteError,
-    left_pad,
     speculative_generate,
     target_generate,
     verify_greedy,
@@ -17,6 +16,7 @@ from specdraft.decode import (
 )
 from specdraft.stats import chi2_goodness_of_fit
 from specdraft.testing import exact_two_token_law, perturbed, tiny_model
+from specdraft.tokens import left_pad
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 
@@ -716,8 +716,8 @@ def test_generates_stream_prints_exactly_the_final_decode_when_characters_split_
 
 
 def test_incremental_detokenizer_holds_back_an_unfinished_character_and_flushes_at_the_end():
-    from specdraft.decode import IncrementalDetokenizer
     from specdraft.testing import tiny_bpe_tokenizer
+    from specdraft.tokens import IncrementalDetokenizer
 
     tok = tiny_bpe_tokenizer(300)
     ids = tok.encode("数据 🙂 x\xff", add_special_tokens=False) + tok.convert_tokens_to_ids(["<eos>"])
@@ -736,9 +736,9 @@ def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_conf
     from transformers import GenerationConfig
 
     import specdraft.responses as responses_mod
-    from specdraft.decode import stop_ids
     from specdraft.evaluate import eos_ids
     from specdraft.testing import tiny_tokenizer
+    from specdraft.tokens import stop_ids
 
     tok = tiny_tokenizer(64)  # eos "<eos>" = 4, "<|im_end|>" = 3
     model = tiny_model("llama", 64, eos_token_id=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdraft.config import SamplingConfig
-from specdraft.decode import left_pad, speculative_generate, target_generate
+from specdraft.decode import speculative_generate, target_generate
 from specdraft.draft_model import (
     Int4Linear,
     Int8Linear,
@@ -25,6 +25,7 @@ from specdraft.draft_model import (
 from specdraft.sampling import output_width
 from specdraft.stats import chi2_goodness_of_fit
 from specdraft.testing import exact_two_token_law, perturbed, tiny_model, tiny_tokenizer
+from specdraft.tokens import left_pad
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 

@@ -21,7 +21,7 @@ import torch
 from specdraft import dump as dump_mod
 from specdraft.config import DumpConfig
 from specdraft.data import DataError, Example, build_sequences, encode_prompts
-from specdraft.decode import left_pad, target_generate
+from specdraft.decode import target_generate
 from specdraft.dump import merge_manifests, run_dump, split_work
 from specdraft.dump_reader import (
     DumpError,
@@ -35,6 +35,7 @@ from specdraft.dump_reader import (
 )
 from specdraft.models import load_model
 from specdraft.testing import add_default_system_turn, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+from specdraft.tokens import left_pad
 from specdraft.vocab import tokenizer_fingerprint
 
 VOCAB, WIDTH = 64, 72  # tokenizer ids, logits rows of the target (8 padding rows)

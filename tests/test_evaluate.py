@@ -421,7 +421,7 @@ def test_interleaved_speed_times_every_contender_on_the_same_prompts():
     sp = c["speculative:original"]
     assert sp.speedup_ci95[0] <= sp.speedup <= sp.speedup_ci95[1]
     assert sp.speedup == pytest.approx(sp.tokens_per_s / c["target"].tokens_per_s)
-    from specdraft.speed import SpeedRun
+    from specdraft.speed_run import SpeedRun
 
     saved = json.loads(json.dumps(res.to_dict()))  # as a stage writes it: read back, it writes the same JSON
     assert json.loads(json.dumps(SpeedRun.from_dict(saved).to_dict())) == saved

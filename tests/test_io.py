@@ -1,13 +1,22 @@
-"""Atomic writes: what they leave on disk, and with which modes."""
+"""Atomic writes (what they leave on disk, and with which modes), file and JSON digests, and the CPU as read."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 
 import pytest
 
-from specdraft.io import atomic_directory, atomic_path, atomic_write_text
+from specdraft.io import (
+    atomic_directory,
+    atomic_path,
+    atomic_write_text,
+    cpu_flags,
+    cpu_model,
+    sha256_file,
+    sha256_json,
+)
 
 
 @pytest.fixture
@@ -62,3 +71,18 @@ def test_a_converted_speculator_is_readable_by_others(tmp_path, umask):
     export_draft(draft, target, out)
     modes = {p.name: _mode(p) for p in out.iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_cpu_flags_and_model_read_the_first_cpus_lines():
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 amx_tile\nbugs\t\t: spectre\n"
+            "processor\t: 1\nmodel name\t: other\nflags\t\t: other\n")
+    assert cpu_flags(text) == {"fpu", "avx2", "amx_tile"} and cpu_model(text) == "AMD EPYC 9654"
+    assert cpu_flags("no flags here") == set() and cpu_model("") == ""
+
+
+def test_digests_are_of_the_bytes_and_of_canonical_json(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 100_000)
+    assert sha256_file(path) == (hashlib.sha256(b"x" * 100_000).hexdigest(), 100_000)
+    assert sha256_json({"a": 1, "b": [2, 3]}) == sha256_json({"b": [2, 3], "a": 1})
+    assert sha256_json({"a": 1}) == hashlib.sha256(b'{"a":1}').hexdigest()

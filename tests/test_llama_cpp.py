@@ -19,12 +19,11 @@ from specdraft.llama_cpp import (
     FIXED_FLAGS,
     LlamaCppError,
     cmake_flags,
-    cpu_flags,
     find_tools,
     parse_llama_bench,
     unpack_source,
 )
-from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_engine
+from specdraft.llama_cpp_price import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_engine
 
 # bench/ is not a package: its directory goes on the path before its modules are imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -64,12 +63,6 @@ def test_cmake_flags_follow_the_cpu_with_native_and_amx_off():
     full = cmake_flags({"avx2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni", "avx_vnni"})
     assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512_BF16=OFF"} <= set(full)
     assert len([f for f in full if f.startswith("-DGGML_AVX512=")]) == 1
-
-
-def test_cpu_flags_read_the_first_flags_line():
-    text = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile\nbugs\t\t: spectre\nflags\t\t: other\n"
-    assert cpu_flags(text) == {"fpu", "avx2", "amx_tile"}
-    assert cpu_flags("no flags here") == set()
 
 
 def test_unpack_source_takes_the_llama_cpp_tree_only_and_refuses_an_sdist_without_it(tmp_path):
@@ -393,7 +386,7 @@ def test_llama_bench_results_of_another_machine_or_target_get_no_band_and_the_re
     import json
 
     from specdraft.llama_cpp import rank_inputs, read_llama_cpp_calibration
-    from specdraft.speed import REFIT_COMMAND
+    from specdraft.llama_cpp_price import REFIT_COMMAND
 
     t, d = vocab_gguf(tmp_path / "llama-8b.gguf"), vocab_gguf(tmp_path / "d.gguf")
     gpu = {"n_threads": 8, "backends": "CUDA", "model_filename": str(t)}
@@ -441,7 +434,7 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
 
     import specdraft.models
     from specdraft.cli import app
-    from specdraft.speed import rank_llama_cpp
+    from specdraft.llama_cpp_price import rank_llama_cpp
     from specdraft.testing import perturbed, save_tiny_pair
 
     tdir, _ = save_tiny_pair(tmp_path, 96)
@@ -547,10 +540,11 @@ def test_rank_help_names_the_engines():
 
 
 def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp_path, capsys):
+    import functools
     from types import SimpleNamespace
 
     from specdraft import cli
-    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppTools
+    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppRankInputs, LlamaCppTools
     from specdraft.rank import RankedDraft
     from specdraft.speed import SpeedModel
 
@@ -569,6 +563,7 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
                          ({"llama-bench": tmp_path / "b", "llama-server": tmp_path / "s"}, False)):
         llama = SimpleNamespace(rank=lambda alphas: [row], threads=2, target_gguf="t.gguf", calibration=None,
                                 target_bench_source="x", tools=LlamaCppTools(tmp_path, "test", paths))
+        llama.serving_command = functools.partial(LlamaCppRankInputs.serving_command, llama)  # the real rule
         cli._print_llama_cpp_ranking(llama, [calibrated], "target", tmp_path / "out")
         text = " ".join(capsys.readouterr().out.split())
         assert row.command in text
@@ -630,7 +625,7 @@ def test_the_packaged_llama_cpp_calibration_is_the_committed_benchs_refit_and_it
     result = json.loads((root / "bench" / "results" / "llamacpp-embedded.json").read_text())
     cal = mod.calibrate(result)
     stale = "stale: run `python bench/llamacpp_check.py --refit --docs`"
-    assert mod.calibration_block(cal) in (root / "src" / "specdraft" / "speed.py").read_text(), stale
+    assert mod.calibration_json(cal) == (root / "src" / "specdraft" / "llamacpp_calibration.json").read_text(), stale
     assert LLAMA_CPP_CALIBRATION == cal and result["calibration"] == json.loads(json.dumps(cal.to_dict())), stale
     assert json.loads(json.dumps(mod.summarize(result))) == result["summary"], stale
     assert cal.provenance["result"] == "bench/results/llamacpp-embedded.json" and cal.n_range == (3, 8)

@@ -83,7 +83,8 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping(real_model):
 def test_gemma_draft_for_qwen_is_lossless(real_model):
     """A sentencepiece draft (Gemma 3 270M, 262k tokens) for a byte-level Qwen target, both proposal modes."""
     from specdraft.data import encode_prompts, load_examples
-    from specdraft.decode import left_pad, speculative_generate, target_generate
+    from specdraft.decode import speculative_generate, target_generate
+    from specdraft.tokens import left_pad
     from specdraft.vocab import build_vocab_mapping
 
     mapping = build_vocab_mapping(DEFAULT_DRAFT, "gemma-3-270m")

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specdraft.config import DumpConfig, EvalConfig, SamplingConfig
-from specdraft.decode import DecodeError, speculative_generate, stop_ids, target_generate
+from specdraft.decode import DecodeError, speculative_generate, target_generate
 from specdraft.testing import tiny_model, tiny_tokenizer
+from specdraft.tokens import stop_ids
 
 V = 64
 N = 12  # the budget: long enough that the free continuation holds two first occurrences to stop at

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from specdraft.config import SamplingConfig
-from specdraft.decode import left_pad, speculative_generate
+from specdraft.decode import speculative_generate
 from specdraft.drafters import MappedDrafter, Row
 from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
+from specdraft.tokens import left_pad
 from specdraft.vllm_proposer import PROPOSER_CLASS, SPECULATOR_ENV, SPECULATOR_KEY, TextDrafts, TextProposer
 from specdraft.vocab import build_vocab_mapping, vocab_swap
 

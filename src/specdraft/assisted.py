@@ -28,7 +28,7 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
     sampling (``top_k`` 0 = off in both), EOS and pad ids, γ tokens per round on a constant schedule, and the
     draft confidence threshold (0 = off) instead of transformers' default 20 tokens and 0.4.
 
-    ``eos_token_id``: :func:`specdraft.decode.stop_ids` of the target and tokenizer, so transformers' rows end where
+    ``eos_token_id``: :func:`specdraft.tokens.stop_ids` of the target and tokenizer, so transformers' rows end where
     specdraft's do; ``max_new_tokens`` ≥ 1.
 
     Raises:

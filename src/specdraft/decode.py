@@ -4,55 +4,15 @@ One round (gpt-fast's shape, Leviathan et al. 2023 Algorithm 1):
 
 1. the draft proposes γ tokens d_1..d_γ autoregressively from q;
 2. the target scores ``[cur, d_1..d_γ]`` in one pass, giving p_1..p_{γ+1};
-3. verification keeps the longest accepted prefix d_1..d_n and emits one more token from the target
-   (the correction at the first rejection, or the bonus token from p_{γ+1} when all γ were accepted);
-4. both KV caches keep only the accepted prefix; the draft catches up next round on the token(s) it did
-   not propose.
+3. verification keeps the longest accepted prefix and emits one more token from the target (the correction at the
+   first rejection, or the bonus token from p_{γ+1});
+4. both KV caches keep only the accepted prefix.
 
-Greedy (temperature 0): d_i is accepted while it equals argmax p_i — the output equals target-only greedy
-decoding token for token. Sampled: d_i ~ q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i)); on
-rejection the emitted token is drawn from norm(max(p_i − q_i, 0)) — the output follows p exactly
-(Leviathan et al. 2023, Theorem 3.5; Chen et al. 2023). p and q are the distributions after the same
-temperature → top-k → renormalise → top-p filter (:func:`specdraft.sampling.filter_logits`); draws use
-inverse-CDF sampling (:func:`specdraft.sampling.sample`).
-
-Batches: rows are left-padded and may accept different numbers of tokens in one round. Both caches keep a
-common length; positions a row rejected become *holes*, masked out of attention (``attention_mask`` 0) and
-skipped by ``position_ids``, and the common tail of holes is cropped. Each row therefore sees exactly the
-keys and positions it would see decoded alone. Finished rows leave the batch (``batch_select_indices``).
-
-Drafts of another tokenizer (``vocab_mapping``): the draft reads the context as *text* — each round the
-target-side ids (prompt + output) are decoded and re-encoded with the draft's tokenizer, the draft's cache keeps
-the longest prefix it already holds and is fed the rest — and proposes over target ids: its logits are mapped
-through the one-to-one :class:`~specdraft.vocab.VocabMapping`, so a draft token with no target twin has
-q = 0 and a target token with no draft twin is never proposed. Verification is unchanged (any q is exact),
-so the output stays the target's; only acceptance depends on the mapping's coverage. This is the token-level
-intersection of Timor et al. 2025 ("Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
-for Heterogeneous Vocabularies", Alg. 4), which transformers ships as ``UniversalSpeculativeDecodingGenerator``.
-Greedy decoding may instead propose *text* (``mapped_proposals="text"``, the greedy default): the draft takes
-its own argmax over its whole vocabulary, the drafted text is encoded with the target's tokenizer, and the
-target verifies those tokens (up to γ) — Timor et al.'s string-level exact match (SLEM, Alg. 2), transformers'
-``AssistedCandidateGeneratorDifferentTokenizers``. Greedy verification accepts any candidate sequence exactly,
-so this is lossless; sampled decoding needs a q over target ids and always uses the token mapping. A mapped
-draft whose context re-encodes to nothing (its tokenizer cannot spell the prompt and adds no BOS) proposes nothing:
-the target decodes alone until the draft has context — never a stand-in id.
-
-The draft side is a *drafter* (:mod:`specdraft.drafters`: :class:`~specdraft.drafters.Drafter`, ``propose``
-then ``commit``), one for a draft that shares the target's tokenizer
-(:class:`~specdraft.drafters.SameTokenizerDrafter`) and one for a draft of another tokenizer
-(:class:`~specdraft.drafters.MappedDrafter`); this module holds verification and the loop,
-:func:`speculative_generate`, which reads propose → verify → accept → roll back.
-Each row drafts its own k per round (rows proposing fewer are right-padded and verified as a round of k drafts):
-γ, or with a measured :class:`~specdraft.speed.SpeedModel` the k its running acceptance predicts fastest — none
-while no k predicts a gain (:class:`~specdraft.speed.AdaptiveGamma`) — and never more than the row can still emit
-(``max_new_tokens`` − emitted − 1). A drafter reads, before drafting, every token of its row it has not read yet
-(the last one, a draft it proposed but never read, or all tokens emitted while the row drafted nothing).
-A cheaper draft (int8/int4 weights, a trimmed head: :mod:`specdraft.draft_model`) is just another draft model.
-
-Caches: every layer keeps every position (no sliding-window eviction), so rolling back is always possible; a
-sliding-window model still attends only within its window (transformers builds that mask from the config). Holes
-would widen a window measured in cache positions, so a batch of several rows with a sliding-window model is
-refused (decode its rows one at a time).
+Greedy: d_i is accepted while it equals argmax p_i, so the output equals target-only greedy decoding token for token.
+Sampled: d_i ~ q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i)), a rejection draws from
+norm(max(p_i − q_i, 0)): the output follows p exactly (Theorem 3.5). Drafters: :mod:`specdraft.drafters`; the γ
+policy: :mod:`specdraft.speed`. Batches and their holes, drafts of another tokenizer, caches: docs/architecture.md,
+"decode".
 """
 
 from __future__ import annotations
@@ -86,6 +46,7 @@ from specdraft.sampling import (
     sample,
 )
 from specdraft.speed import AdaptiveGamma, SpeedModel
+from specdraft.tokens import stop_ids
 
 
 class NonFiniteError(DecodeError):
@@ -254,28 +215,6 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
                               "time (batch 1).")
 
 
-def stop_ids(model, tokenizer=None) -> list[int]:
-    """The one rule for when a row ends: the ids of the model's generation config's EOS list (else its config's
-    EOS, as transformers falls back) together with the tokenizer's EOS, sorted — what vLLM stops at.
-
-    ``model`` is always the target (the model served), also where another model writes: the draft's on-policy
-    answers (:class:`specdraft.distill_data.DraftWriter`) end where the target's would, whatever the draft's own
-    generation config says. Decode, generate, eval, replay, the HF comparison (transformers' ``generate``) and the
-    dump's generation all ask here, so answers of one prompt end at one token.
-
-    Returns:
-        sorted token ids (empty when neither the model nor the tokenizer names an EOS).
-    """
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    ids = {int(eos)} if isinstance(eos, int) else {int(e) for e in eos or []}
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
-
-
 def _eos_ids(target, eos_token_id) -> set[int]:
     return set(stop_ids(target)) if eos_token_id is None else \
         ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
@@ -336,7 +275,7 @@ def speculative_generate(
         sampling: greedy at temperature 0 (default), else temperature/top-k/top-p sampling.
         max_new_tokens: tokens generated per row (≥ 1), met exactly unless EOS/stop comes first.
         stop / eos_token_id: token-id sequences / id(s) that end a row, included in the output (``eos_token_id``
-            default :func:`stop_ids` of the target without a tokenizer: its ``generation_config``'s EOS, else its
+            default :func:`~specdraft.tokens.stop_ids` of the target without a tokenizer: its ``generation_config``'s EOS, else its
             config's; callers holding the tokenizer pass ``stop_ids(target, tokenizer)``; ``[]``: no EOS).
         real_vocab: ``len(tokenizer)``; logits of ids at or past it are padding and get zero probability.
         generator: torch RNG (sampling only); seed it for reproducible output. Each row draws from its own stream,
@@ -473,52 +412,3 @@ def target_generate(target, input_ids, attention_mask=None, **kwargs) -> tuple[l
     errors: ``max_new_tokens`` < 1 raises :class:`DecodeError`)."""
     kwargs.pop("num_speculative_tokens", None)
     return speculative_generate(target, None, input_ids, attention_mask, **kwargs)
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ``(input_ids [B, P] int64, attention_mask [B, P] int64)``."""
-    from torch.nn.utils.rnn import pad_sequence
-
-    rows = [torch.tensor(list(s), dtype=torch.long) for s in sequences]
-    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
-    mask = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True, padding_side="left")
-    return ids.to(device), mask.to(device)
-
-
-# ----------------------------------------------------------------------------------------- streaming text
-
-
-class IncrementalDetokenizer:
-    """Text of a growing token sequence, handed out in pieces whose concatenation is the final decode.
-
-    Byte-level BPE and byte-fallback sentencepiece tokenizers spell many characters (CJK, emoji) in several
-    tokens, so a chunk of new tokens can end inside a character; decoding there gives U+FFFD for the unfinished
-    bytes. :meth:`push` holds such a tail back until the character completes (or :meth:`flush` hands it out as the
-    final decode has it), so a stream never shows a replacement character the answer lacks, nor drops a character
-    split across two chunks. Each push decodes the whole sequence (answers are short; it is what the final
-    decode does, so spacing rules of the tokenizer hold as well).
-    """
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self.ids: list[int] = []
-        self.printed = ""
-
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, new_ids: Sequence[int]) -> str:
-        """Add ``new_ids``; returns the new text that is final (possibly "")."""
-        self.ids.extend(int(i) for i in new_ids)
-        stable = self._text().rstrip("\ufffd")  # an unfinished character decodes to trailing U+FFFD
-        if not stable.startswith(self.printed) or len(stable) <= len(self.printed):
-            return ""  # nothing final beyond what was handed out
-        piece, self.printed = stable[len(self.printed):], stable
-        return piece
-
-    def flush(self) -> str:
-        """The rest of the final decode (a character left unfinished at the end shows as the decode shows it)."""
-        text = self._text()
-        piece = text[len(self.printed):] if text.startswith(self.printed) else ""
-        self.printed = text
-        return piece

@@ -1,23 +1,12 @@
 """What distillation trains and validates on: the held-out split of the dumps and, for λ > 0, the stream that mixes
 the draft's own answers into every optimizer step.
 
-**Splits** (:func:`prompt_keyed_split`): the held-out set is chosen by prompt, not by row, so a prompt that sits in
-several rows (a repeated line, two dumps of the same prompts) is never on both sides and the held-out α measures the
-draft on prompts it has not trained on. Each dump of a mix keeps its own held-out share, and a training row of dump
-k is listed ``weights[k]`` times per epoch (:func:`mixed_split`). Splits are seeded and deterministic.
-
-**On-policy data** (``on_policy_fraction`` λ > 0; DistillSpec, Zhou et al. 2024, §4: training on the draft's
-own generations gave the largest acceptance gains; TRL's GKD calls λ ``lmbda``): of every optimizer step's
-global batch of G sequences, ⌊λ·G·(s+1)⌋ − ⌊λ·G·s⌋ at step s (λ·G on average, exactly over many steps) are
-written by the draft itself — it answers training prompts (the dump's sequences up to their first trained
-position, :func:`prompt_of`), sampled with the serving temperature / top-k / top-p — and scored by the target in
-one forward pass with the dump's own teacher code (:func:`specdraft.dump.teacher_items`); the rest are the dump's
-target-written sequences. Every ``on_policy_every`` steps the draft, as trained so far, writes the next steps'
-share (:class:`OnPolicyStream`, :class:`DraftWriter`); generation and the teacher pass are timed in
-``metrics["on_policy"]``. λ = 0 trains on the dump alone: no target is loaded.
-
-:func:`collate` batches rows of either source for :class:`specdraft.distill.DistillModel`. :class:`DistillError`
-is defined here, below :mod:`specdraft.distill`, which raises it too.
+Splits are by prompt (:func:`prompt_keyed_split`, :func:`mixed_split`), seeded and deterministic. With
+``on_policy_fraction`` λ > 0 (DistillSpec, Zhou et al. 2024, §4; TRL's GKD ``lmbda``), λ·G of every step's G
+sequences on average are written by the draft and scored by the target with the dump's teacher code
+(:class:`OnPolicyStream`, :class:`DraftWriter`); λ = 0 loads no target. :func:`collate` batches rows of either source
+for :class:`specdraft.distill.DistillModel`; :class:`DistillError` is defined here. The split and stream rules in
+full: docs/architecture.md, "distill_data".
 """
 
 from __future__ import annotations

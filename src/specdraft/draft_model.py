@@ -1,26 +1,11 @@
 """A cheaper draft: transforms applied to the draft model before it drafts. Each changes only q.
 
-Speculative decoding is exact for *any* draft distribution q (Leviathan et al. 2023, Theorem 3.5), so a cheaper
-draft can lower acceptance but never changes the output. The target is never touched.
-
-Two transforms, applied by :func:`prepare_draft` in this order (a trimmed head is then quantised too):
-
-1. **A trimmed output head** (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language
-   Models via Frequency-Ranked Speculative Sampling"): the draft scores only the N most frequent target
-   tokens (:func:`frequent_tokens`). The head's logits are written into a full-width row filled with −inf,
-   so every other token has q = 0 (when sampling, q renormalised over the kept set); the output keeps the full
-   width, so the drafter and verification need no change.
-2. **Weight-only int8 or int4 linear layers** (:class:`Int8Linear`, :class:`Int4Linear`): every ``nn.Linear`` of
-   the draft (the output head included) holds its weight as int8 with one scale per output row, or as int4 with a
-   scale and zero per group of 32 inputs, and runs ``torch._weight_int8pack_mm`` / ``torch.ops.aten.
-   _weight_int4pack_mm_for_cpu``. Only weights are rounded; activations stay bfloat16 (torch's fbgemm dynamic
-   int8 also rounds activations, which costs agreement, and is deprecated): docs/benchmarks.md, "A cheaper draft
-   step — kernels". Weight-only int8 is the conservative choice for a draft trained in full precision (measure α).
-
-Two more, always applied to a prepared copy, because a draft step is one token: quantised layers read inputs of
-≥ :data:`DENSE_MIN_ROWS` rows (the prompt prefill) with the draft's own dense weights, shared with the original
-(``dense_prefill``), and one-token attention runs as grouped matrix products instead of sdpa
-(:func:`decode_attention_forward`). Both change only q, and only by rounding.
+Speculative decoding is exact for any q (Leviathan et al. 2023, Theorem 3.5), so a cheaper draft can lower
+acceptance but never changes the output; the target is never touched. :func:`prepare_draft` applies, in order, a
+trimmed output head (FR-Spec, Zhao et al. 2025: the N most frequent target tokens, :func:`frequent_tokens`; every
+other token gets q = 0) and weight-only int8 / int4 linear layers (:class:`Int8Linear`, :class:`Int4Linear`);
+a prepared copy also prefills with dense weights and runs one-token attention as grouped matrix products
+(:func:`decode_attention_forward`). The kernels and why weight-only: docs/architecture.md, "draft_model".
 """
 
 from __future__ import annotations

@@ -65,12 +65,7 @@ class RowDraws:
     token. Nothing a row draws depends on the other rows, on how many steps the batch drafts or on the batch's
     order, so a row's tokens do not change when another row joins its batch (up to the float rounding of a batched
     forward); a batch-wide ``draft_confidence_threshold`` stop is the one exception (it changes what is proposed).
-
-    A row's tokens do follow its own k per round, whatever the keying: where it drafted, a token is an accepted
-    draft or a residual draw (a function of q and p), where it did not (the bonus after k accepted drafts, a round of
-    none) a plain draw from p, and no choice of uniforms makes those one function. So one seed gives one answer only
-    for one k sequence: adaptive γ takes it from the speed model and the row's acceptance so far, never from live
-    timings (:meth:`specdraft.pair.Generation.seed_note` says when a rerun reads another speed model).
+    One seed gives one answer only for one sequence of k (why: docs/architecture.md, "drafters").
     """
 
     def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):
@@ -457,17 +452,9 @@ _TEXT_WINDOW = 8
 def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], target_contexts: list[list[int]], dtok,
                      ttok, ks: Sequence[int], device):
     """Text mode: the draft's proposals (its own ids) → up to ``ks[j]`` target-token candidates for row j.
-
-    The drafted text is cut from a decode of the draft's last context tokens plus its proposals (so a
-    sentencepiece-style leading space survives), a trailing U+FFFD (an unfinished character) is left out. It is
-    then tokenized *in context*, as the target would tokenize it after its own tokens (transformers'
-    ``AssistedCandidateGeneratorDifferentTokenizers`` does the same): the target's last context tokens are decoded,
-    ``window + drafted text`` and ``window`` are encoded, and the candidates are the tokens of the first past their
-    common prefix. Encoded alone, a mid-word fragment would get a sentencepiece tokenizer's dummy-prefix ``▁`` and
-    lose merges across the boundary. Both encodings start at the same window text, so where the window's first
-    tokens re-encode differently from the target's (a BOS, a cut word) they differ alike. When the drafted text
-    merges into the window's last token (the target ended on a piece its tokenizer would not have produced there),
-    no tokenization continues the target's tokens and the row proposes nothing this round.
+    The drafted text is tokenized in context, as the target would tokenize it after its own tokens (as transformers'
+    ``AssistedCandidateGeneratorDifferentTokenizers``); a row whose text cannot continue the target's tokens proposes
+    nothing this round (how: docs/architecture.md, "drafters").
 
     Args:
         drafted: per row the draft ids it proposed; ``contexts``: per row the draft ids it read before drafting.

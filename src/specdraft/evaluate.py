@@ -1,27 +1,14 @@
 """How much faster will it be? Predicted α, measured acceptance and tokens/s, the analytic bound, the best γ.
 
-``evaluate`` runs, prompt by prompt and interleaved (so that machine noise hits all contenders alike):
-the target alone, speculative decoding, and optionally transformers' assisted generation
-(``generate(assistant_model=draft)``). Greedy outputs must match the target alone token for token; every
-divergence is reported with the target's top-2 logit margin at that position, and a divergence whose margin
-exceeds the dtype's rounding tolerance is a failure, not numerics.
+Contenders (the target alone, speculative decoding, optionally transformers' assisted generation) run prompt by
+prompt, interleaved, with the same explicit settings and nothing else; greedy outputs must match the target alone's,
+and a divergence beyond the dtype's rounding tolerance fails. Entry points: :func:`run_eval`,
+:func:`acceptance_eval`, :func:`interleaved_speed`, :func:`certify_sampling`. Replay: :mod:`specdraft.replay`; costs:
+:mod:`specdraft.calibration`; assisted generation: :mod:`specdraft.assisted`. Like with like, in full:
+docs/architecture.md, "evaluate".
 
-Like with like: every contender gets the same explicit settings — sampling, max new tokens, EOS ids, γ — and
-nothing else. transformers would otherwise fill every field a call leaves unset from the model's own
-``generation_config`` (a checkpoint's ``repetition_penalty``, ``top_k``, ``do_sample``…), which specdraft never
-applies; so assisted generation runs with a complete :class:`~transformers.GenerationConfig`
-(:func:`specdraft.assisted.hf_generation_config`) standing in for both models' own during the call. Each
-contender's effective settings are recorded in ``config["contenders"]`` (``report.json``).
-
-This module holds the entry points (:func:`run_eval`, :func:`acceptance_eval`, :func:`interleaved_speed`,
-:func:`certify_sampling`; :func:`specdraft.eval_report.write_eval_report` writes a result and its
-plots); teacher-forced α and replay are
-:mod:`specdraft.replay`, the pair's measured costs :mod:`specdraft.calibration`, the assisted-generation harness
-:mod:`specdraft.assisted`, and the draft's preparation :func:`specdraft.draft_model.apply_draft_options`.
-
-**Size.** A little past the house's ~800 lines: each entry point carries the like-with-like rules above (same
-settings, interleaving, divergence margins) that the others share; the jobs that stand alone already live in the
-modules named above.
+**Size.** A little past the house's ~800 lines: each entry point carries the like-with-like rules (same settings,
+interleaving, divergence margins) that the others share.
 """
 
 from __future__ import annotations
@@ -40,21 +27,15 @@ from specdraft.assisted import assisted_generate, hf_generation_config
 from specdraft.calibration import LoadMonitor, calibrate, machine_info
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import tokenizer_pad_id
-from specdraft.decode import check_max_new_tokens, left_pad, speculative_generate, target_generate
+from specdraft.decode import check_max_new_tokens, speculative_generate, target_generate
 from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
 from specdraft.sampling import align_logits, filtered_probs, output_width
-from specdraft.speed import (
-    Contender,
-    ContenderSpeed,
-    Decoded,
-    Divergence,
-    SpeedModel,
-    SpeedRow,
-    SpeedRun,
-)
+from specdraft.speed import SpeedModel
+from specdraft.speed_run import Contender, ContenderSpeed, Decoded, Divergence, SpeedRow, SpeedRun
 from specdraft.stats import ratio_ci
+from specdraft.tokens import left_pad
 
 # Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
 # rounding alone. bf16 keeps 8 significand bits: logits of magnitude ~20 are spaced 0.125 apart, and errors
@@ -237,8 +218,8 @@ def identity_not_tested(counts: AcceptanceCounts) -> str | None:
 
 
 def eos_ids(model, tokenizer=None) -> list[int]:
-    """The ids that end a row: :func:`specdraft.decode.stop_ids` (the one stop set)."""
-    from specdraft.decode import stop_ids
+    """The ids that end a row: :func:`specdraft.tokens.stop_ids` (the one stop set)."""
+    from specdraft.tokens import stop_ids
 
     return stop_ids(model, tokenizer)
 
@@ -773,7 +754,7 @@ def interleaved_speed(
     interval (:func:`specdraft.stats.paired_ratio_ci`).
 
     Returns:
-        a :class:`~specdraft.speed.SpeedRun`; contender names: ``target``, ``speculative:<draft>``,
+        a :class:`~specdraft.speed_run.SpeedRun`; contender names: ``target``, ``speculative:<draft>``,
         ``hf_assisted:<draft>``.
     """
     from specdraft.stats import paired_ratio_ci

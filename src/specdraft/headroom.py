@@ -1,34 +1,12 @@
 """Headroom forecast: before training, how much acceptance distillation can add to a pair.
 
-Notation: p = target distribution, q = draft distribution, both over the next token at the same context.
-
-Over N teacher-forced positions j (the masked positions of some sequences: existing replies, or the target's own
-answers — what decoding verifies), both models score the same token ids once, and per position:
-
-* greedy agreement ``a_j = 1[argmax q_j = argmax p_j]`` (a greedy draft's token is accepted iff it is the target's);
-* sampled acceptance ``α_j = Σ_x min(p_j(x), q_j(x))`` (after the serving filter when one is given; plain T = 1
-  otherwise);
-* the target is **sure** at j when ``max_x p_j(x) ≥ τ`` (``HeadroomConfig.sure``, default 0.5: the argmax is a
-  majority of the mass, a fact of the data that one soft label teaches). Sureness is read off the raw p.
-
-The gap splits into two parts (greedy with ``a``, sampled with ``α``), each a share of all N positions:
-
-* ``learnable = (1/N) Σ_{j sure} (1 − a_j)``: where the target is sure and the draft is not with it;
-* ``uncertain = (1/N) Σ_{j unsure} (1 − a_j)``: where the target itself spreads its mass. A draft closes this part
-  only by copying p's spread, which a small model does least well, and more data of the same kind hardly helps.
-
-``1 − ā = learnable + uncertain`` exactly. The **ceiling** is the acceptance of a perfect student of the sure
-positions — it copies p there (agreement 1, α = 1) and stays as it is elsewhere: ``ceiling = ā + learnable``. The
-**forecast gain** is the greedy ``learnable`` (the pipeline's headline is greedy acceptance), with a bootstrap
-interval over sequences; the sampled one is reported beside it. Units: per-position probability (agreement
-rate, α), the units of ``acceptance_eval``'s ``alpha`` (accepted / reached) on the same answers.
-
-**Verdict** (one line): ``distillation can add about +0.xx`` when the gain is at least ``min_gain``, else ``little
-to learn: the draft already agrees where the target is sure``. The forecast is an upper bound of what training on
-such data can reach at these positions; how much of it a given budget reaches is measured, not forecast.
-
-Counts first (:class:`HeadroomCounts`): positions, sure positions, agreements (all and sure) and α sums, per
-sequence, so forecasts merge across batches and intervals resample sequences.
+Over N teacher-forced positions both models score once; per position j: greedy agreement
+``a_j = 1[argmax q_j = argmax p_j]``, sampled acceptance ``α_j = Σ_x min(p_j(x), q_j(x))``, and the target is
+*sure* when ``max_x p_j(x) ≥ τ`` (``HeadroomConfig.sure``). The gap ``1 − ā`` splits exactly into ``learnable``
+(sure positions the draft misses) and ``uncertain`` (the target itself spreads its mass); the forecast gain is the
+greedy ``learnable`` with a bootstrap interval over sequences, the ceiling ``ā + learnable``. Units: per-position
+probability, as ``acceptance_eval``'s ``alpha``. Counts first (:class:`HeadroomCounts`, per sequence), so forecasts
+merge across batches. The derivation and the verdict's wording: docs/architecture.md, "headroom".
 """
 
 from __future__ import annotations
@@ -263,10 +241,10 @@ def forecast_headroom(
     """
     import torch
 
-    from specdraft.decode import left_pad
     from specdraft.replay import counted_tail, counted_target_logits, tail_logits
     from specdraft.sampling import align_logits, check_windows, output_width
     from specdraft.stats import ratio_ci
+    from specdraft.tokens import left_pad
 
     config = config or HeadroomConfig()
     if twins is not None and tokenizer is None:

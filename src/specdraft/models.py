@@ -260,11 +260,7 @@ def model_fingerprint(model: Any) -> str:
       (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``; symlinks followed, as the hub cache's are)
       its name, size and modification time in ns, and its bytes: all of them for a file up to 32 MiB, else its
       first MiB (a safetensors header: every tensor's name, dtype, shape and offset) and 64 blocks of 64 KiB at
-      an even stride. Why not a full sha256 of the files: a 16 GB target would be read whole (~30 s) before every
-      stage of every run. Why the modification time: a fine-tune of a few layers saved in place can miss every
-      sampled block, but its save rewrites the file, which changes the time (a re-download or a merged adapter
-      as well). The price: a byte-identical copy made without keeping times (``cp`` without ``-p``) reads as
-      another model — a stage redone or refused, never an old result reused for new weights.
+      an even stride; a copy that did not keep times reads as another model (why: docs/architecture.md, "models").
     * **A loaded module**: its class, config (without ``_name_or_path``), every parameter's and buffer's name,
       shape, dtype and device type, and up to 64 values read at a stride through each tensor (a changed weight, a
       distilled draft, a new quantisation all change it; a fine-tune or a merged adapter changes every value of
@@ -516,13 +512,7 @@ _PREAD_LOCK = threading.Lock()
 @contextlib.contextmanager
 def _safetensors_read_with_pread() -> Iterator[None]:
     """transformers' ``from_pretrained`` reading safetensors with ``pread`` instead of a memory map, while it runs.
-
-    transformers maps each weight file and keeps the map until every tensor is loaded; with a cast (float32 loaded
-    in bfloat16) every page read stays resident beside the cast copy, so memory peaks at 1.5x the float32 size.
-    safetensors' ``pread`` backend (transformers' own choice on Windows and MPS) reads each tensor into memory of
-    its own, freed once cast: the same weights at the cast size plus the tensors in flight. transformers 5.24
-    offers no option for it, so its module's ``safe_open`` is wrapped for the call (under a lock, so loads that
-    overlap in threads do not restore each other's)."""
+    Why: docs/architecture.md, "models"."""
     import transformers.modeling_utils as hf_modeling
 
     opener = getattr(hf_modeling, "safe_open", None)

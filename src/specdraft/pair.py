@@ -139,8 +139,9 @@ class Generation:
         import torch
 
         from specdraft.data import tokenizer_pad_id
-        from specdraft.decode import left_pad, speculative_generate
+        from specdraft.decode import speculative_generate
         from specdraft.evaluate import eos_ids
+        from specdraft.tokens import left_pad
 
         p, c = self.pair, self.config
         inp, mask = left_pad([self.ids], tokenizer_pad_id(p.tokenizer), p.target.device)

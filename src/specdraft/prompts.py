@@ -1,23 +1,12 @@
 """Prompt sources as every command names them: one spec, ``name[:offset[:limit[:stride]]]``, one parser, one loader.
 
-A spec keeps every ``stride``-th example of ``name`` (an embedded dataset, a ``.jsonl`` file, a saved dataset;
-:mod:`specdraft.data`) from ``offset`` on, at most ``limit`` of them: ``mt-bench:0:27:3`` is 27 questions spread
-over all 8 categories. It means one of two things, by what the flag that carries it does:
-
-* **training** (``dump --prompts``, ``run --train-prompts``, ``vocab-swap --prompts``): a missing offset is 0, a
-  missing limit is all, a missing stride is 1. ``humaneval`` is all 164 problems.
-* **held out** (``eval`` / ``rank`` / ``headroom --prompts``, ``run --eval-prompts`` / ``--ood-prompts``): a spec
-  without an offset starts at an embedded dataset's held-out split, at its step (:data:`specdraft.data.HELD_OUT_OFFSET`,
-  :data:`specdraft.data.HELD_OUT_STRIDE`: humaneval rows 100 on, mt-bench rows 0, 3, 6, …; the rows the split
-  leaves out are the presets' training prompts), a user's file from its first line; a spec without a limit takes
-  :data:`HELD_OUT_LIMIT` prompts. ``humaneval`` is ``humaneval:100:8:1`` in ``eval`` and in ``run --eval-prompts``.
-
-:func:`select_prompts` reads the examples and says what it read (:meth:`PromptSet.lines`: ``prompts:
-humaneval:100:8:1 (8 prompts, held out)``, and a warning where a spec yields fewer prompts than its limit), so a
-command prints what will run before any model loads. A malformed spec is a :class:`PromptSpecError` naming the flag,
-the bad part and the grammar.
-
-No torch import: a command checks its prompts before any model is prepared.
+A spec keeps every ``stride``-th example of ``name`` (:mod:`specdraft.data`) from ``offset`` on, at most ``limit``.
+For **training** flags a missing offset is 0, limit all, stride 1; for **held-out** flags a spec without an offset
+starts at an embedded dataset's held-out split (:data:`specdraft.data.HELD_OUT_OFFSET`,
+:data:`specdraft.data.HELD_OUT_STRIDE`) and without a limit takes :data:`HELD_OUT_LIMIT` prompts.
+:func:`select_prompts` reads the examples and says what it read (:meth:`PromptSet.lines`); a malformed spec is a
+:class:`PromptSpecError` naming the flag, the bad part and the grammar. No torch import: a command checks its prompts
+before any model is prepared. Which flag means which, with examples: docs/architecture.md, "prompts".
 """
 
 from __future__ import annotations

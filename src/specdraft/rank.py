@@ -158,10 +158,11 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
     from specdraft.acceptance import AcceptanceCounts
     from specdraft.calibration import calibrate
     from specdraft.data import tokenizer_pad_id
-    from specdraft.decode import left_pad, speculative_generate
+    from specdraft.decode import speculative_generate
     from specdraft.draft_model import apply_draft_options, draft_configuration
     from specdraft.evaluate import eos_ids
     from specdraft.sampling import check_token_ids
+    from specdraft.tokens import left_pad
 
     config = config or EvalConfig()
     check_token_ids(prompt_ids, [("target", target)], what="the calibration prompts")
@@ -289,12 +290,8 @@ def write_llama_cpp_ranking(llama: LlamaCppRankInputs, rows: list[RankedDraft], 
     written to ``out/rank.json`` with the llama-server command of the best — the target alone when no plan's error
     band lies wholly above 1x, or when no calibration backs one — and the calibration (``llama_cpp_calibration``).
     Returns ``(ranked drafts, best first; the report's path)``."""
-    from specdraft.speed import llama_cpp_command
-
     ranked = llama.rank({r.draft: r.alpha for r in rows})
-    best = ranked[0]
-    serve = best.command if best.band is not None else llama_cpp_command(
-        str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
+    serve = llama.serving_command(ranked[0])
     report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),
               "target_bench": llama.target_bench_source, "ranking": [r.to_dict() for r in ranked],
               "llama_cpp_command": serve,

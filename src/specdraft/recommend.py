@@ -14,7 +14,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdraft.speed import Contender, SpeedRun, SpeedStage
+from specdraft.speed_run import Contender, SpeedRun, SpeedStage
 from specdraft.stats import Estimate, paired_gain_from_rows, paired_ratio_ci
 
 ORIGINAL, DISTILLED = "original", "distilled"
@@ -79,7 +79,7 @@ def pick_fastest(speedups: dict[str, float | None]) -> str | None:
 
 
 def paired_speed_ratio(run: SpeedRun, a: str, b: str) -> Estimate | None:
-    """Tokens/s of contender ``a`` over contender ``b`` (names as :class:`~specdraft.speed.Contender.name`), paired
+    """Tokens/s of contender ``a`` over contender ``b`` (names as :class:`~specdraft.speed_run.Contender.name`), paired
     over the prompts both decoded (:func:`specdraft.stats.paired_ratio_ci`); ``None`` when they share no prompt."""
     rows = [r.timings for r in run.rows if a in r.timings and b in r.timings]
     if not rows:

@@ -19,10 +19,11 @@ import torch
 
 from specdraft.acceptance import AcceptanceCounts
 from specdraft.config import SamplingConfig
-from specdraft.decode import check_max_new_tokens, left_pad
+from specdraft.decode import check_max_new_tokens
 from specdraft.losses import sum_min
 from specdraft.models import model_fingerprint, takes_logits_to_keep
 from specdraft.sampling import align_logits, check_windows, filtered_probs, greedy_probs, output_width
+from specdraft.tokens import left_pad
 
 
 @torch.no_grad()
@@ -172,7 +173,7 @@ def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_t
     """:func:`_replay_rounds` from the draft's teacher-forced argmax at each answer position (``draft_top1[j]``
     predicts ``y[j]``): the one place a replay turns argmaxes into matches.
 
-    ``eos``: the ids that end a row (:func:`specdraft.decode.stop_ids` of the target and tokenizer); the replay stops
+    ``eos``: the ids that end a row (:func:`specdraft.tokens.stop_ids` of the target and tokenizer); the replay stops
     at the first of them in ``y`` or after ``max_new_tokens`` (≥ 1) tokens, as the decoder does.
 
     Raises:
@@ -199,18 +200,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
                   mapped_proposals: str | None = None, batch_size: int = 16,
                   progress=None) -> list[AcceptanceCounts]:
     """Greedy speculative decoding's counts for a draft of *another tokenizer*, replayed over the target's greedy
-    ``answers`` with no target pass.
-
-    A mapped draft reads the context as text, re-encoded in its own tokens, so its proposals after an accepted
-    block are not its teacher-forced argmaxes over the target's tokens (:func:`replay_answer` does not apply).
-    But greedy verification needs only the target's argmax, and along its own greedy answer that is the answer's
-    next token: each round the very drafter :func:`~specdraft.decode.speculative_generate` uses
-    (:class:`~specdraft.drafters.MappedDrafter`, the same proposal mode) proposes after ``prompt + answer[:n]``, the
-    round accepts the longest run of its candidates equal to ``answer[n:]``, and the target emits
-    ``answer[n + accepted]``. Rows of a batch run in lockstep, each at its own n, with the decoder's holes (each row
-    sees the keys and positions it would see alone), so the counts are batch-1 decoding's wherever the target's
-    argmax along its answer is the answer (bfloat16 near-ties aside, in either model); the draft costs what it costs
-    in decoding, the target nothing.
+    ``answers`` with no target pass. Why these are batch-1 decoding's counts: docs/architecture.md, "replay".
 
     Args:
         draft: causal LM of another tokenizer; ``vocab_mapping``: its :class:`~specdraft.vocab.VocabMapping`
@@ -218,7 +208,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
         prompts / answers: ``[n]`` target id lists, the prompts (template applied) and the target's greedy answers
             (EOS included).
         gamma: γ; ``max_new_tokens``: the bound the answers were generated with (≥ 1); ``eos``: ids that end a
-            row (:func:`specdraft.decode.stop_ids` of the target and tokenizer).
+            row (:func:`specdraft.tokens.stop_ids` of the target and tokenizer).
         target_width / real_vocab: the target's output width and ``len(tokenizer)``.
         mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.drafters.proposal_mode`).
         batch_size: rows replayed together; ``progress(done, total)`` is called as rows finish.

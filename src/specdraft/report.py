@@ -21,7 +21,7 @@ from specdraft.recommend import (
     recommendation_markdown,
     teaching_road,
 )
-from specdraft.speed import Contender, ContenderSpeed, SpeedRun, SpeedStage
+from specdraft.speed_run import Contender, ContenderSpeed, SpeedRun, SpeedStage
 from specdraft.stats import MIN_PROMPTS, Estimate, paired_gain_from_rows
 
 #: The speed stage's keys of the pipeline's two drafts (the draft as given, the distilled one).
@@ -336,7 +336,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def speed_stage(report: dict[str, Any]) -> SpeedStage | None:
-    """The speed stage's result (:class:`~specdraft.speed.SpeedStage`), ``None`` without a speed stage."""
+    """The speed stage's result (:class:`~specdraft.speed_run.SpeedStage`), ``None`` without a speed stage."""
     sp = report.get("speed")
     return SpeedStage.from_dict(sp) if sp else None
 

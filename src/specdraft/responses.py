@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def answer_stop_ids(model, tokenizer) -> list[int]:
-    """The ids that end an answer written as teacher signal: :func:`specdraft.decode.stop_ids` of ``model`` and
+    """The ids that end an answer written as teacher signal: :func:`specdraft.tokens.stop_ids` of ``model`` and
     ``tokenizer``, and the end-of-turn token the tokenizer's chat template writes after an answer
     (:func:`specdraft.data.end_of_turn_ids`) where it is one token. A chat model ends its turn with its template's
     terminator (``<|im_end|>``, ``<end_of_turn>``) even where its EOS is another token; running on past it, the
@@ -24,7 +24,7 @@ def answer_stop_ids(model, tokenizer) -> list[int]:
         sorted token ids.
     """
     from specdraft.data import end_of_turn_ids
-    from specdraft.decode import stop_ids
+    from specdraft.tokens import stop_ids
 
     eot = end_of_turn_ids(tokenizer) if getattr(tokenizer, "chat_template", None) else []
     return sorted(set(stop_ids(model, tokenizer)) | (set(eot) if len(eot) == 1 else set()))
@@ -67,7 +67,7 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
         stop_model: the model whose stop ids end a response (:func:`answer_stop_ids` of it and ``tokenizer``): the
             target, also when ``model`` is the draft; default ``model``.
         eos_token_id: the stop ids instead (the evaluation's answers end where its decoding loops end a row,
-            :func:`specdraft.decode.stop_ids`).
+            :func:`specdraft.tokens.stop_ids`).
 
     Returns:
         ``[n]`` generated id lists (prompt excluded, EOS included).
@@ -79,8 +79,9 @@ def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens
 
     from specdraft.config import SamplingConfig
     from specdraft.data import tokenizer_pad_id
-    from specdraft.decode import DecodeError, check_max_new_tokens, left_pad, target_generate
+    from specdraft.decode import DecodeError, check_max_new_tokens, target_generate
     from specdraft.dump_reader import DumpError
+    from specdraft.tokens import left_pad
 
     check_max_new_tokens(max_new_tokens, error=DumpError)
     sampling = sampling or SamplingConfig()

@@ -1,28 +1,11 @@
 """Cross-entropy through an output head restricted to a support of ids: the loss of a hard-label phase without the
 vocabulary-wide head, softmax and loss.
 
-A distillation step on a re-indexed draft spends most of its time on the full-width head (the target's 151,936 rows;
-docs/benchmarks.md, "Where a distillation step's time goes"). Against a teacher whose mass sits on a few known ids —
-hard labels (the self-teacher's sequence-level dump, :mod:`specdraft.self_teacher`), or any top-k dump whose leftover
-mass is 0 — the cross-entropy only needs the logits of a support S that holds every id the teacher gives mass to.
-
-Notation: z the draft's logits over the full head, S the support, q = softmax(z), q_S = softmax(z restricted to S),
-p the teacher (zero outside S). Then
-
-* **exact where the rest is masked**: ``−Σ_{x∈S} p(x) log q_S(x)`` is :func:`specdraft.losses.soft_ce_topk` of the full
-  logits with every row outside S set to −inf — same value, same gradient (the masked rows get none);
-* **the bound otherwise**: against the full head, ``CE(p, q) = CE(p, q_S) − log q(S)`` exactly (log q(x) =
-  log q_S(x) + log q(S) for x ∈ S, and Σ p = 1), so the restricted loss is lower by −log q(S) ≥ 0, the draft's
-  log-mass outside the support. Rows outside S are not pushed down by the restricted loss; the support therefore
-  takes every id of the training data (labels and context) plus the most frequent ids of a reference corpus
-  (:func:`support_ids`), the competitors a draft proposes most.
-
-The metrics of a restricted training step (top-1 agreement, TVD, α) are over q_S, as the loss is; the held-out ones
-take the full head (q), beside the draft's mass outside the support, 1 − q(S) (:class:`specdraft.distill.DistillModel`).
-
-Source: the sampled / restricted softmax of large-vocabulary training (Jean et al., 2015, "On Using Very Large Target
-Vocabulary for Neural Machine Translation", eq. 6–8: the softmax normalised over a subset V' holding the targets);
-here the subset is fixed for the run, so the loss is deterministic and the bound above is exact.
+With z the draft's full logits, S a support holding every id the teacher p gives mass to and q_S = softmax(z on S),
+the loss ``−Σ_{x∈S} p(x) log q_S(x)`` equals :func:`specdraft.losses.soft_ce_topk` with every row outside S masked,
+and is below the full-head CE(p, q) by exactly −log q(S) ≥ 0 (:func:`support_ids` makes S). Source: the restricted
+softmax of Jean et al. 2015, eq. 6–8, on a support fixed for the run. The derivation and why the support holds the
+corpus' frequent ids: docs/architecture.md, "restricted_head".
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Where a vocabulary swap loses agreement: target tokens without a draft twin, and the swapped draft's
 disagreements with the target split by kind.
 
-A draft re-indexed into the target's tokenizer (:func:`specdraft.vocab.vocab_swap`) must write the target's
-segmentation, which differs from its own where the two pre-tokenizers cut text differently (Qwen2's lets a
-punctuation run absorb the newline after it, ``):\\n``; GPT-2-style ones attach the newline to the next line's
-indentation). Over the target's own answers, teacher-forced, each position where the draft's argmax is not the
-target's token falls in the first of these kinds that holds:
-
-1. ``merged``: the target's token has no draft twin and the draft chose a proper string prefix of it (it proposes
-   ``):`` where the target writes ``):\\n`` — OmniDraft's "false rejection", arXiv 2507.02659);
-2. ``non_canonical``: the draft chose a token the target's tokenizer never produces for that token's own text
-   (encoding the chosen token's string alone does not give that token back);
-3. ``after_non_twin_input``: the token the draft just read has no twin in its original vocabulary (its input row
-   is an initialisation, not a trained row);
-4. ``other``: the disagreement is not about segmentation.
-
-The first two are output-side (the head's rows), the third input-side (the embedding's rows); ``other`` is what
-distillation on the target's distribution addresses. :func:`diagnose` counts them; :func:`verdict` names the kind
-that dominates. :func:`diagnose_masked` counts them at the masked positions of sequences (the argmaxes of a pass
-made for something else: ``headroom``'s).
+Over the target's own answers, teacher-forced, each position where the swapped draft's argmax is not the target's
+token is ``merged`` (the target's token has no draft twin and the draft chose a proper prefix of it),
+``non_canonical`` (a token the target's tokenizer never produces for its own text), ``after_non_twin_input`` (the
+token just read has no twin) or ``other`` (not segmentation), the first that holds. :func:`diagnose` counts them,
+:func:`verdict` names the kind that dominates, :func:`diagnose_masked` counts at a pass's masked positions. The kinds
+with examples: docs/architecture.md, "segmentation".
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """The *independent speculator* format: a plain Hugging Face draft (q) packaged for a verifier (target, p).
 
-An independent speculator is the draft itself — same class, same weights — whose ``config.json`` carries
-exactly three more keys than the draft's own ``save_pretrained`` writes::
+An independent speculator is the draft itself — same class, same weights — whose ``config.json`` carries three more
+keys than the draft's own ``save_pretrained`` writes: ``speculators_model_type: "independent"``,
+``speculators_version`` and ``speculators_config`` (proposal methods, γ, the verifier), a schema mirroring the
+speculators library's ``SpeculatorsConfig`` without depending on it. ``AutoModelForCausalLM.from_pretrained(dir)``
+returns the plain draft; vLLM serves it as a ``draft_model``. A draft of another tokenizer carries the ``"text"``
+proposal method (:class:`TextProposalConfig`) and is served through :mod:`specdraft.vllm_proposer`.
 
-    "speculators_model_type": "independent",
-    "speculators_version": "<specdraft version>",
-    "speculators_config": {
-        "algorithm": "independent",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": γ,
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": "...", "architectures": ["..."]}
-    }
-
-Every other key is the draft's, untouched (``model_type``, ``architectures``, ``tie_word_embeddings``, …),
-so ``AutoModelForCausalLM.from_pretrained(dir)`` returns the plain draft with identical logits, the
-speculators library recognises the checkpoint, and vLLM serves it as a draft
-(``--speculative-config '{"method": "draft_model", ...}'``).
-
-A draft of *another tokenizer* is exported as it is, with one proposal method of specdraft's own instead of
-``greedy``: ``{"proposal_type": "text", ...}`` (:class:`TextProposalConfig`, ``default_proposal_method: "text"``).
-It drafts γ tokens greedily in its own tokenizer and proposes their text re-encoded, in context, in the verifier's
-tokens; its ids mean nothing to the verifier, so vLLM serves it through specdraft's proposer
-(:mod:`specdraft.vllm_proposer`, method ``custom_class``), never as a ``draft_model``. That one field is the whole
-format change; a draft of the verifier's tokenizer is written as before.
-
-The ``speculators_config`` schema mirrors the speculators library (vllm-project/speculators,
-``src/speculators/config.py``: ``SpeculatorsConfig``, ``VerifierConfig``; ``proposals/greedy.py``:
-``GreedyTokenProposalConfig``) with pydantic, without depending on that package.
-
-This module is the format only — its schema, reader, writer of ``config.json`` and the checks a config, a draft
-model or a tokenizer pair must pass — and imports nothing of decoding: :mod:`specdraft.gguf_export`,
-:mod:`specdraft.export`, the vLLM plugin and ``specdraft inspect`` read it. The runtime wrapper that holds a draft and
-its verifier is :class:`specdraft.speculator_model.IndependentSpeculator`. Heavy imports (torch, transformers) happen
-inside functions: reading a speculator config is JSON only.
+This module is the format only — schema, reader, writer and checks — and imports nothing of decoding; the runtime
+wrapper is :class:`specdraft.speculator_model.IndependentSpeculator`. Heavy imports happen inside functions. The full
+config and the sources it mirrors: docs/architecture.md, "speculator".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Confidence intervals for acceptance: bootstrap over prompts, counts first, ratios last.
 
-**Prompts are the unit of resampling.** Drafts within one prompt are not independent (one prompt the draft
-does not know rejects many blocks in a row), so resampling tokens would understate the uncertainty. A
-replicate draws n prompts with replacement and computes Σ accepted / Σ proposed over them — the same ratio
-of summed counts as the point estimate (:attr:`specdraft.acceptance.AcceptanceCounts.acceptance_rate`),
-never a mean of per-prompt ratios, which would weigh a prompt with 3 drafts like one with 300.
-
-**The before/after gain is paired**: each replicate draws one set of prompt indices and applies it to both
-evaluations (same prompts, same seeds), so the prompt-to-prompt spread both share cancels in the difference.
-An unpaired interval on the same data is much wider and can hide a real gain.
-
-Intervals are percentile intervals (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993, §13.3),
-95% by default, and deterministic given ``seed``.
-
-**An interval admits how little it rests on.** Where every prompt has the same rate (one prompt; every drafted
-token accepted, or none) every replicate is the same and the percentile interval has zero width — certainty
-exactly where evidence is thinnest. A rate of counts is therefore never narrower than the Wilson score interval of
-its summed counts (Wilson 1927; tokens treated as independent, so it is a floor, not the answer), and a paired gain
-whose replicates all agree falls back to Newcombe's hybrid score interval of the two rates (Newcombe 1998, method
-10). :attr:`Estimate.floor` names the bound that set the interval; :attr:`Estimate.thin` marks an interval over
-fewer than :data:`MIN_PROMPTS` prompts, which every printed interval shows.
+Prompts are the unit of resampling; a replicate's rate is Σ accepted / Σ proposed over its prompts, never a mean of
+ratios. A before/after gain is paired (one set of prompt indices per replicate for both). Percentile intervals
+(Efron & Tibshirani 1993, §13.3), 95% by default, deterministic given ``seed``; never narrower than the Wilson score
+interval of the summed counts (Wilson 1927), a paired gain's falling back to Newcombe's hybrid score interval
+(Newcombe 1998, method 10). :attr:`Estimate.floor` names the bound that set an interval, :attr:`Estimate.thin` one
+over fewer than :data:`MIN_PROMPTS` prompts. Why: docs/architecture.md, "stats".
 """
 
 from __future__ import annotations

@@ -166,17 +166,7 @@ def replay_greedy(
 ) -> list[AcceptanceCounts]:
     """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt: the
     reference replay that tests and benches compare decoding and :func:`specdraft.evaluate.acceptance_eval` with.
-
-    Greedy verification accepts a drafted token iff it equals the target's argmax, and the output is the
-    target's greedy response y. So inside a round that starts after y[:n], the draft's i-th proposal is read in
-    the context y[:n + i] as long as the earlier ones were accepted: the round accepts exactly the run of
-    positions n, n+1, … (at most k) where the draft's teacher-forced argmax equals y, and the target then emits
-    y[n + accepted]. Replaying :func:`~specdraft.decode.speculative_generate`'s rounds (batch 1: k = min(γ,
-    what the row can still emit − 1), an EOS or the length bound ending a row, a row ending inside the accepted
-    block) over that agreement vector (:func:`specdraft.replay.replay_answer`) gives its counts without decoding;
-    only rounding differs (a full-sequence pass vs cached steps can flip a near-tie argmax in bfloat16). One target
-    answer serves every draft compared on it (before/after distillation, paired). ``acceptance_eval`` counts the
-    same rounds from :func:`specdraft.replay.predicted_alpha`'s ``draft_top1``, one draft pass fewer.
+    Why this gives decoding's counts: docs/architecture.md, "testing".
 
     Args:
         draft: causal LM sharing the target's tokenizer.
@@ -194,9 +184,9 @@ def replay_greedy(
     """
     import torch
 
-    from specdraft.decode import left_pad
     from specdraft.replay import replay_answer, tail_logits
     from specdraft.sampling import align_logits, check_windows
+    from specdraft.tokens import left_pad
 
     check_windows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], [("draft", draft)],
                   "replay shorter prompts or answers (lower --max-new-tokens).")

@@ -2,32 +2,13 @@
 ``LLM(model=SPECULATOR_DIR)``) serves the verifier named in an independent speculator's config.json with that
 speculator as its draft.
 
-Installed as the entry point ``specdraft = "specdraft.vllm_plugin:register"`` in ``vllm.general_plugins``; vLLM
-calls every general plugin once per process (``vllm.plugins.load_general_plugins``, before the engine config is
-built, and in the engine core and workers).
-
-vLLM 0.32 (``vllm/transformers_utils/config.py``, ``configs/speculators/base.py``) has
-``maybe_override_with_speculators`` turn a config.json holding ``speculators_config`` into ``(verifier,
-verifier, speculative_config)`` through ``SpeculatorsConfig.extract_vllm_speculative_config``, which demands an
-EAGLE-style ``transformer_layer_config`` and takes ``speculators_model_type`` as the method: an independent
-speculator has neither, so without this plugin vLLM stops there. The plugin wraps that function and answers
-itself for ``speculators_model_type == "independent"`` (:func:`plan_independent`: vLLM's own ``draft_model``
-method); every other model goes to vLLM's function untouched. The draft loads as the plain model it is.
-
-A speculator of another tokenizer (proposal method ``"text"``) is served with vLLM's ``custom_class`` method
-instead: :class:`specdraft.vllm_proposer.TextProposer`, which finds the speculator directory in the environment
-variable ``SPECDRAFT_SPECULATOR`` that the wrapper sets (the engine core is spawned after it, and inherits it).
-
-On vLLM's CPU build the plugin also repairs one engine op that breaks sampled speculative decoding for every
-proposer: the rejection sampler's ``expand_kernel`` (each request's temperature written at each of its draft
-positions), which the CPU build replaces by ``vllm.utils.cpu_triton_utils._expand_kernel_impl``; that one hands the
-C++ kernel an int64 *copy* of the float output, so the temperatures are never written and sampled drafts are verified
-against logits divided by leftover memory. Greedy requests never read them. :func:`repair_cpu_expand` (run by
-:func:`register`, in every vLLM process) tries the op and, where it does not write its output, puts
-:func:`expand_kernel_repaired` in its place; ``bench/vllm_check.py`` checks that the repair reaches the sampler.
-
-vLLM is imported inside :func:`register` and :func:`repair_cpu_expand` only, torch inside functions, so
-:func:`plan_independent` is unit-tested without them.
+Installed as the ``vllm.general_plugins`` entry point ``specdraft = "specdraft.vllm_plugin:register"``. It wraps
+vLLM's ``maybe_override_with_speculators`` and answers for ``speculators_model_type == "independent"``
+(:func:`plan_independent`: vLLM's ``draft_model`` method, or ``custom_class`` with
+:class:`specdraft.vllm_proposer.TextProposer` for a ``"text"`` speculator); every other model goes to vLLM untouched.
+On vLLM's CPU build it also repairs the rejection sampler's ``expand_kernel`` (:func:`repair_cpu_expand`).
+vLLM is imported inside :func:`register` and :func:`repair_cpu_expand` only, torch inside functions. What vLLM 0.32
+does without the plugin and the CPU op's bug: docs/architecture.md, "vllm_plugin".
 """
 
 from __future__ import annotations

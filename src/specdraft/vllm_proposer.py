@@ -1,41 +1,15 @@
 """vLLM serving a draft of *another tokenizer* as it is: :class:`TextProposer`, a ``custom_class`` proposer that
 drafts through text.
 
-vLLM 0.32 (``vllm/v1/spec_decode/custom_class_proposer.py``: ``create_custom_proposer``) builds the class named in
-``speculative_config.model`` with the ``VllmConfig``; its V1 model runner (``vllm/v1/worker/gpu_model_runner.py``,
-also the CPU engine's, whose ``CPUModelRunner`` subclasses it) calls ``load_model(target_model)`` once and, after
-each step's bookkeeping, ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``:
-``token_ids_cpu[i, :num_tokens_no_spec[i]]`` is request i's prompt and output so far, the step's sampled tokens
-included. It returns each request's draft ids (a list per batch slot, possibly empty). The method needs async
-scheduling off, which vLLM chooses by itself for ``custom_class`` (``VllmConfig``: "Async scheduling not supported
-with custom_class-based speculative decoding").
-
-Each round, per request: its target ids are decoded to text and re-encoded in the draft's tokenizer, the draft
-(its own KV cache, trimmed to the common prefix with what it read last round) drafts up to γ tokens greedily, and
-their text is re-encoded *in context* as target tokens — :class:`specdraft.drafters.MappedDrafter` in ``"text"``
-mode, the drafter specdraft's own decoding uses, one per request (:class:`TextDrafts` pairs requests and drafters,
-which ``propose`` never names: a request keeps the drafter whose last context its own extends, whatever its slot;
-a new one takes a fresh drafter or a free one sharing its prefix, reset).
-
-**Verification stays vLLM's and is lossless.** The proposals carry no draft probabilities, and vLLM's rejection
-sampler then treats q as one-hot on the proposed token (``vllm/v1/sample/rejection_sampler.py``:
-``rejection_random_sample_kernel`` with ``NO_DRAFT_PROBS`` sets ``draft_prob = 1`` and accepts d when
-``p(d) ≥ u``; ``sample_recovered_tokens_kernel`` then draws the correction from p with d masked out; the CPU build
-runs the same rule in ``vllm/utils/cpu_triton_utils.py``). A token is d with probability p(d), and otherwise a draw
-from p restricted to the other tokens, probability (1 − p(d)) · p(x) / (1 − p(d)) = p(x): the target's law, whatever
-the draft proposed (Leviathan et al. 2023, Theorem 3.5 with q = δ_d). Greedy requests accept d exactly when it is
-the target's argmax. ``make test-vllm`` checks both in vLLM itself (docs/serving.md). One engine bug stands in the
-way on vLLM 0.32's CPU build without Triton, whatever the proposer: its ``expand_kernel`` replacement never writes
-the per-token temperatures, so sampled requests are verified against garbage logits (greedy ones are not affected);
-specdraft's vLLM plugin repairs it when vLLM loads it (:func:`specdraft.vllm_plugin.repair_cpu_expand`).
-
-Where the draft is: the speculator directory (the draft's weights, config.json naming the verifier, the draft's
-tokenizer files), from ``additional_config["specdraft_speculator"]`` (``--additional-config``, what
-:func:`specdraft.export.vllm_serve` prints), else the environment variable ``SPECDRAFT_SPECULATOR``, which
-specdraft's vLLM plugin sets when it is handed the speculator directory
-(``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``).
-
-vLLM is never imported here; torch and transformers only inside functions, so the module imports without them.
+vLLM 0.32 builds the class named in ``speculative_config.model`` and calls ``load_model(target_model)`` once, then
+``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)`` every step; it returns each request's draft
+ids. Per request, its target ids are decoded to text and re-encoded in the draft's tokenizer, the draft drafts up to
+γ tokens greedily and their text is re-encoded in context as target tokens
+(:class:`specdraft.drafters.MappedDrafter` in ``"text"`` mode, one per request, paired by :class:`TextDrafts`).
+Verification stays vLLM's and is lossless (q one-hot on the proposal). The speculator directory comes from
+``additional_config["specdraft_speculator"]``, else ``SPECDRAFT_SPECULATOR`` (set by :mod:`specdraft.vllm_plugin`).
+vLLM is never imported here; torch and transformers only inside functions. The vLLM calls relied on and why
+verification stays exact: docs/architecture.md, "vllm_proposer".
 """
 
 from __future__ import annotations
@@ -71,16 +45,7 @@ class _Entry:
 
 class TextDrafts:
     """Drafters of another tokenizer, one per request, for a batch whose requests come and go (no vLLM needed).
-
-    Each :meth:`propose` gets every batch slot's target ids and returns its proposals. vLLM names no request, so a
-    drafter follows its request by content, matched over all slots at once (:meth:`assign`): a request's context
-    only grows, so a kept drafter whose last context is a prefix of a slot's context is that request's own, and
-    keeps serving it whatever slot it moved to and whoever joined before it. The other contexts (new requests) take
-    a fresh drafter, or the unclaimed kept one sharing the longest prefix with them (a system prompt's cache is read
-    once); the drafter then trims its KV cache to the common prefix of the re-encoded contexts
-    (:meth:`specdraft.drafters.MappedDrafter.propose`), and what it knew of its last request alone (that it outgrew
-    the draft's window) is forgotten. Drafters not used for ``keep_rounds`` rounds are dropped, and at most
-    ``max_entries`` are kept (the least recently used go first).
+    How a drafter follows its request by content: docs/architecture.md, "vllm_proposer".
 
     Memory: a drafter's KV cache holds at most the draft's window (:func:`specdraft.sampling.context_window`, its
     ``max_position_embeddings``; past it the drafter stops proposing for that request), so the kept caches take at

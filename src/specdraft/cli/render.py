@@ -324,11 +324,11 @@ EVAL_LEGEND = (
 
 class TextStream:
     """``on_tokens`` of a streamed answer: prints the text as tokens arrive through
-    :class:`specdraft.decode.IncrementalDetokenizer`, which holds back a character split across two chunks;
+    :class:`specdraft.tokens.IncrementalDetokenizer`, which holds back a character split across two chunks;
     :meth:`flush` prints what it still holds at the end."""
 
     def __init__(self, tokenizer):
-        from specdraft.decode import IncrementalDetokenizer
+        from specdraft.tokens import IncrementalDetokenizer
 
         self.detok = IncrementalDetokenizer(tokenizer)
 
@@ -400,7 +400,6 @@ def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
     serving the best — the target alone where no band lies wholly above 1x — the calibration it rests on, and
     rank.json (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
     from specdraft.rank import write_llama_cpp_ranking
-    from specdraft.speed import llama_cpp_command
 
     ranked, path = write_llama_cpp_ranking(llama, rows, target, out, " ".join(sys.argv))
     table = Table(title=f"Drafts for {escape(target)} in llama.cpp, best first (α measured here; llama-bench timings, "
@@ -416,9 +415,8 @@ def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
                       f"{r.n_max}" + ("" if r.n_max or not r.best_n else f" (best {r.best_n})"), told, raw)
     console.print(table)
     best = ranked[0]
-    command = best.command
-    if best.band is None:  # llama-bench's pricing alone over-predicts llama.cpp: nothing measured backs a plan
-        command = llama_cpp_command(str(llama.target_gguf), best.gguf, 0, threads=llama.threads, server=True)
+    command = llama.serving_command(best)
+    if best.band is None:
         console.print("no calibration prices these drafts as llama.cpp runs them (llama-bench's timings alone "
                       f"over-predict it){'; ' + best.note if best.note else ''}; serve the target alone:",
                       markup=False, highlight=False)
