@@ -12,7 +12,7 @@ With ``--as-given-distilled DIR`` the contender is instead a draft distilled *as
 ``bench/distill_as_given.py``'s speculator), drafting through text as the draft as given does, on the default pair.
 
     python bench/bench_shipped_speed.py --run runs/default --prompts humaneval:100:8:8 --max-new-tokens 128
-    python bench/bench_shipped_speed.py --as-given-distilled DIR --name as-given-speed
+    python bench/bench_shipped_speed.py --as-given-distilled DIR --name shipped-speed-as-given
 """
 
 from __future__ import annotations

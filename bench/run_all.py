@@ -299,6 +299,18 @@ def _render_as_given_routes() -> list[str]:
                        f"**{ratio['ratio']:.2f}x {_ci(ratio['ratio_ci95'], '{:.2f}')}** tokens/s ({ratio['prompts']} "
                        f"prompts × {speed['max_new_tokens']} tokens, paired; `{speed['command']}`).")]
         pays = pays and ratio["ratio_ci95"][0] > 1
+    vllm = _load("vllm-serving-cpu-as-given.json")
+    if vllm and all("rows" in vllm["results"].get(k, {}) for k in ("as-given", "as-given-distilled")):
+        from specdraft.stats import paired_ratio_ci  # tokens/s over tokens/s, paired by prompt
+
+        tps = lambda k: ([len(x["tokens"]) for x in vllm["results"][k]["rows"]],
+                         [x["seconds"] for x in vllm["results"][k]["rows"]])
+        e = paired_ratio_ci(*tps("as-given-distilled"), *tps("as-given"))
+        acc = lambda k: vllm["results"][k]["accepted"] / max(1, vllm["results"][k]["drafted"])
+        lines += ["", (f"In vLLM's CPU engine (text proposals, `custom_class`; {vllm['n_prompts']} prompts × "
+                       f"{vllm['max_new_tokens']} tokens, batch 1, `{vllm['command']}`): acceptance "
+                       f"{acc('as-given'):.3f} → {acc('as-given-distilled'):.3f}, tokens/s **{e.value:.2f}x "
+                       f"[{e.low:.2f}, {e.high:.2f}]** the undistilled draft as given.")]
     lines += ["", ("**The main job's default changes**: a pair of two tokenizers distils the draft as given by this route."
                    if pays else
                    "**The main job's default stays**: no route's gain interval lies above 0 on both held-out sets"

@@ -34,8 +34,10 @@ DOCS_START, DOCS_END = "<!-- vllm-serving-bench:start -->", "<!-- vllm-serving-b
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(out: Path, n_prompts: int, kv_gib: int) -> dict:
-    """Export both speculators (the re-indexed draft first written by ``save_vocab_swap``) and encode the prompts."""
+def build(out: Path, n_prompts: int, kv_gib: int, as_given_distilled: Path | None = None) -> dict:
+    """Export both speculators (the re-indexed draft first written by ``save_vocab_swap``), and with
+    ``as_given_distilled`` that draft as given too (a draft of the draft's tokenizer, distilled as given), and encode
+    the prompts."""
     from specdraft.data import encode_prompts
     from specdraft.export import export_draft, vllm_serve
     from specdraft.models import load_tokenizer, resolve
@@ -47,7 +49,10 @@ def build(out: Path, n_prompts: int, kv_gib: int) -> dict:
     if not (swapped / "config.json").is_file():
         save_vocab_swap(DRAFT, TARGET, swapped, overwrite=True)
     runs = {}
-    for name, draft in (("as-given", resolve(DRAFT)), ("re-indexed", str(swapped))):
+    drafts = [("as-given", resolve(DRAFT)), ("re-indexed", str(swapped))]
+    if as_given_distilled is not None:
+        drafts.append(("as-given-distilled", str(as_given_distilled)))
+    for name, draft in drafts:
         res = export_draft(draft, TARGET, out / f"spec-{name}", num_speculative_tokens=GAMMA, overwrite=True)
         serve = vllm_serve(res.out)
         runs[name] = {"speculator": str(res.out), "verdict": res.compat_verdict, "drafting": serve.drafting,
@@ -103,9 +108,9 @@ def table(report: dict) -> str:
               f"γ = {GAMMA}, batch 1, float32, vLLM CPU ({report['versions'].get('cpus')} CPUs)."), "",
              "| configuration | drafting | acceptance (accepted / drafted) | tokens/s | vs target alone [95% CI, paired over prompts] | output = target alone |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for config in CONFIGS:
+    for config in [c for c in (*CONFIGS, "as-given-distilled") if c in res]:
         r = res.get(config)
-        if r is None or "error" in r:
+        if "error" in r:
             lines.append(f"| {config} | | failed | | | |")
             continue
         acc = f"{r['accepted'] / r['drafted']:.3f} ({r['accepted']}/{r['drafted']})" if r.get("drafted") else "—"
@@ -119,7 +124,8 @@ def table(report: dict) -> str:
             ratio = f"{e.value:.2f}× [{e.low:.2f}, {e.high:.2f}]"
         same = "—" if config == "alone" or "rows" not in alone else \
             f"{sum(a['tokens'] == b['tokens'] for a, b in zip(r['rows'], alone['rows']))}/{len(r['rows'])}"
-        drafting = {"alone": "—", "as-given": "text (custom_class)", "re-indexed": "token ids (draft_model)"}[config]
+        drafting = {"alone": "—", "as-given": "text (custom_class)", "re-indexed": "token ids (draft_model)",
+                    "as-given-distilled": "text (custom_class), distilled as given"}[config]
         lines.append(f"| {config} | {drafting} | {acc} | {speed} | {ratio} | {same} |")
     return "\n".join(lines)
 
@@ -143,6 +149,10 @@ def main() -> int:
     ap.add_argument("--docs", action="store_true", help="Rewrite the table in docs/serving.md.")
     ap.add_argument("--render", action="store_true", help="Print (and with --docs write) the table of --results "
                     "again, running nothing.")
+    ap.add_argument("--as-given-distilled", type=Path, default=None, metavar="DIR",
+                    help="Also serve this draft of the draft's own tokenizer (a speculator distilled as given).")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"Which configurations to run, comma-separated (of {', '.join(CONFIGS)}).")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render:
@@ -160,10 +170,11 @@ def main() -> int:
     os.environ.update(env)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    plan = build(out, args.prompts, args.kv_gib)
+    plan = build(out, args.prompts, args.kv_gib, args.as_given_distilled)
     (out / "plan.json").write_text(json.dumps(plan))
     results = {}
-    for config in CONFIGS:
+    configs = args.configs.split(",") + (["as-given-distilled"] if args.as_given_distilled else [])
+    for config in configs:
         log = out / f"vllm-{config}.log"
         with open(log, "w") as fh:
             rc = subprocess.run([args.vllm_python, __file__, "--out", str(out), "--child", config,
