@@ -161,6 +161,19 @@ def start_point(swap: dict, minutes: float) -> dict:
                          "prompts": len(s["rows"])} for n, s in swap["sets"].items()}}
 
 
+def route_overrides(route: dict, items: list[str]) -> dict:
+    """``route`` with each ``--set FIELD=VALUE`` applied (the value read as JSON where it parses, else a string;
+    ``FIELD`` alone sets None)."""
+    out = dict(route)
+    for item in items:
+        field, sep, value = item.partition("=")
+        try:
+            out[field] = json.loads(value) if sep else None
+        except json.JSONDecodeError:
+            out[field] = value
+    return out
+
+
 def write_result(out: Path, name: str, result: dict) -> Path:
     """``out/<name>.json``, written atomically."""
     out.mkdir(parents=True, exist_ok=True)

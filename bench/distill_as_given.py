@@ -154,13 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=BENCH / "results")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    overrides = dict(ROUTE)
-    for item in args.set:
-        field, sep, value = item.partition("=")
-        try:
-            overrides[field] = json.loads(value) if sep else None
-        except json.JSONDecodeError:
-            overrides[field] = value
+    overrides = curve.route_overrides(ROUTE, args.set)
     from specdraft.prompts import load_prompts
 
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])

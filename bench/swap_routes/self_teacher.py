@@ -105,13 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.every < 1 or args.target_steps < 0:
         ap.error("--steps and --every must be ≥ 1, --target-steps ≥ 0")
-    overrides = dict(ROUTE)
-    for item in args.set:
-        field, sep, value = item.partition("=")
-        try:
-            overrides[field] = json.loads(value) if sep else None
-        except json.JSONDecodeError:
-            overrides[field] = value
+    overrides = curve.route_overrides(ROUTE, args.set)
     from specdraft.prompts import load_prompts
 
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
