@@ -27,7 +27,7 @@ _EXPORTS = {
     "save_vocab_swap": "specdraft.vocab",
     "speculative_generate": "specdraft.decode",
     "target_generate": "specdraft.decode",
-    "left_pad": "specdraft.decode",
+    "left_pad": "specdraft.tokens",
     "AcceptanceCounts": "specdraft.acceptance",
     "expected_speedup": "specdraft.acceptance",
     "best_gamma": "specdraft.acceptance",
