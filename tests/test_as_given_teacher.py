@@ -9,7 +9,13 @@ import math
 import pytest
 import torch
 
-from specdraft.as_given_teacher import aligned_pairs, carry_topk, first_piece_ids, run_as_given_teacher
+from specdraft.as_given_teacher import (
+    _sha256_json,
+    aligned_pairs,
+    carry_topk,
+    first_piece_ids,
+    run_as_given_teacher,
+)
 from specdraft.config import AsGivenTeacherConfig, DistillConfig
 from specdraft.data import Example, encode_answer, encode_prompts, render_prompt
 from specdraft.dump_reader import DumpError, TeacherDataset, load_manifest
@@ -228,3 +234,22 @@ def test_dump_for_draft_writes_the_dump_in_the_drafts_ids_and_refuses_what_does_
     r = CliRunner().invoke(app, [*base[:2], pair["target"], *base[3:], "--out", str(tmp_path / "y")],
                            env={"COLUMNS": "400"})
     assert r.exit_code == 2 and "--for-draft" in r.output and not (tmp_path / "y").exists()
+
+
+def test_the_dump_for_a_draft_as_given_answers_the_rows_run_trains_on_for_one_training_spec(pair, tmp_path):
+    """Its answers are greedy, so it reads ``conversations:0:12`` as ``run --train-prompts`` does for a greedy teacher:
+    12 distinct prompts (the embedded chats repeat their first questions), the same rows in the same order."""
+    from specdraft.pipeline import make_config, run_prompts
+
+    spec = "conversations:0:12"
+    trains = run_prompts(make_config("tiny", target=pair["target"], draft=pair["draft"], train_prompts=[spec]),
+                         ("train",))["train"].examples
+    assert len({json.dumps(e.prompt_messages) for e in trains}) == len(trains) == 12
+    cfg = AsGivenTeacherConfig(generate=2, dtype="float32", batch_size=6, top_k=3, carry="none", unaligned="hard")
+    m = run_as_given_teacher(pair["target"], pair["draft"], spec, tmp_path / "d", cfg)
+    # The examples it was made of (its identity's data fingerprint); an answer with no text is dropped, not replaced.
+    assert m["identity"]["data_fingerprint"] == _sha256_json([[e.id, e.messages, e.reference] for e in trains])
+    ds = TeacherDataset(tmp_path / "d", draft_tokenizer=pair["d_tok"])
+    kept = [ds.tokens(i)["id"] for i in range(len(ds))]
+    assert kept == [e.id for e in trains if e.id in kept] and m["sequences"] + m["dropped"] == 12
+    assert m["data"] == spec

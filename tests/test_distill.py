@@ -280,8 +280,8 @@ def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
     from specdraft.dump import run_dump
     from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    run_dump(DEFAULT_TARGET, "humaneval", tmp_path / "dump",
-             DumpConfig(num_examples=8, max_length=192, answer_only=True, batch_size=4, dtype="bfloat16"))
+    run_dump(DEFAULT_TARGET, "humaneval:0:8", tmp_path / "dump",
+             DumpConfig(max_length=192, answer_only=True, batch_size=4, dtype="bfloat16"))
     cfg = DistillConfig(loss="tvd", train="last_layers", train_last_layers=2, lr=3e-5, max_steps=4, batch_size=2,
                         held_out_fraction=0.25, scheduler="constant", save_steps=100)
     res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, tmp_path / "dump", tmp_path / "out", cfg)
@@ -641,8 +641,7 @@ def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(t
                                                        {"role": "assistant", "content": f"c {w} d e"}]})
                               for w in "fghijklm") + "\n")
     run_dump(tdir, str(data), tmp_path / "forced", DumpConfig(answer_only=True, dtype="float32"))
-    run_dump(tdir, str(data), tmp_path / "written", DumpConfig(answer_only=True, dtype="float32", generate=4,
-                                                               num_examples=4))
+    run_dump(tdir, f"{data}:0:4", tmp_path / "written", DumpConfig(answer_only=True, dtype="float32", generate=4))
     mix = TeacherMix([TeacherDataset(tmp_path / "forced"), TeacherDataset(tmp_path / "written")])
     assert mix.lengths == [8, 4] and len(mix) == 12
     assert mix.tokens(8)["id"] == TeacherDataset(tmp_path / "written").tokens(0)["id"]

@@ -388,6 +388,76 @@ def test_generated_responses_are_the_targets_own(pair, tmp_path):
     assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in range(3))
 
 
+def test_dump_answers_the_very_rows_run_trains_on_for_one_training_spec(pair, tmp_path):
+    """``conversations:0:32`` is 32 distinct prompts for ``run --train-prompts`` (the embedded chats repeat their first
+    questions: rows 0–31 hold 7 distinct ones, so it reads on until it has 32); ``dump --prompts`` with a greedy
+    ``--generate``, as library call and as command, answers exactly those, in order."""
+    from typer.testing import CliRunner
+
+    from specdraft.cli import app
+    from specdraft.pipeline import make_config, run_prompts
+
+    spec = "conversations:0:32"
+    cfg = make_config("tiny", target=pair["target"], draft=pair["draft"], train_prompts=[spec])
+    trains = run_prompts(cfg, ("train",))["train"].examples
+    prompts = [json.dumps(e.prompt_messages) for e in trains]
+    assert len(trains) == len(set(prompts)) == 32
+
+    m = run_dump(pair["target"], spec, tmp_path / "lib", fp32(generate=2, answer_only=True, batch_size=16))
+    r = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", spec, "--generate", "2",
+                                 "--answer-only", "--dtype", "float32", "--batch-size", "16", "--out",
+                                 str(tmp_path / "cli")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert f"prompts: {spec} (32 prompts)" in r.output
+    for out in ("lib", "cli"):
+        ds = TeacherDataset(tmp_path / out)
+        assert [ds.tokens(i)["id"] for i in range(len(ds))] == [e.id for e in trains], out
+    assert m["data"] == spec and m["sequences"] == 32 and "num_examples" not in m["config"]
+    # Teacher-forced, every row is its own sequence: the same spec is the first 32 rows, in run and in dump alike.
+    forced = make_config("tiny", target=pair["target"], draft=pair["draft"], train_prompts=[spec],
+                         dump=fp32(answer_only=True))
+    rows = run_prompts(forced, ("train",))["train"].examples
+    assert [e.id for e in rows] == [f"identity_{i}" for i in range(32)]
+    m = run_dump(pair["target"], spec, tmp_path / "forced", fp32(answer_only=True, batch_size=16))
+    ds = TeacherDataset(tmp_path / "forced")
+    assert [ds.tokens(i)["id"] for i in range(len(ds))] == [e.id for e in rows]
+
+
+def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_resumes_and_reads(pair, tmp_path):
+    """Older dumps recorded ``num_examples`` / ``offset`` in their settings (the rows came from them); the prompt
+    selector gives the rows now. Such a dump, killed or finished, resumes and verifies under the same plan."""
+    from specdraft.config import recorded_settings
+
+    examples = [chat(i) for i in range(6)]
+    cfg = fp32(format="topk", top_k=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
+    out = tmp_path / "d"
+    run_dump(pair["target"], examples, out, cfg)
+    # Leave it as an older specdraft left a run killed after two of its three shards: the retired fields in its
+    # settings, its plan their hash, the third shard and the manifest not written yet.
+    path = out / "rank-00000.json"
+    state = json.loads(path.read_text())
+    (out / state["shards"][2]["file"]).unlink()
+    (out / "manifest.json").unlink()
+    state["status"], state["shards"] = "running", state["shards"][:2]
+    state["identity"]["settings"] |= {"num_examples": None, "offset": 0}
+    state["header"]["config"] |= {"num_examples": None, "offset": 0}
+    state["header"]["identity"] = state["identity"]
+    state["plan"] = dump_mod._sha256_json(state["identity"])
+    path.write_text(json.dumps(state))
+
+    m = run_dump(pair["target"], examples, out, cfg)
+    assert (m["this_run"]["shards_skipped"], m["this_run"]["shards_written"]) == (2, 1) and m["sequences"] == 6
+    assert m["plan"] == state["plan"] and m["identity"]["settings"]["num_examples"] is None
+    again = run_dump(pair["target"], examples, out, cfg)
+    assert (again["this_run"]["shards_written"], again["this_run"]["shards_skipped"]) == (0, 3)
+    verify_dump(out)
+    manifest = load_manifest(out) | {"config": state["header"]["config"]}
+    assert DumpConfig.model_validate(recorded_settings(manifest["config"])) == cfg
+    # Other settings still refuse the directory, naming them.
+    with pytest.raises(DumpError, match="settings"):
+        run_dump(pair["target"], examples, out, fp32(format="topk", top_k=4, batch_size=2))
+
+
 # ------------------------------------------------------------------------------------------ resume, corruption
 
 

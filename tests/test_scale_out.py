@@ -31,7 +31,7 @@ from specdraft.testing import save_tiny_pair
 # Sampled answers (temperature 1) and an odd count with batch 2: a split that ignored batch boundaries would
 # give rank 1 other batches, other sampling seeds and so other examples.
 DUMP = DumpConfig(format="hidden", hidden_dtype="float32", dtype="float32", batch_size=2, generate=6,
-                  temperature=1.0, num_examples=11)
+                  temperature=1.0)
 
 
 def _free_port() -> int:
@@ -62,7 +62,7 @@ def pair_and_dump(tmp_path_factory):
     data.write_text("\n".join(json.dumps({"messages": [
         {"role": "user", "content": f"a b {w} " * (1 + i % 3)},
         {"role": "assistant", "content": f"c {w} d e " * (1 + i % 4)}]}) for i, w in enumerate("fghijklmnopq")) + "\n")
-    run_dump(tdir, str(data), root / "dump1", DUMP)
+    run_dump(tdir, f"{data}:0:11", root / "dump1", DUMP)
     return root, tdir, ddir, data
 
 

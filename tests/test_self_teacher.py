@@ -15,6 +15,7 @@ from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, answers
 from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
 from specdraft.self_teacher import (
     DraftTeacher,
+    _sha256_json,
     aligned_positions,
     decode_text,
     end_of_turn_ids,
@@ -413,3 +414,24 @@ def test_dump_self_teacher_writes_the_drafts_dump_and_refuses_the_flags_that_do_
     r = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", str(prompts), "--token-level",
                                  "--out", str(tmp_path / "y")], env={"COLUMNS": "400"})
     assert r.exit_code == 2 and "need --self-teacher" in r.output and not (tmp_path / "y").exists()
+
+
+def test_a_self_teacher_dump_answers_the_rows_run_trains_on_for_one_training_spec(pair, tmp_path):
+    """The draft as given answers greedily, so ``run --train-prompts conversations:0:12`` on the self-teacher's road is
+    12 distinct prompts (the embedded chats repeat their first questions) even beside a teacher-forced target dump
+    setting; the self-teacher given the spec answers exactly those rows, in order."""
+    from specdraft.pipeline import make_config, run_prompts
+
+    spec = "conversations:0:12"
+    cfg = make_config("default", target=pair["target"], draft=pair["draft"], train_prompts=[spec],
+                      dump=DumpConfig(answer_only=True, dtype="float32"))
+    trains = run_prompts(cfg, ("train",))["train"].examples
+    assert len({json.dumps(e.prompt_messages) for e in trains}) == len(trains) == 12
+    m = run_self_teacher(pair["draft"], pair["target"], spec, tmp_path / "st",
+                         SelfTeacherConfig(generate=2, dtype="float32", batch_size=6))
+    # The examples it was made of (its identity's data fingerprint); an answer with no text is dropped, not replaced.
+    assert m["identity"]["data_fingerprint"] == _sha256_json([[[e.id, e.messages, e.reference] for e in trains], []])
+    ds = TeacherDataset(tmp_path / "st")
+    kept = [ds.tokens(i)["id"] for i in range(len(ds))]
+    assert kept == [e.id for e in trains if e.id in kept] and m["sequences"] + m["dropped"] == 12
+    assert m["data"] == spec

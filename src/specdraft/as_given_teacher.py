@@ -37,8 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 from specdraft.config import AsGivenTeacherConfig
 from specdraft.data import end_of_turn_ids
-from specdraft.dump import LOSS_MASK_CONVENTION, TOPK_STORAGE, ProgressFn, Teacher, TeacherBatch, write_dump
+from specdraft.dump import (
+    LOSS_MASK_CONVENTION,
+    TOPK_STORAGE,
+    ProgressFn,
+    Teacher,
+    TeacherBatch,
+    data_record,
+    write_dump,
+)
 from specdraft.dump_reader import FORMAT_VERSION, DumpError
+from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.self_teacher import decode_text, hard_labels, text_boundaries, well_formed_prefix
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -353,7 +362,7 @@ def _sha256_json(obj: Any) -> str:
 
 
 def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.PathLike,
-                         data: str | os.PathLike | list[Example], out: str | os.PathLike,
+                         data: str | os.PathLike | Sequence[str] | PromptSet | list[Example], out: str | os.PathLike,
                          config: AsGivenTeacherConfig | None = None, progress: ProgressFn | None = None,
                          command: str | None = None, cache: str | os.PathLike | None = None) -> dict[str, Any]:
     """Write the target's teacher dump for the draft as given (module docstring); resumes a killed run.
@@ -361,7 +370,10 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
     Args:
         target_ref / draft_ref: references (embedded name, local directory, cached hub id); the draft must be of
             another tokenizer than the target (a draft of the target's own tokenizer takes :func:`specdraft.dump.run_dump`).
-        data: prompts: a source for :func:`specdraft.data.load_examples` or a list of :class:`specdraft.data.Example`.
+        data: the prompts (:func:`specdraft.prompts.teacher_prompts`): one spec or several, read as ``dump
+            --prompts`` reads them (a repeated prompt dropped before the limit counts: the answers are greedy, as
+            ``run --train-prompts`` drops it), a :class:`~specdraft.prompts.PromptSet`, or a list of
+            :class:`specdraft.data.Example` taken as given.
         out: the dump directory (new, empty, or a dump of this very plan).
         config: settings (default :class:`~specdraft.config.AsGivenTeacherConfig`).
         progress: ``progress(done_items, total_items, tokens_this_run)`` after each batch.
@@ -374,10 +386,11 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
     Raises:
         DumpError: no prompts, a pair of one tokenizer, ``top_k`` at or past the draft's vocabulary, a directory
             holding something else (nothing touched).
+        specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
+            (:func:`specdraft.prompts.select_prompts`).
     """
     from transformers import AutoConfig
 
-    from specdraft.data import load_examples, source_counts
     from specdraft.io import versions
     from specdraft.models import (
         load_model,
@@ -391,10 +404,8 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
 
     config = config or AsGivenTeacherConfig()
     t_start = time.time()
-    if isinstance(data, list):
-        examples, data_name = data[config.offset:][: config.num_examples], "<examples>"
-    else:
-        examples, data_name = load_examples(data, limit=config.num_examples, offset=config.offset), str(data)
+    chosen = teacher_prompts(data, config.distinct_prompts)
+    examples = chosen.examples
     if not examples:
         raise DumpError("no prompts: nothing to dump.")
     t_path, d_path = resolve(target_ref), resolve(draft_ref)
@@ -428,8 +439,7 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         "signal": (f"the target's top-{config.top_k} carried onto draft ids ({config.carry}) where boundaries meet; "
                    + ("hard labels elsewhere" if config.unaligned == "hard" else "nothing trained elsewhere")
                    + f"; answers written by the {config.answers}"),
-        "data": data_name, "config": config.model_dump(),
-        "data_counts": source_counts(data_name) if data_name != "<examples>" else None,
+        **data_record(chosen), "config": config.model_dump(),
         "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
     made: dict[str, TargetForDraftTeacher] = {}

@@ -27,7 +27,7 @@ No torch import here: reading a config (``--help``, validation) stays instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -253,8 +253,6 @@ class DumpConfig(BaseModel):
     generate: int | None = Field(None, ge=1, description=GENERATE_HELP)
     temperature: float = Field(0.0, ge=0.0, description=TEMPERATURE_HELP)
     seed: int = Field(0, description=SEED_HELP)
-    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
-    offset: int = Field(0, ge=0, description="Skip this many examples first.")
     batch_size: int = Field(8, ge=1, description=BATCH_SIZE_HELP)
     shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
     dtype: ModelDtype = Field("auto", description=DTYPE_HELP)
@@ -264,6 +262,12 @@ class DumpConfig(BaseModel):
         if self.temperature > 0 and self.generate is None:
             raise ValueError("--temperature only applies with --generate N (the target writes the responses)")
         return self
+
+    @property
+    def distinct_prompts(self) -> bool:
+        """The target answers greedily (``generate`` at temperature 0): a repeated prompt would repeat its sequence,
+        so the prompt selector drops it (:func:`specdraft.prompts.select_prompts`'s ``unique``)."""
+        return self.generate is not None and self.temperature == 0
 
     def plan_settings(self) -> dict[str, Any]:
         """The settings that change the dumped values (a resumed run must match them)."""
@@ -297,16 +301,16 @@ class SelfTeacherConfig(BaseModel):
     max_length: int = Field(2048, ge=2, description=MAX_LENGTH_HELP)
     truncate: bool = Field(True, description="Cut sequences longer than --max-length and count them, or refuse "
                            "them.")
-    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
-    offset: int = Field(0, ge=0, description="Skip this many examples first.")
     batch_size: int = Field(8, ge=1, description=BATCH_SIZE_HELP)
     shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
     dtype: ModelDtype = Field("auto", description=DTYPE_HELP)
 
+    #: The draft as given answers greedily: a repeated prompt would repeat its sequence (the selector drops it).
+    distinct_prompts: ClassVar[bool] = True
+
     def plan_settings(self) -> dict[str, Any]:
         """The settings that change the dumped values (a resumed run must match them)."""
         return self.model_dump(exclude={"batch_size", "shard_size_mb"})
-
 
 
 class AsGivenTeacherConfig(BaseModel):
@@ -330,16 +334,29 @@ class AsGivenTeacherConfig(BaseModel):
         "token as a hard label (hard).")
     generate: int = Field(192, ge=1, description="Tokens per written answer, at most (greedy; a stop id ends it).")
     max_length: int = Field(1024, ge=2, description=MAX_LENGTH_HELP)
-    num_examples: int | None = Field(None, ge=1, description="Use at most this many examples.")
-    offset: int = Field(0, ge=0, description="Skip this many examples first.")
     batch_size: int = Field(8, ge=1, description=BATCH_SIZE_HELP)
     score_batch_size: int = Field(4, ge=1, description="Sequences the target scores in one forward pass.")
     shard_size_mb: float = Field(256.0, gt=0, description="Shard size bound in MB (1e6 bytes), one batch over.")
     dtype: ModelDtype = Field("bfloat16", description=DTYPE_HELP)
 
+    #: The answers are greedy, whoever writes them: a repeated prompt would repeat its sequence (the selector drops it).
+    distinct_prompts: ClassVar[bool] = True
+
     def plan_settings(self) -> dict[str, Any]:
         """The settings that change the dumped values (a resumed run must match them)."""
         return self.model_dump(exclude={"batch_size", "score_batch_size", "shard_size_mb"})
+
+
+#: Fields a teacher dump's settings no longer have, as older manifests record them: the rows came from the dump's own
+#: ``offset`` / ``num_examples``; the prompt selector (:mod:`specdraft.prompts`) gives them now. Ignored when read.
+RETIRED_DUMP_FIELDS = ("num_examples", "offset")
+
+
+def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A teacher dump's recorded settings (a manifest's ``config`` or ``identity.settings``) without the
+    :data:`RETIRED_DUMP_FIELDS`, so that a dump written before they went reads, verifies and resumes."""
+    return {k: v for k, v in settings.items() if k not in RETIRED_DUMP_FIELDS}
+
 
 class DistillConfig(BaseModel):
     """Distillation settings; field names equal the CLI flags (``lr`` ↔ ``--lr``) but the serving filter's.
@@ -547,6 +564,9 @@ class PipelineConfig(BaseModel):
     eval: EvalConfig
     dump: DumpConfig
     distill: DistillConfig
+    target_dump_prompts: int | None = Field(
+        None, ge=1, description="The target's dump (the teacher where there is no self-teacher) answers the first N "
+        "training prompts only, a time budget; None = all of them.")
     self_teacher: SelfTeacherConfig | None = Field(
         None, description="With vocab_swap: the dump stage's teacher is the draft as given, answering the training "
         "prompts in its own tokenizer for its re-indexed copy (specdraft.self_teacher: no target compute), instead "

@@ -320,12 +320,12 @@ def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, conf
         DistillError: a dump not made with ``answer_only``; a dump that records no whole-model fingerprint (made by
             an older specdraft: dump again); a target whose weights or head differ from the dump's.
     """
-    from specdraft.config import DumpConfig, SamplingConfig
+    from specdraft.config import DumpConfig, SamplingConfig, recorded_settings
     from specdraft.dump import Teacher
     from specdraft.dump_reader import head_fingerprint
     from specdraft.models import load_model, model_fingerprint
 
-    dump_cfg = DumpConfig.model_validate(manifest["config"])
+    dump_cfg = DumpConfig.model_validate(recorded_settings(manifest["config"]))  # an older dump's too
     if not dump_cfg.answer_only:
         raise DistillError("--on-policy-fraction needs a dump made with --answer-only: its sequences mark where the "
                            "prompt ends, and the draft answers those prompts")

@@ -94,12 +94,12 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdraft.config import DumpConfig
+from specdraft.config import DumpConfig, recorded_settings
 from specdraft.dump_reader import (
     FORMAT_VERSION,
     HEAD_FILE,
@@ -113,6 +113,7 @@ from specdraft.dump_reader import (
     shard_problem,
 )
 from specdraft.io import atomic_path, atomic_write_text, versions
+from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.responses import generate_responses
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -385,6 +386,10 @@ def _own_file(name: str) -> bool:
 
 
 def _identity_problems(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Each field of ``new`` that ``old`` (a dump's recorded identity) holds otherwise, named with both values; the
+    settings on both sides are read without fields since retired (:func:`specdraft.config.recorded_settings`)."""
+    old, new = ({**d, "settings": recorded_settings(d["settings"])} if isinstance(d.get("settings"), dict) else d
+                for d in (old, new))
     return [f"{k}: the directory holds {old.get(k)!r}, this run has {new.get(k)!r}"
             for k in new if old.get(k) != new.get(k)]
 
@@ -447,7 +452,7 @@ def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], R
     identity = dict(identity, world_size=world)
     if world > 1:
         identity["split_batch_size"] = config.batch_size
-    _check_out_dir(out, identity)
+    identity = _check_out_dir(out, identity)
     rows_of = load_teacher()
     plan = _sha256_json(identity)
     header = dict(header, identity=identity)
@@ -457,15 +462,18 @@ def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], R
     return writer.finish(barrier, t_start)
 
 
-def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Example], out: str | os.PathLike,
+def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[str] | PromptSet | list[Example],
+             out: str | os.PathLike,
              config: DumpConfig | None = None, progress: ProgressFn | None = None,
              command: str | None = None) -> dict[str, Any]:
     """Run the target once over each sequence and write the teacher dump (resuming a killed run).
 
     Args:
         target_ref: embedded name, local HF directory or cached hub id (:func:`specdraft.models.resolve`).
-        data: a source for :func:`specdraft.data.load_examples` (``num_examples`` / ``offset`` apply), or a
-            list of :class:`specdraft.data.Example`.
+        data: the prompts (:func:`specdraft.prompts.teacher_prompts`): one spec or several, read as ``dump
+            --prompts`` reads them (with ``generate`` at temperature 0 a repeated prompt is dropped before the limit
+            counts, as ``run --train-prompts`` drops it), a :class:`~specdraft.prompts.PromptSet`, or a list of
+            :class:`specdraft.data.Example` dumped as given.
         out: output directory (created; may hold an unfinished or finished dump of the same plan).
         config: settings (default :class:`DumpConfig`).
         progress: called after each batch as ``progress(done_items, total_items, tokens_this_run)`` — this
@@ -482,7 +490,9 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
             head input cannot be captured, bad generation settings, token ids past the target's embedding or head
             rows, a sequence (or prompt + ``generate``) past the target's context window (each named, before the
             target is loaded).
-        specdraft.data.DataError: a sequence over ``max_length`` with ``truncate=False``, an empty mask.
+        specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
+            (:func:`specdraft.prompts.select_prompts`), a sequence over ``max_length`` with ``truncate=False``, an
+            empty mask.
     """
     from specdraft.models import (
         load_model,
@@ -500,7 +510,10 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     rank, world, barrier, device = _distributed()
 
     # ---- data ----------------------------------------------------------------------------------------------
-    examples, data_name = _examples(data, config)
+    chosen = teacher_prompts(data, config.distinct_prompts)
+    examples = chosen.examples
+    if not examples:
+        raise DumpError("the dataset is empty: nothing to dump.")
     resolved = resolve(target_ref)
     tokenizer = load_tokenizer(resolved)
     tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
@@ -526,7 +539,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     if world > 1:
         # Several ranks split the work in whole batches: another batch size would hand a resumed rank other items.
         identity["split_batch_size"] = config.batch_size
-    _check_out_dir(out, identity)  # before loading weights: fails fast on another target's dump
+    identity = _check_out_dir(out, identity)  # before loading weights: fails fast on another target's dump
 
     # ---- the target -----------------------------------------------------------------------------------------
     model, _ = load_model(resolved, dtype=config.dtype, device=str(device) if device is not None else None)
@@ -534,10 +547,10 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | list[Examp
     # The whole target, not its head alone: a fine-tune of the body saved in place keeps path, config and head, and
     # its shards must not be resumed beside the old ones (nor a finished dump of it taken for this one's).
     identity["target_weights"], identity["target_revision"] = model_fingerprint(resolved), model_revision(resolved)
+    identity = _check_out_dir(out, identity)
     plan = _sha256_json(identity)
-    _check_out_dir(out, identity)
     teacher = Teacher(model, real_vocab)
-    header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, data_name, command)
+    header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, chosen, command)
     if rank == 0 and config.format == "hidden":
         header["head"] = _write_head(out, model)
 
@@ -686,17 +699,14 @@ class _RankWriter:
         return manifest
 
 
-def _examples(data, config: DumpConfig) -> tuple[list, str]:
-    """The examples to dump (``offset`` / ``num_examples`` applied) and the data's name for the manifest."""
-    from specdraft.data import load_examples
+def data_record(chosen: PromptSet) -> dict[str, Any]:
+    """The manifest's account of a dump's prompts: ``data``, the specs as written (``conversations:0:32``; joined by
+    `` + ``) or ``"<examples>"`` for examples given as a list, and ``data_counts``, what the reader of a source read
+    record by record skipped and kept (:func:`specdraft.data.source_counts`; None for the others)."""
+    from specdraft.data import source_counts
 
-    if isinstance(data, list):
-        examples, name = data[config.offset:][: config.num_examples], "<examples>"
-    else:
-        examples, name = load_examples(data, limit=config.num_examples, offset=config.offset), str(data)
-    if not examples:
-        raise DumpError("the dataset is empty: nothing to dump.")
-    return examples, name
+    counts = next((c for p in chosen.picks if (c := source_counts(p.source.name))), None)
+    return {"data": " + ".join(p.written for p in chosen.picks) or "<examples>", "data_counts": counts}
 
 
 def _work_items(tokenizer, examples: list, config: DumpConfig) -> tuple[list, int]:
@@ -780,10 +790,8 @@ def _target_facts(resolved: str) -> dict[str, Any]:
 
 
 def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str, identity: dict,
-            config: DumpConfig, data_name: str, command: str | None) -> dict[str, Any]:
+            config: DumpConfig, chosen: PromptSet, command: str | None) -> dict[str, Any]:
     """The manifest header: what made the dump and how to read it (see the on-disk contract above)."""
-    from specdraft.data import source_counts
-
     return {
         "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
         "target": {"ref": str(target_ref), "resolved": resolved, "revision": identity["target_revision"],
@@ -799,8 +807,7 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
                           if config.format == "topk" else None),
-        "data": data_name, "config": config.model_dump(), "identity": identity,
-        "data_counts": source_counts(data_name),  # sharegpt: malformed records skipped, first turns kept
+        **data_record(chosen), "config": config.model_dump(), "identity": identity,
         "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
 
@@ -821,12 +828,18 @@ def _distributed() -> tuple[int, int, Callable[[], None], Any]:
     return state.process_index, state.num_processes, state.wait_for_everyone, state.device
 
 
-def _check_out_dir(out: Path, identity: dict[str, Any]) -> None:
-    """Refuse a directory holding anything but a dump of this very plan; touch nothing in it."""
+def _check_out_dir(out: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a directory holding anything but a dump of this very plan; touch nothing in it.
+
+    Returns:
+        ``identity``, or where the directory's dump records settings that differ from it only by fields since retired
+        (:func:`specdraft.config.recorded_settings`), ``identity`` with those recorded settings: its plan is the
+        recorded one, so that dump verifies and resumes.
+    """
     if out.exists() and not out.is_dir():
         raise DumpError(f"--out {out} is a file, not a directory.")
     if not out.is_dir():
-        return
+        return identity
     foreign = sorted(p.name for p in out.iterdir() if not _own_file(p.name))
     if foreign:
         raise DumpError(f"--out {out} holds files that are not part of a teacher dump ({', '.join(foreign[:5])}); "
@@ -834,12 +847,16 @@ def _check_out_dir(out: Path, identity: dict[str, Any]) -> None:
     for path in [out / MANIFEST, *sorted(out.glob("rank-*.json"))]:
         if not path.is_file():
             continue
-        problems = _identity_problems(json.loads(path.read_text()).get("identity", {}), identity)
+        old = json.loads(path.read_text()).get("identity", {})
+        problems = _identity_problems(old, identity)
         if problems:
             other_target = any(p.startswith(("target_", "head_fingerprint", "tokenizer")) for p in problems)
             what = "a dump of another target" if other_target else "a dump made with other settings or data"
             raise DumpError(f"--out {out} holds {what} ({path.name}): " + "; ".join(problems)
                             + ". Choose another --out; nothing was changed.")
+        if "settings" in identity:
+            identity = dict(identity, settings=old["settings"])
+    return identity
 
 
 def _load_rank_state(out: Path, rank: int, plan: str) -> dict[str, Any] | None:

@@ -61,7 +61,7 @@ from specdraft.io import atomic_write_text, versions
 from specdraft.llama_cpp import PACKAGED_BENCH
 from specdraft.models import ModelRef
 from specdraft.progress import progress_lines
-from specdraft.prompts import PromptSet, select_prompts
+from specdraft.prompts import PromptSet, select_prompts, teacher_prompts
 from specdraft.recommend import distillation_verdict, teaching_road, write_export_manifest
 from specdraft.runner import PipelineError, Runner, changed_inputs, stage_key  # noqa: F401 (public here too)
 from specdraft.speed import SpeedStage
@@ -96,7 +96,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval": {"max_new_tokens": 64, "compare_hf": True, "num_speculative_tokens": 5},
         # The target's dump teaches a draft of the target's own tokenizer (the self-teacher does not apply there): the
         # target answers the first 64 training prompts, as many as it writes in the self-teacher's minutes.
-        "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8, "num_examples": 64},
+        "dump": _DUMP | {"generate": 64, "max_length": 512, "batch_size": 8},
+        "target_dump_prompts": 64,
         "self_teacher": {"generate": 192, "max_length": 640, "batch_size": 8, "dtype": "bfloat16"},
         # 24 steps of 8 sequences: the re-indexed copy serves llama.cpp and vLLM's draft_model only, where the draft
         # as given cannot go; its curve is at its knee by ~40 steps (docs/benchmarks.md, "The self-teacher route,
@@ -243,18 +244,20 @@ def make_config(preset: str = "default", **overrides: Any) -> PipelineConfig:
 
 def run_prompts(cfg: PipelineConfig, sets: tuple[str, ...] = ("train", "eval", "ood")) -> dict[str, PromptSet]:
     """The run's prompt sets named in ``sets``, each as its flag means it (:func:`specdraft.prompts.select_prompts`):
-    ``train`` (``--train-prompts``: from each source's first example; a repeated prompt dropped when the target
-    answers greedily, its sequence would repeat), ``eval`` and ``ood`` (``--eval-prompts`` / ``--ood-prompts``: held
-    out, as ``eval --prompts`` reads them). Each set's :meth:`~specdraft.prompts.PromptSet.lines` say what will run.
+    ``train`` (``--train-prompts``, :func:`specdraft.prompts.teacher_prompts`: from each source's first example; a
+    repeated prompt dropped when the teacher answers greedily, its sequence would repeat: the rows ``dump --prompts``
+    reads for that teacher), ``eval`` and ``ood`` (``--eval-prompts`` / ``--ood-prompts``: held out, as ``eval
+    --prompts`` reads them). Each set's :meth:`~specdraft.prompts.PromptSet.lines` say what will run.
 
     Raises:
         specdraft.data.DataError: a malformed spec (named with its flag), an unknown source, a bad line.
     """
-    greedy = cfg.dump.generate is not None and cfg.dump.temperature == 0
-    how = {"train": (cfg.train_prompts, "--train-prompts", False, greedy),
-           "eval": (cfg.eval_prompts, "--eval-prompts", True, False),
-           "ood": (cfg.ood_prompts, "--ood-prompts", True, False)}
-    return {name: select_prompts(*how[name]) for name in sets}
+    # The teacher configured, the draft as given (self_teacher) or the target (dump): its config says the rule.
+    distinct = (cfg.self_teacher or cfg.dump).distinct_prompts
+    how = {"train": lambda: teacher_prompts(cfg.train_prompts, distinct, "--train-prompts"),
+           "eval": lambda: select_prompts(cfg.eval_prompts, "--eval-prompts", held_out=True),
+           "ood": lambda: select_prompts(cfg.ood_prompts, "--ood-prompts", held_out=True)}
+    return {name: how[name]() for name in sets}
 
 
 def prompt_overlap(train, evaluation) -> list[str]:
@@ -499,22 +502,24 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: d
     return run
 
 
-def _dump_stage(cfg: PipelineConfig, plan: _Plan, command: str,
+def _dump_stage(cfg: PipelineConfig, plan: _Plan, trains: list, command: str,
                 log: Callable[[str], None] | None = None) -> Callable[[Path], dict[str, Any]]:
-    """The teacher dump: the target's answers (:func:`specdraft.dump.run_dump`), or with ``cfg.self_teacher`` the
-    draft as given's, re-encoded for its re-indexed copy (:func:`specdraft.self_teacher.run_self_teacher`)."""
+    """The teacher dump of the training examples ``trains`` (``plan.trains``, the target's dump's first
+    ``cfg.target_dump_prompts``), as selected: the target's answers (:func:`specdraft.dump.run_dump`), or with
+    ``cfg.self_teacher`` the draft as given's, re-encoded for its re-indexed copy
+    (:func:`specdraft.self_teacher.run_self_teacher`)."""
 
     def run(d: Path) -> dict[str, Any]:
         progress = progress_lines(log, "[dump] teacher", "sequences") if log else None
         if cfg.self_teacher is not None:
             from specdraft.self_teacher import run_self_teacher
 
-            man = run_self_teacher(plan.draft.path, plan.target.path, plan.trains, d, cfg.self_teacher,
+            man = run_self_teacher(plan.draft.path, plan.target.path, trains, d, cfg.self_teacher,
                                    progress=progress, command=command)
         else:
             from specdraft.dump import run_dump
 
-            man = run_dump(plan.target, plan.trains, d, cfg.dump, command=command, progress=progress)
+            man = run_dump(plan.target, trains, d, cfg.dump, command=command, progress=progress)
         this = man.get("this_run", {})
         return {"sequences": man.get("sequences"), "tokens": man.get("tokens"), "bytes": man.get("bytes"),
                 "tokens_per_s": this.get("tokens_per_s"), "generate_tokens_per_s": this.get("generate_tokens_per_s"),
@@ -672,12 +677,16 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     forecast = HeadroomForecast.from_dict(headroom)
     log(f"[headroom] a forecast against the target's answers: {forecast.verdict} (95% CI [{forecast.gain_ci95[0]:+.3f}, "
         f"{forecast.gain_ci95[1]:+.3f}]); the road this run takes: {teaching_road(cfg.self_teacher is not None)}")
+    trains = plan.trains if cfg.self_teacher is not None else plan.trains[: cfg.target_dump_prompts]
+    if len(trains) < len(plan.trains):
+        log(f"[dump] the target answers the first {len(trains)} of the {len(plan.trains)} training prompts "
+            f"(target_dump_prompts)")
     dump_inputs = {"target": cfg.target, **target_id, "dump": cfg.dump.model_dump(),
-                   "prompts": [e.id for e in plan.trains], "prompt_texts": prompt_texts(plan.trains, whole=True)}
+                   "prompts": [e.id for e in trains], "prompt_texts": prompt_texts(trains, whole=True)}
     if cfg.self_teacher is not None:  # its teacher is the draft as given: another dump, named by the draft's identity
         dump_inputs = {k: v for k, v in dump_inputs.items() if k != "dump"} | draft_id | {
             "self_teacher": cfg.self_teacher.model_dump()}
-    dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, command, log))
+    dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, trains, command, log))
     distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, **draft_id, "distill": cfg.distill.model_dump(),
                       "gamma": cfg.eval.num_speculative_tokens, "vocab_swap": mapped}
     distilled = runner.stage("distill", distill_inputs,

@@ -12,6 +12,7 @@ before any model is prepared. Which flag means which, with examples: docs/archit
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -274,6 +275,36 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
         examples += [e for _, e in rows]
     _check_unique_ids(flag, picks, examples)
     return PromptSet(flag, held_out, tuple(picks), examples, strides)
+
+
+def teacher_prompts(data: str | os.PathLike | Sequence[str] | PromptSet | Sequence[Example], distinct: bool,
+                    flag: str = "--prompts", strides: bool = True) -> PromptSet:
+    """The prompts a teacher dump is made of (:mod:`specdraft.dump` and its other teachers), by the one road from a
+    spec to rows: ``dump --prompts S`` and ``run --train-prompts S`` give the same examples.
+
+    Args:
+        data: one spec or several (``name[:offset[:limit[:stride]]]``, as a training flag reads them), a
+            :class:`PromptSet` as selected, or a list of :class:`~specdraft.data.Example` already selected (``run``'s
+            training set), kept as given.
+        distinct: the teacher answers greedily (the teacher config's ``distinct_prompts``): a spec's repeated prompt
+            is dropped before its limit counts (:func:`select_prompts`'s ``unique``).
+        flag / strides: as :func:`select_prompts`.
+
+    Returns:
+        The :class:`PromptSet`; one of given examples has no ``picks``.
+
+    Raises:
+        PromptSpecError: a malformed spec.
+        DataError: as :func:`select_prompts`.
+    """
+    if isinstance(data, PromptSet):
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        return select_prompts(str(data), flag, unique=distinct, strides=strides)
+    data = list(data)
+    if data and all(isinstance(d, (str, os.PathLike)) for d in data):
+        return select_prompts([str(d) for d in data], flag, unique=distinct, strides=strides)
+    return PromptSet(flag, False, (), data, strides)
 
 
 def _check_unique_ids(flag: str, picks: Sequence[SourcePick], examples: list[Example]) -> None:

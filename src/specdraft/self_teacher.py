@@ -69,8 +69,16 @@ from typing import TYPE_CHECKING, Any
 
 from specdraft.config import SelfTeacherConfig
 from specdraft.data import end_of_turn_ids
-from specdraft.dump import LOSS_MASK_CONVENTION, TOPK_STORAGE, ProgressFn, TeacherBatch, write_dump
+from specdraft.dump import (
+    LOSS_MASK_CONVENTION,
+    TOPK_STORAGE,
+    ProgressFn,
+    TeacherBatch,
+    data_record,
+    write_dump,
+)
 from specdraft.dump_reader import FORMAT_VERSION, SELF_TEACHER_KIND, DumpError
+from specdraft.prompts import PromptSet, teacher_prompts
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -369,7 +377,8 @@ def _sha256_json(obj: Any) -> str:
 
 
 def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike,
-                     data: str | os.PathLike | list[Example] | None, out: str | os.PathLike,
+                     data: str | os.PathLike | Sequence[str] | PromptSet | list[Example] | None,
+                     out: str | os.PathLike,
                      config: SelfTeacherConfig | None = None, texts: Sequence[str | os.PathLike] = (),
                      progress: ProgressFn | None = None, command: str | None = None) -> dict[str, Any]:
     """Write a self-teacher dump (module docstring): the draft as given answers ``data``'s prompts, its answers
@@ -378,8 +387,10 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
     Args:
         draft_ref: the draft as given (embedded name, local directory, cached hub id): the teacher.
         target_ref: the target, for its tokenizer, chat template and config only (no weights are read).
-        data: prompts, a source for :func:`specdraft.data.load_examples` (``num_examples`` / ``offset`` apply) or a
-            list of :class:`specdraft.data.Example`; None with ``texts`` alone.
+        data: the prompts (:func:`specdraft.prompts.teacher_prompts`): one spec or several, read as ``dump
+            --prompts`` reads them (a repeated prompt dropped before the limit counts: the draft answers greedily, as
+            ``run --train-prompts`` drops it), a :class:`~specdraft.prompts.PromptSet`, or a list of
+            :class:`specdraft.data.Example` taken as given; None with ``texts`` alone.
         out: the dump directory (new, empty, or a dump of this very plan: resumed or verified).
         config: settings (default :class:`SelfTeacherConfig`).
         texts: plain text files, extra sequences with hard labels at every position.
@@ -394,11 +405,11 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
         DumpError: nothing to dump, a directory holding other files or a dump of another teacher, tokenizer, prompts,
             texts or settings (each differing field named; nothing touched), ``top_k`` at or past the real vocabulary,
             ``token_level`` for a pair with no usable overlap.
-        specdraft.data.DataError: a template that refuses a prompt.
+        specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
+            (:func:`specdraft.prompts.select_prompts`), a template that refuses a prompt.
     """
     from transformers import AutoConfig
 
-    from specdraft.data import load_examples, source_counts
     from specdraft.io import versions
     from specdraft.models import (
         load_model,
@@ -412,12 +423,8 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
 
     config = config or SelfTeacherConfig()
     t_start = time.time()
-    if data is None:
-        examples, data_name = [], None
-    elif isinstance(data, list):
-        examples, data_name = data[config.offset:][: config.num_examples], "<examples>"
-    else:
-        examples, data_name = load_examples(data, limit=config.num_examples, offset=config.offset), str(data)
+    chosen = teacher_prompts(data, config.distinct_prompts) if data is not None else None
+    examples = chosen.examples if chosen is not None else []
     d_path, t_path = resolve(draft_ref), resolve(target_ref)
     ttok = load_tokenizer(t_path)
     t_real = int(tokenizer_view(ttok).real)
@@ -454,8 +461,8 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
         "signal": ("hard labels (slot 0 the next token at log-prob 0, leftover -inf)"
                    + ("; the draft's mapped distribution where twins and boundaries align" if config.token_level
                       else "")),
-        "data": data_name, "texts": text_files, "config": config.model_dump(),
-        "data_counts": source_counts(data_name) if data_name else None,
+        **(data_record(chosen) if chosen is not None else {"data": None, "data_counts": None}),
+        "texts": text_files, "config": config.model_dump(),
         "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
     made: dict[str, DraftTeacher] = {}

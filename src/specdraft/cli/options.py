@@ -169,16 +169,17 @@ def prompts_option(default: str | list[str] | None, what: str, note: str = "", f
 
 
 def read_prompts(specs: str | list[str], flag: str = "--prompts", *, held_out: bool = False, strides: bool = True,
-                 say=typer.echo) -> PromptSet:
+                 unique: bool = False, say=typer.echo) -> PromptSet:
     """The examples a prompt flag names (:func:`specdraft.prompts.select_prompts`: held out where the command
-    evaluates, :data:`HELD_OUT_NOTE`), every line checked, with what will run said through ``say`` first:
-    ``prompts: humaneval:100:8:1 (8 prompts, held out)``, and a warning per spec that gave fewer than its limit.
+    evaluates, :data:`HELD_OUT_NOTE`; with ``unique`` a repeated prompt dropped, for a teacher that answers greedily),
+    every line checked, with what will run said through ``say`` first: ``prompts: humaneval:100:8:1 (8 prompts, held
+    out)``, and a warning per spec that gave fewer than its limit.
 
     Raises:
         specdraft.data.DataError: a malformed spec (names the flag, the bad part and the grammar), an unknown
             source, a malformed line.
     """
-    chosen = select_prompts(specs, flag, held_out=held_out, strides=strides)
+    chosen = select_prompts(specs, flag, held_out=held_out, unique=unique, strides=strides)
     for line in chosen.lines():
         say(line)
     return chosen
@@ -189,7 +190,9 @@ HELD_OUT_NOTE = (" Held out: a spec without an offset starts at an embedded data
                  + "; ".join(held_out_split_text(name) for name in DATASETS) + "; the presets train on the other "
                  f"rows), a file at its first line; without a limit, {HELD_OUT_LIMIT} prompts.")
 #: The meaning of a training flag's spec (:func:`specdraft.prompts.parse_source`), said in its help.
-TRAINING_NOTE = " A spec without an offset starts at the first example; without a limit, all of them."
+TRAINING_NOTE = (" A spec without an offset starts at the first example; without a limit, all of them. Where the "
+                 "teacher answers greedily, a repeated prompt is dropped before the limit counts (its answer would "
+                 "repeat), in dump and run alike.")
 
 MapVocabOpt = Annotated[bool, typer.Option(
     "--map-vocab", help="Allow a draft with another tokenizer: the draft re-reads the context as text and proposes text "

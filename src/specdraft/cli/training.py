@@ -100,7 +100,7 @@ SELF_TEACHER_FLAGS = (*NOT_SELF_TEACHER, "top_k", "generate", "max_length", "tru
                       "dtype", "token_level")
 
 
-def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, source, out: Path, texts: list[Path],
+def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Path, texts: list[Path],
                        given: dict) -> dict:
     """``dump --self-teacher``: the library call (:func:`specdraft.self_teacher.run_self_teacher`) with the dump flags
     that apply; a flag typed that does not apply is one error line, and --top-logprobs / --generate left untyped take
@@ -115,12 +115,12 @@ def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, source, out:
              "top-k hard labels (or the draft's distribution, --token-level) on the answers")
     keep = {k: given[k] for k in ("max_length", "truncate", "batch_size", "shard_size_mb", "dtype", "token_level")}
     keep |= {k: given[k] for k in ("top_k", "generate") if k in typed}
-    config = SelfTeacherConfig(num_examples=source.limit, offset=source.offset, **keep)
+    config = SelfTeacherConfig(**keep)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("self-teacher"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), console=err_console) as pg:
-        return run_self_teacher(draft, target, source.name, out, config, texts=texts,
+        return run_self_teacher(draft, target, chosen, out, config, texts=texts,
                                 progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
 
 
@@ -146,7 +146,7 @@ FOR_DRAFT_FLAGS = ("top_k", "generate", "max_length", "batch_size", "shard_size_
                    "unaligned")
 
 
-def _for_draft_dump(ctx: typer.Context, draft: str, target: str, source, out: Path, given: dict) -> dict:
+def _for_draft_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Path, given: dict) -> dict:
     """``dump --for-draft``: :func:`specdraft.as_given_teacher.run_as_given_teacher` with the flags that apply; a
     typed flag that does not apply is one error line, --top-logprobs / --generate / --dtype left untyped take its
     defaults (20 slots, 192 tokens, bfloat16)."""
@@ -167,15 +167,16 @@ def _for_draft_dump(ctx: typer.Context, draft: str, target: str, source, out: Pa
         fail(f"--for-draft {draft}: {exc}")
     keep = {k: given[k] for k in ("max_length", "batch_size", "shard_size_mb", "answers", "carry", "unaligned")}
     keep |= {k: given[k] for k in ("top_k", "generate", "dtype") if k in typed}
-    config = AsGivenTeacherConfig(num_examples=source.limit, offset=source.offset, **keep)
+    config = AsGivenTeacherConfig(**keep)
     with Progress(TextColumn("dump for the draft as given"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[tps]}"), TimeElapsedColumn(), console=err_console) as pg:
-        return run_as_given_teacher(target, draft, source.name, out, config,
+        return run_as_given_teacher(target, draft, chosen, out, config,
                                     progress=dump_progress(pg, pg.add_task("dump", total=None, tps="")))
 
 
-def _target_dump(target: str, source, out: Path, config: DumpConfig) -> dict:
-    """The plain dump: :func:`specdraft.dump.run_dump` of the target over ``source`` under a progress bar."""
+def _target_dump(target: str, chosen, out: Path, config: DumpConfig) -> dict:
+    """The plain dump: :func:`specdraft.dump.run_dump` of the target over the prompts ``chosen`` under a progress
+    bar."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -190,7 +191,7 @@ def _target_dump(target: str, source, out: Path, config: DumpConfig) -> dict:
 
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
-        return run_dump(target, source.name, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
+        return run_dump(target, chosen, out, config, progress=dump_progress(pg, pg.add_task("dump", total=None,
                                                                                                    tps="")))
 
 
@@ -198,8 +199,8 @@ def dump(
     ctx: typer.Context,
     out: Path = out_option(..., "dump"),
     target: str = target_option(),
-    prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump keeps every "
-                                  "example of its range (no stride).", strides=False),
+    prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump takes no "
+                                  "stride.", strides=False),
     format: DumpFormat = format_option(DumpConfig, "dump"),
     # The field keeps its name (every dump's manifest records it as top_k); --top-k is decoding's sampling filter.
     top_k: int = config_option(DumpConfig, "top_k", "--top-logprobs", min=1),
@@ -244,32 +245,33 @@ def dump(
     import time
 
     from specdraft.cli.errors import fail
-    from specdraft.prompts import parse_source
 
-    source = parse_source(prompts, strides=False)
     config = DumpConfig(format=format, top_k=top_k, hidden_dtype=hidden_dtype, max_length=max_length,
                         truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
-                        seed=seed, num_examples=source.limit, offset=source.offset, batch_size=batch_size,
-                        shard_size_mb=shard_size_mb, dtype=dtype)
+                        seed=seed, batch_size=batch_size, shard_size_mb=shard_size_mb, dtype=dtype)
     quiet_transformers()
     t0 = time.time()
     check_out(out, overwrite=None)  # resumable: an unfinished or finished dump of the same plan is continued
-    read_prompts(prompts, strides=False)  # every line checked, and what will run said, before any model loads
+    # The prompts every teacher dumps, read as `run --train-prompts` reads them (a teacher that answers greedily drops
+    # a repeated prompt): every line checked, and what will run said, before any model loads.
+    teacher = (AsGivenTeacherConfig if for_draft is not None else SelfTeacherConfig if self_teacher is not None
+               else config)
+    chosen = read_prompts(prompts, strides=False, unique=teacher.distinct_prompts)
     resolve_with_progress(target, "--target")
     if for_draft is not None:
         if self_teacher is not None or token_level or text:
             fail("--for-draft and --self-teacher/--token-level/--text are two different teachers: give one")
         given = {k: v for k, v in locals().items() if k in (*FOR_DRAFT_FLAGS, *NOT_SELF_TEACHER)}
-        print_dump(_for_draft_dump(ctx, for_draft, target, source, out, given), out, time.time() - t0)
+        print_dump(_for_draft_dump(ctx, for_draft, target, chosen, out, given), out, time.time() - t0)
         return
     if self_teacher is not None or token_level or text:
         if self_teacher is None:
             fail("--token-level and --text need --self-teacher DRAFT (the draft as given is their teacher)")
         _check_self_teacher(target, self_teacher, text or [])
         given = {k: v for k, v in locals().items() if k in SELF_TEACHER_FLAGS}
-        print_dump(_self_teacher_dump(ctx, self_teacher, target, source, out, text or [], given), out, time.time() - t0)
+        print_dump(_self_teacher_dump(ctx, self_teacher, target, chosen, out, text or [], given), out, time.time() - t0)
         return
-    print_dump(_target_dump(target, source, out, config), out, time.time() - t0)
+    print_dump(_target_dump(target, chosen, out, config), out, time.time() - t0)
 
 
 #: The serving filter: not decoding's --temperature / --top-k / --top-p (DistillConfig says why).
