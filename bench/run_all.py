@@ -619,8 +619,14 @@ def _render_main_job(name: str = "run-default.json") -> list[str]:
              (f"`{r['command']}` — {r['machine']}, torch {r['torch']}. {r['target']} ← {r['draft']}"
               + (" (another tokenizer: evaluated as given through a vocabulary mapping, then re-indexed into the "
                  "target's and distilled)" if r["vocab_swap"] else "") + "."), "",
-             ("| set | prompts | as given (mapped) | before distillation | after | gain, paired 95% CI | "
-              "speed-up original | speed-up distilled | vs HF assisted (orig. / dist.) | outputs = target |"),
+             *([("Columns: acceptance per proposed token at fixed γ — *as given* is the draft as the user brought it "
+                "(its proposals mapped into the target's ids); *before* / *after* are its re-indexed copy before and "
+                "after distillation, so *gain* is distillation's on that copy. Whether distillation paid against the "
+                "draft as given (the README's verdict) compares *after* with *as given*, per reached position."), ""]
+               if r["vocab_swap"] else []),
+             (f"| set | prompts | as given | {'re-indexed, ' if r['vocab_swap'] else ''}before distillation | after | "
+              "gain, paired 95% CI | speed-up original | speed-up distilled | vs HF assisted (orig. / dist.) | "
+              "outputs = target |"),
              "| --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
     for n, v in r["sets"].items():
         sp = v.get("speed") or {}

@@ -57,18 +57,22 @@ def test_vocab_swap_offers_the_export_of_the_re_indexed_draft_before_the_long_ru
 
 def test_generate_with_a_speculator_as_given_maps_the_vocabulary_without_being_asked(tmp_path):
     """A speculator exported as given (a draft of another tokenizer that says it drafts through text) was refused by
-    generate without --map-vocab: the tokenizer report and exit 1, for the pair its own config.json names."""
+    generate without --map-vocab: the tokenizer report and exit 1, for the pair its own config.json names; so was
+    the README's eval line for any pair of two tokenizers."""
     tdir, ddir = _other_tokenizer_pair(tmp_path)
     spec = tmp_path / "spec"
     assert _invoke(["export", "--draft", ddir, "--target", tdir, "--out", str(spec)]).exit_code == 0
     r = _invoke(["generate", "a b c", "--target", tdir, "--draft", str(spec), "--max-new-tokens", "4",
                  "--dtype", "float32"])
     assert r.exit_code == 0, r.output
-    assert "drafts through text" in " ".join(r.output.split()) and "--map-vocab" in r.output
-    # A plain draft of another tokenizer still needs the flag: nothing it carries says how it drafts.
+    assert "drafts through text" in " ".join(r.output.split())
+    # A plain draft of another tokenizer is mapped too (its mapping is usable), unless --no-map-vocab refuses it.
     r = _invoke(["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "4",
                  "--dtype", "float32"])
-    assert r.exit_code == 1 and "--map-vocab" in r.output
+    assert r.exit_code == 0 and "decoded as given, through a vocabulary mapping" in " ".join(r.output.split())
+    r = _invoke(["generate", "a b c", "--target", tdir, "--draft", ddir, "--max-new-tokens", "4",
+                 "--dtype", "float32", "--no-map-vocab"])
+    assert r.exit_code == 1 and "Drop --no-map-vocab" in " ".join(r.output.split())
 
 
 # ------------------------------------------------------------------ every printed command parses as printed
@@ -146,6 +150,8 @@ def test_every_command_printed_on_the_way_from_check_to_a_speculator_parses_as_p
                                         "vocab-swap")), found
     found["llama.cpp"] = [rank_llama_cpp_command(t, "DRAFT", "/d.gguf") for t in (tdir, "/t.gguf",
                                                                                   "qwen2.5-coder-1.5b-instruct")]
+    # An embedded target's packaged GGUF is rank's to find: no TARGET.gguf placeholder to fill (it failed as printed).
+    assert "--target-gguf" not in found["llama.cpp"][2] and "--target-gguf TARGET.gguf" in found["llama.cpp"][0]
     plan = run_plan("another-target", "/d.gguf", 1000, None, "distilled", draft_ref="runs/x/speculator")
     found["llama.cpp plan"] = printed_commands(plan["basis"])
     for name, commands in found.items():

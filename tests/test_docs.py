@@ -21,6 +21,23 @@ DOCS = ROOT / "docs"
 STALE = "stale: run `python bench/run_all.py --render-only`"
 
 
+def test_the_readmes_terms_are_defined_before_their_first_use():
+    """A newcomer met "mapped or re-indexed" in the first bullet and their meaning paragraphs later."""
+    text = README.read_text()
+    terms = text.index("Terms.")
+    for term in ("as given", "mapped", "re-indexed", "mapped/text"):
+        first = text.index(term)
+        assert terms < first < text.index("\n\n", terms), term
+
+
+def test_the_main_job_table_says_which_draft_each_acceptance_column_measures():
+    """Its re-indexed before/after gain read as a contradiction of the README's verdict against the draft as given."""
+    lines = run_all._render_main_job()
+    if run_all._load("run-default.json")["vocab_swap"]:
+        assert any(x.startswith("Columns:") and "*as given*" in x and "re-indexed copy" in x for x in lines)
+        assert any("| re-indexed, before distillation |" in x for x in lines)
+
+
 def test_the_readme_is_at_most_10_kb_and_keeps_the_commands_ci_relies_on():
     text = README.read_text()
     assert len(text.encode()) <= 10_240, len(text.encode())

@@ -193,10 +193,12 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
     args = ["eval", "--target", str(tdir), "--draft", str(ddir), "--prompts", f"{prompts}:0:2",
             "--max-new-tokens", "10", "--gamma", "3", "--dtype", "float32", "--out",
             str(tmp_path / "out")]
-    refused = CliRunner().invoke(app, args)
-    assert refused.exit_code == 1 and "--map-vocab" in refused.output  # refused, with the way forward named
+    refused = CliRunner().invoke(app, [*args, "--no-map-vocab"])
+    assert refused.exit_code == 1 and "--no-map-vocab" in refused.output  # refused, with the way forward named
     assert not (tmp_path / "out").exists()
-    r = CliRunner().invoke(app, [*args, "--map-vocab", "--compare-hf"])
+    # Without the flag the pair is mapped (the default), saying so.
+    r = CliRunner().invoke(app, [*args, "--compare-hf"])
+    assert "decoded as given, through a vocabulary mapping" in " ".join(r.output.split())
     assert r.exit_code == 0, r.output
     assert "vocabulary mapping" in r.output
     report = json.loads((tmp_path / "out" / "report.json").read_text())

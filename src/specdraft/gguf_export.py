@@ -614,8 +614,10 @@ def rank_llama_cpp_command(target: str, draft: str, draft_gguf: str | os.PathLik
     if Path(target).suffix == ".gguf":  # rank measures α with the target's HF model: a GGUF alone is not one
         model, target_flag = "TARGET", f" --target-gguf {shlex.quote(target)}"
     else:  # an embedded target's packaged GGUF is found by rank itself
+        from specdraft.embedded import EMBEDDED
+
         model = shlex.quote(target)
-        target_flag = "" if target_gguf_path(target) is not None else " --target-gguf TARGET.gguf"
+        target_flag = "" if target in EMBEDDED or target_gguf_path(target) is not None else " --target-gguf TARGET.gguf"
     return (f"specdraft rank --engine llama.cpp --target {model} {shlex.quote(draft)} "
             f"--draft-gguf {shlex.quote(f'{draft}={draft_gguf}')}{target_flag}")
 

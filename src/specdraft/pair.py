@@ -66,19 +66,19 @@ def drafts_through_text(path) -> bool:
         return False
 
 
-def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
+def load_pair(target: str, draft: str, dtype: str, map_vocab: bool | None = None,
               mapped_proposals: ProposalMode | None = None, sampling: SamplingConfig | None = None) -> Pair:
     """Resolve both references, compare the tokenizers before loading weights, load both models in ``dtype``.
 
-    A draft of another tokenizer is decoded through a vocabulary mapping of string-identical tokens when
-    ``map_vocab`` allows it (``mapped_proposals``: how it proposes, default by ``sampling``).
-
-    A speculator exported as given (:func:`drafts_through_text`) is mapped without ``map_vocab``: its config.json
-    says it drafts through text for a verifier of another tokenizer.
+    A draft of another tokenizer is decoded through a vocabulary mapping of string-identical tokens (lossless;
+    ``mapped_proposals``: how it proposes, default by ``sampling``): with ``map_vocab=None`` (the default) whenever
+    the check finds the mapping usable, with ``True`` always, with ``False`` never. A speculator exported as given
+    (:func:`drafts_through_text`) is mapped unless ``map_vocab`` is ``False``: its config.json says it drafts through
+    text for a verifier of another tokenizer.
 
     Raises:
-        TokenizerMismatchError: the tokenizers differ, ``map_vocab`` is off and the draft is not a speculator that
-            drafts through text (before any weights are read).
+        TokenizerMismatchError: the tokenizers differ and ``map_vocab`` is ``False``, or is ``None`` and the mapping is
+            not usable (before any weights are read).
         DecodeError: ``mapped_proposals`` that cannot be lossless under ``sampling``.
         CompatibilityError: a pair with no usable overlap.
         ModelResolutionError: a reference that names no model.
@@ -95,13 +95,18 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool = False,
         notes.append(("note", (f"the tokenizers are {report.verdict}: no vocabulary mapping is needed, "
                                "--map-vocab / --mapped-proposals have no effect.")))
     if report.verdict == "mismatch":
-        if not map_vocab and drafts_through_text(dpath):
+        usable = bool(report.mapping and report.mapping["usable"])
+        if map_vocab is None and drafts_through_text(dpath):
             map_vocab = True
             notes.append(("note", (f"{draft} is a speculator exported as given: it drafts through text in its own "
-                                   "tokenizer, so it is decoded through a vocabulary mapping without --map-vocab.")))
+                                   "tokenizer, so it is decoded through a vocabulary mapping.")))
+        elif map_vocab is None and usable:
+            map_vocab = True
+            notes.append(("note", ("the tokenizers differ: the draft is decoded as given, through a vocabulary "
+                                   "mapping (--no-map-vocab refuses instead; specdraft check shows the report).")))
         if not map_vocab:
-            hint = (" Pass --map-vocab to decode through a vocabulary mapping of string-identical tokens (lossless; "
-                    "acceptance depends on its coverage)." if report.mapping and report.mapping["usable"] else "")
+            hint = (" Drop --no-map-vocab to decode through a vocabulary mapping of string-identical tokens "
+                    "(lossless; acceptance depends on its coverage)." if usable else "")
             raise TokenizerMismatchError(
                 report, f"the target and draft tokenizers differ; see the report above (specdraft check).{hint}")
         mapping = build_vocab_mapping(tpath, dpath)

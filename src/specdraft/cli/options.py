@@ -194,7 +194,9 @@ TRAINING_NOTE = (" A spec without an offset starts at the first example; without
                  "teacher answers greedily, a repeated prompt is dropped before the limit counts (its answer would "
                  "repeat), in dump and run alike.")
 
-MapVocabOpt = Annotated[bool, typer.Option(
-    "--map-vocab", help="Allow a draft with another tokenizer: the draft re-reads the context as text and proposes text "
-    "(greedy) or tokens with a string-identical target twin (sampling); lossless, see specdraft check.")]
+MapVocabOpt = Annotated[bool | None, typer.Option(
+    "--map-vocab/--no-map-vocab", show_default=False,
+    help="A draft with another tokenizer is decoded as given through a vocabulary mapping (it re-reads the context as "
+    "text and proposes text, greedy, or tokens with a string-identical target twin, sampling; lossless, see specdraft "
+    "check) whenever the mapping is usable; --no-map-vocab refuses such a pair instead.")]
 

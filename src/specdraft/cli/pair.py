@@ -72,7 +72,7 @@ def pair_line(command: str, target: str, draft: str) -> str:
     return line
 
 
-def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool, mapped_proposals, sampling,
+def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool | None, mapped_proposals, sampling,
                named: bool = False):
     """:func:`specdraft.pair.load_pair` with an embedded model's cache built under a progress bar, a spinner while
     the models load, and the pair's notes printed (and the pair named, unless the command's first line did)."""
@@ -152,7 +152,7 @@ def eval_cmd(
     seed: int = seed_option(EvalConfig),
     compare_hf: bool = config_option(EvalConfig, "compare_hf"),
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
-    map_vocab: MapVocabOpt = False,
+    map_vocab: MapVocabOpt = None,
     mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
     dtype: ModelDtype = dtype_option(EvalConfig, "eval"),
     draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
@@ -209,7 +209,7 @@ def generate(
     seed: int = seed_option(EvalConfig),
     dtype: ModelDtype = dtype_option(EvalConfig, "generate"),
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
-    map_vocab: MapVocabOpt = False,
+    map_vocab: MapVocabOpt = None,
     mapped_proposals: ProposalMode | None = config_option(EvalConfig, "mapped_proposals"),
     draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization"),
     draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),

@@ -655,7 +655,8 @@ def print_gguf(res) -> None:
     # The export measures no acceptance: as llama.cpp's plan (llama_cpp.run_plan) does unpriced, the target alone
     # is served until a forecast says the draft pays, and the draft's command says it is not that forecast's.
     console.print("llama.cpp: not priced here (an export measures no acceptance); this forecasts whether the draft "
-                  "pays, and its --spec-draft-n-max:", highlight=False, soft_wrap=True)
+                  "pays, and its --spec-draft-n-max (it times llama-bench: build it once with "
+                  "`python -m specdraft.llama_cpp`):", highlight=False, soft_wrap=True)
     console.print(res.rank_command, markup=False, highlight=False, soft_wrap=True)
     console.print("until it says so, serve the target alone:", highlight=False)
     console.print(res.target_alone, markup=False, highlight=False, soft_wrap=True)
