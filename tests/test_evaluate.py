@@ -476,8 +476,12 @@ def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tm
     saved["speed_model"]["target_s"] = [10.0 * (i + 1) for i in range(len(saved["speed_model"]["target_s"]))]
     entry.write_text(json.dumps(saved))
     monkeypatch.setattr(ev, "_stale_costs", real_stale_costs)  # 10 s cached: stale on any machine, busy or not
-    speed, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)
+    said = []
+    speed, src = cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path, say=said.append)
     assert src.startswith("measured (the cached costs were stale: t(1)") and "10000.0 ms cached" in src
+    # The progress says why it measures again (it said "found in the cache" and then "calibrating", unexplained).
+    assert said[0].startswith("speed model: found in the calibration cache") and \
+        said[1].startswith("speed model: the cached one no longer fits this machine (the cached costs were stale")
     assert speed.target_s[0] < 1.0 and json.loads(entry.read_text())["speed_model"]["target_s"][0] < 1.0
     monkeypatch.setattr(ev, "_stale_costs", lambda *a, **k: None)
     assert cached_speed_model(target, draft, ctx, max_gamma=2, repeats=1, cache_dir=tmp_path)[1].startswith("cache")

@@ -229,6 +229,8 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
             refresh_reason = _stale_costs(cached, target, draft, context, draft_context)
             if refresh_reason is None:
                 return cached, f"cache, measured {saved.get('measured_at', 'at an unrecorded time')}: {path}"
+            if say is not None:
+                say(f"speed model: the cached one no longer fits this machine ({refresh_reason}); measuring again")
     with LoadMonitor() as load:
         speed = measure_speed_model(target, draft, context, max_gamma=max_gamma, repeats=repeats,
                                     draft_context=draft_context, say=say)

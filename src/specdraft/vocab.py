@@ -814,8 +814,7 @@ def refuse_same_tokenizer(target, draft, instead: str) -> None:
         CompatibilityError: identical ids; the message ends with ``instead`` (what to do with such a draft).
     """
     if not any(vocab_differences(load_tokenizer_view(target, None, "target"), load_tokenizer_view(draft, None, "draft"))):
-        raise CompatibilityError(f"the draft already speaks the target's tokenizer (identical ids); nothing to swap: "
-                                 f"{instead}")
+        raise CompatibilityError(f"the draft already speaks the target's tokenizer (identical ids): {instead}")
 
 
 def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
@@ -862,7 +861,7 @@ def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     tpath, dpath = resolve(target), resolve(draft)
-    refuse_same_tokenizer(tpath, dpath, f"use {draft} as the draft directly")
+    refuse_same_tokenizer(tpath, dpath, f"nothing to swap; use {draft} as the draft directly")
     t_cfg = AutoConfig.from_pretrained(tpath)
     width = getattr(t_cfg.get_text_config(), "vocab_size", None)
     model, report = vocab_swap(dpath, None, tpath, width=width, min_coverage=min_coverage, dtype=dtype)
