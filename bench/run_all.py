@@ -538,10 +538,39 @@ def _demote(lines: list[str]) -> list[str]:
     return ["#" + x if x.startswith("## ") else x for x in lines]
 
 
+def _render_gpu_check(name: str = "gpu_check.json", eval_name: str = "gpu_check_eval_distill.json") -> list[str]:
+    """The CUDA check (``bench/gpu_check.py``, tiny models): lossless greedy decoding in float32 and bfloat16, the
+    sampled law, evaluation and a distillation step on CUDA tensors."""
+    r, e = _load(name), _load(eval_name)
+    if not r:
+        return []
+    lines = ["## On a GPU — the invariants on CUDA", "",
+             (f"`python bench/gpu_check.py` — {r['device']}, torch {r['torch']}, transformers {r['transformers']}; tiny "
+              "models built in the script (no weights), so these are correctness checks, not speeds."), "",
+             "| check | dtype | γ | speculative = target alone (batched / solo) | divergences |",
+             "| --- | --- | ---: | --- | ---: |"]
+    for key in ("greedy_fp32", "greedy_bf16"):
+        g = r[key]
+        for gamma, v in g["gammas"].items():
+            lines.append(f"| greedy | {g['dtype'].removeprefix('torch.')} | {gamma} | "
+                         f"{'yes' if v['batched_equal'] else 'no'} / {'yes' if v['solo_equal'] else 'no'} | "
+                         f"{len(v['divergences'])} |")
+    c = r["chi2"]
+    lines += ["", (f"Sampled: the emitted tokens follow the target's law (χ² p = {c['pvalue']:.2f}, mass outside its "
+                   f"support {c['outside_support']:.0%}).")]
+    ed = (e or {}).get("eval_distill") or {}
+    if "eval_lossless" in ed:
+        lines += ["", (f"`run_eval` on CUDA: lossless {'yes' if ed['eval_lossless'] else 'no'}, transformers' assisted "
+                       f"generation matching {ed['hf_matches']}; a distillation step with the teacher's head on "
+                       f"{ed['head_device']}, gradients on CUDA: {'yes' if ed['grads_on_cuda'] else 'no'} "
+                       f"(`{eval_name}`).")]
+    return lines + [""]
+
+
 #: docs/benchmarks.md after its summary and method: one part per question a reader brings.
 QUESTIONS = (
     ("The whole road — what `specdraft run` measures", lambda: _render_main_job() + _render_shipped_speed()),
-    ("How much faster? — specdraft's decoder", _render_decoding),
+    ("How much faster? — specdraft's decoder", lambda: _render_decoding() + _render_gpu_check()),
     ("Can the draft agree more? — distillation", _render_distillation),
     ("What do the stages cost? — memory and throughput", _render_costs),
 )

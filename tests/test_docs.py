@@ -239,3 +239,12 @@ def test_the_readme_tells_the_runs_check_stage_from_specdraft_check_on_the_embed
     note = next(line for line in run_all._quickstart().splitlines() if line.startswith("# default preset"))
     assert "check stage ~" in note and note in text
     assert "(`check`\nloads both, 1–2 min)" in text
+
+
+def test_the_committed_gpu_check_is_rendered_into_docs_benchmarks_md():
+    """The README's Limits pointed at GPU results that docs/benchmarks.md (the command behind each figure) lacked."""
+    r = run_all._load("gpu_check.json")
+    text = (DOCS / "benchmarks.md").read_text()
+    assert f"{r['device']}, torch {r['torch']}" in text
+    rows = [x for x in run_all._render_gpu_check() if x.startswith("| greedy |")]
+    assert len(rows) == sum(len(r[k]["gammas"]) for k in ("greedy_fp32", "greedy_bf16"))
