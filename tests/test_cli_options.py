@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from specdraft.cli import COMMANDS, GAMMA_HELP, app
 from specdraft.config import (
+    HELP_BY_COMMAND,
     DistillConfig,
     DumpConfig,
     EvalConfig,
@@ -66,7 +67,7 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
         assert "policy" not in gammas[path].help and "--" not in gammas[path].help, gammas[path].help
     overwrites = _params("overwrite")
     assert set(overwrites) == {"check", "eval", "rank", "headroom", "export", "vocab-swap", "run"}
-    assert {p.help for path, p in overwrites.items() if path != "check"} == {
+    assert {p.help for path, p in overwrites.items() if path not in ("check", "run")} == {
         ExportConfig.model_fields["overwrite"].description}
     # The seed, the sampling triple and the dtype: default and help from the config the command fills.
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,
@@ -78,7 +79,12 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
             if cfg is None:
                 continue  # check's / vocab-swap's dtype (no config): the one wording, a default it states
             field = cfg.model_fields[name]
-            assert p.default == field.default and p.help == field.description, (path, name)
+            assert p.default == field.default, (path, name)
+            if name == "seed":  # worded per command: the lead and what this command seeds
+                lead, by_command, _ = HELP_BY_COMMAND["seed"]
+                assert p.help.startswith(lead) and by_command[path][1:] in p.help, (path, p.help)
+            else:
+                assert p.help == field.description, (path, name)
     assert {p.default for p in _params("seed").values()} == {0}
     assert {tuple(p.opts) for p in _params("out").values()} == {("--out", "-o")}
     assert set(_params("out")) >= {"eval", "rank", "dump", "distill", "run", "headroom", "export", "vocab-swap"}
@@ -87,8 +93,13 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
 #: Worded per command by design: every --prompts help is ``what: SYNTAX, name = SOURCES`` plus the command's note
 #: (specdraft.cli.options.prompts_option); --dtype, --format, --out, --target and --draft say what this command does
 #: with them and its own default (test_each_commands_help_speaks_only_of_that_command); --overwrite names what the
-#: command writes (check's is its --json file: test_overwrite_names_only_what_its_command_writes).
-PER_COMMAND_WORDING = {"--prompts", "--dtype", "--format", "--out", "--target", "--draft", "--overwrite"}
+#: command writes (check's is its --json file: test_overwrite_names_only_what_its_command_writes); --json what the
+#: command does with it; the fields of specdraft.config.HELP_BY_COMMAND (--seed, --max-new-tokens …) read a shared
+#: lead and the command's own sentence; run's decoding flags default to the preset's
+#: (test_a_shared_flags_help_in_each_command_names_no_other_command).
+PER_COMMAND_WORDING = {"--prompts", "--dtype", "--format", "--out", "--target", "--draft", "--overwrite", "--json",
+                       "--draft-quantization", "--draft-head-tokens", "--gamma-policy",
+                       *("--" + name.replace("_", "-") for name in HELP_BY_COMMAND)}
 
 
 def test_a_flag_spelled_the_same_in_two_commands_has_one_help_and_a_default_its_help_states():
@@ -256,3 +267,55 @@ def test_each_commands_help_speaks_only_of_that_command():
     assert _params("draft")["eval"].help.endswith("Default: qwen2.5-coder-0.5b-instruct (the embedded pair's draft).")
     assert _params("draft")["run"].help.endswith("Default: the preset's.")
     assert "the preset's" not in _params("target")["check"].help and "export needs" not in _params("draft")["eval"].help
+
+
+#: Where a flag's help names another command on purpose: the command to read first, or to run next, on what this
+#: one works with; each entry must still be there (a stale one fails).
+NAMES_ANOTHER_COMMAND = {
+    ("eval", "--map-vocab"): {"check"},  # check says whether a pair's vocabulary mapping is usable and lossless
+    ("generate", "--map-vocab"): {"check"},
+    ("vocab-swap", "--prompts"): {"headroom"},  # the swap diagnostic's prompts; headroom on the swapped draft next
+}
+
+
+def _commands_named(text: str) -> set[str]:
+    """The top-level commands ``text`` names as whole words (a flag such as --generate or --vocab-swap is not one)."""
+    names = typer.main.get_command(app).commands
+    return {n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text, re.IGNORECASE)}
+
+
+def test_a_shared_flags_help_in_each_command_names_no_other_command():
+    """check's --max-new-tokens explained eval's, rank's and generate's defaults, its --json said what models does,
+    --seed described dump's and distill's seeding in eval, --batch-size and --max-length listed each other command's
+    default, and --overwrite spoke of "a stage of a run" in commands that have no stages. Now every flag that two or
+    more commands take speaks, in each command's --help, of that command only; where a command has a default of its
+    own, its help says that default; --overwrite speaks of a run's stages in run alone."""
+    commands = dict(_commands())
+    shared = {flag: params for flag, params in _options_by_flag().items()  # a --no-… spelling is its option's
+              if len(params) > 1 and all(flag in p.opts for p in params.values())}
+    assert len(commands) >= 10 and {"--seed", "--max-new-tokens", "--batch-size", "--max-length", "--overwrite",
+                                    "--json", "--generate", "--dtype", "--gamma-policy"} <= set(shared), shared.keys()
+    excepted = set()
+    for flag, params in shared.items():
+        for path, p in params.items():
+            named = _commands_named(p.help) - {path.split()[0]}
+            allowed = NAMES_ANOTHER_COMMAND.get((path, flag), set())
+            excepted |= {(path, flag)} if named & allowed else set()
+            assert named <= allowed, (path, flag, named - allowed, p.help)
+    assert excepted == set(NAMES_ANOTHER_COMMAND)
+    # Worded per command: each command's sentence (so the helps differ), naming its command and its own default.
+    for name in HELP_BY_COMMAND:
+        params = _params(name)
+        assert len(params) > 1 and len({p.help for p in params.values()}) == len(params), (name, params)
+        for path, p in params.items():
+            assert re.search(rf"\b{path}\b", p.help, re.IGNORECASE), (path, name, p.help)
+            if p.default is not None and name != "seed":
+                assert re.search(rf"\b{p.default}\b", p.help), (path, name, p.default, p.help)
+    jsons = _params("json_out")
+    assert set(jsons) == {"check", "models"} and "file" in jsons["check"].help and "table" in jsons["models"].help
+    for path, p in _params("overwrite").items():
+        assert ("stage of a run" in p.help) == (path == "run"), (path, p.help)
+    for name in ("draft_quantization", "draft_head_tokens", "gamma_policy"):  # run's: the preset's, not auto's
+        for path, p in _params(name).items():
+            said = p.help.rsplit(" Default", 1)[1]
+            assert (said == ": the preset's.") == (path == "run") and p.help.count("Default") == 1, (path, p.help)

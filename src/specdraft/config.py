@@ -4,9 +4,11 @@ Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation err
 take another flag because their name means something else elsewhere: :class:`DumpConfig`'s ``top_k`` is
 ``--top-logprobs`` (``--top-k`` is decoding's sampling filter) and :class:`DistillConfig`'s serving filter is
 ``--serving-temperature`` / ``--serving-top-k`` / ``--serving-top-p``. A field's description is its flag's help,
-word for word, in every command that takes the flag (a flag has one wording; where its default differs between
-commands, the description says which and why). Every list of choices is a ``Literal`` here; the CLI derives its
-choices from these types (one source of truth).
+word for word, in every command that takes the flag, but for the flags several commands share whose meaning or
+default is the command's own (``--dtype``, ``--seed``, ``--max-new-tokens`` …): each command's help reads a shared
+lead and that command's sentence from a ``*_BY_COMMAND`` table here, and the field's description is the lead and every
+command's sentence (:data:`HELP_BY_COMMAND`). Every list of choices is a ``Literal`` here; the CLI derives its choices
+from these types (one source of truth).
 
 =================  ==============================================  ============================================
 config             stage                                           used by
@@ -61,24 +63,38 @@ def speculative_tokens(gamma: int | None, policy: GammaPolicy = "fixed") -> int:
     return ADAPTIVE_MAX_SPECULATIVE_TOKENS if policy == "adaptive" else NUM_SPECULATIVE_TOKENS
 
 
-#: Whether a command replaces what its output already holds (a field type: one wording for every command).
+#: Whether a command replaces what its output already holds (a field type: the wording of every command with --out;
+#: specdraft.cli.options.OVERWRITE_BY_COMMAND words check's, which has none, and run's, whose stages it also redoes).
 Overwrite = Annotated[bool, Field(description="Replace what --out holds instead of refusing it: an existing file "
-                                  "or non-empty directory, or a stage of a run made from other inputs (other prompts "
-                                  "or settings).")]
+                                  "or non-empty directory.")]
 
 #: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
 AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 
 # One wording per flag that several configs (and commands) hold: each of these is the description of every field of
-# that name, so ``--dtype`` or ``--seed`` reads the same in every command's help. Where a default differs between
-# commands, the wording says which command defaults to what, and why.
+# that name. Where what the flag does or its default is the command's own, a ``*_BY_COMMAND`` table holds each
+# command's sentence: a command's help is the lead and its own sentence (specdraft.cli.options), never another
+# command's; the field's description, for the library, is the lead and every sentence.
+
+
+def joined_help(lead: str, by_command: dict[str, str], tail: str = "") -> str:
+    """A field's description from its per-command table: ``lead``, every command's sentence, ``tail``."""
+    sentences = "; ".join(by_command.values())
+    return f"{lead} {sentences[0].upper()}{sentences[1:]}.{tail and ' ' + tail}"
+
+
+def command_help(lead: str, by_command: dict[str, str], command: str, tail: str = "") -> str:
+    """``command``'s help of a flag worded per command: ``lead``, its own sentence, ``tail`` (KeyError: none)."""
+    own = by_command[command]
+    return f"{lead} {own[0].upper()}{own[1:]}.{tail and ' ' + tail}"
+
 
 #: ``--dtype``'s default in each command, and why: each command's help says its own (:mod:`specdraft.cli.options`).
 DTYPE_BY_COMMAND = {
     "eval": "eval decodes in bfloat16 by default (what a draft is served in, so the speed measured is the one served)",
     "generate": "generate decodes in bfloat16 by default (what a draft is served in)",
     "rank": "rank decodes in bfloat16 by default (what a draft is served in, so the speed predicted is the one served)",
-    "check": "check reads both models in auto by default (full precision on CPU)",
+    "check": "check reads the target and the draft in auto by default (full precision on CPU)",
     "headroom": "headroom reads probabilities in auto by default (full precision on CPU)",
     "dump": "dump reads the target's probabilities in auto by default (full precision on CPU)",
     "distill": "distill trains the draft in float32 by default (bfloat16 weights lose small updates; --precision "
@@ -91,27 +107,52 @@ DTYPE_BY_COMMAND = {
 DTYPE_HELP = (f"Weights dtype ({AUTO_DTYPE}). The default follows what the command does with the weights: "
               + "; ".join(DTYPE_BY_COMMAND.values()) + ".")
 #: ``--seed``: default 0 everywhere; what it seeds is the command's.
-SEED_HELP = ("Random seed; a rerun with the same seed repeats. eval and generate sample prompt k with seed + k for "
-             "every contender (under adaptive γ a sampled answer also follows the pair's speed model: it repeats "
-             "when a rerun reads the same calibration from the cache, and generate says when it does not); dump "
-             "samples each batch with seed + the index of its first sequence; distill seeds the data order and the "
-             "initialisation.")
+SEED_LEAD = "Random seed; a rerun with the same seed repeats."
+SEED_BY_COMMAND = {
+    "eval": "eval samples prompt k with seed + k for every contender (under adaptive γ a sampled answer also follows "
+            "the pair's speed model: it repeats when a rerun reads the same calibration from the cache)",
+    "generate": "generate samples its answer with the seed (under adaptive γ the answer also follows the pair's speed "
+                "model: it repeats when a rerun reads the same calibration from the cache, and generate says when it "
+                "does not)",
+    "dump": "dump samples each batch with seed + the index of its first sequence",
+    "distill": "distill seeds the data order and the initialisation",
+}
+SEED_HELP = joined_help(SEED_LEAD, SEED_BY_COMMAND)
 #: ``--temperature``: decoding's (and the dump's generation) sampling temperature.
 TEMPERATURE_HELP = "Sampling temperature: 0 = greedy; > 0 scales logits by 1/temperature."
-#: ``--max-new-tokens``: one bound, four uses.
-MAX_NEW_TOKENS_HELP = ("New tokens per prompt, met exactly unless EOS. Default 128 in eval; check continues each "
-                       "model by 16 greedy tokens, rank decodes 48 per calibration prompt, generate's one answer "
-                       "runs up to 512 and stops at EOS.")
+#: ``--max-new-tokens``: one bound, four uses, each command's default its own.
+MAX_NEW_TOKENS_LEAD = "New tokens per prompt, met exactly unless EOS."
+MAX_NEW_TOKENS_BY_COMMAND = {
+    "eval": "eval decodes 128 per prompt by default",
+    "check": "check continues each model by 16 greedy tokens by default",
+    "rank": "rank decodes 48 per calibration prompt by default",
+    "generate": "generate's one answer runs up to 512 by default and stops at EOS",
+}
+MAX_NEW_TOKENS_HELP = joined_help(MAX_NEW_TOKENS_LEAD, MAX_NEW_TOKENS_BY_COMMAND)
 #: ``--batch-size``: sequences per forward pass of the stage.
-BATCH_SIZE_HELP = ("Sequences per forward pass (right-padded): 4 in headroom (two models), 8 in dump (the target "
-                   "alone), 1 in distill (per device per micro-batch; --gradient-accumulation-steps adds more).")
+BATCH_SIZE_LEAD = "Sequences per forward pass (right-padded)."
+BATCH_SIZE_BY_COMMAND = {
+    "headroom": "headroom runs 4 by default (each through the target and the draft)",
+    "dump": "dump runs 8 by default (one model per pass)",
+    "distill": "distill trains on 1 by default, per device per micro-batch (--gradient-accumulation-steps adds more)",
+}
+BATCH_SIZE_HELP = joined_help(BATCH_SIZE_LEAD, BATCH_SIZE_BY_COMMAND)
 #: ``--max-length``: tokens kept per sequence.
-MAX_LENGTH_HELP = ("Tokens kept per sequence; a longer one is cut (dump can refuse it instead). 2048 in dump, "
-                   "1024 in headroom (a forecast needs fewer).")
+MAX_LENGTH_LEAD = "Tokens kept per sequence."
+MAX_LENGTH_BY_COMMAND = {
+    "dump": "dump keeps 2048 by default and cuts a longer one (--refuse-long refuses it instead)",
+    "headroom": "headroom keeps 1024 by default (a forecast needs fewer) and cuts a longer one",
+}
+MAX_LENGTH_HELP = joined_help(MAX_LENGTH_LEAD, MAX_LENGTH_BY_COMMAND)
 #: ``--generate``: the target writes the sequences the stage runs on.
-GENERATE_HELP = ("The target answers each prompt itself with up to N tokens and the command runs on its answers "
-                 "(what decoding verifies; headroom's are greedy). Default: the examples' own replies, "
-                 "teacher-forced.")
+GENERATE_LEAD = ("The target answers each prompt itself with up to N tokens and the command runs on its answers "
+                 "(what decoding verifies).")
+GENERATE_BY_COMMAND = {
+    "dump": "dump's answers are greedy, or sampled at --temperature",
+    "headroom": "headroom's answers are greedy",
+}
+GENERATE_TAIL = "Default: the examples' own replies, teacher-forced."
+GENERATE_HELP = joined_help(GENERATE_LEAD, GENERATE_BY_COMMAND, GENERATE_TAIL)
 #: ``--format``: the form of what the command writes.
 FORMAT_BY_COMMAND = {
     "dump": "hidden (default; the final hidden states after the final norm, exact) or topk (the top-k log-probs and "
@@ -120,6 +161,15 @@ FORMAT_BY_COMMAND = {
               "the target's GGUF, written by llama.cpp's own converter; the pair is checked as llama.cpp checks it)",
 }
 FORMAT_HELP = "The form of what the command writes. " + " ".join(f"{c}: {w}." for c, w in FORMAT_BY_COMMAND.items())
+#: The fields whose flag is worded per command, ``{field: (lead, {command: sentence}, tail)}``: a command's help is
+#: :func:`command_help` of its entry (``specdraft.cli.options.config_option``'s ``command``).
+HELP_BY_COMMAND = {
+    "seed": (SEED_LEAD, SEED_BY_COMMAND, ""),
+    "max_new_tokens": (MAX_NEW_TOKENS_LEAD, MAX_NEW_TOKENS_BY_COMMAND, ""),
+    "batch_size": (BATCH_SIZE_LEAD, BATCH_SIZE_BY_COMMAND, ""),
+    "max_length": (MAX_LENGTH_LEAD, MAX_LENGTH_BY_COMMAND, ""),
+    "generate": (GENERATE_LEAD, GENERATE_BY_COMMAND, GENERATE_TAIL),
+}
 
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Dtype of exported weights: "keep" = the checkpoint's own (byte-identical weights), else cast on export.
@@ -195,17 +245,16 @@ class EvalConfig(BaseModel):
         "with a head of >= 65,536 rows, a head trimmed to 32,768 tokens; elsewhere the draft as loaded (the "
         "weight-only kernels are CPU kernels); the report names what ran and why. none: the draft as loaded. int8 "
         "= weight-only int8, one scale per output row; int4 = weight-only int4, a scale and zero per group of 32 "
-        "inputs, int8 for a layer it does not take. Default auto (run: the preset's).")
+        "inputs, int8 for a layer it does not take. Default auto.")
     draft_head_tokens: int | None = Field(
         None, ge=0, description="FR-Spec: the draft scores only the N most frequent target tokens (32768 in the "
         "paper; counted over the draft's saved ranking or the embedded training prompts), so it never proposes the "
-        "others; decoding stays exact. 0 = off. Default: auto's choice (off with another --draft-quantization; "
-        "run: the preset's).")
+        "others; decoding stays exact. 0 = off. Default: auto's choice (off with another --draft-quantization).")
     gamma_policy: GammaPolicy = Field(
-        "adaptive", description="fixed: γ drafts per round. adaptive (default; run: the preset's): each round a row "
+        "adaptive", description="fixed: γ drafts per round. adaptive: each round a row "
         "drafts the k <= γ its running acceptance and the pair's measured costs predict fastest, none while no k "
         "predicts a gain except a one-draft probe after a wait that doubles up to 32 rounds: it costs at most "
-        "about one probe draft per 32 target steps when no γ predicts a gain.")
+        "about one probe draft per 32 target steps when no γ predicts a gain. Default adaptive.")
 
     certify: int = Field(0, ge=0, description="Sampled decoding: draw the first new token of the first prompt N "
                          "times by speculative sampling and χ²-test the counts against the target's own law (p-value "

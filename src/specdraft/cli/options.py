@@ -1,8 +1,10 @@
 """The flag vocabulary: one option per concept, declared once here and used by every command that takes it.
 
 A flag means one thing in every command: its help is the :mod:`specdraft.config` field's description (no second
-wording; where a default differs between commands, that description says which and why) and its default is the
-field's. Every prompt source is one ``--prompts`` spec, ``name[:offset[:limit[:stride]]]``, read by one loader
+wording) and its default is the field's. Where what a shared flag does or its default is the command's own
+(``--dtype``, ``--seed``, ``--max-new-tokens``, ``--overwrite``, ``--json`` …), the option is made with its
+``command`` and its help is that command's sentence from a per-command table: a command's ``--help`` speaks of that
+command only. Every prompt source is one ``--prompts`` spec, ``name[:offset[:limit[:stride]]]``, read by one loader
 (:mod:`specdraft.prompts`).
 
 Nothing here imports torch: ``--help`` stays instant.
@@ -20,11 +22,13 @@ from specdraft.config import (
     AUTO_DTYPE,
     DTYPE_BY_COMMAND,
     FORMAT_BY_COMMAND,
+    HELP_BY_COMMAND,
     MAX_SPECULATIVE_TOKENS,
     EvalConfig,
     ExportConfig,
     PipelineConfig,
     SpeculativeTokens,
+    command_help,
 )
 from specdraft.data import DATASETS, held_out_split_text  # json/gzip only, like config
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -48,15 +52,33 @@ def field_help(config: type[BaseModel], name: str) -> str:
 _FIELD_DEFAULT: Any = object()
 
 
-def config_option(config: type[BaseModel], name: str, *flags: str, default: Any = _FIELD_DEFAULT, **kwargs: Any):
+def config_option(config: type[BaseModel], name: str, *flags: str, default: Any = _FIELD_DEFAULT,
+                  command: str | None = None, **kwargs: Any):
     """The option of ``config``'s field ``name``: the field's description as help, the field's default unless
-    ``default`` is given (a command whose default differs, as the description says; ``None`` where the command
-    fills it from elsewhere, ``...`` where it is required); ``flags`` default to ``--field-name``."""
+    ``default`` is given (a command whose default differs, as its help says; ``None`` where the command fills it from
+    elsewhere, ``...`` where it is required); ``flags`` default to ``--field-name``.
+
+    A field worded per command (:data:`specdraft.config.HELP_BY_COMMAND`) needs ``command``: its help is the lead
+    and that command's own sentence, never another command's.
+    """
     if default is _FIELD_DEFAULT:
         default = config.model_fields[name].get_default(call_default_factory=True)
     flags = flags or ("--" + name.replace("_", "-"),)
+    if name in HELP_BY_COMMAND and "help" not in kwargs:
+        if command is None:
+            raise TypeError(f"--{name.replace('_', '-')} is worded per command: give config_option its command")
+        lead, by_command, tail = HELP_BY_COMMAND[name]
+        kwargs["help"] = command_help(lead, by_command, command, tail)
     kwargs.setdefault("help", field_help(config, name))
     return typer.Option(default, *flags, **kwargs)
+
+
+def preset_option(config: type[BaseModel], name: str, **kwargs: Any):
+    """An option of ``run`` that overrides one field of its preset's ``config``: the field's description with its
+    default clause (its last sentence, ``Default …``) said as the preset's; default ``None``, the preset's value."""
+    body = field_help(config, name).rsplit(" Default", 1)[0]
+    return config_option(config, name, default=None, help=f"{body} Default: the preset's.", show_default=False,
+                         **kwargs)
 
 
 def dtype_option(config: type[BaseModel], command: str, default: Any = _FIELD_DEFAULT):
@@ -72,9 +94,10 @@ def format_option(config: type[BaseModel], command: str):
     return config_option(config, "format", help=f"What {command} writes: {FORMAT_BY_COMMAND[command]}.")
 
 
-def seed_option(config: type[BaseModel]):
-    """``--seed``: default 0, one wording (:data:`specdraft.config.SEED_HELP`) in every command."""
-    return config_option(config, "seed", "--seed")
+def seed_option(config: type[BaseModel], command: str):
+    """``--seed`` of ``command``: default 0, the lead and what it seeds in this command
+    (:data:`specdraft.config.SEED_BY_COMMAND`)."""
+    return config_option(config, "seed", "--seed", command=command)
 
 
 def sampling_options(config: type[BaseModel], prefix: str = ""):
@@ -95,10 +118,6 @@ SpeculatorGammaOpt = Annotated[int | None, typer.Option(
     "--gamma", "-g", min=1, max=MAX_SPECULATIVE_TOKENS, help=field_help(ExportConfig, "num_speculative_tokens"),
     show_default=False)]
 
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=field_help(ExportConfig, "overwrite"))]
-#: check's: it has no --out, only the file --json names.
-JsonOverwriteOpt = Annotated[bool, typer.Option(
-    "--overwrite", help="Replace an existing --json file instead of refusing it.")]
 #: distill's and run's: a finished training's Trainer checkpoints (several times the draft's size) are removed.
 KeepCheckpointsOpt = Annotated[bool, typer.Option(
     "--keep-checkpoints", help="Keep the Trainer checkpoints once the distillation has finished (removed by default: "
@@ -122,7 +141,7 @@ def target_option(default: str | None = DEFAULT_TARGET, note: str = ""):
 #: export's --target: what --format gguf does with it (:func:`specdraft.gguf_export.target_gguf_path`).
 GGUF_TARGET_NOTE = (" With --format gguf also the target's own .gguf file: the draft's vocabulary is checked against "
                     "it and the printed llama.cpp command serves it (a model reference: its vocabulary is converted "
-                    "for the check and the command names TARGET.gguf; an embedded target: its packaged GGUF).")
+                    "for the comparison and the command names TARGET.gguf; an embedded target: its packaged GGUF).")
 
 
 def draft_option(default: str | None = DEFAULT_DRAFT):
@@ -144,15 +163,41 @@ OUT_WHAT = {
 }
 
 
-#: ``--json``'s one wording (check writes a file, models prints).
-JSON_HELP = ("The report as JSON, for scripts: check writes it to the file given, beside the printed report; "
-             "models prints it instead of the table.")
+#: What ``--json`` does in each command that has it.
+JSON_BY_COMMAND = {
+    "check": "The report as JSON, for scripts, written to the file given, beside the printed report.",
+    "models": "The list as JSON, for scripts, printed instead of the table.",
+}
+
+
+def json_option(default: Path | bool | None, command: str):
+    """``--json`` of ``command`` (:data:`JSON_BY_COMMAND`): a file to write (check) or a switch (models)."""
+    return typer.Option(default, "--json", help=JSON_BY_COMMAND[command])
 
 
 def out_option(default: Path | None, command: str):
     """``--out`` / ``-o`` of ``command`` (:data:`OUT_WHAT`): required when ``default`` is ``...``."""
     return typer.Option(default, "--out", "-o", help=f"Where {command} writes {OUT_WHAT[command]}; checked before any "
                         "model loads.")
+
+
+#: ``--overwrite`` where it replaces more, or other, than what ``--out`` holds (the config's wording,
+#: :data:`specdraft.config.Overwrite`): check has no --out, only the file --json names; run's directory holds stages.
+OVERWRITE_BY_COMMAND = {
+    "check": "Replace an existing --json file instead of refusing it.",
+    "run": field_help(ExportConfig, "overwrite")[:-1] + ", or a stage of a run made from other inputs (other prompts "
+           "or settings).",
+}
+
+
+def overwrite_option(command: str):
+    """``--overwrite`` of ``command``: what it replaces instead of refusing (:data:`OVERWRITE_BY_COMMAND`, else what
+    its ``--out`` holds, :data:`OUT_WHAT`)."""
+    if command in OVERWRITE_BY_COMMAND:
+        return typer.Option(False, "--overwrite", help=OVERWRITE_BY_COMMAND[command])
+    if command not in OUT_WHAT:
+        raise KeyError(f"{command} has neither --out nor a --overwrite of its own")
+    return typer.Option(False, "--overwrite", help=field_help(ExportConfig, "overwrite"))
 
 
 def prompts_option(default: str | list[str] | None, what: str, note: str = "", flag: str = "--prompts",
@@ -192,7 +237,7 @@ HELD_OUT_NOTE = (" Held out: a spec without an offset starts at an embedded data
 #: The meaning of a training flag's spec (:func:`specdraft.prompts.parse_source`), said in its help.
 TRAINING_NOTE = (" A spec without an offset starts at the first example; without a limit, all of them. Where the "
                  "teacher answers greedily, a repeated prompt is dropped before the limit counts (its answer would "
-                 "repeat), in dump and run alike.")
+                 "repeat).")
 
 MapVocabOpt = Annotated[bool | None, typer.Option(
     "--map-vocab/--no-map-vocab", show_default=False,

@@ -14,15 +14,14 @@ from rich.markup import escape
 from specdraft.cli.errors import check_out, fail
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
-    JSON_HELP,
     GammaOpt,
-    JsonOverwriteOpt,
     MapVocabOpt,
-    OverwriteOpt,
     config_option,
     draft_option,
     dtype_option,
+    json_option,
     out_option,
+    overwrite_option,
     prompts_option,
     read_prompts,
     sampling_options,
@@ -95,10 +94,10 @@ def check(
     draft: str = draft_option(),
     prompt: Annotated[str, typer.Option(help="Prompt for the greedy continuation of each model.")] =
         "Write a Python function that returns the n-th Fibonacci number.",
-    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1),
-    json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1, command="check"),
+    json_out: Path | None = json_option(None, "check"),
     dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
-    overwrite: JsonOverwriteOpt = False,
+    overwrite: bool = overwrite_option("check"),
 ) -> None:
     """Check that a target and a draft can work together.
 
@@ -144,12 +143,12 @@ def eval_cmd(
     target: str = target_option(),
     draft: str = draft_option(),
     prompts: str = prompts_option("humaneval:100:8", "Prompts to decode", HELD_OUT_NOTE),
-    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", min=1),
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", min=1, command="eval"),
     gamma: GammaOpt = None,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
-    seed: int = seed_option(EvalConfig),
+    seed: int = seed_option(EvalConfig, "eval"),
     compare_hf: bool = config_option(EvalConfig, "compare_hf"),
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = None,
@@ -160,7 +159,7 @@ def eval_cmd(
     gamma_policy: GammaPolicy = config_option(EvalConfig, "gamma_policy"),
     certify: int = config_option(EvalConfig, "certify", min=0),
     out: Path = out_option(Path("runs/eval"), "eval"),
-    overwrite: OverwriteOpt = False,
+    overwrite: bool = overwrite_option("eval"),
 ) -> None:
     """Measure speculative decoding against the target alone.
 
@@ -201,12 +200,12 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied).")],
     target: str = target_option(),
     draft: str = draft_option(),
-    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=512, min=1),
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=512, min=1, command="generate"),
     gamma: GammaOpt = None,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
-    seed: int = seed_option(EvalConfig),
+    seed: int = seed_option(EvalConfig, "generate"),
     dtype: ModelDtype = dtype_option(EvalConfig, "generate"),
     draft_confidence_threshold: float | None = config_option(EvalConfig, "draft_confidence_threshold", min=0.0, max=1.0),
     map_vocab: MapVocabOpt = None,
@@ -241,7 +240,7 @@ def rank(
                                                 "through a vocabulary mapping).")],
     target: str = target_option(),
     prompts: str = prompts_option("humaneval:100:2", "Calibration prompts, per draft", HELD_OUT_NOTE),
-    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=48, min=1),
+    max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=48, min=1, command="rank"),
     gamma: GammaOpt = None,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
@@ -254,7 +253,7 @@ def rank(
         "recommended γ). Default: on for --engine specdraft; --engine llama.cpp cannot confirm (run the printed "
         "command).", show_default=False)] = None,
     out: Path = out_option(Path("runs/rank"), "rank"),
-    overwrite: OverwriteOpt = False,
+    overwrite: bool = overwrite_option("rank"),
     engine: Annotated[RankEngine, typer.Option(
         help="Whose decoding the ranking predicts: specdraft's (its speed model, measured here), or llama.cpp's "
         "(each GGUF's llama-bench timings and the α measured here; picks --spec-draft-n-max and prints the "

@@ -9,10 +9,11 @@ from specdraft.cli.options import (
     HELD_OUT_NOTE,
     TRAINING_NOTE,
     KeepCheckpointsOpt,
-    OverwriteOpt,
     config_option,
     draft_option,
     out_option,
+    overwrite_option,
+    preset_option,
     prompts_option,
     target_option,
 )
@@ -48,10 +49,10 @@ def run(
     # None: the preset's (its fields say so); a flag given overrides that one field.
     export_dtype: ExportDtype | None = config_option(PipelineConfig, "export_dtype", default=None),
     export_gguf: GgufType | None = config_option(PipelineConfig, "export_gguf"),
-    draft_quantization: DraftQuantization | None = config_option(EvalConfig, "draft_quantization", default=None),
-    draft_head_tokens: int | None = config_option(EvalConfig, "draft_head_tokens", min=0, show_default=False),
-    gamma_policy: GammaPolicy | None = config_option(EvalConfig, "gamma_policy", default=None),
-    overwrite: OverwriteOpt = False,
+    draft_quantization: DraftQuantization | None = preset_option(EvalConfig, "draft_quantization"),
+    draft_head_tokens: int | None = preset_option(EvalConfig, "draft_head_tokens", min=0),
+    gamma_policy: GammaPolicy | None = preset_option(EvalConfig, "gamma_policy"),
+    overwrite: bool = overwrite_option("run"),
     keep_checkpoints: KeepCheckpointsOpt = False,
 ) -> None:
     """Run the main job: check, evaluate, distil, export, report.

@@ -12,13 +12,13 @@ from rich.markup import escape
 from specdraft.cli.errors import check_out
 from specdraft.cli.options import (
     GGUF_TARGET_NOTE,
-    OverwriteOpt,
     SpeculatorGammaOpt,
     config_option,
     draft_option,
     dtype_option,
     format_option,
     out_option,
+    overwrite_option,
     target_option,
 )
 from specdraft.cli.render import (
@@ -37,7 +37,7 @@ def export(
     target: str = target_option(..., GGUF_TARGET_NOTE),
     out: Path = out_option(..., "export"),
     gamma: SpeculatorGammaOpt = None,
-    overwrite: OverwriteOpt = False,
+    overwrite: bool = overwrite_option("export"),
     dtype: ExportDtype = dtype_option(ExportConfig, "export"),
     format: ExportFormat = format_option(ExportConfig, "export"),
     # None, not f16: a --gguf-type given with --format speculator is refused, one not given is not.
