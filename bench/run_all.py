@@ -249,8 +249,11 @@ def _render_distillation() -> list[str]:
 
 def _as_given_route(r: dict) -> str:
     """A route of ``bench/distill_as_given.py`` in words: who wrote the answers, the carried label, the loss."""
-    dumps = [d["config"] for d in r["teacher"]["dumps"]]
-    writers = " + ".join(f"{d['answers']} ({d['carry'].replace('_', ' ')}, unaligned {d['unaligned']})" for d in dumps)
+    dumps = r["teacher"]["dumps"]
+    first, *more = [f"{d['config']['answers']} ({d['config']['carry'].replace('_', ' ')}, unaligned "
+                    f"{d['config']['unaligned']}" for d in dumps]
+    writers = f"{first} on {' + '.join(r['teacher']['train_prompts'])})" + "".join(
+        f" + {w}, {d['sequences']} sequences)" for w, d in zip(more, dumps[1:], strict=True))
     return f"{writers}; {r['route']['loss']}, lr {r['route']['lr']:g}"
 
 
