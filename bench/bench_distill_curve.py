@@ -161,6 +161,19 @@ def start_point(swap: dict, minutes: float) -> dict:
                          "prompts": len(s["rows"])} for n, s in swap["sets"].items()}}
 
 
+def prepare_training(cfg, work: Path, command: str, train_specs: list[str], teacher: str) -> tuple[list, dict]:
+    """The training prompts of ``train_specs`` (distinct) and :func:`prepare_stages` (no target dump) in ``work``;
+    refuses (``SystemExit``, naming ``teacher``) training prompts that hold a held-out one."""
+    from specdraft.prompts import load_prompts
+
+    examples = load_prompts(train_specs, held_out=False, unique=True)
+    work.mkdir(parents=True, exist_ok=True)
+    stages = prepare_stages(cfg, work, command, dump=False)
+    if overlap := pl.prompt_overlap(examples, [e for v in stages["plan"].sets.values() for e in v]):
+        raise SystemExit(f"error: {teacher}'s prompts hold {len(overlap)} held-out prompt(s), e.g. {overlap[:3]}")
+    return examples, stages
+
+
 def route_overrides(route: dict, items: list[str]) -> dict:
     """``route`` with each ``--set FIELD=VALUE`` applied (the value read as JSON where it parses, else a string;
     ``FIELD`` alone sets None)."""

@@ -155,8 +155,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     overrides = curve.route_overrides(ROUTE, args.set)
-    from specdraft.prompts import load_prompts
-
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     smoke = {}
     if args.smoke:
@@ -168,13 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     result_name = args.result_name or f"distill-as-given-{name}"
     cfg = pl.make_config("default", **smoke)
     train_specs = args.train_prompts or TRAIN_PROMPTS
-    examples = load_prompts(train_specs, held_out=False, unique=True)
     work = args.work
-    work.mkdir(parents=True, exist_ok=True)
-    stages = curve.prepare_stages(cfg, work, command, dump=False)
+    examples, stages = curve.prepare_training(cfg, work, command, train_specs, "the teacher")
     runner, plan, before = stages["runner"], stages["plan"], stages["before"]
-    if overlap := pl.prompt_overlap(examples, [e for v in plan.sets.values() for e in v]):
-        ap.error(f"the training prompts hold {len(overlap)} held-out prompt(s), e.g. {overlap[:3]}")
     tcfg = AsGivenTeacherConfig(answers=args.answers, carry=args.carry, unaligned=args.unaligned,
                                 generate=args.generate, top_k=args.top_k)
     dumps, minutes = [], 0.0

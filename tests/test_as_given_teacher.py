@@ -10,27 +10,21 @@ import pytest
 import torch
 
 from specdraft.as_given_teacher import (
-    _sha256_json,
     aligned_pairs,
     carry_topk,
     first_piece_ids,
     run_as_given_teacher,
 )
 from specdraft.config import AsGivenTeacherConfig, DistillConfig
-from specdraft.data import Example, encode_answer, encode_prompts, render_prompt
+from specdraft.data import encode_answer, encode_prompts, render_prompt
 from specdraft.dump_reader import DumpError, TeacherDataset, load_manifest
+from specdraft.io import sha256_json
 from specdraft.responses import answer_stop_ids, generate_from_ids
 from specdraft.self_teacher import decode_text, well_formed_prefix
-from specdraft.testing import tiny_bpe_tokenizer, tiny_model
+from specdraft.testing import TINY_PROMPTS, tiny_bpe_tokenizer, tiny_examples, tiny_model
 from specdraft.vocab import build_vocab_mapping
 
-PROMPTS = ["def total(items):", "for index in range(count):", "hello world value", "print(lambda x: x + count)",
-           "return items", "total = count + index"]
-
-
-def _examples(n=None):
-    n = len(PROMPTS) if n is None else n
-    return [Example(f"p{i}", [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" {i}"}]) for i in range(n)]
+PROMPTS, _examples = TINY_PROMPTS, tiny_examples
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +242,7 @@ def test_the_dump_for_a_draft_as_given_answers_the_rows_run_trains_on_for_one_tr
     cfg = AsGivenTeacherConfig(generate=2, dtype="float32", batch_size=6, top_k=3, carry="none", unaligned="hard")
     m = run_as_given_teacher(pair["target"], pair["draft"], spec, tmp_path / "d", cfg)
     # The examples it was made of (its identity's data fingerprint); an answer with no text is dropped, not replaced.
-    assert m["identity"]["data_fingerprint"] == _sha256_json([[e.id, e.messages, e.reference] for e in trains])
+    assert m["identity"]["data_fingerprint"] == sha256_json([[e.id, e.messages, e.reference] for e in trains])
     ds = TeacherDataset(tmp_path / "d", draft_tokenizer=pair["d_tok"])
     kept = [ds.tokens(i)["id"] for i in range(len(ds))]
     assert kept == [e.id for e in trains if e.id in kept] and m["sequences"] + m["dropped"] == 12

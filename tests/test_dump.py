@@ -442,7 +442,7 @@ def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_res
     state["identity"]["settings"] |= {"num_examples": None, "offset": 0}
     state["header"]["config"] |= {"num_examples": None, "offset": 0}
     state["header"]["identity"] = state["identity"]
-    state["plan"] = dump_mod._sha256_json(state["identity"])
+    state["plan"] = dump_mod.sha256_json(state["identity"])
     path.write_text(json.dumps(state))
 
     m = run_dump(pair["target"], examples, out, cfg)

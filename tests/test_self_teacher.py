@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
-from specdraft.data import Example, encode_conversation, encode_prompts
+from specdraft.data import encode_conversation, encode_prompts
 from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, answers_written_by, load_manifest
+from specdraft.io import sha256_json
 from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
 from specdraft.self_teacher import (
     DraftTeacher,
-    _sha256_json,
     aligned_positions,
     decode_text,
     end_of_turn_ids,
@@ -23,16 +23,16 @@ from specdraft.self_teacher import (
     text_sequences,
     well_formed_prefix,
 )
-from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer, tiny_model
+from specdraft.testing import (
+    TINY_PROMPTS,
+    tiny_bpe_tokenizer,
+    tiny_examples,
+    tiny_llama_tokenizer,
+    tiny_model,
+)
 from specdraft.vocab import build_vocab_mapping
 
-PROMPTS = ["def total(items):", "for index in range(count):", "hello world value", "print(lambda x: x + count)",
-           "return items", "total = count + index"]
-
-
-def _examples(n=None):
-    n = len(PROMPTS) if n is None else n
-    return [Example(f"p{i}", [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" {i}"}]) for i in range(n)]
+PROMPTS, _examples = TINY_PROMPTS, tiny_examples
 
 
 @pytest.fixture(scope="module")
@@ -430,7 +430,7 @@ def test_a_self_teacher_dump_answers_the_rows_run_trains_on_for_one_training_spe
     m = run_self_teacher(pair["draft"], pair["target"], spec, tmp_path / "st",
                          SelfTeacherConfig(generate=2, dtype="float32", batch_size=6))
     # The examples it was made of (its identity's data fingerprint); an answer with no text is dropped, not replaced.
-    assert m["identity"]["data_fingerprint"] == _sha256_json([[[e.id, e.messages, e.reference] for e in trains], []])
+    assert m["identity"]["data_fingerprint"] == sha256_json([[[e.id, e.messages, e.reference] for e in trains], []])
     ds = TeacherDataset(tmp_path / "st")
     kept = [ds.tokens(i)["id"] for i in range(len(ds))]
     assert kept == [e.id for e in trains if e.id in kept] and m["sequences"] + m["dropped"] == 12

@@ -106,8 +106,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 1 or args.every < 1 or args.target_steps < 0:
         ap.error("--steps and --every must be ≥ 1, --target-steps ≥ 0")
     overrides = curve.route_overrides(ROUTE, args.set)
-    from specdraft.prompts import load_prompts
-
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     smoke = {}
     if args.smoke:
@@ -118,14 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.out = args.work
     cfg = pl.make_config("default", **smoke)
     train_specs = args.train_prompts or TRAIN_PROMPTS
-    examples = load_prompts(train_specs, held_out=False, unique=True)
     work = args.work
-    work.mkdir(parents=True, exist_ok=True)
-    stages = curve.prepare_stages(cfg, work, command, dump=False)
+    examples, stages = curve.prepare_training(cfg, work, command, train_specs, "the self-teacher")
     runner, plan, before, swap = (stages[k] for k in ("runner", "plan", "before", "swap"))
-    overlap = pl.prompt_overlap(examples, [e for v in plan.sets.values() for e in v])
-    if overlap:
-        ap.error(f"the self-teacher's prompts hold {len(overlap)} held-out prompt(s), e.g. {overlap[:3]}")
     fn, st_cfg = self_teacher_stage(cfg, plan, examples, args, command)
     st_inputs = {"draft": cfg.draft, "target": cfg.target, "self_teacher": st_cfg.model_dump(),
                  "prompts": [e.id for e in examples], "texts": [str(t) for t in args.text]}

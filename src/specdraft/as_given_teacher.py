@@ -47,6 +47,7 @@ from specdraft.dump import (
     write_dump,
 )
 from specdraft.dump_reader import FORMAT_VERSION, DumpError
+from specdraft.io import sha256_json
 from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.self_teacher import decode_text, hard_labels, text_boundaries, well_formed_prefix
 
@@ -357,9 +358,6 @@ class TargetForDraftTeacher:
         return TokenSequence(seq_id, list(draft_ids), mask), signal
 
 
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
 
 def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.PathLike,
                          data: str | os.PathLike | Sequence[str] | PromptSet | list[Example], out: str | os.PathLike,
@@ -426,7 +424,7 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
                "rendering": rendering_identity(t_path)}
     identity = {"teacher": teacher, "tokenizer_fingerprint": d_fp, "settings": config.plan_settings(),
                 "topk_storage": TOPK_STORAGE,
-                "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples])}
+                "data_fingerprint": sha256_json([[e.id, e.messages, e.reference] for e in examples])}
     header = {
         "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,
         "target": {"ref": str(target_ref), "resolved": t_path, "revision": model_revision(t_path), **t_facts,

@@ -88,7 +88,6 @@ reaches ``shard_size_mb``), never the dataset; the work list keeps only token id
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -112,7 +111,7 @@ from specdraft.dump_reader import (
     sha256_file,
     shard_problem,
 )
-from specdraft.io import atomic_path, atomic_write_text, versions
+from specdraft.io import atomic_path, atomic_write_text, sha256_json, versions
 from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.responses import generate_responses
 
@@ -132,9 +131,6 @@ _LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
 
 # --------------------------------------------------------------------------------------------- helpers
 
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _real_vocab(tokenizer) -> int:
@@ -454,7 +450,7 @@ def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], R
         identity["split_batch_size"] = config.batch_size
     identity = _check_out_dir(out, identity)
     rows_of = load_teacher()
-    plan = _sha256_json(identity)
+    plan = sha256_json(identity)
     header = dict(header, identity=identity)
     writer = _RankWriter(out, rank, world, plan, identity, header, config, items, mine, dropped_before_split,
                          None, None, None, progress, rows_of=rows_of)
@@ -530,7 +526,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
     target_facts = _target_facts(resolved)
     identity = {"tokenizer_fingerprint": tok_fp, "target_config": target_facts,
                 "settings": config.plan_settings(), "world_size": world,
-                "data_fingerprint": _sha256_json([[e.id, e.messages, e.reference] for e in examples]),
+                "data_fingerprint": sha256_json([[e.id, e.messages, e.reference] for e in examples]),
                 # The vocabulary's fingerprint leaves out how a conversation is rendered and where an answer ends: an
                 # edited template or stop id resumed beside the old shards would mix two renderings in one dump.
                 **{f"target_{k}": v for k, v in rendering_identity(resolved).items()}}
@@ -548,7 +544,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
     # its shards must not be resumed beside the old ones (nor a finished dump of it taken for this one's).
     identity["target_weights"], identity["target_revision"] = model_fingerprint(resolved), model_revision(resolved)
     identity = _check_out_dir(out, identity)
-    plan = _sha256_json(identity)
+    plan = sha256_json(identity)
     teacher = Teacher(model, real_vocab)
     header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, chosen, command)
     if rank == 0 and config.format == "hidden":

@@ -59,7 +59,6 @@ differs. No target weights are read: ``target`` gives the tokenizer, its config'
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -78,6 +77,7 @@ from specdraft.dump import (
     write_dump,
 )
 from specdraft.dump_reader import FORMAT_VERSION, SELF_TEACHER_KIND, DumpError
+from specdraft.io import sha256_json
 from specdraft.prompts import PromptSet, teacher_prompts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -372,9 +372,6 @@ class DraftTeacher:
 # ------------------------------------------------------------------------------------------- the dump
 
 
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
 
 def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike,
                      data: str | os.PathLike | Sequence[str] | PromptSet | list[Example] | None,
@@ -445,7 +442,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                "rendering": rendering_identity(d_path)}  # the draft renders its prompts and ends its answers
     identity = {"teacher": teacher, "tokenizer_fingerprint": tokenizer_fingerprint(ttok), "target_config": t_facts,
                 "settings": config.plan_settings(), "topk_storage": TOPK_STORAGE,
-                "data_fingerprint": _sha256_json([[[e.id, e.messages, e.reference] for e in examples], text_files]),
+                "data_fingerprint": sha256_json([[[e.id, e.messages, e.reference] for e in examples], text_files]),
                 **{f"target_{k}": v for k, v in rendering_identity(t_path).items()}}  # the target renders the prompt
     header = {
         "kind": "specdraft-teacher-dump", "format_version": FORMAT_VERSION,

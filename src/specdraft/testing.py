@@ -340,3 +340,18 @@ def tiny_llama_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = True)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     return _tiny_fast_tokenizer(tok, bos)
+
+
+#: Short code-and-prose prompts whose BPE pieces the tiny tokenizers share (:func:`tiny_examples`).
+TINY_PROMPTS = ("def total(items):", "for index in range(count):", "hello world value", "print(lambda x: x + count)",
+                "return items", "total = count + index")
+
+
+def tiny_examples(n: int | None = None) -> list:
+    """``n`` (default 6) distinct one-turn :class:`~specdraft.data.Example` s ``p0``, ``p1``, … cycling through
+    :data:`TINY_PROMPTS`, each made distinct by its index."""
+    from specdraft.data import Example
+
+    n = len(TINY_PROMPTS) if n is None else n
+    return [Example(f"p{i}", [{"role": "user", "content": TINY_PROMPTS[i % len(TINY_PROMPTS)] + f" {i}"}])
+            for i in range(n)]
