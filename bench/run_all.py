@@ -277,7 +277,8 @@ def _render_as_given_routes() -> list[str]:
               f"{h['prompts']} prompts) and chat ({', '.join(o['sources'])}, {o['prompts']} prompts), gains paired "
               "per prompt against the same replay of the draft as given (95% bootstrap). Each row is its route's "
               f"last step; {r0['machine']}, torch {r0['torch']}; minutes are wall-clock on its 2 cores, teacher "
-              "dump included (a route run beside other work shows more)."), "",
+              "dump included (a route run beside other work shows more), this run's work only: answers and scores "
+              "read from the work cache, written once per writer by an earlier route, are not counted again."), "",
              ("| route (answers by, carry, loss) | training sequences | label positions | steps | CPU-minutes | "
               "held-out code | gain [95% CI] | per reached position | chat | gain [95% CI] |"),
              "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |"]
