@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     minutes += m
     for other in args.also_dump:
         st = json.loads((work / f"teacher-{other}" / "stage.json").read_text())
-        dumps.append(json.loads((work / f"teacher-{other}" / "result.json").read_text()))
+        dumps.append(st["result"])  # the runner keeps a stage's result in its stage.json
         minutes += st["seconds"] / 60
 
     from specdraft.data import encode_prompts
