@@ -26,7 +26,6 @@ the twin rule is :mod:`specdraft.self_teacher`'s token level, run the other way.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -261,10 +260,12 @@ class TargetForDraftTeacher:
         import torch
         from torch.nn.utils.rnn import pad_sequence
 
+        from specdraft.io import atomic_path
+
         scores: dict[int, tuple] = {}
+        files = [self._score_file(job[1]) for job in jobs]
         todo = []
-        for n, job in enumerate(jobs):
-            f = self._score_file(job[1])
+        for n, f in enumerate(files):
             if self.config.carry == "none":
                 scores[n] = None
             elif f is not None and f.is_file():
@@ -282,11 +283,9 @@ class TargetForDraftTeacher:
                 a = max(job[2] - 1, 0)
                 lp, tid, left = self.scorer.topk(h[r, a:len(job[1])], self.config.top_k)
                 scores[n] = (lp.cpu(), tid.cpu().int(), left.cpu())
-                if (f := self._score_file(job[1])) is not None:
-                    f.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = f.with_suffix(".tmp")
-                    torch.save(dict(zip(("lp", "tid", "left"), scores[n], strict=True)), tmp)
-                    os.replace(tmp, f)
+                if files[n] is not None:
+                    with atomic_path(files[n]) as tmp:
+                        torch.save(dict(zip(("lp", "tid", "left"), scores[n], strict=True)), tmp)
         rows = []
         for n, job in enumerate(jobs):
             row = self._carry(job, *(scores[n] or (None, None, None)))
@@ -297,8 +296,8 @@ class TargetForDraftTeacher:
     def _score_file(self, ids: Sequence[int]) -> Path | None:
         if self.cache is None:
             return None
-        key = hashlib.sha256(json.dumps([list(map(int, ids)), self.config.top_k, self.config.dtype]).encode())
-        return self.cache / "scores" / f"{key.hexdigest()[:32]}.pt"
+        key = sha256_json([list(map(int, ids)), self.config.top_k, self.config.dtype])
+        return self.cache / "scores" / f"{key[:32]}.pt"
 
     def _carry(self, job, lp, tid, left):
         """The draft sequence and its signal for one scored target sequence (module docstring)."""

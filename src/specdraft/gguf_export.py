@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.config import NUM_SPECULATIVE_TOKENS, GgufType
-from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_SDIST, LLAMA_CPP_SDIST_SHA256, LLAMA_CPP_VERSION
+from specdraft.embedded import (
+    EMBEDDED,
+    LLAMA_CPP_PACKAGE,
+    LLAMA_CPP_SDIST,
+    LLAMA_CPP_SDIST_SHA256,
+    LLAMA_CPP_VERSION,
+)
 from specdraft.io import sha256_file
 from specdraft.speculator import SpeculatorError
 
@@ -614,10 +620,8 @@ def rank_llama_cpp_command(target: str, draft: str, draft_gguf: str | os.PathLik
     if Path(target).suffix == ".gguf":  # rank measures α with the target's HF model: a GGUF alone is not one
         model, target_flag = "TARGET", f" --target-gguf {shlex.quote(target)}"
     else:  # an embedded target's packaged GGUF is found by rank itself
-        from specdraft.embedded import EMBEDDED
-
         model = shlex.quote(target)
-        target_flag = "" if target in EMBEDDED or target_gguf_path(target) is not None else " --target-gguf TARGET.gguf"
+        target_flag = "" if target in EMBEDDED else " --target-gguf TARGET.gguf"
     return (f"specdraft rank --engine llama.cpp --target {model} {shlex.quote(draft)} "
             f"--draft-gguf {shlex.quote(f'{draft}={draft_gguf}')}{target_flag}")
 
