@@ -539,7 +539,7 @@ def test_load_monitor_sees_another_process_hold_the_cpu_and_a_busy_calibration_i
 
 
 def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_value(tmp_path):
-    from specdraft.evaluate import certify_sampling
+    from specdraft.certify import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
     draft = perturbed(target, 0.5)  # a draft that disagrees often: the residual draws carry the law
@@ -589,7 +589,7 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
     acceptance and residual computed from the draft's unfiltered q while it drew from the filtered one — and fails
     both at the CLI's draw count; the real verifier passes, and every draw went through a proposal."""
     from specdraft import decode, drafters
-    from specdraft.evaluate import certify_sampling
+    from specdraft.certify import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
     draft = perturbed(target, 0.1)  # accepts about half its proposals: both the accept and the residual path run
@@ -647,7 +647,7 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
 def test_a_certificate_without_rejections_is_not_valid_and_says_why():
     """A draft equal to the target accepts every proposal: the χ² passes, but the residual path never ran, so the
     certificate is marked not valid (it could not tell a broken verifier from a good one)."""
-    from specdraft.evaluate import certify_sampling
+    from specdraft.certify import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
     cert = certify_sampling(target, target, [5, 6, 7], SamplingConfig(temperature=1.0), 300, 2, batch_size=300)

@@ -1,14 +1,11 @@
-"""How much faster will it be? Predicted α, measured acceptance and tokens/s, the analytic bound, the best γ.
+"""Measuring a pair: predicted α, measured acceptance and tokens/s, the analytic bound, the best γ.
 
 Contenders (the target alone, speculative decoding, optionally transformers' assisted generation) run prompt by
 prompt, interleaved, with the same explicit settings and nothing else; greedy outputs must match the target alone's,
 and a divergence beyond the dtype's rounding tolerance fails. Entry points: :func:`run_eval`,
-:func:`acceptance_eval`, :func:`interleaved_speed`, :func:`certify_sampling`. Replay: :mod:`specdraft.replay`; costs:
-:mod:`specdraft.calibration`; assisted generation: :mod:`specdraft.assisted`. Like with like, in full:
-docs/architecture.md, "evaluate".
-
-**Size.** A little past the house's ~800 lines: each entry point carries the like-with-like rules (same settings,
-interleaving, divergence margins) that the others share.
+:func:`acceptance_eval`, :func:`interleaved_speed`. Sampled exactness: :mod:`specdraft.certify`; replay:
+:mod:`specdraft.replay`; costs: :mod:`specdraft.calibration`; assisted generation: :mod:`specdraft.assisted`.
+Like with like, in full: docs/architecture.md, "evaluate".
 """
 
 from __future__ import annotations
@@ -25,13 +22,14 @@ import torch
 from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
 from specdraft.assisted import assisted_generate, hf_generation_config
 from specdraft.calibration import LoadMonitor, calibrate, machine_info
+from specdraft.certify import certify_sampling
 from specdraft.config import EvalConfig, SamplingConfig
 from specdraft.data import tokenizer_pad_id
 from specdraft.decode import check_max_new_tokens, speculative_generate, target_generate
 from specdraft.draft_model import apply_draft_options, draft_configuration
 from specdraft.drafters import proposal_mode
 from specdraft.replay import predicted_alpha, replay_answer, replay_mapped
-from specdraft.sampling import align_logits, filtered_probs, output_width
+from specdraft.sampling import output_width
 from specdraft.speed import SpeedModel
 from specdraft.speed_run import Contender, ContenderSpeed, Decoded, Divergence, SpeedRow, SpeedRun
 from specdraft.stats import ratio_ci
@@ -248,86 +246,6 @@ def _compare(target, prompt: Sequence[int], base: list[int], out: list[int], pro
         margin = top2_margin(target, list(prompt) + base[:pos])
         divergences.append(Divergence(prompt_id, contender, pos, base[pos], out[pos], margin, tol))
     return pos is None
-
-
-@torch.no_grad()
-def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingConfig, draws: int,
-                     num_speculative_tokens: int, *, real_vocab: int | None = None, pad_id: int = 0,
-                     batch_size: int = 64, seed: int = 0, vocab_mapping=None) -> dict[str, Any]:
-    """Is sampled speculative decoding exact on this pair? A χ² goodness-of-fit test of the first sampled token.
-
-    ``draws`` rows of ``prompt`` (in batches of ``batch_size``) are decoded two tokens each by speculative sampling
-    (:func:`~specdraft.decode.speculative_generate`, ``max_new_tokens=2``, no stop ids): the first round drafts one
-    token (the room left before the second), so each first token is a draft proposal accepted with min(1, p/q) or a
-    draw from the residual norm(max(0, p − q)); an accepted one is followed by the round's bonus draw from the
-    target. (With ``max_new_tokens=1`` no round has room to draft and the target alone draws: the test would
-    certify nothing of speculation.) The first tokens' counts are tested against the target's own filtered law p
-    of that position (one target forward pass; :func:`specdraft.sampling.filtered_probs`). Cells of expected count
-    < 5 are merged into one (:func:`specdraft.stats.chi2_goodness_of_fit`). Leviathan et al. 2023, Thm 3.5: the
-    emitted token's law is p whatever q is, so a small p-value (< 0.001 over enough draws) would be a bug.
-
-    A certificate is valid only when speculation proposed and rejected: with no proposal the target alone drew, and
-    with no rejection the residual draw never ran — a verifier that accepts everything would pass it too.
-
-    Returns:
-        ``{"draws", "p_value", "outside_support"`` (draws of tokens with p = 0: must be 0),
-        ``"cells"`` (χ² cells after merging), ``"top_tokens"`` ([[id, p, observed share], …] for the 5 likeliest),
-        ``"proposals"`` (first tokens drafted), ``"accepted"`` (of them accepted), ``"rejections"`` (rejected: the
-        first token is a residual draw), ``"bonus_draws"`` (second tokens drawn from the target after an accepted
-        draft), ``"target_draws"`` (first tokens the target drew with no proposal, e.g. a non-finite q),
-        ``"valid"``, ``"invalid_reason"`` (why not, or ``None``),
-        ``"passed"`` (valid, p_value ≥ 0.001 and nothing outside the support)}.
-
-    Raises:
-        ValueError: greedy ``sampling`` (there the identity count is the certificate) or ``draws`` < 1.
-    """
-    import numpy as np
-
-    from specdraft.stats import chi2_goodness_of_fit
-
-    if sampling.greedy:
-        raise ValueError("--certify tests sampled decoding; greedy output is certified token by token")
-    if draws < 1:
-        raise ValueError(f"--certify needs at least 1 draw (got {draws})")
-    device = next(target.parameters()).device
-    ids = torch.tensor([list(prompt)], device=device)
-    logits = align_logits(target(ids).logits[0, -1].float(), output_width(target), real_vocab)
-    law = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).double().cpu().numpy()
-    law = law / law.sum()
-    gen = torch.Generator(device=device).manual_seed(seed)
-    first: list[int] = []
-    counts = AcceptanceCounts(num_speculative_tokens)
-    while len(first) < draws:
-        b = min(batch_size, draws - len(first))
-        inp, mask = left_pad([list(prompt)] * b, pad_id, device)
-        out, c = speculative_generate(target, draft, inp, mask, num_speculative_tokens=num_speculative_tokens,
-                                      sampling=sampling, max_new_tokens=2, eos_token_id=[], real_vocab=real_vocab,
-                                      generator=gen, vocab_mapping=vocab_mapping)
-        counts = counts.merge(c)
-        first += [row[0] for row in out]
-    # Position 0 of a round is the first token here: only the first round drafts (the second has no room).
-    # Each accepted first draft is followed by that round's bonus draw (two tokens per row, no stop ids).
-    proposals, accepted = counts.proposed[0], counts.accepted[0]
-    rejections = counts.reached[0] - accepted
-    invalid = None
-    if proposals == 0:
-        invalid = (f"speculation proposed no token in {draws} draws: the target alone drew them, so nothing of "
-                   "speculative decoding was tested (does the draft give finite logits, and read this prompt?)")
-    elif rejections == 0:
-        invalid = (f"no proposal was rejected in {draws} draws: the residual draw never ran, so a verifier that "
-                   "accepts everything would pass as well; give more draws (--certify), or certify a draft that "
-                   "differs from the target")
-    counts_first = np.bincount(first, minlength=law.shape[0])
-    outside = int(counts_first[law == 0].sum())
-    # A draw of a token p gives no mass is proof enough (and scipy's χ² refuses unequal totals).
-    p_value = 0.0 if outside else chi2_goodness_of_fit([[t] for t in first], law)[0]
-    top = np.argsort(-law)[:5]
-    cells = int((law * draws >= 5).sum()) + int((law * draws < 5).any())
-    return {"draws": draws, "p_value": p_value, "outside_support": outside, "cells": cells,
-            "top_tokens": [[int(t), float(law[t]), float(counts_first[t] / draws)] for t in top],
-            "proposals": proposals, "accepted": accepted, "rejections": rejections, "bonus_draws": accepted,
-            "target_draws": draws - proposals, "valid": invalid is None, "invalid_reason": invalid,
-            "passed": invalid is None and p_value >= 1e-3 and outside == 0}
 
 
 def run_eval(
