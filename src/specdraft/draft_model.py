@@ -1,11 +1,10 @@
 """A cheaper draft: transforms applied to the draft model before it drafts. Each changes only q.
 
 Speculative decoding is exact for any q (Leviathan et al. 2023, Theorem 3.5), so a cheaper draft can lower
-acceptance but never changes the output; the target is never touched. :func:`prepare_draft` applies, in order, a
-trimmed output head (FR-Spec, Zhao et al. 2025: the N most frequent target tokens, :func:`frequent_tokens`; every
-other token gets q = 0) and weight-only int8 / int4 linear layers (:class:`Int8Linear`, :class:`Int4Linear`);
-a prepared copy also prefills with dense weights and runs one-token attention as grouped matrix products
-(:func:`decode_attention_forward`). The kernels and why weight-only: docs/architecture.md, "draft_model".
+acceptance but never changes the output. :func:`prepare_draft` applies a trimmed output head (FR-Spec, Zhao et al.
+2025: the N most frequent target tokens, every other q = 0) and weight-only int8 / int4 linear layers; a prepared
+copy prefills dense and runs one-token attention as grouped matrix products (:func:`decode_attention_forward`).
+Kernels and evidence: docs/architecture.md#specdraftdraft_model.
 """
 
 from __future__ import annotations
@@ -28,19 +27,15 @@ from specdraft.sampling import NEG_INF
 #: FR-Spec's default number of kept head rows.
 HEAD_TOKENS = 32_768
 
-#: ``draft_quantization="auto"`` trims the head of a draft of the target's tokenizer whose head has at least this many
-#: rows (a smaller head is a small share of a step).
+#: ``draft_quantization="auto"`` trims a same-tokenizer draft's head of at least this many rows.
 AUTO_HEAD_MIN_ROWS = 2 * HEAD_TOKENS
 
 #: The optional token-set file beside an exported speculator (:func:`save_head_tokens`).
 HEAD_TOKENS_FILE = "head_tokens.json"
-#: Version of that file's layout, written into it and into the export stage's inputs (a new layout re-runs the
-#: pipeline's export, which writes the file).
+#: Version of that file's layout (a new one re-runs the pipeline's export).
 HEAD_TOKENS_FORMAT = 1
 
-#: A quantised layer that kept its dense weight (``dense=True``) uses it for inputs of at least this many rows (a
-#: prompt prefill): the weight-only kernels are built for one-token steps and are slower than a dense product on
-#: many rows (docs/benchmarks.md, "A cheaper draft — the default configuration").
+#: Rows from which a quantised layer with ``dense=True`` uses its dense weight (a prefill: the kernels are slower).
 DENSE_MIN_ROWS = 16
 
 
@@ -63,17 +58,9 @@ class _DenseForLongInputs:
 
 
 class Int8Linear(_DenseForLongInputs, nn.Module):
-    """Weight-only int8 linear layer: ``y = x · (scale[n] · W_int8[n, :])ᵀ + b``.
-
-    Weights are rounded per output row (symmetric: scale = max|W[n, :]| / 127), activations are not quantised.
-    The product runs in ``torch._weight_int8pack_mm`` (int8 weights, bfloat16/float16/float32 activations,
-    one scale per output row; a CPU and CUDA kernel in torch ≥ 2.4).
-
-    Args (of :meth:`from_linear`):
-        linear: the layer to replace; its weight ``[N, K]`` is read, not kept.
-        dtype: activation dtype (default the layer's own, except bfloat16 for a float32 layer on CPU, where the
-            kernel is slow for float32); the result is cast back.
-    """
+    """Weight-only int8 linear layer: ``y = x · (scale[n] · W_int8[n, :])ᵀ + b``, symmetric per output row
+    (scale = max|W[n, :]| / 127), run by ``torch._weight_int8pack_mm``. :meth:`from_linear` reads ``linear``'s
+    ``[N, K]`` weight; ``dtype`` is the activation dtype (bfloat16 for a float32 layer on CPU), cast back after."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype):
@@ -115,13 +102,9 @@ class Int8Linear(_DenseForLongInputs, nn.Module):
 
 
 class Int4Linear(_DenseForLongInputs, nn.Module):
-    """Weight-only int4 linear layer, asymmetric per group of ``group_size`` input columns:
-    ``W[n, g·G:(g+1)·G] ≈ (q − 8) · scale[g, n] + zero[g, n]``, q ∈ 0..15 (min/max rounding per group).
-
-    Runs ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (packed int4 weights, bfloat16 activations, a CPU kernel in
-    torch ≥ 2.6). Half the bytes of int8 per step; more rounding (16 levels per group instead of 255 per row).
-    Args of :meth:`from_linear` as :class:`Int8Linear`; ``group_size`` ∈ {32, 64, 128, 256} must divide K.
-    """
+    """Weight-only int4 linear layer, asymmetric per group of ``group_size`` ∈ {32, 64, 128, 256} input columns
+    (dividing K): ``W ≈ (q − 8) · scale[g, n] + zero[g, n]``, q ∈ 0..15; run by
+    ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bfloat16 activations)."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
                  in_features: int, out_features: int, group_size: int, out_dtype: torch.dtype):
@@ -175,11 +158,7 @@ class Int4Linear(_DenseForLongInputs, nn.Module):
 
 
 class TrimmedHead(nn.Module):
-    """An output head that scores only ``token_ids`` and returns full-width logits, −inf elsewhere.
-
-    ``forward(h [.., H]) → [.., width]``: ``logits[.., token_ids] = h · W[token_ids]ᵀ (+ b)``, every other id
-    −inf (q = 0: never proposed; sampling renormalises over the kept set).
-    """
+    """Output head scoring only ``token_ids``: ``forward(h [.., H]) → [.., width]``, −inf (q = 0) elsewhere."""
 
     def __init__(self, head: nn.Module, token_ids: torch.Tensor, width: int):
         super().__init__()
@@ -206,16 +185,8 @@ class TrimmedHead(nn.Module):
 
 def rank_tokens(tokenizer, texts: Iterable[str] | None = None, token_lists: Iterable[Sequence[int]] | None = None,
                 always: Iterable[int] = ()) -> list[int]:
-    """Every id of ``tokenizer``'s vocabulary, most frequent first (FR-Spec's ranking).
-
-    Frequencies are counted over ``texts`` (encoded, no special tokens added) and/or ``token_lists``. Ties —
-    every id the corpus never shows — go to the lower id: byte-level BPE numbers merges in the order it learnt
-    them, so a lower id is a more frequent piece. Special tokens and ``always`` rank first (EOS must stay
-    proposable).
-
-    Returns:
-        ``len(tokenizer)`` ids.
-    """
+    """Every id of ``tokenizer``'s vocabulary, most frequent first over ``texts`` / ``token_lists`` (FR-Spec's
+    ranking); special tokens and ``always`` first, unseen ids by ascending id. Returns ``len(tokenizer)`` ids."""
     counts: Counter[int] = Counter()
     if texts is not None:
         for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
@@ -229,23 +200,14 @@ def rank_tokens(tokenizer, texts: Iterable[str] | None = None, token_lists: Iter
 
 def frequent_tokens(tokenizer, texts: Iterable[str] | None = None, n: int = HEAD_TOKENS,
                     token_lists: Iterable[Sequence[int]] | None = None, always: Iterable[int] = ()) -> torch.Tensor:
-    """The ``n`` most frequent target-vocabulary ids (FR-Spec's token set; the first ``n`` of :func:`rank_tokens`,
-    same arguments), sorted by id.
-
-    Returns:
-        ``[min(n, len(tokenizer))] int64`` ids, ascending.
-    """
+    """The ``n`` first ids of :func:`rank_tokens` (same arguments) → ``[min(n, len(tokenizer))] int64``, ascending."""
     ranked = rank_tokens(tokenizer, texts, token_lists, always)
     return torch.tensor(sorted(ranked[: min(n, len(ranked))]), dtype=torch.long)
 
 
 def save_head_tokens(directory: str | Path, ranked: Sequence[int], tokenizer, counted_over: str) -> Path:
-    """Write the token ranking beside a speculator (``directory/head_tokens.json``, atomically) so that a later
-    ``--draft-head-tokens N`` keeps the N tokens counted where the speculator was made.
-
-    File: ``{"format": 1, "ranked_token_ids": [ids, most frequent first], "tokenizer_fingerprint": sha256,
-    "counted_over": str}`` (fingerprint: :func:`specdraft.vocab.tokenizer_fingerprint`). Returns the path.
-    """
+    """Write the ranking to ``directory/head_tokens.json`` atomically: ``{"format": 1, "ranked_token_ids",
+    "tokenizer_fingerprint", "counted_over"}``, so a later ``--draft-head-tokens N`` keeps the same N. Returns the path."""
     from specdraft.io import atomic_write_text
     from specdraft.vocab import tokenizer_fingerprint
 
@@ -257,11 +219,10 @@ def save_head_tokens(directory: str | Path, ranked: Sequence[int], tokenizer, co
 
 
 def load_head_tokens(directory: str | Path, n: int, tokenizer) -> torch.Tensor | None:
-    """The ``n`` most frequent ids of the ranking saved in ``directory`` (:func:`save_head_tokens`), sorted by id;
-    ``None`` when the directory holds no such file.
+    """The ``n`` most frequent ids of ``directory``'s saved ranking, sorted by id; ``None`` without the file.
 
     Raises:
-        ValueError: the file was counted with another tokenizer (fingerprints differ), or is not a ranking file.
+        ValueError: counted with another tokenizer (fingerprints differ), or not a ranking file.
     """
     from specdraft.vocab import tokenizer_fingerprint
 
@@ -279,18 +240,11 @@ def load_head_tokens(directory: str | Path, n: int, tokenizer) -> torch.Tensor |
 
 
 def head_tokens_info(directory: str | Path, tokenizer=None) -> dict[str, Any] | None:
-    """What the token ranking beside a speculator is (``directory/head_tokens.json``, :func:`save_head_tokens`),
-    for ``specdraft inspect``; ``None`` when the directory holds no such file.
-
-    Args:
-        directory: the speculator directory.
-        tokenizer: the tokenizer to compare the ranking's fingerprint with (the speculator's own), or ``None``.
+    """The ranking beside a speculator, for ``specdraft inspect``; ``None`` without the file. Never raises.
 
     Returns:
-        ``{"path": str, "size": int (ids ranked) | None, "counted_over": str | None, "tokenizer_fingerprint": str |
-        None, "tokenizer_matches": bool | None (None without ``tokenizer``), "error": str | None}``; ``error``
-        names why the file is not a readable ranking (then every other field but ``path`` is ``None``). Never
-        raises for a bad file: ``inspect`` reports it.
+        ``{"path", "size", "counted_over", "tokenizer_fingerprint", "tokenizer_matches"`` (None without
+        ``tokenizer``), ``"error"}``; with an ``error`` every field but ``path`` is ``None``.
     """
     from specdraft.vocab import tokenizer_fingerprint
 
@@ -313,18 +267,8 @@ def head_tokens_info(directory: str | Path, tokenizer=None) -> dict[str, Any] | 
 
 @dataclass(frozen=True)
 class HeadRanking:
-    """Where a trimmed head's tokens came from (:func:`apply_draft_options`): the ``tokens`` most frequent ids of a
-    ranking of ``ranked`` ids, read from a ranking saved beside the draft or counted over the embedded training
-    prompts. Kept on the :class:`TrimmedHead` as ``ranking``; :func:`describe_draft` reports it.
-
-    Attributes:
-        tokens: N, the head rows kept (``--draft-head-tokens``, or auto's choice).
-        ranked: ids in the ranking the N were taken from (the tokenizer's vocabulary for the embedded prompts).
-        path: the ranking file read (``DIR/head_tokens.json``, :func:`save_head_tokens`), ``None`` for the embedded
-            prompts.
-        counted_over: what the ranking counted (the file's ``counted_over``, as ``specdraft inspect`` shows it; or
-            the embedded prompts and their number).
-    """
+    """Where a trimmed head's tokens came from: ``tokens`` (N kept) of a ranking of ``ranked`` ids, read from
+    ``path`` (``head_tokens.json``; ``None``: counted over the embedded prompts), ``counted_over`` in words."""
 
     tokens: int
     ranked: int
@@ -404,14 +348,9 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout:
                              scaling: float | None = None, **kwargs):
     """transformers attention function: one query token by grouped matrix products, anything else by ``sdpa``.
 
-    Cheaper than sdpa at one query token on CPU (docs/benchmarks.md, "A cheaper draft — the default
-    configuration"). The query heads sharing a key-value head are stacked (``[B, H_kv, H / H_kv, D]``), scored
-    against that head's keys once, softmaxed in float32 and applied to its values: ``repeat_kv``'s head order,
-    without copying the cache. The mask is transformers' sdpa mask (bool, True = attend, or additive float,
-    ``[B, 1, 1, L]``), so windows and padding holes are honoured as with sdpa.
-
-    Args/returns as transformers' ``sdpa_attention_forward``: query ``[B, H, q, D]``, key/value
-    ``[B, H_kv, L, D]`` → ``([B, q, H, D], None)``.
+    Query heads sharing a key-value head are stacked and scored once (``repeat_kv``'s order, no cache copy), softmax
+    in float32; the mask is transformers' sdpa mask, so windows and holes hold. Shapes as ``sdpa_attention_forward``:
+    query ``[B, H, q, D]``, key/value ``[B, H_kv, L, D]`` → ``([B, q, H, D], None)``.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -450,21 +389,12 @@ def use_decode_attention(model: nn.Module) -> bool:
 
 def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens: torch.Tensor | None = None,
                   copy_model: bool = True, dense_prefill: bool | None = None) -> nn.Module:
-    """The draft with the requested transforms (module docstring), on a copy unless ``copy_model=False``.
-
-    The copy shares the draft's tensors: the transforms replace modules, never write into a tensor, so the original
-    is unchanged and only what differs costs memory. Do not train the copy in place.
+    """The draft with the requested transforms, on a copy sharing its tensors unless ``copy_model=False``.
 
     Args:
-        draft: a causal LM (eval mode).
-        quantization: ``None`` / ``"none"``, ``"int8"`` (:class:`Int8Linear`) or ``"int4"`` (:class:`Int4Linear`, groups
-            of 32; a layer :meth:`Int4Linear.fits` refuses becomes int8), or ``"auto"`` (int4 on CPU, else none; the
-            head is what ``head_tokens`` says — :func:`choose_draft_options` chooses both);
-            :data:`specdraft.config.DraftQuantization`.
-        head_tokens: ``[N] int64`` target ids the draft keeps in its head (:func:`frequent_tokens`), or ``None``.
-        dense_prefill: quantised layers keep a reference to their dense weights for inputs of
-            ≥ :data:`DENSE_MIN_ROWS` rows. Default: with ``copy_model`` (shared, so free while the caller keeps the
-            draft); off without it (it would keep the dense weights alive).
+        quantization: :data:`specdraft.config.DraftQuantization` (``"int4"``: groups of 32, int8 where refused).
+        head_tokens: ``[N] int64`` target ids the head keeps, or ``None``.
+        dense_prefill: keep dense weights for inputs of ≥ :data:`DENSE_MIN_ROWS` rows (default: with ``copy_model``).
 
     Raises:
         ValueError: an unknown quantization, or a token id past the draft's head.
@@ -494,14 +424,8 @@ def prepare_draft(draft: nn.Module, quantization: str | None = None, head_tokens
 
 @dataclass
 class DraftPlan:
-    """What :func:`choose_draft_options` decided: the arguments of :func:`prepare_draft` and why.
-
-    Attributes:
-        requested: the ``draft_quantization`` asked for (``"auto"``, ``"none"``, ``"int8"``, ``"int4"``).
-        quantization: ``None``, ``"int8"`` or ``"int4"`` (int4 turns a layer its kernel refuses into int8).
-        head_tokens: rows kept in a trimmed head (FR-Spec), or ``None`` for the full head.
-        reason: one line a report prints.
-    """
+    """What :func:`choose_draft_options` decided: ``requested``, ``quantization`` (``None`` / ``"int8"`` /
+    ``"int4"``), ``head_tokens`` (``None``: full head) and the ``reason``, one line."""
 
     requested: str
     quantization: str | None
@@ -514,19 +438,9 @@ class DraftPlan:
 
 def choose_draft_options(draft: nn.Module, quantization: str | None = "auto", head_tokens: int | None = None,
                          same_tokenizer: bool = True) -> DraftPlan:
-    """The draft preparation to run: ``quantization`` / ``head_tokens`` as asked, or chosen for ``"auto"``.
-
-    ``auto`` (:class:`specdraft.config.EvalConfig`'s default): on CPU, int4 weight-only layers (int8 where
-    :meth:`Int4Linear.fits` refuses the shape) and, for a draft of the target's tokenizer whose head has
-    ≥ :data:`AUTO_HEAD_MIN_ROWS` rows, a trimmed head of :data:`HEAD_TOKENS` rows (the module docstring says why);
-    on another device the draft as loaded (these are CPU kernels). ``head_tokens`` 0 turns the trimmed head off;
-    ``None`` leaves it to ``auto`` (off for an explicit quantization).
-
-    Args:
-        draft: the loaded draft (its device and output width are read).
-        quantization: ``"auto"``, ``"none"`` / ``None``, ``"int8"`` or ``"int4"``.
-        head_tokens: N rows to keep, 0 = off, ``None`` = auto's choice.
-        same_tokenizer: False for a draft decoded through a vocabulary mapping (its head is its own vocabulary).
+    """The preparation to run: ``quantization`` / ``head_tokens`` as asked, or chosen for ``"auto"``: on CPU int4
+    (int8 where refused) and, for a draft of the target's tokenizer with ≥ :data:`AUTO_HEAD_MIN_ROWS` head rows, a
+    head of :data:`HEAD_TOKENS`; elsewhere the draft as loaded. ``head_tokens`` 0: off; ``None``: auto's choice.
 
     Raises:
         ValueError: an unknown quantization.
@@ -572,23 +486,10 @@ def is_prepared(draft: nn.Module) -> bool:
 
 @torch.no_grad()
 def dense_draft(draft: nn.Module) -> nn.Module:
-    """A prepared draft as a plain model of its own class, computing the q it drafts with: what any writer of
-    weights saves (``AutoModelForCausalLM`` reloads it with nothing missing and nothing initialised at random).
-
-    On a copy sharing the draft's unchanged tensors (the draft is not changed); a draft that is not prepared
-    (:func:`is_prepared`) is returned as is.
-
-    * :class:`Int8Linear` / :class:`Int4Linear` → ``nn.Linear`` holding :meth:`~Int8Linear.dequantized_weight`
-      in the layer's output dtype: the weights of a one-token draft step, which decide every proposal after the
-      first. Activations the kernels round to bfloat16 run in the model's dtype after reloading: logits agree to
-      bfloat16 rounding.
-    * :class:`TrimmedHead` → a full-width ``nn.Linear``: kept rows as scored, every excluded row the **mean of
-      the kept rows** (and bias). A row inside the convex hull of the kept rows never outscores the best kept row,
-      so an excluded token never wins the argmax; it gets probability when sampling (q changes, the output's law
-      does not). Re-trim on loading (``--draft-head-tokens``) to get the evaluated q back exactly.
-    * the output head no longer equals the input embeddings: ``tie_word_embeddings`` becomes false; one-token
-      attention (:func:`decode_attention_forward`) goes back to ``sdpa``.
-    """
+    """A prepared draft as a plain model of its own class computing the q it drafts with (on a copy; an unprepared
+    draft as is): quantised layers → dequantised ``nn.Linear``, a trimmed head → full width with each excluded row the
+    mean of the kept rows (never the argmax), ``tie_word_embeddings`` false, attention back to ``sdpa``. Why:
+    docs/architecture.md#specdraftdraft_model."""
     if not is_prepared(draft):
         return draft
     shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}
@@ -646,11 +547,9 @@ def describe_draft(draft: nn.Module) -> dict[str, Any]:
     """What was done to a draft, as it ran.
 
     Returns:
-        ``{"quantization": "int4" | "int8" | None`` (the kind most layers hold; ``"int4+int8"`` when both occur),
-        ``"head_tokens": N | None, "layers": {"int4": n, "int8": n, "dense": n}`` (``nn.Linear`` layers by storage),
-        ``"int8_fallback_shapes": [[out, in], …]`` (layer shapes held as int8 beside int4 ones: the int4 kernel refused
-        them), ``"head_tokens_source": str | None`` (where a trimmed head's ranking came from, in words),
-        ``"head_ranking": dict | None}`` (:meth:`HeadRanking.to_dict`: N, the ids ranked, the file, what it counted).
+        ``{"quantization": "int4" | "int8" | "int4+int8" | None, "head_tokens": N | None, "layers": {"int4", "int8",
+        "dense"}, "int8_fallback_shapes": [[out, in], …], "head_tokens_source": str | None, "head_ranking": dict |
+        None}``.
     """
     head = draft.get_output_embeddings()
     counts = {"int4": 0, "int8": 0, "dense": 0}
@@ -688,19 +587,14 @@ def draft_label(info: dict[str, Any]) -> str:
 
 
 def apply_draft_options(draft, tokenizer, config: EvalConfig, vocab_mapping=None, copy_model: bool = True):
-    """The draft with ``config``'s draft options applied (:func:`choose_draft_options`, then :func:`prepare_draft`;
-    on a copy unless ``copy_model=False``); ``draft`` itself when there are none. The plan is kept on the returned
-    model as ``specdraft_plan`` (a :class:`DraftPlan`).
-
-    The trimmed head's tokens come from the draft's directory when it holds a saved ranking
-    (:data:`HEAD_TOKENS_FILE`), else from the embedded training prompts; the head keeps a :class:`HeadRanking` saying
-    which, N and what the ranking counted (``describe_draft(...)["head_ranking"]``, ``["head_tokens_source"]``).
+    """``config``'s draft options applied (:func:`choose_draft_options`, :func:`prepare_draft`), the
+    :class:`DraftPlan` kept as ``specdraft_plan``; a head's ranking from :data:`HEAD_TOKENS_FILE` beside the draft, else
+    the embedded training prompts.
 
     Raises:
-        DecodeError: a trimmed head (``draft_head_tokens``) for a draft of another tokenizer (``vocab_mapping``).
+        DecodeError: a trimmed head for a draft of another tokenizer.
         ValueError: a saved ranking counted with another tokenizer.
     """
-    # The decoder's error for a pair it cannot run (decode imports nothing of this module: no cycle).
     from specdraft.decode import DecodeError
 
     if config.draft_head_tokens and vocab_mapping is not None:

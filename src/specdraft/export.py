@@ -6,9 +6,8 @@
 * :func:`export_saved_speculator` — a saved speculator directory → another, whole (the pipeline's ``export``);
 * :func:`vllm_serve` — the commands vLLM serves it with, built by :func:`vllm_speculative_config` alone.
 
-Dtype ``"keep"`` writes the draft's tensors byte-identical; any other casts them. Every directory is written into a
-temporary sibling and renamed into place (:func:`specdraft.io.atomic_directory`). Drafts of another tokenizer:
-docs/architecture.md, "export".
+Dtype ``"keep"`` writes the draft's tensors byte-identical; any other casts them. Every directory is written
+atomically (:func:`specdraft.io.atomic_directory`). Notes: docs/architecture.md#specdraftexport.
 """
 
 from __future__ import annotations
@@ -54,20 +53,12 @@ class ExportResult:
     """What :func:`export_draft` wrote.
 
     Attributes:
-        out: the speculator directory (absolute).
-        config: its config.json.
-        added: ``config_diff(plain, config)``: the keys added relative to the draft's own save (3 keys).
-        resaved: ``config_diff(source config.json, plain)``: keys transformers itself rewrote on re-saving
-            the draft (``dtype`` after a cast), ``corrected`` keys left out.
-        corrected: ``{key: (draft's value, written value)}`` for config values set to match the tensors: a
-            ``tie_word_embeddings: true`` whose ``lm_head.weight`` differs from the embeddings is written ``false``
-            (warned), since loaders that drop ``lm_head.weight`` for tied models (vLLM) would serve another model.
-        tokenizer_files: names copied from the draft directory (see ``chat_template`` for the exception).
-        vllm_command: serves the verifier with this speculator as its draft (:func:`vllm_serve`).
-        serve: the whole :class:`VllmServe` (both commands, the speculative config, notes).
-        dtype: ``"keep"`` (weights byte-identical) or the dtype the weights were cast to.
-        compat_verdict: the tokenizer check's verdict, or ``None`` when a tokenizer was unknown (warned).
-        seconds: wall time of the whole export, seconds.
+        out: the speculator directory (absolute); ``config``: its config.json.
+        added: the keys added to the draft's own save (3); ``resaved``: keys transformers rewrote on re-saving.
+        corrected: ``{key: (draft's value, written value)}`` set to match the tensors (a false tie flag).
+        tokenizer_files: names copied from the draft directory; ``serve``: the :class:`VllmServe`.
+        dtype: ``"keep"`` or the dtype cast to; ``compat_verdict``: the tokenizer check's, or ``None`` (unknown).
+        seconds: wall time of the export, seconds.
     """
 
     out: Path
@@ -99,29 +90,20 @@ def export_draft(
     llama_quantize: str | os.PathLike | None = None,
     progress=None,
 ) -> ExportResult | GgufResult:
-    """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json
-    (draft's + three keys), generation config and the draft's tokenizer files (the verifier's chat template where
-    the draft's renders differently: :func:`carry_chat_template`).
-
-    With ``format="gguf"``, ``out`` is one GGUF file (:func:`specdraft.gguf_export.export_gguf`, returning a
-    :class:`~specdraft.gguf_export.GgufResult`): ``gguf_type`` (default f16), ``llama_cpp``, ``llama_quantize``
-    and ``progress(line)`` apply to it only, and ``dtype`` must stay ``"keep"``.
-
-    Every check runs before anything is written; with ``overwrite`` the old directory is renamed aside, then
-    removed. The verifier is recorded as :func:`specdraft.models.portable_reference` gives it. A config that
-    contradicts the tensors is corrected, never exported as is (``ExportResult.corrected``).
+    """Write ``draft`` as an independent speculator for ``verifier`` into ``out``: weights, config.json (draft's +
+    three keys), generation config and tokenizer files (the verifier's chat template where needed,
+    :func:`carry_chat_template`). ``format="gguf"`` writes one GGUF instead
+    (:func:`specdraft.gguf_export.export_gguf`; ``dtype`` must stay ``"keep"``). Every check runs before anything is
+    written.
 
     Args:
-        dtype: ``"keep"``, ``"bfloat16"``, ``"float16"`` or ``"float32"`` (the module docstring's dtype rule;
-            config.json's ``dtype`` says the new one).
+        dtype: ``"keep"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``.
 
     Raises:
-        SpeculatorError: invalid option (the message names the flag, e.g. ``--num-speculative-tokens``,
-            ``--dtype``); ``out`` exists and is not empty (without ``overwrite``) or is a file; unreadable
-            verifier; a draft that is not a causal LM (names its architecture); tokenizer mismatch.
-        specdraft.embedded.ModelResolutionError: a reference cannot be resolved (before anything is written).
-        specdraft.weights.CheckpointWeightsError: the draft's checkpoint lacks weights its model needs (e.g. an
-            untied ``lm_head.weight``) or holds ones it does not use; named, nothing written.
+        SpeculatorError: invalid option (names the flag); ``out`` non-empty without ``overwrite`` or a file;
+            unreadable verifier; not a causal LM; tokenizer mismatch.
+        specdraft.embedded.ModelResolutionError: a reference cannot be resolved.
+        specdraft.weights.CheckpointWeightsError: weights missing from or left over in the draft's checkpoint.
     """
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -213,7 +195,7 @@ def _tokenizer_verdict(verifier: str, draft_dir) -> str | None:
 
 
 def _check_text_pair(verifier: str, draft_dir) -> None:
-    """A draft of another tokenizer drafts through text: refuse a pair whose tokenizers share (almost) nothing.
+    """Refuse a text-drafting pair whose tokenizers share (almost) nothing.
 
     Raises:
         SpeculatorError: :func:`specdraft.vocab.build_vocab_mapping` refuses the pair (its reason, and the way out).
@@ -229,25 +211,15 @@ def _check_text_pair(verifier: str, draft_dir) -> None:
 
 
 def carry_chat_template(speculator_dir: str | os.PathLike, verifier) -> dict[str, Any]:
-    """Make the speculator directory carry the chat template its verifier (the target) serves with, where the
-    draft's tokenizer files there render differently (:func:`specdraft.check.compare_chat_templates`: rendering,
-    not source text, decides). The target's template goes in transformers' files (``chat_template.jinja``,
-    ``additional_chat_templates/``), and a ``chat_template`` key in ``tokenizer_config.json`` is removed so no
-    loader reads the draft's. A target without a template leaves the files as they are.
-
-    Args:
-        speculator_dir: a directory holding the draft's tokenizer files (changed in place: call it inside the
-            export's temporary directory).
-        verifier: the target's tokenizer, or a reference to it (a reference whose tokenizer cannot be loaded is
-            noted, not raised).
+    """Make ``speculator_dir`` carry the verifier's chat template where the draft's files render differently
+    (:func:`specdraft.check.compare_chat_templates`), in transformers' template files, a ``tokenizer_config.json``
+    key removed. ``verifier``: a tokenizer or reference (unloadable: noted, not raised).
 
     Returns:
-        ``{"carried": "target" | "draft" | None (no template), "changed": bool, "comparison":
-        compare_chat_templates(target, draft) | None, "note": one sentence for the printout and report}``.
+        ``{"carried": "target" | "draft" | None, "changed": bool, "comparison": dict | None, "note": str}``.
 
     Raises:
-        SpeculatorError: the written template does not reload as the target's (a transformers file-precedence
-            change); nothing outside ``speculator_dir`` is touched.
+        SpeculatorError: the written template does not reload as the target's.
     """
     from transformers import AutoTokenizer
 
@@ -314,24 +286,13 @@ def write_training_json(path: Path, payload: dict[str, Any]) -> None:
 def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_speculative_tokens: int,
                       training: dict[str, Any] | None = None, overwrite: bool = True,
                       dtype: ExportDtype = "keep", verifier_tokenizer=None) -> Path:
-    """Save a (trained) draft as an independent speculator: plain HF directory (safetensors), ``config.json`` plus
-    the ``speculators_*`` keys naming the verifier (:func:`specdraft.models.portable_reference`) and γ, the
-    tokenizer (with the verifier's chat template where needed, :func:`carry_chat_template`, logged at INFO), and
-    ``training.json``.
-
-    A draft prepared for decoding (:func:`specdraft.draft_model.prepare_draft`) is written as its dense equivalent
-    (:func:`specdraft.draft_model.dense_draft`): it reloads with the logits it drafted with (to bfloat16
-    activation rounding), and no excluded token of a trimmed head wins.
-
-    Args:
-        dtype: as :func:`export_draft`; ``draft`` itself is not changed.
-        verifier_tokenizer: the verifier's tokenizer, when already loaded (default: loaded from ``verifier_ref``).
+    """Save a (trained) draft as an independent speculator: safetensors, ``config.json`` with the ``speculators_*``
+    keys, the tokenizer (:func:`carry_chat_template`) and ``training.json``; a prepared draft is written dense
+    (:func:`specdraft.draft_model.dense_draft`). ``dtype`` as :func:`export_draft`.
 
     Raises:
-        SpeculatorError: the verifier reference cannot be read, or ``out`` exists without ``overwrite``
-            (nothing is written).
-        specdraft.weights.CheckpointWeightsError: the draft holds tensors its class would not reload (named;
-            nothing is written).
+        SpeculatorError: unreadable verifier reference, or ``out`` exists without ``overwrite``.
+        specdraft.weights.CheckpointWeightsError: tensors its class would not reload (named; nothing written).
     """
     out = Path(out)
     if out.exists() and not overwrite:
@@ -375,14 +336,8 @@ def _template_record(template: dict[str, Any]) -> dict[str, Any]:
 
 
 def cast_weights(speculator_dir: str | os.PathLike, dtype: ExportDtype) -> bool:
-    """Rewrite a speculator directory's weights in ``dtype`` (in place); other files are kept.
-
-    Loading in ``dtype`` makes new tensors, so none still maps the old files when they are removed; config.json's
-    ``dtype`` is updated, the ``speculators_*`` keys kept.
-
-    Returns:
-        ``True`` when the weights were rewritten; ``False`` for ``"keep"`` or when they already are ``dtype``.
-    """
+    """Rewrite a speculator directory's weights in ``dtype``, in place (config.json's ``dtype`` updated).
+    Returns ``True`` when rewritten; ``False`` for ``"keep"`` or weights already in ``dtype``."""
     if dtype == "keep":
         return False
     path = Path(speculator_dir)
@@ -397,9 +352,7 @@ def cast_weights(speculator_dir: str | os.PathLike, dtype: ExportDtype) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------------------------------
 # Serving with vLLM
-# --------------------------------------------------------------------------------------------------
 
 
 def vocab_width(config: dict[str, Any]) -> int | None:
@@ -413,24 +366,16 @@ def vocab_width(config: dict[str, Any]) -> int | None:
 
 def vllm_speculative_config(speculator: dict[str, Any], model: str,
                             verifier_vocab_size: int | None = None) -> dict[str, Any]:
-    """vLLM's speculative config for an independent speculator (pure: JSON in, JSON out, no vLLM needed).
-
-    Args:
-        speculator: the speculator's config.json dict (validated against the ``speculators_config`` schema).
-        model: where vLLM loads the draft from (the speculator directory).
-        verifier_vocab_size: the verifier's output width (:func:`vocab_width` of its config), if known.
+    """vLLM's speculative config for an independent speculator's config.json dict (pure JSON; no vLLM needed).
 
     Returns:
-        For a draft of another tokenizer (proposal method ``"text"``): ``{"method": "custom_class", "model":
-        "specdraft.vllm_proposer.TextProposer", "num_speculative_tokens": γ}`` (the speculator directory then goes
-        in ``--additional-config``, :func:`vllm_additional_config`). Otherwise
-        ``{"method": "draft_model", "model": model, "num_speculative_tokens": γ}`` with γ the default proposal
-        method's, plus ``"use_heterogeneous_vocab": true`` when the draft's output width differs from the
-        verifier's (padding rows, verdict identical-up-to-padding): vLLM 0.32 otherwise refuses with "Target and
-        draft model should have the same vocabulary size".
+        A text-drafting pair: ``{"method": "custom_class", "model": "specdraft.vllm_proposer.TextProposer",
+        "num_speculative_tokens": γ}``; otherwise ``{"method": "draft_model", "model": model,
+        "num_speculative_tokens": γ}``, plus ``"use_heterogeneous_vocab": true`` where the output widths differ
+        (vLLM refuses unequal vocabulary sizes otherwise).
 
     Raises:
-        NotASpeculatorError / SpeculatorError: ``speculator`` is not a valid independent speculator config.
+        NotASpeculatorError / SpeculatorError: not a valid independent speculator config.
     """
     conf = IndependentSpeculatorConfig.from_speculator_dict(speculator)
     if conf.drafts_through_text:
@@ -454,18 +399,14 @@ def vllm_additional_config(speculator: dict[str, Any], model: str) -> dict[str, 
     return {SPECULATOR_KEY: str(model)} if conf.drafts_through_text else {}
 
 
-#: How specdraft's printed commands start vLLM's OpenAI server: as ``make test-vllm`` starts it (bench/vllm_check.py).
+#: How printed commands start vLLM's OpenAI server (as ``make test-vllm`` does).
 VLLM_SERVER = "python -m vllm.entrypoints.openai.api_server"
 
 
 def vllm_command(target: str, speculative_config: dict[str, Any], engine: str = f"vLLM {VLLM_TESTED_VERSION}",
                  additional_config: dict[str, Any] | None = None) -> str:
-    """``python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config '{...}'`` (:data:`VLLM_SERVER`:
-    the server entry point ``make test-vllm`` starts; the pinned CPU build's ``vllm`` script cannot find its own
-    distribution): every drafting parameter of ``speculative_config`` (γ:
-    ``num_speculative_tokens``, the draft, the method) given on the command line rather than left to the engine's
-    defaults, which change between builds, and a shell comment naming the build it holds for (``engine``).
-    ``target`` is shell-quoted by the caller; ``additional_config`` (non-empty) is added as ``--additional-config``."""
+    """The vLLM OpenAI server command (:data:`VLLM_SERVER`) with every drafting parameter of ``speculative_config``
+    pinned and a comment naming the build (``engine``); ``target`` is shell-quoted by the caller."""
     import shlex
 
     extra = f" --additional-config {shlex.quote(json.dumps(additional_config))}" if additional_config else ""
@@ -478,18 +419,10 @@ class VllmServe:
     """How vLLM serves a speculator on this machine (:func:`vllm_serve`).
 
     Attributes:
-        command: ``python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config '{...}' # for
-            vLLM VERSION`` (:func:`vllm_command`): both paths absolute, γ pinned (tested with vLLM
-            :data:`VLLM_TESTED_VERSION`).
-        one_path: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``: works where specdraft is
-            installed next to vLLM (its plugin reads the verifier and γ from the speculator's config.json).
-        target: what ``command`` serves (:func:`specdraft.models.serving_path` of the verifier).
-        speculative_config: the JSON passed as ``--speculative-config``.
-        notes: what the reader should know (a verifier whose width could not be checked here; an embedded
-            verifier served from its cache; for a draft of another tokenizer, the re-indexed alternative).
-        drafting: ``"token ids"`` (vLLM's ``draft_model``: the draft shares the verifier's tokenizer) or ``"text"``
-            (a draft of another tokenizer, as given: specdraft's ``custom_class`` proposer).
-        additional_config: the JSON passed as ``--additional-config`` (``{}`` for ``draft_model``).
+        command: the server command, both paths absolute, γ pinned (:func:`vllm_command`).
+        one_path: ``--model SPECULATOR_DIR`` alone (needs specdraft's plugin beside vLLM).
+        target: what ``command`` serves; ``speculative_config`` / ``additional_config``: the JSON passed.
+        notes: what the reader should know; ``drafting``: ``"token ids"`` or ``"text"``.
     """
 
     command: str
@@ -507,12 +440,8 @@ class VllmServe:
 
 
 def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -> VllmServe:
-    """The commands that serve the speculator at ``speculator_dir`` with vLLM, on this machine.
-
-    Args:
-        speculator_dir: a speculator directory (its config.json is read).
-        verifier: the verifier reference as given here; default the one recorded in the speculator. An embedded
-            model not in the HF cache is served from specdraft's cache (vLLM knows no embedded names).
+    """The commands that serve the speculator at ``speculator_dir`` with vLLM, here (``verifier`` default: the
+    recorded one; an embedded model is served from specdraft's cache).
 
     Raises:
         NotASpeculatorError / SpeculatorError: ``speculator_dir`` holds no valid independent speculator.
@@ -561,17 +490,14 @@ def vllm_serve(speculator_dir: str | os.PathLike, verifier: str | None = None) -
 
 def export_saved_speculator(src: str | os.PathLike, dest: str | os.PathLike, verifier: str | None = None,
                             dtype: ExportDtype = "keep") -> dict[str, Any]:
-    """Export a saved speculator directory to ``dest``, whole (cast to ``dtype``, the chat template as
-    :func:`carry_chat_template`) and return what serving it needs: ``{"path", "num_speculative_tokens", "dtype",
-    "vllm_command", "vllm_one_path", "vllm_notes", "vllm_drafting", "vllm_tested_version", "chat_template": {"carried", "changed",
-    "note"}}``.
+    """Export a saved speculator directory to ``dest`` whole (cast to ``dtype``, :func:`carry_chat_template`).
 
-    Args:
-        verifier: the verifier reference as given to the run, for the command (default: the recorded one).
+    Returns:
+        ``{"path", "num_speculative_tokens", "dtype", "vllm_command", "vllm_one_path", "vllm_notes",
+        "vllm_drafting", "vllm_tested_version", "chat_template"}``.
 
     Raises:
-        specdraft.weights.CheckpointWeightsError: ``src``'s tensors do not fit the model its config names (e.g. the
-            buffers of a prepared draft saved as they are); checked from the file headers, nothing written.
+        specdraft.weights.CheckpointWeightsError: ``src``'s tensors do not fit its config's model (nothing written).
     """
     from specdraft.speculator import load_speculator_config
     from specdraft.weights import check_checkpoint_weights

@@ -4,10 +4,8 @@
 :class:`~specdraft.speed.SpeedModel` (one S, two engines: only the timings differ); :func:`llama_cpp_plan` picks
 ``--spec-draft-n-max`` at an α and :func:`llama_cpp_command` prints it with every drafting flag pinned;
 :func:`rank_llama_cpp` ranks drafts so. :class:`LlamaCppCalibration` corrects llama-bench's price to what
-``llama-speculative-simple`` measured (:func:`fit_llama_cpp_calibration`, leave-one-out error), and a calibrated plan
-is served only where that error's band lies above 1x. The packaged fit, :data:`LLAMA_CPP_CALIBRATION`, is read from
-``llamacpp_calibration.json`` (written by ``bench/llamacpp_check.py --refit``). Why llama-bench alone over-predicts:
-docs/architecture.md, "llama_cpp_price".
+``llama-speculative-simple`` measured; a calibrated plan is served only where its error band lies above 1x. The
+packaged fit is :data:`LLAMA_CPP_CALIBRATION`. Model and evidence: docs/architecture.md#specdraftllama_cpp_price.
 """
 
 from __future__ import annotations
@@ -25,13 +23,8 @@ from specdraft.speed import SpeedModel
 
 
 def llama_bench_speed_model(target_bench: list[dict], draft_bench: list[dict]) -> SpeedModel:
-    """A :class:`SpeedModel` from ``llama-bench -o json`` results of the target and the draft GGUF.
-
-    ``llama-bench`` writes one object per test with ``n_prompt``, ``n_gen`` and ``avg_ts`` (tokens/s, mean over its
-    repetitions). t(1) is the target's one-token generation step (``tg``: ``n_gen > 0``, ``n_prompt == 0``), t(k)
-    for k ≥ 2 a prompt pass over k tokens (``pp``: ``n_prompt == k``, ``n_gen == 0``) — what a verification of k−1
-    drafts plus one costs; the line through them (:meth:`SpeedModel.from_measurements`) fills the k not measured.
-    d is the draft's ``tg`` step.
+    """A :class:`SpeedModel` from ``llama-bench -o json`` tests: t(1) and d from the ``tg`` tests, t(k ≥ 2) from the
+    target's ``pp`` tests of k tokens (``avg_ts`` tokens/s).
 
     Raises:
         ValueError: a result set without a ``tg`` test, or a target set without any ``pp`` width ≥ 2.
@@ -53,24 +46,21 @@ def llama_bench_speed_model(target_bench: list[dict], draft_bench: list[dict]) -
     return SpeedModel.from_measurements(t, tg_seconds(draft_bench, "draft"))
 
 
-#: What a llama.cpp forecast (:func:`llama_cpp_plan`) assumes of every round: the draft proposes its full n_max —
-#: no early stop on its own confidence (``--spec-draft-p-min`` 0) and no minimum that throws a shorter draft away
-#: (``--spec-draft-n-min`` 0) — as specdraft's fixed-γ rounds that measured α. Every command specdraft prints or runs
-#: pins both (:func:`llama_cpp_draft_args`): llama.cpp builds have changed these defaults (p_min was once 0.75).
+#: What a llama.cpp forecast assumes of every round: the draft proposes its full n_max, as specdraft's fixed-γ
+#: rounds that measured α; every command pins both, for builds change their defaults.
 LLAMA_CPP_N_MIN = 0
 LLAMA_CPP_P_MIN = 0.0
 
 
 def llama_cpp_engine() -> str:
-    """The llama.cpp build the forecasts and commands are for: the pinned one (its flags, parsers and defaults)."""
+    """The pinned llama.cpp build the forecasts and commands are for."""
     from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
 
     return f"llama.cpp ({LLAMA_CPP_PACKAGE} {LLAMA_CPP_VERSION})"
 
 
 def llama_cpp_draft_args(n_max: int, n_min: int = LLAMA_CPP_N_MIN, p_min: float = LLAMA_CPP_P_MIN) -> list[str]:
-    """llama.cpp's drafting flags, each pinned: ``--spec-draft-n-max``, ``--spec-draft-n-min``,
-    ``--spec-draft-p-min``. The one source of these flags for the commands measured and the commands printed."""
+    """llama.cpp's drafting flags, each pinned: the one source for the commands measured and printed."""
     return ["--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min), "--spec-draft-p-min", str(p_min)]
 
 
@@ -79,19 +69,10 @@ class LlamaCppPlan:
     """What llama.cpp should draft at one acceptance α (:func:`llama_cpp_plan`).
 
     Attributes:
-        n_max: ``--spec-draft-n-max`` to serve (0: serve the target alone). Uncalibrated: the best n of
-            :meth:`SpeedModel.best_gamma`. Calibrated: ``best_n`` when its whole error band lies above 1, else 0.
-        n_min / p_min: the drafting flags the forecast assumes (:data:`LLAMA_CPP_N_MIN`, :data:`LLAMA_CPP_P_MIN`:
-            every round drafts n_max).
-        predicted_speedup: the forecast at ``best_n``, × llama.cpp's target alone (tokens/s ratio): calibrated
-            (:meth:`LlamaCppCalibration.speedup`) when a calibration priced it, else llama-bench's S(α, n).
-        by_n: n → that forecast for every n considered (0 … the largest uncalibrated; the calibrated range).
-        engine: the llama.cpp build the forecast holds for (:func:`llama_cpp_engine`).
-        best_n: the n the forecast peaks at (equal to ``n_max`` unless the band refused it).
-        band: ``(low, high)``, the calibrated forecast's error band (:meth:`LlamaCppCalibration.band`), ``None``
-            uncalibrated.
-        raw_speedup: llama-bench's own S(α, best_n), before the calibration.
-        note: why ``n_max`` is what it is, in words (empty uncalibrated).
+        n_max: ``--spec-draft-n-max`` to serve (0: the target alone); calibrated, ``best_n`` only when its whole
+            error band lies above 1. ``predicted_speedup``: the forecast at ``best_n``, tokens/s × llama.cpp's target
+            alone; ``by_n``: n → forecast. ``band``: ``(low, high)``, None uncalibrated; ``raw_speedup``:
+            llama-bench's own S(α, best_n); ``note``: why ``n_max`` is what it is.
     """
 
     n_max: int
@@ -115,20 +96,10 @@ class LlamaCppPlan:
 def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None,
                    calibration: LlamaCppCalibration | None = None,
                    conditions: Mapping[str, Any] | None = None) -> LlamaCppPlan:
-    """What llama.cpp should draft at acceptance ``alpha``, considering n up to ``max_n`` (default, and at most:
-    ``speed.max_gamma``).
-
-    ``alpha`` is the per-token acceptance probability specdraft measured on the pair (``specdraft eval``'s α,
-    accepted / reached); greedy llama.cpp accepts a draft token exactly when it is the target's argmax, as
-    specdraft's greedy verification.
-
-    Without ``calibration``: llama-bench's pricing alone (:meth:`SpeedModel.best_gamma`), which over-predicts what
-    ``llama-speculative-simple`` reaches (docs/serving.md, "the embedded pair side by side"). With one
-    (:class:`LlamaCppCalibration`): only the n it measured are considered (its ``n_range``: a forecast outside it
-    is an extrapolation its error does not cover), the best is priced by :meth:`LlamaCppCalibration.speedup`, and it
-    is served only when its whole error band lies above 1 — otherwise ``n_max`` is 0: serve the target alone.
-    A calibration that does not apply to the llama-bench results' ``conditions`` (:meth:`LlamaCppCalibration.applies_to`)
-    prices nothing: the plan is llama-bench's alone, with no band, its note saying why and how to fit one here.
+    """What llama.cpp should draft at ``alpha`` (accepted / reached, as ``specdraft eval`` measures it), n up to
+    ``max_n`` (at most ``speed.max_gamma``). Without a ``calibration`` that applies to ``conditions``: llama-bench's
+    pricing alone; with one: only its ``n_range``, served when the band lies above 1. Rules:
+    docs/architecture.md#specdraftllama_cpp_price.
     """
     top = speed.max_gamma if max_n is None else min(max_n, speed.max_gamma)
     why = calibration.applies_to(conditions) if calibration is not None and conditions is not None else None
@@ -158,14 +129,9 @@ def llama_cpp_plan(speed: SpeedModel, alpha: float, max_n: int | None = None,
 
 def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: int = 2, server: bool = False,
                       n_min: int = LLAMA_CPP_N_MIN, p_min: float = LLAMA_CPP_P_MIN, engine: str | None = None) -> str:
-    """The llama.cpp command serving ``target_gguf`` with ``draft_gguf`` as its ``-md`` draft (``llama-server`` or
-    ``llama-speculative-simple``), with the drafting flags a forecast assumed pinned (:func:`llama_cpp_draft_args`:
-    at most ``n_max`` tokens per round, ``n_min``, ``p_min``); ``n_max`` 0 → the target alone. It ends in a shell
-    comment naming the build the forecast holds for (``engine``, default :func:`llama_cpp_engine`).
-
-    ``--spec-type draft-simple`` is needed: llama.cpp (pinned :data:`specdraft.embedded.LLAMA_CPP_VERSION`,
-    common/arg.cpp) infers a speculative type from the ``-md`` GGUF only for MTP / DFlash heads; a plain draft model
-    leaves the type at ``none`` and nothing is drafted."""
+    """The llama.cpp command serving ``target_gguf`` with ``draft_gguf`` as ``-md`` draft, drafting flags pinned
+    (``n_max`` 0: the target alone), ending in a comment naming the build. ``--spec-type draft-simple`` is needed:
+    llama.cpp's common/arg.cpp infers a type from the ``-md`` GGUF only for MTP / DFlash heads."""
     exe = "llama-server" if server else "llama-speculative-simple"
     build = f" # for {engine or llama_cpp_engine()}"
     if n_max == 0:
@@ -176,18 +142,8 @@ def llama_cpp_command(target_gguf: str, draft_gguf: str, n_max: int, threads: in
 
 @dataclass
 class LlamaCppForecast:
-    """One draft of :func:`rank_llama_cpp`: its α, llama.cpp's plan at that α (:class:`LlamaCppPlan`'s fields) and
-    the llama-bench costs the plan was priced with.
-
-    Attributes:
-        draft: the draft's name (a key of ``alphas``); ``alpha``: its per-token acceptance probability.
-        n_max / n_min / p_min / engine / predicted_speedup / by_n / best_n / band / raw_speedup / note:
-            :class:`LlamaCppPlan` (``predicted_speedup``: tokens/s relative to llama.cpp's target alone, at
-            ``best_n``; ``n_max`` 0: serve the target alone).
-        draft_step_ms: d (ms); ``target_step_ms``: t(1) (ms); ``cost_ratio_c``: d / t(1).
-        speed_model: the :class:`SpeedModel` from both GGUFs' llama-bench results.
-        calibration: the :class:`LlamaCppCalibration` that priced the plan, ``None`` for llama-bench's pricing alone
-            (:meth:`to_dict` leaves it out: a ranking writes it once).
+    """One draft of :func:`rank_llama_cpp`: its α, :class:`LlamaCppPlan`'s fields, d and t(1) in ms, c = d / t(1),
+    the :class:`SpeedModel`, and the calibration that priced it (None: llama-bench's alone; not in :meth:`to_dict`).
     """
 
     draft: str
@@ -220,26 +176,8 @@ class LlamaCppForecast:
 def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
                    max_n: int | None = None, calibration: LlamaCppCalibration | None = None,
                    conditions: Mapping[str, Any] | None = None) -> list[LlamaCppForecast]:
-    """Candidate drafts ranked by the speed-up llama.cpp is predicted to reach with each, best first
-    (``specdraft rank --engine llama.cpp``).
-
-    Per draft: its :class:`SpeedModel` from llama.cpp's own timings (:func:`llama_bench_speed_model` of the
-    target's and its ``llama-bench`` results), then :func:`llama_cpp_plan` at its α. A cheaper draft with a lower α
-    can win: with llama.cpp's compute-bound CPU verification the draft step d and t(n+1) weigh as much as α.
-
-    Args:
-        alphas: draft name → α (per-token acceptance probability, accepted / reached, as specdraft measures it).
-        target_bench / draft_benches: ``llama-bench -o json`` tests of the target and of each draft (same names as
-            ``alphas``).
-        max_n: the largest ``--spec-draft-n-max`` considered (default: the widest ``pp`` test of the target − 1).
-        calibration: prices each plan as llama-speculative-simple measured it (:func:`llama_cpp_plan`); ``None``:
-            llama-bench's pricing alone.
-        conditions: what the llama-bench results were taken under (:func:`llama_cpp_conditions`); a calibration
-            that does not apply to them prices no plan (each plan's note says why).
-
-    Returns:
-        one :class:`LlamaCppForecast` per draft, sorted by ``predicted_speedup``, highest first (ties keep the
-        order of ``alphas``).
+    """Drafts (``alphas``: name → α, accepted / reached) ranked by llama.cpp's predicted speed-up, best first:
+    each one's :func:`llama_bench_speed_model`, then :func:`llama_cpp_plan` (``specdraft rank --engine llama.cpp``).
 
     Raises:
         ValueError: a draft without results in ``draft_benches``; results without the tests
@@ -249,7 +187,7 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
     if missing:
         raise ValueError(f"no llama-bench results for draft {', '.join(missing)}")
     applied = None if calibration is None or conditions is not None and calibration.applies_to(conditions) \
-        else calibration  # a forecast names the calibration only where it priced the plan
+        else calibration
     rows = []
     for name, alpha in alphas.items():
         speed = llama_bench_speed_model(target_bench, draft_benches[name])
@@ -264,11 +202,7 @@ def rank_llama_cpp(alphas: Mapping[str, float], target_bench: list[dict], draft_
 
 
 def alpha_from_acceptance_rate(rate: float, n: int) -> float:
-    """The per-token acceptance probability α whose i.i.d. rounds of ``n`` drafts accept ``rate`` of the drafted
-    tokens: the root of (α + α² + … + αⁿ) / n = rate (increasing in α on [0, 1]), by bisection.
-
-    llama.cpp reports accepted / drafted (``n_accept / n_drafted``); the speed model takes α (specdraft's accepted /
-    reached). For n = 1 they are the same; for larger n the rate is lower than α (a rejection ends the round).
+    """α from llama.cpp's accepted / drafted ``rate`` at ``n`` drafts: the root of (α + … + αⁿ) / n = rate.
 
     Raises:
         ValueError: ``rate`` outside [0, 1] or ``n`` < 1.
@@ -287,16 +221,8 @@ def alpha_from_acceptance_rate(rate: float, n: int) -> float:
 
 @dataclass(frozen=True)
 class EngineRun:
-    """One llama.cpp decode of one prompt as llama.cpp reported it: what :func:`fit_llama_cpp_calibration` fits.
-
-    Attributes:
-        config: its configuration's label (``"plain"`` for the target alone, ``"stock 0.5B, n_max 3"``).
-        draft: the draft's name (a key of the draft benches), ``None`` for the target alone (``llama-completion``).
-        n_max: ``--spec-draft-n-max`` (0 for the target alone).
-        tokens: tokens decoded (``n_predict``; a plain run's eval runs); ``seconds``: llama.cpp's decode seconds
-            (prompt processing excluded).
-        drafted / accepted: ``n_drafted`` / ``n_accept`` (0 for the target alone).
-    """
+    """One llama.cpp decode of one prompt as llama.cpp reported it (``draft`` None: the target alone):
+    tokens decoded, decode seconds (prompt excluded), ``n_drafted`` / ``n_accept``."""
 
     config: str
     draft: str | None
@@ -308,28 +234,18 @@ class EngineRun:
 
     @property
     def rounds(self) -> int:
-        """Target verifications: each round emits its accepted drafts plus one token of the target's."""
+        """Target verifications (each round emits its accepted drafts plus one)."""
         return self.tokens - self.accepted
 
 
 @dataclass
 class LlamaCppCalibration:
-    """What a round of llama.cpp's speculative decoding costs beyond llama-bench's pricing (:class:`SpeedModel` from
-    :func:`llama_bench_speed_model`), fitted to measured runs (:func:`fit_llama_cpp_calibration`):
+    """llama.cpp's round cost beyond llama-bench's pricing, fitted to measured runs:
+    round(n) = overhead · t(1) + round_factor · (n·d + t(n+1)); the target alone costs plain_factor · t(1) per token.
 
-        round(n) = overhead · t(1) + round_factor · (n·d + t(n+1)),   the target alone: plain_factor · t(1) per token
-
-    so S(α, n) = E(α, n) · plain_factor · t(1) / round(n) (:meth:`speedup`). ``overhead`` is the intercept of the
-    line through the measured rounds, in target steps t(1) so that it scales with the target (it may be negative:
-    the factor then charges large rounds more than small ones), not a cost of its own.
-
-    Attributes:
-        overhead: per round, in target steps t(1) (the intercept); ``round_factor``: on llama-bench's priced round;
-            ``plain_factor``: the target alone's measured seconds per token over llama-bench's t(1).
-        n_range: ``(lowest, highest)`` ``--spec-draft-n-max`` measured: the plans the calibration backs.
-        loo_errors: configuration → predicted / measured speed-up − 1, predicted by the calibration fitted without
-            that configuration's runs (leave-one-out over the bench's configurations).
-        provenance: what it was fitted to (result file, command, machine, llama.cpp build, prompts, configurations).
+    ``n_range``: the n_max measured (the plans it backs); ``loo_errors``: configuration → leave-one-out
+    predicted / measured speed-up − 1; ``provenance``: what it was fitted to. Derivation:
+    docs/architecture.md#specdraftllama_cpp_price.
     """
 
     overhead: float
@@ -341,7 +257,7 @@ class LlamaCppCalibration:
 
     @property
     def error(self) -> float:
-        """The largest leave-one-out error, |predicted / measured − 1| (the half-width of :meth:`band`)."""
+        """The largest |leave-one-out error| (the half-width of :meth:`band`)."""
         return max(abs(e) for e in self.loo_errors.values())
 
     def round_seconds(self, speed: SpeedModel, n: int) -> float:
@@ -349,10 +265,10 @@ class LlamaCppCalibration:
         return self.overhead * speed.target_s[0] + self.round_factor * speed.round_seconds(n)
 
     def speedup(self, speed: SpeedModel, alpha: float, n: int) -> float:
-        """The calibrated S(α, n), × llama.cpp's target alone (n = 0: 1).
+        """S(α, n) = E(α, n) · plain_factor · t(1) / round(n), × llama.cpp's target alone (n = 0: 1).
 
         Raises:
-            ValueError: a round priced at no time (timings far from those fitted: the calibration does not apply).
+            ValueError: a round priced at no time (timings far from those fitted).
         """
         if n == 0:
             return 1.0
@@ -363,7 +279,7 @@ class LlamaCppCalibration:
         return expected_tokens_per_pass(alpha, n) * self.plain_factor * speed.target_s[0] / seconds
 
     def describe(self) -> str:
-        """What it was fitted to and how well it held, in one sentence (``rank --engine llama.cpp`` prints it)."""
+        """What it was fitted to and how well it held, in one sentence."""
         lo, hi = self.n_range
         return (f"{self.provenance.get('said') or 'fitted to unrecorded runs'}; leave-one-out error ±{self.error:.1%} "
                 f"over {len(self.loo_errors)} configurations; it backs n_max {lo}–{hi}")
@@ -373,15 +289,8 @@ class LlamaCppCalibration:
         return speedup / (1 + self.error), speedup / (1 - self.error) if self.error < 1 else float("inf")
 
     def applies_to(self, conditions: Mapping[str, Any]) -> str | None:
-        """``None`` when llama-bench results taken under ``conditions`` are what this calibration was fitted to, else
-        why not, in words: its factors and its error hold for one machine, thread count, backend, target and build.
-
-        ``conditions`` (:func:`llama_cpp_conditions`): any of ``machine`` (``"x86_64 (2 cpus)"``, as
-        :func:`specdraft.io.versions` writes it), ``threads``, ``backend`` (llama-bench's ``backends``),
-        ``target_gguf`` (a file name or path), ``llama.cpp`` (the build, as the provenance spells it). The
-        calibration's side is its provenance: ``machine``, ``llama.cpp``, ``target_gguf``, the threads its ``said``
-        states, and a ``backend`` where recorded, else the CPU (the bench's build has no other). A condition unknown
-        on either side is not compared.
+        """``None`` when ``conditions`` (:func:`llama_cpp_conditions`: machine, threads, backend, target_gguf,
+        llama.cpp) match the provenance, else why not in words; a condition unknown on either side is not compared.
         """
         p = self.provenance
         threads = p.get("threads")
@@ -420,11 +329,8 @@ REFIT_COMMAND = ("python bench/llamacpp_check.py --embedded --n-max 3,8 --thread
 
 def llama_cpp_conditions(target_bench: list[dict], target_gguf: str | os.PathLike | None = None,
                          threads: int | None = None, machine: str | None = None) -> dict[str, Any]:
-    """What llama-bench results were taken under, for :meth:`LlamaCppCalibration.applies_to`: ``threads`` and
-    ``backend`` as the target's ``llama-bench -o json`` rows record them (``n_threads``, ``backends``; else the
-    ``threads`` given), ``target_gguf`` (given, else the rows' ``model_filename``) and ``machine`` (given: the
-    rows do not say which machine ran them). A value the rows disagree on is kept as their list, which matches no
-    calibration."""
+    """What llama-bench rows were taken under (threads, backend, target_gguf, machine), for
+    :meth:`LlamaCppCalibration.applies_to`; values the rows disagree on are kept as a list, matching nothing."""
     def one(key: str) -> Any:
         seen = list(dict.fromkeys(r[key] for r in target_bench if r.get(key) not in (None, "")))
         return seen[0] if len(seen) == 1 else ", ".join(map(str, seen)) if seen else None
@@ -436,14 +342,12 @@ def llama_cpp_conditions(target_bench: list[dict], target_gguf: str | os.PathLik
 
 
 def _fit_round(runs: list[EngineRun], speeds: Mapping[str, SpeedModel]) -> tuple[float, float]:
-    """``(overhead, round_factor)`` by least squares on each run's seconds, weighted by 1 / seconds (every prompt
-    counts by its relative error): seconds ≈ rounds · overhead · t(1) + round_factor · Σ priced rounds, the priced
-    rounds summing to drafted · d + rounds · t(1) + drafted · (t(2) − t(1)) on llama-bench's line of t(k)."""
+    """``(overhead, round_factor)`` by least squares on each run's seconds, weighted by 1 / seconds."""
     sxx = sxy = syy = bx = by = 0.0
     for r in runs:
         sp = speeds[r.draft]  # type: ignore[index]
         priced = r.drafted * sp.draft_s + r.rounds * sp.target_s[0] + r.drafted * (sp.target_s[1] - sp.target_s[0])
-        x, y = r.rounds * sp.target_s[0] / r.seconds, priced / r.seconds  # the terms over the seconds: target 1
+        x, y = r.rounds * sp.target_s[0] / r.seconds, priced / r.seconds
         sxx, sxy, syy, bx, by = sxx + x * x, sxy + x * y, syy + y * y, bx + x, by + y
     det = sxx * syy - sxy * sxy
     if det <= 1e-12 * sxx * syy:
@@ -454,25 +358,15 @@ def _fit_round(runs: list[EngineRun], speeds: Mapping[str, SpeedModel]) -> tuple
 
 
 def _measured_speedup(runs: list[EngineRun], plain: list[EngineRun]) -> float:
-    """Σ tokens / Σ seconds of ``runs`` over the target alone's (the bench's paired ratio's value)."""
+    """Σ tokens / Σ seconds of ``runs`` over the target alone's."""
     return (sum(r.tokens for r in runs) / sum(r.seconds for r in runs)) / (
         sum(r.tokens for r in plain) / sum(r.seconds for r in plain))
 
 
 def fit_llama_cpp_calibration(runs: list[EngineRun], target_bench: list[dict], draft_benches: Mapping[str, list[dict]],
                               provenance: Mapping[str, Any] | None = None) -> LlamaCppCalibration:
-    """Fit :class:`LlamaCppCalibration` to measured llama.cpp runs and state its leave-one-out error.
-
-    ``plain_factor`` = the target alone's measured seconds per token over t(1); ``overhead`` and ``round_factor``
-    by :func:`_fit_round` over every speculative run (one per prompt and configuration). Each configuration is then
-    left out in turn: the calibration fitted to the others predicts its speed-up at its n_max and at the α its
-    acceptance implies (:func:`alpha_from_acceptance_rate`, as ``rank`` would be given α), against the measured one
-    (Σ tokens / Σ seconds over the target alone's): ``loo_errors``.
-
-    Args:
-        runs: :class:`EngineRun` per prompt: the target alone's (``draft`` None) and the speculative ones.
-        target_bench / draft_benches: ``llama-bench -o json`` tests of the target and of each draft (by ``draft``).
-        provenance: what the runs are (stored as given).
+    """Fit :class:`LlamaCppCalibration` to ``runs`` (the target alone's and the speculative ones, per prompt) with
+    its leave-one-out error per configuration.
 
     Raises:
         ValueError: no run of the target alone; fewer than three speculative configurations (no leave-one-out
@@ -507,7 +401,7 @@ def fit_llama_cpp_calibration(runs: list[EngineRun], target_bench: list[dict], d
 
 
 
-#: The packaged calibration's file (``bench/llamacpp_check.py --refit`` writes it from the bench's result file).
+#: The packaged calibration's file (written by ``bench/llamacpp_check.py --refit``).
 PACKAGED_CALIBRATION = Path(__file__).with_name("llamacpp_calibration.json")
 
 

@@ -34,12 +34,8 @@ VERIFIER_MODES: tuple[str, ...] = get_args(VerifierMode)
 
 
 class VerifierHead:
-    """The verifier's final norm and output head: what distillation needs of p, without its layers.
-
-    ``head(hidden_states)`` maps the verifier's last hidden states ``[B, S, H]`` (before the final norm) to
-    logits ``[B, S, V]`` in the head's dtype, then applies the architecture's final-logit transforms
-    (soft-capping, scaling: :func:`specdraft.sampling.final_logit_ops`), as the verifier does.
-    """
+    """The verifier's final norm and output head: ``head(hidden [B, S, H])`` → logits ``[B, S, V]`` in the head's
+    dtype, final-logit transforms applied (:func:`specdraft.sampling.final_logit_ops`), as the verifier does."""
 
     def __init__(self, norm, lm_head, logit_ops=()):
         self.norm = norm
@@ -48,7 +44,7 @@ class VerifierHead:
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> VerifierHead:
-        """Take the final norm and output embeddings of a causal LM (the modules, not copies).
+        """The final norm and output embeddings of a causal LM (the modules, not copies).
 
         Raises:
             SpeculatorError: no output head or no final norm found (names the class).
@@ -87,35 +83,18 @@ class VerifierHead:
 class IndependentSpeculator:
     """A transformers causal LM (the draft, q) that knows which verifier (p) it drafts for and its γ.
 
-    Transparent: every attribute the wrapper does not define — ``forward``, ``generate``, ``config``,
-    ``state_dict`` / ``load_state_dict``, ``named_parameters``, ``device`` … — is the draft's, and calling
-    the wrapper calls the draft. ``state_dict()`` keys are the plain model's. The wrapper is not itself an
-    ``nn.Module``: hand ``speculator.draft`` to code that checks types (``Trainer``).
-
-    A held verifier (``attach_verifier(mode="full" | "train_only")``) is never part of the draft's
-    state_dict or saved files; ``.to()`` / ``.cuda()`` / ``.cpu()`` move it along with the draft. What each mode
-    is for (the modes mirror the speculators library's):
-
-    * ``"full"`` — :meth:`generate` runs specdraft's lossless speculative decoding of the verifier with this
-      draft (the verifier's output, token for token, when greedy).
-    * ``"train_only"`` — holds only the verifier's final norm and output head (:class:`VerifierHead`), the teacher
-      side of distillation: :meth:`specdraft.distill.DistillModel.from_speculator` turns stored hidden states into p
-      without the verifier's layers.
-    * ``"detached"`` — records the verifier's name and architectures only (what ``export`` writes).
+    Transparent: every attribute it does not define is the draft's, calling it calls the draft, and its
+    ``state_dict()`` keys are the plain model's; it is no ``nn.Module`` (hand ``.draft`` to code that checks types).
+    A held verifier is never saved, and ``.to()`` moves it along. Modes (the speculators library's): ``"full"``
+    (:meth:`generate` decodes speculatively), ``"train_only"`` (:class:`VerifierHead`, for distillation),
+    ``"detached"`` (the record only).
 
     Attributes:
-        draft: the wrapped ``PreTrainedModel``; its config holds no ``speculators_*`` keys.
-        speculator_config: :class:`IndependentSpeculatorConfig` (verifier record, γ).
-        verifier: the loaded verifier model in mode "full", else ``None``.
-        verifier_head: :class:`VerifierHead` in mode "train_only", else ``None``.
-        verifier_mode: the last attachment mode, or ``None``.
-        draft_source: the directory the draft was loaded from (tokenizer source for the compatibility check).
-        compat_verdict: verdict of the last tokenizer check ("identical", "identical-up-to-padding"), or
-            ``None`` when none ran.
-        corrections: ``{config key: (before, after)}`` for draft config values set to match its tensors (a
-            ``tie_word_embeddings: true`` next to an untied output head becomes false:
-            :func:`specdraft.weights.match_tie_flag`), on loading or saving; the saved ``config.json`` then differs
-            from the draft's own in those keys.
+        draft: the wrapped ``PreTrainedModel`` (no ``speculators_*`` config keys); ``speculator_config``: the
+            verifier record and γ; ``verifier`` / ``verifier_head``: held in mode "full" / "train_only".
+        compat_verdict: the last tokenizer check's verdict, or ``None``.
+        corrections: ``{config key: (before, after)}`` set to match the tensors
+            (:func:`specdraft.weights.match_tie_flag`), on loading or saving.
     """
 
     _OWN = frozenset(
@@ -132,15 +111,8 @@ class IndependentSpeculator:
         draft_source: str | os.PathLike | None = None,
         tokenizer: Any = None,
     ):
-        """Wrap ``draft``.
-
-        Args:
-            draft: a transformers causal LM.
-            config: speculator metadata; default: read from ``draft.config`` (its ``speculators_*`` keys when
-                loaded from a speculator, else converted with γ = ``num_speculative_tokens`` or 5).
-            num_speculative_tokens: γ, replacing the config's.
-            draft_source: where the draft's tokenizer lives (for the compatibility check).
-            tokenizer: the draft's tokenizer (for the compatibility check).
+        """Wrap ``draft``; ``config`` defaults to ``draft.config``'s ``speculators_*`` keys (else γ =
+        ``num_speculative_tokens`` or 5); ``draft_source`` / ``tokenizer`` serve the compatibility check.
 
         Raises:
             SpeculatorError: ``draft`` is not a causal LM (names its class), or γ < 1.
@@ -152,8 +124,7 @@ class IndependentSpeculator:
             )
         elif num_speculative_tokens is not None:
             config = config.with_num_speculative_tokens(num_speculative_tokens)
-        # The metadata lives in speculator_config; the draft stays a plain model whose own save_pretrained
-        # writes a plain config.json (AutoConfig puts unknown keys of a speculator's config.json on it).
+        # AutoConfig puts a speculator's keys on the draft's config; they live in speculator_config instead.
         for k in SPECULATOR_KEYS:
             draft.config.__dict__.pop(k, None)
         own = self.__dict__
@@ -171,7 +142,7 @@ class IndependentSpeculator:
     # ---------------------------------------------------------------------------- transparency
 
     def __getattr__(self, name: str):
-        # Only reached when normal lookup fails; guard "draft" so copy/pickle never recurse.
+        # Guard "draft" so copy/pickle never recurse.
         draft = self.__dict__.get("draft")
         if draft is None or name.startswith("__"):
             raise AttributeError(name)
@@ -232,22 +203,15 @@ class IndependentSpeculator:
     # ---------------------------------------------------------------------------- decoding
 
     def generate(self, input_ids=None, attention_mask=None, **kwargs):
-        """With a verifier attached in mode ``"full"``: specdraft's lossless speculative decoding of the verifier
-        with this draft and γ = :attr:`num_speculative_tokens` (:func:`specdraft.decode.speculative_generate`);
-        otherwise the draft's own ``generate`` (the wrapper is transparent).
-
-        In mode ``"full"``:
+        """In mode ``"full"``, :func:`specdraft.decode.speculative_generate` of the verifier with this draft and γ
+        (keywords as there; ``max_new_tokens`` default 20); otherwise the draft's own ``generate``.
 
         Args:
-            input_ids: ``[B, P] int64`` prompts, left-padded; attention_mask ``[B, P]`` (default all ones).
-            max_new_tokens: new tokens per row (default 20, as transformers); ``sampling``
-                (:class:`specdraft.config.SamplingConfig`, default greedy), ``generator``, ``eos_token_id``,
-                ``real_vocab`` (``len(tokenizer)``) as in ``speculative_generate``.
+            input_ids: ``[B, P] int64`` left-padded prompts; ``attention_mask`` ``[B, P]``.
 
         Returns:
-            ``[B, P + N] int64``: the prompts followed by the new tokens, rows shorter than the longest (EOS)
-            right-padded with the verifier's pad id — the layout of transformers' ``generate``. The acceptance
-            counts of the call are in :attr:`last_counts`.
+            ``[B, P + N] int64``, shorter rows right-padded with the verifier's pad id (transformers' layout);
+            the call's acceptance counts in :attr:`last_counts`.
 
         Raises:
             specdraft.decode.DecodeError: see ``speculative_generate``.
@@ -284,22 +248,14 @@ class IndependentSpeculator:
         dtype: Any = "auto",
         device: str | None = None,
     ) -> IndependentSpeculator:
-        """Record the verifier (target, p) in the config and, by ``mode``, hold it.
+        """Record the verifier (target, p) and, by ``mode``, hold it; returns ``self``.
 
         Args:
-            model_or_reference: a reference (embedded name, local dir, cached hub id), a ``PreTrainedModel``,
-                or (mode "detached" only) a ``PretrainedConfig`` / ``VerifierConfig``.
-            mode: "detached" records ``name_or_path`` and ``architectures`` only; "full" also holds the loaded
-                verifier (``self.verifier``) for decoding; "train_only" holds only its final norm and output
-                head (``self.verifier_head``), which distillation needs.
-            name_or_path: recorded instead of the reference / the model's ``name_or_path``.
-            tokenizer: the verifier's tokenizer (object or reference) for the compatibility check.
-            check_tokenizer: run :func:`specdraft.check.check_compatible` between the verifier's and the draft's
-                tokenizers (a mismatch raises; an unknown tokenizer warns and skips the check).
-            dtype, device: for loading a referenced verifier (see :func:`specdraft.models.load_model`).
-
-        Returns:
-            ``self``.
+            model_or_reference: a reference, a ``PreTrainedModel``, or (mode "detached") a config.
+            name_or_path: recorded instead of the reference's / model's name.
+            check_tokenizer: compare the verifier's ``tokenizer`` with the draft's (a mismatch raises; an unknown
+                tokenizer warns and skips).
+            dtype, device: for loading a referenced verifier (:func:`specdraft.models.load_model`).
 
         Raises:
             SpeculatorError: unknown mode; unreadable reference; no name to record; tokenizer mismatch;
@@ -328,7 +284,6 @@ class IndependentSpeculator:
                 tokenizer = tokenizer_dir(resolve(model_or_reference))
             elif tokenizer is None and model is not None:
                 tokenizer = tokenizer_dir(getattr(model, "name_or_path", None))
-            # The error names the verifier as the caller gave it (an embedded name), not the recorded hub id.
             verdict = check_tokenizers(tokenizer, self._draft_tokenizer_source(),
                                         str(model_or_reference) if is_ref else record.name_or_path, self.draft_source)
 
@@ -347,21 +302,9 @@ class IndependentSpeculator:
     # ---------------------------------------------------------------------------- save / load
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """Write the speculator: the draft's own ``save_pretrained`` output, then ``config.json`` rewritten
-        with the three ``speculators_*`` keys added (same formatting, every other key unchanged).
-
-        Weight files are byte-identical to ``draft.save_pretrained``; no held verifier is written. A draft prepared
-        for decoding (:func:`specdraft.draft_model.prepare_draft`) is written as
-        :func:`specdraft.draft_model.dense_draft` gives it: dequantised layers, a full-width head whose excluded rows
-        never win, so ``AutoModelForCausalLM`` reloads the q that was evaluated. A draft whose
-        config claims tied embeddings while its output head differs is saved with ``tie_word_embeddings: false``
-        (warned; recorded in :attr:`corrections`): a loader that trusts the flag would otherwise serve the
-        input embeddings as the head.
-
-        Args:
-            save_directory: target directory (created).
-            kwargs: passed to the draft's ``save_pretrained`` (e.g. ``max_shard_size``); ``push_to_hub`` is
-                refused (it would upload the plain config first).
+        """The draft's own ``save_pretrained`` output (a prepared draft as :func:`specdraft.draft_model.dense_draft`
+        gives it), then ``config.json`` with the three ``speculators_*`` keys added; a false tie flag is corrected
+        (warned, :attr:`corrections`). ``kwargs`` go to ``save_pretrained``; ``push_to_hub`` is refused.
 
         Raises:
             SpeculatorError: no verifier named (nothing is written), or ``push_to_hub=True``.
@@ -376,8 +319,7 @@ class IndependentSpeculator:
         from specdraft.draft_model import dense_draft
         from specdraft.weights import check_model_weights, match_tie_flag
 
-        # A draft prepared for decoding (int8/int4 layers, a trimmed head) is written as its dense equivalent: its
-        # own buffers are not weights its class loads, and transformers would initialise those layers at random.
+        # int8/int4 layers and a trimmed head are no weights its class loads: write the dense equivalent.
         draft = dense_draft(self.draft)
         if fixed := match_tie_flag(draft):
             warnings.warn(f"{type(draft).__name__}: the config claims tie_word_embeddings: true but the output "
@@ -386,8 +328,7 @@ class IndependentSpeculator:
         check_model_weights(draft)  # anything else its class would not reload: refused before a file is written
         draft.save_pretrained(save_directory, **kwargs)
         path = Path(save_directory) / "config.json"
-        # Re-read what transformers wrote (it may set architectures / dtype on save) so the speculator's
-        # config is exactly the plain one plus three keys.
+        # Re-read what transformers wrote (it may set architectures / dtype): the plain config plus three keys.
         self.speculator_config.draft_config = json.loads(path.read_text(encoding="utf-8"))
         with atomic_path(path) as tmp:  # the mode of a plain write, as transformers gave config.json
             tmp.write_text(self.speculator_config.to_json_string(), encoding="utf-8")
@@ -404,19 +345,8 @@ class IndependentSpeculator:
         device: str | None = None,
         **model_kwargs,
     ) -> IndependentSpeculator:
-        """Load a saved speculator, or convert a plain draft checkpoint.
-
-        Args:
-            pretrained: embedded name, local directory or cached hub id.
-            verifier: names (and with ``verifier_mode`` "full"/"train_only" loads) the verifier; default the
-                recorded one.
-            verifier_mode: see :meth:`attach_verifier`. "detached" with ``verifier=None`` keeps the record
-                as is and runs no check.
-            num_speculative_tokens: γ (default: recorded, or 5 when converting).
-            dtype: ``"auto"`` keeps the checkpoint's dtype (what makes a converted speculator's weights
-                byte-identical); or a torch dtype / name.
-            device: moves the draft (and a held verifier) there.
-            model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
+        """Load a saved speculator, or convert a plain draft checkpoint (``verifier`` default: the recorded one,
+        attached in ``verifier_mode``; ``dtype`` "auto" keeps the checkpoint's, byte-identical).
 
         Raises:
             SpeculatorError: not a causal LM (names its architecture), invalid speculator keys, γ < 1, a
@@ -445,7 +375,6 @@ class IndependentSpeculator:
                 )
             from specdraft.models import local_reference
 
-            # A recorded hub id of an embedded model opens its embedded build when the hub copy is not here.
             verifier = local_reference(config.verifier.name_or_path)
         if verifier is not None:
             spec.attach_verifier(verifier, verifier_mode, device=device)
