@@ -22,23 +22,16 @@ from specdraft.tokens import left_pad
 def certify_sampling(target, draft, prompt: Sequence[int], sampling: SamplingConfig, draws: int,
                      num_speculative_tokens: int, *, real_vocab: int | None = None, pad_id: int = 0,
                      batch_size: int = 64, seed: int = 0, vocab_mapping=None) -> dict[str, Any]:
-    """Is sampled speculative decoding exact on this pair? A χ² goodness-of-fit test of the first sampled token.
-
-    ``draws`` rows of ``prompt`` (batches of ``batch_size``) decode two tokens each with
-    :func:`~specdraft.decode.speculative_generate`, so the first round drafts one token; the first tokens' counts
-    are tested against the target's filtered law p at that position (:func:`specdraft.sampling.filtered_probs`;
-    cells of expected count < 5 merged, :func:`specdraft.stats.chi2_goodness_of_fit`). Leviathan et al. 2023,
-    Thm 3.5: the emitted token's law is p whatever q is. Valid only when speculation proposed and rejected.
-    Design: docs/architecture.md#specdraftcertify.
+    """Is sampled speculative decoding exact on this pair? A χ² goodness-of-fit test of the first sampled token:
+    ``draws`` rows decode two tokens each (the first round drafts one), and the first tokens' counts are tested against
+    the target's filtered law p (Leviathan et al. 2023, Thm 3.5). Design: docs/architecture.md#specdraftcertify.
 
     Returns:
-        ``{"draws", "p_value", "outside_support"`` (draws where p = 0), ``"cells"``, ``"top_tokens"``
-        ([[id, p, observed share], …], 5 likeliest), ``"proposals"``, ``"accepted"``, ``"rejections"``,
-        ``"bonus_draws"``, ``"target_draws"`` (first tokens drawn with no proposal), ``"valid"``,
-        ``"invalid_reason"``, ``"passed"`` (valid, p_value ≥ 0.001, nothing outside the support)}.
+        ``{"draws", "p_value", "outside_support", "cells", "top_tokens", "proposals", "accepted", "rejections",
+        "bonus_draws", "target_draws", "valid", "invalid_reason", "passed"}``.
 
     Raises:
-        ValueError: greedy ``sampling`` (the identity count certifies it) or ``draws`` < 1.
+        ValueError: greedy ``sampling`` or ``draws`` < 1.
     """
     import numpy as np
 

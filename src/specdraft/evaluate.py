@@ -35,9 +35,8 @@ from specdraft.speed_run import Contender, ContenderSpeed, Decoded, Divergence, 
 from specdraft.stats import ratio_ci
 from specdraft.tokens import left_pad
 
-# Largest top-2 logit margin (logit units) that a change of pass shape (1 token vs γ+1 tokens) can flip by
-# rounding alone. bf16 keeps 8 significand bits: logits of magnitude ~20 are spaced 0.125 apart, and errors
-# accumulate over layers, so 0.5 is a conservative bound; fp32 differences are ~1e-5.
+# Largest top-2 logit margin that a change of pass shape (1 vs γ+1 tokens) can flip by rounding alone
+# (derivation: docs/architecture.md#specdraftevaluate).
 ROUNDING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
 
 
@@ -116,8 +115,7 @@ class EvalResult:
         target_pass = self.target_counts.time_target / self.target_counts.target_calls \
             if self.target_counts.target_calls else 0.0
         cost_ratio = draft_step / target_pass if target_pass else 0.0
-        # The analytic model takes α = accepted / reached (the per-token acceptance probability), not
-        # accepted / proposed, which also counts the drafts after a rejection that were never tested.
+        # The analytic model takes α = accepted / reached, not accepted / proposed.
         alpha = c.alpha
         g_best, s_best = best_gamma(alpha, cost_ratio) if cost_ratio else (gamma, 0.0)
         speed = SpeedModel.from_dict(self.speed_model) if self.speed_model else None
@@ -154,8 +152,7 @@ class EvalResult:
             "predicted_speedup_at_recommended_gamma": s_pred if s_pred is not None else s_best,
             "analytic_recommended_gamma": g_best,
             "analytic_speedup_at_recommended_gamma": s_best,
-            # The measured speed model (t(k), d, prefills; specdraft.speed) at the measured α: prefill included, so it
-            # compares with the measured wall-clock speed-up. prediction_error = predicted / measured − 1.
+            # The measured speed model at the measured α, prefill included: comparable with the wall-clock speed-up.
             "predicted_speedup": predicted,
             "prediction_error": predicted / measured - 1 if predicted and measured else None,
             "speed_model": self.speed_model,
@@ -164,8 +161,7 @@ class EvalResult:
             "divergences_beyond_tolerance": len(bugs),
             "lossless": not bugs,
             "identity_not_tested": identity_not_tested(c),
-            # Other processes' share of the CPU while decoding (LoadMonitor): speeds measured on a busy machine are
-            # marked, never silently reported as the pair's.
+            # Speeds measured on a busy machine are marked, never silently reported as the pair's.
             "sampling_certificate": self.certificate,
             "machine_load": self.load,
             "busy_machine": bool(self.load and self.load.get("busy")),
@@ -528,9 +524,7 @@ def acceptance_eval(
     answers = [list(a) for a in answers]
     sampled, replayed = None, None
     if vocab_mapping is None:
-        # One teacher-forced pass of each model over prompt + answer gives both the sampled α and the draft's argmax
-        # at every answer position, from which the greedy rounds are replayed (the reference replay,
-        # specdraft.testing.replay_greedy, runs its own draft pass for the argmax).
+        # One teacher-forced pass of each model gives the sampled α and the draft's argmax; greedy rounds replayed.
         seqs = [list(p) + a for p, a in zip(prompt_ids, answers)]
         masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompt_ids, answers)]
         sampled = predicted_alpha(target, draft, seqs, masks, sampling=serving, real_vocab=real_vocab, pad_id=pad,
@@ -540,13 +534,10 @@ def acceptance_eval(
         if progress and decoded is None:
             progress(len(prompt_ids), len(prompt_ids))
     elif decoded is None:
-        # A draft of another tokenizer has no teacher-forced argmax over the target's tokens: its drafter runs
-        # round by round along each answer (replay_mapped), the target not at all.
+        # A draft of another tokenizer has no argmax over the target's tokens: its drafter runs round by round.
         replayed = replay_mapped(draft, vocab_mapping, prompt_ids, answers, gamma, max_new, set(eos),
                                  output_width(target), real_vocab, config.mapped_proposals, progress=progress)
-    # The rows are replayed counts whenever the draft can be replayed, also when it was decoded: the gain between
-    # two drafts then compares one method with itself (decoded vs replayed differ only by bfloat16 near-ties,
-    # reported as replay_check and decoded_acceptance_rate).
+    # Replayed counts whenever the draft can be replayed, so a gain between two drafts compares one method.
     counts_per_prompt = replayed if replayed is not None else decoded
     keys = ("proposed", "reached", "accepted", "accepted_hist")
     check, decoded_rate = None, None

