@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
         from specdraft.calibration import machine_line
         from specdraft.io import atomic_write_text, versions
         from specdraft.models import load_tokenizer
-        from specdraft.vocab import tokenizer_fingerprint
+        from specdraft.tokenizer_view import tokenizer_fingerprint
 
         torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)

@@ -24,7 +24,8 @@ from specdraft.testing import (
     tiny_tokenizer,
     tiny_words,
 )
-from specdraft.vocab import CompatibilityError, build_vocab_mapping, tokenizer_fingerprint, vocab_swap
+from specdraft.tokenizer_view import tokenizer_fingerprint
+from specdraft.vocab import CompatibilityError, build_vocab_mapping, vocab_swap
 
 
 def word_tokenizer(words, specials=tuple(SPECIAL_TOKENS), scheme="plain", eos="<eos>"):

@@ -35,8 +35,8 @@ from specdraft.dump_reader import (
 )
 from specdraft.models import load_model
 from specdraft.testing import add_default_system_turn, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
+from specdraft.tokenizer_view import tokenizer_fingerprint
 from specdraft.tokens import left_pad
-from specdraft.vocab import tokenizer_fingerprint
 
 VOCAB, WIDTH = 64, 72  # tokenizer ids, logits rows of the target (8 padding rows)
 WORDS = [w for w in tiny_words(VOCAB - 5) if w.isalpha() and w not in ("user", "assistant")]

@@ -5,7 +5,8 @@ import torch
 from lib import *
 
 from specdraft.segmentation import SegmentationReport, diagnose, draft_answer_top1
-from specdraft.vocab import load_tokenizer_view, mapping_from_views
+from specdraft.tokenizer_view import load_tokenizer_view
+from specdraft.vocab import mapping_from_views
 
 
 def swap_diagnostic(draft, target_tokenizer, has_twin, prompts, answers, top: int = 50) -> SegmentationReport:

@@ -184,7 +184,7 @@ class TargetForDraftTeacher:
     def __init__(self, target, draft, target_tokenizer, draft_tokenizer, mapping, config: AsGivenTeacherConfig,
                  cache: str | os.PathLike | None = None):
         from specdraft.responses import answer_stop_ids
-        from specdraft.vocab import tokenizer_view
+        from specdraft.tokenizer_view import tokenizer_view
 
         self.target, self.draft, self.ttok, self.dtok = target, draft, target_tokenizer, draft_tokenizer
         self.mapping, self.config = mapping, config
@@ -397,7 +397,8 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         rendering_identity,
         resolve,
     )
-    from specdraft.vocab import build_vocab_mapping, tokenizer_fingerprint, tokenizer_view
+    from specdraft.tokenizer_view import tokenizer_fingerprint, tokenizer_view
+    from specdraft.vocab import build_vocab_mapping
 
     config = config or AsGivenTeacherConfig()
     t_start = time.time()

@@ -17,16 +17,13 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from specdraft.tokenizer_view import SPECIAL_ROLES, TokenizerView, load_tokenizer_view, view_fingerprint
 from specdraft.vocab import (
     MIN_COVERAGE,
     PROBE_TEXT,
-    SPECIAL_ROLES,
     CompatibilityError,
-    TokenizerView,
     encode_text,
-    load_tokenizer_view,
     mapping_from_views,
-    view_fingerprint,
     vocab_differences,
 )
 

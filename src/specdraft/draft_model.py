@@ -209,7 +209,7 @@ def save_head_tokens(directory: str | Path, ranked: Sequence[int], tokenizer, co
     """Write the ranking to ``directory/head_tokens.json`` atomically: ``{"format": 1, "ranked_token_ids",
     "tokenizer_fingerprint", "counted_over"}``, so a later ``--draft-head-tokens N`` keeps the same N. Returns the path."""
     from specdraft.io import atomic_write_text
-    from specdraft.vocab import tokenizer_fingerprint
+    from specdraft.tokenizer_view import tokenizer_fingerprint
 
     path = Path(directory) / HEAD_TOKENS_FILE
     atomic_write_text(path, json.dumps({"format": HEAD_TOKENS_FORMAT, "ranked_token_ids": [int(i) for i in ranked],
@@ -224,7 +224,7 @@ def load_head_tokens(directory: str | Path, n: int, tokenizer) -> torch.Tensor |
     Raises:
         ValueError: counted with another tokenizer (fingerprints differ), or not a ranking file.
     """
-    from specdraft.vocab import tokenizer_fingerprint
+    from specdraft.tokenizer_view import tokenizer_fingerprint
 
     path = Path(directory) / HEAD_TOKENS_FILE
     if not path.is_file():
@@ -246,7 +246,7 @@ def head_tokens_info(directory: str | Path, tokenizer=None) -> dict[str, Any] | 
         ``{"path", "size", "counted_over", "tokenizer_fingerprint", "tokenizer_matches"`` (None without
         ``tokenizer``), ``"error"}``; with an ``error`` every field but ``path`` is ``None``.
     """
-    from specdraft.vocab import tokenizer_fingerprint
+    from specdraft.tokenizer_view import tokenizer_fingerprint
 
     path = Path(directory) / HEAD_TOKENS_FILE
     if not path.is_file():

@@ -214,7 +214,7 @@ class Row:
 def _verification_q(logits: torch.Tensor, q: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """The q verification divides by: exactly the filtered q the draft token was drawn from (Theorem 3.5 holds for
     that q only). A function of its own so that a negative control can put a wrong q here (the draft's unfiltered
-    softmax) and show that :func:`specdraft.evaluate.certify_sampling` fails it; decoding never replaces it."""
+    softmax) and show that :func:`specdraft.certify.certify_sampling` fails it; decoding never replaces it."""
     return q
 
 

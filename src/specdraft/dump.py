@@ -62,7 +62,7 @@ a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``l
         (ids: the example id of each row). Shards are byte-reproducible: a resumed dump equals a fresh one.
 
 The manifest records the target (reference, revision, config), the tokenizer fingerprint
-(:func:`specdraft.vocab.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
+(:func:`specdraft.tokenizer_view.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
 final-logit transform, the output-head fingerprint (:func:`head_fingerprint`), the whole target's content fingerprint
 (``identity.target_weights``: :func:`specdraft.models.model_fingerprint`), sequence/token counts, sha256 per shard,
 the command and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
@@ -135,7 +135,7 @@ _LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
 
 def _real_vocab(tokenizer) -> int:
     """Ids below this are tokens; the rest (GGUF ``[PAD<id>]`` placeholders, holes) are padding rows."""
-    from specdraft.vocab import tokenizer_view  # the same rule as the fingerprint's
+    from specdraft.tokenizer_view import tokenizer_view
 
     return int(tokenizer_view(tokenizer).real)
 
@@ -498,7 +498,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
         rendering_identity,
         resolve,
     )
-    from specdraft.vocab import tokenizer_fingerprint
+    from specdraft.tokenizer_view import tokenizer_fingerprint
 
     config = config or DumpConfig()
     out = Path(out)

@@ -255,7 +255,7 @@ class TeacherDataset:
                 from specdraft.models import load_tokenizer
 
                 draft_tokenizer = load_tokenizer(draft_tokenizer)
-            from specdraft.vocab import tokenizer_fingerprint
+            from specdraft.tokenizer_view import tokenizer_fingerprint
 
             fp = tokenizer_fingerprint(draft_tokenizer)
             if fp != self.manifest["tokenizer_fingerprint"] and vocab_mapping is None:

@@ -318,10 +318,10 @@ def export_speculator(draft, tokenizer, verifier_ref: str, out: str | Path, num_
 
 
 def _other_tokenizer(tokenizer, verifier_tokenizer, verifier_ref: str) -> bool:
-    """Whether ``tokenizer`` is not the verifier's (:func:`specdraft.vocab.tokenizer_fingerprint`); False where the
+    """Whether ``tokenizer`` is not the verifier's (:func:`specdraft.tokenizer_view.tokenizer_fingerprint`); False where the
     verifier's tokenizer cannot be read (the attachment has warned)."""
     from specdraft.models import load_tokenizer
-    from specdraft.vocab import tokenizer_fingerprint
+    from specdraft.tokenizer_view import tokenizer_fingerprint
 
     try:
         vt = verifier_tokenizer if verifier_tokenizer is not None else load_tokenizer(verifier_ref)

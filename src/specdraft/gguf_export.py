@@ -500,7 +500,7 @@ def hf_vocab_mismatches(draft, target) -> list[str]:
     token's text from :data:`SPEC_VOCAB_CHECK_START` on that differs (the converter writes each token's text as the
     tokenizer has it, so it differs in the GGUFs too). Empty when they agree there; the rest (vocab types, BOS/EOS
     flags, sizes with padding) waits for the converter's GGUFs."""
-    from specdraft.vocab import load_tokenizer_view
+    from specdraft.tokenizer_view import load_tokenizer_view
 
     d, t = load_tokenizer_view(draft, None, "draft"), load_tokenizer_view(target, None, "target")
     m = min(d.real, t.real)

@@ -241,7 +241,7 @@ class DraftTeacher:
     def __init__(self, draft, draft_tokenizer, target_tokenizer, config: SelfTeacherConfig, mapping=None):
         from specdraft.responses import answer_stop_ids
         from specdraft.sampling import final_logit_ops
-        from specdraft.vocab import tokenizer_view
+        from specdraft.tokenizer_view import tokenizer_view
 
         self.draft, self.dtok, self.ttok, self.config, self.mapping = draft, draft_tokenizer, target_tokenizer, config, \
             mapping
@@ -416,7 +416,8 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
         rendering_identity,
         resolve,
     )
-    from specdraft.vocab import build_vocab_mapping, tokenizer_fingerprint, tokenizer_view
+    from specdraft.tokenizer_view import tokenizer_fingerprint, tokenizer_view
+    from specdraft.vocab import build_vocab_mapping
 
     config = config or SelfTeacherConfig()
     t_start = time.time()

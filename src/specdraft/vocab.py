@@ -20,12 +20,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from specdraft.tokenizer_view import (  # noqa: F401 - the view's names, re-exported where callers import them
-    SPECIAL_ROLES,
+from specdraft.tokenizer_view import (
     TokenizerView,
     load_tokenizer_view,
-    tokenizer_fingerprint,
-    tokenizer_view,
     view_fingerprint,
 )
 

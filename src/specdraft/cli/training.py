@@ -343,7 +343,7 @@ def _check_dump_fits(dump: Path, draft: str) -> None:
     from specdraft.cli.errors import fail
     from specdraft.dump_reader import DumpError, load_manifest
     from specdraft.models import load_tokenizer
-    from specdraft.vocab import tokenizer_fingerprint
+    from specdraft.tokenizer_view import tokenizer_fingerprint
 
     if not dump.is_dir():
         fail(f"--dump {dump}: no such folder; write a teacher dump there first (specdraft dump --out {dump}), or "
