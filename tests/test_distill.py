@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 import torch
 
-from specdraft.config import DistillConfig, TrainWhat
+from specdraft.config import DistillConfig, SamplingConfig, TrainWhat
 from specdraft.distill import DistillError, DistillModel, train
 from specdraft.distill_data import collate
 from specdraft.testing import perturbed, tiny_model
@@ -152,6 +152,23 @@ def test_config_validation_names_the_field():
         DistillConfig(top_p=0.0)
     with pytest.raises(ValueError, match="top_k"):
         DistillConfig(top_k=-1)
+
+
+def test_the_serving_filter_is_one_sampling_config_and_the_flat_keys_of_older_configs_still_load():
+    """``serving`` holds the filter; a training.json / stage.json written with flat temperature / top_k / top_p
+    keys loads into it unchanged, and a serving temperature of 0 (greedy: no distribution to train toward) is
+    refused though decoding's SamplingConfig allows it."""
+    assert DistillConfig().serving == SamplingConfig(temperature=1.0) and DistillConfig().serving_is_plain
+    old = {"loss": "tvd_deploy", "temperature": 0.8, "top_k": 4, "top_p": 0.9, "lr": 2e-4}
+    cfg = DistillConfig.model_validate(old)
+    assert cfg.serving == SamplingConfig(temperature=0.8, top_k=4, top_p=0.9) and cfg.lr == 2e-4
+    assert DistillConfig.model_validate(cfg.model_dump()) == cfg  # the new shape round-trips
+    assert DistillConfig.model_validate({"top_k": 3}).serving == SamplingConfig(temperature=1.0, top_k=3)
+    assert DistillConfig.model_validate(cfg.model_dump() | {"top_k": 2}).serving.top_k == 2  # a flat override
+    assert "temperature" not in cfg.model_dump() and cfg.model_dump()["serving"]["top_p"] == 0.9
+    for bad in ({"temperature": 0.0}, {"serving": {"temperature": 0.0}}):
+        with pytest.raises(ValueError, match="serving-temperature 0.0"):
+            DistillConfig.model_validate(bad)
 
 
 def test_two_step_trainer_run_pins_first_loss_and_resumes(setup, tmp_path):
@@ -796,7 +813,8 @@ def test_a_topk_teacher_refuses_serving_settings_it_cannot_compute(setup, servin
     cfg = DistillConfig(loss="soft_ce", **serving)
     with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--serving-top-k between 1 and 8.*--format hidden"):
         DistillModel(perturbed(target, 0.1), None, None, V, cfg, teacher_width=V)(**batch)
-    assert f"temperature {cfg.temperature}, top-k {cfg.top_k}, top-p {cfg.top_p}" in cfg.sparse_teacher_problem(8)
+    s = cfg.serving
+    assert f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}" in cfg.sparse_teacher_problem(8)
     # The same temperature and top-p become exact once a top-k inside the stored k bounds the support.
     assert DistillConfig(**{**serving, "top_k": 8}).sparse_teacher_problem(8) is None
 

@@ -180,8 +180,8 @@ def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
         if config.head_support is not None:  # the only serving a restricted head takes
             text += RESTRICTED_HEAD_METRICS
         return text
-    text = (f"Σ min(p̃, q̃), p̃ and q̃ after the serving filter (temperature {config.temperature}, top-k "
-            f"{config.top_k}, top-p {config.top_p}), renormalised")
+    text = (f"Σ min(p̃, q̃), p̃ and q̃ after the serving filter (temperature {config.serving.temperature}, top-k "
+            f"{config.serving.top_k}, top-p {config.serving.top_p}), renormalised")
     if teacher_format != "topk":
         return text
     where = ("where the serving cut keeps the last stored value, the target's filter may also keep unstored ids "
@@ -214,7 +214,7 @@ def cut_ties(topk_logprobs: torch.Tensor, config: DistillConfig) -> torch.Tensor
         return torch.zeros(topk_logprobs.shape[:-1], dtype=torch.bool, device=topk_logprobs.device)
     lp = topk_logprobs.float()
     # The k stored values alone stand for the full width: a top-k ≤ k and the renormalised top-p read these only.
-    kept = torch.isfinite(filter_logits(lp, config.temperature, config.top_k, config.top_p))
+    kept = torch.isfinite(filter_logits(lp, config.serving.temperature, config.serving.top_k, config.serving.top_p))
     return (kept & (lp == lp.min(dim=-1, keepdim=True).values)).any(dim=-1)
 
 
@@ -234,7 +234,8 @@ def cut_tie_bound(topk_logprobs: torch.Tensor, leftover_logmass: torch.Tensor, c
     if not ties.any():
         return torch.zeros(lp.shape[:-1], device=lp.device)
     last = lp.argmin(dim=-1, keepdim=True)
-    share = filtered_probs(lp, config.temperature, config.top_k, config.top_p).gather(-1, last).squeeze(-1)  # r
+    s = config.serving
+    share = filtered_probs(lp, s.temperature, s.top_k, s.top_p).gather(-1, last).squeeze(-1)  # r
     m = (leftover_logmass.float() - lp.gather(-1, last).squeeze(-1)).exp()  # leftover / p_min
     bound = (m * share / (1 + m * share)).nan_to_num(0.0)
     return torch.where(ties, bound, torch.zeros_like(bound))
@@ -259,7 +260,7 @@ def count_cut_ties(dataset, config: DistillConfig) -> dict[str, Any] | None:
         positions += int(cut_ties(item["topk_logprobs"], config)[mask].sum())
         total += int(mask.sum())
     return {"positions": positions, "of": total, "share": positions / total if total else 0.0,
-            "stored_k": manifest["top_k"], "serving_top_k": config.top_k,
+            "stored_k": manifest["top_k"], "serving_top_k": config.serving.top_k,
             "stored_dtype": manifest["dtype"]["topk_logprobs"]}
 
 
@@ -433,8 +434,8 @@ class DistillModel(nn.Module):
                 # 0 < top_k ≤ k (checked above): the filter reads the stored values alone, never the completed tail.
                 t_logits = stored_logits(topk_logprobs, topk_ids, self.width)
         # A sparse teacher under plain serving has no logits: tvd_deploy then takes p as it is (= tvd).
-        per_pos = LOSSES[cfg.loss](d_logits, p, teacher_logits=t_logits, temperature=cfg.temperature,
-                                   top_k=cfg.top_k, top_p=cfg.top_p)
+        per_pos = LOSSES[cfg.loss](d_logits, p, teacher_logits=t_logits, temperature=cfg.serving.temperature,
+                                   top_k=cfg.serving.top_k, top_p=cfg.serving.top_p)
         loss = masked_mean(per_pos, mask, num_items_in_batch)
         with torch.no_grad():
             # Metrics reuse the loss where it already is the metric (no second vocabulary-wide pass).
@@ -445,8 +446,8 @@ class DistillModel(nn.Module):
             elif cfg.serving_is_plain:
                 alpha = 1 - tvd_full
             else:  # the α at the serving settings: both distributions filtered, never the unfiltered one
-                pf = filtered_probs(t_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-                qf = filtered_probs(d_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                pf = filtered_probs(t_logits, cfg.serving.temperature, cfg.serving.top_k, cfg.serving.top_p)
+                qf = filtered_probs(d_logits, cfg.serving.temperature, cfg.serving.top_k, cfg.serving.top_p)
                 alpha = sum_min(pf, qf)
             # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py);
             # under a serving filter the stored ids are exact but at a cut tie, whose bound cut_tie_bound gives.
@@ -862,9 +863,8 @@ def resume_origin(draft, config: DistillConfig, processes: int, origin: dict[str
     geometry (per-rank batch × accumulation × ranks: a resumed sampler and schedule count steps of it) and the
     draft's parameter names and shapes. ``max_steps`` and the learning rate are left out: a longer run resumes."""
     shapes = hashlib.sha256(json.dumps(sorted((n, list(p.shape)) for n, p in draft.state_dict().items())).encode())
-    return {**(origin or {}), "loss": config.loss, "temperature": config.temperature, "top_k": config.top_k,
-            "top_p": config.top_p, "train": config.train, "batch_size": config.batch_size,
-            "gradient_accumulation_steps": config.gradient_accumulation_steps, "processes": processes,
+    return {**(origin or {}), "loss": config.loss, **config.serving.model_dump(), "train": config.train,
+            "batch_size": config.batch_size, "gradient_accumulation_steps": config.gradient_accumulation_steps, "processes": processes,
             "draft_parameters": shapes.hexdigest()[:16]}
 
 

@@ -320,7 +320,7 @@ def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, conf
         DistillError: a dump not made with ``answer_only``; a dump that records no whole-model fingerprint (made by
             an older specdraft: dump again); a target whose weights or head differ from the dump's.
     """
-    from specdraft.config import DumpConfig, SamplingConfig, recorded_settings
+    from specdraft.config import DumpConfig, recorded_settings
     from specdraft.dump import Teacher
     from specdraft.dump_reader import head_fingerprint
     from specdraft.models import load_model, model_fingerprint
@@ -344,6 +344,5 @@ def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, conf
         raise DistillError(f"{target_ref} loaded in {manifest['target']['dtype']} is not the target the dump was made "
                            "with (output-head fingerprints differ): on-policy sequences would be scored by another "
                            "teacher than the dump's")
-    sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     n = config.on_policy_max_new_tokens or dump_cfg.generate or 128
-    return DraftWriter(Teacher(target, int(manifest["target"]["real_vocab"])), tokenizer, dump_cfg, sampling, n)
+    return DraftWriter(Teacher(target, int(manifest["target"]["real_vocab"])), tokenizer, dump_cfg, config.serving, n)
