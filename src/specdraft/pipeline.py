@@ -540,7 +540,7 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
         res = run_distill(cfg.target, draft_path, dump_dir, d, cfg.distill,
                           num_speculative_tokens=cfg.eval.num_speculative_tokens,
                           keep_checkpoints=keep_checkpoints, save_dtype=kept)
-        return {"speculator": str(res["speculator"]), **res["metrics"]}
+        return res.to_dict()
 
     return run
 
