@@ -532,8 +532,8 @@ class DistillConfig(BaseModel):
         logged as ``alpha_bound``) and every filter with 0 < top_k ≤ k (top-k keeps only stored ids; temperature and
         top-p then act on their values alone). That is exact except at a **cut tie**: a position where the filter
         keeps the last stored value, whose ties in the unstored tail the target's filter would keep too — every
-        position when top_k = k (:func:`specdraft.distill.cut_ties` counts them, ``alpha_bound`` bounds α there by
-        :func:`specdraft.distill.cut_tie_bound`; the dump's cut rule:
+        position when top_k = k (:func:`specdraft.distill_trainer.cut_ties` counts them, ``alpha_bound`` bounds α there by
+        :func:`specdraft.distill_trainer.cut_tie_bound`; the dump's cut rule:
         :mod:`specdraft.dump`). Not computable: a temperature ≠ 1 or a top-p over a support wider than k (top_k 0 or
         > k), which re-tempers or cuts into the unknown tail, and a top_k > k.
         """

@@ -1,12 +1,8 @@
-"""The distillation recipe: train the draft toward the target's distribution (DistillSpec, Zhou et al. 2023) and
-export it as a speculator.
+"""The distillation recipe: train the draft toward the target's distribution (DistillSpec, Zhou et al. 2023), export it.
 
-:func:`run_distill` runs its steps in order: :func:`setup` (the dump, the draft, every check before training),
-:func:`data` (the held-out split by prompt, the on-policy writer: :mod:`specdraft.distill_data`), the loss step
-(:class:`specdraft.distill_trainer.DistillModel`), :func:`train` (:class:`~specdraft.distill_trainer.DistillTrainer`,
-resumable) and :func:`save` (the speculator and ``training.json``). Around them: the precision, the trained
-parameters, the α the logs report under the serving filter (:func:`alpha_definition`, :func:`count_cut_ties`) and
-the resume checks. Evidence and derivations: docs/architecture.md, "specdraft.distill".
+:func:`run_distill` runs :func:`setup`, :func:`data`, the loss step
+(:class:`specdraft.distill_trainer.DistillModel`), :func:`train` and :func:`save`, in that order. Evidence and
+derivations: docs/architecture.md, "specdraft.distill".
 """
 
 from __future__ import annotations
@@ -68,11 +64,7 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
 
 
 def resolve_precision(precision: str, device_type: str, cpuinfo: str | None = None) -> tuple[str, str]:
-    """What ``DistillConfig.precision`` means on this device: ``("float32" | "bf16-autocast", reason)``.
-
-    ``auto`` is bf16-autocast on a CPU with :data:`BF16_CPU_FLAGS` or on a CUDA device that supports bfloat16
-    (``torch.cuda.is_bf16_supported``), float32 elsewhere; an explicit choice is kept as asked.
-    """
+    """What ``DistillConfig.precision`` means on this device: ``("float32" | "bf16-autocast", reason)``."""
     if precision != "auto":
         return precision, "asked for"
     if device_type == "cuda":
@@ -96,10 +88,7 @@ RESTRICTED_HEAD_METRICS = (
 def alpha_definition(config: DistillConfig, teacher_format: str = "hidden",
                      cut: dict[str, Any] | None = None) -> str:
     """What the logged ``alpha`` / ``eval_alpha`` is under ``config``'s serving settings, in words (recorded in
-    ``training.json`` as ``metrics["alpha_definition"]``).
-
-    ``cut``: :func:`count_cut_ties`'s record for a top-k teacher under a serving top-k; α is called exact only
-    when it counted no cut tie (``None``: not counted, so never called exact)."""
+    ``training.json`` as ``metrics["alpha_definition"]``)."""
     if config.serving_is_plain:
         text = "Σ min(p, q) at temperature 1, no filter"
         if teacher_format == "topk":
@@ -176,13 +165,7 @@ def select_trainable(draft, config: DistillConfig):
 def master_weights(draft) -> bool:
     """Give the draft's trained parameters of a reduced-precision dtype float32 master weights, in place; True when
     the draft holds weights of such a dtype (a draft loaded in bfloat16: ``DistillConfig.dtype``), trained or not:
-    its forward then needs bfloat16 autocast to mix them with float32 ones.
-
-    AdamW's step on a bfloat16 parameter is rounded to its 8 significand bits: an update below half a unit in the
-    last place (~0.002 at 1.0) is lost, so norm weights near 1 never move and a small learning rate barely moves
-    anything. Held in float32, updates accumulate; the forward still computes in bfloat16 (:class:`DistillModel`'s
-    autocast, which :func:`train` turns on), and frozen parameters stay in bfloat16, as loaded.
-    """
+    its forward then needs bfloat16 autocast to mix them with float32 ones."""
     low = [p for p in draft.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
     for p in low:
         if p.requires_grad:
@@ -338,12 +321,6 @@ def train(draft, teacher: TeacherHead, train_dataset, eval_dataset, config: Dist
           origin: dict[str, Any] | None = None, support: torch.Tensor | None = None) -> TrainResult:
     """Step 3, train: ``draft`` against ``teacher`` with :class:`DistillTrainer` (runs unchanged under
     ``accelerate launch`` / ``torchrun``; ``batch_size`` per rank).
-
-    Checkpoints go to ``output_dir/checkpoints``; with ``resume`` the newest complete one of the same run
-    (:func:`resume_origin` of ``origin``, the loss, the batch geometry and the draft's shapes) is resumed, one of
-    another run refused (:func:`check_resume_origin`); ``resume=False`` deletes them. ``callbacks``: extra
-    ``transformers.TrainerCallback`` objects. ``writer``: the :class:`~specdraft.distill_data.DraftWriter` that
-    ``config.on_policy_fraction`` > 0 needs. ``support``: ``[U] int64`` ids of a restricted head.
 
     Raises:
         DistillError: non-finite loss (the last good checkpoint stays), widths that cannot be aligned, checkpoints
@@ -677,11 +654,6 @@ def run_distill(target_ref: str, draft_ref: str, dump_dir: str | Path | list[str
                 keep_checkpoints: bool = False, save_dtype: str | None = None) -> DistillResult:
     """Distil ``draft_ref`` against the teacher dump(s) in ``dump_dir`` and export it: :func:`setup`, :func:`data`,
     :func:`train`, :func:`save`.
-
-    ``dump_dir``: one dump or a list of dumps of one teacher, each's training sequences repeated ``dump_weights``
-    times per epoch. Writes ``out/checkpoints/`` (resumable; removed once exported unless ``keep_checkpoints``),
-    ``out/speculator/`` (γ = ``num_speculative_tokens``; weights in ``save_dtype``, ``"float32"`` / ``"bfloat16"``
-    / ``"float16"``) and ``out/training.json``. ``callbacks``: extra ``transformers.TrainerCallback`` objects.
 
     Raises:
         DistillError / specdraft.dump_reader.DumpError: what :func:`setup` and :func:`train` refuse.

@@ -1,9 +1,5 @@
-"""The distillation's loss step and its Trainer: the draft plus a frozen teacher head, one token-weighted step.
-
-:class:`DistillModel` computes the loss (:mod:`specdraft.losses`) and :data:`METRICS` over the trained positions;
-:class:`DistillTrainer` (transformers' Trainer) weighs every trained token of an optimizer step equally, whatever
-its split into micro-batches and ranks, and checkpoints the draft alone. :mod:`specdraft.distill` runs the recipe;
-the step's derivations are in docs/architecture.md, "specdraft.distill_trainer".
+"""The distillation's loss step (:class:`DistillModel`) and its Trainer (:class:`DistillTrainer`): one optimizer
+step weighs every trained token equally. Derivations: docs/architecture.md, "specdraft.distill_trainer".
 """
 
 from __future__ import annotations
@@ -27,12 +23,8 @@ from specdraft.sampling import align_logits, filter_logits, filtered_probs
 
 @dataclass(frozen=True)
 class TeacherHead:
-    """The target's output head that turns a dump's hidden states into p, or the width of a top-k teacher.
-
-    ``weight [V_t, H_t]`` (None for a top-k teacher), ``bias [V_t]`` or None, ``real_vocab`` = ``len(tokenizer)``
-    (ids at or past it are padding), ``width`` the teacher's output width (default ``V_t``, else the draft's),
-    ``logit_ops`` the target's final-logit transforms after its head (soft-capping, scaling:
-    ``TeacherDataset.logit_ops``)."""
+    """The target's output head (``weight [V_t, H_t]``, ``bias``; None for a top-k teacher of ``width`` ids),
+    ``real_vocab`` = ``len(tokenizer)`` and the target's final-logit transforms after its head (``logit_ops``)."""
 
     weight: torch.Tensor | None
     real_vocab: int
@@ -53,9 +45,8 @@ class TeacherHead:
 
 @dataclass(frozen=True)
 class Metric:
-    """One figure of the step: ``name`` is :class:`DistillOutput`'s field and the training log's key, ``held_out``
-    its key after ``eval_`` in the held-out scores; ``each_step``: logged beside the training loss too;
-    ``show``: when the distill report prints it (``always``, ``nonzero``, ``present``)."""
+    """A figure: ``name`` its output field and log key, ``held_out`` its key after ``eval_``; ``each_step``: logged
+    in training too; ``show``: when the report prints it (``always``, ``nonzero``, ``present``)."""
 
     name: str
     held_out: str
@@ -63,8 +54,7 @@ class Metric:
     show: str = "always"
 
 
-#: Every figure :class:`DistillModel` returns, declared once: the Trainer's logs, the held-out scores, and the
-#: distill report read this. All are token-weighted means over the trained positions.
+#: Every figure :class:`DistillModel` returns (token-weighted means), read by the logs, held-out scores and report.
 METRICS = (
     Metric("loss", "loss", each_step=False),  # the Trainer logs its own
     Metric("tvd", "tvd"),  # ½Σ|p − q| at temperature 1, no filter
@@ -92,13 +82,7 @@ class DistillOutput(ModelOutput):
 
 def cut_ties(topk_logprobs: torch.Tensor, config: DistillConfig) -> torch.Tensor:
     """``[...] bool``: the positions of a top-k teacher ``topk_logprobs [..., k]`` (any order, nats) where the
-    serving filter, applied to the stored values, keeps the smallest of them.
-
-    There the filter's tie group at its cut reaches the end of what was stored: the target's own filter keeps every
-    id tied with the cut (:func:`specdraft.sampling.filter_logits`), and unstored ids of the same value would be
-    kept too, which the dump cannot show; elsewhere the filtered teacher is exact. Always true at a serving top-k
-    ≥ k. The dump's cut rule: :mod:`specdraft.dump`. Plain serving has no cut: all False.
-    """
+    serving filter, applied to the stored values, keeps the smallest of them."""
     if config.serving_is_plain:
         return torch.zeros(topk_logprobs.shape[:-1], dtype=torch.bool, device=topk_logprobs.device)
     lp = topk_logprobs.float()
@@ -109,15 +93,7 @@ def cut_ties(topk_logprobs: torch.Tensor, config: DistillConfig) -> torch.Tensor
 
 def cut_tie_bound(topk_logprobs: torch.Tensor, leftover_logmass: torch.Tensor, config: DistillConfig) -> torch.Tensor:
     """``[...] float32``: at each cut tie (:func:`cut_ties`) the most the filtered α from the stored ids alone can
-    differ from the target's, 0 elsewhere; ``topk_logprobs [..., k]`` and ``leftover_logmass [...]`` in nats.
-
-    The target's filter keeps the stored kept ids S plus m unstored ids tied with the last stored value (its top-p
-    threshold is taken over the top-k values, which the dump holds, so ties move no other cut). Each of those holds
-    p_min of the full p, so m ≤ leftover / p_min; each weighs r = p̃(last stored id) against the stored p̃, and the
-    filtered teacher moves by TV = m·r / (1 + m·r), increasing in m: the bound takes m's largest value (unrounded,
-    so float16 rounding of p_min cannot make it too small), and |Σ min(p̃, q̃) − Σ min(p̃*, q̃)| ≤ TV(p̃, p̃*).
-    At temperature 1 without top-p it is the leftover mass itself.
-    """
+    differ from the target's, 0 elsewhere; ``topk_logprobs [..., k]`` and ``leftover_logmass [...]`` in nats."""
     lp = topk_logprobs.float()
     ties = cut_ties(lp, config)
     if not ties.any():
@@ -131,14 +107,7 @@ def cut_tie_bound(topk_logprobs: torch.Tensor, leftover_logmass: torch.Tensor, c
 
 
 def stored_logits(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, width: int) -> torch.Tensor:
-    """A top-k teacher as logits: its stored log-probs on its stored ids, ``-inf`` elsewhere, ``[..., V] float32``.
-
-    Any serving filter with 0 < top_k ≤ k keeps stored ids only, and its temperature and top-p act on their values
-    alone (the renormalisation cancels the shared log-normaliser), so ``filtered_probs`` of these logits is exactly
-    the filtered p but at a cut tie (:func:`cut_ties`: the filter keeps the last stored value, and the target's
-    would keep unstored ids tied with it); without such a top-k it is not
-    (:meth:`DistillConfig.sparse_teacher_problem`).
-    """
+    """A top-k teacher as logits: its stored log-probs on its stored ids, ``-inf`` elsewhere, ``[..., V] float32``."""
     shape = (*topk_ids.shape[:-1], width)
     return torch.full(shape, float("-inf"), device=topk_logprobs.device).scatter_(
         -1, topk_ids.long(), topk_logprobs.float())
@@ -218,8 +187,6 @@ class DistillModel(nn.Module):
         """The draft of an :class:`~specdraft.speculator_model.IndependentSpeculator` whose verifier is attached in mode
         ``"train_only"``, with that verifier's output head (and final-logit transforms) as the teacher head.
 
-        A hidden-state dump stores the verifier's states *after* its final norm, so only the head applies here.
-
         Raises:
             DistillError: no verifier head attached (``attach_verifier(ref, mode="train_only")`` first).
         """
@@ -256,11 +223,7 @@ class DistillModel(nn.Module):
                 topk_ids=None, leftover_logmass=None, num_items_in_batch=None, **_: Any) -> DistillOutput:
         """Args: ``input_ids [B, S]``, ``attention_mask [B, S]``, ``loss_mask [B, S]`` (position j trains the
         prediction of token j+1), and the teacher: ``hidden [B, S, H]`` or ``topk_* [B, S, k]`` +
-        ``leftover_logmass [B, S]``. Without ``loss_mask`` the attention mask is used.
-
-        ``num_items_in_batch``: trained positions of the whole optimizer step (all micro-batches and ranks);
-        given, ``loss`` is this batch's sum divided by it (its share of the step's per-token mean), else the
-        per-token mean of this batch. The metrics are always per-token means of this batch."""
+        ``leftover_logmass [B, S]``. Without ``loss_mask`` the attention mask is used."""
         cfg = self.config_
         sparse = hidden is None
         if sparse and (problem := cfg.sparse_teacher_problem(int(topk_ids.shape[-1]))):
@@ -274,8 +237,7 @@ class DistillModel(nn.Module):
                 mask = mask[:, cols]
                 hidden, topk_logprobs, topk_ids, leftover_logmass = (
                     None if t is None else t[:, cols] for t in (hidden, topk_logprobs, topk_ids, leftover_logmass))
-        # The restricted head trains; held-out scoring (eval mode) takes the full head, so the logged α, TVD and
-        # agreement are the draft's own over every id, and the mass the restricted loss cannot see is measured.
+        # The restricted head trains; held-out scoring (eval mode) takes the full head, over every id.
         if self.support is not None and self.training:
             return self._forward_restricted(input_ids, attention_mask, mask, keep.get("logits_to_keep"),
                                             topk_logprobs, topk_ids, leftover_logmass, num_items_in_batch)
@@ -310,8 +272,7 @@ class DistillModel(nn.Module):
                 pf = filtered_probs(t_logits, cfg.serving.temperature, cfg.serving.top_k, cfg.serving.top_p)
                 qf = filtered_probs(d_logits, cfg.serving.temperature, cfg.serving.top_k, cfg.serving.top_p)
                 alpha = sum_min(pf, qf)
-            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass that p̂ spreads uniformly (dump.py);
-            # under a serving filter the stored ids are exact but at a cut tie, whose bound cut_tie_bound gives.
+            # |Σ min(p̂, q) − Σ min(p, q)| ≤ TV(p, p̂) ≤ the leftover mass; filtered: cut_tie_bound at a cut tie.
             if sparse and cfg.serving_is_plain:
                 bound = leftover_logmass.float().exp()
             elif sparse:
@@ -421,8 +382,7 @@ class DistillTrainer(Trainer):
     a non-finite loss, scores the held-out set sharded over ranks, and checkpoints the draft alone."""
 
     _sums: dict[str, float]
-    # compute_loss already divides by the step's token count: the Trainer must not divide again by the
-    # number of accumulation steps (transformers' Trainer.training_step reads this flag).
+    # compute_loss divides by the step's token count already (Trainer.training_step reads this flag).
     loss_is_scaled_for_ga = True
 
     def create_optimizer(self, model=None):
@@ -461,8 +421,7 @@ class DistillTrainer(Trainer):
         outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
         loss = outputs["loss"]  # by key, as Trainer itself does
         if num_items_in_batch is not None and self.args.world_size > 1:
-            # DDP averages gradients over ranks, but each rank's loss is already its share of the global
-            # sum / global count: undo the average (as Trainer.compute_loss does for its own losses).
+            # Each rank's loss is its share of the global sum / count: undo DDP's average over ranks.
             loss = loss * self.args.world_size
         if not torch.isfinite(loss):
             raise DistillError(
@@ -485,8 +444,7 @@ class DistillTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         sums = getattr(self, "_sums", None)
-        # Every rank logs at the same steps with sums gathered since the last log, so the reduction below
-        # is entered by all of them or by none.
+        # Every rank logs at the same steps: the reduction below is entered by all ranks or none.
         if "loss" in logs and sums:
             *vals, n = self._sum_over_ranks([sums[k] for k in STEP_METRICS] + [sums["n"]])
             if n:
@@ -521,8 +479,7 @@ class DistillTrainer(Trainer):
         metrics = {f"{metric_key_prefix}_{m.held_out}": v / max(n, 1) for m, v in zip(scored, sums)}
         metrics[f"{metric_key_prefix}_tokens"] = n
         self.log(metrics)
-        # As Trainer.evaluate does: callbacks see the metrics, and the flag that asked for this evaluation is
-        # cleared (left set, the epoch-end check would score the same step a second time).
+        # As Trainer.evaluate: callbacks see the metrics, and the flag asking for this evaluation is cleared.
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         if was_training:
             model.train()
@@ -531,8 +488,7 @@ class DistillTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir or self.args.output_dir
         draft = self.accelerator.unwrap_model(self.model).draft
-        # A finite loss can still give non-finite gradients (an overflow in backward) and so NaN weights after
-        # the optimizer step, saved before the next loss would show it: never write such a checkpoint.
+        # An overflow in backward can leave NaN weights before any loss shows it: never checkpoint them.
         if bad := [n for n, p in draft.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]:
             raise DistillError(
                 f"the draft's weights are not finite after step {self.state.global_step} ({', '.join(bad[:4])}"
