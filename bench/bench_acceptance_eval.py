@@ -52,8 +52,8 @@ def main() -> dict:
     target, tok = load_model(run_cfg["target"], dtype=run_cfg["eval"]["dtype"])
     draft, _ = load_model(before["result"]["draft"], dtype=run_cfg["eval"]["dtype"])
     config = EvalConfig(**{k: run_cfg["eval"][k] for k in ("num_speculative_tokens", "max_new_tokens")})
-    serving = SamplingConfig(temperature=run_cfg["distill"]["temperature"], top_k=run_cfg["distill"]["top_k"],
-                             top_p=run_cfg["distill"]["top_p"])
+    flat = run_cfg["distill"]  # a run config written with the flat keys, or with its serving filter as one field
+    serving = SamplingConfig(**(flat.get("serving") or {k: flat[k] for k in ("temperature", "top_k", "top_p")}))
     eos, real_vocab = ev.eos_ids(target), len(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     # The old cost: the head over every position (then the counted tail is kept, as the old code selected it).

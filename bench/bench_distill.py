@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DistillConfig
 from specdraft.distill import DistillModel
+from specdraft.distill_trainer import TeacherHead
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.models import load_model
 
@@ -52,7 +53,7 @@ def main() -> dict:
 
     draft, _ = load_model(DEFAULT_DRAFT, dtype="float32", device="cpu")
     cfg = DistillConfig(loss=args.loss, top_k=args.top_k if args.loss == "tvd_deploy" else 0)
-    model = DistillModel(draft, head, None, real_vocab, cfg)
+    model = DistillModel(draft, TeacherHead(head, real_vocab), cfg)
     model.train()
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-6)
     mask = torch.ones_like(ids, dtype=torch.bool)

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "as_given_mapped": before["sets"][n]["acceptance_rate"],
                      "re_indexed": swap["sets"][n]["acceptance_rate"]} for n in plan.sets},
         "dump": {"sequences": dump["sequences"], "tokens": dump["tokens"], "minutes": dump_seconds / 60},
-        "train_sequences": res["metrics"]["train_sequences"], "train_minutes": cb.points[-1]["train_minutes"]
+        "train_sequences": res.metrics.train_sequences, "train_minutes": cb.points[-1]["train_minutes"]
         if cb.points else 0.0, "replay_minutes": cb.replay_seconds / 60, "wall_minutes": wall / 60,
         "points": points, "best": {"step": best["step"], "cpu_minutes": best["cpu_minutes"],
                                    "held_out": best["sets"]["held_out"]},

@@ -264,8 +264,8 @@ def main() -> dict:
             res = run_distill(DEFAULT_TARGET, args.draft, dump_dirs if len(dump_dirs) > 1 else dump_dirs[0], out_dir,
                               cfg, resume=False, num_speculative_tokens=args.gamma,
                               callbacks=[curve.callback] if curve else None, dump_weights=dump_weights)
-            metrics = res["metrics"]
-            trained = res["model"].to(torch.bfloat16).eval()
+            metrics = res.metrics.to_dict()
+            trained = res.model.to(torch.bfloat16).eval()
             del res
         if target is None:
             target, _ = load_model(DEFAULT_TARGET, dtype="bfloat16")

@@ -79,14 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import TrainingArguments
 
     from specdraft import pipeline as pl
-    from specdraft.distill import (
-        DistillModel,
-        _make_trainer_class,
-        resolve_precision,
-        select_trainable,
-        trained_mask,
-    )
+    from specdraft.distill import resolve_precision, select_trainable
     from specdraft.distill_data import collate
+    from specdraft.distill_trainer import DistillModel, DistillTrainer, TeacherHead, trained_mask
     from specdraft.dump_reader import TeacherDataset
     from specdraft.head_warmup import untie_head
     from specdraft.models import load_model
@@ -106,14 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
         untie_head(draft)
     draft, n_trainable = select_trainable(draft, cfg)
     precision, _ = resolve_precision(cfg.precision, "cpu")
-    models = {key: DistillModel(draft, head["lm_head.weight"], head.get("lm_head.bias"), real_vocab, cfg,
-                                teacher_width=width, logit_ops=ds.logit_ops, autocast=precision == "bf16-autocast",
-                                trained_columns_only=key == "trained_columns").train() for key in VARIANTS}
+    models = {key: DistillModel(draft, TeacherHead(head["lm_head.weight"], real_vocab, head.get("lm_head.bias"), width=width, logit_ops=ds.logit_ops), cfg, autocast=precision == "bf16-autocast", trained_columns_only=key == "trained_columns").train() for key in VARIANTS}
     model = models["all_positions"]
     with tempfile.TemporaryDirectory(prefix="specdraft-profile-") as tmp:
         targs = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", learning_rate=cfg.lr,
                                   weight_decay=cfg.weight_decay, max_steps=1)
-        trainer = _make_trainer_class()(model=model, args=targs)
+        trainer = DistillTrainer(model=model, args=targs)
         opt = trainer.create_optimizer()
     params = [p for p in draft.parameters() if p.requires_grad]
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps

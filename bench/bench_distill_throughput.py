@@ -189,6 +189,7 @@ def bench_step(args: argparse.Namespace, sig: dict) -> dict:
 
     from specdraft.distill import DistillModel, select_trainable, trained_mask
     from specdraft.distill_data import collate
+    from specdraft.distill_trainer import TeacherHead
     from specdraft.models import load_model
 
     torch.manual_seed(0)
@@ -198,9 +199,7 @@ def bench_step(args: argparse.Namespace, sig: dict) -> dict:
     for name, (precision, fmt) in CONTENDERS.items():
         cfg = distill_config(args, precision)
         hidden = fmt == "hidden"
-        models[name] = DistillModel(draft, sig["head"] if hidden else None, sig["bias"] if hidden else None,
-                                    sig["real_vocab"], cfg, teacher_width=sig["width"], logit_ops=sig["ops"],
-                                    autocast=precision == "bf16-autocast").train()
+        models[name] = DistillModel(draft, TeacherHead(sig["head"] if hidden else None, sig["real_vocab"], sig["bias"] if hidden else None, width=sig["width"], logit_ops=sig["ops"]), cfg, autocast=precision == "bf16-autocast").train()
     params = [p for p in draft.parameters() if p.requires_grad]
     with tempfile.TemporaryDirectory(prefix="specdraft-bench-") as tmp:
         targs = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", learning_rate=args.lr,
@@ -255,6 +254,7 @@ def curve_noise(losses: list[float]) -> float:
 def bench_curve(args: argparse.Namespace, sig: dict) -> dict:
     """Part 2: :func:`specdraft.distill.train` for ``--steps`` steps per contender; per-step losses compared."""
     from specdraft.distill import train
+    from specdraft.distill_trainer import TeacherHead
     from specdraft.models import load_model
 
     losses, seconds, resolved, exact = {}, {}, {}, {}
@@ -262,12 +262,10 @@ def bench_curve(args: argparse.Namespace, sig: dict) -> dict:
         draft, _ = load_model(args.draft, dtype="float32", device="cpu")
         hidden = fmt == "hidden"
         with tempfile.TemporaryDirectory(prefix="specdraft-bench-curve-") as tmp:
-            res = train(draft, sig["head"] if hidden else None, sig["bias"] if hidden else None, sig["real_vocab"],
-                        sig["items"][fmt], None, distill_config(args, precision), tmp, resume=False,
-                        teacher_width=sig["width"], logit_ops=sig["ops"])
-        losses[name] = [float(h["loss"]) for h in res["history"] if "loss" in h]
-        seconds[name], resolved[name] = res["seconds"], res["precision"]
-        exact[name] = exact_loss(args, sig, res["draft"])
+            res = train(draft, TeacherHead(sig["head"] if hidden else None, sig["real_vocab"], sig["bias"] if hidden else None, width=sig["width"], logit_ops=sig["ops"]), sig["items"][fmt], None, distill_config(args, precision), tmp, resume=False)
+        losses[name] = [float(h["loss"]) for h in res.history if "loss" in h]
+        seconds[name], resolved[name] = res.seconds, res.precision
+        exact[name] = exact_loss(args, sig, res.draft)
         print(f"curve {name}: final loss {losses[name][-1]:.5f}, against the exact teacher {exact[name]:.5f}, in "
               f"{seconds[name]:.1f} s", flush=True)
         del res, draft
@@ -293,9 +291,9 @@ def exact_loss(args: argparse.Namespace, sig: dict, draft) -> float:
 
     from specdraft.distill import DistillModel
     from specdraft.distill_data import collate
+    from specdraft.distill_trainer import TeacherHead
 
-    model = DistillModel(draft, sig["head"], sig["bias"], sig["real_vocab"], distill_config(args, "float32"),
-                         teacher_width=sig["width"], logit_ops=sig["ops"]).eval()
+    model = DistillModel(draft, TeacherHead(sig["head"], sig["real_vocab"], sig["bias"], width=sig["width"], logit_ops=sig["ops"]), distill_config(args, "float32")).eval()
     rows = sig["items"]["hidden"]
     total = n = 0.0
     with torch.no_grad():

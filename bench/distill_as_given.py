@@ -215,11 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps, "every": args.every,
         "sets": {n: {"sources": cfg.eval_prompts if n == "held_out" else cfg.ood_prompts, "prompts": len(plan.sets[n]),
                      "as_given_eval_before": before["sets"][n]["acceptance_rate"]} for n in plan.sets},
-        "train_sequences": res["metrics"]["train_sequences"], "wall_minutes": (time.time() - t0) / 60,
+        "train_sequences": res.metrics.train_sequences, "wall_minutes": (time.time() - t0) / 60,
         "replay_minutes": cb.replay_seconds / 60, "points": cb.points,
         "best": {"step": best["step"], "cpu_minutes": best["cpu_minutes"],
                  **{n: {k: v for k, v in s.items() if k != "rows"} for n, s in best["sets"].items()}},
-        "speculator": str(res["speculator"]),
+        "speculator": str(res.speculator),
         "x_axis": "CPU-minutes = the teacher dumps' minutes + training minutes to the step (replays left out)",
     }
     path = curve.write_result(args.out, result_name, result)

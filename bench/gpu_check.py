@@ -24,6 +24,7 @@ from specdraft.config import DistillConfig, EvalConfig, SamplingConfig
 from specdraft.decode import speculative_generate, target_generate
 from specdraft.distill import DistillModel
 from specdraft.distill_data import collate
+from specdraft.distill_trainer import TeacherHead
 from specdraft.evaluate import run_eval, top2_margin
 from specdraft.sampling import filtered_probs
 from specdraft.stats import chi2_goodness_of_fit
@@ -85,8 +86,7 @@ def eval_and_distill_check() -> dict:
     s = res.summary()
     sampled = run_eval(target, draft, tok, [[5, 6, 7, 8]], config=EvalConfig(
                        num_speculative_tokens=3, max_new_tokens=12, sampling=SamplingConfig(temperature=0.8, top_p=0.9)))
-    m = DistillModel(perturbed(target, 0.1).cpu(), target.lm_head.weight.detach().cpu(), None, 128,
-                     DistillConfig(loss="tvd_deploy", top_k=5)).to(DEV)
+    m = DistillModel(perturbed(target, 0.1).cpu(), TeacherHead(target.lm_head.weight.detach().cpu(), 128), DistillConfig(loss="tvd_deploy", top_k=5)).to(DEV)
     ids = torch.tensor([5, 6, 7, 8, 9, 10])
     with torch.no_grad():
         h = target(ids[None].to(DEV), output_hidden_states=True).hidden_states[-1][0].cpu()

@@ -195,10 +195,10 @@ def test_run_distill_trains_the_draft_as_given_on_it_and_exports_it_drafting_thr
     dcfg = DistillConfig(loss="tvd", lr=3e-3, max_steps=3, batch_size=3, held_out_fraction=0.0, save_steps=100,
                          scheduler="constant")
     res = run_distill(pair["target"], pair["draft"], tmp_path / "d", tmp_path / "out", dcfg, num_speculative_tokens=3)
-    assert res["metrics"]["moved_fraction"] > 0
-    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
+    assert res.metrics.moved_fraction > 0
+    losses = [h["loss"] for h in res.training["history"] if "loss" in h]
     assert losses and losses[-1] < losses[0]
-    spec = json.loads((res["speculator"] / "config.json").read_text())
+    spec = json.loads((res.speculator / "config.json").read_text())
     assert spec["speculators_config"]["proposal_methods"][0]["proposal_type"] == "text"
     assert spec["vocab_size"] == 360  # its own vocabulary, head untouched in shape
     with pytest.raises(DumpError, match="tokenizer"):  # a draft of the target's tokenizer cannot train on it

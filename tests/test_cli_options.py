@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from specdraft.cli import COMMANDS, GAMMA_HELP, app
 from specdraft.config import (
     HELP_BY_COMMAND,
+    SERVING_HELP,
     DistillConfig,
     DumpConfig,
     EvalConfig,
@@ -72,7 +73,9 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
     # The seed, the sampling triple and the dtype: default and help from the config the command fills.
     config_of = {"eval": EvalConfig, "generate": EvalConfig, "rank": EvalConfig, "dump": DumpConfig,
                  "distill": DistillConfig, "headroom": HeadroomConfig, "export": ExportConfig}
-    sampling_of = config_of | {"eval": SamplingConfig, "generate": SamplingConfig, "rank": SamplingConfig}
+    # distill's serving filter is a SamplingConfig field with help of its own (test_the_serving_filter_and_…).
+    sampling_of = config_of | {"eval": SamplingConfig, "generate": SamplingConfig, "rank": SamplingConfig,
+                               "distill": None}
     for name in ("seed", "temperature", "top_k", "top_p"):
         for path, p in _params(name).items():
             cfg = (sampling_of if name in ("temperature", "top_k", "top_p") else config_of).get(path)
@@ -135,8 +138,8 @@ def test_the_serving_filter_and_the_stored_log_probs_are_flags_of_their_own():
     for name in ("temperature", "top_k", "top_p"):
         assert "--" + name.replace("_", "-") not in distill
         p = distill["--serving-" + name.replace("_", "-")]
-        assert p.help == DistillConfig.model_fields[name].description and p.help.startswith("Serving filter")
-        assert p.default == DistillConfig.model_fields[name].default
+        assert p.help == SERVING_HELP[name] and p.help in DistillConfig.model_fields["serving"].description
+        assert p.help.startswith("Serving filter") and p.default == getattr(DistillConfig().serving, name)
 
 
 @pytest.mark.parametrize(("args", "old"), [

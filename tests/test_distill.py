@@ -8,9 +8,10 @@ from typing import get_args
 import pytest
 import torch
 
-from specdraft.config import DistillConfig, TrainWhat
+from specdraft.config import DistillConfig, SamplingConfig, TrainWhat
 from specdraft.distill import DistillError, DistillModel, train
 from specdraft.distill_data import collate
+from specdraft.distill_trainer import TeacherHead
 from specdraft.testing import perturbed, tiny_model
 
 V = 96
@@ -38,7 +39,7 @@ def setup():
 
 def test_hidden_teacher_reproduces_target_logits(setup):
     target, rows = setup
-    m = DistillModel(tiny_model("llama", V, seed=1, layers=1), target.lm_head.weight, None, V, DistillConfig())
+    m = DistillModel(tiny_model("llama", V, seed=1, layers=1), TeacherHead(target.lm_head.weight, V), DistillConfig())
     _p, logits = m.teacher_probs(hidden=rows[0]["hidden"].float()[None])
     with torch.no_grad():
         ref = target(rows[0]["input_ids"][None]).logits.float()
@@ -50,7 +51,7 @@ def test_hidden_teacher_reproduces_target_logits(setup):
 def test_forward_returns_loss_by_key_and_ignores_padding(setup, loss):
     target, rows = setup
     cfg = DistillConfig(loss=loss, top_k=5, top_p=0.9, temperature=0.8)
-    m = DistillModel(perturbed(target, 0.1), target.lm_head.weight, None, V, cfg)
+    m = DistillModel(perturbed(target, 0.1), TeacherHead(target.lm_head.weight, V), cfg)
     one = collate(rows[:1])
     out = m(**one)
     assert "loss" in out and out["loss"].dim() == 0 and torch.isfinite(out["loss"])
@@ -62,7 +63,7 @@ def test_forward_returns_loss_by_key_and_ignores_padding(setup, loss):
     weighted = sum(float(o["loss"].detach()) * t for o, t in zip(single, tokens)) / sum(tokens)
     assert float(out2["loss"].detach()) == pytest.approx(weighted, rel=1e-4)
     # Identical draft and teacher: TVD-type losses vanish.
-    same = DistillModel(target, target.lm_head.weight, None, V, cfg)
+    same = DistillModel(target, TeacherHead(target.lm_head.weight, V), cfg)
     if loss != "soft_ce":
         assert float(same(**one)["loss"].detach()) < 0.02
     assert 0.0 <= float(out["alpha"]) <= 1.0
@@ -82,7 +83,7 @@ def test_scoring_only_the_trained_columns_gives_the_loss_metrics_and_gradients_o
     head = target.lm_head.weight if teacher == "hidden" else None
     outs, grads = [], []
     for only in (True, False):
-        m = DistillModel(draft, head, None, V, cfg, teacher_width=V, trained_columns_only=only)
+        m = DistillModel(draft, TeacherHead(head, V, width=V), cfg, trained_columns_only=only)
         assert m.trained_columns_only is only
         out = m(**batch)
         out["loss"].backward()
@@ -116,7 +117,7 @@ def test_topk_teacher_takes_the_sparse_loss_equal_to_the_dense_path_where_its_ma
     batch |= {"topk_logprobs": logprobs, "topk_ids": keep.to(torch.int32),
               "leftover_logmass": torch.full(keep.shape[:-1], float("-inf"))}
     draft = perturbed(target, 0.1)
-    m = DistillModel(draft, None, None, V, DistillConfig(loss=loss), teacher_width=V)
+    m = DistillModel(draft, TeacherHead(None, V, width=V), DistillConfig(loss=loss))
     out = m(**batch)
     (g_sparse,) = torch.autograd.grad(out["loss"], draft.lm_head.weight)
     d_logits = align_logits(draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
@@ -138,11 +139,11 @@ def test_topk_teacher_takes_the_sparse_loss_equal_to_the_dense_path_where_its_ma
 def test_padding_rows_and_bad_widths(setup):
     target, rows = setup
     wide = tiny_model("llama", V + 32, seed=1, layers=1)  # same tokenizer, padded matrix
-    m = DistillModel(wide, target.lm_head.weight, None, V, DistillConfig())
+    m = DistillModel(wide, TeacherHead(target.lm_head.weight, V), DistillConfig())
     assert torch.isfinite(m(**collate(rows[:2]))["loss"])
     narrow = tiny_model("llama", V - 10, seed=1, layers=1)
     with pytest.raises(DistillError, match="beyond padding"):
-        DistillModel(narrow, target.lm_head.weight, None, V, DistillConfig())
+        DistillModel(narrow, TeacherHead(target.lm_head.weight, V), DistillConfig())
 
 
 def test_config_validation_names_the_field():
@@ -154,17 +155,34 @@ def test_config_validation_names_the_field():
         DistillConfig(top_k=-1)
 
 
+def test_the_serving_filter_is_one_sampling_config_and_the_flat_keys_of_older_configs_still_load():
+    """``serving`` holds the filter; a training.json / stage.json written with flat temperature / top_k / top_p
+    keys loads into it unchanged, and a serving temperature of 0 (greedy: no distribution to train toward) is
+    refused though decoding's SamplingConfig allows it."""
+    assert DistillConfig().serving == SamplingConfig(temperature=1.0) and DistillConfig().serving_is_plain
+    old = {"loss": "tvd_deploy", "temperature": 0.8, "top_k": 4, "top_p": 0.9, "lr": 2e-4}
+    cfg = DistillConfig.model_validate(old)
+    assert cfg.serving == SamplingConfig(temperature=0.8, top_k=4, top_p=0.9) and cfg.lr == 2e-4
+    assert DistillConfig.model_validate(cfg.model_dump()) == cfg  # the new shape round-trips
+    assert DistillConfig.model_validate({"top_k": 3}).serving == SamplingConfig(temperature=1.0, top_k=3)
+    assert DistillConfig.model_validate(cfg.model_dump() | {"top_k": 2}).serving.top_k == 2  # a flat override
+    assert "temperature" not in cfg.model_dump() and cfg.model_dump()["serving"]["top_p"] == 0.9
+    for bad in ({"temperature": 0.0}, {"serving": {"temperature": 0.0}}):
+        with pytest.raises(ValueError, match="serving-temperature 0.0"):
+            DistillConfig.model_validate(bad)
+
+
 def test_two_step_trainer_run_pins_first_loss_and_resumes(setup, tmp_path):
     target, rows = setup
     draft = perturbed(target, 0.15)
     cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=1, scheduler="constant",
                         seed=0)
     # The loss the Trainer logs at step 1 is the initial model's loss on the first batch of its sampler.
-    initial = DistillModel(perturbed(target, 0.15), target.lm_head.weight, None, V, cfg)
-    result = train(draft, target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path)
-    logged = [h["loss"] for h in result["history"] if "loss" in h]
-    assert result["steps"] == 2 and len(logged) == 2
-    assert all("train_acc" in h for h in result["history"] if "loss" in h)
+    initial = DistillModel(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), cfg)
+    result = train(draft, TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg, tmp_path)
+    logged = [h["loss"] for h in result.history if "loss" in h]
+    assert result.steps == 2 and len(logged) == 2
+    assert all("train_acc" in h for h in result.history if "loss" in h)
     batch_losses = []
     # Any pair of the 4 training rows may form the first batch (seeded shuffle); the logged value must be one
     # of the possible first-batch losses of the initial model.
@@ -172,20 +190,19 @@ def test_two_step_trainer_run_pins_first_loss_and_resumes(setup, tmp_path):
         for a, b in itertools.combinations(range(4), 2):
             batch_losses.append(float(initial(**collate([rows[a], rows[b]]))["loss"]))
     assert min(abs(logged[0] - x) for x in batch_losses) < 1e-4
-    before, after = result["eval_before"]["eval_loss"], result["eval_after"]["eval_loss"]
+    before, after = result.eval_before["eval_loss"], result.eval_after["eval_loss"]
     assert after != before
     # Resume: a second call with more steps continues from checkpoint-2 instead of starting over.
     cfg4 = cfg.model_copy(update={"max_steps": 4})
-    again = train(result["draft"], target.lm_head.weight, None, V, rows[:4], rows[4:], cfg4, tmp_path)
-    assert again["resumed_from"].endswith("checkpoint-2") and again["steps"] == 4
+    again = train(result.draft, TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg4, tmp_path)
+    assert again.resumed_from.endswith("checkpoint-2") and again.steps == 4
 
 
 def test_non_finite_loss_stops_with_clear_error(setup, tmp_path):
     target, rows = setup
     bad = [dict(r, hidden=torch.full_like(r["hidden"], float("nan"))) for r in rows[:2]]
     with pytest.raises(DistillError, match="non-finite loss"):
-        train(perturbed(target, 0.1), target.lm_head.weight, None, V, bad, None,
-              DistillConfig(max_steps=2, batch_size=1), tmp_path)
+        train(perturbed(target, 0.1), TeacherHead(target.lm_head.weight, V), bad, None, DistillConfig(max_steps=2, batch_size=1), tmp_path)
 
 
 def test_weights_made_non_finite_by_a_step_are_never_checkpointed_or_exported(setup, tmp_path):
@@ -206,8 +223,7 @@ def test_weights_made_non_finite_by_a_step_are_never_checkpointed_or_exported(se
 
     draft = perturbed(target, 0.1)
     with pytest.raises(DistillError, match=r"weights are not finite after step 2 \(model\.embed_tokens\.weight"):
-        train(draft, target.lm_head.weight, None, V, rows[:4], None,
-              DistillConfig(max_steps=3, batch_size=1, save_steps=1), tmp_path, callbacks=[Overflow()])
+        train(draft, TeacherHead(target.lm_head.weight, V), rows[:4], None, DistillConfig(max_steps=3, batch_size=1, save_steps=1), tmp_path, callbacks=[Overflow()])
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("checkpoint-*"))
     assert ckpts == ["checkpoint-1"] and (tmp_path / "checkpoints" / "checkpoint-1" / "trainer_state.json").is_file()
     with pytest.raises(CheckpointWeightsError, match=r"not finite \(NaN or inf\): model\.embed_tokens\.weight"):
@@ -244,7 +260,7 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format=fmt, top_k=8, dtype="float32"))
     cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=3, batch_size=2, held_out_fraction=0.25)
     res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg, num_speculative_tokens=3)
-    spec_dir = res["speculator"]
+    spec_dir = res.speculator
     conf = json.loads((spec_dir / "config.json").read_text())
     assert conf["speculators_model_type"] == "independent"
     assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
@@ -257,11 +273,11 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     reloaded = AutoModelForCausalLM.from_pretrained(spec_dir).eval()
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, res["model"].eval()(ids).logits)
-    assert res["metrics"]["eval_after"]["eval_loss"] != res["metrics"]["eval_before"]["eval_loss"]
+        assert torch.equal(reloaded(ids).logits, res.model.eval()(ids).logits)
+    assert res.metrics.eval_after["eval_loss"] != res.metrics.eval_before["eval_loss"]
     # The logged α says what it is, and how far a top-k teacher's unknown tail can move it (0 for full logits).
-    assert res["metrics"]["alpha_definition"].startswith("Σ min(p, q) at temperature 1, no filter")
-    bound = res["metrics"]["eval_after"]["eval_alpha_bound"]
+    assert res.metrics.alpha_definition.startswith("Σ min(p, q) at temperature 1, no filter")
+    bound = res.metrics.eval_after["eval_alpha_bound"]
     assert bound > 0 if fmt == "topk" else bound == 0
     # A draft speaking another tokenizer is refused before any training.
     other = tmp_path / "other"
@@ -285,8 +301,8 @@ def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
     cfg = DistillConfig(loss="tvd", train="last_layers", train_last_layers=2, lr=3e-5, max_steps=4, batch_size=2,
                         held_out_fraction=0.25, scheduler="constant", save_steps=100)
     res = run_distill(DEFAULT_TARGET, DEFAULT_DRAFT, tmp_path / "dump", tmp_path / "out", cfg)
-    before, after = res["metrics"]["eval_before"], res["metrics"]["eval_after"]
-    assert res["metrics"]["held_out_sequences"] == 2 and res["metrics"]["steps"] == 4
+    before, after = res.metrics.eval_before, res.metrics.eval_after
+    assert res.metrics.held_out_sequences == 2 and res.metrics.steps == 4
     assert after["eval_loss"] < before["eval_loss"], (before, after)
     assert after["eval_alpha"] > before["eval_alpha"]
 
@@ -305,9 +321,8 @@ def _grads_of_first_step(target, rows, tmp_path, batch_size, accumulation):
     cfg = DistillConfig(loss="tvd", lr=1e-3, max_steps=1, batch_size=batch_size,
                         gradient_accumulation_steps=accumulation, max_grad_norm=1e9, scheduler="constant",
                         held_out_fraction=0.0, save_steps=100)
-    out = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows, None, cfg,
-                tmp_path / f"b{batch_size}-a{accumulation}", resume=False, callbacks=[Watch()])
-    return grads, out["history"][0]["loss"]
+    out = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows, None, cfg, tmp_path / f"b{batch_size}-a{accumulation}", resume=False, callbacks=[Watch()])
+    return grads, out.history[0]["loss"]
 
 
 def test_gradient_accumulation_weighs_every_trained_token_equally(setup, tmp_path):
@@ -332,7 +347,7 @@ def test_gradient_accumulation_weighs_every_trained_token_equally(setup, tmp_pat
     assert loss_one == pytest.approx(loss_two, rel=1e-5)
 
     # The test can tell: the plain average of the two per-sequence means (what the Trainer did before) is far off.
-    model = DistillModel(perturbed(target, 0.15), target.lm_head.weight, None, V, DistillConfig(loss="tvd"))
+    model = DistillModel(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), DistillConfig(loss="tvd"))
     per_seq = [model(**collate([r]))["loss"] for r in rows]
     named = dict(model.named_parameters())
     naive = torch.autograd.grad(0.5 * (per_seq[0] + per_seq[1]), [named[k] for k in sorted(one)])
@@ -346,12 +361,12 @@ def test_learning_curve_scores_held_out_every_eval_steps_once(setup, tmp_path):
     target, rows = setup
     cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=4, batch_size=2, eval_steps=2, scheduler="constant",
                         save_steps=100)
-    result = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path)
-    curve = result["curve"]
+    result = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg, tmp_path)
+    curve = result.curve
     assert [p["step"] for p in curve] == [0, 2, 4]
-    assert curve[0]["eval_alpha"] == result["eval_before"]["eval_alpha"]
-    assert curve[-1]["eval_loss"] == result["eval_after"]["eval_loss"]
-    assert sum("eval_alpha" in h and h["step"] == 4 for h in result["history"]) == 1
+    assert curve[0]["eval_alpha"] == result.eval_before["eval_alpha"]
+    assert curve[-1]["eval_loss"] == result.eval_after["eval_loss"]
+    assert sum("eval_alpha" in h and h["step"] == 4 for h in result.history) == 1
     assert all(0.0 <= p["eval_alpha"] <= 1.0 for p in curve)
 
 
@@ -482,22 +497,18 @@ def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_pa
         def __call__(self, *a):
             raise AssertionError("λ = 0 must not write a sequence")
 
-    plain = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path / "a")
-    zero = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path / "b",
-                 writer=Exploding())
-    loss = lambda r: [h["loss"] for h in r["history"] if "loss" in h]
-    assert loss(zero) == loss(plain) and zero["on_policy"] is None
+    plain = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg, tmp_path / "a")
+    zero = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg, tmp_path / "b", writer=Exploding())
+    loss = lambda r: [h["loss"] for h in r.history if "loss" in h]
+    assert loss(zero) == loss(plain) and zero.on_policy is None
     writer = DraftWriter(Teacher(target, V), tiny_tokenizer(V), DumpConfig(answer_only=True, generate=4),
                          SamplingConfig(temperature=1.0), max_new_tokens=4)
-    half = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
-                 cfg.model_copy(update={"on_policy_fraction": 0.5, "on_policy_every": 1}), tmp_path / "c",
-                 writer=writer)
-    assert half["steps"] == 2 and len(loss(half)) == 2
-    assert half["on_policy"]["refresh_steps"] == [0, 1] and half["on_policy"]["sequences"] == 2  # 1 of 2 per step
+    half = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg.model_copy(update={"on_policy_fraction": 0.5, "on_policy_every": 1}), tmp_path / "c", writer=writer)
+    assert half.steps == 2 and len(loss(half)) == 2
+    assert half.on_policy["refresh_steps"] == [0, 1] and half.on_policy["sequences"] == 2  # 1 of 2 per step
     assert loss(half)[0] != loss(plain)[0]
     with pytest.raises(DistillError, match="DraftWriter"):
-        train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], None,
-              cfg.model_copy(update={"on_policy_fraction": 0.5}), tmp_path / "d")
+        train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], None, cfg.model_copy(update={"on_policy_fraction": 0.5}), tmp_path / "d")
 
 
 def test_a_dump_holding_ids_past_the_drafts_width_is_refused_before_training(tmp_path, monkeypatch):
@@ -551,18 +562,18 @@ def test_bf16_autocast_training_reaches_the_float32_loss(setup, tmp_path):
         draft.lm_head.register_forward_hook(lambda _m, _i, out, seen=head_dtypes: seen.add(out.dtype))
         cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=10, batch_size=2, save_steps=100, scheduler="constant",
                             seed=0, precision=precision)
-        res = train(draft, target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path / precision)
+        res = train(draft, TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg, tmp_path / precision)
         runs[precision] = res
-        assert res["precision"] == precision
+        assert res.precision == precision
         # Master weights: the parameters (and so the exported draft) stay float32 whatever ran the matmuls.
-        assert {p.dtype for p in res["draft"].parameters()} == {torch.float32}
+        assert {p.dtype for p in res.draft.parameters()} == {torch.float32}
         assert head_dtypes == ({torch.bfloat16} if precision == "bf16-autocast" else {torch.float32})
-    loss = {k: [h["loss"] for h in r["history"] if "loss" in h] for k, r in runs.items()}
+    loss = {k: [h["loss"] for h in r.history if "loss" in h] for k, r in runs.items()}
     fp32, bf16 = loss["float32"], loss["bf16-autocast"]
     assert len(fp32) == len(bf16) == 10 and fp32 != bf16  # autocast changed the arithmetic…
     assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.02  # …not the training
     assert fp32[0] - fp32[-1] > 0.1 and (bf16[0] - bf16[-1]) == pytest.approx(fp32[0] - fp32[-1], rel=0.2)
-    after = {k: r["eval_after"]["eval_loss"] for k, r in runs.items()}
+    after = {k: r.eval_after["eval_loss"] for k, r in runs.items()}
     assert after["bf16-autocast"] == pytest.approx(after["float32"], abs=0.02)
 
 
@@ -616,11 +627,11 @@ def test_a_draft_distilled_in_bfloat16_is_exported_in_bfloat16_every_tensor(tmp_
                         dtype="bfloat16", train="last_layers", train_last_layers=1)
     res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg, num_speculative_tokens=3)
     dtypes = set()
-    for f in res["speculator"].glob("*.safetensors"):
+    for f in res.speculator.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             dtypes |= {st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    assert dtypes == {"BF16"} and {p.dtype for p in res["model"].parameters()} == {torch.bfloat16}
-    assert res["metrics"]["moved_fraction"] > 0
+    assert dtypes == {"BF16"} and {p.dtype for p in res.model.parameters()} == {torch.bfloat16}
+    assert res.metrics.moved_fraction > 0
 
 
 def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(tmp_path):
@@ -649,10 +660,10 @@ def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(t
     cfg = DistillConfig(loss="tvd", lr=1e-3, max_steps=2, batch_size=2, held_out_fraction=0.25)
     res = run_distill(tdir, ddir, [tmp_path / "forced", tmp_path / "written"], tmp_path / "out", cfg,
                       dump_weights=[1, 2], num_speculative_tokens=3)
-    assert res["metrics"]["train_sequences"] == 6 + 3 * 2  # 8 − 2 held out, (4 − 1) × weight 2
-    assert res["metrics"]["held_out_sequences"] == 2 + 1
-    assert res["training"]["dump"]["sequences_per_dump"] == [8, 4]
-    assert res["training"]["dump"]["weights"] == [1, 2]
+    assert res.metrics.train_sequences == 6 + 3 * 2  # 8 − 2 held out, (4 − 1) × weight 2
+    assert res.metrics.held_out_sequences == 2 + 1
+    assert res.training["dump"]["sequences_per_dump"] == [8, 4]
+    assert res.training["dump"]["weights"] == [1, 2]
     # Another target (other weights, same tokenizer): its head differs, so the mix is refused.
     other, _ = save_tiny_pair(tmp_path / "models2", 96, seed=7)
     run_dump(other, str(data), tmp_path / "other", DumpConfig(answer_only=True, dtype="float32"))
@@ -666,8 +677,7 @@ def test_a_resume_into_checkpoints_of_another_loss_or_geometry_is_refused_naming
     before training, naming the change; start over (resume=False) clears them and trains from step 0."""
     target, rows = setup
     cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=1, scheduler="constant", seed=0)
-    train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], cfg, tmp_path,
-          origin={"dump": ["dump-a"], "draft": "draft-a"})
+    train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], cfg, tmp_path, origin={"dump": ["dump-a"], "draft": "draft-a"})
     longer = cfg.model_copy(update={"max_steps": 3})  # more steps of the same run: resumes
     for change, origin, needle in (
             ({"loss": "soft_ce"}, {"dump": ["dump-a"], "draft": "draft-a"}, "loss: 'tvd' → 'soft_ce'"),
@@ -676,16 +686,12 @@ def test_a_resume_into_checkpoints_of_another_loss_or_geometry_is_refused_naming
             ({}, {"dump": ["dump-b"], "draft": "draft-a"}, "dump: ['dump-a'] → ['dump-b']"),
             ({}, {"dump": ["dump-a"], "draft": "draft-b"}, "draft: 'draft-a' → 'draft-b'")):
         with pytest.raises(DistillError) as e:
-            train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
-                  longer.model_copy(update=change), tmp_path, origin=origin)
+            train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], longer.model_copy(update=change), tmp_path, origin=origin)
         assert needle in str(e.value) and "--no-resume" in str(e.value)
-    again = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:], longer, tmp_path,
-                  origin={"dump": ["dump-a"], "draft": "draft-a"})
-    assert again["resumed_from"].endswith("checkpoint-2") and again["steps"] == 3
-    fresh = train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], rows[4:],
-                  longer.model_copy(update={"loss": "soft_ce"}), tmp_path, resume=False,
-                  origin={"dump": ["dump-a"], "draft": "draft-a"})
-    assert fresh["resumed_from"] is None and fresh["steps"] == 3
+    again = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], longer, tmp_path, origin={"dump": ["dump-a"], "draft": "draft-a"})
+    assert again.resumed_from.endswith("checkpoint-2") and again.steps == 3
+    fresh = train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], rows[4:], longer.model_copy(update={"loss": "soft_ce"}), tmp_path, resume=False, origin={"dump": ["dump-a"], "draft": "draft-a"})
+    assert fresh.resumed_from is None and fresh.steps == 3
 
 
 def test_the_held_out_split_keeps_every_prompt_on_one_side_across_the_dumps_of_a_mix():
@@ -753,8 +759,7 @@ def test_a_topk_teacher_logs_the_filtered_alpha_at_the_serving_settings(setup):
     draft = perturbed(target, 0.05)
     batch = collate(topk_rows(target, rows[:3]))
     serving = (0.8, 4, 0.9)
-    m = DistillModel(draft, None, None, V, DistillConfig(loss="soft_ce", temperature=0.8, top_k=4, top_p=0.9),
-                     teacher_width=V)
+    m = DistillModel(draft, TeacherHead(None, V, width=V), DistillConfig(loss="soft_ce", temperature=0.8, top_k=4, top_p=0.9))
     with torch.no_grad():
         out = m(**batch)
     filtered, unfiltered = full_alpha(target, draft, batch, serving), full_alpha(target, draft, batch)
@@ -764,8 +769,7 @@ def test_a_topk_teacher_logs_the_filtered_alpha_at_the_serving_settings(setup):
     assert alpha_definition(m.config_, "topk").startswith("Σ min(p̃, q̃), p̃ and q̃ after the serving filter "
                                                           "(temperature 0.8, top-k 4, top-p 0.9), renormalised")
     # tvd_deploy reads the same filtered teacher: its 1 − loss is that α too.
-    deploy = DistillModel(draft, None, None, V, DistillConfig(loss="tvd_deploy", temperature=0.8, top_k=4, top_p=0.9),
-                          teacher_width=V)
+    deploy = DistillModel(draft, TeacherHead(None, V, width=V), DistillConfig(loss="tvd_deploy", temperature=0.8, top_k=4, top_p=0.9))
     with torch.no_grad():
         assert 1 - float(deploy(**batch)["loss"]) == pytest.approx(filtered, abs=2e-3)
 
@@ -778,7 +782,7 @@ def test_a_topk_teacher_under_plain_serving_states_the_bound_of_its_alpha(setup)
     items = topk_rows(target, rows[:3], k=4)
     batch = collate(items)
     with torch.no_grad():
-        out = DistillModel(draft, None, None, V, DistillConfig(loss="soft_ce"), teacher_width=V)(**batch)
+        out = DistillModel(draft, TeacherHead(None, V, width=V), DistillConfig(loss="soft_ce"))(**batch)
     mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
     leftover = float(batch["leftover_logmass"].exp()[mask].mean())
     assert leftover > 0.01  # a tail worth bounding
@@ -795,8 +799,9 @@ def test_a_topk_teacher_refuses_serving_settings_it_cannot_compute(setup, servin
     batch = collate(topk_rows(target, rows[:2]))
     cfg = DistillConfig(loss="soft_ce", **serving)
     with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--serving-top-k between 1 and 8.*--format hidden"):
-        DistillModel(perturbed(target, 0.1), None, None, V, cfg, teacher_width=V)(**batch)
-    assert f"temperature {cfg.temperature}, top-k {cfg.top_k}, top-p {cfg.top_p}" in cfg.sparse_teacher_problem(8)
+        DistillModel(perturbed(target, 0.1), TeacherHead(None, V, width=V), cfg)(**batch)
+    s = cfg.serving
+    assert f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}" in cfg.sparse_teacher_problem(8)
     # The same temperature and top-p become exact once a top-k inside the stored k bounds the support.
     assert DistillConfig(**{**serving, "top_k": 8}).sparse_teacher_problem(8) is None
 
@@ -868,8 +873,8 @@ def test_row_lr_trains_the_rows_in_their_own_group_and_untie_head_lets_the_head_
 
     cfg = DistillConfig(loss="nla", lr=1e-3, row_lr=2e-2, untie_head=True, max_steps=2, batch_size=2,
                         scheduler="linear", warmup_ratio=0.0, held_out_fraction=0.0, save_steps=100)
-    out = train(draft, target.lm_head.weight, None, V, rows, None, cfg, tmp_path, resume=False, callbacks=[Watch()])
-    d = out["draft"]
+    out = train(draft, TeacherHead(target.lm_head.weight, V), rows, None, cfg, tmp_path, resume=False, callbacks=[Watch()])
+    d = out.draft
     head, emb = d.lm_head.weight, d.model.embed_tokens.weight
     assert head is not emb and d.config.tie_word_embeddings is False
     rows_n = 2 * V * emb.shape[1]  # the embedding and the head, now two matrices
@@ -906,13 +911,12 @@ def test_every_training_mode_interrupted_and_resumed_ends_with_the_weights_of_an
     def draft():
         return perturbed(target, 0.15).to(getattr(torch, dtype))
 
-    whole = train(draft(), target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path / "whole")
-    first = train(draft(), target.lm_head.weight, None, V, rows[:4], None, cfg.model_copy(update={"max_steps": 2}),
-                  tmp_path / "split")
-    assert first["steps"] == 2
-    resumed = train(draft(), target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path / "split")
-    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["steps"] == 4
-    want, got, start = _weights(whole["draft"]), _weights(resumed["draft"]), _weights(draft())
+    whole = train(draft(), TeacherHead(target.lm_head.weight, V), rows[:4], None, cfg, tmp_path / "whole")
+    first = train(draft(), TeacherHead(target.lm_head.weight, V), rows[:4], None, cfg.model_copy(update={"max_steps": 2}), tmp_path / "split")
+    assert first.steps == 2
+    resumed = train(draft(), TeacherHead(target.lm_head.weight, V), rows[:4], None, cfg, tmp_path / "split")
+    assert resumed.resumed_from.endswith("checkpoint-2") and resumed.steps == 4
+    want, got, start = _weights(whole.draft), _weights(resumed.draft), _weights(draft())
     assert set(got) == set(want) == set(start)
     assert any(not torch.equal(want[k], start[k]) for k in want)  # four steps moved the weights…
     for k in want:  # …and the resumed run moved them to the same place
@@ -929,13 +933,13 @@ def test_bfloat16_weights_train_on_float32_master_weights_so_norms_move_at_a_sma
     norms = {n: p.detach().float().clone() for n, p in draft.named_parameters() if "norm" in n}
     cfg = DistillConfig(loss="tvd", lr=1e-5, max_steps=3, batch_size=2, save_steps=100, scheduler="constant",
                         seed=0, dtype="bfloat16")
-    res = train(draft, target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path)
-    params = dict(res["draft"].named_parameters())
+    res = train(draft, TeacherHead(target.lm_head.weight, V), rows[:4], None, cfg, tmp_path)
+    params = dict(res.draft.named_parameters())
     still = [n for n, v in norms.items() if torch.equal(params[n].detach().float(), v)]
     assert norms and still == []
-    assert res["precision"] == "bf16-autocast" and "master weights" in res["precision_reason"]
-    assert {p.dtype for p in res["draft"].parameters()} == {torch.float32}  # train=all: every weight is trained
-    assert 0.5 < res["moved_fraction"] < 1
+    assert res.precision == "bf16-autocast" and "master weights" in res.precision_reason
+    assert {p.dtype for p in res.draft.parameters()} == {torch.float32}  # train=all: every weight is trained
+    assert 0.5 < res.moved_fraction < 1
 
 
 def test_last_layers_also_trains_the_final_norm_of_every_architecture_it_accepts():
@@ -1032,11 +1036,11 @@ def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_posi
 
 def test_the_trainer_logs_as_one_readable_line_per_step_never_a_raw_dict(setup, tmp_path, capsys):
     """Off a terminal the Trainer's PrinterCallback printed ``{'loss': '0.5123', 'grad_norm': ...}`` per step."""
-    from specdraft.distill import log_line
+    from specdraft.distill_trainer import log_line
 
     target, rows = setup
     cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=2, scheduler="constant", seed=0)
-    train(perturbed(target, 0.15), target.lm_head.weight, None, V, rows[:4], None, cfg, tmp_path)
+    train(perturbed(target, 0.15), TeacherHead(target.lm_head.weight, V), rows[:4], None, cfg, tmp_path)
     out = capsys.readouterr().out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert [s.split()[1] for s in steps[:2]] == ["1/2", "2/2"]
@@ -1076,7 +1080,7 @@ def test_a_tie_at_the_cut_of_a_topk_teacher_served_at_its_k_bounds_the_logged_al
              "leftover_logmass": torch.full((1, 2), 0.3).log()}
     cfg = DistillConfig(loss="tvd_deploy", top_k=3)
     with torch.no_grad():
-        out = DistillModel(_FixedLogits(p.log()), None, None, 8, cfg, teacher_width=8)(**batch)
+        out = DistillModel(_FixedLogits(p.log()), TeacherHead(None, 8, width=8), cfg)(**batch)
     exact = 1.0  # the draft is the target
     assert float(out["alpha"]) == pytest.approx(7 / 9, abs=1e-5)  # the stored ids alone: not the exact value
     assert float(out["alpha_bound"]) == pytest.approx(0.3, abs=1e-5)
@@ -1086,7 +1090,7 @@ def test_a_tie_at_the_cut_of_a_topk_teacher_served_at_its_k_bounds_the_logged_al
                            "leftover_logmass": torch.full((1, 2), float("-inf"))}
     q = torch.cat([p[:3] / 0.7, torch.zeros(5)])
     with torch.no_grad():
-        out = DistillModel(_FixedLogits(q.log()), None, None, 8, cfg, teacher_width=8)(**exact_batch)
+        out = DistillModel(_FixedLogits(q.log()), TeacherHead(None, 8, width=8), cfg)(**exact_batch)
     assert float(out["alpha"]) == pytest.approx(1.0, abs=1e-5) and float(out["alpha_bound"]) == 0.0
 
 
@@ -1115,10 +1119,10 @@ def test_a_bfloat16_draft_whose_update_rounds_away_as_saved_says_how_much_and_ho
     with pytest.warns(UserWarning, match=r"specdraft distill: .* of the trained weights moved in training, "
                                          r".* as saved in bfloat16.*--dtype float32") as caught:
         res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
-    m = res["metrics"]
+    m = res.metrics.to_dict()
     loaded, _ = load_model(ddir, dtype="bfloat16", device="cpu")
     start = dict(loaded.named_parameters())
-    saved = dict(res["model"].named_parameters())
+    saved = dict(res.model.named_parameters())
     differ = sum(int((saved[n].detach() != start[n].detach()).sum()) for n in saved)
     assert m["moved_fraction_saved"] == pytest.approx(differ / sum(p.numel() for p in saved.values()))
     assert m["moved_fraction_saved"] < m["moved_fraction"] / 2 and m["saved_dtype"] == "bfloat16"
@@ -1140,4 +1144,4 @@ def test_a_bfloat16_draft_whose_update_rounds_away_as_saved_says_how_much_and_ho
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no warning: the float32 export keeps the update
         kept = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out32", cfg, save_dtype="float32")
-    assert kept["metrics"]["moved_fraction_saved"] == kept["metrics"]["moved_fraction"] > 0.5
+    assert kept.metrics.moved_fraction_saved == kept.metrics.moved_fraction > 0.5

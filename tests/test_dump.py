@@ -134,6 +134,7 @@ def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
     applies it, so the teacher is the target's real output distribution."""
     from specdraft.config import DistillConfig
     from specdraft.distill import DistillModel
+    from specdraft.distill_trainer import TeacherHead
 
     target = _save_softcapped(arch, tmp_path, softcap=2.0)  # a low cap: logits of ±7 are squeezed into ±2
     model, _ = load_model(target, dtype="float32", device="cpu")
@@ -154,7 +155,7 @@ def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
         torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
         assert (teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"]) - ref).abs().max() > 1.0
         torch.testing.assert_close(ds.teacher_probs(item, head), ref.softmax(-1), atol=1e-6, rtol=1e-5)
-        distill = DistillModel(model, head["lm_head.weight"], None, VOCAB, DistillConfig(), logit_ops=ds.logit_ops)
+        distill = DistillModel(model, TeacherHead(head["lm_head.weight"], VOCAB, logit_ops=ds.logit_ops), DistillConfig())
         p, _ = distill.teacher_probs(hidden=item["hidden"][None])
         torch.testing.assert_close(p[0], ref.softmax(-1), atol=1e-6, rtol=1e-5)
 

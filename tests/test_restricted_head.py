@@ -8,6 +8,7 @@ import torch
 
 from specdraft.config import DistillConfig
 from specdraft.distill import DistillError, DistillModel
+from specdraft.distill_trainer import TeacherHead
 from specdraft.losses import soft_ce_topk
 from specdraft.restricted_head import (
     RestrictedHeadError,
@@ -97,8 +98,7 @@ def test_the_distill_model_with_a_full_support_scores_what_the_full_head_does():
     outs = []
     for support in (None, torch.arange(V)):
         cfg = DistillConfig(loss="soft_ce", head_support=None if support is None else 0)
-        m = DistillModel(tiny_model(vocab_size=V, seed=5).float(), None, None, V, cfg, teacher_width=V,
-                         support=support)
+        m = DistillModel(tiny_model(vocab_size=V, seed=5).float(), TeacherHead(None, V, width=V), cfg, support=support)
         with torch.no_grad():
             outs.append(m(**batch))
     for field in ("loss", "train_acc", "tvd", "alpha"):
@@ -112,7 +112,7 @@ def test_mass_outside_the_support_or_a_tail_is_refused_not_trained():
     with pytest.raises(RestrictedHeadError, match="outside the restricted head's support"):
         restricted_soft_ce(restricted_logits(model, support, ids, None), topk_ids, lp.exp(), support, V, mask)
     cfg = DistillConfig(loss="soft_ce", head_support=0)
-    m = DistillModel(model, None, None, V, cfg, teacher_width=V, support=torch.arange(V))
+    m = DistillModel(model, TeacherHead(None, V, width=V), cfg, support=torch.arange(V))
     tail = torch.full(mask.shape, -3.0)  # a top-k teacher with mass past its stored ids
     with pytest.raises(DistillError, match="no leftover mass"):
         m(input_ids=ids, loss_mask=mask, topk_ids=topk_ids, topk_logprobs=lp, leftover_logmass=tail)
@@ -132,6 +132,7 @@ def test_held_out_metrics_through_a_restricted_head_are_the_full_heads_and_the_m
     draft's own q(label), not q_S(label) = q(label) / q(S) — and the draft's mass outside the support is logged
     beside them (eval_outside_mass), each equal to its value computed independently from the trained draft."""
     from specdraft.distill import train
+    from specdraft.distill_trainer import TeacherHead
 
     g = torch.Generator().manual_seed(4)
     rows = []
@@ -145,22 +146,21 @@ def test_held_out_metrics_through_a_restricted_head_are_the_full_heads_and_the_m
     support = support_ids(torch.cat([r["input_ids"] for r in rows]).tolist(), width=V)
     cfg = DistillConfig(loss="soft_ce", head_support=0, lr=5e-3, max_steps=2, batch_size=2, scheduler="constant",
                         save_steps=100)
-    res = train(tiny_model(vocab_size=V, seed=5).float(), None, None, V, rows[:4], rows[4:], cfg, tmp_path,
-                teacher_width=V, support=support)
-    draft, held = res["draft"], rows[4:]
+    res = train(tiny_model(vocab_size=V, seed=5).float(), TeacherHead(None, V, width=V), rows[:4], rows[4:], cfg, tmp_path, support=support)
+    draft, held = res.draft, rows[4:]
     with torch.no_grad():
         q = [draft(input_ids=r["input_ids"][None]).logits[0].float().softmax(-1)[r["loss_mask"]] for r in held]
     labels = [r["topk_ids"][r["loss_mask"], 0] for r in held]
     q_label = torch.cat([qi.gather(-1, li[:, None])[:, 0] for qi, li in zip(q, labels)])
     outside = torch.cat([1 - qi[:, support].sum(-1) for qi in q])
     agree = torch.cat([(qi.argmax(-1) == li).float() for qi, li in zip(q, labels)])
-    after = res["eval_after"]
+    after = res.eval_after
     assert float(outside.mean()) > 0.2  # q_S and q differ here: the test can tell the two α apart
     assert after["eval_alpha"] == pytest.approx(float(q_label.mean()), abs=1e-5)
     assert after["eval_tvd"] == pytest.approx(1 - float(q_label.mean()), abs=1e-5)
     assert after["eval_acc"] == pytest.approx(float(agree.mean()), abs=1e-6)
     assert after["eval_outside_mass"] == pytest.approx(float(outside.mean()), abs=1e-5)
-    assert "eval_outside_mass" in res["eval_before"]
+    assert "eval_outside_mass" in res.eval_before
     from specdraft.distill import alpha_definition
 
     assert "eval_outside_mass the draft's mass outside the restricted head's support" in alpha_definition(cfg, "topk")

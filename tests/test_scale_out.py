@@ -92,7 +92,7 @@ def test_two_process_distillation_logs_the_losses_of_one_process(pair_and_dump):
     root, tdir, ddir, _ = pair_and_dump
     cfg = DistillConfig(loss="tvd", lr=1e-2, max_steps=3, batch_size=4, scheduler="constant",
                         held_out_fraction=0.25, eval_steps=1, save_steps=100)
-    single = run_distill(tdir, ddir, root / "dump1", root / "one", cfg, resume=False)["metrics"]
+    single = run_distill(tdir, ddir, root / "dump1", root / "one", cfg, resume=False).metrics.to_dict()
     _launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
              "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
              "--dynamo_backend", "no",

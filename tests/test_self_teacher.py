@@ -328,6 +328,7 @@ def _distil(pair, swapped, dumps, out, steps=4, **overrides):
 def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_ce_is_its_cross_entropy(
         pair, swapped, tmp_path):
     from specdraft.distill import DistillModel
+    from specdraft.distill_trainer import TeacherHead
     from specdraft.dump_reader import pad_collate
     from specdraft.models import load_model
 
@@ -336,8 +337,7 @@ def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_c
     ds = TeacherDataset(st)
     batch = pad_collate([ds[i] for i in range(len(ds))])
     draft, _ = load_model(swapped, dtype="float32")
-    model = DistillModel(draft, None, None, ds.manifest["target"]["real_vocab"], DistillConfig(loss="soft_ce"),
-                         teacher_width=ds.manifest["target"]["vocab_width"], trained_columns_only=False)
+    model = DistillModel(draft, TeacherHead(None, ds.manifest["target"]["real_vocab"], width=ds.manifest["target"]["vocab_width"]), DistillConfig(loss="soft_ce"), trained_columns_only=False)
     with torch.no_grad():
         out = model(**{k: v for k, v in batch.items() if k != "ids"})
         logits = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
@@ -346,9 +346,9 @@ def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_c
     ce = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
     assert torch.allclose(out.loss, ce, atol=1e-5)  # hard labels: soft_ce is the cross-entropy, exactly
     res = _distil(pair, swapped, st, tmp_path / "out")
-    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
+    losses = [h["loss"] for h in res.training["history"] if "loss" in h]
     assert len(losses) == 4 and losses[-1] < losses[0]
-    assert res["metrics"]["moved_fraction"] > 0.5
+    assert res.metrics.moved_fraction > 0.5
 
 
 def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level_one(pair, swapped, tmp_path):
@@ -361,11 +361,11 @@ def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level
     for i in range(len(ds)):
         data_ids.update(ds.tokens(i)["input_ids"].tolist())
     res = _distil(pair, swapped, hard, tmp_path / "out", head_support=8)
-    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
+    losses = [h["loss"] for h in res.training["history"] if "loss" in h]
     assert len(losses) == 4 and losses[-1] < losses[0]
     # The support: the dump's ids plus at most 8 frequent ones, fewer rows than the head.
-    assert len(data_ids) <= res["metrics"]["head_support"] <= len(data_ids) + 8
-    assert res["metrics"]["head_support"] < ds.manifest["target"]["vocab_width"]
+    assert len(data_ids) <= res.metrics.head_support <= len(data_ids) + 8
+    assert res.metrics.head_support < ds.manifest["target"]["vocab_width"]
     run_self_teacher(pair["draft"], pair["target"], _examples(), soft,
                      SelfTeacherConfig(generate=10, dtype="float32", top_k=4, token_level=True))
     with pytest.raises(DistillError, match="no leftover mass"):
@@ -383,8 +383,8 @@ def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swappe
     mix = TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "target")])
     assert mix.lengths == [len(PROMPTS), len(PROMPTS)]
     res = _distil(pair, swapped, [tmp_path / "st", tmp_path / "target"], tmp_path / "out")
-    losses = [h["loss"] for h in res["training"]["history"] if "loss" in h]
-    assert losses[-1] < losses[0] and res["training"]["dump"]["sequences_per_dump"] == [len(PROMPTS)] * 2
+    losses = [h["loss"] for h in res.training["history"] if "loss" in h]
+    assert losses[-1] < losses[0] and res.training["dump"]["sequences_per_dump"] == [len(PROMPTS)] * 2
     run_dump(pair["target"], _examples(), tmp_path / "k8", DumpConfig(format="topk", top_k=8, generate=6,
                                                                       answer_only=True, dtype="float32"))
     with pytest.raises(DumpError, match="top_k differ"):

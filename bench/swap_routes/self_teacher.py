@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         offset = st_minutes + (cb1.points[-1]["train_minutes"] if cb1.points else 0.0) + td["dump_seconds"] / 60
         cb2 = curve.CurveCallback(args.every, tok, prompt_ids, baseline, cfg.eval.num_speculative_tokens,
                                   cfg.eval.max_new_tokens, eos, work / "curve-phase2.json", offset)
-        res2, dcfg2 = distil(cfg, str(res1["speculator"]), work / "dump", work / "distill-target",
+        res2, dcfg2 = distil(cfg, str(res1.speculator), work / "dump", work / "distill-target",
                              {}, args.target_steps, cb2)
         points += [p | {"phase": 2, "step": p["step"] + args.steps} for p in cb2.points]
         phase2 = {"steps": args.target_steps, "dump": {"sequences": td["dump"]["sequences"],
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                        "minutes": td["dump_seconds"] / 60},
                   "route": {k: dcfg2.model_dump()[k] for k in ("loss", "lr", "row_lr", "batch_size",
                                                                "gradient_accumulation_steps", "scheduler")},
-                  "train_sequences": res2["metrics"]["train_sequences"]}
+                  "train_sequences": res2.metrics.train_sequences}
     best = max(points[1:] or points, key=lambda p: p["sets"]["held_out"]["acceptance"])
     result = {
         "command": command, "date": time.strftime("%Y-%m-%d"),
@@ -162,12 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
         "route": {k: dcfg1.model_dump()[k] for k in ("loss", "train", "lr", "row_lr", "untie_head", "batch_size",
                                                       "gradient_accumulation_steps", "scheduler", "warmup_ratio",
                                                       "precision", "held_out_fraction", "head_support")},
-        "head_rows": res1["metrics"].get("head_support"),
+        "head_rows": res1.metrics.head_support,
         "steps": args.steps, "every": args.every, "phase2": phase2,
         "sets": {n: {"sources": cfg.eval_prompts if n == "held_out" else cfg.ood_prompts,
                      "prompts": len(plan.sets[n]), "as_given_mapped": before["sets"][n]["acceptance_rate"],
                      "re_indexed": swap["sets"][n]["acceptance_rate"]} for n in plan.sets},
-        "train_sequences": res1["metrics"]["train_sequences"], "wall_minutes": (time.time() - t0) / 60,
+        "train_sequences": res1.metrics.train_sequences, "wall_minutes": (time.time() - t0) / 60,
         "replay_minutes": cb1.replay_seconds / 60, "points": points,
         "best": {"step": best["step"], "cpu_minutes": best["cpu_minutes"], "held_out": best["sets"]["held_out"]},
         "x_axis": "CPU-minutes = the teacher signals' minutes so far + training minutes to the step (replays left out)",

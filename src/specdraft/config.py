@@ -407,15 +407,29 @@ def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in RETIRED_DUMP_FIELDS}
 
 
+#: The serving filter's help, one sentence per ``--serving-*`` flag: what :class:`DistillConfig`'s ``serving``
+#: means in each of its fields (a :class:`SamplingConfig`'s own help is decoding's).
+SERVING_HELP = {
+    "temperature": "Serving filter: the temperature the draft will be served at (> 0; 1 = the model's own softmax). "
+    "tvd_deploy, the logged α and the on-policy answers use it; decoding's --temperature is another setting.",
+    "top_k": "Serving filter: the top-k the draft will be served with, after --serving-temperature (tvd_deploy, α, "
+    "on-policy answers); 0 = off. It keeps every id tied with the k-th value; a top-k dump holds exactly its k, so "
+    "where the cut reaches its last stored value (always at a top-k equal to the dump's) tied ids may be missing: "
+    "training.json counts those positions (cut_ties) and α is called exact only without them. Dump a larger "
+    "--top-logprobs for a margin.",
+    "top_p": "Serving filter: the top-p the draft will be served with, after --serving-top-k (tvd_deploy, α, "
+    "on-policy answers); 1 = off.",
+}
+
+
 class DistillConfig(BaseModel):
     """Distillation settings; field names equal the CLI flags (``lr`` ↔ ``--lr``) but the serving filter's.
 
-    The serving filter (``temperature``, ``top_k``, ``top_p``; flags ``--serving-temperature``, ``--serving-top-k``,
-    ``--serving-top-p``) is here because ``tvd_deploy`` and the held-out α are computed after it, and the draft
-    samples its own training answers with it (``on_policy_fraction`` > 0). It is not decoding's sampling
-    (:class:`SamplingConfig`, greedy by default): a distribution to train towards, so its temperature is > 0 and
-    defaults to 1, the model's own softmax. γ is not here (training never uses it; the export takes it from
-    :class:`ExportConfig`).
+    ``serving`` (flags ``--serving-temperature``, ``--serving-top-k``, ``--serving-top-p``) is the filter the draft
+    will be served with: ``tvd_deploy`` and the held-out α are computed after it, and the draft samples its own
+    training answers with it. A distribution to train towards, so its temperature is > 0 (decoding's
+    :class:`SamplingConfig` allows 0, greedy). A config written with the flat ``temperature`` / ``top_k`` /
+    ``top_p`` keys still loads. γ is not here (the export takes it from :class:`ExportConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -423,17 +437,9 @@ class DistillConfig(BaseModel):
     loss: LossName = Field("tvd", description="soft_ce: −Σ p log q; tvd: ½Σ|p − q|; tvd_deploy: TVD after the "
                            "serving filter (1 − it is the deployed acceptance); ce: −log q(argmax p); nla: −log Σ "
                            "min(p, q); lk_hybrid: λ·KL(p‖q) + (1 − λ)·TVD, λ = exp(−3α).")
-    temperature: float = Field(1.0, gt=0.0, description="Serving filter: the temperature the draft will be served "
-                               "at (> 0; 1 = the model's own softmax). tvd_deploy, the logged α and the on-policy "
-                               "answers use it; decoding's --temperature is another setting.")
-    top_k: int = Field(0, ge=0, description="Serving filter: the top-k the draft will be served with, after "
-                       "--serving-temperature (tvd_deploy, α, on-policy answers); 0 = off. It keeps every id tied "
-                       "with the k-th value; a top-k dump holds exactly its k, so where the cut reaches its last "
-                       "stored value (always at a top-k equal to the dump's) tied ids may be missing: training.json "
-                       "counts those positions (cut_ties) and α is called exact only without them. Dump a larger "
-                       "--top-logprobs for a margin.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Serving filter: the top-p the draft will be served with, "
-                         "after --serving-top-k (tvd_deploy, α, on-policy answers); 1 = off.")
+    serving: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0),
+                                    description="The serving filter (temperature > 0, top-k, top-p): "
+                                    + " ".join(SERVING_HELP.values()))
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
     row_lr: float | None = Field(
         None, gt=0.0, description="Peak learning rate of the input-embedding and output-head rows, an AdamW group "
@@ -485,8 +491,23 @@ class DistillConfig(BaseModel):
         None, ge=1, description="Length bound of the draft's answers; default the dump's generate length (else "
         "128).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_serving_keys(cls, data: Any) -> Any:
+        # The flat keys of configs written before ``serving`` existed (training.json, stage.json, run configs).
+        if not isinstance(data, dict) or not any(k in data for k in SERVING_HELP):
+            return data
+        data = dict(data)
+        serving = data.get("serving")
+        serving = serving.model_dump() if isinstance(serving, SamplingConfig) else dict(serving or {"temperature": 1.0})
+        serving.update({k: data.pop(k) for k in SERVING_HELP if k in data})
+        return data | {"serving": serving}
+
     @model_validator(mode="after")
     def _cross_checks(self) -> DistillConfig:
+        if self.serving.temperature <= 0:
+            raise ValueError(f"--serving-temperature {self.serving.temperature}: the serving filter is a distribution "
+                             "to train towards, its temperature > 0 (1 = the model's own softmax)")
         if self.head_support is not None and (self.loss != "soft_ce" or not self.serving_is_plain
                                                or self.train == "lora" or self.on_policy_fraction > 0):
             raise ValueError("--head-support restricts soft_ce against a stored teacher under plain serving: use it "
@@ -501,7 +522,7 @@ class DistillConfig(BaseModel):
     @property
     def serving_is_plain(self) -> bool:
         """Temperature 1 and no filter: the serving distribution is the model's own softmax."""
-        return self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
+        return self.serving.temperature == 1.0 and self.serving.top_k == 0 and self.serving.top_p == 1.0
 
     def sparse_teacher_problem(self, stored_k: int) -> str | None:
         """Why this serving filter cannot be computed from a top-k teacher of ``stored_k`` ids, or ``None``.
@@ -511,22 +532,23 @@ class DistillConfig(BaseModel):
         logged as ``alpha_bound``) and every filter with 0 < top_k ≤ k (top-k keeps only stored ids; temperature and
         top-p then act on their values alone). That is exact except at a **cut tie**: a position where the filter
         keeps the last stored value, whose ties in the unstored tail the target's filter would keep too — every
-        position when top_k = k (:func:`specdraft.distill.cut_ties` counts them, ``alpha_bound`` bounds α there by
-        :func:`specdraft.distill.cut_tie_bound`; the dump's cut rule:
+        position when top_k = k (:func:`specdraft.distill_trainer.cut_ties` counts them, ``alpha_bound`` bounds α there by
+        :func:`specdraft.distill_trainer.cut_tie_bound`; the dump's cut rule:
         :mod:`specdraft.dump`). Not computable: a temperature ≠ 1 or a top-p over a support wider than k (top_k 0 or
         > k), which re-tempers or cuts into the unknown tail, and a top_k > k.
         """
-        if self.serving_is_plain or 0 < self.top_k <= stored_k:
+        if self.serving_is_plain or 0 < self.serving.top_k <= stored_k:
             return None
-        if self.top_k > stored_k:
-            why = f"top-k {self.top_k} keeps {self.top_k - stored_k} ids past the {stored_k} stored"
-        elif self.temperature != 1.0:
-            why = f"temperature {self.temperature} over the whole vocabulary re-tempers the unknown tail"
+        if self.serving.top_k > stored_k:
+            why = f"top-k {self.serving.top_k} keeps {self.serving.top_k - stored_k} ids past the {stored_k} stored"
+        elif self.serving.temperature != 1.0:
+            why = f"temperature {self.serving.temperature} over the whole vocabulary re-tempers the unknown tail"
         else:
-            why = f"top-p {self.top_p} over the whole vocabulary may need ids past the {stored_k} stored"
+            why = f"top-p {self.serving.top_p} over the whole vocabulary may need ids past the {stored_k} stored"
         return (f"the teacher is a top-k dump (k = {stored_k}): it holds the {stored_k} largest target probabilities "
                 f"and the mass of the rest, not the rest, so tvd_deploy and the logged α at the serving settings "
-                f"(temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}) cannot be computed: {why}. "
+                f"(temperature {self.serving.temperature}, top-k {self.serving.top_k}, top-p {self.serving.top_p}) "
+                f"cannot be computed: {why}. "
                 f"Serve with --serving-top-k between 1 and {stored_k} (temperature and top-p then read stored ids "
                 f"only; below {stored_k} the dump shows where the cut's ties end), or at --serving-temperature 1 "
                 "with no filter, or dump the teacher with --format hidden (full logits).")

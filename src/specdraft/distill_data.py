@@ -1,12 +1,6 @@
-"""What distillation trains and validates on: the held-out split of the dumps and, for λ > 0, the stream that mixes
-the draft's own answers into every optimizer step.
-
-Splits are by prompt (:func:`prompt_keyed_split`, :func:`mixed_split`), seeded and deterministic. With
-``on_policy_fraction`` λ > 0 (DistillSpec, Zhou et al. 2024, §4; TRL's GKD ``lmbda``), λ·G of every step's G
-sequences on average are written by the draft and scored by the target with the dump's teacher code
-(:class:`OnPolicyStream`, :class:`DraftWriter`); λ = 0 loads no target. :func:`collate` batches rows of either source
-for :class:`specdraft.distill.DistillModel`; :class:`DistillError` is defined here. The split and stream rules in
-full: docs/architecture.md, "distill_data".
+"""What distillation trains and validates on: the held-out split of the dumps by prompt (:func:`prompt_keyed_split`)
+and, for ``on_policy_fraction`` λ > 0, the stream that mixes the draft's own answers, scored by the target, into every
+step (:class:`OnPolicyStream`); :func:`collate` batches both. Rules in full: docs/architecture.md, "distill_data".
 """
 
 from __future__ import annotations
@@ -52,11 +46,6 @@ def mixed_split(lengths: list[int], weights: list[int] | None, fraction: float,
                 seed: int) -> tuple[list[int], list[int]]:
     """(train, held-out) indices into a :class:`specdraft.dump_reader.TeacherMix` of dumps of ``lengths`` sequences.
 
-    Each dump is split on its own (:func:`split_held_out`, so every source keeps its held-out share; a single
-    dump splits as :func:`split_held_out` does); a training sequence of dump k is listed ``weights[k]`` times (its
-    weight in the token-weighted loss of an epoch: the sampler shuffles the repeats), a held-out one once.
-    ``weights`` default all 1.
-
     Raises:
         DistillError: a weight count other than the dump count, or a weight below 1.
     """
@@ -79,13 +68,6 @@ def mixed_split(lengths: list[int], weights: list[int] | None, fraction: float,
 def prompt_keyed_split(parts: list, weights: list[int] | None, fraction: float,
                        seed: int) -> tuple[list[int], list[int], dict[str, Any]]:
     """(train, held-out) indices into the concatenation of ``parts`` (the dumps of a mix), split by prompt.
-
-    The same prompt can sit in several rows: a prompt file with a repeated line, two dumps of the same prompts
-    (teacher-forced and target-written), a row one dump lost to truncation. Splitting rows would put one answer
-    of a prompt in training and another in the held-out set, which then measures memory of the prompt. So the
-    distinct prompts (:func:`prompt_of`'s ids; a row without a prompt is keyed by its id) are split with
-    :func:`split_held_out` in first-seen order, and every row goes where its prompt went; a training row of dump k
-    is listed ``weights[k]`` times (as :func:`mixed_split`).
 
     Returns:
         ``(train, held, counts)``; ``counts`` (for training.json): ``keyed_by``, ``prompts``, ``held_out_prompts``,
@@ -162,11 +144,6 @@ class DraftWriter:
         sampling: the serving filter the draft samples with (``temperature`` > 0, ``top_k``, ``top_p``).
         max_new_tokens: length bound of an answer (≥ 1; a stop id of the target,
             :func:`specdraft.responses.answer_stop_ids`, ends it earlier).
-
-    Calling ``writer(draft, [(id, prompt ids)], seed)`` returns :class:`~specdraft.dump_reader.TeacherDataset`-like items
-    (``id`` prefixed ``on-policy/``; only the answer is trained) and adds to :attr:`stats`: ``sequences``,
-    ``generated_tokens``, ``generate_seconds`` (the draft's sampling), ``teacher_tokens``, ``teacher_seconds``
-    (the target's forward pass over prompt + answer), ``dropped`` (answers truncation emptied).
     """
 
     def __init__(self, teacher, tokenizer, dump_config, sampling, max_new_tokens: int):
@@ -226,14 +203,6 @@ class DraftWriter:
 
 class OnPolicyStream(IterableDataset):
     """The training stream for λ > 0: per optimizer step, the draft's own sequences and the dump's, in order.
-
-    Step s takes G = ``per_step`` sequences (the global batch): first ⌊λ·G·(s+1)⌋ − ⌊λ·G·s⌋ written by the
-    draft, then dump sequences in a seeded order reshuffled every pass (as the Trainer's sampler does for λ = 0).
-    At every step that is a multiple of ``every`` (and at the step a run starts or resumes from) ``writer`` is
-    called once with the draft as it is then, for the draft-written share of the next ``every`` steps; prompts
-    cycle through ``prompts`` in a seeded order. When truncation drops an answer, its slot takes a dump
-    sequence. The stream never ends; the Trainer stops it at ``max_steps``. (accelerate's data loader reads one
-    micro-batch ahead, so the draft that writes at step s has been trained up to step s − 1 or s − 2.)
 
     Args:
         dataset: the dump's training sequences (map-style).
@@ -320,7 +289,7 @@ def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, conf
         DistillError: a dump not made with ``answer_only``; a dump that records no whole-model fingerprint (made by
             an older specdraft: dump again); a target whose weights or head differ from the dump's.
     """
-    from specdraft.config import DumpConfig, SamplingConfig, recorded_settings
+    from specdraft.config import DumpConfig, recorded_settings
     from specdraft.dump import Teacher
     from specdraft.dump_reader import head_fingerprint
     from specdraft.models import load_model, model_fingerprint
@@ -344,6 +313,5 @@ def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, conf
         raise DistillError(f"{target_ref} loaded in {manifest['target']['dtype']} is not the target the dump was made "
                            "with (output-head fingerprints differ): on-policy sequences would be scored by another "
                            "teacher than the dump's")
-    sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     n = config.on_policy_max_new_tokens or dump_cfg.generate or 128
-    return DraftWriter(Teacher(target, int(manifest["target"]["real_vocab"])), tokenizer, dump_cfg, sampling, n)
+    return DraftWriter(Teacher(target, int(manifest["target"]["real_vocab"])), tokenizer, dump_cfg, config.serving, n)

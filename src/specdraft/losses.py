@@ -1,14 +1,6 @@
-"""The distillation losses.
-
-``tvd_deploy`` applies the serving filter of :mod:`specdraft.sampling` to p and q.
-
-Losses are pure per-position functions ``(draft_logits [B, S, V], teacher) -> [B, S] float32`` and live in
-:data:`LOSSES`; masking and averaging happen once, in :func:`masked_mean`. Against a top-k teacher (ids, probs,
-tail), :data:`TOPK_LOSSES` hold the forms that never build the full-width p.
-
-p = target (teacher) distribution, q = draft distribution. A drafted token is accepted with probability
-Σ_x min(p(x), q(x)) = 1 − TVD(p, q) (Leviathan et al. 2023, §3.1; DistillSpec, Zhou et al. 2023, §3), so
-``tvd_deploy`` is exactly the deployed rejection rate.
+"""The distillation losses: pure per-position functions ``(draft_logits [B, S, V], teacher) -> [B, S] float32`` in
+:data:`LOSSES` (sparse top-k forms in :data:`TOPK_LOSSES`), masked and averaged once, by :func:`masked_mean`.
+p = target, q = draft; 1 − ``tvd_deploy`` is the deployed acceptance. Derivations: docs/architecture.md, "specdraft.losses".
 """
 
 from __future__ import annotations
@@ -18,8 +10,6 @@ from collections.abc import Callable
 import torch
 
 from specdraft.sampling import NEG_INF, _nucleus_threshold, filtered_probs
-
-# ----------------------------------------------------------------------------------------------- losses
 
 
 def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
@@ -48,8 +38,6 @@ def tvd_deploy(draft_logits: torch.Tensor, p: torch.Tensor, *, teacher_logits: t
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, **_: object) -> torch.Tensor:
     """TVD after both p and q pass through the serving filter, ``[B, S] float32`` in [0, 1].
 
-    1 − tvd_deploy = Σ min(p̃, q̃), the acceptance when serving with these settings (DistillSpec §3).
-
     Args:
         draft_logits: ``[B, S, V]``.
         p: ``[B, S, V]`` teacher probabilities; used only when ``teacher_logits`` is None (then assumed
@@ -66,21 +54,13 @@ def tvd_deploy(draft_logits: torch.Tensor, p: torch.Tensor, *, teacher_logits: t
 
 
 def ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
-    """Cross-entropy on the teacher's argmax: −log q(argmax p), ``[B, S] float32`` nats.
-
-    Greedy acceptance's own event; its gradient does not vanish where q gives the target's token ~0 mass, so it
-    trains a cold draft (speculators' ``ce`` loss).
-    """
+    """Cross-entropy on the teacher's argmax: −log q(argmax p), ``[B, S] float32`` nats."""
     logq = draft_logits.float().log_softmax(dim=-1)
     return -logq.gather(-1, p.argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def nla(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
-    """Negative log-acceptance −log α, α = Σ_x min(p(x), q(x)): ``[B, S] float32`` nats, ≥ 0.
-
-    TVD's target with its gradient scaled by 1/α, so it keeps learning where the overlap is small (Samarin et al.
-    2026, "LK losses", arXiv 2602.23881; speculators' ``nla``). α is clamped at 1e-12 (finite loss at no overlap).
-    """
+    """Negative log-acceptance −log α, α = Σ_x min(p(x), q(x)): ``[B, S] float32`` nats, ≥ 0."""
     q = draft_logits.float().softmax(dim=-1)
     return -sum_min(p, q).clamp(min=1e-12).log()
 
@@ -90,12 +70,7 @@ LK_ETA = 3.0
 
 
 def lk_hybrid(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
-    """λ·KL(p‖q) + (1 − λ)·TVD(p, q) with λ = exp(−3α) held constant (no gradient through λ), ``[B, S] float32``.
-
-    Forward KL pulls mass where the overlap is low (λ → 1 as α → 0); TVD takes over as α grows (Samarin et al.
-    2026, arXiv 2602.23881, §4.2; speculators' ``lk_hybrid``). λ is per position (ModelOpt's
-    ``masked_lk_lambda_loss`` uses one per call from the batch's mean α).
-    """
+    """λ·KL(p‖q) + (1 − λ)·TVD(p, q) with λ = exp(−3α) held constant (no gradient through λ), ``[B, S] float32``."""
     logq = draft_logits.float().log_softmax(dim=-1)
     q = logq.exp()
     logp = p.clamp(min=1e-30).log()
@@ -105,11 +80,6 @@ def lk_hybrid(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch
     return lam * kl + (1.0 - lam) * tv
 
 
-# ------------------------------------------------------------------------------ sparse (top-k) teacher
-#
-# A top-k teacher is its k largest probabilities, their ids and the mass outside them (the tail). These losses
-# never build the [B, S, V] teacher p; the draft side stays vocabulary-wide because both need q's normaliser
-# over every row (log Z_q), without which they would be neither exact nor bounded.
 
 
 def _sparse_teacher(topk_probs: torch.Tensor, tail: torch.Tensor | None, rest: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,23 +97,9 @@ def _sparse_teacher(topk_probs: torch.Tensor, tail: torch.Tensor | None, rest: i
 def soft_ce_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                  tail: torch.Tensor | None = None, real_vocab: int | None = None) -> torch.Tensor:
     """:func:`soft_ce` against a top-k teacher whose tail is spread uniformly over the other real ids (the dense
-    completion of :func:`specdraft.dump_reader.teacher_probs_from_topk`), without building it.
-
-    ``−Σ_x p̂(x) log q(x) = −Σ_{i∈K} p_i log q_i − (tail / (R − k)) · (Σ_{x<R} log q_x − Σ_{i∈K} log q_i)``.
-
-    Equal to :func:`soft_ce` on the dense completion at any tail; against the teacher's true tail, exact only
-    when the tail is 0 (the tail's cross-entropy term has no bound independent of q).
-
-    Args:
-        draft_logits: ``[B, S, V]`` draft logits (ids ≥ ``real_vocab`` are padding at ``-inf``).
-        topk_ids: ``[B, S, k] int64`` the teacher's top-k ids (distinct, below ``real_vocab``).
-        topk_probs: ``[B, S, k] float`` their probabilities.
-        tail: ``[B, S]`` teacher mass outside the top-k (default ``1 − Σ topk_probs``).
-        real_vocab: R, ``len(tokenizer)`` (default V).
-
-    Returns:
-        ``[B, S] float32`` nats.
-    """
+    completion of :func:`specdraft.dump_reader.teacher_probs_from_topk`), without building it: ``draft_logits
+    [B, S, V]``, ``topk_ids [B, S, k] int64`` (below ``real_vocab``, default V), ``topk_probs [B, S, k]``, ``tail
+    [B, S]`` (default ``1 − Σ topk_probs``); returns ``[B, S] float32`` nats."""
     real = draft_logits.shape[-1] if real_vocab is None else min(real_vocab, draft_logits.shape[-1])
     rest = real - topk_ids.shape[-1]
     p, t = _sparse_teacher(topk_probs, tail, rest)
@@ -161,12 +117,6 @@ def tvd_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: tor
              tail: torch.Tensor | None = None, real_vocab: int | None = None) -> torch.Tensor:
     """:func:`tvd` against a top-k teacher, the tail taken as disjoint from q's mass outside K, ``[B, S] float32``.
 
-    ``½ (Σ_{i∈K} |p_i − q_i| + (1 − Σ_{i∈K} q_i) + tail)``: outside K, ``|p_x − q_x| ≤ p_x + q_x``.
-
-    For *every* teacher with these top-k values and this tail (the true one or the uniform completion),
-    ``0 ≤ tvd_topk − TVD(p, q) = Σ_{x∉K} min(p_x, q_x) ≤ min(tail, 1 − Σ_K q) ≤ tail``: exact at tail 0, always
-    an upper bound of the TVD (``1 − tvd_topk`` a lower bound of α).
-
     Args: as :func:`soft_ce_topk`.
     """
     real = draft_logits.shape[-1] if real_vocab is None else min(real_vocab, draft_logits.shape[-1])
@@ -175,8 +125,7 @@ def tvd_topk(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: tor
     return 0.5 * ((p - q_k).abs().sum(dim=-1) + (1.0 - q_k.sum(dim=-1)) + t)
 
 
-#: Losses with a sparse (top-k teacher) form, by the name of their dense form in :data:`LOSSES`; the others
-#: (ce, nla, lk_hybrid, tvd_deploy) densify a top-k teacher.
+#: Losses with a sparse (top-k teacher) form, by their dense form's name; the others densify a top-k teacher.
 TOPK_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"soft_ce": soft_ce_topk, "tvd": tvd_topk}
 
 
@@ -185,11 +134,7 @@ SPARSE_TOP_K_MAX = 64
 
 
 def _topk_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
-    """The filtered distribution restricted to its top-k support: ``(probs [..., k] float32, ids [..., k])``.
-
-    Equals :func:`filtered_probs` on those ids (zero elsewhere) when no value outside the top-k ties the k-th
-    one; the caller checks that. Gradients flow through the k gathered logits only.
-    """
+    """The filtered distribution restricted to its top-k support: ``(probs [..., k] float32, ids [..., k])``."""
     vals, ids = torch.topk(logits, top_k, dim=-1)  # descending
     vals = vals.float() / temperature
     if top_p < 1.0:
@@ -198,12 +143,7 @@ def _topk_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 
 def _tvd_deploy_sparse(draft_logits, teacher_logits, temperature, top_k, top_p):
-    """tvd_deploy over the two top-k supports: 1 − Σ_{x ∈ S_p ∩ S_q} min(p̃(x), q̃(x)).
-
-    Both filtered distributions live on at most k ids, so no vocabulary-sized float copy keeps a gradient.
-    Returns None when a value outside the top-k ties the k-th one (threshold semantics would keep it): the caller
-    then takes the dense path, so both paths agree.
-    """
+    """tvd_deploy over the two top-k supports: 1 − Σ_{x ∈ S_p ∩ S_q} min(p̃(x), q̃(x))."""
     with torch.no_grad():
         for x in (draft_logits, teacher_logits):
             kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
@@ -225,9 +165,6 @@ LOSSES: dict[str, LossFn] = {"soft_ce": soft_ce, "tvd": tvd, "tvd_deploy": tvd_d
 def masked_mean(per_position: torch.Tensor, mask: torch.Tensor,
                 denominator: torch.Tensor | float | None = None) -> torch.Tensor:
     """Token-weighted mean of ``[B, S]`` values over positions where ``mask`` is true (the one reduction).
-
-    Masked positions are zeroed with ``where`` (not multiplied) so a NaN/inf there cannot leak into the value or
-    the gradient. Returns a 0-dim float32 tensor; 0 when the mask is empty.
 
     Args:
         per_position: ``[B, S]`` values (a per-position loss or metric).

@@ -378,7 +378,6 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
     the re-indexed and the distilled draft share one target pass."""
 
     def run(d: Path) -> dict[str, Any]:
-        from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts
         from specdraft.evaluate import acceptance_eval, eos_ids
         from specdraft.models import load_model
@@ -388,7 +387,7 @@ def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bo
         target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
         draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
         mapping = build_vocab_mapping(plan.target.path, draft_path) if map_vocab else None
-        serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
+        serving = cfg.distill.serving
         encoded = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
         sets = {}
         for name, examples in plan.sets.items():
@@ -475,7 +474,6 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: d
     argmaxes of the same pass give the swap diagnostic (``segmentation``; the verdict names the dominant kind)."""
 
     def run(d: Path) -> dict[str, Any]:
-        from specdraft.config import SamplingConfig
         from specdraft.data import encode_prompts, tokenizer_pad_id
         from specdraft.headroom import forecast_headroom
         from specdraft.models import load_model
@@ -489,7 +487,7 @@ def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: d
         seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
         # Position j predicts token j + 1: the last prompt position predicts the first answer token.
         masks = [[False] * (len(p) - 1) + [True] * len(a) + [False] for p, a in zip(prompts, answers, strict=True)]
-        serving = SamplingConfig(temperature=cfg.distill.temperature, top_k=cfg.distill.top_k, top_p=cfg.distill.top_p)
+        serving = cfg.distill.serving
         res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
                                 serving=serving, real_vocab=len(tok),
                                 pad_id=tokenizer_pad_id(tok), twins=twins, tokenizer=tok,
@@ -542,7 +540,7 @@ def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: 
         res = run_distill(cfg.target, draft_path, dump_dir, d, cfg.distill,
                           num_speculative_tokens=cfg.eval.num_speculative_tokens,
                           keep_checkpoints=keep_checkpoints, save_dtype=kept)
-        return {"speculator": str(res["speculator"]), **res["metrics"]}
+        return res.to_dict()
 
     return run
 
@@ -657,7 +655,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
             "does not apply; the target's answers teach it")
         cfg = cfg.model_copy(update={"self_teacher": None,
                                      "distill": cfg.distill.model_copy(update={"head_support": None})})
-    serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
+    serving = cfg.distill.serving.model_dump()
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()},
                                  "prompt_texts": {k: prompt_texts(v) for k, v in plan.sets.items()}}

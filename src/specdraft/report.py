@@ -710,6 +710,7 @@ def _moved_as_saved(dist: dict[str, Any]) -> str:
 def render_markdown(r: dict[str, Any]) -> str:
     """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
     dist, exp, cfg = r["distill"], r["export"], r["config"]
+    serving = cfg["distill"].get("serving") or cfg["distill"]  # a run config written with the flat keys too
     sets = r["eval_before"]["sets"]
     onp = dist.get("on_policy")
     choices = engine_choices(r)
@@ -732,8 +733,8 @@ def render_markdown(r: dict[str, Any]) -> str:
                      for n, v in sets.items())
          + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
          "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities after "
-         f"the serving settings (temperature {cfg['distill']['temperature']}, top-k {cfg['distill']['top_k']}, top-p "
-         f"{cfg['distill']['top_p']}), teacher-forced on those answers."
+         f"the serving settings (temperature {serving['temperature']}, top-k {serving['top_k']}, top-p "
+         f"{serving['top_p']}), teacher-forced on those answers."
          + _answers_writer(sets)),
         "",
         *([] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]),

@@ -556,25 +556,20 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
     console.print(measure_table(f"Teacher dump ({m['format']}) → {out}", rows, show_header=False))
 
 
-def print_distill(res: dict) -> None:
-    """``distill``'s before / after table of the held-out metrics, then steps, time and the speculator's path."""
-    m = res["metrics"]
+def print_distill(res) -> None:
+    """``distill``'s before / after table of the held-out metrics (a
+    :class:`~specdraft.distill.DistillResult`'s, as its metrics declare them), then steps, time and the speculator."""
     table = Table(title="Distillation (held-out, token-weighted)")
     for col in ("", "before", "after"):
         table.add_column(col, justify="right")
-    # eval_alpha_bound: how far a top-k teacher's unknown tail can move eval_tvd and eval_alpha (0: none, not shown).
-    bounded = any(m[w].get("eval_alpha_bound") for w in ("eval_before", "eval_after"))
-    # eval_outside_mass: a restricted head's (--head-support) draft mass outside its support, scored with the full head.
-    outside = ("eval_outside_mass",) if "eval_outside_mass" in m["eval_after"] else ()
-    for k in ("eval_loss", "eval_tvd", "eval_alpha", *(("eval_alpha_bound",) if bounded else ()), "eval_acc",
-              *outside):
-        b, a = m["eval_before"].get(k), m["eval_after"].get(k)
+    for k, b, a in res.metrics.held_out_rows():
         table.add_row(k, "—" if b is None else f"{b:.4f}", "—" if a is None else f"{a:.4f}")
     console.print(table)
+    m = res.metrics.to_dict()
     if definition := m.get("alpha_definition"):
         console.print(f"eval_alpha: {definition}")
     console.print(f"{m['steps']} steps, {m['trainable_parameters'] / 1e6:.1f} M trainable parameters, "
-                  f"{m['seconds']:.0f} s, {m['precision']} ({m['precision_reason']}). Speculator: {res['speculator']}")
+                  f"{m['seconds']:.0f} s, {m['precision']} ({m['precision_reason']}). Speculator: {res.speculator}")
     if m.get("moved_fraction_saved") is not None:
         console.print(f"trained weights changed: {m['moved_fraction']:.1%} in training, {m['moved_fraction_saved']:.1%} "
                       f"as saved in {m['saved_dtype']}", highlight=False)

@@ -25,7 +25,6 @@ from specdraft.cli.options import (
     overwrite_option,
     prompts_option,
     read_prompts,
-    sampling_options,
     seed_option,
     target_option,
 )
@@ -40,6 +39,7 @@ from specdraft.cli.render import (
     resolve_with_progress,
 )
 from specdraft.config import (
+    SERVING_HELP,
     AsGivenTeacherConfig,
     DistillConfig,
     DumpConfig,
@@ -50,6 +50,7 @@ from specdraft.config import (
     LossName,
     ModelDtype,
     Precision,
+    SamplingConfig,
     Scheduler,
     SelfTeacherConfig,
     TrainWhat,
@@ -275,7 +276,9 @@ def dump(
 
 
 #: The serving filter: not decoding's --temperature / --top-k / --top-p (DistillConfig says why).
-SERVING_TEMPERATURE, SERVING_TOP_K, SERVING_TOP_P = sampling_options(DistillConfig, prefix="serving-")
+SERVING_TEMPERATURE, SERVING_TOP_K, SERVING_TOP_P = (
+    config_option(SamplingConfig, name, f"--serving-{name.replace('_', '-')}", help=SERVING_HELP[name],
+                  default=getattr(DistillConfig().serving, name)) for name in SERVING_HELP)
 
 
 def distill(
@@ -321,7 +324,7 @@ def distill(
     from specdraft.distill import run_distill
 
     cfg = DistillConfig(
-        loss=loss, temperature=temperature, top_k=top_k, top_p=top_p, lr=lr, row_lr=row_lr,
+        loss=loss, serving=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), lr=lr, row_lr=row_lr,
         untie_head=untie_head, prompt_positions=prompt_positions, head_support=head_support, max_steps=max_steps,
         batch_size=batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, warmup_ratio=warmup_ratio,
