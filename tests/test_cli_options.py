@@ -129,8 +129,8 @@ def test_the_serving_filter_and_the_stored_log_probs_are_flags_of_their_own():
     count are not decoding's --temperature / --top-k / --top-p: each has its own flag, its field's help."""
     group = typer.main.get_command(app)
     dump = {o: p for p in group.commands["dump"].params for o in p.opts}
-    assert "--top-k" not in dump and dump["--top-logprobs"].name == "top_k"  # the manifest's key
-    assert dump["--top-logprobs"].help == DumpConfig.model_fields["top_k"].description
+    assert "--top-k" not in dump and dump["--top-logprobs"].name == "top_logprobs"
+    assert dump["--top-logprobs"].help == DumpConfig.model_fields["top_logprobs"].description
     distill = {o: p for p in group.commands["distill"].params for o in p.opts}
     for name in ("temperature", "top_k", "top_p"):
         assert "--" + name.replace("_", "-") not in distill

@@ -281,7 +281,7 @@ class TargetForDraftTeacher:
             h = self.scorer.hidden(ids.to(self.scorer.device), attn.to(self.scorer.device))  # [B, S, H]
             for r, (n, job) in enumerate(zip(todo[b:b + self.config.score_batch_size], part, strict=True)):
                 a = max(job[2] - 1, 0)
-                lp, tid, left = self.scorer.topk(h[r, a:len(job[1])], self.config.top_k)
+                lp, tid, left = self.scorer.topk(h[r, a:len(job[1])], self.config.top_logprobs)
                 scores[n] = (lp.cpu(), tid.cpu().int(), left.cpu())
                 if files[n] is not None:
                     with atomic_path(files[n]) as tmp:
@@ -296,7 +296,7 @@ class TargetForDraftTeacher:
     def _score_file(self, ids: Sequence[int]) -> Path | None:
         if self.cache is None:
             return None
-        key = sha256_json([list(map(int, ids)), self.config.top_k, self.config.dtype])
+        key = sha256_json([list(map(int, ids)), self.config.top_logprobs, self.config.dtype])
         return self.cache / "scores" / f"{key[:32]}.pt"
 
     def _carry(self, job, lp, tid, left):
@@ -334,7 +334,7 @@ class TargetForDraftTeacher:
             draft_ids = draft_ids[: self.config.max_length]
             trained = [i for i in trained if i < len(draft_ids) - 1]
             aligned = {i: j for i, j in aligned.items() if i < len(draft_ids) - 1}
-        signal = hard_labels(draft_ids, self.config.top_k, self.d_real)
+        signal = hard_labels(draft_ids, self.config.top_logprobs, self.d_real)
         if self.config.carry == "none":
             aligned = {}
         mask = [False] * len(draft_ids)
@@ -344,7 +344,7 @@ class TargetForDraftTeacher:
             at_d = torch.tensor(sorted(aligned))
             at_t = torch.tensor([aligned[i] for i in sorted(aligned)]) - max(p_len - 1, 0)
             c_lp, c_ids, c_left = carry_topk(lp[at_t], tid[at_t].long(), left[at_t], self.carry_to,
-                                             self.config.top_k)
+                                             self.config.top_logprobs)
             signal["topk_logprobs"][at_d] = c_lp
             signal["topk_ids"][at_d] = c_ids.to(torch.int32)
             signal["leftover_logmass"][at_d] = c_left
@@ -381,7 +381,7 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         The manifest plus ``this_run`` and ``signal`` (answers, ended, trained and aligned positions, carried mass).
 
     Raises:
-        DumpError: no prompts, a pair of one tokenizer, ``top_k`` at or past the draft's vocabulary, a directory
+        DumpError: no prompts, a pair of one tokenizer, ``top_logprobs`` at or past the draft's vocabulary, a directory
             holding something else (nothing touched).
         specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
             (:func:`specdraft.prompts.select_prompts`).
@@ -412,8 +412,8 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         raise DumpError(f"{draft_ref} has the target's tokenizer: dump the target's signal directly "
                         f"(specdraft dump --target {target_ref}).")
     d_real = int(tokenizer_view(dtok).real)
-    if config.top_k >= d_real:
-        raise DumpError(f"--top-logprobs {config.top_k} must be below the draft's real vocabulary ({d_real})")
+    if config.top_logprobs >= d_real:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the draft's real vocabulary ({d_real})")
     dcfg = AutoConfig.from_pretrained(d_path).get_text_config(decoder=True)
     width = int(getattr(dcfg, "vocab_size", None) or d_real)
     tcfg = AutoConfig.from_pretrained(t_path)
@@ -429,11 +429,11 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         "target": {"ref": str(target_ref), "resolved": t_path, "revision": model_revision(t_path), **t_facts,
                    "dtype": config.dtype, "ids": "draft", "vocab_width": width, "real_vocab": min(d_real, width)},
         "teacher": teacher, "tokenizer_fingerprint": d_fp, "head_fingerprint": None,
-        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_k,
+        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_logprobs,
         "final_norm_applied": None, "final_norm": None, "logit_transform": [],
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": "uniform over the draft's real-vocabulary ids outside the top-k (teacher_probs_from_topk)",
-        "signal": (f"the target's top-{config.top_k} carried onto draft ids ({config.carry}) where boundaries meet; "
+        "signal": (f"the target's top-{config.top_logprobs} carried onto draft ids ({config.carry}) where boundaries meet; "
                    + ("hard labels elsewhere" if config.unaligned == "hard" else "nothing trained elsewhere")
                    + f"; answers written by the {config.answers}"),
         **data_record(chosen), "config": config.model_dump(),

@@ -1,9 +1,8 @@
 """One home for every stage's settings: pydantic models, validated at construction, ``extra="forbid"``.
 
-Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix; two fields
-take another flag because their name means something else elsewhere: :class:`DumpConfig`'s ``top_k`` is
-``--top-logprobs`` (``--top-k`` is decoding's sampling filter) and :class:`DistillConfig`'s serving filter is
-``--serving-temperature`` / ``--serving-top-k`` / ``--serving-top-p``. A field's description is its flag's help,
+Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix; a name
+means one thing in every config (a teacher dump's ``top_logprobs`` is not decoding's ``top_k``), but
+:class:`DistillConfig`'s serving filter takes ``--serving-temperature`` / ``--serving-top-k`` / ``--serving-top-p``. A field's description is its flag's help,
 word for word, in every command that takes the flag, but for the flags several commands share whose meaning or
 default is the command's own (``--dtype``, ``--seed``, ``--max-new-tokens`` …): each command's help reads a shared
 lead and that command's sentence from a ``*_BY_COMMAND`` table here, and the field's description is the lead and every
@@ -285,15 +284,42 @@ class EvalConfig(BaseModel):
         return self
 
 
-class DumpConfig(BaseModel):
-    """Settings of ``specdraft dump``; field names equal the CLI flags but ``top_k`` (``--top-logprobs``: the name
-    stays, as the key every dump's manifest records)."""
+#: Fields a teacher dump's settings no longer have, as older manifests record them: the rows came from the dump's own
+#: ``offset`` / ``num_examples``; the prompt selector (:mod:`specdraft.prompts`) gives them now. Ignored when read.
+RETIRED_DUMP_FIELDS = ("num_examples", "offset")
+#: A teacher dump's fields under their older keys, ``{key on disk: field}``, as manifests, stage.json and config JSON
+#: written before the rename hold them (``top_k`` was decoding's filter's name too).
+RENAMED_DUMP_FIELDS = {"top_k": "top_logprobs"}
+
+
+def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A teacher dump's recorded settings (a manifest's ``config`` or ``identity.settings``) under today's field
+    names (:data:`RENAMED_DUMP_FIELDS`) and without the :data:`RETIRED_DUMP_FIELDS`, so that an older dump reads,
+    verifies and resumes."""
+    return {RENAMED_DUMP_FIELDS.get(k, k): v for k, v in settings.items() if k not in RETIRED_DUMP_FIELDS}
+
+
+class _TeacherSettings(BaseModel):
+    """A teacher dump's settings: frozen, ``extra="forbid"``, and read from a file under older keys too."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _older_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if both := [k for k, f in RENAMED_DUMP_FIELDS.items() if k in data and f in data]:
+            raise ValueError(f"{both[0]} is the older key of {RENAMED_DUMP_FIELDS[both[0]]}: give one")
+        return {RENAMED_DUMP_FIELDS.get(k, k): v for k, v in data.items()}
+
+
+class DumpConfig(_TeacherSettings):
+    """Settings of ``specdraft dump``; field names equal the CLI flags."""
+
     format: DumpFormat = Field("hidden", description=FORMAT_HELP)
-    top_k: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest (--format "
-                       "topk), with the leftover mass of the rest.")
+    top_logprobs: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest (--format "
+                              "topk), with the leftover mass of the rest.")
     hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (--format hidden).")
     max_length: int = Field(2048, ge=2, description=MAX_LENGTH_HELP)
     truncate: bool = Field(True, description="Cut sequences longer than --max-length and count them, or refuse "
@@ -328,20 +354,18 @@ class DumpConfig(BaseModel):
         if self.format == "hidden":
             per = hidden_size * (4 if self.hidden_dtype == "float32" else 2)
         else:
-            per = self.top_k * 8 + 4
+            per = self.top_logprobs * 8 + 4
         return per + 5
 
 
-class SelfTeacherConfig(BaseModel):
+class SelfTeacherConfig(_TeacherSettings):
     """Settings of a self-teacher dump (``specdraft dump --self-teacher DRAFT``): the draft as given answers the prompts
     in its own tokenizer and its answers, re-encoded in the target's, are the teacher signal of its re-indexed copy
-    (:mod:`specdraft.self_teacher`). Field names equal the dump's flags (``top_k`` ↔ ``--top-logprobs``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    (:mod:`specdraft.self_teacher`). Field names equal the dump's flags."""
 
     format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored, no head reads it.")
-    top_k: int = Field(1, ge=1, description="Slots per position (--top-logprobs): 1 holds a hard label; give a target "
-                       "dump's k to mix the two in one distillation (TeacherMix needs one k).")
+    top_logprobs: int = Field(1, ge=1, description="Slots per position: 1 holds a hard label; give a target dump's k "
+                              "to mix the two in one distillation (TeacherMix needs one k).")
     generate: int = Field(256, ge=1, description="Tokens the draft as given writes per answer, at most (greedy, in its "
                           "own tokenizer; its stop ids end an answer earlier).")
     token_level: bool = Field(False, description="Store the draft's own next-token distribution, mapped through its "
@@ -362,16 +386,14 @@ class SelfTeacherConfig(BaseModel):
         return self.model_dump(exclude={"batch_size", "shard_size_mb"})
 
 
-class AsGivenTeacherConfig(BaseModel):
+class AsGivenTeacherConfig(_TeacherSettings):
     """Settings of the target's dump for a draft as given (``specdraft dump --for-draft DRAFT``): sequences written
     by the draft (on-policy) or the target, scored by the target, its top-k carried onto the draft's own ids where
     the two tokenizations meet (:mod:`specdraft.as_given_teacher`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored in draft ids.")
-    top_k: int = Field(20, ge=1, description="Slots per position (--top-logprobs), in the target's ids when scored "
-                       "and the draft's when stored.")
+    top_logprobs: int = Field(20, ge=1, description="Slots per position, in the target's ids when scored and the "
+                              "draft's when stored.")
     answers: Literal["draft", "target"] = Field("draft", description="Who writes the answers the target scores: the "
                                                 "draft as given (on-policy, cheap) or the target (greedy, costly).")
     carry: Literal["twins", "first_piece", "none"] = Field(
@@ -396,15 +418,6 @@ class AsGivenTeacherConfig(BaseModel):
         return self.model_dump(exclude={"batch_size", "score_batch_size", "shard_size_mb"})
 
 
-#: Fields a teacher dump's settings no longer have, as older manifests record them: the rows came from the dump's own
-#: ``offset`` / ``num_examples``; the prompt selector (:mod:`specdraft.prompts`) gives them now. Ignored when read.
-RETIRED_DUMP_FIELDS = ("num_examples", "offset")
-
-
-def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """A teacher dump's recorded settings (a manifest's ``config`` or ``identity.settings``) without the
-    :data:`RETIRED_DUMP_FIELDS`, so that a dump written before they went reads, verifies and resumes."""
-    return {k: v for k, v in settings.items() if k not in RETIRED_DUMP_FIELDS}
 
 
 class DistillConfig(BaseModel):
@@ -638,7 +651,7 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
-        if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_k)):
+        if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_logprobs)):
             raise ValueError(problem)  # before the dump is made, not once distillation reads it
         if self.self_teacher is not None and not self.vocab_swap:
             raise ValueError(f"--no-vocab-swap: preset {self.preset}'s teacher is the draft itself (the self-teacher), "

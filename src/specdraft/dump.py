@@ -513,8 +513,8 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
     resolved = resolve(target_ref)
     tokenizer = load_tokenizer(resolved)
     tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
-    if config.format == "topk" and config.top_k >= real_vocab:
-        raise DumpError(f"--top-logprobs {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
+    if config.format == "topk" and config.top_logprobs >= real_vocab:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the real vocabulary ({real_vocab}); use --format "
                         "hidden to keep whole distributions.")
     items, dropped_before_split = _work_items(tokenizer, examples, config)
     _check_token_widths(resolved, tokenizer, items, config)  # from the config: before any weight is loaded
@@ -797,7 +797,7 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
         "format": config.format,
         "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
                   dict(TOPK_STORAGE)),
-        "top_k": config.top_k if config.format == "topk" else None,
+        "top_k": config.top_logprobs if config.format == "topk" else None,
         "final_norm_applied": None, "final_norm": None,  # known after the first batch (Teacher.hidden)
         "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
         "loss_mask_convention": LOSS_MASK_CONVENTION,
@@ -934,7 +934,7 @@ def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> li
                             f"{float(h[attn.to(h.device).bool()].abs().max()):.4g}); store them in bfloat16 or float32.")
         return [_Row(q, {"hidden": stored[i, :n]}) for i, (q, n) in enumerate(zip(seqs, lens))]
     flat = h[attn.to(h.device).bool()]  # [N, H], rows in order
-    lp, tid, left = teacher.topk(flat, config.top_k)
+    lp, tid, left = teacher.topk(flat, config.top_logprobs)
     rows, a = [], 0
     for q, n in zip(seqs, lens):
         rows.append(_Row(q, {name: t[a:a + n].to("cpu", getattr(torch, TOPK_STORAGE[name]))
@@ -951,7 +951,7 @@ def teacher_items(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfi
     Args:
         teacher: a :class:`Teacher` around the target.
         seqs: token sequences with their loss masks (:func:`specdraft.data.sequences_from_responses`).
-        config: the dump settings the signal follows (``format``, ``hidden_dtype``, ``top_k``): the dump's own.
+        config: the dump settings the signal follows (``format``, ``hidden_dtype``, ``top_logprobs``): the dump's own.
 
     Returns:
         Per sequence ``{"id", "input_ids" [S] int64, "loss_mask" [S] bool, "hidden" [S, H] | "topk_logprobs",

@@ -424,7 +424,7 @@ class TeacherMix:
 
     Raises:
         DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:
-            tokenizer / head fingerprint, format, logit transform, top_k, real vocabulary or logits width).
+            tokenizer / head fingerprint, format, logit transform, top_logprobs, real vocabulary or logits width).
     """
 
     def __init__(self, datasets: list[TeacherDataset]):
@@ -437,7 +437,7 @@ class TeacherMix:
             facts = [(k, first.get(k), m.get(k)) for k in keys]
             facts += [(f"target.{k}", first["target"].get(k), m["target"].get(k)) for k in ("real_vocab", "vocab_width")]
             if first["format"] == "topk":
-                facts.append(("top_k", first["config"].get("top_k"), m["config"].get("top_k")))
+                facts.append(("top_logprobs", first.get("top_k"), m.get("top_k")))  # the header's on-disk key
             for name, a, b in facts:
                 if a != b:
                     raise DumpError(f"{ds.dir} cannot be mixed with {datasets[0].dir}: their {name} differ ({b!r} vs "

@@ -269,7 +269,7 @@ class DraftTeacher:
                 if made[id(x)] is not None:
                     rows.append(made[id(x)])
             else:
-                rows.append((x, hard_labels(x.ids, self.config.top_k, self.target_real)))
+                rows.append((x, hard_labels(x.ids, self.config.top_logprobs, self.target_real)))
         self.stats["hard_positions"] += sum(int(sum(q.loss_mask)) for q, _ in rows)
         return TeacherBatch(rows, dropped, generated, seconds)
 
@@ -306,7 +306,7 @@ class DraftTeacher:
         for i, q in zip(keep, seqs, strict=True):
             if q is None:
                 continue
-            signal = hard_labels(q.ids, self.config.top_k, self.target_real)
+            signal = hard_labels(q.ids, self.config.top_logprobs, self.target_real)
             out[i] = (q, signal)
             if self.config.token_level:
                 body, text = texts[i]
@@ -359,7 +359,7 @@ class DraftTeacher:
                 pooled = logq[ends].index_fill(1, stops, float("-inf"))
                 pooled[:, twin] = stopping
                 logq[ends] = pooled
-            lp, tid, left = mapped_topk(logq, self.mapping, self.config.top_k)
+            lp, tid, left = mapped_topk(logq, self.mapping, self.config.top_logprobs)
         n = 0
         for signal, _, pairs in jobs:
             at = torch.tensor([t for t, _, _ in pairs])
@@ -400,7 +400,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
 
     Raises:
         DumpError: nothing to dump, a directory holding other files or a dump of another teacher, tokenizer, prompts,
-            texts or settings (each differing field named; nothing touched), ``top_k`` at or past the real vocabulary,
+            texts or settings (each differing field named; nothing touched), ``top_logprobs`` at or past the real vocabulary,
             ``token_level`` for a pair with no usable overlap.
         specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
             (:func:`specdraft.prompts.select_prompts`), a template that refuses a prompt.
@@ -425,8 +425,8 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
     d_path, t_path = resolve(draft_ref), resolve(target_ref)
     ttok = load_tokenizer(t_path)
     t_real = int(tokenizer_view(ttok).real)
-    if config.top_k >= t_real:
-        raise DumpError(f"--top-logprobs {config.top_k} must be below the real vocabulary ({t_real})")
+    if config.top_logprobs >= t_real:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the real vocabulary ({t_real})")
     pieces = text_sequences(ttok, texts, config.max_length)
     items: list = [*examples, *pieces]
     if not items:
@@ -450,7 +450,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                    "dtype": None, "vocab_width": width, "real_vocab": min(t_real, width)},
         "teacher": teacher,
         "tokenizer_fingerprint": identity["tokenizer_fingerprint"], "head_fingerprint": None,
-        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_k,
+        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_logprobs,
         "final_norm_applied": None, "final_norm": None, "logit_transform": [],
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk); 0 at hard "
