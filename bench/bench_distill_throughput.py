@@ -162,7 +162,7 @@ def teacher_signal(args: argparse.Namespace, rows: list) -> dict:
     teacher = Teacher(target, _real_vocab(tok))
     items = {}
     for fmt in ("hidden", "topk"):
-        cfg = DumpConfig(format=fmt, top_logprobs=args.top_k, dtype=args.dtype)
+        cfg = DumpConfig(teacher_format=fmt, top_logprobs=args.top_k, dtype=args.dtype)
         items[fmt] = [it for i in range(0, len(rows), args.batch)
                       for it in teacher_items(teacher, rows[i:i + args.batch], cfg)]
     bias = teacher.bias.detach().clone() if teacher.bias is not None else None
@@ -332,7 +332,7 @@ def bench_dump(args: argparse.Namespace, prompts: list, work: Path) -> dict:
     from specdraft.dump_reader import TeacherDataset
     from specdraft.models import load_tokenizer
 
-    common = {"format": args.dump_format, "top_logprobs": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
+    common = {"teacher_format": args.dump_format, "top_logprobs": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
               "dtype": args.dtype}
     cfgs = {"generated": DumpConfig(generate=args.generate, **common), "teacher_forced": DumpConfig(**common)}
     tok = load_tokenizer(args.target)

@@ -220,7 +220,7 @@ def test_dump_for_draft_writes_the_dump_in_the_drafts_ids_and_refuses_what_does_
     assert m["teacher"]["kind"] == "target-for-draft-as-given" and m["top_k"] == 3 and m["config"]["generate"] == 4
     assert "carried from the target" in r.output
     TeacherDataset(tmp_path / "d", draft_tokenizer=pair["d_tok"])  # the draft's tokenizer reads it
-    for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --for-draft"),
+    for extra, says in ((["--teacher-format", "hidden"], "--teacher-format do(es) not apply with --for-draft"),
                         (["--self-teacher", pair["draft"]], "two different teachers")):
         r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})
         assert r.exit_code == 2 and says in r.output, r.output

@@ -86,7 +86,7 @@ def test_every_component_ends_a_row_at_the_same_token_of_the_one_stop_set(free, 
     keys = ("proposed", "reached", "accepted", "accepted_hist")
     assert [past.counts[k] for k in keys] == [cut.counts[k] for k in keys] == [decoded.counts[k] for k in keys]
 
-    writer = DraftWriter(Teacher(target, V), tok, DumpConfig(format="hidden", hidden_dtype="float32",
+    writer = DraftWriter(Teacher(target, V), tok, DumpConfig(teacher_format="hidden", hidden_dtype="float32",
                                                              answer_only=True, generate=N, max_length=64),
                          SamplingConfig(), N)
     item = writer(draft, [("p", list(PROMPT))], seed=0)[0]

@@ -152,14 +152,6 @@ GENERATE_BY_COMMAND = {
 }
 GENERATE_TAIL = "Default: the examples' own replies, teacher-forced."
 GENERATE_HELP = joined_help(GENERATE_LEAD, GENERATE_BY_COMMAND, GENERATE_TAIL)
-#: ``--format``: the form of what the command writes.
-FORMAT_BY_COMMAND = {
-    "dump": "hidden (default; the final hidden states after the final norm, exact) or topk (the top-k log-probs and "
-            "the leftover mass)",
-    "export": "speculator (default; a directory vLLM serves) or gguf (one GGUF file llama.cpp loads with -md beside "
-              "the target's GGUF, written by llama.cpp's own converter; the pair is checked as llama.cpp checks it)",
-}
-FORMAT_HELP = "The form of what the command writes. " + " ".join(f"{c}: {w}." for c, w in FORMAT_BY_COMMAND.items())
 #: The fields whose flag is worded per command, ``{field: (lead, {command: sentence}, tail)}``: a command's help is
 #: :func:`command_help` of its entry (``specdraft.cli.options.config_option``'s ``command``).
 HELP_BY_COMMAND = {
@@ -288,8 +280,9 @@ class EvalConfig(BaseModel):
 #: ``offset`` / ``num_examples``; the prompt selector (:mod:`specdraft.prompts`) gives them now. Ignored when read.
 RETIRED_DUMP_FIELDS = ("num_examples", "offset")
 #: A teacher dump's fields under their older keys, ``{key on disk: field}``, as manifests, stage.json and config JSON
-#: written before the rename hold them (``top_k`` was decoding's filter's name too).
-RENAMED_DUMP_FIELDS = {"top_k": "top_logprobs"}
+#: written before the rename hold them (``top_k`` is decoding's filter, ``format`` what export writes). A manifest's
+#: header keeps ``format`` and ``top_k`` as its keys.
+RENAMED_DUMP_FIELDS = {"top_k": "top_logprobs", "format": "teacher_format"}
 
 
 def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -317,10 +310,13 @@ class _TeacherSettings(BaseModel):
 class DumpConfig(_TeacherSettings):
     """Settings of ``specdraft dump``; field names equal the CLI flags."""
 
-    format: DumpFormat = Field("hidden", description=FORMAT_HELP)
-    top_logprobs: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest (--format "
-                              "topk), with the leftover mass of the rest.")
-    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (--format hidden).")
+    teacher_format: DumpFormat = Field(
+        "hidden", description="What the dump stores of the target's distribution: hidden (default; the final hidden "
+        "states after the final norm, exact) or topk (the top-k log-probs and the leftover mass).")
+    top_logprobs: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest "
+                              "(--teacher-format topk), with the leftover mass of the rest.")
+    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (--teacher-format "
+                                      "hidden).")
     max_length: int = Field(2048, ge=2, description=MAX_LENGTH_HELP)
     truncate: bool = Field(True, description="Cut sequences longer than --max-length and count them, or refuse "
                            "them.")
@@ -351,7 +347,7 @@ class DumpConfig(_TeacherSettings):
     def bytes_per_token(self, hidden_size: int) -> int:
         """Upper bound of the bytes one dumped position takes: hidden states, or top-k log-probs (float32) + ids
         (int32) + leftover mass, plus token id and loss mask."""
-        if self.format == "hidden":
+        if self.teacher_format == "hidden":
             per = hidden_size * (4 if self.hidden_dtype == "float32" else 2)
         else:
             per = self.top_logprobs * 8 + 4
@@ -363,7 +359,7 @@ class SelfTeacherConfig(_TeacherSettings):
     in its own tokenizer and its answers, re-encoded in the target's, are the teacher signal of its re-indexed copy
     (:mod:`specdraft.self_teacher`). Field names equal the dump's flags."""
 
-    format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored, no head reads it.")
+    teacher_format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored, no head reads it.")
     top_logprobs: int = Field(1, ge=1, description="Slots per position: 1 holds a hard label; give a target dump's k "
                               "to mix the two in one distillation (TeacherMix needs one k).")
     generate: int = Field(256, ge=1, description="Tokens the draft as given writes per answer, at most (greedy, in its "
@@ -391,7 +387,7 @@ class AsGivenTeacherConfig(_TeacherSettings):
     by the draft (on-policy) or the target, scored by the target, its top-k carried onto the draft's own ids where
     the two tokenizations meet (:mod:`specdraft.as_given_teacher`)."""
 
-    format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored in draft ids.")
+    teacher_format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored in draft ids.")
     top_logprobs: int = Field(20, ge=1, description="Slots per position, in the target's ids when scored and the "
                               "draft's when stored.")
     answers: Literal["draft", "target"] = Field("draft", description="Who writes the answers the target scores: the "
@@ -557,7 +553,10 @@ class ExportConfig(BaseModel):
     num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     overwrite: Overwrite = False
     dtype: ExportDtype = Field(default="keep", description=DTYPE_HELP)
-    format: ExportFormat = Field(default="speculator", description=FORMAT_HELP)
+    format: ExportFormat = Field(
+        default="speculator", description="What export writes: speculator (default; a directory vLLM serves) or gguf "
+        "(one GGUF file llama.cpp loads with -md beside the target's GGUF, written by llama.cpp's own converter; the "
+        "pair is checked as llama.cpp checks it).")
     gguf_type: GgufType = Field(
         default="f16", description="Tensor type of the GGUF (--format gguf only; default f16, llama.cpp's "
         "usual): f16, bf16, f32 or q8_0 from llama.cpp's converter; q4_k_m also needs llama.cpp's llama-quantize "
@@ -651,7 +650,7 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
-        if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_logprobs)):
+        if self.dump.teacher_format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_logprobs)):
             raise ValueError(problem)  # before the dump is made, not once distillation reads it
         if self.self_teacher is not None and not self.vocab_swap:
             raise ValueError(f"--no-vocab-swap: preset {self.preset}'s teacher is the draft itself (the self-teacher), "

@@ -431,7 +431,7 @@ def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], R
             A directory holding a dump of another identity is refused, naming each differing field.
         header: the manifest header (``kind``, ``format``, ``dtype``, ``top_k``, ``target`` with ``real_vocab`` and
             ``vocab_width``, ``tokenizer_fingerprint``… as :func:`run_dump` writes it); ``identity`` is added.
-        config: a settings model with ``format``, ``batch_size``, ``shard_size_mb`` and ``max_length``.
+        config: a settings model with ``teacher_format``, ``batch_size``, ``shard_size_mb`` and ``max_length``.
         progress: as :func:`run_dump`'s.
 
     Returns:
@@ -513,9 +513,9 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
     resolved = resolve(target_ref)
     tokenizer = load_tokenizer(resolved)
     tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
-    if config.format == "topk" and config.top_logprobs >= real_vocab:
-        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the real vocabulary ({real_vocab}); use --format "
-                        "hidden to keep whole distributions.")
+    if config.teacher_format == "topk" and config.top_logprobs >= real_vocab:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the real vocabulary ({real_vocab}); use "
+                        "--teacher-format hidden to keep whole distributions.")
     items, dropped_before_split = _work_items(tokenizer, examples, config)
     _check_token_widths(resolved, tokenizer, items, config)  # from the config: before any weight is loaded
     _check_windows(resolved, tokenizer, items, config)
@@ -530,7 +530,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
                 # The vocabulary's fingerprint leaves out how a conversation is rendered and where an answer ends: an
                 # edited template or stop id resumed beside the old shards would mix two renderings in one dump.
                 **{f"target_{k}": v for k, v in rendering_identity(resolved).items()}}
-    if config.format == "topk":  # shards of another storage dtype (an older dump's float16) never mix with these
+    if config.teacher_format == "topk":  # shards of another storage dtype (an older dump's float16) never mix with these
         identity["topk_storage"] = TOPK_STORAGE
     if world > 1:
         # Several ranks split the work in whole batches: another batch size would hand a resumed rank other items.
@@ -547,7 +547,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
     plan = sha256_json(identity)
     teacher = Teacher(model, real_vocab)
     header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, chosen, command)
-    if rank == 0 and config.format == "hidden":
+    if rank == 0 and config.teacher_format == "hidden":
         header["head"] = _write_head(out, model)
 
     # ---- resume, write, save, finish ---------------------------------------------------------------------------
@@ -794,15 +794,15 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
                    **target_facts, "dtype": str(teacher.weight.dtype).removeprefix("torch."),
                    "vocab_width": teacher.width, "real_vocab": teacher.real_vocab},
         "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
-        "format": config.format,
-        "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
+        "format": config.teacher_format,
+        "dtype": ({"hidden": config.hidden_dtype} if config.teacher_format == "hidden" else
                   dict(TOPK_STORAGE)),
-        "top_k": config.top_logprobs if config.format == "topk" else None,
+        "top_k": config.top_logprobs if config.teacher_format == "topk" else None,
         "final_norm_applied": None, "final_norm": None,  # known after the first batch (Teacher.hidden)
         "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
-                          if config.format == "topk" else None),
+                          if config.teacher_format == "topk" else None),
         **data_record(chosen), "config": config.model_dump(), "identity": identity,
         "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
@@ -926,7 +926,7 @@ def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> li
     # so a row's values do not depend on what else is in the batch.
     h = teacher.hidden(ids.to(teacher.device), attn.to(teacher.device))  # [B, S, H]
     lens = [len(q.ids) for q in seqs]
-    if config.format == "hidden":
+    if config.teacher_format == "hidden":
         dt = getattr(torch, config.hidden_dtype)
         stored = h.to(device="cpu", dtype=dt)
         if not bool(torch.isfinite(stored[attn.bool()]).all()):  # finite in the model's dtype (checked), not in dt
@@ -971,7 +971,7 @@ def _flush(out: Path, rank: int, index: int, rows: list[_Row], start: int, end: 
     name, sha, size = None, None, 0
     if rows:
         name = _shard_name(rank, index)
-        sha, size = _write_shard(out / name, rows, {"format": config.format, "rank": rank})
+        sha, size = _write_shard(out / name, rows, {"format": config.teacher_format, "rank": rank})
     return {"file": name, "index": index, "start": start, "end": end, "sha256": sha, "bytes": size,
             "sequences": len(rows), "tokens": sum(len(r.seq.ids) for r in rows),
             "trained_tokens": sum(sum(r.seq.loss_mask) for r in rows),

@@ -441,7 +441,7 @@ class TeacherMix:
             for name, a, b in facts:
                 if a != b:
                     raise DumpError(f"{ds.dir} cannot be mixed with {datasets[0].dir}: their {name} differ ({b!r} vs "
-                                    f"{a!r}); dump both with the same target and --format")
+                                    f"{a!r}); dump both with the same target and --teacher-format")
         self.datasets = datasets
         self.manifest = first
         self.vocab_mapping = datasets[0].vocab_mapping

@@ -21,7 +21,6 @@ from pydantic import BaseModel
 from specdraft.config import (
     AUTO_DTYPE,
     DTYPE_BY_COMMAND,
-    FORMAT_BY_COMMAND,
     HELP_BY_COMMAND,
     MAX_SPECULATIVE_TOKENS,
     EvalConfig,
@@ -87,11 +86,6 @@ def dtype_option(config: type[BaseModel], command: str, default: Any = _FIELD_DE
     auto = f" ({AUTO_DTYPE})" if "auto" in get_args(config.model_fields["dtype"].annotation) else ""
     return config_option(config, "dtype", "--dtype", default=default,
                          help=f"Weights dtype{auto}. {DTYPE_BY_COMMAND[command][0].upper()}{DTYPE_BY_COMMAND[command][1:]}.")
-
-
-def format_option(config: type[BaseModel], command: str):
-    """``--format`` of ``command`` (dump, export): the forms it writes (:data:`specdraft.config.FORMAT_BY_COMMAND`)."""
-    return config_option(config, "format", help=f"What {command} writes: {FORMAT_BY_COMMAND[command]}.")
 
 
 def seed_option(config: type[BaseModel], command: str):

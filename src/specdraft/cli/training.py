@@ -20,7 +20,6 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
-    format_option,
     out_option,
     overwrite_option,
     prompts_option,
@@ -93,7 +92,7 @@ def headroom(
 
 #: The dump flags a self-teacher dump has no use for (it stores top-k hard labels or the draft's distribution of its
 #: greedy answers, on answer positions only), refused when typed beside --self-teacher.
-NOT_SELF_TEACHER = {"format": "--format", "hidden_dtype": "--hidden-dtype", "answer_only": "--answer-only",
+NOT_SELF_TEACHER = {"teacher_format": "--teacher-format", "hidden_dtype": "--hidden-dtype", "answer_only": "--answer-only",
                     "temperature": "--temperature", "seed": "--seed"}
 #: The dump flags a self-teacher dump reads (:class:`specdraft.config.SelfTeacherConfig`'s fields), and those above.
 SELF_TEACHER_FLAGS = (*NOT_SELF_TEACHER, "top_logprobs", "generate", "max_length", "truncate", "batch_size", "shard_size_mb",
@@ -201,7 +200,9 @@ def dump(
     target: str = target_option(),
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump takes no "
                                   "stride.", strides=False),
-    format: DumpFormat = format_option(DumpConfig, "dump"),
+    teacher_format: DumpFormat = config_option(DumpConfig, "teacher_format"),
+    retired_format: Annotated[str | None, typer.Option(
+        "--format", hidden=True, help="Retired: dump's --teacher-format.")] = None,
     top_logprobs: int = config_option(DumpConfig, "top_logprobs", min=1),
     hidden_dtype: HiddenDtype = config_option(DumpConfig, "hidden_dtype"),
     max_length: int = config_option(DumpConfig, "max_length", command="dump"),
@@ -245,7 +246,9 @@ def dump(
 
     from specdraft.cli.errors import fail
 
-    config = DumpConfig(format=format, top_logprobs=top_logprobs, hidden_dtype=hidden_dtype, max_length=max_length,
+    if retired_format is not None:
+        fail(f"dump's --format is now --teacher-format (--teacher-format {retired_format}); --format is export's")
+    config = DumpConfig(teacher_format=teacher_format, top_logprobs=top_logprobs, hidden_dtype=hidden_dtype, max_length=max_length,
                         truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
                         seed=seed, batch_size=batch_size, shard_size_mb=shard_size_mb, dtype=dtype)
     quiet_transformers()
