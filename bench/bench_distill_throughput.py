@@ -155,11 +155,11 @@ def teacher_signal(args: argparse.Namespace, rows: list) -> dict:
     import torch
 
     from specdraft.config import DumpConfig
-    from specdraft.dump import Teacher, _real_vocab, teacher_items
     from specdraft.models import load_model
+    from specdraft.teacher import Teacher, real_vocab_size, teacher_items
 
     target, tok = load_model(args.target, dtype=args.dtype, device="cpu")
-    teacher = Teacher(target, _real_vocab(tok))
+    teacher = Teacher(target, real_vocab_size(tok))
     items = {}
     for fmt in ("hidden", "topk"):
         cfg = DumpConfig(teacher_format=fmt, top_logprobs=args.top_k, dtype=args.dtype)

@@ -421,8 +421,8 @@ def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
 def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forward():
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill_data import DraftWriter
-    from specdraft.dump import Teacher
     from specdraft.responses import generate_from_ids
+    from specdraft.teacher import Teacher
     from specdraft.testing import tiny_tokenizer
 
     tok = tiny_tokenizer(V)
@@ -451,7 +451,7 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
     at the first refresh, inside training."""
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill_data import DraftWriter, OnPolicyStream
-    from specdraft.dump import Teacher
+    from specdraft.teacher import Teacher
     from specdraft.testing import tiny_tokenizer
 
     target = tiny_model("llama", V, seed=0, layers=1)
@@ -471,7 +471,7 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
 def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_path):
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill_data import DraftWriter
-    from specdraft.dump import Teacher
+    from specdraft.teacher import Teacher
     from specdraft.testing import tiny_tokenizer
 
     target = tiny_model("llama", V, seed=0, layers=2)
@@ -724,7 +724,7 @@ def topk_rows(target, rows, k: int = 8):
     """The rows' teacher signal as a top-k dump stores it, from the dump's own code (float16 log-probs)."""
     from specdraft.config import DumpConfig
     from specdraft.data import TokenSequence
-    from specdraft.dump import Teacher, teacher_items
+    from specdraft.teacher import Teacher, teacher_items
 
     seqs = [TokenSequence(f"r{i}", r["input_ids"].tolist(), r["loss_mask"].tolist(), False) for i, r in enumerate(rows)]
     items = teacher_items(Teacher(target, V), seqs, DumpConfig(teacher_format="topk", top_logprobs=k, dtype="float32"))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specdraft import dump as dump_mod
+from specdraft import teacher as teacher_mod
 from specdraft.config import DumpConfig
 from specdraft.data import DataError, Example, build_sequences, encode_prompts
 from specdraft.decode import target_generate
@@ -89,7 +90,7 @@ def test_hidden_states_last_is_after_the_final_norm(arch):
         out = model(input_ids=ids, output_hidden_states=True)
         h = out.hidden_states[-1]
         torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
-        teacher = dump_mod.Teacher(model, VOCAB)
+        teacher = teacher_mod.Teacher(model, VOCAB)
         captured = teacher.hidden(ids, torch.ones_like(ids))
     assert torch.equal(captured, h) and teacher.final_norm == "model" and teacher.checked
     assert teacher.ops == [] and teacher._difference(h, out.logits) is None  # bit for bit, every position
@@ -101,7 +102,7 @@ def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, mo
     model = pair["model"]
     examples = [chat(i) for i in range(3)]
     # Capture the last decoder layer (pre-norm residual stream) instead of the base model's output.
-    monkeypatch.setattr(dump_mod, "_capture_module", lambda m: m.model.layers[-1])
+    monkeypatch.setattr(teacher_mod, "_capture_module", lambda m: m.model.layers[-1])
     m = run_dump(pair["target"], examples, tmp_path / "applied", fp32(hidden_dtype="float32"))
     assert m["final_norm"] == "applied" and m["final_norm_applied"] is True
     ds = TeacherDataset(tmp_path / "applied")
@@ -110,7 +111,7 @@ def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, mo
         logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"])
         torch.testing.assert_close(logits[:, :VOCAB], plain_logits(model, item["input_ids"])[:, :VOCAB],
                                    atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(dump_mod, "find_final_norm", lambda m: None)
+    monkeypatch.setattr(teacher_mod, "find_final_norm", lambda m: None)
     with pytest.raises(DumpError, match="pre-norm capture"):
         run_dump(pair["target"], examples, tmp_path / "refused", fp32())
     assert not (tmp_path / "refused" / "manifest.json").exists()
@@ -194,7 +195,7 @@ def test_known_scalings_reproduce_the_models_logits_exactly():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).eval()
         assert [o["op"] for o in final_logit_ops(model.config)] == [op]
-        teacher = dump_mod.Teacher(model, VOCAB)
+        teacher = teacher_mod.Teacher(model, VOCAB)
         ids = torch.randint(5, VOCAB, (2, 6))
         h = teacher.hidden(ids, torch.ones_like(ids))  # raises unless the teacher equals the logits exactly
         assert teacher.checked and h.shape == (2, 6, 32)
@@ -935,7 +936,7 @@ def test_a_topk_dump_stores_log_probs_as_computed_so_storage_neither_makes_nor_b
     the storage, so a dump begun with float16 log-probs is never resumed into float32 shards."""
     import json
 
-    from specdraft.dump import Teacher
+    from specdraft.teacher import Teacher
 
     run_dump(pair["target"], [chat(i) for i in range(2)], tmp_path / "d", fp32(teacher_format="topk", top_logprobs=8))
     item = next(iter(rows_by_id(TeacherDataset(tmp_path / "d")).values()))

@@ -1,27 +1,12 @@
 """The target teaches the draft as given: a teacher dump in the draft's own token ids, for a draft of another tokenizer.
 
-p = the target, q = the draft as given (its own tokenizer and head, drafting through text at serving). Per prompt:
-
-* **the sequence** is written by the draft as given (``answers="draft"``: on-policy, greedy, in the very context the
-  text drafter reads at serving — the target's rendered prompt decoded and re-encoded by the draft's tokenizer,
-  :meth:`specdraft.vocab.VocabMapping.reencode_batch_for_draft`) or by the target (``answers="target"``, greedy).
-  The answer's text, encoded in the target's tokenizer after the target's prompt (:func:`specdraft.data.encode_answer`)
-  and followed by the target's end-of-turn ids when the writer stopped, is the *target sequence*; its text re-encoded
-  as the text drafter re-encodes it is the *draft sequence* the dump stores: training reads what serving reads.
-* **the target scores** the target sequence teacher-forced (one batched forward; top-k log-probs per position).
-* **the label is carried** (:func:`carry_topk`) at every trained draft position whose context ends at a character
-  where a target token boundary falls too (:func:`aligned_pairs`): the target's mass on next tokens whose text is one
-  draft token (a twin, :class:`specdraft.vocab.VocabMapping`) becomes the label in draft ids; the rest is the stored
-  leftover, never renormalised away. With ``carry="first_piece"`` a twin-less target token's mass goes to the first
-  draft token of its text instead (the token the draft must write first to spell it).
-* **elsewhere** (boundaries that disagree): the draft's next token as a hard label (``unaligned="hard"``) or nothing
-  (``"skip"``: the position is not trained).
-
-The dump is :mod:`specdraft.dump`'s top-k format (same shards, manifest, resume and refusals) with
-``tokenizer_fingerprint`` the *draft's*, so :func:`specdraft.distill.run_distill` trains the draft as given on it;
-``target.real_vocab`` / ``target.vocab_width`` there are the stored ids' range (the draft's vocabulary,
-``ids: "draft"``). Sources: DistillSpec (Zhou et al., 2024: on-policy draft data, the target's distribution, TVD);
-the twin rule is :mod:`specdraft.self_teacher`'s token level, run the other way.
+p = the target, q = the draft as given (its own tokenizer and head, drafting through text at serving). Per prompt the
+draft (``answers="draft"``, on-policy) or the target writes a greedy answer; the target scores it teacher-forced, and
+its top-k is carried onto draft ids (:func:`carry_topk`) where a draft position's context ends at a target token
+boundary (:func:`aligned_pairs`); elsewhere a hard label or nothing (``unaligned``). The dump is
+:mod:`specdraft.dump`'s top-k format with the *draft's* tokenizer fingerprint, so
+:func:`specdraft.distill.run_distill` trains the draft as given on it. Source: DistillSpec (Zhou et al., 2024).
+Details: docs/architecture.md, "Notes by module", ``specdraft.as_given_teacher``.
 """
 
 from __future__ import annotations
@@ -36,19 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from specdraft.config import AsGivenTeacherConfig
 from specdraft.data import end_of_turn_ids
-from specdraft.dump import (
-    LOSS_MASK_CONVENTION,
-    TOPK_STORAGE,
-    ProgressFn,
-    Teacher,
-    TeacherBatch,
-    data_record,
-    write_dump,
-)
+from specdraft.dump import LOSS_MASK_CONVENTION, ProgressFn, TeacherBatch, data_record, write_dump
 from specdraft.dump_reader import FORMAT_VERSION, DumpError
 from specdraft.io import sha256_json
 from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.self_teacher import decode_text, hard_labels, text_boundaries, well_formed_prefix
+from specdraft.teacher import TOPK_STORAGE, Teacher
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -300,7 +278,7 @@ class TargetForDraftTeacher:
         return self.cache / "scores" / f"{key[:32]}.pt"
 
     def _carry(self, job, lp, tid, left):
-        """The draft sequence and its signal for one scored target sequence (module docstring)."""
+        """The draft sequence and its signal for one scored target sequence."""
         import torch
 
         from specdraft.data import TokenSequence
@@ -362,15 +340,12 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
                          data: str | os.PathLike | Sequence[str] | PromptSet | list[Example], out: str | os.PathLike,
                          config: AsGivenTeacherConfig | None = None, progress: ProgressFn | None = None,
                          command: str | None = None, cache: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Write the target's teacher dump for the draft as given (module docstring); resumes a killed run.
+    """Write the target's teacher dump for the draft as given; resumes a killed run.
 
     Args:
         target_ref / draft_ref: references (embedded name, local directory, cached hub id); the draft must be of
             another tokenizer than the target (a draft of the target's own tokenizer takes :func:`specdraft.dump.run_dump`).
-        data: the prompts (:func:`specdraft.prompts.teacher_prompts`): one spec or several, read as ``dump
-            --prompts`` reads them (a repeated prompt dropped before the limit counts: the answers are greedy, as
-            ``run --train-prompts`` drops it), a :class:`~specdraft.prompts.PromptSet`, or a list of
-            :class:`specdraft.data.Example` taken as given.
+        data: the prompts, as :func:`specdraft.dump.run_dump` takes them (a repeated one dropped: answers are greedy).
         out: the dump directory (new, empty, or a dump of this very plan).
         config: settings (default :class:`~specdraft.config.AsGivenTeacherConfig`).
         progress: ``progress(done_items, total_items, tokens_this_run)`` after each batch.

@@ -1,28 +1,11 @@
 """One home for every stage's settings: pydantic models, validated at construction, ``extra="forbid"``.
 
-Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix; a name
-means one thing in every config (a teacher dump's ``top_logprobs`` is not decoding's ``top_k``), but
-:class:`DistillConfig`'s serving filter takes ``--serving-temperature`` / ``--serving-top-k`` / ``--serving-top-p``. A field's description is its flag's help,
-word for word, in every command that takes the flag, but for the flags several commands share whose meaning or
-default is the command's own (``--dtype``, ``--seed``, ``--max-new-tokens`` …): each command's help reads a shared
-lead and that command's sentence from a ``*_BY_COMMAND`` table here, and the field's description is the lead and every
-command's sentence (:data:`HELP_BY_COMMAND`). Every list of choices is a ``Literal`` here; the CLI derives its choices
-from these types (one source of truth).
-
-=================  ==============================================  ============================================
-config             stage                                           used by
-=================  ==============================================  ============================================
-SamplingConfig     how a token is chosen (greedy / filtered)       decode, evaluate, dump, distill (its filter)
-EvalConfig         target alone vs speculative decoding            :func:`specdraft.evaluate.run_eval`
-DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
-SelfTeacherConfig  the draft as given teaching its re-indexed copy :func:`specdraft.self_teacher.run_self_teacher`
-DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
-ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.export_draft`
-HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
-PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
-=================  ==============================================  ============================================
-
-No torch import here: reading a config (``--help``, validation) stays instant.
+Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix, and a name
+means one thing in every config (a teacher dump's ``top_logprobs`` is not decoding's ``top_k``);
+:class:`DistillConfig`'s serving filter takes ``--serving-*`` flags. A field's description is its flag's help; a flag
+whose default is each command's own reads a shared lead and that command's sentence (:data:`HELP_BY_COMMAND`). Every
+list of choices is a ``Literal`` here, the CLI's one source. Which config serves which stage: docs/architecture.md,
+``specdraft.config``. No torch import: ``--help`` and validation stay instant.
 """
 
 from __future__ import annotations
@@ -36,9 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 NUM_SPECULATIVE_TOKENS = 5
 #: The largest γ accepted anywhere (the bound of :data:`SpeculativeTokens`; the CLI's help states it).
 MAX_SPECULATIVE_TOKENS = 64
-#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts; each row drafts the k ≤ γ its running
-#: acceptance predicts fastest. 8 is what the speed model recommended for the embedded pair's int4 + trimmed-head
-#: draft on 16 HumanEval prompts (c ≈ 0.11, α ≈ 0.94; docs/benchmarks.md).
+#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts (why 8: docs/architecture.md,
+#: ``specdraft.config``).
 ADAPTIVE_MAX_SPECULATIVE_TOKENS = 8
 
 #: γ as a validated field: shared by the speculator schema, the export and the evaluation.
@@ -70,10 +52,7 @@ Overwrite = Annotated[bool, Field(description="Replace what --out holds instead 
 #: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
 AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 
-# One wording per flag that several configs (and commands) hold: each of these is the description of every field of
-# that name. Where what the flag does or its default is the command's own, a ``*_BY_COMMAND`` table holds each
-# command's sentence: a command's help is the lead and its own sentence (specdraft.cli.options), never another
-# command's; the field's description, for the library, is the lead and every sentence.
+# One wording per flag several configs hold; a ``*_BY_COMMAND`` table holds each command's own sentence.
 
 
 def joined_help(lead: str, by_command: dict[str, str], tail: str = "") -> str:

@@ -1,13 +1,8 @@
 """The flag vocabulary: one option per concept, declared once here and used by every command that takes it.
 
-A flag means one thing in every command: its help is the :mod:`specdraft.config` field's description (no second
-wording) and its default is the field's. Where what a shared flag does or its default is the command's own
-(``--dtype``, ``--seed``, ``--max-new-tokens``, ``--overwrite``, ``--json`` …), the option is made with its
-``command`` and its help is that command's sentence from a per-command table: a command's ``--help`` speaks of that
-command only. Every prompt source is one ``--prompts`` spec, ``name[:offset[:limit[:stride]]]``, read by one loader
-(:mod:`specdraft.prompts`).
-
-Nothing here imports torch: ``--help`` stays instant.
+A flag fills one config field with one type of value in every command; its help is the field's description and its
+default the field's, or, where the flag's default is the command's own (``--dtype``, ``--seed`` …), that command's
+sentence of a per-command table. Every prompt source is one ``--prompts`` spec (:mod:`specdraft.prompts`). No torch.
 """
 
 from __future__ import annotations
