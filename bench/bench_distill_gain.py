@@ -205,7 +205,7 @@ def main() -> dict:
     eos = eos_ids(target)
     target = None  # run_dump loads its own copy; two 1.5B copies would not fit beside other jobs
     gc.collect()
-    fmt = {"format": args.dump_format, "top_k": args.top_k}
+    fmt = {"teacher_format": args.dump_format, "top_logprobs": args.top_k}
     plans = []
     if args.train:
         plans.append(("written", load_prompts(args.train, unique=True),

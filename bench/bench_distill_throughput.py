@@ -155,14 +155,14 @@ def teacher_signal(args: argparse.Namespace, rows: list) -> dict:
     import torch
 
     from specdraft.config import DumpConfig
-    from specdraft.dump import Teacher, _real_vocab, teacher_items
     from specdraft.models import load_model
+    from specdraft.teacher import Teacher, real_vocab_size, teacher_items
 
     target, tok = load_model(args.target, dtype=args.dtype, device="cpu")
-    teacher = Teacher(target, _real_vocab(tok))
+    teacher = Teacher(target, real_vocab_size(tok))
     items = {}
     for fmt in ("hidden", "topk"):
-        cfg = DumpConfig(format=fmt, top_k=args.top_k, dtype=args.dtype)
+        cfg = DumpConfig(teacher_format=fmt, top_logprobs=args.top_k, dtype=args.dtype)
         items[fmt] = [it for i in range(0, len(rows), args.batch)
                       for it in teacher_items(teacher, rows[i:i + args.batch], cfg)]
     bias = teacher.bias.detach().clone() if teacher.bias is not None else None
@@ -330,7 +330,7 @@ def bench_dump(args: argparse.Namespace, prompts: list, work: Path) -> dict:
     from specdraft.dump_reader import TeacherDataset
     from specdraft.models import load_tokenizer
 
-    common = {"format": args.dump_format, "top_k": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
+    common = {"teacher_format": args.dump_format, "top_logprobs": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
               "dtype": args.dtype}
     cfgs = {"generated": DumpConfig(generate=args.generate, **common), "teacher_forced": DumpConfig(**common)}
     tok = load_tokenizer(args.target)

@@ -63,7 +63,7 @@ def main() -> dict:
     try:
         for fmt in ("hidden", "topk"):
             results["bare"].append(bare())
-            cfg = DumpConfig(format=fmt, max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype)
+            cfg = DumpConfig(teacher_format=fmt, max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype)
             man = run_dump(args.target, examples, work / fmt, cfg, command="bench/bench_dump.py")
             results[fmt].append(man["this_run"]["work_seconds"])
             bytes_per_token[fmt] = man["bytes_per_token"]

@@ -168,9 +168,9 @@ def _render_costs() -> list[str]:
                   f"{r['tokens']} tokens."), "",
                   "| run | tokens/s | overhead vs bare forward | bytes/token |", "| --- | ---: | ---: | ---: |",
                   f"| bare target forward | {t['bare_forward']:.1f} | — | — |",
-                  (f"| `specdraft dump --format hidden` | {t['dump_hidden']:.1f} | {r['overhead']['hidden']:.1%} | "
+                  (f"| `specdraft dump --teacher-format hidden` | {t['dump_hidden']:.1f} | {r['overhead']['hidden']:.1%} | "
                   f"{r['bytes_per_token']['hidden']:.0f} |"),
-                  (f"| `specdraft dump --format topk` | {t['dump_topk']:.1f} | {r['overhead']['topk']:.1%} | "
+                  (f"| `specdraft dump --teacher-format topk` | {t['dump_topk']:.1f} | {r['overhead']['topk']:.1%} | "
                   f"{r['bytes_per_token']['topk']:.0f} |"), "",
                   (f"Target overhead ≤ 10%: hidden {_mark(r['overhead']['hidden'] <= 0.10)}, topk "
                   f"{_mark(r['overhead']['topk'] <= 0.10)}."), ""]

@@ -111,7 +111,7 @@ def _reference_ids(pair, examples, budget):
 
 def test_the_dump_holds_the_draft_tokens_the_text_drafter_reads_and_the_targets_carried_scores(pair, tmp_path):
     examples = _examples()
-    cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=4, top_k=5, carry="twins")
+    cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=4, top_logprobs=5, carry="twins")
     m = run_as_given_teacher(pair["target"], pair["draft"], examples, tmp_path / "d", cfg)
     assert m["tokenizer_fingerprint"] != load_manifest(tmp_path / "d")["teacher"]["rendering"]
     ds = TeacherDataset(tmp_path / "d", draft_tokenizer=pair["d_tok"])  # the draft's own tokenizer passes
@@ -139,7 +139,7 @@ def test_the_dump_holds_the_draft_tokens_the_text_drafter_reads_and_the_targets_
 
 
 def test_hard_labels_everywhere_need_no_target_scores(pair, tmp_path):
-    cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=4, top_k=2, carry="none")
+    cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=4, top_logprobs=2, carry="none")
     m = run_as_given_teacher(pair["target"], pair["draft"], _examples(), tmp_path / "h", cfg)
     ds = TeacherDataset(tmp_path / "h", draft_tokenizer=pair["d_tok"])
     for i in range(len(ds)):
@@ -152,7 +152,7 @@ def test_hard_labels_everywhere_need_no_target_scores(pair, tmp_path):
 
 def test_a_killed_dump_resumes_to_the_uninterrupted_one_and_refusals_name_what_is_wrong(pair, tmp_path):
     examples = _examples()
-    cfg = AsGivenTeacherConfig(generate=6, dtype="float32", batch_size=2, top_k=3, shard_size_mb=0.0001)
+    cfg = AsGivenTeacherConfig(generate=6, dtype="float32", batch_size=2, top_logprobs=3, shard_size_mb=0.0001)
     out, calls = tmp_path / "k", []
 
     def kill_after_two_batches(done, total, tokens):
@@ -171,14 +171,14 @@ def test_a_killed_dump_resumes_to_the_uninterrupted_one_and_refusals_name_what_i
     with pytest.raises(DumpError, match="has the target's tokenizer"):
         run_as_given_teacher(pair["target"], pair["target"], examples, tmp_path / "same", cfg)
     with pytest.raises(DumpError, match="below the draft's real vocabulary"):
-        run_as_given_teacher(pair["target"], pair["draft"], examples, tmp_path / "k2", cfg.model_copy(update={"top_k": 400}))
+        run_as_given_teacher(pair["target"], pair["draft"], examples, tmp_path / "k2", cfg.model_copy(update={"top_logprobs": 400}))
     with pytest.raises(DumpError, match="no prompts"):
         run_as_given_teacher(pair["target"], pair["draft"], [], tmp_path / "none", cfg)
     assert not (tmp_path / "same").exists() and not (tmp_path / "k2").exists()
 
 
 def test_a_work_cache_reuses_the_written_answers_and_scores_and_gives_the_same_dump(pair, tmp_path):
-    cfg = AsGivenTeacherConfig(generate=8, dtype="float32", batch_size=3, top_k=4)
+    cfg = AsGivenTeacherConfig(generate=8, dtype="float32", batch_size=3, top_logprobs=4)
     a = run_as_given_teacher(pair["target"], pair["draft"], _examples(), tmp_path / "a", cfg, cache=tmp_path / "c")
     answers = json.loads((tmp_path / "c" / "answers-draft-8.json").read_text())
     assert sorted(answers) == sorted(e.id for e in _examples())
@@ -190,7 +190,7 @@ def test_a_work_cache_reuses_the_written_answers_and_scores_and_gives_the_same_d
 def test_run_distill_trains_the_draft_as_given_on_it_and_exports_it_drafting_through_text(pair, tmp_path):
     from specdraft.distill import run_distill
 
-    cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=6, top_k=5)
+    cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=6, top_logprobs=5)
     run_as_given_teacher(pair["target"], pair["draft"], _examples(), tmp_path / "d", cfg)
     dcfg = DistillConfig(loss="tvd", lr=3e-3, max_steps=3, batch_size=3, held_out_fraction=0.0, save_steps=100,
                          scheduler="constant")
@@ -220,7 +220,7 @@ def test_dump_for_draft_writes_the_dump_in_the_drafts_ids_and_refuses_what_does_
     assert m["teacher"]["kind"] == "target-for-draft-as-given" and m["top_k"] == 3 and m["config"]["generate"] == 4
     assert "carried from the target" in r.output
     TeacherDataset(tmp_path / "d", draft_tokenizer=pair["d_tok"])  # the draft's tokenizer reads it
-    for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --for-draft"),
+    for extra, says in ((["--teacher-format", "hidden"], "--teacher-format do(es) not apply with --for-draft"),
                         (["--self-teacher", pair["draft"]], "two different teachers")):
         r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})
         assert r.exit_code == 2 and says in r.output, r.output
@@ -239,7 +239,7 @@ def test_the_dump_for_a_draft_as_given_answers_the_rows_run_trains_on_for_one_tr
     trains = run_prompts(make_config("tiny", target=pair["target"], draft=pair["draft"], train_prompts=[spec]),
                          ("train",))["train"].examples
     assert len({json.dumps(e.prompt_messages) for e in trains}) == len(trains) == 12
-    cfg = AsGivenTeacherConfig(generate=2, dtype="float32", batch_size=6, top_k=3, carry="none", unaligned="hard")
+    cfg = AsGivenTeacherConfig(generate=2, dtype="float32", batch_size=6, top_logprobs=3, carry="none", unaligned="hard")
     m = run_as_given_teacher(pair["target"], pair["draft"], spec, tmp_path / "d", cfg)
     # The examples it was made of (its identity's data fingerprint); an answer with no text is dropped, not replaced.
     assert m["identity"]["data_fingerprint"] == sha256_json([[e.id, e.messages, e.reference] for e in trains])

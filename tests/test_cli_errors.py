@@ -63,7 +63,7 @@ def _documented_cases(tmp_path):
     latin1.write_bytes(json.dumps({"prompt": "a b"}).encode() + b"\n" + '{"prompt": "caf\xe9"}'.encode("latin-1")
                        + b"\n")
     dump = tmp_path / "dump"
-    run_dump(tdir, str(prompts), dump, DumpConfig(format="topk", top_k=4, dtype="float32"))
+    run_dump(tdir, str(prompts), dump, DumpConfig(teacher_format="topk", top_logprobs=4, dtype="float32"))
     other = _other_tokenizer_draft(tmp_path)
     no_weights = tmp_path / "no-weights"
     export_draft(ddir, tdir, no_weights)

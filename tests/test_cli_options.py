@@ -7,6 +7,9 @@ import ast
 import inspect
 import re
 import textwrap
+import types
+import typing
+from pathlib import Path
 
 import pytest
 import typer.main
@@ -25,13 +28,13 @@ from specdraft.config import (
 )
 
 
-def _commands():
+def _commands(cli: typer.Typer = app):
     def walk(cmd, path):
         for name, sub in getattr(cmd, "commands", {}).items():
             yield f"{path} {name}".strip(), sub
             yield from walk(sub, f"{path} {name}".strip())
 
-    return list(walk(typer.main.get_command(app), ""))
+    return list(walk(typer.main.get_command(cli), ""))
 
 
 def _params(name: str):
@@ -127,13 +130,93 @@ def test_a_flag_spelled_the_same_in_two_commands_has_one_help_and_a_default_its_
                 assert re.search(rf"\b{re.escape(path)}\b", params[path].help), (flag, path, default, params[path].help)
 
 
+def _value_type(p) -> tuple:
+    """What one value of option ``p`` is, from typer's reading of its annotation: ``("choice", {values})`` for a
+    ``Literal``, else the Python type's name (``Optional`` and ``list`` unwrapped: a repeatable flag's one value)."""
+    a = p.type_descriptor.annotation
+    if typing.get_origin(a) in (typing.Union, types.UnionType):
+        a = next(x for x in typing.get_args(a) if x is not type(None))
+    if typing.get_origin(a) is list:
+        (a,) = typing.get_args(a)
+    if typing.get_origin(a) is typing.Literal:
+        return ("choice", frozenset(typing.get_args(a)))
+    return (a.__name__,)
+
+
+def _two_meanings(cli: typer.Typer) -> dict[str, dict[str, tuple]]:
+    """``{flag: {command: (field, value type)}}`` for each long flag that means two things in ``cli``: another field
+    (the parameter the value fills), another value type, or choices with no value in common (two vocabularies, as
+    dump's hidden|topk beside export's speculator|gguf). A hidden option, a retired spelling kept to name its
+    successor, is not a flag the user sees."""
+    seen: dict[str, dict[str, tuple]] = {}
+    for path, cmd in _commands(cli):
+        for p in cmd.params:
+            if getattr(p, "param_type_name", "") == "option" and not p.hidden:
+                for flag in (*p.opts, *p.secondary_opts):
+                    if flag.startswith("--"):
+                        seen.setdefault(flag, {})[path] = (p.name, _value_type(p))
+    two = {}
+    for flag, by_command in seen.items():
+        kinds = {(field, vt[0]) for field, vt in by_command.values()}
+        choices = [vt[1] for _, vt in by_command.values() if vt[0] == "choice"]
+        if len(kinds) > 1 or any(not a & b for a in choices for b in choices):
+            two[flag] = by_command
+    return two
+
+
+#: Flags that take two value types on purpose, ``{flag: {command: value type}}``: check's --json writes the report
+#: to the FILE given, models' --json is a switch that prints JSON instead of the table. Each entry must still hold.
+TWO_VALUE_TYPES = {"--json": {"check": ("Path",), "models": ("bool",)}}
+
+
+def test_a_flag_name_means_one_field_and_one_value_type_in_every_command():
+    """dump's --format (hidden|topk: what the teacher dump stores) and export's --format (speculator|gguf: what export
+    writes) were one flag name for two unrelated settings. Across every command a flag fills one config field with
+    one type of value; choices offered under one flag share one vocabulary (export's --dtype adds keep to the
+    model dtypes, distill offers two of them)."""
+    two = _two_meanings(app)
+    assert {flag: {c: vt for c, (_, vt) in by.items()} for flag, by in two.items()} == TWO_VALUE_TYPES, two
+    dump = {o: p for p in dict(_commands())["dump"].params for o in p.opts}
+    assert dump["--teacher-format"].name == "teacher_format" and dump["--format"].hidden
+    assert _value_type(dump["--teacher-format"]) == ("choice", frozenset({"hidden", "topk"}))
+
+
+def test_the_flag_meaning_check_catches_one_flag_name_of_two_types():
+    """The negative control: a toy app whose --format is a choice of forms in one command and a count in another,
+    whose --k fills two fields, and whose --kind offers two vocabularies, is caught thrice; the same flag of one
+    field and one type, and a hidden retired spelling, are not."""
+    toy = typer.Typer()
+
+    @toy.command()
+    def write(format: typing.Literal["speculator", "gguf"] = typer.Option("speculator", "--format"),
+              kind: typing.Literal["a", "b"] = typer.Option("a", "--kind"), k: int = typer.Option(1, "--k"),
+              out: Path = typer.Option(Path("x"), "--out")) -> None:
+        pass
+
+    @toy.command()
+    def store(format: int = typer.Option(1, "--format"), kind: typing.Literal["c"] = typer.Option("c", "--kind"),
+              top_k: int = typer.Option(1, "--k"), out: Path | None = typer.Option(None, "--out"),
+              old: str | None = typer.Option(None, "--old", hidden=True)) -> None:
+        pass
+
+    @toy.command()
+    def read(old: int = typer.Option(0, "--old")) -> None:
+        pass
+
+    two = _two_meanings(toy)
+    assert set(two) == {"--format", "--kind", "--k"}, two
+    assert two["--format"] == {"write": ("format", ("choice", frozenset({"speculator", "gguf"}))),
+                               "store": ("format", ("int",))}
+    assert {field for field, _ in two["--k"].values()} == {"k", "top_k"}
+
+
 def test_the_serving_filter_and_the_stored_log_probs_are_flags_of_their_own():
     """Distillation's serving filter (what tvd_deploy and α are computed after) and the dump's stored log-probs
     count are not decoding's --temperature / --top-k / --top-p: each has its own flag, its field's help."""
     group = typer.main.get_command(app)
     dump = {o: p for p in group.commands["dump"].params for o in p.opts}
-    assert "--top-k" not in dump and dump["--top-logprobs"].name == "top_k"  # the manifest's key
-    assert dump["--top-logprobs"].help == DumpConfig.model_fields["top_k"].description
+    assert "--top-k" not in dump and dump["--top-logprobs"].name == "top_logprobs"
+    assert dump["--top-logprobs"].help == DumpConfig.model_fields["top_logprobs"].description
     distill = {o: p for p in group.commands["distill"].params for o in p.opts}
     for name in ("temperature", "top_k", "top_p"):
         assert "--" + name.replace("_", "-") not in distill
@@ -246,7 +329,7 @@ def test_exports_target_help_says_a_gguf_target_is_taken_for_llama_cpp():
 
 def test_each_commands_help_speaks_only_of_that_command():
     """export's --dtype help opened with an `auto` it rejects and listed every command's default, its --format help
-    described dump's formats, and a required --draft said both "Default: …" and "[required]"."""
+    described dump's formats (dump's is --teacher-format now), and a required --draft said both "Default: …" and "[required]"."""
     from specdraft.config import DTYPE_BY_COMMAND
 
     commands = set(DTYPE_BY_COMMAND)
@@ -257,10 +340,10 @@ def test_each_commands_help_speaks_only_of_that_command():
         assert bool(re.search(r"\bauto\b", p.help)) == offered, (path, p.help)
     export_dtype = _params("dtype")["export"].help
     assert export_dtype.startswith("Weights dtype. Export's keep (the default) writes the draft's tensors")
-    formats = _params("format")
-    assert set(formats) == {"dump", "export"}
-    assert formats["export"].help.startswith("What export writes: speculator") and "topk" not in formats["export"].help
-    assert formats["dump"].help.startswith("What dump writes: hidden") and "gguf" not in formats["dump"].help
+    export_format, (dump_format,) = _params("format")["export"], _params("teacher_format").values()
+    assert export_format.help.startswith("What export writes: speculator") and "topk" not in export_format.help
+    assert dump_format.help.startswith("What the dump stores of the target's distribution: hidden")
+    assert "gguf" not in dump_format.help and "export" not in dump_format.help
     for name in ("target", "draft", "out"):
         for path, p in _params(name).items():
             assert not (p.required and "Default" in p.help), (path, name, p.help)

@@ -257,7 +257,7 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
                                                        {"role": "assistant", "content": f"c {w} d e"}]})
                               for w in "fghijklm") + "\n")
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format=fmt, top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format=fmt, top_logprobs=8, dtype="float32"))
     cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=3, batch_size=2, held_out_fraction=0.25)
     res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg, num_speculative_tokens=3)
     spec_dir = res.speculator
@@ -436,14 +436,14 @@ def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
 def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forward():
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill_data import DraftWriter
-    from specdraft.dump import Teacher
     from specdraft.responses import generate_from_ids
+    from specdraft.teacher import Teacher
     from specdraft.testing import tiny_tokenizer
 
     tok = tiny_tokenizer(V)
     target = tiny_model("llama", V, seed=0, layers=2)
     draft = tiny_model("llama", V, seed=7, layers=1)  # another model: its answers are not the target's
-    cfg = DumpConfig(format="hidden", hidden_dtype="float32", answer_only=True, generate=6, max_length=64)
+    cfg = DumpConfig(teacher_format="hidden", hidden_dtype="float32", answer_only=True, generate=6, max_length=64)
     sampling = SamplingConfig(temperature=1.0, top_k=20)
     writer = DraftWriter(Teacher(target, V), tok, cfg, sampling, max_new_tokens=6)
     prompts = [("a", [2, 10, 11, 12]), ("b", [2, 20, 21])]
@@ -466,7 +466,7 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
     at the first refresh, inside training."""
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill_data import DraftWriter, OnPolicyStream
-    from specdraft.dump import Teacher
+    from specdraft.teacher import Teacher
     from specdraft.testing import tiny_tokenizer
 
     target = tiny_model("llama", V, seed=0, layers=1)
@@ -486,7 +486,7 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
 def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_path):
     from specdraft.config import DumpConfig, SamplingConfig
     from specdraft.distill_data import DraftWriter
-    from specdraft.dump import Teacher
+    from specdraft.teacher import Teacher
     from specdraft.testing import tiny_tokenizer
 
     target = tiny_model("llama", V, seed=0, layers=2)
@@ -527,7 +527,7 @@ def test_a_dump_holding_ids_past_the_drafts_width_is_refused_before_training(tmp
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
                                                        {"role": "assistant", "content": f"c {w} d"}]})
                               for w in ("f", "bn0", "g", "bx0")) + "\n")  # ids 80 and 90
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(TokenWidthError, match=r"draft cannot read or score: 80, 90 \(its input embedding has 80"):
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
@@ -622,7 +622,7 @@ def test_a_draft_distilled_in_bfloat16_is_exported_in_bfloat16_every_tensor(tmp_
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
                                                        {"role": "assistant", "content": f"c {w} d e"}]})
                               for w in "fghijklm") + "\n")
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     cfg = DistillConfig(loss="soft_ce", lr=1e-3, max_steps=2, batch_size=2, held_out_fraction=0.25,
                         dtype="bfloat16", train="last_layers", train_last_layers=1)
     res = run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg, num_speculative_tokens=3)
@@ -730,10 +730,10 @@ def topk_rows(target, rows, k: int = 8):
     """The rows' teacher signal as a top-k dump stores it, from the dump's own code (float16 log-probs)."""
     from specdraft.config import DumpConfig
     from specdraft.data import TokenSequence
-    from specdraft.dump import Teacher, teacher_items
+    from specdraft.teacher import Teacher, teacher_items
 
     seqs = [TokenSequence(f"r{i}", r["input_ids"].tolist(), r["loss_mask"].tolist(), False) for i, r in enumerate(rows)]
-    items = teacher_items(Teacher(target, V), seqs, DumpConfig(format="topk", top_k=k, dtype="float32"))
+    items = teacher_items(Teacher(target, V), seqs, DumpConfig(teacher_format="topk", top_logprobs=k, dtype="float32"))
     return [{k2: v for k2, v in it.items() if k2 != "id"} for it in items]
 
 
@@ -798,7 +798,7 @@ def test_a_topk_teacher_refuses_serving_settings_it_cannot_compute(setup, servin
     target, rows = setup
     batch = collate(topk_rows(target, rows[:2]))
     cfg = DistillConfig(loss="soft_ce", **serving)
-    with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--serving-top-k between 1 and 8.*--format hidden"):
+    with pytest.raises(DistillError, match=r"top-k dump \(k = 8\).*--serving-top-k between 1 and 8.*--teacher-format hidden"):
         DistillModel(perturbed(target, 0.1), TeacherHead(None, V, width=V), cfg)(**batch)
     s = cfg.serving
     assert f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}" in cfg.sparse_teacher_problem(8)
@@ -822,12 +822,12 @@ def test_run_distill_refuses_a_topk_dump_it_cannot_serve_before_loading_the_draf
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
                                                        {"role": "assistant", "content": f"c {w} d"}]})
                               for w in "fgh") + "\n")
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(DistillError, match=r"k = 8\).*temperature 0\.7.*--format hidden"):
+    with pytest.raises(DistillError, match=r"k = 8\).*temperature 0\.7.*--teacher-format hidden"):
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(temperature=0.7, max_steps=1))
     with pytest.raises(ValueError, match=r"k = 8\).*temperature 0\.7"):
-        make_config("tiny", dump={"format": "topk", "top_k": 8}, distill={"temperature": 0.7})
+        make_config("tiny", dump={"teacher_format": "topk", "top_logprobs": 8}, distill={"temperature": 0.7})
 
 
 def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_training(tmp_path, monkeypatch):
@@ -848,7 +848,7 @@ def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_trainin
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "a b " * n},
                                                        {"role": "assistant", "content": "c d"}]})
                               for n in (1, 12)) + "\n")
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     ds = TeacherDataset(tmp_path / "dump")
     longest = max(len(ds.tokens(i)["input_ids"]) for i in range(len(ds)))
     monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
@@ -1024,7 +1024,7 @@ def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_posi
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
                                                        {"role": "assistant", "content": f"c {w} d"}]})
                               for w in "fghi") + "\n")
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     cfg = DistillConfig(loss="soft_ce", top_k=8, max_steps=1, batch_size=2, held_out_fraction=0.25)
     run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", cfg)
     metrics = json.loads((tmp_path / "out" / "training.json").read_text())["metrics"]
@@ -1113,7 +1113,7 @@ def test_a_bfloat16_draft_whose_update_rounds_away_as_saved_says_how_much_and_ho
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"a b {w}"},
                                                        {"role": "assistant", "content": f"c {w} d e"}]})
                               for w in "fghijklm") + "\n")
-    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(format="topk", top_k=8, dtype="float32"))
+    run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     cfg = DistillConfig(loss="soft_ce", lr=2e-5, max_steps=2, batch_size=2, held_out_fraction=0.25,
                         dtype="bfloat16", scheduler="constant")
     with pytest.warns(UserWarning, match=r"specdraft distill: .* of the trained weights moved in training, "

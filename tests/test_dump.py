@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specdraft import dump as dump_mod
+from specdraft import teacher as teacher_mod
 from specdraft.config import DumpConfig
 from specdraft.data import DataError, Example, build_sequences, encode_prompts
 from specdraft.decode import target_generate
@@ -89,7 +90,7 @@ def test_hidden_states_last_is_after_the_final_norm(arch):
         out = model(input_ids=ids, output_hidden_states=True)
         h = out.hidden_states[-1]
         torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
-        teacher = dump_mod.Teacher(model, VOCAB)
+        teacher = teacher_mod.Teacher(model, VOCAB)
         captured = teacher.hidden(ids, torch.ones_like(ids))
     assert torch.equal(captured, h) and teacher.final_norm == "model" and teacher.checked
     assert teacher.ops == [] and teacher._difference(h, out.logits) is None  # bit for bit, every position
@@ -101,7 +102,7 @@ def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, mo
     model = pair["model"]
     examples = [chat(i) for i in range(3)]
     # Capture the last decoder layer (pre-norm residual stream) instead of the base model's output.
-    monkeypatch.setattr(dump_mod, "_capture_module", lambda m: m.model.layers[-1])
+    monkeypatch.setattr(teacher_mod, "_capture_module", lambda m: m.model.layers[-1])
     m = run_dump(pair["target"], examples, tmp_path / "applied", fp32(hidden_dtype="float32"))
     assert m["final_norm"] == "applied" and m["final_norm_applied"] is True
     ds = TeacherDataset(tmp_path / "applied")
@@ -110,7 +111,7 @@ def test_pre_norm_capture_gets_the_norm_applied_or_is_refused(pair, tmp_path, mo
         logits = teacher_logits_from_hidden(item["hidden"], head["lm_head.weight"])
         torch.testing.assert_close(logits[:, :VOCAB], plain_logits(model, item["input_ids"])[:, :VOCAB],
                                    atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(dump_mod, "find_final_norm", lambda m: None)
+    monkeypatch.setattr(teacher_mod, "find_final_norm", lambda m: None)
     with pytest.raises(DumpError, match="pre-norm capture"):
         run_dump(pair["target"], examples, tmp_path / "refused", fp32())
     assert not (tmp_path / "refused" / "manifest.json").exists()
@@ -139,7 +140,7 @@ def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
     target = _save_softcapped(arch, tmp_path, softcap=2.0)  # a low cap: logits of ±7 are squeezed into ±2
     model, _ = load_model(target, dtype="float32", device="cpu")
     examples = [chat(i) for i in range(3)]
-    m = run_dump(target, examples, tmp_path / "d", fp32(format=fmt, top_k=8, hidden_dtype="float32"))
+    m = run_dump(target, examples, tmp_path / "d", fp32(teacher_format=fmt, top_logprobs=8, hidden_dtype="float32"))
     assert m["logit_transform"] == [{"op": "softcap", "key": "final_logit_softcapping", "value": 2.0}]
     assert m["format_version"] == 2
     ds = TeacherDataset(tmp_path / "d")
@@ -177,7 +178,7 @@ def test_an_unrecorded_transform_is_refused_even_when_it_nearly_matches(tmp_path
                         tuple(k for k in specdraft.sampling.FINAL_LOGIT_KEYS if k[0] != "final_logit_softcapping"))
     for fmt in ("hidden", "topk"):
         with pytest.raises(DumpError, match=r"does not reproduce .*final_logit_softcapping.*near match"):
-            run_dump(target, [chat(0)], tmp_path / fmt, fp32(format=fmt, top_k=8))
+            run_dump(target, [chat(0)], tmp_path / fmt, fp32(teacher_format=fmt, top_logprobs=8))
         assert not (tmp_path / fmt / "manifest.json").exists()
 
 
@@ -195,7 +196,7 @@ def test_known_scalings_reproduce_the_models_logits_exactly():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).eval()
         assert [o["op"] for o in final_logit_ops(model.config)] == [op]
-        teacher = dump_mod.Teacher(model, VOCAB)
+        teacher = teacher_mod.Teacher(model, VOCAB)
         ids = torch.randint(5, VOCAB, (2, 6))
         h = teacher.hidden(ids, torch.ones_like(ids))  # raises unless the teacher equals the logits exactly
         assert teacher.checked and h.shape == (2, 6, 32)
@@ -271,7 +272,7 @@ def test_topk_dump_matches_the_target_distribution(pair, tmp_path):
     model = pair["model"]
     k = 8
     m = run_dump(pair["target"], [chat(i) for i in range(5)], tmp_path / "d",
-                 fp32(format="topk", top_k=k, batch_size=2))
+                 fp32(teacher_format="topk", top_logprobs=k, batch_size=2))
     assert m["top_k"] == k and m["dtype"] == {"topk_logprobs": "float32", "topk_ids": "int32",
                                               "leftover_logmass": "float32"}
     assert "head" not in m and not (tmp_path / "d" / "head.safetensors").exists()
@@ -312,7 +313,7 @@ def test_topk_leftover_rule_by_hand():
 @pytest.mark.parametrize("fmt", ["hidden", "topk"])
 def test_rows_do_not_depend_on_batch_composition_or_order(pair, tmp_path, fmt):
     examples = [chat(i) for i in range(6)]
-    cfg = {"format": fmt, "top_k": 8, "hidden_dtype": "float32"}
+    cfg = {"teacher_format": fmt, "top_logprobs": 8, "hidden_dtype": "float32"}
     run_dump(pair["target"], examples, tmp_path / "solo", fp32(batch_size=1, **cfg))
     run_dump(pair["target"], examples[::-1], tmp_path / "batched", fp32(batch_size=4, **cfg))
     solo, batched = rows_by_id(TeacherDataset(tmp_path / "solo")), rows_by_id(TeacherDataset(tmp_path / "batched"))
@@ -424,13 +425,22 @@ def test_dump_answers_the_very_rows_run_trains_on_for_one_training_spec(pair, tm
     assert [ds.tokens(i)["id"] for i in range(len(ds))] == [e.id for e in rows]
 
 
-def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_resumes_and_reads(pair, tmp_path):
-    """Older dumps recorded ``num_examples`` / ``offset`` in their settings (the rows came from them); the prompt
-    selector gives the rows now. Such a dump, killed or finished, resumes and verifies under the same plan."""
+def _as_older(settings: dict) -> dict:
+    """``settings`` as an older specdraft recorded them: the retired fields, and the renamed ones under their old key."""
+    from specdraft.config import RENAMED_DUMP_FIELDS
+
+    old_key = {field: key for key, field in RENAMED_DUMP_FIELDS.items()}
+    return {old_key.get(k, k): v for k, v in settings.items()} | {"num_examples": None, "offset": 0}
+
+
+def test_a_dump_recording_retired_and_renamed_settings_still_verifies_resumes_and_reads(pair, tmp_path):
+    """Older dumps recorded ``num_examples`` / ``offset`` in their settings (the rows came from them; the prompt
+    selector gives them now) and the stored log-probs count as ``top_k``. Such a dump, killed or finished, resumes
+    and verifies under the same plan."""
     from specdraft.config import recorded_settings
 
     examples = [chat(i) for i in range(6)]
-    cfg = fp32(format="topk", top_k=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
+    cfg = fp32(teacher_format="topk", top_logprobs=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
     out = tmp_path / "d"
     run_dump(pair["target"], examples, out, cfg)
     # Leave it as an older specdraft left a run killed after two of its three shards: the retired fields in its
@@ -440,8 +450,9 @@ def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_res
     (out / state["shards"][2]["file"]).unlink()
     (out / "manifest.json").unlink()
     state["status"], state["shards"] = "running", state["shards"][:2]
-    state["identity"]["settings"] |= {"num_examples": None, "offset": 0}
-    state["header"]["config"] |= {"num_examples": None, "offset": 0}
+    state["identity"]["settings"] = _as_older(state["identity"]["settings"])
+    state["header"]["config"] = _as_older(state["header"]["config"])
+    assert state["header"]["config"]["top_k"] == 8
     state["header"]["identity"] = state["identity"]
     state["plan"] = dump_mod.sha256_json(state["identity"])
     path.write_text(json.dumps(state))
@@ -449,6 +460,7 @@ def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_res
     m = run_dump(pair["target"], examples, out, cfg)
     assert (m["this_run"]["shards_skipped"], m["this_run"]["shards_written"]) == (2, 1) and m["sequences"] == 6
     assert m["plan"] == state["plan"] and m["identity"]["settings"]["num_examples"] is None
+    assert m["identity"]["settings"]["top_k"] == 8  # the recorded plan, as written
     again = run_dump(pair["target"], examples, out, cfg)
     assert (again["this_run"]["shards_written"], again["this_run"]["shards_skipped"]) == (0, 3)
     verify_dump(out)
@@ -456,7 +468,7 @@ def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_res
     assert DumpConfig.model_validate(recorded_settings(manifest["config"])) == cfg
     # Other settings still refuse the directory, naming them.
     with pytest.raises(DumpError, match="settings"):
-        run_dump(pair["target"], examples, out, fp32(format="topk", top_k=4, batch_size=2))
+        run_dump(pair["target"], examples, out, fp32(teacher_format="topk", top_logprobs=4, batch_size=2))
 
 
 # ------------------------------------------------------------------------------------------ resume, corruption
@@ -464,7 +476,7 @@ def test_a_dump_recording_the_retired_offset_and_limit_fields_still_verifies_res
 
 def test_resume_after_a_kill_skips_verified_shards(pair, tmp_path):
     examples = [chat(i) for i in range(9)]
-    cfg = fp32(format="topk", top_k=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
+    cfg = fp32(teacher_format="topk", top_logprobs=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
     out = tmp_path / "d"
     calls = []
 
@@ -543,7 +555,7 @@ def test_output_directory_of_another_dump_is_refused_untouched(pair, tmp_path):
     with pytest.raises(DumpError, match="another target.*target_config"):
         run_dump(pair["draft"], [chat(i) for i in range(3)], out, fp32())
     with pytest.raises(DumpError, match="other settings.*format"):
-        run_dump(pair["target"], [chat(i) for i in range(3)], out, fp32(format="topk", top_k=8))
+        run_dump(pair["target"], [chat(i) for i in range(3)], out, fp32(teacher_format="topk", top_logprobs=8))
     with pytest.raises(DumpError, match="other settings or data.*data_fingerprint"):
         run_dump(pair["target"], [chat(i) for i in range(4)], out, fp32())
     assert dir_digest(out) == before
@@ -557,13 +569,13 @@ def test_output_directory_of_another_dump_is_refused_untouched(pair, tmp_path):
 
 def test_same_target_with_other_weights_is_refused_by_the_head_fingerprint(pair, tmp_path):
     out = tmp_path / "d"
-    run_dump(pair["target"], [chat(0)], out, fp32(format="topk", top_k=4))
+    run_dump(pair["target"], [chat(0)], out, fp32(teacher_format="topk", top_logprobs=4))
     before = dir_digest(out)
     twin = tiny_model("llama", WIDTH, seed=5, layers=3)  # same config, other weights
     twin.save_pretrained(tmp_path / "twin")
     pair["tok"].save_pretrained(tmp_path / "twin")
     with pytest.raises(DumpError, match="another target.*head_fingerprint"):
-        run_dump(tmp_path / "twin", [chat(0)], out, fp32(format="topk", top_k=4))
+        run_dump(tmp_path / "twin", [chat(0)], out, fp32(teacher_format="topk", top_logprobs=4))
     assert dir_digest(out) == before
 
 
@@ -648,7 +660,7 @@ def test_bad_input(pair, tmp_path):
         run_dump(pair["target"], [Example("p0", [{"role": "user", "content": "a b"}])], tmp_path / "noanswer",
                  fp32(answer_only=True))
     with pytest.raises(DumpError, match="--top-logprobs 64 must be below the real vocabulary"):
-        run_dump(pair["target"], [chat(0)], tmp_path / "k", fp32(format="topk", top_k=64))
+        run_dump(pair["target"], [chat(0)], tmp_path / "k", fp32(teacher_format="topk", top_logprobs=64))
     with pytest.raises(ValueError, match="--temperature only applies with --generate"):
         DumpConfig(temperature=0.7)
     with pytest.raises(ValueError, match="extra"):
@@ -704,7 +716,7 @@ def test_merge_manifests_lists_every_rank_and_sums_counts():
 
 
 def test_dataset_batches_and_survives_pickling(pair, tmp_path):
-    run_dump(pair["target"], [chat(i) for i in range(5)], tmp_path / "d", fp32(format="topk", top_k=4))
+    run_dump(pair["target"], [chat(i) for i in range(5)], tmp_path / "d", fp32(teacher_format="topk", top_logprobs=4))
     ds = TeacherDataset(tmp_path / "d")
     first = ds[0]
     clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker receives
@@ -724,7 +736,7 @@ def test_prompt_positions_train_every_prediction_past_the_shared_prefix(pair, tm
     mask trains every prediction from there on (the answer's as stored), and nothing else changes."""
     system = {"role": "system", "content": "be brief"}
     examples = [Example(e.id, [system, *e.messages]) for e in (chat(i) for i in range(4))]
-    run_dump(pair["target"], examples, tmp_path / "d", fp32(format="topk", top_k=4, answer_only=True))
+    run_dump(pair["target"], examples, tmp_path / "d", fp32(teacher_format="topk", top_logprobs=4, answer_only=True))
     stored, wide = TeacherDataset(tmp_path / "d"), TeacherDataset(tmp_path / "d", prompt_positions=True)
     n = wide.shared_tokens
     tok = pair["tok"]
@@ -747,7 +759,7 @@ def test_prompt_positions_train_every_prediction_past_the_shared_prefix(pair, tm
     trained = [seqs[0][j + 1].item() for j in range(len(seqs[0]) - 1) if wide[0]["loss_mask"][j]]
     assert tok.convert_ids_to_tokens(trained[:len(words) - 1]) == words[1:]  # the question's own words
     lone = tmp_path / "one"
-    run_dump(pair["target"], examples[:1], lone, fp32(format="topk", top_k=4, answer_only=True))
+    run_dump(pair["target"], examples[:1], lone, fp32(teacher_format="topk", top_logprobs=4, answer_only=True))
     one = TeacherDataset(lone, prompt_positions=True)  # a lone sequence shares all of itself: the mask as stored
     assert one.shared_tokens == len(one[0]["input_ids"]) and torch.equal(one[0]["loss_mask"], TeacherDataset(lone)[0]["loss_mask"])
 
@@ -764,7 +776,8 @@ def test_dump_command(pair, tmp_path):
     data.write_text("\n".join(json.dumps({"messages": chat(i).messages}) for i in range(4)) + "\n")
     out = tmp_path / "d"
     res = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", str(data), "--out", str(out),
-                                   "--format", "topk", "--top-logprobs", "4", "--answer-only", "--batch-size", "3"])
+                                   "--teacher-format", "topk", "--top-logprobs", "4", "--answer-only",
+                                   "--batch-size", "3"])
     assert res.exit_code == 0, res.output
     m = load_manifest(out)
     assert m["sequences"] == 4 and m["top_k"] == 4 and m["config"]["answer_only"] is True
@@ -773,8 +786,14 @@ def test_dump_command(pair, tmp_path):
                                    str(tmp_path / "x"), "--temperature", "0.5"])
     assert bad.exit_code == 2 and "--temperature" in bad.output
     other = CliRunner().invoke(app, ["dump", "--target", pair["draft"], "--prompts", str(data), "--out", str(out),
-                                     "--format", "topk", "--top-logprobs", "4", "--answer-only"])
+                                     "--teacher-format", "topk", "--top-logprobs", "4", "--answer-only"])
     assert other.exit_code == 2 and "another target" in other.output
+    # dump's --format became --teacher-format (export's --format is what export writes): the old spelling is one
+    # error line naming the new flag, before any model loads; --help shows only the new one.
+    retired = CliRunner().invoke(app, ["dump", "--target", pair["target"], "--prompts", str(data), "--out",
+                                       str(tmp_path / "y"), "--format", "topk"])
+    assert retired.exit_code == 2 and "--teacher-format topk" in retired.output and not (tmp_path / "y").exists()
+    assert "--format" not in CliRunner().invoke(app, ["dump", "--help"]).output.replace("--teacher-format", "")
 
 
 # ------------------------------------------------------------------------------------------ real pair
@@ -795,7 +814,7 @@ def test_real_target_dump_matches_a_plain_forward_pass(tmp_path, real_model):
     assert max(sorted(lengths)[:3]) <= 160
     common = {"max_length": 160, "dtype": "bfloat16", "batch_size": 3, "answer_only": True}
     m = run_dump(DEFAULT_TARGET, examples, tmp_path / "h", DumpConfig(**common))
-    mk = run_dump(DEFAULT_TARGET, examples, tmp_path / "k", DumpConfig(format="topk", top_k=16, **common))
+    mk = run_dump(DEFAULT_TARGET, examples, tmp_path / "k", DumpConfig(teacher_format="topk", top_logprobs=16, **common))
     assert m["sequences"] == 3 and m["final_norm_applied"] is True and m["target"]["dtype"] == "bfloat16"
     assert m["target"]["revision"].startswith("gguf-sha256:")
     real, width = m["target"]["real_vocab"], m["target"]["vocab_width"]
@@ -907,7 +926,7 @@ def test_a_target_with_non_finite_logits_is_refused_and_nothing_is_stored(tmp_pa
     m.save_pretrained(d)
     tiny_tokenizer(VOCAB).save_pretrained(d)
     with pytest.raises(DumpError, match=r"target \(LlamaForCausalLM, float32\) gave non-finite logits"):
-        run_dump(str(d), [chat(0), chat(1)], tmp_path / "out", fp32(format=fmt, top_k=8))
+        run_dump(str(d), [chat(0), chat(1)], tmp_path / "out", fp32(teacher_format=fmt, top_logprobs=8))
     assert not list((tmp_path / "out").glob("shard-*"))
 
 
@@ -918,9 +937,9 @@ def test_a_topk_dump_stores_log_probs_as_computed_so_storage_neither_makes_nor_b
     the storage, so a dump begun with float16 log-probs is never resumed into float32 shards."""
     import json
 
-    from specdraft.dump import Teacher
+    from specdraft.teacher import Teacher
 
-    run_dump(pair["target"], [chat(i) for i in range(2)], tmp_path / "d", fp32(format="topk", top_k=8))
+    run_dump(pair["target"], [chat(i) for i in range(2)], tmp_path / "d", fp32(teacher_format="topk", top_logprobs=8))
     item = next(iter(rows_by_id(TeacherDataset(tmp_path / "d")).values()))
     teacher = Teacher(pair["model"], VOCAB)
     ids = item["input_ids"][None]
@@ -985,3 +1004,24 @@ def test_a_generate_dump_that_kept_no_sequence_is_not_marked_complete(pair, tmp_
                                             r"at --max-length 20 .* holds nothing to train on"):
             run_dump(pair["target"], prompts, tmp_path / "empty", cfg)
         assert load_manifest(tmp_path / "empty")["status"] == "empty"
+
+
+def test_settings_written_under_the_older_keys_top_k_and_format_still_read(tmp_path):
+    """A manifest, stage.json or config JSON written before the renames holds the stored log-probs count as top_k and
+    the stored form as format: they read as top_logprobs and teacher_format; giving both names at once is refused."""
+    from specdraft.config import AsGivenTeacherConfig, PipelineConfig, SelfTeacherConfig, recorded_settings
+
+    assert DumpConfig.model_validate({"format": "topk", "top_k": 12}) == DumpConfig(teacher_format="topk",
+                                                                                     top_logprobs=12)
+    assert SelfTeacherConfig.model_validate({"top_k": 3}).top_logprobs == 3
+    assert AsGivenTeacherConfig.model_validate_json('{"top_k": 7, "carry": "twins"}').top_logprobs == 7
+    assert recorded_settings({"top_k": 5, "offset": 0, "generate": 4}) == {"top_logprobs": 5, "generate": 4}
+    with pytest.raises(ValueError, match="top_k is the older key of top_logprobs"):
+        DumpConfig(top_k=4, top_logprobs=8)
+    from specdraft.pipeline import make_config
+
+    written = make_config("tiny").model_dump(mode="json")
+    written["dump"] = {k: v for k, v in written["dump"].items() if k not in ("top_logprobs", "teacher_format")}
+    written["dump"] |= {"top_k": 9, "format": "topk"}
+    read = PipelineConfig.model_validate_json(json.dumps(written)).dump
+    assert (read.top_logprobs, read.teacher_format) == (9, "topk")

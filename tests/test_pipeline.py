@@ -368,7 +368,7 @@ def test_every_preset_validates_and_exports_the_evaluated_gamma():
 
 def test_topk_dump_estimate_uses_the_dumps_own_top_k():
     cfg = make_config("same-family")
-    topk = cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"format": "topk", "top_k": 64})})
+    topk = cfg.model_copy(update={"dump": cfg.dump.model_copy(update={"teacher_format": "topk", "top_logprobs": 64})})
     # 64 log-probs (float32, as computed) + 64 ids (int32) + leftover mass, + id and mask: not the serving top_k (0)
     assert estimate_dump_bytes(topk, 10, 100, 1536) == 10 * (100 + 48) * (64 * 8 + 4 + 5)
     assert estimate_dump_bytes(cfg, 10, 100, 1536) == 10 * (100 + 48) * (1536 * 2 + 5)

@@ -151,7 +151,7 @@ def test_a_stride_of_zero_is_refused_not_dropped():
 
 def test_dump_shows_and_takes_no_stride(tmp_path, no_models):
     r = CliRunner().invoke(app, ["dump", "--help"], env={"COLUMNS": "80"}, terminal_width=80)
-    help_text = " ".join(r.output.split("--prompts", 1)[1].split("--format", 1)[0].split())
+    help_text = " ".join(r.output.split("--prompts", 1)[1].split("--teacher-format", 1)[0].split())
     assert SPEC_GRAMMAR_NO_STRIDE in help_text and "stride]" not in help_text, help_text
     tdir, _ = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["dump", "--target", tdir, "--prompts", "humaneval:0:8:2", "--out",

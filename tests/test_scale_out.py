@@ -30,7 +30,7 @@ from specdraft.testing import save_tiny_pair
 
 # Sampled answers (temperature 1) and an odd count with batch 2: a split that ignored batch boundaries would
 # give rank 1 other batches, other sampling seeds and so other examples.
-DUMP = DumpConfig(format="hidden", hidden_dtype="float32", dtype="float32", batch_size=2, generate=6,
+DUMP = DumpConfig(teacher_format="hidden", hidden_dtype="float32", dtype="float32", batch_size=2, generate=6,
                   temperature=1.0)
 
 
@@ -70,7 +70,7 @@ def test_two_rank_dump_holds_the_examples_of_one_rank(pair_and_dump):
     root, tdir, _, data = pair_and_dump
     _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
              str(_free_port()), "-m", "specdraft.cli", "dump", "--out", str(root / "dump2"), "--target", tdir,
-             "--prompts", f"{data}:0:11", "--format", "hidden", "--hidden-dtype", "float32", "--dtype", "float32",
+             "--prompts", f"{data}:0:11", "--teacher-format", "hidden", "--hidden-dtype", "float32", "--dtype", "float32",
              "--batch-size", "2", "--generate", "6", "--temperature", "1.0"],
             "the 2-rank dump (torchrun)")
     one, two = TeacherDataset(root / "dump1", verify=True), TeacherDataset(root / "dump2", verify=True)

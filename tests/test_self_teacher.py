@@ -218,7 +218,7 @@ def test_token_level_positions_are_exactly_where_a_twin_starts_at_a_boundary_of_
 
 def test_token_level_signal_is_the_drafts_own_distribution_mapped_to_twins_at_aligned_positions_only(pair, tmp_path):
     examples = _examples()
-    cfg = SelfTeacherConfig(generate=10, dtype="float32", batch_size=3, top_k=4, token_level=True)
+    cfg = SelfTeacherConfig(generate=10, dtype="float32", batch_size=3, top_logprobs=4, token_level=True)
     m = run_self_teacher(pair["draft"], pair["target"], examples, tmp_path / "st", cfg)
     mapping = build_vocab_mapping(pair["target"], pair["draft"])
     twins = (mapping.target_to_draft >= 0).tolist()
@@ -367,7 +367,7 @@ def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level
     assert len(data_ids) <= res.metrics.head_support <= len(data_ids) + 8
     assert res.metrics.head_support < ds.manifest["target"]["vocab_width"]
     run_self_teacher(pair["draft"], pair["target"], _examples(), soft,
-                     SelfTeacherConfig(generate=10, dtype="float32", top_k=4, token_level=True))
+                     SelfTeacherConfig(generate=10, dtype="float32", top_logprobs=4, token_level=True))
     with pytest.raises(DistillError, match="no leftover mass"):
         _distil(pair, swapped, soft, tmp_path / "out-soft", head_support=8)
 
@@ -375,9 +375,9 @@ def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level
 def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swapped, tmp_path):
     from specdraft.dump import run_dump
 
-    cfg = SelfTeacherConfig(generate=10, dtype="float32", top_k=4, token_level=True)
+    cfg = SelfTeacherConfig(generate=10, dtype="float32", top_logprobs=4, token_level=True)
     run_self_teacher(pair["draft"], pair["target"], _examples(), tmp_path / "st", cfg)
-    run_dump(pair["target"], _examples(), tmp_path / "target", DumpConfig(format="topk", top_k=4, generate=6,
+    run_dump(pair["target"], _examples(), tmp_path / "target", DumpConfig(teacher_format="topk", top_logprobs=4, generate=6,
                                                                           answer_only=True, dtype="float32"))
     assert answers_written_by(load_manifest(tmp_path / "target")) == "the target"
     mix = TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "target")])
@@ -385,9 +385,9 @@ def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swappe
     res = _distil(pair, swapped, [tmp_path / "st", tmp_path / "target"], tmp_path / "out")
     losses = [h["loss"] for h in res.training["history"] if "loss" in h]
     assert losses[-1] < losses[0] and res.training["dump"]["sequences_per_dump"] == [len(PROMPTS)] * 2
-    run_dump(pair["target"], _examples(), tmp_path / "k8", DumpConfig(format="topk", top_k=8, generate=6,
+    run_dump(pair["target"], _examples(), tmp_path / "k8", DumpConfig(teacher_format="topk", top_logprobs=8, generate=6,
                                                                       answer_only=True, dtype="float32"))
-    with pytest.raises(DumpError, match="top_k differ"):
+    with pytest.raises(DumpError, match="top_logprobs differ"):
         TeacherMix([TeacherDataset(tmp_path / "st"), TeacherDataset(tmp_path / "k8")])
 
 
@@ -407,7 +407,7 @@ def test_dump_self_teacher_writes_the_drafts_dump_and_refuses_the_flags_that_do_
     # An answer whose first byte is no UTF-8 keeps no text: it is dropped and counted.
     assert m["sequences"] + m["dropped"] == 3 and "trained positions: draft distribution / hard label" in r.output
     assert "answers cut before ill-formed UTF-8" in r.output
-    for extra, says in ((["--format", "hidden"], "--format do(es) not apply with --self-teacher"),
+    for extra, says in ((["--teacher-format", "hidden"], "--teacher-format do(es) not apply with --self-teacher"),
                         (["--seed", "3"], "--seed do(es) not apply")):
         r = CliRunner().invoke(app, [*base, *extra, "--out", str(tmp_path / "x")], env={"COLUMNS": "400"})
         assert r.exit_code == 2 and says in r.output, r.output

@@ -56,10 +56,10 @@ def test_every_component_ends_a_row_at_the_same_token_of_the_one_stop_set(free, 
     on-policy answers all stop at the first id of stop_ids(target, tokenizer): the union of the tokenizer's EOS and
     the generation config's EOS list, whichever comes first in the answer, never the draft's own EOS config."""
     from specdraft.distill_data import DraftWriter
-    from specdraft.dump import Teacher
     from specdraft.evaluate import acceptance_eval, run_eval
     from specdraft.pair import Generation, Pair
     from specdraft.responses import generate_from_ids
+    from specdraft.teacher import Teacher
 
     target, draft, tok, expected = _pair(free, tokenizer_first)
     assert set(stop_ids(target, tok)) >= {expected[-1]}
@@ -86,7 +86,7 @@ def test_every_component_ends_a_row_at_the_same_token_of_the_one_stop_set(free, 
     keys = ("proposed", "reached", "accepted", "accepted_hist")
     assert [past.counts[k] for k in keys] == [cut.counts[k] for k in keys] == [decoded.counts[k] for k in keys]
 
-    writer = DraftWriter(Teacher(target, V), tok, DumpConfig(format="hidden", hidden_dtype="float32",
+    writer = DraftWriter(Teacher(target, V), tok, DumpConfig(teacher_format="hidden", hidden_dtype="float32",
                                                              answer_only=True, generate=N, max_length=64),
                          SamplingConfig(), N)
     item = writer(draft, [("p", list(PROMPT))], seed=0)[0]
@@ -102,11 +102,11 @@ def test_every_public_entry_that_takes_a_budget_refuses_one_below_one_token_nami
     with an error naming the argument and the value: the loop would otherwise still emit one token."""
     from specdraft.assisted import hf_generation_config
     from specdraft.distill_data import DistillError, DraftWriter
-    from specdraft.dump import Teacher
     from specdraft.dump_reader import DumpError
     from specdraft.evaluate import acceptance_eval, interleaved_speed, run_eval
     from specdraft.replay import replay_answer
     from specdraft.responses import generate_from_ids
+    from specdraft.teacher import Teacher
 
     target, tok = tiny_model("llama", V, seed=0), tiny_tokenizer(V)
     ids = torch.tensor([PROMPT])

@@ -58,7 +58,7 @@ def self_teacher_stage(cfg, plan, examples, args, command):
     from specdraft.config import SelfTeacherConfig
     from specdraft.self_teacher import run_self_teacher
 
-    st_cfg = SelfTeacherConfig(generate=args.generate, top_k=args.top_k, token_level=args.token_level,
+    st_cfg = SelfTeacherConfig(generate=args.generate, top_logprobs=args.top_k, token_level=args.token_level,
                                max_length=args.max_length, batch_size=args.batch_size, dtype="bfloat16")
 
     def run(d: Path) -> dict:

@@ -1,27 +1,12 @@
 """The target teaches the draft as given: a teacher dump in the draft's own token ids, for a draft of another tokenizer.
 
-p = the target, q = the draft as given (its own tokenizer and head, drafting through text at serving). Per prompt:
-
-* **the sequence** is written by the draft as given (``answers="draft"``: on-policy, greedy, in the very context the
-  text drafter reads at serving — the target's rendered prompt decoded and re-encoded by the draft's tokenizer,
-  :meth:`specdraft.vocab.VocabMapping.reencode_batch_for_draft`) or by the target (``answers="target"``, greedy).
-  The answer's text, encoded in the target's tokenizer after the target's prompt (:func:`specdraft.data.encode_answer`)
-  and followed by the target's end-of-turn ids when the writer stopped, is the *target sequence*; its text re-encoded
-  as the text drafter re-encodes it is the *draft sequence* the dump stores: training reads what serving reads.
-* **the target scores** the target sequence teacher-forced (one batched forward; top-k log-probs per position).
-* **the label is carried** (:func:`carry_topk`) at every trained draft position whose context ends at a character
-  where a target token boundary falls too (:func:`aligned_pairs`): the target's mass on next tokens whose text is one
-  draft token (a twin, :class:`specdraft.vocab.VocabMapping`) becomes the label in draft ids; the rest is the stored
-  leftover, never renormalised away. With ``carry="first_piece"`` a twin-less target token's mass goes to the first
-  draft token of its text instead (the token the draft must write first to spell it).
-* **elsewhere** (boundaries that disagree): the draft's next token as a hard label (``unaligned="hard"``) or nothing
-  (``"skip"``: the position is not trained).
-
-The dump is :mod:`specdraft.dump`'s top-k format (same shards, manifest, resume and refusals) with
-``tokenizer_fingerprint`` the *draft's*, so :func:`specdraft.distill.run_distill` trains the draft as given on it;
-``target.real_vocab`` / ``target.vocab_width`` there are the stored ids' range (the draft's vocabulary,
-``ids: "draft"``). Sources: DistillSpec (Zhou et al., 2024: on-policy draft data, the target's distribution, TVD);
-the twin rule is :mod:`specdraft.self_teacher`'s token level, run the other way.
+p = the target, q = the draft as given (its own tokenizer and head, drafting through text at serving). Per prompt the
+draft (``answers="draft"``, on-policy) or the target writes a greedy answer; the target scores it teacher-forced, and
+its top-k is carried onto draft ids (:func:`carry_topk`) where a draft position's context ends at a target token
+boundary (:func:`aligned_pairs`); elsewhere a hard label or nothing (``unaligned``). The dump is
+:mod:`specdraft.dump`'s top-k format with the *draft's* tokenizer fingerprint, so
+:func:`specdraft.distill.run_distill` trains the draft as given on it. Source: DistillSpec (Zhou et al., 2024).
+Details: docs/architecture.md, "Notes by module", ``specdraft.as_given_teacher``.
 """
 
 from __future__ import annotations
@@ -36,19 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from specdraft.config import AsGivenTeacherConfig
 from specdraft.data import end_of_turn_ids
-from specdraft.dump import (
-    LOSS_MASK_CONVENTION,
-    TOPK_STORAGE,
-    ProgressFn,
-    Teacher,
-    TeacherBatch,
-    data_record,
-    write_dump,
-)
+from specdraft.dump import LOSS_MASK_CONVENTION, ProgressFn, TeacherBatch, data_record, write_dump
 from specdraft.dump_reader import FORMAT_VERSION, DumpError
 from specdraft.io import sha256_json
 from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.self_teacher import decode_text, hard_labels, text_boundaries, well_formed_prefix
+from specdraft.teacher import TOPK_STORAGE, Teacher
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -281,7 +259,7 @@ class TargetForDraftTeacher:
             h = self.scorer.hidden(ids.to(self.scorer.device), attn.to(self.scorer.device))  # [B, S, H]
             for r, (n, job) in enumerate(zip(todo[b:b + self.config.score_batch_size], part, strict=True)):
                 a = max(job[2] - 1, 0)
-                lp, tid, left = self.scorer.topk(h[r, a:len(job[1])], self.config.top_k)
+                lp, tid, left = self.scorer.topk(h[r, a:len(job[1])], self.config.top_logprobs)
                 scores[n] = (lp.cpu(), tid.cpu().int(), left.cpu())
                 if files[n] is not None:
                     with atomic_path(files[n]) as tmp:
@@ -296,11 +274,11 @@ class TargetForDraftTeacher:
     def _score_file(self, ids: Sequence[int]) -> Path | None:
         if self.cache is None:
             return None
-        key = sha256_json([list(map(int, ids)), self.config.top_k, self.config.dtype])
+        key = sha256_json([list(map(int, ids)), self.config.top_logprobs, self.config.dtype])
         return self.cache / "scores" / f"{key[:32]}.pt"
 
     def _carry(self, job, lp, tid, left):
-        """The draft sequence and its signal for one scored target sequence (module docstring)."""
+        """The draft sequence and its signal for one scored target sequence."""
         import torch
 
         from specdraft.data import TokenSequence
@@ -334,7 +312,7 @@ class TargetForDraftTeacher:
             draft_ids = draft_ids[: self.config.max_length]
             trained = [i for i in trained if i < len(draft_ids) - 1]
             aligned = {i: j for i, j in aligned.items() if i < len(draft_ids) - 1}
-        signal = hard_labels(draft_ids, self.config.top_k, self.d_real)
+        signal = hard_labels(draft_ids, self.config.top_logprobs, self.d_real)
         if self.config.carry == "none":
             aligned = {}
         mask = [False] * len(draft_ids)
@@ -344,7 +322,7 @@ class TargetForDraftTeacher:
             at_d = torch.tensor(sorted(aligned))
             at_t = torch.tensor([aligned[i] for i in sorted(aligned)]) - max(p_len - 1, 0)
             c_lp, c_ids, c_left = carry_topk(lp[at_t], tid[at_t].long(), left[at_t], self.carry_to,
-                                             self.config.top_k)
+                                             self.config.top_logprobs)
             signal["topk_logprobs"][at_d] = c_lp
             signal["topk_ids"][at_d] = c_ids.to(torch.int32)
             signal["leftover_logmass"][at_d] = c_left
@@ -362,15 +340,12 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
                          data: str | os.PathLike | Sequence[str] | PromptSet | list[Example], out: str | os.PathLike,
                          config: AsGivenTeacherConfig | None = None, progress: ProgressFn | None = None,
                          command: str | None = None, cache: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Write the target's teacher dump for the draft as given (module docstring); resumes a killed run.
+    """Write the target's teacher dump for the draft as given; resumes a killed run.
 
     Args:
         target_ref / draft_ref: references (embedded name, local directory, cached hub id); the draft must be of
             another tokenizer than the target (a draft of the target's own tokenizer takes :func:`specdraft.dump.run_dump`).
-        data: the prompts (:func:`specdraft.prompts.teacher_prompts`): one spec or several, read as ``dump
-            --prompts`` reads them (a repeated prompt dropped before the limit counts: the answers are greedy, as
-            ``run --train-prompts`` drops it), a :class:`~specdraft.prompts.PromptSet`, or a list of
-            :class:`specdraft.data.Example` taken as given.
+        data: the prompts, as :func:`specdraft.dump.run_dump` takes them (a repeated one dropped: answers are greedy).
         out: the dump directory (new, empty, or a dump of this very plan).
         config: settings (default :class:`~specdraft.config.AsGivenTeacherConfig`).
         progress: ``progress(done_items, total_items, tokens_this_run)`` after each batch.
@@ -381,7 +356,7 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         The manifest plus ``this_run`` and ``signal`` (answers, ended, trained and aligned positions, carried mass).
 
     Raises:
-        DumpError: no prompts, a pair of one tokenizer, ``top_k`` at or past the draft's vocabulary, a directory
+        DumpError: no prompts, a pair of one tokenizer, ``top_logprobs`` at or past the draft's vocabulary, a directory
             holding something else (nothing touched).
         specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
             (:func:`specdraft.prompts.select_prompts`).
@@ -413,8 +388,8 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         raise DumpError(f"{draft_ref} has the target's tokenizer: dump the target's signal directly "
                         f"(specdraft dump --target {target_ref}).")
     d_real = int(tokenizer_view(dtok).real)
-    if config.top_k >= d_real:
-        raise DumpError(f"--top-logprobs {config.top_k} must be below the draft's real vocabulary ({d_real})")
+    if config.top_logprobs >= d_real:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the draft's real vocabulary ({d_real})")
     dcfg = AutoConfig.from_pretrained(d_path).get_text_config(decoder=True)
     width = int(getattr(dcfg, "vocab_size", None) or d_real)
     tcfg = AutoConfig.from_pretrained(t_path)
@@ -430,11 +405,11 @@ def run_as_given_teacher(target_ref: str | os.PathLike, draft_ref: str | os.Path
         "target": {"ref": str(target_ref), "resolved": t_path, "revision": model_revision(t_path), **t_facts,
                    "dtype": config.dtype, "ids": "draft", "vocab_width": width, "real_vocab": min(d_real, width)},
         "teacher": teacher, "tokenizer_fingerprint": d_fp, "head_fingerprint": None,
-        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_k,
+        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_logprobs,
         "final_norm_applied": None, "final_norm": None, "logit_transform": [],
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": "uniform over the draft's real-vocabulary ids outside the top-k (teacher_probs_from_topk)",
-        "signal": (f"the target's top-{config.top_k} carried onto draft ids ({config.carry}) where boundaries meet; "
+        "signal": (f"the target's top-{config.top_logprobs} carried onto draft ids ({config.carry}) where boundaries meet; "
                    + ("hard labels elsewhere" if config.unaligned == "hard" else "nothing trained elsewhere")
                    + f"; answers written by the {config.answers}"),
         **data_record(chosen), "config": config.model_dump(),

@@ -1,29 +1,11 @@
 """One home for every stage's settings: pydantic models, validated at construction, ``extra="forbid"``.
 
-Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix; two fields
-take another flag because their name means something else elsewhere: :class:`DumpConfig`'s ``top_k`` is
-``--top-logprobs`` (``--top-k`` is decoding's sampling filter) and :class:`DistillConfig`'s serving filter is
-``--serving-temperature`` / ``--serving-top-k`` / ``--serving-top-p``. A field's description is its flag's help,
-word for word, in every command that takes the flag, but for the flags several commands share whose meaning or
-default is the command's own (``--dtype``, ``--seed``, ``--max-new-tokens`` …): each command's help reads a shared
-lead and that command's sentence from a ``*_BY_COMMAND`` table here, and the field's description is the lead and every
-command's sentence (:data:`HELP_BY_COMMAND`). Every list of choices is a ``Literal`` here; the CLI derives its choices
-from these types (one source of truth).
-
-=================  ==============================================  ============================================
-config             stage                                           used by
-=================  ==============================================  ============================================
-SamplingConfig     how a token is chosen (greedy / filtered)       decode, evaluate, dump, distill (its filter)
-EvalConfig         target alone vs speculative decoding            :func:`specdraft.evaluate.run_eval`
-DumpConfig         the target's teacher signal on disk             :func:`specdraft.dump.run_dump`
-SelfTeacherConfig  the draft as given teaching its re-indexed copy :func:`specdraft.self_teacher.run_self_teacher`
-DistillConfig      training the draft against the dump             :func:`specdraft.distill.run_distill`
-ExportConfig       the draft as a speculator (vLLM) or GGUF file   :func:`specdraft.export.export_draft`
-HeadroomConfig     what distillation could add, before training    :func:`specdraft.headroom.run_headroom`
-PipelineConfig     all of the above, plus the prompt sources       :func:`specdraft.pipeline.run_pipeline`
-=================  ==============================================  ============================================
-
-No torch import here: reading a config (``--help``, validation) stays instant.
+Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation error names the flag to fix, and a name
+means one thing in every config (a teacher dump's ``top_logprobs`` is not decoding's ``top_k``);
+:class:`DistillConfig`'s serving filter takes ``--serving-*`` flags. A field's description is its flag's help; a flag
+whose default is each command's own reads a shared lead and that command's sentence (:data:`HELP_BY_COMMAND`). Every
+list of choices is a ``Literal`` here, the CLI's one source. Which config serves which stage: docs/architecture.md,
+``specdraft.config``. No torch import: ``--help`` and validation stay instant.
 """
 
 from __future__ import annotations
@@ -37,9 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 NUM_SPECULATIVE_TOKENS = 5
 #: The largest γ accepted anywhere (the bound of :data:`SpeculativeTokens`; the CLI's help states it).
 MAX_SPECULATIVE_TOKENS = 64
-#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts; each row drafts the k ≤ γ its running
-#: acceptance predicts fastest. 8 is what the speed model recommended for the embedded pair's int4 + trimmed-head
-#: draft on 16 HumanEval prompts (c ≈ 0.11, α ≈ 0.94; docs/benchmarks.md).
+#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts (why 8: docs/architecture.md,
+#: ``specdraft.config``).
 ADAPTIVE_MAX_SPECULATIVE_TOKENS = 8
 
 #: γ as a validated field: shared by the speculator schema, the export and the evaluation.
@@ -71,10 +52,7 @@ Overwrite = Annotated[bool, Field(description="Replace what --out holds instead 
 #: What ``auto`` means, said the same way by every dtype that offers it (specdraft.models.resolve_dtype).
 AUTO_DTYPE = "auto, if chosen, means float32 on CPU and bfloat16 on CUDA"
 
-# One wording per flag that several configs (and commands) hold: each of these is the description of every field of
-# that name. Where what the flag does or its default is the command's own, a ``*_BY_COMMAND`` table holds each
-# command's sentence: a command's help is the lead and its own sentence (specdraft.cli.options), never another
-# command's; the field's description, for the library, is the lead and every sentence.
+# One wording per flag several configs hold; a ``*_BY_COMMAND`` table holds each command's own sentence.
 
 
 def joined_help(lead: str, by_command: dict[str, str], tail: str = "") -> str:
@@ -153,14 +131,6 @@ GENERATE_BY_COMMAND = {
 }
 GENERATE_TAIL = "Default: the examples' own replies, teacher-forced."
 GENERATE_HELP = joined_help(GENERATE_LEAD, GENERATE_BY_COMMAND, GENERATE_TAIL)
-#: ``--format``: the form of what the command writes.
-FORMAT_BY_COMMAND = {
-    "dump": "hidden (default; the final hidden states after the final norm, exact) or topk (the top-k log-probs and "
-            "the leftover mass)",
-    "export": "speculator (default; a directory vLLM serves) or gguf (one GGUF file llama.cpp loads with -md beside "
-              "the target's GGUF, written by llama.cpp's own converter; the pair is checked as llama.cpp checks it)",
-}
-FORMAT_HELP = "The form of what the command writes. " + " ".join(f"{c}: {w}." for c, w in FORMAT_BY_COMMAND.items())
 #: The fields whose flag is worded per command, ``{field: (lead, {command: sentence}, tail)}``: a command's help is
 #: :func:`command_help` of its entry (``specdraft.cli.options.config_option``'s ``command``).
 HELP_BY_COMMAND = {
@@ -285,16 +255,47 @@ class EvalConfig(BaseModel):
         return self
 
 
-class DumpConfig(BaseModel):
-    """Settings of ``specdraft dump``; field names equal the CLI flags but ``top_k`` (``--top-logprobs``: the name
-    stays, as the key every dump's manifest records)."""
+#: Fields a teacher dump's settings no longer have, as older manifests record them: the rows came from the dump's own
+#: ``offset`` / ``num_examples``; the prompt selector (:mod:`specdraft.prompts`) gives them now. Ignored when read.
+RETIRED_DUMP_FIELDS = ("num_examples", "offset")
+#: A teacher dump's fields under their older keys, ``{key on disk: field}``, as manifests, stage.json and config JSON
+#: written before the rename hold them (``top_k`` is decoding's filter, ``format`` what export writes). A manifest's
+#: header keeps ``format`` and ``top_k`` as its keys.
+RENAMED_DUMP_FIELDS = {"top_k": "top_logprobs", "format": "teacher_format"}
+
+
+def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A teacher dump's recorded settings (a manifest's ``config`` or ``identity.settings``) under today's field
+    names (:data:`RENAMED_DUMP_FIELDS`) and without the :data:`RETIRED_DUMP_FIELDS`, so that an older dump reads,
+    verifies and resumes."""
+    return {RENAMED_DUMP_FIELDS.get(k, k): v for k, v in settings.items() if k not in RETIRED_DUMP_FIELDS}
+
+
+class _TeacherSettings(BaseModel):
+    """A teacher dump's settings: frozen, ``extra="forbid"``, and read from a file under older keys too."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: DumpFormat = Field("hidden", description=FORMAT_HELP)
-    top_k: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest (--format "
-                       "topk), with the leftover mass of the rest.")
-    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (--format hidden).")
+    @model_validator(mode="before")
+    @classmethod
+    def _older_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if both := [k for k, f in RENAMED_DUMP_FIELDS.items() if k in data and f in data]:
+            raise ValueError(f"{both[0]} is the older key of {RENAMED_DUMP_FIELDS[both[0]]}: give one")
+        return {RENAMED_DUMP_FIELDS.get(k, k): v for k, v in data.items()}
+
+
+class DumpConfig(_TeacherSettings):
+    """Settings of ``specdraft dump``; field names equal the CLI flags."""
+
+    teacher_format: DumpFormat = Field(
+        "hidden", description="What the dump stores of the target's distribution: hidden (default; the final hidden "
+        "states after the final norm, exact) or topk (the top-k log-probs and the leftover mass).")
+    top_logprobs: int = Field(64, ge=1, description="Log-probs of the target stored per position, the largest "
+                              "(--teacher-format topk), with the leftover mass of the rest.")
+    hidden_dtype: HiddenDtype = Field("bfloat16", description="Storage dtype of hidden states (--teacher-format "
+                                      "hidden).")
     max_length: int = Field(2048, ge=2, description=MAX_LENGTH_HELP)
     truncate: bool = Field(True, description="Cut sequences longer than --max-length and count them, or refuse "
                            "them.")
@@ -325,23 +326,21 @@ class DumpConfig(BaseModel):
     def bytes_per_token(self, hidden_size: int) -> int:
         """Upper bound of the bytes one dumped position takes: hidden states, or top-k log-probs (float32) + ids
         (int32) + leftover mass, plus token id and loss mask."""
-        if self.format == "hidden":
+        if self.teacher_format == "hidden":
             per = hidden_size * (4 if self.hidden_dtype == "float32" else 2)
         else:
-            per = self.top_k * 8 + 4
+            per = self.top_logprobs * 8 + 4
         return per + 5
 
 
-class SelfTeacherConfig(BaseModel):
+class SelfTeacherConfig(_TeacherSettings):
     """Settings of a self-teacher dump (``specdraft dump --self-teacher DRAFT``): the draft as given answers the prompts
     in its own tokenizer and its answers, re-encoded in the target's, are the teacher signal of its re-indexed copy
-    (:mod:`specdraft.self_teacher`). Field names equal the dump's flags (``top_k`` ↔ ``--top-logprobs``)."""
+    (:mod:`specdraft.self_teacher`). Field names equal the dump's flags."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored, no head reads it.")
-    top_k: int = Field(1, ge=1, description="Slots per position (--top-logprobs): 1 holds a hard label; give a target "
-                       "dump's k to mix the two in one distillation (TeacherMix needs one k).")
+    teacher_format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored, no head reads it.")
+    top_logprobs: int = Field(1, ge=1, description="Slots per position: 1 holds a hard label; give a target dump's k "
+                              "to mix the two in one distillation (TeacherMix needs one k).")
     generate: int = Field(256, ge=1, description="Tokens the draft as given writes per answer, at most (greedy, in its "
                           "own tokenizer; its stop ids end an answer earlier).")
     token_level: bool = Field(False, description="Store the draft's own next-token distribution, mapped through its "
@@ -362,16 +361,14 @@ class SelfTeacherConfig(BaseModel):
         return self.model_dump(exclude={"batch_size", "shard_size_mb"})
 
 
-class AsGivenTeacherConfig(BaseModel):
+class AsGivenTeacherConfig(_TeacherSettings):
     """Settings of the target's dump for a draft as given (``specdraft dump --for-draft DRAFT``): sequences written
     by the draft (on-policy) or the target, scored by the target, its top-k carried onto the draft's own ids where
     the two tokenizations meet (:mod:`specdraft.as_given_teacher`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored in draft ids.")
-    top_k: int = Field(20, ge=1, description="Slots per position (--top-logprobs), in the target's ids when scored "
-                       "and the draft's when stored.")
+    teacher_format: Literal["topk"] = Field("topk", description="Always topk: the signal is stored in draft ids.")
+    top_logprobs: int = Field(20, ge=1, description="Slots per position, in the target's ids when scored and the "
+                              "draft's when stored.")
     answers: Literal["draft", "target"] = Field("draft", description="Who writes the answers the target scores: the "
                                                 "draft as given (on-policy, cheap) or the target (greedy, costly).")
     carry: Literal["twins", "first_piece", "none"] = Field(
@@ -396,15 +393,6 @@ class AsGivenTeacherConfig(BaseModel):
         return self.model_dump(exclude={"batch_size", "score_batch_size", "shard_size_mb"})
 
 
-#: Fields a teacher dump's settings no longer have, as older manifests record them: the rows came from the dump's own
-#: ``offset`` / ``num_examples``; the prompt selector (:mod:`specdraft.prompts`) gives them now. Ignored when read.
-RETIRED_DUMP_FIELDS = ("num_examples", "offset")
-
-
-def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """A teacher dump's recorded settings (a manifest's ``config`` or ``identity.settings``) without the
-    :data:`RETIRED_DUMP_FIELDS`, so that a dump written before they went reads, verifies and resumes."""
-    return {k: v for k, v in settings.items() if k not in RETIRED_DUMP_FIELDS}
 
 
 #: The serving filter's help, one sentence per ``--serving-*`` flag: what :class:`DistillConfig`'s ``serving``
@@ -551,7 +539,7 @@ class DistillConfig(BaseModel):
                 f"cannot be computed: {why}. "
                 f"Serve with --serving-top-k between 1 and {stored_k} (temperature and top-p then read stored ids "
                 f"only; below {stored_k} the dump shows where the cut's ties end), or at --serving-temperature 1 "
-                "with no filter, or dump the teacher with --format hidden (full logits).")
+                "with no filter, or dump the teacher with --teacher-format hidden (full logits).")
 
 
 class ExportConfig(BaseModel):
@@ -566,7 +554,10 @@ class ExportConfig(BaseModel):
     num_speculative_tokens: SpeculativeTokens = NUM_SPECULATIVE_TOKENS
     overwrite: Overwrite = False
     dtype: ExportDtype = Field(default="keep", description=DTYPE_HELP)
-    format: ExportFormat = Field(default="speculator", description=FORMAT_HELP)
+    format: ExportFormat = Field(
+        default="speculator", description="What export writes: speculator (default; a directory vLLM serves) or gguf "
+        "(one GGUF file llama.cpp loads with -md beside the target's GGUF, written by llama.cpp's own converter; the "
+        "pair is checked as llama.cpp checks it).")
     gguf_type: GgufType = Field(
         default="f16", description="Tensor type of the GGUF (--format gguf only; default f16, llama.cpp's "
         "usual): f16, bf16, f32 or q8_0 from llama.cpp's converter; q4_k_m also needs llama.cpp's llama-quantize "
@@ -660,7 +651,7 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
-        if self.dump.format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_k)):
+        if self.dump.teacher_format == "topk" and (problem := self.distill.sparse_teacher_problem(self.dump.top_logprobs)):
             raise ValueError(problem)  # before the dump is made, not once distillation reads it
         if self.self_teacher is not None and not self.vocab_swap:
             raise ValueError(f"--no-vocab-swap: preset {self.preset}'s teacher is the draft itself (the self-teacher), "

@@ -174,8 +174,8 @@ class DraftWriter:
 
     def __call__(self, draft, prompts: list[tuple[str, list[int]]], seed: int) -> list[dict[str, Any]]:
         from specdraft.data import sequences_from_responses
-        from specdraft.dump import teacher_items
         from specdraft.responses import generate_from_ids
+        from specdraft.teacher import teacher_items
 
         if not prompts:
             return []
@@ -290,9 +290,9 @@ def load_draft_writer(target_ref: str, manifest: dict[str, Any], tokenizer, conf
             an older specdraft: dump again); a target whose weights or head differ from the dump's.
     """
     from specdraft.config import DumpConfig, recorded_settings
-    from specdraft.dump import Teacher
     from specdraft.dump_reader import head_fingerprint
     from specdraft.models import load_model, model_fingerprint
+    from specdraft.teacher import Teacher
 
     dump_cfg = DumpConfig.model_validate(recorded_settings(manifest["config"]))  # an older dump's too
     if not dump_cfg.answer_only:

@@ -1,89 +1,15 @@
-"""Teacher dump: the target's distribution p at every position of many sequences, computed once and stored
-in shards, so that many drafts (q) can be distilled from it later, on other machines.
+"""Teacher dump writer: the target's distribution p over many sequences, computed once and stored in shards.
 
-Notation: p = target (teacher) distribution, q = draft (student) distribution.
+Many drafts (q) are distilled from one dump later, on other machines. :func:`run_dump` picks the sequences (the
+prompts' own replies, or the target's answers with ``generate``), runs :class:`specdraft.teacher.Teacher` over them in
+batches and writes shards plus a manifest; :func:`write_dump` is the same writer for another teacher
+(:mod:`specdraft.self_teacher`, :mod:`specdraft.as_given_teacher`). Row position j holds p(· | ids[0..j]) and
+``loss_mask[j]`` says whether it is trained. A killed run resumes (shards verified by sha256), a directory of another
+plan is refused naming what differs, and under ``accelerate launch`` / ``torchrun`` each rank writes its own shards
+that rank 0 merges. Memory: one batch plus one shard buffer. Reading is :mod:`specdraft.dump_reader`.
 
-**Sequences** come from :func:`specdraft.data.build_sequences` (conversations through the chat template;
-prompts with a reference answer get it as the assistant turn) or, with ``generate``, from prompts the
-target answers itself (:func:`specdraft.responses.generate_responses`, greedy or sampled — the on-policy-style data
-DistillSpec found best) and :func:`specdraft.data.sequences_from_responses`.
-
-**Position convention.** Row position j holds the teacher signal of p(· | ids[0..j]), the distribution of
-token j + 1. ``loss_mask[j]`` is True when that prediction is trained: with ``answer_only``, when token
-j + 1 was written by the assistant (or is part of the target's generated response); otherwise for every
-j < S − 1. The last position is never trained. A draft run on ``input_ids`` gives q at the same positions;
-a loss compares p[j] with q[j] where ``loss_mask[j]`` (one masked reduction: ``losses.masked_mean``).
-
-**Formats** (:data:`DumpFormat`):
-
-* ``hidden`` (exact): ``hidden [S, H]`` = the input of the target's output head, i.e. after its final norm,
-  stored as ``hidden_dtype`` (bfloat16 by default). Teacher logits are exactly ``lm_head(h)``:
-  :func:`teacher_logits_from_hidden` with the head saved beside the shards (``head.safetensors``, see
-  :meth:`TeacherDataset.head`), followed by the architecture's final-logit transforms (Gemma's
-  soft-capping, Cohere's ``logit_scale``…: :func:`specdraft.sampling.final_logit_ops`, recorded as the
-  manifest's ``logit_transform`` and applied by every reader); exact to the bit when ``hidden_dtype``
-  equals the target's dtype, else within that dtype's rounding. Every batch checks that this teacher
-  **equals** the target's own logits, bit for bit (same operations on the same tensors): a transform the
-  dump does not know is refused, never accepted as a near match. When the captured states are pre-norm,
-  the model's final norm is applied (``final_norm: "applied"``); with no final norm to apply the dump is
-  refused.
-* ``topk`` (compact): ``topk_logprobs [S, k]`` float32 and ``topk_ids [S, k]`` int32 (descending), plus
-  ``leftover_logmass [S]`` float32 = log Σ_{x ∉ top-k} p(x), computed as a log-sum-exp over the other
-  ids (never as log(1 − Σ top-k), which cancels). Padding rows (ids ≥ the real vocabulary) get zero
-  probability first. **Leftover rule** (:func:`teacher_probs_from_topk`): the leftover mass is spread
-  uniformly over the real-vocabulary ids outside the top-k, giving a full distribution p̂ that sums to 1
-  (the sparse losses of :mod:`specdraft.losses` read it without building p̂). ``tvd`` and
-  α = Σ min(p̂, q) differ from their values under the true p by at most the leftover mass
-  (|TV(p̂, q) − TV(p, q)| ≤ TV(p, p̂) ≤ leftover), so ``leftover_logmass`` bounds the error per position.
-
-  **Cut rule** (a serving top-k read from a top-k dump). The serving filter
-  (:func:`specdraft.sampling.filter_logits`) keeps every id tied with its k-th value; a dump keeps exactly k. So
-  the log-probs are stored in float32, the precision they are computed in (:meth:`Teacher.topk`): storage adds
-  no rounding of its own, so it neither makes ties the computed values do not have nor breaks theirs (float16,
-  as older dumps hold, merges values ~1e-3 apart; they still read, and the manifest's ``dtype`` says which). A serving top-k below the stored k is then computed from stored ids
-  alone, exactly, at every position where the serving filter applied to the stored values keeps ids above the
-  last (smallest) stored value only. Where it keeps that last value — its tie group reaches the end of what was
-  stored; always so at a serving top-k equal to the stored k — the target's own filter may also keep unstored
-  ids tied with it, which the dump cannot show: such a position is a **cut tie**
-  (:func:`specdraft.distill.cut_ties`). Distillation counts them and records them in ``training.json``
-  (``metrics.cut_ties``) and in the α's definition, which calls α exact only when there are none. Dump with a
-  ``--top-logprobs`` above the serving top-k for a margin.
-
-**On disk** (``DIR``)::
-
-    manifest.json                      written last, by rank 0 (status "complete")
-    rank-00000.json                    per-rank progress: shard records, counts (what a resumed run trusts)
-    head.safetensors                   hidden only: lm_head.weight [V, H] (+ bias), final_norm.weight
-    shard-r00000-00000.safetensors     rank 0, shard 0; each written atomically, at most ~shard_size_mb
-
-    shard tensors (N sequences, T tokens):  offsets [N+1] int64 (row i = offsets[i]:offsets[i+1]),
-        input_ids [T] int32, loss_mask [T] bool, and hidden [T, H] | topk_logprobs [T, k] float32,
-        topk_ids [T, k] int32, leftover_logmass [T] float32; metadata "specdraft": JSON {format, rank, ids}
-        (ids: the example id of each row). Shards are byte-reproducible: a resumed dump equals a fresh one.
-
-The manifest records the target (reference, revision, config), the tokenizer fingerprint
-(:func:`specdraft.tokenizer_view.tokenizer_fingerprint`), format, dtypes, top_k, the final-norm flag, the
-final-logit transform, the output-head fingerprint (:func:`head_fingerprint`), the whole target's content fingerprint
-(``identity.target_weights``: :func:`specdraft.models.model_fingerprint`), sequence/token counts, sha256 per shard,
-the command and package versions. A killed run resumes: completed shards are verified (sha256) and skipped, a corrupt
-or missing one is named and redone; shards of a target whose weights changed since (a fine-tune saved in place, a
-new revision) are refused, naming ``target_weights``, never resumed beside this target's. :func:`verify_dump` checks a finished dump; :class:`TeacherDataset`
-reads it memory-mapped, one sequence at a time, and refuses a draft of another tokenizer.
-
-**Reading** (for distillation): ``ds = TeacherDataset(DIR, draft_tokenizer=tok)``; ``ds[i]`` is one sequence,
-``DataLoader(ds, collate_fn=pad_collate)`` batches them; ``ds.teacher_probs(item, ds.head())`` gives p
-``[S, V]`` for either format; ``head_fingerprint(model) == ds.manifest["head_fingerprint"]`` checks that a
-target loaded for training has the very head the dump was made with.
-
-**Several GPUs**: the same call under ``accelerate launch`` / ``torchrun`` (``WORLD_SIZE`` > 1) splits the
-work by rank (:func:`split_work`), each rank writes its own shards and ``rank-*.json``, and rank 0 merges
-them after a barrier (:func:`merge_manifests`).
-
-Memory: the teacher signal held at once is one batch plus one shard buffer (a shard is flushed once it
-reaches ``shard_size_mb``), never the dataset; the work list keeps only token ids (5 bytes per token).
-
-**Size.** Past the house's ~800 lines: the on-disk contract stays beside the writer that keeps it; reading is
-:mod:`specdraft.dump_reader`.
+The on-disk contract (formats ``hidden`` / ``topk``, the leftover and cut rules, files, manifest):
+docs/architecture.md, "Notes by module", ``specdraft.dump``.
 """
 
 from __future__ import annotations
@@ -104,7 +30,6 @@ from specdraft.dump_reader import (
     HEAD_FILE,
     MANIFEST,
     DumpError,
-    find_final_norm,
     head_fingerprint,
     head_tensors,
     load_manifest,
@@ -114,6 +39,7 @@ from specdraft.dump_reader import (
 from specdraft.io import atomic_path, atomic_write_text, sha256_json, versions
 from specdraft.prompts import PromptSet, teacher_prompts
 from specdraft.responses import generate_responses
+from specdraft.teacher import TOPK_STORAGE, Row, Teacher, real_vocab_size, signal_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -122,33 +48,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 LOSS_MASK_CONVENTION = "loss_mask[j]: the prediction made at position j (of token j+1) is trained"
-#: Storage dtypes of a top-k dump's tensors (the manifest's ``dtype``). Log-probs in float32, the dtype they are
-#: computed in: a narrower one would make and break ties at the serving cut (the module docstring's cut rule).
-TOPK_STORAGE = {"topk_logprobs": "float32", "topk_ids": "int32", "leftover_logmass": "float32"}
-# Bytes of float32 logits materialised at once when computing top-k (positions per chunk = this / V).
-_LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------------------------- helpers
 
 
 
-def _real_vocab(tokenizer) -> int:
-    """Ids below this are tokens; the rest (GGUF ``[PAD<id>]`` placeholders, holes) are padding rows."""
-    from specdraft.tokenizer_view import tokenizer_view
-
-    return int(tokenizer_view(tokenizer).real)
-
-
 def split_work(n: int, rank: int, world_size: int, batch_size: int = 1) -> range:
     """The items of one rank: a contiguous block of whole batches, so ranks in order cover 0..n−1 in order.
 
-    Batch b holds items ``[b·B, (b+1)·B)`` whatever the number of ranks, and rank r takes batches
-    ``[nb·r // W, nb·(r+1) // W)`` of the ``nb = ⌈n / B⌉``: every batch a rank runs (members, padding, sampling
-    seed) is the one a single process runs, so W ranks write what one rank writes. Ranks differ by at most one batch.
-
-    Returns:
-        ``range(min(B·lo, n), min(B·hi, n))`` with ``lo, hi`` the rank's first and past-last batch.
+    Batch b is items ``[b·B, (b+1)·B)`` whatever W, and rank r takes batches ``[nb·r // W, nb·(r+1) // W)`` of
+    ``nb = ⌈n / B⌉``: W ranks write what one process writes, at most one batch apart.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
@@ -165,9 +75,7 @@ _COUNTS = ("sequences", "tokens", "trained_tokens", "truncated", "dropped", "byt
 def merge_manifests(rank_states: list[dict[str, Any]]) -> dict[str, Any]:
     """Merge the per-rank states of one dump into its manifest (pure: no file is read).
 
-    Checks that there is one complete state per rank 0..W−1 and that all share the plan; lists the shards
-    rank by rank (so global order = example order), sums the counts, keeps the header of rank 0 (the
-    final-norm flag from any rank that ran a batch).
+    Shards listed rank by rank (global order = example order), counts summed, rank 0's header kept.
 
     Raises:
         DumpError: a rank missing, duplicated or unfinished, or ranks of different plans.
@@ -201,151 +109,7 @@ def merge_manifests(rank_states: list[dict[str, Any]]) -> dict[str, Any]:
     return manifest
 
 
-# ----------------------------------------------------------------------------------------- the teacher
-
-
-def _capture_module(model):
-    """The module whose output is captured: the base model, whose last hidden state feeds ``lm_head``."""
-    base = model.base_model
-    if base is model:
-        raise DumpError(f"{type(model).__name__} has no separate base model to capture hidden states from")
-    return base
-
-
-class Teacher:
-    """The target plus a capture of its output head's input, checked against its own logits every batch.
-
-    The teacher is ``apply_final_logit_ops(lm_head(h), ops)``; every batch requires the target's last-position
-    logits to **equal** it, bit for bit (module docstring, ``hidden``): a capture that is not the head's input is
-    refused too.
-    """
-
-    def __init__(self, model, real_vocab: int):
-        from specdraft.models import takes_logits_to_keep
-        from specdraft.sampling import final_logit_ops
-
-        self.model = model
-        head = model.get_output_embeddings()
-        self.weight, self.bias = head.weight, getattr(head, "bias", None)
-        self.width = int(self.weight.shape[0])
-        self.real_vocab = min(real_vocab, self.width)
-        self.capture = _capture_module(model)
-        self.ops = final_logit_ops(model.config)  # [{"op", "key", "value"}]: the manifest's "logit_transform"
-        self.norm = None  # the final norm, when specdraft has to apply it
-        self.final_norm = "model"  # "model": captured states are the head's input; "applied": norm applied here
-        self.checked = False  # set once a batch has confirmed that the recorded teacher equals the logits
-        self.keep_arg = takes_logits_to_keep(model)
-        self.device = next(model.parameters()).device
-
-    def logits(self, h):
-        """``h [..., H]`` → the target's logits ``[..., V]`` in its dtype: head, then the final-logit ops."""
-        import torch.nn.functional as F
-
-        from specdraft.sampling import apply_final_logit_ops
-
-        return apply_final_logit_ops(F.linear(h, self.weight, self.bias), self.ops)
-
-    def _difference(self, h, ref) -> float | None:
-        """``None`` when :meth:`logits` of the last ``ref.shape[1]`` positions of ``h`` equal ``ref`` exactly
-        (the same operations on the same tensors: no rounding to excuse), else the max relative difference."""
-        mine = self.logits(h[:, -ref.shape[1]:])
-        if mine.dtype == ref.dtype and mine.shape == ref.shape and bool((mine == ref).all()):
-            return None
-        return float(((mine.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).detach())
-
-    def _non_finite(self, what: str) -> DumpError:
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        return DumpError(f"the target ({type(self.model).__name__}, {dtype}) gave non-finite {what} (NaN or inf): its "
-                         "activations overflow in this dtype or its weights are not finite. Nothing of this batch is "
-                         "stored (a dump of NaNs would train the draft on nothing); dump with --dtype bfloat16 or "
-                         "float32.")
-
-    def _refusal(self, err: float) -> DumpError:
-        applied = ", ".join(f"{o['op']} {o['key']}={o['value']}" for o in self.ops) or "none"
-        hints = sorted(k for k, v in vars(self.model.config).items()
-                       if "logit" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
-                       and k not in {o["key"] for o in self.ops})
-        hint = f"; config keys that may name another one: {', '.join(hints)}" if hints else ""
-        return DumpError(
-            f"lm_head(h) with this architecture's known final-logit transforms ({applied}) does not reproduce "
-            f"{type(self.model).__name__}'s own logits (max relative difference {err:.3g}){hint}: it transforms "
-            "its logits in a way the dump does not record, so no exact teacher can be stored. Refusing rather "
-            "than storing a near match.")
-
-    def hidden(self, ids, attn):
-        """``ids, attn [B, S]`` → ``h [B, S, H]``, the input of the output head (model dtype)."""
-        import torch
-
-        box: dict[str, Any] = {}
-
-        def hook(_mod, _args, out):
-            box["h"] = out if isinstance(out, torch.Tensor) else out[0]
-
-        handle = self.capture.register_forward_hook(hook)
-        try:
-            with torch.no_grad():
-                kw = {"logits_to_keep": 1} if self.keep_arg else {}
-                out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, **kw)
-        finally:
-            handle.remove()
-        h = box["h"]
-        ref = out.logits  # [B, 1, V] (all positions without logits_to_keep), the model's dtype
-        if not bool(torch.isfinite(h[attn.bool()]).all()):  # real positions only: padding is never stored as signal
-            raise self._non_finite("hidden states")
-        if bool((torch.isnan(ref) | torch.isposinf(ref)).any()):  # else the exactness check reports a NaN difference
-            raise self._non_finite("logits")
-        with torch.no_grad():
-            if self.norm is not None:
-                h = self.norm(h)
-            err = self._difference(h, ref)
-            if err is not None and not self.checked:  # first batch: perhaps the capture is before the final norm
-                norm = find_final_norm(self.model)
-                if norm is None:
-                    raise DumpError(
-                        f"the captured hidden states do not reproduce the target's logits (max relative difference "
-                        f"{err:.3g}) and the model has no final norm to apply: a pre-norm capture cannot give exact "
-                        "teacher logits, in either format.")
-                if self._difference(norm(h), ref) is None:
-                    self.norm, self.final_norm = norm, "applied"
-                    h, err = norm(h), None
-            if err is not None:
-                raise self._refusal(err)
-        self.checked = True
-        return h
-
-    def topk(self, h, k: int):
-        """``h [N, H]`` → ``(logprobs [N, k] float32, ids [N, k] int64, leftover [N] float32)``, padding masked."""
-        import torch
-
-        chunk = max(1, _LOGIT_CHUNK_BYTES // (4 * self.width))
-        lps, ids, left = [], [], []
-        with torch.no_grad():
-            for s in range(0, h.shape[0], chunk):
-                logits = self.logits(h[s:s + chunk]).float()  # [n, V]
-                if self.real_vocab < self.width:
-                    logits[:, self.real_vocab:] = float("-inf")
-                lse = logits.logsumexp(dim=-1, keepdim=True)  # [n, 1]
-                top = logits.topk(k, dim=-1)
-                lps.append(top.values - lse)
-                ids.append(top.indices)
-                rest = logits.scatter(-1, top.indices, float("-inf"))
-                left.append(rest.logsumexp(dim=-1) - lse[:, 0])
-                if not bool(torch.isfinite(lps[-1]).all()) or bool(torch.isnan(left[-1]).any()):
-                    raise self._non_finite("logits")  # a logit of inf (head overflow) makes every log-prob NaN
-        return torch.cat(lps), torch.cat(ids), torch.cat(left)
-
-
 # ------------------------------------------------------------------------------------------ the writer
-
-
-@dataclass
-class _Row:
-    seq: TokenSequence
-    signal: dict[str, torch.Tensor]  # per-format tensors of this row, CPU, storage dtypes
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.signal.values()) + 5 * len(self.seq.ids)
 
 
 def _shard_name(rank: int, index: int) -> str:
@@ -356,7 +120,7 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
-def _write_shard(path: Path, rows: list[_Row], meta: dict[str, Any]) -> tuple[str, int]:
+def _write_shard(path: Path, rows: list[Row], meta: dict[str, Any]) -> tuple[str, int]:
     """Concatenate rows into one safetensors file, written atomically; returns (sha256, bytes)."""
     import torch
     from safetensors.torch import save_file
@@ -398,9 +162,8 @@ class TeacherBatch:
     """What another teacher made of one batch of work items (:func:`write_dump`'s ``rows_of``).
 
     Attributes:
-        rows: per kept sequence ``(TokenSequence, signal)``; ``signal`` holds the format's tensors of that row on the
-            CPU in the storage dtypes (``topk_logprobs [S, k] float32``, ``topk_ids [S, k] int32``,
-            ``leftover_logmass [S] float32`` for ``topk``), S the sequence's length.
+        rows: per kept sequence ``(TokenSequence, signal)``, ``signal`` the row's tensors on the CPU in their
+            storage dtypes (:data:`specdraft.teacher.TOPK_STORAGE`).
         dropped: items of the batch that became no sequence (truncation emptied them).
         generated_tokens: tokens the teacher generated for the batch.
         generate_seconds: wall seconds of that generation (the rest of the call counts as teacher forward time).
@@ -418,8 +181,8 @@ RowsOf = Callable[[list, int], TeacherBatch]
 def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], RowsOf], identity: dict[str, Any],
                header: dict[str, Any], config, progress: ProgressFn | None = None, dropped_before_split: int = 0,
                t_start: float | None = None) -> dict[str, Any]:
-    """Write a teacher dump whose teacher is not the target (:mod:`specdraft.self_teacher`), under this module's
-    on-disk contract: the same shards, rank states, manifest, resume and refusals as :func:`run_dump`.
+    """Write a teacher dump whose teacher is not the target: the shards, rank states, manifest, resume and refusals
+    of :func:`run_dump`.
 
     Args:
         out: the dump directory (new, empty, or a dump of the very same plan: resumed or verified).
@@ -428,10 +191,8 @@ def write_dump(out: str | os.PathLike, items: list, load_teacher: Callable[[], R
             model load); returns ``rows_of(batch, first) -> TeacherBatch``, ``first`` the index of the batch's first
             item in ``items`` (a redone shard sees the same batches as the first run).
         identity: what a resumed run must match (teacher, tokenizer, settings, data); ``world_size`` is added here.
-            A directory holding a dump of another identity is refused, naming each differing field.
-        header: the manifest header (``kind``, ``format``, ``dtype``, ``top_k``, ``target`` with ``real_vocab`` and
-            ``vocab_width``, ``tokenizer_fingerprint``… as :func:`run_dump` writes it); ``identity`` is added.
-        config: a settings model with ``format``, ``batch_size``, ``shard_size_mb`` and ``max_length``.
+        header: the manifest header as :func:`run_dump` writes it (``kind``, ``format``, ``dtype``, ``top_k``…).
+        config: a settings model with ``teacher_format``, ``batch_size``, ``shard_size_mb`` and ``max_length``.
         progress: as :func:`run_dump`'s.
 
     Returns:
@@ -477,18 +238,13 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
         command: recorded in the manifest (default: ``sys.argv``).
 
     Returns:
-        The manifest (as in ``out/manifest.json``) plus ``"this_run"`` of this process: ``seconds`` (wall,
-        loading included), ``tokens`` and ``tokens_per_s`` of the teacher forward passes, ``generated_tokens``
-        and ``generate_tokens_per_s`` (with ``generate``), shards written / skipped / redone.
+        The manifest (``out/manifest.json``) plus ``"this_run"``: seconds, tokens and tokens/s of the forward
+        passes and of generation, shards written / skipped / redone.
 
     Raises:
-        DumpError: empty data, a directory holding another dump (nothing in it is touched), a model whose
-            head input cannot be captured, bad generation settings, token ids past the target's embedding or head
-            rows, a sequence (or prompt + ``generate``) past the target's context window (each named, before the
-            target is loaded).
-        specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
-            (:func:`specdraft.prompts.select_prompts`), a sequence over ``max_length`` with ``truncate=False``, an
-            empty mask.
+        DumpError: empty data, a directory holding another dump (nothing touched), a head input that cannot be
+            captured, token ids past the target's rows, a sequence past its context window (named, before loading).
+        specdraft.data.DataError: a malformed or empty spec, a sequence over ``max_length`` with ``truncate=False``.
     """
     from specdraft.models import (
         load_model,
@@ -512,10 +268,10 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
         raise DumpError("the dataset is empty: nothing to dump.")
     resolved = resolve(target_ref)
     tokenizer = load_tokenizer(resolved)
-    tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), _real_vocab(tokenizer)
-    if config.format == "topk" and config.top_k >= real_vocab:
-        raise DumpError(f"--top-logprobs {config.top_k} must be below the real vocabulary ({real_vocab}); use --format "
-                        "hidden to keep whole distributions.")
+    tok_fp, real_vocab = tokenizer_fingerprint(tokenizer), real_vocab_size(tokenizer)
+    if config.teacher_format == "topk" and config.top_logprobs >= real_vocab:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the real vocabulary ({real_vocab}); use "
+                        "--teacher-format hidden to keep whole distributions.")
     items, dropped_before_split = _work_items(tokenizer, examples, config)
     _check_token_widths(resolved, tokenizer, items, config)  # from the config: before any weight is loaded
     _check_windows(resolved, tokenizer, items, config)
@@ -530,7 +286,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
                 # The vocabulary's fingerprint leaves out how a conversation is rendered and where an answer ends: an
                 # edited template or stop id resumed beside the old shards would mix two renderings in one dump.
                 **{f"target_{k}": v for k, v in rendering_identity(resolved).items()}}
-    if config.format == "topk":  # shards of another storage dtype (an older dump's float16) never mix with these
+    if config.teacher_format == "topk":  # shards of another storage dtype (an older dump's float16) never mix with these
         identity["topk_storage"] = TOPK_STORAGE
     if world > 1:
         # Several ranks split the work in whole batches: another batch size would hand a resumed rank other items.
@@ -547,7 +303,7 @@ def run_dump(target_ref: str | os.PathLike, data: str | os.PathLike | Sequence[s
     plan = sha256_json(identity)
     teacher = Teacher(model, real_vocab)
     header = _header(target_ref, resolved, target_facts, teacher, tok_fp, identity, config, chosen, command)
-    if rank == 0 and config.format == "hidden":
+    if rank == 0 and config.teacher_format == "hidden":
         header["head"] = _write_head(out, model)
 
     # ---- resume, write, save, finish ---------------------------------------------------------------------------
@@ -632,7 +388,7 @@ class _RankWriter:
     def write_range(self, start: int, end: int, index: int, one_shard: bool) -> None:
         """This rank's items [start, end) → shards numbered from ``index`` (exactly one when redoing)."""
         config, run, teacher = self.config, self.run, self.teacher
-        buf: list[_Row] = []
+        buf: list[Row] = []
         buf_start, dropped = start, 0
         for s in range(start, end, config.batch_size):
             stop = min(s + config.batch_size, end)
@@ -641,7 +397,7 @@ class _RankWriter:
             if self.rows_of is not None:
                 made = self.rows_of(batch, self.mine[s])
                 seqs = [q for q, _ in made.rows]
-                buf.extend(_Row(q, signal) for q, signal in made.rows)
+                buf.extend(Row(q, signal) for q, signal in made.rows)
                 dropped += made.dropped
                 run["generated_tokens"] += made.generated_tokens
                 run["generate_seconds"] += made.generate_seconds
@@ -656,7 +412,7 @@ class _RankWriter:
                     run["generated_tokens"] += n_new
                     run["generate_seconds"] += time.perf_counter() - t0
                 t1 = time.perf_counter()
-                buf.extend(_rows(teacher, seqs, config))
+                buf.extend(signal_rows(teacher, seqs, config))
                 run["forward_seconds"] += time.perf_counter() - t1
             self.done += len(batch)
             run["tokens"] += sum(len(q.ids) for q in seqs)
@@ -794,15 +550,15 @@ def _header(target_ref, resolved: str, target_facts: dict, teacher, tok_fp: str,
                    **target_facts, "dtype": str(teacher.weight.dtype).removeprefix("torch."),
                    "vocab_width": teacher.width, "real_vocab": teacher.real_vocab},
         "tokenizer_fingerprint": tok_fp, "head_fingerprint": identity["head_fingerprint"],
-        "format": config.format,
-        "dtype": ({"hidden": config.hidden_dtype} if config.format == "hidden" else
+        "format": config.teacher_format,
+        "dtype": ({"hidden": config.hidden_dtype} if config.teacher_format == "hidden" else
                   dict(TOPK_STORAGE)),
-        "top_k": config.top_k if config.format == "topk" else None,
+        "top_k": config.top_logprobs if config.teacher_format == "topk" else None,
         "final_norm_applied": None, "final_norm": None,  # known after the first batch (Teacher.hidden)
         "logit_transform": teacher.ops,  # applied to lm_head(h) by every reader (teacher_logits_from_hidden)
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk)"
-                          if config.format == "topk" else None),
+                          if config.teacher_format == "topk" else None),
         **data_record(chosen), "config": config.model_dump(), "identity": identity,
         "command": command if command is not None else " ".join(sys.argv), "versions": versions(),
     }
@@ -912,66 +668,14 @@ def _generated(model, tokenizer, batch: list[Example], config: DumpConfig, sampl
     return kept, len(seqs) - len(kept), sum(map(len, responses))
 
 
-def _rows(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[_Row]:
-    """One right-padded forward over ``seqs`` → per-row teacher signal in storage dtypes, on the CPU."""
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-
-    if not seqs:
-        return []
-    ids = pad_sequence([torch.tensor(q.ids, dtype=torch.long) for q in seqs], batch_first=True, padding_side="right")
-    attn = pad_sequence([torch.ones(len(q.ids), dtype=torch.long) for q in seqs], batch_first=True,
-                        padding_side="right")
-    # Right padding: each real position attends only to the real tokens before it, at its own position id,
-    # so a row's values do not depend on what else is in the batch.
-    h = teacher.hidden(ids.to(teacher.device), attn.to(teacher.device))  # [B, S, H]
-    lens = [len(q.ids) for q in seqs]
-    if config.format == "hidden":
-        dt = getattr(torch, config.hidden_dtype)
-        stored = h.to(device="cpu", dtype=dt)
-        if not bool(torch.isfinite(stored[attn.bool()]).all()):  # finite in the model's dtype (checked), not in dt
-            raise DumpError(f"the target's hidden states overflow --hidden-dtype {config.hidden_dtype} (|h| up to "
-                            f"{float(h[attn.to(h.device).bool()].abs().max()):.4g}); store them in bfloat16 or float32.")
-        return [_Row(q, {"hidden": stored[i, :n]}) for i, (q, n) in enumerate(zip(seqs, lens))]
-    flat = h[attn.to(h.device).bool()]  # [N, H], rows in order
-    lp, tid, left = teacher.topk(flat, config.top_k)
-    rows, a = [], 0
-    for q, n in zip(seqs, lens):
-        rows.append(_Row(q, {name: t[a:a + n].to("cpu", getattr(torch, TOPK_STORAGE[name]))
-                             for name, t in (("topk_logprobs", lp), ("topk_ids", tid), ("leftover_logmass", left))}))
-        a += n
-    return rows
-
-
-def teacher_items(teacher: Teacher, seqs: list[TokenSequence], config: DumpConfig) -> list[dict[str, Any]]:
-    """The teacher signal of ``seqs`` from one target forward pass, as :class:`TeacherDataset` items.
-
-    The code a dump writes its shards with, for sequences that never go to disk (on-policy distillation).
-
-    Args:
-        teacher: a :class:`Teacher` around the target.
-        seqs: token sequences with their loss masks (:func:`specdraft.data.sequences_from_responses`).
-        config: the dump settings the signal follows (``format``, ``hidden_dtype``, ``top_k``): the dump's own.
-
-    Returns:
-        Per sequence ``{"id", "input_ids" [S] int64, "loss_mask" [S] bool, "hidden" [S, H] | "topk_logprobs",
-        "topk_ids", "leftover_logmass"}``, CPU tensors, as ``TeacherDataset[i]`` gives them.
-    """
-    import torch
-
-    return [{"id": r.seq.id, "input_ids": torch.tensor(list(r.seq.ids), dtype=torch.long),
-             "loss_mask": torch.tensor([bool(m) for m in r.seq.loss_mask], dtype=torch.bool), **r.signal}
-            for r in _rows(teacher, seqs, config)]
-
-
-def _flush(out: Path, rank: int, index: int, rows: list[_Row], start: int, end: int, dropped: int,
+def _flush(out: Path, rank: int, index: int, rows: list[Row], start: int, end: int, dropped: int,
            config: DumpConfig) -> dict[str, Any]:
     """Write one shard and return its record. With no rows (truncation emptied them all) no file is written,
     but the record keeps the range done and its drop count."""
     name, sha, size = None, None, 0
     if rows:
         name = _shard_name(rank, index)
-        sha, size = _write_shard(out / name, rows, {"format": config.format, "rank": rank})
+        sha, size = _write_shard(out / name, rows, {"format": config.teacher_format, "rank": rank})
     return {"file": name, "index": index, "start": start, "end": end, "sha256": sha, "bytes": size,
             "sequences": len(rows), "tokens": sum(len(r.seq.ids) for r in rows),
             "trained_tokens": sum(sum(r.seq.loss_mask) for r in rows),

@@ -1,7 +1,7 @@
 """Reading a teacher dump: the manifest, its check, the datasets distillation trains on, their mixes and collation.
 
-The on-disk contract (what each shard holds and how it is checked) is :mod:`specdraft.dump`'s docstring, at the top
-of the module that writes it; this module reads that layout and never writes it.
+The on-disk contract (what each shard holds and how it is checked): docs/architecture.md, "Notes by module",
+``specdraft.dump``; :mod:`specdraft.dump` writes that layout, this module only reads it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ class DumpError(ValueError):
 
 def teacher_logits_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                real_vocab: int | None = None, logit_ops=None) -> torch.Tensor:
-    """Teacher logits from stored hidden states: ``lm_head(h)`` then the target's final-logit transforms, computed
-    in the head's dtype like the target.
+    """Teacher logits from stored hidden states: ``lm_head(h)`` then the final-logit transforms, in the head's dtype.
 
     Args:
         hidden: ``[..., H]`` stored hidden states (any float dtype; cast to ``weight.dtype``).
@@ -215,23 +214,19 @@ def verify_dump(dump_dir: str | os.PathLike) -> dict[str, Any]:
 class TeacherDataset:
     """A map-style torch dataset over a finished dump, one sequence per item, memory-mapped shard by shard.
 
-    ``dataset[i]`` is a dict: ``id`` (str), ``input_ids [S] int64``, ``loss_mask [S] bool`` and either
-    ``hidden [S, H]`` (the stored dtype, bfloat16 by default) or ``topk_logprobs [S, k] float32`` (float16 in
-    older dumps), ``topk_ids [S, k] int32``, ``leftover_logmass [S] float32``. Only the requested rows are read
-    (``safe_open`` slices); nothing loads the whole dump. Works with ``torch.utils.data.DataLoader``
-    (``collate_fn=pad_collate``), also with worker processes (file handles are reopened per process).
+    ``dataset[i]``: ``id`` (str), ``input_ids [S] int64``, ``loss_mask [S] bool`` and ``hidden [S, H]`` (stored
+    dtype) or ``topk_logprobs [S, k] float32`` (float16 in older dumps), ``topk_ids [S, k] int32``,
+    ``leftover_logmass [S] float32``; only those rows are read. ``DataLoader(ds, collate_fn=pad_collate)`` batches
+    them, worker processes included.
 
     Args:
         dump_dir: the dump directory.
         draft_tokenizer: the draft's tokenizer (object or model reference); a fingerprint other than the
             manifest's is refused unless ``vocab_mapping`` is given.
-        vocab_mapping: a :class:`specdraft.vocab.VocabMapping` from the target to the draft; kept as
-            ``self.vocab_mapping`` for the trainer (map draft logits to target ids with it).
+        vocab_mapping: a :class:`specdraft.vocab.VocabMapping` target → draft, kept for the trainer.
         verify: check every shard's sha256 now (:func:`verify_dump`); sizes are always checked.
-        prompt_positions: or the stored ``loss_mask`` with ``shared_prefix ≤ j < S − 1`` (:meth:`shared_prefix`):
-            the prompt's predictions too, at no teacher pass (the signal is stored at every position); a context
-            that is the shared prefix alone has the same p in every sequence and stays as stored. :meth:`tokens`
-            keeps the stored mask.
+        prompt_positions: train ``shared_prefix ≤ j < S − 1`` too (:meth:`shared_prefix`): the prompt's
+            predictions, whose signal is stored anyway; :meth:`tokens` keeps the stored mask.
 
     Raises:
         DumpError: no finished dump, a missing or truncated shard (named), a mismatched draft tokenizer
@@ -414,17 +409,13 @@ MIX_KEYS_TOPK = ("tokenizer_fingerprint", "format")
 class TeacherMix:
     """Several finished dumps of one teacher read as one dataset: item ``i`` of dump k is ``mix[starts[k] + i]``.
 
-    How teacher-forced and target-written (``--generate``) sequences train together; per-dump weights are
-    :func:`specdraft.distill_data.mixed_split`'s. Offers what distillation reads from a :class:`TeacherDataset`
-    (``manifest`` is the first dump's); ``lengths`` gives each dump's sequence count.
-
-    Top-k dumps need the same tokenizer, k and widths only (:data:`MIX_KEYS_TOPK`): their teachers may differ, as a
-    target's dump and a self-teacher's (:mod:`specdraft.self_teacher`) do; hidden dumps share one head
-    (:data:`MIX_KEYS`).
+    How teacher-forced and target-written sequences train together (weights: :func:`specdraft.distill_data.mixed_split`);
+    ``manifest`` is the first dump's. Top-k dumps share tokenizer, k and widths (:data:`MIX_KEYS_TOPK`: a target's
+    dump beside a self-teacher's), hidden dumps one head (:data:`MIX_KEYS`).
 
     Raises:
         DumpError: no dump given, or a dump whose teacher differs from the first's (the differing field named:
-            tokenizer / head fingerprint, format, logit transform, top_k, real vocabulary or logits width).
+            tokenizer / head fingerprint, format, logit transform, top_logprobs, real vocabulary or logits width).
     """
 
     def __init__(self, datasets: list[TeacherDataset]):
@@ -437,11 +428,11 @@ class TeacherMix:
             facts = [(k, first.get(k), m.get(k)) for k in keys]
             facts += [(f"target.{k}", first["target"].get(k), m["target"].get(k)) for k in ("real_vocab", "vocab_width")]
             if first["format"] == "topk":
-                facts.append(("top_k", first["config"].get("top_k"), m["config"].get("top_k")))
+                facts.append(("top_logprobs", first.get("top_k"), m.get("top_k")))  # the header's on-disk key
             for name, a, b in facts:
                 if a != b:
                     raise DumpError(f"{ds.dir} cannot be mixed with {datasets[0].dir}: their {name} differ ({b!r} vs "
-                                    f"{a!r}); dump both with the same target and --format")
+                                    f"{a!r}); dump both with the same target and --teacher-format")
         self.datasets = datasets
         self.manifest = first
         self.vocab_mapping = datasets[0].vocab_mapping

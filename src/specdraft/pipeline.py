@@ -338,7 +338,7 @@ def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_example
     if need > 0.9 * free:
         raise PipelineError(f"the teacher dump and the target's held-out logits need about {need / 1e9:.1f} GB but "
                             f"{out} has {free / 1e9:.1f} GB free; free disk, pick another --out, or use a smaller "
-                            "preset / --format topk")
+                            "preset / a topk teacher dump")
     return _Plan(evals, trains, target, draft, overlap, oods)
 
 

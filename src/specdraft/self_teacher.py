@@ -1,59 +1,16 @@
 """The draft as given teaches its re-indexed copy: a teacher dump whose teacher is the draft in its own tokenizer.
 
-A draft of another tokenizer re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`) forgets much of
-what it knew: its rows now stand for other segmentations. The cheapest teacher of the lost skill is the draft as
-given, which still has it and costs no target compute. Notation: q = the draft as given (the teacher here), in its own
-token ids; the re-indexed draft is trained toward it in the target's ids.
+A draft re-indexed into the target's tokenizer (:func:`specdraft.vocab.save_vocab_swap`) forgets much of what it knew;
+the draft as given still has it and costs no target compute. q = the draft as given, in its own ids. Per prompt it
+answers greedily under its own chat template; the answer's text, encoded with the target's tokenizer after the
+target's rendered prompt (plus the target's end of turn when the draft stopped), is the stored sequence, trained on its
+answer positions. The signal is :mod:`specdraft.dump`'s top-k format (``top_logprobs`` slots): a hard label, or with
+``token_level`` the draft's own next-token distribution moved to string twins where both tokenizations have a
+boundary; ``texts`` adds plain files cut into hard-labelled sequences. The manifest is :func:`specdraft.dump.write_dump`'s
+with the *target's* tokenizer fingerprint and the draft named by content; no target weights are read.
 
-**Sequences** (one per prompt): the draft as given answers each prompt greedily, in batches, under its own chat
-template (:func:`specdraft.responses.generate_responses`; its answer ends at
-:func:`specdraft.responses.answer_stop_ids` of the draft — its EOS or its template's end-of-turn token — or at
-``generate`` tokens). The answer's text (the draft's ids before its stop id, decoded without special tokens, cut
-before its first ill-formed byte: :func:`well_formed_prefix`; cut there, it has no end of turn) is encoded with the
-target's tokenizer in its context (:func:`specdraft.data.encode_answer`) and put after the prompt rendered with the
-target's chat template (:func:`specdraft.data.encode_prompts`: the prompt ids are what the target is shown),
-followed, when the draft stopped, by the target's end-of-turn ids (:func:`specdraft.data.end_of_turn_ids`, so the copy
-learns to stop). ``loss_mask`` is on the answer positions exactly (:func:`specdraft.data.sequences_from_responses`
-with ``answer_only``); the rest is :mod:`specdraft.dump`'s position convention.
-
-**The signal** is stored in the top-k format of :mod:`specdraft.dump` (``topk_logprobs``, ``topk_ids``,
-``leftover_logmass``, k = ``top_k`` slots), so :class:`specdraft.dump_reader.TeacherDataset` and ``TeacherMix`` read it
-unchanged and :func:`specdraft.distill.run_distill` trains on it alone or beside a target dump of the same k:
-
-* **hard label** (every position but the token-level ones): slot 0 holds the next token with log-prob 0, the other
-  k − 1 slots distinct other ids with log-prob −inf, and the leftover is −inf (no mass outside). The readers then see
-  p = one-hot: :func:`specdraft.losses.soft_ce_topk` renormalises the stored mass with the tail
-  (``exp(leftover) = 0``) to exactly 1 on the label and adds no tail term (it weighs the tail only where it is > 0),
-  so ``soft_ce`` is the cross-entropy −log q(label) exactly; :func:`~specdraft.losses.tvd_topk` is 1 − q(label), the
-  TVD to the one-hot exactly (its tail term is 0). The last position (never trained) holds its own token.
-* **token level** (``token_level``), at a trained position j whose next target token y = ids[j + 1] (a) has a
-  string-identical twin x in the draft's vocabulary (:class:`specdraft.vocab.VocabMapping`, one to one) and (b) starts
-  at a character offset c of the answer text where the draft's own answer ids also have a token boundary, both
-  boundaries clean (the ids before it decode to exactly the text before c, no partial character; see
-  :func:`aligned_positions`): the draft's next-token distribution at its context ending at c, q(· | draft prompt,
-  draft ids of text[:c]), top-k over its tokens that have a target twin, each moved to that twin's target id, and the
-  leftover = the mass of every other draft token (twin-less ones included), computed as a log-sum-exp. The end-of-turn
-  position counts when the draft stopped and the target's end-of-turn token has a twin (c = the whole text); there the
-  draft's mass on every one of its stop ids is the probability that it stops, and it is put on the twin of the
-  end-of-turn token the stored sequence holds (its other stop ids then hold nothing). **Exact**
-  there in this sense: every stored log-prob is the draft's own log-probability of emitting exactly that string as its
-  next token, at a context of the same answer text, and the stored ids stand for the same strings. **What it
-  approximates**: the ideal teacher is the draft's probability that the text continues with y's string *and a target
-  token boundary after it*; the draft's probability of the one token x differs where longer draft tokens or other
-  segmentations spell the same continuation, and the draft's context is its own prompt rendering (its chat template),
-  not the target's. The readers spread the leftover uniformly (:mod:`specdraft.dump`'s leftover rule), an
-  approximation bounded by that mass. Elsewhere — no twin, or boundaries that disagree (the target merges across a
-  draft boundary or splits inside a draft token) — the position keeps the hard label: the draft's distribution there
-  is over strings that do not start where the target's next token does.
-* **plain text** (``texts``): files on disk (the Python standard library's sources, say) encoded with the target's
-  tokenizer and cut into ``max_length``-token sequences, every position trained with hard labels.
-
-**Identity and resume**: the manifest is :mod:`specdraft.dump`'s (written by :func:`specdraft.dump.write_dump`: the
-same shards, sha256 records, rank states and resume) with ``tokenizer_fingerprint`` the *target's* (the re-indexed
-draft passes distillation's tokenizer check), ``head_fingerprint`` None (no head reads a top-k dump) and ``teacher``
-naming the draft as given by content (:func:`specdraft.models.model_fingerprint`) and its tokenizer's fingerprint. A
-killed run resumes; a directory holding a dump of another teacher, prompts, texts or settings is refused, naming what
-differs. No target weights are read: ``target`` gives the tokenizer, its config's widths and its chat template.
+Why each label is exact, and what the token level approximates: docs/architecture.md, "Notes by module",
+``specdraft.self_teacher``.
 """
 
 from __future__ import annotations
@@ -68,17 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from specdraft.config import SelfTeacherConfig
 from specdraft.data import end_of_turn_ids
-from specdraft.dump import (
-    LOSS_MASK_CONVENTION,
-    TOPK_STORAGE,
-    ProgressFn,
-    TeacherBatch,
-    data_record,
-    write_dump,
-)
+from specdraft.dump import LOSS_MASK_CONVENTION, ProgressFn, TeacherBatch, data_record, write_dump
 from specdraft.dump_reader import FORMAT_VERSION, SELF_TEACHER_KIND, DumpError
 from specdraft.io import sha256_json
 from specdraft.prompts import PromptSet, teacher_prompts
+from specdraft.teacher import TOPK_STORAGE
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -121,9 +72,8 @@ def text_boundaries(tokenizer, ids: Sequence[int], text: str) -> list[int | None
 def aligned_positions(draft_tokenizer, draft_answer: Sequence[int], target_tokenizer, target_answer: Sequence[int],
                       text: str, target_twins: Sequence[bool], ended: bool = False,
                       end_of_turn: Sequence[int] = ()) -> list[tuple[int, int]]:
-    """Where the draft's own distribution is the token-level teacher (module docstring): ``[(k, i)]`` with k an index
-    into ``target_answer`` (the token predicted; the target sequence's position ``len(prompt) + k − 1`` predicts it) and
-    i the number of draft answer ids of its context (the draft sequence's position ``len(draft prompt) + i − 1``).
+    """Where the draft's own distribution is the token-level teacher: ``[(k, i)]``, k the index in ``target_answer``
+    of the token predicted, i the number of draft answer ids of its context.
 
     Args:
         draft_answer: the draft's answer ids before its stop id.
@@ -151,7 +101,7 @@ def aligned_positions(draft_tokenizer, draft_answer: Sequence[int], target_token
 
 
 def hard_labels(ids: Sequence[int], k: int, real_vocab: int) -> dict[str, torch.Tensor]:
-    """The hard-label signal of a sequence (module docstring): position j holds ``ids[j + 1]`` with log-prob 0 in slot
+    """The hard-label signal of a sequence (docs/architecture.md): position j holds ``ids[j + 1]`` with log-prob 0 in slot
     0, ids ``label + 1, label + 2, …`` (mod ``real_vocab``) at −inf in the others, leftover −inf; the last position its
     own token.
 
@@ -172,16 +122,11 @@ def hard_labels(ids: Sequence[int], k: int, real_vocab: int) -> dict[str, torch.
 
 
 def mapped_topk(draft_logprobs: torch.Tensor, mapping, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The draft's distribution in target ids, top-k of its twins (module docstring, token level).
+    """The draft's distribution in target ids, top-k of its twins (the token level: docs/architecture.md).
 
-    Args:
-        draft_logprobs: ``[N, V_d] float32`` log q over the draft's ids (normalised; padding rows −inf).
-        mapping: the :class:`~specdraft.vocab.VocabMapping` (target ↔ draft twins).
-        k: slots.
-
-    Returns:
-        ``(logprobs [N, k] float32, target ids [N, k] int64, leftover [N] float32)``: the k most probable draft tokens
-        with a twin, at their twins' ids, and log Σ q over every other draft id (twin-less ones included).
+    ``draft_logprobs [N, V_d] float32`` (log q, padding rows −inf) → ``(logprobs [N, k] float32, target ids [N, k]
+    int64, leftover [N] float32)``: the k likeliest draft tokens with a twin (``mapping``), at their twins' ids, and
+    log Σ q over every other draft id.
     """
     import torch
 
@@ -269,7 +214,7 @@ class DraftTeacher:
                 if made[id(x)] is not None:
                     rows.append(made[id(x)])
             else:
-                rows.append((x, hard_labels(x.ids, self.config.top_k, self.target_real)))
+                rows.append((x, hard_labels(x.ids, self.config.top_logprobs, self.target_real)))
         self.stats["hard_positions"] += sum(int(sum(q.loss_mask)) for q, _ in rows)
         return TeacherBatch(rows, dropped, generated, seconds)
 
@@ -306,7 +251,7 @@ class DraftTeacher:
         for i, q in zip(keep, seqs, strict=True):
             if q is None:
                 continue
-            signal = hard_labels(q.ids, self.config.top_k, self.target_real)
+            signal = hard_labels(q.ids, self.config.top_logprobs, self.target_real)
             out[i] = (q, signal)
             if self.config.token_level:
                 body, text = texts[i]
@@ -359,7 +304,7 @@ class DraftTeacher:
                 pooled = logq[ends].index_fill(1, stops, float("-inf"))
                 pooled[:, twin] = stopping
                 logq[ends] = pooled
-            lp, tid, left = mapped_topk(logq, self.mapping, self.config.top_k)
+            lp, tid, left = mapped_topk(logq, self.mapping, self.config.top_logprobs)
         n = 0
         for signal, _, pairs in jobs:
             at = torch.tensor([t for t, _, _ in pairs])
@@ -378,16 +323,14 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                      out: str | os.PathLike,
                      config: SelfTeacherConfig | None = None, texts: Sequence[str | os.PathLike] = (),
                      progress: ProgressFn | None = None, command: str | None = None) -> dict[str, Any]:
-    """Write a self-teacher dump (module docstring): the draft as given answers ``data``'s prompts, its answers
-    re-encoded in the target's tokenizer, plus ``texts``; resumes a killed run.
+    """Write a self-teacher dump: the draft as given answers ``data``'s prompts, its answers re-encoded in the
+    target's tokenizer, plus ``texts``; resumes a killed run.
 
     Args:
         draft_ref: the draft as given (embedded name, local directory, cached hub id): the teacher.
         target_ref: the target, for its tokenizer, chat template and config only (no weights are read).
-        data: the prompts (:func:`specdraft.prompts.teacher_prompts`): one spec or several, read as ``dump
-            --prompts`` reads them (a repeated prompt dropped before the limit counts: the draft answers greedily, as
-            ``run --train-prompts`` drops it), a :class:`~specdraft.prompts.PromptSet`, or a list of
-            :class:`specdraft.data.Example` taken as given; None with ``texts`` alone.
+        data: the prompts, as :func:`specdraft.dump.run_dump` takes them (a repeated one dropped: the draft answers
+            greedily); None with ``texts`` alone.
         out: the dump directory (new, empty, or a dump of this very plan: resumed or verified).
         config: settings (default :class:`SelfTeacherConfig`).
         texts: plain text files, extra sequences with hard labels at every position.
@@ -400,7 +343,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
 
     Raises:
         DumpError: nothing to dump, a directory holding other files or a dump of another teacher, tokenizer, prompts,
-            texts or settings (each differing field named; nothing touched), ``top_k`` at or past the real vocabulary,
+            texts or settings (each differing field named; nothing touched), ``top_logprobs`` at or past the real vocabulary,
             ``token_level`` for a pair with no usable overlap.
         specdraft.data.DataError: a malformed spec, an unknown source or a spec that gives no prompts
             (:func:`specdraft.prompts.select_prompts`), a template that refuses a prompt.
@@ -426,8 +369,8 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
     d_path, t_path = resolve(draft_ref), resolve(target_ref)
     ttok = load_tokenizer(t_path)
     t_real = int(tokenizer_view(ttok).real)
-    if config.top_k >= t_real:
-        raise DumpError(f"--top-logprobs {config.top_k} must be below the real vocabulary ({t_real})")
+    if config.top_logprobs >= t_real:
+        raise DumpError(f"--top-logprobs {config.top_logprobs} must be below the real vocabulary ({t_real})")
     pieces = text_sequences(ttok, texts, config.max_length)
     items: list = [*examples, *pieces]
     if not items:
@@ -451,7 +394,7 @@ def run_self_teacher(draft_ref: str | os.PathLike, target_ref: str | os.PathLike
                    "dtype": None, "vocab_width": width, "real_vocab": min(t_real, width)},
         "teacher": teacher,
         "tokenizer_fingerprint": identity["tokenizer_fingerprint"], "head_fingerprint": None,
-        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_k,
+        "format": "topk", "dtype": dict(TOPK_STORAGE), "top_k": config.top_logprobs,
         "final_norm_applied": None, "final_norm": None, "logit_transform": [],
         "loss_mask_convention": LOSS_MASK_CONVENTION,
         "leftover_rule": ("uniform over the real-vocabulary ids outside the top-k (teacher_probs_from_topk); 0 at hard "

@@ -1,13 +1,8 @@
 """The flag vocabulary: one option per concept, declared once here and used by every command that takes it.
 
-A flag means one thing in every command: its help is the :mod:`specdraft.config` field's description (no second
-wording) and its default is the field's. Where what a shared flag does or its default is the command's own
-(``--dtype``, ``--seed``, ``--max-new-tokens``, ``--overwrite``, ``--json`` …), the option is made with its
-``command`` and its help is that command's sentence from a per-command table: a command's ``--help`` speaks of that
-command only. Every prompt source is one ``--prompts`` spec, ``name[:offset[:limit[:stride]]]``, read by one loader
-(:mod:`specdraft.prompts`).
-
-Nothing here imports torch: ``--help`` stays instant.
+A flag fills one config field with one type of value in every command; its help is the field's description and its
+default the field's, or, where the flag's default is the command's own (``--dtype``, ``--seed`` …), that command's
+sentence of a per-command table. Every prompt source is one ``--prompts`` spec (:mod:`specdraft.prompts`). No torch.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from pydantic import BaseModel
 from specdraft.config import (
     AUTO_DTYPE,
     DTYPE_BY_COMMAND,
-    FORMAT_BY_COMMAND,
     HELP_BY_COMMAND,
     MAX_SPECULATIVE_TOKENS,
     EvalConfig,
@@ -87,11 +81,6 @@ def dtype_option(config: type[BaseModel], command: str, default: Any = _FIELD_DE
     auto = f" ({AUTO_DTYPE})" if "auto" in get_args(config.model_fields["dtype"].annotation) else ""
     return config_option(config, "dtype", "--dtype", default=default,
                          help=f"Weights dtype{auto}. {DTYPE_BY_COMMAND[command][0].upper()}{DTYPE_BY_COMMAND[command][1:]}.")
-
-
-def format_option(config: type[BaseModel], command: str):
-    """``--format`` of ``command`` (dump, export): the forms it writes (:data:`specdraft.config.FORMAT_BY_COMMAND`)."""
-    return config_option(config, "format", help=f"What {command} writes: {FORMAT_BY_COMMAND[command]}.")
 
 
 def seed_option(config: type[BaseModel], command: str):

@@ -16,7 +16,6 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
-    format_option,
     out_option,
     overwrite_option,
     target_option,
@@ -39,7 +38,7 @@ def export(
     gamma: SpeculatorGammaOpt = None,
     overwrite: bool = overwrite_option("export"),
     dtype: ExportDtype = dtype_option(ExportConfig, "export"),
-    format: ExportFormat = format_option(ExportConfig, "export"),
+    format: ExportFormat = config_option(ExportConfig, "format"),
     # None, not f16: a --gguf-type given with --format speculator is refused, one not given is not.
     gguf_type: GgufType | None = config_option(ExportConfig, "gguf_type", default=None, show_default=False),
     llama_cpp: str | None = config_option(ExportConfig, "llama_cpp", metavar="PATH"),

@@ -20,7 +20,6 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
-    format_option,
     out_option,
     overwrite_option,
     prompts_option,
@@ -94,10 +93,10 @@ def headroom(
 
 #: The dump flags a self-teacher dump has no use for (it stores top-k hard labels or the draft's distribution of its
 #: greedy answers, on answer positions only), refused when typed beside --self-teacher.
-NOT_SELF_TEACHER = {"format": "--format", "hidden_dtype": "--hidden-dtype", "answer_only": "--answer-only",
+NOT_SELF_TEACHER = {"teacher_format": "--teacher-format", "hidden_dtype": "--hidden-dtype", "answer_only": "--answer-only",
                     "temperature": "--temperature", "seed": "--seed"}
 #: The dump flags a self-teacher dump reads (:class:`specdraft.config.SelfTeacherConfig`'s fields), and those above.
-SELF_TEACHER_FLAGS = (*NOT_SELF_TEACHER, "top_k", "generate", "max_length", "truncate", "batch_size", "shard_size_mb",
+SELF_TEACHER_FLAGS = (*NOT_SELF_TEACHER, "top_logprobs", "generate", "max_length", "truncate", "batch_size", "shard_size_mb",
                       "dtype", "token_level")
 
 
@@ -115,7 +114,7 @@ def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, chosen, out:
         fail(f"{', '.join(wrong)} do(es) not apply with --self-teacher: the draft answers greedily, the dump stores "
              "top-k hard labels (or the draft's distribution, --token-level) on the answers")
     keep = {k: given[k] for k in ("max_length", "truncate", "batch_size", "shard_size_mb", "dtype", "token_level")}
-    keep |= {k: given[k] for k in ("top_k", "generate") if k in typed}
+    keep |= {k: given[k] for k in ("top_logprobs", "generate") if k in typed}
     config = SelfTeacherConfig(**keep)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -143,7 +142,7 @@ def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
 
 
 #: The dump flags the target's dump for a draft as given reads (:class:`specdraft.config.AsGivenTeacherConfig`).
-FOR_DRAFT_FLAGS = ("top_k", "generate", "max_length", "batch_size", "shard_size_mb", "dtype", "answers", "carry",
+FOR_DRAFT_FLAGS = ("top_logprobs", "generate", "max_length", "batch_size", "shard_size_mb", "dtype", "answers", "carry",
                    "unaligned")
 
 
@@ -167,7 +166,7 @@ def _for_draft_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Pa
     except CompatibilityError as exc:
         fail(f"--for-draft {draft}: {exc}")
     keep = {k: given[k] for k in ("max_length", "batch_size", "shard_size_mb", "answers", "carry", "unaligned")}
-    keep |= {k: given[k] for k in ("top_k", "generate", "dtype") if k in typed}
+    keep |= {k: given[k] for k in ("top_logprobs", "generate", "dtype") if k in typed}
     config = AsGivenTeacherConfig(**keep)
     with Progress(TextColumn("dump for the draft as given"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[tps]}"), TimeElapsedColumn(), console=err_console) as pg:
@@ -202,9 +201,10 @@ def dump(
     target: str = target_option(),
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump takes no "
                                   "stride.", strides=False),
-    format: DumpFormat = format_option(DumpConfig, "dump"),
-    # The field keeps its name (every dump's manifest records it as top_k); --top-k is decoding's sampling filter.
-    top_k: int = config_option(DumpConfig, "top_k", "--top-logprobs", min=1),
+    teacher_format: DumpFormat = config_option(DumpConfig, "teacher_format"),
+    retired_format: Annotated[str | None, typer.Option(
+        "--format", hidden=True, help="Retired: dump's --teacher-format.")] = None,
+    top_logprobs: int = config_option(DumpConfig, "top_logprobs", min=1),
     hidden_dtype: HiddenDtype = config_option(DumpConfig, "hidden_dtype"),
     max_length: int = config_option(DumpConfig, "max_length", command="dump"),
     truncate: bool = config_option(DumpConfig, "truncate", "--truncate/--refuse-long"),
@@ -247,7 +247,9 @@ def dump(
 
     from specdraft.cli.errors import fail
 
-    config = DumpConfig(format=format, top_k=top_k, hidden_dtype=hidden_dtype, max_length=max_length,
+    if retired_format is not None:
+        fail(f"dump's --format is now --teacher-format (--teacher-format {retired_format}); --format is export's")
+    config = DumpConfig(teacher_format=teacher_format, top_logprobs=top_logprobs, hidden_dtype=hidden_dtype, max_length=max_length,
                         truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
                         seed=seed, batch_size=batch_size, shard_size_mb=shard_size_mb, dtype=dtype)
     quiet_transformers()
