@@ -23,7 +23,7 @@ class TokenizerMismatchError(ValueError):
 @dataclass
 class Pair:
     """Both models loaded: ``target`` (p), ``draft`` (q), the target's ``tokenizer``, the ``mapping`` of a draft of
-    another tokenizer (else None), how it ``proposals``, and ``notes`` a command shows."""
+    another tokenizer (else None), how it proposes (``proposals``) and the ``notes`` a command shows."""
 
     target: Any
     draft: Any
