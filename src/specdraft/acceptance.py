@@ -9,24 +9,13 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class AcceptanceCounts:
-    """Counts gathered by speculative decoding. Every ratio is a derived property, never stored.
+    """Counts gathered by speculative decoding; every ratio is derived, never stored.
 
-    Per draft position i = 0..γ−1 (0 = the first drafted token of a round):
-
-    * ``proposed[i]``: draft tokens proposed at position i (γ per row-round, except that a row ending at an
-      EOS/stop/length inside the block counts only the positions up to that end).
-    * ``reached[i]``: row-rounds in which verification reached position i (all earlier drafts accepted).
-    * ``accepted[i]``: draft tokens accepted at position i (emitted; tokens after an EOS/stop are dropped and
-      not counted).
-
-    ``accepted_hist[n]``: row-rounds that accepted exactly n drafts (n = 0..γ).
-    ``rounds``: row-rounds (one target verification of one row); ``emitted``: tokens emitted (accepted drafts
-    plus the target's correction/bonus tokens); ``bonus``: correction/bonus tokens emitted.
-    ``target_calls`` / ``draft_calls``: batched forward passes; times in seconds (wall clock), with
-    ``time_total`` the whole decode and overhead = total − draft − target.
-    ``matched`` / ``match_positions``: answer positions where the draft's greedy proposal, read after the target's
-    own prefix, is the target's token / answer positions counted (a replay counts every one; a decode cannot: it
-    never asks the draft at positions a bonus token or a target-only round covered, so it leaves both 0).
+    Per draft position i = 0..γ−1: ``proposed[i]`` (up to a row's end), ``reached[i]`` (verification got there: all
+    earlier drafts accepted), ``accepted[i]`` (emitted). ``accepted_hist[n]``: row-rounds accepting exactly n drafts.
+    ``rounds``: row-rounds; ``emitted``: accepted drafts + ``bonus`` (correction/bonus) tokens; ``*_calls``: batched
+    passes; times in seconds (overhead = total − draft − target). ``matched`` / ``match_positions``: answer positions
+    where the draft's greedy proposal is the target's token / positions counted (replays only; decodes leave 0).
     """
 
     gamma: int
@@ -56,18 +45,14 @@ class AcceptanceCounts:
 
     # ---- recording -------------------------------------------------------------------------------------
     def record_round(self, n_accepted: int, n_proposed: int | None = None, bonus: bool = True) -> None:
-        """Record one row-round: ``n_accepted`` drafts accepted of ``n_proposed`` (default γ) proposed.
-
-        ``bonus``: whether the target's correction/bonus token was emitted (False when the row ended inside
-        the accepted block).
-        """
+        """Record one row-round: ``n_accepted`` of ``n_proposed`` (default γ); ``bonus``: the
+        target's token was emitted (False when the row ended inside the accepted block)."""
         g = self.gamma
         n_proposed = g if n_proposed is None else n_proposed
         if not 0 <= n_accepted <= n_proposed <= g:
             raise ValueError(f"need 0 <= accepted ({n_accepted}) <= proposed ({n_proposed}) <= γ ({g})")
         for i in range(n_proposed):
             self.proposed[i] += 1
-        # Verification reaches position i when all before it were accepted; it stops at the first rejection.
         for i in range(min(n_accepted + 1, n_proposed)):
             self.reached[i] += 1
         for i in range(n_accepted):
@@ -92,31 +77,23 @@ class AcceptanceCounts:
     # ---- derived ---------------------------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float | None:
-        """Accepted / proposed draft tokens ∈ [0, 1] (bonus tokens excluded).
-
-        None when nothing was proposed: the ratio is undefined there, and a 0.0 would read as "every draft
-        rejected" (print it with :func:`format_rate`, which shows "—").
-        """
+        """Accepted / proposed drafts ∈ [0, 1]; None when nothing was proposed (0.0 would
+        read as "all rejected"; :func:`format_rate` prints "—")."""
         p = sum(self.proposed)
         return sum(self.accepted) / p if p else None
 
     @property
     def alpha(self) -> float:
-        """Estimated per-token acceptance probability α for the analytic model: accepted / reached drafts.
-
-        Each position verification reaches is one Bernoulli trial with success probability α (the i.i.d.
-        assumption of Leviathan et al. 2023, §3.3), so accepted / reached is its maximum-likelihood estimate.
-        Unlike :attr:`acceptance_rate` it does not count drafts after the first rejection, which were never
-        tested. 0 when nothing was reached.
-        """
+        """α for the analytic model: accepted / reached, the maximum-likelihood estimate under
+        Leviathan et al.'s (2023, §3.3) i.i.d. assumption; drafts after a rejection were never tested. 0 if none
+        reached."""
         r = sum(self.reached)
         return sum(self.accepted) / r if r else 0.0
 
     @property
     def match_rate(self) -> float | None:
-        """Matched proposals ∈ [0, 1]: matched / match_positions (:data:`MEASURES` ``"matched"``), ``None`` where no
-        position was counted (decoded counts). Every answer position counts once whatever γ or policy ran, so it
-        compares across regimes, where :attr:`alpha` and :attr:`acceptance_rate` depend on the rounds."""
+        """matched / match_positions ∈ [0, 1], None without counted positions; independent of
+        γ and policy, so it compares across regimes."""
         return self.matched / self.match_positions if self.match_positions else None
 
     @property
@@ -126,7 +103,7 @@ class AcceptanceCounts:
 
     @property
     def alpha_per_position(self) -> list[float]:
-        """Conditional acceptance at each draft position: accepted[i] / reached[i] (NaN-free: 0 if unreached)."""
+        """accepted[i] / reached[i] per draft position (0 if unreached)."""
         return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
 
     @property
@@ -181,13 +158,8 @@ def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
 
 
 def expected_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """Walltime improvement (1 − α^(γ+1)) / ((1 − α)(γc + 1))  (Leviathan et al. 2023, Theorem 3.8).
-
-    Args:
-        alpha: acceptance rate α ∈ [0, 1].
-        gamma: draft tokens per round γ ≥ 0 (0 = target alone, speed-up 1).
-        cost_ratio: c = time of one draft step / time of one target pass.
-    """
+    """Walltime improvement (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (Leviathan et al. 2023, Theorem 3.8);
+    γ = 0 is the target alone, c = draft step / target pass."""
     return expected_tokens_per_pass(alpha, gamma) / (gamma * cost_ratio + 1.0)
 
 

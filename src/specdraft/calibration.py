@@ -1,9 +1,7 @@
 """Calibration: the pair's measured costs (the speed model), their cache, and the machine-load monitor.
 
-:func:`calibrate` is the one rule every stage uses (eval, the speed stage, rank, generate, the pipeline): the
-pair's costs measured on the prompt of median length (:func:`calibration_context`; the draft's context re-encoded
-for a draft of another tokenizer), γ's bound ``max(γ, 8)``, read from and written to the calibration cache as the
-configuration says (:func:`cached_speed_model`).
+:func:`calibrate` is the one rule every stage uses: costs measured on the prompt of median length, γ's bound
+``max(γ, 8)``, read from and written to the calibration cache (:func:`cached_speed_model`).
 """
 
 from __future__ import annotations
@@ -33,24 +31,11 @@ from specdraft.speed import SpeedModel
 def pass_seconds(model, context: Sequence[int], widths: Sequence[int], repeats: int = 3, warmup: int = 1,
                  last_only: bool = False,
                  on_warmup: Callable[[float, float], None] | None = None) -> tuple[dict[int, float], float]:
-    """Wall-clock cost of one forward pass over k new tokens after reading ``context``, batch 1, for each k.
+    """Seconds of one forward pass over k new tokens after reading ``context``, batch 1, for each k in ``widths``.
 
-    The pass runs as decoding runs it (:class:`~specdraft.drafters.Stream`: the same cache, masks and logits); the
-    k new tokens are rolled back after each pass, so every pass sees the same ``len(context)`` cached tokens. The
-    widths are interleaved within each repeat, so machine noise hits them alike.
-
-    Args:
-        model: a causal LM.
-        context: token ids read first (≥ 2).
-        widths: the k to time.
-        repeats / warmup: timed / untimed rounds over all widths; the median of the timed ones is returned.
-        last_only: score only the last position (a draft step) instead of all k (a verification pass).
-        on_warmup: called once after the untimed rounds as ``on_warmup(prefill_seconds, round_seconds)`` (both
-            prefills, one round over all widths): what the rest will take, for a caller that says so.
-
-    Returns:
-        ``({k: seconds}, prefill_seconds)``: the median pass time per k, and the faster of two reads of
-        ``context[:-1]`` (the prompt prefill decoding does).
+    Passes run as decoding runs them (:class:`~specdraft.drafters.Stream`), rolled back after each; widths interleave
+    within a repeat so machine noise hits them alike. ``last_only`` scores only the last position (a draft step).
+    Returns ``({k: median seconds}, prefill_seconds)``.
     """
     device = next(model.parameters()).device
     width = output_width(model)
@@ -91,15 +76,9 @@ def _duration(seconds: float) -> str:
 def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8, repeats: int = 3,
                         draft_context: Sequence[int] | None = None,
                         say: Callable[[str], None] | None = None) -> SpeedModel:
-    """The pair's :class:`~specdraft.speed.SpeedModel`: t(k) for k = 1..max_gamma+1 (target, all k positions
-    scored, as verification does; the least-squares line through the timings, :meth:`SpeedModel.from_measurements`),
-    d (draft, one token, last position scored), and both prompt prefills, measured after reading ``context``
-    (``draft_context`` for a draft of another tokenizer: the context in its ids).
-
-    Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes; speeds are those of the machine at the time, so
-    measure on the machine that decodes. ``say(line)``, when given, is told what is measured before any pass, then
-    how long the rest will take once the untimed round has run (calibration can take minutes on a CPU).
-    """
+    """The pair's :class:`~specdraft.speed.SpeedModel`: t(k) for k = 1..max_gamma+1 (least-squares
+    line, :meth:`SpeedModel.from_measurements`), d (one draft token) and both prefills, after reading ``context``
+    (``draft_context`` in a mapped draft's ids). Takes ``(warmup + repeats) · (max_gamma + 1)`` target passes."""
     widths = max_gamma + 1
     if say is not None:
         say(f"calibrating the pair's speed model (once per pair and machine, then cached): {(repeats + 1) * widths} "
@@ -107,7 +86,6 @@ def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 
     t0 = time.perf_counter()
 
     def eta(prefill_s: float, round_s: float) -> None:
-        # The draft's share scales with its size: two prefills and repeats + 3 one-token steps.
         share = _parameters(draft) / max(_parameters(target), 1)
         left = repeats * round_s + share * (prefill_s + (repeats + 3) * round_s / widths)
         say(f"calibrating: {time.perf_counter() - t0:.0f} s so far, about {_duration(left)} left")
@@ -119,8 +97,7 @@ def measure_speed_model(target, draft, context: Sequence[int], max_gamma: int = 
                                         context=len(context))
 
 
-#: Other processes' share of the machine's CPU time (0..1) above which timings are marked as taken on a busy machine
-#: (even low-priority jobs beside a run on a small machine slow the target's passes).
+#: Other processes' CPU share (0..1) above which timings are marked busy.
 BUSY_SHARE = 0.2
 
 
@@ -135,12 +112,8 @@ def _cpu_jiffies() -> tuple[int, int] | None:
 
 
 class LoadMonitor:
-    """How busy the machine was, from the outside, while a timed stage ran: other processes' share of all CPU time.
-
-    ``with LoadMonitor() as load: ...`` then ``load.others_share`` (0..1: CPU time of every other process over the
-    machine's CPU time in the interval, from ``/proc/stat`` less this process's own ``os.times()``) and ``load.busy``
-    (share > :data:`BUSY_SHARE`). ``None`` / False where ``/proc/stat`` does not exist.
-    """
+    """How busy the machine was while a timed stage ran: ``others_share`` (0..1, other processes' CPU time
+    from ``/proc/stat``) and ``busy`` (share > :data:`BUSY_SHARE`); None / False without ``/proc/stat``."""
 
     def __enter__(self) -> LoadMonitor:  # noqa: PYI034
         self._start, self._own = _cpu_jiffies(), sum(os.times()[:2])
@@ -166,14 +139,13 @@ class LoadMonitor:
         return {"others_cpu_share": self.others_share, "busy": self.busy, "threshold": BUSY_SHARE}
 
 
-#: Version of the calibration cache's key and file layout (:func:`cached_speed_model`); a change misses every entry.
+#: Version of the calibration cache's key and layout; a change misses every entry.
 SPEED_CACHE_FORMAT = 1
 
 
 def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
-    """What a calibration depends on: both models (:func:`model_fingerprint`, the draft as prepared), the draft's
-    preparation, γ's bound, the device, the machine (CPU model, cores), torch's version and threads, OpenMP's wait
-    policy. Two calibrations with equal keys would measure the same costs up to machine noise."""
+    """What a calibration depends on: both models' fingerprints, the draft's preparation, γ's bound,
+    device, CPU, torch version and threads, OpenMP's wait policy."""
     cpu = cpu_model()
     device = next(target.parameters()).device
     return {"format": SPEED_CACHE_FORMAT, "target": model_fingerprint(target), "draft": model_fingerprint(draft),
@@ -183,8 +155,7 @@ def speed_cache_key(target, draft, max_gamma: int) -> dict[str, Any]:
 
 
 def calibration_context(prompt_ids: Sequence[Sequence[int]]) -> list[int]:
-    """The prompt the pair's costs are measured on (:func:`measure_speed_model`): the one of median length among
-    ``prompt_ids`` (``[n]`` token id lists; ties broken by order), ``[]`` when there is none."""
+    """The prompt of median length among ``prompt_ids`` (ties by order), ``[]`` when there is none."""
     return list(sorted(prompt_ids, key=len)[len(prompt_ids) // 2]) if prompt_ids else []
 
 
@@ -193,20 +164,10 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
                        refresh: bool = False, say: Callable[[str], None] | None = None) -> tuple[SpeedModel, str]:
     """:func:`measure_speed_model`, measured once per :func:`speed_cache_key` and then read back.
 
-    Entries live in ``cache_dir`` (default ``$SPECDRAFT_SPEED_CACHE``, else ``$SPECDRAFT_CACHE/speed``), one JSON
-    file per key, named by the key's sha256 and holding the key itself: an entry is used only when its stored key
-    equals this call's in every field, and is replaced atomically after a new measurement. The cached costs are
-    those of the calibration context (``context`` of the first call).
-
-    A calibration measured while other processes held more than :data:`BUSY_SHARE` of the CPU
-    (:class:`LoadMonitor`) is returned but not cached. A hit is spot-checked first (:func:`_stale_costs`: t(1) and d
-    timed now): the same machine kind can run at half the speed on another day, so a hit whose costs no longer hold
-    is re-measured and replaced. ``say(line)`` hears each step (:func:`measure_speed_model`).
-
-    Returns:
-        ``(speed_model, source)``: source ``"cache, measured <ISO time>: <path of the entry>"``, ``"measured"``,
-        ``"measured (the cached costs were stale: …)"``
-        or ``"measured on a busy machine (…)"``.
+    Entries (``cache_dir``, default ``$SPECDRAFT_SPEED_CACHE`` else ``$SPECDRAFT_CACHE/speed``) are JSON files named
+    by the key's sha256 and used only when the stored key matches. A busy-machine measurement is not cached; a hit
+    whose
+    spot check disagrees (:func:`_stale_costs`) is re-measured. Returns ``(speed_model, source)``.
     """
     import hashlib
 
@@ -242,18 +203,14 @@ def cached_speed_model(target, draft, context: Sequence[int], max_gamma: int = 8
     return speed, (f"measured ({refresh_reason})" if refresh_reason else "measured")
 
 
-#: A cached calibration is re-measured when a spot check of t(1) or d differs from it by more than this factor and by
-#: more than :data:`STALE_ABS_S`: the same machine kind can run at half the speed on another day, which no cache
-#: key can see.
+#: Spot-check bounds: the same machine kind can run at half speed another day.
 STALE_FACTOR = 1.5
 STALE_ABS_S = 0.02
 
 
 def _stale_costs(cached: SpeedModel, target, draft, context: Sequence[int],
                  draft_context: Sequence[int] | None) -> str | None:
-    """Spot-check a cached calibration: time t(1) and d now (2 repeats each) and say why the cache is stale (both
-    of two checks in a row), or ``None`` when t(1) and d agree with it within :data:`STALE_FACTOR` or
-    :data:`STALE_ABS_S`."""
+    """Why a cached calibration is stale (t(1) or d off in two spot checks in a row), or None."""
     def check() -> str | None:
         t, _ = pass_seconds(target, context, [1], repeats=2)
         d, _ = pass_seconds(draft, draft_context or context, [1], repeats=2, last_only=True)
@@ -262,15 +219,12 @@ def _stale_costs(cached: SpeedModel, target, draft, context: Sequence[int],
                 return f"the cached costs were stale: {name} {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms cached"
         return None
 
-    # Stale only when two spot checks in a row say so: one pass caught by a hiccup of the machine is not a new day.
+    # Two checks in a row: one hiccup of the machine is not a new day.
     return check() and check()
 
 
 def machine_info() -> dict[str, Any]:
-    """What the speeds depend on besides the models: torch's intra-op threads, OpenMP's wait policy (``"unset"`` =
-    libgomp's default, which spins briefly; ``PASSIVE`` makes each small operation of a CPU draft step wake a
-    sleeping thread: docs/benchmarks.md, "A cheaper draft — the default configuration"), the CPU architecture and
-    torch's version."""
+    """What speeds depend on besides the models: torch threads, ``OMP_WAIT_POLICY``, CPU, torch version."""
     return {"cpu_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "machine": platform.machine(), "torch": torch.__version__}
 
@@ -283,17 +237,11 @@ def machine_line() -> str:
 
 def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalConfig,
               vocab_mapping=None, say: Callable[[str], None] | None = None) -> tuple[SpeedModel, str] | None:
-    """The pair's :class:`~specdraft.speed.SpeedModel` and where it came from, or ``None`` without a prompt of 2+ tokens.
+    """The pair's :class:`~specdraft.speed.SpeedModel` and its source, or None without a prompt of 2+ tokens.
 
-    Measured on :func:`calibration_context` of ``prompt_ids`` (``[n]`` token id lists); for a draft of another
-    tokenizer (``vocab_mapping``) the draft reads that prompt re-encoded in its ids (when that is 2+ tokens). γ's
-    bound is ``max(config.num_speculative_tokens, 8)``; the cache is ``config.speed_cache_dir``, read unless
-    ``config.speed_cache`` is False (:func:`cached_speed_model`). ``say(line)`` hears what is measured and how long
-    it will take, before and while it runs (a command prints it before its progress bar).
-
-    Raises:
-        specdraft.sampling.ContextWindowError: the longest prompt + ``max_new_tokens`` + γ+1 exceeds a model's window
-            (:func:`specdraft.sampling.check_context`), refused before calibrating.
+    Measured on :func:`calibration_context` (re-encoded for a mapped draft), γ bound
+    ``max(config.num_speculative_tokens, 8)``, cache as ``config`` says. Raises
+    :class:`specdraft.sampling.ContextWindowError` before calibrating when a prompt would exceed a window.
     """
     if prompt_ids:
         check_decode_context(max(len(p) for p in prompt_ids), config.max_new_tokens, config.num_speculative_tokens,
@@ -308,11 +256,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]], config: EvalCo
 
 
 def gemv_gb_s(dtype: str = "bfloat16", rows: int = 8960, cols: int = 1536, reps: int = 100, rounds: int = 5) -> float:
-    """This machine's matrix-vector throughput now, weight bytes per second / 1e9: a [1, cols] × [cols, rows]
-    product (the embedded target's MLP projection) in ``dtype``, torch's default CPU path (oneDNN for bfloat16),
-    after a warm-up; the best of ``rounds`` rounds of ``reps`` products (a round another process interrupts is
-    slower, never faster). A batch-1 decoding step reads every weight once, so this is the rate a decoder's step is
-    bounded by; the main job's time estimate scales with it (:func:`specdraft.pipeline.first_line`). About 0.5 s."""
+    """This machine's matrix-vector throughput now, GB of weights per second: a [1, cols] × [cols, rows]
+    product in ``dtype``, the best of ``rounds``. A batch-1 decode step is bounded by it. About 0.5 s."""
     dt = getattr(torch, dtype)
     w, x = torch.randn(rows, cols).to(dt), torch.randn(1, cols).to(dt)
     for _ in range(20):

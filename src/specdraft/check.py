@@ -1,11 +1,9 @@
 """``specdraft check``: can these two checkpoints work together?
 
-:func:`check_compatible` compares the target's and the draft's tokenizers over the whole vocabulary (no weights
-loaded) and returns a :class:`CompatReport` with one verdict of :data:`VERDICTS`; :func:`run_check` adds both
-models' facts and a greedy continuation from each. Speculative decoding compares p and q id by id: the draft
-proposes id x with probability q(x), the target accepts it with probability min(1, p(x)/q(x)) — if id x means
-one string to the target and another to the draft, acceptance is silently wrong (or zero). Widths that differ
-only by padding rows are handled by :func:`specdraft.sampling.align_logits`; a draft of another family goes
+:func:`check_compatible` compares both tokenizers over the whole vocabulary (no weights loaded) and returns a
+:class:`CompatReport` with one of :data:`VERDICTS`; :func:`run_check` adds both models' facts and a greedy
+continuation. Verification compares p and q id by id, so an id meaning different strings silently breaks
+acceptance. Padding-only width differences go through :func:`specdraft.sampling.align_logits`, another family
 through a :class:`specdraft.vocab.VocabMapping`.
 """
 
@@ -28,7 +26,7 @@ from specdraft.vocab import (
 )
 
 Verdict = Literal["identical", "identical-up-to-padding", "mismatch"]
-#: The verdicts of :func:`check_compatible`, in order of agreement. One source for every list of them.
+#: The verdicts of :func:`check_compatible`, most agreeing first.
 VERDICTS: tuple[str, ...] = get_args(Verdict)
 
 #: Differences listed by name in a report (all of them are counted).
@@ -39,10 +37,7 @@ _USER = {"role": "user", "content": "Write hello world in Python."}
 _REPLY = {"role": "assistant", "content": "print('hello world')"}
 _AGAIN = {"role": "user", "content": "Now in C."}
 
-#: Conversations both chat templates render (``name → (messages, add_generation_prompt)``), the comparison of
-#: :func:`compare_chat_templates`. Without a system message a template may add its default one; with the generation
-#: prompt it may open an (empty) think block; a multi-turn chat shows how earlier replies are kept. User and
-#: assistant alternate, so strict templates accept every one.
+#: Conversations both chat templates render (``name → (messages, add_generation_prompt)``).
 PROBE_CONVERSATIONS: dict[str, tuple[list[dict[str, str]], bool]] = {
     "user, generation prompt": ([_USER], True),
     "system + user, generation prompt": ([_SYSTEM, _USER], True),
@@ -50,19 +45,16 @@ PROBE_CONVERSATIONS: dict[str, tuple[list[dict[str, str]], bool]] = {
     "system + multi-turn, no generation prompt": ([_SYSTEM, _USER, _REPLY], False),
 }
 
-#: Which chat template specdraft's stages render with (:func:`specdraft.data.encode_prompts` and
-#: :func:`specdraft.data.build_sequences` are always given the target's tokenizer).
+#: Which chat template specdraft's stages render with (always the target's).
 TEMPLATE_USE = ("the dump, the evaluation and the export use the target's chat template (prompts and training "
                 "sequences are rendered with the target's tokenizer; an exported speculator carries the target's "
                 "template where the draft's renders differently)")
 
-# Characters of each side shown around the first difference.
 _EXCERPT = 40
 
 
 def _render(tok, messages: list[dict[str, str]], add_generation_prompt: bool) -> str | None:
-    """The template's text for ``messages``; ``None`` without a template; ``"error: ..."`` when it fails (a
-    failure is a rendering too: a template that refuses a conversation the other renders differs from it)."""
+    """The template's text, None without a template, ``"error: ..."`` when it fails (a rendering too)."""
     if not getattr(tok, "chat_template", None):
         return None
     try:
@@ -72,15 +64,11 @@ def _render(tok, messages: list[dict[str, str]], add_generation_prompt: bool) ->
 
 
 def compare_chat_templates(target_tok, draft_tok) -> dict[str, Any]:
-    """Render every :data:`PROBE_CONVERSATIONS` entry with both tokenizers' ``apply_chat_template``
-    (``tokenize=False``) and compare the texts: what the templates render, not their source (two templates written
-    differently that render the same text are equal).
+    """Render every :data:`PROBE_CONVERSATIONS` entry with both chat templates and compare texts.
 
-    Returns:
-        ``{"equal": bool | None (None: neither has a template), "target_has_template": bool, "draft_has_template":
-        bool, "conversations": [{"name", "equal"}], "first_difference": None | {"conversation": name, "position":
-        character index, "target": excerpt, "draft": excerpt}}``. An excerpt is up to 40 characters of that side's
-        rendering from a few characters before ``position`` (``None`` for a side without a template).
+    Returns ``{"equal": bool | None, "target_has_template", "draft_has_template", "conversations": [{"name",
+    "equal"}],
+    "first_difference": None | {"conversation", "position", "target", "draft"}}`` (excerpts up to 40 characters).
     """
     has_t, has_d = bool(getattr(target_tok, "chat_template", None)), bool(getattr(draft_tok, "chat_template", None))
     out: dict[str, Any] = {"equal": None, "target_has_template": has_t, "draft_has_template": has_d,
@@ -119,7 +107,7 @@ def template_difference(chat: dict[str, Any]) -> str:
 
 
 def _first_list_difference(a: list | str, b: list | str) -> int:
-    """The first index where ``a`` and ``b`` differ (the shorter length when one is a prefix of the other)."""
+    """The first index where ``a`` and ``b`` differ (the shorter length for a prefix)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -143,18 +131,11 @@ class TokenDifference:
 
 @dataclass
 class CompatReport:
-    """Result of :func:`check_compatible`. Counts are complete; lists of examples are capped.
+    """Result of :func:`check_compatible`: counts complete, example lists capped.
 
-    Verdicts (:data:`VERDICTS`):
-
-    * ``identical``: every id below the real vocabulary length means the same string to both (and every
-      string the same id), and both models' logits have the same width.
-    * ``identical-up-to-padding``: the same, but the widths differ (``config.vocab_size`` padded
-      differently); q must go through :func:`align_logits` to p's width.
-    * ``mismatch``: at least one id (or string) differs, or one tokenizer has tokens the other lacks.
-
-    Every other difference (special roles, probe encodings, chat templates) is a ``warning``, never the verdict
-    (why: docs/architecture.md, "check").
+    Verdicts: ``identical`` (every id means the same string both ways, same logits width), ``identical-up-to-padding``
+    (widths differ; q goes through :func:`align_logits`), ``mismatch``. Other differences are warnings (why:
+    docs/architecture.md, "check").
     """
 
     verdict: Verdict
@@ -203,7 +184,6 @@ class CompatReport:
             return (f"{self.real_vocab} ids agree; logits widths target {self.target_width}, draft "
                     f"{self.draft_width} (rows past {self.real_vocab} are padding)")
         first = "; ".join(f"id {d.id}: target {d.target!r} vs draft {d.draft!r}" for d in self.differences[:3])
-        # Ids are compared over the larger real vocabulary, whichever side holds it: both sizes are named.
         n = max(self.target_real_vocab, self.draft_real_vocab)
         strings = (f"{self.n_diff_strings:,} strings of the two vocabularies' union differ "
                    f"({self.n_strings_target_only:,} only in the target's, {self.n_strings_draft_only:,} only in the "
@@ -216,8 +196,8 @@ class CompatReport:
         return f"{self.verdict}: {self.detail()}"
 
     def raise_for_mismatch(self) -> CompatReport:
-        """Raise :class:`CompatibilityError` on a ``mismatch`` (the message names the first differing ids
-        and both strings); return ``self`` otherwise."""
+        """Raise :class:`CompatibilityError` on a ``mismatch`` (naming the first differing
+        ids); return ``self`` otherwise."""
         if self.verdict != "mismatch":
             return self
         hint = ""
@@ -249,27 +229,10 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
                      max_differences: int = MAX_DIFFERENCES, with_mapping: bool = True) -> CompatReport:
     """Compare the target's and the draft's tokenizers over the whole vocabulary (no weights loaded).
 
-    Compared: every id in both directions (id → string with ``convert_ids_to_tokens`` over the full range,
-    string → id with ``get_vocab``), bos/eos/pad/unk strings and ids, which ids are special,
-    :data:`PROBE_TEXT` encoded by both, :data:`PROBE_CONVERSATION` rendered by both chat templates, and
-    the logits widths (``config.vocab_size``). See :class:`CompatReport` for what decides the verdict.
-
-    Args:
-        target: the target's reference (embedded name, local HF directory, cached hub id — tokenizer and
-            config are read, never the weights) or a tokenizer object.
-        draft: the same for the draft.
-        target_config / draft_config: with tokenizer objects, the config (or ``config.vocab_size`` as an
-            int) giving the logits width; without one the width is the tokenizer's id range.
-        max_differences: differing ids (and strings) listed by name; all are counted.
-        with_mapping: on a mismatch, also measure what a :class:`VocabMapping` would cover.
-
-    Returns:
-        The report; a mismatch is reported, not raised (see :meth:`CompatReport.raise_for_mismatch` and
-        :func:`require_compatible`).
-
-    Raises:
-        ModelResolutionError: a reference cannot be resolved, or its tokenizer / config cannot be loaded
-            (the message names the path).
+    Compares ids both ways, special tokens, :data:`PROBE_TEXT` encodings, chat templates and logits widths.
+    ``target``/``draft``: references or tokenizer objects (then ``*_config`` or an int gives the width). A mismatch is
+    reported, not raised (:func:`require_compatible` raises). Raises :class:`ModelResolutionError` for an unresolvable
+    reference or unloadable tokenizer/config.
     """
     t0 = time.perf_counter()
     t = load_tokenizer_view(target, target_config, "target")
@@ -367,12 +330,7 @@ def check_compatible(target, draft, *, target_config=None, draft_config=None,
 
 
 def require_compatible(target, draft, **kwargs) -> CompatReport:
-    """:func:`check_compatible`, then raise :class:`CompatibilityError` on a ``mismatch``.
-
-    Raises:
-        CompatibilityError: the tokenizers disagree on at least one id (message: first ids, both strings).
-        ModelResolutionError: see :func:`check_compatible`.
-    """
+    """:func:`check_compatible`, raising :class:`CompatibilityError` on a ``mismatch``."""
     return check_compatible(target, draft, **kwargs).raise_for_mismatch()
 
 
@@ -431,9 +389,8 @@ def print_report(report: CompatReport, console) -> None:
 
 
 def mapping_line(report: CompatReport) -> str:
-    """The sentence on what a vocabulary mapping would pair (rich markup). Its count is of twins, tokens that
-    decode to the same text whatever their ids and spelling scheme, so it is not the verdict's count of raw
-    vocabulary strings found in both under different ids: the sentence says how the two relate."""
+    """The sentence on what a vocabulary mapping would pair (rich markup); its count is of twins (same
+    decoded text), not the verdict's raw shared strings."""
     m = report.mapping or {}
     moved = (f"; the {report.n_strings_moved:,} strings above are the raw vocabulary entries found in both under "
              "different ids, while a twin may also sit at the same id, or be spelt another way (a space as '▁' in "
@@ -465,8 +422,8 @@ class ModelFacts:
 
 
 def model_facts(model, tokenizer) -> ModelFacts:
-    """Parameters, dtype, architecture and vocabulary sizes of a loaded model. ``output_head_parameters`` counts a
-    separate (untied) output head, 0 when it is the input embeddings: ``parameters`` includes it."""
+    """Parameters, dtype, architecture and vocabulary sizes of a loaded model; ``output_head_parameters``
+    counts an untied head (included in ``parameters``), else 0."""
     cfg = model.config
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     untied = out is not None and inp is not None and out.weight is not inp.weight
@@ -486,10 +443,8 @@ def model_facts(model, tokenizer) -> ModelFacts:
 
 
 def parameter_note(target: ModelFacts | None, draft: ModelFacts | None, refs: tuple[str, str] = ("", "")) -> str | None:
-    """Why :func:`run_check`'s parameter counts can exceed a model's published size: they include a separate output
-    head (V × H), which a checkpoint that ties it to the input embeddings — as published sizes of such models count
-    it — does not hold. The embedded models are GGUF builds that store the head separately (``refs``: the target's
-    and the draft's references as typed). None when both heads are tied (or the models were not loaded)."""
+    """Why parameter counts can exceed a published size (an untied output head, as in the embedded GGUF
+    builds), or None when both heads are tied."""
     from specdraft.embedded import EMBEDDED
 
     heads = {role: f.output_head_parameters if f else 0 for role, f in (("target", target), ("draft", draft))}
@@ -524,8 +479,8 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 
 @dataclass
 class CheckResult:
-    """What :func:`run_check` found: the tokenizer report and, unless it is a ``mismatch`` (the models are then not
-    loaded), both models' facts and greedy continuations of ``prompt``."""
+    """What :func:`run_check` found: the tokenizer report and, unless a ``mismatch``, both models' facts
+    and greedy continuations."""
 
     target_ref: str  # the references as the user typed them
     draft_ref: str
@@ -545,8 +500,7 @@ class CheckResult:
         return parameter_note(self.target, self.draft, (self.target_ref, self.draft_ref))
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"target_ref", "draft_ref", "compat"}`` plus, when the models were loaded, ``"target"``, ``"draft"``
-        (facts), ``"prompt"``, ``"continuations"``."""
+        """``{"target_ref", "draft_ref", "compat"}``, plus facts, prompt and continuations if loaded."""
         d: dict[str, Any] = {"target_ref": self.target_ref, "draft_ref": self.draft_ref,
                              "compat": self.compat.to_dict()}
         if self.loaded:
@@ -559,20 +513,7 @@ class CheckResult:
 def run_check(target_path: str, draft_path: str, prompt: str, max_new_tokens: int = 16, dtype: str = "auto",
               target_name: str | None = None, draft_name: str | None = None) -> CheckResult:
     """Compare tokenizers (before loading weights), then load both models and continue ``prompt`` greedily.
-
-    Args:
-        target_path / draft_path: model references (resolved directories, embedded names or cached hub ids).
-        prompt: user message, rendered with each model's chat template when it has one.
-        max_new_tokens: greedy tokens per model.
-        dtype: weights dtype (see :func:`specdraft.models.load_model`).
-        target_name / draft_name: the references as the user typed them (recorded in the report).
-
-    Returns:
-        a :class:`CheckResult`; on a tokenizer ``mismatch`` the models are not loaded (no facts, no continuations).
-
-    Raises:
-        ModelResolutionError: a reference cannot be resolved or loaded.
-    """
+    On a ``mismatch`` the models are not loaded. Raises :class:`ModelResolutionError`."""
     from specdraft.models import load_model
 
     report = CheckResult(target_name or target_path, draft_name or draft_path,

@@ -50,8 +50,7 @@ from specdraft.tokens import stop_ids
 
 
 class NonFiniteError(DecodeError):
-    """A model whose logits hold NaN or +inf where a distribution is needed (e.g. float16 activations that
-    overflow): there is no law to keep, so decoding stops and names the model and its dtype."""
+    """Logits holding NaN or +inf where a distribution is needed: no law to keep, so decoding stops."""
 
 
 def _model_name(model) -> str:
@@ -64,17 +63,11 @@ def _model_name(model) -> str:
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
                   n_proposed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification.
+    """Greedy verification: ``(n_accepted [B] int64, next_token [B] int64)``.
 
-    Args:
-        draft_tokens: ``[B, γ] int64`` proposals d_1..d_γ.
-        target_logits: ``[B, γ+1, V]`` target logits at ``[cur, d_1..d_γ]`` (row i scores d_{i+1}).
-        n_proposed: ``[B] int64``, proposals per row when rows proposed fewer than γ (the rest is padding,
-            never accepted); default all γ.
-
-    Returns:
-        ``(n_accepted [B] int64, next_token [B] int64)``: the length of the prefix equal to the target's
-        argmax, and the target's argmax right after it (correction or bonus token).
+    ``draft_tokens``: ``[B, γ] int64``; ``target_logits``: ``[B, γ+1, V]`` at ``[cur, d_1..d_γ]``; ``n_proposed``:
+    ``[B] int64`` real proposals per row (default γ). Accepts the prefix equal to the target's argmax and emits the
+    argmax after it (correction or bonus).
     """
     target_argmax = target_logits.argmax(dim=-1)  # [B, γ+1]
     match = (draft_tokens == target_argmax[:, :-1]).long()  # [B, γ]
@@ -95,26 +88,19 @@ def verify_sampled(
     """Speculative-sampling verification (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Alg. 2).
 
     Args:
-        draft_tokens: ``[B, γ] int64`` d_i, each drawn from ``q[:, i]``.
-        q: ``[B, γ, V] float32`` the exact (filtered) distributions the draft sampled from.
-        p: ``[B, γ+1, V] float32`` the target's filtered distributions at the same positions plus the bonus.
-        generator: torch RNG for the uniforms and the resampling.
-        n_proposed: ``[B] int64``, proposals per row when rows proposed fewer than γ (the rest is padding);
-            default all γ. Row b is then verified exactly as a round of ``n_proposed[b]`` drafts.
-        u: ``[B, γ+1] float64`` uniforms in [0, 1) instead of ``generator``: γ acceptance tests, then the draw of
-            the next token (the decode loop's per-row streams, :class:`RowDraws`).
+        draft_tokens: ``[B, γ] int64`` d_i ~ ``q[:, i]``.
+        q: ``[B, γ, V] float32`` the draft's filtered distributions; p: ``[B, γ+1, V] float32`` the target's.
+        n_proposed: ``[B] int64`` real proposals per row (default γ); row b is verified as a round of that many.
+        u: ``[B, γ+1] float64`` uniforms (the loop's per-row streams, :class:`RowDraws`) instead of ``generator``.
 
-    Returns:
-        ``(n_accepted [B] int64, next_token [B] int64)``. d_i is accepted when u_i < p_i(d_i)/q_i(d_i);
-        the next token is drawn from norm(max(p_n − q_n, 0)) at the first rejection n, or from p_{γ+1}
-        when every draft was accepted.
+    Returns ``(n_accepted [B] int64, next_token [B] int64)``: d_i accepted when u_i < p_i(d_i)/q_i(d_i); the next
+    token drawn from norm(max(p_n − q_n, 0)) at the first rejection n, else from p_{γ+1}.
     """
     B, gamma = draft_tokens.shape
     live = None
     if n_proposed is not None:
         live = torch.arange(gamma, device=q.device)[None, :] < n_proposed[:, None]  # [B, γ]
-        # q = 0 past a row's proposals: the token after its last proposal is drawn from norm(max(p − 0, 0)) = p,
-        # the bonus distribution of a round of n_proposed drafts.
+        # q = 0 past a row's proposals: the next token is drawn from p, as a bonus.
         q = q * live[..., None]
     idx = draft_tokens[..., None]
     p_d = p[:, :gamma].gather(2, idx).squeeze(2)  # [B, γ]
@@ -134,7 +120,7 @@ def verify_sampled(
     q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n]  # q = 0 at the bonus slot → residual = p
     residual = (p_n - q_n).clamp(min=0)
     mass = residual.sum(dim=-1, keepdim=True)
-    # mass = 0 only if p == q, where rejection has probability 0; fall back to p for numerical safety.
+    # mass = 0 only if p == q, where rejection has probability 0.
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
     nxt = sample(residual, generator, u_next)
     return n, nxt
@@ -144,8 +130,7 @@ def verify_sampled(
 
 
 def _sliding_window(model) -> int | None:
-    """The model's attention window in tokens, or ``None`` (full attention; Qwen2 carries a window it does not
-    use unless ``use_sliding_window``)."""
+    """The model's attention window in tokens, or None (Qwen2's is unused unless ``use_sliding_window``)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(cfg, "use_sliding_window", True) is False:
         return None
@@ -158,26 +143,16 @@ def _ends_with_any(seq: list[int], stops: Sequence[Sequence[int]]) -> bool:
 
 def check_max_new_tokens(max_new_tokens: int, name: str = "max_new_tokens",
                          error: type[Exception] = DecodeError) -> None:
-    """The one budget rule of every public entry point that generates: at least one new token per row (the
-    configs' ``ge=1`` and the CLI's ``min=1``). A budget of 0 or less is refused rather than read as "nothing":
-    the loop emits the target's token of its first pass before it counts, so it would still yield one.
-
-    Raises:
-        ``error`` (:class:`DecodeError` unless given): ``max_new_tokens`` (named ``name``) is not an integer ≥ 1;
-            the message names the argument and its value.
-    """
+    """Refuse a budget below 1 new token per row: the loop emits one token before it counts.
+    Raises ``error`` (:class:`DecodeError` by default), naming ``name`` and its value."""
     if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise error(f"{name} must be an integer >= 1 (new tokens per row), got {max_new_tokens!r}")
 
 
 def check_decode_context(longest: int, max_new_tokens: int, gamma: int, target, draft,
                          error: type[Exception] = ContextWindowError) -> None:
-    """Decoding's window rule: the longest prompt (``longest`` tokens) + ``max_new_tokens`` + γ+1 positions must fit
-    the target's and the draft's context windows (``draft`` None: not checked, e.g. a mapped draft).
-
-    Raises:
-        ``error``: the message names the three terms, the window and the fix (:func:`specdraft.sampling.check_context`).
-    """
+    """Refuse a prompt of ``longest`` tokens + ``max_new_tokens`` + γ+1 that exceeds either model's
+    context window (``draft`` None: not checked). Raises ``error``, naming the terms and the fix."""
     need = longest + max_new_tokens + gamma + 1
     check_context(need, [("target", target), ("draft", draft)],
                   f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + γ+1 = {need}",
@@ -193,8 +168,7 @@ def _check_inputs(target, draft, input_ids, attention_mask, gamma: int, max_new_
         raise DecodeError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}")
     if bool((attention_mask[:, -1] == 0).any()):
         raise DecodeError("prompts must be left-padded (attention_mask[:, -1] is 0 for some row)")
-    # Ids past either model's embedding or head (padding too: it is looked up) fail later as an IndexError inside
-    # it; a mapped draft reads its own.
+    # Ids past the embedding or head would fail later as an IndexError.
     check_token_ids(input_ids, [("target", target)] + ([("draft", draft)] if draft is not None
                                                                            and not mapped else []), error=DecodeError)
     if draft is not None and not mapped and real_vocab is not None:
@@ -221,7 +195,7 @@ def _eos_ids(target, eos_token_id) -> set[int]:
 
 
 def _check_target_logits(t_logits: torch.Tensor, target) -> None:
-    """Refuse target logits holding NaN or +inf (−inf is a masked id): p is not defined there, in either mode."""
+    """Refuse target logits holding NaN or +inf (−inf is a masked id)."""
     if bool((torch.isnan(t_logits) | torch.isposinf(t_logits)).any()):  # one host sync per round
         rows = sorted({int(r) for r in (torch.isnan(t_logits) | torch.isposinf(t_logits)).any(-1).nonzero()[:, 0]})
         raise NonFiniteError(f"the target ({_model_name(target)}) returned NaN or +inf logits (batch rows {rows}): "
@@ -230,8 +204,7 @@ def _check_target_logits(t_logits: torch.Tensor, target) -> None:
 
 
 def _verify(prop: Proposal | None, t_logits, sampling: SamplingConfig, u: torch.Tensor | None):
-    """``(n_accepted [b], next_token [b])`` for a round's proposals (none: the target's own next token); ``u``
-    the round's per-row uniforms (:class:`RowDraws`, sampling only)."""
+    """``(n_accepted [b], next_token [b])`` for a round's proposals (none: the target's own next token)."""
     b = t_logits.shape[0]
     if sampling.greedy:
         if prop is None:
@@ -267,43 +240,27 @@ def speculative_generate(
     """Generate with speculative decoding (``draft`` given) or target alone (``draft=None``, same code).
 
     Args:
-        target: transformers causal LM (the verifier), eval mode.
-        draft: causal LM sharing the target's tokenizer (widths may differ by padding rows) or, with
-            ``vocab_mapping``, speaking another tokenizer; ``None`` for the target-only baseline.
-        input_ids / attention_mask: ``[B, P] int64`` prompts, **left**-padded (mask 1 = token; default all ones).
-        num_speculative_tokens: γ ≥ 1, the most draft tokens per round.
-        sampling: greedy at temperature 0 (default), else temperature/top-k/top-p sampling.
-        max_new_tokens: tokens generated per row (≥ 1), met exactly unless EOS/stop comes first.
-        stop / eos_token_id: token-id sequences / id(s) that end a row, included in the output (``eos_token_id``
-            default :func:`~specdraft.tokens.stop_ids` of the target without a tokenizer: its ``generation_config``'s EOS, else its
-            config's; callers holding the tokenizer pass ``stop_ids(target, tokenizer)``; ``[]``: no EOS).
-        real_vocab: ``len(tokenizer)``; logits of ids at or past it are padding and get zero probability.
-        generator: torch RNG (sampling only); seed it for reproducible output. Each row draws from its own stream,
-            seeded ``s + row index`` with ``s`` drawn once from ``generator`` (:class:`RowDraws`): a row's tokens do not
-            depend on the other rows of its batch (without ``draft_confidence_threshold``, which stops the batch).
-        on_tokens: called as ``on_tokens(row, new_tokens)`` after each round (streaming).
-        draft_confidence_threshold: a round stops drafting once the draft's probability of its own latest token
-            falls below this in every row (lossless: proposals depend only on the draft, and each is verified
-            exactly; as transformers' ``assistant_confidence_threshold``, motivated by SpecDec++).
-        vocab_mapping: a :class:`~specdraft.vocab.VocabMapping` (tokenizers attached) when the draft's tokenizer
-            differs; ``mapped_proposals`` ``"tokens"`` or ``"text"`` (greedy only) chooses how it proposes
-            (default text when greedy, tokens when sampling). See the module docstring.
-        speed_model: the pair's measured costs (:func:`specdraft.calibration.measure_speed_model`); when given, each
-            row drafts the k ≤ γ its running acceptance predicts fastest, or none while no k predicts a gain
-            (:class:`~specdraft.speed.AdaptiveGamma`: never slower than the target alone, up to probing). Its
-            t(k) must reach k = γ+1.
+        target / draft: causal LMs in eval mode; the draft shares the target's tokenizer or, with ``vocab_mapping``
+            (:class:`~specdraft.vocab.VocabMapping`), speaks another (``mapped_proposals``: ``"tokens"`` or
+            greedy-only
+            ``"text"``).
+        input_ids / attention_mask: ``[B, P] int64``, **left**-padded.
+        num_speculative_tokens: γ ≥ 1; max_new_tokens: per row, met unless EOS/stop comes first.
+        stop / eos_token_id: what ends a row (included); default :func:`~specdraft.tokens.stop_ids` of the target.
+        real_vocab: ``len(tokenizer)``; ids at or past it get zero probability.
+        generator: sampling RNG; each row draws from its own stream (:class:`RowDraws`).
+        draft_confidence_threshold: stop drafting once the draft's probability of its latest token falls below this
+            in every row (transformers' ``assistant_confidence_threshold``; lossless).
+        speed_model: measured costs (:func:`specdraft.calibration.measure_speed_model`): each row drafts the k ≤ γ
+            predicted fastest (:class:`~specdraft.speed.AdaptiveGamma`).
 
-    Returns:
-        ``(tokens, counts)``: per row the new token ids (prompt excluded, EOS/stop included), and the
-        :class:`~specdraft.acceptance.AcceptanceCounts` (per-position accepted/proposed, histogram, timings).
+    Returns ``(tokens, counts)``: per row the new ids (EOS/stop included) and the
+    :class:`~specdraft.acceptance.AcceptanceCounts`.
 
     Raises:
-        DecodeError: γ < 1, ``max_new_tokens`` < 1 (:func:`check_max_new_tokens`), prompt ids past either model's
-            input embedding or output head (named; a mapped draft's are its own) or, with ``real_vocab``, a draft
-            narrower than the ids the target can emit, a prompt plus ``max_new_tokens`` longer than either model's
-            context window (a mapped draft's window is checked each round in its own tokens; once outgrown, the
-            target finishes alone with a warning), a batch of several rows with a sliding-window model, a ``vocab_mapping``
-            wider than the target's output head, ``mapped_proposals="text"`` with sampling.
+        DecodeError: γ < 1, ``max_new_tokens`` < 1, ids past either model's embedding or head, a context window
+            exceeded, a batch of several rows with a sliding-window model, a too-wide ``vocab_mapping``, ``"text"``
+            proposals with sampling.
         ValueError: a ``speed_model`` measured for a smaller γ.
     """
     sampling = sampling or SamplingConfig()
@@ -408,7 +365,6 @@ def speculative_generate(
 
 
 def target_generate(target, input_ids, attention_mask=None, **kwargs) -> tuple[list[list[int]], AcceptanceCounts]:
-    """Target-only baseline: :func:`speculative_generate` with the draft removed (same sampling code, the same
-    errors: ``max_new_tokens`` < 1 raises :class:`DecodeError`)."""
+    """Target-only baseline: :func:`speculative_generate` without a draft (same sampling and errors)."""
     kwargs.pop("num_speculative_tokens", None)
     return speculative_generate(target, None, input_ids, attention_mask, **kwargs)

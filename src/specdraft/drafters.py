@@ -1,11 +1,9 @@
 """The draft side of speculative decoding: drafters that propose each round's tokens, and the state they share
 with the loop.
 
-A :class:`Drafter` (:class:`SameTokenizerDrafter` for a draft of the target's tokenizer, :class:`MappedDrafter`
-for one of another tokenizer) ``propose``-s up to k tokens per row in target ids (with q when sampling), then
-``commit``-s what the target accepted, rolling its cache back. A :class:`Stream` is a model with its KV cache and
-hole mask, a :class:`Row` one prompt and what it emitted, :class:`RowDraws` each row's uniforms. Proposals never
-change what verification keeps, only how much: the loop and its lossless guarantee are :mod:`specdraft.decode`'s.
+A :class:`Drafter` (:class:`SameTokenizerDrafter`, or :class:`MappedDrafter` for another tokenizer) ``propose``-s up
+to k target-id tokens per row (with q when sampling), then ``commit``-s what the target accepted. A :class:`Stream`
+is a model with its KV cache and hole mask. Proposals never change what verification keeps, only how much.
 """
 
 from __future__ import annotations
@@ -22,19 +20,13 @@ from specdraft.sampling import align_logits, context_window, filter_logits, outp
 
 
 class DecodeError(ValueError):
-    """Bad decoding input (context too long, incompatible vocabularies, bad settings).
-
-    Defined here, the lower module, because drafters raise it too; :mod:`specdraft.decode` raises the same class
-    and its callers catch it as ``specdraft.decode.DecodeError``."""
+    """Bad decoding input (context too long, incompatible vocabularies, bad settings); defined here because
+    drafters raise it too, and re-exported as ``specdraft.decode.DecodeError``."""
 
 
 def proposal_mode(mapped_proposals: str | None, sampling: SamplingConfig) -> str:
-    """How a draft of another tokenizer proposes: ``mapped_proposals`` checked, or the default (``"text"`` for
-    greedy decoding, ``"tokens"`` when sampling). See :mod:`specdraft.decode`'s docstring.
-
-    Raises:
-        DecodeError: an unknown mode, or ``"text"`` with sampling (not lossless: sampling needs q over target ids).
-    """
+    """How a draft of another tokenizer proposes (default ``"text"`` greedy, ``"tokens"`` sampling).
+    Raises :class:`DecodeError` for an unknown mode or ``"text"`` with sampling (sampling needs q over target ids)."""
     if mapped_proposals not in (None, "text", "tokens"):
         raise DecodeError(f"mapped_proposals must be 'text' or 'tokens', got {mapped_proposals!r}")
     if mapped_proposals == "text" and not sampling.greedy:
@@ -47,7 +39,7 @@ def proposal_mode(mapped_proposals: str | None, sampling: SamplingConfig) -> str
 
 
 def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64's finaliser, folded over the values): distinct keys, unrelated seeds."""
+    """A 63-bit seed from integers (splitmix64's finaliser folded over them)."""
     h = 0x9E3779B97F4A7C15
     for v in values:
         h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -57,15 +49,11 @@ def _mix(*values: int) -> int:
 
 
 class RowDraws:
-    """Each row's own random stream in sampled decoding: row j of a call draws from seed ``s + j``, where ``s`` is
-    drawn once per call from the caller's generator (so a reused generator still gives new draws each call).
+    """Each row's own random stream: row j draws from seed ``s + j``, ``s`` drawn once per call.
 
-    A row's round is keyed by its seed and its length so far: ``u(rows)`` is ``[b, 2γ+1] float64`` — columns
-    ``0..γ−1`` the draft's draws at steps 1..γ, ``γ..2γ−1`` the acceptance tests, ``2γ`` the correction or bonus
-    token. Nothing a row draws depends on the other rows, on how many steps the batch drafts or on the batch's
-    order, so a row's tokens do not change when another row joins its batch (up to the float rounding of a batched
-    forward); a batch-wide ``draft_confidence_threshold`` stop is the one exception (it changes what is proposed).
-    One seed gives one answer only for one sequence of k (why: docs/architecture.md, "drafters").
+    ``u(rows)`` is ``[b, 2γ+1] float64``: the draft's draws, the acceptance tests, the correction/bonus draw. Keyed by
+    seed and row length, so a row's tokens do not depend on its batch (except a batch-wide confidence stop). Why:
+    docs/architecture.md, "drafters".
     """
 
     def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):
@@ -88,10 +76,10 @@ class RowDraws:
 class Stream:
     """A model plus its KV cache and the mask of real (1) vs padding/hole (0) cache positions.
 
-    :meth:`forward` feeds tokens and returns logits brought to the target's width (``width``; ids at or past
-    ``real_vocab`` get −inf; through ``mapping`` for a model of another tokenizer); :meth:`keep`, :meth:`truncate`
-    and :meth:`select` roll positions back and drop finished rows. The decode loop, the drafters and calibration's
-    timed passes all run models through it, so a timed pass is a decoding pass.
+    :meth:`forward` returns logits at the target's width (ids ≥ ``real_vocab`` at −inf; through ``mapping`` for
+    another
+    tokenizer); :meth:`keep`, :meth:`truncate`, :meth:`select` roll back and drop rows. Calibration times through it
+    too.
     """
 
     def __init__(self, model, batch: int, width: int, real_vocab: int, device, mapping=None):
@@ -99,9 +87,7 @@ class Stream:
 
         self.model = model
         self.mapping = mapping  # VocabMapping: the model speaks another tokenizer; logits are mapped to target ids
-        # No config: every layer is a full DynamicLayer. With the config, sliding-window layers evict old positions
-        # and cannot crop back across the window (RuntimeError in DynamicCache.crop); the window itself is applied
-        # by the attention mask, which transformers builds from model.config.sliding_window.
+        # Full layers: sliding-window ones cannot crop back (DynamicCache.crop); the window is in the mask.
         self.cache = DynamicCache()
         self.cache_keyword = cache_keyword(model)
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, L]
@@ -126,12 +112,11 @@ class Stream:
         self.n_real = self.n_real + chunk_mask.sum(dim=1)
         self.calls += 1
         logits = out.logits if self.mapping is None else self.mapping.map_draft_logits(out.logits)
-        # Padding rows (ids ≥ len(tokenizer)) get −inf, and widths are brought to the target's (see specdraft.sampling).
         return align_logits(logits, self.width, self.real_vocab)
 
     def keep(self, start: int, n_valid: torch.Tensor) -> None:
-        """Of the positions appended from column ``start``, keep the first ``n_valid[b]`` per row; the rest
-        become holes, and the tail that is a hole in every row is cropped from the cache."""
+        """Of the positions appended from ``start``, keep ``n_valid[b]`` per row; the rest become holes, and the
+        common tail of holes is cropped."""
         w = self.length - start
         if w <= 0:
             return
@@ -146,8 +131,7 @@ class Stream:
             self.mask = self.mask[:, : self.length - drop]
 
     def truncate(self, n_keep: torch.Tensor) -> None:
-        """Keep only the first ``n_keep[b]`` real positions of each row (later ones become holes) and crop the
-        tail that is a hole in every row. Used when the draft's re-encoded context diverges from its cache."""
+        """Keep the first ``n_keep[b]`` real positions per row (the rest become holes), crop the common tail."""
         keep = (self.mask.cumsum(dim=1) <= n_keep[:, None]).long()
         self.mask = self.mask * keep
         self.n_real = torch.minimum(self.n_real, n_keep)
@@ -166,11 +150,8 @@ class Stream:
 
 
 def cache_keyword(model) -> str:
-    """The keyword ``model.forward`` takes its KV cache by: ``"cache"`` (transformers 5.24, specdraft's pin), or
-    ``"past_key_values"`` for a forward that names only that (transformers 5.19, which vLLM 0.32's environment pins
-    and where :mod:`specdraft.vllm_proposer` runs the draft). Such a forward takes an unknown keyword into
-    ``**kwargs`` and ignores it, so a cache passed as ``cache`` there is silently dropped: every pass then reads
-    only the tokens fed to it."""
+    """The keyword ``model.forward`` takes its KV cache by: ``"cache"``, or ``"past_key_values"`` for an
+    older forward naming only that (which would silently drop an unknown ``cache`` keyword)."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
@@ -191,10 +172,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 @dataclass
 class Proposal:
-    """One round's proposals: ``tokens [b, k] int64`` in target ids; ``n_proposed [b] int64`` when rows proposed
-    fewer than k (right-padded, never accepted), else ``None``; ``q [b, k, V] float32`` the filtered distributions
-    the tokens were sampled from (sampling only); ``prefill_seconds``: the part of the round's drafting time that
-    was really prompt reading (a mapped draft reads its prompt in its first round), booked by the loop as prefill."""
+    """One round's proposals: ``tokens [b, k] int64`` (target ids), ``n_proposed [b] int64`` or None when every
+    row proposed k, ``q [b, k, V] float32`` (sampling only), and ``prefill_seconds`` of prompt reading in the round.
+    """
 
     tokens: torch.Tensor
     n_proposed: torch.Tensor | None = None
@@ -212,21 +192,17 @@ class Row:
 
 
 def _verification_q(logits: torch.Tensor, q: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """The q verification divides by: exactly the filtered q the draft token was drawn from (Theorem 3.5 holds for
-    that q only). A function of its own so that a negative control can put a wrong q here (the draft's unfiltered
-    softmax) and show that :func:`specdraft.certify.certify_sampling` fails it; decoding never replaces it."""
+    """The q verification divides by: exactly the filtered q the token was drawn from (Theorem 3.5); a function of
+    its own so a negative control can put a wrong q here and show :func:`specdraft.certify.certify_sampling` fails it."""
     return q
 
 
 class Drafter:
-    """The draft side of the loop: ``propose`` up to ``ks[j]`` tokens for active row j (a round drafts max(ks) steps
-    for the batch; :attr:`Proposal.n_proposed` marks rows that propose fewer), then ``commit`` how many the target
-    accepted (the drafter rolls its cache back), ``select`` the rows that continue.
+    """The draft side of the loop: ``propose`` up to ``ks[j]`` tokens per active row, ``commit`` how many were
+    accepted (rolling the cache back), ``select`` the rows that continue.
 
-    Subclasses set ``self.stream`` (a :class:`Stream`) and implement :meth:`prefill`, :meth:`propose`,
-    :meth:`commit`. ``propose`` gets the round's uniforms ``u [b, 2γ+1]`` (sampling; ``None`` when greedy) and
-    returns what it drafted, with any prompt-reading time in :attr:`Proposal.prefill_seconds`: the loop sets
-    nothing on the drafter between calls.
+    Subclasses set ``self.stream`` and implement :meth:`prefill`, :meth:`propose` (uniforms ``u [b, 2γ+1]`` or None)
+    and :meth:`commit`.
     """
 
     stream: Stream
@@ -243,11 +219,8 @@ class Drafter:
 
     def _draft(self, logits: torch.Tensor, gamma: int, feed, u: torch.Tensor | None
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Up to γ autoregressive draft steps from ``logits [b, V]``; ``feed(d)`` is the id the model reads back;
-        ``u [b, 2γ+1]`` the round's uniforms (sampling: step i draws with column i).
-
-        Returns ``(tokens, q)``: one ``[b]`` tensor per step (fewer than γ when every row's probability of its
-        own token fell below the confidence threshold), and the sampling distributions (empty when greedy)."""
+        """Up to γ draft steps from ``logits [b, V]`` (``feed(d)``: the id read back): ``(tokens per step,
+        q per step)``, fewer steps when every row fell below the confidence threshold."""
         tokens, qs = [], []
         ones = torch.ones(logits.shape[0], 1, dtype=torch.long, device=logits.device)
         self.first_bad = None
@@ -257,9 +230,8 @@ class Drafter:
             else:
                 s = self.sampling
                 q_i = filter_logits(logits, s.temperature, s.top_k, s.top_p).softmax(-1)
-                # Never draw from a non-finite q (NaN/+inf logits, e.g. float16 overflow): such a row proposes nothing
-                # from this step on (:meth:`_n_proposed` caps it), so the target draws its own token there and its law
-                # is kept. A one-hot placeholder keeps the tensors finite; no host sync here (one per round, later).
+                # A non-finite q stops the row's proposals here (the target draws its own token); placeholder keeps
+                # tensors finite.
                 bad = ~torch.isfinite(q_i).all(dim=-1)  # [b]
                 placeholder = torch.zeros_like(q_i[:1])
                 placeholder[0, 0] = 1.0
@@ -279,7 +251,7 @@ class Drafter:
         return tokens, qs
 
     def _n_proposed(self, ks: list[int], drafted: int, device) -> torch.Tensor | None:
-        """:func:`_n_proposed`, each row also capped at its first non-finite q of the round (:meth:`_draft`)."""
+        """:func:`_n_proposed`, each row also capped at its first non-finite q."""
         n = _n_proposed(ks, drafted, device)
         if self.first_bad is None or not bool((cut := self.first_bad < drafted).any()):  # one host sync per round
             return n
@@ -301,12 +273,9 @@ class Drafter:
 
 
 class SameTokenizerDrafter(Drafter):
-    """A draft that shares the target's tokenizer (widths may differ by padding rows).
-
-    ``read[j]``: how many tokens of row j's context (prompt + emitted) its cache holds. Each round it first reads
-    the rest — ``cur``, plus d_k after a round that accepted all k drafts (the one draft it never read), plus every
-    token emitted while the row drafted nothing — in one pass, then drafts. ``commit`` keeps the accepted prefix
-    of what it read while drafting (d_1..d_{k−1})."""
+    """A draft sharing the target's tokenizer. Each round it reads, in one pass, the context it
+    has not read yet (``cur``, a fully accepted round's last draft, tokens emitted while it drafted nothing), then
+    drafts."""
 
     def __init__(self, model, batch: int, width: int, real_vocab: int, device, sampling, draws, threshold):
         super().__init__(sampling, draws, threshold)
@@ -332,7 +301,6 @@ class SameTokenizerDrafter(Drafter):
                         torch.stack(qs, dim=1) if qs else None)
 
     def commit(self, n_accepted) -> None:
-        # Keep what was read this round (holes stay holes) and the accepted drafts it read (at most d_1..d_{k−1}).
         kept = torch.clamp(n_accepted, max=self.drafts.shape[1] - 1)
         self.stream.keep(self.start, kept + self.fed)
         self.read = [r + n for r, n in zip(self.read, kept.tolist())]
@@ -343,8 +311,7 @@ class SameTokenizerDrafter(Drafter):
 
 
 def _left_holes(feeds: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists → ``(ids [b, w], mask [b, w])`` right-aligned, holes (mask 0) on the left, so the last column is
-    real in every row (each list has ≥ 1 token)."""
+    """Token lists → ``(ids [b, w], mask [b, w])`` right-aligned, holes on the left."""
     from torch.nn.utils.rnn import pad_sequence
 
     ids = pad_sequence([torch.tensor(f, dtype=torch.long) for f in feeds], batch_first=True, padding_side="left")
@@ -353,17 +320,15 @@ def _left_holes(feeds: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
 
 
 def _n_proposed(ks: list[int], drafted: int, device) -> torch.Tensor | None:
-    """``[b] int64`` proposals per row (``ks`` capped at the steps drafted), or ``None`` when every row proposed all."""
+    """``[b] int64`` proposals per row (``ks`` capped at the steps drafted), or None when all proposed all."""
     n = [min(k, drafted) for k in ks]
     return None if all(x == drafted for x in n) else torch.tensor(n, dtype=torch.long, device=device)
 
 
 class MappedDrafter(Drafter):
-    """A draft of another tokenizer, through a :class:`~specdraft.vocab.VocabMapping` (see :mod:`specdraft.decode`).
-
-    Each round it re-reads the context as text (its cache keeps the longest prefix it already holds) and proposes
-    target-id tokens (``mode="tokens"``, q over target ids) or text re-encoded with the target's tokenizer
-    (``mode="text"``, greedy only). Once its context outgrows its window it stops proposing (warned)."""
+    """A draft of another tokenizer through a :class:`~specdraft.vocab.VocabMapping`: it re-reads the
+    context as text each round and proposes target ids (``"tokens"``, with q) or re-encoded text (``"text"``, greedy).
+    Past its window it stops proposing (warned)."""
 
     def __init__(self, model, mapping, mode: str, batch: int, width: int, real_vocab: int, device, sampling,
                  draws, threshold):
@@ -387,8 +352,8 @@ class MappedDrafter(Drafter):
         pass  # the draft reads its prompt (re-encoded) in its first round
 
     def _feed(self, contexts: list[list[int]]) -> tuple[torch.Tensor, float]:
-        """Trim each row's cache to its common prefix with the new context, feed the rest; returns logits ``[b, V]``
-        and the seconds of the read when it was the first (the draft's prompt prefill), else 0."""
+        """Trim each row's cache to its common prefix with the new context and feed the rest:
+        ``(logits [b, V], prefill seconds of a first read else 0)``."""
         n_keep, feeds = [], []
         for j, new in enumerate(contexts):
             n = min(common_prefix(self.draft_ids[j], new), len(new) - 1)  # feed ≥ 1 token for logits
@@ -430,8 +395,7 @@ class MappedDrafter(Drafter):
 
     def text_proposal(self, drafted: list[list[int]], contexts: list[list[int]], rows, ks,
                       prefill_seconds: float = 0.0) -> Proposal | None:
-        """Text mode: the draft ids ``drafted`` after the draft contexts ``contexts`` → target-token candidates
-        (:func:`_text_candidates`, tokenized after each row's target tokens); ``None`` when no row has one."""
+        """Text mode: drafted ids → target-token candidates (:func:`_text_candidates`), or None."""
         cands, n = _text_candidates(drafted, contexts, [r.prompt + r.tokens for r in rows],
                                     self.mapping.draft_tokenizer, self.mapping.target_tokenizer, ks, self.device)
         return Proposal(cands, n, prefill_seconds=prefill_seconds) if int(n.max()) > 0 else None
@@ -445,25 +409,15 @@ class MappedDrafter(Drafter):
 
 
 
-#: Tokens of context, on each side, decoded with the drafted text: enough for any merge or space rule at the boundary.
+#: Context tokens decoded with the drafted text on each side, for boundary merges.
 _TEXT_WINDOW = 8
 
 
 def _text_candidates(drafted: list[list[int]], contexts: list[list[int]], target_contexts: list[list[int]], dtok,
                      ttok, ks: Sequence[int], device):
-    """Text mode: the draft's proposals (its own ids) → up to ``ks[j]`` target-token candidates for row j.
-    The drafted text is tokenized in context, as the target would tokenize it after its own tokens (as transformers'
-    ``AssistedCandidateGeneratorDifferentTokenizers``); a row whose text cannot continue the target's tokens proposes
-    nothing this round (how: docs/architecture.md, "drafters").
-
-    Args:
-        drafted: per row the draft ids it proposed; ``contexts``: per row the draft ids it read before drafting.
-        target_contexts: per row the target ids so far (prompt + emitted, ending with the token both models read
-            next).
-
-    Returns:
-        ``(candidates [b, K] int64, n_candidates [b] int64)``, rows right-padded with 0 past their count.
-    """
+    """Text mode: the draft's own ids → up to ``ks[j]`` target-token candidates per row, the text
+    tokenized in context after the target's tokens (transformers' ``AssistedCandidateGeneratorDifferentTokenizers``).
+    Returns ``(candidates [b, K] int64, n_candidates [b] int64)``; a row that cannot continue proposes nothing."""
     tails = [c[-_TEXT_WINDOW:] for c in contexts]
     texts = dtok.batch_decode(tails + [t + d for t, d in zip(tails, drafted)], skip_special_tokens=False,
                               clean_up_tokenization_spaces=False)

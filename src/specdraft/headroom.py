@@ -1,12 +1,10 @@
 """Headroom forecast: before training, how much acceptance distillation can add to a pair.
 
-Over N teacher-forced positions both models score once; per position j: greedy agreement
-``a_j = 1[argmax q_j = argmax p_j]``, sampled acceptance ``α_j = Σ_x min(p_j(x), q_j(x))``, and the target is
-*sure* when ``max_x p_j(x) ≥ τ`` (``HeadroomConfig.sure``). The gap ``1 − ā`` splits exactly into ``learnable``
-(sure positions the draft misses) and ``uncertain`` (the target itself spreads its mass); the forecast gain is the
-greedy ``learnable`` with a bootstrap interval over sequences, the ceiling ``ā + learnable``. Units: per-position
-probability, as ``acceptance_eval``'s ``alpha``. Counts first (:class:`HeadroomCounts`, per sequence), so forecasts
-merge across batches. The derivation and the verdict's wording: docs/architecture.md, "headroom".
+Over N teacher-forced positions: greedy agreement ``a_j = 1[argmax q_j = argmax p_j]``, sampled acceptance
+``α_j = Σ_x min(p_j(x), q_j(x))``, and the target *sure* where ``max_x p_j(x) ≥ τ``. The gap ``1 − ā`` splits
+exactly into ``learnable`` (sure positions the draft misses) and ``uncertain``; the forecast gain is the greedy
+``learnable`` (probability, as ``acceptance_eval``'s ``alpha``) with a bootstrap interval over sequences.
+Derivation and verdict: docs/architecture.md, "headroom".
 """
 
 from __future__ import annotations
@@ -26,14 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class HeadroomCounts:
-    """Sums over teacher-forced positions (merge with ``+``); every figure of the forecast derives from them.
-
-    Attributes:
-        positions: N, positions scored.
-        sure: positions where max p ≥ τ.
-        agree / agree_sure: greedy agreements (argmax q = argmax p), all and at sure positions.
-        alpha / alpha_sure: Σ α_j (probability), all and at sure positions.
-    """
+    """Sums over teacher-forced positions (merge with ``+``): ``positions`` (N), ``sure`` (max p ≥ τ),
+    ``agree``/``agree_sure`` (argmax q = argmax p) and ``alpha``/``alpha_sure`` (Σ α_j), all and at sure positions."""
 
     positions: int = 0
     sure: int = 0
@@ -55,7 +47,7 @@ class HeadroomCounts:
 
     @property
     def greedy_learnable(self) -> float:
-        """Share of positions where the target is sure and the draft's argmax is another token: the forecast gain."""
+        """Share of positions where the target is sure and the argmaxes differ: the forecast gain."""
         return self._share(self.sure - self.agree_sure)
 
     @property
@@ -91,19 +83,8 @@ class HeadroomCounts:
 
 @dataclass
 class HeadroomForecast:
-    """What :func:`forecast_headroom` found: the counts (every figure derives from them), the forecast gain with its
-    interval, the verdict line, and the counts per sequence.
-
-    Attributes:
-        counts: over every masked position.
-        gain: ``counts.greedy_learnable`` (probability: share of positions).
-        gain_ci95: ``[low, high]``, a 95% bootstrap over sequences (:func:`specdraft.stats.ratio_ci`).
-        verdict: one line (:func:`verdict`; with the swap diagnostic, its own verdict after ``"; vocabulary swap: "``).
-        sequences: sequences scored.
-        sure_threshold: τ (probability).
-        per_sequence: ``(id, counts)`` per sequence.
-        segmentation: the swap diagnostic (:meth:`~specdraft.segmentation.SegmentationReport.to_dict`), or None.
-    """
+    """:func:`forecast_headroom`'s result: the counts, ``gain`` (``counts.greedy_learnable``) with
+    ``gain_ci95`` (bootstrap over sequences), the ``verdict`` line, τ, per-sequence counts and the swap diagnostic."""
 
     counts: HeadroomCounts
     gain: float
@@ -115,9 +96,7 @@ class HeadroomForecast:
     segmentation: dict[str, Any] | None = None
 
     def to_dict(self, per_sequence: bool = True) -> dict[str, Any]:
-        """``{**HeadroomCounts.to_dict(), "gain", "gain_ci95", "verdict", "sequences", "sure_threshold",
-        "per_sequence": [{"id", **counts}]}`` (``per_sequence`` left out when False) plus ``"segmentation"`` when
-        the diagnostic ran."""
+        """The counts' dict plus gain, interval, verdict, τ and (optionally) per-sequence rows."""
         d = self.counts.to_dict() | {"gain": self.gain, "gain_ci95": self.gain_ci95, "verdict": self.verdict,
                                      "sequences": self.sequences, "sure_threshold": self.sure_threshold}
         if per_sequence:
@@ -126,7 +105,7 @@ class HeadroomForecast:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeadroomForecast:
-        """Inverse of :meth:`to_dict` (derived figures and keys that are not the forecast's are ignored)."""
+        """Inverse of :meth:`to_dict` (derived figures ignored)."""
         counts = lambda x: HeadroomCounts(**{f.name: x[f.name] for f in fields(HeadroomCounts)})
         return cls(counts(d), d["gain"], list(d["gain_ci95"]), d["verdict"], d["sequences"], d["sure_threshold"],
                    [(x["id"], counts(x)) for x in d.get("per_sequence") or []], d.get("segmentation"))
@@ -134,7 +113,7 @@ class HeadroomForecast:
 
 @dataclass
 class HeadroomRun:
-    """:func:`run_headroom`'s result: the forecast and what it was made from (references, settings, examples)."""
+    """:func:`run_headroom`'s result: the forecast and the references, settings and examples behind it."""
 
     forecast: HeadroomForecast
     target: str
@@ -149,16 +128,11 @@ class HeadroomRun:
 
 def position_headroom(target_logits: torch.Tensor, draft_logits: torch.Tensor, sure: float = 0.5,
                       serving: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position ingredients of the forecast.
+    """Per-position ingredients of the forecast: ``(sure [N] bool, agree [N] bool, alpha [N] float64)``.
 
-    Args:
-        target_logits / draft_logits: ``[N, V] float`` logits of p and q at the same N positions, aligned to one
-            width with padding rows at ``-inf`` (:func:`specdraft.sampling.align_logits`).
-        sure: τ; the target is sure where ``max p ≥ τ`` (raw p, T = 1).
-        serving: the filter α is computed after (temperature / top-k / top-p); None or plain: T = 1 unfiltered.
-
-    Returns:
-        ``(sure [N] bool, agree [N] bool, alpha [N] float64)``: sureness, greedy agreement and Σ min(p̃, q̃).
+    ``target_logits``/``draft_logits``: ``[N, V] float`` at the same positions, padding rows at ``-inf``
+    (:func:`specdraft.sampling.align_logits`). Sureness reads the raw p; α is taken after ``serving``'s filter (None:
+    T = 1).
     """
     from specdraft.losses import sum_min
     from specdraft.sampling import filtered_probs
@@ -210,34 +184,14 @@ def forecast_headroom(
     tokenizer=None,
     target_cache=None,
 ) -> HeadroomForecast:
-    """The forecast over the masked positions of ``sequences`` (teacher-forced; both models run once per batch).
+    """The forecast over the masked positions of ``sequences`` (teacher-forced, one pass per batch).
 
-    Args:
-        target, draft: causal LMs of one tokenizer (widths may differ by padding rows).
-        sequences: ``[n]`` token id lists.
-        masks: ``[n]`` per sequence, True where the distribution of the next token counts (the dump's
-            ``loss_mask`` convention; same length as the sequence).
-        config: τ, the verdict bound and the batch size (:class:`~specdraft.config.HeadroomConfig`).
-        names: an id per sequence (reported per sequence).
-        serving: the filter of the sampled α (default: plain T = 1).
-        real_vocab: ``len(tokenizer)``; ids past it are padding with zero probability.
-        progress: called as ``progress(done, total)`` after each batch.
-        twins / tokenizer: for a draft re-indexed from another tokenizer (:func:`specdraft.vocab.vocab_swap`):
-            ``[V]`` per target id whether the original draft has a twin, and the target's tokenizer. Given, the
-            draft's argmaxes of this same pass are split by kind of disagreement with the sequences' tokens
-            (:func:`specdraft.segmentation.diagnose_masked`) and the verdict names the kind that dominates.
-        target_cache: a directory of the target's logits per batch
-            (:func:`specdraft.replay.counted_target_logits`), shared with the replays of the same sequences.
+    ``masks`` follow the dump's ``loss_mask`` convention; ``real_vocab`` ids and above are padding. ``twins`` (``[V]``
+    bool, a swapped draft's) with ``tokenizer`` add the segmentation diagnostic
+    (:func:`specdraft.segmentation.diagnose_masked`); ``target_cache`` shares target logits with replays.
 
-    Returns:
-        a :class:`HeadroomForecast` (with ``twins``, its ``segmentation``); ``gain`` is ``greedy_learnable`` and its
-        interval a bootstrap over sequences (:func:`specdraft.stats.ratio_ci`).
-
-    Raises:
-        ValueError: a mask whose length differs from its sequence's, or no masked position at all; ``twins``
-            without ``tokenizer``.
-        specdraft.sampling.ContextWindowError: a sequence longer than either model's context window (named with both
-            lengths, before any pass).
+    Raises ValueError (a mask of the wrong length, no masked position, ``twins`` without ``tokenizer``) and
+    :class:`specdraft.sampling.ContextWindowError` (a sequence longer than either context window, before any pass).
     """
     import torch
 
@@ -296,15 +250,10 @@ def forecast_headroom(
 
 def headroom_sequences(target, tokenizer, examples: list[Example], config: HeadroomConfig,
                        ) -> tuple[list[str], list[list[int]], list[list[bool]]]:
-    """The sequences a forecast runs on: ``(ids, sequences, masks)``.
+    """The sequences a forecast runs on: ``(ids, sequences, masks)``, cut to ``config.max_length``.
 
-    Without ``config.generate`` each example's existing reply (an assistant turn, or HumanEval's reference) is
-    teacher-forced and only predictions of reply tokens count (:func:`specdraft.data.build_sequences` with
-    ``answer_only``); with it, the target answers each prompt greedily with up to N tokens and the answers count
-    (:func:`specdraft.responses.generate_responses`). Sequences are cut to ``config.max_length``.
-
-    Raises:
-        specdraft.data.DataError: an example with no reply while ``generate`` is not set (names it and the fix).
+    Existing replies are teacher-forced (reply tokens count), or with ``config.generate`` the target's greedy answers.
+    Raises :class:`specdraft.data.DataError` for an example without a reply while ``generate`` is off.
     """
     from specdraft.data import DataError, build_sequences, sequences_from_responses
 
@@ -329,25 +278,10 @@ def run_headroom(target_ref: str, draft_ref: str, examples: list[Example], confi
                  progress: Callable[[int, int], None] | None = None) -> HeadroomRun:
     """Load the pair, check that it shares one tokenizer, build the sequences and forecast.
 
-    Args:
-        target_ref / draft_ref: embedded names, local HF directories or cached hub ids.
-        examples: prompts with replies (or any prompts with ``config.generate``).
-        config: :class:`~specdraft.config.HeadroomConfig`.
-
-    A draft written by ``specdraft vocab-swap`` (its ``vocab_swap.json`` names the original draft) gets the swap
-    diagnostic from the same pass (:func:`specdraft.vocab.swapped_draft_twins`; ``forecast_headroom``'s
-    ``twins``).
-
-    Returns:
-        a :class:`HeadroomRun`: :func:`forecast_headroom`'s result with ``target``, ``draft``, ``config`` and
-        ``examples``.
-
-    Raises:
-        specdraft.vocab.CompatibilityError: the tokenizers differ (before any weights load): re-index the draft
-            first (``specdraft vocab-swap``) and forecast the swapped draft.
-        specdraft.data.DataError: see :func:`headroom_sequences`.
-        specdraft.sampling.ContextWindowError: a sequence (with ``generate``: a prompt + N, cut to ``max_length``)
-            longer than either model's context window, named with both lengths before any forward pass.
+    A draft written by ``specdraft vocab-swap`` also gets the swap diagnostic
+    (:func:`specdraft.vocab.swapped_draft_twins`).
+    Raises :class:`specdraft.vocab.CompatibilityError` when the tokenizers differ (before weights load), else as
+    :func:`headroom_sequences` and :func:`forecast_headroom`.
     """
     from specdraft.check import check_compatible
     from specdraft.data import tokenizer_pad_id

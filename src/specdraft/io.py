@@ -45,8 +45,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root``: the rename is atomic, but without fsync a power loss
-    after it could expose empty files."""
+    """fsync every file and directory under ``root``, so a power loss after the rename exposes no empty file."""
     for dirpath, _, files in os.walk(root):
         for f in files:
             with open(os.path.join(dirpath, f), "rb") as fh:
@@ -70,16 +69,14 @@ def chmod_like_mkdir(path: Path) -> None:
 
 
 def chmod_like_umask(path: str | os.PathLike) -> None:
-    """Give the file ``path`` the mode a plain ``open(path, "w")`` would: 0666 less the umask (0777 less the umask
-    when it is executable). ``tempfile.mkstemp`` creates 0600, and safetensors (through ``save_pretrained``) writes
-    its files 0600 too, which a server running as another user (vLLM) cannot read."""
+    """Give ``path`` the mode a plain write would (0666, or 0777 if executable, less the umask):
+    mkstemp and safetensors write 0600, which a server running as another user cannot read."""
     exe = os.stat(path).st_mode & 0o111
     os.chmod(path, (0o777 if exe else 0o666) & ~_umask())
 
 
 def chmod_tree_like_umask(root: str | os.PathLike) -> None:
-    """:func:`chmod_like_umask` on every file under ``root`` and :func:`chmod_like_mkdir` on every directory
-    (``root`` included): a tree written into a private temporary directory gets the modes of a plain write."""
+    """:func:`chmod_like_umask` on every file and :func:`chmod_like_mkdir` on every directory."""
     for dirpath, _, files in os.walk(root):
         chmod_like_mkdir(Path(dirpath))
         for f in files:
@@ -104,9 +101,8 @@ def swap_into_place(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``out``; on success its files get the modes of a plain write
-    (:func:`chmod_tree_like_umask`), are fsynced, and it is renamed onto ``out`` (a non-empty ``out`` is replaced),
-    on error it is removed: ``out`` is never half written (module docstring)."""
+    """Yield a temporary directory beside ``out``; on success it is chmodded, fsynced and renamed onto
+    ``out``, on error removed."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))

@@ -1,9 +1,6 @@
 """A target and a draft ready to decode together: tokenizers checked before any weights load, then both models,
-then (for one answer) the draft's preparation and the speed model.
-
-p = the target's distribution, q = the draft's. :func:`load_pair` is what ``eval`` and ``generate`` share;
-:func:`prepare_generation` is ``generate``'s single answer, streamed by :meth:`Generation.run`.
-"""
+then (for one answer) the draft's preparation and the speed model. :func:`load_pair` serves ``eval`` and
+``generate``; :func:`prepare_generation` is ``generate``'s single answer."""
 
 from __future__ import annotations
 
@@ -15,10 +12,8 @@ from specdraft.config import EvalConfig, ProposalMode, SamplingConfig
 
 
 class TokenizerMismatchError(ValueError):
-    """The target's and the draft's tokenizers differ and no vocabulary mapping was allowed (``map_vocab`` off).
-
-    ``report`` is the :class:`~specdraft.check.CompatReport` to show; the command exits 1 (the tokenizers differ),
-    not 2."""
+    """The tokenizers differ and no mapping was allowed; ``report`` is the
+    :class:`~specdraft.check.CompatReport` to show (the command exits 1, not 2)."""
 
     def __init__(self, report, message: str):
         super().__init__(message)
@@ -27,9 +22,8 @@ class TokenizerMismatchError(ValueError):
 
 @dataclass
 class Pair:
-    """Both models loaded: ``target`` (p) and ``draft`` (q), the target's ``tokenizer``, the
-    :class:`~specdraft.vocab.VocabMapping` of a draft of another tokenizer (``None`` for the same tokenizer), how a
-    mapped draft proposes (``proposals``), and ``notes``: ``(label, sentence)`` pairs a command shows."""
+    """Both models loaded: ``target`` (p), ``draft`` (q), the target's ``tokenizer``, the ``mapping`` of a draft of
+    another tokenizer (else None), how it proposes (``proposals``) and the ``notes`` a command shows."""
 
     target: Any
     draft: Any
@@ -40,11 +34,7 @@ class Pair:
 
 
 def proposal_mode(mapped_proposals: ProposalMode | None, sampling: SamplingConfig) -> ProposalMode:
-    """How a mapped draft will propose (:func:`specdraft.drafters.proposal_mode`).
-
-    Raises:
-        DecodeError: a combination that cannot be lossless, worded for ``--mapped-proposals``.
-    """
+    """:func:`specdraft.drafters.proposal_mode`, its DecodeError worded for ``--mapped-proposals``."""
     from specdraft.decode import DecodeError
     from specdraft.drafters import proposal_mode as mode
 
@@ -55,9 +45,8 @@ def proposal_mode(mapped_proposals: ProposalMode | None, sampling: SamplingConfi
 
 
 def drafts_through_text(path) -> bool:
-    """Whether the checkpoint at ``path`` is a speculator whose default proposal drafts through text (a draft of
-    another tokenizer exported as given, :attr:`specdraft.speculator.IndependentSpeculatorConfig.drafts_through_text`);
-    False for a plain model or an unreadable speculator config."""
+    """Whether ``path`` is a speculator that drafts through text; False for a plain model or an
+    unreadable config."""
     from specdraft.speculator import SpeculatorError, load_speculator_config
 
     try:
@@ -70,18 +59,10 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool | None = None
               mapped_proposals: ProposalMode | None = None, sampling: SamplingConfig | None = None) -> Pair:
     """Resolve both references, compare the tokenizers before loading weights, load both models in ``dtype``.
 
-    A draft of another tokenizer is decoded through a vocabulary mapping of string-identical tokens (lossless;
-    ``mapped_proposals``: how it proposes, default by ``sampling``): with ``map_vocab=None`` (the default) whenever
-    the check finds the mapping usable, with ``True`` always, with ``False`` never. A speculator exported as given
-    (:func:`drafts_through_text`) is mapped unless ``map_vocab`` is ``False``: its config.json says it drafts through
-    text for a verifier of another tokenizer.
-
-    Raises:
-        TokenizerMismatchError: the tokenizers differ and ``map_vocab`` is ``False``, or is ``None`` and the mapping is
-            not usable (before any weights are read).
-        DecodeError: ``mapped_proposals`` that cannot be lossless under ``sampling``.
-        CompatibilityError: a pair with no usable overlap.
-        ModelResolutionError: a reference that names no model.
+    A draft of another tokenizer is mapped (lossless) with ``map_vocab`` None when the mapping is usable, True always,
+    False never; a text speculator is mapped unless False. Raises :class:`TokenizerMismatchError` (before any
+    weights),
+    :class:`DecodeError`, :class:`CompatibilityError` and :class:`ModelResolutionError`.
     """
     from specdraft.check import check_compatible
     from specdraft.models import load_model, resolve
@@ -123,9 +104,8 @@ def load_pair(target: str, draft: str, dtype: str, map_vocab: bool | None = None
 
 @dataclass
 class Generation:
-    """One answer about to be decoded: the pair with its draft prepared (``config``'s draft options), the prompt's
-    token ids (``ids``), the speed model of adaptive γ (``None`` under a fixed γ) and where it came from, and the
-    configuration a report names (``configuration``: draft options, γ policy, γ, speed model source)."""
+    """One answer about to be decoded: the pair with its draft prepared, the prompt ``ids``, the speed model
+    of adaptive γ (None under a fixed γ) and the ``configuration`` a report names."""
 
     pair: Pair
     config: EvalConfig
@@ -135,12 +115,8 @@ class Generation:
     configuration: dict[str, Any] = field(default_factory=dict)
 
     def run(self, on_tokens: Callable[[int, list[int]], None] | None = None):
-        """Decode the answer speculatively, calling ``on_tokens(row, new_token_ids)`` as tokens are accepted.
-
-        Returns:
-            the :class:`~specdraft.acceptance.AcceptanceCounts` of the answer (γ, proposed / accepted per pass,
-            seconds).
-        """
+        """Decode the answer, calling ``on_tokens(row, new_ids)``; returns its
+        :class:`~specdraft.acceptance.AcceptanceCounts`."""
         import torch
 
         from specdraft.data import tokenizer_pad_id
@@ -159,12 +135,8 @@ class Generation:
         return counts
 
     def seed_note(self) -> str | None:
-        """When ``--seed`` reproduces this sampled answer, or ``None`` when the seed alone fixes it (a fixed γ) or
-        nothing is random (greedy).
-
-        Under adaptive γ the draws a round consumes follow its k, which depends on the speed model and nothing live,
-        so the answer is a function of the seed, the prompt, the configuration and the speed model; a rerun reads
-        the same speed model from the calibration cache unless it was measured on a busy machine (not cached)."""
+        """When ``--seed`` reproduces this sampled answer, or None when the seed alone fixes it or
+        nothing is random: under adaptive γ the answer also depends on the (cached) speed model."""
         c = self.config
         if c.sampling.greedy or self.speed_model is None:
             return None
@@ -179,8 +151,7 @@ class Generation:
                 "this answer again (until the cache entry is re-measured).")
 
     def shortened_by(self) -> list[str]:
-        """What may draft fewer than γ in a pass besides the answer's end: adaptive γ, the confidence threshold,
-        a mapped draft (empty under a fixed γ with none of them)."""
+        """What may draft fewer than γ besides the answer's end (adaptive γ, threshold, mapping)."""
         c = self.config
         return [w for w, on in (("adaptive γ", c.gamma_policy == "adaptive"),
                                 ("--draft-confidence-threshold", c.draft_confidence_threshold is not None),
@@ -189,10 +160,8 @@ class Generation:
 
 def prepare_generation(pair: Pair, prompt: str, config: EvalConfig,
                        status: Callable[[str], None] | None = None) -> Generation:
-    """The user message ``prompt`` under the target's chat template, the draft prepared in place as ``config``
-    asks (:func:`specdraft.draft_model.apply_draft_options`), and under adaptive γ the pair's speed model, measured
-    once per pair and machine and then read from the calibration cache (:func:`specdraft.calibration.calibrate`;
-    ``status(line)`` hears what it measures and how long it will take)."""
+    """The user ``prompt`` under the chat template, the draft prepared as ``config`` asks, and under
+    adaptive γ the pair's speed model (:func:`specdraft.calibration.calibrate`)."""
     from specdraft.calibration import calibrate
     from specdraft.data import Example, encode_prompts
     from specdraft.draft_model import apply_draft_options, draft_configuration

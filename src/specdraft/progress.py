@@ -1,8 +1,5 @@
-"""Progress as plain lines, for where no terminal draws bars (CI logs, ``nohup``, a pipe).
-
-A long loop calls the callback after each item; a line is written at the first item, then at most every
-``every_s`` seconds, and at the last, so a log shows the stage moving without one line per item.
-"""
+"""Progress as plain lines, for where no terminal draws bars (CI logs, ``nohup``, a pipe): the first item, then at
+most every ``every_s`` seconds, and the last."""
 
 from __future__ import annotations
 
@@ -12,10 +9,7 @@ from collections.abc import Callable
 
 def progress_lines(log: Callable[[str], None], label: str, unit: str = "prompts", every_s: float = 30.0,
                    clock: Callable[[], float] = time.monotonic) -> Callable[..., None]:
-    """A ``progress(done, total, *rest)`` callback that writes ``"{label}: {done}/{total} {unit} ({s} s)"`` lines.
-
-    Extra positional arguments (a dump's token count) are ignored, so one callback fits every stage's loop.
-    """
+    """A ``progress(done, total, *rest)`` callback writing ``"{label}: {done}/{total} {unit} ({s} s)"``."""
     start = clock()
     last: list[float | None] = [None]
 

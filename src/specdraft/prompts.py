@@ -1,12 +1,9 @@
 """Prompt sources as every command names them: one spec, ``name[:offset[:limit[:stride]]]``, one parser, one loader.
 
-A spec keeps every ``stride``-th example of ``name`` (:mod:`specdraft.data`) from ``offset`` on, at most ``limit``.
-For **training** flags a missing offset is 0, limit all, stride 1; for **held-out** flags a spec without an offset
-starts at an embedded dataset's held-out split (:data:`specdraft.data.HELD_OUT_OFFSET`,
-:data:`specdraft.data.HELD_OUT_STRIDE`) and without a limit takes :data:`HELD_OUT_LIMIT` prompts.
-:func:`select_prompts` reads the examples and says what it read (:meth:`PromptSet.lines`); a malformed spec is a
-:class:`PromptSpecError` naming the flag, the bad part and the grammar. No torch import: a command checks its prompts
-before any model is prepared. Which flag means which, with examples: docs/architecture.md, "prompts".
+Training flags read a missing offset as 0, limit as all, stride as 1; held-out flags start a spec without an offset
+at the dataset's held-out split (:data:`specdraft.data.HELD_OUT_OFFSET`) and take :data:`HELD_OUT_LIMIT` prompts
+without a limit. A malformed spec is a :class:`PromptSpecError` naming the flag, the bad part and the grammar. No
+torch import. Which flag means which: docs/architecture.md, "prompts".
 """
 
 from __future__ import annotations
@@ -22,11 +19,10 @@ from typing import NamedTuple
 from specdraft import data
 from specdraft.data import DataError, Example, MissingSourceError
 
-#: How every prompt spec is written.
 SPEC_GRAMMAR = "name[:offset[:limit[:stride]]]"
-#: The grammar where every example of a range is kept (``dump``: a dump's manifest records offset and count).
+#: The grammar without a stride (``dump``).
 SPEC_GRAMMAR_NO_STRIDE = "name[:offset[:limit]]"
-#: Prompts a held-out spec without a limit takes (``eval --prompts humaneval``: 8 prompts, as docs/cli.md says).
+#: Prompts a held-out spec without a limit takes.
 HELD_OUT_LIMIT = 8
 
 _PARTS = ("offset", "limit", "stride")
@@ -39,9 +35,8 @@ class PromptSpecError(DataError):
 
 
 class PromptSource(NamedTuple):
-    """One parsed spec: ``name`` (an embedded dataset, a ``.jsonl``, a saved dataset), the examples skipped first
-    (``offset``), the most kept (``limit``, ``None`` = all) and the step between kept examples (``stride``).
-    A tuple: ``parse_source("humaneval:100:4") == ("humaneval", 100, 4, 1)``."""
+    """One parsed spec: ``(name, offset, limit, stride)``, ``limit`` None = all.
+    ``parse_source("humaneval:100:4") == ("humaneval", 100, 4, 1)``."""
 
     name: str
     offset: int = 0
@@ -62,23 +57,18 @@ class PromptSource(NamedTuple):
         return self._replace(**changes)
 
     def load(self) -> list[Example]:
-        """The examples, in source order.
-
-        Raises:
-            DataError: an unknown source, a malformed line (named), or an empty result.
-        """
+        """The examples, in source order; :class:`DataError` for an unknown source, a bad line or none."""
         return [e for _, e in self._rows()[0][: self.limit]]
 
     def _rows(self) -> tuple[list[tuple[int, Example]], int]:
-        """``([(row, example)] every stride-th from offset, all of them; the source's row count)``."""
-        # Looked up at call time (data.load_examples), as every command reads it: tests may stand in for it.
+        """``([(row, example)] kept, the source's row count)``."""
+        # Looked up at call time: tests may stand in for data.load_examples.
         examples = data.load_examples(self.name, offset=self.offset)
         return list(enumerate(examples, self.offset))[:: self.stride], self.offset + len(examples)
 
 
 def _split(spec: str) -> tuple[str, list[str]]:
-    """``(name, the parts after it)``: a path may hold ':' (the longest prefix naming an existing path is the name),
-    else the name ends at the first ':'."""
+    """``(name, the parts after it)``; a path may hold ':' (the longest existing path prefix is the name)."""
     if Path(spec).expanduser().exists():
         return spec, []
     parts = spec.split(":")
@@ -89,12 +79,7 @@ def _split(spec: str) -> tuple[str, list[str]]:
 
 
 def _parse(spec: str, flag: str, strides: bool) -> tuple[str, dict[str, int]]:
-    """``(name, the numbers written, by part)``.
-
-    Raises:
-        PromptSpecError: an empty spec or name, a part that is not a whole number or below its least value, more
-            parts than the grammar has.
-    """
+    """``(name, the numbers written, by part)``; :class:`PromptSpecError` for a malformed spec."""
     grammar = SPEC_GRAMMAR if strides else SPEC_GRAMMAR_NO_STRIDE
     example = "humaneval:100:8" + (" or mt-bench:0:27:3" if strides else "")
 
@@ -138,29 +123,21 @@ def _resolve(spec: str, held_out: bool, flag: str, strides: bool) -> tuple[Promp
 
 
 def parse_source(spec: str, flag: str = "--prompts", strides: bool = True) -> PromptSource:
-    """``spec`` (``name[:offset[:limit[:stride]]]``) as training reads it: a missing offset is 0, a missing limit
-    all, a missing stride 1. ``strides=False``: the grammar without a stride (``dump``).
-
-    Raises:
-        PromptSpecError: a malformed spec (names ``flag``, the bad part and the grammar).
-    """
+    """``spec`` as training reads it (offset 0, all, stride 1 by default); ``strides=False``: no stride part.
+    Raises :class:`PromptSpecError` (names ``flag``, the bad part and the grammar)."""
     return _resolve(spec, False, flag, strides)[0]
 
 
 def resolve_source(spec: str, held_out: bool = False, flag: str = "--prompts", strides: bool = True) -> PromptSource:
-    """``spec`` as the flag means it: training (:func:`parse_source`), or with ``held_out`` a spec without an offset
-    starts at the source's held-out split at its step, and one without a limit takes :data:`HELD_OUT_LIMIT`.
-
-    Raises:
-        PromptSpecError: a malformed spec.
-    """
+    """``spec`` as the flag means it: :func:`parse_source`, or with ``held_out`` the held-out defaults.
+    Raises :class:`PromptSpecError`."""
     return _resolve(spec, held_out, flag, strides)[0]
 
 
 @dataclass(frozen=True)
 class SourcePick:
-    """What one spec of a flag gave: as ``written``, ``source`` as resolved, the ``limit`` the spec wrote (None:
-    a default applied), the source rows kept (0-based), the source's row ``total`` and the ``repeats`` dropped."""
+    """What one spec gave: as ``written``, the resolved ``source``, the ``limit`` written (None: a
+    default), the rows kept (0-based), the source's row ``total`` and the ``repeats`` dropped."""
 
     written: str
     source: PromptSource
@@ -170,8 +147,7 @@ class SourcePick:
     repeats: int = 0
 
     def spec(self, strides: bool = True) -> str:
-        """The full spec of what was read, limit and stride written out: ``mt-bench:0:80:1`` (a spec without a
-        limit shows the count it gave)."""
+        """The full spec of what was read, limit and stride written out: ``mt-bench:0:80:1``."""
         s = self.source
         parts = [s.name, str(s.offset), str(s.limit if s.limit is not None else len(self.rows))]
         return ":".join(parts + [str(s.stride)] if strides else parts)
@@ -179,15 +155,8 @@ class SourcePick:
 
 @dataclass(frozen=True)
 class PromptSet:
-    """The examples one prompt flag selected (:func:`select_prompts`), and what they are.
-
-    Attributes:
-        flag: the flag as typed (``--prompts``, ``--eval-prompts``), named in every line.
-        held_out: the flag evaluates (held-out semantics).
-        picks: per spec, in order.
-        examples: every spec's examples, in order.
-        strides: the flag's grammar has a stride.
-    """
+    """The examples one prompt ``flag`` selected (:func:`select_prompts`): per-spec ``picks``, the
+    ``examples`` in order, and whether the flag is ``held_out`` and has ``strides``."""
 
     flag: str
     held_out: bool
@@ -200,8 +169,7 @@ class PromptSet:
         return [p.source for p in self.picks]
 
     def _held_out_note(self) -> str:
-        """``, held out`` when every row lies in its dataset's held-out split; where some do not, how many and the
-        split; nothing for a user's own file (its split is the user's to know)."""
+        """``, held out`` when every row is in its dataset's held-out split, else how many are not."""
         if not self.held_out:
             return ""
         verdicts = [(p.source.name, data.is_held_out(p.source.name, r)) for p in self.picks for r in p.rows]
@@ -214,8 +182,8 @@ class PromptSet:
         return f"; {some}: {data.held_out_split_text(outside[0])}"
 
     def lines(self) -> list[str]:
-        """What will run, one line (``prompts: humaneval:100:8:1 (8 prompts, held out)``; several specs joined by
-        ``+``), then a ``warning:`` line per spec that gave fewer prompts than its limit. None for an empty flag."""
+        """What will run (``prompts: humaneval:100:8:1 (8 prompts, held out)``), then a ``warning:`` per
+        spec that gave fewer prompts than its limit. None for an empty flag."""
         if not self.picks:
             return []
         label = self.flag.lstrip("-").replace("-", " ")
@@ -235,14 +203,9 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
                    strides: bool = True) -> PromptSet:
     """The examples of one spec or several, in order, each as ``flag`` means it (:func:`resolve_source`).
 
-    With ``unique`` an example whose prompt messages already occurred (in this flag's specs) is dropped before the
-    limit counts, so ``conversations:0:32`` is 32 distinct prompts (the embedded chats repeat 52 first questions over
-    500 rows; greedy answers to a repeated prompt would repeat too).
-
-    Raises:
-        PromptSpecError: a malformed spec (names ``flag``, the bad part and the grammar).
-        DataError: an unknown source, a malformed line (named), an offset past the end, a prompt id that occurs
-            twice (each named with its specs and rows).
+    With ``unique`` a repeated prompt is dropped before the limit counts (greedy answers to it would repeat).
+    Raises :class:`PromptSpecError` for a malformed spec and :class:`DataError` for an unknown source, a bad line, an
+    offset past the end or a repeated prompt id (each named with its specs and rows).
     """
     specs = [specs] if isinstance(specs, str) else list(specs)
     resolved = [_resolve(spec, held_out, flag, strides) for spec in specs]  # every spec parsed before any read
@@ -279,23 +242,10 @@ def select_prompts(specs: str | Sequence[str], flag: str = "--prompts", held_out
 
 def teacher_prompts(data: str | os.PathLike | Sequence[str] | PromptSet | Sequence[Example], distinct: bool,
                     flag: str = "--prompts", strides: bool = True) -> PromptSet:
-    """The prompts a teacher dump is made of (:mod:`specdraft.dump` and its other teachers), by the one road from a
-    spec to rows: ``dump --prompts S`` and ``run --train-prompts S`` give the same examples.
+    """The prompts a teacher dump is made of: ``dump --prompts S`` and ``run --train-prompts S`` agree.
 
-    Args:
-        data: one spec or several (``name[:offset[:limit[:stride]]]``, as a training flag reads them), a
-            :class:`PromptSet` as selected, or a list of :class:`~specdraft.data.Example` already selected (``run``'s
-            training set), kept as given.
-        distinct: the teacher answers greedily (the teacher config's ``distinct_prompts``): a spec's repeated prompt
-            is dropped before its limit counts (:func:`select_prompts`'s ``unique``).
-        flag / strides: as :func:`select_prompts`.
-
-    Returns:
-        The :class:`PromptSet`; one of given examples has no ``picks``.
-
-    Raises:
-        PromptSpecError: a malformed spec.
-        DataError: as :func:`select_prompts`.
+    ``data``: spec(s) as a training flag reads them, a :class:`PromptSet`, or examples kept as given (no ``picks``);
+    ``distinct``: drop repeated prompts (the teacher answers greedily). Raises as :func:`select_prompts`.
     """
     if isinstance(data, PromptSet):
         return data
@@ -308,15 +258,8 @@ def teacher_prompts(data: str | os.PathLike | Sequence[str] | PromptSet | Sequen
 
 
 def _check_unique_ids(flag: str, picks: Sequence[SourcePick], examples: list[Example]) -> None:
-    """Refuse a prompt id that occurs twice among a flag's examples, before any model loads: results are paired by
-    id across runs and stages (the before/after gain, a resumed dump), so a repeat would only fail at the end.
-
-    Rows without an ``id`` are named by their file (``my:line-3``, :func:`specdraft.data.load_examples`), so only
-    ids a user wrote, or two files of one name in different folders, or one file named twice can repeat.
-
-    Raises:
-        DataError: names each repeated id (the first few) with the spec and row of every occurrence, and the fix.
-    """
+    """Refuse an id that occurs twice among a flag's examples, before any model loads: results pair
+    by id. Raises :class:`DataError` naming each repeat's spec and row."""
     where: dict[str, list[str]] = {}
     it = iter(examples)
     for p in picks:
@@ -334,10 +277,5 @@ def _check_unique_ids(flag: str, picks: Sequence[SourcePick], examples: list[Exa
 
 def load_prompts(specs: str | Sequence[str], held_out: bool = False, unique: bool = False,
                  flag: str = "--prompts") -> list[Example]:
-    """The examples of one spec or several, in order (:func:`select_prompts`, without its account).
-
-    Raises:
-        PromptSpecError: a malformed spec.
-        DataError: as :func:`select_prompts`.
-    """
+    """The examples of one spec or several, in order (:func:`select_prompts` without its account)."""
     return select_prompts(specs, flag, held_out, unique).examples

@@ -1,11 +1,8 @@
 """Which draft should I use? ``specdraft rank``'s road: calibrate each candidate, rank them by predicted speed-up,
 confirm the top one by measurement, write ``rank.json``.
 
-:func:`rank_candidates` measures (the target's t(k) once, each draft's step d and its α,
-:func:`rank_drafts`); :func:`confirm_top` decodes the best against the target alone at the γ
-the speed model recommends (:func:`specdraft.evaluate.run_eval`); :func:`write_rank` writes the report. With
-``engine="llama.cpp"`` the ranking predicts llama.cpp's speed-up instead, from llama-bench timings of each GGUF and
-the α measured here (:func:`write_llama_cpp_ranking`).
+:func:`rank_candidates` measures, :func:`confirm_top` decodes the best against the target alone, :func:`write_rank`
+writes the report. ``engine="llama.cpp"`` predicts llama.cpp's speed-up instead (:func:`write_llama_cpp_ranking`).
 """
 
 from __future__ import annotations
@@ -33,12 +30,8 @@ LLAMA_CPP_FLAGS = ("--target-gguf", "--draft-gguf", "--target-bench", "--draft-b
 
 
 def check_engine(engine: RankEngine, confirm: bool | None, llama_flags: Mapping[str, Any]) -> bool:
-    """Whether to confirm the top draft (default: yes for ``engine="specdraft"``, which alone can).
-
-    Raises:
-        RankError: a llama.cpp flag (``llama_flags``: flag → value) under ``engine="specdraft"``, or ``confirm``
-            under ``engine="llama.cpp"``.
-    """
+    """Whether to confirm the top draft (default: only ``engine="specdraft"`` can). Raises
+    :class:`RankError` for a llama.cpp flag under specdraft, or ``confirm`` under llama.cpp."""
     if engine == "specdraft":
         given = [flag for flag, v in llama_flags.items() if v]
         if given:
@@ -51,11 +44,8 @@ def check_engine(engine: RankEngine, confirm: bool | None, llama_flags: Mapping[
 
 
 def named_paths(values: Sequence[str] | None, flag: str) -> dict[str, str]:
-    """``NAME=PATH`` values of a repeated option → ``{NAME: PATH}`` (the last ``=`` splits: a name may hold one).
-
-    Raises:
-        RankError: a value without ``=``, a name or a path.
-    """
+    """``NAME=PATH`` values → ``{NAME: PATH}`` (the last ``=`` splits). Raises :class:`RankError` for a
+    value missing ``=``, the name or the path."""
     out = {}
     for v in values or ():
         name, sep, path = v.rpartition("=")
@@ -67,19 +57,9 @@ def named_paths(values: Sequence[str] | None, flag: str) -> dict[str, str]:
 
 @dataclass
 class RankedDraft:
-    """One candidate as :func:`rank_drafts` calibrated it.
-
-    Attributes:
-        draft: the candidate as given; ``mapped``: calibrated through a vocabulary mapping (another tokenizer).
-        alpha: per-token acceptance probability (accepted / reached); ``acceptance_rate``: accepted / proposed.
-        draft_step_ms: d, one draft step (ms); ``cost_ratio_c``: d / t(1).
-        best_gamma: the γ the speed model recommends at ``alpha`` (0: drafting cannot win).
-        predicted_speedup: × the target alone at ``best_gamma``, prefill included; ``predicted_speedup_at_gamma``:
-            the same at the config's γ.
-        draft_options: the draft's preparation (:func:`specdraft.draft_model.draft_configuration`).
-        speed_model: the measured :class:`~specdraft.speed.SpeedModel`; ``speed_source``: where it came from
-            (``measured`` or the calibration cache's entry, :func:`specdraft.calibration.calibrate`).
-    """
+    """One candidate as :func:`rank_drafts` calibrated it: α (accepted / reached) and acceptance rate,
+    d in ms and c = d / t(1), the recommended γ (0: drafting cannot win), predicted speed-ups (× the target alone,
+    prefill included) at that γ and the config's, the draft options, and the speed model with its source."""
 
     draft: str
     alpha: float
@@ -106,10 +86,8 @@ class RankedDraft:
 
 @dataclass
 class Ranking:
-    """The calibration of every candidate: ``rows`` best first (:func:`rank_drafts`), with what measured them:
-    the loaded target and tokenizer, the prompts (``examples``, token ``ids``), a loader per draft, and the
-    llama.cpp inputs under ``engine="llama.cpp"`` (``llama``, else ``None``). ``confirmation`` is filled by
-    :func:`confirm_top`."""
+    """Every candidate's calibration, ``rows`` best first, with the target, tokenizer, prompts, draft loaders,
+    the llama.cpp inputs (or None) and the ``confirmation`` of :func:`confirm_top`."""
 
     target: str
     prompts: str
@@ -135,21 +113,11 @@ class Ranking:
 def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
                 drafts: Sequence[tuple[str, Callable[[], tuple[Any, Any]]]], config: EvalConfig | None = None,
                 progress: Callable[[str], None] | None = None) -> list[RankedDraft]:
-    """Which draft should I use? Each candidate's predicted speed-up on a short calibration set, best first.
+    """Each candidate's predicted speed-up on a short calibration set, best first.
 
-    Per candidate — loaded by its callable as ``(model, vocab_mapping or None)``, given ``config``'s draft options,
-    and freed before the next — the pair's costs come from :func:`~specdraft.calibration.calibrate` (the calibration
-    cache, as every stage reads it) and its α by
-    decoding ``prompt_ids`` speculatively (γ and sampling of ``config``), and the
-    :class:`~specdraft.speed.SpeedModel` predicts its speed-up at the γ it recommends. Nothing is compared token by
-    token here: confirm the top one with :func:`confirm_top`.
-
-    Returns:
-        one :class:`RankedDraft` per candidate, sorted by ``predicted_speedup``, highest first.
-
-    Raises:
-        specdraft.sampling.TokenWidthError: prompt ids past the target's or a draft's embedding or head (named;
-            a draft's checked when it is loaded, before it is timed).
+    Per candidate (loaded, prepared, freed before the next): costs from :func:`~specdraft.calibration.calibrate`, α by
+    decoding ``prompt_ids``, the speed-up at the γ the :class:`~specdraft.speed.SpeedModel` recommends. Raises
+    :class:`specdraft.sampling.TokenWidthError` for prompt ids past a model's embedding or head.
     """
     import gc
 
@@ -203,16 +171,9 @@ def rank_drafts(target, tokenizer, prompt_ids: Sequence[Sequence[int]],
 def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, config: EvalConfig, *, prompts: str = "",
                     engine: RankEngine = "specdraft", llama: Mapping[str, Any] | None = None, threads: int = 2,
                     progress: Callable[[str], None] | None = None) -> Ranking:
-    """Calibrate each of ``drafts`` for ``target`` on ``examples`` (the prompts of the source named ``prompts``,
-    :func:`specdraft.prompts.load_prompts`) and rank them by predicted speed-up, best first.
-
-    A draft of another tokenizer is calibrated through a vocabulary mapping. Under ``engine="llama.cpp"`` the GGUFs
-    and llama-bench timings are found first (``llama``: :func:`specdraft.llama_cpp.rank_inputs`), before any model
-    loads. ``progress(step)`` names each step.
-
-    Raises:
-        ModelResolutionError: a reference that names no model.
-    """
+    """Calibrate ``drafts`` for ``target`` on ``examples`` and rank them, best first; a mapped draft
+    goes through a vocabulary mapping, llama.cpp's inputs are found before any model loads. Raises
+    :class:`ModelResolutionError`."""
     from specdraft.check import check_compatible
     from specdraft.data import encode_prompts
     from specdraft.models import load_model, resolve
@@ -247,10 +208,9 @@ def rank_candidates(target: str, drafts: Sequence[str], examples: Sequence, conf
 
 
 def confirm_top(ranking: Ranking, out: str | Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Decode the top draft against the target alone on the calibration prompts, at the γ its speed model
-    recommends (at least 1), write that evaluation's report under ``out/confirm``, and return the confirmation:
-    ``draft``, ``gamma``, ``measured_speedup`` and ``predicted_speedup`` (× the target alone), ``lossless`` (greedy
-    outputs equal to the target's). Also kept as ``ranking.confirmation``."""
+    """Decode the top draft against the target alone at its recommended γ (≥ 1), write the report under
+    ``out/confirm`` and return (and keep as ``ranking.confirmation``) ``draft``, ``gamma``, measured and predicted
+    speed-ups and ``lossless``."""
     from specdraft.eval_report import write_eval_report
     from specdraft.evaluate import run_eval
 
@@ -279,17 +239,16 @@ def _write(report: dict[str, Any], out: str | Path) -> Path:
 
 
 def write_rank(ranking: Ranking, out: str | Path, command: str = "") -> Path:
-    """Write ``out/rank.json`` (:meth:`Ranking.to_dict`, with the command line that made it); returns its path."""
+    """Write ``out/rank.json`` (:meth:`Ranking.to_dict` with the command line); returns its path."""
     return _write(ranking.to_dict(command), out)
 
 
 def write_llama_cpp_ranking(llama: LlamaCppRankInputs, rows: list[RankedDraft], target: str, out: str | Path,
                             command: str = "") -> tuple[list[LlamaCppCandidate], Path]:
-    """The drafts ranked by llama.cpp's predicted speed-up at the α of ``rows`` (``llama``: the
-    :class:`~specdraft.llama_cpp.LlamaCppRankInputs` of :func:`rank_candidates`, its calibration pricing each plan),
-    written to ``out/rank.json`` with the llama-server command of the best — the target alone when no plan's error
-    band lies wholly above 1x, or when no calibration backs one — and the calibration (``llama_cpp_calibration``).
-    Returns ``(ranked drafts, best first; the report's path)``."""
+    """The drafts ranked by llama.cpp's predicted speed-up at the α of ``rows``, written to
+    ``out/rank.json`` with the llama-server command of the best (the target alone unless a calibrated plan's error
+    band
+    lies above 1x). Returns ``(ranked drafts, report path)``."""
     ranked = llama.rank({r.draft: r.alpha for r in rows})
     serve = llama.serving_command(ranked[0])
     report = {"target": target, "engine": "llama.cpp", "target_gguf": str(llama.target_gguf),

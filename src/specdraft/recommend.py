@@ -1,11 +1,8 @@
 """What to ship where: one recommendation per engine from a finished run, and the verdict on distillation.
 
-:func:`engine_choices` reads a ``specdraft run`` report (``report.json``'s payload) and names, per engine, the draft
-to serve (the draft as given, the distilled one, or none: the target alone), the speed-up that draft measured with
-its interval and acceptance, what exactly was timed, and the command — fastest first. A draft is never recommended
-over another the run holds that measured faster. :func:`distillation_verdict` compares the distilled draft with the
-draft the user had (acceptance per reached position, paired over the held-out prompts; tokens/s, paired over the
-timed prompts).
+:func:`engine_choices` names per engine the draft to serve (as given, distilled, or none), its measured speed-up
+with interval, what was timed and the command — fastest first; a draft is never recommended over a faster one the
+run holds. :func:`distillation_verdict` compares the distilled draft with the draft as given (paired).
 """
 
 from __future__ import annotations
@@ -27,19 +24,9 @@ ENGINE_LABELS = {"specdraft": "specdraft's decoder", "transformers": "transforme
 
 @dataclass
 class EngineChoice:
-    """One engine's recommendation.
-
-    Attributes:
-        engine: a key of :data:`ENGINES`.
-        draft: the draft to serve in words (``"none: serve the target alone"`` when none pays).
-        which: ``"original"`` (the draft as given), ``"distilled"``, or ``None`` (the target alone).
-        speedup: tokens/s over the target alone (a forecast for llama.cpp, see ``basis``); ``None``: not priced.
-        speedup_ci95: its 95% interval (paired bootstrap over prompts; a forecast's error band).
-        alpha: the served draft's held-out acceptance per reached position (accepted / reached, γ-independent).
-        basis: what the figure rests on, in words: what was timed and how it differs from what the engine serves.
-        command: how to serve it, as the run's tests run it.
-        path: the served draft's directory or file (``None`` for the target alone).
-        others: the other drafts this engine could serve, with their measured speed-ups, in words.
+    """One engine's recommendation: the ``draft`` in words and ``which`` (``"original"``, ``"distilled"``,
+    None for the target alone), ``speedup`` (tokens/s × the target alone, or a forecast) with ``speedup_ci95``, the
+    served draft's held-out α, the ``basis`` of the figure, the ``command``, the draft's ``path`` and the ``others``.
     """
 
     engine: str
@@ -69,8 +56,8 @@ def vllm_server() -> str:
 
 
 def pick_fastest(speedups: dict[str, float | None]) -> str | None:
-    """The draft to serve among measured ``{draft: speed-up × the target alone}``: the highest speed-up, if above 1;
-    ``None`` (serve the target alone) when none is, or none was measured. Ties keep the first key."""
+    """The draft with the highest measured speed-up above 1, else None (the target alone); ties keep the
+    first."""
     measured = {k: v for k, v in speedups.items() if v is not None}
     if not measured:
         return None
@@ -79,8 +66,8 @@ def pick_fastest(speedups: dict[str, float | None]) -> str | None:
 
 
 def paired_speed_ratio(run: SpeedRun, a: str, b: str) -> Estimate | None:
-    """Tokens/s of contender ``a`` over contender ``b`` (names as :class:`~specdraft.speed_run.Contender.name`), paired
-    over the prompts both decoded (:func:`specdraft.stats.paired_ratio_ci`); ``None`` when they share no prompt."""
+    """Tokens/s of contender ``a`` over ``b``, paired over shared prompts
+    (:func:`specdraft.stats.paired_ratio_ci`); None when they share none."""
     rows = [r.timings for r in run.rows if a in r.timings and b in r.timings]
     if not rows:
         return None
@@ -103,7 +90,7 @@ def _alpha(report: dict[str, Any], which: str | None, name: str = "held_out") ->
 
 
 def _cfg(report: dict[str, Any]) -> dict[str, Any]:
-    """The run's configuration, with words for a report that lacks one (a partial report in a test or a tool)."""
+    """The run's configuration, with words for a report that lacks one."""
     return {"target": "the target", "draft": "the draft"} | (report.get("config") or {})
 
 
@@ -129,8 +116,7 @@ def _decoder_command(report: dict[str, Any], which: str, path: str) -> str:
 
 
 def _paths(report: dict[str, Any]) -> dict[str, str]:
-    """Where each draft lives: the draft as given where the user has it (or its export beside the run's), the
-    distilled one as exported."""
+    """Where each draft lives: the draft as given where the user has it, the distilled one as exported."""
     exp = report.get("export") or {}
     given = (exp.get("as_given") or {}).get("path") or _cfg(report)["draft"]
     return {ORIGINAL: given, DISTILLED: exp.get("path") or (report.get("distill") or {}).get("speculator", "?")}
@@ -150,12 +136,10 @@ def _configuration(run: SpeedRun, which: str) -> str:
 
 
 def engine_choices(report: dict[str, Any]) -> list[EngineChoice]:
-    """One :class:`EngineChoice` per engine the run can speak for, fastest first (measured speed-ups, then
-    forecasts; the target alone counts as 1x). Empty when the run timed nothing.
-
-    The decoder's and vLLM's drafts are chosen by the speed stage's measurement (specdraft's decoder, interleaved,
-    greedy); transformers serves the draft as given (its assisted generation is timed with it); llama.cpp serves a
-    draft of the target's tokenizer, priced by the run's forecast (``export.llama_cpp``)."""
+    """One :class:`EngineChoice` per engine the run can speak for, fastest first (the target alone = 1x);
+    empty when nothing was timed. The decoder's and vLLM's drafts follow the speed stage, transformers serves the
+    draft
+    as given, llama.cpp is priced by the run's forecast."""
     run = _speed(report)
     if run is None:
         return []
@@ -221,8 +205,8 @@ def engine_choices(report: dict[str, Any]) -> list[EngineChoice]:
 
 
 def llama_cpp_choice(plan: dict[str, Any], names: dict[str, str], report: dict[str, Any]) -> EngineChoice:
-    """llama.cpp's row from the run's plan (:func:`specdraft.llama_cpp.run_plan`): the GGUF draft at the forecast's
-    n_max; the target alone when the forecast's band reaches 1x; the draft unpriced when no timings price it."""
+    """llama.cpp's row from the run's plan: the GGUF draft at the forecast's n_max, the target alone
+    when the band reaches 1x, unpriced without timings."""
     which, n = plan["which"], plan.get("n_max", 0)
     priced = plan.get("predicted_speedup") is not None
     if not priced:
@@ -239,17 +223,9 @@ def llama_cpp_choice(plan: dict[str, Any], names: dict[str, str], report: dict[s
 
 @dataclass
 class DistillVerdict:
-    """Did distillation pay, against the draft the user had (the draft as given)?
-
-    Attributes:
-        answer: ``"yes"``, ``"no"`` or ``"not measurably"``, then why, in one sentence.
-        teacher: who taught the draft, in words.
-        alpha_gain: distilled − as given, acceptance per reached position (accepted / reached), paired over the
-            held-out prompts; ``None`` where the rows hold no reached counts.
-        speed_ratio: tokens/s of the distilled draft over the draft as given, paired over the timed held-out prompts.
-        swap: for a re-indexed draft, ``{"as_given", "re_indexed", "distilled"}`` accepted / proposed: what the
-            swap cost and what distillation won back.
-    """
+    """Did distillation pay against the draft as given? ``answer`` (yes / no / not measurably, and why),
+    the ``teacher``, ``alpha_gain`` (accepted / reached, paired over held-out prompts), ``speed_ratio`` (tokens/s,
+    paired) and, for a re-indexed draft, ``swap`` (what the swap cost and distillation won back)."""
 
     answer: str
     teacher: str
@@ -274,8 +250,7 @@ def teacher_of(report: dict[str, Any]) -> str:
 
 
 def teaching_road(self_teacher: bool) -> str:
-    """The road a run's distillation takes, in words (the headroom forecast is against the target's answers either
-    way): the self-teacher wins back what the vocabulary swap cost; a target dump teaches the target's distribution."""
+    """The road a run's distillation takes, in words (self-teacher or target dump)."""
     if self_teacher:
         return ("the draft as given teaches its re-indexed copy (the self-teacher: its own answers, no target "
                 "compute), winning back what the swap cost rather than the target's distribution")
@@ -326,8 +301,7 @@ def format_speedup(c: EngineChoice) -> str:
 
 
 def recommendation_rows(choices: list[EngineChoice]) -> list[tuple[str, str, str, str, str]]:
-    """``(engine, draft, × target alone, α, command)`` per choice: the one table the run's page, report.md and
-    ``export/README.md`` print."""
+    """``(engine, draft, × target alone, α, command)`` per choice: the one recommendation table."""
     return [(c.label, c.draft, format_speedup(c), "—" if c.alpha is None else f"{c.alpha:.3f}", c.command)
             for c in choices]
 
@@ -336,16 +310,14 @@ RECOMMENDATION_HEADER = ("engine", "serve", "× target alone [95% CI]", "α (per
 
 
 def recommendation_markdown(choices: list[EngineChoice]) -> list[str]:
-    """The recommendation as Markdown table lines (header, rule, one row per choice, commands in backticks): the
-    table report.md and ``export/README.md`` open with."""
+    """The recommendation as Markdown table lines (commands in backticks)."""
     return (["| " + " | ".join(RECOMMENDATION_HEADER) + " |", "| --- | --- | ---: | ---: | --- |"]
             + ["| " + " | ".join(x if i != 4 else f"`{x}`" for i, x in enumerate(row)) + " |"
                for row in recommendation_rows(choices)])
 
 
 def manifest_markdown(report: dict[str, Any], choices: list[EngineChoice]) -> str:
-    """``export/README.md``: which speculator to serve in which engine, fastest first, with what each figure rests
-    on."""
+    """``export/README.md``: which speculator to serve in which engine, fastest first."""
     lines = [f"# What to serve: {_cfg(report)['target']} ← {_cfg(report)['draft']}", "",
              ("Fastest first; × target alone is tokens/s over the target decoding alone, 95% interval over prompts "
              "(a forecast's error band for llama.cpp)."), "", *recommendation_markdown(choices)]
@@ -355,8 +327,8 @@ def manifest_markdown(report: dict[str, Any], choices: list[EngineChoice]) -> st
 
 
 def write_export_manifest(report: dict[str, Any], export_dir) -> list[EngineChoice]:
-    """``export/README.md`` (:func:`manifest_markdown`) and ``export/recommendation.json`` (the choices), atomically;
-    returns the choices."""
+    """Write ``export/README.md`` and ``export/recommendation.json`` atomically; returns the
+    choices."""
     import json
     from pathlib import Path
 

@@ -1,9 +1,9 @@
 """Teacher-forced α and greedy replay: how far a draft agrees with the target, with no decoding.
 
-:func:`predicted_alpha` scores sequences with both models once (α = Σ min(p, q) per counted position, p = target,
-q = draft, after the serving filter) and keeps the draft's argmax there; :func:`replay_answer` turns that argmax over
-the target's own greedy answer into the rounds greedy speculative decoding would run (exact for greedy, batch 1);
-:func:`replay_mapped` does the same for a draft of another tokenizer, whose drafter runs but whose target does not.
+:func:`predicted_alpha` scores sequences with both models once (α = Σ min(p, q) per counted position, after the
+serving filter) and keeps the draft's argmax; :func:`replay_answer` turns it over the target's greedy answer into
+the rounds greedy speculative decoding would run (exact for greedy, batch 1); :func:`replay_mapped` does the same for
+a draft of another tokenizer. Why: docs/architecture.md, "replay".
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from specdraft.tokens import left_pad
 
 @torch.no_grad()
 def tail_logits(model, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, keep: int) -> torch.Tensor:
-    """``[B, keep, V]`` logits of the last ``keep`` positions of a left-padded batch. The output head runs only
-    there (transformers' ``logits_to_keep``: the head is applied to ``hidden_states[:, -keep:]``) when the model's
-    forward takes it; otherwise every position is scored and the tail is sliced (same values)."""
+    """``[B, keep, V]`` logits of the last ``keep`` positions of a left-padded batch, the head run only there
+    when the forward takes transformers' ``logits_to_keep`` (else sliced; same values)."""
     if 0 < keep < ids.shape[1] and takes_logits_to_keep(model):
         return model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits
     return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -keep:]
@@ -47,36 +46,15 @@ def predicted_alpha(
     pad_id: int = 0,
     target_cache: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """Teacher-forced α (mean over positions of Σ_x min(p(x), q(x)), no decoding), and the draft's argmax at each
-    counted position: what a replay (:func:`replay_answer`) needs, from the same passes.
+    """Teacher-forced α (Σ_x min(p(x), q(x)) averaged over counted positions) and the draft's argmax there.
 
-    Both models score each sequence once; at every position where ``masks`` is 1 (default: every position
-    but the last) α = Σ min(p, q) with p and q after the serving filter (greedy: one-hot argmax, so α is the
-    argmax agreement).
+    ``masks``: 1 where the next-token distribution counts (default: all but the last position); greedy makes α the
+    argmax agreement. ``target_cache``: a directory of the target's counted logits per batch, shared by later calls on
+    the same sequences (:func:`counted_target_logits`).
 
-    Args:
-        sequences: token id lists (a prompt, or a prompt plus a response).
-        masks: per sequence, 1 where the next-token distribution counts (same length as the sequence).
-        sampling: the serving filter; greedy by default.
-        real_vocab: ``len(tokenizer)``: ids past it are padding rows with zero probability.
-        target_cache: a directory keeping the target's logits at the counted positions of each batch (one
-            safetensors file per batch, ``[N, V]`` in the target's dtype, named by a hash of the target's config and
-            dtype, the batch's ids and masks, ``real_vocab`` and ``pad_id``). A later call on the same sequences —
-            another draft replayed on the same target answers — reads them instead of running the target: the
-            values are the ones the pass would give (the same batches, the same padding), so α is unchanged.
-
-    Returns:
-        ``{"alpha": float, "positions": int, "alpha_sum": float, "top1_agreement": float, "per_sequence":
-        [[alpha_sum, positions], …], "draft_top1": [[id, …], …]}`` (counts first: sums and positions merge across
-        calls and sequences; ``draft_top1``: per sequence the draft's argmax over the real vocabulary at each
-        counted position, in order — what :func:`replay_answer` compares with the target's answer).
-
-    Both heads run only over the tail of each batch that holds counted positions (``logits_to_keep``): with masks
-    over answers, the prompt positions are not scored.
-
-    Raises:
-        specdraft.sampling.ContextWindowError: a sequence longer than either model's context window (named with both
-            lengths, before any pass).
+    Returns ``{"alpha", "positions", "alpha_sum", "top1_agreement", "per_sequence": [[alpha_sum, positions], …],
+    "draft_top1": [[id, …], …]}``, counts first. Raises :class:`specdraft.sampling.ContextWindowError` before any
+    pass.
     """
     sampling = sampling or SamplingConfig()
     check_windows(sequences, [("target", target), ("draft", draft)],
@@ -114,14 +92,13 @@ def predicted_alpha(
         total += float(a.sum())
         agree += int((p_l.argmax(-1) == q_top1).sum())
         n += int(sel.sum())
-    # Σ min(p, q) ≤ 1 per position; float rounding of the filtered distributions may overshoot by ~1e-6.
+    # Σ min(p, q) ≤ 1; rounding of the filtered distributions may overshoot.
     return {"alpha": min(total / n, 1.0) if n else 0.0, "positions": n, "alpha_sum": total,
             "top1_agreement": agree / n if n else 0.0, "per_sequence": per_sequence, "draft_top1": draft_top1}
 
 
 def counted_tail(counted: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(keep, counted[:, -keep:])`` for a ``[B, S]`` mask of a left-padded batch: the shortest tail holding every
-    counted position (``keep`` = 1 when none counts), where the output heads need to run (:func:`tail_logits`)."""
+    """``(keep, counted[:, -keep:])``: the shortest tail of a ``[B, S]`` mask holding every counted position."""
     where = counted.any(0).nonzero()
     keep = counted.shape[1] - int(where[0]) if len(where) else 1
     return keep, counted[:, -keep:]
@@ -130,14 +107,10 @@ def counted_tail(counted: torch.Tensor) -> tuple[int, torch.Tensor]:
 def counted_target_logits(target, chunk: list[list[int]], ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
                           counted: torch.Tensor, width: int, real_vocab: int | None, pad_id: int,
                           target_cache: str | os.PathLike | None = None) -> torch.Tensor:
-    """The target's logits at the counted positions of one left-padded batch, ``[N, width]`` in the target's dtype,
-    rows in row-major order (sequence by sequence, position by position).
+    """The target's logits at one batch's counted positions, ``[N, width]`` in its dtype, row-major.
 
-    ``counted``: ``[B, keep]``, 1 where a position counts, over the batch's last ``keep`` positions (where the head
-    runs). With ``target_cache`` they are read from (or written to) one safetensors file per batch, named by a hash of
-    the target's content (weights, config, dtype), ``chunk``, ``counted``, ``real_vocab`` and ``pad_id``: every caller that scores
-    the same batch with the same mask (another draft replayed on the same answers, the headroom forecast) shares one
-    target pass.
+    ``counted``: ``[B, keep]`` over the batch's last ``keep`` positions. With ``target_cache`` they are read from or
+    written to one safetensors file named by what determines them, so callers scoring the same batch share one pass.
     """
     keep = counted.shape[1]
     cached = _cache_file(target_cache, target, chunk, counted, real_vocab, pad_id) if target_cache else None
@@ -153,8 +126,7 @@ def counted_target_logits(target, chunk: list[list[int]], ids: torch.Tensor, att
 
 def _cache_file(root, target, chunk: list[list[int]], counted: torch.Tensor, real_vocab: int | None,
                 pad_id: int) -> Path:
-    """Where :func:`counted_target_logits` keeps one batch's target logits: named by what determines them (the
-    target by its content, :func:`specdraft.models.model_fingerprint`: two targets of one config are two caches)."""
+    """Where one batch's target logits are kept, named by the target's content and the batch."""
     key = json.dumps([model_fingerprint(target), chunk, counted.to(torch.int8).tolist(), real_vocab, pad_id])
     return Path(root) / f"target-logits-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
@@ -170,14 +142,10 @@ def _save_cached(path: Path, logits: torch.Tensor) -> None:
 
 def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_tokens: int,
                    eos: set[int]) -> AcceptanceCounts:
-    """:func:`_replay_rounds` from the draft's teacher-forced argmax at each answer position (``draft_top1[j]``
-    predicts ``y[j]``): the one place a replay turns argmaxes into matches.
+    """:func:`_replay_rounds` from the draft's teacher-forced argmax (``draft_top1[j]`` predicts ``y[j]``).
 
-    ``eos``: the ids that end a row (:func:`specdraft.tokens.stop_ids` of the target and tokenizer); the replay stops
-    at the first of them in ``y`` or after ``max_new_tokens`` (≥ 1) tokens, as the decoder does.
-
-    Raises:
-        specdraft.decode.DecodeError: ``max_new_tokens`` < 1.
+    Stops at the first ``eos`` id in ``y`` or after ``max_new_tokens``, as the decoder does. Raises
+    :class:`specdraft.decode.DecodeError` when ``max_new_tokens`` < 1.
     """
     check_max_new_tokens(max_new_tokens)
     match = [int(g) == t for g, t in zip(draft_top1, y)]
@@ -189,7 +157,7 @@ def replay_answer(draft_top1: Sequence[int], y: list[int], gamma: int, max_new_t
         return acc, k
 
     counts = _replay_rounds(accepted, y, gamma, max_new_tokens, eos)
-    # Matched proposals: every answer position, whatever the rounds made of it (AcceptanceCounts.match_rate).
+    # Every answer position counts (AcceptanceCounts.match_rate).
     counts.matched, counts.match_positions = sum(bool(m) for m in match[:len(y)]), min(len(match), len(y))
     return counts
 
@@ -199,26 +167,12 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
                   gamma: int, max_new_tokens: int, eos: set[int], target_width: int, real_vocab: int | None = None,
                   mapped_proposals: str | None = None, batch_size: int = 16,
                   progress=None) -> list[AcceptanceCounts]:
-    """Greedy speculative decoding's counts for a draft of *another tokenizer*, replayed over the target's greedy
-    ``answers`` with no target pass. Why these are batch-1 decoding's counts: docs/architecture.md, "replay".
+    """Greedy speculative decoding's counts for a draft of *another tokenizer*, replayed over the target's
+    greedy ``answers`` (``[n]`` id lists, EOS included) with no target pass: ``[n]``
+    :class:`~specdraft.acceptance.AcceptanceCounts` without timings.
 
-    Args:
-        draft: causal LM of another tokenizer; ``vocab_mapping``: its :class:`~specdraft.vocab.VocabMapping`
-            (tokenizers attached, built with the target's config).
-        prompts / answers: ``[n]`` target id lists, the prompts (template applied) and the target's greedy answers
-            (EOS included).
-        gamma: γ; ``max_new_tokens``: the bound the answers were generated with (≥ 1); ``eos``: ids that end a
-            row (:func:`specdraft.tokens.stop_ids` of the target and tokenizer).
-        target_width / real_vocab: the target's output width and ``len(tokenizer)``.
-        mapped_proposals: ``"text"`` (the greedy default) or ``"tokens"`` (:func:`~specdraft.drafters.proposal_mode`).
-        batch_size: rows replayed together; ``progress(done, total)`` is called as rows finish.
-
-    Returns:
-        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
-
-    Raises:
-        specdraft.decode.DecodeError: ``max_new_tokens`` < 1, a mapping wider than ``target_width``, an unknown
-            proposal mode.
+    Raises :class:`specdraft.decode.DecodeError`: ``max_new_tokens`` < 1, a mapping wider than ``target_width``, an
+    unknown proposal mode.
     """
     check_max_new_tokens(max_new_tokens)
     from specdraft.drafters import MappedDrafter, Row, proposal_mode
@@ -265,9 +219,7 @@ def replay_mapped(draft, vocab_mapping, prompts: Sequence[Sequence[int]], answer
 
 
 class _Rounds:
-    """One row's rounds of greedy speculative decoding (batch 1) over the target's greedy answer ``y``, recorded as
-    :meth:`AcceptanceCounts.record_round` is by the decoder: :attr:`k` drafts at most this round (min(γ, what the row
-    can still emit − 1)), :meth:`record` books the round's accepted and proposed drafts."""
+    """One row's rounds of greedy speculative decoding over the answer ``y``, booked as the decoder books them."""
 
     def __init__(self, y: list[int], gamma: int, max_new_tokens: int, eos: set[int]):
         self.y, self.gamma, self.max_new, self.eos = y, gamma, max_new_tokens, eos
@@ -296,7 +248,7 @@ class _Rounds:
 
 
 def _replay_rounds(accepted, y: list[int], gamma: int, max_new_tokens: int, eos: set[int]) -> AcceptanceCounts:
-    """:class:`_Rounds` over ``y`` with ``accepted(n, k)`` → ``(accepted, proposed)`` for the round after ``y[:n]``."""
+    """:class:`_Rounds` over ``y`` with ``accepted(n, k)`` → ``(accepted, proposed)`` after ``y[:n]``."""
     book = _Rounds(y, gamma, max_new_tokens, eos)
     while not book.done:
         book.record(*accepted(book.n, book.k))

@@ -1,8 +1,4 @@
-"""The model answers prompts: responses generated with the decoder's target-only loop, for dumps and distillation.
-
-A dump's responses are the target's (:func:`generate_responses`); on-policy distillation has the draft answer
-(:func:`generate_from_ids`). Both run :func:`specdraft.decode.target_generate`.
-"""
+"""The model answers prompts: responses from the decoder's target-only loop, for dumps and distillation."""
 
 from __future__ import annotations
 
@@ -13,16 +9,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def answer_stop_ids(model, tokenizer) -> list[int]:
-    """The ids that end an answer written as teacher signal: :func:`specdraft.tokens.stop_ids` of ``model`` and
-    ``tokenizer``, and the end-of-turn token the tokenizer's chat template writes after an answer
-    (:func:`specdraft.data.end_of_turn_ids`) where it is one token. A chat model ends its turn with its template's
-    terminator (``<|im_end|>``, ``<end_of_turn>``) even where its EOS is another token; running on past it, the
-    terminator vanishes from the decoded text and an invented next turn would be trained as answer. A terminator
-    of several tokens is no stop id (its first piece may be ordinary text).
-
-    Returns:
-        sorted token ids.
-    """
+    """Sorted ids that end an answer used as teacher signal: :func:`specdraft.tokens.stop_ids` plus the
+    chat template's one-token end of turn (:func:`specdraft.data.end_of_turn_ids`). Past it a chat model invents the
+    next turn, which would be trained as answer."""
     from specdraft.data import end_of_turn_ids
     from specdraft.tokens import stop_ids
 
@@ -32,15 +21,7 @@ def answer_stop_ids(model, tokenizer) -> list[int]:
 
 def generate_responses(target, tokenizer, examples: list[Example], max_new_tokens: int, sampling=None,
                        seed: int = 0, real_vocab: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
-    """The target answers each example's prompt (chat template, generation prompt), in one left-padded batch.
-
-    Args:
-        examples: prompts (messages up to the first assistant turn are used).
-        others: as :func:`generate_from_ids`.
-
-    Returns:
-        ``(prompts, responses)``: per example the prompt ids and the generated ids.
-    """
+    """The target answers each example's prompt (chat template) in one left-padded batch: ``(prompts, responses)``."""
     from specdraft.data import encode_prompts
     from specdraft.decode import check_max_new_tokens
     from specdraft.dump_reader import DumpError
@@ -53,27 +34,10 @@ def generate_responses(target, tokenizer, examples: list[Example], max_new_token
 def generate_from_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
                       real_vocab: int | None = None, stop_model=None, eos_token_id: list[int] | None = None,
                       ) -> list[list[int]]:
-    """``model`` answers already-encoded prompts in one left-padded batch: the target for a dump's responses,
-    the draft for on-policy distillation (:class:`specdraft.distill_data.DraftWriter`).
+    """``model`` answers encoded prompts in one left-padded batch: ``[n]`` new id lists (stop included).
 
-    Args:
-        model: causal LM (in eval mode for the call; its training mode is restored after).
-        tokenizer: the shared tokenizer (pad id; its EOS is one of the stop ids).
-        prompts: ``[n]`` token-id lists (chat template already applied).
-        max_new_tokens: response length bound N ≥ 1; a stop id (included) ends a response earlier.
-        sampling: :class:`specdraft.config.SamplingConfig` (default greedy).
-        seed: seed of the sampling generator.
-        real_vocab: ids at or past it are padding rows and never generated.
-        stop_model: the model whose stop ids end a response (:func:`answer_stop_ids` of it and ``tokenizer``): the
-            target, also when ``model`` is the draft; default ``model``.
-        eos_token_id: the stop ids instead (the evaluation's answers end where its decoding loops end a row,
-            :func:`specdraft.tokens.stop_ids`).
-
-    Returns:
-        ``[n]`` generated id lists (prompt excluded, EOS included).
-
-    Raises:
-        DumpError: bad generation settings (N < 1, a prompt plus N beyond the context window).
+    ``stop_model``: whose stop ids end a response (the target, also when ``model`` is the draft); ``eos_token_id``
+    overrides them. Raises :class:`DumpError` for N < 1 or a prompt plus N beyond the context window.
     """
     import torch
 

@@ -1,11 +1,9 @@
-"""Cross-entropy through an output head restricted to a support of ids: the loss of a hard-label phase without the
-vocabulary-wide head, softmax and loss.
+"""Cross-entropy through an output head restricted to a support of ids: a hard-label phase's loss without the
+vocabulary-wide head.
 
-With z the draft's full logits, S a support holding every id the teacher p gives mass to and q_S = softmax(z on S),
-the loss ``−Σ_{x∈S} p(x) log q_S(x)`` equals :func:`specdraft.losses.soft_ce_topk` with every row outside S masked,
-and is below the full-head CE(p, q) by exactly −log q(S) ≥ 0 (:func:`support_ids` makes S). Source: the restricted
-softmax of Jean et al. 2015, eq. 6–8, on a support fixed for the run. The derivation and why the support holds the
-corpus' frequent ids: docs/architecture.md, "restricted_head".
+With q_S = softmax(z on S) and S holding every id the teacher p gives mass to, ``−Σ_{x∈S} p(x) log q_S(x)`` equals
+:func:`specdraft.losses.soft_ce_topk` with rows outside S masked (Jean et al. 2015, eq. 6–8).
+Derivation: docs/architecture.md, "restricted_head".
 """
 
 from __future__ import annotations
@@ -15,13 +13,11 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-#: Model config fields that transform logits after the output head; a restricted head computed from the decoder's
-#: hidden states would skip them.
+#: Config fields that transform logits after the head.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 
 
-#: Why a teacher with mass past its stored ids cannot be trained through a restricted head (the start of every such
-#: refusal).
+#: The start of every refusal of a teacher with mass past its stored ids.
 NEEDS_NO_TAIL = ("--head-support needs a top-k teacher with no leftover mass (hard labels: a self-teacher dump "
                  "without --token-level)")
 
@@ -32,15 +28,8 @@ class RestrictedHeadError(ValueError):
 
 def support_ids(data_ids: Iterable[int], ranked: Sequence[int] = (), frequent: int = 0,
                 width: int | None = None) -> torch.Tensor:
-    """The support S: every id of ``data_ids`` (the training data's tokens, labels included) plus the first
-    ``frequent`` ids of ``ranked`` (most frequent first, e.g. :func:`specdraft.draft_model.rank_tokens`).
-
-    Returns:
-        ``[U] int64``, sorted, unique, each below ``width`` when given.
-
-    Raises:
-        RestrictedHeadError: an id outside ``[0, width)``, or an empty support.
-    """
+    """The support S: every id of ``data_ids`` plus the first ``frequent`` of ``ranked``; ``[U] int64``, sorted.
+    Raises :class:`RestrictedHeadError` for an id outside ``[0, width)`` or an empty support."""
     ids = {int(i) for i in data_ids} | {int(i) for i in list(ranked)[:max(frequent, 0)]}
     if not ids:
         raise RestrictedHeadError("an empty support: the restricted head needs the training data's token ids")
@@ -51,12 +40,8 @@ def support_ids(data_ids: Iterable[int], ranked: Sequence[int] = (), frequent: i
 
 
 def check_draft(draft) -> None:
-    """Refuse a draft whose logits are not ``head(decoder(x))``: no decoder accessor, or a logit transform after the
-    head (:data:`LOGIT_TRANSFORMS`), either of which the restricted head would compute wrong.
-
-    Raises:
-        RestrictedHeadError: naming the draft's class or the transform.
-    """
+    """Refuse a draft whose logits are not ``head(decoder(x))`` (no decoder accessor, or a logit transform).
+    Raises :class:`RestrictedHeadError` naming the class or the transform."""
     if not callable(getattr(draft, "get_decoder", None)) or draft.get_output_embeddings() is None:
         raise RestrictedHeadError(f"{type(draft).__name__} has no get_decoder()/output head: train it with the full "
                                   "head (without --head-support)")
@@ -71,18 +56,10 @@ def check_draft(draft) -> None:
 
 def restricted_logits(draft, support: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       columns: torch.Tensor | None = None, autocast: bool = False) -> torch.Tensor:
-    """The draft's logits over the support rows only: ``head.weight[S] · decoder(x)`` (+ bias), in float32.
+    """The draft's logits over the support only: ``head.weight[S] · decoder(x)`` (+ bias).
 
-    Args:
-        draft: a transformers causal LM whose ``get_decoder()`` returns its final-normed stack (checked by
-            :func:`check_draft`).
-        support: ``[U] int64`` the support ids.
-        input_ids / attention_mask: ``[B, S]``.
-        columns: ``[K] int64`` sequence positions to keep (the trained ones), or None for every position.
-        autocast: the decoder and the head matmul under ``torch.autocast(bfloat16)``.
-
-    Returns:
-        ``[B, K or S, U] float32``; column u is id ``support[u]``.
+    ``support``: ``[U] int64``; ``input_ids``: ``[B, S]``; ``columns``: ``[K] int64`` positions to keep (None: all).
+    Returns ``[B, K or S, U] float32``; column u is id ``support[u]``.
     """
     head = draft.get_output_embeddings()
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -105,20 +82,10 @@ def positions_in_support(ids: torch.Tensor, support: torch.Tensor, width: int) -
 def restricted_soft_ce(logits_s: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                        support: torch.Tensor, width: int, trained: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``−Σ_i p_i log q_S(id_i)`` and the TVD between p and q_S, per position.
+    """``−Σ_i p_i log q_S(id_i)`` and TVD(p, q_S) per position: ``([B, S] float32 nats, [B, S] float32)``.
 
-    Args:
-        logits_s: ``[B, S, U]`` from :func:`restricted_logits`.
-        topk_ids / topk_probs: ``[B, S, k]`` the teacher (a stored slot with p = 0 may name any id).
-        support: ``[U]``; width: the full head's rows (for the id → column map).
-        trained: ``[B, S] bool``; the check below looks at these positions only (default all).
-
-    Returns:
-        ``(soft_ce [B, S] float32 nats, tvd [B, S] float32)``.
-
-    Raises:
-        RestrictedHeadError: a trained position gives mass to an id outside the support (the loss would not be the
-            masked full-head loss).
+    ``logits_s``: ``[B, S, U]``; ``topk_ids``/``topk_probs``: ``[B, S, k]``; ``trained``: ``[B, S] bool``. Raises
+    :class:`RestrictedHeadError` where a trained position gives mass outside the support.
     """
     cols = positions_in_support(topk_ids, support, width)  # [B, S, k]
     outside = (cols < 0) & (topk_probs > 0)

@@ -1,12 +1,9 @@
 """Where a vocabulary swap loses agreement: target tokens without a draft twin, and the swapped draft's
 disagreements with the target split by kind.
 
-Over the target's own answers, teacher-forced, each position where the swapped draft's argmax is not the target's
-token is ``merged`` (the target's token has no draft twin and the draft chose a proper prefix of it),
-``non_canonical`` (a token the target's tokenizer never produces for its own text), ``after_non_twin_input`` (the
-token just read has no twin) or ``other`` (not segmentation), the first that holds. :func:`diagnose` counts them,
-:func:`verdict` names the kind that dominates, :func:`diagnose_masked` counts at a pass's masked positions. The kinds
-with examples: docs/architecture.md, "segmentation".
+Each teacher-forced answer position where the swapped draft's argmax is not the target's token is ``merged``,
+``non_canonical``, ``after_non_twin_input`` or ``other``, the first that holds. The kinds with examples:
+docs/architecture.md, "segmentation".
 """
 
 from __future__ import annotations
@@ -16,21 +13,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: The disagreement kinds, in the order a disagreement is assigned to the first one that holds.
+#: The disagreement kinds, in assignment order.
 KINDS = ("merged", "non_canonical", "after_non_twin_input", "other")
-#: Kinds fixed by the rows of the head (output side) and of the embedding (input side).
+#: Kinds fixed by head rows (output side) and embedding rows (input side).
 OUTPUT_SIDE = ("merged", "non_canonical")
 INPUT_SIDE = ("after_non_twin_input",)
 
 
 @dataclass
 class SegmentationReport:
-    """What :func:`diagnose` counted over the target's answers (counts first; shares derived).
-
-    ``positions``: answer tokens scored; ``without_twin``: of those, target tokens with no draft twin;
-    ``disagreements``: positions where the draft's argmax is not the target's token, ``kinds`` splitting them
-    (sums to ``disagreements``); ``top_without_twin``: the most frequent twin-less target tokens as
-    ``[text, count]``, most frequent first."""
+    """What :func:`diagnose` counted: answer ``positions``, those ``without_twin``, ``disagreements``
+    split into ``kinds``, and the most frequent twin-less tokens as ``[text, count]``."""
 
     positions: int = 0
     without_twin: int = 0
@@ -40,7 +33,7 @@ class SegmentationReport:
 
     @property
     def without_twin_share(self) -> float | None:
-        """Share of the target's answer tokens that have no draft twin; None when nothing was scored."""
+        """Share of answer tokens without a draft twin; None when nothing was scored."""
         return self.without_twin / self.positions if self.positions else None
 
     @property
@@ -64,24 +57,11 @@ def _text(tok, i: int) -> str:
 
 def diagnose(target_tokenizer, has_twin: Sequence[bool], answers: Sequence[Sequence[int]],
              draft_top1: Sequence[Sequence[int]], last_prompt_ids: Sequence[int], top: int = 50) -> SegmentationReport:
-    """Count the twin-less target tokens and split the draft's disagreements by kind (see the module docstring).
+    """Count the twin-less target tokens and split the draft's disagreements by kind.
 
-    Args:
-        target_tokenizer: the tokenizer both models now speak (the target's).
-        has_twin: ``[V]`` per target id, whether the draft's original vocabulary holds a string-identical twin
-            (``VocabMapping.target_to_draft >= 0``).
-        answers: per sequence the target's answer ids ``y``.
-        draft_top1: per sequence the swapped draft's teacher-forced argmax at each answer position
-            (``draft_top1[s][j]`` predicts ``answers[s][j]``, as :func:`specdraft.evaluate.predicted_alpha`'s
-            ``draft_top1``).
-        last_prompt_ids: per sequence the last prompt token (what the draft read before ``y[0]``).
-        top: how many twin-less tokens to list.
-
-    Returns:
-        A :class:`SegmentationReport`.
-
-    Raises:
-        ValueError: ``draft_top1`` and ``answers`` differ in shape.
+    ``has_twin``: ``[V]`` per target id (``VocabMapping.target_to_draft >= 0``); ``draft_top1[s][j]`` predicts
+    ``answers[s][j]``; ``last_prompt_ids``: what the draft read before each answer. Raises ValueError when
+    ``draft_top1`` and ``answers`` differ in shape.
     """
     rep = SegmentationReport()
     missing: Counter[int] = Counter()
@@ -136,9 +116,7 @@ def verdict(rep: SegmentationReport) -> str:
 
 
 def draft_answer_top1(draft, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The draft's teacher-forced argmax at each answer position: ``[n][len(answer)]`` ids, entry ``j`` predicting
-    ``answers[i][j]`` (one forward pass per sequence over prompt + answer; padding rows of a swapped draft are mean
-    rows that never win)."""
+    """The draft's teacher-forced argmax at each answer position, ``[n][len(answer)]`` ids."""
     import torch
 
     device = next(draft.parameters()).device
@@ -152,10 +130,8 @@ def draft_answer_top1(draft, prompts: Sequence[Sequence[int]], answers: Sequence
 
 
 def answer_runs(sequence: Sequence[int], mask: Sequence[bool | int]) -> list[tuple[int, list[int]]]:
-    """The masked positions of one sequence as runs of consecutive predictions: ``[(read, answer)]``, ``answer``
-    the tokens predicted (position j predicts ``sequence[j + 1]``, the dump's ``loss_mask`` convention) and ``read``
-    the token before the run's first (what the draft read before ``answer[0]``). A mask on the last position, which
-    predicts nothing, is ignored."""
+    """A sequence's masked positions as ``[(read, answer)]`` runs: position j predicts ``sequence[j + 1]``
+    (``loss_mask`` convention), ``read`` the token before; a mask on the last position is ignored."""
     runs: list[tuple[int, list[int]]] = []
     prev = -2
     for j, m in enumerate(mask):
@@ -171,13 +147,8 @@ def answer_runs(sequence: Sequence[int], mask: Sequence[bool | int]) -> list[tup
 def diagnose_masked(target_tokenizer, has_twin: Sequence[bool], sequences: Sequence[Sequence[int]],
                     masks: Sequence[Sequence[bool | int]], draft_top1: Sequence[Sequence[int]],
                     top: int = 50) -> SegmentationReport:
-    """:func:`diagnose` at the masked positions of ``sequences`` (target ids), from the draft's argmax at each
-    masked position, in order (``draft_top1[s][i]`` predicts the token after the ``i``-th masked position of
-    sequence ``s``; a trailing masked last position has no token and no entry counted).
-
-    Raises:
-        ValueError: ``draft_top1[s]`` shorter than the masked positions of sequence ``s``.
-    """
+    """:func:`diagnose` at the masked positions of ``sequences``; ``draft_top1[s][i]`` predicts the token
+    after the i-th masked position. Raises ValueError when ``draft_top1[s]`` is too short."""
     answers, guesses, read = [], [], []
     for s, (seq, mask, top1) in enumerate(zip(sequences, masks, draft_top1, strict=True)):
         runs = answer_runs(seq, mask)
@@ -195,8 +166,8 @@ def diagnose_masked(target_tokenizer, has_twin: Sequence[bool], sequences: Seque
 
 def masked_swap_diagnostic(draft, target_tokenizer, has_twin: Sequence[bool], sequences: Sequence[Sequence[int]],
                            masks: Sequence[Sequence[bool | int]], top: int = 50) -> SegmentationReport:
-    """:func:`diagnose_masked` of a swapped ``draft`` over ``sequences`` (target ids), one forward pass each; the
-    argmax is taken over the real vocabulary (``len(target_tokenizer)``), as decoding's."""
+    """:func:`diagnose_masked` of a swapped ``draft``, one pass per sequence, argmax over the real
+    vocabulary."""
     import torch
 
     device = next(draft.parameters()).device

@@ -1,15 +1,10 @@
 """The *independent speculator* format: a plain Hugging Face draft (q) packaged for a verifier (target, p).
 
-An independent speculator is the draft itself — same class, same weights — whose ``config.json`` carries three more
-keys than the draft's own ``save_pretrained`` writes: ``speculators_model_type: "independent"``,
-``speculators_version`` and ``speculators_config`` (proposal methods, γ, the verifier), a schema mirroring the
-speculators library's ``SpeculatorsConfig`` without depending on it. ``AutoModelForCausalLM.from_pretrained(dir)``
-returns the plain draft; vLLM serves it as a ``draft_model``. A draft of another tokenizer carries the ``"text"``
-proposal method (:class:`TextProposalConfig`) and is served through :mod:`specdraft.vllm_proposer`.
-
-This module is the format only — schema, reader, writer and checks — and imports nothing of decoding; the runtime
-wrapper is :class:`specdraft.speculator_model.IndependentSpeculator`. Heavy imports happen inside functions. The full
-config and the sources it mirrors: docs/architecture.md, "speculator".
+The draft itself — same class, same weights — whose ``config.json`` adds ``speculators_model_type: "independent"``,
+``speculators_version`` and ``speculators_config`` (proposal methods, γ, the verifier; speculators' schema, mirrored
+without depending on it). A draft of another tokenizer carries the ``"text"`` proposal method and is served through
+:mod:`specdraft.vllm_proposer`. The format only: the runtime wrapper is
+:class:`specdraft.speculator_model.IndependentSpeculator`. Details: docs/architecture.md, "speculator".
 """
 
 from __future__ import annotations
@@ -69,10 +64,9 @@ class GreedyTokenProposalConfig(BaseModel):
 
 
 class TextProposalConfig(GreedyTokenProposalConfig):
-    """specdraft's proposal method for a draft of another tokenizer (not a speculators-library type): γ draft tokens
-    chosen greedily in the draft's own tokenizer, decoded to text and re-encoded in context in the verifier's
-    tokenizer (:func:`specdraft.drafters._text_candidates`); the verifier checks those target tokens. vLLM serves it
-    with :class:`specdraft.vllm_proposer.TextProposer`."""
+    """specdraft's proposal method for a draft of another tokenizer: γ tokens drafted greedily in the
+    draft's tokenizer, re-encoded in context as verifier tokens; served by
+    :class:`specdraft.vllm_proposer.TextProposer`."""
 
     proposal_type: Literal["text"] = Field(  # type: ignore[assignment]
         default="text", description="Proposal method name: drafted in the draft's tokenizer, proposed as text."
@@ -104,12 +98,8 @@ class VerifierConfig(BaseModel):
 
 
 class SpeculatorsConfig(BaseModel):
-    """The ``speculators_config`` block (mirror of speculators' ``SpeculatorsConfig``).
-
-    Raises:
-        pydantic.ValidationError: unknown keys, γ < 1, verifier_accept_k < 1, accept_tolerance < 0, an empty
-            proposal list, or a ``default_proposal_method`` that names no listed proposal type.
-    """
+    """The ``speculators_config`` block (mirror of speculators' ``SpeculatorsConfig``); raises
+    ``pydantic.ValidationError`` on unknown keys, bad bounds, no proposals or an unlisted default method."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -153,15 +143,10 @@ class SpeculatorFields(BaseModel):
 
 
 class IndependentSpeculatorConfig(BaseModel):
-    """The draft's own config plus the speculator metadata; ``to_dict()`` is the on-disk ``config.json``.
+    """The draft's own config plus the speculator metadata; ``to_dict()`` is ``config.json``.
 
-    Build one with :meth:`from_pretrained` (a speculator or a plain causal-LM config, from a reference,
-    directory, ``PretrainedConfig`` or dict) or :meth:`for_draft`. The verifier may be missing until
-    save time.
-
-    Raises:
-        pydantic.ValidationError: at construction or assignment, on any invalid field (see the mirror
-            models above).
+    Build with :meth:`from_pretrained` or :meth:`for_draft`; the verifier may be missing until save time. Invalid
+    fields raise ``pydantic.ValidationError`` at construction or assignment.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -209,16 +194,9 @@ class IndependentSpeculatorConfig(BaseModel):
         num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
         verifier: Any = None,
     ) -> IndependentSpeculatorConfig:
-        """Convert a plain causal-LM config: inject the speculator fields with one greedy proposal of γ tokens.
-
-        Args:
-            draft_config: the draft's config (dict as in config.json, or a ``PretrainedConfig``).
-            num_speculative_tokens: γ in 1..64 (:data:`specdraft.config.MAX_SPECULATIVE_TOKENS`).
-            verifier: anything :func:`verifier_config` accepts, or ``None`` to name it later.
-
-        Raises:
-            SpeculatorError: the config is not a causal LM's (names its architecture), or γ < 1.
-        """
+        """Convert a plain causal-LM config (dict or ``PretrainedConfig``): one greedy
+        proposal of γ (1..64) tokens, ``verifier`` as :func:`verifier_config` takes it or None. Raises
+        :class:`SpeculatorError` for a config that is not a causal LM's or γ < 1."""
         d = _config_dict(draft_config)
         check_causal_lm_config(d)
         return cls(
@@ -229,19 +207,16 @@ class IndependentSpeculatorConfig(BaseModel):
 
     @classmethod
     def from_speculator_dict(cls, d: dict[str, Any]) -> IndependentSpeculatorConfig:
-        """Read a speculator ``config.json`` dict; validates the three keys against the schema mirror.
-
-        Raises:
-            NotASpeculatorError: no ``speculators_model_type`` key.
-            SpeculatorError: another speculator type, or an invalid ``speculators_config`` (the pydantic
-                errors are in the message).
-        """
+        """Read a speculator ``config.json`` dict against the schema.
+        Raises :class:`NotASpeculatorError` (no ``speculators_model_type``) or :class:`SpeculatorError` (another type,
+        an
+        invalid block)."""
         if "speculators_model_type" not in d:
             raise _not_a_speculator(d)
         try:
             fields = SpeculatorFields.model_validate({k: d[k] for k in SPECULATOR_KEYS if k in d})
         except ValidationError as exc:
-            # One line, without pydantic's "Value error, " prefix and help links: the CLI shows it as `error: …`.
+            # One line without pydantic's prefix: the CLI shows it as `error: …`.
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: "
                                  f"{str(e['msg']).removeprefix('Value error, ')}" for e in exc.errors())
             raise SpeculatorError(f"invalid speculator config: {problems}") from exc
@@ -264,20 +239,10 @@ class IndependentSpeculatorConfig(BaseModel):
     ) -> IndependentSpeculatorConfig:
         """Load a speculator config, or convert a plain causal-LM config into one.
 
-        Args:
-            config: a reference (embedded name, local directory, cached hub id — see
-                :func:`specdraft.models.resolve`), a ``PretrainedConfig``, a config.json dict, or a speculator
-                config.
-            verifier: names the verifier (see :func:`verifier_config`); replaces a recorded one.
-            num_speculative_tokens: γ; replaces the default proposal method's ``speculative_tokens``
-                (default: the recorded value, or 5 when converting).
-
-        Returns:
-            A new config; a saved speculator reads back equal to the config that wrote it.
-
-        Raises:
-            SpeculatorError: invalid speculator keys, a non-causal-LM config, γ < 1.
-            specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
+        ``config``: a reference (:func:`specdraft.models.resolve`), ``PretrainedConfig``, dict or speculator config;
+        ``verifier`` and ``num_speculative_tokens`` replace the recorded ones (γ default 5 when converting). A saved
+        speculator reads back equal. Raises :class:`SpeculatorError` and
+        :class:`specdraft.embedded.ModelResolutionError`.
         """
         if isinstance(config, IndependentSpeculatorConfig):
             d = None
@@ -298,24 +263,19 @@ class IndependentSpeculatorConfig(BaseModel):
         )
 
     def with_num_speculative_tokens(self, num_speculative_tokens: int) -> IndependentSpeculatorConfig:
-        """A copy whose default proposal method proposes ``num_speculative_tokens`` (γ) tokens.
-
-        Raises:
-            SpeculatorError: γ < 1.
-        """
+        """A copy proposing γ tokens; :class:`SpeculatorError` if γ < 1."""
         new = _greedy(num_speculative_tokens, self.default_proposal_method)
         methods = [new if m.proposal_type == self.default_proposal_method else m for m in self.proposal_methods]
         return self.model_copy(update={"proposal_methods": methods})
 
     def with_text_proposals(self) -> IndependentSpeculatorConfig:
-        """A copy that drafts through text (a draft of another tokenizer): its one proposal method is
-        :class:`TextProposalConfig` with this config's γ."""
+        """A copy that drafts through text (:class:`TextProposalConfig`, same γ)."""
         return self.model_copy(update={"proposal_methods": [_greedy(self.num_speculative_tokens, TEXT_PROPOSALS)],
                                        "default_proposal_method": TEXT_PROPOSALS})
 
     @property
     def drafts_through_text(self) -> bool:
-        """Whether the default proposal method is ``"text"``: the draft speaks another tokenizer than the verifier."""
+        """Whether the default proposal method is ``"text"``."""
         return self.default_proposal_method == TEXT_PROPOSALS
 
     # -------------------------------------------------------------------------------- views
@@ -329,11 +289,7 @@ class IndependentSpeculatorConfig(BaseModel):
 
     @property
     def speculators_config(self) -> SpeculatorsConfig:
-        """The ``speculators_config`` block, validated.
-
-        Raises:
-            SpeculatorError: no verifier is named yet (says how to name one).
-        """
+        """The validated block; :class:`SpeculatorError` until a verifier is named."""
         if self.verifier is None:
             raise SpeculatorError(
                 "This speculator names no verifier, and a speculator checkpoint must record which verifier it "
@@ -349,11 +305,7 @@ class IndependentSpeculatorConfig(BaseModel):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The on-disk ``config.json``: the draft's keys plus the three ``speculators_*`` keys.
-
-        Raises:
-            SpeculatorError: no verifier named (see :attr:`speculators_config`).
-        """
+        """The on-disk ``config.json``; :class:`SpeculatorError` until a verifier is named."""
         out = copy.deepcopy(self.draft_config)
         out["speculators_model_type"] = self.speculators_model_type
         out["speculators_version"] = self.speculators_version
@@ -361,15 +313,12 @@ class IndependentSpeculatorConfig(BaseModel):
         return out
 
     def to_json_string(self) -> str:
-        """``config.json`` text, formatted as transformers writes it (``indent=2``, sorted keys, newline)."""
+        """``config.json`` text as transformers writes it (indent 2, sorted keys)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write ``config.json`` (only) into ``save_directory``, atomically. Returns its path.
-
-        Raises:
-            SpeculatorError: no verifier named; nothing is written then.
-        """
+        """Write ``config.json`` atomically into ``save_directory``; returns its path.
+        Raises :class:`SpeculatorError` (nothing written) without a verifier."""
         from specdraft.io import atomic_write_text
 
         text = self.to_json_string()  # raises before anything is written
@@ -387,15 +336,8 @@ SPECULATOR_CONFIGS: dict[str, type[IndependentSpeculatorConfig]] = {
 def load_speculator_config(
     config: str | os.PathLike | PretrainedConfig | dict[str, Any],
 ) -> IndependentSpeculatorConfig:
-    """Load the config of a speculator checkpoint, choosing the class by ``speculators_model_type``.
-
-    Unlike :meth:`IndependentSpeculatorConfig.from_pretrained` this never converts.
-
-    Raises:
-        NotASpeculatorError: a plain model config ("not a speculator checkpoint — export it as one with
-            `specdraft export`").
-        SpeculatorError: an unknown ``speculators_model_type`` or an invalid ``speculators_config``.
-        specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
+    """Load a speculator checkpoint's config by its ``speculators_model_type``, never converting.
+    Raises :class:`NotASpeculatorError`, :class:`SpeculatorError` or :class:`specdraft.embedded.ModelResolutionError`.
     """
     if isinstance(config, IndependentSpeculatorConfig):
         return config.model_copy(deep=True)
@@ -434,19 +376,11 @@ MISSING: Any = _Missing()
 
 
 def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierConfig:
-    """Describe a verifier: ``name_or_path`` and ``architectures``, without loading weights.
+    """Describe a verifier — ``name_or_path`` and ``architectures`` — without loading weights.
 
-    Args:
-        verifier: a reference (embedded name, local directory, cached hub id: only its config.json is read),
-            a ``PreTrainedModel``, a ``PretrainedConfig``, a ``{"name_or_path", "architectures"}`` dict or a
-            :class:`VerifierConfig`.
-        name_or_path: recorded instead of the one found (required for an in-memory model without one). A
-            reference is recorded as :func:`specdraft.models.portable_reference` gives it (absolute path; an
-            embedded name → the hub id its weights derive from).
-
-    Raises:
-        SpeculatorError: the reference's config.json is unreadable, or no name / architecture can be found.
-        specdraft.embedded.ModelResolutionError: the reference cannot be resolved.
+    ``verifier``: a reference (only its config.json is read), model, config, dict or :class:`VerifierConfig`; a
+    reference is recorded portably (:func:`specdraft.models.portable_reference`). Raises :class:`SpeculatorError`
+    (unreadable config, no name or architecture) and :class:`specdraft.embedded.ModelResolutionError`.
     """
     if isinstance(verifier, VerifierConfig):
         return verifier if name_or_path is None else verifier.model_copy(update={"name_or_path": name_or_path})
@@ -457,7 +391,6 @@ def verifier_config(verifier: Any, name_or_path: str | None = None) -> VerifierC
         from specdraft.models import portable_reference
 
         d = read_config_json(verifier, role="verifier")
-        # Recorded so that it resolves elsewhere: a relative path or an embedded cache path would not.
         name = name_or_path or portable_reference(verifier)
     else:
         cfg = getattr(verifier, "config", verifier)  # a model → its config
@@ -564,12 +497,7 @@ def check_causal_lm_config(d: dict[str, Any], what: str = "draft") -> None:
 
 
 def check_causal_lm_model(model: Any) -> None:
-    """Refuse a draft that is not a transformers causal LM.
-
-    Raises:
-        SpeculatorError: not a ``PreTrainedModel``, an encoder-decoder, or a class that is no *ForCausalLM /
-            *LMHeadModel (names the class and its model_type).
-    """
+    """Refuse a draft that is not a transformers causal LM; :class:`SpeculatorError` names the class."""
     from transformers import PreTrainedModel
 
     name = type(model).__name__
@@ -608,8 +536,8 @@ def tokenizer_dir(path: str | os.PathLike | None) -> str | None:
 
 def check_tokenizers(verifier_tok: Any, draft_tok: Any, verifier_name: str | None,
                       draft_name: str | None = None) -> str | None:
-    """Run :func:`specdraft.check.check_compatible`; raise on "mismatch" (naming both models as given and the way
-    out: ``specdraft vocab-swap``). Returns the verdict (``None`` when a tokenizer is unknown: warned)."""
+    """:func:`specdraft.check.check_compatible`, raising on "mismatch" (the way out: ``specdraft
+    vocab-swap``); returns the verdict, None when a tokenizer is unknown (warned)."""
     from specdraft.check import check_compatible
 
     missing = [side for side, tok in (("verifier", verifier_tok), ("draft", draft_tok)) if tok is None]

@@ -1,16 +1,10 @@
 """The round's price S and adaptive γ: what a round costs, what it yields, and how many tokens a row should draft.
 
-:class:`SpeedModel` holds a pair's measured costs — t(k), seconds of one target pass over k new tokens, and d, one
-draft step (:func:`specdraft.calibration.measure_speed_model`) — and prices a round of k drafts at k·d + t(k+1)
-seconds for E(α, k) = (1 − α^(k+1)) / (1 − α) tokens (Leviathan et al. 2023, eq. 1), so decoding runs
-
-    S(α, k) = E(α, k) · t(1) / (k·d + t(k+1))
-
-times as fast as the target alone (k = 0: S = 1; with t(k) = t(1) this is their Theorem 3.8, c = d / t(1)).
-:class:`AdaptiveGamma` drafts, per row and round, the k maximising S at the row's running α, or nothing while no k
-predicts a gain; proposal lengths depend only on past rounds, so the output stays exactly the target's.
-llama.cpp's pricing of the same S is :mod:`specdraft.llama_cpp_price`; the speed run's result types are
-:mod:`specdraft.speed_run`. Why measured t(k) and how the probes back off: docs/architecture.md, "speed".
+:class:`SpeedModel` holds measured costs — t(k), one target pass over k new tokens, and d, one draft step — and
+prices a round of k drafts at k·d + t(k+1) seconds for E(α, k) = (1 − α^(k+1)) / (1 − α) tokens (Leviathan et al.
+2023, eq. 1): S(α, k) = E(α, k) · t(1) / (k·d + t(k+1)) times the target alone (Theorem 3.8 when t(k) = t(1)).
+:class:`AdaptiveGamma` drafts per row the k maximising S, or nothing while none gains; the output stays the
+target's. Why measured t(k), and the probes: docs/architecture.md, "speed".
 """
 
 from __future__ import annotations
@@ -23,15 +17,8 @@ from specdraft.speed_run import SpeedStage  # noqa: F401  (pipeline's import, un
 
 @dataclass
 class SpeedModel:
-    """Measured per-pass costs of a target/draft pair (batch 1, at a context of ``context`` tokens), seconds.
-
-    Attributes:
-        target_s: ``[t(1), …, t(K)]``: one target pass over k new tokens (K = γ_max + 1).
-        draft_s: d, one draft step.
-        target_prefill_s / draft_prefill_s: reading a ``context``-token prompt (all but its last token).
-        context: prompt length the costs were measured at (tokens).
-        target_s_measured: the raw timings when ``target_s`` is their fitted line (:meth:`from_measurements`).
-    """
+    """Measured per-pass costs of a pair (batch 1, at ``context`` tokens), seconds: ``target_s`` = ``[t(1), …,
+    t(γ_max + 1)]`` (maybe fitted; raw in ``target_s_measured``), ``draft_s`` = d, and both prompts' prefill."""
 
     target_s: list[float]
     draft_s: float
@@ -66,8 +53,8 @@ class SpeedModel:
         return k, self.speedup(alpha, k)
 
     def predict(self, alpha: float, gamma: int, new_tokens: float, prompts: int = 1) -> float:
-        """Predicted wall-clock speed-up of ``prompts`` decodes emitting ``new_tokens`` in all, prefill included:
-        (prefill_t + n·t(1)) / (prefill_t + prefill_d + n / E(α, γ) · (γ·d + t(γ+1)))."""
+        """Predicted wall-clock speed-up of ``prompts`` decodes emitting ``new_tokens`` in all, prefill
+        included."""
         target = prompts * self.target_prefill_s + new_tokens * self.target_s[0]
         spec = prompts * (self.target_prefill_s + self.draft_prefill_s) + \
             new_tokens / expected_tokens_per_pass(alpha, gamma) * self.round_seconds(gamma)
@@ -75,9 +62,8 @@ class SpeedModel:
 
     @classmethod
     def from_measurements(cls, target_s: dict[int, float], draft_s: float, **kw) -> SpeedModel:
-        """A model whose t(k) is the least-squares line through measured ``{k: seconds}`` (slope ≥ 0), kept in
-        ``target_s_measured`` beside it: single timings scatter by several percent, and t(1) prices every token of
-        the target alone, so the line uses all K timings (docs/architecture.md, "speed")."""
+        """A model whose t(k) is the least-squares line (slope ≥ 0) through measured
+        ``{k: seconds}``, the raw timings kept in ``target_s_measured``."""
         ks = sorted(target_s)
         n = len(ks)
         mean_k, mean_t = sum(ks) / n, sum(target_s[k] for k in ks) / n
@@ -92,25 +78,17 @@ class SpeedModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeedModel:
-        """Inverse of :meth:`to_dict`; keys that are not fields (``cost_ratio_c``, a report's ``source``) are ignored."""
+        """Inverse of :meth:`to_dict`; keys that are not fields are ignored."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class AdaptiveGamma:
-    """Per-row draft lengths from a :class:`SpeedModel` and each row's running acceptance (module docstring).
+    """Per-row draft lengths from a :class:`SpeedModel` and each row's running acceptance.
 
-    Per row: α̂ = a / r, where every reached draft position adds 1 to r and every accepted one 1 to a, and both
-    decay by ``decay`` per round (recent rounds count most); it starts at ``prior_alpha`` with the weight of
-    ``prior_weight`` trials. Each round a row drafts k = argmax_k S(α̂, k) ≤ γ. When that is 0 the row drafts
-    nothing for ``wait`` rounds, then drafts 1 token (a probe) — the only way its α̂ can recover; ``wait`` starts
-    at 1 and doubles (up to ``max_wait``) each time a probe leaves the prediction at no gain, and resets when a
-    gain is predicted again. A hopeless draft thus costs about one probe per ``max_wait`` target steps.
-
-    Args:
-        speed: the pair's measured costs.
-        gamma: the most drafts per round.
-        batch: rows.
+    α̂ = a / r over reached (r) and accepted (a) drafts, both decayed by ``decay`` per round, starting at
+    ``prior_alpha`` with ``prior_weight`` trials. A row drafts argmax_k S(α̂, k) ≤ ``gamma``; at 0 it waits ``wait``
+    rounds, then probes with 1 draft, ``wait`` doubling up to ``max_wait`` while no gain is predicted.
     """
 
     def __init__(self, speed: SpeedModel, gamma: int, batch: int, prior_alpha: float = 0.8,
@@ -123,7 +101,7 @@ class AdaptiveGamma:
         self.r = [prior_weight] * batch
         self.wait = [1] * batch  # rounds without drafting before the next probe
         self.idle = [0] * batch  # rounds drafted nothing since the last draft
-        # S(α, k) for a grid of α: k*(α) is monotone in α, so a lookup keeps the per-round cost negligible.
+        # k*(α) is monotone in α: a lookup grid keeps the per-round cost negligible.
         self._grid = [speed.best_gamma(i / 200, gamma)[0] for i in range(201)]
 
     def alpha(self, row: int) -> float:
@@ -140,8 +118,7 @@ class AdaptiveGamma:
         return ks
 
     def record(self, row: int, n_proposed: int, n_accepted: int) -> None:
-        """A row's round: ``n_accepted`` of ``n_proposed`` drafts accepted (verification reached
-        min(n_accepted + 1, n_proposed) positions)."""
+        """A row's round: ``n_accepted`` of ``n_proposed`` drafts accepted."""
         if n_proposed == 0:
             self.idle[row] += 1
             return

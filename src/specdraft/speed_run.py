@@ -13,10 +13,8 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class Contender:
-    """One decoder the speed stage times (:func:`specdraft.evaluate.interleaved_speed`): the target alone,
-    specdraft's speculative decoding with a named draft, or transformers' assisted generation with one. Its
-    :attr:`name` keys the result's ``contenders`` and ``rows``: ``target``, ``speculative:<draft>``,
-    ``hf_assisted:<draft>``."""
+    """One decoder the speed stage times: the target alone, specdraft with a draft, or transformers' assisted
+    generation; :attr:`name` (``target``, ``speculative:<draft>``, ``hf_assisted:<draft>``) keys the results."""
 
     kind: Literal["target", "speculative", "hf_assisted"]
     draft: str | None = None
@@ -34,9 +32,8 @@ class Contender:
 
 @dataclass
 class Divergence:
-    """A prompt whose speculative (or HF assisted) greedy output differs from the target alone's: the first differing
-    position (0-based, new tokens), both tokens there, and the target's top-1 minus top-2 logit at it (logit units)
-    beside the dtype's rounding tolerance."""
+    """A prompt whose greedy output differs from the target alone's: the first differing position, both
+    tokens, and the target's top-1 − top-2 logit margin there beside the dtype's rounding tolerance."""
 
     prompt_id: str
     contender: str
@@ -68,12 +65,9 @@ class Decoded:
 
 @dataclass
 class ContenderSpeed:
-    """One contender's figures over the prompts of a speed run (:class:`SpeedRun`).
-
-    ``speedup`` is its tokens/s over the target alone's on the same prompts, with a paired bootstrap interval
-    (:func:`specdraft.stats.paired_ratio_ci`); ``None`` for the target itself. ``matches_target`` is
-    ``"<prompts whose greedy output equals the target alone's>/<prompts>"``; ``None`` for the target and for
-    sampled runs (random outputs are not compared)."""
+    """One contender's figures over a speed run: ``speedup`` (tokens/s × the target alone, paired
+    interval; None for the target) and ``matches_target`` (``"equal/prompts"``; None for the target and sampled runs).
+    """
 
     tokens_per_s: float  # new tokens per wall-clock second, over all prompts
     tokens_per_s_ci95: list[float] | None  # bootstrap over prompts; None without prompts
@@ -99,8 +93,7 @@ class ContenderSpeed:
 
 @dataclass
 class SpeedRow:
-    """One prompt of a speed run: per contender name (:attr:`Contender.name`) its ``(new tokens, seconds)``, in the
-    order the contenders ran, and (greedy runs) whether its output equals the target alone's."""
+    """One prompt of a speed run: per contender ``(new tokens, seconds)`` and, when greedy, whether it matches."""
 
     id: str
     timings: dict[str, tuple[int, float]]
@@ -120,11 +113,8 @@ class SpeedRow:
 
 @dataclass
 class SpeedRun:
-    """What :func:`specdraft.evaluate.interleaved_speed` measured: every contender timed on the same prompts.
-
-    ``contenders`` and each row's timings are keyed by :attr:`Contender.name` (``target``, ``speculative:<draft>``,
-    ``hf_assisted:<draft>``). ``lossless`` is False when a greedy speculative output diverged from the target
-    alone's beyond the dtype's rounding tolerance (a bug; transformers' divergences are reported, not judged)."""
+    """What :func:`specdraft.evaluate.interleaved_speed` measured: every contender on the same prompts, keyed
+    by :attr:`Contender.name`. ``lossless`` is False when a greedy speculative output diverged beyond rounding."""
 
     prompts: int
     contenders: dict[str, ContenderSpeed]
@@ -151,7 +141,7 @@ class SpeedRun:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpeedRun:
-        """Inverse of :meth:`to_dict`; keys a run from an older version did not write take their defaults."""
+        """Inverse of :meth:`to_dict`; missing keys take their defaults."""
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["contenders"] = {k: ContenderSpeed.from_dict(c) for k, c in d["contenders"].items()}
         kw["rows"] = [SpeedRow.from_dict(r) for r in d.get("rows") or []]
@@ -169,8 +159,7 @@ class SpeedRun:
 
 @dataclass
 class SpeedStage:
-    """The pipeline's speed stage: the headline set's :class:`SpeedRun` and, under ``other_sets``, each other
-    held-out set's (every set is timed: "faster" is claimed per set, never by extrapolation)."""
+    """The pipeline's speed stage: the headline set's :class:`SpeedRun` and each other held-out set's."""
 
     held_out: SpeedRun
     other_sets: dict[str, SpeedRun] = field(default_factory=dict)

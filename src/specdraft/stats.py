@@ -1,11 +1,8 @@
 """Confidence intervals for acceptance: bootstrap over prompts, counts first, ratios last.
 
-Prompts are the unit of resampling; a replicate's rate is Σ accepted / Σ proposed over its prompts, never a mean of
-ratios. A before/after gain is paired (one set of prompt indices per replicate for both). Percentile intervals
-(Efron & Tibshirani 1993, §13.3), 95% by default, deterministic given ``seed``; never narrower than the Wilson score
-interval of the summed counts (Wilson 1927), a paired gain's falling back to Newcombe's hybrid score interval
-(Newcombe 1998, method 10). :attr:`Estimate.floor` names the bound that set an interval, :attr:`Estimate.thin` one
-over fewer than :data:`MIN_PROMPTS` prompts. Why: docs/architecture.md, "stats".
+Prompts are resampled; a replicate's rate is Σ accepted / Σ proposed, never a mean of ratios; a gain is paired.
+Percentile intervals (Efron & Tibshirani 1993, §13.3), never narrower than Wilson's (1927) or, for a paired gain,
+Newcombe's hybrid score interval (1998, method 10). Why: docs/architecture.md, "stats".
 """
 
 from __future__ import annotations
@@ -16,13 +13,12 @@ from typing import Any
 
 import numpy as np
 
-#: Replicates per interval: the 2.5% quantile of 10,000 sits on its 250th value, stable to ~±0.005 in rate.
+#: Replicates per interval: the 2.5% quantile sits on the 250th value.
 N_BOOTSTRAP = 10_000
 
-#: Fewer prompts than this and an interval says little about prompts not seen: printed marked (Estimate.thin).
+#: Fewer prompts than this and an interval is printed marked (Estimate.thin).
 MIN_PROMPTS = 10
 
-# Replicates are drawn in blocks so memory stays at BLOCK × n prompt indices whatever n_boot is.
 _BLOCK = 1_000
 
 
@@ -30,10 +26,8 @@ _BLOCK = 1_000
 class Estimate:
     """A ratio of summed counts (or a difference of two) with its bootstrap interval.
 
-    ``value`` is computed from all prompts (not the mean of the replicates); ``low``/``high`` are the
-    ``(1 − level)/2`` and ``(1 + level)/2`` quantiles of the replicates, widened to ``floor``'s bound where that is
-    wider; ``prompts`` the number resampled; ``floor`` ``"wilson"`` / ``"newcombe"`` when that bound, not the
-    bootstrap, set an end of the interval (see the module docstring), else None.
+    ``value`` is from all prompts; ``low``/``high`` the replicates' quantiles, widened to ``floor``'s bound
+    (``"wilson"`` / ``"newcombe"``, else None) where that is wider.
     """
 
     value: float
@@ -70,13 +64,13 @@ def _counts(values: Sequence[float] | np.ndarray, name: str) -> np.ndarray:
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """Σnum / Σden along the last axis; 0 where nothing was proposed (as ``AcceptanceCounts`` does)."""
+    """Σnum / Σden along the last axis; 0 where nothing was proposed."""
     n, d = num.sum(-1), den.sum(-1)
     return np.divide(n, d, out=np.zeros_like(n, dtype=np.float64), where=d > 0)
 
 
 def _replicates(n: int, n_boot: int, seed: int):
-    """Blocks of ``[b, n]`` prompt indices drawn with replacement; one seeded generator for all blocks."""
+    """Blocks of ``[b, n]`` prompt indices drawn with replacement."""
     rng = np.random.default_rng(seed)
     for start in range(0, n_boot, _BLOCK):
         yield rng.integers(0, n, size=(min(_BLOCK, n_boot - start), n))
@@ -84,7 +78,7 @@ def _replicates(n: int, n_boot: int, seed: int):
 
 def _estimate(value: float, reps: np.ndarray, level: float, n: int,
               floor: tuple[str, float, float] | None = None) -> Estimate:
-    """The percentile interval of ``reps``, each end widened to ``floor = (name, low, high)`` where that is wider."""
+    """The percentile interval of ``reps``, each end widened to ``floor = (name, low, high)``."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     tail = (1 - level) / 2
@@ -96,12 +90,8 @@ def _estimate(value: float, reps: np.ndarray, level: float, n: int,
 
 
 def wilson_interval(successes: float, trials: float, level: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion ``successes / trials`` (Wilson 1927, eq. 1): never
-    zero width and inside [0, 1], at 0/n and n/n too. ``(0.0, 1.0)`` for no trials (nothing is known).
-
-    Raises:
-        ValueError: a level outside (0, 1), ``successes`` outside [0, trials].
-    """
+    """The Wilson score interval of ``successes / trials`` (Wilson 1927); ``(0.0, 1.0)`` for no trials.
+    Raises ValueError: a level outside (0, 1), ``successes`` outside [0, trials]."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     if not 0 <= successes <= trials:
@@ -118,7 +108,7 @@ def wilson_interval(successes: float, trials: float, level: float = 0.95) -> tup
 
 
 def _wilson_floor(num: np.ndarray, den: np.ndarray, level: float) -> tuple[str, float, float] | None:
-    """The Wilson bound of Σnum / Σden when the counts are a proportion (num ≤ den per prompt), else None."""
+    """The Wilson bound of Σnum / Σden when the counts are a proportion, else None."""
     if (num > den).any() or den.sum() == 0:
         return None
     return ("wilson", *wilson_interval(float(num.sum()), float(den.sum()), level))
@@ -126,8 +116,7 @@ def _wilson_floor(num: np.ndarray, den: np.ndarray, level: float) -> tuple[str, 
 
 def _newcombe_floor(nb: np.ndarray, db: np.ndarray, na: np.ndarray, da: np.ndarray,
                     level: float) -> tuple[str, float, float] | None:
-    """Newcombe's hybrid score interval (1998, method 10) of rate_after − rate_before from the two Wilson
-    intervals, or None unless both sides are proportions with something counted."""
+    """Newcombe's hybrid score interval (1998, method 10) of after − before, or None."""
     if (nb > db).any() or (na > da).any() or db.sum() == 0 or da.sum() == 0:
         return None
     pb, pa = nb.sum() / db.sum(), na.sum() / da.sum()
@@ -138,22 +127,11 @@ def _newcombe_floor(nb: np.ndarray, db: np.ndarray, na: np.ndarray, da: np.ndarr
 
 def ratio_ci(numerators: Sequence[float], denominators: Sequence[float], *, level: float = 0.95,
              n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate:
-    """Σ numerators / Σ denominators with a bootstrap interval over prompts.
+    """Σ numerators / Σ denominators (0 when Σ denominators = 0) with a bootstrap interval over prompts.
 
-    Args:
-        numerators: ``[n]`` per-prompt counts, e.g. accepted drafts.
-        denominators: ``[n]`` per-prompt counts, e.g. proposed drafts (acceptance rate) or reached drafts (α).
-        level: coverage of the interval (0.95 = 95%).
-        n_boot: bootstrap replicates.
-        seed: seed of the resampling (same inputs and seed → same interval).
-
-    Returns:
-        :class:`Estimate`; ``value`` = Σ numerators / Σ denominators (0 when Σ denominators = 0); where every
-        numerator ≤ its denominator (a proportion) the interval is never narrower than the Wilson interval of the
-        summed counts (``floor="wilson"`` when that bound set it).
-
-    Raises:
-        ValueError: no prompts, lengths that differ, negative or non-finite counts, a level outside (0, 1).
+    ``numerators``, ``denominators``: ``[n]`` per-prompt counts (accepted; proposed or reached). Where every numerator
+    ≤ its denominator the interval is never narrower than Wilson's (``floor="wilson"``). Same seed → same interval.
+    Raises ValueError: no prompts, lengths that differ, negative or non-finite counts, a level outside (0, 1).
     """
     num, den = _counts(numerators, "numerators"), _counts(denominators, "denominators")
     if len(num) != len(den):
@@ -165,11 +143,7 @@ def ratio_ci(numerators: Sequence[float], denominators: Sequence[float], *, leve
 
 
 def _paired(**named: Sequence[float]) -> list[np.ndarray]:
-    """The checked count arrays of a paired comparison, in argument order (entry k of each = prompt k).
-
-    Raises:
-        ValueError: bad counts, lengths that differ (not paired), no prompts.
-    """
+    """The checked count arrays of a paired comparison, in argument order; ValueError when not paired."""
     arrays = [_counts(a, name) for name, a in named.items()]
     if len({len(a) for a in arrays}) != 1:
         raise ValueError(f"paired counts need one entry per prompt on both sides, got lengths "
@@ -182,19 +156,11 @@ def _paired(**named: Sequence[float]) -> list[np.ndarray]:
 def paired_difference_ci(num_before: Sequence[float], den_before: Sequence[float], num_after: Sequence[float],
                          den_after: Sequence[float], *, level: float = 0.95, n_boot: int = N_BOOTSTRAP,
                          seed: int = 0) -> Estimate:
-    """The gain (Σnum_after / Σden_after) − (Σnum_before / Σden_before) with a *paired* bootstrap interval.
+    """(Σnum_after / Σden_after) − (Σnum_before / Σden_before) with a paired bootstrap interval.
 
-    Entry k of all four sequences belongs to the same prompt k (evaluated before and after); every replicate
-    resamples the same prompt indices on both sides.
-
-    Returns:
-        :class:`Estimate` of the difference after − before (positive = a gain). When every replicate gives the
-        same gain (a zero-width interval: the prompts cannot show its spread) and both sides are proportions, the
-        interval is Newcombe's hybrid score interval instead (``floor="newcombe"``); the pairing's narrower
-        interval is kept wherever the bootstrap can see a spread.
-
-    Raises:
-        ValueError: sequences of different lengths (not paired), no prompts, bad counts or level.
+    Entry k of all four is prompt k; each replicate resamples the same prompts on both sides. When every replicate
+    agrees (zero width) and both sides are proportions, the interval is Newcombe's (``floor="newcombe"``).
+    Raises ValueError: sequences of different lengths, no prompts, bad counts or level.
     """
     nb, db, na, da = _paired(num_before=num_before, den_before=den_before, num_after=num_after, den_after=den_after)
     reps = np.concatenate([_ratio(na[idx], da[idx]) - _ratio(nb[idx], db[idx])
@@ -206,17 +172,10 @@ def paired_difference_ci(num_before: Sequence[float], den_before: Sequence[float
 def paired_gain_from_rows(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], *,
                           numerator: str = "accepted", denominator: str = "proposed", level: float = 0.95,
                           n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate | None:
-    """:func:`paired_difference_ci` from two evaluations' per-prompt rows, matched by their ``id``.
+    """:func:`paired_difference_ci` from two ``EvalResult.per_prompt`` row lists, matched by ``id``.
 
-    Args:
-        before, after: ``EvalResult.per_prompt`` rows (``id`` plus the two count keys).
-
-    Returns:
-        The paired gain, or ``None`` when a row lacks the counts (a report written before they were kept).
-
-    Raises:
-        ValueError: the two evaluations did not run the same prompts (the differing ids are named), or a
-            prompt id occurs twice.
+    Returns None when a row lacks the count keys.
+    Raises ValueError: not the same prompt ids (the differing ones are named), or an id occurring twice.
     """
     if any(numerator not in r or denominator not in r for r in (*before, *after)):
         return None
@@ -241,15 +200,8 @@ def paired_gain_from_rows(before: Sequence[dict[str, Any]], after: Sequence[dict
 
 def paired_ratio_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float], den_b: Sequence[float],
                     *, level: float = 0.95, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate:
-    """(Σnum_a / Σden_a) / (Σnum_b / Σden_b) with a *paired* bootstrap interval: a speed-up, e.g. tokens/s of
-    speculative decoding over tokens/s of the target alone, measured on the same prompts (entry k = prompt k).
-
-    Returns:
-        :class:`Estimate` of the ratio (0 where side b is 0).
-
-    Raises:
-        ValueError: sequences of different lengths, no prompts, bad counts or level.
-    """
+    """(Σnum_a / Σden_a) / (Σnum_b / Σden_b) with a paired bootstrap interval (a speed-up; 0 where b is 0).
+    Raises ValueError: sequences of different lengths, no prompts, bad counts or level."""
     na, da, nb, db = _paired(num_a=num_a, den_a=den_a, num_b=num_b, den_b=den_b)
 
     def ratio(ra: np.ndarray, rb: np.ndarray) -> np.ndarray:
@@ -262,15 +214,10 @@ def paired_ratio_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Seque
 
 
 def chi2_goodness_of_fit(samples, law) -> tuple[float, int]:
-    """χ² goodness-of-fit test of sampled token tuples against an exact law: does a sampler draw from ``law``?
+    """χ² test of sampled token tuples against an exact ``law`` (``[V]`` or ``[V, V]`` probabilities).
 
-    Args:
-        samples: sequences of token ids; the first ``law.ndim`` ids of each are the observed cell.
-        law: numpy array of probabilities (``[V]`` for one token, ``[V, V]`` for the first two), summing to 1.
-
-    Returns:
-        ``(p_value, outside_support)``: scipy's ``chisquare`` p-value after merging cells with expected count
-        < 5 into one (the usual validity rule), and how many samples fell in cells of probability 0.
+    Returns ``(p_value, outside_support)``: scipy's ``chisquare`` p-value, cells of expected count < 5 merged into
+    one, and the number of samples in cells of probability 0.
     """
     from scipy.stats import chisquare
 

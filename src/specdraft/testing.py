@@ -33,14 +33,10 @@ def tiny_words(n: int) -> list[str]:
 
 def tiny_tokenizer(vocab_size: int = 128, swap: tuple[int, int] | None = None, chat_template: str | None = None,
                    permute: int | None = None, newline: bool = True):
-    """A ``PreTrainedTokenizerFast`` with a WordLevel model of exactly ``vocab_size`` ids (specials first).
+    """A ``PreTrainedTokenizerFast`` with a WordLevel model of exactly ``vocab_size`` ids (5 specials first).
 
-    Args:
-        vocab_size: total number of ids including the 5 special tokens.
-        swap: two ids whose strings are exchanged (to build a mismatching tokenizer of equal size).
-        chat_template: a Jinja template; default a ChatML-like template.
-        permute: seed of a random renumbering of the non-special tokens (same strings, other ids).
-        newline: keep the ``"\n"`` word; without it, decoding then encoding any id sequence gives it back.
+    ``swap``: two ids whose strings are exchanged; ``permute``: seed renumbering the non-special ids; without
+    ``newline`` any id sequence round-trips through decode and encode.
     """
     import random
 
@@ -72,8 +68,7 @@ def tiny_tokenizer(vocab_size: int = 128, swap: tuple[int, int] | None = None, c
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 128, layers: int = 2, hidden: int = 32, **kw: Any):
-    """A tiny causal-LM config of a given architecture (llama, qwen2, gpt2, mistral, gemma, gemma2, gemma3; the
-    last two soft-cap their final logits when ``final_logit_softcapping`` is given)."""
+    """A tiny causal-LM config: llama, qwen2, gpt2, mistral, gemma, gemma2 or gemma3."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     common = {"vocab_size": vocab_size, "pad_token_id": 0, "eos_token_id": 4, "bos_token_id": None}
@@ -122,8 +117,7 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, layers
 
 
 def perturbed(model, scale: float, seed: int = 123):
-    """A copy of ``model`` with Gaussian noise of std ``scale`` on every parameter: a draft that agrees with
-    the model often but not always (partial acceptance)."""
+    """A copy of ``model`` with Gaussian noise of std ``scale`` on every parameter (partial acceptance)."""
     import copy
 
     import torch
@@ -137,8 +131,7 @@ def perturbed(model, scale: float, seed: int = 123):
 
 
 def exact_two_token_law(target, prompt, sampling):
-    """Exact joint law ``[V, V] float64`` (numpy) of the first two tokens the target samples after ``prompt``
-    (its filtered distributions, :func:`specdraft.sampling.filtered_probs`), by enumerating every first token."""
+    """Exact joint law ``[V, V] float64`` of the first two tokens the target samples after ``prompt``."""
     import torch
 
     from specdraft.sampling import filtered_probs
@@ -164,24 +157,10 @@ def replay_greedy(
     batch_size: int = 4,
     pad_id: int = 0,
 ) -> list[AcceptanceCounts]:
-    """Greedy speculative decoding's acceptance counts, replayed from one teacher-forced draft pass per prompt: the
-    reference replay that tests and benches compare decoding and :func:`specdraft.evaluate.acceptance_eval` with.
-    Why this gives decoding's counts: docs/architecture.md, "testing".
-
-    Args:
-        draft: causal LM sharing the target's tokenizer.
-        prompts: ``[n]`` prompt id lists; ``responses``: ``[n]`` the target's greedy answers (EOS included).
-        num_speculative_tokens: γ; ``max_new_tokens``: the bound the answers were generated with.
-        eos_token_id: ids that end a row (as given to the decoding).
-        real_vocab: ids at or past it are padding rows (never proposed).
-
-    Returns:
-        ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts` (no timings), one per prompt.
-
-    Raises:
-        specdraft.sampling.ContextWindowError: a prompt + answer longer than the draft's context window (named with
-            both lengths, before any pass).
-    """
+    """Greedy speculative decoding's counts replayed from one teacher-forced draft pass per prompt: the
+    reference tests compare decoding with (why: docs/architecture.md, "testing"). ``responses``: the target's greedy
+    answers. Returns ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts`; raises
+    :class:`specdraft.sampling.ContextWindowError` before any pass."""
     import torch
 
     from specdraft.replay import replay_answer, tail_logits
@@ -211,15 +190,8 @@ def replay_greedy(
 
 def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None, draft_vocab: int | None = None,
                    arch: str = "llama", seed: int = 0, tokenizer=None):
-    """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``.
-
-    ``target_vocab`` / ``draft_vocab`` set ``config.vocab_size`` (padding rows past ``len(tokenizer)``).
-    ``tokenizer``: the shared tokenizer (default ``tiny_tokenizer(vocab_size)``); ``vocab_size`` is then its length
-    and both configs take its bos/eos/pad ids.
-
-    Returns:
-        ``(target_dir, draft_dir)`` as strings.
-    """
+    """Write a tiny target (3 layers) and draft (1 layer) sharing one tokenizer under ``root``; returns
+    ``(target_dir, draft_dir)``. ``*_vocab`` set ``config.vocab_size`` (padding rows)."""
     from pathlib import Path
 
     root = Path(root)
@@ -238,9 +210,8 @@ def save_tiny_pair(root, vocab_size: int = 128, target_vocab: int | None = None,
 
 
 def add_default_system_turn(model_dir, text: str = "be brief") -> None:
-    """Edit a saved model's chat template in place, where the directory keeps it (``chat_template.jinja``, else
-    ``tokenizer_config.json``'s ``chat_template``): a system turn of ``text`` is written before a conversation that
-    has none (the edit a template's maintainer makes; weights, vocabulary and stop ids unchanged)."""
+    """Edit a saved model's chat template in place so it writes a system turn of ``text``
+    before a conversation without one."""
     import json
     from pathlib import Path
 
@@ -269,12 +240,10 @@ def tiny_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
 
 
 def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = False):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` trained here on :func:`tiny_corpus` (no download).
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on :func:`tiny_corpus` (no download).
 
-    Two calls with different ``vocab_size`` (or ``seed``) give tokenizers that segment the same text
-    differently and number their tokens differently: a cross-tokenizer pair for vocabulary-mapping tests.
-    The 5 special tokens of :data:`SPECIAL_TOKENS` come first (then ``"<bos>"`` with ``bos``: it is put before
-    every encoded text, as Gemma's and Llama's tokenizers do), then the 256 byte tokens, then merges.
+    Another ``vocab_size`` or ``seed`` segments and numbers differently: a cross-tokenizer pair. Ids: the
+    :data:`SPECIAL_TOKENS`, ``"<bos>"`` with ``bos``, the 256 bytes, then merges.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -289,8 +258,7 @@ def tiny_bpe_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = False):
 
 
 def _tiny_fast_tokenizer(tok, bos: bool):
-    """A trained ``tokenizers.Tokenizer`` as the tiny tokenizers' ``PreTrainedTokenizerFast``: ``<bos>`` put before
-    every text with ``bos``, the :data:`SPECIAL_TOKENS` roles, the tiny chat template."""
+    """A trained ``tokenizers.Tokenizer`` wrapped as the tiny tokenizers' fast tokenizer."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
@@ -305,15 +273,10 @@ def _tiny_fast_tokenizer(tok, bos: bool):
 
 
 def tiny_llama_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = True):
-    """A Llama-2-style BPE ``PreTrainedTokenizerFast`` trained here on :func:`tiny_corpus`: ``▁`` for spaces, byte
-    fallback, the 256 ``<0xXX>`` byte tokens in its vocabulary. llama.cpp's converter reads this kind from
-    ``tokenizer.json`` alone (its ``LlamaHfVocab``, vocab type SPM), with no pre-tokenizer hash to recognise, so
-    tiny models with it convert to GGUF (:mod:`specdraft.gguf_export`).
-
-    Ids: the 5 :data:`SPECIAL_TOKENS`, then ``"<bos>"`` with ``bos`` (put before every encoded text, as Llama's
-    tokenizer does), then ``<0x00>``..``<0xFF>``, then the merges. Another ``seed`` gives other merges, so other
-    texts from the first merge id on: a pair llama.cpp refuses.
-    """
+    """A Llama-2-style BPE tokenizer (``▁``, byte fallback, ``<0xXX>`` tokens) that llama.cpp's
+    converter reads from ``tokenizer.json`` alone, so tiny models convert to GGUF. Another ``seed`` gives other
+    merges:
+    a pair llama.cpp refuses."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
@@ -326,7 +289,6 @@ def tiny_llama_tokenizer(vocab_size: int = 300, seed: int = 0, bos: bool = True)
     learner = Tokenizer(models.BPE(unk_token="<unk>"))
     learner.normalizer = normalizer
     n_learned = vocab_size - len(specials) - len(byte_tokens)
-    # The trainer's alphabet (the corpus characters) plus merges; both are renumbered after the byte tokens.
     learner.train_from_iterator(tiny_corpus(seed=seed), trainer=trainers.BpeTrainer(
         vocab_size=n_learned, show_progress=False, limit_alphabet=1000))
     learned = json.loads(learner.to_str())["model"]
@@ -348,8 +310,7 @@ TINY_PROMPTS = ("def total(items):", "for index in range(count):", "hello world 
 
 
 def tiny_examples(n: int | None = None) -> list:
-    """``n`` (default 6) distinct one-turn :class:`~specdraft.data.Example` s ``p0``, ``p1``, … cycling through
-    :data:`TINY_PROMPTS`, each made distinct by its index."""
+    """``n`` (default 6) distinct one-turn examples ``p0``, ``p1``, … cycling through :data:`TINY_PROMPTS`."""
     from specdraft.data import Example
 
     n = len(TINY_PROMPTS) if n is None else n

@@ -1,9 +1,4 @@
-"""Tokens shared by every room that reads or writes them: when a row ends, a batch left-padded, text streamed.
-
-:func:`stop_ids` is the one stop rule (decode, generate, eval, replay, assisted generation and the dump ask it);
-:func:`left_pad` batches prompts as the decoding loop reads them; :class:`IncrementalDetokenizer` hands out the text
-of a growing answer without splitting a character.
-"""
+"""Tokens shared by every room that reads or writes them: when a row ends, a batch left-padded, text streamed."""
 
 from __future__ import annotations
 
@@ -13,17 +8,9 @@ import torch
 
 
 def stop_ids(model, tokenizer=None) -> list[int]:
-    """The one rule for when a row ends: the ids of the model's generation config's EOS list (else its config's
-    EOS, as transformers falls back) together with the tokenizer's EOS, sorted — what vLLM stops at.
-
-    ``model`` is always the target (the model served), also where another model writes: the draft's on-policy
-    answers (:class:`specdraft.distill_data.DraftWriter`) end where the target's would, whatever the draft's own
-    generation config says. Decode, generate, eval, replay, the HF comparison (transformers' ``generate``) and the
-    dump's generation all ask here, so answers of one prompt end at one token.
-
-    Returns:
-        sorted token ids (empty when neither the model nor the tokenizer names an EOS).
-    """
+    """The one rule for when a row ends: sorted ids of the generation config's EOS list (else the config's, as
+    transformers falls back) plus the tokenizer's EOS — what vLLM stops at. ``model`` is always the target, so every
+    stage's answers to one prompt end at one token. Empty when nothing names an EOS."""
     gc = getattr(model, "generation_config", None)
     eos = getattr(gc, "eos_token_id", None) if gc is not None else None
     if eos is None:
@@ -45,8 +32,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tu
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token sequence, handed out in pieces whose concatenation is the final decode; a character
-    split across two chunks is held back until it completes (why: docs/architecture.md, "tokens")."""
+    """Text of a growing token sequence in pieces whose concatenation is the final decode; a
+    split character is held back (why: docs/architecture.md, "tokens")."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens

@@ -1,14 +1,10 @@
-"""specdraft's vLLM plugin: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR`` (or
-``LLM(model=SPECULATOR_DIR)``) serves the verifier named in an independent speculator's config.json with that
-speculator as its draft.
+"""specdraft's vLLM plugin: ``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR`` serves the
+verifier named in an independent speculator's config.json with that speculator as its draft.
 
-Installed as the ``vllm.general_plugins`` entry point ``specdraft = "specdraft.vllm_plugin:register"``. It wraps
-vLLM's ``maybe_override_with_speculators`` and answers for ``speculators_model_type == "independent"``
-(:func:`plan_independent`: vLLM's ``draft_model`` method, or ``custom_class`` with
-:class:`specdraft.vllm_proposer.TextProposer` for a ``"text"`` speculator); every other model goes to vLLM untouched.
-On vLLM's CPU build it also repairs the rejection sampler's ``expand_kernel`` (:func:`repair_cpu_expand`).
-vLLM is imported inside :func:`register` and :func:`repair_cpu_expand` only, torch inside functions. What vLLM 0.32
-does without the plugin and the CPU op's bug: docs/architecture.md, "vllm_plugin".
+The ``vllm.general_plugins`` entry point ``specdraft`` wraps vLLM's ``maybe_override_with_speculators`` for
+``speculators_model_type == "independent"`` (:func:`plan_independent`); other models pass untouched. On vLLM's CPU
+build it also repairs ``expand_kernel`` (:func:`repair_cpu_expand`). vLLM is imported inside functions only.
+Why: docs/architecture.md, "vllm_plugin".
 """
 
 from __future__ import annotations
@@ -21,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# A child of vLLM's "vllm" logger: vLLM configures that one (handler, level), so these lines show with its own.
+# A child of vLLM's logger, so these lines show with its own.
 logger = logging.getLogger("vllm.specdraft")
 
 #: The speculators_model_type this plugin serves.
 INDEPENDENT = "independent"
-#: The kernel vLLM's CPU build replaces with a broken op (its name in vLLM's kernel-override registry).
+#: The kernel vLLM's CPU build replaces with a broken op (its override-registry name).
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 _cpu_expand: dict[str, bool | None] | None = None  # what repair_cpu_expand found, once per process
@@ -34,23 +30,11 @@ _cpu_expand: dict[str, bool | None] | None = None  # what repair_cpu_expand foun
 
 def plan_independent(config: dict[str, Any], model: str,
                      user_speculative_config: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """What vLLM should serve for the independent speculator at ``model``: ``(verifier, speculative_config)``.
+    """What vLLM should serve for the speculator at ``model``: ``(verifier, speculative_config)``.
 
-    Args:
-        config: the speculator's config.json dict.
-        model: the speculator reference vLLM was given (becomes the draft, ``speculative_config["model"]``).
-        user_speculative_config: ``--speculative-config`` as given, if any; its keys win (e.g.
-            ``num_speculative_tokens``, ``use_heterogeneous_vocab``) except ``method`` and ``model``, which the
-            checkpoint dictates (as vLLM does for its own speculators formats).
-
-    Returns:
-        The verifier to load (:func:`specdraft.models.serving_path` of the recorded ``name_or_path``) and
-        vLLM's speculative config: ``draft_model`` with ``model``, or for a draft of another tokenizer
-        ``custom_class`` with specdraft's proposer (the directory then reaches it through
-        :data:`specdraft.vllm_proposer.SPECULATOR_ENV`, set by :func:`wrap`).
-
-    Raises:
-        specdraft.speculator.SpeculatorError: the config is not a valid independent speculator.
+    The verifier is :func:`specdraft.models.serving_path` of the recorded one; the method is ``draft_model``, or
+    ``custom_class`` with specdraft's proposer for a text speculator. ``user_speculative_config``'s keys win except
+    ``method`` and ``model``. Raises :class:`specdraft.speculator.SpeculatorError` for an invalid speculator.
     """
     from specdraft.embedded import ModelResolutionError
     from specdraft.export import vllm_speculative_config, vocab_width
@@ -71,8 +55,7 @@ def plan_independent(config: dict[str, Any], model: str,
 
 
 def read_model_config(model: str, revision: str | None = None, token: Any = None) -> dict[str, Any] | None:
-    """The config.json dict of ``model`` (a directory, or a hub id through transformers' cache), or ``None``
-    when it cannot be read (vLLM's own function then reports the problem)."""
+    """The config.json dict of ``model`` (directory or cached hub id), or None when unreadable."""
     path = Path(model).expanduser()
     if path.is_dir():
         try:
@@ -120,9 +103,9 @@ def wrap(original: Callable[..., tuple[str, str | None, dict[str, Any] | None]])
 
 
 def expand_kernel_repaired(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
-    """The rejection sampler's expand, written into ``output`` itself: request i's value (``replace_to`` where it is
-    ``replace_from``) at each of its positions ``cu_num_tokens[i-1]:cu_num_tokens[i]``; the launch arguments of
-    vLLM's Triton kernel (``MAX_NUM_TOKENS``: its block size, unused here)."""
+    """The rejection sampler's expand, written into ``output``: request i's value (``replace_to``
+    where it is ``replace_from``) at its positions ``cu_num_tokens[i-1]:cu_num_tokens[i]``; vLLM's kernel's arguments.
+    """
     import torch
 
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # tokens per request
@@ -132,8 +115,7 @@ def expand_kernel_repaired(output, input_val, cu_num_tokens, replace_from, repla
 
 
 def _expand_writes(impl) -> bool | None:
-    """Whether ``impl`` writes per-token temperatures into a float output; ``None`` when it cannot run here (vLLM's
-    C++ ops not loaded yet in this process)."""
+    """Whether ``impl`` writes its float output; None when vLLM's C++ ops are not loaded yet."""
     import torch
 
     out = torch.full((3,), -1.0)
@@ -145,17 +127,8 @@ def _expand_writes(impl) -> bool | None:
 
 
 def repair_cpu_expand() -> dict[str, bool | None]:
-    """On vLLM's CPU build, put :func:`expand_kernel_repaired` in place of the CPU expand op unless that op is seen
-    writing its output (the module docstring); other platforms are left alone. Once per process: later calls return
-    the first one's finding.
-
-    The op is replaced where vLLM takes it from (``cpu_triton_utils._expand_kernel_impl``, and in place inside its
-    ``expand_kernel`` wrapper, so a sampler that already holds the wrapper runs the repair), and in vLLM's
-    kernel-override registry when the kernel is registered there already.
-
-    Returns:
-        ``{"broken": the op was seen not writing (None: it could not be tried), "repaired": the repair is in}``.
-    """
+    """On vLLM's CPU build, put :func:`expand_kernel_repaired` in place of the CPU expand op unless
+    that op is seen writing its output; once per process. Returns ``{"broken": bool | None, "repaired": bool}``."""
     global _cpu_expand
     if _cpu_expand is not None:
         return _cpu_expand
@@ -184,13 +157,8 @@ def repair_cpu_expand() -> dict[str, bool | None]:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: install :func:`wrap` over vLLM's
-    ``maybe_override_with_speculators``, and on the CPU build :func:`repair_cpu_expand`. Safe to call more than once
-    (vLLM may, in several processes).
-
-    ``vllm.engine.arg_utils`` imports the function by name, so its binding is replaced too when that module is
-    already loaded (it is, when EngineArgs loads the plugins); if it is imported later it picks up the wrapped one.
-    """
+    """The ``vllm.general_plugins`` entry point: install :func:`wrap` and, on CPU, :func:`repair_cpu_expand`.
+    Idempotent; rebinds the name in ``vllm.engine.arg_utils`` too when that module is already loaded."""
     import vllm
     import vllm.transformers_utils.config as vllm_config
 

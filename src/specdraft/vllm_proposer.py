@@ -1,15 +1,11 @@
 """vLLM serving a draft of *another tokenizer* as it is: :class:`TextProposer`, a ``custom_class`` proposer that
 drafts through text.
 
-vLLM 0.32 builds the class named in ``speculative_config.model`` and calls ``load_model(target_model)`` once, then
-``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)`` every step; it returns each request's draft
-ids. Per request, its target ids are decoded to text and re-encoded in the draft's tokenizer, the draft drafts up to
-γ tokens greedily and their text is re-encoded in context as target tokens
-(:class:`specdraft.drafters.MappedDrafter` in ``"text"`` mode, one per request, paired by :class:`TextDrafts`).
-Verification stays vLLM's and is lossless (q one-hot on the proposal). The speculator directory comes from
-``additional_config["specdraft_speculator"]``, else ``SPECDRAFT_SPECULATOR`` (set by :mod:`specdraft.vllm_plugin`).
-vLLM is never imported here; torch and transformers only inside functions. The vLLM calls relied on and why
-verification stays exact: docs/architecture.md, "vllm_proposer".
+vLLM builds the class named in ``speculative_config.model``, calls ``load_model`` once and ``propose`` every step.
+Per request the target ids are decoded, re-encoded for the draft, drafted greedily and re-encoded in context as
+target tokens (:class:`specdraft.drafters.MappedDrafter`, ``"text"`` mode; one per request via :class:`TextDrafts`).
+Verification stays vLLM's and is lossless (q one-hot on the proposal). vLLM is never imported here; torch and
+transformers only inside functions. Details: docs/architecture.md, "vllm_proposer".
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from typing import Any
 PROPOSER_CLASS = "specdraft.vllm_proposer.TextProposer"
 #: The ``--additional-config`` key naming the speculator directory.
 SPECULATOR_KEY = "specdraft_speculator"
-#: The environment variable naming it when the plugin serves the speculator directory alone
-#: (``python -m vllm.entrypoints.openai.api_server --model SPECULATOR_DIR``).
+#: The environment variable naming it when the plugin serves the directory alone.
 SPECULATOR_ENV = "SPECDRAFT_SPECULATOR"
 
 
@@ -34,8 +29,7 @@ class ProposerError(RuntimeError):
 
 @dataclass
 class _Entry:
-    """One request's drafter and the target ids it last drafted after (``history``); ``used``: the round it last
-    served; ``slot``: the batch slot it served then."""
+    """One request's drafter, the target ids it last drafted after, the round it last served and its slot."""
 
     drafter: Any
     history: list[int] = field(default_factory=list)
@@ -44,20 +38,12 @@ class _Entry:
 
 
 class TextDrafts:
-    """Drafters of another tokenizer, one per request, for a batch whose requests come and go (no vLLM needed).
-    How a drafter follows its request by content: docs/architecture.md, "vllm_proposer".
+    """Drafters of another tokenizer, one per request, for a batch whose requests come and go.
 
-    Memory: a drafter's KV cache holds at most the draft's window (:func:`specdraft.sampling.context_window`, its
-    ``max_position_embeddings``; past it the drafter stops proposing for that request), so the kept caches take at
-    most ``max_entries × window × 2 × layers × kv_heads × head_dim × bytes per value`` of the draft (a 0.5B Qwen
-    draft, 24 layers × 2 KV heads × 64 in bfloat16: 12 KiB per position), besides one copy of the draft's weights.
-
-    Args:
-        draft: the draft model (another tokenizer than the target's), eval mode.
-        mapping: its :class:`~specdraft.vocab.VocabMapping` (tokenizers attached, built with the target's width).
-        num_speculative_tokens: γ, the most proposed per request and round.
-        target_width: the target's output width (vLLM's vocabulary size).
-        max_entries: drafters kept at most (vLLM's ``max_num_seqs`` is enough: one per running request).
+    Each drafter's KV cache holds at most the draft's window; ``max_entries`` (vLLM's ``max_num_seqs`` suffices)
+    bounds
+    how many are kept. ``mapping``: the draft's :class:`~specdraft.vocab.VocabMapping` at the target's
+    ``target_width``.
     """
 
     def __init__(self, draft, mapping, num_speculative_tokens: int, target_width: int, max_entries: int = 256,
@@ -72,19 +58,15 @@ class TextDrafts:
         from specdraft.config import SamplingConfig
         from specdraft.drafters import MappedDrafter
 
-        # Greedy drafting whatever the request samples with: the proposals carry no q, and vLLM verifies a token
-        # without q against p alone (the module docstring), so how they were chosen never changes the output law.
+        # Greedy whatever the request samples: vLLM verifies a proposal without q against p alone.
         return MappedDrafter(self.draft, self.mapping, "text", 1, self.target_width,
                              min(self.mapping.target_real, self.target_width), self.device, SamplingConfig(), None,
                              None)
 
     def assign(self, contexts: Sequence[Sequence[int] | None]) -> list[_Entry | None]:
-        """Each context's drafter (``None`` for a ``None`` context, a slot that proposes nothing this round).
-
-        First every kept drafter whose last context is a prefix of a slot's context goes to that slot (its own
-        request, grown by the tokens since; the longest history first, then the slot it served last); then each
-        remaining context, the longest shared prefix first, takes the unclaimed kept drafter sharing it, else a new
-        one. A drafter handed to another request forgets what it knew of its last one."""
+        """Each context's drafter (None for a None context), matched by content: a kept drafter whose last
+        context prefixes a slot's goes there; the rest take the unclaimed drafter sharing the longest prefix, else a
+        new one."""
         from specdraft.drafters import common_prefix
 
         out: list[_Entry | None] = [None] * len(contexts)
@@ -111,9 +93,8 @@ class TextDrafts:
         return out
 
     def propose(self, contexts: Sequence[Sequence[int] | None], ks: Sequence[int] | None = None) -> list[list[int]]:
-        """Target-id proposals per slot: up to ``ks[j]`` (default γ) after ``contexts[j]`` (its target ids, ending
-        with the token both models read next); ``[]`` for a ``None`` context, a ``k`` of 0, or a round in which the
-        drafted text re-encodes to nothing that continues the target's tokens."""
+        """Target-id proposals per slot, up to ``ks[j]`` (default γ) after ``contexts[j]``; ``[]`` for a
+        None context, a k of 0, or drafted text that re-encodes to nothing continuing the target's tokens."""
         from specdraft.drafters import Row
 
         self.round += 1
@@ -141,12 +122,8 @@ class TextDrafts:
 
 
 def speculator_dir(additional_config: Any) -> str:
-    """The speculator directory the proposer serves: ``additional_config["specdraft_speculator"]``, else
-    ``$SPECDRAFT_SPECULATOR``.
-
-    Raises:
-        ProposerError: neither is set (says how to set it).
-    """
+    """The speculator directory: ``additional_config["specdraft_speculator"]``, else
+    ``$SPECDRAFT_SPECULATOR``. Raises :class:`ProposerError` when neither is set."""
     path = additional_config.get(SPECULATOR_KEY) if isinstance(additional_config, dict) else None
     path = path or os.environ.get(SPECULATOR_ENV)
     if not path:
@@ -161,13 +138,9 @@ HF_TOKENIZER_MODES = {"auto": {}, "hf": {}, "slow": {"use_fast": False}}
 
 
 def engine_tokenizer_kwargs(model_config) -> dict[str, Any]:
-    """The ``from_pretrained`` keywords that load the tokenizer vLLM's engine runs (its ``ModelConfig``): the
-    revision (``tokenizer_revision``; the model's ``revision`` when the tokenizer is the model's own), remote code,
-    token and mode, so the target's ids are decoded by the very tokenizer that produced them.
-
-    Raises:
-        ProposerError: a ``tokenizer_mode`` that is not a Hugging Face tokenizer (the proposer re-encodes text).
-    """
+    """The ``from_pretrained`` keywords of the tokenizer vLLM's engine runs (revision, remote
+    code, token, mode), so target ids decode by the tokenizer that made them. Raises :class:`ProposerError` for a
+    ``tokenizer_mode`` that is not a Hugging Face tokenizer."""
     mode = str(getattr(model_config, "tokenizer_mode", None) or "auto")
     if mode not in HF_TOKENIZER_MODES:
         raise ProposerError(f"{PROPOSER_CLASS} decodes and re-encodes text with a Hugging Face tokenizer and cannot "
@@ -181,9 +154,8 @@ def engine_tokenizer_kwargs(model_config) -> dict[str, Any]:
 
 
 def draft_load_kwargs(speculative_config, model_config) -> dict[str, Any]:
-    """The ``from_pretrained`` keywords for the draft and its tokenizer: its own ``ModelConfig`` where vLLM built
-    one for it, else the speculative config's ``revision``, with the engine's remote-code trust and token (vLLM gives the
-    draft the target's)."""
+    """The ``from_pretrained`` keywords for the draft and its tokenizer: its own ``ModelConfig`` if
+    vLLM built one, else the speculative config's revision, with the engine's remote-code trust and token."""
     draft = getattr(speculative_config, "draft_model_config", None)
     if draft is not None and draft is not model_config:  # a method with no draft model may be handed the target's
         return _load_kwargs(getattr(draft, "revision", None), draft, model_config)
@@ -201,14 +173,9 @@ def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_s
                      dtype: Any = "auto", device: Any = "cpu", max_entries: int = 256,
                      tokenizer_kwargs: dict[str, Any] | None = None,
                      draft_kwargs: dict[str, Any] | None = None) -> TextDrafts:
-    """:class:`TextDrafts` for the speculator directory ``speculator`` (a text speculator: its draft and its own
-    tokenizer) and the target's tokenizer (an object or a reference, loaded with ``tokenizer_kwargs``); the draft
-    and its tokenizer load with ``draft_kwargs`` (``from_pretrained`` keywords: revision, trust_remote_code, ...).
-
-    Raises:
-        ProposerError: ``speculator`` is not a speculator that drafts through text.
-        specdraft.vocab.CompatibilityError: the two tokenizers share (almost) no tokens.
-    """
+    """:class:`TextDrafts` for a text speculator directory and the target's tokenizer (object or reference).
+    Raises :class:`ProposerError` (not a text speculator) and :class:`specdraft.vocab.CompatibilityError` (the
+    tokenizers share almost no tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdraft.speculator import load_speculator_config
@@ -229,17 +196,8 @@ def load_text_drafts(speculator: str, target_tokenizer, target_width: int, num_s
 
 
 class TextProposer:
-    """vLLM's ``custom_class`` proposer for a speculator that drafts through text (see the module docstring).
-
-    Args:
-        vllm_config: vLLM's ``VllmConfig`` (read: ``speculative_config.num_speculative_tokens``,
-            ``model_config.tokenizer`` and how it loads (:func:`engine_tokenizer_kwargs`) / ``max_model_len`` /
-            ``dtype`` / vocabulary size, the draft's revision (:func:`draft_load_kwargs`), ``scheduler_config.
-            max_num_seqs``, ``device_config.device``, ``additional_config``).
-
-    Raises:
-        ProposerError: no speculator directory given (:func:`speculator_dir`), a tokenizer mode that is not a
-            Hugging Face tokenizer, or not a text speculator (at ``load_model``).
+    """vLLM's ``custom_class`` proposer for a speculator that drafts through text, built from ``vllm_config``.
+    Raises :class:`ProposerError`: no speculator directory, a non-Hugging-Face tokenizer mode, not a text speculator.
     """
 
     def __init__(self, vllm_config):
@@ -259,19 +217,17 @@ class TextProposer:
         self.drafts: TextDrafts | None = None
 
     def load_model(self, *args, **kwargs) -> None:
-        """Load the draft and both tokenizers (vLLM passes the target model, which is not used)."""
+        """Load the draft and both tokenizers (the target model vLLM passes is not used)."""
         self.drafts = load_text_drafts(self.speculator, self.tokenizer, self.target_width, self.k, dtype=self.dtype,
                                        device=self.device, max_entries=self.max_entries,
                                        tokenizer_kwargs=self.tokenizer_kwargs, draft_kwargs=self.draft_kwargs)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
-        """Draft ids per batch slot (``[]`` where a slot sampled nothing this step or has no room left).
+        """Draft ids per batch slot (``[]`` where a slot sampled nothing or has no room left).
 
-        Args:
-            sampled_token_ids: per slot the tokens sampled this step (empty: a prefill chunk, nothing to draft after).
-            num_tokens_no_spec: ``[max_num_reqs]`` int, each slot's tokens so far (prompt + output).
-            token_ids_cpu: ``[max_num_reqs, max_model_len]`` int32, each slot's token ids.
+        ``num_tokens_no_spec``: ``[max_num_reqs]`` tokens so far per slot; ``token_ids_cpu``: ``[max_num_reqs,
+        max_model_len]`` int32 token ids.
         """
         if self.drafts is None:
             self.load_model()

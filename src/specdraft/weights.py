@@ -1,8 +1,8 @@
 """Checkpoint weight-layout checks: do a checkpoint's tensors fit the model its config names?
 
-Read before loading (the safetensors headers: :func:`checkpoint_tensor_shapes`, :func:`weight_layout_problems`) and
-after (:func:`check_model_weights`, :func:`match_tie_flag`), so that a checkpoint whose weights would be initialised
-at random, dropped or served tied against its tensors is refused or corrected by name.
+Read before loading (safetensors headers: :func:`weight_layout_problems`) and after (:func:`check_model_weights`,
+:func:`match_tie_flag`), so a checkpoint whose weights would be initialised at random, dropped or served tied
+against its tensors is refused or corrected by name.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class CheckpointWeightsError(ModelResolutionError):
-    """A checkpoint's tensors do not fit its model: weights missing (transformers would initialise them at random)
-    or left over (they would be dropped)."""
+    """A checkpoint's tensors do not fit its model: weights missing (random init) or left over."""
 
 
 def name_list(keys: list[str], most: int = 8) -> str:
@@ -28,19 +27,14 @@ def name_list(keys: list[str], most: int = 8) -> str:
     return ", ".join(keys[:most]) + more
 
 
-#: Tensor names that only a draft prepared for decoding holds (:mod:`specdraft.draft_model`'s int8/int4 layers and
-#: trimmed head): a checkpoint holding them was saved from the prepared copy, not its plain model.
+#: Tensors only a draft prepared for decoding holds (int8/int4 layers, trimmed head).
 PREPARED_TENSOR_SUFFIXES = (".weight_int8", ".weight_int4", ".scales", ".scales_and_zeros", ".token_ids",
                             ".proj.weight", ".proj.bias")
 
 
 def weight_problems(model_cls, config, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """What keeps tensors of these names and shapes from loading into ``model_cls(config)`` as they are: one line
-    each for weights missing (transformers would initialise them at random), unexpected (dropped) or of another
-    shape; empty when they fit. Buffers (rotary ``inv_freq``) and tied weights may be absent, as in a save.
-
-    The reference model is built on the ``meta`` device (no memory, no weights read). ``shapes``: ``{name: shape}``.
-    """
+    """Why tensors ``{name: shape}`` would not load into ``model_cls(config)`` as they are: one line per
+    missing, unexpected or misshapen weight (buffers and tied weights may be absent); built on ``meta``, no memory."""
     import copy as _copy
 
     import torch
@@ -65,12 +59,8 @@ def weight_problems(model_cls, config, shapes: dict[str, tuple[int, ...]]) -> li
 
 
 def check_model_weights(model: PreTrainedModel, what: str = "the draft") -> None:
-    """Refuse to save ``model`` when its state dict is not what its own class loads back
-    (:func:`weight_problems`) or holds NaN/inf weights; called before anything is written.
-
-    Raises:
-        CheckpointWeightsError: names the tensors.
-    """
+    """Refuse to save ``model`` when its state dict is not what its class loads back or holds
+    NaN/inf; raises :class:`CheckpointWeightsError` naming the tensors."""
     import torch
 
     state = model.state_dict()
@@ -83,8 +73,7 @@ def check_model_weights(model: PreTrainedModel, what: str = "the draft") -> None
 
 
 def safetensors_files(path: Path) -> list[Path] | None:
-    """The safetensors weight files of a checkpoint directory: those its ``model.safetensors.index.json`` names,
-    else ``model.safetensors``; ``None`` for a checkpoint without safetensors weights (``*.bin``)."""
+    """A checkpoint's safetensors files (those its index names, else ``model.safetensors``), or None."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return [path / f for f in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))]
@@ -92,8 +81,7 @@ def safetensors_files(path: Path) -> list[Path] | None:
 
 
 def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
-    """``{tensor name: shape}`` of :func:`safetensors_files` (read from the file headers, no tensor loaded);
-    ``None`` for a checkpoint without safetensors weights."""
+    """``{tensor name: shape}`` from the safetensors headers, or None without safetensors."""
     from safetensors import safe_open
 
     files = safetensors_files(Path(path))
@@ -108,16 +96,10 @@ def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ..
 
 
 def weight_layout_problems(path: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """What is wrong with a checkpoint directory's weight layout: ``(refusals, warnings)``, one line each, naming
-    the files. One layout per directory: a single ``model.safetensors``, or shards and the
-    ``model.safetensors.index.json`` that maps every tensor to the shard holding it.
+    """``(refusals, warnings)`` about a checkpoint directory's weight layout, naming the files.
 
-    Refused (loading would silently compute another model, or fail on a missing weight): a ``model.safetensors``
-    beside a sharded index (transformers loads the single file and ignores the shards), a shard the index names
-    that is missing, a tensor a shard holds that the index does not map to it, a tensor the index maps to a shard
-    that does not hold it, several safetensors files without an index. Warned: safetensors files the index does
-    not name (never loaded), PyTorch ``*.bin`` weights beside safetensors ones (transformers loads the latter).
-    Headers only: no tensor is read.
+    Refused: a single file beside a sharded index, a missing shard, a tensor mapped to the wrong shard, several files
+    without an index. Warned: files the index does not name, ``*.bin`` beside safetensors. Headers only.
     """
     from safetensors import safe_open
 
@@ -161,12 +143,7 @@ def weight_layout_problems(path: str | os.PathLike) -> tuple[list[str], list[str
 
 
 def check_weight_layout(path: str | os.PathLike) -> None:
-    """Refuse a checkpoint directory with a mixed or broken weight layout, warn about stray files
-    (:func:`weight_layout_problems`).
-
-    Raises:
-        CheckpointWeightsError: names the files and the directory.
-    """
+    """Refuse a mixed or broken weight layout (:class:`CheckpointWeightsError`), warn about strays."""
     import warnings
 
     errors, warns = weight_layout_problems(path)
@@ -177,13 +154,8 @@ def check_weight_layout(path: str | os.PathLike) -> None:
 
 
 def weight_files(path: str | os.PathLike) -> list[Path]:
-    """The weight files of a checkpoint directory (``*.safetensors``, else ``*.bin``), each one its index names
-    included.
-
-    Raises:
-        CheckpointWeightsError: the directory holds no weight file, or a broken or mixed layout
-            (:func:`check_weight_layout`).
-    """
+    """The weight files of a checkpoint directory (``*.safetensors``, else ``*.bin``). Raises
+    :class:`CheckpointWeightsError` for none, or a broken or mixed layout."""
     path = Path(path)
     check_weight_layout(path)
     for index in sorted(path.glob("*.index.json")):
@@ -202,12 +174,8 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 
 def check_checkpoint_weights(path: str | os.PathLike) -> None:
-    """Refuse a checkpoint directory whose safetensors tensors do not fit the causal LM its config.json names
-    (:func:`weight_problems`), from the file headers only; a checkpoint of ``*.bin`` weights is not checked.
-
-    Raises:
-        CheckpointWeightsError: names the tensors and the directory.
-    """
+    """Refuse a checkpoint whose safetensors tensors do not fit its config's causal LM (headers
+    only; ``*.bin`` unchecked). Raises :class:`CheckpointWeightsError` naming the tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_weight_layout(path)
@@ -222,15 +190,9 @@ def check_checkpoint_weights(path: str | os.PathLike) -> None:
 
 
 def match_tie_flag(model: PreTrainedModel) -> dict[str, tuple[Any, Any]]:
-    """Make ``tie_word_embeddings`` say what the tensors are: when the config claims tied input and output
-    embeddings but the model holds two different tensors, set it to False on the config (and on its text
-    config), in place. The tensors win: a saved copy with the flag still true would be served tied by loaders
-    that drop ``lm_head.weight`` for tied models (vLLM).
-
-    Returns:
-        ``{"tie_word_embeddings": (True, False)}`` when corrected, else ``{}`` (also for models without
-        separate input/output embeddings).
-    """
+    """Set ``tie_word_embeddings`` False in place when the config claims tied embeddings but the model
+    holds two tensors (loaders such as vLLM would serve it tied). Returns ``{"tie_word_embeddings": (True, False)}``
+    when corrected, else ``{}``."""
     import torch
 
     configs = [model.config]
