@@ -7,6 +7,7 @@ rich table, :func:`render_markdown` as the Markdown table of ``report.md``. Unit
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -462,9 +463,10 @@ COLORS = {"original": "#DD8452", "re_indexed": "#4C72B0", "distilled": "#55A868"
           "hf_assisted": "#C44E52"}
 
 
-def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
-    """``report.json``, ``report.md`` and ``report.png`` (acceptance per set with intervals, α per position,
-    speed with intervals, learning curve), atomically."""
+def write_pipeline_report(report: dict[str, Any], out: Path,
+                          sections: list[Callable[[dict[str, Any]], list[str]]]) -> None:
+    """``report.json``, ``report.md`` (its stages' ``sections``: :func:`render_markdown`) and ``report.png``
+    (acceptance per set with intervals, α per position, speed with intervals, learning curve), atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -530,7 +532,7 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     if refused:  # a null gain says why: the sides were counted in different regimes
         payload["acceptance_gain_refused"] = refused
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
-    atomic_write_text(out / "report.md", render_markdown(report))
+    atomic_write_text(out / "report.md", render_markdown(report, sections))
 
 
 def speed_panel_title(sp: SpeedRun) -> str:
@@ -707,11 +709,93 @@ def _moved_as_saved(dist: dict[str, Any]) -> str:
     return text + (f" — **warning:** {dist['saved_update_lost']}" if dist.get("saved_update_lost") else "")
 
 
-def render_markdown(r: dict[str, Any]) -> str:
-    """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
-    dist, exp, cfg = r["distill"], r["export"], r["config"]
+def evaluation_section(r: dict[str, Any]) -> list[str]:
+    """``eval_before``'s lines: how acceptance was counted, on which prompts and answers."""
+    cfg, sets = r["config"], r["eval_before"]["sets"]
+    return [("Evaluation: greedy speculative decoding, γ = "
+             f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
+             + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
+                         f"{sum(row.get('answer_tokens', 0) for row in v['rows']):,} target answer tokens"
+                         for n, v in sets.items())
+             + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
+             "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities "
+             f"after the serving settings (temperature {cfg['distill']['temperature']}, top-k "
+             f"{cfg['distill']['top_k']}, top-p {cfg['distill']['top_p']}), teacher-forced on those answers."
+             + _answers_writer(sets)), ""]
+
+
+def swap_section(r: dict[str, Any]) -> list[str]:
+    """``vocab_swap``'s lines: the mapped evaluation, the re-indexing, and what *before distillation* holds."""
+    if not (sw := r.get("vocab_swap")):
+        return []
     sets = r["eval_before"]["sets"]
+    return [(f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
+             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *mapped/"
+             f"{counting_regime(next(iter(sets.values())), r, mapped=True).proposals}*); "
+             f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
+             f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
+             "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
+             + ("; *before distillation* is the re-indexed draft, replayed on the same answers, so the gain is "
+                "distillation's alone and the swap's own cost is the difference from the mapped row."
+                if swap_baseline(r) is not None else ".")), ""]
+
+
+def forecast_section(r: dict[str, Any]) -> list[str]:
+    """``headroom``'s line: the forecast beside which the measured gain is read."""
+    return [] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]
+
+
+def distill_section(r: dict[str, Any]) -> list[str]:
+    """``distill``'s lines: steps, sequences, trainable parameters, validation α and loss, on-policy data."""
+    dist, cfg = r["distill"], r["config"]
     onp = dist.get("on_policy")
+    return [(f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
+             f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters{_moved_as_saved(dist)}), loss "
+             f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
+             f"{cfg['distill']['held_out_fraction']:.1%} of training sequences kept out of the steps, not the "
+             f"evaluation sets) {_fmt(dist['eval_before'].get('eval_alpha'))} → "
+             f"{_fmt(dist['eval_after'].get('eval_alpha'))}, validation loss "
+             f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → "
+             f"{_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."
+             + ("" if not onp else
+                f" On-policy: λ = {cfg['distill']['on_policy_fraction']}, {onp['sequences']} sequences written by the "
+                f"draft ({onp['generated_tokens']:,} tokens, {onp['generate_seconds']:.0f} s) and scored by the target "
+                f"({onp['teacher_tokens']:,} tokens, {onp['teacher_seconds']:.0f} s), regenerated at steps "
+                f"{onp['refresh_steps']}.")), ""]
+
+
+def summary_section(r: dict[str, Any]) -> list[str]:
+    """``eval_after``'s lines: the legend and one table per :func:`summary_sections` section under its title (a
+    merged table would repeat each title in every row)."""
+    return [SUMMARY_LEGEND, "", *[line for title, rows in summary_sections(r) for line in (
+        f"**{title}**", "", "| measure | before distillation | after distillation |",
+        "| --- | ---: | ---: |", *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows], "")]]
+
+
+def speed_section(r: dict[str, Any]) -> list[str]:
+    """``speed``'s lines: every :func:`speed_notes` note."""
+    return [f"**Note:** {n.rstrip('.')}.\n" for n in speed_notes(r)]
+
+
+def export_section(r: dict[str, Any]) -> list[str]:
+    """``export``'s lines: the exported speculator, its vLLM command and notes, and the draft as given's offer."""
+    exp = r["export"]
+    return [
+        (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
+         f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM {exp.get('vllm_tested_version', '?')}):"),
+        "", "```bash", exp["vllm_command"], "```", "",
+        *([] if not exp.get("vllm_one_path") else [
+            f"or, with specdraft installed next to vLLM (its plugin): `{exp['vllm_one_path']}`.", ""]),
+        *[f"Note: {n}" for n in exp.get("vllm_notes", [])],
+        *([""] if exp.get("vllm_notes") else []),
+        *([] if not (tpl := exp.get("chat_template")) else [f"Chat template: {tpl['note']}.", ""]),
+        *([] if (offer := as_given_offer(r)) is None else [offer, ""])]
+
+
+def render_markdown(r: dict[str, Any], sections: list[Callable[[dict[str, Any]], list[str]]]) -> str:
+    """``report.md``: what to serve where, the four answers, the run's line, then each stage's ``sections`` in the
+    stages' order (:attr:`specdraft.runner.Stage.section`), the timings and the plots."""
+    cfg = r["config"]
     choices = engine_choices(r)
     lines = [
         f"# specdraft run — {cfg['target']} ← {cfg['draft']}",
@@ -725,61 +809,7 @@ def render_markdown(r: dict[str, Any]) -> str:
          f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min"
          + _resumed_total(r) + "."),
         "",
-        ("Evaluation: greedy speculative decoding, γ = "
-         f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
-         + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
-                     f"{sum(row.get('answer_tokens', 0) for row in v['rows']):,} target answer tokens"
-                     for n, v in sets.items())
-         + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
-         "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities after "
-         f"the serving settings (temperature {cfg['distill']['temperature']}, top-k {cfg['distill']['top_k']}, top-p "
-         f"{cfg['distill']['top_p']}), teacher-forced on those answers."
-         + _answers_writer(sets)),
-        "",
-        *([] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]),
-        *([] if not (sw := r.get("vocab_swap")) else [
-            (f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
-             f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *mapped/"
-             f"{counting_regime(next(iter(sets.values())), r, mapped=True).proposals}*); "
-             f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
-             f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
-             "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
-             + ("; *before distillation* is the re-indexed draft, replayed on the same answers, so the gain is "
-                "distillation's alone and the swap's own cost is the difference from the mapped row."
-                if swap_baseline(r) is not None else ".")), ""]),
-        SUMMARY_LEGEND,
-        "",
-        # One table per section under its title (a merged table repeated each section's title in every row).
-        *[line for title, rows in summary_sections(r) for line in (
-            f"**{title}**", "", "| measure | before distillation | after distillation |",
-            "| --- | ---: | ---: |", *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows], "")],
-        (f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
-         f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters{_moved_as_saved(dist)}), loss "
-         f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
-         f"{cfg['distill']['held_out_fraction']:.1%} of training sequences kept out of the steps, not the evaluation "
-         f"sets) {_fmt(dist['eval_before'].get('eval_alpha'))} → {_fmt(dist['eval_after'].get('eval_alpha'))}, "
-         "validation loss "
-         f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."
-         + ("" if not onp else
-            f" On-policy: λ = {cfg['distill']['on_policy_fraction']}, {onp['sequences']} sequences written by the "
-            f"draft ({onp['generated_tokens']:,} tokens, {onp['generate_seconds']:.0f} s) and scored by the target "
-            f"({onp['teacher_tokens']:,} tokens, {onp['teacher_seconds']:.0f} s), regenerated at steps "
-            f"{onp['refresh_steps']}.")),
-        "",
-        *[f"**Note:** {n.rstrip('.')}.\n" for n in speed_notes(r)],
-        (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
-         f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM {exp.get('vllm_tested_version', '?')}):"),
-        "",
-        "```bash",
-        exp["vllm_command"],
-        "```",
-        "",
-        *([] if not exp.get("vllm_one_path") else [
-            f"or, with specdraft installed next to vLLM (its plugin): `{exp['vllm_one_path']}`.", ""]),
-        *[f"Note: {n}" for n in exp.get("vllm_notes", [])],
-        *([""] if exp.get("vllm_notes") else []),
-        *([] if not (tpl := exp.get("chat_template")) else [f"Chat template: {tpl['note']}.", ""]),
-        *([] if (offer := as_given_offer(r)) is None else [offer, ""]),
+        *[line for section in sections for line in section(r)],
         "| stage | seconds | |",
         "| --- | ---: | --- |",
         *[f"| {k} | {v['seconds']:.1f} | {'skipped (done earlier)' if v['skipped'] else ''} |"
