@@ -48,6 +48,7 @@ from specdraft.report import (
     write_pipeline_report,
 )
 from specdraft.runner import (  # noqa: F401 (PipelineError, Runner, changed_inputs: public here too)
+    Input,
     PipelineError,
     Runner,
     Stage,
@@ -625,45 +626,52 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-# A stage is reused for the same models and prompts by content, never by a path or an id alone: the weights behind a
-# path change (a re-download, a fine-tune saved in place), a prompt file is edited under its ids.
-_PAIR = (config("target"), config("draft"), computed(None, lambda job: job.identity("target")),
-         computed(None, lambda job: job.identity("draft")))
+def _model(role: str, when: Callable[[_Job], bool] | None = None) -> Input:
+    """A model by content (:func:`model_identity`) in a key: new weights under the same path are a changed input."""
+    return computed(None, lambda job: job.identity(role), when)
+
+
+_PAIR = (config("target"), config("draft"), _model("target"), _model("draft"))
 _gguf = lambda job: job.cfg.export_gguf is not None
 _self_taught = lambda job: job.self_taught
 
 #: The main job, one declaration per stage, in order (:class:`specdraft.runner.Stage`): a stage added here is run,
 #: cached by its inputs, resumed, recorded in report.json under its name and rendered in report.md by its section.
 PIPELINE: tuple[Stage, ...] = (
-    Stage("check", _PAIR + (config("vocab_swap"),), _run_check, after=_after_check),
-    Stage("eval_before", _PAIR + (
-        config("eval"), computed("serving", lambda job: job.serving),
-        computed("prompts", lambda job: {k: [e.id for e in v] for k, v in job.plan.sets.items()}),
-        computed("prompt_texts", lambda job: {k: prompt_texts(v) for k, v in job.plan.sets.items()})),
-        lambda job, d: _count(job, d, job.plan.draft.path, job.mapped, "eval_before"), section=evaluation_section),
-    Stage("vocab_swap", (extends("eval_before"), config("dtype", "distill.dtype")), _run_swap,
+    Stage("check", inputs=_PAIR + (config("vocab_swap"),), run=_run_check, after=_after_check),
+    Stage("eval_before",
+          inputs=_PAIR + (config("eval"), computed("serving", lambda job: job.serving),
+                          computed("prompts", lambda job: {k: [e.id for e in v] for k, v in job.plan.sets.items()}),
+                          computed("prompt_texts", lambda job: {k: prompt_texts(v) for k, v in job.plan.sets.items()})),
+          run=lambda job, d: _count(job, d, job.plan.draft.path, job.mapped, "eval_before"),
+          section=evaluation_section),
+    Stage("vocab_swap", inputs=(extends("eval_before"), config("dtype", "distill.dtype")), run=_run_swap,
           section=swap_section, when=lambda job: job.mapped),
-    Stage("headroom", (extends("eval_before"), computed("trained_draft", lambda job: str(job.train_draft)),
-                       config("headroom")), _run_headroom, section=forecast_section, after=_after_headroom),
-    Stage("dump", (config("target"), computed(None, lambda job: job.identity("target")),
-                   config("dump", when=lambda job: not job.self_taught),
-                   computed("prompts", lambda job: [e.id for e in job.trains]),
-                   computed("prompt_texts", lambda job: prompt_texts(job.trains, whole=True)),
-                   computed(None, lambda job: job.identity("draft"), when=_self_taught),
-                   config("self_teacher", when=_self_taught)), _run_dump),
-    Stage("distill", (upstream("dump"), config("draft"), computed(None, lambda job: job.identity("draft")),
-                      config("distill"), config("gamma", "eval.num_speculative_tokens"),
-                      computed("vocab_swap", lambda job: job.mapped)), _run_distill, section=distill_section),
-    Stage("eval_after", (extends("eval_before"), upstream("distill")),
-          lambda job, d: _count(job, d, job.results["distill"]["speculator"], False, "eval_after"),
+    Stage("headroom",
+          inputs=(extends("eval_before"), computed("trained_draft", lambda job: str(job.train_draft)),
+                  config("headroom")),
+          run=_run_headroom, section=forecast_section, after=_after_headroom),
+    Stage("dump",
+          inputs=(config("target"), _model("target"), config("dump", when=lambda job: not job.self_taught),
+                  computed("prompts", lambda job: [e.id for e in job.trains]),
+                  computed("prompt_texts", lambda job: prompt_texts(job.trains, whole=True)),
+                  _model("draft", when=_self_taught), config("self_teacher", when=_self_taught)),
+          run=_run_dump),
+    Stage("distill",
+          inputs=(upstream("dump"), config("draft"), _model("draft"), config("distill"),
+                  config("gamma", "eval.num_speculative_tokens"), computed("vocab_swap", lambda job: job.mapped)),
+          run=_run_distill, section=distill_section),
+    Stage("eval_after", inputs=(extends("eval_before"), upstream("distill")),
+          run=lambda job, d: _count(job, d, job.results["distill"]["speculator"], False, "eval_after"),
           section=summary_section, after=lambda job, _: shutil.rmtree(job.target_cache, ignore_errors=True)),
-    Stage("speed", (extends("eval_before"), upstream("distill"), config("speed_prompts")), _run_speed,
+    Stage("speed", inputs=(extends("eval_before"), upstream("distill"), config("speed_prompts")), run=_run_speed,
           result=SpeedStage, section=speed_section, when=lambda job: bool(job.cfg.speed_prompts), after=_after_speed),
-    Stage("export", (extends("distill"), config("dtype", "export_dtype"),
-                     computed("head_tokens_file", lambda job: HEAD_TOKENS_FORMAT), computed("as_given", lambda job: True),
-                     config("gguf", "export_gguf", when=_gguf),
-                     computed("llama_cpp_bench", lambda job: _file_key(PACKAGED_BENCH), when=_gguf)),
-          _run_export, section=export_section),
+    Stage("export",
+          inputs=(extends("distill"), config("dtype", "export_dtype"),
+                  computed("head_tokens_file", lambda job: HEAD_TOKENS_FORMAT), computed("as_given", lambda job: True),
+                  config("gguf", "export_gguf", when=_gguf),
+                  computed("llama_cpp_bench", lambda job: _file_key(PACKAGED_BENCH), when=_gguf)),
+          run=_run_export, section=export_section),
 )
 
 #: The stage names in order, the report last (it is written from every stage's result, never skipped).
