@@ -121,10 +121,13 @@ def prepare_stages(cfg, work: Path, command: str, log=print, dump: bool = True) 
     serving = {k: getattr(cfg.distill, k) for k in ("temperature", "top_k", "top_p")}
     eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
                                  "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()}}
-    runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, pl._check_stage(cfg, plan))
-    before = runner.stage("eval_before", eval_inputs, pl._eval_stage(cfg, plan, plan.draft.path, True, log=log,
-                                                                    stage="eval_before"))
-    swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype}, pl._swap_stage(cfg, plan, before))
+    job = pl._Job(cfg, plan, work, command, log)  # the main job's stage functions, under this bench's own keys
+    res = job.results
+    res["check"] = runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, lambda d: pl._run_check(job, d))
+    before = res["eval_before"] = runner.stage(
+        "eval_before", eval_inputs, lambda d: pl._count(job, d, plan.draft.path, True, "eval_before"))
+    swap = res["vocab_swap"] = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype},
+                                            lambda d: pl._run_swap(job, d))
     out = {"runner": runner, "plan": plan, "before": before, "swap": swap, "dump": None, "dump_seconds": None}
     if dump:
         out |= target_dump(cfg, work, command, runner, plan, log)
@@ -134,7 +137,9 @@ def prepare_stages(cfg, work: Path, command: str, log=print, dump: bool = True) 
 def target_dump(cfg, work: Path, command: str, runner, plan, log=print) -> dict:
     """The preset's target dump stage (cached in ``work/dump``): ``{"dump": its result, "dump_seconds"}``."""
     dump_inputs = {"target": cfg.target, "dump": cfg.dump.model_dump(), "prompts": [e.id for e in plan.trains]}
-    dump = runner.stage("dump", dump_inputs, pl._dump_stage(cfg, plan, command, log))
+    target_taught = cfg.model_copy(update={"self_teacher": None, "target_dump_prompts": None})
+    job = pl._Job(target_taught, plan, work, command, log)
+    dump = runner.stage("dump", dump_inputs, lambda d: pl._run_dump(job, d))
     return {"dump": dump, "dump_seconds": json.loads((work / "dump" / "stage.json").read_text())["seconds"]}
 
 

@@ -288,6 +288,7 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert offer in (tmp_path / "run" / "report.md").read_text()
     assert '"method": "custom_class"' in (tmp_path / "run" / "report.md").read_text()
     assert "README.md` names them with the commands" in said["Can I ship it?"]
+    from specdraft.pipeline import report_sections
     from specdraft.report import render_markdown
 
     for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):
@@ -295,7 +296,7 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
         c = r["speed"]["contenders"]
         c["speculative:original"]["speedup"], c["speculative:distilled"]["speedup"] = before, after
         r["speed"]["busy_machine"] = False  # timings beside other work draw no speed conclusion (tested elsewhere)
-        md = render_markdown(r)
+        md = render_markdown(r, report_sections())
         assert ("decoded slower than the original in the interleaved run (0.50x vs 1.50x" in md) == warned
         # The original here decodes only through the mapping: the advice is not to keep it for serving.
         assert ("llama.cpp and vLLM's draft_model need a draft of the target's tokenizer" in md) == warned

@@ -1,41 +1,15 @@
-"""The main job, ``specdraft run``: from two checkpoints to a shipped, measured speculator.
+"""The main job, ``specdraft run``: from two checkpoints to a shipped, measured speculator, one declaration per stage.
 
-Stages, each a library call writing into ``OUT/<stage>/`` and finished by a ``stage.json`` holding the key of
-its inputs (a re-run skips a stage whose key matches, so a killed run continues where it stopped; a finished stage
-whose inputs changed is refused, naming what changed, or redone from scratch with ``overwrite``). The key holds the
-models by content (:func:`model_identity`: new weights, chat template, tokenizer files or stop ids under the same
-path are changed inputs) and the prompts by text (:func:`prompt_texts`: an edited prompt under the same id is one):
-
-1. ``check``       tokenizer compatibility (:func:`specdraft.check.check_compatible`)
-2. ``eval_before`` the target's greedy answers per held-out set, written by the target itself in one batch, then
-                   the original draft's greedy acceptance replayed on them, + α at the serving settings
-                   (:func:`specdraft.evaluate.acceptance_eval`)
-3. ``vocab_swap``  only for a draft of another tokenizer: re-indexed into the target's (:func:`specdraft.vocab.save_vocab_swap`)
-                   and counted by replay on ``eval_before``'s answers: the baseline of the distillation gain
-   ``headroom``    the forecast before training, on the held-out answers ``eval_before`` wrote (the positions
-                   ``eval_after`` replays) for the draft that is trained: what distillation can add, and its verdict
-                   (:func:`specdraft.headroom.forecast_headroom`); the report prints it beside the measured gain
-4. ``dump``        the target's teacher signal on the training prompts, responses written by the target
-                   itself (:func:`specdraft.dump.run_dump`)
-5. ``distill``     the draft trained against the dump (:func:`specdraft.distill.run_distill`)
-6. ``eval_after``  the distilled draft on the same target answers (replayed: a paired comparison)
-7. ``speed``       one interleaved timing run after a warm-up: target alone, original and distilled draft,
-                   transformers' assisted generation (:func:`specdraft.evaluate.interleaved_speed`)
-8. ``export``      the distilled draft as an independent speculator + the vLLM command (:mod:`specdraft.export`)
-9. ``report``      ``report.md``, ``report.json`` and plots (:mod:`specdraft.report`)
-
-**Evaluation design.** Acceptance is measured on held-out prompts in two sets, reported separately:
-``eval_prompts`` (the domain the preset trains for: the headline gain) and ``ood_prompts`` (a second domain
-that must not get worse). Before distillation the target writes its greedy answer to every prompt, a set's
-prompts in one batch (the cheapest lossless way to have them on a CPU); the original and later the distilled
-draft are both counted by replaying their greedy rounds on those very answers
-(:func:`specdraft.replay.replay_answer` for a draft of the target's tokenizer,
-:func:`specdraft.replay.replay_mapped` for one of another: exact for greedy verification up to bf16 near-ties;
-tested against decoded counts), so the gain is paired prompt by prompt and costs one teacher-forced pass per
-model and prompt instead of a decoding. Speed is measured once, interleaved, on a few prompts.
-
-Evaluation prompts never enter training: overlaps between the two prompt sets are counted and warned about
-(or refused with ``refuse_overlap``). Everything that can be checked is checked before the first stage runs.
+:data:`PIPELINE` lists the stages in order, each a :class:`~specdraft.runner.Stage`: its inputs (the cache key),
+the function that writes ``OUT/<stage>/``, its result type and its report.md section. ``check`` (tokenizers) →
+``eval_before`` (the target's greedy held-out answers, the draft as given replayed on them) → ``vocab_swap`` (a
+draft of another tokenizer re-indexed) → ``headroom`` (the forecast) → ``dump`` (the teacher signal) →
+``distill`` → ``eval_after`` (the distilled draft on the same answers: a paired gain) → ``speed`` (interleaved
+timings) → ``export`` → the report (:mod:`specdraft.report`). A stage done with the same inputs is skipped, one
+whose inputs changed is refused or redone (:class:`~specdraft.runner.Runner`); models enter a key by content
+(:func:`model_identity`), prompts by text (:func:`prompt_texts`). Held-out prompts never train (overlap warned or
+refused); every check that needs no weights runs first. Design and evidence: docs/architecture.md,
+``### specdraft.pipeline``.
 """
 
 from __future__ import annotations
@@ -49,7 +23,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +37,32 @@ from specdraft.models import ModelRef
 from specdraft.progress import progress_lines
 from specdraft.prompts import PromptSet, select_prompts, teacher_prompts
 from specdraft.recommend import distillation_verdict, teaching_road, write_export_manifest
-from specdraft.runner import PipelineError, Runner, changed_inputs, stage_key  # noqa: F401 (public here too)
+from specdraft.report import (
+    distill_section,
+    evaluation_section,
+    export_section,
+    forecast_section,
+    speed_section,
+    summary_section,
+    swap_section,
+    write_pipeline_report,
+)
+from specdraft.runner import (  # noqa: F401 (PipelineError, Runner, changed_inputs: public here too)
+    Input,
+    PipelineError,
+    Runner,
+    Stage,
+    changed_inputs,
+    computed,
+    config,
+    extends,
+    stage_key,
+    upstream,
+    walk,
+)
 from specdraft.speed import SpeedStage
 
 _LOG = logging.getLogger("specdraft")
-
-STAGES = ("check", "eval_before", "vocab_swap", "headroom", "dump", "distill", "eval_after", "speed", "export", "report")
 
 #: Training answers are written by the target, evaluation is greedy, models decode in bf16 (as served).
 _DUMP = {"answer_only": True, "dtype": "bfloat16"}
@@ -342,275 +336,356 @@ def _preflight(cfg: PipelineConfig, out: Path, log, eval_examples, train_example
     return _Plan(evals, trains, target, draft, overlap, oods)
 
 
-def _check_stage(cfg: PipelineConfig, plan: _Plan) -> Callable[[Path], dict[str, Any]]:
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.check import check_compatible
-        from specdraft.vocab import build_vocab_mapping
 
-        rep = check_compatible(plan.target.path, plan.draft.path)
-        atomic_write_text(d / "report.json", json.dumps(rep.to_dict(), indent=2, default=str))
-        if rep.verdict == "mismatch" and not cfg.vocab_swap:
-            hint = (" The overlap is usable: pass --vocab-swap to evaluate it through a vocabulary mapping and "
-                    "distil it re-indexed into the target's tokenizer." if rep.mapping and rep.mapping["usable"] else "")
-            raise ValueError(f"tokenizers differ: {rep.summary()} (see {d / 'report.json'}; specdraft check).{hint}")
-        if rep.verdict == "mismatch":
-            build_vocab_mapping(plan.target.path, plan.draft.path)  # no usable overlap → error, before any weights
-        return {"verdict": rep.verdict, "real_vocab": rep.real_vocab, "mapping": rep.mapping}
+@dataclass
+class _Job:
+    """The run as its stages see it: the settings (rewritten once ``check`` has spoken), the plan, the directory,
+    and every stage's key inputs and result so far (:func:`specdraft.runner.walk` fills them)."""
 
-    return run
+    cfg: PipelineConfig
+    plan: _Plan
+    out: Path
+    command: str
+    log: Callable[[str], None]
+    keep_checkpoints: bool = False
+    results: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    identities: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def identity(self, role: str) -> dict[str, Any]:
+        """:func:`model_identity` of the ``target`` or ``draft``, hashed once per run."""
+        if role not in self.identities:
+            self.identities[role] = model_identity(role, getattr(self.plan, role))
+        return self.identities[role]
 
-def _eval_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, map_vocab: bool = False,
-                before: dict[str, Any] | None = None, log: Callable[[str], None] | None = None,
-                stage: str = "eval", target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
-    """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`): ``before`` is None for
-    the original draft (the target's answers are written here), else the distilled draft is replayed on the
-    answers ``before`` holds (the same target answers: a paired comparison).
+    @property
+    def mapped(self) -> bool:
+        """The draft speaks another tokenizer (``check``'s verdict)."""
+        return self.results["check"]["verdict"] == "mismatch"
 
-    The answers are written by the target alone, all prompts of a set in one batch
-    (:func:`specdraft.responses.generate_from_ids`: each row sees the keys and positions it would see decoded alone,
-    so they are its greedy answers up to bfloat16 near-ties): on a CPU a batch of rows costs about what one row
-    does, which no draft decoding one row at a time matches. Every draft is then counted by replay at fixed γ, as
-    exported (bf16): a draft of the target's tokenizer from one teacher-forced pass, a draft of another tokenizer
-    by its drafter's rounds along each answer (:func:`specdraft.replay.replay_mapped`).
+    @property
+    def self_taught(self) -> bool:
+        return self.cfg.self_teacher is not None
 
-    ``target_cache``: the run's store of the target's teacher-forced logits over those answers, so the replays of
-    the re-indexed and the distilled draft share one target pass."""
+    @property
+    def trains(self) -> list:
+        """The training prompts the teacher answers: all for the self-teacher, the first ``target_dump_prompts``
+        for the target."""
+        return self.plan.trains if self.self_taught else self.plan.trains[: self.cfg.target_dump_prompts]
 
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.data import encode_prompts
-        from specdraft.evaluate import acceptance_eval, eos_ids
-        from specdraft.models import load_model
-        from specdraft.responses import generate_from_ids
-        from specdraft.vocab import build_vocab_mapping
+    @property
+    def train_draft(self) -> str:
+        """The draft that is trained: the re-indexed copy when ``vocab_swap`` ran, else the draft as given."""
+        swap = self.results.get("vocab_swap")
+        return swap["path"] if swap else self.plan.draft.path
 
-        target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
-        draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
-        mapping = build_vocab_mapping(plan.target.path, draft_path) if map_vocab else None
-        serving = cfg.distill.serving
-        encoded = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
-        sets = {}
-        for name, examples in plan.sets.items():
-            written = None
-            if before is not None:
-                answers = before["sets"][name]["answers"]
-            else:
-                if log:
-                    log(f"[{stage}] {name}: the target writes its {len(examples)} answers (one batch)")
-                t0 = time.perf_counter()
-                answers = generate_from_ids(target, tok, encoded[name], cfg.eval.max_new_tokens, real_vocab=len(tok),
-                                            eos_token_id=eos_ids(target, tok))
-                written = {"decoder_label": f"the target alone, one batch of {len(examples)} rows",
-                           "decode_seconds": time.perf_counter() - t0, "decoded_tokens": sum(map(len, answers))}
-            sets[name] = acceptance_eval(target, draft, tok, encoded[name], [e.id for e in examples],
-                                         cfg.eval, serving, answers=answers, vocab_mapping=mapping,
-                                         target_cache=target_cache,
-                                         progress=progress_lines(log, f"[{stage}] {name}") if log else None).to_dict()
-            sets[name] |= written or {}
-            sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
-        atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
-        del target, draft  # free the models before the next stage loads its own
-        gc.collect()
-        return {"draft": str(draft_path), "sets": sets}
+    @property
+    def target_cache(self) -> Path:
+        """The target's teacher-forced logits over its held-out answers: written by the first replay, read by the
+        forecast and the last replay."""
+        return self.out / "cache" / "target-logits"
 
-    return run
+    @property
+    def serving(self) -> dict[str, Any]:
+        return self.cfg.distill.serving.model_dump()
 
 
-def _speed_stage(cfg: PipelineConfig, plan: _Plan, original: str, distilled: str,
-                 map_vocab: bool) -> Callable[[Path], SpeedStage]:
-    """Interleaved timing runs (:func:`specdraft.evaluate.interleaved_speed`): target alone, the original and
-    the distilled draft (both with the evaluation's draft preparation and γ policy), transformers' assisted
-    generation with the original draft as loaded, on the first ``speed_prompts`` prompts of each held-out set, after
-    a warm-up. The headline set's result is the stage's; the others are under ``other_sets``."""
+def _run_check(job: _Job, d: Path) -> dict[str, Any]:
+    from specdraft.check import check_compatible
+    from specdraft.vocab import build_vocab_mapping
 
-    def run(d: Path) -> SpeedStage:
-        from specdraft.data import encode_prompts
-        from specdraft.evaluate import interleaved_speed
-        from specdraft.models import load_model
-        from specdraft.vocab import build_vocab_mapping
-
-        target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
-        drafts = {"original": load_model(original, dtype=cfg.eval.dtype)[0],
-                  "distilled": load_model(distilled, dtype=cfg.eval.dtype)[0]}
-        mappings = {"original": build_vocab_mapping(plan.target.path, original)} if map_vocab else {}
-        # Every held-out set is timed (the headline set first): "faster" is claimed per set, never by extrapolation.
-        by_set = {}
-        for name, examples in plan.sets.items():
-            examples = examples[: cfg.speed_prompts]
-            by_set[name] = interleaved_speed(target, drafts, tok, encode_prompts(tok, examples),
-                                             [e.id for e in examples], cfg.eval,
-                                             hf_draft="original" if cfg.eval.compare_hf else None,
-                                             vocab_mappings=mappings)
-        res = SpeedStage(by_set["held_out"], {k: v for k, v in by_set.items() if k != "held_out"})
-        atomic_write_text(d / "report.json", json.dumps(res.to_dict(), indent=1, default=str))
-        del target, drafts
-        gc.collect()
-        return res
-
-    return run
+    rep = check_compatible(job.plan.target.path, job.plan.draft.path)
+    atomic_write_text(d / "report.json", json.dumps(rep.to_dict(), indent=2, default=str))
+    if rep.verdict == "mismatch" and not job.cfg.vocab_swap:
+        hint = (" The overlap is usable: pass --vocab-swap to evaluate it through a vocabulary mapping and "
+                "distil it re-indexed into the target's tokenizer." if rep.mapping and rep.mapping["usable"] else "")
+        raise ValueError(f"tokenizers differ: {rep.summary()} (see {d / 'report.json'}; specdraft check).{hint}")
+    if rep.verdict == "mismatch":
+        build_vocab_mapping(job.plan.target.path, job.plan.draft.path)  # no usable overlap → error, before any weights
+    return {"verdict": rep.verdict, "real_vocab": rep.real_vocab, "mapping": rep.mapping}
 
 
-def _swap_stage(cfg: PipelineConfig, plan: _Plan, before: dict[str, Any],
-                target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
-    """The draft re-indexed into the target's tokenizer (:func:`specdraft.vocab.save_vocab_swap`), then counted by
-    replay on the target's answers ``eval_before`` wrote: the baseline of the distillation gain is the draft that is
-    trained (the re-indexed one), and the swap's own cost is its difference from the mapped evaluation."""
-
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.vocab import save_vocab_swap
-
-        report = save_vocab_swap(plan.draft.path, plan.target.path, d / "model", dtype=cfg.distill.dtype,
-                                 overwrite=True)
-        counted = _eval_stage(cfg, plan, str(d / "model"), False, before=before, target_cache=target_cache)(d)
-        return report.to_dict() | {"path": str(d / "model"), "sets": counted["sets"]}
-
-    return run
+def _after_check(job: _Job, check: dict[str, Any]) -> None:
+    """The self-teacher teaches a re-indexed copy what its original knew; a draft of the target's own tokenizer has
+    no such copy, so the target's answers teach it (on the full head: a target dump has mass everywhere)."""
+    if job.self_taught and not job.mapped:
+        job.log(f"[dump] {job.cfg.draft} already speaks the target's tokenizer (check: {check['verdict']}): the "
+                "self-teacher does not apply; the target's answers teach it")
+        job.cfg = job.cfg.model_copy(update={"self_teacher": None,
+                                             "distill": job.cfg.distill.model_copy(update={"head_support": None})})
 
 
-def _headroom_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, before: dict[str, Any],
-                    target_cache: Path | None = None) -> Callable[[Path], dict[str, Any]]:
-    """The forecast (:func:`specdraft.headroom.forecast_headroom`) over the target's held-out answers from
-    ``eval_before``, teacher-forced, with the serving filter of the sampled α. For the swapped draft its
-    argmaxes of the same pass give the swap diagnostic (``segmentation``; the verdict names the dominant kind)."""
+def _count(job: _Job, d: Path, draft_path: str, map_vocab: bool, stage: str, log: bool = True) -> dict[str, Any]:
+    """Greedy acceptance per evaluation set (:func:`specdraft.evaluate.acceptance_eval`) of ``draft_path``, replayed
+    at fixed γ as exported on the target's greedy answers: written here by the target alone, a set's prompts in one
+    batch (:func:`specdraft.responses.generate_from_ids`) before ``eval_before`` has run, else ``eval_before``'s
+    (a paired comparison). The replays share the target's logits through :attr:`_Job.target_cache`."""
+    from specdraft.data import encode_prompts
+    from specdraft.evaluate import acceptance_eval, eos_ids
+    from specdraft.models import load_model
+    from specdraft.responses import generate_from_ids
+    from specdraft.vocab import build_vocab_mapping
 
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.data import encode_prompts, tokenizer_pad_id
-        from specdraft.headroom import forecast_headroom
-        from specdraft.models import load_model
-        from specdraft.vocab import swapped_draft_twins
+    cfg, plan, say = job.cfg, job.plan, job.log if log else None
+    before = job.results.get("eval_before")
+    target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
+    draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
+    mapping = build_vocab_mapping(plan.target.path, draft_path) if map_vocab else None
+    serving = job.cfg.distill.serving
+    sets = {}
+    for name, examples in plan.sets.items():
+        encoded, written = encode_prompts(tok, examples), None
+        if before is not None:
+            answers = before["sets"][name]["answers"]
+        else:
+            if say:
+                say(f"[{stage}] {name}: the target writes its {len(examples)} answers (one batch)")
+            t0 = time.perf_counter()
+            answers = generate_from_ids(target, tok, encoded, cfg.eval.max_new_tokens, real_vocab=len(tok),
+                                        eos_token_id=eos_ids(target, tok))
+            written = {"decoder_label": f"the target alone, one batch of {len(examples)} rows",
+                       "decode_seconds": time.perf_counter() - t0, "decoded_tokens": sum(map(len, answers))}
+        sets[name] = acceptance_eval(target, draft, tok, encoded, [e.id for e in examples], cfg.eval, serving,
+                                     answers=answers, vocab_mapping=mapping, target_cache=job.target_cache,
+                                     progress=progress_lines(say, f"[{stage}] {name}") if say else None).to_dict()
+        sets[name] |= written or {}
+        sets[name]["sources"] = cfg.eval_prompts if name == "held_out" else cfg.ood_prompts
+    atomic_write_text(d / "report.json", json.dumps(sets, indent=1, default=str))
+    del target, draft  # free the models before the next stage loads its own
+    gc.collect()
+    return {"draft": str(draft_path), "sets": sets}
 
-        twins = swapped_draft_twins(draft_path, plan.target.path)  # None unless the vocab_swap stage wrote it
-        target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
-        draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
-        prompts = encode_prompts(tok, plan.evals)
-        answers = before["sets"]["held_out"]["answers"]
-        seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
-        # Position j predicts token j + 1: the last prompt position predicts the first answer token.
-        masks = [[False] * (len(p) - 1) + [True] * len(a) + [False] for p, a in zip(prompts, answers, strict=True)]
-        serving = cfg.distill.serving
-        res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
-                                serving=serving, real_vocab=len(tok),
-                                pad_id=tokenizer_pad_id(tok), twins=twins, tokenizer=tok,
-                                target_cache=target_cache)
-        atomic_write_text(d / "report.json", json.dumps(res.to_dict(), indent=1, default=str))
-        del target, draft
-        gc.collect()
-        return res.to_dict(per_sequence=False) | {"draft": str(draft_path)}
 
-    return run
+def _run_swap(job: _Job, d: Path) -> dict[str, Any]:
+    """The draft re-indexed into the target's tokenizer (:func:`specdraft.vocab.save_vocab_swap`), then replayed on
+    ``eval_before``'s answers: the distillation gain's baseline is the draft that is trained."""
+    from specdraft.vocab import save_vocab_swap
+
+    report = save_vocab_swap(job.plan.draft.path, job.plan.target.path, d / "model", dtype=job.cfg.distill.dtype,
+                             overwrite=True)
+    counted = _count(job, d, str(d / "model"), False, "vocab_swap", log=False)
+    return report.to_dict() | {"path": str(d / "model"), "sets": counted["sets"]}
 
 
-def _dump_stage(cfg: PipelineConfig, plan: _Plan, trains: list, command: str,
-                log: Callable[[str], None] | None = None) -> Callable[[Path], dict[str, Any]]:
-    """The teacher dump of the training examples ``trains`` (``plan.trains``, the target's dump's first
-    ``cfg.target_dump_prompts``), as selected: the target's answers (:func:`specdraft.dump.run_dump`), or with
+def _run_headroom(job: _Job, d: Path) -> dict[str, Any]:
+    """The forecast (:func:`specdraft.headroom.forecast_headroom`) for the draft that is trained, teacher-forced on
+    ``eval_before``'s held-out answers with the serving filter; a swapped draft's twins give the swap diagnostic."""
+    from specdraft.data import encode_prompts, tokenizer_pad_id
+    from specdraft.headroom import forecast_headroom
+    from specdraft.models import load_model
+    from specdraft.vocab import swapped_draft_twins
+
+    cfg, plan, draft_path = job.cfg, job.plan, job.train_draft
+    twins = swapped_draft_twins(draft_path, plan.target.path)  # None unless the vocab_swap stage wrote it
+    target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
+    draft, _ = load_model(draft_path, dtype=cfg.eval.dtype)
+    prompts = encode_prompts(tok, plan.evals)
+    answers = job.results["eval_before"]["sets"]["held_out"]["answers"]
+    seqs = [list(p) + list(a) for p, a in zip(prompts, answers, strict=True)]
+    # Position j predicts token j + 1: the last prompt position predicts the first answer token.
+    masks = [[False] * (len(p) - 1) + [True] * len(a) + [False] for p, a in zip(prompts, answers, strict=True)]
+    res = forecast_headroom(target, draft, seqs, masks, cfg.headroom, names=[e.id for e in plan.evals],
+                            serving=job.cfg.distill.serving, real_vocab=len(tok), pad_id=tokenizer_pad_id(tok),
+                            twins=twins, tokenizer=tok, target_cache=job.target_cache)
+    atomic_write_text(d / "report.json", json.dumps(res.to_dict(), indent=1, default=str))
+    del target, draft
+    gc.collect()
+    return res.to_dict(per_sequence=False) | {"draft": str(draft_path)}
+
+
+def _after_headroom(job: _Job, headroom: dict[str, Any]) -> None:
+    forecast = HeadroomForecast.from_dict(headroom)
+    job.log(f"[headroom] a forecast against the target's answers: {forecast.verdict} (95% CI "
+            f"[{forecast.gain_ci95[0]:+.3f}, {forecast.gain_ci95[1]:+.3f}]); the road this run takes: "
+            f"{teaching_road(job.self_taught)}")
+    if len(job.trains) < len(job.plan.trains):
+        job.log(f"[dump] the target answers the first {len(job.trains)} of the {len(job.plan.trains)} training "
+                "prompts (target_dump_prompts)")
+
+
+def _run_dump(job: _Job, d: Path) -> dict[str, Any]:
+    """The teacher dump of :attr:`_Job.trains`: the target's answers (:func:`specdraft.dump.run_dump`), or with
     ``cfg.self_teacher`` the draft as given's, re-encoded for its re-indexed copy
     (:func:`specdraft.self_teacher.run_self_teacher`)."""
+    cfg, plan = job.cfg, job.plan
+    progress = progress_lines(job.log, "[dump] teacher", "sequences")
+    if job.self_taught:
+        from specdraft.self_teacher import run_self_teacher
 
-    def run(d: Path) -> dict[str, Any]:
-        progress = progress_lines(log, "[dump] teacher", "sequences") if log else None
-        if cfg.self_teacher is not None:
-            from specdraft.self_teacher import run_self_teacher
+        man = run_self_teacher(plan.draft.path, plan.target.path, job.trains, d, cfg.self_teacher,
+                               progress=progress, command=job.command)
+    else:
+        from specdraft.dump import run_dump
 
-            man = run_self_teacher(plan.draft.path, plan.target.path, trains, d, cfg.self_teacher,
-                                   progress=progress, command=command)
-        else:
-            from specdraft.dump import run_dump
-
-            man = run_dump(plan.target, trains, d, cfg.dump, command=command, progress=progress)
-        this = man.get("this_run", {})
-        return {"sequences": man.get("sequences"), "tokens": man.get("tokens"), "bytes": man.get("bytes"),
-                "tokens_per_s": this.get("tokens_per_s"), "generate_tokens_per_s": this.get("generate_tokens_per_s"),
-                "teacher": "draft-as-given" if cfg.self_teacher is not None else "target",
-                **({"trained_tokens": man.get("trained_tokens"), "signal": man.get("signal")}
-                   if cfg.self_teacher is not None else {})}
-
-    return run
+        man = run_dump(plan.target, job.trains, d, cfg.dump, command=job.command, progress=progress)
+    this = man.get("this_run", {})
+    return {"sequences": man.get("sequences"), "tokens": man.get("tokens"), "bytes": man.get("bytes"),
+            "tokens_per_s": this.get("tokens_per_s"), "generate_tokens_per_s": this.get("generate_tokens_per_s"),
+            "teacher": "draft-as-given" if job.self_taught else "target",
+            **({"trained_tokens": man.get("trained_tokens"), "signal": man.get("signal")} if job.self_taught else {})}
 
 
-def _distill_stage(cfg: PipelineConfig, plan: _Plan, draft_path: str, dump_dir: Path,
-                   keep_checkpoints: bool = False) -> Callable[[Path], dict[str, Any]]:
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.distill import run_distill
+def _run_distill(job: _Job, d: Path) -> dict[str, Any]:
+    from specdraft.distill import run_distill
 
-        # The distilled draft is kept in the run's dtype (what the evaluations load it in), unless the export
-        # keeps the training dtype; a finished training's checkpoints go unless asked for.
-        kept = cfg.eval.dtype if cfg.eval.dtype in ("float32", "bfloat16", "float16") and \
-            cfg.export_dtype != "keep" else None
-        res = run_distill(cfg.target, draft_path, dump_dir, d, cfg.distill,
-                          num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                          keep_checkpoints=keep_checkpoints, save_dtype=kept)
-        return res.to_dict()
-
-    return run
+    cfg = job.cfg
+    # The distilled draft is kept in the run's dtype (what the evaluations load it in), unless the export keeps the
+    # training dtype; a finished training's checkpoints go unless asked for.
+    kept = cfg.eval.dtype if cfg.eval.dtype in ("float32", "bfloat16", "float16") and cfg.export_dtype != "keep" else None
+    res = run_distill(cfg.target, job.train_draft, job.out / "dump", d, cfg.distill,
+                      num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                      keep_checkpoints=job.keep_checkpoints, save_dtype=kept)
+    return res.to_dict()
 
 
-def _export_stage(cfg: PipelineConfig, plan: _Plan, speculator: str, dump_dir: Path, mapped: bool = False,
-                  before: dict[str, Any] | None = None, after: dict[str, Any] | None = None,
-                  speed: SpeedStage | None = None) -> Callable[[Path], dict[str, Any]]:
-    """Export the distilled speculator into ``export/speculator`` (cast to the export dtype) with the token ranking
-    counted over the teacher dump's answers (named by who wrote them: the target, or the draft as given on the
-    self-teacher route) plus the embedded training prompts
-    (:func:`specdraft.draft_model.save_head_tokens`): what ``--draft-head-tokens N`` keeps for this speculator.
+def _run_speed(job: _Job, d: Path) -> SpeedStage:
+    """Interleaved timing runs (:func:`specdraft.evaluate.interleaved_speed`) after a warm-up, on the first
+    ``speed_prompts`` prompts of every held-out set: the target alone, the original and the distilled draft, and
+    transformers' assisted generation with the original draft; "faster" is claimed per set, never extrapolated."""
+    from specdraft.data import encode_prompts
+    from specdraft.evaluate import interleaved_speed
+    from specdraft.models import load_model
+    from specdraft.vocab import build_vocab_mapping
 
-    The draft as given is written too, into ``export/speculator-as-given`` (:func:`specdraft.export.export_draft`;
-    a draft of another tokenizer keeps its own and the ``"text"`` proposal method: vLLM serves it through
-    specdraft's ``custom_class`` proposer), so every engine's recommendation names a directory.
+    cfg, plan, original = job.cfg, job.plan, job.plan.draft.path
+    target, tok = load_model(plan.target, dtype=cfg.eval.dtype)
+    drafts = {"original": load_model(original, dtype=cfg.eval.dtype)[0],
+              "distilled": load_model(job.results["distill"]["speculator"], dtype=cfg.eval.dtype)[0]}
+    mappings = {"original": build_vocab_mapping(plan.target.path, original)} if job.mapped else {}
+    by_set = {}
+    for name, examples in plan.sets.items():
+        examples = examples[: cfg.speed_prompts]
+        by_set[name] = interleaved_speed(target, drafts, tok, encode_prompts(tok, examples), [e.id for e in examples],
+                                         cfg.eval, hf_draft="original" if cfg.eval.compare_hf else None,
+                                         vocab_mappings=mappings)
+    res = SpeedStage(by_set["held_out"], {k: v for k, v in by_set.items() if k != "held_out"})
+    atomic_write_text(d / "report.json", json.dumps(res.to_dict(), indent=1, default=str))
+    del target, drafts
+    gc.collect()
+    return res
 
-    With ``cfg.export_gguf``, the draft of the target's tokenizer that decoded faster in the speed stage (the
-    distilled one for a draft of another tokenizer: the only one llama.cpp can pair) is written as GGUF and priced
-    for llama.cpp (:func:`specdraft.llama_cpp.run_plan`, at its held-out acceptance per reached position)."""
 
-    def run(d: Path) -> dict[str, Any]:
-        from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
-        from specdraft.dump_reader import TeacherDataset, answers_written_by
-        from specdraft.export import export_draft, export_saved_speculator
-        from specdraft.models import load_tokenizer
+def _after_speed(job: _Job, speed: SpeedStage) -> None:
+    if not speed.lossless:
+        raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding tolerance "
+                            f"(see {job.out / 'speed' / 'report.json'}); this is a bug, please report it")
 
-        res = export_saved_speculator(speculator, d / "speculator", cfg.target, cfg.export_dtype)
-        tok = load_tokenizer(plan.target.path)
-        dump = TeacherDataset(dump_dir)
-        answers = []
-        for i in range(len(dump)):
-            item = dump.tokens(i)
-            answers.append(item["input_ids"][1:][item["loss_mask"][:-1].bool()].tolist())
-        ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
-        path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} answer tokens "
-                                f"written by {answers_written_by(dump.manifest)}) + the embedded training prompts")
-        res = res | {"head_tokens_file": str(path.resolve())}
-        given = export_draft(plan.draft.path, cfg.target, d / "speculator-as-given",
-                             num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)
-        res["as_given"] = {"path": str(given.out), "vllm_command": given.vllm_command,
-                           "drafting": given.serve.drafting}
-        if cfg.export_gguf is not None:  # the same draft for llama.cpp's -md, checked against the target's vocabulary
-            from specdraft.gguf_export import export_gguf
-            from specdraft.llama_cpp import run_plan
 
-            which, source = "distilled", d / "speculator"
-            if not mapped and speed is not None:
-                s = {w: (c.speedup or 0.0) for w in ("original", "distilled")
-                     if (c := speed.held_out.contender("speculative", w)) is not None}
-                if s.get("original", 0.0) > s.get("distilled", 0.0):
-                    which, source = "original", d / "speculator-as-given"
-            g = export_gguf(source, plan.target.path, d / f"draft-{cfg.export_gguf}.gguf",
-                            gguf_type=cfg.export_gguf, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                            overwrite=True)
-            side = after if which == "distilled" else before
-            alpha = ((side or {}).get("sets") or {}).get("held_out", {}).get("alpha")
-            res["llama_cpp"] = run_plan(cfg.target, g.out, g.bytes, alpha, which, draft_ref=str(source))
-            # The command the plan recommends (the target alone where the draft does not pay) beside the draft's own.
-            res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
-                           "llama_cpp_command": res["llama_cpp"].get("command", g.command),
-                           "draft_command": g.command, "draft": which}
-        return res
+def _run_export(job: _Job, d: Path) -> dict[str, Any]:
+    """The distilled speculator into ``export/speculator`` (:func:`specdraft.export.export_saved_speculator`) with
+    its token ranking counted over the teacher dump's answers and the embedded training prompts
+    (:func:`specdraft.draft_model.save_head_tokens`); the draft as given into ``export/speculator-as-given``
+    (:func:`specdraft.export.export_draft`); with ``cfg.export_gguf`` the draft of the target's tokenizer that decoded
+    faster written as GGUF and priced for llama.cpp (:func:`specdraft.llama_cpp.run_plan`)."""
+    from specdraft.draft_model import default_head_corpus, rank_tokens, save_head_tokens
+    from specdraft.dump_reader import TeacherDataset, answers_written_by
+    from specdraft.export import export_draft, export_saved_speculator
+    from specdraft.models import load_tokenizer
 
-    return run
+    cfg, plan, speed = job.cfg, job.plan, job.results.get("speed")
+    res = export_saved_speculator(job.results["distill"]["speculator"], d / "speculator", cfg.target, cfg.export_dtype)
+    tok = load_tokenizer(plan.target.path)
+    dump = TeacherDataset(job.out / "dump")
+    answers = []
+    for i in range(len(dump)):
+        item = dump.tokens(i)
+        answers.append(item["input_ids"][1:][item["loss_mask"][:-1].bool()].tolist())
+    ranked = rank_tokens(tok, token_lists=answers + default_head_corpus(tok))
+    path = save_head_tokens(d / "speculator", ranked, tok, f"teacher dump ({sum(map(len, answers))} answer tokens "
+                            f"written by {answers_written_by(dump.manifest)}) + the embedded training prompts")
+    res = res | {"head_tokens_file": str(path.resolve())}
+    given = export_draft(plan.draft.path, cfg.target, d / "speculator-as-given",
+                         num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)
+    res["as_given"] = {"path": str(given.out), "vllm_command": given.vllm_command, "drafting": given.serve.drafting}
+    if cfg.export_gguf is not None:  # the same draft for llama.cpp's -md, checked against the target's vocabulary
+        from specdraft.gguf_export import export_gguf
+        from specdraft.llama_cpp import run_plan
+
+        which, source = "distilled", d / "speculator"
+        if not job.mapped and speed is not None:  # a draft of another tokenizer: only the distilled one pairs
+            s = {w: (c.speedup or 0.0) for w in ("original", "distilled")
+                 if (c := speed.held_out.contender("speculative", w)) is not None}
+            if s.get("original", 0.0) > s.get("distilled", 0.0):
+                which, source = "original", d / "speculator-as-given"
+        g = export_gguf(source, plan.target.path, d / f"draft-{cfg.export_gguf}.gguf", gguf_type=cfg.export_gguf,
+                        num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True)
+        side = job.results["eval_after" if which == "distilled" else "eval_before"]
+        alpha = ((side or {}).get("sets") or {}).get("held_out", {}).get("alpha")
+        res["llama_cpp"] = run_plan(cfg.target, g.out, g.bytes, alpha, which, draft_ref=str(source))
+        # The command the plan recommends (the target alone where the draft does not pay) beside the draft's own.
+        res["gguf"] = {"path": str(g.out), "gguf_type": g.gguf_type, "bytes": g.bytes, "verdict": g.verdict,
+                       "llama_cpp_command": res["llama_cpp"].get("command", g.command),
+                       "draft_command": g.command, "draft": which}
+    return res
+
+
+def _file_key(path: Path) -> str:
+    """A stage key's part for a data file the stage prices with: its content's hash."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _model(role: str, when: Callable[[_Job], bool] | None = None) -> Input:
+    """A model by content (:func:`model_identity`) in a key: new weights under the same path are a changed input."""
+    return computed(None, lambda job: job.identity(role), when)
+
+
+_PAIR = (config("target"), config("draft"), _model("target"), _model("draft"))
+_gguf = lambda job: job.cfg.export_gguf is not None
+_self_taught = lambda job: job.self_taught
+
+#: The main job, one declaration per stage, in order (:class:`specdraft.runner.Stage`): a stage added here is run,
+#: cached by its inputs, resumed, recorded in report.json under its name and rendered in report.md by its section.
+PIPELINE: tuple[Stage, ...] = (
+    Stage("check", inputs=_PAIR + (config("vocab_swap"),), run=_run_check, after=_after_check),
+    Stage("eval_before",
+          inputs=_PAIR + (config("eval"), computed("serving", lambda job: job.serving),
+                          computed("prompts", lambda job: {k: [e.id for e in v] for k, v in job.plan.sets.items()}),
+                          computed("prompt_texts", lambda job: {k: prompt_texts(v) for k, v in job.plan.sets.items()})),
+          run=lambda job, d: _count(job, d, job.plan.draft.path, job.mapped, "eval_before"),
+          section=evaluation_section),
+    Stage("vocab_swap", inputs=(extends("eval_before"), config("dtype", "distill.dtype")), run=_run_swap,
+          section=swap_section, when=lambda job: job.mapped),
+    Stage("headroom",
+          inputs=(extends("eval_before"), computed("trained_draft", lambda job: str(job.train_draft)),
+                  config("headroom")),
+          run=_run_headroom, section=forecast_section, after=_after_headroom),
+    Stage("dump",
+          inputs=(config("target"), _model("target"), config("dump", when=lambda job: not job.self_taught),
+                  computed("prompts", lambda job: [e.id for e in job.trains]),
+                  computed("prompt_texts", lambda job: prompt_texts(job.trains, whole=True)),
+                  _model("draft", when=_self_taught), config("self_teacher", when=_self_taught)),
+          run=_run_dump),
+    Stage("distill",
+          inputs=(upstream("dump"), config("draft"), _model("draft"), config("distill"),
+                  config("gamma", "eval.num_speculative_tokens"), computed("vocab_swap", lambda job: job.mapped)),
+          run=_run_distill, section=distill_section),
+    Stage("eval_after", inputs=(extends("eval_before"), upstream("distill")),
+          run=lambda job, d: _count(job, d, job.results["distill"]["speculator"], False, "eval_after"),
+          section=summary_section, after=lambda job, _: shutil.rmtree(job.target_cache, ignore_errors=True)),
+    Stage("speed", inputs=(extends("eval_before"), upstream("distill"), config("speed_prompts")), run=_run_speed,
+          result=SpeedStage, section=speed_section, when=lambda job: bool(job.cfg.speed_prompts), after=_after_speed),
+    Stage("export",
+          inputs=(extends("distill"), config("dtype", "export_dtype"),
+                  computed("head_tokens_file", lambda job: HEAD_TOKENS_FORMAT), computed("as_given", lambda job: True),
+                  config("gguf", "export_gguf", when=_gguf),
+                  computed("llama_cpp_bench", lambda job: _file_key(PACKAGED_BENCH), when=_gguf)),
+          run=_run_export, section=export_section),
+)
+
+#: The stage names in order, the report last (it is written from every stage's result, never skipped).
+STAGES = tuple(s.name for s in PIPELINE) + ("report",)
+
+
+def report_sections(stages: tuple[Stage, ...] = PIPELINE) -> list[Callable[[dict[str, Any]], list[str]]]:
+    """The report.md sections of ``stages``, in their order (:func:`specdraft.report.render_markdown`)."""
+    return [s.section for s in stages if s.section is not None]
 
 
 def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = None,
                  log: Callable[[str], None] = _LOG.info, eval_examples=None, train_examples=None,
-                 ood_examples=None, overwrite: bool = False, keep_checkpoints: bool = False) -> dict[str, Any]:
-    """Run every stage (skipping those already done with the same inputs) and write the report.
+                 ood_examples=None, overwrite: bool = False, keep_checkpoints: bool = False,
+                 stages: tuple[Stage, ...] = PIPELINE) -> dict[str, Any]:
+    """Run every stage of ``stages`` (skipping those already done with the same inputs) and write the report.
 
     Args:
         cfg: the pipeline config (:func:`make_config` from :data:`PRESETS`).
@@ -622,6 +697,7 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
             refusing it.
         keep_checkpoints: keep the distillation's Trainer checkpoints once it has finished (removed by default:
             each is several times the draft's size).
+        stages: the stage declarations, in order (default :data:`PIPELINE`).
 
     Returns:
         The ``report.json`` payload.
@@ -630,98 +706,26 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
         PipelineError: a stage failed (names it and the resume command), a stage finished in ``out`` with other
             inputs (names the stage and what changed; without ``overwrite``), overlap refused, too little disk.
     """
-    from specdraft.report import write_pipeline_report
+    from specdraft.calibration import gemv_gb_s
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     command = command or " ".join(["specdraft"] + sys.argv[1:])
     runner = Runner(out, command, log, overwrite)
     t_all = time.time()
-    from specdraft.calibration import gemv_gb_s
-
     host = {"gemv_bf16_gb_s": gemv_gb_s()}  # the machine's rate before the work: what its minutes scale with
     plan = _preflight(cfg, out, log, eval_examples, train_examples, ood_examples)
-    # A stage is reused for the same models and prompts by content, never by a path or an id alone: the weights
-    # behind a path change (a re-download, a fine-tune saved in place), a prompt file is edited under its ids.
-    target_id, draft_id = model_identity("target", plan.target), model_identity("draft", plan.draft)
-    fingerprint = {"target": cfg.target, "draft": cfg.draft} | target_id | draft_id
-
-    check = runner.stage("check", fingerprint | {"vocab_swap": cfg.vocab_swap}, _check_stage(cfg, plan))
-    mapped = check["verdict"] == "mismatch"
-    if cfg.self_teacher is not None and not mapped:
-        # The self-teacher teaches a re-indexed copy what its original knew; a draft of the target's own tokenizer
-        # has no such copy, so the target's answers teach it (on the full head: a target dump has mass everywhere).
-        log(f"[dump] {cfg.draft} already speaks the target's tokenizer (check: {check['verdict']}): the self-teacher "
-            "does not apply; the target's answers teach it")
-        cfg = cfg.model_copy(update={"self_teacher": None,
-                                     "distill": cfg.distill.model_copy(update={"head_support": None})})
-    serving = cfg.distill.serving.model_dump()
-    eval_inputs = fingerprint | {"eval": cfg.eval.model_dump(), "serving": serving,
-                                 "prompts": {k: [e.id for e in v] for k, v in plan.sets.items()},
-                                 "prompt_texts": {k: prompt_texts(v) for k, v in plan.sets.items()}}
-    # The target's teacher-forced logits over its held-out answers: computed by the first replay (eval_before's for a
-    # draft of the target's tokenizer, vocab_swap's for one of another, which eval_before replays without the
-    # target), read by the forecast and the last replay.
-    target_cache = out / "cache" / "target-logits"
-    before = runner.stage("eval_before", eval_inputs, _eval_stage(cfg, plan, plan.draft.path, mapped, log=log,
-                                                                stage="eval_before", target_cache=target_cache))
-    swap = runner.stage("vocab_swap", eval_inputs | {"dtype": cfg.distill.dtype},
-                        _swap_stage(cfg, plan, before, target_cache)) \
-        if mapped else None
-    train_draft = swap["path"] if swap else plan.draft.path
-    headroom = runner.stage("headroom", eval_inputs | {"trained_draft": str(train_draft), "headroom":
-                                                       cfg.headroom.model_dump()},
-                            _headroom_stage(cfg, plan, train_draft, before, target_cache))
-    forecast = HeadroomForecast.from_dict(headroom)
-    log(f"[headroom] a forecast against the target's answers: {forecast.verdict} (95% CI [{forecast.gain_ci95[0]:+.3f}, "
-        f"{forecast.gain_ci95[1]:+.3f}]); the road this run takes: {teaching_road(cfg.self_teacher is not None)}")
-    trains = plan.trains if cfg.self_teacher is not None else plan.trains[: cfg.target_dump_prompts]
-    if len(trains) < len(plan.trains):
-        log(f"[dump] the target answers the first {len(trains)} of the {len(plan.trains)} training prompts "
-            f"(target_dump_prompts)")
-    dump_inputs = {"target": cfg.target, **target_id, "dump": cfg.dump.model_dump(),
-                   "prompts": [e.id for e in trains], "prompt_texts": prompt_texts(trains, whole=True)}
-    if cfg.self_teacher is not None:  # its teacher is the draft as given: another dump, named by the draft's identity
-        dump_inputs = {k: v for k, v in dump_inputs.items() if k != "dump"} | draft_id | {
-            "self_teacher": cfg.self_teacher.model_dump()}
-    dump = runner.stage("dump", dump_inputs, _dump_stage(cfg, plan, trains, command, log))
-    distill_inputs = {"dump": dump_inputs, "draft": cfg.draft, **draft_id, "distill": cfg.distill.model_dump(),
-                      "gamma": cfg.eval.num_speculative_tokens, "vocab_swap": mapped}
-    distilled = runner.stage("distill", distill_inputs,
-                             _distill_stage(cfg, plan, train_draft, out / "dump", keep_checkpoints))
-    after = runner.stage("eval_after", eval_inputs | {"distill": distill_inputs},
-                         _eval_stage(cfg, plan, distilled["speculator"], False, before=before, log=log,
-                                     stage="eval_after", target_cache=target_cache))
-    shutil.rmtree(target_cache, ignore_errors=True)  # its last reader is done
-    speed = None
-    if cfg.speed_prompts:
-        speed = runner.stage("speed", eval_inputs | {"distill": distill_inputs, "speed_prompts": cfg.speed_prompts},
-                             _speed_stage(cfg, plan, plan.draft.path, distilled["speculator"], mapped),
-                             parse=SpeedStage.from_dict)
-        if not speed.lossless:
-            raise PipelineError(f"greedy speculative decoding diverged from the target alone beyond rounding "
-                                f"tolerance (see {out / 'speed' / 'report.json'}); this is a bug, please report it")
-    export = runner.stage("export", distill_inputs | {"dtype": cfg.export_dtype, "head_tokens_file": HEAD_TOKENS_FORMAT,
-                                                      "as_given": True,
-                                                      **({"gguf": cfg.export_gguf, "llama_cpp_bench": _file_key(
-                                                          PACKAGED_BENCH)} if cfg.export_gguf else {})},
-                          _export_stage(cfg, plan, distilled["speculator"], out / "dump", mapped, before, after,
-                                        speed))
-
-    report = {"config": cfg.model_dump(), "command": command, "check": check, "eval_before": before,
-              "vocab_swap": swap, "headroom": headroom, "dump": dump, "distill": distilled, "eval_after": after, "speed": speed.to_dict() if speed else None,
-              "export": export,
+    job = _Job(cfg, plan, out, command, log, keep_checkpoints)
+    walk(runner, stages, job)
+    record = lambda r: r.to_dict() if hasattr(r, "to_dict") else r
+    report = {"config": job.cfg.model_dump(), "command": command,
+              **{s.name: record(job.results[s.name]) for s in stages},
               "overlap": plan.overlap, "timings": runner.timings, "host": host, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     # What to serve where, from what was measured: the page and report.md open with it; export/ names it too.
     report["recommendation"] = [c.to_dict() for c in write_export_manifest(report, out / "export")]
     verdict = distillation_verdict(report)
     report["distillation_verdict"] = verdict.to_dict() if verdict else None
-    write_pipeline_report(report, out)
+    write_pipeline_report(report, out, report_sections(stages))
     runner.timings["report"] = {"seconds": 0.0, "skipped": False}
     return report
-
-
-def _file_key(path: Path) -> str:
-    """A stage key's part for a data file the stage prices with: its content's hash."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]

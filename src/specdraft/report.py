@@ -1,12 +1,13 @@
 """The main job's summary: one list of rows, rendered as the rich table, ``report.md``, ``report.json`` and plots.
 
 :func:`summary_rows` is the single source of what a user sees after ``specdraft run``: the CLI renders it as a
-rich table, :func:`render_markdown` as the Markdown table of ``report.md``. Units are in the row names.
+rich table, :func:`render_markdown` as report.md's tables amid the stages' sections. Units are in row names.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,8 @@ PROPOSAL_WORDS = {"text": "text proposals (the draft's greedy text re-encoded in
 
 @dataclass(frozen=True)
 class CountingRegime:
-    """The rounds an evaluation set's greedy counts were taken in. Accepted / proposed moves with each part (one
-    draft reads 0.64 at γ 2 and 0.34 at γ 8), so two sets' per-proposed figures are compared only within one regime.
+    """The rounds an evaluation set's greedy counts were taken in. Accepted / proposed moves with each part, so two
+    sets' per-proposed figures are compared only within one regime.
 
     Attributes:
         gamma: γ, drafts per round (``None``: not recorded).
@@ -230,14 +231,10 @@ def _regime_title(b: CountingRegime, a: CountingRegime) -> str:
 
 def summary_sections(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
     """The summary as sections: ``[(title, [(measure, before distillation, after distillation), …]), …]`` — per
-    evaluation set the acceptance figures, each row named by its definition (matched / answer token, accepted per
-    reached, accepted per proposed: :data:`SUMMARY_LEGEND`) with its interval, the paired gains, the drafted tokens
-    they rest on and α at the serving settings; then per timed set the interleaved speed run. An acceptance
-    section's title names the rounds it was counted in (γ and γ policy); its per-proposed gain is refused, marked
-    ``not paired: …``, when the two sides were counted in different regimes (:func:`unpaired_reason`). Rows of the
-    draft as given through a vocabulary mapping name its proposal mode (``mapped/text``, ``mapped/tokens``).
-    Labels are short (a section names the set, the legend says what the brackets hold and what each definition
-    counts, one figure per row), so each row of the terminal table stays on one line at 80 columns."""
+    evaluation set the acceptance figures, each row named by its definition (:data:`SUMMARY_LEGEND`) with its
+    interval, the paired gains (refused, ``not paired: …``, across counting regimes: :func:`unpaired_reason`), the
+    drafted tokens and α at the serving settings; then per timed set the interleaved speed run. A title names the
+    rounds counted in; a mapped row its proposal mode (``mapped/text``). Rows fit one line at 80 columns."""
     sections: list[tuple[str, list[tuple[str, str, str]]]] = []
     swapped = swap_baseline(report) is not None
     for name in _sets(report):
@@ -462,9 +459,10 @@ COLORS = {"original": "#DD8452", "re_indexed": "#4C72B0", "distilled": "#55A868"
           "hf_assisted": "#C44E52"}
 
 
-def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
-    """``report.json``, ``report.md`` and ``report.png`` (acceptance per set with intervals, α per position,
-    speed with intervals, learning curve), atomically."""
+def write_pipeline_report(report: dict[str, Any], out: Path,
+                          sections: list[Callable[[dict[str, Any]], list[str]]]) -> None:
+    """``report.json``, ``report.md`` (its stages' ``sections``: :func:`render_markdown`) and ``report.png``
+    (acceptance per set with intervals, α per position, speed with intervals, learning curve), atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -473,13 +471,11 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     names = _sets(report)
     B, A = baseline_sets(report), report["eval_after"]["sets"]
     curve = (report.get("distill") or {}).get("curve") or []
-    stage = speed_stage(report)
-    sp = stage.held_out if stage else None
+    sp = stage.held_out if (stage := speed_stage(report)) else None
     panels = 2 + bool(sp) + bool(curve)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
     ax = axes[0]
-    # A re-indexed draft's "before" is the swap's, so the draft as given (mapped) stands beside it: without it
-    # the swap's cost would read as distillation's gain.
+    # A re-indexed draft's "before" is the swap's; the draft as given stands beside it, lest the swap's cost read as gain.
     swapped = swap_baseline(report) is not None
     bars = ([(report["eval_before"]["sets"], "as given (mapped)", COLORS["original"])] if swapped else []) + [
         (B, "re-indexed, before", COLORS["re_indexed"]) if swapped else (B, "as given (before)", COLORS["original"]),
@@ -530,7 +526,7 @@ def write_pipeline_report(report: dict[str, Any], out: Path) -> None:
     if refused:  # a null gain says why: the sides were counted in different regimes
         payload["acceptance_gain_refused"] = refused
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
-    atomic_write_text(out / "report.md", render_markdown(report))
+    atomic_write_text(out / "report.md", render_markdown(report, sections))
 
 
 def speed_panel_title(sp: SpeedRun) -> str:
@@ -557,8 +553,7 @@ def _plot_curve(ax, curve: list[dict[str, Any]], b: dict[str, Any], a: dict[str,
 def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The four questions a user asks of a pair, answered from a ``specdraft run`` report, figures after words:
     ``[(question, answer), …]`` — the terminal summary and ``report.md`` lead with these."""
-    check = r.get("check") or {}
-    verdict = check.get("verdict", "?")
+    verdict = (r.get("check") or {}).get("verdict", "?")
     works = {"identical": "yes: the tokenizers are identical over the whole vocabulary",
              "identical-up-to-padding": "yes: identical tokenizers; the output widths differ only by padding rows",
              "mismatch": "not as they are: the tokenizers differ"}.get(verdict, f"verdict {verdict}")
@@ -591,7 +586,6 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     if (conf := configuration_line(r)) is not None:
         faster.append(f"configuration: {conf}")
     out.append(("How much faster will it be?", "; ".join(faster) if faster else "not timed (speed_prompts = 0)."))
-    gain = acceptance_gain(r, "held_out")
     learn = []
     if r.get("headroom"):
         road = (f"; the road this run takes: {teaching_road(True)}"
@@ -608,21 +602,18 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                      f"accepted / reached {_fmt(m.get('alpha'))} → {_fmt(sw.get('alpha'))}), before training")
     if (unpaired := unpaired_reason(r, "held_out")) is not None:
         learn.append(f"measured: not compared — {unpaired}")
-    if gain is not None:
+    if (gain := acceptance_gain(r, "held_out")) is not None:
         word = "yes" if gain.low > 0 else "no measurable change" if gain.low <= 0 <= gain.high else "it agreed less"
         # Distillation's own gain, on the draft it trained (a re-indexed copy: not the draft as given, above).
         trained = "the re-indexed copy" if swap_baseline(r) is not None else "the draft"
         learn.append(f"measured on {trained}, before → after training: {word} — held-out greedy acceptance "
-                     f"{gain.value:+.3f} "
-                     f"{format_interval(gain.interval, gain.prompts, '{:+.3f}')} (paired, {gain.prompts} prompts)")
-        ood = acceptance_gain(r, "ood")
-        if ood is not None:
+                     f"{gain.value:+.3f} {format_interval(gain.interval, gain.prompts, '{:+.3f}')} (paired, "
+                     f"{gain.prompts} prompts)")
+        if (ood := acceptance_gain(r, "ood")) is not None:
             ood_word = "better" if ood.low > 0 else "worse" if ood.high < 0 else "no measurable change"
             learn.append(f"out-of-domain {ood.value:+.3f} {format_interval(ood.interval, ood.prompts, '{:+.3f}')} "
-                         f"({ood.prompts} prompts; "
-                         f"{ood_word})")
-    verdict = distillation_verdict(r)
-    if verdict is not None:
+                         f"({ood.prompts} prompts; {ood_word})")
+    if (verdict := distillation_verdict(r)) is not None:
         learn.insert(0, f"did distillation pay? {verdict.answer} (teacher: {verdict.teacher})")
         if verdict.swap and None not in verdict.swap.values():
             sw_ = verdict.swap
@@ -636,10 +627,9 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
     if speed_sets(r):
         same = ", ".join(f"{SET_LABELS.get(n, n)} {sp.contenders[ORIGINAL].matches_target or '—'}"
                          for n, sp in speed_sets(r).items() if ORIGINAL in sp.contenders)
-        detail = "; ".join(f"{d.prompt_id} token {d.position} ({_draft_of(d.contender)} "
-                           f"draft): top-2 margin {d.margin:.4f} "
-                           f"({'a bf16 near-tie, within' if d.is_numerics else 'BEYOND'} the {d.tolerance} "
-                           "tolerance)" for d in divs)
+        detail = "; ".join(f"{d.prompt_id} token {d.position} ({_draft_of(d.contender)} draft): top-2 margin "
+                           f"{d.margin:.4f} ({'a bf16 near-tie, within' if d.is_numerics else 'BEYOND'} the "
+                           f"{d.tolerance} tolerance)" for d in divs)
         word = "no, a bug: a divergence beyond bf16 rounding" if any(not d.is_numerics for d in divs) else \
             "yes, up to bf16 near-ties" if divs else "yes"
         out.append(("Is it lossless on this pair?", f"{word} — greedy outputs equal to the target alone's: {same}"
@@ -659,8 +649,8 @@ def questions_and_answers(r: dict[str, Any]) -> list[tuple[str, str]]:
                     "`speculators_*` keys." + (caveat if top.which is not None else "")))
         return out
     out.append(("Can I ship it?", f"yes: `{exp.get('path', '?')}` holds {exported_draft(r)}, an independent "
-                f"speculator (a plain transformers "
-                f"checkpoint plus `speculators_*` keys); serve it with `{exp.get('vllm_command', '?')}`.{caveat}"
+                "speculator (a plain transformers checkpoint plus `speculators_*` keys); serve it with "
+                f"`{exp.get('vllm_command', '?')}`.{caveat}"
                 + (f" {offer}" if (offer := as_given_offer(r)) else "")
                 if exp else "no export was written."))
     return out
@@ -707,88 +697,104 @@ def _moved_as_saved(dist: dict[str, Any]) -> str:
     return text + (f" — **warning:** {dist['saved_update_lost']}" if dist.get("saved_update_lost") else "")
 
 
-def render_markdown(r: dict[str, Any]) -> str:
-    """``report.md``: the summary rows, the distillation, the exported speculator and its vLLM command, timings."""
-    dist, exp, cfg = r["distill"], r["export"], r["config"]
+def evaluation_section(r: dict[str, Any]) -> list[str]:
+    """``eval_before``'s lines: how acceptance was counted, on which prompts and answers."""
+    cfg, sets = r["config"], r["eval_before"]["sets"]
     serving = cfg["distill"].get("serving") or cfg["distill"]  # a run config written with the flat keys too
-    sets = r["eval_before"]["sets"]
-    onp = dist.get("on_policy")
-    choices = engine_choices(r)
-    lines = [
-        f"# specdraft run — {cfg['target']} ← {cfg['draft']}",
-        "",
-        *([] if not choices else [
-            "## What to serve where (fastest first)", "",
-            *recommendation_markdown(choices),
-            "", *[f"- {c.label}: {c.basis}." for c in choices], ""]),
-        *[f"**{q}** {a}\n" for q, a in questions_and_answers(r)],
-        (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
-         f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min"
-         + _resumed_total(r) + "."),
-        "",
-        ("Evaluation: greedy speculative decoding, γ = "
-         f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
-         + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
-                     f"{sum(row.get('answer_tokens', 0) for row in v['rows']):,} target answer tokens"
-                     for n, v in sets.items())
-         + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
-         "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities after "
-         f"the serving settings (temperature {serving['temperature']}, top-k {serving['top_k']}, top-p "
-         f"{serving['top_p']}), teacher-forced on those answers."
-         + _answers_writer(sets)),
-        "",
-        *([] if not r.get("headroom") else [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""]),
-        *([] if not (sw := r.get("vocab_swap")) else [
-            (f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
+    return [("Evaluation: greedy speculative decoding, γ = "
+             f"{cfg['eval']['num_speculative_tokens']}, {cfg['eval']['max_new_tokens']} new tokens per prompt, on "
+             + "; ".join(f"{SET_LABELS.get(n, n)} {v['prompts']} prompts ({', '.join(v.get('sources') or ['given'])}), "
+                         f"{sum(row.get('answer_tokens', 0) for row in v['rows']):,} target answer tokens"
+                         for n, v in sets.items())
+             + ". The distilled draft is replayed on the target's answers written before (the same answers: a paired "
+             "gain); the sampled figure is α = Σ min(p̃, q̃), p̃ and q̃ the target's and the draft's probabilities "
+             f"after the serving settings (temperature {serving['temperature']}, top-k {serving['top_k']}, "
+             f"top-p {serving['top_p']}), teacher-forced on those answers."
+             + _answers_writer(sets)), ""]
+
+
+def swap_section(r: dict[str, Any]) -> list[str]:
+    """``vocab_swap``'s lines: the mapped evaluation, the re-indexing, and what *before distillation* holds."""
+    if not (sw := r.get("vocab_swap")):
+        return []
+    return [(f"The draft speaks another tokenizer: the evaluation above decoded it as given through a vocabulary "
              f"mapping ({sw['target_coverage']:.1%} of the target vocabulary reachable; the rows *mapped/"
-             f"{counting_regime(next(iter(sets.values())), r, mapped=True).proposals}*); "
+             f"{counting_regime(next(iter(r['eval_before']['sets'].values())), r, mapped=True).proposals}*); "
              f"it was then re-indexed into the target's tokenizer ({sw['copied']:,} rows copied from a twin, "
              f"{sw['from_pieces']:,} set to the mean of their draft pieces, {sw['initialised'] - sw['from_pieces']:,} "
              "to the mean row) and distilled, so the *after distillation* column decodes without a mapping"
              + ("; *before distillation* is the re-indexed draft, replayed on the same answers, so the gain is "
                 "distillation's alone and the swap's own cost is the difference from the mapped row."
-                if swap_baseline(r) is not None else ".")), ""]),
-        SUMMARY_LEGEND,
+                if swap_baseline(r) is not None else ".")), ""]
+
+
+def forecast_section(r: dict[str, Any]) -> list[str]:
+    """``headroom``'s line: the forecast beside which the measured gain is read."""
+    return [_forecast_line(HeadroomForecast.from_dict(r["headroom"])), ""] if r.get("headroom") else []
+
+
+def distill_section(r: dict[str, Any]) -> list[str]:
+    """``distill``'s lines: steps, sequences, trainable parameters, validation α and loss, on-policy data."""
+    dist, cfg, onp = r["distill"], r["config"], r["distill"].get("on_policy")
+    return [(f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
+             f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters{_moved_as_saved(dist)}), loss "
+             f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
+             f"{cfg['distill']['held_out_fraction']:.1%} of training sequences kept out of the steps, not the "
+             f"evaluation sets) {_fmt(dist['eval_before'].get('eval_alpha'))} → "
+             f"{_fmt(dist['eval_after'].get('eval_alpha'))}, validation loss "
+             f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."
+             + ("" if not onp else
+                f" On-policy: λ = {cfg['distill']['on_policy_fraction']}, {onp['sequences']} sequences written by the "
+                f"draft ({onp['generated_tokens']:,} tokens, {onp['generate_seconds']:.0f} s) and scored by the target "
+                f"({onp['teacher_tokens']:,} tokens, {onp['teacher_seconds']:.0f} s), regenerated at steps "
+                f"{onp['refresh_steps']}.")), ""]
+
+
+def summary_section(r: dict[str, Any]) -> list[str]:
+    """``eval_after``'s lines: the legend and one table per :func:`summary_sections` section under its title (a
+    merged table would repeat each title in every row)."""
+    return [SUMMARY_LEGEND, "", *[line for title, rows in summary_sections(r) for line in (
+        f"**{title}**", "", "| measure | before distillation | after distillation |",
+        "| --- | ---: | ---: |", *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows], "")]]
+
+
+def speed_section(r: dict[str, Any]) -> list[str]:
+    """``speed``'s lines: every :func:`speed_notes` note."""
+    return [f"**Note:** {n.rstrip('.')}.\n" for n in speed_notes(r)]
+
+
+def export_section(r: dict[str, Any]) -> list[str]:
+    """``export``'s lines: the exported speculator, its vLLM command and notes, and the draft as given's offer."""
+    exp = r["export"]
+    return [(f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
+             f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM "
+             f"{exp.get('vllm_tested_version', '?')}):"), "", "```bash", exp["vllm_command"], "```", "",
+            *([] if not exp.get("vllm_one_path") else [
+                f"or, with specdraft installed next to vLLM (its plugin): `{exp['vllm_one_path']}`.", ""]),
+            *[f"Note: {n}" for n in exp.get("vllm_notes", [])], *([""] if exp.get("vllm_notes") else []),
+            *([] if not (tpl := exp.get("chat_template")) else [f"Chat template: {tpl['note']}.", ""]),
+            *([] if (offer := as_given_offer(r)) is None else [offer, ""])]
+
+
+def render_markdown(r: dict[str, Any], sections: list[Callable[[dict[str, Any]], list[str]]]) -> str:
+    """``report.md``: what to serve where, the four answers, the run's line, then each stage's ``sections`` in the
+    stages' order (:attr:`specdraft.runner.Stage.section`), the timings and the plots."""
+    cfg = r["config"]
+    choices = engine_choices(r)
+    lines = [
+        f"# specdraft run — {cfg['target']} ← {cfg['draft']}", "",
+        *([] if not choices else ["## What to serve where (fastest first)", "", *recommendation_markdown(choices), "",
+                                  *[f"- {c.label}: {c.basis}." for c in choices], ""]),
+        *[f"**{q}** {a}\n" for q, a in questions_and_answers(r)],
+        (f"{r['date']}, {r['versions']['machine']}, torch {r['versions']['torch']}, transformers "
+         f"{r['versions']['transformers']}. Command: `{r['command']}`. Total {r['total_seconds'] / 60:.1f} min"
+         + _resumed_total(r) + "."),
         "",
-        # One table per section under its title (a merged table repeated each section's title in every row).
-        *[line for title, rows in summary_sections(r) for line in (
-            f"**{title}**", "", "| measure | before distillation | after distillation |",
-            "| --- | ---: | ---: |", *[f"| {k} | {v1} | {v2} |" for k, v1, v2 in rows], "")],
-        (f"Distillation: {dist['steps']} steps on {dist['train_sequences']} sequences "
-         f"({dist['trainable_parameters'] / 1e6:.1f} M trainable parameters{_moved_as_saved(dist)}), loss "
-         f"`{cfg['distill']['loss']}`; validation α (teacher-forced on the "
-         f"{cfg['distill']['held_out_fraction']:.1%} of training sequences kept out of the steps, not the evaluation "
-         f"sets) {_fmt(dist['eval_before'].get('eval_alpha'))} → {_fmt(dist['eval_after'].get('eval_alpha'))}, "
-         "validation loss "
-         f"{_fmt(dist['eval_before'].get('eval_loss'), '{:.4f}')} → {_fmt(dist['eval_after'].get('eval_loss'), '{:.4f}')}."
-         + ("" if not onp else
-            f" On-policy: λ = {cfg['distill']['on_policy_fraction']}, {onp['sequences']} sequences written by the "
-            f"draft ({onp['generated_tokens']:,} tokens, {onp['generate_seconds']:.0f} s) and scored by the target "
-            f"({onp['teacher_tokens']:,} tokens, {onp['teacher_seconds']:.0f} s), regenerated at steps "
-            f"{onp['refresh_steps']}.")),
-        "",
-        *[f"**Note:** {n.rstrip('.')}.\n" for n in speed_notes(r)],
-        (f"Exported speculator: `{exp['path']}` (γ = {exp['num_speculative_tokens']}, weights "
-         f"{exp.get('dtype', 'keep')}). Serve it with vLLM (tested with vLLM {exp.get('vllm_tested_version', '?')}):"),
-        "",
-        "```bash",
-        exp["vllm_command"],
-        "```",
-        "",
-        *([] if not exp.get("vllm_one_path") else [
-            f"or, with specdraft installed next to vLLM (its plugin): `{exp['vllm_one_path']}`.", ""]),
-        *[f"Note: {n}" for n in exp.get("vllm_notes", [])],
-        *([""] if exp.get("vllm_notes") else []),
-        *([] if not (tpl := exp.get("chat_template")) else [f"Chat template: {tpl['note']}.", ""]),
-        *([] if (offer := as_given_offer(r)) is None else [offer, ""]),
-        "| stage | seconds | |",
-        "| --- | ---: | --- |",
+        *[line for section in sections for line in section(r)],
+        "| stage | seconds | |", "| --- | ---: | --- |",
         *[f"| {k} | {v['seconds']:.1f} | {'skipped (done earlier)' if v['skipped'] else ''} |"
           for k, v in r["timings"].items()],
-        "",
-        "![before vs after](report.png)",
-        "",
-    ]
+        "", "![before vs after](report.png)", ""]
     if r.get("overlap"):
         lines.insert(4, f"**Warning**: {len(r['overlap'])} evaluation prompts also occur in training.\n")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""The main job's stage runner: skip a stage done with the same inputs, refuse (or redo) one whose inputs changed,
-time each, and name the stage and the resume command when one fails (:class:`Runner`)."""
+"""The main job's stage runner: a stage declared once (:class:`Stage`), walked in order (:func:`walk`); a stage done
+with the same inputs is skipped, one whose inputs changed refused (or redone), each timed, and a failure names the
+stage and the resume command (:class:`Runner`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +105,85 @@ class Runner:
         self.timings[name] = {"seconds": seconds, "skipped": False}
         self.log(f"[{name}] finished in {seconds:.1f} s")
         return result
+
+
+@dataclass(frozen=True)
+class Input:
+    """One part of a stage's cache key, read from the job: ``{key: value(job)}``, or with ``key`` None the dict
+    ``value(job)`` merged in; left out where ``when(job)`` is false."""
+
+    key: str | None
+    value: Callable[[Any], Any]
+    when: Callable[[Any], bool] | None = None
+
+    def of(self, job: Any) -> dict[str, Any]:
+        if self.when is not None and not self.when(job):
+            return {}
+        value = self.value(job)
+        return value if self.key is None else {self.key: value}
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def config(key: str, path: str | None = None, when: Callable[[Any], bool] | None = None) -> Input:
+    """The config field at ``path`` (dotted, default ``key``) of ``job.cfg``, a settings model as its dict."""
+    def value(job: Any) -> Any:
+        obj = job.cfg
+        for part in (path or key).split("."):
+            obj = getattr(obj, part)
+        return _dump(obj)
+
+    return Input(key, value, when)
+
+
+def computed(key: str | None, value: Callable[[Any], Any], when: Callable[[Any], bool] | None = None) -> Input:
+    """A value the job derives (an identity, a prompt list, an upstream result's field)."""
+    return Input(key, value, when)
+
+
+def upstream(stage: str) -> Input:
+    """An earlier stage's whole key under its name: this stage is redone whenever that one is."""
+    return Input(stage, lambda job: job.inputs[stage])
+
+
+def extends(stage: str) -> Input:
+    """An earlier stage's key merged in: this stage reads what that one read, and more."""
+    return Input(None, lambda job: job.inputs[stage])
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage of the main job, declared once: everything that runs, caches, resumes and reports it reads this.
+
+    ``inputs`` form the cache key (:func:`stage_key` of their merged dict, recorded in ``stage.json``); ``run(job,
+    d)`` writes into ``OUT/<name>/`` and returns the result (a dict, or a ``result`` type with ``to_dict`` /
+    ``from_dict``); ``section(report)`` gives the stage's lines of ``report.md``; ``when(job)`` false skips it (its
+    result None); ``after(job, result)`` runs on a fresh or a recorded result alike (checks, the next stages'
+    settings)."""
+
+    name: str
+    inputs: tuple[Input, ...]
+    run: Callable[[Any, Path], Any]
+    result: type | None = None
+    section: Callable[[dict[str, Any]], list[str]] | None = None
+    when: Callable[[Any], bool] | None = None
+    after: Callable[[Any, Any], None] | None = None
+
+    def key_inputs(self, job: Any) -> dict[str, Any]:
+        return {k: v for part in self.inputs for k, v in part.of(job).items()}
+
+
+def walk(runner: Runner, stages: tuple[Stage, ...], job: Any) -> None:
+    """Run ``stages`` in order through ``runner``, each result in ``job.results[name]`` and each key's inputs in
+    ``job.inputs[name]`` (what later stages' :func:`upstream` / :func:`extends` read)."""
+    for s in stages:
+        if s.when is not None and not s.when(job):
+            job.results[s.name] = None
+            continue
+        job.inputs[s.name] = s.key_inputs(job)
+        job.results[s.name] = runner.stage(s.name, job.inputs[s.name], lambda d, s=s: s.run(job, d),
+                                           parse=s.result.from_dict if s.result else None)
+        if s.after is not None:
+            s.after(job, job.results[s.name])
