@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DistillConfig
-from specdraft.distill import DistillModel
-from specdraft.distill_trainer import TeacherHead
+from specdraft.distill_trainer import DistillModel, TeacherHead
 from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdraft.models import load_model
 

@@ -2,7 +2,7 @@
 ways of making teacher signal.
 
 1. **step** — trained tokens per minute of one full distillation step, the step ``run_distill`` takes:
-   :class:`specdraft.distill.DistillModel` forward (draft forward + teacher + loss), backward, gradient clipping
+   :class:`specdraft.distill_trainer.DistillModel` forward (draft forward + teacher + loss), backward, gradient clipping
    at ``max_grad_norm``, and the optimizer the Trainer builds (``Trainer.get_optimizer_cls_and_kwargs``: AdamW),
    on the same fixed batches, contenders interleaved batch by batch within each repeat (median over repeats):
 
@@ -187,9 +187,9 @@ def bench_step(args: argparse.Namespace, sig: dict) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from specdraft.distill import DistillModel, select_trainable, trained_mask
+    from specdraft.distill import select_trainable
     from specdraft.distill_data import collate
-    from specdraft.distill_trainer import TeacherHead
+    from specdraft.distill_trainer import DistillModel, TeacherHead, trained_mask
     from specdraft.models import load_model
 
     torch.manual_seed(0)
@@ -289,9 +289,8 @@ def exact_loss(args: argparse.Namespace, sig: dict, draft) -> float:
     p̂, the top-k teacher with the leftover spread."""
     import torch
 
-    from specdraft.distill import DistillModel
     from specdraft.distill_data import collate
-    from specdraft.distill_trainer import TeacherHead
+    from specdraft.distill_trainer import DistillModel, TeacherHead
 
     model = DistillModel(draft, TeacherHead(sig["head"], sig["real_vocab"], sig["bias"], width=sig["width"], logit_ops=sig["ops"]), distill_config(args, "float32")).eval()
     rows = sig["items"]["hidden"]

@@ -22,9 +22,8 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from specdraft.config import DistillConfig, EvalConfig, SamplingConfig
 from specdraft.decode import speculative_generate, target_generate
-from specdraft.distill import DistillModel
 from specdraft.distill_data import collate
-from specdraft.distill_trainer import TeacherHead
+from specdraft.distill_trainer import DistillModel, TeacherHead
 from specdraft.evaluate import run_eval, top2_margin
 from specdraft.sampling import filtered_probs
 from specdraft.stats import chi2_goodness_of_fit

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specdraft.config import DistillConfig, SamplingConfig, TrainWhat
-from specdraft.distill import DistillError, DistillModel, train
+from specdraft.distill import DistillError, train
 from specdraft.distill_data import collate
-from specdraft.distill_trainer import TeacherHead
+from specdraft.distill_trainer import DistillModel, TeacherHead
 from specdraft.testing import perturbed, tiny_model
 
 V = 96
@@ -980,7 +980,7 @@ def test_a_position_is_a_cut_tie_when_the_serving_filter_keeps_the_last_stored_v
     """The serving filter keeps every id tied with its k-th value; a top-k dump keeps exactly k. Where the
     filter, on the stored values, keeps the smallest of them, unstored ids tied with it may be missing: a cut
     tie. Always so at a serving top-k equal to the stored k; the same for float16 values (older dumps)."""
-    from specdraft.distill import cut_ties
+    from specdraft.distill_trainer import cut_ties
 
     lp = torch.tensor([[0.0, -1.0, -1.0, -1.0],    # the tie at the 2nd value runs to the last stored one
                        [0.0, -1.0, -1.0, -2.0],    # the tie ends inside the stored k

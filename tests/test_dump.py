@@ -134,8 +134,7 @@ def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
     """Gemma soft-caps lm_head(h): the manifest records the transform and every reader (the dataset, distillation)
     applies it, so the teacher is the target's real output distribution."""
     from specdraft.config import DistillConfig
-    from specdraft.distill import DistillModel
-    from specdraft.distill_trainer import TeacherHead
+    from specdraft.distill_trainer import DistillModel, TeacherHead
 
     target = _save_softcapped(arch, tmp_path, softcap=2.0)  # a low cap: logits of ±7 are squeezed into ±2
     model, _ = load_model(target, dtype="float32", device="cpu")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdraft.config import DistillConfig
-from specdraft.distill import DistillError, DistillModel
-from specdraft.distill_trainer import TeacherHead
+from specdraft.distill import DistillError
+from specdraft.distill_trainer import DistillModel, TeacherHead
 from specdraft.losses import soft_ce_topk
 from specdraft.restricted_head import (
     RestrictedHeadError,

@@ -327,8 +327,7 @@ def _distil(pair, swapped, dumps, out, steps=4, **overrides):
 
 def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_ce_is_its_cross_entropy(
         pair, swapped, tmp_path):
-    from specdraft.distill import DistillModel
-    from specdraft.distill_trainer import TeacherHead
+    from specdraft.distill_trainer import DistillModel, TeacherHead
     from specdraft.dump_reader import pad_collate
     from specdraft.models import load_model
 

@@ -584,7 +584,8 @@ def test_train_only_mode_is_the_teacher_head_of_distillation(pair):
     """attach_verifier(mode="train_only") holds the verifier's head: DistillModel.from_speculator turns the
     verifier's post-norm hidden states (what a hidden dump stores) into exactly the verifier's logits."""
     from specdraft.config import DistillConfig
-    from specdraft.distill import DistillError, DistillModel
+    from specdraft.distill import DistillError
+    from specdraft.distill_trainer import DistillModel
 
     target_dir, draft_dir = pair
     spec = IndependentSpeculator.from_pretrained(draft_dir)
