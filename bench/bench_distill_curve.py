@@ -111,7 +111,7 @@ class CurveCallback:
 
 
 def prepare_stages(cfg, work: Path, command: str, log=print, dump: bool = True) -> dict:
-    """The main job's stages before training, cached in ``work`` (:class:`specdraft.pipeline.Runner`): check →
+    """The main job's stages before training, cached in ``work`` (:class:`specdraft.runner.Runner`): check →
     ``eval_before`` (the target's held-out answers) → ``vocab_swap`` (the re-indexed draft, replayed) → with ``dump``
     the target's teacher dump of the preset. Returns ``{"runner", "plan", "before", "swap", "dump", "dump_seconds"}``
     (the last two None without ``dump``)."""

@@ -9,14 +9,9 @@ from typing import get_args
 import pytest
 
 from specdraft.data import Example
-from specdraft.pipeline import (
-    PipelineError,
-    estimate_dump_bytes,
-    make_config,
-    prompt_overlap,
-    run_pipeline,
-)
+from specdraft.pipeline import estimate_dump_bytes, make_config, prompt_overlap, run_pipeline
 from specdraft.prompts import load_prompts, parse_source
+from specdraft.runner import PipelineError
 from specdraft.testing import add_default_system_turn, save_tiny_pair
 
 
@@ -429,7 +424,7 @@ def test_a_rerun_with_other_training_prompts_names_the_stage_and_offers_overwrit
 def test_a_stage_that_resumes_or_is_skipped_says_so_in_its_progress_line(tmp_path):
     """A killed stage leaves its files; the rerun continues from them (a distill resumes its checkpoint), and its
     progress line says it resumes, not a plain "running" that reads as starting over."""
-    from specdraft.pipeline import Runner
+    from specdraft.runner import Runner
 
     def killed(d):
         (d / "checkpoint-2").mkdir()

@@ -47,12 +47,11 @@ from specdraft.report import (
     swap_section,
     write_pipeline_report,
 )
-from specdraft.runner import (  # noqa: F401 (PipelineError, Runner, changed_inputs: public here too)
+from specdraft.runner import (
     Input,
     PipelineError,
     Runner,
     Stage,
-    changed_inputs,
     computed,
     config,
     extends,
@@ -60,7 +59,7 @@ from specdraft.runner import (  # noqa: F401 (PipelineError, Runner, changed_inp
     upstream,
     walk,
 )
-from specdraft.speed import SpeedStage
+from specdraft.speed_run import SpeedStage
 
 _LOG = logging.getLogger("specdraft")
 

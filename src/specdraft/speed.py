@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from specdraft.acceptance import expected_tokens_per_pass
-from specdraft.speed_run import SpeedStage  # noqa: F401  (pipeline's import, until it names speed_run)
 
 
 @dataclass

@@ -7,7 +7,7 @@
 * :func:`vocab_swap` re-indexes a draft's embedding and output rows into the target's tokenizer for training
   (fast vocabulary transfer, Gee et al. 2022).
 
-Each tokenizer is read once (:mod:`specdraft.tokenizer_view`, whose names this module re-exports); weights are
+Each tokenizer is read once (:mod:`specdraft.tokenizer_view`); weights are
 read only by :func:`vocab_swap`, after its mapping has been checked.
 """
 
