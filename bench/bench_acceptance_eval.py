@@ -1,8 +1,8 @@
 """How long the pipeline's acceptance evaluation takes on answers already written (``eval_after``, and the replay half
-of ``eval_before``): :func:`specdraft.evaluate.acceptance_eval` with ``answers`` (one teacher-forced pass per model,
+of ``eval_before``): :func:`specdraft.measuring.evaluate.acceptance_eval` with ``answers`` (one teacher-forced pass per model,
 heads over the answers' positions only) against the method it replaced (a full-position pass of the draft for
 the greedy replay, :func:`specdraft.testing.replay_greedy`, then full-position passes of both models for α,
-:func:`~specdraft.replay.predicted_alpha`). Both count the same rounds; the counts are compared.
+:func:`~specdraft.decoding.replay.predicted_alpha`). Both count the same rounds; the counts are compared.
 
 The answers are a finished run's (``RUN/eval_before/report.json``: the target's greedy answers per held-out set), so
 nothing is decoded. Contenders interleaved per set, ``--repeats`` times; wall seconds, median.
@@ -37,13 +37,14 @@ def main() -> dict:
 
     import torch
 
-    from specdraft import evaluate as ev
-    from specdraft import replay, testing
-    from specdraft.calibration import machine_line
-    from specdraft.config import EvalConfig, SamplingConfig
-    from specdraft.data import encode_prompts
-    from specdraft.models import load_model
-    from specdraft.prompts import load_prompts
+    from specdraft import testing
+    from specdraft.core.config import EvalConfig, SamplingConfig
+    from specdraft.data.prompts import load_prompts
+    from specdraft.data.sources import encode_prompts
+    from specdraft.decoding import replay
+    from specdraft.decoding.calibration import machine_line
+    from specdraft.measuring import evaluate as ev
+    from specdraft.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     sets = json.loads(report.read_text())

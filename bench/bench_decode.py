@@ -12,8 +12,8 @@ With ``--map-vocab`` (a draft of another tokenizer) the result goes to ``decode-
 transformers runs its universal assisted generation (``tokenizer`` + ``assistant_tokenizer``, greedy only).
 
 A cheaper draft: ``--variants int8 int4 head int8+head int4+head`` adds one contender per draft option
-(:mod:`specdraft.draft_model`; ``head`` = the 32,768 most frequent target tokens, ``--head-tokens``), and
-``--adaptive-gamma plain int4+head`` one more per listed variant with the adaptive γ policy (:mod:`specdraft.speed`).
+(:mod:`specdraft.decoding.draft_model`; ``head`` = the 32,768 most frequent target tokens, ``--head-tokens``), and
+``--adaptive-gamma plain int4+head`` one more per listed variant with the adaptive γ policy (:mod:`specdraft.decoding.speed`).
 Before decoding, the speed model is measured once: the target's t(k) for k = 1..max(γ, 8)+1 and each variant's
 draft step d; every contender's ``predicted_speedup`` (at its measured α) is stored next to the measured one, with
 an ``ablation`` table (c, acceptance, speed-up, prediction error per contender). ``--name`` sets the file name:
@@ -40,12 +40,14 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup
-from specdraft.calibration import machine_line, pass_seconds
-from specdraft.config import SamplingConfig
-from specdraft.data import encode_prompts, held_out_offset, load_examples
-from specdraft.decode import speculative_generate, target_generate
-from specdraft.draft_model import (
+from specdraft.core.acceptance import AcceptanceCounts, best_gamma, expected_speedup
+from specdraft.core.config import SamplingConfig
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.core.sampling import output_width
+from specdraft.data.sources import encode_prompts, held_out_offset, load_examples
+from specdraft.decoding.calibration import machine_line, pass_seconds
+from specdraft.decoding.decode import speculative_generate, target_generate
+from specdraft.decoding.draft_model import (
     TrimmedHead,
     default_head_corpus,
     frequent_tokens,
@@ -53,12 +55,10 @@ from specdraft.draft_model import (
     quantize_int4,
     quantize_int8,
 )
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.evaluate import _first_difference, top2_margin
-from specdraft.models import load_model
-from specdraft.sampling import output_width
-from specdraft.speed import SpeedModel
-from specdraft.tokens import left_pad
+from specdraft.decoding.speed import SpeedModel
+from specdraft.measuring.evaluate import _first_difference, top2_margin
+from specdraft.models.loading import load_model
+from specdraft.models.tokens import left_pad
 
 VARIANTS = ("int8", "int4", "head", "int8+head", "int4+head")
 
@@ -111,7 +111,7 @@ def main() -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--map-vocab", action="store_true", help="the draft has another tokenizer: decode through a "
-                    "VocabMapping (specdraft.vocab.build_vocab_mapping)")
+                    "VocabMapping (specdraft.models.vocab.build_vocab_mapping)")
     ap.add_argument("--mapped-proposals", choices=["text", "tokens"], default=None,
                     help="with --map-vocab: the draft proposes text (greedy default) or twin tokens")
     ap.add_argument("--prompts", default="humaneval", help="embedded prompt set (humaneval, mt-bench)")
@@ -133,7 +133,7 @@ def main() -> dict:
                                                                             top_p=args.top_p)
     mapping = None
     if args.map_vocab:
-        from specdraft.vocab import build_vocab_mapping
+        from specdraft.models.vocab import build_vocab_mapping
 
         mapping = build_vocab_mapping(args.target, args.draft)
         args.no_hf = args.no_hf or not sampling.greedy  # sampled USD prunes the draft's head in place
@@ -277,7 +277,7 @@ def main() -> dict:
         "share_of_bound": (tps["specdraft"] / tps["target"]) / bound,
         "best_gamma": g_best,
         "analytic_speedup_best_gamma": bound_best,
-        # The speed model (measured t(k) and d; specdraft.speed) for the plain draft at its measured α.
+        # The speed model (measured t(k) and d; specdraft.decoding.speed) for the plain draft at its measured α.
         "predicted_speedup": ablation["specdraft"]["predicted_speedup"],
         "prediction_error": ablation["specdraft"]["prediction_error"],
         "speed_models": {v: m.to_dict() for v, m in speed.items()},

@@ -22,10 +22,10 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import DistillConfig
-from specdraft.distill_trainer import DistillModel, TeacherHead
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.models import load_model
+from specdraft.core.config import DistillConfig
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.models.loading import load_model
+from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
 
 def main() -> dict:

@@ -1,7 +1,7 @@
 """What more compute buys: the default preset's distillation route, run long, with held-out greedy acceptance
 measured against CPU-minutes (teacher signal + training) on this machine.
 
-The stages before training are the main job's own (:mod:`specdraft.pipeline`'s stage code, cached in ``--work``
+The stages before training are the main job's own (:mod:`specdraft.run.pipeline`'s stage code, cached in ``--work``
 and reused on a re-run): check → ``eval_before`` (the target's held-out answers; the draft as given, through the
 vocabulary mapping) → ``vocab_swap`` (the re-indexed draft, counted by replay on those answers: step 0 of the
 curve) → ``dump`` (the target's teacher signal on the preset's training prompts). Then one distillation with the
@@ -37,8 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft import pipeline as pl
-from specdraft.stats import paired_gain_from_rows
+from specdraft.core.stats import paired_gain_from_rows
+from specdraft.run import pipeline as pl
 
 
 class CurveCallback:
@@ -111,7 +111,7 @@ class CurveCallback:
 
 
 def prepare_stages(cfg, work: Path, command: str, log=print, dump: bool = True) -> dict:
-    """The main job's stages before training, cached in ``work`` (:class:`specdraft.runner.Runner`): check →
+    """The main job's stages before training, cached in ``work`` (:class:`specdraft.run.runner.Runner`): check →
     ``eval_before`` (the target's held-out answers) → ``vocab_swap`` (the re-indexed draft, replayed) → with ``dump``
     the target's teacher dump of the preset. Returns ``{"runner", "plan", "before", "swap", "dump", "dump_seconds"}``
     (the last two None without ``dump``)."""
@@ -146,9 +146,9 @@ def target_dump(cfg, work: Path, command: str, runner, plan, log=print) -> dict:
 def replay_setup(cfg, plan, before: dict, swap: dict) -> tuple:
     """What the curve replays: ``(tokenizer, prompt ids per set, baseline per set (the re-indexed draft's rows and the
     target's answers), stop ids)`` for :class:`CurveCallback`."""
-    from specdraft.data import encode_prompts
-    from specdraft.evaluate import eos_ids
-    from specdraft.models import load_model, load_tokenizer
+    from specdraft.data.sources import encode_prompts
+    from specdraft.measuring.evaluate import eos_ids
+    from specdraft.models.loading import load_model, load_tokenizer
 
     tok = load_tokenizer(swap["path"])
     prompt_ids = {name: encode_prompts(tok, examples) for name, examples in plan.sets.items()}
@@ -169,7 +169,7 @@ def start_point(swap: dict, minutes: float) -> dict:
 def prepare_training(cfg, work: Path, command: str, train_specs: list[str], teacher: str) -> tuple[list, dict]:
     """The training prompts of ``train_specs`` (distinct) and :func:`prepare_stages` (no target dump) in ``work``;
     refuses (``SystemExit``, naming ``teacher``) training prompts that hold a held-out one."""
-    from specdraft.prompts import load_prompts
+    from specdraft.data.prompts import load_prompts
 
     examples = load_prompts(train_specs, held_out=False, unique=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         ap.error("--steps and --every must be ≥ 1")
-    from specdraft.distill import run_distill
+    from specdraft.training.distill import run_distill
 
     command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     cfg = pl.make_config(args.preset, train_prompts=args.train_prompts)

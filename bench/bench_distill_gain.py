@@ -5,9 +5,9 @@ Steps, each cached in ``--work`` (reused when its inputs are the same, so λ run
 
 1. ``answers-<set>.json``: greedy speculative decoding with the original draft writes the target's greedy answers
    to the held-out prompts (``--chat``: the domain with headroom, the headline; ``--code``: must not get worse),
-   and keeps the original draft's decoded counts (:func:`specdraft.evaluate.acceptance_eval`).
+   and keeps the original draft's decoded counts (:func:`specdraft.measuring.evaluate.acceptance_eval`).
 2. ``dump/``: the target answers the training prompts (``--train``; answer-only hidden-state dump).
-3. per λ in ``--on-policy-fraction``: :func:`specdraft.distill.run_distill` with the same settings but λ, then the
+3. per λ in ``--on-policy-fraction``: :func:`specdraft.training.distill.run_distill` with the same settings but λ, then the
    distilled draft (bfloat16, as served) is replayed on the answers of step 1 (exact greedy counts), per set.
 
 Writes ``bench/results/distill-gain.json``: the headline (the λ with the largest chat gain) under the keys
@@ -38,15 +38,15 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import DistillConfig, DumpConfig, EvalConfig, SamplingConfig
-from specdraft.data import encode_prompts
-from specdraft.distill import run_distill
-from specdraft.dump import run_dump
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.evaluate import acceptance_eval, eos_ids
-from specdraft.models import load_model
-from specdraft.prompts import load_prompts
-from specdraft.stats import paired_gain_from_rows
+from specdraft.core.config import DistillConfig, DumpConfig, EvalConfig, SamplingConfig
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.core.stats import paired_gain_from_rows
+from specdraft.data.prompts import load_prompts
+from specdraft.data.sources import encode_prompts
+from specdraft.measuring.evaluate import acceptance_eval, eos_ids
+from specdraft.models.loading import load_model
+from specdraft.training.distill import run_distill
+from specdraft.training.dump import run_dump
 
 
 def _key(obj) -> str:
@@ -231,7 +231,7 @@ def main() -> dict:
         dump_weights.append(weight)
         print(f"[dump {kind}] {manifest['sequences']} sequences, {manifest['tokens']} tokens, weight {weight} "
               f"({time.time() - t0:.0f} s{', cached' if dumps[kind]['cached'] else ''})", flush=True)
-    from specdraft.distill_data import mixed_split
+    from specdraft.training.distill_data import mixed_split
 
     n_train = len(mixed_split([d["sequences"] for d in dumps.values()], dump_weights, args.held_out_fraction, 0)[0])
     if args.epochs:

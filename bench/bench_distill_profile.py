@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from transformers import TrainingArguments
 
-    from specdraft import pipeline as pl
-    from specdraft.distill import resolve_precision, select_trainable
-    from specdraft.distill_data import collate
-    from specdraft.distill_trainer import DistillModel, DistillTrainer, TeacherHead, trained_mask
-    from specdraft.dump_reader import TeacherDataset
-    from specdraft.head_warmup import untie_head
-    from specdraft.models import load_model
+    from specdraft.models.dump_reader import TeacherDataset
+    from specdraft.models.loading import load_model
+    from specdraft.run import pipeline as pl
+    from specdraft.training.distill import resolve_precision, select_trainable
+    from specdraft.training.distill_data import collate
+    from specdraft.training.distill_trainer import DistillModel, DistillTrainer, TeacherHead, trained_mask
+    from specdraft.training.head_warmup import untie_head
 
     dump_dir, draft_dir = args.work / "dump", args.work / "vocab_swap" / "model"
     for p in (dump_dir / "manifest.json", draft_dir / "config.json"):

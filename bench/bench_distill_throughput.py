@@ -2,7 +2,7 @@
 ways of making teacher signal.
 
 1. **step** — trained tokens per minute of one full distillation step, the step ``run_distill`` takes:
-   :class:`specdraft.distill_trainer.DistillModel` forward (draft forward + teacher + loss), backward, gradient clipping
+   :class:`specdraft.training.distill_trainer.DistillModel` forward (draft forward + teacher + loss), backward, gradient clipping
    at ``max_grad_norm``, and the optimizer the Trainer builds (``Trainer.get_optimizer_cls_and_kwargs``: AdamW),
    on the same fixed batches, contenders interleaved batch by batch within each repeat (median over repeats):
 
@@ -10,7 +10,7 @@ ways of making teacher signal.
    * ``bf16_hidden``    — precision bf16-autocast, hidden-state teacher;
    * ``bf16_topk``      — precision bf16-autocast, the dump's ``topk`` teacher (``--top-k`` 64): the fast path.
 
-2. **curve** — the loss of a short run, :func:`specdraft.distill.train` itself (run_distill's Trainer, cosine
+2. **curve** — the loss of a short run, :func:`specdraft.training.distill.train` itself (run_distill's Trainer, cosine
    schedule, same seed, the same fixed batches in the same order) for ``--steps`` steps, per contender. Reported:
    the per-step loss, max and mean |Δ| against float32 step by step, the final losses, and the noise of the float32
    curve = std of its step-to-step changes / √2 (the scatter of one step around a smooth trend: the batches
@@ -29,7 +29,7 @@ ways of making teacher signal.
 
 Batches for 1 and 2: the ``--text`` conversations through the chat template, concatenated and cut into
 ``--batches`` × ``--batch`` windows of ``--seq`` tokens (every prediction trained but the last). Their teacher
-signal comes from one target forward per batch through :func:`specdraft.dump.teacher_items` — the code a dump
+signal comes from one target forward per batch through :func:`specdraft.training.dump.teacher_items` — the code a dump
 writes its shards with, in its storage dtypes — so no dump on disk is needed.
 
     python bench/bench_distill_throughput.py [--seq 256 --batch 2 --batches 4 --repeats 3 --steps 20]
@@ -54,8 +54,8 @@ from typing import get_args
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import DumpFormat, LossName, ModelDtype
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.core.config import DumpFormat, LossName, ModelDtype
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 #: name → (DistillConfig.precision, teacher format); the first is the reference, the last the fast path.
 CONTENDERS = {"float32_hidden": ("float32", "hidden"), "bf16_hidden": ("bf16-autocast", "hidden"),
@@ -112,8 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be wrong before a model loads. Raises :class:`BenchError` naming the flag."""
-    from specdraft.models import resolve
-    from specdraft.prompts import PromptSpecError, parse_source
+    from specdraft.data.prompts import PromptSpecError, parse_source
+    from specdraft.models.loading import resolve
 
     if args.seq < 2:
         raise BenchError(f"--seq {args.seq}: a row needs at least 2 tokens (one trained prediction)")
@@ -134,10 +134,10 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def fixed_rows(tokenizer, spec: str, n_rows: int, seq: int) -> list:
-    """``n_rows`` :class:`specdraft.data.TokenSequence` windows of ``seq`` tokens cut from the concatenated
+    """``n_rows`` :class:`specdraft.data.sources.TokenSequence` windows of ``seq`` tokens cut from the concatenated
     conversations of ``spec`` (every prediction trained but the window's last)."""
-    from specdraft.data import TokenSequence, build_sequences
-    from specdraft.prompts import load_prompts as load_sources
+    from specdraft.data.prompts import load_prompts as load_sources
+    from specdraft.data.sources import TokenSequence, build_sequences
 
     stream: list[int] = []
     for s in build_sequences(tokenizer, load_sources([spec])):
@@ -154,9 +154,9 @@ def teacher_signal(args: argparse.Namespace, rows: list) -> dict:
     """The target's signal for ``rows`` in both formats (one forward per batch and format) plus its head."""
     import torch
 
-    from specdraft.config import DumpConfig
-    from specdraft.models import load_model
-    from specdraft.teacher import Teacher, real_vocab_size, teacher_items
+    from specdraft.core.config import DumpConfig
+    from specdraft.models.loading import load_model
+    from specdraft.training.teacher import Teacher, real_vocab_size, teacher_items
 
     target, tok = load_model(args.target, dtype=args.dtype, device="cpu")
     teacher = Teacher(target, real_vocab_size(tok))
@@ -175,7 +175,7 @@ def teacher_signal(args: argparse.Namespace, rows: list) -> dict:
 
 
 def distill_config(args: argparse.Namespace, precision: str):
-    from specdraft.config import DistillConfig
+    from specdraft.core.config import DistillConfig
 
     # save_steps past the run: a checkpoint (draft + AdamW state) would be timed and written for nothing.
     return DistillConfig(loss=args.loss, lr=args.lr, precision=precision, batch_size=args.batch,
@@ -187,10 +187,10 @@ def bench_step(args: argparse.Namespace, sig: dict) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from specdraft.distill import select_trainable
-    from specdraft.distill_data import collate
-    from specdraft.distill_trainer import DistillModel, TeacherHead, trained_mask
-    from specdraft.models import load_model
+    from specdraft.models.loading import load_model
+    from specdraft.training.distill import select_trainable
+    from specdraft.training.distill_data import collate
+    from specdraft.training.distill_trainer import DistillModel, TeacherHead, trained_mask
 
     torch.manual_seed(0)
     draft, _ = load_model(args.draft, dtype="float32", device="cpu")
@@ -252,10 +252,10 @@ def curve_noise(losses: list[float]) -> float:
 
 
 def bench_curve(args: argparse.Namespace, sig: dict) -> dict:
-    """Part 2: :func:`specdraft.distill.train` for ``--steps`` steps per contender; per-step losses compared."""
-    from specdraft.distill import train
-    from specdraft.distill_trainer import TeacherHead
-    from specdraft.models import load_model
+    """Part 2: :func:`specdraft.training.distill.train` for ``--steps`` steps per contender; per-step losses compared."""
+    from specdraft.models.loading import load_model
+    from specdraft.training.distill import train
+    from specdraft.training.distill_trainer import TeacherHead
 
     losses, seconds, resolved, exact = {}, {}, {}, {}
     for name, (precision, fmt) in CONTENDERS.items():
@@ -289,8 +289,8 @@ def exact_loss(args: argparse.Namespace, sig: dict, draft) -> float:
     p̂, the top-k teacher with the leftover spread."""
     import torch
 
-    from specdraft.distill_data import collate
-    from specdraft.distill_trainer import DistillModel, TeacherHead
+    from specdraft.training.distill_data import collate
+    from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
     model = DistillModel(draft, TeacherHead(sig["head"], sig["real_vocab"], sig["bias"], width=sig["width"], logit_ops=sig["ops"]), distill_config(args, "float32")).eval()
     rows = sig["items"]["hidden"]
@@ -305,7 +305,7 @@ def exact_loss(args: argparse.Namespace, sig: dict, draft) -> float:
 
 def leftover_mass(sig: dict) -> dict:
     """Mean and max over trained positions of the teacher mass outside the top-k, Σ_{x∉top-k} p(x): the bound on
-    |TVD(p̂, q) − TVD(p, q)| per position (specdraft.dump's leftover rule)."""
+    |TVD(p̂, q) − TVD(p, q)| per position (specdraft.training.dump's leftover rule)."""
     import torch
 
     mass = torch.cat([it["leftover_logmass"][it["loss_mask"]].float().exp() for it in sig["items"]["topk"]])
@@ -314,8 +314,8 @@ def leftover_mass(sig: dict) -> dict:
 
 def load_prompts(spec: str) -> list:
     """The prompt messages of ``spec``'s examples (their replies dropped: the target writes its own)."""
-    from specdraft.data import Example
-    from specdraft.prompts import load_prompts as load_sources
+    from specdraft.data.prompts import load_prompts as load_sources
+    from specdraft.data.sources import Example
 
     return [Example(e.id, e.prompt_messages) for e in load_sources([spec])]
 
@@ -323,11 +323,11 @@ def load_prompts(spec: str) -> list:
 def bench_dump(args: argparse.Namespace, prompts: list, work: Path) -> dict:
     """Part 3: answer tokens per minute of ``run_dump --generate`` against teacher-forced ``run_dump`` of the same
     answers, interleaved (the forced run's text is the first generated run's answers)."""
-    from specdraft.config import DumpConfig
-    from specdraft.data import Example
-    from specdraft.dump import run_dump
-    from specdraft.dump_reader import TeacherDataset
-    from specdraft.models import load_tokenizer
+    from specdraft.core.config import DumpConfig
+    from specdraft.data.sources import Example
+    from specdraft.models.dump_reader import TeacherDataset
+    from specdraft.models.loading import load_tokenizer
+    from specdraft.training.dump import run_dump
 
     common = {"teacher_format": args.dump_format, "top_logprobs": args.top_k, "answer_only": True, "batch_size": args.dump_batch,
               "dtype": args.dtype}
@@ -400,23 +400,23 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the parts asked for and write ``--out/NAME.json``; bad input: one ``error:`` line, exit 2."""
-    from specdraft.data import DataError
+    from specdraft.data.sources import DataError
 
     args = parse_args(argv)
     try:
         check_args(args)
         import torch
 
-        from specdraft.calibration import machine_line
-        from specdraft.io import atomic_write_text, versions
-        from specdraft.models import load_tokenizer
-        from specdraft.tokenizer_view import tokenizer_fingerprint
+        from specdraft.core.io import atomic_write_text, versions
+        from specdraft.decoding.calibration import machine_line
+        from specdraft.models.loading import load_tokenizer
+        from specdraft.models.tokenizer_view import tokenizer_fingerprint
 
         torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)
         if tokenizer_fingerprint(tok) != tokenizer_fingerprint(load_tokenizer(args.draft)):
             raise BenchError(f"--draft {args.draft} has another tokenizer than --target {args.target}: distillation "
-                             "needs one vocabulary (vocab-swap the draft first: specdraft.vocab.vocab_swap)")
+                             "needs one vocabulary (vocab-swap the draft first: specdraft.models.vocab.vocab_swap)")
         rows = fixed_rows(tok, args.text, args.batches * args.batch, args.seq) if {"step", "curve"} & set(
             args.parts) else []
         prompts = load_prompts(args.prompts) if "dump" in args.parts else []

@@ -28,11 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.calibration import machine_line
-from specdraft.data import encode_prompts, load_examples
-from specdraft.draft_model import default_head_corpus, frequent_tokens, prepare_draft
-from specdraft.embedded import DEFAULT_DRAFT
-from specdraft.models import load_model
+from specdraft.core.embedded import DEFAULT_DRAFT
+from specdraft.data.sources import encode_prompts, load_examples
+from specdraft.decoding.calibration import machine_line
+from specdraft.decoding.draft_model import default_head_corpus, frequent_tokens, prepare_draft
+from specdraft.models.loading import load_model
 
 
 class Stepper:

@@ -1,14 +1,14 @@
 """Per-step cost of the draft with each int8 / int4 kernel candidate, interleaved.
 
 One-token steps of the draft after a 64-token prefill (batch 1, the decode loop's own cache code:
-:func:`specdraft.calibration.pass_seconds`), each candidate timed in turn within every repeat so machine noise hits
+:func:`specdraft.decoding.calibration.pass_seconds`), each candidate timed in turn within every repeat so machine noise hits
 all alike; then each candidate's teacher-forced top-1 agreement with the target (greedy α, over prompts) as a
 check on what the rounding costs. Writes ``bench/results/draft-kernels.json``.
 
     python bench/bench_draft_kernels.py [--repeats 5] [--head-tokens 32768]
 
 Candidates: the draft as loaded (bf16), weight-only int8 linears (``torch._weight_int8pack_mm``) and weight-only
-int4 linears (``torch.ops.aten._weight_int4pack_mm_for_cpu``, groups of 32) of :mod:`specdraft.draft_model`,
+int4 linears (``torch.ops.aten._weight_int4pack_mm_for_cpu``, groups of 32) of :mod:`specdraft.decoding.draft_model`,
 torch's fbgemm dynamic int8 quantisation of the linears on a float32 copy (``torch.ao.quantization.quantize_dynamic``,
 per-tensor and per-channel weight scales; deprecated in torch 2.13), optionally a plain float32 copy, and a trimmed
 head (FR-Spec) on the int8 and int4 drafts. About 6 GB of memory.
@@ -32,12 +32,12 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.calibration import machine_line, pass_seconds
-from specdraft.data import encode_prompts, load_examples
-from specdraft.draft_model import default_head_corpus, frequent_tokens, prepare_draft
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.models import load_model
-from specdraft.replay import predicted_alpha
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.data.sources import encode_prompts, load_examples
+from specdraft.decoding.calibration import machine_line, pass_seconds
+from specdraft.decoding.draft_model import default_head_corpus, frequent_tokens, prepare_draft
+from specdraft.decoding.replay import predicted_alpha
+from specdraft.models.loading import load_model
 
 
 def fbgemm_dynamic(bf16_model, per_channel: bool):

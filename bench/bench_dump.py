@@ -24,12 +24,12 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import DumpConfig
-from specdraft.data import build_sequences, load_examples
-from specdraft.dump import run_dump
-from specdraft.dump_reader import pad_collate
-from specdraft.embedded import DEFAULT_TARGET
-from specdraft.models import load_model
+from specdraft.core.config import DumpConfig
+from specdraft.core.embedded import DEFAULT_TARGET
+from specdraft.data.sources import build_sequences, load_examples
+from specdraft.models.dump_reader import pad_collate
+from specdraft.models.loading import load_model
+from specdraft.training.dump import run_dump
 
 
 def main() -> dict:

@@ -45,7 +45,7 @@ def full_sort_tvd_deploy(d_logits, t_logits, temperature, top_k, top_p):
 def child(impl: str, seq: int, vocab: int, top_k: int, top_p: float, device: str) -> dict:
     import torch
 
-    from specdraft.losses import masked_mean, tvd_deploy
+    from specdraft.core.losses import masked_mean, tvd_deploy
 
     torch.manual_seed(0)
     d = torch.randn(1, seq, vocab, device=device, requires_grad=True)

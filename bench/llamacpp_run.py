@@ -7,13 +7,13 @@ compares llama.cpp with specdraft by.
 * :func:`run_llama` runs one and :func:`parse_run` reads it into a :class:`LlamaRun` (output bytes, llama.cpp's own
   decode figures, the prompt's ids from ``--verbose-prompt``, the speculative counters of
   :func:`parse_speculative_simple`, each model's closing timings of :func:`parse_perf`), and
-  :func:`specdraft.llama_cpp_price.alpha_from_acceptance_rate` turns its accepted / drafted into the speed model's α;
+  :func:`specdraft.decoding.llama_cpp_price.alpha_from_acceptance_rate` turns its accepted / drafted into the speed model's α;
 * :func:`speculative_matches_plain` / :func:`first_difference` compare two outputs; :func:`eog_tokens` and
   :func:`tool_version` ask a build what it is.
 
 The parsers read the pinned version's output (``tests/data/llama_cpp`` holds captured runs; ``tests/test_llama_cpp.py``
 reads them). Building and finding the tools, and what ``specdraft rank --engine llama.cpp`` runs, are
-:mod:`specdraft.llama_cpp`.
+:mod:`specdraft.serving.llama_cpp`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.llama_cpp import LlamaCppError, LlamaCppTools, _run, _tail
-from specdraft.llama_cpp_price import alpha_from_acceptance_rate  # noqa: F401  (read from here by the bench and its tests)
+from specdraft.decoding.llama_cpp_price import alpha_from_acceptance_rate  # noqa: F401  (read from here by the bench and its tests)
+from specdraft.serving.llama_cpp import LlamaCppError, LlamaCppTools, _run, _tail
 
 
 @dataclass
@@ -158,8 +158,8 @@ def speculative_command(tools: LlamaCppTools, target: str | os.PathLike, draft: 
                         flash_attn: str | None = None, n_min: int | None = None) -> list[str]:
     """``llama-speculative-simple`` with ``draft`` as its ``-md`` draft (``--spec-type draft-simple``), greedy, at most
     ``n_max`` drafts per round, the drafting flags pinned as the printed commands pin them
-    (:func:`specdraft.llama_cpp_price.llama_cpp_draft_args`; ``n_min`` / ``p_min`` ``None``: what the forecasts assume,
-    :data:`specdraft.llama_cpp_price.LLAMA_CPP_N_MIN` / :data:`specdraft.llama_cpp_price.LLAMA_CPP_P_MIN`); ``kv_type``: both models'
+    (:func:`specdraft.decoding.llama_cpp_price.llama_cpp_draft_args`; ``n_min`` / ``p_min`` ``None``: what the forecasts assume,
+    :data:`specdraft.decoding.llama_cpp_price.LLAMA_CPP_N_MIN` / :data:`specdraft.decoding.llama_cpp_price.LLAMA_CPP_P_MIN`); ``kv_type``: both models'
     KV cache type (``-ctk/-ctv/-ctkd/-ctvd``; f16 when ``None``);
     ``flash_attn``: ``-fa`` (see :func:`completion_command`).
 
@@ -167,7 +167,7 @@ def speculative_command(tools: LlamaCppTools, target: str | os.PathLike, draft: 
     examples/speculative-simple: it stops once more than ``n_predict`` were emitted, and a round whose budget is
     used up drafts a full ``n_max`` — the draft's limit 0 means none): compare its output with a prefix of
     ``llama-completion -n n_predict + n_max + 1`` (:func:`speculative_matches_plain`)."""
-    from specdraft.llama_cpp_price import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN, llama_cpp_draft_args
+    from specdraft.decoding.llama_cpp_price import LLAMA_CPP_N_MIN, LLAMA_CPP_P_MIN, llama_cpp_draft_args
 
     cmd = [str(tools["llama-speculative-simple"]), "-m", str(target), "--spec-type", "draft-simple", "-md",
            str(draft), *llama_cpp_draft_args(n_max, LLAMA_CPP_N_MIN if n_min is None else n_min,

@@ -51,14 +51,14 @@ def copy_bandwidth(nbytes: int = 400_000_000, reps: int = 8) -> float:
 
 
 def gemv_bandwidth(dtype: torch.dtype, reps: int = 300) -> float:
-    from specdraft.calibration import gemv_gb_s
+    from specdraft.decoding.calibration import gemv_gb_s
 
     return gemv_gb_s(str(dtype).removeprefix("torch."), reps=reps // 3, rounds=3)
 
 
 def target_step(tokens: int = 32) -> float:
-    from specdraft.embedded import DEFAULT_TARGET
-    from specdraft.models import load_model
+    from specdraft.core.embedded import DEFAULT_TARGET
+    from specdraft.models.loading import load_model
 
     model, _ = load_model(DEFAULT_TARGET, dtype="bfloat16")
     ids = torch.randint(100, 1000, (1, 200))

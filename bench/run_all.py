@@ -316,7 +316,7 @@ def _render_as_given_routes() -> list[str]:
         why.append(f"specdraft's decoder decodes it {ratio['ratio']:.2f}x {_ci(ratio['ratio_ci95'], '{:.2f}')} as fast")
     vllm = _load("vllm-serving-cpu-as-given.json")
     if vllm and all("rows" in vllm["results"].get(k, {}) for k in ("as-given", "as-given-distilled")):
-        from specdraft.stats import paired_ratio_ci  # tokens/s over tokens/s, paired by prompt
+        from specdraft.core.stats import paired_ratio_ci  # tokens/s over tokens/s, paired by prompt
 
         tps = lambda k: ([len(x["tokens"]) for x in vllm["results"][k]["rows"]],
                          [x["seconds"] for x in vllm["results"][k]["rows"]])
@@ -659,7 +659,7 @@ def _render_distill_curve(name: str, what: str, data: str = "target-written answ
 
 def _render_main_job(name: str = "run-default.json") -> list[str]:
     """The main job as ``make run`` runs it, every stage's figure (bench/run_summary.py's result)."""
-    from specdraft.report import SET_LABELS
+    from specdraft.measuring.report import SET_LABELS
 
     r = _load(name)
     if not r:
@@ -851,7 +851,7 @@ def _render_distill_throughput(name: str = "distill-throughput.json") -> list[st
                   for n, v in st["tokens_per_minute"].items()]
     cv = r.get("curve")
     if cv:
-        lines += ["", (f"Loss of a {cv['steps']}-step run (`specdraft.distill.train`, lr {s['lr']}, cosine, seed 0, the "
+        lines += ["", (f"Loss of a {cv['steps']}-step run (`specdraft.training.distill.train`, lr {s['lr']}, cosine, seed 0, the "
                        "same batches in the same order). |Δ| is against float32 step by step; noise = the float32 "
                        f"curve's step-to-step scatter ({cv['noise']:.4f}). The topk run's logged loss is against the "
                        "top-k teacher; the last column scores every trained draft against the exact teacher."), "",
@@ -1070,8 +1070,8 @@ def _mode_words(a: dict) -> str:
 
 def _speedup_ci(r: dict, name: str, base: str) -> str:
     """``" [low, high]"``: the paired 95% bootstrap interval over prompts of tokens/s of ``name`` over ``base``
-    (:func:`specdraft.stats.paired_ratio_ci` on the per-prompt tokens and seconds), or ``""`` without them."""
-    from specdraft.stats import paired_ratio_ci
+    (:func:`specdraft.core.stats.paired_ratio_ci` on the per-prompt tokens and seconds), or ``""`` without them."""
+    from specdraft.core.stats import paired_ratio_ci
 
     rows = [p for p in r.get("per_prompt", []) if name in p and base in p]
     if len(rows) < 2 or len(rows) != len(r.get("per_prompt", [])):
@@ -1091,7 +1091,7 @@ def _ablation_section(r: dict | None, title: str) -> list[str]:
                    f"{a['prompts']} prompts (ids {a['prompt_offset']}–{a['prompt_offset'] + a['num_prompts'] - 1}) × "
                    f"{a['max_new_tokens']} new tokens, {_mode_words(a)}, contenders interleaved prompt by prompt. c = draft "
                    "step / target pass measured in the run; predicted = the speed model (measured t(k) and d, "
-                   "`specdraft.speed`) at the contender's measured α, prefill included."), "",
+                   "`specdraft.decoding.speed`) at the contender's measured α, prefill included."), "",
                   ("| draft | tokens/s | vs target alone [95% CI] | vs HF assisted [95% CI] | c | acceptance | α | "
                    "predicted | prediction error | output = target |"),
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -1256,7 +1256,7 @@ def render_conditions() -> str:
 
 def render_method() -> list[str]:
     """docs/benchmarks.md's method section: machine, load, intervals, prompts and tokens (from stats.py's constants)."""
-    from specdraft.stats import N_BOOTSTRAP
+    from specdraft.core.stats import N_BOOTSTRAP
 
     m = _load("machine.json") or {}
     run = (_load("run-default.json") or {}).get("sets") or {}
@@ -1273,11 +1273,11 @@ def render_method() -> list[str]:
             ("**A quiet machine.** Every tokens/s assumes the decoder has the cores to itself: on 2 cores another "
              "process changes the figures far beyond their intervals (OpenMP threads spin and lose their core). "
              "`specdraft eval`, `generate`'s calibration and the main job's speed stage read other processes' share "
-             "of the CPU from `/proc/stat` while they time (`specdraft.evaluate.LoadMonitor`); above 20% the figures "
+             "of the CPU from `/proc/stat` while they time (`specdraft.measuring.evaluate.LoadMonitor`); above 20% the figures "
              "are marked `busy_machine`, a warning is printed and the speed model's calibration is not cached. "
              "Ratios measured side by side (contenders interleaved prompt by prompt, after a warm-up) suffer less "
              "than absolute tokens/s; both are claimed from quiet runs only."), "",
-            (f"**Intervals** (`specdraft.stats`). Prompts are the unit of resampling: a replicate draws n prompts "
+            (f"**Intervals** (`specdraft.core.stats`). Prompts are the unit of resampling: a replicate draws n prompts "
              "with replacement and recomputes the ratio of summed counts (Σ accepted / Σ proposed; Σ tokens / Σ "
              "seconds), never a mean of per-prompt ratios. Gains and speed-ups are paired: one draw of prompt indices "
              f"serves both contenders, so the prompt-to-prompt spread they share cancels. {N_BOOTSTRAP:,} "

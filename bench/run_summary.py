@@ -42,8 +42,8 @@ def _time_log(path: Path | None) -> dict:
 
 def _distilled_vs_original(rows: list[dict]) -> dict | None:
     """The shipped draft's tokens/s over the draft as given, paired per prompt (rows: [tokens, seconds] each)."""
-    from specdraft.recommend import paired_speed_ratio
-    from specdraft.speed_run import SpeedRun
+    from specdraft.decoding.speed_run import SpeedRun
+    from specdraft.measuring.recommend import paired_speed_ratio
 
     run = SpeedRun.from_dict({"prompts": len(rows), "contenders": {}, "rows": rows})
     e = paired_speed_ratio(run, "speculative:distilled", "speculative:original")
@@ -52,7 +52,7 @@ def _distilled_vs_original(rows: list[dict]) -> dict | None:
 
 def summarise(run: Path, time_log: Path | None = None) -> dict:
     """The run's headline figures (see the module docstring)."""
-    from specdraft.report import acceptance_gain, baseline_sets, speed_sets
+    from specdraft.measuring.report import acceptance_gain, baseline_sets, speed_sets
 
     r = json.loads((run / "report.json").read_text())
     timed = _time_log(time_log)
@@ -103,7 +103,7 @@ def main() -> None:
                          "the day's machine, so the target's own bf16 step rate is stated beside the wall clock.")
     ap.add_argument("--note", default="", help="A sentence the rendered section carries (how the run was made).")
     a = ap.parse_args()
-    from specdraft.io import atomic_write_text
+    from specdraft.core.io import atomic_write_text
 
     res = summarise(a.run, a.time_log) | {"note": a.note}
     if a.machine_check:

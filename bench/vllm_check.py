@@ -7,7 +7,7 @@ specdraft installed ``--no-deps`` for its plugin; see the Makefile).
 1. Build a tiny target and drafts that vLLM's CPU backend accepts (attention head size 32 ≥ its minimum, a
    byte-level BPE tokenizer trained here): a draft (the target with noise on every weight: partial acceptance)
    and the same draft with padding rows (verdict identical-up-to-padding, as Qwen 7B vs 0.5B).
-2. ``specdraft.export.export_draft`` each; the vLLM settings are the ones specdraft prints (``vllm_serve``).
+2. ``specdraft.serving.export.export_draft`` each; the vLLM settings are the ones specdraft prints (``vllm_serve``).
 3. specdraft's own greedy speculative decoding on the prompts: the acceptance counts to compare with vLLM's.
 4. vLLM, each configuration in a fresh process: the target alone; two-path (target + the printed
    ``--speculative-config``); one-path (``LLM(model=SPECULATOR_DIR)``: the plugin); the padded draft both ways;
@@ -18,7 +18,7 @@ specdraft installed ``--no-deps`` for its plugin; see the Makefile).
 
 A draft of *another tokenizer*, served as given (``draft-text``: the noisy draft re-indexed into another tokenizer,
 the target's without its last merges and with every id renumbered (:func:`other_tokenizer`), exported by ``export_draft`` with the ``"text"`` proposal method, served through
-specdraft's ``custom_class`` proposer, :mod:`specdraft.vllm_proposer`): two-path (``--additional-config``) and
+specdraft's ``custom_class`` proposer, :mod:`specdraft.serving.vllm_proposer`): two-path (``--additional-config``) and
 one-path (plugin), greedy as above, plus
 
 - ``churn``: at most 3 requests at a time, each prompt with its own length (16 + 4·i tokens), in a KV cache of 3
@@ -49,7 +49,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specdraft.vllm_proposer import TextProposer
+from specdraft.serving.vllm_proposer import TextProposer
 
 VOCAB = 300  # tokenizer size
 PADDED = 320  # the padded draft's output width
@@ -88,8 +88,8 @@ def build(out: Path) -> dict:
 
     import torch
 
-    from specdraft.decode import speculative_generate
-    from specdraft.export import export_draft, vllm_serve
+    from specdraft.decoding.decode import speculative_generate
+    from specdraft.serving.export import export_draft, vllm_serve
     from specdraft.testing import perturbed, tiny_corpus, tiny_model
 
     torch.set_num_threads(1)
@@ -104,7 +104,7 @@ def build(out: Path) -> dict:
         model.save_pretrained(dirs[name])
         tok.save_pretrained(dirs[name])
 
-    from specdraft.vocab import build_vocab_mapping, vocab_swap
+    from specdraft.models.vocab import build_vocab_mapping, vocab_swap
 
     d_tok = other_tokenizer(tok)
     text_draft, _ = vocab_swap(perturbed(target, NOISE, seed=1), tok, d_tok)
@@ -201,10 +201,10 @@ def _text_side(target, draft, mapping, prompts, target_out, real_vocab) -> dict:
     full and churn lengths), and the sampled check's exact law and its broken-acceptance control."""
     import torch
 
-    from specdraft.config import SamplingConfig
-    from specdraft.decode import speculative_generate
+    from specdraft.core.config import SamplingConfig
+    from specdraft.decoding.decode import speculative_generate
+    from specdraft.serving.vllm_proposer import TextDrafts
     from specdraft.testing import exact_two_token_law
-    from specdraft.vllm_proposer import TextDrafts
 
     runs = {}
     for name, lengths in (("specdraft_text", [MAX_NEW_TOKENS] * len(prompts)), ("specdraft_churn", churn_lengths())):
@@ -309,7 +309,7 @@ def fix_cpu_expand() -> dict:
     target's logits at every draft position are then divided by garbage (rows of NaN, uniform or one-hot
     distributions), whatever the proposer (a constant one too), while the target alone, which expands nothing, samples
     its law. Greedy requests never use the temperature. specdraft's plugin, which vLLM loads in this process, puts
-    its repaired op in place (:func:`specdraft.vllm_plugin.repair_cpu_expand`); this checks that the repair reached
+    its repaired op in place (:func:`specdraft.serving.vllm_plugin.repair_cpu_expand`); this checks that the repair reached
     the sampler, and where it did not registers the same op through vLLM's kernel-override registry
     (``vllm.triton_utils.dispatcher.register_kernels``) so the check tests the rest of vLLM's verification. The
     engine's worker must run in this process (``distributed_executor_backend="uni"``,
@@ -322,7 +322,7 @@ def fix_cpu_expand() -> dict:
     import torch
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
-    from specdraft.vllm_plugin import EXPAND_KERNEL, expand_kernel_repaired, repair_cpu_expand
+    from specdraft.serving.vllm_plugin import EXPAND_KERNEL, expand_kernel_repaired, repair_cpu_expand
 
     def works() -> bool:
         got = expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3)
@@ -511,7 +511,7 @@ def check(plan: dict, results: dict, out: Path) -> dict:
                    if expand.get("broken") is not False else "vLLM's own expansion")
             if expand.get("broken") is not False:
                 record(f"{config}: specdraft's plugin repaired vLLM's CPU expand kernel on load",
-                       expand.get("plugin", False), "specdraft.vllm_plugin.repair_cpu_expand")
+                       expand.get("plugin", False), "specdraft.serving.vllm_plugin.repair_cpu_expand")
         else:
             expected = [a[:n] for a, n in zip(alone, churn_lengths())] if config.startswith("churn") else alone
             same = sum(a == b for a, b in zip(r["tokens"], expected, strict=True))
@@ -564,7 +564,7 @@ def check_proposals(plan: dict, path: Path, max_model_len: int, record, config: 
     joined or preempted requests shows as a difference."""
     import torch
 
-    from specdraft.vllm_proposer import TextDrafts, load_text_drafts
+    from specdraft.serving.vllm_proposer import TextDrafts, load_text_drafts
 
     steps = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     rows = [row for step in steps for row in step]

@@ -10,8 +10,8 @@ test-vllm) in a fresh process, as bench/vllm_check.py does::
 
 Writes ``bench/results/vllm-serving-cpu.json`` (``--results``) and, with ``--docs``, the table between the markers
 of docs/serving.md. Prompts: HumanEval's held-out rows (``humaneval:100:N``) with the target's chat template;
-greedy; γ 5; the speculators are exported by ``specdraft.export.export_draft`` (float32, the cache's dtype, so both
-vLLM drafts compute what specdraft evaluates) and served with the settings :func:`specdraft.export.vllm_serve`
+greedy; γ 5; the speculators are exported by ``specdraft.serving.export.export_draft`` (float32, the cache's dtype, so both
+vLLM drafts compute what specdraft evaluates) and served with the settings :func:`specdraft.serving.export.vllm_serve`
 prints. Timings are only meaningful on a quiet machine (no other job on its cores).
 """
 
@@ -38,11 +38,11 @@ def build(out: Path, n_prompts: int, kv_gib: int, as_given_distilled: Path | Non
     """Export both speculators (the re-indexed draft first written by ``save_vocab_swap``), and with
     ``as_given_distilled`` that draft as given too (a draft of the draft's tokenizer, distilled as given), and encode
     the prompts."""
-    from specdraft.data import encode_prompts
-    from specdraft.export import export_draft, vllm_serve
-    from specdraft.models import load_tokenizer, resolve
-    from specdraft.prompts import load_prompts
-    from specdraft.vocab import save_vocab_swap
+    from specdraft.data.prompts import load_prompts
+    from specdraft.data.sources import encode_prompts
+    from specdraft.models.loading import load_tokenizer, resolve
+    from specdraft.models.vocab import save_vocab_swap
+    from specdraft.serving.export import export_draft, vllm_serve
 
     target = resolve(TARGET)
     swapped = out / "draft-reindexed"
@@ -117,7 +117,7 @@ def table(report: dict) -> str:
         speed = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "—"
         ratio = "—"
         if config != "alone" and alone.get("rows"):
-            from specdraft.stats import paired_ratio_ci  # tokens/s over tokens/s, paired by prompt
+            from specdraft.core.stats import paired_ratio_ci  # tokens/s over tokens/s, paired by prompt
 
             e = paired_ratio_ci([len(x["tokens"]) for x in r["rows"]], [x["seconds"] for x in r["rows"]],
                                 [len(x["tokens"]) for x in alone["rows"]], [x["seconds"] for x in alone["rows"]])

@@ -30,7 +30,7 @@ def real_model():
     The two most recently used models stay loaded (a new one loads beside one other at most), and all are released
     when the module ends, so tests that load models themselves (the pipeline) never run beside a held pair. Tests must
     not modify the returned model (weights or config): later tests share it."""
-    from specdraft.models import load_model
+    from specdraft.models.loading import load_model
 
     cache: dict = {}
 
@@ -61,7 +61,7 @@ def _release_after_real_weights(request):
 @pytest.fixture(autouse=True, scope="session")
 def _speed_cache(tmp_path_factory):
     """Calibrations measured by the tests go to a session directory, never the user's cache
-    (:func:`specdraft.calibration.cached_speed_model`)."""
+    (:func:`specdraft.decoding.calibration.cached_speed_model`)."""
     import os
 
     old = os.environ.get("SPECDRAFT_SPEED_CACHE")

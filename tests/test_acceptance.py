@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdraft.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
+from specdraft.core.acceptance import AcceptanceCounts, best_gamma, expected_speedup, expected_tokens_per_pass
 
 
 def test_rates_from_counts():
@@ -86,7 +86,7 @@ def test_acceptance_rate_of_no_proposals_is_undefined_and_prints_as_a_dash():
     empty = AcceptanceCounts(3)
     assert empty.acceptance_rate is None
     assert empty.to_dict()["derived"]["acceptance_rate"] is None
-    from specdraft.acceptance import format_rate
+    from specdraft.core.acceptance import format_rate
 
     assert format_rate(empty.acceptance_rate) == "—" and format_rate(0.25) == "0.250"
     assert "(acceptance rate —)" in generate_summary(empty, 8, True)

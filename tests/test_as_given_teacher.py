@@ -9,20 +9,20 @@ import math
 import pytest
 import torch
 
-from specdraft.as_given_teacher import (
+from specdraft.core.config import AsGivenTeacherConfig, DistillConfig
+from specdraft.core.io import sha256_json
+from specdraft.data.sources import encode_answer, encode_prompts, render_prompt
+from specdraft.decoding.responses import answer_stop_ids, generate_from_ids
+from specdraft.models.dump_reader import DumpError, TeacherDataset, load_manifest
+from specdraft.models.vocab import build_vocab_mapping
+from specdraft.testing import TINY_PROMPTS, tiny_bpe_tokenizer, tiny_examples, tiny_model
+from specdraft.training.as_given_teacher import (
     aligned_pairs,
     carry_topk,
     first_piece_ids,
     run_as_given_teacher,
 )
-from specdraft.config import AsGivenTeacherConfig, DistillConfig
-from specdraft.data import encode_answer, encode_prompts, render_prompt
-from specdraft.dump_reader import DumpError, TeacherDataset, load_manifest
-from specdraft.io import sha256_json
-from specdraft.responses import answer_stop_ids, generate_from_ids
-from specdraft.self_teacher import decode_text, well_formed_prefix
-from specdraft.testing import TINY_PROMPTS, tiny_bpe_tokenizer, tiny_examples, tiny_model
-from specdraft.vocab import build_vocab_mapping
+from specdraft.training.self_teacher import decode_text, well_formed_prefix
 
 PROMPTS, _examples = TINY_PROMPTS, tiny_examples
 
@@ -188,7 +188,7 @@ def test_a_work_cache_reuses_the_written_answers_and_scores_and_gives_the_same_d
 
 
 def test_run_distill_trains_the_draft_as_given_on_it_and_exports_it_drafting_through_text(pair, tmp_path):
-    from specdraft.distill import run_distill
+    from specdraft.training.distill import run_distill
 
     cfg = AsGivenTeacherConfig(generate=10, dtype="float32", batch_size=6, top_logprobs=5)
     run_as_given_teacher(pair["target"], pair["draft"], _examples(), tmp_path / "d", cfg)
@@ -233,7 +233,7 @@ def test_dump_for_draft_writes_the_dump_in_the_drafts_ids_and_refuses_what_does_
 def test_the_dump_for_a_draft_as_given_answers_the_rows_run_trains_on_for_one_training_spec(pair, tmp_path):
     """Its answers are greedy, so it reads ``conversations:0:12`` as ``run --train-prompts`` does for a greedy teacher:
     12 distinct prompts (the embedded chats repeat their first questions), the same rows in the same order."""
-    from specdraft.pipeline import make_config, run_prompts
+    from specdraft.run.pipeline import make_config, run_prompts
 
     spec = "conversations:0:12"
     trains = run_prompts(make_config("tiny", target=pair["target"], draft=pair["draft"], train_prompts=[spec]),

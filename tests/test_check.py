@@ -13,19 +13,20 @@ import json
 import pytest
 import torch
 
-from specdraft.check import VERDICTS, CompatReport, check_compatible, print_report, require_compatible
-from specdraft.embedded import ModelResolutionError
-from specdraft.sampling import align_logits
+from specdraft.core.embedded import ModelResolutionError
+from specdraft.core.sampling import align_logits
+from specdraft.models.check import VERDICTS, CompatReport, check_compatible, print_report, require_compatible
+from specdraft.models.tokenizer_view import tokenizer_fingerprint
+from specdraft.models.vocab import CompatibilityError, build_vocab_mapping, vocab_swap
 from specdraft.testing import (
     SPECIAL_TOKENS,
     TINY_CHAT_TEMPLATE,
+    patch_everywhere,
     save_tiny_pair,
     tiny_model,
     tiny_tokenizer,
     tiny_words,
 )
-from specdraft.tokenizer_view import tokenizer_fingerprint
-from specdraft.vocab import CompatibilityError, build_vocab_mapping, vocab_swap
 
 
 def word_tokenizer(words, specials=tuple(SPECIAL_TOKENS), scheme="plain", eos="<eos>"):
@@ -337,7 +338,7 @@ def test_reencode_for_draft(mixed_pair):
 
 
 def test_no_usable_overlap_fails_before_any_model_is_loaded(tmp_path, monkeypatch):
-    import specdraft.models
+    import specdraft.models.loading
 
     latin = word_tokenizer(tiny_words(40))
     cyrillic = word_tokenizer([f"слово{i}" for i in range(40)])
@@ -353,7 +354,7 @@ def test_no_usable_overlap_fails_before_any_model_is_loaded(tmp_path, monkeypatc
     def no_weights(*a, **k):
         raise AssertionError("weights were loaded before the overlap was checked")
 
-    monkeypatch.setattr(specdraft.models, "load_model", no_weights)
+    patch_everywhere(monkeypatch, specdraft.models.loading, "load_model", no_weights)
     with pytest.raises(CompatibilityError, match="no usable overlap"):
         vocab_swap(str(draft_dir), None, latin)
 
@@ -408,7 +409,7 @@ QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 @pytest.fixture(scope="module")
 def real_tokenizers():
-    from specdraft.models import load_tokenizer
+    from specdraft.models.loading import load_tokenizer
 
     return {name: load_tokenizer(name) for name in (SMOL, QWEN_DRAFT)}
 
@@ -467,7 +468,7 @@ def test_real_mapping_qwen_target_smollm2_draft(real_tokenizers):
 def test_real_qwen_pair_identical():
     from transformers import AutoConfig
 
-    from specdraft.models import resolve
+    from specdraft.models.loading import resolve
 
     r = check_compatible(QWEN_TARGET, QWEN_DRAFT)
     assert r.verdict == "identical", r.summary()
@@ -553,7 +554,7 @@ def test_reencode_gives_the_draft_its_own_bos_and_drops_the_targets():
 def test_real_gemma_sentencepiece_draft_for_qwen(real_tokenizers):
     """A metaspace (sentencepiece) draft for a byte-level target: ▁ and Ġ normalised, byte pieces decoded,
     the draft's BOS put back, and the text round trip exact."""
-    from specdraft.models import load_tokenizer
+    from specdraft.models.loading import load_tokenizer
 
     qwen, gemma = real_tokenizers[QWEN_DRAFT], load_tokenizer("gemma-3-270m")
     assert check_compatible(QWEN_DRAFT, "gemma-3-270m").verdict == "mismatch"
@@ -602,7 +603,7 @@ def test_mismatch_count_names_both_vocabularies_whichever_is_larger():
 
 def test_parameter_note_explains_a_separate_output_head(tmp_path):
     """check's counts (1,777 M / 630 M for the embedded pair) exceed the published sizes: an untied head, said once."""
-    from specdraft.check import model_facts, parameter_note
+    from specdraft.models.check import model_facts, parameter_note
     from specdraft.testing import tiny_model
 
     tok = tiny_tokenizer(64)
@@ -636,7 +637,7 @@ def test_chat_templates_are_compared_by_what_they_render():
     none: the one rendered conversation held a system message. Every probe conversation is rendered now."""
     from rich.console import Console
 
-    from specdraft.check import PROBE_CONVERSATIONS, TEMPLATE_USE, compare_chat_templates
+    from specdraft.models.check import PROBE_CONVERSATIONS, TEMPLATE_USE, compare_chat_templates
 
     base = tiny_tokenizer(64)
     r = check_compatible(base, tiny_tokenizer(64, chat_template=DEFAULT_SYSTEM_TEMPLATE))
@@ -676,10 +677,10 @@ def test_eval_renders_prompts_with_the_targets_template(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
-    import specdraft.evaluate
+    import specdraft.measuring.evaluate
     from specdraft.cli import app
-    from specdraft.data import Example, encode_prompts
-    from specdraft.models import load_tokenizer
+    from specdraft.data.sources import Example, encode_prompts
+    from specdraft.models.loading import load_tokenizer
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     tiny_tokenizer(64, chat_template=DEFAULT_SYSTEM_TEMPLATE).save_pretrained(tdir)
@@ -691,7 +692,7 @@ def test_eval_renders_prompts_with_the_targets_template(tmp_path, monkeypatch):
         seen.append(ids)
         raise KeyboardInterrupt  # stop before decoding: the prompts are what this test reads
 
-    monkeypatch.setattr(specdraft.evaluate, "run_eval", capture)
+    patch_everywhere(monkeypatch, specdraft.measuring.evaluate, "run_eval", capture)
     CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", str(prompts),
                              "--dtype", "float32", "--out", str(tmp_path / "eval")])
     ex = [Example("p", [{"role": "user", "content": "a b"}])]

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specdraft.cli import app
-from specdraft.testing import save_tiny_pair
+from specdraft.testing import patch_everywhere, save_tiny_pair
 
 
 def _error_lines(output: str) -> list[str]:
@@ -38,13 +38,13 @@ def test_decode_error_reaches_the_user_as_one_line_and_exit_2(tmp_path):
 def test_unexpected_errors_keep_their_traceback_and_never_exit_1(tmp_path, monkeypatch):
     """Only the expected error types become messages: a bug still surfaces as itself, with its traceback, and exits
     3 — not 1, which the README reserves for "the tokenizers differ" (python's own status for an uncaught error)."""
-    import specdraft.data
+    import specdraft.data.sources
     from specdraft.cli import BUG_EXIT
 
     def broken(*_a, **_k):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(specdraft.data, "load_examples", broken)
+    patch_everywhere(monkeypatch, specdraft.data.sources, "load_examples", broken)
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", "x.jsonl"])
     assert BUG_EXIT == 3 and r.exit_code == 3, r.output
@@ -121,7 +121,7 @@ def test_gamma_is_one_option_in_every_command_that_takes_it():
     """--gamma (or -g) everywhere γ is, no other spelling, its help from the config field the command fills (γ of
     decoding or γ an exported speculator records), both with the config's bound."""
     from specdraft.cli import GAMMA_HELP
-    from specdraft.config import EvalConfig, ExportConfig
+    from specdraft.core.config import EvalConfig, ExportConfig
 
     for cfg in (EvalConfig, ExportConfig):
         (le,) = [m.le for m in cfg.model_fields["num_speculative_tokens"].metadata if getattr(m, "le", None)]
@@ -198,9 +198,9 @@ def test_eval_reads_a_prompt_file_from_its_first_line(tmp_path):
 
 
 def test_held_out_offsets_belong_to_the_embedded_datasets():
-    from specdraft.data import DATASETS, HELD_OUT_OFFSET, held_out_offset
-    from specdraft.pipeline import PRESETS, preset_fields, prompt_overlap
-    from specdraft.prompts import load_prompts, parse_source
+    from specdraft.data.prompts import load_prompts, parse_source
+    from specdraft.data.sources import DATASETS, HELD_OUT_OFFSET, held_out_offset
+    from specdraft.run.pipeline import PRESETS, preset_fields, prompt_overlap
 
     assert set(HELD_OUT_OFFSET) == set(DATASETS)
     assert held_out_offset("humaneval") == 100 and held_out_offset("my.jsonl") == 0
@@ -220,7 +220,7 @@ def test_held_out_offsets_belong_to_the_embedded_datasets():
 
 @pytest.mark.parametrize("width", [80, 50])
 def test_models_list_never_truncates_names(width):
-    from specdraft.embedded import EMBEDDED
+    from specdraft.core.embedded import EMBEDDED
 
     r = CliRunner().invoke(app, ["models"], terminal_width=width, env={"COLUMNS": str(width)})
     assert r.exit_code == 0, r.output
@@ -230,7 +230,7 @@ def test_models_list_never_truncates_names(width):
 
 
 def test_models_json_lists_every_embedded_model():
-    from specdraft.embedded import EMBEDDED, cache_dir
+    from specdraft.core.embedded import EMBEDDED, cache_dir
 
     r = CliRunner().invoke(app, ["models", "--json"], env={"COLUMNS": "40"})
     assert r.exit_code == 0, r.output
@@ -243,7 +243,7 @@ def test_models_json_lists_every_embedded_model():
 
 
 def test_errors_of_subcommand_groups_are_handled_too():
-    from specdraft.embedded import EMBEDDED
+    from specdraft.core.embedded import EMBEDDED
 
     r = CliRunner().invoke(app, ["models", "prepare", "no-such-model"])
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
@@ -257,7 +257,7 @@ def test_gamma_policy_help_states_the_probe_cost():
     """adaptive is not free where no γ predicts a gain: the help's figure is AdaptiveGamma's longest wait."""
     import inspect
 
-    from specdraft.speed import AdaptiveGamma
+    from specdraft.decoding.speed import AdaptiveGamma
 
     (help_,) = [p.help for path, p in _options() if p.name == "gamma_policy" and path == "eval"]
     max_wait = inspect.signature(AdaptiveGamma).parameters["max_wait"].default
@@ -292,12 +292,12 @@ def test_eval_help_shows_every_long_flag_whole_at_80_columns():
                                             ('{"messages": [{"role": "wizard", "content": "x"}]}', "role \"wizard\"")])
 def test_a_malformed_prompt_file_fails_before_any_model_loads(tmp_path, monkeypatch, line, says):
     """Was an AttributeError traceback and exit 1, or a crash after both models loaded: now `error: FILE:LINE: …`."""
-    import specdraft.models
+    import specdraft.models.loading
 
     def no_loading(*_a, **_k):
         raise AssertionError("a model was loaded before the prompt file was checked")
 
-    monkeypatch.setattr(specdraft.models, "load_model", no_loading)
+    patch_everywhere(monkeypatch, specdraft.models.loading, "load_model", no_loading)
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b"}) + "\n" + line + "\n")
@@ -312,7 +312,7 @@ def test_a_malformed_prompt_file_fails_before_any_model_loads(tmp_path, monkeypa
 
 def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
     """It printed the serve commands and exited 0; the README lists a checkpoint missing weights as exit 2."""
-    from specdraft.export import export_draft
+    from specdraft.serving.export import export_draft
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     spec = tmp_path / "spec"
@@ -328,8 +328,8 @@ def test_inspect_of_a_speculator_without_weights_exits_2(tmp_path):
 def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
     """The trimmed head's ranking (head_tokens.json) was used by --draft-head-tokens without inspect naming it:
     its size, what it was counted over and whether its tokenizer is the speculator's are printed."""
-    from specdraft.draft_model import head_tokens_info, rank_tokens, save_head_tokens
-    from specdraft.export import export_draft
+    from specdraft.decoding.draft_model import head_tokens_info, rank_tokens, save_head_tokens
+    from specdraft.serving.export import export_draft
     from specdraft.testing import tiny_tokenizer
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
@@ -471,8 +471,8 @@ def test_export_writes_a_draft_of_another_tokenizer_as_given_and_points_to_vocab
 def test_the_way_to_the_re_indexed_draft_names_an_embedded_verifier_by_the_name_that_resolves_offline(tmp_path):
     """inspect of a draft as given whose verifier is recorded by hub id suggested `vocab-swap --target <hub id>`,
     which fails offline; the embedded name resolves."""
-    from specdraft.embedded import DEFAULT_TARGET, EMBEDDED
-    from specdraft.export import vllm_serve
+    from specdraft.core.embedded import DEFAULT_TARGET, EMBEDDED
+    from specdraft.serving.export import vllm_serve
     from specdraft.testing import tiny_tokenizer
 
     save_tiny_pair(tmp_path, 64)
@@ -509,7 +509,7 @@ def test_re_exporting_a_speculator_says_which_keys_changed(tmp_path):
 
 def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypatch):
     """`specdraft models` gave no size for the cache (6.7 GB for the target) and split descriptions mid-word."""
-    from specdraft.embedded import EMBEDDED, cache_dir
+    from specdraft.core.embedded import EMBEDDED, cache_dir
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     name = next(iter(EMBEDDED))
@@ -533,8 +533,8 @@ def test_models_shows_the_cache_size_on_disk_and_whole_words(tmp_path, monkeypat
 
 def test_inspect_refuses_a_checkpoint_of_two_weight_layouts_naming_the_files(tmp_path):
     """A stale model.safetensors beside a sharded index (transformers loads the stale one): inspect said nothing."""
-    from specdraft.export import export_draft
-    from specdraft.speculator_model import IndependentSpeculator
+    from specdraft.decoding.speculator_model import IndependentSpeculator
+    from specdraft.serving.export import export_draft
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     spec = tmp_path / "spec"
@@ -551,8 +551,8 @@ def test_inspect_refuses_a_checkpoint_of_two_weight_layouts_naming_the_files(tmp
 def test_generate_summary_names_the_policy_that_drafted_fewer_and_how_the_answer_ended():
     """A new user read "… (adaptive γ, --draft-confidence-threshold or a mapped draft), and the answer ended" as a
     line cut short: it now names the one policy that ran and says the answer ended at EOS."""
-    from specdraft.acceptance import AcceptanceCounts
     from specdraft.cli import generate_summary
+    from specdraft.core.acceptance import AcceptanceCounts
 
     counts = AcceptanceCounts(8)
     counts.record_round(2, n_proposed=3, bonus=True)
@@ -657,8 +657,8 @@ def test_every_command_that_writes_an_out_is_in_the_out_tests():
 def no_models(monkeypatch):
     """Every model reference resolved or loaded is recorded and refused (``error: no models here``): a test sees
     whether a command reached its models."""
-    import specdraft.models
-    from specdraft.embedded import ModelResolutionError
+    import specdraft.models.loading
+    from specdraft.core.embedded import ModelResolutionError
 
     reached = []
 
@@ -667,8 +667,8 @@ def no_models(monkeypatch):
         raise ModelResolutionError("no models here")
 
     for name in ("resolve", "resolve_ref", "load_model", "load_tokenizer"):
-        if hasattr(specdraft.models, name):
-            monkeypatch.setattr(specdraft.models, name, refuse)
+        if hasattr(specdraft.models.loading, name):
+            patch_everywhere(monkeypatch, specdraft.models.loading, name, refuse)
     return reached
 
 
@@ -770,18 +770,18 @@ def test_the_run_page_holds_no_library_notices_but_keeps_specdrafts_own_warnings
         warnings.simplefilter("always")
         with library_warnings_off():
             assert hf_logging.get_verbosity() == hf_logging.ERROR
-            for module in ("transformers.modeling_utils", "torch.nn.modules.module", "specdraft.pipeline"):
+            for module in ("transformers.modeling_utils", "torch.nn.modules.module", "specdraft.run.pipeline"):
                 warnings.warn_explicit(f"from {module}", UserWarning, "x.py", 1, module=module)
-    assert [str(w.message) for w in seen] == ["from specdraft.pipeline"]
+    assert [str(w.message) for w in seen] == ["from specdraft.run.pipeline"]
     assert hf_logging.get_verbosity() == before
 # One fresh process's generation: the machine's live timings are faked (a draft step of DRAFT_MS, a target pass of
 # 10 ms + 1 ms per token) and the CPU's counters show it quiet or busy as told, so neither the real load nor real speeds
 # decide the test.
 _SEEDED_GENERATION = """
 import json, sys
-import specdraft.calibration as cal
-from specdraft.config import EvalConfig, SamplingConfig
-from specdraft.pair import load_pair, prepare_generation
+import specdraft.decoding.calibration as cal
+from specdraft.core.config import EvalConfig, SamplingConfig
+from specdraft.measuring.pair import load_pair, prepare_generation
 
 target, draft, draft_ms, looks = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 ticks = iter(range(1, 10**6))
@@ -847,7 +847,7 @@ def test_a_seeded_sampled_answer_under_adaptive_gamma_is_the_same_in_two_fresh_p
 def test_generate_says_when_its_seed_does_not_reproduce_the_answer(tmp_path, monkeypatch):
     """A speed model measured on a busy machine is not cached: generate's seed line says a rerun may sample another
     answer, and how to make the seed alone fix it; a fixed γ and greedy decoding print no seed line."""
-    import specdraft.calibration as cal
+    import specdraft.decoding.calibration as cal
 
     ticks = iter(range(1, 10**6))
     monkeypatch.setattr(cal, "_cpu_jiffies", lambda: (500_000 * (n := next(ticks)), 1_000_000 * n))  # others hold half the CPU
@@ -870,7 +870,7 @@ def test_generate_says_when_its_seed_does_not_reproduce_the_answer(tmp_path, mon
 def test_a_prompt_past_the_window_is_refused_before_adaptive_gammas_calibration(tmp_path, monkeypatch):
     """Under adaptive γ a prompt longer than the model's window sat in calibration ("decoding 0/1") for minutes:
     only fixed γ gave the error line. The window is checked before calibrating now, by decoding's rule."""
-    import specdraft.calibration as cal
+    import specdraft.decoding.calibration as cal
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     window = json.loads((Path(tdir) / "config.json").read_text())["max_position_embeddings"]
@@ -916,13 +916,13 @@ def test_eval_and_generate_say_they_calibrate_and_how_long_before_decoding_and_l
 def test_ctrl_c_exits_130_with_one_line_that_says_how_to_resume_where_the_command_resumes(tmp_path, monkeypatch,
                                                                                            command, said):
     """Ctrl-C ended a command with exit 130 and no word, and 130 was in no exit-code table."""
-    import specdraft.data
+    import specdraft.data.sources
     from specdraft.cli.errors import INTERRUPTED_EXIT
 
     def interrupt(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specdraft.data, "load_examples", interrupt)
+    patch_everywhere(monkeypatch, specdraft.data.sources, "load_examples", interrupt)
     r = CliRunner().invoke(app, [*command, "--out", str(tmp_path / "out")], env={"COLUMNS": "400"})
     assert INTERRUPTED_EXIT == 130 and r.exit_code == 130, r.output
     assert r.output.splitlines()[-1] == said and "Traceback" not in r.output
@@ -937,7 +937,7 @@ def test_a_mismatch_says_how_the_mapping_count_relates_to_the_moved_strings():
 
     from rich.console import Console
 
-    from specdraft.check import check_compatible, print_report
+    from specdraft.models.check import check_compatible, print_report
     from specdraft.testing import tiny_tokenizer
 
     report = check_compatible(tiny_tokenizer(128), tiny_tokenizer(128, swap=(5, 9)))
@@ -960,7 +960,7 @@ def test_check_help_promises_continuations_only_where_the_tokenizers_agree():
 def test_vocab_swap_says_a_dropped_token_id_once_not_as_a_python_warning_too(tmp_path, monkeypatch):
     import warnings
 
-    import specdraft.vocab
+    import specdraft.models.vocab
     from specdraft.cli import training
 
     def swap(*_a, **_k):
@@ -968,7 +968,7 @@ def test_vocab_swap_says_a_dropped_token_id_once_not_as_a_python_warning_too(tmp
                       "dropped", UserWarning, stacklevel=2)
         return "report"
 
-    monkeypatch.setattr(specdraft.vocab, "save_vocab_swap", swap)
+    patch_everywhere(monkeypatch, specdraft.models.vocab, "save_vocab_swap", swap)
     monkeypatch.setattr(training, "print_vocab_swap", lambda *a: print("dropped draft.eos_token_id: draft ids [7]"))
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     with warnings.catch_warnings():

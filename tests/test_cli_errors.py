@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from specdraft.cli import app
 from specdraft.cli.errors import EXPECTED_ERRORS
-from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
+from specdraft.testing import patch_everywhere, save_tiny_pair, tiny_model, tiny_tokenizer
 
 
 def _one_error_line(r) -> str:
@@ -50,9 +50,9 @@ def _other_tokenizer_draft(root):
 def _documented_cases(tmp_path):
     """``{case: (argv, what the error line must contain)}``: the exit-2 cases docs/cli.md lists, and those a
     newcomer met as tracebacks."""
-    from specdraft.config import DumpConfig
-    from specdraft.dump import run_dump
-    from specdraft.export import export_draft
+    from specdraft.core.config import DumpConfig
+    from specdraft.serving.export import export_draft
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 64)
     prompts = tmp_path / "p.jsonl"
@@ -122,12 +122,12 @@ def test_plain_distill_without_a_dump_says_which_folder_it_looked_in_and_how_to_
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading a model's weights fails the test: a refusal must come before it."""
-    import specdraft.models
+    import specdraft.models.loading
 
     def refuse(*_a, **_k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(specdraft.models, "load_model", refuse)
+    patch_everywhere(monkeypatch, specdraft.models.loading, "load_model", refuse)
 
 
 def test_an_empty_prompt_is_refused_before_any_model_is_named(no_loading):
@@ -158,12 +158,12 @@ def test_a_missing_text_file_is_refused_before_the_self_teacher_starts(tmp_path,
 
 def test_a_gguf_export_of_a_draft_of_another_tokenizer_is_refused_before_llama_cpp_is_looked_for(tmp_path,
                                                                                                 monkeypatch):
-    import specdraft.gguf_export
+    import specdraft.serving.gguf_export
 
     def no_converter(*_a, **_k):
         raise AssertionError("llama.cpp's converter was looked for before the tokenizers were compared")
 
-    monkeypatch.setattr(specdraft.gguf_export, "find_llama_cpp", no_converter)
+    monkeypatch.setattr(specdraft.serving.gguf_export, "find_llama_cpp", no_converter)
     tdir, _ = save_tiny_pair(tmp_path / "models", 64)
     other = _other_tokenizer_draft(tmp_path)
     out = tmp_path / "new" / "draft.gguf"
@@ -211,19 +211,19 @@ def test_a_failed_command_leaves_no_out_folder_it_created_behind(tmp_path, no_lo
 def _models_found_never_loaded(monkeypatch):
     """Every reference resolves (as a cached model would) and the first step that reads a model refuses: ``no
     models here``."""
-    import specdraft.check
-    import specdraft.embedded
-    import specdraft.models
-    import specdraft.pair
-    from specdraft.embedded import ModelResolutionError
+    import specdraft.core.embedded
+    import specdraft.measuring.pair
+    import specdraft.models.check
+    import specdraft.models.loading
+    from specdraft.core.embedded import ModelResolutionError
 
     def refuse(*_a, **_k):
         raise ModelResolutionError("no models here")
 
-    monkeypatch.setattr(specdraft.embedded, "is_cached", lambda _ref: True)
-    monkeypatch.setattr(specdraft.models, "resolve", lambda ref, *_a, **_k: str(ref))
-    monkeypatch.setattr(specdraft.check, "run_check", refuse)
-    monkeypatch.setattr(specdraft.pair, "load_pair", refuse)
+    monkeypatch.setattr(specdraft.core.embedded, "is_cached", lambda _ref: True)
+    patch_everywhere(monkeypatch, specdraft.models.loading, "resolve", lambda ref, *_a, **_k: str(ref))
+    monkeypatch.setattr(specdraft.models.check, "run_check", refuse)
+    monkeypatch.setattr(specdraft.measuring.pair, "load_pair", refuse)
 
 
 @pytest.mark.parametrize("command", ["check", "eval"])

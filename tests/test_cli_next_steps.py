@@ -127,8 +127,8 @@ def test_every_command_printed_on_the_way_from_check_to_a_speculator_parses_as_p
     """A printed next step with a missing required option or a flag its command lacks was found only by pasting it.
     Each command check, export, vocab-swap and inspect print for a tiny pair (of one tokenizer and of two) is parsed
     as printed, and llama.cpp's pricing commands too."""
-    from specdraft.gguf_export import rank_llama_cpp_command
-    from specdraft.llama_cpp import run_plan
+    from specdraft.serving.gguf_export import rank_llama_cpp_command
+    from specdraft.serving.llama_cpp import run_plan
 
     tdir, ddir = save_tiny_pair(tmp_path / "same", 64)
     other_t, other_d = _other_tokenizer_pair(tmp_path / "two")

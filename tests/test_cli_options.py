@@ -16,7 +16,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from specdraft.cli import COMMANDS, GAMMA_HELP, app
-from specdraft.config import (
+from specdraft.core.config import (
     HELP_BY_COMMAND,
     SERVING_HELP,
     DistillConfig,
@@ -100,7 +100,7 @@ def test_each_concept_is_one_option_with_one_default_and_one_spelling_in_every_c
 #: (specdraft.cli.options.prompts_option); --dtype, --format, --out, --target and --draft say what this command does
 #: with them and its own default (test_each_commands_help_speaks_only_of_that_command); --overwrite names what the
 #: command writes (check's is its --json file: test_overwrite_names_only_what_its_command_writes); --json what the
-#: command does with it; the fields of specdraft.config.HELP_BY_COMMAND (--seed, --max-new-tokens …) read a shared
+#: command does with it; the fields of specdraft.core.config.HELP_BY_COMMAND (--seed, --max-new-tokens …) read a shared
 #: lead and the command's own sentence; run's decoding flags default to the preset's
 #: (test_a_shared_flags_help_in_each_command_names_no_other_command).
 PER_COMMAND_WORDING = {"--prompts", "--dtype", "--format", "--out", "--target", "--draft", "--overwrite", "--json",
@@ -245,7 +245,7 @@ def test_a_removed_old_spelling_is_refused_as_no_such_name(args, old):
 
 def test_writing_a_speculator_is_one_verb_in_the_command_line_and_the_library():
     import specdraft
-    from specdraft import export
+    from specdraft.serving import export
 
     r = CliRunner().invoke(app, ["--help"], terminal_width=80)
     listed = {line.split()[0] for line in r.output.splitlines() if line.startswith("  ") and line.split()}
@@ -330,7 +330,7 @@ def test_exports_target_help_says_a_gguf_target_is_taken_for_llama_cpp():
 def test_each_commands_help_speaks_only_of_that_command():
     """export's --dtype help opened with an `auto` it rejects and listed every command's default, its --format help
     described dump's formats (dump's is --teacher-format now), and a required --draft said both "Default: …" and "[required]"."""
-    from specdraft.config import DTYPE_BY_COMMAND
+    from specdraft.core.config import DTYPE_BY_COMMAND
 
     commands = set(DTYPE_BY_COMMAND)
     for path, p in _params("dtype").items():

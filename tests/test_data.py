@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specdraft.data import DataError, encode_prompts, load_examples, render_prompt
+from specdraft.data.sources import DataError, encode_prompts, load_examples, render_prompt
 from specdraft.testing import tiny_tokenizer
 
 
@@ -105,7 +105,7 @@ def _truncated_sharegpt_file(path) -> None:
 
 
 def test_sharegpt_reader_on_a_truncated_file(tmp_path):
-    from specdraft.data import decode_json_records, parse_sharegpt
+    from specdraft.data.sources import decode_json_records, parse_sharegpt
 
     f = tmp_path / "sharegpt.json"
     _truncated_sharegpt_file(f)
@@ -126,14 +126,14 @@ def test_sharegpt_reader_on_a_truncated_file(tmp_path):
 
 
 def test_sharegpt_index_is_cached_atomically_and_rebuilt_when_stale(tmp_path, monkeypatch):
-    from specdraft import data
+    from specdraft.data import sources as data
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "sharegpt.json"
     _truncated_sharegpt_file(f)
     first = data.sharegpt_index(f)
     [cached] = (tmp_path / "cache" / "data").glob("sharegpt-*.json")
-    assert not list(cached.parent.glob(".tmp-*"))  # written through specdraft.io.atomic_path
+    assert not list(cached.parent.glob(".tmp-*"))  # written through specdraft.core.io.atomic_path
     calls = []
     real_parse = data.parse_sharegpt
     monkeypatch.setattr(data, "parse_sharegpt", lambda text: calls.append(1) or real_parse(text))
@@ -149,9 +149,9 @@ def test_sharegpt_index_is_cached_atomically_and_rebuilt_when_stale(tmp_path, mo
 
 
 def test_sharegpt_examples_are_prompts_and_teacher_forced_first_turns(tmp_path, monkeypatch):
-    from specdraft import data
-    from specdraft.data import build_sequences, source_counts
-    from specdraft.prompts import load_prompts
+    from specdraft.data import sources as data
+    from specdraft.data.prompts import load_prompts
+    from specdraft.data.sources import build_sequences, source_counts
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "sharegpt.json"
@@ -173,7 +173,7 @@ def test_sharegpt_examples_are_prompts_and_teacher_forced_first_turns(tmp_path, 
 
 
 def test_embedded_sharegpt_has_its_documented_counts_and_split():
-    from specdraft.data import HELD_OUT_OFFSET, source_counts
+    from specdraft.data.sources import HELD_OUT_OFFSET, source_counts
 
     ex = load_examples("sharegpt")
     c = source_counts("sharegpt")
@@ -231,7 +231,7 @@ def test_an_offset_past_the_end_says_how_many_prompts_there_are(tmp_path):
 def test_an_empty_think_block_the_template_inserts_is_not_trained_as_assistant_output():
     """A Qwen3-style template writes ``<think>\\n\\n</think>`` into an assistant turn by itself: the model did not
     write those tokens for this answer, so with answer_only they are not trained; the reply and its end are."""
-    from specdraft.data import encode_conversation
+    from specdraft.data.sources import encode_conversation
     from specdraft.testing import tiny_tokenizer
 
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -254,7 +254,7 @@ def _history(*turns: str) -> list[dict[str, str]]:
 def test_a_conversation_ending_with_a_user_turn_is_asked_with_its_whole_history():
     """What a chat server receives: the template over every message, with the generation prompt; never its first
     question alone. A conversation ending with an assistant turn still asks its first question."""
-    from specdraft.data import Example, build_sequences
+    from specdraft.data.sources import Example, build_sequences
 
     tok = tiny_tokenizer(64)
     w = tok.convert_ids_to_tokens(list(range(10, 15)))
@@ -276,7 +276,7 @@ def test_a_training_sequences_prompt_is_what_the_target_is_shown_when_the_templa
     history and another as the last turn: the sequence of a history with a reference starts with the prompt's ids
     (the reply as history), then the reference, which alone is trained. A template whose prompt rendering is no
     prefix of the answered conversation (the last user turn marked) is refused by name."""
-    from specdraft.data import Example, build_sequences
+    from specdraft.data.sources import Example, build_sequences
 
     think_last = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
                   "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -303,7 +303,7 @@ def test_a_training_sequences_prompt_is_what_the_target_is_shown_when_the_templa
 def test_a_template_that_refuses_some_histories_names_and_counts_every_row_before_encoding():
     """A template that wants alternating roles refuses a history of two user turns: one DataError counting the
     rows, naming them and the fix, never the template's own exception from the middle of a batch."""
-    from specdraft.data import Example
+    from specdraft.data.sources import Example
 
     template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                 "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.config import SamplingConfig
-from specdraft.decode import (
+from specdraft.core.config import SamplingConfig
+from specdraft.core.stats import chi2_goodness_of_fit
+from specdraft.decoding.decode import (
     DecodeError,
     NonFiniteError,
     speculative_generate,
@@ -14,9 +15,8 @@ from specdraft.decode import (
     verify_greedy,
     verify_sampled,
 )
-from specdraft.stats import chi2_goodness_of_fit
-from specdraft.testing import exact_two_token_law, perturbed, tiny_model
-from specdraft.tokens import left_pad
+from specdraft.models.tokens import left_pad
+from specdraft.testing import exact_two_token_law, patch_everywhere, perturbed, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 
@@ -248,8 +248,8 @@ def test_confidence_threshold_sampled_follows_target_law():
 
 def _renumbered_pair(vocab=64):
     """Target on one tokenizer; draft = the same weights re-indexed into a renumbered copy of it."""
+    from specdraft.models.vocab import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_tokenizer
-    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_tokenizer(vocab, newline=False), tiny_tokenizer(vocab, permute=3, newline=False)
     target = tiny_model("llama", vocab, seed=0, layers=2)
@@ -280,8 +280,8 @@ def test_renumbered_draft_through_a_mapping_accepts_everything():
 def _bpe_pair():
     """Target and draft on two byte-level BPE tokenizers that segment text differently; the draft is a noisy
     copy of the target re-indexed into its own tokenizer (mean rows for the strings the target lacks)."""
+    from specdraft.models.vocab import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_bpe_tokenizer
-    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
     target = tiny_model("llama", 300, seed=0, layers=3)
@@ -320,7 +320,7 @@ def test_mapped_draft_with_other_segmentation_is_lossless_batched_and_solo(gamma
 def test_a_mapped_draft_replayed_along_the_target_answer_counts_what_decoding_it_counts(gamma, proposals):
     """replay_mapped runs the decoder's own drafter along the target's greedy answer and never the target: its
     rounds must be the decoded rounds, also where a row ends at an EOS inside an accepted block."""
-    from specdraft.replay import replay_mapped
+    from specdraft.decoding.replay import replay_mapped
 
     target, draft, mapping, t_tok, _ = _bpe_pair()
     prompts = [t_tok(t, add_special_tokens=False)["input_ids"]
@@ -348,7 +348,7 @@ def test_a_mapped_draft_replayed_along_the_target_answer_counts_what_decoding_it
 
 
 def test_text_candidates_reencode_the_drafted_text_with_the_target_tokenizer():
-    from specdraft.drafters import _text_candidates
+    from specdraft.decoding.drafters import _text_candidates
 
     _, _, mapping, t_tok, d_tok = _bpe_pair()
     context = d_tok("def", add_special_tokens=False)["input_ids"]
@@ -379,7 +379,7 @@ def test_a_drafter_takes_its_uniforms_and_returns_its_prompt_reading_time_in_the
     """The loop wrote the round's uniforms on the drafter (drafter.u) before each round and read and reset
     drafter.prefill_seconds after it; now the uniforms are propose's argument and the seconds come back in the
     Proposal: a mapped draft's first read (its prompt) is prefill, later reads are drafting."""
-    from specdraft.drafters import MappedDrafter, Row
+    from specdraft.decoding.drafters import MappedDrafter, Row
 
     _, draft, mapping, t_tok, _ = _bpe_pair()
     prompt = t_tok("def total(items):\n", add_special_tokens=False)["input_ids"]
@@ -412,7 +412,7 @@ def test_mapped_draft_never_proposes_tokens_without_a_twin():
     # The target emits such tokens (as corrections and bonus tokens); the output is still the target's.
     assert any(t in set(no_twin.tolist()) for t in spec[0])
     # Check the draft side directly: mapped q gives those ids zero probability.
-    from specdraft.drafters import Stream
+    from specdraft.decoding.drafters import Stream
 
     s = Stream(draft, 1, 300, 300, torch.device("cpu"), mapping)
     d_ids = mapping.reencode_batch_for_draft([ids[0].tolist()])[0]
@@ -424,8 +424,8 @@ def test_mapped_draft_never_proposes_tokens_without_a_twin():
 def test_mapped_sampled_output_follows_target_law(pair_kind):
     sampling = SamplingConfig(temperature=0.7, top_k=6, top_p=0.9)
     if pair_kind == "renumbered":  # a noisy renumbered draft: partial acceptance, every verification path
+        from specdraft.models.vocab import build_vocab_mapping, vocab_swap
         from specdraft.testing import tiny_tokenizer
-        from specdraft.vocab import build_vocab_mapping, vocab_swap
 
         t_tok, d_tok = tiny_tokenizer(64, newline=False), tiny_tokenizer(64, permute=3, newline=False)
         target = tiny_model("llama", 64, seed=0, layers=2, hidden=16)
@@ -449,7 +449,7 @@ def test_mapped_sampled_output_follows_target_law(pair_kind):
 
 def test_mapping_wider_than_the_target_is_refused():
     target, draft, mapping, t_tok, _ = _bpe_pair()
-    from specdraft.vocab import build_vocab_mapping
+    from specdraft.models.vocab import build_vocab_mapping
 
     wide = build_vocab_mapping(t_tok, mapping.draft_tokenizer, target_config=320, draft_config=360)
     ids, mask = left_pad([[5, 6, 7]], 0)
@@ -462,8 +462,8 @@ def test_mapped_renumbered_draft_behaves_exactly_like_the_unmapped_draft(samplin
     # A noisy draft, once in the target's numbering (no mapping) and once renumbered (through the mapping):
     # the same proposals, the same acceptance, the same output, round for round and draw for draw. Any slip in
     # the draft's cache after a re-read (truncation, holes) would change its proposals and the counts.
+    from specdraft.models.vocab import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_tokenizer
-    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_tokenizer(64, newline=False), tiny_tokenizer(64, permute=3, newline=False)
     target = tiny_model("llama", 64, seed=0, layers=2)
@@ -485,8 +485,8 @@ def test_mapped_renumbered_draft_behaves_exactly_like_the_unmapped_draft(samplin
 def test_mapped_draft_outgrowing_its_window_hands_over_to_the_target():
     # The draft's tokenizer splits the text more finely than the target's, so its window (counted in its own
     # tokens) fills first; decoding stays lossless and the target finishes alone.
+    from specdraft.models.vocab import build_vocab_mapping
     from specdraft.testing import tiny_bpe_tokenizer
-    from specdraft.vocab import build_vocab_mapping
 
     t_tok, d_tok = tiny_bpe_tokenizer(360, seed=1), tiny_bpe_tokenizer(300)
     target = tiny_model("llama", 360, seed=0, layers=2)
@@ -544,8 +544,8 @@ def test_sliding_window_models_roll_back_across_the_window(gamma):
 
 
 def test_sliding_window_mapped_draft_is_lossless():
+    from specdraft.models.vocab import build_vocab_mapping, vocab_swap
     from specdraft.testing import tiny_bpe_tokenizer
-    from specdraft.vocab import build_vocab_mapping, vocab_swap
 
     t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
     target = tiny_model("mistral", 300, seed=0, layers=2, sliding_window=5)
@@ -652,7 +652,7 @@ def test_a_target_with_non_finite_logits_is_named_with_its_dtype(greedy):
 
 
 def test_sample_refuses_a_distribution_it_cannot_draw_from():
-    from specdraft.sampling import sample
+    from specdraft.core.sampling import sample
 
     for bad in ([0.5, float("nan"), 0.5], [0.0, 0.0, 0.0], [1.0, float("inf"), 0.0]):
         with pytest.raises(ValueError, match="NaN or inf, or no mass"):
@@ -691,7 +691,7 @@ def test_generates_stream_prints_exactly_the_final_decode_when_characters_split_
     lacks, no character dropped) and flushes at the end: what it printed is the final decode."""
     from typer.testing import CliRunner
 
-    import specdraft.decode as decode_mod
+    import specdraft.decoding.decode as decode_mod
     from specdraft.cli import app
     from specdraft.testing import save_tiny_pair, tiny_bpe_tokenizer
 
@@ -702,13 +702,13 @@ def test_generates_stream_prints_exactly_the_final_decode_when_characters_split_
     tdir, ddir = save_tiny_pair(tmp_path, tokenizer=tok)
 
     def fake_generate(target, draft, inp, mask, on_tokens=None, **kw):  # the decode's chunks of new tokens
-        from specdraft.acceptance import AcceptanceCounts
+        from specdraft.core.acceptance import AcceptanceCounts
 
         for a in range(0, len(ids), 2):
             on_tokens(0, ids[a:a + 2])
         return torch.tensor([ids]), AcceptanceCounts(2)
 
-    monkeypatch.setattr(decode_mod, "speculative_generate", fake_generate)
+    patch_everywhere(monkeypatch, decode_mod, "speculative_generate", fake_generate)
     r = CliRunner().invoke(app, ["generate", "x", "--target", tdir, "--draft", ddir, "--gamma", "2",
                                  "--gamma-policy", "fixed", "--dtype", "float32", "--max-new-tokens", "30"])
     assert r.exit_code == 0, r.output
@@ -716,8 +716,8 @@ def test_generates_stream_prints_exactly_the_final_decode_when_characters_split_
 
 
 def test_incremental_detokenizer_holds_back_an_unfinished_character_and_flushes_at_the_end():
+    from specdraft.models.tokens import IncrementalDetokenizer
     from specdraft.testing import tiny_bpe_tokenizer
-    from specdraft.tokens import IncrementalDetokenizer
 
     tok = tiny_bpe_tokenizer(300)
     ids = tok.encode("数据 🙂 x\xff", add_special_tokens=False) + tok.convert_tokens_to_ids(["<eos>"])
@@ -730,15 +730,15 @@ def test_incremental_detokenizer_holds_back_an_unfinished_character_and_flushes_
     assert rest.push(cut) == "" and rest.flush() == tok.decode(cut) and "\ufffd" in tok.decode(cut)
 
 
-def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_configs_eos_list():
+def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_configs_eos_list(monkeypatch):
     """A row ends at any id of one set, whoever asks (decode, generate, eval, the dump's generation): the
     generation config's EOS list (the chat turn's end) together with the tokenizer's EOS, as vLLM serves."""
     from transformers import GenerationConfig
 
-    import specdraft.responses as responses_mod
-    from specdraft.evaluate import eos_ids
+    import specdraft.decoding.responses as responses_mod
+    from specdraft.measuring.evaluate import eos_ids
+    from specdraft.models.tokens import stop_ids
     from specdraft.testing import tiny_tokenizer
-    from specdraft.tokens import stop_ids
 
     tok = tiny_tokenizer(64)  # eos "<eos>" = 4, "<|im_end|>" = 3
     model = tiny_model("llama", 64, eos_token_id=4)
@@ -752,14 +752,8 @@ def test_one_stop_set_is_the_union_of_the_tokenizers_eos_and_the_generation_conf
         seen["eos"] = eos_token_id
         return [[3]], None
 
-    import specdraft.decode as decode_mod
-
-    real = decode_mod.target_generate
-    decode_mod.target_generate = fake_target_generate
-    try:
-        responses_mod.generate_from_ids(model, tok, [[5, 6]], 4)
-    finally:
-        decode_mod.target_generate = real
+    patch_everywhere(monkeypatch, "specdraft.decoding.decode", "target_generate", fake_target_generate)
+    responses_mod.generate_from_ids(model, tok, [[5, 6]], 4)
     assert seen["eos"] == [3, 4]
 
 
@@ -784,10 +778,10 @@ def test_oracle_text_drafter_on_a_sentencepiece_target_is_accepted_whole(monkeyp
     """Text mode hands the target the drafted text tokenized after its context. An oracle drafter proposing the
     target's own continuation as text (in the draft's byte-level tokens) must then be accepted whole; encoded alone,
     a sentencepiece target's fragment would open with a dummy-prefix '▁' and mid-word continuations would reject."""
-    from specdraft import decode
-    from specdraft.drafters import MappedDrafter
+    from specdraft.decoding import decode
+    from specdraft.decoding.drafters import MappedDrafter
+    from specdraft.models.vocab import build_vocab_mapping
     from specdraft.testing import tiny_bpe_tokenizer, tiny_corpus, tiny_llama_tokenizer
-    from specdraft.vocab import build_vocab_mapping
 
     t_tok, d_tok = tiny_llama_tokenizer(400), tiny_bpe_tokenizer(360, seed=1)
     scripts = [t_tok(" ".join(tiny_corpus(8, seed=s)))["input_ids"] for s in (3, 4)]
@@ -821,7 +815,7 @@ def test_oracle_text_drafter_on_a_sentencepiece_target_is_accepted_whole(monkeyp
 
 
 def test_text_candidates_continue_a_word_without_a_dummy_prefix_piece():
-    from specdraft.drafters import _text_candidates
+    from specdraft.decoding.drafters import _text_candidates
     from specdraft.testing import tiny_bpe_tokenizer, tiny_llama_tokenizer
 
     t_tok, d_tok = tiny_llama_tokenizer(400), tiny_bpe_tokenizer(360, seed=1)

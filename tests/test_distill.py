@@ -8,11 +8,11 @@ from typing import get_args
 import pytest
 import torch
 
-from specdraft.config import DistillConfig, SamplingConfig, TrainWhat
-from specdraft.distill import DistillError, train
-from specdraft.distill_data import collate
-from specdraft.distill_trainer import DistillModel, TeacherHead
-from specdraft.testing import perturbed, tiny_model
+from specdraft.core.config import DistillConfig, SamplingConfig, TrainWhat
+from specdraft.testing import patch_everywhere, perturbed, tiny_model
+from specdraft.training.distill import DistillError, train
+from specdraft.training.distill_data import collate
+from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
 V = 96
 
@@ -102,9 +102,9 @@ def test_scoring_only_the_trained_columns_gives_the_loss_metrics_and_gradients_o
 def test_topk_teacher_takes_the_sparse_loss_equal_to_the_dense_path_where_its_mass_is_all_in_the_top_k(setup, loss):
     """A top-k teacher trains soft_ce / tvd without its full-width p; where the teacher's mass is all in its top k
     the loss, its gradient and the metrics equal the dense path's (the teacher densified, LOSSES applied)."""
-    from specdraft.dump_reader import teacher_probs_from_topk
-    from specdraft.losses import LOSSES, masked_mean
-    from specdraft.sampling import align_logits
+    from specdraft.core.losses import LOSSES, masked_mean
+    from specdraft.core.sampling import align_logits
+    from specdraft.models.dump_reader import teacher_probs_from_topk
 
     target, rows = setup
     k = 6
@@ -210,8 +210,8 @@ def test_weights_made_non_finite_by_a_step_are_never_checkpointed_or_exported(se
     would show it): the checkpoint is refused with a message, the last good one stays, and an export refuses them."""
     from transformers import TrainerCallback
 
-    from specdraft.export import export_speculator
-    from specdraft.weights import CheckpointWeightsError
+    from specdraft.models.weights import CheckpointWeightsError
+    from specdraft.serving.export import export_speculator
 
     target, rows = setup
 
@@ -246,11 +246,11 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
 
     from transformers import AutoModelForCausalLM
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.dump_reader import DumpError
+    from specdraft.core.config import DumpConfig
+    from specdraft.models.dump_reader import DumpError
     from specdraft.testing import save_tiny_pair, tiny_tokenizer
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     data = tmp_path / "d.jsonl"
@@ -291,10 +291,10 @@ def test_run_distill_from_a_dump_exports_a_speculator(tmp_path, fmt):
 def test_real_pair_few_steps_lower_held_out_loss(tmp_path):
     """The embedded pair: a small hidden dump of HumanEval prompts + canonical solutions, a few distillation
     steps on the draft's last layers, and the held-out TVD goes down."""
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdraft.core.config import DumpConfig
+    from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     run_dump(DEFAULT_TARGET, "humaneval:0:8", tmp_path / "dump",
              DumpConfig(max_length=192, answer_only=True, batch_size=4, dtype="bfloat16"))
@@ -401,7 +401,7 @@ class _FakeWriter:
 
 
 def test_prompt_of_cuts_at_the_first_trained_position():
-    from specdraft.distill_data import prompt_of
+    from specdraft.training.distill_data import prompt_of
 
     item = {"input_ids": torch.arange(10), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 0]).bool()}
     assert prompt_of(item) == [0, 1, 2, 3]  # position 3 predicts the first answer token (4)
@@ -409,7 +409,7 @@ def test_prompt_of_cuts_at_the_first_trained_position():
 
 
 def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
-    from specdraft.distill_data import OnPolicyStream
+    from specdraft.training.distill_data import OnPolicyStream
 
     dump = [{"id": f"d{i}"} for i in range(7)]
     prompts = [(f"p{i}", [1, 2]) for i in range(5)]
@@ -434,11 +434,11 @@ def test_stream_mixes_the_fraction_per_step_and_refreshes_every_n():
 
 
 def test_draft_writer_answers_with_the_draft_and_scores_with_a_plain_target_forward():
-    from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.distill_data import DraftWriter
-    from specdraft.responses import generate_from_ids
-    from specdraft.teacher import Teacher
+    from specdraft.core.config import DumpConfig, SamplingConfig
+    from specdraft.decoding.responses import generate_from_ids
     from specdraft.testing import tiny_tokenizer
+    from specdraft.training.distill_data import DraftWriter
+    from specdraft.training.teacher import Teacher
 
     tok = tiny_tokenizer(V)
     target = tiny_model("llama", V, seed=0, layers=2)
@@ -464,10 +464,10 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
     """The draft decodes up to N tokens after each prompt (prompt + N + 1 positions, decoding's rule): a GPT-2 draft
     of 16 positions and a 10-token prompt with N = 8 is refused when the stream is built, naming both lengths — not
     at the first refresh, inside training."""
-    from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.distill_data import DraftWriter, OnPolicyStream
-    from specdraft.teacher import Teacher
+    from specdraft.core.config import DumpConfig, SamplingConfig
     from specdraft.testing import tiny_tokenizer
+    from specdraft.training.distill_data import DraftWriter, OnPolicyStream
+    from specdraft.training.teacher import Teacher
 
     target = tiny_model("llama", V, seed=0, layers=1)
     draft = tiny_model("gpt2", V, seed=1, layers=1, n_positions=16)
@@ -484,10 +484,10 @@ def test_on_policy_answers_that_cannot_fit_the_drafts_window_are_refused_before_
 
 
 def test_on_policy_zero_is_dump_only_and_positive_trains_on_draft_answers(tmp_path):
-    from specdraft.config import DumpConfig, SamplingConfig
-    from specdraft.distill_data import DraftWriter
-    from specdraft.teacher import Teacher
+    from specdraft.core.config import DumpConfig, SamplingConfig
     from specdraft.testing import tiny_tokenizer
+    from specdraft.training.distill_data import DraftWriter
+    from specdraft.training.teacher import Teacher
 
     target = tiny_model("llama", V, seed=0, layers=2)
     rows = _prompted_rows(target, 6)
@@ -516,11 +516,11 @@ def test_a_dump_holding_ids_past_the_drafts_width_is_refused_before_training(tmp
     named before a training step (was an IndexError inside the draft at its first batch)."""
     import json
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.sampling import TokenWidthError
+    from specdraft.core.config import DumpConfig
+    from specdraft.core.sampling import TokenWidthError
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96, draft_vocab=80)
     data = tmp_path / "d.jsonl"
@@ -528,14 +528,14 @@ def test_a_dump_holding_ids_past_the_drafts_width_is_refused_before_training(tmp
                                                        {"role": "assistant", "content": f"c {w} d"}]})
                               for w in ("f", "bn0", "g", "bx0")) + "\n")  # ids 80 and 90
     run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
-    monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr("specdraft.training.distill.train", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(TokenWidthError, match=r"draft cannot read or score: 80, 90 \(its input embedding has 80"):
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
     assert issubclass(TokenWidthError, ValueError)
 
 
 def test_resolve_precision_reads_the_cpu_flags():
-    from specdraft.distill import cpu_bf16_flags, resolve_precision
+    from specdraft.training.distill import cpu_bf16_flags, resolve_precision
 
     amx = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
     plain = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
@@ -590,7 +590,7 @@ def test_distill_command_refuses_autocast_over_bfloat16_weights_before_loading(t
 def test_mixed_split_splits_each_dump_and_repeats_by_weight():
     """One dump splits exactly as split_held_out; in a mix each dump keeps its own held-out share, training
     sequences of a weight-3 dump appear 3 times, held-out ones once, and bad weights are named."""
-    from specdraft.distill_data import mixed_split, split_held_out
+    from specdraft.training.distill_data import mixed_split, split_held_out
 
     assert mixed_split([10], None, 0.2, 0) == split_held_out(10, 0.2, 0)
     train_idx, held_idx = mixed_split([10, 4], [1, 3], 0.25, 0)
@@ -612,10 +612,10 @@ def test_a_draft_distilled_in_bfloat16_is_exported_in_bfloat16_every_tensor(tmp_
 
     from safetensors import safe_open
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
+    from specdraft.core.config import DumpConfig
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     data = tmp_path / "d.jsonl"
@@ -640,11 +640,11 @@ def test_run_distill_trains_on_a_weighted_mix_of_a_forced_and_a_generated_dump(t
     head) is refused with the differing field named."""
     import json
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix
+    from specdraft.core.config import DumpConfig
+    from specdraft.models.dump_reader import DumpError, TeacherDataset, TeacherMix
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     data = tmp_path / "d.jsonl"
@@ -697,7 +697,7 @@ def test_a_resume_into_checkpoints_of_another_loss_or_geometry_is_refused_naming
 def test_the_held_out_split_keeps_every_prompt_on_one_side_across_the_dumps_of_a_mix():
     """Two dumps of the same prompts (teacher-forced and target-written), a prompt repeated in the file, a row one
     dump lost to truncation: no held-out sequence shares its prompt with a training one, and the counts say so."""
-    from specdraft.distill_data import prompt_keyed_split
+    from specdraft.training.distill_data import prompt_keyed_split
 
     def row(i, prompt, answer):
         ids = torch.tensor(prompt + answer)
@@ -728,9 +728,9 @@ def test_the_held_out_split_keeps_every_prompt_on_one_side_across_the_dumps_of_a
 
 def topk_rows(target, rows, k: int = 8):
     """The rows' teacher signal as a top-k dump stores it, from the dump's own code (float16 log-probs)."""
-    from specdraft.config import DumpConfig
-    from specdraft.data import TokenSequence
-    from specdraft.teacher import Teacher, teacher_items
+    from specdraft.core.config import DumpConfig
+    from specdraft.data.sources import TokenSequence
+    from specdraft.training.teacher import Teacher, teacher_items
 
     seqs = [TokenSequence(f"r{i}", r["input_ids"].tolist(), r["loss_mask"].tolist(), False) for i, r in enumerate(rows)]
     items = teacher_items(Teacher(target, V), seqs, DumpConfig(teacher_format="topk", top_logprobs=k, dtype="float32"))
@@ -739,7 +739,7 @@ def topk_rows(target, rows, k: int = 8):
 
 def full_alpha(target, draft, batch, serving=None):
     """Σ min(p̃, q̃) from the target's full logits (the value a sparse teacher should give), token-weighted."""
-    from specdraft.sampling import filtered_probs
+    from specdraft.core.sampling import filtered_probs
 
     with torch.no_grad():
         t = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
@@ -753,7 +753,7 @@ def test_a_topk_teacher_logs_the_filtered_alpha_at_the_serving_settings(setup):
     """With a serving filter inside the stored k (top_k 4 ≤ k = 8, temperature 0.8, top-p 0.9) the logged α is
     Σ min(p̃, q̃) of both filtered distributions, equal to the full teacher's (exact but for the float16 storage),
     and its bound is 0 — not the unfiltered Σ min(p̂, q) it used to log under that name."""
-    from specdraft.distill import alpha_definition
+    from specdraft.training.distill import alpha_definition
 
     target, rows = setup
     draft = perturbed(target, 0.05)
@@ -811,11 +811,11 @@ def test_run_distill_refuses_a_topk_dump_it_cannot_serve_before_loading_the_draf
     and a pipeline config pairing a top-k dump with such settings is refused at construction."""
     import json
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.pipeline import make_config
+    from specdraft.core.config import DumpConfig
+    from specdraft.run.pipeline import make_config
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     data = tmp_path / "d.jsonl"
@@ -823,7 +823,7 @@ def test_run_distill_refuses_a_topk_dump_it_cannot_serve_before_loading_the_draf
                                                        {"role": "assistant", "content": f"c {w} d"}]})
                               for w in "fgh") + "\n")
     run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
-    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    patch_everywhere(monkeypatch, "specdraft.models.loading", "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(DistillError, match=r"k = 8\).*temperature 0\.7.*--teacher-format hidden"):
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(temperature=0.7, max_steps=1))
     with pytest.raises(ValueError, match=r"k = 8\).*temperature 0\.7"):
@@ -835,11 +835,11 @@ def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_trainin
     whose longest sequence is longer: refused before training, naming the sequence, its length and the window."""
     import json
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.dump_reader import TeacherDataset
+    from specdraft.core.config import DumpConfig
+    from specdraft.models.dump_reader import TeacherDataset
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     cfg_path = tmp_path / "models" / "draft" / "config.json"
@@ -851,7 +851,7 @@ def test_run_distill_refuses_a_dump_longer_than_the_drafts_window_before_trainin
     run_dump(tdir, str(data), tmp_path / "dump", DumpConfig(teacher_format="topk", top_logprobs=8, dtype="float32"))
     ds = TeacherDataset(tmp_path / "dump")
     longest = max(len(ds.tokens(i)["input_ids"]) for i in range(len(ds)))
-    monkeypatch.setattr("specdraft.distill.train", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr("specdraft.training.distill.train", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(DistillError, match=r"longest sequence '[\w:-]+' \((\d+) tokens\) exceeds the draft's context "
                                            r"window \(16\)") as err:
         run_distill(tdir, ddir, tmp_path / "dump", tmp_path / "out", DistillConfig(max_steps=1, batch_size=1))
@@ -947,8 +947,8 @@ def test_last_layers_also_trains_the_final_norm_of_every_architecture_it_accepts
     Mistral, Gemma), transformer.ln_f (GPT-2) or model.decoder.final_layer_norm (OPT)."""
     from transformers import AutoModelForCausalLM, OPTConfig
 
-    from specdraft.distill import select_trainable
     from specdraft.testing import tiny_config
+    from specdraft.training.distill import select_trainable
 
     archs = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3", "gpt2", "opt"]
     cfg = DistillConfig(train="last_layers", train_last_layers=1)
@@ -968,7 +968,7 @@ def test_last_layers_also_trains_the_final_norm_of_every_architecture_it_accepts
 
 
 def test_last_layers_refuses_a_draft_whose_final_norm_it_cannot_find():
-    from specdraft.distill import select_trainable
+    from specdraft.training.distill import select_trainable
 
     draft = tiny_model("llama", V, layers=2)
     del draft.model.norm
@@ -980,7 +980,7 @@ def test_a_position_is_a_cut_tie_when_the_serving_filter_keeps_the_last_stored_v
     """The serving filter keeps every id tied with its k-th value; a top-k dump keeps exactly k. Where the
     filter, on the stored values, keeps the smallest of them, unstored ids tied with it may be missing: a cut
     tie. Always so at a serving top-k equal to the stored k; the same for float16 values (older dumps)."""
-    from specdraft.distill_trainer import cut_ties
+    from specdraft.training.distill_trainer import cut_ties
 
     lp = torch.tensor([[0.0, -1.0, -1.0, -1.0],    # the tie at the 2nd value runs to the last stored one
                        [0.0, -1.0, -1.0, -2.0],    # the tie ends inside the stored k
@@ -995,7 +995,7 @@ def test_a_position_is_a_cut_tie_when_the_serving_filter_keeps_the_last_stored_v
 
 
 def test_alpha_from_a_topk_teacher_is_called_exact_only_when_no_cut_tie_was_counted():
-    from specdraft.distill import alpha_definition
+    from specdraft.training.distill import alpha_definition
 
     cfg = DistillConfig(top_k=4)
     none = {"positions": 0, "of": 50, "share": 0.0, "stored_dtype": "float32"}
@@ -1014,10 +1014,10 @@ def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_posi
     training.json counts them all under cut_ties and the α's definition says it is not exact there."""
     import json
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
+    from specdraft.core.config import DumpConfig
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     data = tmp_path / "d.jsonl"
@@ -1036,7 +1036,7 @@ def test_run_distill_at_a_serving_top_k_equal_to_the_stored_k_records_every_posi
 
 def test_the_trainer_logs_as_one_readable_line_per_step_never_a_raw_dict(setup, tmp_path, capsys):
     """Off a terminal the Trainer's PrinterCallback printed ``{'loss': '0.5123', 'grad_norm': ...}`` per step."""
-    from specdraft.distill_trainer import log_line
+    from specdraft.training.distill_trainer import log_line
 
     target, rows = setup
     cfg = DistillConfig(loss="tvd", lr=5e-3, max_steps=2, batch_size=2, save_steps=2, scheduler="constant", seed=0)
@@ -1102,11 +1102,11 @@ def test_a_bfloat16_draft_whose_update_rounds_away_as_saved_says_how_much_and_ho
     import json
     import warnings
 
-    from specdraft.config import DumpConfig
-    from specdraft.distill import run_distill
-    from specdraft.dump import run_dump
-    from specdraft.models import load_model
+    from specdraft.core.config import DumpConfig
+    from specdraft.models.loading import load_model
     from specdraft.testing import save_tiny_pair
+    from specdraft.training.distill import run_distill
+    from specdraft.training.dump import run_dump
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     data = tmp_path / "d.jsonl"

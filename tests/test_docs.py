@@ -190,7 +190,7 @@ def test_no_machines_own_absolute_path_in_the_readme_or_docs():
 
 def test_every_library_name_a_doc_mentions_is_held_by_the_module_it_is_named_under():
     """docs named library functions under modules that no longer held them (a moved function left its old path in
-    cli.md and serving.md); every `specdraft.module.Name` in the README and docs/, and every `module.name` of the
+    cli.md and serving.md); every `specdraft.module.Name` in the README and docs/, and every public name of the
     README's command table, now imports."""
     import importlib
     import re
@@ -199,12 +199,12 @@ def test_every_library_name_a_doc_mentions_is_held_by_the_module_it_is_named_und
     for path in [README, *sorted(DOCS.glob("*.md"))]:
         names |= set(re.findall(r"specdraft(?:\.[a-z_]+)+\.[A-Za-z_][A-Za-z_0-9]*", path.read_text()))
     table = README.read_text().split("## Commands", 1)[1].split("\n## ", 1)[0]
-    names |= {f"specdraft.{m}" for m in re.findall(r"`([a-z_]+\.[a-z_]+)`", table)}
+    names |= {f"specdraft.{m}" for row in table.splitlines()[2:] for m in re.findall(r"`(\w+)`", row.split("|")[3])}
     assert len(names) > 30
     missing = []
     for name in sorted(names):
         parts = name.split(".")
-        for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+        for cut in range(len(parts), 0, -1):  # the longest importable module prefix, then attributes
             try:
                 obj = importlib.import_module(".".join(parts[:cut]))
             except ModuleNotFoundError:
@@ -222,8 +222,8 @@ def test_every_library_name_a_doc_mentions_is_held_by_the_module_it_is_named_und
 
 def test_every_vllm_command_in_the_docs_and_src_is_the_tested_server_form():
     """docs/serving.md showed `vllm serve …` while specdraft prints, and make test-vllm runs, the server module
-    (specdraft.export.VLLM_SERVER): the pinned CPU build's `vllm` script cannot find its own distribution."""
-    from specdraft.export import VLLM_SERVER
+    (specdraft.serving.export.VLLM_SERVER): the pinned CPU build's `vllm` script cannot find its own distribution."""
+    from specdraft.serving.export import VLLM_SERVER
 
     assert VLLM_SERVER == "python -m vllm.entrypoints.openai.api_server"
     texts = [README, *DOCS.glob("*.md"), *(ROOT / "src" / "specdraft").rglob("*.py"), *(ROOT / "bench").glob("*.py")]

@@ -7,9 +7,11 @@ import copy
 import pytest
 import torch
 
-from specdraft.config import SamplingConfig
-from specdraft.decode import speculative_generate, target_generate
-from specdraft.draft_model import (
+from specdraft.core.config import SamplingConfig
+from specdraft.core.sampling import output_width
+from specdraft.core.stats import chi2_goodness_of_fit
+from specdraft.decoding.decode import speculative_generate, target_generate
+from specdraft.decoding.draft_model import (
     Int4Linear,
     Int8Linear,
     TrimmedHead,
@@ -22,10 +24,8 @@ from specdraft.draft_model import (
     rank_tokens,
     save_head_tokens,
 )
-from specdraft.sampling import output_width
-from specdraft.stats import chi2_goodness_of_fit
+from specdraft.models.tokens import left_pad
 from specdraft.testing import exact_two_token_law, perturbed, tiny_model, tiny_tokenizer
-from specdraft.tokens import left_pad
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 
@@ -68,7 +68,7 @@ def test_int4_linear_matches_its_dequantized_weight_and_falls_back_to_int8():
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantised_layers_read_long_inputs_with_the_shared_dense_weight(kind, pair):
-    from specdraft.draft_model import DENSE_MIN_ROWS
+    from specdraft.decoding.draft_model import DENSE_MIN_ROWS
 
     _, draft = pair
     q = prepare_draft(draft, kind)  # a copy: keeps references to the draft's own dense weights
@@ -220,8 +220,8 @@ def test_frequent_tokens_ranks_by_count_then_id_and_keeps_special_tokens():
 
 
 def test_a_saved_token_ranking_is_reused_beside_its_speculator(tmp_path):
-    from specdraft.config import EvalConfig
-    from specdraft.draft_model import apply_draft_options
+    from specdraft.core.config import EvalConfig
+    from specdraft.decoding.draft_model import apply_draft_options
 
     tok = tiny_tokenizer(64)
     ranked = rank_tokens(tok, token_lists=[[60, 60, 60, 61, 61, 62]])
@@ -245,7 +245,7 @@ def test_decode_attention_equals_sdpa_on_one_token_steps_with_padding(arch, monk
     import transformers.integrations.sdpa_attention as sdpa_module
     from transformers import DynamicCache
 
-    from specdraft.draft_model import DECODE_ATTENTION, use_decode_attention
+    from specdraft.decoding.draft_model import DECODE_ATTENTION, use_decode_attention
 
     model = tiny_model(arch, 96, seed=2, layers=2)  # 4 query heads share 2 key-value heads
     fast = copy.deepcopy(model)
@@ -280,7 +280,7 @@ def test_decode_attention_equals_sdpa_on_one_token_steps_with_padding(arch, monk
 
 
 def test_auto_picks_int4_where_the_kernel_takes_the_layer_and_int8_where_it_refuses():
-    from specdraft.draft_model import choose_draft_options, draft_label
+    from specdraft.decoding.draft_model import choose_draft_options, draft_label
 
     # hidden 64 (int4 takes K = 64), intermediate 80 (N = 80 is a multiple of 16): down_proj has K = 80, not a
     # multiple of 32 → int8.

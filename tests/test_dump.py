@@ -18,13 +18,10 @@ import shutil
 import pytest
 import torch
 
-from specdraft import dump as dump_mod
-from specdraft import teacher as teacher_mod
-from specdraft.config import DumpConfig
-from specdraft.data import DataError, Example, build_sequences, encode_prompts
-from specdraft.decode import target_generate
-from specdraft.dump import merge_manifests, run_dump, split_work
-from specdraft.dump_reader import (
+from specdraft.core.config import DumpConfig
+from specdraft.data.sources import DataError, Example, build_sequences, encode_prompts
+from specdraft.decoding.decode import target_generate
+from specdraft.models.dump_reader import (
     DumpError,
     TeacherDataset,
     head_fingerprint,
@@ -34,10 +31,20 @@ from specdraft.dump_reader import (
     teacher_probs_from_topk,
     verify_dump,
 )
-from specdraft.models import load_model
-from specdraft.testing import add_default_system_turn, save_tiny_pair, tiny_model, tiny_tokenizer, tiny_words
-from specdraft.tokenizer_view import tokenizer_fingerprint
-from specdraft.tokens import left_pad
+from specdraft.models.loading import load_model
+from specdraft.models.tokenizer_view import tokenizer_fingerprint
+from specdraft.models.tokens import left_pad
+from specdraft.testing import (
+    add_default_system_turn,
+    patch_everywhere,
+    save_tiny_pair,
+    tiny_model,
+    tiny_tokenizer,
+    tiny_words,
+)
+from specdraft.training import dump as dump_mod
+from specdraft.training import teacher as teacher_mod
+from specdraft.training.dump import merge_manifests, run_dump, split_work
 
 VOCAB, WIDTH = 64, 72  # tokenizer ids, logits rows of the target (8 padding rows)
 WORDS = [w for w in tiny_words(VOCAB - 5) if w.isalpha() and w not in ("user", "assistant")]
@@ -133,8 +140,8 @@ def _save_softcapped(arch: str, root, softcap: float) -> str:
 def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
     """Gemma soft-caps lm_head(h): the manifest records the transform and every reader (the dataset, distillation)
     applies it, so the teacher is the target's real output distribution."""
-    from specdraft.config import DistillConfig
-    from specdraft.distill_trainer import DistillModel, TeacherHead
+    from specdraft.core.config import DistillConfig
+    from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
     target = _save_softcapped(arch, tmp_path, softcap=2.0)  # a low cap: logits of ±7 are squeezed into ±2
     model, _ = load_model(target, dtype="float32", device="cpu")
@@ -163,7 +170,7 @@ def test_soft_capping_is_part_of_the_recorded_teacher(arch, fmt, tmp_path):
 def test_an_unrecorded_transform_is_refused_even_when_it_nearly_matches(tmp_path, monkeypatch):
     """A soft cap of 200 moves these logits by < 0.1 %: a tolerance check would pass it. Hidden from the known
     transforms, the dump must refuse the model (naming the key), not store a near match."""
-    import specdraft.sampling
+    import specdraft.core.sampling
 
     target = _save_softcapped("gemma2", tmp_path, softcap=200.0)
     model, _ = load_model(target, dtype="float32", device="cpu")
@@ -173,8 +180,8 @@ def test_an_unrecorded_transform_is_refused_even_when_it_nearly_matches(tmp_path
         plain = model.get_output_embeddings()(out.hidden_states[-1])
     near = float((plain - out.logits).abs().max() / out.logits.abs().max())
     assert 0 < near < 1e-3  # what the old relative tolerance accepted
-    monkeypatch.setattr(specdraft.sampling, "FINAL_LOGIT_KEYS",
-                        tuple(k for k in specdraft.sampling.FINAL_LOGIT_KEYS if k[0] != "final_logit_softcapping"))
+    monkeypatch.setattr(specdraft.core.sampling, "FINAL_LOGIT_KEYS",
+                        tuple(k for k in specdraft.core.sampling.FINAL_LOGIT_KEYS if k[0] != "final_logit_softcapping"))
     for fmt in ("hidden", "topk"):
         with pytest.raises(DumpError, match=r"does not reproduce .*final_logit_softcapping.*near match"):
             run_dump(target, [chat(0)], tmp_path / fmt, fp32(teacher_format=fmt, top_logprobs=8))
@@ -186,7 +193,7 @@ def test_known_scalings_reproduce_the_models_logits_exactly():
     the logits equal the model's bit for bit (Cohere's logit_scale here; Granite divides)."""
     from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig
 
-    from specdraft.sampling import final_logit_ops
+    from specdraft.core.sampling import final_logit_ops
 
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
               "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 4}
@@ -347,7 +354,7 @@ def test_loss_mask_convention_on_the_tiny_chat_template(pair):
 def test_answer_only_mask_under_the_real_qwen_template():
     from transformers import AutoTokenizer
 
-    from specdraft.models import resolve
+    from specdraft.models.loading import resolve
 
     tok = AutoTokenizer.from_pretrained(resolve("qwen2.5-coder-0.5b-instruct"))
     msgs = [{"role": "system", "content": "Be brief."},
@@ -396,7 +403,7 @@ def test_dump_answers_the_very_rows_run_trains_on_for_one_training_spec(pair, tm
     from typer.testing import CliRunner
 
     from specdraft.cli import app
-    from specdraft.pipeline import make_config, run_prompts
+    from specdraft.run.pipeline import make_config, run_prompts
 
     spec = "conversations:0:32"
     cfg = make_config("tiny", target=pair["target"], draft=pair["draft"], train_prompts=[spec])
@@ -426,7 +433,7 @@ def test_dump_answers_the_very_rows_run_trains_on_for_one_training_spec(pair, tm
 
 def _as_older(settings: dict) -> dict:
     """``settings`` as an older specdraft recorded them: the retired fields, and the renamed ones under their old key."""
-    from specdraft.config import RENAMED_DUMP_FIELDS
+    from specdraft.core.config import RENAMED_DUMP_FIELDS
 
     old_key = {field: key for key, field in RENAMED_DUMP_FIELDS.items()}
     return {old_key.get(k, k): v for k, v in settings.items()} | {"num_examples": None, "offset": 0}
@@ -436,7 +443,7 @@ def test_a_dump_recording_retired_and_renamed_settings_still_verifies_resumes_an
     """Older dumps recorded ``num_examples`` / ``offset`` in their settings (the rows came from them; the prompt
     selector gives them now) and the stored log-probs count as ``top_k``. Such a dump, killed or finished, resumes
     and verifies under the same plan."""
-    from specdraft.config import recorded_settings
+    from specdraft.core.config import recorded_settings
 
     examples = [chat(i) for i in range(6)]
     cfg = fp32(teacher_format="topk", top_logprobs=8, batch_size=2, shard_size_mb=0.001)  # one shard per batch
@@ -622,8 +629,8 @@ def test_the_on_policy_teacher_must_be_the_dumps_whole_target_not_only_its_head(
     """The scorer of the draft's on-policy answers is checked against the dump by the whole target's content: a body
     fine-tuned in place (same path, config, dtype and head) would score the draft's answers as another teacher than
     the one whose signal fills the dump, and is refused by name before it loads."""
-    from specdraft.config import DistillConfig
-    from specdraft.distill_data import DistillError, load_draft_writer
+    from specdraft.core.config import DistillConfig
+    from specdraft.training.distill_data import DistillError, load_draft_writer
 
     model, _ = load_model(pair["target"], dtype="float32", device="cpu")
     model.save_pretrained(tmp_path / "target")
@@ -802,9 +809,9 @@ def test_dump_command(pair, tmp_path):
 def test_real_target_dump_matches_a_plain_forward_pass(tmp_path, real_model):
     """HumanEval prompts plus canonical solutions through the 1.5B target in bfloat16, in one right-padded
     batch: the stored teacher (both formats) gives the target's own distribution of a lone forward pass."""
-    from specdraft.data import load_examples
-    from specdraft.embedded import DEFAULT_TARGET
-    from specdraft.models import load_tokenizer
+    from specdraft.core.embedded import DEFAULT_TARGET
+    from specdraft.data.sources import load_examples
+    from specdraft.models.loading import load_tokenizer
 
     # The three shortest of the first 40 problems, so that prompt and solution fit in 160 tokens.
     candidates = load_examples("humaneval", limit=40)
@@ -847,7 +854,7 @@ def test_real_target_dump_matches_a_plain_forward_pass(tmp_path, real_model):
 def test_teacher_forced_dump_of_sharegpt_first_turns_trains_their_existing_replies(pair, tmp_path, monkeypatch):
     # ShareGPT's turns already hold a reply: without --generate the dump teacher-forces it (one prefill per
     # sequence) and --answer-only trains the reply's predictions only; the reader's counts reach the manifest.
-    from specdraft import data
+    from specdraft.data import sources as data
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(data, "SHAREGPT_FILTER", {"prompt_chars": (1, 100), "reply_chars": (1, 100), "min_ascii": 1})
@@ -887,7 +894,7 @@ def test_ids_past_the_targets_width_are_named_before_it_is_loaded(tmp_path, monk
     tiny_tokenizer(VOCAB).save_pretrained(d)  # ids 60..63 are "at0", "au0", "av0", "aw0"
     examples = [Example("e0", [{"role": "user", "content": "a b at0"}, {"role": "assistant", "content": "c av0"}]),
                 Example("e1", [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}])]
-    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    patch_everywhere(monkeypatch, "specdraft.models.loading", "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
     for generate in (None, 4):  # teacher-forced sequences, and prompts the target would answer
         with pytest.raises(DumpError, match=r"target cannot read or score: 60, 62 \(its input embedding has 60 rows"
                            if generate is None else r"target cannot read or score: 60 \("):
@@ -905,7 +912,7 @@ def test_sequences_past_the_targets_window_are_named_before_it_is_loaded(tmp_pat
     lengths = [len(q.ids) for q in build_sequences(tiny_tokenizer(VOCAB), examples, max_length=64)]
     prompt = len(encode_prompts(tiny_tokenizer(VOCAB), examples[:1])[0])
     assert lengths[1] > 16 and lengths[0] <= 16 and prompt + 1 <= 16 < prompt + 8 + 1
-    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    patch_everywhere(monkeypatch, "specdraft.models.loading", "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(DumpError, match=rf"sequence 'ex1' \({lengths[1]} tokens\) exceeds the target's context "
                        r"window \(16\); lower --max-length \(now 64\)"):
         run_dump(str(d), examples, tmp_path / "forced", fp32(max_length=64))
@@ -936,7 +943,7 @@ def test_a_topk_dump_stores_log_probs_as_computed_so_storage_neither_makes_nor_b
     the storage, so a dump begun with float16 log-probs is never resumed into float32 shards."""
     import json
 
-    from specdraft.teacher import Teacher
+    from specdraft.training.teacher import Teacher
 
     run_dump(pair["target"], [chat(i) for i in range(2)], tmp_path / "d", fp32(teacher_format="topk", top_logprobs=8))
     item = next(iter(rows_by_id(TeacherDataset(tmp_path / "d")).values()))
@@ -990,7 +997,7 @@ def test_a_generate_dump_whose_every_answer_would_be_cut_away_is_refused_before_
 def test_a_generate_dump_that_kept_no_sequence_is_not_marked_complete(pair, tmp_path, monkeypatch):
     """Whatever emptied it, a dump holding no sequence says so on disk and stops with an error, at the dump; a
     rerun of the same command says it again, never hands distillation an empty "complete" dump."""
-    from specdraft.dump_reader import load_manifest
+    from specdraft.models.dump_reader import load_manifest
 
     def cut(model, tokenizer, batch, n, *a, **k):  # prompts that fill --max-length: every answer is cut away
         return [[5] * 20 for _ in batch], [[6] * n for _ in batch]
@@ -1008,7 +1015,12 @@ def test_a_generate_dump_that_kept_no_sequence_is_not_marked_complete(pair, tmp_
 def test_settings_written_under_the_older_keys_top_k_and_format_still_read(tmp_path):
     """A manifest, stage.json or config JSON written before the renames holds the stored log-probs count as top_k and
     the stored form as format: they read as top_logprobs and teacher_format; giving both names at once is refused."""
-    from specdraft.config import AsGivenTeacherConfig, PipelineConfig, SelfTeacherConfig, recorded_settings
+    from specdraft.core.config import (
+        AsGivenTeacherConfig,
+        PipelineConfig,
+        SelfTeacherConfig,
+        recorded_settings,
+    )
 
     assert DumpConfig.model_validate({"format": "topk", "top_k": 12}) == DumpConfig(teacher_format="topk",
                                                                                      top_logprobs=12)
@@ -1017,7 +1029,7 @@ def test_settings_written_under_the_older_keys_top_k_and_format_still_read(tmp_p
     assert recorded_settings({"top_k": 5, "offset": 0, "generate": 4}) == {"top_logprobs": 5, "generate": 4}
     with pytest.raises(ValueError, match="top_k is the older key of top_logprobs"):
         DumpConfig(top_k=4, top_logprobs=8)
-    from specdraft.pipeline import make_config
+    from specdraft.run.pipeline import make_config
 
     written = make_config("tiny").model_dump(mode="json")
     written["dump"] = {k: v for k, v in written["dump"].items() if k not in ("top_logprobs", "teacher_format")}

@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-from specdraft.config import EvalConfig, HeadroomConfig, SamplingConfig
-from specdraft.eval_report import write_eval_report
-from specdraft.evaluate import run_eval
-from specdraft.headroom import forecast_headroom
-from specdraft.replay import predicted_alpha
+from specdraft.core.config import EvalConfig, HeadroomConfig, SamplingConfig
+from specdraft.decoding.replay import predicted_alpha
+from specdraft.measuring.eval_report import write_eval_report
+from specdraft.measuring.evaluate import run_eval
+from specdraft.measuring.headroom import forecast_headroom
 from specdraft.testing import perturbed, save_tiny_pair, tiny_model, tiny_tokenizer
 
 
@@ -138,7 +138,7 @@ def test_run_eval_greedy_is_lossless_and_report_is_written(tmp_path):
 
 def test_divergence_is_reported_with_margin(monkeypatch):
     """A draft whose proposals are wrongly accepted would diverge; the report must name it with the margin."""
-    import specdraft.evaluate as ev
+    import specdraft.measuring.evaluate as ev
 
     tok = tiny_tokenizer(64)
     target = tiny_model("llama", 64, seed=0, layers=2)
@@ -178,8 +178,8 @@ def test_eval_and_generate_cli_with_a_draft_of_another_tokenizer(tmp_path):
     from typer.testing import CliRunner
 
     from specdraft.cli import app
+    from specdraft.models.vocab import vocab_swap
     from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
-    from specdraft.vocab import vocab_swap
 
     t_tok, d_tok = tiny_bpe_tokenizer(300), tiny_bpe_tokenizer(360, seed=1)
     target = tiny_model("llama", 300, seed=0, layers=3)
@@ -241,13 +241,13 @@ def test_hf_assisted_generation_ignores_the_targets_generation_config():
     report = json.loads(json.dumps(res.to_dict()))  # the report is JSON
     assert report["machine"]["cpu_threads"] == torch.get_num_threads() >= 1
     assert report["machine"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "unset")
-    from specdraft.calibration import machine_line
+    from specdraft.decoding.calibration import machine_line
 
     assert f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={report['machine']['omp_wait_policy']}" in machine_line()
 
 
 def test_hf_generation_config_is_complete_and_explicit():
-    from specdraft.assisted import hf_generation_config
+    from specdraft.decoding.assisted import hf_generation_config
 
     gc = hf_generation_config(SamplingConfig(temperature=0.7, top_k=0, top_p=0.9), 8, [4], 0, 5, None)
     assert gc.do_sample is True and gc.temperature == 0.7 and gc.top_k == 0 and gc.top_p == 0.9
@@ -292,7 +292,7 @@ def test_eval_names_where_the_trimmed_heads_ranking_came_from_and_its_n(tmp_path
     from typer.testing import CliRunner
 
     from specdraft.cli import app
-    from specdraft.draft_model import rank_tokens, save_head_tokens
+    from specdraft.decoding.draft_model import rank_tokens, save_head_tokens
 
     tdir, ddir = save_tiny_pair(tmp_path, 96)
     tok = tiny_tokenizer(96)
@@ -314,8 +314,8 @@ def test_eval_names_where_the_trimmed_heads_ranking_came_from_and_its_n(tmp_path
 
 
 def test_trimmed_head_needs_a_draft_of_the_targets_tokenizer():
-    from specdraft.decode import DecodeError
-    from specdraft.draft_model import apply_draft_options
+    from specdraft.decoding.decode import DecodeError
+    from specdraft.decoding.draft_model import apply_draft_options
 
     target = tiny_model("llama", 64, seed=0, layers=1)
     with pytest.raises(DecodeError, match="target's tokenizer"):
@@ -361,7 +361,7 @@ def test_replay_greedy_equals_decoded_counts(scale, gamma, max_new):
     (float32: no near-tie rounding), rows ending by EOS and by the length bound alike."""
     from dataclasses import asdict
 
-    from specdraft.decode import speculative_generate, target_generate
+    from specdraft.decoding.decode import speculative_generate, target_generate
     from specdraft.testing import replay_greedy
 
     target = tiny_model("llama", 64, seed=0, layers=3)
@@ -408,7 +408,7 @@ def test_rank_cli_orders_drafts_by_predicted_speedup_and_confirms_the_top_one(tm
 
 
 def test_interleaved_speed_times_every_contender_on_the_same_prompts():
-    from specdraft.evaluate import interleaved_speed
+    from specdraft.measuring.evaluate import interleaved_speed
 
     tok = tiny_tokenizer(128)
     target = tiny_model("llama", 128, seed=0, layers=3)
@@ -423,16 +423,16 @@ def test_interleaved_speed_times_every_contender_on_the_same_prompts():
     sp = c["speculative:original"]
     assert sp.speedup_ci95[0] <= sp.speedup <= sp.speedup_ci95[1]
     assert sp.speedup == pytest.approx(sp.tokens_per_s / c["target"].tokens_per_s)
-    from specdraft.speed_run import SpeedRun
+    from specdraft.decoding.speed_run import SpeedRun
 
     saved = json.loads(json.dumps(res.to_dict()))  # as a stage writes it: read back, it writes the same JSON
     assert json.loads(json.dumps(SpeedRun.from_dict(saved).to_dict())) == saved
 
 
 def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tmp_path, monkeypatch):
-    import specdraft.calibration as ev
-    from specdraft.calibration import cached_speed_model, speed_cache_key
-    from specdraft.draft_model import prepare_draft
+    import specdraft.decoding.calibration as ev
+    from specdraft.decoding.calibration import cached_speed_model, speed_cache_key
+    from specdraft.decoding.draft_model import prepare_draft
 
     monkeypatch.setattr(ev, "BUSY_SHARE", 2.0)  # the test machine may be busy: caching is what is tested here
     # ... and a busy machine's timings swing several-fold between two reads, which the hit's spot check would call
@@ -490,9 +490,9 @@ def test_calibration_cache_hits_only_on_the_same_pair_preparation_and_threads(tm
 def test_rank_names_prompt_ids_past_a_drafts_width_before_timing_it(monkeypatch):
     """`rank` with a candidate of 80 rows beside a 96-id tokenizer: the calibration prompts' ids past it are named
     when it is loaded, before it is timed (was an IndexError inside the draft); ids past the target, at once."""
-    from specdraft import calibration
-    from specdraft.rank import rank_drafts
-    from specdraft.sampling import TokenWidthError
+    from specdraft.core.sampling import TokenWidthError
+    from specdraft.decoding import calibration
+    from specdraft.measuring.rank import rank_drafts
 
     target, tok = tiny_model("llama", 96, seed=0, layers=2), tiny_tokenizer(96)
     narrow = tiny_model("llama", 80, seed=1, layers=1)
@@ -516,7 +516,7 @@ def test_load_monitor_sees_another_process_hold_the_cpu_and_a_busy_calibration_i
     import sys
     import time
 
-    import specdraft.calibration as ev
+    import specdraft.decoding.calibration as ev
 
     # A child process spinning for ~1.5 s while this one sleeps: others' share of the CPU is well above zero.
     with ev.LoadMonitor() as load:
@@ -539,7 +539,7 @@ def test_load_monitor_sees_another_process_hold_the_cpu_and_a_busy_calibration_i
 
 
 def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_value(tmp_path):
-    from specdraft.certify import certify_sampling
+    from specdraft.measuring.certify import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
     draft = perturbed(target, 0.5)  # a draft that disagrees often: the residual draws carry the law
@@ -549,8 +549,8 @@ def test_certify_sampling_accepts_an_exact_pair_and_the_eval_cli_reports_its_p_v
     assert cert["cells"] >= 5 and abs(sum(share for _, _, share in cert["top_tokens"]) -
                                       sum(p for _, p, _ in cert["top_tokens"])) < 0.05
     # The test has power: as many draws from the draft's own law q, tested against p, fail it.
-    from specdraft.sampling import filtered_probs
-    from specdraft.stats import chi2_goodness_of_fit
+    from specdraft.core.sampling import filtered_probs
+    from specdraft.core.stats import chi2_goodness_of_fit
 
     full = SamplingConfig(temperature=1.0)
     with torch.no_grad():
@@ -588,8 +588,8 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
     """The certificate runs the product's own decode loop with its verifier broken two ways — every draft accepted;
     acceptance and residual computed from the draft's unfiltered q while it drew from the filtered one — and fails
     both at the CLI's draw count; the real verifier passes, and every draw went through a proposal."""
-    from specdraft import decode, drafters
-    from specdraft.certify import certify_sampling
+    from specdraft.decoding import decode, drafters
+    from specdraft.measuring.certify import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
     draft = perturbed(target, 0.1)  # accepts about half its proposals: both the accept and the residual path run
@@ -647,7 +647,7 @@ def test_certify_sampling_exercises_speculation_and_fails_a_broken_verifier_at_t
 def test_a_certificate_without_rejections_is_not_valid_and_says_why():
     """A draft equal to the target accepts every proposal: the χ² passes, but the residual path never ran, so the
     certificate is marked not valid (it could not tell a broken verifier from a good one)."""
-    from specdraft.certify import certify_sampling
+    from specdraft.measuring.certify import certify_sampling
 
     target = tiny_model("llama", 32, seed=0, layers=1)
     cert = certify_sampling(target, target, [5, 6, 7], SamplingConfig(temperature=1.0), 300, 2, batch_size=300)
@@ -701,7 +701,7 @@ def test_compare_hf_emits_no_transformers_warnings_of_its_own(temperature, trans
     # same text from elsewhere and any other warning still reach the user.
     log = logging.getLogger("transformers.generation.utils")
     assert log.filters == []
-    from specdraft.assisted import _INTERNAL_NOTICE, _models_generation_config
+    from specdraft.decoding.assisted import _INTERNAL_NOTICE, _models_generation_config
 
     with _models_generation_config(target.generation_config, target, draft):
         log.warning(f"{_INTERNAL_NOTICE}=({{'max_new_tokens'}}) is deprecated (a caller's own call)")
@@ -713,7 +713,7 @@ def test_compare_hf_emits_no_transformers_warnings_of_its_own(temperature, trans
 def test_acceptance_eval_decodes_with_the_draft_and_its_replayed_counts_agree_with_the_decoded_ones():
     """Without answers the draft decodes the target's greedy answers (batch 1, fixed γ); the rows hold the replayed
     counts, and on every prompt they agree with the decoded rounds (replay_check)."""
-    from specdraft.evaluate import acceptance_eval
+    from specdraft.measuring.evaluate import acceptance_eval
 
     tok = tiny_tokenizer(128)
     target = tiny_model("llama", 128, seed=0, layers=3)
@@ -734,7 +734,7 @@ def test_matched_proposals_are_one_figure_whatever_gamma_while_the_per_round_rat
     covers, how many drafts follow a rejection) — so only the first may compare regimes."""
     import random
 
-    from specdraft.replay import replay_answer
+    from specdraft.decoding.replay import replay_answer
 
     y = list(range(10, 50))  # 40 answer tokens, no EOS
     rng = random.Random(0)
@@ -750,9 +750,9 @@ def test_matched_proposals_are_one_figure_whatever_gamma_while_the_per_round_rat
 
 
 def test_acceptance_eval_gives_one_matched_figure_at_two_gammas_and_the_report_leads_with_it():
-    from specdraft.acceptance import MEASURES
-    from specdraft.evaluate import acceptance_eval
-    from specdraft.report import SUMMARY_LEGEND, summary_sections
+    from specdraft.core.acceptance import MEASURES
+    from specdraft.measuring.evaluate import acceptance_eval
+    from specdraft.measuring.report import SUMMARY_LEGEND, summary_sections
 
     tok = tiny_tokenizer(128)
     target = tiny_model("llama", 128, seed=0, layers=3)
@@ -785,8 +785,8 @@ def test_acceptance_eval_gives_one_matched_figure_at_two_gammas_and_the_report_l
 def test_the_greedy_identity_count_says_when_it_tests_nothing_of_verification():
     """Greedy outputs equal to the target's certify verification only if drafts were proposed and some rejected:
     a draft equal to the target never has one rejected, and a run that proposed nothing decoded with the target."""
-    from specdraft.acceptance import AcceptanceCounts
-    from specdraft.evaluate import identity_not_tested
+    from specdraft.core.acceptance import AcceptanceCounts
+    from specdraft.measuring.evaluate import identity_not_tested
 
     target = tiny_model("llama", 64, seed=0, layers=2)
     other = tiny_model("llama", 64, seed=7, layers=1)
@@ -804,8 +804,8 @@ def test_the_greedy_identity_count_says_when_it_tests_nothing_of_verification():
 def test_eval_summary_leads_with_the_gamma_independent_alpha_and_names_each_rates_definition():
     """accepted / proposed moves with γ; accepted / reached does not: the summary's first figure is α, and the
     report's definitions say which rate is per reached position and which per proposed token."""
-    from specdraft.acceptance import AcceptanceCounts
-    from specdraft.evaluate import REPORT_DEFINITIONS, EvalResult
+    from specdraft.core.acceptance import AcceptanceCounts
+    from specdraft.measuring.evaluate import REPORT_DEFINITIONS, EvalResult
 
     counts = AcceptanceCounts(gamma=2, proposed=[4, 4], reached=[4, 2], accepted=[2, 1], accepted_hist=[2, 1, 1])
     s = EvalResult(config={"num_speculative_tokens": 2}, spec_counts=counts, target_counts=AcceptanceCounts(gamma=2),

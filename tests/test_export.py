@@ -16,8 +16,11 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from specdraft.cli import app
-from specdraft.embedded import DEFAULT_TARGET, EMBEDDED, cache_dir
-from specdraft.export import (
+from specdraft.core.embedded import DEFAULT_TARGET, EMBEDDED, cache_dir
+from specdraft.models.loading import embedded_for_hub_id, local_reference, portable_reference, serving_path
+from specdraft.models.speculator import NotASpeculatorError, SpeculatorError
+from specdraft.models.weights import CheckpointWeightsError
+from specdraft.serving.export import (
     VLLM_TESTED_VERSION,
     export_draft,
     export_saved_speculator,
@@ -25,10 +28,7 @@ from specdraft.export import (
     vllm_serve,
     vllm_speculative_config,
 )
-from specdraft.models import embedded_for_hub_id, local_reference, portable_reference, serving_path
-from specdraft.speculator import NotASpeculatorError, SpeculatorError
 from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
-from specdraft.weights import CheckpointWeightsError
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 
@@ -152,7 +152,7 @@ def test_embedded_verifier_records_hub_id_and_is_served_from_the_cache(tmp_path,
         assert serve.target == str(cached)
         assert any("dequantised Q4_K_M GGUF build of " + hub in n for n in serve.notes)
     # The record reads back: from_pretrained opens the embedded build for the recorded hub id.
-    from specdraft.speculator_model import IndependentSpeculator
+    from specdraft.decoding.speculator_model import IndependentSpeculator
 
     spec = IndependentSpeculator.from_pretrained(tmp_path / "spec", verifier_mode="full")
     assert spec.verifier is not None and spec.speculator_config.verifier.name_or_path == hub  # still portable
@@ -251,7 +251,7 @@ def test_a_prepared_draft_exports_dense_and_reloads_to_the_logits_it_drafted_wit
     """An exported prepared draft (int8/int4 layers, trimmed head) reloads with AutoModelForCausalLM, nothing
     missing or dropped, to the q it drafted with: kept logits within 0.3 (the kernels round activations to
     bfloat16, the reload runs float32), the same argmax, and no excluded token ever scoring above the best kept one."""
-    from specdraft.draft_model import is_prepared, prepare_draft
+    from specdraft.decoding.draft_model import is_prepared, prepare_draft
 
     target_dir, _ = pair
     draft = tiny_model("llama", vocab_size=96, seed=3, layers=2, tie_word_embeddings=tie)
@@ -285,7 +285,7 @@ def test_a_prepared_draft_exports_dense_and_reloads_to_the_logits_it_drafted_wit
 
 
 def test_weights_that_would_not_reload_are_refused_before_anything_is_written(tmp_path, pair):
-    from specdraft.draft_model import prepare_draft
+    from specdraft.decoding.draft_model import prepare_draft
 
     target_dir, _ = pair
     draft = tiny_model("llama", vocab_size=96, seed=3, layers=1)
@@ -313,7 +313,7 @@ SAME_RENDERING = ("{%- for x in messages -%}{{ '<|im_start|>' ~ x.role ~ '\\n' ~
 
 
 def _renders(tok) -> list[str]:
-    from specdraft.check import PROBE_CONVERSATIONS
+    from specdraft.models.check import PROBE_CONVERSATIONS
 
     return [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g) for m, g in PROBE_CONVERSATIONS.values()]
 

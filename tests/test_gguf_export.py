@@ -1,4 +1,4 @@
-"""GGUF export (:mod:`specdraft.gguf_export`): llama.cpp's own converter writes the draft; the file is read back with
+"""GGUF export (:mod:`specdraft.serving.gguf_export`): llama.cpp's own converter writes the draft; the file is read back with
 ``gguf.GGUFReader`` and compared with the draft's weights and the target's tokenizer; a pair llama.cpp would refuse
 is refused. Tiny Llama models with a Llama-2-style tokenizer (byte fallback: llama.cpp's converter reads it without
 a pre-tokenizer hash to recognise) are built in the test. The converter comes from the pinned sdist through the
@@ -20,9 +20,10 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from specdraft.cli import app
-from specdraft.embedded import LLAMA_CPP_SDIST, LLAMA_CPP_VERSION
-from specdraft.export import export_draft, export_speculator
-from specdraft.gguf_export import (
+from specdraft.core.embedded import LLAMA_CPP_SDIST, LLAMA_CPP_VERSION
+from specdraft.models.vocab import save_vocab_swap
+from specdraft.serving.export import export_draft, export_speculator
+from specdraft.serving.gguf_export import (
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
     GgufExportError,
     GgufVocab,
@@ -35,7 +36,6 @@ from specdraft.gguf_export import (
     unpack_converter,
 )
 from specdraft.testing import save_tiny_pair, tiny_bpe_tokenizer, tiny_llama_tokenizer, tiny_model
-from specdraft.vocab import save_vocab_swap
 
 # ------------------------------------------------------------------------------ llama.cpp's check, by hand
 
@@ -273,8 +273,8 @@ def test_unrecognised_bpe_pre_tokenizer_is_named(llama_cpp, tmp_path):
 def test_pipeline_export_writes_the_distilled_draft_as_gguf_when_asked(tmp_path, pair):
     import json
 
-    from specdraft.data import Example
-    from specdraft.pipeline import make_config, run_pipeline
+    from specdraft.data.sources import Example
+    from specdraft.run.pipeline import make_config, run_pipeline
 
     target, draft, _ = pair
     ex = lambda words, tag: [Example(f"{tag}{i}", [{"role": "user", "content": f"a b {w}"}]) for i, w in

@@ -2,8 +2,8 @@
 
 import torch
 
-from specdraft.head_warmup import untie_head
 from specdraft.testing import tiny_model
+from specdraft.training.head_warmup import untie_head
 
 
 def _tied_model():

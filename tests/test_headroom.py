@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from specdraft.config import HeadroomConfig, SamplingConfig
-from specdraft.headroom import (
+from specdraft.core.config import HeadroomConfig, SamplingConfig
+from specdraft.measuring.headroom import (
     HeadroomCounts,
     counts_from_positions,
     forecast_headroom,
     position_headroom,
     verdict,
 )
-from specdraft.testing import tiny_model
+from specdraft.testing import patch_everywhere, tiny_model
 
 VOCAB = 64
 SURE = 0.3  # a tiny random target is rarely above 0.5; at 0.3 about a quarter of its positions are sure
@@ -238,7 +238,7 @@ def test_answers_that_cannot_fit_the_drafts_window_are_refused_before_the_target
     shutil.copytree(saved_pair["draft"], short)
     cfg = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 16}))
-    monkeypatch.setattr("specdraft.responses.generate_responses", lambda *a, **k: pytest.fail("the target answered"))
+    patch_everywhere(monkeypatch, "specdraft.decoding.responses", "generate_responses", lambda *a, **k: pytest.fail("the target answered"))
     r = CliRunner().invoke(app, ["headroom", "--target", saved_pair["target"], "--draft", str(short),
                                  "--prompts", saved_pair["prompts"], "--generate", "12", "--out", str(tmp_path / "h.json")])
     assert r.exit_code == 2, r.output

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from specdraft.io import (
+from specdraft.core.io import (
     atomic_directory,
     atomic_path,
     atomic_write_text,
@@ -62,7 +62,7 @@ def test_atomic_directory_widens_what_its_writers_made_private(tmp_path, umask):
 
 def test_a_converted_speculator_is_readable_by_others(tmp_path, umask):
     """The end-to-end case of the issue: model.safetensors after export was -rw-------."""
-    from specdraft.export import export_draft
+    from specdraft.serving.export import export_draft
     from specdraft.testing import save_tiny_pair
 
     umask(0o022)

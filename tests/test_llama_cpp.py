@@ -1,4 +1,4 @@
-"""llama.cpp's tools as specdraft builds, finds and reads them (:mod:`specdraft.llama_cpp`, and bench/llamacpp_run.py's
+"""llama.cpp's tools as specdraft builds, finds and reads them (:mod:`specdraft.serving.llama_cpp`, and bench/llamacpp_run.py's
 invocations that bench/llamacpp_check.py compares llama.cpp with specdraft by): the pure parts, on output
 captured from the pinned build (tests/data/llama_cpp: ``llama-completion``, ``llama-speculative-simple`` and
 ``llama-bench -o json`` on the tiny models of bench/llamacpp_check.py). llama.cpp itself is exercised by ``make
@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from specdraft.llama_cpp import (
+from specdraft.decoding.llama_cpp_price import (
+    LLAMA_CPP_CALIBRATION,
+    llama_bench_speed_model,
+    llama_cpp_engine,
+)
+from specdraft.serving.llama_cpp import (
     FIXED_FLAGS,
     LlamaCppError,
     cmake_flags,
@@ -23,7 +28,7 @@ from specdraft.llama_cpp import (
     parse_llama_bench,
     unpack_source,
 )
-from specdraft.llama_cpp_price import LLAMA_CPP_CALIBRATION, llama_bench_speed_model, llama_cpp_engine
+from specdraft.testing import patch_everywhere
 
 # bench/ is not a package: its directory goes on the path before its modules are imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -313,8 +318,8 @@ CAL_TARGET = LLAMA_CPP_CALIBRATION.provenance["target_gguf"]
 
 
 def test_rank_inputs_name_what_is_missing_and_how_to_get_it(tmp_path):
-    from specdraft.gguf_export import GgufExportError
-    from specdraft.llama_cpp import rank_inputs
+    from specdraft.serving.gguf_export import GgufExportError
+    from specdraft.serving.llama_cpp import rank_inputs
 
     t, d = vocab_gguf(tmp_path / CAL_TARGET), vocab_gguf(tmp_path / "d.gguf")
     tb, db = bench_file(tmp_path / "t.json", 10.0, PP), bench_file(tmp_path / "d.json", 200.0)
@@ -385,8 +390,8 @@ def test_llama_bench_results_of_another_machine_or_target_get_no_band_and_the_re
     prices them again, with its band; the calibration's own conditions keep the band as before."""
     import json
 
-    from specdraft.llama_cpp import rank_inputs, read_llama_cpp_calibration
-    from specdraft.llama_cpp_price import REFIT_COMMAND
+    from specdraft.decoding.llama_cpp_price import REFIT_COMMAND
+    from specdraft.serving.llama_cpp import rank_inputs, read_llama_cpp_calibration
 
     t, d = vocab_gguf(tmp_path / "llama-8b.gguf"), vocab_gguf(tmp_path / "d.gguf")
     gpu = {"n_threads": 8, "backends": "CUDA", "model_filename": str(t)}
@@ -432,9 +437,9 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from typer.testing import CliRunner
 
-    import specdraft.models
+    import specdraft.models.loading
     from specdraft.cli import app
-    from specdraft.llama_cpp_price import rank_llama_cpp
+    from specdraft.decoding.llama_cpp_price import rank_llama_cpp
     from specdraft.testing import perturbed, save_tiny_pair
 
     tdir, _ = save_tiny_pair(tmp_path, 96)
@@ -505,14 +510,14 @@ def test_rank_engine_llama_cpp_ranks_by_llama_cpps_prediction_and_prints_the_win
     def no_loading(*_a, **_k):
         raise AssertionError("a model was loaded before llama.cpp's inputs were checked")
 
-    monkeypatch.setattr(specdraft.models, "load_model", no_loading)
+    patch_everywhere(monkeypatch, specdraft.models.loading, "load_model", no_loading)
     # The tools missing (no saved timings): exit 2, one error line naming how to build them, from a pip install
-    # (python -m specdraft.llama_cpp) and from a checkout (make test-llamacpp).
+    # (python -m specdraft.serving.llama_cpp) and from a checkout (make test-llamacpp).
     r = CliRunner().invoke(app, base)
     flat = " ".join(r.output.split())
     # (after the line naming the prompts that would run, printed before anything is loaded)
     assert r.exit_code == 2 and "\nerror: " in "\n" + r.output and "make test-llamacpp" in flat, r.output
-    assert "python -m specdraft.llama_cpp" in flat, r.output
+    assert "python -m specdraft.serving.llama_cpp" in flat, r.output
     # A draft GGUF missing: how to write one.
     r = CliRunner().invoke(app, [*base[:base.index("--draft-gguf")], "--out", str(tmp_path / "r2")])
     assert r.exit_code == 2 and "specdraft export --draft" in r.output and "--format gguf" in r.output, r.output
@@ -544,9 +549,9 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
     from types import SimpleNamespace
 
     from specdraft import cli
-    from specdraft.llama_cpp import LlamaCppCandidate, LlamaCppRankInputs, LlamaCppTools
-    from specdraft.rank import RankedDraft
-    from specdraft.speed import SpeedModel
+    from specdraft.decoding.speed import SpeedModel
+    from specdraft.measuring.rank import RankedDraft
+    from specdraft.serving.llama_cpp import LlamaCppCandidate, LlamaCppRankInputs, LlamaCppTools
 
     speed = SpeedModel.from_measurements({1: 0.05, 2: 0.06, 3: 0.07, 4: 0.08}, 0.005)
     row = LlamaCppCandidate(
@@ -586,8 +591,8 @@ def test_every_printed_llama_cpp_command_pins_what_its_forecast_assumed_and_name
 
     from llamacpp_run import speculative_command
 
-    from specdraft.embedded import LLAMA_CPP_VERSION
-    from specdraft.llama_cpp import LlamaCppRankInputs, LlamaCppTools
+    from specdraft.core.embedded import LLAMA_CPP_VERSION
+    from specdraft.serving.llama_cpp import LlamaCppRankInputs, LlamaCppTools
 
     def tests(tg_ts, pp=None):
         return parse_llama_bench(bench_file(tmp_path / f"{tg_ts}.json", tg_ts, pp).read_text())
@@ -625,7 +630,7 @@ def test_the_packaged_llama_cpp_calibration_is_the_committed_benchs_refit_and_it
     result = json.loads((root / "bench" / "results" / "llamacpp-embedded.json").read_text())
     cal = mod.calibrate(result)
     stale = "stale: run `python bench/llamacpp_check.py --refit --docs`"
-    assert mod.calibration_json(cal) == (root / "src" / "specdraft" / "llamacpp_calibration.json").read_text(), stale
+    assert mod.calibration_json(cal) == (root / "src" / "specdraft" / "decoding" / "llamacpp_calibration.json").read_text(), stale
     assert LLAMA_CPP_CALIBRATION == cal and result["calibration"] == json.loads(json.dumps(cal.to_dict())), stale
     assert json.loads(json.dumps(mod.summarize(result))) == result["summary"], stale
     assert cal.provenance["result"] == "bench/results/llamacpp-embedded.json" and cal.n_range == (3, 8)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.losses import LOSSES, masked_mean, soft_ce, sum_min, tvd, tvd_deploy
-from specdraft.sampling import filter_logits, filtered_probs
+from specdraft.core.losses import LOSSES, masked_mean, soft_ce, sum_min, tvd, tvd_deploy
+from specdraft.core.sampling import filter_logits, filtered_probs
 
 
 def reference_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -109,7 +109,7 @@ def test_masked_mean_ignores_padding_and_nan():
 
 
 def test_sparse_tvd_deploy_equals_dense_path_and_its_gradient():
-    from specdraft import losses
+    from specdraft.core import losses
 
     g = torch.Generator().manual_seed(3)
     t_logits = torch.randn(2, 5, 300, generator=g) * 2
@@ -160,7 +160,7 @@ def test_filter_properties(seed, vocab, temperature, top_k, top_p, scale):
 def test_every_loss_name_has_one_implementation():
     from typing import get_args
 
-    from specdraft.config import LossName
+    from specdraft.core.config import LossName
 
     assert set(LOSSES) == set(get_args(LossName))  # the CLI's --loss choices and the table agree
 
@@ -178,7 +178,7 @@ def _float64_nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> 
 def test_full_vocab_top_p_without_sort_matches_definition(scale, monkeypatch):
     # Flat rows (scale 0.3) keep most of the vocabulary: the top-K candidates do not reach top_p and the filter must
     # widen (K 16 → 128 → … → V); peaked rows (12) keep a few ids. Both must be the definition's nucleus exactly.
-    from specdraft import sampling
+    from specdraft.core import sampling
 
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
     g = torch.Generator().manual_seed(3)
@@ -193,7 +193,7 @@ def test_full_vocab_top_p_without_sort_matches_definition(scale, monkeypatch):
 
 
 def test_sample_follows_probs_and_never_draws_zero_mass():
-    from specdraft.sampling import sample
+    from specdraft.core.sampling import sample
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(40_000, 1)
     g = torch.Generator().manual_seed(4)
@@ -264,7 +264,7 @@ def _draft_logits(seed: int = 6, shape=(2, 5), width: int = 50, real: int = 45) 
 
 @pytest.mark.parametrize("name", ["soft_ce", "tvd"])
 def test_sparse_teacher_loss_equals_dense_where_the_teacher_mass_is_all_in_its_top_k(name):
-    from specdraft.losses import TOPK_LOSSES
+    from specdraft.core.losses import TOPK_LOSSES
 
     p, ids, probs, leftover = _topk_teacher(k=8, tail=False)
     assert torch.isinf(leftover).all() and float(p.gather(-1, ids).sum(-1).min()) > 1 - 1e-6
@@ -280,8 +280,8 @@ def test_sparse_teacher_loss_equals_dense_where_the_teacher_mass_is_all_in_its_t
 
 
 def test_sparse_soft_ce_equals_the_dense_completion_at_any_tail():
-    from specdraft.dump_reader import teacher_probs_from_topk
-    from specdraft.losses import soft_ce_topk
+    from specdraft.core.losses import soft_ce_topk
+    from specdraft.models.dump_reader import teacher_probs_from_topk
 
     _p, ids, probs, leftover = _topk_teacher(k=8, tail=True)
     assert float(leftover.exp().min()) > 0.05  # a real tail
@@ -297,8 +297,8 @@ def test_sparse_soft_ce_equals_the_dense_completion_at_any_tail():
 
 def test_sparse_tvd_is_an_upper_bound_within_the_tail():
     """0 ≤ tvd_topk − TVD(p, q) ≤ min(tail, 1 − Σ_K q) ≤ tail, for the true teacher and the uniform completion."""
-    from specdraft.dump_reader import teacher_probs_from_topk
-    from specdraft.losses import tvd_topk
+    from specdraft.core.losses import tvd_topk
+    from specdraft.models.dump_reader import teacher_probs_from_topk
 
     p_true, ids, probs, leftover = _topk_teacher(k=8, tail=True)
     tail = leftover.exp()

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdraft import embedded, models, weights
-from specdraft.embedded import EMBEDDED, EmbeddedModel, ModelResolutionError
+from specdraft.core import embedded
+from specdraft.core.embedded import EMBEDDED, EmbeddedModel, ModelResolutionError
+from specdraft.models import loading as models
+from specdraft.models import weights
 
 
 def _fake_parts(tmp_path: Path, chunks: list[bytes], prefix: str) -> EmbeddedModel:
@@ -203,7 +205,7 @@ def test_an_embedded_entry_loaded_in_another_dtype_is_cast_once_and_then_read_fr
     """The embedded cache holds float32 and the main job loads bfloat16 many times: the first cast is kept under
     $SPECDRAFT_CACHE/cast and later loads read it (no cast), with the same tensors and the entry's own name; a
     rebuilt entry gets a new copy, and a checkpoint outside the cache is never copied."""
-    from specdraft.embedded import _MARKER
+    from specdraft.core.embedded import _MARKER
     from specdraft.testing import tiny_model
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
@@ -325,9 +327,9 @@ def test_a_stale_single_file_beside_a_sharded_index_is_refused_naming_both(tmp_p
     (shown here); specdraft's loader refuses, naming both files, before loading anything."""
     from transformers import AutoModelForCausalLM
 
-    from specdraft.models import load_causal_lm
+    from specdraft.models.loading import load_causal_lm
+    from specdraft.models.weights import CheckpointWeightsError
     from specdraft.testing import tiny_model
-    from specdraft.weights import CheckpointWeightsError
 
     d, m, _ = _sharded(tmp_path)
     tiny_model("llama", 64, seed=9, layers=2).save_pretrained(tmp_path / "old")
@@ -343,8 +345,8 @@ def test_a_stale_single_file_beside_a_sharded_index_is_refused_naming_both(tmp_p
 def test_a_missing_shard_or_an_unindexed_tensor_is_refused_and_a_stray_file_warned(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from specdraft.models import load_causal_lm
-    from specdraft.weights import CheckpointWeightsError, weight_layout_problems
+    from specdraft.models.loading import load_causal_lm
+    from specdraft.models.weights import CheckpointWeightsError, weight_layout_problems
 
     d, m, shards = _sharded(tmp_path)
     assert weight_layout_problems(d) == ([], [])
@@ -380,7 +382,7 @@ def test_a_tokenizer_loaded_and_saved_again_keeps_its_rendering_identity_and_an_
 
     from transformers import AutoTokenizer
 
-    from specdraft.models import rendering_identity
+    from specdraft.models.loading import rendering_identity
     from specdraft.testing import add_default_system_turn, save_tiny_pair
 
     tdir, _ = save_tiny_pair(tmp_path / "pair", 96)

@@ -8,11 +8,11 @@ from typing import get_args
 
 import pytest
 
-from specdraft.data import Example
-from specdraft.pipeline import estimate_dump_bytes, make_config, prompt_overlap, run_pipeline
-from specdraft.prompts import load_prompts, parse_source
-from specdraft.runner import PipelineError
-from specdraft.testing import add_default_system_turn, save_tiny_pair
+from specdraft.data.prompts import load_prompts, parse_source
+from specdraft.data.sources import Example
+from specdraft.run.pipeline import estimate_dump_bytes, make_config, prompt_overlap, run_pipeline
+from specdraft.run.runner import PipelineError
+from specdraft.testing import add_default_system_turn, patch_everywhere, save_tiny_pair
 
 
 def _examples(words, prefix):
@@ -39,7 +39,7 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     train, ev, ood = _examples("cdefghij", "t"), _examples("klm", "e"), _examples("nop", "o")
     out = tmp_path / "run"
 
-    import specdraft.distill as distill_mod
+    import specdraft.training.distill as distill_mod
 
     real = distill_mod.run_distill
     calls = {"n": 0}
@@ -50,7 +50,7 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
             raise RuntimeError("simulated crash")
         return real(*a, **k)
 
-    monkeypatch.setattr(distill_mod, "run_distill", flaky)
+    patch_everywhere(monkeypatch, distill_mod, "run_distill", flaky)
     with pytest.raises(PipelineError) as e:
         run_pipeline(cfg, out, command="specdraft run --out X", eval_examples=ev, train_examples=train,
                      ood_examples=ood)
@@ -73,10 +73,10 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert held["decoded_tokens"] == sum(map(len, held["answers"])) and held["decode_seconds"] > 0
     import torch
 
-    from specdraft.data import encode_prompts
-    from specdraft.decode import target_generate
-    from specdraft.evaluate import eos_ids
-    from specdraft.models import load_model
+    from specdraft.data.sources import encode_prompts
+    from specdraft.decoding.decode import target_generate
+    from specdraft.measuring.evaluate import eos_ids
+    from specdraft.models.loading import load_model
     from specdraft.testing import replay_greedy
 
     target, ttok = load_model(tdir, dtype="float32")
@@ -95,9 +95,9 @@ def test_tiny_pipeline_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     assert conf["speculators_config"]["verifier"]["name_or_path"] == tdir
     # The token ranking beside the export is counted over the dump's target-written answers (the tokens after each
     # trained position) and the embedded training prompts.
-    from specdraft.draft_model import default_head_corpus, rank_tokens
-    from specdraft.dump_reader import TeacherDataset
-    from specdraft.models import load_tokenizer
+    from specdraft.decoding.draft_model import default_head_corpus, rank_tokens
+    from specdraft.models.dump_reader import TeacherDataset
+    from specdraft.models.loading import load_tokenizer
 
     saved_rank = json.loads((spec / "head_tokens.json").read_text())["ranked_token_ids"]
     dump, tok = TeacherDataset(out / "dump"), load_tokenizer(tdir)
@@ -212,7 +212,7 @@ def _pair_of_two_tokenizers(root, target_layers: int, draft_writes_text: bool = 
 
 
 def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
-    from specdraft.check import check_compatible
+    from specdraft.models.check import check_compatible
 
     tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=3)
     train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
@@ -230,8 +230,8 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert swap["width"] == 300 and swap["copied"] + swap["initialised"] == 300
     # The re-indexed draft is counted before training on the very answers eval_before wrote (replayed, paired):
     # the distillation gain's baseline is the draft that was trained, not the mapped one.
-    from specdraft.report import acceptance_gain, summary_sections
-    from specdraft.stats import paired_gain_from_rows
+    from specdraft.core.stats import paired_gain_from_rows
+    from specdraft.measuring.report import acceptance_gain, summary_sections
 
     base = swap["sets"]["held_out"]
     assert base["method"] == "replayed" and base["answers"] == report["eval_before"]["sets"]["held_out"]["answers"]
@@ -241,14 +241,14 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     first = summary_sections(report)[0][1][0]
     assert first[0] == "mapped/text: per proposed"  # the proposal regime it was counted in
     assert first[1].startswith(f"{report['eval_before']['sets']['held_out']['acceptance_rate']:.3f}")
-    from specdraft.report import questions_and_answers
+    from specdraft.measuring.report import questions_and_answers
 
     said = dict(questions_and_answers(report))
     agree = said["Can the draft agree more?"]
     assert f"as given through the mapping → {base['acceptance_rate']:.3f} re-indexed" in agree
     # The speed answer leads with the draft that measured fastest (the one the recommendation serves), and the
     # speed tables say which draft their "before" column is.
-    from specdraft.recommend import draft_names, engine_choices
+    from specdraft.measuring.recommend import draft_names, engine_choices
 
     c = report["speed"]["contenders"]
     fastest = max(("original", "distilled"), key=lambda w: c[f"speculative:{w}"]["speedup"])
@@ -283,8 +283,8 @@ def test_tiny_pipeline_with_a_draft_of_another_tokenizer(tmp_path):
     assert offer in (tmp_path / "run" / "report.md").read_text()
     assert '"method": "custom_class"' in (tmp_path / "run" / "report.md").read_text()
     assert "README.md` names them with the commands" in said["Can I ship it?"]
-    from specdraft.pipeline import report_sections
-    from specdraft.report import render_markdown
+    from specdraft.measuring.report import render_markdown
+    from specdraft.run.pipeline import report_sections
 
     for before, after, warned in ((1.5, 0.5, True), (1.2, 1.4, False)):
         r = json.loads(json.dumps(report, default=str))
@@ -304,8 +304,8 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
     swap is refused, and a pair of one tokenizer (nothing re-indexed) is taught by the target on the full head."""
     import pydantic
 
-    from specdraft.dump_reader import load_manifest
-    from specdraft.models import model_fingerprint
+    from specdraft.models.dump_reader import load_manifest
+    from specdraft.models.loading import model_fingerprint
 
     tdir, ddir = _pair_of_two_tokenizers(tmp_path / "models", target_layers=2, draft_writes_text=True)
     train, ev = _examples("cdefghij", "t"), _examples("klm", "e")
@@ -337,8 +337,8 @@ def test_the_self_teacher_route_teaches_the_re_indexed_draft_with_the_drafts_own
 
 
 def test_every_preset_validates_and_exports_the_evaluated_gamma():
-    from specdraft.config import PresetName
-    from specdraft.pipeline import PRESETS
+    from specdraft.core.config import PresetName
+    from specdraft.run.pipeline import PRESETS
 
     assert set(PRESETS) == set(get_args(PresetName))  # the CLI's --preset choices come from the Literal
     for name in PRESETS:
@@ -391,7 +391,7 @@ def test_a_rerun_with_other_training_prompts_names_the_stage_and_offers_overwrit
     and --overwrite redoes it from an emptied directory."""
     from typer.testing import CliRunner
 
-    import specdraft.distill as distill_mod
+    import specdraft.training.distill as distill_mod
     from specdraft.cli import app
 
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
@@ -401,7 +401,7 @@ def test_a_rerun_with_other_training_prompts_names_the_stage_and_offers_overwrit
     def stop(*a, **k):  # stop after the dump: the stages before distill are all that matter here
         raise RuntimeError("stopped after the dump")
 
-    monkeypatch.setattr(distill_mod, "run_distill", stop)
+    patch_everywhere(monkeypatch, distill_mod, "run_distill", stop)
     with pytest.raises(PipelineError, match="stage 'distill' failed"):
         run_pipeline(cfg, out, eval_examples=ev, train_examples=_examples("cdefghij", "t"))
     marker = (out / "dump" / "stage.json").read_text()
@@ -424,7 +424,7 @@ def test_a_rerun_with_other_training_prompts_names_the_stage_and_offers_overwrit
 def test_a_stage_that_resumes_or_is_skipped_says_so_in_its_progress_line(tmp_path):
     """A killed stage leaves its files; the rerun continues from them (a distill resumes its checkpoint), and its
     progress line says it resumes, not a plain "running" that reads as starting over."""
-    from specdraft.runner import Runner
+    from specdraft.run.runner import Runner
 
     def killed(d):
         (d / "checkpoint-2").mkdir()
@@ -445,12 +445,12 @@ def test_a_stage_that_resumes_or_is_skipped_says_so_in_its_progress_line(tmp_pat
 
 def test_the_pipelines_long_stages_write_progress_lines_to_its_log(tmp_path, monkeypatch):
     """The pipeline's log is all a CI job shows: the evaluation and the dump say how far they are."""
-    import specdraft.distill as distill_mod
+    import specdraft.training.distill as distill_mod
 
     def stop(*a, **k):
         raise RuntimeError("stopped after the dump")
 
-    monkeypatch.setattr(distill_mod, "run_distill", stop)
+    patch_everywhere(monkeypatch, distill_mod, "run_distill", stop)
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)
     logs: list[str] = []
     with pytest.raises(PipelineError, match="stage 'distill' failed"):
@@ -461,12 +461,12 @@ def test_the_pipelines_long_stages_write_progress_lines_to_its_log(tmp_path, mon
 
 
 def _stop_after_eval_before(monkeypatch):
-    import specdraft.headroom as headroom_mod
+    import specdraft.measuring.headroom as headroom_mod
 
     def stop(*a, **k):
         raise RuntimeError("stopped after eval_before")
 
-    monkeypatch.setattr(headroom_mod, "forecast_headroom", stop)
+    patch_everywhere(monkeypatch, headroom_mod, "forecast_headroom", stop)
 
 
 def test_a_finished_stage_is_refused_then_redone_when_the_drafts_weights_change_in_place(tmp_path, monkeypatch):
@@ -475,7 +475,7 @@ def test_a_finished_stage_is_refused_then_redone_when_the_drafts_weights_change_
     dump, would be kept)."""
     import torch
 
-    from specdraft.models import load_model
+    from specdraft.models.loading import load_model
 
     _stop_after_eval_before(monkeypatch)
     tdir, ddir = save_tiny_pair(tmp_path / "models", 96)

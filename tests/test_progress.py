@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdraft.progress import progress_lines
+from specdraft.core.progress import progress_lines
 
 
 def test_progress_lines_write_the_first_the_last_and_one_per_interval():

@@ -11,9 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specdraft.cli import app
-from specdraft.data import DataError
-from specdraft.pipeline import make_config, run_prompts
-from specdraft.prompts import (
+from specdraft.data.prompts import (
     HELD_OUT_LIMIT,
     SPEC_GRAMMAR,
     SPEC_GRAMMAR_NO_STRIDE,
@@ -22,7 +20,9 @@ from specdraft.prompts import (
     resolve_source,
     select_prompts,
 )
-from specdraft.testing import save_tiny_pair
+from specdraft.data.sources import DataError
+from specdraft.run.pipeline import make_config, run_prompts
+from specdraft.testing import patch_everywhere, save_tiny_pair
 
 
 class _ModelLoad(Exception):
@@ -32,7 +32,7 @@ class _ModelLoad(Exception):
 @pytest.fixture
 def no_models(monkeypatch):
     """``load_model`` stood in for: each call records the command's output so far, then stops the command."""
-    import specdraft.models
+    import specdraft.models.loading
 
     seen: list[str] = []
 
@@ -41,7 +41,7 @@ def no_models(monkeypatch):
         seen.append(sys.stdout.buffer.getvalue().decode())  # CliRunner's stdout: what was printed before the load
         raise _ModelLoad("a model load")
 
-    monkeypatch.setattr(specdraft.models, "load_model", stop)
+    patch_everywhere(monkeypatch, specdraft.models.loading, "load_model", stop)
     return seen
 
 
@@ -72,7 +72,7 @@ def test_the_training_flags_read_a_spec_from_the_first_example_and_all_of_it():
 
 
 def test_eval_and_run_print_the_same_resolved_spec_for_the_same_written_one(tmp_path, no_models, monkeypatch):
-    import specdraft.pipeline
+    import specdraft.run.pipeline
 
     tdir, ddir = save_tiny_pair(tmp_path, 64)
     r = CliRunner().invoke(app, ["eval", "--target", tdir, "--draft", ddir, "--prompts", "humaneval",
@@ -86,7 +86,7 @@ def test_eval_and_run_print_the_same_resolved_spec_for_the_same_written_one(tmp_
         given.update(kwargs)
         raise _ModelLoad("the pipeline")
 
-    monkeypatch.setattr(specdraft.pipeline, "run_pipeline", pipeline)
+    monkeypatch.setattr(specdraft.run.pipeline, "run_pipeline", pipeline)
     r = CliRunner().invoke(app, ["run", "--preset", "tiny", "--target", tdir, "--draft", ddir, "--eval-prompts",
                                  "humaneval", "--ood-prompts", "mt-bench", "--train-prompts", "humaneval:0:4",
                                  "--out", str(tmp_path / "run")])
@@ -108,7 +108,7 @@ def test_a_set_that_is_not_held_out_is_never_called_held_out():
 
 
 def test_every_preset_evaluates_on_held_out_rows_and_trains_outside_them():
-    from specdraft.pipeline import PRESETS
+    from specdraft.run.pipeline import PRESETS
 
     for name in PRESETS:
         if name == "tiny":

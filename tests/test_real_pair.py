@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.config import EvalConfig
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.core.config import EvalConfig
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 pytestmark = pytest.mark.real
 
@@ -22,8 +22,8 @@ def real_pair(real_model):
 
 
 def test_greedy_speculative_equals_target_on_real_pair(real_pair):
-    from specdraft.data import encode_prompts, load_examples
-    from specdraft.evaluate import ROUNDING_TOLERANCE, run_eval
+    from specdraft.data.sources import encode_prompts, load_examples
+    from specdraft.measuring.evaluate import ROUNDING_TOLERANCE, run_eval
 
     target, draft, tok = real_pair
     examples = load_examples("humaneval", limit=2, offset=100) + load_examples("mt-bench", limit=1)
@@ -50,9 +50,9 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping(real_model):
     """A draft of another family (SmolLM2-135M, 49k-token BPE) for a Qwen target (0.5B to keep CI short):
     greedy output equals the target's, token for token, with text proposals (the greedy default) and with
     token proposals, and so does transformers' universal assisted generation fed the same pair."""
-    from specdraft.data import encode_prompts, load_examples
-    from specdraft.evaluate import run_eval
-    from specdraft.vocab import build_vocab_mapping
+    from specdraft.data.sources import encode_prompts, load_examples
+    from specdraft.measuring.evaluate import run_eval
+    from specdraft.models.vocab import build_vocab_mapping
 
     smol, qwen = "smollm2-135m-instruct", DEFAULT_DRAFT
     mapping = build_vocab_mapping(qwen, smol)
@@ -82,10 +82,10 @@ def test_smollm2_draft_for_qwen_through_a_vocabulary_mapping(real_model):
 
 def test_gemma_draft_for_qwen_is_lossless(real_model):
     """A sentencepiece draft (Gemma 3 270M, 262k tokens) for a byte-level Qwen target, both proposal modes."""
-    from specdraft.data import encode_prompts, load_examples
-    from specdraft.decode import speculative_generate, target_generate
-    from specdraft.tokens import left_pad
-    from specdraft.vocab import build_vocab_mapping
+    from specdraft.data.sources import encode_prompts, load_examples
+    from specdraft.decoding.decode import speculative_generate, target_generate
+    from specdraft.models.tokens import left_pad
+    from specdraft.models.vocab import build_vocab_mapping
 
     mapping = build_vocab_mapping(DEFAULT_DRAFT, "gemma-3-270m")
     target, tok = real_model(DEFAULT_DRAFT)

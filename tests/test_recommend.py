@@ -61,7 +61,7 @@ def report(original: float, distilled: float, mapped: bool = True, before_hits: 
 
 
 def test_the_draft_as_given_leads_every_engine_it_measured_fastest_in():
-    from specdraft.recommend import engine_choices
+    from specdraft.measuring.recommend import engine_choices
 
     choices = engine_choices(report(original=1.98, distilled=1.93))
     assert [c.engine for c in choices] == ["specdraft", "vllm", "transformers"]
@@ -77,7 +77,7 @@ def test_the_draft_as_given_leads_every_engine_it_measured_fastest_in():
 
 
 def test_the_distilled_draft_leads_where_it_measured_fastest():
-    from specdraft.recommend import engine_choices
+    from specdraft.measuring.recommend import engine_choices
 
     choices = engine_choices(report(original=1.40, distilled=1.75))
     first = choices[0]
@@ -87,7 +87,7 @@ def test_the_distilled_draft_leads_where_it_measured_fastest():
 
 
 def test_no_draft_is_served_where_none_beat_the_target_alone_and_never_a_slower_one():
-    from specdraft.recommend import engine_choices, pick_fastest
+    from specdraft.measuring.recommend import engine_choices, pick_fastest
 
     assert pick_fastest({"original": 0.9, "distilled": 0.95}) is None
     assert pick_fastest({"original": 1.2, "distilled": 1.19}) == "original"
@@ -99,7 +99,7 @@ def test_no_draft_is_served_where_none_beat_the_target_alone_and_never_a_slower_
 
 
 def test_the_llama_cpp_row_is_the_forecast_and_the_target_alone_when_its_band_reaches_1x():
-    from specdraft.recommend import engine_choices
+    from specdraft.measuring.recommend import engine_choices
 
     plan = {"which": "distilled", "gguf": "out/export/draft-q8_0.gguf", "n_max": 0, "best_n": 3,
             "predicted_speedup": 0.80, "band": [0.75, 0.86], "basis": "forecast, not timed by this run: …",
@@ -115,7 +115,7 @@ def test_the_llama_cpp_row_is_the_forecast_and_the_target_alone_when_its_band_re
 
 
 def test_distillation_is_judged_against_the_draft_as_given_with_its_teacher_named():
-    from specdraft.recommend import distillation_verdict
+    from specdraft.measuring.recommend import distillation_verdict
 
     r = report(original=1.98, distilled=1.93, before_hits=40, after_hits=30)
     v = distillation_verdict(r)
@@ -132,7 +132,7 @@ def test_distillation_is_judged_against_the_draft_as_given_with_its_teacher_name
 
 
 def test_the_page_and_report_md_open_with_the_table_fastest_first():
-    from specdraft.report import questions_and_answers
+    from specdraft.measuring.report import questions_and_answers
 
     r = report(original=1.98, distilled=1.93)
     said = dict(questions_and_answers(r))
@@ -145,7 +145,7 @@ def test_the_page_and_report_md_open_with_the_table_fastest_first():
 
 
 def test_the_export_directory_names_what_to_serve_per_engine(tmp_path):
-    from specdraft.recommend import write_export_manifest
+    from specdraft.measuring.recommend import write_export_manifest
 
     choices = write_export_manifest(report(original=1.98, distilled=1.93), tmp_path / "export")
     text = (tmp_path / "export" / "README.md").read_text()
@@ -157,7 +157,7 @@ def test_the_export_directory_names_what_to_serve_per_engine(tmp_path):
 
 
 def test_the_run_prices_llama_cpp_from_the_packaged_timings_of_its_own_pair_only():
-    from specdraft.llama_cpp import packaged_bench, run_plan
+    from specdraft.serving.llama_cpp import packaged_bench, run_plan
 
     bench = packaged_bench()
     size = max(r["model_size"] for r in bench["drafts"]["smollm2-swapped-q8"]["llama_bench"])
@@ -180,7 +180,7 @@ def test_the_run_prices_llama_cpp_from_the_packaged_timings_of_its_own_pair_only
 
 
 def test_the_packaged_llama_bench_timings_are_the_committed_benchs():
-    from specdraft.llama_cpp import packaged_bench
+    from specdraft.serving.llama_cpp import packaged_bench
 
     bench = packaged_bench()
     result = json.loads((ROOT / bench["source"]).read_text())
@@ -191,7 +191,7 @@ def test_the_packaged_llama_bench_timings_are_the_committed_benchs():
 
 
 def test_the_first_lines_time_scales_with_the_machines_measured_rate():
-    from specdraft.pipeline import PRESET_TIMING, first_line, make_config
+    from specdraft.run.pipeline import PRESET_TIMING, first_line, make_config
 
     cfg = make_config("default")
     minutes, ref = PRESET_TIMING["default"]

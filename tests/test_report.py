@@ -43,7 +43,7 @@ def test_every_summary_row_is_one_line_at_80_columns():
     from rich.console import Console
 
     from specdraft.cli import summary_tables
-    from specdraft.report import summary_sections
+    from specdraft.measuring.report import summary_sections
 
     sections = summary_sections(wide_report())
     assert [t for t, _ in sections] == ["held-out set, 24 prompts: acceptance, fixed γ 5",
@@ -68,7 +68,7 @@ def test_every_summary_row_is_one_line_at_80_columns():
     (0.9, 0.8, "(the original draft 0.90x [0.79, 1.02], the distilled draft 0.80x [0.69, 0.92])"),
     (1.1, 1.9, None)])
 def test_a_slow_set_is_one_note_naming_each_slow_draft(original, distilled, said):
-    from specdraft.report import slowdown_notes
+    from specdraft.measuring.report import slowdown_notes
 
     r = wide_report()
     for sp in (r["speed"], r["speed"]["other_sets"]["ood"]):
@@ -89,7 +89,7 @@ def test_a_slow_set_is_one_note_naming_each_slow_draft(original, distilled, said
 def test_a_busy_speed_run_yields_no_verdict_and_a_slow_shipped_draft_is_said_before_shipping():
     """A report concluded "not faster — 0.83x" from timings taken while others held the CPU, and "Can I ship it?
     yes" followed "not faster" without a word."""
-    from specdraft.report import questions_and_answers
+    from specdraft.measuring.report import questions_and_answers
 
     def answers(busy: bool, speedup: float) -> dict:
         r = wide_report() | {"export": {"path": "out/export", "vllm_command": "vllm serve T"}}
@@ -116,7 +116,7 @@ def test_a_busy_speed_run_yields_no_verdict_and_a_slow_shipped_draft_is_said_bef
 def test_a_busy_speed_set_draws_no_speed_conclusion_and_the_page_names_the_exported_draft():
     """A busy run headlined "no verdict", then noted "this pair cannot win there" and "keep the original draft",
     then "Can I ship it? yes: …/export/speculator" without naming which draft it held."""
-    from specdraft.report import questions_and_answers, speed_notes, speed_panel_title, speed_sets
+    from specdraft.measuring.report import questions_and_answers, speed_notes, speed_panel_title, speed_sets
 
     r = wide_report() | {"export": {"path": "out/export/speculator", "vllm_command": "vllm serve T"},
                          "check": {"verdict": "identical"}}
@@ -152,14 +152,14 @@ def test_a_busy_speed_set_draws_no_speed_conclusion_and_the_page_names_the_expor
     ([0.0, 0.0], 12, 0, "— (nothing drafted)"),
     (None, 12, None, "—")])
 def test_every_interval_is_rendered_by_one_rule(ci, prompts, drafted, shown):
-    from specdraft.report import format_interval
+    from specdraft.measuring.report import format_interval
 
     assert format_interval(ci, prompts, drafted=drafted) == shown
 
 
 def test_a_one_prompt_run_shows_no_interval_in_its_tables_or_report_md_as_eval_does():
     """A one-prompt speed-up read `[1.08, 1.08]` in run and "—" in eval; a thin set is marked in both."""
-    from specdraft.report import summary_sections
+    from specdraft.measuring.report import summary_sections
 
     r = wide_report()
     r["speed"]["prompts"] = 1
@@ -183,7 +183,7 @@ def test_a_draft_is_never_paired_with_itself_at_another_gamma_and_every_row_name
     from rich.console import Console
 
     from specdraft.cli import summary_tables
-    from specdraft.report import (
+    from specdraft.measuring.report import (
         SUMMARY_LEGEND,
         acceptance_gain,
         questions_and_answers,
@@ -226,7 +226,7 @@ def test_a_mapped_row_names_the_proposal_regime_it_was_counted_in(mode):
     from rich.console import Console
 
     from specdraft.cli import summary_tables
-    from specdraft.report import SUMMARY_LEGEND, summary_sections
+    from specdraft.measuring.report import SUMMARY_LEGEND, summary_sections
 
     mapped = _eval_set(26, 0.6) | {"proposals": mode, "alpha": 0.7, "alpha_ci95": [0.6, 0.8]}
     r = {"eval_before": {"sets": {"held_out": mapped}}, "vocab_swap": {"sets": {"held_out": _eval_set(12, 0.5)}},

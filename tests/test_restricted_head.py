@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.config import DistillConfig
-from specdraft.distill import DistillError
-from specdraft.distill_trainer import DistillModel, TeacherHead
-from specdraft.losses import soft_ce_topk
-from specdraft.restricted_head import (
+from specdraft.core.config import DistillConfig
+from specdraft.core.losses import soft_ce_topk
+from specdraft.models.restricted_head import (
     RestrictedHeadError,
     positions_in_support,
     restricted_logits,
@@ -18,6 +16,8 @@ from specdraft.restricted_head import (
     support_ids,
 )
 from specdraft.testing import tiny_model
+from specdraft.training.distill import DistillError
+from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
 V = 96
 
@@ -131,8 +131,8 @@ def test_held_out_metrics_through_a_restricted_head_are_the_full_heads_and_the_m
     """Training through a restricted head, the held-out α, TVD and top-1 agreement are the full head's — α is the
     draft's own q(label), not q_S(label) = q(label) / q(S) — and the draft's mass outside the support is logged
     beside them (eval_outside_mass), each equal to its value computed independently from the trained draft."""
-    from specdraft.distill import train
-    from specdraft.distill_trainer import TeacherHead
+    from specdraft.training.distill import train
+    from specdraft.training.distill_trainer import TeacherHead
 
     g = torch.Generator().manual_seed(4)
     rows = []
@@ -161,6 +161,6 @@ def test_held_out_metrics_through_a_restricted_head_are_the_full_heads_and_the_m
     assert after["eval_acc"] == pytest.approx(float(agree.mean()), abs=1e-6)
     assert after["eval_outside_mass"] == pytest.approx(float(outside.mean()), abs=1e-5)
     assert "eval_outside_mass" in res.eval_before
-    from specdraft.distill import alpha_definition
+    from specdraft.training.distill import alpha_definition
 
     assert "eval_outside_mass the draft's mass outside the restricted head's support" in alpha_definition(cfg, "topk")

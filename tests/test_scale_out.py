@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import specdraft
-from specdraft.config import DistillConfig, DumpConfig
-from specdraft.distill import run_distill
-from specdraft.dump import run_dump
-from specdraft.dump_reader import TeacherDataset
+from specdraft.core.config import DistillConfig, DumpConfig
+from specdraft.models.dump_reader import TeacherDataset
 from specdraft.testing import save_tiny_pair
+from specdraft.training.distill import run_distill
+from specdraft.training.dump import run_dump
 
 # Sampled answers (temperature 1) and an odd count with batch 2: a split that ignored batch boundaries would
 # give rank 1 other batches, other sampling seeds and so other examples.

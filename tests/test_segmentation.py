@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdraft.segmentation import KINDS, diagnose, verdict
+from specdraft.models.segmentation import KINDS, diagnose, verdict
 
 
 class GreedyTokenizer:
@@ -75,8 +75,8 @@ REPLIES = ["def total(items):\n    return sum(items)", "for x in range(count):\n
 @pytest.fixture(scope="module")
 def bpe_pair():
     """A target tokenizer with merges its draft's lacks (``Ġreturn``, ``ĠĠĠĠ``, ``Ġtotal``, …) and the twins."""
+    from specdraft.models.vocab import build_vocab_mapping
     from specdraft.testing import tiny_bpe_tokenizer
-    from specdraft.vocab import build_vocab_mapping
 
     target_tok, draft_tok = tiny_bpe_tokenizer(360, seed=1), tiny_bpe_tokenizer(300)
     twins = (build_vocab_mapping(target_tok, draft_tok).target_to_draft >= 0).tolist()
@@ -104,8 +104,8 @@ class RuleDraft(nn.Module):
 def test_headroom_splits_the_disagreements_of_its_own_pass_by_kind(bpe_pair):
     """forecast_headroom with twins: left-padded batches, pipeline-style masks; every bucket's count is known from
     the rule the draft follows."""
-    from specdraft.config import HeadroomConfig
-    from specdraft.headroom import forecast_headroom
+    from specdraft.core.config import HeadroomConfig
+    from specdraft.measuring.headroom import forecast_headroom
     from specdraft.testing import tiny_model
 
     tok, _, twins = bpe_pair
@@ -164,9 +164,9 @@ def test_vocab_swap_report_and_headroom_on_the_swapped_draft_carry_the_diagnosti
     from typer.testing import CliRunner
 
     from specdraft.cli import app
-    from specdraft.data import build_sequences
-    from specdraft.prompts import load_prompts
-    from specdraft.segmentation import draft_answer_top1
+    from specdraft.data.prompts import load_prompts
+    from specdraft.data.sources import build_sequences
+    from specdraft.models.segmentation import draft_answer_top1
     from specdraft.testing import tiny_model
 
     t_tok, d_tok, twins = bpe_pair

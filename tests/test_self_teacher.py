@@ -9,12 +9,26 @@ import json
 import pytest
 import torch
 
-from specdraft.config import DistillConfig, DumpConfig, SelfTeacherConfig
-from specdraft.data import encode_conversation, encode_prompts
-from specdraft.dump_reader import DumpError, TeacherDataset, TeacherMix, answers_written_by, load_manifest
-from specdraft.io import sha256_json
-from specdraft.responses import answer_stop_ids, generate_from_ids, generate_responses
-from specdraft.self_teacher import (
+from specdraft.core.config import DistillConfig, DumpConfig, SelfTeacherConfig
+from specdraft.core.io import sha256_json
+from specdraft.data.sources import encode_conversation, encode_prompts
+from specdraft.decoding.responses import answer_stop_ids, generate_from_ids, generate_responses
+from specdraft.models.dump_reader import (
+    DumpError,
+    TeacherDataset,
+    TeacherMix,
+    answers_written_by,
+    load_manifest,
+)
+from specdraft.models.vocab import build_vocab_mapping
+from specdraft.testing import (
+    TINY_PROMPTS,
+    tiny_bpe_tokenizer,
+    tiny_examples,
+    tiny_llama_tokenizer,
+    tiny_model,
+)
+from specdraft.training.self_teacher import (
     DraftTeacher,
     aligned_positions,
     decode_text,
@@ -23,14 +37,6 @@ from specdraft.self_teacher import (
     text_sequences,
     well_formed_prefix,
 )
-from specdraft.testing import (
-    TINY_PROMPTS,
-    tiny_bpe_tokenizer,
-    tiny_examples,
-    tiny_llama_tokenizer,
-    tiny_model,
-)
-from specdraft.vocab import build_vocab_mapping
 
 PROMPTS, _examples = TINY_PROMPTS, tiny_examples
 
@@ -310,7 +316,7 @@ def test_a_killed_self_teacher_dump_resumes_to_the_uninterrupted_one_and_refuses
 @pytest.fixture(scope="module")
 def swapped(pair):
     """The draft re-indexed into the target's tokenizer (specdraft vocab-swap)."""
-    from specdraft.vocab import save_vocab_swap
+    from specdraft.models.vocab import save_vocab_swap
 
     out = pair["root"] / "swapped"
     save_vocab_swap(pair["draft"], pair["target"], out)
@@ -318,7 +324,7 @@ def swapped(pair):
 
 
 def _distil(pair, swapped, dumps, out, steps=4, **overrides):
-    from specdraft.distill import run_distill
+    from specdraft.training.distill import run_distill
 
     cfg = DistillConfig(loss="soft_ce", lr=3e-3, row_lr=1e-2, untie_head=True, max_steps=steps, batch_size=4,
                         held_out_fraction=0.0, logging_steps=1, save_steps=100, scheduler="constant", **overrides)
@@ -327,9 +333,9 @@ def _distil(pair, swapped, dumps, out, steps=4, **overrides):
 
 def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_ce_is_its_cross_entropy(
         pair, swapped, tmp_path):
-    from specdraft.distill_trainer import DistillModel, TeacherHead
-    from specdraft.dump_reader import pad_collate
-    from specdraft.models import load_model
+    from specdraft.models.dump_reader import pad_collate
+    from specdraft.models.loading import load_model
+    from specdraft.training.distill_trainer import DistillModel, TeacherHead
 
     st = tmp_path / "st"
     run_self_teacher(pair["draft"], pair["target"], _examples(), st, SelfTeacherConfig(generate=10, dtype="float32"))
@@ -351,7 +357,7 @@ def test_run_distill_trains_a_re_indexed_draft_on_a_self_teacher_dump_and_soft_c
 
 
 def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level_one(pair, swapped, tmp_path):
-    from specdraft.distill import DistillError
+    from specdraft.training.distill import DistillError
 
     hard, soft = tmp_path / "hard", tmp_path / "soft"
     run_self_teacher(pair["draft"], pair["target"], _examples(), hard, SelfTeacherConfig(generate=10, dtype="float32"))
@@ -372,7 +378,7 @@ def test_a_restricted_head_trains_on_a_hard_label_dump_and_refuses_a_token_level
 
 
 def test_a_self_teacher_dump_mixes_with_a_target_dump_of_the_same_k(pair, swapped, tmp_path):
-    from specdraft.dump import run_dump
+    from specdraft.training.dump import run_dump
 
     cfg = SelfTeacherConfig(generate=10, dtype="float32", top_logprobs=4, token_level=True)
     run_self_teacher(pair["draft"], pair["target"], _examples(), tmp_path / "st", cfg)
@@ -419,7 +425,7 @@ def test_a_self_teacher_dump_answers_the_rows_run_trains_on_for_one_training_spe
     """The draft as given answers greedily, so ``run --train-prompts conversations:0:12`` on the self-teacher's road is
     12 distinct prompts (the embedded chats repeat their first questions) even beside a teacher-forced target dump
     setting; the self-teacher given the spec answers exactly those rows, in order."""
-    from specdraft.pipeline import make_config, run_prompts
+    from specdraft.run.pipeline import make_config, run_prompts
 
     spec = "conversations:0:12"
     cfg = make_config("default", target=pair["target"], draft=pair["draft"], train_prompts=[spec],

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 
 from specdraft import __version__
 from specdraft.cli import app
-from specdraft.embedded import ModelResolutionError
-from specdraft.export import export_draft
-from specdraft.speculator import (
+from specdraft.core.embedded import ModelResolutionError
+from specdraft.decoding.speculator_model import IndependentSpeculator
+from specdraft.models.speculator import (
     MISSING,
     NUM_SPECULATIVE_TOKENS,
     SPECULATOR_KEYS,
@@ -33,7 +33,7 @@ from specdraft.speculator import (
     config_diff,
     load_speculator_config,
 )
-from specdraft.speculator_model import IndependentSpeculator
+from specdraft.serving.export import export_draft
 from specdraft.testing import save_tiny_pair, tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma"]
@@ -389,7 +389,7 @@ def _umask() -> int:
 
 
 def test_failed_write_leaves_target_untouched(tmp_path, pair, monkeypatch):
-    import specdraft.export as ex
+    import specdraft.serving.export as ex
 
     target_dir, draft_dir = pair
     out = tmp_path / "out"
@@ -417,9 +417,9 @@ def test_killed_convert_leaves_no_speculator(tmp_path, pair):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
-        import specdraft.io
-        import specdraft.export as ex
-        specdraft.io.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
+        import specdraft.core.io
+        import specdraft.serving.export as ex
+        specdraft.core.io.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
         ex.export_draft({draft_dir!r}, {target_dir!r}, {str(out)!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120, check=False,
@@ -533,8 +533,8 @@ def test_cli_convert_and_inspect(tmp_path, pair):
 
 @pytest.mark.real
 def test_real_qwen_draft_converts_and_reloads_with_identical_logits(tmp_path):
-    from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED
-    from specdraft.models import load_tokenizer, resolve
+    from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET, EMBEDDED
+    from specdraft.models.loading import load_tokenizer, resolve
 
     out = tmp_path / "spec"
     res = export_draft(DEFAULT_DRAFT, DEFAULT_TARGET, out)  # the verifier's config and tokenizer only
@@ -583,9 +583,9 @@ def test_full_mode_generate_is_speculative_decoding_of_the_verifier(pair):
 def test_train_only_mode_is_the_teacher_head_of_distillation(pair):
     """attach_verifier(mode="train_only") holds the verifier's head: DistillModel.from_speculator turns the
     verifier's post-norm hidden states (what a hidden dump stores) into exactly the verifier's logits."""
-    from specdraft.config import DistillConfig
-    from specdraft.distill import DistillError
-    from specdraft.distill_trainer import DistillModel
+    from specdraft.core.config import DistillConfig
+    from specdraft.training.distill import DistillError
+    from specdraft.training.distill_trainer import DistillModel
 
     target_dir, draft_dir = pair
     spec = IndependentSpeculator.from_pretrained(draft_dir)

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft.acceptance import expected_speedup
-from specdraft.calibration import measure_speed_model
-from specdraft.config import SamplingConfig
-from specdraft.decode import speculative_generate, target_generate, verify_sampled
-from specdraft.speed import AdaptiveGamma, SpeedModel
-from specdraft.stats import chi2_goodness_of_fit
+from specdraft.core.acceptance import expected_speedup
+from specdraft.core.config import SamplingConfig
+from specdraft.core.stats import chi2_goodness_of_fit
+from specdraft.decoding.calibration import measure_speed_model
+from specdraft.decoding.decode import speculative_generate, target_generate, verify_sampled
+from specdraft.decoding.speed import AdaptiveGamma, SpeedModel
+from specdraft.models.tokens import left_pad
 from specdraft.testing import exact_two_token_law, perturbed, tiny_model
-from specdraft.tokens import left_pad
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32]]
 
@@ -161,7 +161,7 @@ def test_target_costs_are_the_line_through_the_timings():
 
 
 def test_llama_cpp_speed_model_from_llama_bench_prices_a_compute_bound_verification():
-    from specdraft.llama_cpp_price import (
+    from specdraft.decoding.llama_cpp_price import (
         llama_bench_speed_model,
         llama_cpp_command,
         llama_cpp_engine,
@@ -203,7 +203,7 @@ def llama_bench_json(tg_ts: float, pp: dict[int, float] | None = None) -> list[d
 def test_rank_llama_cpp_lets_a_cheaper_draft_with_a_lower_alpha_win():
     """llama.cpp's CPU verification is compute-bound (t(k) grows with k): the draft step weighs as much as α. A 10x
     cheaper draft at α 0.75 beats one at α 0.9, each at its own --spec-draft-n-max."""
-    from specdraft.llama_cpp_price import rank_llama_cpp
+    from specdraft.decoding.llama_cpp_price import rank_llama_cpp
 
     t = {k: 0.1 + 0.02 * (k - 1) for k in range(2, 6)}  # exactly a line: the fit is the measurement
     target = llama_bench_json(10.0, t)  # t(1) = 100 ms
@@ -240,8 +240,8 @@ def _engine_runs(overhead: float, factor: float, plain_factor: float, d: dict[st
     """Made-up llama.cpp runs whose seconds follow a known calibration exactly (t(1) = 100 ms, +20 ms per verified
     token, as :data:`PP_LINE`): per configuration (draft, n_max) two prompts of R rounds drafting n each, accepting
     E(α, n) − 1 per round (rounded to whole tokens)."""
-    from specdraft.acceptance import expected_tokens_per_pass
-    from specdraft.llama_cpp_price import EngineRun
+    from specdraft.core.acceptance import expected_tokens_per_pass
+    from specdraft.decoding.llama_cpp_price import EngineRun
 
     t1, slope = 0.1, 0.02
     runs = [EngineRun("plain", None, 0, 100, 100 * plain_factor * t1) for _ in range(2)]
@@ -260,7 +260,7 @@ PP_LINE = {k: 0.1 + 0.02 * (k - 1) for k in range(2, 6)}  # t(1) = 100 ms, +20 m
 def test_a_calibration_fitted_to_measured_runs_recovers_the_round_cost_and_states_a_left_out_error():
     """llama-bench's pricing over-predicts llama.cpp (1.20x predicted, 0.96x measured): the calibration fitted to
     measured runs prices a round as the engine ran it, and says how well it predicts a configuration it never saw."""
-    from specdraft.llama_cpp_price import LlamaCppCalibration, fit_llama_cpp_calibration
+    from specdraft.decoding.llama_cpp_price import LlamaCppCalibration, fit_llama_cpp_calibration
 
     target = llama_bench_json(10.0, PP_LINE)
     drafts = {"fast": llama_bench_json(200.0), "slow": llama_bench_json(20.0), "mid": llama_bench_json(50.0)}
@@ -291,7 +291,7 @@ def test_a_calibration_fitted_to_measured_runs_recovers_the_round_cost_and_state
 def test_a_calibrated_plan_is_served_only_where_its_error_band_lies_above_one():
     """A plan whose interval the calibration cannot back is never served: outside the n_max it measured, or with a
     band reaching below 1x, llama.cpp serves the target alone, where llama-bench's pricing alone would draft."""
-    from specdraft.llama_cpp_price import (
+    from specdraft.decoding.llama_cpp_price import (
         LlamaCppCalibration,
         llama_bench_speed_model,
         llama_cpp_plan,

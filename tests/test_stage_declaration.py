@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdraft.config import EvalConfig
-from specdraft.data import Example
-from specdraft.models import resolve_ref
-from specdraft.pipeline import PIPELINE, STAGES, make_config, model_identity, run_pipeline
-from specdraft.runner import PipelineError, Stage, computed, config, extends, stage_key, upstream
+from specdraft.core.config import EvalConfig
+from specdraft.data.sources import Example
+from specdraft.models.loading import resolve_ref
+from specdraft.run.pipeline import PIPELINE, STAGES, make_config, model_identity, run_pipeline
+from specdraft.run.runner import PipelineError, Stage, computed, config, extends, stage_key, upstream
 from specdraft.testing import save_tiny_pair
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdraft.stats import paired_difference_ci, paired_gain_from_rows, ratio_ci, wilson_interval
+from specdraft.core.stats import paired_difference_ci, paired_gain_from_rows, ratio_ci, wilson_interval
 
 ACCEPTED = [5, 12, 9, 30, 0, 18]
 PROPOSED = [10, 20, 30, 40, 10, 20]
@@ -119,7 +119,7 @@ def test_paired_gain_from_rows_matches_prompt_ids():
 
 
 def test_paired_ratio_ci_is_a_ratio_of_summed_rates():
-    from specdraft.stats import paired_ratio_ci
+    from specdraft.core.stats import paired_ratio_ci
 
     tok_a, sec_a = [64, 64, 30, 64], [8.0, 10.0, 5.0, 9.0]
     tok_b, sec_b = [64, 64, 30, 64], [12.0, 13.0, 6.0, 15.0]

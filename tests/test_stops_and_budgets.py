@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from specdraft.config import DumpConfig, EvalConfig, SamplingConfig
-from specdraft.decode import DecodeError, speculative_generate, target_generate
+from specdraft.core.config import DumpConfig, EvalConfig, SamplingConfig
+from specdraft.decoding.decode import DecodeError, speculative_generate, target_generate
+from specdraft.models.tokens import stop_ids
 from specdraft.testing import tiny_model, tiny_tokenizer
-from specdraft.tokens import stop_ids
 
 V = 64
 N = 12  # the budget: long enough that the free continuation holds two first occurrences to stop at
@@ -55,11 +55,11 @@ def test_every_component_ends_a_row_at_the_same_token_of_the_one_stop_set(free, 
     """Dump, eval (target alone, speculative, transformers' assisted generate), generate, replay and the draft's
     on-policy answers all stop at the first id of stop_ids(target, tokenizer): the union of the tokenizer's EOS and
     the generation config's EOS list, whichever comes first in the answer, never the draft's own EOS config."""
-    from specdraft.distill_data import DraftWriter
-    from specdraft.evaluate import acceptance_eval, run_eval
-    from specdraft.pair import Generation, Pair
-    from specdraft.responses import generate_from_ids
-    from specdraft.teacher import Teacher
+    from specdraft.decoding.responses import generate_from_ids
+    from specdraft.measuring.evaluate import acceptance_eval, run_eval
+    from specdraft.measuring.pair import Generation, Pair
+    from specdraft.training.distill_data import DraftWriter
+    from specdraft.training.teacher import Teacher
 
     target, draft, tok, expected = _pair(free, tokenizer_first)
     assert set(stop_ids(target, tok)) >= {expected[-1]}
@@ -100,13 +100,13 @@ def test_every_component_ends_a_row_at_the_same_token_of_the_one_stop_set(free, 
 def test_every_public_entry_that_takes_a_budget_refuses_one_below_one_token_naming_it(budget):
     """max_new_tokens ≤ 0 is refused (the configs' ge=1 and the CLI's min=1, one rule) before anything is decoded,
     with an error naming the argument and the value: the loop would otherwise still emit one token."""
-    from specdraft.assisted import hf_generation_config
-    from specdraft.distill_data import DistillError, DraftWriter
-    from specdraft.dump_reader import DumpError
-    from specdraft.evaluate import acceptance_eval, interleaved_speed, run_eval
-    from specdraft.replay import replay_answer
-    from specdraft.responses import generate_from_ids
-    from specdraft.teacher import Teacher
+    from specdraft.decoding.assisted import hf_generation_config
+    from specdraft.decoding.replay import replay_answer
+    from specdraft.decoding.responses import generate_from_ids
+    from specdraft.measuring.evaluate import acceptance_eval, interleaved_speed, run_eval
+    from specdraft.models.dump_reader import DumpError
+    from specdraft.training.distill_data import DistillError, DraftWriter
+    from specdraft.training.teacher import Teacher
 
     target, tok = tiny_model("llama", V, seed=0), tiny_tokenizer(V)
     ids = torch.tensor([PROMPT])

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from specdraft import vllm_plugin
-from specdraft.export import export_draft
-from specdraft.speculator import SpeculatorError
+from specdraft.models.speculator import SpeculatorError
+from specdraft.serving import vllm_plugin
+from specdraft.serving.export import export_draft
 from specdraft.testing import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +195,7 @@ def test_entry_point_is_declared_and_loads():
 
 
 def test_plugin_module_imports_without_vllm_or_torch():
-    code = ("import sys, specdraft.vllm_plugin as p; "
+    code = ("import sys, specdraft.serving.vllm_plugin as p; "
             "print(json.dumps(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True,
                          check=True, cwd=ROOT)

@@ -13,13 +13,19 @@ import types
 import pytest
 import torch
 
-from specdraft.config import SamplingConfig
-from specdraft.decode import speculative_generate
-from specdraft.drafters import MappedDrafter, Row
+from specdraft.core.config import SamplingConfig
+from specdraft.decoding.decode import speculative_generate
+from specdraft.decoding.drafters import MappedDrafter, Row
+from specdraft.models.tokens import left_pad
+from specdraft.models.vocab import build_vocab_mapping, vocab_swap
+from specdraft.serving.vllm_proposer import (
+    PROPOSER_CLASS,
+    SPECULATOR_ENV,
+    SPECULATOR_KEY,
+    TextDrafts,
+    TextProposer,
+)
 from specdraft.testing import perturbed, tiny_bpe_tokenizer, tiny_model
-from specdraft.tokens import left_pad
-from specdraft.vllm_proposer import PROPOSER_CLASS, SPECULATOR_ENV, SPECULATOR_KEY, TextDrafts, TextProposer
-from specdraft.vocab import build_vocab_mapping, vocab_swap
 
 GAMMA = 3
 
@@ -219,7 +225,7 @@ def _vllm_config(tmp_path, spec_dir, target_dir, additional=None):
 @pytest.fixture(scope="module")
 def exported(pair, tmp_path_factory):
     """The pair on disk and the draft exported as given (another tokenizer: proposal method "text")."""
-    from specdraft.export import export_draft
+    from specdraft.serving.export import export_draft
 
     target, draft, _, t_tok, d_tok = pair
     root = tmp_path_factory.mktemp("pair")
@@ -231,7 +237,7 @@ def exported(pair, tmp_path_factory):
 
 
 def test_a_draft_of_another_tokenizer_is_exported_as_given_to_draft_through_text(exported):
-    from specdraft.speculator import load_speculator_config
+    from specdraft.models.speculator import load_speculator_config
 
     _target_dir, res = exported
     conf = load_speculator_config(str(res.out))
@@ -247,7 +253,7 @@ def test_a_draft_of_another_tokenizer_is_exported_as_given_to_draft_through_text
 
 
 def test_the_plugin_serves_a_text_speculator_with_the_custom_class_proposer(exported, monkeypatch):
-    from specdraft import vllm_plugin
+    from specdraft.serving import vllm_plugin
 
     target_dir, res = exported
     verifier, spec = vllm_plugin.plan_independent(res.config, str(res.out), {"method": "draft_model",
@@ -311,7 +317,7 @@ def test_the_proposer_loads_the_tokenizers_and_draft_as_the_engine_configured_th
 
 
 def test_a_draft_with_its_own_vllm_model_config_loads_with_that_config():
-    from specdraft.vllm_proposer import draft_load_kwargs
+    from specdraft.serving.vllm_proposer import draft_load_kwargs
 
     target = types.SimpleNamespace(trust_remote_code=True, revision="target-rev", hf_token="tok")
     spec = types.SimpleNamespace(revision="draft-rev",
@@ -323,14 +329,14 @@ def test_the_proposer_refuses_a_tokenizer_mode_it_cannot_load(exported):
     target_dir, res = exported
     config = _vllm_config(None, str(res.out), target_dir, {SPECULATOR_KEY: str(res.out)})
     config.model_config.tokenizer_mode = "mistral"
-    from specdraft.vllm_proposer import ProposerError
+    from specdraft.serving.vllm_proposer import ProposerError
 
     with pytest.raises(ProposerError, match="tokenizer_mode 'mistral'.*--tokenizer-mode auto"):
         TextProposer(config)
 
 
 def test_the_proposer_says_how_to_name_its_speculator(monkeypatch):
-    from specdraft.vllm_proposer import ProposerError
+    from specdraft.serving.vllm_proposer import ProposerError
 
     monkeypatch.delenv(SPECULATOR_ENV, raising=False)
     with pytest.raises(ProposerError, match="--additional-config"):
@@ -338,6 +344,14 @@ def test_the_proposer_says_how_to_name_its_speculator(monkeypatch):
 
 
 def test_the_proposer_module_imports_without_vllm_torch_or_transformers():
-    code = ("import sys, specdraft.vllm_proposer; bad = [m for m in ('vllm', 'torch', 'transformers') if m in "
+    code = ("import sys, specdraft.serving.vllm_proposer; bad = [m for m in ('vllm', 'torch', 'transformers') if m in "
             "sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_class_path_every_text_speculator_records_names_the_proposer_without_torch():
+    module, _, name = PROPOSER_CLASS.rpartition(".")
+    code = (f"import sys, importlib; cls = getattr(importlib.import_module({module!r}), {name!r}); "
+            "from specdraft.serving.vllm_proposer import TextProposer; assert cls is TextProposer; "
+            "bad = [m for m in ('vllm', 'torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

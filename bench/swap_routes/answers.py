@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src"))
-from specdraft.config import EvalConfig, SamplingConfig
-from specdraft.data import encode_prompts
-from specdraft.evaluate import acceptance_eval
-from specdraft.models import load_model
-from specdraft.prompts import load_prompts
+from specdraft.core.config import EvalConfig, SamplingConfig
+from specdraft.data.prompts import load_prompts
+from specdraft.data.sources import encode_prompts
+from specdraft.measuring.evaluate import acceptance_eval
+from specdraft.models.loading import load_model
 
 torch.set_num_threads(2)
 W = os.environ.get("SWAP_ROUTES_WORK", "runs/swap-routes")

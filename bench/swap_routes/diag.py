@@ -4,14 +4,14 @@ from pathlib import Path
 import torch
 from lib import *
 
-from specdraft.segmentation import SegmentationReport, diagnose, draft_answer_top1
-from specdraft.tokenizer_view import load_tokenizer_view
-from specdraft.vocab import mapping_from_views
+from specdraft.models.segmentation import SegmentationReport, diagnose, draft_answer_top1
+from specdraft.models.tokenizer_view import load_tokenizer_view
+from specdraft.models.vocab import mapping_from_views
 
 
 def swap_diagnostic(draft, target_tokenizer, has_twin, prompts, answers, top: int = 50) -> SegmentationReport:
-    """:func:`specdraft.segmentation.diagnose` of a swapped ``draft`` over the target's ``answers`` to ``prompts``
-    (ids of the target's tokenizer), its argmaxes from :func:`specdraft.segmentation.draft_answer_top1`."""
+    """:func:`specdraft.models.segmentation.diagnose` of a swapped ``draft`` over the target's ``answers`` to ``prompts``
+    (ids of the target's tokenizer), its argmaxes from :func:`specdraft.models.segmentation.draft_answer_top1`."""
     top1 = draft_answer_top1(draft, prompts, answers)
     return diagnose(target_tokenizer, has_twin, answers, top1, [p[-1] for p in prompts], top=top)
 

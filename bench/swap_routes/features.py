@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from lib import *
 
-from specdraft.data import encode_conversation, load_examples
+from specdraft.data.sources import encode_conversation, load_examples
 
 
 def corpus(ttok, n_sharegpt=600, n_stdlib_tokens=120_000, chunk=256, seed=0, train_answers=True):

@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src"))
-from specdraft.models import resolve
+from specdraft.models.loading import resolve
+from specdraft.models.vocab import vocab_swap
 from specdraft.testing import replay_greedy
-from specdraft.vocab import vocab_swap
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"
 W = os.environ.get("SWAP_ROUTES_WORK", "runs/swap-routes")

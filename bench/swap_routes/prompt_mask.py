@@ -19,7 +19,7 @@ BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "src"))
 
-from specdraft import dump_reader
+from specdraft.models import dump_reader
 
 MASK = os.environ.get("MASK", "answer")
 IM_START = 151644  # Qwen2's <|im_start|>: the default preset's target

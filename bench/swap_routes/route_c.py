@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from lib import *
 
-from specdraft.losses import LOSSES, masked_mean, sum_min
-from specdraft.models import load_model
+from specdraft.core.losses import LOSSES, masked_mean, sum_min
+from specdraft.models.loading import load_model
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--losses", nargs="+", default=["tvd", "ce", "nla", "lk_hybrid"])

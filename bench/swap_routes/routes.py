@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from lib import *
 
-from specdraft.tokenizer_view import load_tokenizer_view
-from specdraft.vocab import _draft_pieces, mapping_from_views
+from specdraft.models.tokenizer_view import load_tokenizer_view
+from specdraft.models.vocab import _draft_pieces, mapping_from_views
 
 
 def seg_init(model, ttok, input_mode="mean", output_mode="first"):

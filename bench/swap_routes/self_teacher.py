@@ -1,4 +1,4 @@
-"""Route: the draft as given teaches its re-indexed copy (specdraft.self_teacher), with no target compute, then
+"""Route: the draft as given teaches its re-indexed copy (specdraft.training.self_teacher), with no target compute, then
 optionally the target's own dump after it — a learning curve of held-out acceptance against CPU-minutes.
 
 The stages before training are ``bench_distill_curve.py``'s (the default preset's check → ``eval_before``: the
@@ -43,7 +43,7 @@ sys.path.insert(0, str(BENCH.parent / "src"))
 
 import bench_distill_curve as curve
 
-from specdraft import pipeline as pl
+from specdraft.run import pipeline as pl
 
 #: Training prompts of the self-teacher by default: code (HumanEval's training split) and chat (the embedded
 #: conversations and ShareGPT's training rows); the evaluation sets stay held out.
@@ -55,8 +55,8 @@ ROUTE = {"loss": "soft_ce", "untie_head": True, "lr": 3e-4, "row_lr": 1e-3, "bat
 
 def self_teacher_stage(cfg, plan, examples, args, command):
     """The self-teacher dump as a pipeline stage (cached in ``work/self_teacher``): its manifest's counts."""
-    from specdraft.config import SelfTeacherConfig
-    from specdraft.self_teacher import run_self_teacher
+    from specdraft.core.config import SelfTeacherConfig
+    from specdraft.training.self_teacher import run_self_teacher
 
     st_cfg = SelfTeacherConfig(generate=args.generate, top_logprobs=args.top_k, token_level=args.token_level,
                                max_length=args.max_length, batch_size=args.batch_size, dtype="bfloat16")
@@ -72,7 +72,7 @@ def self_teacher_stage(cfg, plan, examples, args, command):
 
 
 def distil(cfg, draft_path, dump_dir, out, overrides, steps, cb):
-    from specdraft.distill import run_distill
+    from specdraft.training.distill import run_distill
 
     dcfg = type(cfg.distill).model_validate(cfg.distill.model_dump() | overrides
                                             | {"max_steps": steps, "save_steps": steps + 1})

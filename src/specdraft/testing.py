@@ -8,8 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from specdraft.core.sampling import align_logits, check_windows, filtered_probs
+from specdraft.data.sources import Example
+from specdraft.decoding.replay import replay_answer, tail_logits
+from specdraft.models.tokens import left_pad
+
 if TYPE_CHECKING:  # pragma: no cover
-    from specdraft.acceptance import AcceptanceCounts
+    from specdraft.core.acceptance import AcceptanceCounts
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -134,7 +139,6 @@ def exact_two_token_law(target, prompt, sampling):
     """Exact joint law ``[V, V] float64`` of the first two tokens the target samples after ``prompt``."""
     import torch
 
-    from specdraft.sampling import filtered_probs
 
     with torch.no_grad():
         ids = torch.tensor([list(prompt)])
@@ -159,13 +163,10 @@ def replay_greedy(
 ) -> list[AcceptanceCounts]:
     """Greedy speculative decoding's counts replayed from one teacher-forced draft pass per prompt: the
     reference tests compare decoding with (why: docs/architecture.md, "testing"). ``responses``: the target's greedy
-    answers. Returns ``[n]`` :class:`~specdraft.acceptance.AcceptanceCounts`; raises
-    :class:`specdraft.sampling.ContextWindowError` before any pass."""
+    answers. Returns ``[n]`` :class:`~specdraft.core.acceptance.AcceptanceCounts`; raises
+    :class:`specdraft.core.sampling.ContextWindowError` before any pass."""
     import torch
 
-    from specdraft.replay import replay_answer, tail_logits
-    from specdraft.sampling import align_logits, check_windows
-    from specdraft.tokens import left_pad
 
     check_windows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], [("draft", draft)],
                   "replay shorter prompts or answers (lower --max-new-tokens).")
@@ -311,8 +312,31 @@ TINY_PROMPTS = ("def total(items):", "for index in range(count):", "hello world 
 
 def tiny_examples(n: int | None = None) -> list:
     """``n`` (default 6) distinct one-turn examples ``p0``, ``p1``, … cycling through :data:`TINY_PROMPTS`."""
-    from specdraft.data import Example
 
     n = len(TINY_PROMPTS) if n is None else n
     return [Example(f"p{i}", [{"role": "user", "content": TINY_PROMPTS[i % len(TINY_PROMPTS)] + f" {i}"}])
             for i in range(n)]
+
+
+def patch_everywhere(monkeypatch, module, name: str, value: Any) -> None:
+    """``monkeypatch.setattr(module, name, value)`` and the same in every specdraft module that imported the
+    original object by name (``from specdraft.x import name`` binds it at import), so a fake reaches every caller.
+
+    Every specdraft module is imported first, so none binds the fake at its own import and keeps it after the test.
+    ``module`` is a module object or its dotted name."""
+    import importlib
+    import pkgutil
+    import sys
+    from pathlib import Path
+
+    if isinstance(module, str):
+        module = importlib.import_module(module)
+    for info in pkgutil.walk_packages([str(Path(__file__).parent)], "specdraft."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    original = getattr(module, name)
+    for mod_name, mod in list(sys.modules.items()):
+        if (mod_name == "specdraft" or mod_name.startswith("specdraft.")) and mod is not module \
+                and getattr(mod, name, None) is original:
+            monkeypatch.setattr(mod, name, value)
+    monkeypatch.setattr(module, name, value)

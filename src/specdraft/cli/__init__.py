@@ -5,7 +5,7 @@ module             what it holds
 =================  ===============================================================================
 ``errors``         exit codes, the one ``error:`` line, the command and group classes
 ``options``        the flag vocabulary: one option per concept, help from the config field
-``render``         every table and line a command prints (beside :mod:`specdraft.report`)
+``render``         every table and line a command prints (beside :mod:`specdraft.measuring.report`)
 ``pair``           check, eval, generate, rank
 ``training``       headroom, dump, distill, vocab-swap
 ``shipping``       export, inspect

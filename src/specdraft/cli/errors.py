@@ -26,17 +26,17 @@ err_console = Console(stderr=True)
 #: (an error of a module never imported cannot have been raised), so this list costs no import: a specdraft class
 #: is named under the module that defines it (a module that re-exports it may not be imported when it is raised).
 EXPECTED_ERRORS: tuple[tuple[str, str], ...] = (
-    ("specdraft.data", "DataError"),
-    ("specdraft.embedded", "ModelResolutionError"),
-    ("specdraft.vocab", "CompatibilityError"),
-    ("specdraft.speculator", "SpeculatorError"),
-    ("specdraft.drafters", "DecodeError"),
-    ("specdraft.sampling", "TokenWidthError"),
-    ("specdraft.sampling", "ContextWindowError"),
-    ("specdraft.dump_reader", "DumpError"),
-    ("specdraft.distill_data", "DistillError"),
-    ("specdraft.runner", "PipelineError"),
-    ("specdraft.rank", "RankError"),
+    ("specdraft.data.sources", "DataError"),
+    ("specdraft.core.embedded", "ModelResolutionError"),
+    ("specdraft.models.vocab", "CompatibilityError"),
+    ("specdraft.models.speculator", "SpeculatorError"),
+    ("specdraft.decoding.drafters", "DecodeError"),
+    ("specdraft.core.sampling", "TokenWidthError"),
+    ("specdraft.core.sampling", "ContextWindowError"),
+    ("specdraft.models.dump_reader", "DumpError"),
+    ("specdraft.training.distill_data", "DistillError"),
+    ("specdraft.run.runner", "PipelineError"),
+    ("specdraft.measuring.rank", "RankError"),
     ("pydantic", "ValidationError"),
     ("builtins", "FileExistsError"),
 )
@@ -79,9 +79,9 @@ def _range_text(lo=None, hi=None, lo_open: bool = False, hi_open: bool = False) 
 
 
 def _field_range(model_name: str, loc) -> str | None:
-    """The bounds (``ge``/``gt``/``le``/``lt``) of the field at ``loc`` of the :mod:`specdraft.config` model named
+    """The bounds (``ge``/``gt``/``le``/``lt``) of the field at ``loc`` of the :mod:`specdraft.core.config` model named
     ``model_name``, as :func:`_range_text` writes them: the allowed range an error states, from the one source."""
-    from specdraft import config
+    from specdraft.core import config
 
     cls, info = getattr(config, model_name, None), None
     for name in loc:
@@ -310,9 +310,9 @@ class _Group(typer.core.TyperGroup):
         except _click_errors.UsageError as exc:
             fail(usage_error_message(exc, args))
         except Exception as exc:
-            mismatch = getattr(sys.modules.get("specdraft.pair"), "TokenizerMismatchError", None)
+            mismatch = getattr(sys.modules.get("specdraft.measuring.pair"), "TokenizerMismatchError", None)
             if mismatch is not None and isinstance(exc, mismatch):
-                from specdraft.check import print_report
+                from specdraft.models.check import print_report
 
                 print_report(exc.report, err_console)
                 fail(str(exc), code=1)

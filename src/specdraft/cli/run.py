@@ -1,4 +1,4 @@
-"""``specdraft run``: the main job, check → evaluate → distil → export → report (:mod:`specdraft.pipeline`)."""
+"""``specdraft run``: the main job, check → evaluate → distil → export → report (:mod:`specdraft.run.pipeline`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from specdraft.cli.options import (
 )
 from specdraft.cli.render import console, library_warnings_off, resolve_with_progress
 from specdraft.cli.run_page import print_run
-from specdraft.config import (
+from specdraft.core.config import (
     DraftQuantization,
     EvalConfig,
     ExportDtype,
@@ -60,7 +60,7 @@ def run(
     check → evaluate → (vocab swap) → headroom forecast → dump → distill → evaluate again → speed → export →
     report, every stage in the run directory --out; a re-run resumes, skipping finished stages. --gamma-policy,
     --draft-quantization and --draft-head-tokens set both evaluations."""
-    from specdraft.pipeline import PRESET_TIMING, first_line, make_config, run_pipeline, run_prompts
+    from specdraft.run.pipeline import PRESET_TIMING, first_line, make_config, run_pipeline, run_prompts
 
     cfg = make_config(preset, target=target, draft=draft, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       ood_prompts=ood_prompts, refuse_overlap=refuse_overlap, vocab_swap=vocab_swap,
@@ -70,7 +70,7 @@ def run(
     check_out(out, overwrite=None)  # resumable: finished stages are skipped, --overwrite redoes a changed one
     host = None
     if cfg.preset in PRESET_TIMING:  # the time estimate scales with this machine's measured rate
-        from specdraft.calibration import gemv_gb_s
+        from specdraft.decoding.calibration import gemv_gb_s
 
         host = gemv_gb_s()
     console.print(first_line(cfg, out, host), highlight=False, markup=False, soft_wrap=True)

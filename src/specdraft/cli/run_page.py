@@ -13,8 +13,8 @@ from specdraft.cli.render import console
 def print_run(report: dict, out: Path, target: str, draft: str) -> None:
     """``run``'s page: the answers, the summary tables (:func:`summary_tables`), notes, stage times, where the
     report and the speculator are, and the serve commands."""
-    from specdraft.recommend import engine_choices
-    from specdraft.report import SUMMARY_LEGEND, questions_and_answers, speed_notes
+    from specdraft.measuring.recommend import engine_choices
+    from specdraft.measuring.report import SUMMARY_LEGEND, questions_and_answers, speed_notes
 
     console.print(f"[bold]specdraft run — {escape(target)} ← {escape(draft)}[/]")
     choices = engine_choices(report)
@@ -45,9 +45,9 @@ def print_run(report: dict, out: Path, target: str, draft: str) -> None:
 
 
 def recommendation_table(choices) -> Table:
-    """The run page's first table (:func:`specdraft.recommend.recommendation_rows`), commands left for the list at
+    """The run page's first table (:func:`specdraft.measuring.recommend.recommendation_rows`), commands left for the list at
     the end of the page (they are longer than a terminal line)."""
-    from specdraft.recommend import RECOMMENDATION_HEADER, recommendation_rows
+    from specdraft.measuring.recommend import RECOMMENDATION_HEADER, recommendation_rows
 
     table = Table(title="What to serve where (fastest first)", title_justify="left")
     for col in RECOMMENDATION_HEADER[:4]:
@@ -58,9 +58,9 @@ def recommendation_table(choices) -> Table:
 
 
 def summary_tables(report: dict) -> list[Table]:
-    """The run summary's sections (:func:`specdraft.report.summary_sections`) as rich tables: one row per figure,
+    """The run summary's sections (:func:`specdraft.measuring.report.summary_sections`) as rich tables: one row per figure,
     the set named in each table's title."""
-    from specdraft.report import summary_sections
+    from specdraft.measuring.report import summary_sections
 
     tables = []
     for title, rows in summary_sections(report):

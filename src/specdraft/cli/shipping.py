@@ -28,7 +28,7 @@ from specdraft.cli.render import (
     quiet_transformers,
     resolve_with_progress,
 )
-from specdraft.config import ExportConfig, ExportDtype, ExportFormat, GgufType
+from specdraft.core.config import ExportConfig, ExportDtype, ExportFormat, GgufType
 
 
 def export(
@@ -54,8 +54,8 @@ def export(
     draft_model need it re-indexed first (specdraft vocab-swap). --format gguf: one GGUF written by
     llama.cpp's own converter, refused where llama.cpp would refuse the pair; unpriced (no acceptance is measured),
     it prints the rank command that forecasts the draft, the target-alone llama-server and the draft's, labelled."""
-    from specdraft.config import ExportConfig, speculative_tokens
-    from specdraft.export import export_draft
+    from specdraft.core.config import ExportConfig, speculative_tokens
+    from specdraft.serving.export import export_draft
 
     quiet_transformers()
     gguf = {"gguf_type": gguf_type, "llama_cpp": llama_cpp, "llama_quantize": llama_quantize}
@@ -81,9 +81,9 @@ def inspect_speculator(
 
     The verifier, γ, proposal methods, draft architecture and weight files, as a table; then the vLLM commands.
     Exits 2 when the checkpoint holds no weights."""
-    from specdraft.models import resolve
-    from specdraft.speculator import load_speculator_config
-    from specdraft.weights import weight_files
+    from specdraft.models.loading import resolve
+    from specdraft.models.speculator import load_speculator_config
+    from specdraft.models.weights import weight_files
 
     path = Path(resolve(speculator))
     cfg = load_speculator_config(path)

@@ -37,7 +37,7 @@ from specdraft.cli.render import (
     quiet_transformers,
     resolve_with_progress,
 )
-from specdraft.config import (
+from specdraft.core.config import (
     SERVING_HELP,
     AsGivenTeacherConfig,
     DistillConfig,
@@ -76,9 +76,9 @@ def headroom(
 
     Before training: how much acceptance can distillation add to this pair? Splits 1 − agreement into the part
     where the target is sure and the draft is not (learnable) and where the target is unsure
-    (specdraft.headroom). With --out, also writes the forecast to that JSON file."""
-    from specdraft.headroom import run_headroom
-    from specdraft.io import atomic_write_text
+    (specdraft.measuring.headroom). With --out, also writes the forecast to that JSON file."""
+    from specdraft.core.io import atomic_write_text
+    from specdraft.measuring.headroom import run_headroom
     config = HeadroomConfig(sure=sure, min_gain=min_gain, generate=generate, max_length=max_length,
                             batch_size=batch_size, dtype=dtype)
     check_out(out, file=True, overwrite=overwrite)
@@ -95,18 +95,18 @@ def headroom(
 #: greedy answers, on answer positions only), refused when typed beside --self-teacher.
 NOT_SELF_TEACHER = {"teacher_format": "--teacher-format", "hidden_dtype": "--hidden-dtype", "answer_only": "--answer-only",
                     "temperature": "--temperature", "seed": "--seed"}
-#: The dump flags a self-teacher dump reads (:class:`specdraft.config.SelfTeacherConfig`'s fields), and those above.
+#: The dump flags a self-teacher dump reads (:class:`specdraft.core.config.SelfTeacherConfig`'s fields), and those above.
 SELF_TEACHER_FLAGS = (*NOT_SELF_TEACHER, "top_logprobs", "generate", "max_length", "truncate", "batch_size", "shard_size_mb",
                       "dtype", "token_level")
 
 
 def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Path, texts: list[Path],
                        given: dict) -> dict:
-    """``dump --self-teacher``: the library call (:func:`specdraft.self_teacher.run_self_teacher`) with the dump flags
+    """``dump --self-teacher``: the library call (:func:`specdraft.training.self_teacher.run_self_teacher`) with the dump flags
     that apply; a flag typed that does not apply is one error line, and --top-logprobs / --generate left untyped take
     the self-teacher's defaults (1 slot: a hard label; 256 tokens)."""
     from specdraft.cli.errors import err_console, fail
-    from specdraft.self_teacher import run_self_teacher
+    from specdraft.training.self_teacher import run_self_teacher
 
     # By name: typer's click (vendored or not) has its own ParameterSource enum.
     typed = {k for k in given if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
@@ -129,7 +129,7 @@ def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
     looked for), and the draft is of another tokenizer than the target's, as vocab-swap requires (the self-teacher
     trains a re-indexed copy; a draft of the target's own tokenizer has none)."""
     from specdraft.cli.errors import fail
-    from specdraft.vocab import CompatibilityError, refuse_same_tokenizer
+    from specdraft.models.vocab import CompatibilityError, refuse_same_tokenizer
 
     if missing := next((p for p in texts if not p.is_file()), None):
         fail(f"--text {missing}: no such file")
@@ -141,20 +141,20 @@ def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
         fail(f"--self-teacher {draft}: {exc}")
 
 
-#: The dump flags the target's dump for a draft as given reads (:class:`specdraft.config.AsGivenTeacherConfig`).
+#: The dump flags the target's dump for a draft as given reads (:class:`specdraft.core.config.AsGivenTeacherConfig`).
 FOR_DRAFT_FLAGS = ("top_logprobs", "generate", "max_length", "batch_size", "shard_size_mb", "dtype", "answers", "carry",
                    "unaligned")
 
 
 def _for_draft_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Path, given: dict) -> dict:
-    """``dump --for-draft``: :func:`specdraft.as_given_teacher.run_as_given_teacher` with the flags that apply; a
+    """``dump --for-draft``: :func:`specdraft.training.as_given_teacher.run_as_given_teacher` with the flags that apply; a
     typed flag that does not apply is one error line, --top-logprobs / --generate / --dtype left untyped take its
     defaults (20 slots, 192 tokens, bfloat16)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdraft.as_given_teacher import run_as_given_teacher
     from specdraft.cli.errors import err_console, fail
-    from specdraft.vocab import CompatibilityError, refuse_same_tokenizer
+    from specdraft.models.vocab import CompatibilityError, refuse_same_tokenizer
+    from specdraft.training.as_given_teacher import run_as_given_teacher
 
     typed = {k for k in given if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
     if wrong := [NOT_SELF_TEACHER[k] for k in NOT_SELF_TEACHER if k in typed]:
@@ -175,7 +175,7 @@ def _for_draft_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Pa
 
 
 def _target_dump(target: str, chosen, out: Path, config: DumpConfig) -> dict:
-    """The plain dump: :func:`specdraft.dump.run_dump` of the target over the prompts ``chosen`` under a progress
+    """The plain dump: :func:`specdraft.training.dump.run_dump` of the target over the prompts ``chosen`` under a progress
     bar."""
     from rich.progress import (
         BarColumn,
@@ -187,7 +187,7 @@ def _target_dump(target: str, chosen, out: Path, config: DumpConfig) -> dict:
     )
 
     from specdraft.cli.errors import err_console
-    from specdraft.dump import run_dump
+    from specdraft.training.dump import run_dump
 
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console) as pg:
@@ -241,8 +241,8 @@ def dump(
     Runs the target once over every sequence and stores its distribution in shards plus a manifest in --out (new,
     empty, or an unfinished or finished dump of the same plan: resumed / verified); a killed run resumes where it
     stopped. Runs data-parallel under accelerate launch / torchrun. With --self-teacher DRAFT the draft as given is
-    the teacher of its re-indexed copy (specdraft.self_teacher); with --for-draft DRAFT the target teaches the draft
-    as given in its own tokens (specdraft.as_given_teacher)."""
+    the teacher of its re-indexed copy (specdraft.training.self_teacher); with --for-draft DRAFT the target teaches the draft
+    as given in its own tokens (specdraft.training.as_given_teacher)."""
     import time
 
     from specdraft.cli.errors import fail
@@ -322,8 +322,8 @@ def distill(
     Trains the draft against the target's stored distribution and exports it as an independent speculator; --out
     gets checkpoints/ (an interrupted run's rerun resumes from them; removed once training has finished unless
     --keep-checkpoints), speculator/ and training.json."""
-    from specdraft.config import speculative_tokens
-    from specdraft.distill import run_distill
+    from specdraft.core.config import speculative_tokens
+    from specdraft.training.distill import run_distill
 
     cfg = DistillConfig(
         loss=loss, serving=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), lr=lr, row_lr=row_lr,
@@ -346,9 +346,9 @@ def _check_dump_fits(dump: Path, draft: str) -> None:
     """``--dump`` holds a finished dump and ``--draft`` speaks the tokenizer it was made with, each refused with the
     command that fixes it, before the draft loads (the library's refusal of the second names a Python argument)."""
     from specdraft.cli.errors import fail
-    from specdraft.dump_reader import DumpError, load_manifest
-    from specdraft.models import load_tokenizer
-    from specdraft.tokenizer_view import tokenizer_fingerprint
+    from specdraft.models.dump_reader import DumpError, load_manifest
+    from specdraft.models.loading import load_tokenizer
+    from specdraft.models.tokenizer_view import tokenizer_fingerprint
 
     if not dump.is_dir():
         fail(f"--dump {dump}: no such folder; write a teacher dump there first (specdraft dump --out {dump}), or "
@@ -383,10 +383,10 @@ def vocab_swap(
     checkpoint with the target's tokenizer, and as many vocabulary rows as the target (a 49k-row draft grows to 152k
     rows for Qwen); export it next (specdraft export --draft OUT --target T --out SPECULATOR) or distil it
     (specdraft run --target T --draft OUT). With --prompts, the swap diagnostic: the share of reply
-    tokens without a draft twin and the swapped draft's argmax disagreements by kind (specdraft.segmentation)."""
+    tokens without a draft twin and the swapped draft's argmax disagreements by kind (specdraft.models.segmentation)."""
     import warnings
 
-    from specdraft.vocab import save_vocab_swap
+    from specdraft.models.vocab import save_vocab_swap
 
     check_out(out, overwrite=overwrite)
     examples = read_prompts(prompts).examples if prompts else None
