@@ -4,6 +4,7 @@ paths. Fast: no models, only the JSON under bench/results and the source files."
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -248,3 +249,20 @@ def test_the_committed_gpu_check_is_rendered_into_docs_benchmarks_md():
     assert f"{r['device']}, torch {r['torch']}" in text
     rows = [x for x in run_all._render_gpu_check() if x.startswith("| greedy |")]
     assert len(rows) == sum(len(r[k]["gammas"]) for k in ("greedy_fp32", "greedy_bf16"))
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces → ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_into_architecture_md_names_one_of_its_headings():
+    """Docstrings link their evidence as ``docs/architecture.md#specdraftcoresampling``: a section renamed or a module
+    moved would leave the link pointing nowhere."""
+    text = (DOCS / "architecture.md").read_text()
+    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+    assert github_anchor("### specdraft.core.sampling".lstrip("# ")) == "specdraftcoresampling"
+    sources = [*(DOCS.parent / "src").rglob("*.py"), *DOCS.glob("*.md"), README]
+    links = {(p.name, a.rstrip(".")) for p in sources for a in re.findall(r"architecture\.md#([\w.-]+)", p.read_text())}
+    assert len(links) >= 5
+    assert [link for link in sorted(links) if link[1] not in anchors] == []
