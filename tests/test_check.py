@@ -227,7 +227,7 @@ def test_cli_check_exit_codes_and_json(tmp_path):
     target, draft = save_tiny_pair(tmp_path / "same", vocab_size=64, target_vocab=80)
     out = tmp_path / "report.json"
     res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--max-new-tokens", "2",
-                              "--json", str(out)])
+                              "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "identical-up-to-padding" in res.output
     assert json.loads(out.read_text())["compat"]["verdict"] == "identical-up-to-padding"
@@ -235,7 +235,7 @@ def test_cli_check_exit_codes_and_json(tmp_path):
     target, draft = save_tiny_pair(tmp_path / "swapped", vocab_size=64)
     swapped = tiny_tokenizer(64, swap=(10, 20))
     swapped.save_pretrained(draft)
-    res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--json", str(out), "--overwrite"])
+    res = runner.invoke(app, ["check", "--target", target, "--draft", draft, "--out", str(out), "--overwrite"])
     assert res.exit_code == 1
     assert "mismatch" in res.output and repr(swapped.convert_ids_to_tokens(10)) in res.output
     saved = json.loads(out.read_text())
@@ -486,7 +486,7 @@ def test_real_cli_check_mismatch_exits_1(tmp_path):
     from specdraft.cli import app
 
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(app, ["check", "--target", SMOL, "--draft", QWEN_DRAFT, "--json", str(out)])
+    res = CliRunner().invoke(app, ["check", "--target", SMOL, "--draft", QWEN_DRAFT, "--out", str(out)])
     assert res.exit_code == 1
     assert "mismatch" in res.output and "vocabulary mapping would pair" in res.output
     assert json.loads(out.read_text())["compat"]["verdict"] == "mismatch"

@@ -365,23 +365,27 @@ def test_inspect_names_the_head_token_ranking_beside_a_speculator(tmp_path):
     assert "head_tokens.json is not a specdraft token ranking" in ranking_line()
 
 
-def test_check_json_follows_the_one_output_rule(tmp_path):
+def test_checks_out_file_follows_the_one_output_rule_and_its_former_json_flag_names_it(tmp_path):
     """check --json used to overwrite an existing file silently; it now refuses it unless --overwrite, as every
-    command's output does (and creates missing folders, as they do)."""
+    command's output does (and creates missing folders, as they do). The file is check's --out, as every command's
+    output is: --json is models' switch, and check's former --json is one error line naming --out."""
     tdir, ddir = save_tiny_pair(tmp_path, 64)
-    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(tmp_path)])
-    assert _one_error_line(r) == f"error: --json {tmp_path} is a directory: give a file name"
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", "c.json"])
+    assert _one_error_line(r) == "error: check's --json is now --out (--out c.json); --json is models' switch"
+    assert not (tmp_path / "c.json").exists()
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--out", str(tmp_path)])
+    assert _one_error_line(r) == f"error: --out {tmp_path} is a directory: give a file name"
     out = tmp_path / "new" / "check.json"
-    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(out)])
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--out", str(out)])
     assert r.exit_code == 0, r.output
     first = json.loads(out.read_text())
     assert first["compat"]["verdict"] == "identical" and first["continuations"]["target"]
     out.write_text("{}")
-    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(out)])
-    assert _one_error_line(r) == (f"error: --json {out} exists; pass --overwrite to replace it, or choose another "
-                                  "--json")
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--out", str(out)])
+    assert _one_error_line(r) == (f"error: --out {out} exists; pass --overwrite to replace it, or choose another "
+                                  "--out")
     assert out.read_text() == "{}"
-    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--json", str(out), "--overwrite"])
+    r = CliRunner().invoke(app, ["check", "--target", tdir, "--draft", ddir, "--out", str(out), "--overwrite"])
     assert r.exit_code == 0 and json.loads(out.read_text())["compat"]["verdict"] == "identical"
 
 
@@ -632,6 +636,7 @@ def _out_commands(tmp_path, out):
     (dump / "manifest.json").write_text(json.dumps({"kind": "specdraft-teacher-dump", "tokenizer_fingerprint": "0",
                                                     "target": {"ref": "target-model"}}))
     return {
+        "check": ["check", *pair, "--out", str(out)],
         "eval": ["eval", *pair, "--prompts", str(prompts), "--out", str(out)],
         "rank": ["rank", "draft-model", "--target", "target-model", "--prompts", str(prompts), "--out", str(out)],
         "headroom": ["headroom", *pair, "--prompts", str(prompts), "--out", str(out)],
@@ -672,7 +677,7 @@ def no_models(monkeypatch):
     return reached
 
 
-OUT_COMMANDS = ("eval", "rank", "headroom", "export", "export --format gguf", "vocab-swap", "dump", "distill", "run")
+OUT_COMMANDS = ("check", "eval", "rank", "headroom", "export", "export --format gguf", "vocab-swap", "dump", "distill", "run")
 
 
 @pytest.mark.parametrize("command", OUT_COMMANDS)
@@ -732,8 +737,8 @@ def test_an_existing_output_is_refused_without_overwrite_by_eval_as_by_export_an
     done_json, done_gguf = tmp_path / "done.json", tmp_path / "done.gguf"
     done_json.write_text("{}")
     done_gguf.write_text("GGUF")
-    for command in ("eval", "rank", "headroom", "export", "export --format gguf", "vocab-swap"):
-        out = {"headroom": done_json, "export --format gguf": done_gguf}.get(command, done)
+    for command in ("check", "eval", "rank", "headroom", "export", "export --format gguf", "vocab-swap"):
+        out = {"check": done_json, "headroom": done_json, "export --format gguf": done_gguf}.get(command, done)
         argv = _out_commands(tmp_path, out)[command]
         r = CliRunner().invoke(app, argv)
         what = "exists and is not empty" if out == done else "exists"

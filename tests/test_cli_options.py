@@ -164,21 +164,19 @@ def _two_meanings(cli: typer.Typer) -> dict[str, dict[str, tuple]]:
     return two
 
 
-#: Flags that take two value types on purpose, ``{flag: {command: value type}}``: check's --json writes the report
-#: to the FILE given, models' --json is a switch that prints JSON instead of the table. Each entry must still hold.
-TWO_VALUE_TYPES = {"--json": {"check": ("Path",), "models": ("bool",)}}
-
-
 def test_a_flag_name_means_one_field_and_one_value_type_in_every_command():
     """dump's --format (hidden|topk: what the teacher dump stores) and export's --format (speculator|gguf: what export
-    writes) were one flag name for two unrelated settings. Across every command a flag fills one config field with
+    writes) were one flag name for two unrelated settings, as check's --json (a file) and models' --json (a switch)
+    were. Across every command a flag fills one config field with
     one type of value; choices offered under one flag share one vocabulary (export's --dtype adds keep to the
     model dtypes, distill offers two of them)."""
     two = _two_meanings(app)
-    assert {flag: {c: vt for c, (_, vt) in by.items()} for flag, by in two.items()} == TWO_VALUE_TYPES, two
+    assert two == {}, two
     dump = {o: p for p in dict(_commands())["dump"].params for o in p.opts}
     assert dump["--teacher-format"].name == "teacher_format" and dump["--format"].hidden
     assert _value_type(dump["--teacher-format"]) == ("choice", frozenset({"hidden", "topk"}))
+    check = {o: p for p in dict(_commands())["check"].params for o in p.opts}
+    assert check["--out"].name == "out" and check["--json"].hidden
 
 
 def test_the_flag_meaning_check_catches_one_flag_name_of_two_types():
@@ -310,14 +308,15 @@ def test_every_flag_an_example_in_docs_cli_md_uses_is_one_its_commands_help_list
 
 
 def test_overwrite_names_only_what_its_command_writes():
-    """check's --overwrite said "Replace what --out holds", and check has no --out: it guards the --json file."""
+    """check's --overwrite said "Replace what --out holds" when check had no --out (its file was --json's): each
+    command's --overwrite names only flags it has."""
     for path, cmd in _commands():
         flags = {f for p in cmd.params for f in getattr(p, "opts", ())}
         for p in cmd.params:
             if p.name == "overwrite":
                 named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", p.help))
                 assert named and named <= flags, (path, named - flags, p.help)
-    assert "--json" in _params("overwrite")["check"].help
+    assert "--out" in _params("overwrite")["check"].help
 
 
 def test_exports_target_help_says_a_gguf_target_is_taken_for_llama_cpp():
@@ -397,8 +396,8 @@ def test_a_shared_flags_help_in_each_command_names_no_other_command():
             assert re.search(rf"\b{path}\b", p.help, re.IGNORECASE), (path, name, p.help)
             if p.default is not None and name != "seed":
                 assert re.search(rf"\b{p.default}\b", p.help), (path, name, p.default, p.help)
-    jsons = _params("json_out")
-    assert set(jsons) == {"check", "models"} and "file" in jsons["check"].help and "table" in jsons["models"].help
+    assert set(_params("json_out")) == {"models"} and "table" in _params("json_out")["models"].help
+    assert "check writes the report as JSON, a file" in _params("out")["check"].help
     for path, p in _params("overwrite").items():
         assert ("stage of a run" in p.help) == (path == "run"), (path, p.help)
     for name in ("draft_quantization", "draft_head_tokens", "gamma_policy"):  # run's: the preset's, not auto's

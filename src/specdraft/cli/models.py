@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from specdraft.cli.errors import _Command
-from specdraft.cli.options import json_option
 from specdraft.cli.render import console, print_models, resolve_with_progress
 
 models_app = typer.Typer(help="Embedded models: list them, build their cache.", invoke_without_command=True,
@@ -18,7 +17,8 @@ models_app = typer.Typer(help="Embedded models: list them, build their cache.", 
 @models_app.callback()
 def models_list(
     ctx: typer.Context,
-    json_out: bool = json_option(False, "models"),
+    json_out: Annotated[bool, typer.Option("--json", help="The list as JSON, for scripts, printed instead of the "
+                                           "table.")] = False,
 ) -> None:
     """List embedded models with their installed / cached state and sizes (names always in full)."""
     if ctx.invoked_subcommand is not None:

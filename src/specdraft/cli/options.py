@@ -155,19 +155,8 @@ OUT_WHAT = {
     "export": "the speculator directory (--format gguf: the .gguf file)",
     "vocab-swap": "the re-indexed draft, a plain HF checkpoint",
     "run": "every stage's results, the run directory (a rerun resumes it)",
+    "check": "the report as JSON, a file, beside the printed report (nothing is written without one)",
 }
-
-
-#: What ``--json`` does in each command that has it.
-JSON_BY_COMMAND = {
-    "check": "The report as JSON, for scripts, written to the file given, beside the printed report.",
-    "models": "The list as JSON, for scripts, printed instead of the table.",
-}
-
-
-def json_option(default: Path | bool | None, command: str):
-    """``--json`` of ``command`` (:data:`JSON_BY_COMMAND`): a file to write (check) or a switch (models)."""
-    return typer.Option(default, "--json", help=JSON_BY_COMMAND[command])
 
 
 def out_option(default: Path | None, command: str):
@@ -177,9 +166,8 @@ def out_option(default: Path | None, command: str):
 
 
 #: ``--overwrite`` where it replaces more, or other, than what ``--out`` holds (the config's wording,
-#: :data:`specdraft.core.config.Overwrite`): check has no --out, only the file --json names; run's directory holds stages.
+#: :data:`specdraft.core.config.Overwrite`): run's directory holds stages.
 OVERWRITE_BY_COMMAND = {
-    "check": "Replace an existing --json file instead of refusing it.",
     "run": field_help(ExportConfig, "overwrite")[:-1] + ", or a stage of a run made from other inputs (other prompts "
            "or settings).",
 }

@@ -19,7 +19,6 @@ from specdraft.cli.options import (
     config_option,
     draft_option,
     dtype_option,
-    json_option,
     out_option,
     overwrite_option,
     prompts_option,
@@ -95,7 +94,9 @@ def check(
     prompt: Annotated[str, typer.Option(help="Prompt for the greedy continuation of each model.")] =
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1, command="check"),
-    json_out: Path | None = json_option(None, "check"),
+    out: Path | None = out_option(None, "check"),
+    retired_json: Annotated[Path | None, typer.Option(
+        "--json", hidden=True, help="Retired: check's --out.")] = None,
     dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
     overwrite: bool = overwrite_option("check"),
 ) -> None:
@@ -109,7 +110,9 @@ def check(
     if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
-    check_out(json_out, "--json", file=True, overwrite=overwrite)
+    if retired_json is not None:
+        fail(f"check's --json is now --out (--out {retired_json}); --json is models' switch")
+    check_out(out, "--out", file=True, overwrite=overwrite)
     tpath = resolve_with_progress(target, "--target")
     dpath = resolve_with_progress(draft, "--draft")
     # Named once both references resolve: a bad one is the command's only line, its error.
@@ -118,11 +121,11 @@ def check(
         report = run_check(tpath, dpath, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
                            target_name=target, draft_name=draft)
     print_check(report, max_new_tokens)
-    if json_out:
+    if out:
         from specdraft.core.io import atomic_write_text
 
-        atomic_write_text(json_out, json.dumps(report.to_dict(), indent=2, default=str))
-        console.print(f"report written to {json_out}")
+        atomic_write_text(out, json.dumps(report.to_dict(), indent=2, default=str))
+        console.print(f"report written to {out}")
     names = f"--target {target} --draft {draft}"
     compat = report.compat
     if compat.verdict != "mismatch":
