@@ -266,3 +266,11 @@ def test_every_link_into_architecture_md_names_one_of_its_headings():
     links = {(p.name, a.rstrip(".")) for p in sources for a in re.findall(r"architecture\.md#([\w.-]+)", p.read_text())}
     assert len(links) >= 5
     assert [link for link in sorted(links) if link[1] not in anchors] == []
+
+
+def test_the_stages_table_of_architecture_md_lists_the_pipelines_declarations_in_order():
+    """The stage list is declared once (``PIPELINE``); the table a reader meets first must follow it."""
+    from specdraft.run.pipeline import STAGES
+
+    text = (DOCS / "architecture.md").read_text().split("## The stages", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", text, re.M) == list(STAGES)

@@ -548,7 +548,7 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
     import functools
     from types import SimpleNamespace
 
-    from specdraft import cli
+    from specdraft.cli import render
     from specdraft.decoding.speed import SpeedModel
     from specdraft.measuring.rank import RankedDraft
     from specdraft.serving.llama_cpp import LlamaCppCandidate, LlamaCppRankInputs, LlamaCppTools
@@ -569,7 +569,7 @@ def test_rank_prints_a_command_this_build_runs_when_it_makes_no_llama_server(tmp
         llama = SimpleNamespace(rank=lambda alphas: [row], threads=2, target_gguf="t.gguf", calibration=None,
                                 target_bench_source="x", tools=LlamaCppTools(tmp_path, "test", paths))
         llama.serving_command = functools.partial(LlamaCppRankInputs.serving_command, llama)  # the real rule
-        cli._print_llama_cpp_ranking(llama, [calibrated], "target", tmp_path / "out")
+        render.print_llama_cpp_ranking(llama, [calibrated], "target", tmp_path / "out")
         text = " ".join(capsys.readouterr().out.split())
         assert row.command in text
         assert ("makes no llama-server" in text and row.local_command + " -p PROMPT" in text) == shown, text

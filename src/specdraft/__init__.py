@@ -72,3 +72,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'specdraft' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # the lazy names too, for dir() and completion
+    return sorted({*globals(), *_EXPORTS})

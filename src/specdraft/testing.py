@@ -162,7 +162,8 @@ def replay_greedy(
     pad_id: int = 0,
 ) -> list[AcceptanceCounts]:
     """Greedy speculative decoding's counts replayed from one teacher-forced draft pass per prompt: the
-    reference tests compare decoding with (why: docs/architecture.md, "testing"). ``responses``: the target's greedy
+    reference tests compare decoding with (why:
+    docs/architecture.md#specdrafttesting). ``responses``: the target's greedy
     answers. Returns ``[n]`` :class:`~specdraft.core.acceptance.AcceptanceCounts`; raises
     :class:`specdraft.core.sampling.ContextWindowError` before any pass."""
     import torch

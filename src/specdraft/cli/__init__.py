@@ -26,7 +26,7 @@ import typer
 from specdraft.cli import models, pair, run, shipping, training
 from specdraft.cli.errors import BUG_EXIT, EXPECTED_ERRORS, _Command, _Group, error_message, fail
 from specdraft.cli.options import AUTO_DTYPE, GAMMA_HELP
-from specdraft.cli.render import generate_summary, print_llama_cpp_ranking
+from specdraft.cli.render import generate_summary
 from specdraft.cli.run_page import summary_tables
 
 __all__ = ["AUTO_DTYPE", "BUG_EXIT", "EXPECTED_ERRORS", "GAMMA_HELP", "app", "error_message", "fail",
@@ -79,9 +79,6 @@ COMMANDS = (
 for _name, _callback, _panel, _settings in COMMANDS:
     app.command(_name, cls=_Command, rich_help_panel=_panel, context_settings=_settings)(_callback)
 app.add_typer(models.models_app, name="models", rich_help_panel="Tools")
-
-#: Kept under its old name: ``rank --engine llama.cpp``'s page (:func:`specdraft.cli.render.print_llama_cpp_ranking`).
-_print_llama_cpp_ranking = print_llama_cpp_ranking
 
 
 def main() -> None:  # pragma: no cover

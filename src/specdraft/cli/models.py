@@ -10,7 +10,8 @@ import typer
 from specdraft.cli.errors import _Command
 from specdraft.cli.render import console, print_models, resolve_with_progress
 
-models_app = typer.Typer(help="Embedded models: list them, build their cache.", invoke_without_command=True,
+models_app = typer.Typer(help="Embedded models: listed, or cached by `models prepare NAME`.",
+                         invoke_without_command=True,
                          rich_markup_mode=None)
 
 

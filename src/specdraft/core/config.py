@@ -4,8 +4,8 @@ Field names equal the CLI flags (``top_p`` ↔ ``--top-p``), so a validation err
 means one thing in every config (a teacher dump's ``top_logprobs`` is not decoding's ``top_k``);
 :class:`DistillConfig`'s serving filter takes ``--serving-*`` flags. A field's description is its flag's help; a flag
 whose default is each command's own reads a shared lead and that command's sentence (:data:`HELP_BY_COMMAND`). Every
-list of choices is a ``Literal`` here, the CLI's one source. Which config serves which stage: docs/architecture.md,
-``specdraft.core.config``. No torch import: ``--help`` and validation stay instant.
+list of choices is a ``Literal`` here, the CLI's one source. Which config serves which stage:
+docs/architecture.md#specdraftcoreconfig. No torch import: ``--help`` and validation stay instant.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 NUM_SPECULATIVE_TOKENS = 5
 #: The largest γ accepted anywhere (the bound of :data:`SpeculativeTokens`; the CLI's help states it).
 MAX_SPECULATIVE_TOKENS = 64
-#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts (why 8: docs/architecture.md,
-#: ``specdraft.core.config``).
+#: γ by default under ``gamma_policy="adaptive"``: the most a round drafts (why 8:
+#: docs/architecture.md#specdraftcoreconfig).
 ADAPTIVE_MAX_SPECULATIVE_TOKENS = 8
 
 #: γ as a validated field: shared by the speculator schema, the export and the evaluation.
@@ -431,7 +431,7 @@ class DistillConfig(BaseModel):
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
     row_lr: float | None = Field(
         None, gt=0.0, description="Peak learning rate of the input-embedding and output-head rows, an AdamW group "
-        "of their own (the schedule scales both groups alike); None = lr. Rows that a vocabulary swap re-indexed "
+        "of their own (the schedule scales both groups alike); not given = --lr. Rows that a vocabulary swap re-indexed "
         "start far from where they belong and must move further than the body in the same steps.")
     untie_head: bool = Field(
         False, description="Give the output head its own copy of a tied input embedding before training, so an "
@@ -442,7 +442,7 @@ class DistillConfig(BaseModel):
         "self-teacher dump): compute the draft's head, softmax and loss over a support only — every token id of the "
         "dump plus the N most frequent ids of the embedded training prompts — instead of the whole vocabulary. Exact "
         "for the loss with the other rows masked; against the full head it is lower by the draft's log-mass outside "
-        "the support (specdraft.models.restricted_head). None = the full head.")
+        "the support (specdraft.models.restricted_head). Not given = the full head.")
     prompt_positions: bool = Field(
         False, description="Also train the predictions inside each prompt, past the prefix every sequence of the "
         "dump shares (the chat template's system prompt): an answer-only dump holds the teacher there too, so a "

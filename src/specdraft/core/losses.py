@@ -1,6 +1,7 @@
 """The distillation losses: pure per-position functions ``(draft_logits [B, S, V], teacher) -> [B, S] float32`` in
 :data:`LOSSES` (sparse top-k forms in :data:`TOPK_LOSSES`), masked and averaged once, by :func:`masked_mean`.
-p = target, q = draft; 1 − ``tvd_deploy`` is the deployed acceptance. Derivations: docs/architecture.md, "specdraft.core.losses".
+p = target, q = draft; 1 − ``tvd_deploy`` is the deployed acceptance. Derivations:
+docs/architecture.md#specdraftcorelosses.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from specdraft.core.sampling import NEG_INF, _nucleus_threshold, filtered_probs
+from specdraft.core.sampling import NEG_INF, filtered_probs, nucleus_threshold
 
 
 def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, **_: object) -> torch.Tensor:
@@ -138,7 +139,7 @@ def _topk_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     vals, ids = torch.topk(logits, top_k, dim=-1)  # descending
     vals = vals.float() / temperature
     if top_p < 1.0:
-        vals = vals.masked_fill(vals < _nucleus_threshold(vals, top_p), NEG_INF)
+        vals = vals.masked_fill(vals < nucleus_threshold(vals, top_p), NEG_INF)
     return vals.softmax(dim=-1), ids
 
 

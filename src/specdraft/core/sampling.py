@@ -18,7 +18,7 @@ NEG_INF = float("-inf")
 NUCLEUS_CANDIDATES = 1024
 
 
-def _nucleus_threshold(sorted_logits: torch.Tensor, top_p: float, probs: torch.Tensor | None = None) -> torch.Tensor:
+def nucleus_threshold(sorted_logits: torch.Tensor, top_p: float, probs: torch.Tensor | None = None) -> torch.Tensor:
     """Smallest logit top-p keeps, from logits sorted descending ``[..., K]`` → ``[..., 1]``; mass renormalised
     over the K given unless ``probs [..., K]`` (their share of a wider vocabulary) is given."""
     if probs is None:
@@ -54,7 +54,7 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
         top_vals = torch.topk(x, top_k, dim=-1).values  # [..., k], descending
         threshold = top_vals[..., -1:]
         if top_p < 1.0:
-            threshold = torch.maximum(threshold, _nucleus_threshold(top_vals, top_p))
+            threshold = torch.maximum(threshold, nucleus_threshold(top_vals, top_p))
         return x.masked_fill(x < threshold, NEG_INF)
     if top_p < 1.0:
         return x.masked_fill(x < _top_p_threshold(x, top_p), NEG_INF)
@@ -72,7 +72,7 @@ def _top_p_threshold(x: torch.Tensor, top_p: float) -> torch.Tensor:
         top = torch.topk(x, k, dim=-1).values  # [..., k], descending
         probs = (top.double() - log_norm).exp()
         if k == vocab or bool((probs.sum(dim=-1) >= top_p).all()):
-            return _nucleus_threshold(top, top_p, probs)
+            return nucleus_threshold(top, top_p, probs)
         k = min(k * 8, vocab)
 
 

@@ -2,7 +2,7 @@
 
 Prompts are resampled; a replicate's rate is Σ accepted / Σ proposed, never a mean of ratios; a gain is paired.
 Percentile intervals (Efron & Tibshirani 1993, §13.3), never narrower than Wilson's (1927) or, for a paired gain,
-Newcombe's hybrid score interval (1998, method 10). Why: docs/architecture.md, "stats".
+Newcombe's hybrid score interval (1998, method 10). Why: docs/architecture.md#specdraftcorestats.
 """
 
 from __future__ import annotations

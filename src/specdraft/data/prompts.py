@@ -3,7 +3,7 @@
 Training flags read a missing offset as 0, limit as all, stride as 1; held-out flags start a spec without an offset
 at the dataset's held-out split (:data:`specdraft.data.sources.HELD_OUT_OFFSET`) and take :data:`HELD_OUT_LIMIT` prompts
 without a limit. A malformed spec is a :class:`PromptSpecError` naming the flag, the bad part and the grammar. No
-torch import. Which flag means which: docs/architecture.md, "prompts".
+torch import. Which flag means which: docs/architecture.md#specdraftdataprompts.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ One round (gpt-fast's shape, Leviathan et al. 2023 Algorithm 1):
 Greedy: d_i is accepted while it equals argmax p_i, so the output equals target-only greedy decoding token for token.
 Sampled: d_i ~ q_i is accepted with probability min(1, p_i(d_i)/q_i(d_i)), a rejection draws from
 norm(max(p_i − q_i, 0)): the output follows p exactly (Theorem 3.5). Drafters: :mod:`specdraft.decoding.drafters`; the γ
-policy: :mod:`specdraft.decoding.speed`. Batches and their holes, drafts of another tokenizer, caches: docs/architecture.md,
-"decode".
+policy: :mod:`specdraft.decoding.speed`. Batches and their holes, drafts of another tokenizer, caches:
+docs/architecture.md#specdraftdecodingdecode.
 """
 
 from __future__ import annotations

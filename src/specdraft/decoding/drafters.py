@@ -53,7 +53,7 @@ class RowDraws:
 
     ``u(rows)`` is ``[b, 2γ+1] float64``: the draft's draws, the acceptance tests, the correction/bonus draw. Keyed by
     seed and row length, so a row's tokens do not depend on its batch (except a batch-wide confidence stop). Why:
-    docs/architecture.md, "drafters".
+    docs/architecture.md#specdraftdecodingdrafters.
     """
 
     def __init__(self, generator: torch.Generator | None, batch: int, gamma: int, device):

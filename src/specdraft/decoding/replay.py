@@ -3,7 +3,7 @@
 :func:`predicted_alpha` scores sequences with both models once (α = Σ min(p, q) per counted position, after the
 serving filter) and keeps the draft's argmax; :func:`replay_answer` turns it over the target's greedy answer into
 the rounds greedy speculative decoding would run (exact for greedy, batch 1); :func:`replay_mapped` does the same for
-a draft of another tokenizer. Why: docs/architecture.md, "replay".
+a draft of another tokenizer. Why: docs/architecture.md#specdraftdecodingreplay.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 prices a round of k drafts at k·d + t(k+1) seconds for E(α, k) = (1 − α^(k+1)) / (1 − α) tokens (Leviathan et al.
 2023, eq. 1): S(α, k) = E(α, k) · t(1) / (k·d + t(k+1)) times the target alone (Theorem 3.8 when t(k) = t(1)).
 :class:`AdaptiveGamma` drafts per row the k maximising S, or nothing while none gains; the output stays the
-target's. Why measured t(k), and the probes: docs/architecture.md, "speed".
+target's. Why measured t(k), and the probes: docs/architecture.md#specdraftdecodingspeed.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ prompt, interleaved, with the same explicit settings and nothing else; greedy ou
 and a divergence beyond the dtype's rounding tolerance fails. Entry points: :func:`run_eval`,
 :func:`acceptance_eval`, :func:`interleaved_speed`. Sampled exactness: :mod:`specdraft.measuring.certify`; replay:
 :mod:`specdraft.decoding.replay`; costs: :mod:`specdraft.decoding.calibration`; assisted generation: :mod:`specdraft.decoding.assisted`.
-Like with like, in full: docs/architecture.md, "evaluate".
+Like with like, in full: docs/architecture.md#specdraftmeasuringevaluate.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Over N teacher-forced positions: greedy agreement ``a_j = 1[argmax q_j = argmax 
 ``α_j = Σ_x min(p_j(x), q_j(x))``, and the target *sure* where ``max_x p_j(x) ≥ τ``. The gap ``1 − ā`` splits
 exactly into ``learnable`` (sure positions the draft misses) and ``uncertain``; the forecast gain is the greedy
 ``learnable`` (probability, as ``acceptance_eval``'s ``alpha``) with a bootstrap interval over sequences.
-Derivation and verdict: docs/architecture.md, "headroom".
+Derivation and verdict: docs/architecture.md#specdraftmeasuringheadroom.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class CompatReport:
 
     Verdicts: ``identical`` (every id means the same string both ways, same logits width), ``identical-up-to-padding``
     (widths differ; q goes through :func:`align_logits`), ``mismatch``. Other differences are warnings (why:
-    docs/architecture.md, "check").
+    docs/architecture.md#specdraftmodelscheck).
     """
 
     verdict: Verdict

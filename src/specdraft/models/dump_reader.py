@@ -1,7 +1,7 @@
 """Reading a teacher dump: the manifest, its check, the datasets distillation trains on, their mixes and collation.
 
-The on-disk contract (what each shard holds and how it is checked): docs/architecture.md, "Notes by module",
-``specdraft.training.dump``; :mod:`specdraft.training.dump` writes that layout, this module only reads it.
+The on-disk contract (what each shard holds and how it is checked):
+docs/architecture.md#specdrafttrainingdump; :mod:`specdraft.training.dump` writes that layout, this module only reads it.
 """
 
 from __future__ import annotations

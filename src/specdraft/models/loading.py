@@ -467,7 +467,7 @@ _PREAD_LOCK = threading.Lock()
 @contextlib.contextmanager
 def _safetensors_read_with_pread() -> Iterator[None]:
     """transformers' ``from_pretrained`` reading safetensors with ``pread`` instead of a memory map, while it runs.
-    Why: docs/architecture.md, "models"."""
+    Why: docs/architecture.md#specdraftmodelsloading."""
     import transformers.modeling_utils as hf_modeling
 
     opener = getattr(hf_modeling, "safe_open", None)

@@ -3,7 +3,7 @@ vocabulary-wide head.
 
 With q_S = softmax(z on S) and S holding every id the teacher p gives mass to, ``−Σ_{x∈S} p(x) log q_S(x)`` equals
 :func:`specdraft.core.losses.soft_ce_topk` with rows outside S masked (Jean et al. 2015, eq. 6–8).
-Derivation: docs/architecture.md, "restricted_head".
+Derivation: docs/architecture.md#specdraftmodelsrestricted_head.
 """
 
 from __future__ import annotations

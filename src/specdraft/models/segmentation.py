@@ -3,7 +3,7 @@ disagreements with the target split by kind.
 
 Each teacher-forced answer position where the swapped draft's argmax is not the target's token is ``merged``,
 ``non_canonical``, ``after_non_twin_input`` or ``other``, the first that holds. The kinds with examples:
-docs/architecture.md, "segmentation".
+docs/architecture.md#specdraftmodelssegmentation.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The draft itself — same class, same weights — whose ``config.json`` adds ``s
 ``speculators_version`` and ``speculators_config`` (proposal methods, γ, the verifier; speculators' schema, mirrored
 without depending on it). A draft of another tokenizer carries the ``"text"`` proposal method and is served through
 :mod:`specdraft.serving.vllm_proposer`. The format only: the runtime wrapper is
-:class:`specdraft.decoding.speculator_model.IndependentSpeculator`. Details: docs/architecture.md, "speculator".
+:class:`specdraft.decoding.speculator_model.IndependentSpeculator`. Details:
+docs/architecture.md#specdraftmodelsspeculator.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tu
 
 class IncrementalDetokenizer:
     """Text of a growing token sequence in pieces whose concatenation is the final decode; a
-    split character is held back (why: docs/architecture.md, "tokens")."""
+    split character is held back (why: docs/architecture.md#specdraftmodelstokens)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens

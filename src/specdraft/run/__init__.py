@@ -1,4 +1,7 @@
 """The main job: ``specdraft run``'s stages, their cache and the runner that resumes them.
 
-May import: every layer below; only the CLI imports it.
+``runner`` (a stage's declaration, its cache key, the walk that resumes), ``pipeline`` (the stages, one
+declaration each, and :func:`run_pipeline`).
+
+May import: every layer below; the CLI and the package's public names read it.
 """

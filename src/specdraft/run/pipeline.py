@@ -8,8 +8,8 @@ draft of another tokenizer re-indexed) → ``headroom`` (the forecast) → ``dum
 timings) → ``export`` → the report (:mod:`specdraft.measuring.report`). A stage done with the same inputs is skipped, one
 whose inputs changed is refused or redone (:class:`~specdraft.run.runner.Runner`); models enter a key by content
 (:func:`model_identity`), prompts by text (:func:`prompt_texts`). Held-out prompts never train (overlap warned or
-refused); every check that needs no weights runs first. Design and evidence: docs/architecture.md,
-``### specdraft.run.pipeline``.
+refused); every check that needs no weights runs first. Design and evidence:
+docs/architecture.md#specdraftrunpipeline.
 """
 
 from __future__ import annotations

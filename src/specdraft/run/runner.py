@@ -24,6 +24,7 @@ class PipelineError(RuntimeError):
 
 
 def stage_key(obj: Any) -> str:
+    """A stage's cache key: the first 16 hex digits of the SHA-256 of its inputs as sorted-key JSON."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

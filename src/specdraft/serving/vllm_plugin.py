@@ -4,7 +4,7 @@ verifier named in an independent speculator's config.json with that speculator a
 The ``vllm.general_plugins`` entry point ``specdraft`` wraps vLLM's ``maybe_override_with_speculators`` for
 ``speculators_model_type == "independent"`` (:func:`plan_independent`); other models pass untouched. On vLLM's CPU
 build it also repairs ``expand_kernel`` (:func:`repair_cpu_expand`). vLLM is imported inside functions only.
-Why: docs/architecture.md, "vllm_plugin".
+Why: docs/architecture.md#specdraftservingvllm_plugin.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ vLLM builds the class named in ``speculative_config.model``, calls ``load_model`
 Per request the target ids are decoded, re-encoded for the draft, drafted greedily and re-encoded in context as
 target tokens (:class:`specdraft.decoding.drafters.MappedDrafter`, ``"text"`` mode; one per request via :class:`TextDrafts`).
 Verification stays vLLM's and is lossless (q one-hot on the proposal). vLLM is never imported here; torch and
-transformers only inside functions. Details: docs/architecture.md, "vllm_proposer".
+transformers only inside functions. Details: docs/architecture.md#specdraftservingvllm_proposer.
 """
 
 from __future__ import annotations

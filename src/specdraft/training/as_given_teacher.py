@@ -6,7 +6,7 @@ its top-k is carried onto draft ids (:func:`carry_topk`) where a draft position'
 boundary (:func:`aligned_pairs`); elsewhere a hard label or nothing (``unaligned``). The dump is
 :mod:`specdraft.training.dump`'s top-k format with the *draft's* tokenizer fingerprint, so
 :func:`specdraft.training.distill.run_distill` trains the draft as given on it. Source: DistillSpec (Zhou et al., 2024).
-Details: docs/architecture.md, "Notes by module", ``specdraft.training.as_given_teacher``.
+Details: docs/architecture.md#specdrafttrainingas_given_teacher.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`run_distill` runs :func:`setup`, :func:`data`, the loss step
 (:class:`specdraft.training.distill_trainer.DistillModel`), :func:`train` and :func:`save`, in that order. Evidence and
-derivations: docs/architecture.md, "specdraft.training.distill".
+derivations: docs/architecture.md#specdrafttrainingdistill.
 """
 
 from __future__ import annotations

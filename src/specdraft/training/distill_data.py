@@ -1,6 +1,7 @@
 """What distillation trains and validates on: the held-out split of the dumps by prompt (:func:`prompt_keyed_split`)
 and, for ``on_policy_fraction`` λ > 0, the stream that mixes the draft's own answers, scored by the target, into every
-step (:class:`OnPolicyStream`); :func:`collate` batches both. Rules in full: docs/architecture.md, "distill_data".
+step (:class:`OnPolicyStream`); :func:`collate` batches both. Rules in full:
+docs/architecture.md#specdrafttrainingdistill_data.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The distillation's loss step (:class:`DistillModel`) and its Trainer (:class:`DistillTrainer`): one optimizer
-step weighs every trained token equally. Derivations: docs/architecture.md, "specdraft.training.distill_trainer".
+step weighs every trained token equally. Derivations: docs/architecture.md#specdrafttrainingdistill_trainer.
 """
 
 from __future__ import annotations

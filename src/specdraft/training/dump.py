@@ -9,7 +9,7 @@ plan is refused naming what differs, and under ``accelerate launch`` / ``torchru
 that rank 0 merges. Memory: one batch plus one shard buffer. Reading is :mod:`specdraft.models.dump_reader`.
 
 The on-disk contract (formats ``hidden`` / ``topk``, the leftover and cut rules, files, manifest):
-docs/architecture.md, "Notes by module", ``specdraft.training.dump``.
+docs/architecture.md#specdrafttrainingdump.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Untying a draft's output head from its input embedding before distillation (``DistillConfig.untie_head``);
-why: docs/architecture.md, "specdraft.training.head_warmup".
+why: docs/architecture.md#specdrafttraininghead_warmup.
 """
 
 from __future__ import annotations

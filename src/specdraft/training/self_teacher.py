@@ -9,8 +9,7 @@ answer positions. The signal is :mod:`specdraft.training.dump`'s top-k format (`
 boundary; ``texts`` adds plain files cut into hard-labelled sequences. The manifest is :func:`specdraft.training.dump.write_dump`'s
 with the *target's* tokenizer fingerprint and the draft named by content; no target weights are read.
 
-Why each label is exact, and what the token level approximates: docs/architecture.md, "Notes by module",
-``specdraft.training.self_teacher``.
+Why each label is exact, and what the token level approximates: docs/architecture.md#specdrafttrainingself_teacher.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :class:`Teacher` captures the input of the target's output head and checks, every batch, that the head and the
 architecture's final-logit transforms reproduce the target's own logits bit for bit; :func:`signal_rows` turns a batch
 of sequences into the rows a shard stores (:mod:`specdraft.training.dump` writes them, :func:`teacher_items` gives them to
-on-policy distillation without a file). The formats and the cut rule: docs/architecture.md, ``specdraft.training.dump``.
+on-policy distillation without a file). The formats and the cut rule: docs/architecture.md#specdrafttrainingdump.
 """
 
 from __future__ import annotations
