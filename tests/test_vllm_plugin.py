@@ -200,3 +200,14 @@ def test_plugin_module_imports_without_vllm_or_torch():
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert json.loads(out.stdout) == []
+
+
+def test_the_installed_entry_point_is_the_declared_one():
+    """vLLM loads the entry point recorded at install time, not pyproject.toml's: a module moved since the install
+    leaves vLLM a path that no longer imports."""
+    import importlib.metadata
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert installed.get("specdraft") == declared["specdraft"], "reinstall specdraft (`make setup`): its installed " \
+        f"entry point is {installed.get('specdraft')!r}, pyproject.toml declares {declared['specdraft']!r}"
