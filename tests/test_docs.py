@@ -273,4 +273,4 @@ def test_the_stages_table_of_architecture_md_lists_the_pipelines_declarations_in
     from specdraft.run.pipeline import STAGES
 
     text = (DOCS / "architecture.md").read_text().split("## The stages", 1)[1].split("\n## ", 1)[0]
-    assert re.findall(r"^\| `(\w+)` \|", text, re.M) == list(STAGES)
+    assert re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE) == list(STAGES)
