@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
         untie_head(draft)
     draft, n_trainable = select_trainable(draft, cfg)
     precision, _ = resolve_precision(cfg.precision, "cpu")
-    models = {key: DistillModel(draft, TeacherHead(head["lm_head.weight"], real_vocab, head.get("lm_head.bias"), width=width, logit_ops=ds.logit_ops), cfg, autocast=precision == "bf16-autocast", trained_columns_only=key == "trained_columns").train() for key in VARIANTS}
+    teacher = TeacherHead.of_dump(ds)
+    models = {key: DistillModel(draft, teacher, cfg, autocast=precision == "bf16-autocast",
+                                trained_columns_only=key == "trained_columns").train() for key in VARIANTS}
     model = models["all_positions"]
     with tempfile.TemporaryDirectory(prefix="specdraft-profile-") as tmp:
         targs = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", learning_rate=cfg.lr,

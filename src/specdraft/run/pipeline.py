@@ -15,7 +15,6 @@ docs/architecture.md#specdraftrunpipeline.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import re
@@ -29,7 +28,7 @@ from typing import Any
 
 from specdraft.core.config import PipelineConfig
 from specdraft.core.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdraft.core.io import atomic_write_text, versions
+from specdraft.core.io import atomic_write_text, sha256_file, versions
 from specdraft.core.progress import progress_lines
 from specdraft.data.prompts import PromptSet, select_prompts, teacher_prompts
 from specdraft.data.sources import encode_prompts, tokenizer_pad_id
@@ -72,6 +71,7 @@ from specdraft.run.runner import (
     PipelineError,
     Runner,
     Stage,
+    as_record,
     computed,
     config,
     extends,
@@ -407,10 +407,6 @@ class _Job:
         forecast and the last replay."""
         return self.out / "cache" / "target-logits"
 
-    @property
-    def serving(self) -> dict[str, Any]:
-        return self.cfg.distill.serving.model_dump()
-
 
 def _run_check(job: _Job, d: Path) -> dict[str, Any]:
 
@@ -618,7 +614,7 @@ def _run_export(job: _Job, d: Path) -> dict[str, Any]:
 
 def _file_key(path: Path) -> str:
     """A stage key's part for a data file the stage prices with: its content's hash."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return sha256_file(path)[0][:16]
 
 
 def _model(role: str, when: Callable[[_Job], bool] | None = None) -> Input:
@@ -635,7 +631,7 @@ _self_taught = lambda job: job.self_taught
 PIPELINE: tuple[Stage, ...] = (
     Stage("check", inputs=_PAIR + (config("vocab_swap"),), run=_run_check, after=_after_check),
     Stage("eval_before",
-          inputs=_PAIR + (config("eval"), computed("serving", lambda job: job.serving),
+          inputs=_PAIR + (config("eval"), config("serving", "distill.serving"),
                           computed("prompts", lambda job: {k: [e.id for e in v] for k, v in job.plan.sets.items()}),
                           computed("prompt_texts", lambda job: {k: prompt_texts(v) for k, v in job.plan.sets.items()})),
           run=lambda job, d: _count(job, d, job.plan.draft.path, job.mapped, "eval_before"),
@@ -713,9 +709,8 @@ def run_pipeline(cfg: PipelineConfig, out: str | Path, command: str | None = Non
     plan = _preflight(cfg, out, log, eval_examples, train_examples, ood_examples)
     job = _Job(cfg, plan, out, command, log, keep_checkpoints)
     walk(runner, stages, job)
-    record = lambda r: r.to_dict() if hasattr(r, "to_dict") else r
     report = {"config": job.cfg.model_dump(), "command": command,
-              **{s.name: record(job.results[s.name]) for s in stages},
+              **{s.name: as_record(job.results[s.name]) for s in stages},
               "overlap": plan.overlap, "timings": runner.timings, "host": host, "total_seconds": time.time() - t_all,
               "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     # What to serve where, from what was measured: the page and report.md open with it; export/ names it too.

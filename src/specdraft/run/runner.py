@@ -28,6 +28,11 @@ def stage_key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def as_record(result: Any) -> Any:
+    """A stage's result as ``stage.json`` and ``report.json`` hold it: a typed result's ``to_dict()``, a dict as is."""
+    return result.to_dict() if hasattr(result, "to_dict") else result
+
+
 def changed_inputs(old: Any, new: Any, path: str = "") -> list[str]:
     """What differs between a stage's recorded inputs and today's, one ``path: before → after`` per leaf (dicts by
     key; a list by its items: how many were added and removed). Under ``prompt_texts`` only the prompts on both
@@ -100,8 +105,7 @@ class Runner:
             raise PipelineError(f"stage '{name}' failed: {type(exc).__name__}: {exc}\n"
                                 f"Fix the cause, then resume with: {self.command}") from exc
         seconds = time.time() - t0
-        record = result.to_dict() if hasattr(result, "to_dict") else result
-        atomic_write_text(marker, json.dumps({"key": key, "inputs": inputs, "seconds": seconds, "result": record},
+        atomic_write_text(marker, json.dumps({"key": key, "inputs": inputs, "seconds": seconds, "result": as_record(result)},
                                              indent=2, default=str))
         self.timings[name] = {"seconds": seconds, "skipped": False}
         self.log(f"[{name}] finished in {seconds:.1f} s")
