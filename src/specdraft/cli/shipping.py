@@ -28,7 +28,7 @@ from specdraft.cli.render import (
     quiet_transformers,
     resolve_with_progress,
 )
-from specdraft.core.config import ExportConfig, ExportDtype, ExportFormat, GgufType
+from specdraft.core.config import ExportConfig, ExportDtype, ExportFormat, GgufType, speculative_tokens
 
 
 def export(
@@ -54,7 +54,6 @@ def export(
     draft_model need it re-indexed first (specdraft vocab-swap). --format gguf: one GGUF written by
     llama.cpp's own converter, refused where llama.cpp would refuse the pair; unpriced (no acceptance is measured),
     it prints the rank command that forecasts the draft, the target-alone llama-server and the draft's, labelled."""
-    from specdraft.core.config import ExportConfig, speculative_tokens
     from specdraft.serving.export import export_draft
 
     quiet_transformers()

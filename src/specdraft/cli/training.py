@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from specdraft.cli.errors import check_out
+from specdraft.cli.errors import check_out, err_console, fail, refuse_retired
 from specdraft.cli.options import (
     HELD_OUT_NOTE,
     TRAINING_NOTE,
@@ -24,6 +24,7 @@ from specdraft.cli.options import (
     overwrite_option,
     prompts_option,
     read_prompts,
+    retired_option,
     seed_option,
     target_option,
 )
@@ -53,6 +54,7 @@ from specdraft.core.config import (
     Scheduler,
     SelfTeacherConfig,
     TrainWhat,
+    speculative_tokens,
 )
 
 #: The forecast's prompts by default: held-out ShareGPT turns, their replies teacher-forced.
@@ -105,7 +107,6 @@ def _self_teacher_dump(ctx: typer.Context, draft: str, target: str, chosen, out:
     """``dump --self-teacher``: the library call (:func:`specdraft.training.self_teacher.run_self_teacher`) with the dump flags
     that apply; a flag typed that does not apply is one error line, and --top-logprobs / --generate left untyped take
     the self-teacher's defaults (1 slot: a hard label; 256 tokens)."""
-    from specdraft.cli.errors import err_console, fail
     from specdraft.training.self_teacher import run_self_teacher
 
     # By name: typer's click (vendored or not) has its own ParameterSource enum.
@@ -128,7 +129,6 @@ def _check_self_teacher(target: str, draft: str, texts: list[Path]) -> None:
     """``dump --self-teacher``'s inputs, before the teacher starts: every --text file exists (before the models are
     looked for), and the draft is of another tokenizer than the target's, as vocab-swap requires (the self-teacher
     trains a re-indexed copy; a draft of the target's own tokenizer has none)."""
-    from specdraft.cli.errors import fail
     from specdraft.models.vocab import CompatibilityError, refuse_same_tokenizer
 
     if missing := next((p for p in texts if not p.is_file()), None):
@@ -152,7 +152,6 @@ def _for_draft_dump(ctx: typer.Context, draft: str, target: str, chosen, out: Pa
     defaults (20 slots, 192 tokens, bfloat16)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specdraft.cli.errors import err_console, fail
     from specdraft.models.vocab import CompatibilityError, refuse_same_tokenizer
     from specdraft.training.as_given_teacher import run_as_given_teacher
 
@@ -186,7 +185,6 @@ def _target_dump(target: str, chosen, out: Path, config: DumpConfig) -> dict:
         TimeRemainingColumn,
     )
 
-    from specdraft.cli.errors import err_console
     from specdraft.training.dump import run_dump
 
     with Progress(TextColumn("dump"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
@@ -202,8 +200,7 @@ def dump(
     prompts: str = prompts_option("conversations", "Sequences to dump", TRAINING_NOTE + " A dump takes no "
                                   "stride.", strides=False),
     teacher_format: DumpFormat = config_option(DumpConfig, "teacher_format"),
-    retired_format: Annotated[str | None, typer.Option(
-        "--format", hidden=True, help="Retired: dump's --teacher-format.")] = None,
+    retired_format: str | None = retired_option("dump", "--format", "--teacher-format"),
     top_logprobs: int = config_option(DumpConfig, "top_logprobs", min=1),
     hidden_dtype: HiddenDtype = config_option(DumpConfig, "hidden_dtype"),
     max_length: int = config_option(DumpConfig, "max_length", command="dump"),
@@ -245,10 +242,7 @@ def dump(
     as given in its own tokens (specdraft.training.as_given_teacher)."""
     import time
 
-    from specdraft.cli.errors import fail
-
-    if retired_format is not None:
-        fail(f"dump's --format is now --teacher-format (--teacher-format {retired_format}); --format is export's")
+    refuse_retired("dump", "--format", "--teacher-format", retired_format, "export's")
     config = DumpConfig(teacher_format=teacher_format, top_logprobs=top_logprobs, hidden_dtype=hidden_dtype, max_length=max_length,
                         truncate=truncate, answer_only=answer_only, generate=generate, temperature=temperature,
                         seed=seed, batch_size=batch_size, shard_size_mb=shard_size_mb, dtype=dtype)
@@ -322,7 +316,6 @@ def distill(
     Trains the draft against the target's stored distribution and exports it as an independent speculator; --out
     gets checkpoints/ (an interrupted run's rerun resumes from them; removed once training has finished unless
     --keep-checkpoints), speculator/ and training.json."""
-    from specdraft.core.config import speculative_tokens
     from specdraft.training.distill import run_distill
 
     cfg = DistillConfig(
@@ -345,7 +338,6 @@ def distill(
 def _check_dump_fits(dump: Path, draft: str) -> None:
     """``--dump`` holds a finished dump and ``--draft`` speaks the tokenizer it was made with, each refused with the
     command that fixes it, before the draft loads (the library's refusal of the second names a Python argument)."""
-    from specdraft.cli.errors import fail
     from specdraft.models.dump_reader import DumpError, load_manifest
     from specdraft.models.loading import load_tokenizer
     from specdraft.models.tokenizer_view import tokenizer_fingerprint
