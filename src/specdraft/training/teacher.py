@@ -31,7 +31,6 @@ _LOGIT_CHUNK_BYTES = 256 * 1024 * 1024
 
 def real_vocab_size(tokenizer) -> int:
     """Ids below this are tokens; the rest (GGUF ``[PAD<id>]`` placeholders, holes) are padding rows."""
-
     return int(tokenizer_view(tokenizer).real)
 
 
